@@ -1,0 +1,7 @@
+"""``python -m kvplane`` runs the CLI."""
+
+import sys
+
+from kvplane.cli import main
+
+sys.exit(main())

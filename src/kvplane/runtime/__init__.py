@@ -1,0 +1,1 @@
+"""Runtime (L7): workers, router, demo, bench and report commands."""
