@@ -13,11 +13,11 @@ from types import ModuleType
 
 from kvplane import __version__
 from kvplane.errors import KVPlaneError
-from kvplane.runtime import demo
+from kvplane.runtime import bench, demo
 
 
 def _commands() -> list[ModuleType]:
-    return [demo]
+    return [demo, bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
