@@ -1,0 +1,187 @@
+"""Chunks: the transfer and storage unit, several consecutive full blocks of one sequence.
+
+Theory of operation
+-------------------
+A sequence of ``n`` tokens splits into ``n // block_size`` full blocks and a partial tail block.
+Full blocks group into chunks of ``blocks_per_chunk``; the leftover full blocks that do not fill a
+chunk, and the partial block, form the *tail*, which is never stored or keyed (its content is
+still growing or it is too small to be a unit). A chunk's key is the block hash of its last block,
+and since block hashes are chained, the key commits to the whole prefix up to the chunk's end: two
+sequences share a chunk key only if they share every token before it.
+
+All index arithmetic is integer math on ranges, or vectorised over numpy/torch arrays for
+per-token work; nothing here loops per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvplane.errors import ChunkError
+from kvplane.ids import BlockHash, ChunkKey, TokenRange
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One full chunk of a sequence: its index, key and the tokens and blocks it covers."""
+
+    index: int
+    key: ChunkKey
+    token_range: TokenRange
+    block_range: range
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSplit:
+    """How ``num_tokens`` tokens divide into full chunks and a tail.
+
+    ``chunked`` = tokens covered by full chunks; ``tail_full_blocks`` = full blocks after the last
+    full chunk; ``tail_tokens`` = tokens of the partial block (``< block_size``).
+    """
+
+    num_tokens: int
+    num_full_chunks: int
+    chunked: TokenRange
+    tail: TokenRange
+    tail_full_blocks: int
+    tail_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpec:
+    """``blocks_per_chunk`` blocks of ``block_size`` tokens make one chunk (both >= 1)."""
+
+    block_size: int
+    blocks_per_chunk: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "blocks_per_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ChunkError(f"ChunkSpec.{name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def from_chunk_tokens(cls, chunk_tokens: int, block_size: int) -> ChunkSpec:
+        """Spec from a chunk size in tokens, which must be a positive multiple of ``block_size``."""
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ChunkError(f"block_size must be a positive int, got {block_size!r}")
+        if (
+            isinstance(chunk_tokens, bool)
+            or not isinstance(chunk_tokens, int)
+            or chunk_tokens <= 0
+            or chunk_tokens % block_size
+        ):
+            raise ChunkError(
+                f"chunk size {chunk_tokens!r} tokens must be a positive multiple of "
+                f"block_size={block_size}"
+            )
+        return cls(block_size=block_size, blocks_per_chunk=chunk_tokens // block_size)
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.block_size * self.blocks_per_chunk
+
+    # -- counting ------------------------------------------------------------------------------
+    def split(self, num_tokens: int) -> ChunkSplit:
+        """Divide a sequence of ``num_tokens`` tokens into full chunks and a tail."""
+        _non_negative("num_tokens", num_tokens)
+        chunks = num_tokens // self.tokens_per_chunk
+        chunked_end = chunks * self.tokens_per_chunk
+        full_blocks = num_tokens // self.block_size
+        return ChunkSplit(
+            num_tokens=num_tokens,
+            num_full_chunks=chunks,
+            chunked=TokenRange(0, chunked_end),
+            tail=TokenRange(chunked_end, num_tokens),
+            tail_full_blocks=full_blocks - chunks * self.blocks_per_chunk,
+            tail_tokens=num_tokens - full_blocks * self.block_size,
+        )
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens (the partial tail block included)."""
+        _non_negative("num_tokens", num_tokens)
+        return -(-num_tokens // self.block_size)
+
+    # -- mapping between units --------------------------------------------------------------------
+    def blocks_of(self, tokens: TokenRange) -> range:
+        """Block indices (within the sequence) touched by ``tokens``; empty for an empty range."""
+        if tokens.empty:
+            return range(tokens.start // self.block_size, tokens.start // self.block_size)
+        return range(tokens.start // self.block_size, -(-tokens.end // self.block_size))
+
+    def full_blocks_of(self, tokens: TokenRange) -> range:
+        """Blocks lying entirely inside ``tokens``."""
+        first = -(-tokens.start // self.block_size)
+        last = tokens.end // self.block_size
+        return range(first, max(first, last))
+
+    def chunks_of(self, tokens: TokenRange) -> range:
+        """Full-chunk indices lying entirely inside ``tokens`` (partial chunks are not units)."""
+        first = -(-tokens.start // self.tokens_per_chunk)
+        last = tokens.end // self.tokens_per_chunk
+        return range(first, max(first, last))
+
+    def token_range_of_block(self, block_index: int) -> TokenRange:
+        _non_negative("block_index", block_index)
+        return TokenRange(block_index * self.block_size, (block_index + 1) * self.block_size)
+
+    def token_range_of_chunk(self, chunk_index: int) -> TokenRange:
+        _non_negative("chunk_index", chunk_index)
+        return TokenRange(
+            chunk_index * self.tokens_per_chunk, (chunk_index + 1) * self.tokens_per_chunk
+        )
+
+    def block_range_of_chunk(self, chunk_index: int) -> range:
+        _non_negative("chunk_index", chunk_index)
+        first = chunk_index * self.blocks_per_chunk
+        return range(first, first + self.blocks_per_chunk)
+
+    def block_of_positions(self, positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
+        """Vectorised: sequence block index of each token position (``int64``, same shape)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and int(pos.min()) < 0:
+            raise ChunkError(f"token positions must be >= 0, got min {int(pos.min())}")
+        return pos // self.block_size
+
+    # -- keys -----------------------------------------------------------------------------------
+    def chunk_keys(self, block_hashes: Sequence[BlockHash]) -> list[ChunkKey]:
+        """Keys of the full chunks formed by a sequence's chained full-block hashes.
+
+        ``block_hashes`` are the hashes of the sequence's first full blocks, in order (as
+        ``BlockHasher.hash_blocks`` returns them). Blocks after the last full chunk are the tail
+        and get no key.
+        """
+        step = self.blocks_per_chunk
+        usable = len(block_hashes) - len(block_hashes) % step
+        return [ChunkKey(bytes(block_hashes[i - 1])) for i in range(step, usable + 1, step)]
+
+    def chunks(self, block_hashes: Sequence[BlockHash]) -> list[ChunkRef]:
+        """The full chunks of a sequence with their keys, token ranges and block ranges."""
+        return [
+            ChunkRef(
+                index=i,
+                key=key,
+                token_range=self.token_range_of_chunk(i),
+                block_range=self.block_range_of_chunk(i),
+            )
+            for i, key in enumerate(self.chunk_keys(block_hashes))
+        ]
+
+    def chunk_block_ids(self, block_ids: Sequence[int], chunk_index: int) -> list[int]:
+        """The pool block ids of one full chunk, given the sequence's block table."""
+        blocks = self.block_range_of_chunk(chunk_index)
+        if blocks.stop > len(block_ids):
+            raise ChunkError(
+                f"chunk {chunk_index} needs blocks {blocks.start}..{blocks.stop - 1} but the "
+                f"block table holds {len(block_ids)}"
+            )
+        return list(block_ids[blocks.start : blocks.stop])
+
+
+def _non_negative(what: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ChunkError(f"{what} must be a non-negative int, got {value!r}")

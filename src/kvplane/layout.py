@@ -1,0 +1,422 @@
+"""KV layouts: the physical description of one paged pool, as data.
+
+Theory of operation
+-------------------
+Every pool kind is described on the same six logical axes, so one piece of stride arithmetic
+serves MHA/GQA, MLA and whole-only state alike:
+
+====== ============================================================================
+axis   meaning
+====== ============================================================================
+BLOCK  block id inside the pool (``num_blocks``)
+LAYER  index into ``layer_ids`` (the global layers this pool holds)
+COMP   component: MHA/GQA K=0, V=1; MLA has one packed component; STATE one
+TOKEN  token offset inside a block (``block_size``; 1 for STATE)
+HEAD   head index *local to this rank* (``head_range`` of ``total_heads``; 1 for MLA)
+DIM    elements per head (MHA/GQA ``head_dim``; MLA ``latent_dim + rope_dim``)
+====== ============================================================================
+
+``order`` is the memory order of the pool tensor: a permutation of the six axes with DIM last
+(innermost, contiguous). The pool is one contiguous tensor of shape ``shape`` (the axis sizes in
+``order``); :meth:`KVLayout.strides_bytes` gives the byte stride of each axis, so the byte offset
+of any element is ``sum(index[a] * stride[a])`` — the planner does this with numpy broadcasting.
+``canonical_view`` permutes the pool (zero-copy) to ``[BLOCK, LAYER, COMP, TOKEN, HEAD, DIM]``;
+the per-layer K/V, latent/rope and state views are slices of that.
+
+Two fingerprints: :meth:`compat_fingerprint` covers what two PD peers must agree on (kind, dtype,
+layers, heads, dims, window) and excludes what the planner reconciles (block size, TP head range,
+memory order, pool size); :meth:`fingerprint` is the physical identity (everything but the pool
+size) and goes into block hashes and stored-chunk headers.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvplane.errors import LayoutError
+
+
+class LayoutKind(enum.Enum):
+    """What a pool holds: K and V per head (MHA/GQA), a packed MLA latent, or whole-only state."""
+
+    MHA = "mha"
+    GQA = "gqa"
+    MLA = "mla"
+    STATE = "state"
+
+
+class Axis(enum.IntEnum):
+    """The six logical axes; the int value is the axis position in the canonical order."""
+
+    BLOCK = 0
+    LAYER = 1
+    COMP = 2
+    TOKEN = 3
+    HEAD = 4
+    DIM = 5
+
+
+CANONICAL_ORDER: tuple[Axis, ...] = tuple(Axis)
+BLOCK_MAJOR = CANONICAL_ORDER
+"""``[blocks, layers, comps, tokens, heads, dim]``: a block of every layer is one contiguous run."""
+LAYER_MAJOR = (Axis.LAYER, Axis.COMP, Axis.BLOCK, Axis.TOKEN, Axis.HEAD, Axis.DIM)
+"""``[layers, comps, blocks, tokens, heads, dim]``: vLLM's per-layer ``[2, N, B, H, D]`` stacked."""
+HEAD_MAJOR = (Axis.BLOCK, Axis.LAYER, Axis.COMP, Axis.HEAD, Axis.TOKEN, Axis.DIM)
+"""``[blocks, layers, comps, heads, tokens, dim]``: a TP head range is contiguous per block."""
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Stable name of a supported KV dtype (goes into fingerprints and the wire)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        known = list(_DTYPE_NAMES.values())
+        raise LayoutError(f"unsupported KV dtype {dtype}; use one of {known}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`."""
+    for dtype, known in _DTYPE_NAMES.items():
+        if known == name:
+            return dtype
+    raise LayoutError(f"unknown KV dtype name {name!r}; use one of {list(_DTYPE_NAMES.values())}")
+
+
+def _positive(what: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise LayoutError(f"KVLayout.{what} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Physical description of one paged KV pool. Build with :meth:`mha`, :meth:`gqa`,
+    :meth:`mla` or :meth:`state`; every field is validated on construction (``LayoutError``)."""
+
+    kind: LayoutKind
+    num_blocks: int
+    block_size: int
+    layer_ids: tuple[int, ...]
+    total_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    head_range: tuple[int, int] = (0, 0)
+    rope_dim: int = 0
+    order: tuple[Axis, ...] = BLOCK_MAJOR
+    sliding_window: int | None = None
+    _strides: tuple[int, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, LayoutKind):
+            raise LayoutError(f"KVLayout.kind must be a LayoutKind, got {self.kind!r}")
+        for name in ("num_blocks", "block_size", "total_heads", "head_dim"):
+            _positive(name, getattr(self, name))
+        dtype_name(self.dtype)
+        if not self.layer_ids:
+            raise LayoutError("KVLayout.layer_ids must name at least one layer")
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layer_ids):
+            raise LayoutError(f"KVLayout.layer_ids must be non-negative ints: {self.layer_ids}")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise LayoutError(f"KVLayout.layer_ids has duplicates: {self.layer_ids}")
+        if self.head_range == (0, 0):
+            object.__setattr__(self, "head_range", (0, self.total_heads))
+        lo, hi = self.head_range
+        if not 0 <= lo < hi <= self.total_heads:
+            raise LayoutError(
+                f"KVLayout.head_range {self.head_range} must satisfy 0 <= start < end <= "
+                f"total_heads={self.total_heads}"
+            )
+        self._check_kind()
+        if sorted(self.order) != list(CANONICAL_ORDER) or self.order[-1] != Axis.DIM:
+            raise LayoutError(
+                f"KVLayout.order must permute all six axes with DIM last: {self.order}"
+            )
+        if self.sliding_window is not None:
+            _positive("sliding_window", self.sliding_window)
+        sizes = self.axis_sizes()
+        strides: list[int] = [0] * len(Axis)
+        step = torch.empty((), dtype=self.dtype).element_size()
+        for axis in reversed(self.order):
+            strides[axis] = step
+            step *= sizes[axis]
+        object.__setattr__(self, "_strides", tuple(strides))
+
+    def _check_kind(self) -> None:
+        if self.kind is LayoutKind.MLA:
+            if self.total_heads != 1:
+                raise LayoutError(f"an MLA layout holds one latent 'head', got {self.total_heads}")
+            if not 0 < self.rope_dim < self.head_dim:
+                raise LayoutError(
+                    f"MLA rope_dim {self.rope_dim} must be in (0, head_dim={self.head_dim}): "
+                    "head_dim is latent + rope"
+                )
+        elif self.rope_dim != 0:
+            raise LayoutError(f"rope_dim is an MLA field; {self.kind.value} got {self.rope_dim}")
+        if self.kind is LayoutKind.STATE:
+            if self.block_size != 1 or self.total_heads != 1:
+                raise LayoutError("a STATE layout has block_size 1 and one head (whole-only)")
+            if self.sliding_window is not None:
+                raise LayoutError("a STATE layout has no sliding window")
+        if self.kind is LayoutKind.MHA and self.head_range != (0, self.total_heads):
+            raise LayoutError("an MHA layout holds all heads; use GQA for a TP head range")
+
+    # -- constructors ----------------------------------------------------------------------
+    @classmethod
+    def gqa(
+        cls,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_layers: int | None = None,
+        layer_ids: tuple[int, ...] | None = None,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        head_range: tuple[int, int] | None = None,
+        order: tuple[Axis, ...] = BLOCK_MAJOR,
+        sliding_window: int | None = None,
+    ) -> KVLayout:
+        """K and V for ``kv_heads`` heads (the rank holds ``head_range``, default all)."""
+        return cls(
+            kind=LayoutKind.GQA,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            layer_ids=_layers(num_layers, layer_ids),
+            total_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            head_range=head_range or (0, kv_heads),
+            order=order,
+            sliding_window=sliding_window,
+        )
+
+    @classmethod
+    def mla(
+        cls,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_layers: int | None = None,
+        layer_ids: tuple[int, ...] | None = None,
+        latent_dim: int = 512,
+        rope_dim: int = 64,
+        dtype: torch.dtype = torch.bfloat16,
+        order: tuple[Axis, ...] = BLOCK_MAJOR,
+    ) -> KVLayout:
+        """DeepSeek-style packed ``c_kv ‖ k_pe``: ``[pages, page_size, latent_dim + rope_dim]``."""
+        _positive("latent_dim", latent_dim)
+        _positive("rope_dim", rope_dim)
+        return cls(
+            kind=LayoutKind.MLA,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            layer_ids=_layers(num_layers, layer_ids),
+            total_heads=1,
+            head_dim=latent_dim + rope_dim,
+            dtype=dtype,
+            rope_dim=rope_dim,
+            order=order,
+        )
+
+    @classmethod
+    def state(
+        cls,
+        *,
+        num_slots: int,
+        num_layers: int | None = None,
+        layer_ids: tuple[int, ...] | None = None,
+        state_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> KVLayout:
+        """Per-request recurrent state: ``state_dim`` elements per layer, one block per request."""
+        return cls(
+            kind=LayoutKind.STATE,
+            num_blocks=num_slots,
+            block_size=1,
+            layer_ids=_layers(num_layers, layer_ids),
+            total_heads=1,
+            head_dim=state_dim,
+            dtype=dtype,
+        )
+
+    # -- derived sizes ---------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def num_components(self) -> int:
+        return 2 if self.kind in (LayoutKind.MHA, LayoutKind.GQA) else 1
+
+    @property
+    def local_heads(self) -> int:
+        return self.head_range[1] - self.head_range[0]
+
+    @property
+    def latent_dim(self) -> int:
+        """MLA: the compressed ``c_kv`` width (``head_dim - rope_dim``); 0 for other kinds."""
+        return self.head_dim - self.rope_dim if self.kind is LayoutKind.MLA else 0
+
+    @property
+    def whole_only(self) -> bool:
+        """True when the pool cannot be sliced by token (recurrent state moves whole)."""
+        return self.kind is LayoutKind.STATE
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def axis_sizes(self) -> tuple[int, ...]:
+        """Size of each axis, indexed by ``Axis`` (canonical order)."""
+        return (
+            self.num_blocks,
+            self.num_layers,
+            self.num_components,
+            self.block_size,
+            self.head_range[1] - self.head_range[0],
+            self.head_dim,
+        )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the pool tensor, in memory ``order``."""
+        sizes = self.axis_sizes()
+        return tuple(sizes[a] for a in self.order)
+
+    def strides_bytes(self) -> tuple[int, ...]:
+        """Byte stride of each axis, indexed by ``Axis``."""
+        return self._strides
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """K+V (or latent+rope, or state) bytes of one token of one layer on this rank."""
+        return self.num_components * self.local_heads * self.head_dim * self.element_size
+
+    @property
+    def bytes_per_block_per_layer(self) -> int:
+        return self.block_size * self.bytes_per_token_per_layer
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block across every layer of the pool."""
+        return self.num_layers * self.bytes_per_block_per_layer
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def layer_index(self, layer_id: int) -> int:
+        """Position of global layer ``layer_id`` in this pool (``LayoutError`` if absent)."""
+        try:
+            return self.layer_ids.index(layer_id)
+        except ValueError:
+            raise LayoutError(
+                f"layer {layer_id} is not in this pool's layers {self.layer_ids}"
+            ) from None
+
+    # -- tensors -----------------------------------------------------------------------------
+    def allocate(
+        self, device: torch.device | str = "cpu", pin_memory: bool = False
+    ) -> torch.Tensor:
+        """A zeroed contiguous pool tensor of ``shape`` and ``dtype``."""
+        return torch.zeros(self.shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
+
+    def check_pool(self, pool: torch.Tensor) -> None:
+        """Raise ``LayoutError`` unless ``pool`` has this layout's shape, dtype and contiguity."""
+        if tuple(pool.shape) != self.shape or pool.dtype != self.dtype:
+            raise LayoutError(
+                f"pool tensor {tuple(pool.shape)} {pool.dtype} does not match layout "
+                f"{self.shape} {self.dtype}"
+            )
+        if not pool.is_contiguous():
+            raise LayoutError("a pool tensor must be contiguous")
+
+    def canonical_view(self, pool: torch.Tensor) -> torch.Tensor:
+        """Zero-copy view ``[blocks, layers, comps, tokens, heads, dim]`` of ``pool``."""
+        self.check_pool(pool)
+        where = {axis: i for i, axis in enumerate(self.order)}
+        return pool.permute(*(where[a] for a in CANONICAL_ORDER))
+
+    def layer_view(self, pool: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """``[blocks, comps, tokens, heads, dim]`` view of one global layer (zero-copy)."""
+        return self.canonical_view(pool)[:, self.layer_index(layer_id)]
+
+    def kv_views(self, pool: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MHA/GQA: K and V views ``[blocks, block_size, local_heads, head_dim]`` of one layer."""
+        if self.num_components != 2:
+            raise LayoutError(f"kv_views needs an MHA/GQA layout, this one is {self.kind.value}")
+        view = self.layer_view(pool, layer_id)
+        return view[:, 0], view[:, 1]
+
+    def mla_view(self, pool: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """MLA: packed ``[pages, page_size, latent_dim + rope_dim]`` view of one layer."""
+        if self.kind is not LayoutKind.MLA:
+            raise LayoutError(f"mla_view needs an MLA layout, this one is {self.kind.value}")
+        return self.layer_view(pool, layer_id)[:, 0, :, 0, :]
+
+    def state_view(self, pool: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """STATE: ``[slots, state_dim]`` view of one layer."""
+        if self.kind is not LayoutKind.STATE:
+            raise LayoutError(f"state_view needs a STATE layout, this one is {self.kind.value}")
+        return self.layer_view(pool, layer_id)[:, 0, 0, 0, :]
+
+    # -- identity ----------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """Plain-data description (wire/JSON friendly)."""
+        return {
+            "kind": self.kind.value,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "layer_ids": list(self.layer_ids),
+            "total_heads": self.total_heads,
+            "head_range": list(self.head_range),
+            "head_dim": self.head_dim,
+            "rope_dim": self.rope_dim,
+            "dtype": dtype_name(self.dtype),
+            "order": [a.name for a in self.order],
+            "sliding_window": self.sliding_window,
+        }
+
+    def compat_fingerprint(self) -> bytes:
+        """What PD peers must agree on; block size, head range, order and pool size may differ."""
+        d = self.describe()
+        for key in ("num_blocks", "block_size", "head_range", "order"):
+            d.pop(key)
+        return _digest(b"kvplane-layout-compat", d)
+
+    def fingerprint(self) -> bytes:
+        """Physical identity of a block's bytes (all but pool size): for hashes and headers."""
+        d = self.describe()
+        d.pop("num_blocks")
+        return _digest(b"kvplane-layout", d)
+
+
+def _digest(tag: bytes, d: dict[str, Any]) -> bytes:
+    text = ";".join(f"{k}={d[k]}" for k in sorted(d))
+    return hashlib.blake2b(tag + b"\0" + text.encode(), digest_size=16).digest()
+
+
+def _layers(num_layers: int | None, layer_ids: tuple[int, ...] | None) -> tuple[int, ...]:
+    if layer_ids is not None:
+        if num_layers is not None and num_layers != len(layer_ids):
+            raise LayoutError(f"num_layers={num_layers} disagrees with layer_ids={layer_ids}")
+        return tuple(layer_ids)
+    if num_layers is None:
+        raise LayoutError("give num_layers or layer_ids")
+    _positive("num_layers", num_layers)
+    return tuple(range(num_layers))

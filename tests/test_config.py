@@ -1,0 +1,111 @@
+"""Config: validation on construction and the precedence flag > env > file > default."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvplane.config import (
+    ChunkConfig,
+    HashConfig,
+    PoolConfig,
+    Source,
+    env_name,
+    load_toml,
+    resolve,
+)
+from kvplane.errors import ConfigError
+
+
+def test_defaults_and_validation() -> None:
+    assert PoolConfig() == PoolConfig(num_blocks=1024, block_size=16)
+    with pytest.raises(ConfigError, match=r"PoolConfig\.block_size .* got 0"):
+        PoolConfig(block_size=0)
+    with pytest.raises(ConfigError, match="num_blocks"):
+        PoolConfig(num_blocks=True)
+    with pytest.raises(ConfigError, match="blocks_per_chunk"):
+        ChunkConfig(blocks_per_chunk=-1)
+    with pytest.raises(ConfigError, match="seed"):
+        HashConfig(seed=-3)
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
+    path = tmp_path / "kvplane.toml"
+    path.write_text("[pool]\nnum_blocks = 64\nblock_size = 32\n")
+    file = load_toml(path)
+    env = {"KVPLANE_POOL_BLOCK_SIZE": "8", "KVPLANE_POOL_NUM_BLOCKS": "0x80"}
+    cfg, src = resolve(PoolConfig, "pool", file=file)
+    assert cfg == PoolConfig(64, 32)
+    assert src == {"num_blocks": Source.FILE, "block_size": Source.FILE}
+    cfg, src = resolve(PoolConfig, "pool", file=file, env=env)
+    assert cfg == PoolConfig(128, 8) and src["block_size"] is Source.ENV
+    cfg, src = resolve(PoolConfig, "pool", file=file, env=env, flags={"block_size": 4})
+    assert cfg == PoolConfig(128, 4)
+    assert src == {"num_blocks": Source.ENV, "block_size": Source.FLAG}
+    cfg, src = resolve(PoolConfig, "pool", flags={"block_size": None})
+    assert cfg == PoolConfig() and set(src.values()) == {Source.DEFAULT}
+    assert env_name("pool", "block_size") == "KVPLANE_POOL_BLOCK_SIZE"
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@dataclass(frozen=True)
+class Mixed:
+    ratio: float = 0.5
+    enabled: bool = False
+    name: str = "x"
+    where: Path = Path(".")
+    color: Color = Color.RED
+    limit: int | None = None
+
+
+def test_string_conversion_by_field_type() -> None:
+    env = {
+        "KVPLANE_M_RATIO": "0.25",
+        "KVPLANE_M_ENABLED": "yes",
+        "KVPLANE_M_NAME": "abc",
+        "KVPLANE_M_WHERE": "/tmp/x",
+        "KVPLANE_M_COLOR": "BLUE",
+        "KVPLANE_M_LIMIT": "7",
+    }
+    cfg, _ = resolve(Mixed, "m", env=env)
+    assert cfg == Mixed(0.25, True, "abc", Path("/tmp/x"), Color.BLUE, 7)
+    cfg, _ = resolve(Mixed, "m", file={"m": {"ratio": 1}})
+    assert cfg.ratio == 1.0 and isinstance(cfg.ratio, float)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"file": {"pool": {"num_blockz": 3}}}, r"unknown key\(s\) \['num_blockz'\]"),
+        ({"flags": {"blocksize": 3}}, "unknown flag"),
+        ({"env": {"KVPLANE_POOL_BLOCK_SIZE": "many"}}, "KVPLANE_POOL_BLOCK_SIZE"),
+        ({"file": {"pool": {"block_size": 2.5}}}, r"\[pool\]\.block_size"),
+        ({"file": {"pool": {"block_size": -2}}}, "block_size must be a positive"),
+    ],
+)
+def test_bad_sources_raise_config_error(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        resolve(PoolConfig, "pool", **kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_env_enum_and_bool() -> None:
+    with pytest.raises(ConfigError, match="not one of red, blue"):
+        resolve(Mixed, "m", env={"KVPLANE_M_COLOR": "green"})
+    with pytest.raises(ConfigError, match="not a boolean"):
+        resolve(Mixed, "m", env={"KVPLANE_M_ENABLED": "maybe"})
+
+
+def test_toml_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_toml(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[pool\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_toml(bad)

@@ -1,0 +1,57 @@
+"""MetricsRegistry: prefixing, get-or-create, isolation between registries, the seed's ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvplane.errors import InvalidArgumentError
+from kvplane.metrics import (
+    COUNT_BUCKETS,
+    MetricsRegistry,
+    fallback_ratio,
+    overlap_ratio,
+    transfer_amplification,
+)
+
+
+def test_prefix_and_get_or_create() -> None:
+    reg = MetricsRegistry()
+    c = reg.counter("chunk_queries", "chunk lookups", ["tier"])
+    assert reg.counter("chunk_queries", "chunk lookups", ["tier"]) is c
+    c.labels(tier="host").inc(3)
+    assert reg.value("chunk_queries", {"tier": "host"}, suffix="_total") == 3.0
+    h = reg.histogram("blocks_per_op", "blocks per op", buckets=COUNT_BUCKETS)
+    h.observe(4)
+    text = reg.render().decode()
+    assert 'kvplane_chunk_queries_total{tier="host"} 3.0' in text
+    assert 'kvplane_blocks_per_op_bucket{le="4.0"} 1.0' in text
+    assert reg.value("never_set") == 0.0
+
+
+def test_registries_are_isolated() -> None:
+    a, b = MetricsRegistry(), MetricsRegistry()
+    a.gauge("pool_used", "used blocks").set(5)
+    b.gauge("pool_used", "used blocks").set(7)
+    assert a.value("pool_used") == 5.0 and b.value("pool_used") == 7.0
+
+
+def test_conflicting_redeclaration_and_bad_names() -> None:
+    reg = MetricsRegistry()
+    reg.counter("x", "x")
+    with pytest.raises(InvalidArgumentError, match="already registered"):
+        reg.gauge("x", "x")
+    with pytest.raises(InvalidArgumentError, match="already registered"):
+        reg.counter("x", "x", ["tier"])
+    with pytest.raises(InvalidArgumentError, match="metric name"):
+        reg.counter("bad-name", "x")
+
+
+def test_ratios() -> None:
+    assert transfer_amplification(150, 100) == 1.5
+    assert transfer_amplification(0, 0) == 0.0
+    assert overlap_ratio(3.0, 4.0) == 0.75
+    assert fallback_ratio(1, 4) == 0.25
+    with pytest.raises(InvalidArgumentError, match="exceeds"):
+        overlap_ratio(5.0, 4.0)
+    with pytest.raises(InvalidArgumentError, match="negative"):
+        transfer_amplification(-1, 3)
