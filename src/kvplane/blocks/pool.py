@@ -1,0 +1,328 @@
+"""The block pool: ref counts, an LRU free queue and the prefix-cache hash map of one KV pool.
+
+Theory of operation
+-------------------
+Every block is in exactly one of two states: *used* (``ref_count > 0``, held by one or more
+block tables) or *free* (``ref_count == 0``, linked in the :class:`FreeBlockQueue`). A block may
+additionally be *cached*: registered under its :data:`~kvplane.ids.BlockHash` in the hash map,
+so a later request with the same prefix finds it with :meth:`BlockPool.lookup` and shares it
+with :meth:`BlockPool.touch`. Caching is orthogonal to use: a freed cached block keeps its hash
+and stays matchable until :meth:`BlockPool.allocate` hands it out again, at which point it is
+*evicted* (hash dropped). Because freed blocks go to the queue's tail and allocation pops its
+head, eviction is least-recently-freed first.
+
+Several blocks may hold the same content (two requests with one prompt computed it
+concurrently). The map keeps, per hash, an insertion-ordered set of the blocks registered under
+it: :meth:`BlockPool.lookup` returns the FIRST one, and the others stand by. When the first is
+evicted the next takes over, so a prefix stays findable as long as any block holding it lives
+(a request still decoding keeps its prompt matchable after the first copy was reused).
+
+Invariants (:meth:`BlockPool.check_integrity`): free + used == num_blocks; ref counts >= 0; the
+free queue is consistent and holds exactly the ref-0 blocks; ``b in hash_map[h]`` exactly when
+``block_hash(b) == h``, and no set is empty; only full, computed blocks are ever cached (the
+caller's promise).
+
+Every public method validates all of its arguments before touching any state, so a call that
+raises leaves the pool exactly as it was.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Sequence
+
+from kvplane.blocks.free_queue import FreeBlockQueue
+from kvplane.blocks.hashing import check_block_hash
+from kvplane.config import PoolConfig
+from kvplane.errors import (
+    BlockStateError,
+    DoubleFreeError,
+    InvalidArgumentError,
+    UnknownBlockError,
+)
+from kvplane.ids import BlockHash, BlockId
+from kvplane.metrics import MetricsRegistry
+
+
+class BlockPool:
+    """``num_blocks`` blocks of ``block_size`` tokens with ref counts and a prefix-cache map.
+
+    Pure bookkeeping: the pool owns no tensors; a KV tensor of ``num_blocks`` pages is indexed
+    by the :data:`~kvplane.ids.BlockId` values it hands out. Not thread-safe.
+
+    ``metrics`` (optional, injected) receives, labelled ``pool=name``: counters
+    ``kvplane_block_pool_allocated_blocks``, ``..._allocation_failures``, ``..._cache_hits``
+    (blocks shared by :meth:`touch`), ``..._cache_evictions``, and gauges ``..._usage`` (used /
+    total) and ``..._cached_blocks``.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        metrics: MetricsRegistry | None = None,
+        *,
+        name: str = "default",
+    ) -> None:
+        for what, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(
+                    f"BlockPool.{what} must be a positive int, got {value!r}"
+                )
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        self._ref: list[int] = [0] * num_blocks
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        # hash -> insertion-ordered set of the blocks holding it (dict keys; values unused)
+        self._hash_map: dict[BlockHash, dict[BlockId, None]] = {}
+        self._num_cached = 0
+        self._free = FreeBlockQueue(num_blocks)
+        self._metrics = metrics
+        self._name = name
+        if metrics is not None:
+            lbl = ("pool",)
+            self._m_alloc = metrics.counter(
+                "block_pool_allocated_blocks", "Blocks handed out by allocate", lbl
+            ).labels(pool=name)
+            self._m_fail = metrics.counter(
+                "block_pool_allocation_failures", "allocate calls that found too few blocks", lbl
+            ).labels(pool=name)
+            self._m_hits = metrics.counter(
+                "block_pool_cache_hits", "Cached blocks shared through touch", lbl
+            ).labels(pool=name)
+            self._m_evict = metrics.counter(
+                "block_pool_cache_evictions", "Cached free blocks whose hash was dropped", lbl
+            ).labels(pool=name)
+            self._m_usage = metrics.gauge(
+                "block_pool_usage", "Used blocks / total blocks", lbl
+            ).labels(pool=name)
+            self._m_cached = metrics.gauge(
+                "block_pool_cached_blocks", "Blocks registered in the prefix-cache map", lbl
+            ).labels(pool=name)
+            self._update_gauges()
+
+    @classmethod
+    def from_config(
+        cls, config: PoolConfig, metrics: MetricsRegistry | None = None, *, name: str = "default"
+    ) -> BlockPool:
+        return cls(config.num_blocks, config.block_size, metrics, name=name)
+
+    # -- sizes -----------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0 (cached or not): what :meth:`allocate` can hand out."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered under a hash, used or free (standby duplicates included)."""
+        return self._num_cached
+
+    # -- validation ------------------------------------------------------------------------
+    def _block_id(self, value: object) -> BlockId:
+        """``value`` as a known block id, or :class:`UnknownBlockError` naming it."""
+        if isinstance(value, bool):
+            raise UnknownBlockError(f"{value!r} is not a block id of pool {self._name!r}")
+        try:
+            idx = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            raise UnknownBlockError(f"{value!r} is not a block id of pool {self._name!r}") from None
+        if not 0 <= idx < self._num_blocks:
+            raise UnknownBlockError(
+                f"block {idx} is not in pool {self._name!r} (blocks 0..{self._num_blocks - 1})"
+            )
+        return BlockId(idx)
+
+    def _block_ids(self, block_ids: Sequence[BlockId]) -> list[BlockId]:
+        if isinstance(block_ids, (str, bytes, bytearray)):
+            raise InvalidArgumentError(f"block_ids must be a sequence of ints, got {block_ids!r}")
+        try:
+            items = list(block_ids)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"block_ids must be a sequence of ints, got {block_ids!r}"
+            ) from None
+        return [self._block_id(b) for b in items]
+
+    # -- queries ---------------------------------------------------------------------------
+    def ref_count(self, block_id: BlockId) -> int:
+        return self._ref[self._block_id(block_id)]
+
+    def block_hash(self, block_id: BlockId) -> BlockHash | None:
+        """The hash ``block_id`` is cached under, or ``None`` if it is not cached."""
+        return self._hash[self._block_id(block_id)]
+
+    def lookup(self, block_hash: BlockHash) -> BlockId | None:
+        """The first block cached under ``block_hash`` (used or free), or ``None``.
+
+        Changes nothing. Raises :class:`InvalidArgumentError` for a malformed hash.
+        """
+        holders = self._hash_map.get(check_block_hash(block_hash))
+        return None if holders is None else next(iter(holders))
+
+    def free_queue_order(self) -> list[BlockId]:
+        """Free blocks from the next one :meth:`allocate` hands out to the most recently freed."""
+        return self._free.order()
+
+    # -- mutations -------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[BlockId] | None:
+        """Take ``n`` blocks from the head of the free queue, each with ref count 1.
+
+        Returns them in pop order, or ``None`` (and changes nothing) when fewer than ``n`` are
+        free. A handed-out block that was cached is evicted: its hash leaves the map. ``n == 0``
+        returns ``[]``. Raises :class:`InvalidArgumentError` for a negative or non-int ``n``.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidArgumentError(f"allocate needs a non-negative int, got {n!r}")
+        if n > len(self._free):
+            if self._metrics is not None:
+                self._m_fail.inc()
+            return None
+        out: list[BlockId] = []
+        evicted = 0
+        for _ in range(n):
+            block = self._free.popleft()
+            if block is None:  # pragma: no cover - guarded by the length check above
+                raise BlockStateError("free queue ran dry below its own length")
+            if self._hash[block] is not None:
+                self._uncache(block)
+                evicted += 1
+            self._ref[block] = 1
+            out.append(block)
+        if self._metrics is not None:
+            self._m_alloc.inc(n)
+            if evicted:
+                self._m_evict.inc(evicted)
+            self._update_gauges()
+        return out
+
+    def free(self, block_ids: Sequence[BlockId]) -> None:
+        """Drop one reference per listed id (a block listed twice loses two).
+
+        Blocks reaching ref count 0 are appended to the free queue's tail in the order they
+        reach 0 while walking the list, so the first one freed is the first evicted; cached
+        blocks keep their hash and stay matchable. Raises :class:`UnknownBlockError` for an
+        id outside the pool and :class:`DoubleFreeError` when a block would drop below 0
+        (duplicates inside one call included), before changing anything.
+        """
+        ids = self._block_ids(block_ids)
+        for block, times in Counter(ids).items():
+            if times > self._ref[block]:
+                raise DoubleFreeError(
+                    f"block {block} of pool {self._name!r} freed {times} time(s) "
+                    f"but has ref count {self._ref[block]}"
+                )
+        for block in ids:
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free.append(block)
+        if self._metrics is not None:
+            self._update_gauges()
+
+    def touch(self, block_ids: Sequence[BlockId]) -> None:
+        """Share blocks found by :meth:`lookup` (a prefix-cache hit): ref count += 1 each.
+
+        A free block leaves the free queue (it can no longer be evicted). Raises
+        :class:`UnknownBlockError` for an id outside the pool and :class:`BlockStateError` for a
+        free block that is not cached (its content is garbage), before changing anything.
+        """
+        ids = self._block_ids(block_ids)
+        for block in ids:
+            if self._ref[block] == 0 and self._hash[block] is None:
+                raise BlockStateError(
+                    f"cannot touch block {block} of pool {self._name!r}: it is free and not cached"
+                )
+        for block in ids:
+            if self._ref[block] == 0:
+                self._free.remove(block)
+            self._ref[block] += 1
+        if self._metrics is not None:
+            self._m_hits.inc(len(ids))
+            self._update_gauges()
+
+    def cache_block(self, block_id: BlockId, block_hash: BlockHash) -> None:
+        """Register a FULL, computed, in-use block under ``block_hash`` for prefix matching.
+
+        The caller promises the block's KV for all ``block_size`` tokens is written. Idempotent
+        for the same (block, hash). First writer wins: when ``block_hash`` is already registered
+        for another block, :meth:`lookup` keeps returning that block and ``block_id`` stands by
+        behind it (both hold the same KV), taking over if the first is evicted. Raises
+        :class:`UnknownBlockError`, :class:`InvalidArgumentError` for a malformed hash, and
+        :class:`BlockStateError` for a free block or one already cached under another hash.
+        """
+        block = self._block_id(block_id)
+        block_hash = check_block_hash(block_hash)
+        if self._ref[block] == 0:
+            raise BlockStateError(f"cannot cache block {block} of pool {self._name!r}: it is free")
+        current = self._hash[block]
+        if current is not None:
+            if current != block_hash:
+                raise BlockStateError(
+                    f"block {block} of pool {self._name!r} is already cached under "
+                    f"{current.hex()}, not {block_hash.hex()}"
+                )
+            return
+        self._hash[block] = block_hash
+        self._hash_map.setdefault(block_hash, {})[block] = None
+        self._num_cached += 1
+        if self._metrics is not None:
+            self._update_gauges()
+
+    def _uncache(self, block: BlockId) -> None:
+        """Drop ``block``'s hash; the next standby block (if any) becomes the one looked up."""
+        h = self._hash[block]
+        if h is None:  # pragma: no cover - callers check first
+            return
+        holders = self._hash_map[h]
+        del holders[block]
+        if not holders:
+            del self._hash_map[h]
+        self._hash[block] = None
+        self._num_cached -= 1
+
+    # -- integrity -------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise :class:`BlockStateError` naming the first broken invariant (see module doc)."""
+        self._free.check_integrity()
+        negative = [(b, r) for b, r in enumerate(self._ref) if r < 0]
+        if negative:
+            raise BlockStateError(f"block {negative[0][0]} has negative ref count {negative[0][1]}")
+        free = set(self._free)
+        used = sum(1 for ref in self._ref if ref > 0)
+        if len(free) + used != self._num_blocks:
+            raise BlockStateError(f"free {len(free)} + used {used} != total {self._num_blocks}")
+        for block, ref in enumerate(self._ref):
+            if (ref == 0) != (block in free):
+                raise BlockStateError(
+                    f"block {block} has ref count {ref} but free-queue membership {block in free}"
+                )
+            h = self._hash[block]
+            if h is not None and block not in self._hash_map.get(h, {}):
+                raise BlockStateError(f"block {block} carries hash {h.hex()} the map does not")
+        registered = 0
+        for h, holders in self._hash_map.items():
+            if not holders:
+                raise BlockStateError(f"map has an empty block set for {h.hex()}")
+            for block in holders:
+                if self._hash[block] != h:
+                    raise BlockStateError(f"map has {h.hex()} -> block {block}, block disagrees")
+            registered += len(holders)
+        if registered != self._num_cached:
+            raise BlockStateError(f"{registered} blocks in the map, count says {self._num_cached}")
+
+    def _update_gauges(self) -> None:
+        self._m_usage.set(self.num_used_blocks / self._num_blocks)
+        self._m_cached.set(self._num_cached)

@@ -1,0 +1,329 @@
+"""The block table of one request: its tokens, its blocks and which token ranges are cached.
+
+Theory of operation
+-------------------
+A table partitions the request's tokens ``[0, num_tokens)`` into three consecutive ranges:
+
+- ``cached_range  = [0, num_cached_tokens)``: found in the pool's prefix cache at admission
+  (whole blocks, shared with other requests through :meth:`BlockPool.touch`);
+- ``computed_range = [num_cached_tokens, num_computed_tokens)``: KV written by this run;
+- ``new_range = [num_computed_tokens, num_tokens)``: still to compute.
+
+Block ``i`` holds tokens ``[i*block_size, (i+1)*block_size)``; the table always holds exactly
+``ceil(num_tokens / block_size)`` blocks. The hashes of all FULL blocks are kept (chained from
+the hasher's root with the table's extra keys). When :meth:`BlockTable.mark_computed` makes a
+full block computed, it is registered with :meth:`BlockPool.cache_block` so later requests can
+share it. Admission never caches the last token: the prefix hit is capped at
+``(num_tokens - 1) // block_size`` blocks because the engine needs that token's logits, so a
+written block is always one this table allocated, never a shared one.
+
+Lifecycle: ``NEW --admit--> ADMITTED --release--> RELEASED``. The first successful
+:meth:`admit` binds the table to its pool; every later call must pass the same pool. A call that
+returns ``None``/``False`` or raises changes neither the table nor the pool.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvplane.blocks.hashing import (
+    BlockHasher,
+    ExtraKey,
+    TokenIds,
+    canonical_token_ids,
+    encode_extra_keys,
+)
+from kvplane.blocks.pool import BlockPool
+from kvplane.errors import BlockStateError, InvalidArgumentError
+from kvplane.ids import BlockHash, BlockId, RequestId, TokenRange
+
+
+class TableState(enum.Enum):
+    """Where a block table is in its lifecycle."""
+
+    NEW = "new"
+    ADMITTED = "admitted"
+    RELEASED = "released"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    """What :meth:`BlockTable.admit` did: blocks (prefix hits first) and the two token ranges."""
+
+    block_ids: tuple[BlockId, ...]
+    num_cached_blocks: int
+    cached_range: TokenRange
+    new_range: TokenRange
+
+    @property
+    def num_new_blocks(self) -> int:
+        return len(self.block_ids) - self.num_cached_blocks
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockTable:
+    """Blocks and token accounting of one request in one :class:`BlockPool` (not thread-safe)."""
+
+    def __init__(
+        self,
+        request_id: RequestId,
+        block_size: int,
+        hasher: BlockHasher,
+        extra_keys: tuple[ExtraKey, ...] = (),
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgumentError(f"request_id must be a non-empty str, got {request_id!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(hasher, BlockHasher):
+            raise InvalidArgumentError(f"hasher must be a BlockHasher, got {hasher!r}")
+        encode_extra_keys(extra_keys)  # validate now, not at the first admit
+        self._request_id = request_id
+        self._block_size = block_size
+        self._hasher = hasher
+        self._extra_keys = tuple(extra_keys)
+        self._state = TableState.NEW
+        self._pool: BlockPool | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._tokens = np.zeros(0, dtype="<i8")  # capacity buffer; valid prefix [:_num_tokens]
+        self._num_tokens = 0
+        self._block_ids: list[BlockId] = []
+        self._hashes: list[BlockHash] = []
+        self._num_cached_tokens = 0
+        self._num_computed_tokens = 0
+        self._num_registered = 0  # blocks [0, n) are in the pool's cache map (hit or cached here)
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def request_id(self) -> RequestId:
+        return self._request_id
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def extra_keys(self) -> tuple[ExtraKey, ...]:
+        return self._extra_keys
+
+    @property
+    def state(self) -> TableState:
+        return self._state
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """A read-only int64 ``[num_tokens]`` view of the request's tokens."""
+        view = self._tokens[: self._num_tokens]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def block_ids(self) -> tuple[BlockId, ...]:
+        return tuple(self._block_ids)
+
+    @property
+    def block_hashes(self) -> tuple[BlockHash, ...]:
+        """Chained hashes of the full blocks, ``num_tokens // block_size`` of them."""
+        return tuple(self._hashes)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self._num_cached_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is in the pool: cached prefix plus computed by this run."""
+        return self._num_computed_tokens
+
+    @property
+    def cached_range(self) -> TokenRange:
+        return TokenRange(0, self._num_cached_tokens)
+
+    @property
+    def computed_range(self) -> TokenRange:
+        return TokenRange(self._num_cached_tokens, self._num_computed_tokens)
+
+    @property
+    def new_range(self) -> TokenRange:
+        return TokenRange(self._num_computed_tokens, self._num_tokens)
+
+    # -- checks ----------------------------------------------------------------------------
+    def _check_pool(self, pool: BlockPool) -> None:
+        if not isinstance(pool, BlockPool):
+            raise InvalidArgumentError(f"expected a BlockPool, got {pool!r}")
+        if pool.block_size != self._block_size:
+            raise InvalidArgumentError(
+                f"request {self._request_id!r} has block_size {self._block_size}, "
+                f"the pool has {pool.block_size}"
+            )
+        if self._pool is not None and pool is not self._pool:
+            raise InvalidArgumentError(
+                f"request {self._request_id!r} is bound to another pool than {pool!r}"
+            )
+
+    def _require(self, state: TableState, action: str) -> None:
+        if self._state is not state:
+            raise BlockStateError(
+                f"cannot {action} request {self._request_id!r}: table is {self._state.value}"
+            )
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def admit(self, pool: BlockPool, token_ids: TokenIds) -> AdmitResult | None:
+        """Match the longest cached prefix, share it and allocate blocks for the rest.
+
+        ``token_ids`` (non-empty; see :func:`canonical_token_ids`) become the table's tokens.
+        Full blocks are hashed; leading blocks found by ``pool.lookup`` (at most
+        ``(len - 1) // block_size``) are touched, and ``ceil(len / block_size) - hits`` fresh
+        blocks are allocated. Returns ``None`` with nothing changed when the pool cannot supply
+        the fresh blocks (a hit that is currently free counts against the free blocks, since
+        touching it takes it out of the free queue). Raises :class:`BlockStateError` unless
+        the table is NEW, :class:`InvalidArgumentError` for bad tokens or a mismatched pool.
+        """
+        self._require(TableState.NEW, "admit")
+        self._check_pool(pool)
+        tokens = canonical_token_ids(token_ids)
+        n = int(tokens.size)
+        if n == 0:
+            raise InvalidArgumentError(f"request {self._request_id!r} admitted with no tokens")
+        bs = self._block_size
+        hashes = self._hasher.hash_blocks(tokens, bs, self._extra_keys)
+        hits: list[BlockId] = []
+        for h in hashes[: (n - 1) // bs]:
+            block = pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        num_new = _ceil_div(n, bs) - len(hits)
+        taken_from_free = sum(1 for b in hits if pool.ref_count(b) == 0)
+        if pool.num_free_blocks - taken_from_free < num_new:
+            return None
+        pool.touch(hits)
+        fresh = pool.allocate(num_new)
+        if fresh is None:  # pragma: no cover - availability was checked just above
+            pool.free(hits)
+            raise BlockStateError("pool shrank between the availability check and allocate")
+        self._pool = pool
+        self._tokens = tokens
+        self._num_tokens = n
+        self._block_ids = hits + fresh
+        self._hashes = hashes
+        self._num_cached_tokens = self._num_computed_tokens = len(hits) * bs
+        self._num_registered = len(hits)
+        self._state = TableState.ADMITTED
+        return AdmitResult(
+            block_ids=tuple(self._block_ids),
+            num_cached_blocks=len(hits),
+            cached_range=self.cached_range,
+            new_range=self.new_range,
+        )
+
+    def append_tokens(self, pool: BlockPool, token_ids: TokenIds) -> bool:
+        """Grow the request by ``token_ids`` (e.g. decoded tokens), allocating blocks as needed.
+
+        The new tokens join ``new_range``; newly full blocks are hashed. Returns ``False`` with
+        nothing changed when the pool is short of blocks. Raises :class:`BlockStateError` unless
+        ADMITTED, :class:`InvalidArgumentError` for bad tokens or another pool.
+        """
+        self._require(TableState.ADMITTED, "append to")
+        self._check_pool(pool)
+        tokens = canonical_token_ids(token_ids)
+        k = int(tokens.size)
+        if k == 0:
+            return True
+        bs = self._block_size
+        total = self._num_tokens + k
+        n = self._num_tokens
+        if self._tokens.size < total:  # grow geometrically: amortised O(1) per decoded token
+            candidate = np.zeros(max(total, 2 * self._tokens.size), dtype="<i8")
+            candidate[:n] = self._tokens[:n]
+        else:
+            candidate = self._tokens
+        candidate[n:total] = tokens  # past the valid prefix: invisible until committed below
+        done = len(self._hashes)
+        parent = self._hashes[-1] if self._hashes else None
+        new_hashes = self._hasher.hash_blocks(
+            candidate[done * bs : (total // bs) * bs], bs, self._extra_keys, parent
+        )
+        fresh = pool.allocate(_ceil_div(total, bs) - len(self._block_ids))
+        if fresh is None:
+            return False
+        self._tokens = candidate
+        self._num_tokens = total
+        self._block_ids += fresh
+        self._hashes += new_hashes
+        return True
+
+    def mark_computed(self, pool: BlockPool, num_tokens: int) -> None:
+        """Record that the next ``num_tokens`` tokens of ``new_range`` now have KV in the pool.
+
+        Every block that becomes full and computed is registered with ``pool.cache_block``
+        under its hash. Raises :class:`InvalidArgumentError` unless
+        ``0 <= num_tokens <= len(new_range)``, :class:`BlockStateError` unless ADMITTED.
+        """
+        self._require(TableState.ADMITTED, "mark computed tokens of")
+        self._check_pool(pool)
+        remaining = self._num_tokens - self._num_computed_tokens
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise InvalidArgumentError(f"num_tokens must be an int, got {num_tokens!r}")
+        if not 0 <= num_tokens <= remaining:
+            raise InvalidArgumentError(
+                f"request {self._request_id!r}: cannot mark {num_tokens} tokens computed, "
+                f"{remaining} remain in {self.new_range}"
+            )
+        self._num_computed_tokens += num_tokens
+        full = self._num_computed_tokens // self._block_size
+        for i in range(self._num_registered, full):
+            pool.cache_block(self._block_ids[i], self._hashes[i])
+        self._num_registered = max(self._num_registered, full)
+
+    def release(self, pool: BlockPool) -> None:
+        """Free every block in REVERSE order (the tail is evicted before the shared prefix).
+
+        Idempotent: releasing a NEW or RELEASED table only marks it RELEASED. Afterwards the
+        table holds no tokens and no blocks. Raises :class:`InvalidArgumentError` for another
+        pool (nothing is freed then).
+        """
+        if self._state is TableState.ADMITTED:
+            self._check_pool(pool)
+            pool.free(self._block_ids[::-1])
+        self._reset()
+        self._state = TableState.RELEASED
+
+    # -- KV addressing -------------------------------------------------------------------------
+    def slot_mapping(self, token_range: TokenRange) -> torch.Tensor:
+        """Flat slot of each token of ``token_range``: ``block_id * block_size + offset``.
+
+        Returns an int64 CPU tensor of shape ``[len(token_range)]``; token ``t`` maps to
+        ``block_ids[t // block_size] * block_size + t % block_size``. The range must lie in
+        ``[0, num_tokens)`` (:class:`InvalidArgumentError`); the table must be ADMITTED.
+        """
+        self._require(TableState.ADMITTED, "map slots of")
+        if not isinstance(token_range, TokenRange):
+            raise InvalidArgumentError(f"expected a TokenRange, got {token_range!r}")
+        if not TokenRange(0, self._num_tokens).contains(token_range):
+            raise InvalidArgumentError(
+                f"token range {token_range} is outside request {self._request_id!r}'s "
+                f"tokens [0, {self._num_tokens})"
+            )
+        if token_range.empty:
+            return torch.zeros(0, dtype=torch.int64)
+        bs = self._block_size
+        first = token_range.start // bs
+        last = (token_range.end - 1) // bs
+        blocks = np.asarray(self._block_ids[first : last + 1], dtype=np.int64)
+        pos = np.arange(token_range.start, token_range.end, dtype=np.int64)
+        slots = blocks[pos // bs - first] * bs + pos % bs
+        return torch.from_numpy(slots)
