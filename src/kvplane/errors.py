@@ -101,3 +101,10 @@ class CorruptChunkError(OffloadError):
 # -- attention -----------------------------------------------------------------------------------
 class BackendError(KVPlaneError):
     """An attention backend was misused (run without a plan, shape mismatch...)."""
+
+
+class UnknownChunkError(OffloadError, KeyError):
+    """A chunk key is not held by the offload tier it was named to."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else "unknown chunk"

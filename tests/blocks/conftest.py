@@ -10,6 +10,7 @@ import pytest
 from kvplane.blocks import BlockPool, BlockTable
 from kvplane.ids import BlockId
 
+
 def pool_state(pool: BlockPool) -> tuple[Any, ...]:
     """Everything observable about a pool, for before/after comparisons."""
     ids = [BlockId(b) for b in range(pool.num_blocks)]

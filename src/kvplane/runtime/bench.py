@@ -20,7 +20,7 @@ from rich.table import Table
 NAME = "bench"
 HELP = "Run a benchmark (ratios against the physical limit measured in the same run)."
 
-BENCHES: tuple[str, ...] = ()
+BENCHES: tuple[str, ...] = ("attention",)
 """Module names under ``kvplane.runtime.benches``; each engineer appends their bench here."""
 
 
