@@ -1,0 +1,207 @@
+"""The attention backend contract: capabilities as data, check, plan, run; and the registry.
+
+A backend is negotiated with, never probed:
+
+- ``capabilities`` is plain data (kinds, devices, dtypes, head counts, page sizes, query-length
+  classes, causal modes, query layouts, LSE base). :meth:`Capabilities.reasons` turns a mismatch
+  with a problem into human-readable reasons.
+- ``check(problem)`` returns :class:`Supported` or :class:`Unsupported` (capability reasons plus
+  anything environmental: no GPU, package missing, with an install hint). It never raises for
+  an unsupported problem and never touches data.
+- ``plan(problem)`` works from structural facts only (lengths, page ids; never query or KV
+  data) and returns a new :class:`Plan`; a failing plan raises and publishes nothing.
+- ``run(plan, query, cache)`` executes exactly that plan: no selection, no probing, no copy of the
+  paged cache (it reads the pages it needs). It returns an
+  :class:`~kvplane.attention.problem.AttentionResult`.
+
+The :class:`BackendRegistry` keeps backends in registration order, which is the ``auto`` order.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar, runtime_checkable
+
+import torch
+
+from kvplane.attention.metadata import PagedStructure, QueryClass
+from kvplane.attention.problem import (
+    AttentionKind,
+    AttentionProblem,
+    AttentionResult,
+    LSEBase,
+    MLAShape,
+    QueryLayout,
+)
+from kvplane.errors import BackendError, InvalidArgumentError
+
+ALL_QUERY_CLASSES = frozenset(QueryClass)
+BOTH_CAUSAL = frozenset({False, True})
+BOTH_LAYOUTS = frozenset(QueryLayout)
+S = TypeVar("S")
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend supports; a ``None`` set means "any value"."""
+
+    kinds: frozenset[AttentionKind]
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    lse_base: LSEBase
+    query_classes: frozenset[QueryClass] = ALL_QUERY_CLASSES
+    causal: frozenset[bool] = BOTH_CAUSAL
+    query_layouts: frozenset[QueryLayout] = BOTH_LAYOUTS
+    head_counts: frozenset[int] | None = None
+    page_sizes: frozenset[int] | None = None
+    mla_dims: frozenset[tuple[int, int]] | None = None
+    """Allowed ``(kv_lora_rank, rope_dim)`` pairs for MLA kinds."""
+    oracle: bool = False
+    """A correctness oracle: ``auto`` may fall back to it, ``measured`` never times it."""
+
+    def reasons(self, problem: AttentionProblem) -> tuple[str, ...]:
+        """Why ``problem`` is outside these capabilities (empty when it is inside)."""
+        out: list[str] = []
+        s = problem.metadata.structure()
+        checks: list[tuple[bool, str]] = [
+            (problem.kind in self.kinds, f"kind {problem.kind.value}"),
+            (problem.device.type in self.devices, f"device {problem.device.type}"),
+            (problem.dtype in self.dtypes, f"dtype {problem.dtype}"),
+            (s.query_class in self.query_classes, f"query class {s.query_class.value}"),
+            (problem.causal in self.causal, f"causal={problem.causal}"),
+            (problem.query_layout in self.query_layouts, f"{problem.query_layout.value} query"),
+            (self.head_counts is None or problem.num_heads in self.head_counts,
+             f"{problem.num_heads} heads"),
+            (self.page_sizes is None or s.page_size in self.page_sizes,
+             f"page size {s.page_size}"),
+        ]  # fmt: skip
+        if isinstance(problem.shape, MLAShape) and self.mla_dims is not None:
+            dims = (problem.shape.kv_lora_rank, problem.shape.rope_dim)
+            checks.append((dims in self.mla_dims, f"MLA dims (r, p)={dims}"))
+        out.extend(f"{what} not supported" for ok, what in checks if not ok)
+        return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Supported:
+    """The backend can plan and run the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unsupported:
+    """The backend cannot; ``reasons`` say why (and how to fix it where that is possible)."""
+
+    reasons: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.reasons:
+            raise InvalidArgumentError("Unsupported needs at least one reason")
+
+
+Verdict = Supported | Unsupported
+
+
+def verdict(reasons: Sequence[str]) -> Verdict:
+    return Unsupported(tuple(reasons)) if reasons else Supported()
+
+
+class Decision(enum.Enum):
+    """What selection did with one candidate."""
+
+    SELECTED = "selected"
+    UNSUPPORTED = "unsupported"
+    SLOWER = "slower"  # viable, timed, not the fastest
+    NOT_TRIED = "not_tried"  # after the selected one, never examined
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEntry:
+    """One line of a selection trace: candidate, decision, reason and measured time (if any)."""
+
+    candidate: str
+    decision: Decision
+    reason: str
+    seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A backend's plan for one problem: structural facts plus backend-private ``state``.
+
+    Holds no query or KV data; ``state`` may hold index tensors derived from the metadata.
+    ``trace`` is filled in by selection (empty when a backend's ``plan`` is called directly).
+    """
+
+    backend: str
+    problem: AttentionProblem
+    structure: PagedStructure
+    state: object = field(compare=False)
+    trace: tuple[TraceEntry, ...] = ()
+
+    def require(self, backend: str) -> None:
+        if self.backend != backend:
+            raise BackendError(f"plan was made by backend {self.backend!r}, not {backend!r}")
+
+
+def plan_state(plan: Plan, backend: str, kind: type[S]) -> S:
+    """The backend-private state of ``plan``; ``BackendError`` if another backend made it."""
+    plan.require(backend)
+    if not isinstance(plan.state, kind):
+        raise BackendError(f"plan state is {type(plan.state).__name__}, expected {kind.__name__}")
+    return plan.state
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """See the module docstring for the contract of each member."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def check(self, problem: AttentionProblem) -> Verdict: ...
+
+    def plan(self, problem: AttentionProblem) -> Plan: ...
+
+    def run(self, plan: Plan, query: object, cache: object) -> AttentionResult: ...
+
+
+class BackendRegistry:
+    """Named backends in registration order (the ``auto`` candidate order)."""
+
+    def __init__(self, backends: Sequence[AttentionBackend] = ()) -> None:
+        self._backends: dict[str, AttentionBackend] = {}
+        for b in backends:
+            self.register(b)
+
+    def register(self, backend: AttentionBackend) -> None:
+        if not isinstance(backend, AttentionBackend):
+            raise InvalidArgumentError(f"{backend!r} does not implement AttentionBackend")
+        if backend.name in self._backends:
+            raise InvalidArgumentError(f"backend {backend.name!r} is already registered")
+        self._backends[backend.name] = backend
+
+    def get(self, name: str) -> AttentionBackend:
+        try:
+            return self._backends[name]
+        except KeyError:
+            raise InvalidArgumentError(
+                f"unknown attention backend {name!r}; known: {', '.join(self._backends)}"
+            ) from None
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._backends)
+
+    def candidates(self, kind: AttentionKind) -> tuple[AttentionBackend, ...]:
+        """Backends declaring ``kind``, in registration order."""
+        return tuple(b for b in self._backends.values() if kind in b.capabilities.kinds)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._backends
+
+    def __iter__(self) -> Iterator[AttentionBackend]:
+        return iter(self._backends.values())

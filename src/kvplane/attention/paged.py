@@ -1,0 +1,160 @@
+"""Vectorised paged-batch machinery shared by the torch backends.
+
+Theory of operation
+-------------------
+A ragged batch is processed as a padded one: queries ``[T, H, D]`` become ``[B, t_max, H, D]``
+(a free view when every request has the same query length, an index gather otherwise) and the
+KV of request ``b`` is gathered page by page (``index_select`` of whole pages, one contiguous
+row each) into ``[B, pages * page_size, ...]``. Which keys a padded query row may see is one
+number per row, its *limit*: ``kv_len`` without causality, ``kv_len - q_len + i + 1`` (clamped to
+``[0, kv_len]``) with bottom-right causality, ``0`` for padding rows. Everything is built once per
+plan in a :class:`BatchIndex` (index tensors only, no data).
+
+Gathered positions past ``kv_len`` (the tail of the last page, padding pages) may hold anything,
+NaN included: :func:`zero_invalid` zeroes them before they are multiplied, and the softmax
+masks them, so nothing past ``kv_len`` can leak. Rows that see no key get ``out = 0`` and
+``lse = -inf``. :func:`merge_states` combines two partial attention states by their LSE (the
+split-KV / flash-decoding reduction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvplane.attention.metadata import PagedStructure, PlanMetadata, QueryClass
+
+
+@dataclass(frozen=True, slots=True)
+class BatchIndex:
+    """Plan-time index tensors of a padded batch, on the run device (see module docstring)."""
+
+    batch: int
+    t_max: int
+    page_size: int
+    pages: torch.Tensor  # [B, max_pages] int64, padding entries 0
+    kv_lens: torch.Tensor  # [B] int64
+    limits: torch.Tensor  # [B, t_max] int64
+    q_rows: torch.Tensor | None  # [B, t_max] int64 rows of T (None: uniform, a view suffices)
+    out_rows: torch.Tensor | None  # [T] int64 rows of the flattened padded batch
+
+    @property
+    def kv_tokens(self) -> int:
+        """Padded KV length: ``max_pages * page_size``."""
+        return int(self.pages.shape[1]) * self.page_size
+
+    def permuted(self, order: torch.Tensor) -> BatchIndex:
+        """The same batch with requests reordered by ``order`` (queries must be padded first)."""
+        return BatchIndex(
+            self.batch, self.t_max, self.page_size, self.pages[order], self.kv_lens[order],
+            self.limits[order], None, None,
+        )  # fmt: skip
+
+
+def build_batch_index(
+    metadata: PlanMetadata, structure: PagedStructure, causal: bool, device: torch.device
+) -> BatchIndex:
+    """Vectorised construction of a :class:`BatchIndex` from validated metadata."""
+    dense = metadata.dense()
+    b, t_max = structure.batch_size, structure.max_q_len
+    need = torch.tensor(structure.pages_needed, dtype=torch.long)
+    width = max(structure.pages_needed)
+    table = dense.block_table[:, :width].long().cpu()
+    pages = torch.where(torch.arange(width)[None, :] < need[:, None], table, 0)
+    kv = torch.tensor(structure.kv_lens, dtype=torch.long)
+    ql = torch.tensor(structure.q_lens, dtype=torch.long)
+    i = torch.arange(t_max)[None, :]
+    real = i < ql[:, None]
+    if causal:
+        lim = (kv - ql)[:, None] + i + 1
+        limits = torch.minimum(torch.clamp(lim, min=0), kv[:, None])
+    else:
+        limits = kv[:, None].expand(b, t_max)
+    limits = torch.where(real, limits, 0)
+    q_rows = out_rows = None
+    if structure.query_class is QueryClass.VARLEN:
+        starts = torch.cumsum(ql, 0) - ql
+        q_rows = torch.where(real, starts[:, None] + i, 0).to(device)
+        out_rows = real.flatten().nonzero().flatten().to(device)
+    return BatchIndex(
+        b, t_max, structure.page_size, pages.to(device), kv.to(device), limits.to(device),
+        q_rows, out_rows,
+    )  # fmt: skip
+
+
+def pad_queries(x: torch.Tensor, index: BatchIndex) -> torch.Tensor:
+    """``[T, H, D]`` -> ``[B, t_max, H, D]``; a view for uniform batches, a gather otherwise."""
+    if index.q_rows is None:
+        return x.view(index.batch, index.t_max, *x.shape[1:])
+    return x[index.q_rows]
+
+
+def unpad_rows(y: torch.Tensor, index: BatchIndex) -> torch.Tensor:
+    """``[B, t_max, ...]`` -> ``[T, ...]`` in the original token order."""
+    flat = y.flatten(0, 1)
+    return flat if index.out_rows is None else flat[index.out_rows]
+
+
+def gather_pages(
+    pool: torch.Tensor, pages: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Read pages ``pages [n, k]`` of ``pool [P, page_size, ...]`` into ``[n, k * page_size, ...]``.
+
+    ``out`` (optional) is a flat workspace of at least that many elements, reused across calls.
+    """
+    n, k = pages.shape
+    flat = pages.reshape(-1)
+    if out is None:
+        got = pool.index_select(0, flat)
+    else:
+        got = out[: flat.numel() * pool[0].numel()].view(flat.numel(), *pool.shape[1:])
+        torch.index_select(pool, 0, flat, out=got)
+    return got.view(n, k * pool.shape[1], *pool.shape[2:])
+
+
+def zero_invalid(kv: torch.Tensor, start: int, kv_lens: torch.Tensor) -> None:
+    """Zero, in place, the rows of ``kv [n, S, ...]`` at positions ``>= kv_lens`` (``start`` =
+    position of row 0). Only rows that need it are touched when the tail is short."""
+    pos = start + torch.arange(kv.shape[1], device=kv.device)
+    bad = pos[None, :] >= kv_lens[:, None]
+    if bool(bad.any()):
+        kv[bad] = 0
+
+
+def visible(limits: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """``[n, t, length]`` bool: may padded query row see key position ``start + s``."""
+    pos = start + torch.arange(length, device=limits.device)
+    return pos[None, None, :] < limits[:, :, None]
+
+
+def softmax_lse(scores: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax over the last dim, in place on ``scores [n, t, H, S]`` (float32/64).
+
+    ``mask [n, t, S]`` is broadcast over heads. Returns ``(p, lse)`` with ``lse [n, t, H]`` in
+    base e; fully masked rows give ``p = 0`` and ``lse = -inf``.
+    """
+    scores.masked_fill_(~mask[:, :, None, :], float("-inf"))
+    m = scores.amax(dim=-1)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    scores.sub_(m[..., None]).exp_()
+    denom = scores.sum(dim=-1)
+    lse = m + torch.log(denom)
+    scores.div_(torch.where(denom == 0, torch.ones_like(denom), denom)[..., None])
+    return scores, lse
+
+
+def merge_states(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two normalised partial attention states over disjoint key sets.
+
+    ``o_* [..., D]`` and ``lse_* [...]`` (base e). Returns ``(o, lse)`` of attention over the union:
+    ``lse = logaddexp(lse_a, lse_b)``, ``o = o_a * e^(lse_a - lse) + o_b * e^(lse_b - lse)``.
+    Two empty states merge into an empty one (``o = 0``, ``lse = -inf``).
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    w_a = torch.exp(lse_a - safe)[..., None]
+    w_b = torch.exp(lse_b - safe)[..., None]
+    return o_a * w_a + o_b * w_b, lse

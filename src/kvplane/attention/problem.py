@@ -1,0 +1,254 @@
+"""The attention problem a backend is asked about, and the result it returns.
+
+An :class:`AttentionProblem` is the structural description of one batched attention call: kind
+(absorbed MLA in latent space, non-absorbed MLA as MHA, or GQA), head shape, dtype, device,
+``sm_scale``, causality, query layout and the :class:`~kvplane.attention.metadata.PlanMetadata`.
+It holds no query or KV data, so backends can check and plan from it; build it from real inputs
+with :func:`mla_problem` / :func:`gqa_problem`, which cross-check every shape.
+
+``sm_scale`` is required, never defaulted: for MLA it is ``(qk_nope_dim + qk_rope_dim) ** -0.5``
+(the head dim *before* absorption) times any rope-scaling factor (DeepSeek's YaRN ``mscale**2``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvplane.attention.inputs import GQAKVCache, GQAQuery, MLAKVCache, MLAQuery
+from kvplane.attention.metadata import PlanMetadata
+from kvplane.errors import BackendError, InvalidArgumentError
+
+
+class AttentionKind(enum.Enum):
+    MLA = "mla"  # absorbed MLA: queries in latent space, output [T, H, r]
+    MLA_MHA = "mla_mha"  # non-absorbed MLA: latent decompressed per head, output [T, H, d_v]
+    GQA = "gqa"  # grouped-query (or multi-head) attention over K/V pools
+
+
+class QueryLayout(enum.Enum):
+    PACKED = "packed"  # one [T, H, nope + rope] tensor is available without a copy
+    SPLIT = "split"  # only separate q_nope / q_pe tensors exist
+
+
+class LSEBase(enum.Enum):
+    """Base of the returned log-sum-exp: FlashInfer returns base 2, torch backends base e."""
+
+    E = "e"
+    TWO = "2"
+
+
+@dataclass(frozen=True, slots=True)
+class MLAShape:
+    """MLA heads: absorbed when ``qk_nope_dim``/``v_head_dim`` are ``None``, else non-absorbed."""
+
+    num_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    qk_nope_dim: int | None = None
+    v_head_dim: int | None = None
+
+    @property
+    def kind(self) -> AttentionKind:
+        return AttentionKind.MLA if self.qk_nope_dim is None else AttentionKind.MLA_MHA
+
+    @property
+    def v_dim(self) -> int:
+        return self.kv_lora_rank if self.v_head_dim is None else self.v_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class GQAShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def kind(self) -> AttentionKind:
+        return AttentionKind.GQA
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionProblem:
+    """Structural description of one attention call; see the module docstring."""
+
+    shape: MLAShape | GQAShape
+    metadata: PlanMetadata
+    dtype: torch.dtype
+    device: torch.device
+    sm_scale: float
+    causal: bool
+    query_layout: QueryLayout = QueryLayout.PACKED
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sm_scale, bool) or not isinstance(self.sm_scale, (int, float)):
+            raise InvalidArgumentError(f"sm_scale must be a float, got {self.sm_scale!r}")
+        if not math.isfinite(self.sm_scale) or self.sm_scale <= 0:
+            raise InvalidArgumentError(f"sm_scale must be finite and > 0, got {self.sm_scale!r}")
+        if not isinstance(self.causal, bool):
+            raise InvalidArgumentError(f"causal must be a bool, got {self.causal!r}")
+
+    @property
+    def kind(self) -> AttentionKind:
+        return self.shape.kind
+
+    @property
+    def num_heads(self) -> int:
+        return self.shape.num_heads
+
+    def mla_shape(self) -> MLAShape:
+        if not isinstance(self.shape, MLAShape):
+            raise BackendError(f"an MLA backend was given a {self.kind.value} problem")
+        return self.shape
+
+    def gqa_shape(self) -> GQAShape:
+        if not isinstance(self.shape, GQAShape):
+            raise BackendError(f"a GQA backend was given a {self.kind.value} problem")
+        return self.shape
+
+    def validate_inputs(self, query: object, cache: object) -> None:
+        """Raise ``BackendError`` unless ``query``/``cache`` are what this problem describes."""
+        s = self.metadata.structure()
+        if isinstance(self.shape, MLAShape):
+            if not isinstance(query, MLAQuery) or not isinstance(cache, MLAKVCache):
+                raise BackendError(
+                    f"{self.kind.value} needs MLAQuery and MLAKVCache, got "
+                    f"{type(query).__name__} and {type(cache).__name__}"
+                )
+            want_nope = self.shape.qk_nope_dim or self.shape.kv_lora_rank
+            got = (query.num_heads, query.nope_dim, query.rope_dim, cache.kv_lora_rank)
+            want = (self.num_heads, want_nope, self.shape.rope_dim, self.shape.kv_lora_rank)
+            tensors = (query.nope, cache.data)
+            if self.kind is AttentionKind.MLA_MHA and cache.up_proj is None:
+                raise BackendError("non-absorbed MLA needs the cache's up_proj weights")
+            if self.query_layout is QueryLayout.PACKED and query.packed_data is None:
+                raise BackendError("the plan expects a packed query; this one is split")
+        else:
+            if not isinstance(query, GQAQuery) or not isinstance(cache, GQAKVCache):
+                raise BackendError(
+                    f"gqa needs GQAQuery and GQAKVCache, got {type(query).__name__} and "
+                    f"{type(cache).__name__}"
+                )
+            got = (int(query.q.shape[1]), int(query.q.shape[2]), cache.num_kv_heads, cache.head_dim)
+            want = (
+                self.num_heads,
+                self.shape.head_dim,
+                self.shape.num_kv_heads,
+                self.shape.head_dim,
+            )
+            tensors = (query.q, cache.k)
+        if got != want:
+            raise BackendError(f"input dims {got} do not match the planned dims {want}")
+        for t in tensors:
+            if t.dtype != self.dtype or t.device != self.device:
+                raise BackendError(
+                    f"input is {t.dtype}@{t.device}, planned for {self.dtype}@{self.device}"
+                )
+        if int(tensors[0].shape[0]) != s.num_tokens:
+            raise BackendError(
+                f"query has {tensors[0].shape[0]} tokens, metadata says {s.num_tokens}"
+            )
+        if int(tensors[1].shape[1]) != s.page_size or int(tensors[1].shape[0]) <= s.max_page:
+            raise BackendError(
+                f"cache of {tensors[1].shape[0]} pages x {tensors[1].shape[1]} tokens cannot "
+                f"serve page size {s.page_size} and page id {s.max_page}"
+            )
+
+
+def _check_heads(name: str, heads: int, expected: int) -> None:
+    if heads != expected:
+        raise InvalidArgumentError(f"{name} has {heads} heads, expected {expected}")
+
+
+def mla_problem(
+    query: MLAQuery,
+    cache: MLAKVCache,
+    metadata: PlanMetadata,
+    *,
+    sm_scale: float,
+    causal: bool,
+) -> AttentionProblem:
+    """Describe an MLA call; non-absorbed (MHA) when ``cache.up_proj`` is set and the query's
+    nope dim equals the projection's ``d_nope`` rather than the latent rank."""
+    if query.dtype != cache.data.dtype or query.device != cache.data.device:
+        raise InvalidArgumentError(
+            f"query is {query.dtype}@{query.device}, "
+            f"cache is {cache.data.dtype}@{cache.data.device}"
+        )
+    if query.rope_dim != cache.rope_dim:
+        raise InvalidArgumentError(f"query rope dim {query.rope_dim} != cache {cache.rope_dim}")
+    up = cache.up_proj
+    if up is not None and query.nope_dim == up.qk_nope_dim and query.nope_dim != cache.kv_lora_rank:
+        _check_heads("up_proj", up.num_heads, query.num_heads)
+        shape = MLAShape(
+            query.num_heads, cache.kv_lora_rank, cache.rope_dim, up.qk_nope_dim, up.v_head_dim
+        )
+    elif query.nope_dim == cache.kv_lora_rank:
+        shape = MLAShape(query.num_heads, cache.kv_lora_rank, cache.rope_dim)
+    else:
+        raise InvalidArgumentError(
+            f"query nope dim {query.nope_dim} is neither the latent rank {cache.kv_lora_rank} "
+            "nor an up_proj d_nope"
+        )
+    _check_structure(metadata, cache.page_size, query.num_tokens)
+    layout = QueryLayout.PACKED if query.packed_data is not None else QueryLayout.SPLIT
+    return AttentionProblem(shape, metadata, query.dtype, query.device, sm_scale, causal, layout)
+
+
+def gqa_problem(
+    query: GQAQuery,
+    cache: GQAKVCache,
+    metadata: PlanMetadata,
+    *,
+    sm_scale: float,
+    causal: bool,
+) -> AttentionProblem:
+    """Describe a GQA call over K/V pools; ``Hq`` must be a multiple of ``Hkv``."""
+    q = query.q
+    if q.dtype != cache.k.dtype or q.device != cache.k.device:
+        raise InvalidArgumentError(
+            f"query is {q.dtype}@{q.device}, cache is {cache.k.dtype}@{cache.k.device}"
+        )
+    hq, d = int(q.shape[1]), int(q.shape[2])
+    if d != cache.head_dim or hq % cache.num_kv_heads:
+        raise InvalidArgumentError(
+            f"query [*, {hq}, {d}] does not fit K/V [*, *, {cache.num_kv_heads}, {cache.head_dim}]"
+        )
+    _check_structure(metadata, cache.page_size, int(q.shape[0]))
+    shape = GQAShape(hq, cache.num_kv_heads, d)
+    return AttentionProblem(shape, metadata, q.dtype, q.device, sm_scale, causal)
+
+
+def _check_structure(metadata: PlanMetadata, page_size: int, num_tokens: int) -> None:
+    if metadata.page_size != page_size:
+        raise InvalidArgumentError(
+            f"metadata page_size {metadata.page_size} != cache page_size {page_size}"
+        )
+    s = metadata.structure()
+    if s.num_tokens != num_tokens:
+        raise InvalidArgumentError(
+            f"query has {num_tokens} tokens, metadata sums to {s.num_tokens}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionResult:
+    """``out [T, H, v_dim]`` in the query dtype; ``lse [T, H]`` float32 in base ``lse_base``.
+
+    Rows that see no KV have ``out == 0`` and ``lse == -inf``.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    lse_base: LSEBase
+
+    def lse_natural(self) -> torch.Tensor:
+        """The log-sum-exp in base e, whatever base the backend produced."""
+        return self.lse if self.lse_base is LSEBase.E else self.lse * math.log(2.0)

@@ -1,0 +1,215 @@
+"""Backend selection: explicit, ``auto`` and ``measured``, each plan carrying its trace.
+
+- An explicit backend name never substitutes: if that backend reports Unsupported, selection
+  raises :class:`~kvplane.errors.UnsupportedError` with its reasons.
+- ``auto`` walks the registry's candidates for the problem's kind in order and takes the first
+  Supported one; it falls through only on Unsupported (a backend that fails to plan raises).
+- ``measured`` times every Supported, non-oracle candidate on synthetic inputs of the problem's
+  structure (:func:`~kvplane.attention.synthetic.twin`), ranks them per
+  :class:`~kvplane.attention.ranking.WorkloadBucket`, caches the ranking and picks the fastest
+  Supported one. Only when no non-oracle candidate is Supported does it fall back to an oracle.
+
+Every returned plan carries a trace: one :class:`~kvplane.attention.base.TraceEntry` per
+candidate (decision, reason, measured time). A plan is published (counted, cached) only after
+the chosen backend's ``plan`` succeeded. Metrics, on the injected registry:
+``kvplane_attention_plans_total{backend,mode}``, ``kvplane_attention_fallback_plans_total`` and
+the gauge ``kvplane_attention_fallback_ratio`` (plans resolved to a non-first candidate / plans).
+The timer is injectable: ``timer(backend_name, thunk) -> seconds``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvplane.attention.base import (
+    AttentionBackend,
+    BackendRegistry,
+    Decision,
+    Plan,
+    Supported,
+    TraceEntry,
+    Unsupported,
+    Verdict,
+)
+from kvplane.attention.problem import AttentionProblem
+from kvplane.attention.ranking import RankedCandidate, Ranking, RankingCache, WorkloadBucket
+from kvplane.attention.synthetic import twin
+from kvplane.errors import InvalidArgumentError, UnsupportedError
+from kvplane.metrics import MetricsRegistry, fallback_ratio
+
+AUTO = "auto"
+MEASURED = "measured"
+
+Timer = Callable[[str, Callable[[], object]], float]
+
+
+class PerfCounterTimer:
+    """Best (minimum) of ``repeats`` ``time.perf_counter`` timings after ``warmup`` untimed runs.
+
+    The minimum, not the mean, because on a shared machine noise only ever adds time.
+    """
+
+    def __init__(self, warmup: int = 1, repeats: int = 3) -> None:
+        if warmup < 0 or repeats < 1:
+            raise InvalidArgumentError(
+                f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}"
+            )
+        self.warmup, self.repeats = warmup, repeats
+
+    def __call__(self, name: str, fn: Callable[[], object]) -> float:
+        cuda = torch.cuda.is_available()
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+
+def _why(v: Verdict) -> str:
+    return "; ".join(v.reasons) if isinstance(v, Unsupported) else "supported"
+
+
+class Selector:
+    """Resolves ``auto`` / ``measured`` / explicit names to a traced plan; see module docstring."""
+
+    def __init__(
+        self,
+        registry: BackendRegistry,
+        *,
+        metrics: MetricsRegistry | None = None,
+        timer: Timer | None = None,
+        cache: RankingCache | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.registry = registry
+        self.timer: Timer = timer if timer is not None else PerfCounterTimer()
+        self.cache = cache if cache is not None else RankingCache()
+        self.seed = seed
+        self.plans = 0
+        self.fallbacks = 0
+        self._metrics = metrics
+
+    def plan(self, problem: AttentionProblem, backend: str = AUTO) -> Plan:
+        """A plan for ``problem`` from ``backend`` (``"auto"``, ``"measured"`` or a name)."""
+        if backend == AUTO:
+            plan, fallback = self._auto(problem)
+        elif backend == MEASURED:
+            plan, fallback = self._measured(problem)
+        else:
+            plan, fallback = self._explicit(problem, backend), False
+        self._publish(plan, backend if backend in (AUTO, MEASURED) else "explicit", fallback)
+        return plan
+
+    @property
+    def fallback_ratio(self) -> float:
+        return fallback_ratio(self.fallbacks, self.plans)
+
+    # -- modes -----------------------------------------------------------------------------------
+    def _explicit(self, problem: AttentionProblem, name: str) -> Plan:
+        b = self.registry.get(name)
+        v = b.check(problem)
+        if isinstance(v, Unsupported):
+            raise UnsupportedError(f"backend {name!r} cannot run this problem: {_why(v)}")
+        trace = (TraceEntry(name, Decision.SELECTED, "requested explicitly"),)
+        return dataclasses.replace(b.plan(problem), trace=trace)
+
+    def _auto(self, problem: AttentionProblem) -> tuple[Plan, bool]:
+        candidates = self._candidates(problem)
+        trace: list[TraceEntry] = []
+        for i, b in enumerate(candidates):
+            v = b.check(problem)
+            if isinstance(v, Supported):
+                plan = b.plan(problem)
+                trace.append(TraceEntry(b.name, Decision.SELECTED, "first supported candidate"))
+                trace.extend(
+                    TraceEntry(c.name, Decision.NOT_TRIED, "after the selected candidate")
+                    for c in candidates[i + 1 :]
+                )
+                return dataclasses.replace(plan, trace=tuple(trace)), i > 0
+            trace.append(TraceEntry(b.name, Decision.UNSUPPORTED, _why(v)))
+        raise UnsupportedError(self._none_supported(problem, trace))
+
+    def _measured(self, problem: AttentionProblem) -> tuple[Plan, bool]:
+        candidates = self._candidates(problem)
+        verdicts = {b.name: b.check(problem) for b in candidates}
+        viable = [
+            b for b in candidates
+            if isinstance(verdicts[b.name], Supported) and not b.capabilities.oracle
+        ]  # fmt: skip
+        if not viable:
+            return self._auto(problem)
+        bucket = WorkloadBucket.of(problem)
+        ranking = self.cache.get(bucket)
+        names = {b.name for b in viable}
+        if ranking is None or not any(c.name in names for c in ranking):
+            ranking = self._time(problem, viable)
+            self.cache.put(bucket, ranking)
+        ranked = [c for c in ranking if c.name in names]
+        chosen = self.registry.get(ranked[0].name)
+        plan = chosen.plan(problem)
+        times = {c.name: c.seconds for c in ranking}
+        trace = []
+        for b in candidates:
+            v = verdicts[b.name]
+            if b.name == chosen.name:
+                entry = TraceEntry(b.name, Decision.SELECTED, "fastest measured", times[b.name])
+            elif isinstance(v, Unsupported):
+                entry = TraceEntry(b.name, Decision.UNSUPPORTED, _why(v))
+            elif b.name in times:
+                entry = TraceEntry(b.name, Decision.SLOWER, "measured slower", times[b.name])
+            else:
+                entry = TraceEntry(b.name, Decision.NOT_TRIED, "oracle or not in the ranking")
+            trace.append(entry)
+        return dataclasses.replace(plan, trace=tuple(trace)), chosen.name != ranking[0].name
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _candidates(self, problem: AttentionProblem) -> Sequence[AttentionBackend]:
+        candidates = self.registry.candidates(problem.kind)
+        if not candidates:
+            raise UnsupportedError(f"no registered backend handles kind {problem.kind.value}")
+        return candidates
+
+    def _time(self, problem: AttentionProblem, viable: Sequence[AttentionBackend]) -> Ranking:
+        inputs = twin(problem, seed=self.seed)
+        timed = []
+        for i, b in enumerate(viable):
+            p = b.plan(inputs.problem)
+
+            def thunk(b: AttentionBackend = b, p: Plan = p) -> object:
+                return b.run(p, inputs.query, inputs.cache)
+
+            seconds = self.timer(b.name, thunk)
+            timed.append((seconds, i, RankedCandidate(b.name, seconds)))
+        return tuple(c for _, _, c in sorted(timed, key=lambda x: (x[0], x[1])))
+
+    @staticmethod
+    def _none_supported(problem: AttentionProblem, trace: list[TraceEntry]) -> str:
+        lines = "; ".join(f"{e.candidate}: {e.reason}" for e in trace)
+        return f"no backend supports this {problem.kind.value} problem ({lines})"
+
+    def _publish(self, plan: Plan, mode: str, fallback: bool) -> None:
+        self.plans += 1
+        self.fallbacks += int(fallback)
+        m = self._metrics
+        if m is None:
+            return
+        m.counter(
+            "attention_plans", "Attention plans made, by backend and mode", ("backend", "mode")
+        ).labels(backend=plan.backend, mode=mode).inc()
+        fb = m.counter("attention_fallback_plans", "Plans resolved to a non-first candidate")
+        if fallback:
+            fb.inc()
+        m.gauge("attention_fallback_ratio", "Plans resolved to a non-first candidate / plans").set(
+            self.fallback_ratio
+        )

@@ -1,0 +1,132 @@
+"""``kvplane bench attention``: MLA backends over a workload grid, against memcpy bandwidth.
+
+For each grid point (batch, q_len, kv_len, heads; DeepSeek dims r=512, p=64; pages shuffled in
+the pool) every viable non-oracle backend is timed on the same synthetic inputs; effective
+bandwidth is KV bytes read / time, compared with ``torch`` memcpy bandwidth measured in the same
+run. ``auto`` and ``measured`` (with its own timing and ranking cache) each pick a backend, and
+the point records whether ``measured``'s pick is within 10% of the fastest backend's time.
+
+MLA decode is compute-heavy per KV byte (``2 x H x (2r + p)`` flops per token), so on a small CPU
+the bandwidth ratio is bounded by matmul throughput, not memory: the result also reports the
+matmul GFLOP/s measured in the same run and each point's achieved GFLOP/s.
+
+JSON: ``{"grid": [...], "measured_within_10pct": fraction, "best_decode_gbps_ratio": x, ...}``
+where the ratio is taken at batch 32, q_len 1, kv_len 8192 (the largest decode point present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from itertools import product
+from typing import Any
+
+import torch
+
+from kvplane.attention import (
+    AUTO,
+    MEASURED,
+    MLAShape,
+    PerfCounterTimer,
+    Selector,
+    Supported,
+    default_registry,
+)
+from kvplane.attention.synthetic import make_mla_inputs, synthetic_metadata
+
+NAME = "attention"
+HELP = "MLA attention backends: time, GB/s vs memcpy, auto/measured choices."
+RANK, ROPE, PAGE_SIZE = 512, 64, 16
+FULL_GRID = {"batch": (1, 8, 32), "q_len": (1, 4), "kv_len": (128, 1024, 8192), "heads": (16, 128)}
+QUICK_GRID = {"batch": (1, 8), "q_len": (1, 4), "kv_len": (128, 1024), "heads": (16,)}
+QUICK_EXTRA = ((32, 1, 8192, 16),)  # the decode point the bandwidth target is defined at
+DECODE_POINT = (32, 1, 8192)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="KV/query dtype"
+    )
+
+
+def _memcpy_gbps(nbytes: int) -> float:
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(4):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def _matmul_gflops() -> float:
+    a = torch.randn(1024, 1024)
+    torch.mm(a, a)
+    start = time.perf_counter()
+    for _ in range(4):
+        torch.mm(a, a)
+    return 4 * 2 * 1024**3 / (time.perf_counter() - start) / 1e9
+
+
+def _point(
+    batch: int, q_len: int, kv_len: int, heads: int, *, dtype: torch.dtype, timer: PerfCounterTimer
+) -> dict[str, Any]:
+    meta, pages = synthetic_metadata([q_len] * batch, [kv_len] * batch, PAGE_SIZE, shuffle_seed=0)
+    inp = make_mla_inputs(
+        meta, pages, MLAShape(heads, RANK, ROPE), dtype=dtype,
+        sm_scale=(128 + ROPE) ** -0.5, causal=True,
+    )  # fmt: skip
+    registry = default_registry()
+    times: dict[str, float] = {}
+    for backend in registry.candidates(inp.problem.kind):
+        if backend.capabilities.oracle or not isinstance(backend.check(inp.problem), Supported):
+            continue
+        plan = backend.plan(inp.problem)
+
+        def thunk(b: Any = backend, p: Any = plan) -> object:
+            return b.run(p, inp.query, inp.cache)
+
+        times[backend.name] = timer(backend.name, thunk)
+    selector = Selector(registry, timer=timer)
+    auto = selector.plan(inp.problem, AUTO).backend
+    measured = selector.plan(inp.problem, MEASURED).backend
+    kv_bytes = batch * kv_len * (RANK + ROPE) * dtype.itemsize
+    flops = 2 * batch * q_len * heads * kv_len * (2 * RANK + ROPE)
+    fastest = min(times, key=lambda n: times[n])
+    return {
+        "batch": batch,
+        "q_len": q_len,
+        "kv_len": kv_len,
+        "heads": heads,
+        "seconds": times,
+        "gbps": {n: kv_bytes / t / 1e9 for n, t in times.items()},
+        "fastest": fastest,
+        "best_gflops": flops / times[fastest] / 1e9,
+        "auto": auto,
+        "measured": measured,
+        "measured_within_10pct": times[measured] <= 1.1 * times[fastest],
+    }
+
+
+def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
+    dtype = getattr(torch, getattr(args, "dtype", "float32"))
+    grid = QUICK_GRID if quick else FULL_GRID
+    points = list(product(grid["batch"], grid["q_len"], grid["kv_len"], grid["heads"]))
+    if quick:
+        points.extend(QUICK_EXTRA)
+    timer = PerfCounterTimer(warmup=1, repeats=2 if quick else 3)
+    largest = max(b * k for b, _, k, _ in points) * (RANK + ROPE) * 4
+    memcpy = _memcpy_gbps(min(largest, 1 << 30))
+    rows = [_point(b, q, k, h, dtype=dtype, timer=timer) for b, q, k, h in points]
+    decode = [r for r in rows if (r["batch"], r["q_len"], r["kv_len"]) == DECODE_POINT]
+    best_decode = max((max(r["gbps"].values()) for r in decode), default=0.0)
+    return {
+        "grid": rows,
+        "dtype": str(dtype).removeprefix("torch."),
+        "memcpy_gbps": memcpy,
+        "matmul_gflops": _matmul_gflops(),
+        "measured_within_10pct": sum(r["measured_within_10pct"] for r in rows) / len(rows),
+        "best_decode_gbps": best_decode,
+        "best_decode_gbps_ratio": best_decode / memcpy,
+    }

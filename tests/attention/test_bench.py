@@ -1,0 +1,35 @@
+"""``kvplane bench attention`` on a tiny grid: keys, ratios, and choices are consistent."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvplane.runtime.benches import attention as bench
+
+
+def test_bench_json_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        bench, "QUICK_GRID", {"batch": (1,), "q_len": (1,), "kv_len": (32,), "heads": (2,)}
+    )
+    monkeypatch.setattr(bench, "QUICK_EXTRA", ((2, 1, 64, 2),))
+    monkeypatch.setattr(bench, "DECODE_POINT", (2, 1, 64))
+    out = bench.run(True, argparse.Namespace(dtype="float32"))
+    assert set(out) == {
+        "grid", "dtype", "memcpy_gbps", "matmul_gflops", "measured_within_10pct",
+        "best_decode_gbps", "best_decode_gbps_ratio",
+    }  # fmt: skip
+    grid = out["grid"]
+    assert isinstance(grid, list) and [(r["batch"], r["kv_len"]) for r in grid] == [
+        (1, 32),
+        (2, 64),
+    ]
+    for row in grid:
+        assert set(row["seconds"]) == {"torch", "torch_splitkv", "sdpa"}
+        assert row["auto"] == "torch"
+        assert row["measured"] in row["seconds"]
+        assert row["fastest"] == min(row["seconds"], key=row["seconds"].get)
+    assert 0.0 <= out["measured_within_10pct"] <= 1.0
+    assert out["best_decode_gbps"] == max(grid[1]["gbps"].values())
+    assert out["best_decode_gbps_ratio"] == out["best_decode_gbps"] / out["memcpy_gbps"]

@@ -1,0 +1,69 @@
+"""Padded-batch machinery: visibility limits, masked softmax with LSE, and the LSE merge."""
+
+from __future__ import annotations
+
+import torch
+
+from kvplane.attention import merge_states
+from kvplane.attention.paged import build_batch_index, pad_queries, softmax_lse, unpad_rows
+from kvplane.attention.synthetic import synthetic_metadata
+
+
+def test_limits_bottom_right_causal_and_padding() -> None:
+    meta, _ = synthetic_metadata([2, 1, 3], [5, 0, 2], 4)
+    s = meta.structure()
+    idx = build_batch_index(meta, s, True, torch.device("cpu"))
+    # request 0: rows see 4, 5; request 1: nothing; request 2: q_len 3 > kv_len 2 -> 0, 1, 2
+    assert idx.limits.tolist() == [[4, 5, 0], [0, 0, 0], [0, 1, 2]]
+    full = build_batch_index(meta, s, False, torch.device("cpu"))
+    assert full.limits.tolist() == [[5, 5, 0], [0, 0, 0], [2, 2, 2]]
+    assert idx.q_rows is not None and idx.q_rows.tolist() == [[0, 1, 0], [2, 0, 0], [3, 4, 5]]
+    x = torch.arange(6.0).view(6, 1, 1)
+    padded = pad_queries(x, idx)
+    assert padded.shape == (3, 3, 1, 1)
+    assert torch.equal(unpad_rows(padded, idx), x)
+    assert idx.pages[1].tolist() == [0, 0] and idx.kv_tokens == 8
+
+
+def test_uniform_batches_pad_by_view() -> None:
+    meta, _ = synthetic_metadata([2, 2], [3, 4], 4)
+    idx = build_batch_index(meta, meta.structure(), True, torch.device("cpu"))
+    x = torch.randn(4, 2, 3)
+    assert idx.q_rows is None
+    assert pad_queries(x, idx).data_ptr() == x.data_ptr()
+
+
+def test_softmax_lse_masks_and_handles_empty_rows() -> None:
+    scores = torch.tensor(
+        [[[[0.0, 0.0, 5.0], [1.0, 2.0, 3.0]]]]
+    )  # [n=1, t=2, H=1... ] reshaped below
+    scores = scores.view(1, 2, 1, 3).clone()
+    mask = torch.tensor([[[True, True, False], [False, False, False]]])
+    p, lse = softmax_lse(scores, mask)
+    assert p[0, 0, 0].tolist() == [0.5, 0.5, 0.0]
+    assert p[0, 1, 0].tolist() == [0.0, 0.0, 0.0]
+    assert lse[0, 0, 0].item() == torch.log(torch.tensor(2.0)).item()
+    assert torch.isneginf(lse[0, 1, 0])
+
+
+def test_merge_states_equals_attention_over_union() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 10, dtype=torch.float64)
+    values = torch.randn(10, 4, dtype=torch.float64)
+
+    def attend(sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        lse = torch.logsumexp(logits[:, sl], -1)
+        return torch.softmax(logits[:, sl], -1) @ values[sl], lse
+
+    o, lse = merge_states(*attend(slice(0, 4)), *attend(slice(4, 10)))
+    o_all, lse_all = attend(slice(0, 10))
+    torch.testing.assert_close(o, o_all, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, lse_all, atol=1e-12, rtol=1e-12)
+    empty_o, empty_lse = (
+        torch.zeros(3, 4, dtype=torch.float64),
+        torch.full((3,), float("-inf"), dtype=torch.float64),
+    )
+    o2, lse2 = merge_states(empty_o, empty_lse, o_all, lse_all)
+    assert torch.equal(o2, o_all) and torch.equal(lse2, lse_all)
+    o3, lse3 = merge_states(empty_o, empty_lse, empty_o, empty_lse)
+    assert torch.equal(o3, empty_o) and bool(torch.isneginf(lse3).all())

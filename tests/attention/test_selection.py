@@ -1,0 +1,206 @@
+"""Selection: explicit never substitutes, auto falls through on Unsupported, measured ranks and
+caches; traces and the fallback-ratio metric, with a deterministic injected timer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvplane.attention import (
+    AUTO,
+    MEASURED,
+    BackendRegistry,
+    Decision,
+    QueryLayout,
+    RankingCache,
+    Selector,
+    TraceEntry,
+    WorkloadBucket,
+)
+from kvplane.attention.backends import ReferenceBackend, SDPABackend, TorchMLABackend
+from kvplane.errors import InvalidArgumentError, UnsupportedError
+from kvplane.metrics import MetricsRegistry
+
+TIMES = {"torch": 3.0, "torch_splitkv": 1.0, "sdpa": 2.0}
+
+
+class FakeTimer:
+    """Runs each thunk once (so the timed plan really executes) and reports a fixed time."""
+
+    def __init__(self, times: dict[str, float]) -> None:
+        self.times = times
+        self.calls: list[str] = []
+
+    def __call__(self, name: str, fn: Callable[[], object]) -> float:
+        fn()
+        self.calls.append(name)
+        return self.times[name]
+
+
+def test_explicit_never_substitutes(registry, mla_inputs) -> None:
+    metrics = MetricsRegistry()
+    sel = Selector(registry, metrics=metrics)
+    split = mla_inputs([1], [5], layout=QueryLayout.SPLIT)
+    with pytest.raises(
+        UnsupportedError, match="backend 'sdpa' cannot run this problem: split query"
+    ):
+        sel.plan(split.problem, "sdpa")
+    with pytest.raises(UnsupportedError, match=r"'flashinfer' cannot run.*no CUDA device"):
+        sel.plan(split.problem, "flashinfer")
+    with pytest.raises(InvalidArgumentError, match="unknown attention backend 'fast'"):
+        sel.plan(split.problem, "fast")
+    assert sel.plans == 0 and metrics.value("attention_fallback_ratio") == 0.0
+    plan = sel.plan(split.problem, "reference")
+    assert plan.backend == "reference"
+    assert plan.trace == (TraceEntry("reference", Decision.SELECTED, "requested explicitly"),)
+    assert (
+        metrics.value("attention_plans_total", {"backend": "reference", "mode": "explicit"}) == 1.0
+    )
+
+
+def test_auto_walks_candidates_and_traces(registry, mla_inputs) -> None:
+    metrics = MetricsRegistry()
+    sel = Selector(registry, metrics=metrics)
+    inputs = mla_inputs([1, 1], [5, 9])
+    plan = sel.plan(inputs.problem, AUTO)
+    assert plan.backend == "torch"
+    assert [(e.candidate, e.decision) for e in plan.trace] == [
+        ("flashinfer", Decision.UNSUPPORTED),
+        ("triton", Decision.UNSUPPORTED),
+        ("torch", Decision.SELECTED),
+        ("torch_splitkv", Decision.NOT_TRIED),
+        ("sdpa", Decision.NOT_TRIED),
+        ("reference", Decision.NOT_TRIED),
+    ]
+    assert "no CUDA device is available" in plan.trace[0].reason
+    assert "device cpu not supported" in plan.trace[1].reason
+    assert all(e.seconds is None for e in plan.trace)
+    assert metrics.value("attention_fallback_plans_total") == 1.0
+    assert metrics.value("attention_fallback_ratio") == 1.0
+    # the plan runs; the result equals the backend's own
+    out = registry.get(plan.backend).run(plan, inputs.query, inputs.cache)
+    assert out.out.shape == (2, 4, 64)
+
+
+def test_fallback_ratio_counts_non_first_candidates(mla_inputs) -> None:
+    metrics = MetricsRegistry()
+    reg = BackendRegistry([SDPABackend(), TorchMLABackend(), ReferenceBackend()])
+    sel = Selector(reg, metrics=metrics)
+    assert sel.plan(mla_inputs([1], [5]).problem).backend == "sdpa"  # first candidate
+    split = mla_inputs([1], [5], layout=QueryLayout.SPLIT)
+    assert sel.plan(split.problem).backend == "torch"  # fell through sdpa
+    assert (sel.plans, sel.fallbacks, sel.fallback_ratio) == (2, 1, 0.5)
+    assert metrics.value("attention_fallback_ratio") == 0.5
+    assert metrics.value("attention_plans_total", {"backend": "sdpa", "mode": "auto"}) == 1.0
+
+
+def test_measured_ranks_by_time_and_caches(registry, mla_inputs) -> None:
+    timer = FakeTimer(TIMES)
+    sel = Selector(registry, timer=timer, metrics=MetricsRegistry())
+    inputs = mla_inputs([1, 1], [5, 9])
+    plan = sel.plan(inputs.problem, MEASURED)
+    assert plan.backend == "torch_splitkv"
+    assert timer.calls == ["torch", "torch_splitkv", "sdpa"]
+    assert [(e.candidate, e.decision, e.seconds) for e in plan.trace] == [
+        ("flashinfer", Decision.UNSUPPORTED, None),
+        ("triton", Decision.UNSUPPORTED, None),
+        ("torch", Decision.SLOWER, 3.0),
+        ("torch_splitkv", Decision.SELECTED, 1.0),
+        ("sdpa", Decision.SLOWER, 2.0),
+        ("reference", Decision.NOT_TRIED, None),
+    ]
+    ranking = sel.cache.get(WorkloadBucket.of(inputs.problem))
+    assert ranking is not None and [c.name for c in ranking] == ["torch_splitkv", "sdpa", "torch"]
+    # same bucket (kv 9 -> 12 stays in the 16 bucket): no new timing
+    assert sel.plan(mla_inputs([1, 1], [6, 12]).problem, MEASURED).backend == "torch_splitkv"
+    assert len(timer.calls) == 3
+    # a different bucket is timed anew
+    sel.plan(mla_inputs([1, 1], [5, 40]).problem, MEASURED)
+    assert len(timer.calls) == 6 and len(sel.cache) == 2
+    assert sel.fallbacks == 0
+
+
+def test_measured_falls_to_next_ranked_when_fastest_unsupported(registry, mla_inputs) -> None:
+    timer = FakeTimer({"torch": 3.0, "torch_splitkv": 2.0, "sdpa": 1.0})
+    sel = Selector(registry, timer=timer)
+    assert sel.plan(mla_inputs([1], [5]).problem, MEASURED).backend == "sdpa"
+    split = mla_inputs([1], [5], layout=QueryLayout.SPLIT)  # same bucket, sdpa unsupported
+    plan = sel.plan(split.problem, MEASURED)
+    assert plan.backend == "torch_splitkv" and len(timer.calls) == 3
+    assert (sel.plans, sel.fallbacks) == (2, 1)
+
+
+def test_measured_ranking_persists_across_selectors(tmp_path: Path, registry, mla_inputs) -> None:
+    path = tmp_path / "rankings.json"
+    first = FakeTimer(TIMES)
+    Selector(registry, timer=first, cache=RankingCache(path)).plan(
+        mla_inputs([1], [5]).problem, MEASURED
+    )
+    second = FakeTimer({"torch": 0.1, "torch_splitkv": 9.0, "sdpa": 9.0})
+    plan = Selector(registry, timer=second, cache=RankingCache(path)).plan(
+        mla_inputs([1], [7]).problem, MEASURED
+    )
+    assert plan.backend == "torch_splitkv" and second.calls == []
+
+
+def test_measured_uses_oracle_only_as_last_resort(mla_inputs) -> None:
+    timer = FakeTimer({})
+    sel = Selector(BackendRegistry([SDPABackend(), ReferenceBackend()]), timer=timer)
+    plan = sel.plan(mla_inputs([1], [5], layout=QueryLayout.SPLIT).problem, MEASURED)
+    assert plan.backend == "reference" and timer.calls == []
+    assert plan.trace[0].decision is Decision.UNSUPPORTED
+
+
+def test_no_backend_at_all(mla_inputs) -> None:
+    sel = Selector(BackendRegistry([SDPABackend()]))
+    with pytest.raises(
+        UnsupportedError, match=r"no backend supports this mla problem \(sdpa: split"
+    ):
+        sel.plan(mla_inputs([1], [5], layout=QueryLayout.SPLIT).problem)
+    with pytest.raises(UnsupportedError, match="no registered backend handles kind gqa"):
+        sel.plan(_gqa_problem())
+
+
+def _gqa_problem():
+    import torch
+
+    from kvplane.attention import GQAKVCache, GQAQuery, gqa_problem
+    from kvplane.attention.synthetic import synthetic_metadata
+
+    meta, pages = synthetic_metadata([1], [3], 4)
+    kv = torch.zeros(pages, 4, 1, 8)
+    return gqa_problem(
+        GQAQuery(torch.zeros(1, 2, 8)), GQAKVCache(kv, kv), meta, sm_scale=1.0, causal=True
+    )
+
+
+class BrokenPlanBackend(TorchMLABackend):
+    """The real torch backend whose plan fails: selection must publish nothing."""
+
+    @property
+    def name(self) -> str:
+        return "broken"
+
+    def plan(self, problem):
+        raise RuntimeError("plan failed")
+
+
+def test_failed_plan_publishes_nothing(mla_inputs) -> None:
+    metrics = MetricsRegistry()
+    sel = Selector(BackendRegistry([BrokenPlanBackend(), TorchMLABackend()]), metrics=metrics)
+    with pytest.raises(RuntimeError, match="plan failed"):
+        sel.plan(mla_inputs([1], [5]).problem, AUTO)  # auto does not fall through on a failure
+    assert sel.plans == 0 and len(sel.cache) == 0
+    assert metrics.value("attention_plans_total", {"backend": "broken", "mode": "auto"}) == 0.0
+
+
+def test_perf_counter_timer_runs_warmup_and_repeats() -> None:
+    from kvplane.attention import PerfCounterTimer
+
+    calls: list[int] = []
+    seconds = PerfCounterTimer(warmup=2, repeats=3)("x", lambda: calls.append(1))
+    assert len(calls) == 5 and seconds >= 0.0
+    with pytest.raises(InvalidArgumentError, match="got 1 and 0"):
+        PerfCounterTimer(warmup=1, repeats=0)
