@@ -12,6 +12,11 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 stamp=".venv/.kvplane-stamp"
 want="$(cat pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  "${pip[@]}" install -e ".[test,redis]"
+  # libibverbs1: the Mooncake Transfer Engine wheel links it (Debian package; root only here).
+  if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null 2>&1 \
+      || echo "warning: libibverbs1 not installed; the mooncake transport will be unsupported"
+  fi
+  "${pip[@]}" install -e ".[test,redis,hf,plot,nixl,mooncake]"
   echo "$want" > "$stamp"
 fi
