@@ -1,0 +1,32 @@
+"""L4 transfer: the transfer plan (frozen data that proves its own coverage), the pure vectorised
+planner that builds it from two layouts and block tables, its wire codec, and the executor that
+runs it over any transport."""
+
+from kvplane.transfer.codec import decode_plan, encode_plan
+from kvplane.transfer.coverage import Coverage
+from kvplane.transfer.executor import PlanExecutor
+from kvplane.transfer.plan import TransferOp, TransferPlan
+from kvplane.transfer.planner import plan_transfer
+from kvplane.transfer.progress import OpProgress, OpState, PlanOutcome, PlanResult
+from kvplane.transfer.request import OpGrouping, PlanOptions, PlanSide
+from kvplane.transfer.run import PlanRun
+from kvplane.transfer.stats import PlanStats
+
+__all__ = [
+    "Coverage",
+    "OpGrouping",
+    "OpProgress",
+    "OpState",
+    "PlanExecutor",
+    "PlanOptions",
+    "PlanOutcome",
+    "PlanResult",
+    "PlanRun",
+    "PlanSide",
+    "PlanStats",
+    "TransferOp",
+    "TransferPlan",
+    "decode_plan",
+    "encode_plan",
+    "plan_transfer",
+]

@@ -1,0 +1,133 @@
+"""Coverage moments against brute force over every byte; overlap search; concatenation."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvplane.errors import PlanError
+from kvplane.transfer.coverage import (
+    MOD,
+    Coverage,
+    concat_descriptors,
+    coverage_of_descriptors,
+    coverage_of_product,
+    first_overlap,
+)
+from kvplane.transports.base import DescriptorList
+
+
+def brute(pairs: list[tuple[int, int, int]]) -> Coverage:
+    """Moments by enumerating every byte of ``(src offset, dst offset, length)`` pairs."""
+    count = s_sum = d_sum = cross = 0
+    for s, d, n in pairs:
+        for k in range(n):
+            count += 1
+            s_sum += s + k
+            d_sum += d + k
+            cross += (s + k) * (d + k)
+    return Coverage(count, s_sum % MOD, d_sum % MOD, cross % MOD)
+
+
+def lists(pairs: list[tuple[int, int, int]]) -> tuple[DescriptorList, DescriptorList]:
+    src = DescriptorList.of([(0, s, n) for s, _, n in pairs])
+    dst = DescriptorList.of([(1, d, n) for _, d, n in pairs])
+    return src, dst
+
+
+offsets = st.integers(0, 1 << 10) | st.integers((1 << 40) - 64, (1 << 40) + 64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pairs=st.lists(st.tuples(offsets, offsets, st.integers(1, 40)), max_size=6))
+def test_descriptor_moments_equal_brute_force(pairs) -> None:
+    assert coverage_of_descriptors(*lists(pairs)) == brute(pairs)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7, (1 << 33) + 1, (1 << 34) + 3, (1 << 40) - 1])
+def test_closed_forms_stay_exact_for_huge_descriptors(n: int) -> None:
+    s, d = (1 << 39) + 5, (1 << 41) + 11
+    t1 = n * (n - 1) // 2
+    t2 = (n - 1) * n * (2 * n - 1) // 6
+    want = Coverage(
+        n, (n * s + t1) % MOD, (n * d + t1) % MOD, (n * s * d + (s + d) * t1 + t2) % MOD
+    )
+    assert coverage_of_descriptors(*lists([(s, d, n)])) == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    axes=st.lists(
+        st.integers(1, 3).flatmap(
+            lambda n: st.tuples(
+                st.lists(st.integers(0, 1 << 42), min_size=n, max_size=n),
+                st.lists(st.integers(0, 1 << 42), min_size=n, max_size=n),
+            )
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_product_moments_equal_brute_force(axes) -> None:
+    arrays = [(np.array(s, dtype=np.int64), np.array(d, dtype=np.int64)) for s, d in axes]
+    count = s_sum = d_sum = cross = 0
+    for combo in itertools.product(*[range(len(s)) for s, _ in axes]):
+        s = sum(axes[a][0][i] for a, i in enumerate(combo))
+        d = sum(axes[a][1][i] for a, i in enumerate(combo))
+        count, s_sum, d_sum, cross = count + 1, s_sum + s, d_sum + d, cross + s * d
+    assert coverage_of_product(arrays) == Coverage(count, s_sum % MOD, d_sum % MOD, cross % MOD)
+
+
+def test_product_of_an_empty_axis_is_zero() -> None:
+    empty = np.zeros(0, dtype=np.int64)
+    assert coverage_of_product([(empty, empty)]) == Coverage.zero()
+    assert coverage_of_descriptors(DescriptorList.empty(), DescriptorList.empty()) == Coverage(
+        0, 0, 0, 0
+    )
+
+
+def test_moments_tell_swapped_destinations_apart() -> None:
+    right = coverage_of_descriptors(*lists([(0, 100, 10), (10, 200, 10)]))
+    swapped = coverage_of_descriptors(*lists([(0, 200, 10), (10, 100, 10)]))
+    assert (right.num_bytes, right.src_sum, right.dst_sum) == (
+        swapped.num_bytes,
+        swapped.src_sum,
+        swapped.dst_sum,
+    )
+    assert right.cross_sum != swapped.cross_sum
+
+
+def test_coverage_fields_are_checked() -> None:
+    with pytest.raises(PlanError, match="num_bytes"):
+        Coverage(-1, 0, 0, 0)
+    with pytest.raises(PlanError, match="cross_sum"):
+        Coverage(0, 0, 0, MOD)
+    with pytest.raises(PlanError, match="src_sum"):
+        Coverage(0, True, 0, 0)  # type: ignore[arg-type]
+
+
+def test_first_overlap() -> None:
+    touching = DescriptorList.of([(0, 10, 5), (0, 0, 10), (0, 15, 1)])
+    assert first_overlap(touching) is None
+    other_region = DescriptorList.of([(0, 0, 10), (1, 5, 10)])
+    assert first_overlap(other_region) is None
+    clash = DescriptorList.of([(0, 30, 4), (1, 0, 8), (0, 0, 10), (0, 9, 2)])
+    assert first_overlap(clash) == (2, 3)
+    inside = DescriptorList.of([(0, 0, 100), (0, 40, 1)])
+    assert first_overlap(inside) == (0, 1)
+    assert first_overlap(DescriptorList.of([(0, 0, 1)])) is None
+
+
+def test_concat_descriptors() -> None:
+    a = DescriptorList.of([(0, 0, 4)])
+    b = DescriptorList.of([(1, 8, 2), (1, 20, 3)])
+    both = concat_descriptors([a, b])
+    assert both.regions.tolist() == [0, 1, 1]
+    assert both.offsets.tolist() == [0, 8, 20]
+    assert both.lengths.tolist() == [4, 2, 3]
+    assert concat_descriptors([a]) is a
+    assert len(concat_descriptors([])) == 0

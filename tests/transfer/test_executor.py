@@ -1,0 +1,205 @@
+"""PlanExecutor: the plan is validated against local and peer regions before any byte moves;
+notifications follow all bytes; READ and WRITE; argument checks; injected metrics; and plans run
+over the real LocalTransport (loopback, and between two transports of one fabric)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvplane.chunks import ChunkSpec
+from kvplane.errors import InvalidArgumentError, PlanError
+from kvplane.ids import RegionId, TokenRange
+from kvplane.layout import HEAD_MAJOR, KVLayout
+from kvplane.metrics import MetricsRegistry
+from kvplane.transfer.coverage import Coverage
+from kvplane.transfer.executor import PlanExecutor
+from kvplane.transfer.plan import TransferPlan
+from kvplane.transfer.planner import plan_transfer
+from kvplane.transfer.progress import OpProgress, OpState, PlanOutcome
+from kvplane.transfer.request import OpGrouping, PlanOptions, PlanSide
+from kvplane.transports.base import Peer, XferKind
+from kvplane.transports.local import LocalFabric, LocalTransport
+
+SRC_LAYOUT = KVLayout.gqa(
+    num_blocks=6, block_size=4, num_layers=2, kv_heads=4, head_dim=4, dtype=torch.bfloat16
+)
+DST_LAYOUT = KVLayout.gqa(
+    num_blocks=5, block_size=8, num_layers=2, kv_heads=4, head_dim=4, dtype=torch.bfloat16,
+    head_range=(2, 4), order=HEAD_MAJOR,
+)  # fmt: skip
+S_IDS, D_IDS = [4, 0, 2, 5], [3, 1]
+
+
+def build(transport, kvref, grouping: OpGrouping = OpGrouping.CHUNK):
+    """Register two pools on ``transport``; plan 13 tokens across block sizes and TP ranges."""
+    src, s_pool = kvref.region_with_pool(SRC_LAYOUT, 0, seed=3)
+    dst, _ = kvref.region_with_pool(DST_LAYOUT, 0, seed=4)
+    s_reg, d_reg = transport.register(src), transport.register(dst)
+    plan = plan_transfer(
+        PlanSide(SRC_LAYOUT, np.array(S_IDS), s_reg.region_id),
+        PlanSide(DST_LAYOUT, np.array(D_IDS), d_reg.region_id),
+        TokenRange(2, 15),
+        options=PlanOptions(grouping=grouping, chunk_spec=ChunkSpec(4)),
+    )
+    expected = dst.clone()
+    exp_pool = expected[: DST_LAYOUT.pool_bytes].view(DST_LAYOUT.dtype).view(DST_LAYOUT.shape)
+    kvref.scatter((SRC_LAYOUT, s_pool, S_IDS), (DST_LAYOUT, exp_pool, D_IDS), plan.tokens,
+                  plan.layers)  # fmt: skip
+    return plan, src, dst, expected, (s_reg.region_id, d_reg.region_id)
+
+
+def test_invalid_plan_is_refused_before_any_byte_moves(scripted, clock, kvref) -> None:
+    plan, _, dst, _, (_, d_id) = build(scripted, kvref)
+    before = dst.clone()
+    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
+    small_peer = Peer(scripted.connect(b"").peer_id, {d_id: 64})
+    with pytest.raises(PlanError, match=r"destination descriptor .* runs past the region end 64"):
+        ex.execute(plan, small_peer, local_regions=scripted.lengths())
+    with pytest.raises(PlanError, match=r"source descriptors name unknown region\(s\)"):
+        ex.execute(plan, scripted.connect(b""), local_regions={d_id: 10**6})
+    assert scripted.batches == {} and torch.equal(dst, before)
+
+
+def test_write_and_read_move_the_same_bytes(scripted, clock, kvref) -> None:
+    plan, _, dst, expected, (_, d_id) = build(scripted, kvref)
+    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
+    peer = scripted.connect(scripted.metadata())
+    # READ: the plan's sources are the peer's regions, destinations local
+    result = ex.execute(plan, peer, local_regions={d_id: int(dst.numel())}, kind=XferKind.READ)
+    assert result.ok and torch.equal(dst, expected)
+    with pytest.raises(PlanError, match="unknown region"):
+        ex.execute(plan, Peer(peer.peer_id, {d_id: 10**6}), local_regions={d_id: 10**6},
+                   kind=XferKind.READ)  # fmt: skip
+
+
+def test_notify_follows_every_byte(scripted, clock, kvref) -> None:
+    plan, _, dst, expected, _ = build(scripted, kvref)
+    assert len(plan.ops) == 4
+    events: list[OpProgress] = []
+    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
+    result = ex.execute(
+        plan, scripted.connect(b""), local_regions=scripted.lengths(), notify=b"slice-0-done",
+        on_progress=events.append,
+    )  # fmt: skip
+    assert result.ok and torch.equal(dst, expected)
+    last_submitted = events.index(OpProgress(3, OpState.PENDING, 0, plan.ops[3].num_bytes))
+    done_before = {e.op_index for e in events[:last_submitted] if e.state is OpState.DONE}
+    assert done_before == {0, 1, 2}
+    assert [b.notify for b in scripted.batches.values()] == [None, None, None, b"slice-0-done"]
+    assert scripted.notifications() == [("loopback", b"slice-0-done")]
+    assert scripted.notifications() == []
+
+
+def test_empty_plan(scripted, clock) -> None:
+    empty = TransferPlan((), TokenRange(5, 5), (0,), Coverage.zero())
+    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
+    result = ex.execute(empty, scripted.connect(b""), local_regions={})
+    assert result.outcome is PlanOutcome.DONE and result.ops == () and result.num_bytes == 0
+    with pytest.raises(PlanError, match="no op to carry the notification"):
+        ex.execute(empty, scripted.connect(b""), local_regions={}, notify=b"x")
+
+
+def test_arguments_are_checked(scripted, clock) -> None:
+    with pytest.raises(InvalidArgumentError, match="max_inflight"):
+        PlanExecutor(scripted, max_inflight=0)
+    with pytest.raises(InvalidArgumentError, match="max_idle_s"):
+        PlanExecutor(scripted, max_idle_s=0)
+    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
+    empty = TransferPlan((), TokenRange(5, 5), (0,), Coverage.zero())
+    peer = scripted.connect(b"")
+    for bad in (0, -1.0, True, "1"):
+        with pytest.raises(InvalidArgumentError, match="deadline_s"):
+            ex.start(empty, peer, local_regions={}, deadline_s=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="XferKind"):
+        ex.start(empty, peer, local_regions={}, kind="write")  # type: ignore[arg-type]
+
+
+def test_metrics_are_recorded_in_the_injected_registry(scripted, clock, kvref, fault) -> None:
+    registry = MetricsRegistry()
+    plan, *_ = build(scripted, kvref)
+    ex = PlanExecutor(scripted, metrics=registry, max_inflight=1, clock=clock, sleep=clock.sleep)
+    assert ex.execute(plan, scripted.connect(b""), local_regions=scripted.lengths()).ok
+    scripted.faults[len(scripted.batches) + 1] = fault("fail", after=0)
+    failed = ex.execute(plan, scripted.connect(b""), local_regions=scripted.lengths())
+    assert failed.outcome is PlanOutcome.FAILED
+    labels = {"transport": "scripted"}
+    done_bytes = plan.num_bytes + plan.ops[0].num_bytes
+    assert registry.value("plan_exec_bytes", labels, "_total") == done_bytes
+    assert registry.value("plan_exec_ops", {**labels, "state": "done"}, "_total") == 5
+    assert registry.value("plan_exec_ops", {**labels, "state": "failed"}, "_total") == 1
+    assert registry.value("plan_exec_ops", {**labels, "state": "not_submitted"}, "_total") == 2
+    assert registry.value("plan_descriptors_per_op", suffix="_count") == 4 + 2
+    described = sum(op.num_descriptors for op in plan.ops) + sum(
+        op.num_descriptors for op in plan.ops[:2]
+    )
+    assert registry.value("plan_descriptors_per_op", suffix="_sum") == described
+    for outcome in ("done", "failed"):
+        assert registry.value("plan_exec_seconds", {**labels, "outcome": outcome}, "_count") == 1
+
+
+@pytest.mark.parametrize("grouping", list(OpGrouping))
+def test_plans_run_over_the_local_transport_loopback(kvref, grouping: OpGrouping) -> None:
+    transport = LocalTransport()
+    try:
+        plan, src, dst, expected, (s_id, d_id) = build(transport, kvref, grouping)
+        before_src = src.clone()
+        events: list[OpProgress] = []
+        result = PlanExecutor(transport).execute(
+            plan, transport.connect(transport.metadata()), deadline_s=10.0,
+            local_regions={s_id: int(src.numel()), d_id: int(dst.numel())},
+            notify=b"done", on_progress=events.append,
+        )  # fmt: skip
+        assert result.ok, result
+        assert torch.equal(dst, expected) and torch.equal(src, before_src)
+        assert [p.state for p in result.ops] == [OpState.DONE] * len(plan.ops)
+        assert {e.op_index for e in events if e.state is OpState.DONE} == set(range(len(plan.ops)))
+        assert transport.notifications() == [(transport.agent, b"done")]
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("kind", list(XferKind))
+def test_plans_run_between_two_local_transports(kvref, kind: XferKind) -> None:
+    fabric = LocalFabric()
+    sender, receiver = LocalTransport(fabric=fabric), LocalTransport(fabric=fabric)
+    try:
+        src, s_pool = kvref.region_with_pool(SRC_LAYOUT, 0, seed=5)
+        dst, _ = kvref.region_with_pool(DST_LAYOUT, 0, seed=6)
+        s_reg, d_reg = sender.register(src), receiver.register(dst)
+        plan = plan_transfer(
+            PlanSide(SRC_LAYOUT, np.array(S_IDS), s_reg.region_id),
+            PlanSide(DST_LAYOUT, np.array(D_IDS), d_reg.region_id),
+            TokenRange(0, 16),
+            options=PlanOptions(grouping=OpGrouping.LAYER),
+        )
+        expected = dst.clone()
+        exp_pool = expected[: DST_LAYOUT.pool_bytes].view(DST_LAYOUT.dtype)
+        kvref.scatter((SRC_LAYOUT, s_pool, S_IDS), (DST_LAYOUT, exp_pool.view(DST_LAYOUT.shape),
+                      D_IDS), plan.tokens, plan.layers)  # fmt: skip
+        if kind is XferKind.WRITE:  # the sender pushes into the receiver's pool
+            runner, peer = sender, sender.connect(receiver.metadata())
+            local = {s_reg.region_id: int(src.numel())}
+        else:  # the receiver pulls from the sender's pool
+            runner, peer = receiver, receiver.connect(sender.metadata())
+            local = {d_reg.region_id: int(dst.numel())}
+        result = PlanExecutor(runner).execute(
+            plan, peer, local_regions=local, kind=kind, notify=b"end"
+        )
+        assert result.ok, result
+        assert torch.equal(dst, expected)
+        other = receiver if kind is XferKind.WRITE else sender
+        assert other.notifications() == [(runner.agent, b"end")]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_region_ids_are_whatever_the_transport_assigned(scripted, clock, kvref) -> None:
+    scripted.register(torch.zeros(16, dtype=torch.uint8))  # shift the ids
+    plan, _, dst, expected, ids = build(scripted, kvref)
+    assert ids == (RegionId(1), RegionId(2))
+    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
+    assert ex.execute(plan, scripted.connect(b""), local_regions=scripted.lengths()).ok
+    assert torch.equal(dst, expected)
