@@ -108,3 +108,17 @@ class UnknownChunkError(OffloadError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
         return str(self.args[0]) if self.args else "unknown chunk"
+
+
+# -- models --------------------------------------------------------------------------------------
+class CheckpointError(InvalidArgumentError):
+    """A model checkpoint (``config.json`` + ``*.safetensors``) is unreadable, of an unsupported
+    architecture, or has missing, unexpected or mis-shaped tensors."""
+
+
+# -- transports (appended) --------------------------------------------------------------------
+class UnknownPeerError(TransportError, KeyError):
+    """A transfer names a peer this transport never connected to (or has forgotten)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else "unknown peer"

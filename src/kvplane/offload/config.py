@@ -1,0 +1,67 @@
+"""``[offload]`` configuration: tier sizes, policy, admission, disk and Redis settings.
+
+Resolve it with :func:`kvplane.config.resolve` (``OffloadConfig``, section ``"offload"``), so
+every field can come from a flag, ``KVPLANE_OFFLOAD_<FIELD>``, the TOML file or the default.
+Tiers below the host are enabled by giving them a place: ``disk_path`` for the disk tier,
+``remote_url`` for the Redis tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvplane.errors import ConfigError
+from kvplane.offload.policies.registry import POLICIES
+from kvplane.offload.tiers.base import SyncPolicy
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"OffloadConfig.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    """Sizes are in chunk slots; a slot holds one chunk (``blocks_per_chunk`` blocks)."""
+
+    host_slots: int = 64
+    policy: str = "lru"
+    admission_min_lookups: int = 1
+    pin_memory: bool = True
+    disk_path: Path | None = None
+    disk_slots: int = 256
+    disk_sync: SyncPolicy = SyncPolicy.NONE
+    disk_direct_io: bool = True
+    remote_url: str = ""
+    remote_slots: int = 256
+    remote_namespace: str = "kvplane"
+    remote_timeout_s: float = 5.0
+    staging_blocks: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("host_slots", "disk_slots", "remote_slots", "staging_blocks"):
+            _positive(name, getattr(self, name))
+        if self.policy not in POLICIES:
+            raise ConfigError(
+                f"OffloadConfig.policy {self.policy!r} is not one of {sorted(POLICIES)}"
+            )
+        m = self.admission_min_lookups
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ConfigError(f"OffloadConfig.admission_min_lookups must be >= 0, got {m!r}")
+        if not isinstance(self.disk_sync, SyncPolicy):
+            raise ConfigError(
+                f"OffloadConfig.disk_sync must be a SyncPolicy, got {self.disk_sync!r}"
+            )
+        if self.remote_url and not self.remote_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                f"OffloadConfig.remote_url must be a redis:// URL: {self.remote_url!r}"
+            )
+        if not self.remote_namespace or ":" in self.remote_namespace:
+            raise ConfigError(
+                f"OffloadConfig.remote_namespace must be non-empty without ':': "
+                f"{self.remote_namespace!r}"
+            )
+        t = self.remote_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise ConfigError(f"OffloadConfig.remote_timeout_s must be positive, got {t!r}")

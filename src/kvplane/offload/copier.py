@@ -1,0 +1,177 @@
+"""Device <-> host chunk copies: gather pool blocks into host slots and scatter them back.
+
+Theory of operation
+-------------------
+A chunk is ``blocks_per_chunk`` blocks of one pool; in a host slot it is stored block-major in
+the layout's canonical order, ``[bpc, layers, comps, tokens, heads, dim]``, whatever the pool's
+memory order (the layout fingerprint in stored headers names that order too). The copier views
+the pool through :meth:`KVLayout.canonical_view` (zero-copy) and moves whole blocks along its
+BLOCK axis:
+
+- per run of consecutive host slots (a fresh tier hands out consecutive slots, so usually one
+  per job), and inside it per run of consecutive *device* block ids, one slice ``copy_``
+  (memcpy speed);
+- when device ids are too scattered for that to pay (average run under :data:`MIN_RUN`
+  blocks), one ``torch.index_select(pool_view, 0, ids, out=host_run)`` (gather, store) or
+  ``pool_view.index_copy_(0, ids, host_run)`` (scatter, load) per host run instead. CPU
+  ``index_copy_`` is an element loop, several times slower than memcpy, hence the run split;
+  on a GPU both index ops are used directly.
+
+Tensors are viewed as the widest integer type dividing a DIM row (``int64`` for any usual
+head size), which keeps the copies dtype-agnostic (fp8 included) and ``index_copy_`` fast.
+A pool on a GPU goes through preallocated device staging buffers (one for each direction, so a
+store and a load can run on two job threads at once) and a synchronous copy to host memory.
+There is no Python loop per block per layer: loops are per run of slots or of block ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvplane.errors import InvalidArgumentError
+from kvplane.ids import SlotId
+from kvplane.layout import KVLayout
+from kvplane.offload.jobs import BlockIds
+from kvplane.offload.tiers.host import HostTier
+
+MIN_RUN = 4
+"""Average device-block run length from which per-run slice copies beat ``index_copy_``."""
+
+_WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def _runs(values: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """``[start, stop)`` positions of maximal runs of consecutive increasing values."""
+    if values.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(values) != 1) + 1
+    bounds = np.concatenate(([0], cuts, [values.size]))
+    return [(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
+
+
+class ChunkCopier:
+    """Moves chunks of ``blocks_per_chunk`` blocks between ``pool`` (laid out as ``layout``)
+    and the slots of ``host``. Not thread-safe per direction; gather and scatter may overlap."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        pool: torch.Tensor,
+        host: HostTier,
+        blocks_per_chunk: int,
+        staging_blocks: int = 256,
+    ) -> None:
+        layout.check_pool(pool)
+        if layout.whole_only:
+            raise InvalidArgumentError("a STATE pool moves whole, not in chunks of blocks")
+        if host.chunk_bytes != blocks_per_chunk * layout.bytes_per_block:
+            raise InvalidArgumentError(
+                f"host slots hold {host.chunk_bytes} bytes but a chunk of {blocks_per_chunk} "
+                f"blocks is {blocks_per_chunk * layout.bytes_per_block}"
+            )
+        row = layout.head_dim * layout.element_size
+        self._dtype = next(dt for size, dt in _WIDE if row % size == 0)
+        self.layout = layout
+        self.host = host
+        self.blocks_per_chunk = blocks_per_chunk
+        self._view = layout.canonical_view(pool).view(self._dtype)
+        self._block_shape = tuple(self._view.shape[1:])
+        self._on_cpu = pool.device.type == "cpu"
+        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
+        if not self._on_cpu:
+            shape = (staging_blocks, *self._block_shape)
+            self._staging = (
+                torch.empty(shape, dtype=self._dtype, device=pool.device),
+                torch.empty(shape, dtype=self._dtype, device=pool.device),
+            )
+
+    # -- validation ----------------------------------------------------------------------------
+    def _check(
+        self, block_ids: BlockIds, slots: Sequence[SlotId]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        sl = np.asarray(slots, dtype=np.int64)
+        if ids.ndim != 1 or sl.ndim != 1 or ids.size != sl.size * self.blocks_per_chunk:
+            raise InvalidArgumentError(
+                f"{len(slots)} chunks need {len(slots) * self.blocks_per_chunk} block ids, "
+                f"got {len(block_ids)}"
+            )
+        n = self._view.shape[0]
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise InvalidArgumentError(f"block ids must be in 0..{n - 1}: {ids.min()}..{ids.max()}")
+        if sl.size and (int(sl.min()) < 0 or int(sl.max()) >= self.host.num_slots):
+            raise InvalidArgumentError(f"host slots must be in 0..{self.host.num_slots - 1}")
+        return ids, sl
+
+    def _host_runs(self, sl: npt.NDArray[np.int64]) -> list[tuple[int, int, torch.Tensor]]:
+        """``(chunk start, chunk stop, host view [blocks, *block_shape])`` per run of slots."""
+        runs = _runs(sl) if self.host.contiguous_slots else [(i, i + 1) for i in range(sl.size)]
+        out = []
+        for a, b in runs:
+            raw = (
+                self.host.run(SlotId(int(sl[a])), b - a)
+                if self.host.contiguous_slots
+                else self.host.slot(SlotId(int(sl[a])))
+            )
+            view = raw.view(self._dtype).view((b - a) * self.blocks_per_chunk, *self._block_shape)
+            out.append((a, b, view))
+        return out
+
+    # -- copies --------------------------------------------------------------------------------
+    def gather(self, block_ids: BlockIds, slots: Sequence[SlotId]) -> None:
+        """Copy pool blocks ``block_ids`` (chunk-major: chunk ``i`` is ids ``i*bpc..``) into
+        host ``slots``. Reads the pool, writes only those slots; the caller holds the slots
+        STORING and keeps the blocks from reuse (the fence) until this returns."""
+        ids, sl = self._check(block_ids, slots)
+        bpc = self.blocks_per_chunk
+        for a, b, host in self._host_runs(sl):
+            part = ids[a * bpc : b * bpc]
+            if self._staging is not None:
+                self._via_staging(torch.from_numpy(part), host, self._staging[0], to_host=True)
+                continue
+            runs = _runs(part)
+            if len(runs) * MIN_RUN <= part.size:
+                for s, e in runs:
+                    first = int(part[s])
+                    host[s:e].copy_(self._view[first : first + (e - s)])
+            else:
+                torch.index_select(self._view, 0, torch.from_numpy(part), out=host)
+
+    def scatter(self, slots: Sequence[SlotId], block_ids: BlockIds) -> None:
+        """Copy host ``slots`` into pool blocks ``block_ids`` (chunk-major). Writes only those
+        blocks; the caller holds the slots pinned (LOADING) and owns the blocks."""
+        ids, sl = self._check(block_ids, slots)
+        bpc = self.blocks_per_chunk
+        for a, b, host in self._host_runs(sl):
+            part = ids[a * bpc : b * bpc]
+            if self._staging is not None:
+                self._via_staging(torch.from_numpy(part), host, self._staging[1], to_host=False)
+                continue
+            runs = _runs(part)
+            if len(runs) * MIN_RUN <= part.size:
+                for s, e in runs:
+                    first = int(part[s])
+                    self._view[first : first + (e - s)].copy_(host[s:e])
+            else:
+                self._view.index_copy_(0, torch.from_numpy(part), host)
+
+    def _via_staging(
+        self, idx: torch.Tensor, host: torch.Tensor, staging: torch.Tensor, *, to_host: bool
+    ) -> None:
+        step = staging.shape[0]
+        dev_idx = idx.to(self._view.device)
+        for s in range(0, idx.numel(), step):
+            n = min(step, idx.numel() - s)
+            stage = staging[:n]
+            if to_host:
+                torch.index_select(self._view, 0, dev_idx[s : s + n], out=stage)
+                host[s : s + n].copy_(stage)
+            else:
+                stage.copy_(host[s : s + n])
+                self._view.index_copy_(0, dev_idx[s : s + n], stage)
+        torch.cuda.synchronize(self._view.device)

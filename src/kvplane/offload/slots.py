@@ -1,0 +1,297 @@
+"""Chunk slot status: the per-tier table of which chunk occupies which slot, and in what state.
+
+Theory of operation
+-------------------
+A tier holds ``num_slots`` slots of one chunk each. Every slot moves through one table of legal
+transitions (:data:`TRANSITIONS`)::
+
+    EMPTY --begin_store--> STORING --finish_store(ok)--> READY <--pin/unpin--> LOADING(n readers)
+      ^                      |                             |
+      +--finish_store(fail)--+                             +--evict--> EVICTING --> EMPTY
+
+A chunk is readable only while READY or LOADING (publish after complete): a STORING slot's bytes
+are still being written and an EVICTING slot's bytes are about to be reused. A LOADING slot
+counts its readers; it returns to READY when the last one unpins, and cannot be evicted before.
+
+Every batch method validates its whole batch (known keys, no duplicates, each transition legal)
+before it changes anything, so a call that raises leaves the table as it was. Free slots are
+handed out lowest id first (a heap), so a fresh tier gives consecutive slots that the copier
+coalesces into one operation.
+
+Not thread-safe: one owner thread (the :class:`~kvplane.offload.manager.OffloadManager`'s).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Iterable, Sequence
+
+from kvplane.errors import IllegalTransitionError, InvalidArgumentError, UnknownChunkError
+from kvplane.ids import ChunkKey, SlotId
+
+MAX_KEY_BYTES = 64
+"""Longest chunk key a tier stores (a block hash is 32 bytes); it must fit the chunk header."""
+
+
+class SlotStatus(enum.Enum):
+    """The life cycle state of one slot of one tier."""
+
+    EMPTY = "empty"
+    STORING = "storing"
+    READY = "ready"
+    LOADING = "loading"
+    EVICTING = "evicting"
+
+
+S = SlotStatus
+TRANSITIONS: frozenset[tuple[SlotStatus, SlotStatus]] = frozenset(
+    {
+        (S.EMPTY, S.STORING),
+        (S.STORING, S.READY),
+        (S.STORING, S.EMPTY),
+        (S.READY, S.LOADING),
+        (S.LOADING, S.LOADING),
+        (S.LOADING, S.READY),
+        (S.READY, S.EVICTING),
+        (S.EVICTING, S.EMPTY),
+    }
+)
+"""The only legal ``(from, to)`` pairs; LOADING -> LOADING adds or drops one reader."""
+
+
+def check_chunk_key(key: object) -> ChunkKey:
+    """``key`` as a :data:`ChunkKey`: ``bytes`` of 1..:data:`MAX_KEY_BYTES` bytes, else an error."""
+    if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
+        shown = f"{len(key)} bytes" if isinstance(key, bytes) else repr(key)
+        raise InvalidArgumentError(
+            f"a chunk key must be bytes of 1..{MAX_KEY_BYTES} bytes, got {shown}"
+        )
+    return ChunkKey(key)
+
+
+def check_chunk_keys(keys: Iterable[object]) -> list[ChunkKey]:
+    """Validate a batch of keys: each a valid key, no key twice (``InvalidArgumentError``)."""
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise InvalidArgumentError(f"expected a sequence of chunk keys, got a single {keys!r:.40}")
+    out = [check_chunk_key(k) for k in keys]
+    if len(set(out)) != len(out):
+        seen: set[ChunkKey] = set()
+        for key in out:
+            if key in seen:
+                raise InvalidArgumentError(f"chunk key {key.hex()} appears twice in one batch")
+            seen.add(key)
+    return out
+
+
+class SlotTable:
+    """Slot status of one tier (``name``) with ``num_slots`` slots; see the module docstring."""
+
+    def __init__(self, num_slots: int, name: str = "tier") -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
+            raise InvalidArgumentError(f"SlotTable.num_slots must be a positive int: {num_slots!r}")
+        self.name = name
+        self._n = num_slots
+        self._status: list[SlotStatus] = [S.EMPTY] * num_slots
+        self._key: list[ChunkKey | None] = [None] * num_slots
+        self._readers: list[int] = [0] * num_slots
+        self._slot_of: dict[ChunkKey, SlotId] = {}
+        self._free: list[int] = list(range(num_slots))  # a heap; sorted is a valid heap
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self._n
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self._n - len(self._free)
+
+    def slot_of(self, key: ChunkKey) -> SlotId | None:
+        """The slot holding ``key`` in any non-EMPTY status, or ``None``."""
+        return self._slot_of.get(key)
+
+    def status(self, slot: SlotId) -> SlotStatus:
+        return self._status[self._check_slot(slot)]
+
+    def status_of(self, key: ChunkKey) -> SlotStatus:
+        """Status of the slot holding ``key``; EMPTY when no slot holds it."""
+        slot = self._slot_of.get(key)
+        return S.EMPTY if slot is None else self._status[slot]
+
+    def key_at(self, slot: SlotId) -> ChunkKey | None:
+        return self._key[self._check_slot(slot)]
+
+    def readers(self, key: ChunkKey) -> int:
+        slot = self._slot_of.get(key)
+        return 0 if slot is None else self._readers[slot]
+
+    def keys(self) -> list[ChunkKey]:
+        """Every key held in a non-EMPTY slot, in slot order."""
+        return [k for k in self._key if k is not None]
+
+    def keys_in(self, *statuses: SlotStatus) -> set[ChunkKey]:
+        return {
+            k
+            for k, s in zip(self._key, self._status, strict=True)
+            if k is not None and s in statuses
+        }
+
+    # -- validation ------------------------------------------------------------------------
+    def _check_slot(self, slot: object) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self._n:
+            raise InvalidArgumentError(
+                f"slot {slot!r} is not in tier {self.name!r} (0..{self._n - 1})"
+            )
+        return slot
+
+    def _held(self, keys: Sequence[ChunkKey], to: SlotStatus) -> list[SlotId]:
+        """Slots of ``keys`` after checking each is held and may move to ``to``."""
+        slots: list[SlotId] = []
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is None:
+                raise UnknownChunkError(f"chunk {key.hex()} is not held by tier {self.name!r}")
+            self._check_transition(slot, to)
+            slots.append(slot)
+        return slots
+
+    def _check_transition(self, slot: int, to: SlotStatus) -> None:
+        frm = self._status[slot]
+        if (frm, to) not in TRANSITIONS:
+            key = self._key[slot]
+            raise IllegalTransitionError(
+                f"tier {self.name!r} slot {slot} (chunk {key.hex() if key else None}): "
+                f"{frm.value} -> {to.value} is not allowed"
+            )
+
+    # -- transitions -----------------------------------------------------------------------
+    def begin_store(self, keys: Sequence[ChunkKey]) -> list[SlotId] | None:
+        """EMPTY -> STORING for new ``keys`` in the lowest free slots; ``None`` if too few free.
+
+        Raises ``IllegalTransitionError`` for a key already held (any status) before changing
+        anything. Keys must be pre-validated (:func:`check_chunk_keys`).
+        """
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is not None:
+                raise IllegalTransitionError(
+                    f"tier {self.name!r}: chunk {key.hex()} already holds slot {slot} "
+                    f"({self._status[slot].value})"
+                )
+        if len(keys) > len(self._free):
+            return None
+        slots = [SlotId(heapq.heappop(self._free)) for _ in keys]
+        for key, slot in zip(keys, slots, strict=True):
+            self._status[slot] = S.STORING
+            self._key[slot] = key
+            self._slot_of[key] = slot
+        return slots
+
+    def finish_store(self, keys: Sequence[ChunkKey], ok: bool) -> list[SlotId]:
+        """STORING -> READY (``ok``) or STORING -> EMPTY (failed store frees the slot)."""
+        to = S.READY if ok else S.EMPTY
+        slots = self._held(keys, to)
+        for key, slot in zip(keys, slots, strict=True):
+            if ok:
+                self._status[slot] = S.READY
+            else:
+                self._release(key, slot)
+        return slots
+
+    def pin(self, keys: Sequence[ChunkKey]) -> list[SlotId]:
+        """READY -> LOADING, or one more reader on a LOADING slot."""
+        slots: list[SlotId] = []
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is None:
+                raise UnknownChunkError(f"chunk {key.hex()} is not held by tier {self.name!r}")
+            if self._status[slot] not in (S.READY, S.LOADING):
+                self._check_transition(slot, S.LOADING)
+            slots.append(slot)
+        for slot in slots:
+            self._status[slot] = S.LOADING
+            self._readers[slot] += 1
+        return slots
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> list[SlotId]:
+        """One reader fewer: LOADING(n) -> LOADING(n-1), or -> READY for the last reader."""
+        slots: list[SlotId] = []
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is None:
+                raise UnknownChunkError(f"chunk {key.hex()} is not held by tier {self.name!r}")
+            if self._status[slot] is not S.LOADING:
+                raise IllegalTransitionError(
+                    f"tier {self.name!r} slot {slot} (chunk {key.hex()}) is "
+                    f"{self._status[slot].value}: no reader to unpin"
+                )
+            slots.append(slot)
+        for slot in slots:
+            self._readers[slot] -= 1
+            if self._readers[slot] == 0:
+                self._status[slot] = S.READY
+        return slots
+
+    def evict(self, keys: Sequence[ChunkKey]) -> list[SlotId]:
+        """READY -> EVICTING -> EMPTY for each key (a pinned or storing chunk cannot go)."""
+        slots = self._held(keys, S.EVICTING)
+        for key, slot in zip(keys, slots, strict=True):
+            self._status[slot] = S.EVICTING
+            self._check_transition(slot, S.EMPTY)
+            self._release(key, slot)
+        return slots
+
+    def adopt(self, key: ChunkKey, slot: SlotId) -> None:
+        """Re-index after a restart: an EMPTY ``slot`` found holding ``key`` becomes READY."""
+        idx = self._check_slot(slot)
+        if key in self._slot_of or self._status[idx] is not S.EMPTY:
+            raise IllegalTransitionError(
+                f"tier {self.name!r}: cannot adopt chunk {key.hex()} into slot {idx} "
+                f"({self._status[idx].value}, key held: {key in self._slot_of})"
+            )
+        self._free.remove(idx)
+        heapq.heapify(self._free)
+        self._status[idx] = S.READY
+        self._key[idx] = key
+        self._slot_of[key] = SlotId(idx)
+
+    def _release(self, key: ChunkKey, slot: int) -> None:
+        self._status[slot] = S.EMPTY
+        self._key[slot] = None
+        self._readers[slot] = 0
+        del self._slot_of[key]
+        heapq.heappush(self._free, slot)
+
+    # -- integrity -------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise ``IllegalTransitionError`` naming the first broken invariant.
+
+        Free slots are exactly the EMPTY ones (each once); the key map and the per-slot keys
+        agree; readers > 0 exactly on LOADING slots; no slot is left EVICTING.
+        """
+        free = sorted(self._free)
+        empty = [i for i, s in enumerate(self._status) if s is S.EMPTY]
+        if free != empty:
+            raise IllegalTransitionError(f"tier {self.name!r}: free slots {free} != EMPTY {empty}")
+        for i, (status, key, readers) in enumerate(
+            zip(self._status, self._key, self._readers, strict=True)
+        ):
+            if (status is S.EMPTY) != (key is None):
+                raise IllegalTransitionError(
+                    f"tier {self.name!r} slot {i}: {status} with key {key!r}"
+                )
+            if key is not None and self._slot_of.get(key) != i:
+                raise IllegalTransitionError(f"tier {self.name!r} slot {i}: key map disagrees")
+            if (readers > 0) != (status is S.LOADING) or readers < 0:
+                raise IllegalTransitionError(
+                    f"tier {self.name!r} slot {i}: {readers} readers while {status.value}"
+                )
+            if status is S.EVICTING:
+                raise IllegalTransitionError(f"tier {self.name!r} slot {i} left EVICTING")
+        if len(self._slot_of) != self._n - len(self._free):
+            raise IllegalTransitionError(f"tier {self.name!r}: key map size != used slots")

@@ -1,0 +1,155 @@
+"""The tier plug-in point: a store of fixed-size chunk payloads addressed by slot.
+
+A :class:`Tier` moves bytes; it never decides which chunk goes where. Its
+:class:`~kvplane.offload.manager.OffloadManager` assigns slots, and the caller guarantees the
+slot protocol: a slot is written only while STORING and read only while READY or LOADING, so a
+tier needs no locking of its own against readers of the slot being written.
+
+Payloads are 1-D ``torch.uint8`` CPU tensors of exactly ``chunk_bytes`` bytes. A tier that
+keeps bytes outside the process (disk, remote) frames each with a
+:class:`~kvplane.offload.tiers.header.ChunkHeader` (key, layout fingerprint, length, checksum)
+and publishes it only after the payload is complete; a read whose header or checksum does not
+match returns :attr:`ReadOutcome.CORRUPT` and counts it (``kvplane_offload_corrupt_chunks``),
+never wrong bytes. Whole-tier failures (disk error, server gone) raise
+:class:`~kvplane.errors.OffloadError`; the job that called fails and its chunks become misses.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvplane.errors import InvalidArgumentError
+from kvplane.ids import ChunkKey, SlotId
+from kvplane.metrics import MetricsRegistry
+from kvplane.offload.slots import check_chunk_key
+
+
+class ReadOutcome(enum.Enum):
+    """Result of reading one chunk: its bytes are in the output buffer only when ``OK``."""
+
+    OK = "ok"
+    MISSING = "missing"
+    CORRUPT = "corrupt"
+
+
+class SyncPolicy(enum.Enum):
+    """When a disk tier forces written bytes to stable storage.
+
+    ``NONE`` relies on the page cache (survives process death, not power loss); ``DATA``
+    fdatasyncs the payload before writing its header and the header after (publish after
+    complete, across power loss too).
+    """
+
+    NONE = "none"
+    DATA = "data"
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A store of ``num_slots`` chunk payloads of ``chunk_bytes`` bytes each."""
+
+    name: str
+    num_slots: int
+    chunk_bytes: int
+
+    def write(
+        self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], payloads: Sequence[torch.Tensor]
+    ) -> None:
+        """Store ``payloads[i]`` as chunk ``keys[i]`` in ``slots[i]``; raise ``OffloadError``."""
+        ...
+
+    def read(
+        self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]
+    ) -> list[ReadOutcome]:
+        """Read chunk ``keys[i]`` from ``slots[i]`` into ``outs[i]``; per-chunk outcomes."""
+        ...
+
+    def scan(self) -> dict[ChunkKey, SlotId]:
+        """Re-index: the valid chunks this tier already holds (after a restart)."""
+        ...
+
+    def close(self) -> None:
+        """Release files, connections and threads; idempotent."""
+        ...
+
+
+def as_buffer(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU uint8 tensor (shares its memory)."""
+    return t.numpy().data
+
+
+def check_slot(tier: str, num_slots: int, slot: object) -> int:
+    """``slot`` as an int in ``0..num_slots-1``, else ``InvalidArgumentError`` naming it."""
+    if type(slot) is bool or not isinstance(slot, int) or not 0 <= slot < num_slots:
+        raise InvalidArgumentError(f"tier {tier!r}: slot {slot!r} not in 0..{num_slots - 1}")
+    return slot
+
+
+def check_batch(  # noqa: PLR0917 - one argument per thing that must line up
+    tier: str,
+    num_slots: int,
+    chunk_bytes: int,
+    slots: Sequence[SlotId],
+    keys: Sequence[ChunkKey],
+    buffers: Sequence[torch.Tensor],
+) -> None:
+    """Raise ``InvalidArgumentError`` unless ``slots``, ``keys`` and ``buffers`` line up: slots in
+    range, valid keys, and 1-D contiguous uint8 CPU tensors of ``chunk_bytes`` bytes each."""
+    if not len(slots) == len(keys) == len(buffers):
+        raise InvalidArgumentError(
+            f"tier {tier!r}: {len(slots)} slots, {len(keys)} keys and {len(buffers)} buffers"
+        )
+    for slot in slots:
+        check_slot(tier, num_slots, slot)
+    for key in keys:
+        check_chunk_key(key)
+    for t in buffers:
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype != torch.uint8
+            or t.dim() != 1
+            or t.numel() != chunk_bytes
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+        ):
+            shown = (
+                f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else t
+            )
+            raise InvalidArgumentError(
+                f"tier {tier!r}: a chunk buffer must be a contiguous 1-D uint8 CPU tensor of "
+                f"{chunk_bytes} bytes, got {shown}"
+            )
+
+
+class TierCounters:
+    """The fault counters every tier keeps (no-ops without an injected registry).
+
+    ``kvplane_offload_corrupt_chunks{tier, reason}``: a read or re-index found a chunk whose
+    header or checksum was wrong (``reason`` one of header, key, layout, length, checksum,
+    truncated, missing); ``kvplane_offload_tier_errors{tier}``: a whole operation failed
+    (I/O error, server unreachable).
+    """
+
+    def __init__(self, metrics: MetricsRegistry | None, tier: str) -> None:
+        self._tier = tier
+        self._corrupt = None
+        self._errors = None
+        if metrics is not None:
+            self._corrupt = metrics.counter(
+                "offload_corrupt_chunks", "Stored chunks that failed validation", ("tier", "reason")
+            )
+            self._errors = metrics.counter(
+                "offload_tier_errors", "Tier operations that failed as a whole", ("tier",)
+            ).labels(tier=tier)
+
+    def corrupt(self, reason: str) -> None:
+        if self._corrupt is not None:
+            self._corrupt.labels(tier=self._tier, reason=reason).inc()
+
+    def error(self) -> None:
+        if self._errors is not None:
+            self._errors.inc()

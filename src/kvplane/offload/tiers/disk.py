@@ -1,0 +1,287 @@
+"""The disk tier: one slot file of fixed-size slots, each a payload followed by its header.
+
+Theory of operation
+-------------------
+The file holds ``num_slots`` slots of ``slot_stride`` bytes: the payload (padded to
+:data:`~kvplane.offload.tiers.host.ALIGN`) then one ``ALIGN`` block holding the
+:class:`~kvplane.offload.tiers.header.ChunkHeader`. A store writes the payload first and the
+header last; the header is the commit record (publish after complete). With
+``SyncPolicy.DATA`` an ``fdatasync`` separates the two writes and follows the header, so the
+order also holds across power loss; with ``SyncPolicy.NONE`` both go in one ``pwritev``, header
+last, which a process death can cut short but not reorder. Overwriting a slot needs no separate
+invalidation: until the new header lands the old header's checksum no longer matches the partly
+new payload, so the slot reads CORRUPT, never as either chunk.
+
+Every read checks the header (magic, version, own CRC, key, layout fingerprint, length) and the
+payload CRC-32; any mismatch is :attr:`ReadOutcome.CORRUPT` plus a metric, and the caller gets
+no bytes it may use. :meth:`DiskTier.scan` re-indexes after a restart: it adopts exactly the
+slots whose header and payload verify (the first slot wins if a key appears twice), so a store
+killed mid-write leaves no READY torn chunk.
+
+I/O is ``O_DIRECT`` when asked for and the file system allows it (the host tier already caches
+chunks in memory; the page cache would hold them twice); the file is opened without it
+otherwise. Direct I/O needs aligned buffers: host slots are, other buffers go through an
+aligned bounce buffer. An exclusive ``flock`` keeps a second process
+from opening the same file. Calls are serialised by a lock (the store and the load job threads
+of a cascade share one tier and its buffers).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvplane.errors import InvalidArgumentError, OffloadError
+from kvplane.ids import ChunkKey, SlotId
+from kvplane.metrics import MetricsRegistry
+from kvplane.offload.tiers.base import ReadOutcome, SyncPolicy, TierCounters, as_buffer, check_batch
+from kvplane.offload.tiers.header import (
+    FINGERPRINT_BYTES,
+    HEADER_BYTES,
+    ChunkHeader,
+    is_blank,
+    payload_checksum,
+)
+from kvplane.offload.tiers.host import ALIGN, round_up
+
+
+class DiskTier:
+    """``num_slots`` chunk slots of ``chunk_bytes`` bytes in the file ``path``."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        num_slots: int,
+        chunk_bytes: int,
+        fingerprint: bytes,
+        *,
+        sync: SyncPolicy = SyncPolicy.NONE,
+        direct_io: bool = True,
+        metrics: MetricsRegistry | None = None,
+        name: str = "disk",
+    ) -> None:
+        for what, value in (("num_slots", num_slots), ("chunk_bytes", chunk_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(f"DiskTier.{what} must be a positive int: {value!r}")
+        if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
+            raise InvalidArgumentError(f"DiskTier.fingerprint must be {FINGERPRINT_BYTES} bytes")
+        if not isinstance(sync, SyncPolicy):
+            raise InvalidArgumentError(f"DiskTier.sync must be a SyncPolicy, got {sync!r}")
+        self.name = name
+        self.path = Path(path)
+        self.num_slots = num_slots
+        self.chunk_bytes = chunk_bytes
+        self.fingerprint = fingerprint
+        self.sync = sync
+        self.payload_span = round_up(chunk_bytes)
+        self.slot_stride = self.payload_span + ALIGN
+        self._counters = TierCounters(metrics, name)
+        self._fd = -1
+        self._direct_fd = -1
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(self._fd)
+                self._fd = -1
+                raise OffloadError(
+                    f"disk tier {str(self.path)!r} is in use by another process"
+                ) from None
+            os.ftruncate(self._fd, num_slots * self.slot_stride)
+            if direct_io and hasattr(os, "O_DIRECT"):
+                try:
+                    self._direct_fd = os.open(self.path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+        except OSError as exc:
+            self.close()
+            raise OffloadError(f"disk tier {str(self.path)!r} cannot be opened: {exc}") from exc
+        self.direct = self._direct_fd >= 0
+        self._bounce = mmap.mmap(-1, self.payload_span)  # page aligned, for unaligned buffers
+        self._header = mmap.mmap(-1, ALIGN)
+        self._pad = mmap.mmap(-1, ALIGN)  # zeros written over the padding of a buffered slot
+        self._lock = threading.Lock()  # the store and the load job threads share the buffers
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _io_fd(self) -> int:
+        if self._fd < 0:
+            raise OffloadError(f"disk tier {str(self.path)!r} is closed")
+        return self._direct_fd if self.direct else self._fd
+
+    def _direct_ok(self, t: torch.Tensor) -> bool:
+        """A buffer direct I/O may use as is: aligned, and no padding to overreach into."""
+        return self.payload_span == self.chunk_bytes and t.data_ptr() % ALIGN == 0
+
+    def _offset(self, slot: SlotId) -> int:
+        return slot * self.slot_stride
+
+    def _pwritev_all(self, fd: int, bufs: list[memoryview], offset: int) -> None:
+        """Write ``bufs`` back to back from ``offset``, finishing any short write in order."""
+        done = os.pwritev(fd, bufs, offset)
+        for buf in bufs:  # rare: a short write; finish it buffer by buffer, in order
+            if done >= len(buf):
+                done -= len(buf)
+                offset += len(buf)
+                continue
+            rest, done = buf[done:], 0
+            while len(rest):
+                n = os.pwrite(fd, rest, offset + len(buf) - len(rest))
+                rest = rest[n:]
+            offset += len(buf)
+
+    # -- Tier protocol ----------------------------------------------------------------------------
+    def write(
+        self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], payloads: Sequence[torch.Tensor]
+    ) -> None:
+        """Write each payload, then its header (see the module docstring for the order).
+
+        With ``SyncPolicy.NONE`` payload and header go in one ``pwritev``, header last (a write
+        cut short by process death leaves the old header, which then fails its checksum);
+        with ``SyncPolicy.DATA``: payload, fdatasync, header, fdatasync.
+        """
+        check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, payloads)
+        views = [as_buffer(p) for p in payloads]
+        hdr_len = ALIGN if self.direct else HEADER_BYTES
+        pad = self.payload_span - self.chunk_bytes
+        with self._lock:
+            fd = self._io_fd()
+            try:
+                for slot, key, view, payload in zip(slots, keys, views, payloads, strict=True):
+                    if not self.direct:
+                        body = [view, memoryview(self._pad)[:pad]] if pad else [view]
+                    elif self._direct_ok(payload):
+                        body = [view]
+                    else:
+                        self._bounce[: self.chunk_bytes] = view
+                        body = [memoryview(self._bounce)]
+                    crc = payload_checksum(view)
+                    header = ChunkHeader(key, self.fingerprint, self.chunk_bytes, crc)
+                    self._header[:HEADER_BYTES] = header.encode()
+                    head = memoryview(self._header)[:hdr_len]
+                    base = self._offset(slot)
+                    if self.sync is SyncPolicy.NONE:
+                        self._pwritev_all(fd, [*body, head], base)
+                    else:
+                        self._pwritev_all(fd, body, base)
+                        os.fdatasync(fd)
+                        self._pwritev_all(fd, [head], base + self.payload_span)
+                        os.fdatasync(fd)
+            except OSError as exc:
+                self._counters.error()
+                raise OffloadError(f"disk tier {str(self.path)!r}: write failed: {exc}") from exc
+
+    def read(
+        self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]
+    ) -> list[ReadOutcome]:
+        """Read and verify each chunk into ``outs[i]`` (garbage there unless the outcome is OK)."""
+        check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, outs)
+        with self._lock:
+            return self._read(slots, keys, outs)
+
+    def _read(
+        self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]
+    ) -> list[ReadOutcome]:
+        fd = self._io_fd()
+        outcomes: list[ReadOutcome] = []
+        try:
+            for slot, key, out in zip(slots, keys, outs, strict=True):
+                view = as_buffer(out)
+                bounce = self.direct and not self._direct_ok(out)
+                whole = self._read_slot(fd, slot, memoryview(self._bounce) if bounce else view)
+                outcome, header = self._check_header(key, whole)
+                if header is not None:
+                    if bounce:
+                        view[:] = self._bounce[: self.chunk_bytes]
+                    if payload_checksum(view) != header.checksum:
+                        self._counters.corrupt("checksum")
+                        outcome = ReadOutcome.CORRUPT
+                outcomes.append(outcome)
+        except OSError as exc:
+            self._counters.error()
+            raise OffloadError(f"disk tier {str(self.path)!r}: read failed: {exc}") from exc
+        return outcomes
+
+    def _read_slot(self, fd: int, slot: SlotId, target: memoryview) -> bool:
+        """Read a slot's payload into ``target`` and its header into ``self._header`` with one
+        ``preadv``; False when the file ended first (truncated)."""
+        iov = [target]
+        if len(target) < self.payload_span:  # buffered I/O of a padded payload: skip the pad
+            iov.append(memoryview(self._bounce)[: self.payload_span - len(target)])
+        hdr_len = ALIGN if self.direct else HEADER_BYTES
+        iov.append(memoryview(self._header)[:hdr_len])
+        return bool(os.preadv(fd, iov, self._offset(slot)) == self.payload_span + hdr_len)
+
+    def _check_header(
+        self, key: ChunkKey | None, whole: bool
+    ) -> tuple[ReadOutcome, ChunkHeader | None]:
+        """Validate the header just read into ``self._header``; OK means "verify the payload"."""
+        if not whole:
+            self._counters.corrupt("truncated")
+            return ReadOutcome.CORRUPT, None
+        raw = self._header[:HEADER_BYTES]
+        if is_blank(raw):
+            if key is not None:
+                self._counters.corrupt("missing")
+            return ReadOutcome.MISSING, None
+        header = ChunkHeader.decode(raw)
+        reason = (
+            "header" if header is None
+            else "key" if key is not None and header.key != key
+            else "layout" if header.fingerprint != self.fingerprint
+            else "length" if header.length != self.chunk_bytes
+            else None
+        )  # fmt: skip
+        if reason is not None:
+            self._counters.corrupt(reason)
+            return ReadOutcome.CORRUPT, None
+        return ReadOutcome.OK, header
+
+    def scan(self) -> dict[ChunkKey, SlotId]:
+        """Every slot whose header and payload verify, by key (first slot wins on duplicates)."""
+        with self._lock:
+            return self._scan()
+
+    def _scan(self) -> dict[ChunkKey, SlotId]:
+        fd = self._io_fd()
+        found: dict[ChunkKey, SlotId] = {}
+        scratch = torch.empty(self.chunk_bytes, dtype=torch.uint8)  # a pad target if buffered
+        target = memoryview(self._bounce) if self.direct else as_buffer(scratch)
+        try:
+            for slot in range(self.num_slots):
+                whole = self._read_slot(fd, SlotId(slot), target)
+                outcome, header = self._check_header(None, whole)
+                if header is None or outcome is not ReadOutcome.OK or header.key in found:
+                    continue
+                if payload_checksum(target[: self.chunk_bytes]) != header.checksum:
+                    self._counters.corrupt("checksum")
+                    continue
+                found[header.key] = SlotId(slot)
+        except OSError as exc:
+            self._counters.error()
+            raise OffloadError(f"disk tier {str(self.path)!r}: re-index failed: {exc}") from exc
+        return found
+
+    def close(self) -> None:
+        """Close the file (releasing its lock); idempotent."""
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            with lock:
+                self._close()
+        else:
+            self._close()
+
+    def _close(self) -> None:
+        for attr in ("_direct_fd", "_fd"):
+            fd = getattr(self, attr, -1)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, attr, -1)

@@ -1,0 +1,197 @@
+"""The remote tier: chunk slots in a Redis server (Valkey speaks the same protocol).
+
+Theory of operation
+-------------------
+Slot ``i`` is the Redis hash ``<namespace>:slot:<i>`` with two fields: ``h``, the
+:class:`~kvplane.offload.tiers.header.ChunkHeader`, and ``p``, the payload. One ``HSET`` writes
+both and the server applies a command whole, so a client that dies mid-send publishes nothing
+(publish after complete); a later ``HSET`` to the slot replaces both fields at once. A read
+(``HMGET``) checks the header (key, layout fingerprint, length) and the payload CRC-32 and
+returns CORRUPT or MISSING rather than bytes it cannot vouch for. :meth:`RemoteTier.scan`
+re-indexes the namespace from headers alone (payloads are verified when read).
+
+The ``redis`` client is imported here only; without it :func:`redis_support` says why and the
+constructor raises :class:`~kvplane.errors.UnsupportedError`. Connection loss, timeouts and
+server errors raise :class:`~kvplane.errors.OffloadError` (counted); the failed job's chunks
+become misses. Payloads go out as memoryviews (no copy into a request buffer). A namespace
+belongs to one manager; two processes must not share one. Thread-safe: the client pools its
+connections and the tier keeps no buffers, so a store and a load job may overlap.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvplane.errors import InvalidArgumentError, OffloadError, UnsupportedError
+from kvplane.ids import ChunkKey, SlotId
+from kvplane.metrics import MetricsRegistry
+from kvplane.offload.tiers.base import ReadOutcome, TierCounters, as_buffer, check_batch
+from kvplane.offload.tiers.header import FINGERPRINT_BYTES, ChunkHeader, payload_checksum
+
+_H = b"h"
+_P = b"p"
+
+
+def redis_support() -> str | None:
+    """``None`` when the redis client is importable, else why the remote tier is unsupported."""
+    if importlib.util.find_spec("redis") is None:
+        return "the remote tier needs the redis client: pip install 'kvplane[redis]'"
+    return None
+
+
+class RemoteTier:
+    """``num_slots`` chunk slots of ``chunk_bytes`` bytes under ``namespace`` on ``url``."""
+
+    def __init__(
+        self,
+        url: str,
+        num_slots: int,
+        chunk_bytes: int,
+        fingerprint: bytes,
+        *,
+        namespace: str = "kvplane",
+        timeout_s: float = 5.0,
+        metrics: MetricsRegistry | None = None,
+        name: str = "remote",
+    ) -> None:
+        for what, value in (("num_slots", num_slots), ("chunk_bytes", chunk_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(f"RemoteTier.{what} must be a positive int: {value!r}")
+        if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
+            raise InvalidArgumentError(f"RemoteTier.fingerprint must be {FINGERPRINT_BYTES} bytes")
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidArgumentError(f"RemoteTier.url must be a redis:// URL, got {url!r}")
+        if not namespace or ":" in namespace:
+            raise InvalidArgumentError(
+                f"RemoteTier.namespace must be non-empty without ':': {namespace!r}"
+            )
+        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise InvalidArgumentError(f"RemoteTier.timeout_s must be positive: {timeout_s!r}")
+        reason = redis_support()
+        if reason is not None:
+            raise UnsupportedError(reason)
+        import redis
+
+        self.name = name
+        self.url = url
+        self.num_slots = num_slots
+        self.chunk_bytes = chunk_bytes
+        self.fingerprint = fingerprint
+        self.namespace = namespace
+        self._counters = TierCounters(metrics, name)
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._client: Any = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        try:
+            self._client.ping()
+        except self._errors as exc:
+            self.close()
+            raise OffloadError(f"remote tier {url!r} is unreachable: {exc}") from exc
+
+    def _key(self, slot: int) -> bytes:
+        return f"{self.namespace}:slot:{slot}".encode()
+
+    def _fail(self, what: str, exc: BaseException) -> OffloadError:
+        self._counters.error()
+        return OffloadError(f"remote tier {self.url!r}: {what} failed: {exc}")
+
+    # -- Tier protocol ----------------------------------------------------------------------------
+    def write(
+        self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], payloads: Sequence[torch.Tensor]
+    ) -> None:
+        """One atomic ``HSET`` of header and payload per chunk."""
+        check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, payloads)
+        try:
+            for slot, key, payload in zip(slots, keys, payloads, strict=True):
+                view = as_buffer(payload)
+                crc = payload_checksum(view)
+                header = ChunkHeader(key, self.fingerprint, self.chunk_bytes, crc)
+                self._client.hset(self._key(slot), mapping={_H: header.encode(), _P: view})
+        except self._errors as exc:
+            raise self._fail("write", exc) from exc
+
+    def read(
+        self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]
+    ) -> list[ReadOutcome]:
+        """``HMGET`` each chunk, check header and checksum, copy the payload into ``outs[i]``."""
+        check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, outs)
+        outcomes: list[ReadOutcome] = []
+        try:
+            for slot, key, out in zip(slots, keys, outs, strict=True):
+                raw_header, payload = self._client.hmget(self._key(slot), [_H, _P])
+                header = self._check(key, raw_header, payload)
+                if header is None:
+                    outcomes.append(
+                        ReadOutcome.MISSING if raw_header is None else ReadOutcome.CORRUPT
+                    )
+                elif payload_checksum(payload) != header.checksum:
+                    self._counters.corrupt("checksum")
+                    outcomes.append(ReadOutcome.CORRUPT)
+                else:
+                    as_buffer(out)[:] = payload
+                    outcomes.append(ReadOutcome.OK)
+        except self._errors as exc:
+            raise self._fail("read", exc) from exc
+        return outcomes
+
+    def _check(
+        self, key: ChunkKey | None, raw_header: bytes | None, payload: bytes | None
+    ) -> ChunkHeader | None:
+        if raw_header is None:
+            if key is not None:
+                self._counters.corrupt("missing")
+            return None
+        header = ChunkHeader.decode(raw_header)
+        reason = (
+            "header" if header is None
+            else "key" if key is not None and header.key != key
+            else "layout" if header.fingerprint != self.fingerprint
+            else "length" if header.length != self.chunk_bytes
+            or (payload is not None and len(payload) != self.chunk_bytes)
+            else None
+        )  # fmt: skip
+        if reason is not None:
+            self._counters.corrupt(reason)
+            return None
+        return header
+
+    def scan(self) -> dict[ChunkKey, SlotId]:
+        """Chunks whose headers name this layout and size, by key (lowest slot wins)."""
+        prefix = f"{self.namespace}:slot:"
+        found: dict[ChunkKey, SlotId] = {}
+        try:
+            names = sorted(
+                int(n[len(prefix) :])
+                for n in (
+                    k.decode() for k in self._client.scan_iter(match=prefix + "*", count=1000)
+                )
+                if n[len(prefix) :].isdigit()
+            )
+            for slot in names:
+                if slot >= self.num_slots:
+                    continue
+                header = self._check(None, self._client.hget(self._key(slot), _H), None)
+                if header is not None and header.key not in found:
+                    found[header.key] = SlotId(slot)
+        except self._errors as exc:
+            raise self._fail("re-index", exc) from exc
+        return found
+
+    def clear(self) -> int:
+        """Delete every slot of this namespace (a fresh start); returns how many went."""
+        try:
+            names = list(self._client.scan_iter(match=f"{self.namespace}:slot:*", count=1000))
+            return int(self._client.delete(*names)) if names else 0
+        except self._errors as exc:
+            raise self._fail("clear", exc) from exc
+
+    def close(self) -> None:
+        """Close the connection pool; idempotent."""
+        client = getattr(self, "_client", None)
+        if client is not None:
+            client.close()

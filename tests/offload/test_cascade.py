@@ -1,0 +1,264 @@
+"""TierCascade end to end: stores cascade down, loads promote up with identical bytes; restart,
+corruption, a Redis server that dies mid-run, load racing eviction, the fence, admission."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from offload_testlib import filled_pool, key, keys, tiny_layout
+
+from kvplane.blocks import BlockPool
+from kvplane.errors import InvalidArgumentError, OffloadError
+from kvplane.ids import BlockId, ChunkKey
+from kvplane.metrics import MetricsRegistry
+from kvplane.offload import (
+    CascadeDone,
+    LoadDone,
+    OffloadConfig,
+    SlotStatus,
+    StoreDone,
+    TierCascade,
+    build_cascade,
+)
+from kvplane.offload.tiers import DiskTier, RemoteTier, Tier
+from kvplane.offload.tiers.redis_server import LocalRedisServer
+
+BPC = 2
+LAYOUT = tiny_layout(num_blocks=32)
+CHUNK = BPC * LAYOUT.bytes_per_block
+
+
+def blocks(*chunks: int) -> list[BlockId]:
+    """Device blocks of chunk positions: chunk c lives in blocks 2c, 2c+1."""
+    return [BlockId(BPC * c + j) for c in chunks for j in range(BPC)]
+
+
+def canon(pool: torch.Tensor) -> torch.Tensor:
+    return LAYOUT.canonical_view(pool)
+
+
+def make(
+    lower: list[Tier] | None = None,
+    host_slots: int = 4,
+    m: MetricsRegistry | None = None,
+    **kw: object,
+) -> tuple[TierCascade, torch.Tensor, MetricsRegistry]:
+    m = m if m is not None else MetricsRegistry()
+    pool = filled_pool(LAYOUT, seed=3)
+    cfg = OffloadConfig(host_slots=host_slots, **kw)  # type: ignore[arg-type]
+    return build_cascade(cfg, LAYOUT, BPC, pool, metrics=m, lower=lower), pool, m
+
+
+def disk(tmp_path: Path, m: MetricsRegistry | None = None, slots: int = 8) -> DiskTier:
+    return DiskTier(tmp_path / "slots", slots, CHUNK, LAYOUT.fingerprint(), metrics=m)
+
+
+def store(c: TierCascade, ks: list[ChunkKey], bl: list[BlockId]) -> list[object]:
+    c.lookup(ks)
+    assert c.store(ks, bl) is not None
+    return c.drain()
+
+
+def load_ok(c: TierCascade, pool: torch.Tensor, ks: list[ChunkKey], dst: list[BlockId]) -> LoadDone:
+    ticket = c.load(ks, dst)
+    assert ticket is not None and list(ticket.keys) == ks
+    done = [e for e in c.drain() if isinstance(e, LoadDone)]
+    assert len(done) == 1 and done[0].ticket_id == ticket.ticket_id
+    return done[0]
+
+
+def test_host_round_trip_gives_identical_bytes() -> None:
+    c, pool, m = make()
+    original = pool.clone()
+    events = store(c, keys(0, 1, 2), blocks(0, 1, 2))
+    assert events == [StoreDone(1, tuple(keys(0, 1, 2)), (True, True, True))]
+    assert c.lookup(keys(0, 1, 2, 3)).where == ("host", "host", "host", None)
+    done = load_ok(c, pool, keys(0, 1, 2), blocks(10, 11, 12))
+    assert done.ok == (True, True, True) and done.usable == 3
+    assert torch.equal(canon(pool)[20:26], canon(original)[0:6])
+    assert m.value("offload_bytes", {"path": "device_to_host"}, "_total") == 3 * CHUNK
+    assert m.value("offload_bytes", {"path": "host_to_device"}, "_total") == 3 * CHUNK
+    c.check_integrity()
+    c.close()
+
+
+def test_cascade_down_and_promotion_up_through_disk_and_remote(
+    tmp_path: Path, redis_url: str, redis_namespace: str
+) -> None:
+    m = MetricsRegistry()
+    remote = RemoteTier(
+        redis_url, 8, CHUNK, LAYOUT.fingerprint(), namespace=redis_namespace, metrics=m
+    )
+    c, pool, _ = make(lower=[disk(tmp_path, m), remote], m=m)
+    original = pool.clone()
+    events = store(c, keys(0, 1), blocks(0, 1))
+    tiers_done = sorted((e.tier, e.ok) for e in events if isinstance(e, CascadeDone))
+    assert tiers_done == [("disk", (True, True)), ("remote", (True, True))]
+    host, disk_mgr, _remote_mgr = c.managers()
+    host.evict(keys(0, 1))
+    disk_mgr.evict(keys(1))  # chunk 1 now lives only in Redis
+    assert c.lookup(keys(0, 1)).where == ("disk", "remote")
+    pool.zero_()
+    ticket = c.load(keys(0, 1), blocks(5, 6))
+    assert ticket is not None and ticket.sources == ("disk", "remote")
+    done = [e for e in c.drain() if isinstance(e, LoadDone)]
+    assert done[0].ok == (True, True)
+    assert torch.equal(canon(pool)[10:14], canon(original)[0:4])  # identical bytes
+    assert c.lookup(keys(0, 1)).where == ("host", "host")  # promoted back up
+    assert host.status(key(1)) is SlotStatus.READY
+    for path in ("disk_to_host", "remote_to_host", "host_to_disk", "host_to_remote"):
+        assert m.value("offload_bytes", {"path": path}, "_total") > 0, path
+    c.check_integrity()
+    c.close()
+
+
+def test_restart_reindexes_the_disk_tier(tmp_path: Path) -> None:
+    c, pool, _ = make(lower=[disk(tmp_path)])
+    original = pool.clone()
+    store(c, keys(0, 1, 2), blocks(0, 1, 2))
+    c.close()
+    c2, pool2, _ = make(lower=[disk(tmp_path)])  # a new process, same file
+    assert c2.lookup(keys(0, 1, 2)).where == ("disk", "disk", "disk")
+    pool2.zero_()
+    assert load_ok(c2, pool2, keys(0, 1, 2), blocks(3, 4, 5)).ok == (True,) * 3
+    assert torch.equal(canon(pool2)[6:12], canon(original)[0:6])
+    c2.check_integrity()
+    c2.close()
+
+
+def test_corrupt_disk_chunk_is_a_miss_never_wrong_kv(tmp_path: Path) -> None:
+    m = MetricsRegistry()
+    d = disk(tmp_path, m)
+    c, pool, _ = make(lower=[d])
+    store(c, keys(0, 1, 2), blocks(0, 1, 2))
+    host, disk_mgr = c.managers()
+    host.evict(keys(0, 1, 2))
+    slot = disk_mgr.table.slot_of(key(1))
+    assert slot is not None
+    with (tmp_path / "slots").open("r+b") as f:  # flip one bit of chunk 1's payload
+        f.seek(slot * d.slot_stride + 100)
+        b = f.read(1)
+        f.seek(slot * d.slot_stride + 100)
+        f.write(bytes([b[0] ^ 0x80]))
+    pool.zero_()
+    done = load_ok(c, pool, keys(0, 1, 2), blocks(8, 9, 10))
+    assert done.ok == (True, False, True) and done.usable == 1
+    assert m.value("offload_corrupt_chunks", {"tier": "disk", "reason": "checksum"}, "_total") == 1
+    assert not canon(pool)[18:20].view(torch.uint8).any()  # the bad chunk was never scattered
+    assert c.lookup(keys(0, 1, 2)).where == ("host", None, "host")  # dropped from disk
+    assert disk_mgr.status(key(1)) is SlotStatus.EMPTY
+    c.check_integrity()
+    c.close()
+
+
+def test_redis_server_going_away_mid_run(tmp_path: Path) -> None:
+    m = MetricsRegistry()
+    with LocalRedisServer() as server:  # stopped even if an assertion fails
+        remote = RemoteTier(server.url, 8, CHUNK, LAYOUT.fingerprint(), timeout_s=2.0, metrics=m)
+        c, _pool, _ = make(lower=[remote], m=m)
+        store(c, keys(0), blocks(0))
+        host, remote_mgr = c.managers()
+        host.evict(keys(0))
+        server.kill()
+        events = store(c, keys(1), blocks(1))  # the host store works; its cascade fails
+        assert next(e for e in events if isinstance(e, CascadeDone)).ok == (False,)
+        assert remote_mgr.status(key(1)) is SlotStatus.EMPTY  # the failed store freed its slot
+        ticket = c.load(keys(0), blocks(4))
+        assert ticket is not None and ticket.sources == ("remote",)
+        done = next(e for e in c.drain() if isinstance(e, LoadDone))
+        assert done.ok == (False,) and done.usable == 0
+        assert c.lookup(keys(0, 1)).where == (None, "host")
+        assert m.value("offload_tier_errors", {"tier": "remote"}, "_total") == 2
+        assert m.value("offload_failed_chunks", {"path": "remote_to_host"}, "_total") == 1
+        c.check_integrity()
+        c.close()
+
+
+def test_load_racing_eviction() -> None:
+    c, _pool, _ = make(host_slots=2)
+    store(c, keys(0, 1), blocks(0, 1))
+    ticket = c.load(keys(0), blocks(6))  # pins chunk 0 until the owner harvests the load
+    assert ticket is not None
+    c.lookup(keys(2, 3))
+    assert c.store(keys(2, 3), blocks(2, 3)) is None  # needs 2 victims; only 1 is evictable
+    assert c.store(keys(2), blocks(2)) is not None  # evicts 1, never the chunk being loaded
+    events = c.drain()
+    assert any(isinstance(e, LoadDone) and e.ok == (True,) for e in events)
+    assert c.lookup(keys(0, 1, 2)).where == ("host", None, "host")
+    c.check_integrity()
+    c.close()
+
+
+def test_fence_holds_device_blocks_until_the_store_is_harvested() -> None:
+    bp = BlockPool(LAYOUT.num_blocks, LAYOUT.block_size)
+    pool = filled_pool(LAYOUT)
+    c = build_cascade(OffloadConfig(host_slots=4), LAYOUT, BPC, pool, block_pool=bp)
+    mine = bp.allocate(4)
+    assert mine is not None
+    c.lookup(keys(0, 1))
+    job = c.store(keys(0, 1), mine)
+    assert job is not None
+    bp.free(mine)  # the request is done; its blocks must not be reused before the copy
+    assert c.fence.fenced_blocks() == set(mine) and bp.num_free_blocks == LAYOUT.num_blocks - 4
+    c.drain()
+    assert not c.fence.fenced_blocks() and bp.num_free_blocks == LAYOUT.num_blocks
+    bp.check_integrity()
+    c.check_integrity()
+    c.close()
+
+
+def test_admission_counts_lookups_in_every_tier(tmp_path: Path) -> None:
+    c, _pool, _ = make(lower=[disk(tmp_path)], admission_min_lookups=2)
+    c.lookup(keys(0))
+    assert c.store(keys(0), blocks(0)) is None  # looked up once: not admitted yet
+    c.lookup(keys(0))
+    assert c.store(keys(0), blocks(0)) is not None
+    c.drain()
+    assert c.lookup(keys(0)).where == ("host",)
+    assert c.managers()[1].status(key(0)) is SlotStatus.READY  # disk admitted it too
+    c.check_integrity()
+    c.close()
+
+
+def test_load_stops_where_the_host_has_no_room_to_promote(tmp_path: Path) -> None:
+    c, pool, _ = make(lower=[disk(tmp_path)], host_slots=2)
+    original = pool.clone()
+    store(c, keys(0, 1), blocks(0, 1))
+    store(c, keys(2), blocks(2))  # host evicts 0 (LRU); disk holds 0, 1, 2
+    assert c.lookup(keys(1, 2, 0)).where == ("host", "host", "disk")
+    pool.zero_()
+    ticket = c.load(keys(1, 2, 0), blocks(5, 6, 7))  # 1, 2 pinned fill the host: 0 cannot come
+    assert ticket is not None and ticket.keys == tuple(keys(1, 2))
+    done = next(e for e in c.drain() if isinstance(e, LoadDone))
+    assert done.ok == (True, True)
+    assert torch.equal(canon(pool)[10:14], canon(original)[2:6])
+    assert not canon(pool)[14:16].view(torch.uint8).any()
+    assert load_ok(c, pool, keys(0), blocks(7)).ok == (True,)  # alone it fits (evicts LRU 1)
+    assert torch.equal(canon(pool)[14:16], canon(original)[0:2])
+    c.check_integrity()
+    c.close()
+
+
+def test_bad_input_changes_nothing() -> None:
+    c, _pool, _ = make()
+    store(c, keys(0), blocks(0))
+    before = [(mgr.table.keys(), mgr.table.num_free) for mgr in c.managers()]
+    c.lookup(keys(5))
+    with pytest.raises(InvalidArgumentError):
+        c.store(keys(5), blocks(5, 6))  # two chunks of blocks for one key
+    with pytest.raises(InvalidArgumentError):
+        c.load(keys(0), [BlockId(40), BlockId(41)])  # outside the pool
+    with pytest.raises(InvalidArgumentError):
+        c.store([key(5), key(5)], blocks(5, 6))
+    assert c.load(keys(7, 0), blocks(7, 8)) is None  # a miss at the first key loads nothing
+    assert [(mgr.table.keys(), mgr.table.num_free) for mgr in c.managers()] == before
+    c.check_integrity()
+    c.close()
+    with pytest.raises(OffloadError, match="closed"):
+        c.store(keys(5), blocks(5))
+    with pytest.raises(OffloadError, match="closed"):
+        c.load(keys(0), blocks(5))
+    assert [(mgr.table.keys(), mgr.table.num_free) for mgr in c.managers()] == before
+    c.check_integrity()

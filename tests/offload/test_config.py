@@ -1,0 +1,44 @@
+"""OffloadConfig: validation and resolution through kvplane.config (flag > env > file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvplane.config import Source, resolve
+from kvplane.errors import ConfigError
+from kvplane.offload.config import OffloadConfig
+from kvplane.offload.tiers import SyncPolicy
+
+
+def test_resolve_from_env_file_and_flags() -> None:
+    cfg, src = resolve(
+        OffloadConfig,
+        "offload",
+        file={"offload": {"host_slots": 16, "policy": "arc", "disk_path": "/tmp/kv"}},
+        env={"KVPLANE_OFFLOAD_DISK_SYNC": "data", "KVPLANE_OFFLOAD_HOST_SLOTS": "32"},
+        flags={"remote_url": "redis://127.0.0.1:6399/0"},
+    )
+    assert cfg.host_slots == 32 and src["host_slots"] is Source.ENV
+    assert cfg.policy == "arc" and cfg.disk_path == Path("/tmp/kv")
+    assert cfg.disk_sync is SyncPolicy.DATA and cfg.remote_url.endswith("6399/0")
+    assert src["remote_url"] is Source.FLAG and src["admission_min_lookups"] is Source.DEFAULT
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"host_slots": 0},
+        {"policy": "fifo"},
+        {"admission_min_lookups": -1},
+        {"remote_url": "http://x"},
+        {"remote_namespace": "a:b"},
+        {"remote_timeout_s": 0.0},
+        {"disk_sync": "data"},
+        {"staging_blocks": True},
+    ],
+)
+def test_bad_values_name_the_field(kw: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match=next(iter(kw))):
+        OffloadConfig(**kw)  # type: ignore[arg-type]

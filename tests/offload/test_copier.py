@@ -1,0 +1,84 @@
+"""ChunkCopier: gather/scatter move exactly the right bytes for every pool order, dtype,
+slot run shape and block-id pattern; bad input is rejected before anything moves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from offload_testlib import filled_pool, tiny_layout
+
+from kvplane.errors import InvalidArgumentError
+from kvplane.ids import BlockId, SlotId
+from kvplane.layout import LAYER_MAJOR, KVLayout
+from kvplane.offload.copier import ChunkCopier
+from kvplane.offload.tiers import HostTier
+
+
+def chunk_bytes_of(layout: KVLayout, pool: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """The stored form of one chunk: its blocks in canonical order, as bytes."""
+    return layout.canonical_view(pool)[ids].contiguous().view(torch.uint8).flatten()
+
+
+LAYOUTS = {
+    "gqa-block-major": tiny_layout(),
+    "gqa-layer-major": KVLayout.gqa(
+        num_blocks=32, block_size=4, num_layers=2, kv_heads=2, head_dim=16,
+        dtype=torch.float32, order=LAYER_MAJOR,
+    ),
+    "mla-bf16-padded": KVLayout.mla(
+        num_blocks=32, block_size=2, num_layers=1, latent_dim=8, rope_dim=4, dtype=torch.bfloat16
+    ),
+    "gqa-fp8": KVLayout.gqa(
+        num_blocks=32, block_size=4, num_layers=2, kv_heads=1, head_dim=16,
+        dtype=torch.float8_e4m3fn,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_gather_then_scatter_moves_exact_bytes(name: str) -> None:
+    layout = LAYOUTS[name]
+    bpc = 2
+    pool = filled_pool(layout, seed=1)
+    original = pool.clone()
+    host = HostTier(8, bpc * layout.bytes_per_block)
+    copier = ChunkCopier(layout, pool, host, bpc)
+    ids = [[7, 3], [4, 5], [0, 31], [10, 11]]
+    slots = [SlotId(s) for s in (0, 1, 3, 4)]  # runs [0, 1] and [3, 4]
+    copier.gather([BlockId(b) for c in ids for b in c], slots)
+    for s, c in zip(slots, ids, strict=True):
+        assert torch.equal(host.slot(s), chunk_bytes_of(layout, original, c))
+    assert torch.equal(pool, original)  # gather only reads the pool
+    copier.gather([BlockId(b) for b in range(20, 24)], [SlotId(6), SlotId(7)])  # slice copies
+    assert torch.equal(host.slot(SlotId(6)), chunk_bytes_of(layout, original, [20, 21]))
+    assert torch.equal(host.slot(SlotId(7)), chunk_bytes_of(layout, original, [22, 23]))
+    pool.zero_()
+    consecutive = [BlockId(b) for b in range(12, 20)]  # one run: slice copies
+    copier.scatter(slots, consecutive)
+    canon, orig = layout.canonical_view(pool), layout.canonical_view(original)
+    flat = [b for c in ids for b in c]
+    assert torch.equal(canon[12:20], orig[flat])
+    scattered = [BlockId(b) for b in (30, 2, 25, 9, 17, 6, 21, 13)]  # no runs: index_copy_
+    copier.scatter(slots, scattered)
+    assert torch.equal(canon[scattered], orig[flat])
+    untouched = sorted(set(range(32)) - set(range(12, 20)) - set(scattered))
+    assert not canon[untouched].view(torch.uint8).any()
+
+
+def test_bad_input_moves_nothing() -> None:
+    layout = tiny_layout()
+    pool = filled_pool(layout)
+    host = HostTier(2, 2 * layout.bytes_per_block)
+    copier = ChunkCopier(layout, pool, host, 2)
+    host.buffer.fill_(9)
+    for ids, slots in (([0, 1, 2], [0]), ([0, 32], [0]), ([-1, 0], [0]), ([0, 1], [2])):
+        with pytest.raises(InvalidArgumentError):
+            copier.gather(ids, slots)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError):
+            copier.scatter(slots, ids)  # type: ignore[arg-type]
+    assert bool((host.buffer == 9).all()) and torch.equal(pool, filled_pool(layout))
+    with pytest.raises(InvalidArgumentError, match="chunk of 3 blocks"):
+        ChunkCopier(layout, pool, host, 3)
+    state = KVLayout.state(num_slots=4, num_layers=1, state_dim=8)
+    with pytest.raises(InvalidArgumentError, match="whole"):
+        ChunkCopier(state, state.allocate(), HostTier(2, state.bytes_per_block), 1)

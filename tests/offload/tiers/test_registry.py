@@ -1,0 +1,46 @@
+"""The tier registry: support checks, and opening the configured lower tiers (all or none)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvplane.errors import ConfigError, OffloadError
+from kvplane.offload.config import OffloadConfig
+from kvplane.offload.tiers import DiskTier, RemoteTier
+from kvplane.offload.tiers.redis_server import free_port
+from kvplane.offload.tiers.registry import TIER_KINDS, open_lower_tiers, tier_support
+
+FP = bytes(range(16))
+
+
+def test_support() -> None:
+    assert TIER_KINDS == ("device", "host", "disk", "remote")
+    assert tier_support("host") is None and tier_support("disk") is None
+    assert tier_support("remote") is None  # the redis client is installed in the test env
+    with pytest.raises(ConfigError, match="tape"):
+        tier_support("tape")
+
+
+def test_open_lower_tiers(tmp_path: Path, redis_url: str, redis_namespace: str) -> None:
+    assert open_lower_tiers(OffloadConfig(), 4096, FP) == []
+    cfg = OffloadConfig(
+        disk_path=tmp_path / "slots", disk_slots=3, remote_url=redis_url,
+        remote_slots=5, remote_namespace=redis_namespace,
+    )  # fmt: skip
+    tiers = open_lower_tiers(cfg, 4096, FP)
+    assert [type(t) for t in tiers] == [DiskTier, RemoteTier]
+    assert [t.num_slots for t in tiers] == [3, 5]
+    for t in tiers:
+        t.close()
+
+
+def test_a_tier_that_cannot_open_closes_the_ones_before_it(tmp_path: Path) -> None:
+    cfg = OffloadConfig(
+        disk_path=tmp_path / "slots", remote_url=f"redis://127.0.0.1:{free_port()}/0",
+        remote_timeout_s=1.0,
+    )  # fmt: skip
+    with pytest.raises(OffloadError, match="unreachable"):
+        open_lower_tiers(cfg, 4096, FP)
+    DiskTier(tmp_path / "slots", 2, 4096, FP).close()  # the disk file's lock was released

@@ -1,0 +1,105 @@
+"""RemoteTier against a real redis-server: round trip, damage is a MISS plus a metric,
+re-index, a server that goes away mid-run, and the typed "unsupported" path."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import redis
+import torch
+from offload_testlib import key, keys
+
+from kvplane.errors import InvalidArgumentError, OffloadError, UnsupportedError
+from kvplane.ids import SlotId
+from kvplane.metrics import MetricsRegistry
+from kvplane.offload.tiers import ReadOutcome, RemoteTier, Tier
+from kvplane.offload.tiers.redis_server import LocalRedisServer
+
+FP = bytes(range(16))
+OK, CORRUPT, MISSING = ReadOutcome.OK, ReadOutcome.CORRUPT, ReadOutcome.MISSING
+CHUNK = 10_000
+
+
+def pattern(i: int, n: int = CHUNK) -> torch.Tensor:
+    return ((torch.arange(n, dtype=torch.int64) * 13 + i) % 253).to(torch.uint8)
+
+
+def corrupt(m: MetricsRegistry, reason: str) -> float:
+    return m.value("offload_corrupt_chunks", {"tier": "remote", "reason": reason}, "_total")
+
+
+def test_round_trip_and_reindex(redis_url: str, redis_namespace: str) -> None:
+    tier = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace)
+    assert isinstance(tier, Tier)
+    tier.write([SlotId(3), SlotId(0)], keys(0, 1), [pattern(0), pattern(1)])
+    outs = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in range(3)]
+    got = tier.read([SlotId(0), SlotId(3), SlotId(2)], keys(1, 0, 2), outs)
+    assert got == [OK, OK, MISSING]
+    assert torch.equal(outs[0], pattern(1)) and torch.equal(outs[1], pattern(0))
+    tier.close()
+    again = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace)  # a restart
+    assert again.scan() == {key(0): 3, key(1): 0}
+    small = RemoteTier(redis_url, 2, CHUNK, FP, namespace=redis_namespace)
+    assert small.scan() == {key(1): 0}  # slot 3 is beyond a 2-slot tier
+    assert again.clear() == 2 and again.scan() == {}
+    again.close()
+    small.close()
+
+
+def test_damage_is_a_miss_and_a_metric(redis_url: str, redis_namespace: str) -> None:
+    m = MetricsRegistry()
+    tier = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, metrics=m)
+    tier.write([SlotId(0), SlotId(1), SlotId(2)], keys(0, 1, 2), [pattern(i) for i in range(3)])
+    raw = redis.Redis.from_url(redis_url)
+    payload = bytearray(raw.hget(f"{redis_namespace}:slot:0", "p"))
+    payload[77] ^= 0x04
+    raw.hset(f"{redis_namespace}:slot:0", "p", bytes(payload))  # bit flip
+    raw.hset(f"{redis_namespace}:slot:1", "p", b"short")  # wrong length
+    header = bytearray(raw.hget(f"{redis_namespace}:slot:2", "h"))
+    header[20] ^= 0x01
+    raw.hset(f"{redis_namespace}:slot:2", "h", bytes(header))  # damaged header
+    outs = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in range(3)]
+    assert tier.read([SlotId(0), SlotId(1), SlotId(2)], keys(0, 1, 2), outs) == [CORRUPT] * 3
+    assert (corrupt(m, "checksum"), corrupt(m, "length"), corrupt(m, "header")) == (1, 1, 1)
+    tier.write([SlotId(3)], keys(3), [pattern(3)])
+    assert tier.read([SlotId(3)], keys(4), [outs[0]]) == [CORRUPT]  # another chunk's slot
+    assert corrupt(m, "key") == 1
+    other = RemoteTier(redis_url, 4, CHUNK, bytes(16), namespace=redis_namespace, metrics=m)
+    assert other.scan() == {}  # another layout: nothing is adopted
+    raw.close()
+    tier.close()
+    other.close()
+
+
+def test_server_going_away_mid_run_is_a_typed_error() -> None:
+    m = MetricsRegistry()
+    with LocalRedisServer() as server:  # stopped even if an assertion fails
+        tier = RemoteTier(server.url, 2, CHUNK, FP, timeout_s=2.0, metrics=m)
+        tier.write([SlotId(0)], keys(0), [pattern(0)])
+        server.kill()
+        with pytest.raises(OffloadError, match="write failed"):
+            tier.write([SlotId(1)], keys(1), [pattern(1)])
+        with pytest.raises(OffloadError, match="read failed"):
+            tier.read([SlotId(0)], keys(0), [torch.zeros(CHUNK, dtype=torch.uint8)])
+        with pytest.raises(OffloadError, match="re-index failed"):
+            tier.scan()
+        assert m.value("offload_tier_errors", {"tier": "remote"}, "_total") == 3
+        tier.close()
+        with pytest.raises(OffloadError, match="unreachable"):
+            RemoteTier(server.url, 2, CHUNK, FP, timeout_s=1.0)
+
+
+def test_bad_arguments_and_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
+    for kw in ({"url": "http://x"}, {"namespace": "a:b"}, {"timeout_s": 0}):
+        args = {"url": "redis://127.0.0.1:1/0", "namespace": "ns", "timeout_s": 1.0} | kw
+        with pytest.raises(InvalidArgumentError):
+            RemoteTier(
+                args["url"], 2, CHUNK, FP, namespace=args["namespace"], timeout_s=args["timeout_s"]
+            )  # type: ignore[arg-type]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "redis" else real(name, *a)
+    )
+    with pytest.raises(UnsupportedError, match="pip install"):
+        RemoteTier("redis://127.0.0.1:1/0", 2, CHUNK, FP)
