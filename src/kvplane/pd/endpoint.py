@@ -1,0 +1,433 @@
+"""The PD protocol's only I/O: zmq ROUTER/DEALER over tcp (127.0.0.1 unless told otherwise).
+
+Theory of operation
+-------------------
+An :class:`Endpoint` wraps one :class:`~kvplane.pd.participant.Participant` and one ROUTER
+socket, bound to 127.0.0.1 by default. DEALER clients (:class:`ControlClient`: probes, tools,
+fuzzers) and other endpoints connect to it; an endpoint dials a peer from the same ROUTER
+(ROUTER-to-ROUTER, with a routing alias set before ``connect`` so the peer is addressable at
+once). Both directions of a connection carry frames, and the loop waits on a single socket: one
+blocking ``recv`` per wake-up, measured cheaper than polling several sockets. Everything is
+built in ``__init__``; the control loop (:meth:`step`, run by :meth:`start` on a thread) starts
+only afterwards and is the only code that touches the socket and the participant. Other threads
+reach it through :meth:`call` (a command queue plus an inproc wake-up frame); actions the
+participant emits other than ``Transmit`` go to ``on_action`` (called on the loop thread; by
+default appended to :attr:`outbox`).
+
+Each frame is decoded by the :class:`~kvplane.pd.codec.Codec`; oversized, unauthenticated,
+malformed and unknown-version frames, wrong multipart shapes and frames from peers without an
+accepted handshake are dropped and counted in :attr:`counters`, and the loop serves the next
+frame. A ``Probe`` is answered with the counters even before a handshake (a health probe). A
+``Hello`` is judged by the participant (verdict cached per peer); an incompatible one is
+refused loudly: logged, counted, answered with the reasons, and :meth:`connect` on the other
+side raises :class:`~kvplane.errors.IncompatiblePeerError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import zmq
+
+from kvplane.errors import IncompatiblePeerError, InvalidArgumentError, TransferTimeoutError
+from kvplane.ids import PeerId, SessionId
+from kvplane.metrics import MetricsRegistry
+from kvplane.pd.actions import Action, Transmit
+from kvplane.pd.codec import DEFAULT_MAX_FRAME, Codec, MalformedMessage
+from kvplane.pd.events import (
+    AnyWireEvent,
+    Cancel,
+    Fail,
+    Hello,
+    HelloReply,
+    Probe,
+    ProbeReply,
+    StartTransfer,
+    SubmitSlice,
+)
+from kvplane.pd.participant import Participant
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+DEFAULT_BIND = "tcp://127.0.0.1:0"
+TICK_MS = 2
+"""Timer resolution of the control loop (and its longest idle wait), in milliseconds."""
+
+
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_PEER_LEVEL = frozenset({Probe, ProbeReply, Hello, HelloReply})
+"""Frame types the endpoint answers itself (the rest go to the participant)."""
+WAKE_ID = b"\x7fpd-wake"
+"""Routing id of the in-process socket that wakes the loop (user ids may not start with 0)."""
+
+
+class Endpoint:
+    """One participant on the network; see the module docstring for the threading contract.
+
+    One ROUTER socket does everything: it is bound (peers and probes connect to it), it
+    *connects* to the peers this side dials (each connection gets a local routing alias, so it
+    is addressable before the tcp handshake completes), and an inproc socket wakes it for
+    commands from other threads. A single socket keeps the loop to one ``poll`` per wake-up.
+    """
+
+    def __init__(
+        self,
+        participant: Participant,
+        *,
+        bind: str = DEFAULT_BIND,
+        secret: bytes | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        metrics: MetricsRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_action: Callable[[Action], None] | None = None,
+    ) -> None:
+        self.participant = participant
+        self.codec = Codec(secret=secret, max_frame=max_frame)
+        self.clock = clock
+        self.outbox: queue.SimpleQueue[Action] = queue.SimpleQueue()
+        self.on_action = on_action or self.outbox.put
+        self.counters: Counter[str] = Counter()
+        self._frames = None if metrics is None else metrics.counter(
+            "pd_endpoint_frames", "PD frames by result (ok or the drop reason)", ["result"]
+        )  # fmt: skip
+        self._ctx = zmq.Context()
+        self._router: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, 4 * max_frame)  # far beyond: the peer is cut off
+        self._router.bind(bind)
+        self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        wake = f"inproc://pd-wake-{id(self)}"
+        self._router.bind(wake)
+        self._waker: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        self._waker.setsockopt(zmq.LINGER, 0)
+        self._waker.setsockopt(zmq.ROUTING_ID, WAKE_ID)
+        self._waker.connect(wake)
+        self._wake_lock = threading.Lock()
+        self._routes: dict[PeerId, bytes] = {}
+        self._identities: dict[bytes, PeerId] = {}
+        self._pending: dict[bytes, tuple[str, Future[PeerId]]] = {}
+        self._aliases = 0
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._next_check = 0.0
+        self._rcvtimeo = -2
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the control loop on a daemon thread (all state already exists)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._loop, name=f"pd-{self.participant.peer_id}", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.step()
+            except Exception:  # an action callback or a bug must not stop the control loop
+                self.counters["loop_errors"] += 1
+                log.exception("PD control loop error (the loop keeps serving)")
+
+    def close(self) -> None:
+        """Stop the loop and close every socket (idempotent)."""
+        if self._closed:
+            return
+        self._stopping.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        self._closed = True
+        with self._wake_lock:
+            self._waker.close(linger=0)
+        self._router.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- commands from any thread ------------------------------------------------------------------
+    def call(self, fn: Callable[[], T], timeout_s: float = 10.0) -> T:
+        """Run ``fn`` on the loop thread (inline when there is none, or when already on it)."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return fn()
+        fut: Future[T] = Future()
+        self._commands.put((fn, fut))
+        self._wake()
+        return fut.result(timeout=timeout_s)
+
+    def _wake(self) -> None:
+        with self._wake_lock, contextlib.suppress(zmq.ZMQError):  # full or closed: pending
+            self._waker.send(b"", _NOBLOCK)
+
+    def connect(self, address: str, timeout_s: float = 5.0) -> PeerId:
+        """Handshake with the endpoint at ``address``; its peer id, or a typed error."""
+        fut = self.call(lambda: self._begin_connect(address))
+        deadline = time.monotonic() + timeout_s
+        if self._thread is None:
+            while not fut.done() and time.monotonic() < deadline:
+                self.step(timeout_ms=5)
+        try:
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            self.call(lambda: self._abandon_connect(fut))
+            raise TransferTimeoutError(
+                f"handshake with {address} timed out after {timeout_s}s"
+            ) from exc
+
+    def _abandon_connect(self, fut: Future[PeerId]) -> None:
+        for alias, (address, pending) in list(self._pending.items()):
+            if pending is fut:
+                del self._pending[alias]
+                with contextlib.suppress(zmq.ZMQError):
+                    self._router.disconnect(address)
+
+    def open_receiver(self, session_id: SessionId, peer_id: PeerId, start: StartTransfer) -> None:
+        def run() -> None:
+            _, actions = self.participant.open_receiver(session_id, peer_id, start, self.clock())
+            self._dispatch(actions)
+
+        self.call(run)
+
+    def open_sender(self, session_id: SessionId, peer_id: PeerId) -> bool:
+        """Open (or attach to) a sender session; False if the session was already torn down."""
+
+        def run() -> bool:
+            sess, actions = self.participant.open_sender(session_id, peer_id, self.clock())
+            self._dispatch(actions)
+            return sess is not None
+
+        return self.call(run)
+
+    def send(self, session_id: SessionId, command: SubmitSlice | Cancel | Fail) -> None:
+        self.call(lambda: self._dispatch(self.participant.send(session_id, command, self.clock())))
+
+    def receive_local(self, session_id: SessionId, event: object) -> None:
+        self.call(
+            lambda: self._dispatch(self.participant.receive_local(session_id, event, self.clock()))
+        )
+
+    def snapshot(self) -> dict[str, int]:
+        """Endpoint counters plus the participant's (prefixed ``session_``)."""
+        return self.call(self._snapshot)
+
+    # -- the control loop --------------------------------------------------------------------
+    def step(self, timeout_ms: int | None = None) -> int:
+        """One loop iteration: wait for frames (at most ``timeout_ms``), serve, run due timers.
+
+        Returns the number of frames read. The wait is one blocking ``recv`` with a fixed
+        receive timeout of :data:`TICK_MS` (cheaper than ``poll`` + ``recv``), so timers fire
+        within a tick of their deadline; timers are checked at most once per tick.
+        """
+        router = self._router
+        wait = TICK_MS if timeout_ms is None else max(0, min(timeout_ms, TICK_MS))
+        if wait != self._rcvtimeo:
+            router.setsockopt(zmq.RCVTIMEO, wait)
+            self._rcvtimeo = wait
+        frames = 0
+        try:  # one frame per iteration: a ready recv returns at once, no readiness check needed
+            parts = router.recv_multipart()
+        except zmq.Again:
+            parts = None
+        if parts is not None:
+            frames = 1
+            self._on_parts(parts)
+        while not self._commands.empty():
+            fn, fut = self._commands.get_nowait()
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to the caller's thread
+                fut.set_exception(exc)
+        now = self.clock()
+        if now >= self._next_check:
+            self._next_check = now + TICK_MS / 1000.0
+            nxt = self.participant.next_deadline()
+            if nxt is not None and now >= nxt:
+                self._dispatch(self.participant.tick(now))
+        return frames
+
+    def _drop(self, reason: str) -> None:
+        self.counters[f"dropped_{reason}"] += 1
+        if self._frames is not None:
+            self._frames.labels(reason).inc()
+
+    def _on_parts(self, parts: list[bytes]) -> None:
+        counters = self.counters
+        if len(parts) != 2:
+            counters["frames_in"] += 1
+            self._drop("bad_parts")
+            return
+        identity, payload = parts
+        if identity == WAKE_ID:
+            return
+        counters["frames_in"] += 1
+        event = self.codec.decode(payload)
+        if type(event) is MalformedMessage:
+            self._drop(event.reason.value)
+            return
+        counters["frames_ok"] += 1
+        if self._frames is not None:
+            self._frames.labels("ok").inc()
+        peer = self._identities.get(identity)
+        if peer is not None and type(event) not in _PEER_LEVEL:  # the hot path
+            self._dispatch(self.participant.on_event(peer, event, self.clock()))  # type: ignore[arg-type]
+        else:
+            self._on_peer_level(identity, peer, event)  # type: ignore[arg-type]
+
+    def _on_peer_level(self, identity: bytes, peer: PeerId | None, event: AnyWireEvent) -> None:
+        now = self.clock()
+        if isinstance(event, Probe):
+            self.counters["probes"] += 1
+            me = str(self.participant.peer_id)
+            self._send(
+                identity, ProbeReply(nonce=event.nonce, peer_id=me, counters=self._snapshot())
+            )
+        elif isinstance(event, Hello):
+            reply, actions = self.participant.on_hello(event, now)
+            self._send(identity, reply)
+            peer_id = PeerId(event.peer_id)
+            if reply.accepted:
+                self.counters["handshakes_accepted"] += 1
+                self._bind(peer_id, identity)
+            else:
+                self.counters["handshakes_refused"] += 1
+                log.warning("refused incompatible peer %s: %s", peer_id, "; ".join(reply.reasons))
+            self._dispatch(actions)
+        elif isinstance(event, HelloReply) and identity in self._pending:
+            self._finish_connect(identity, event, now)
+        elif peer is None:
+            self._drop("unknown_peer")
+        else:
+            self._drop("unexpected")
+
+    def _bind(self, peer_id: PeerId, identity: bytes) -> None:
+        old = self._routes.get(peer_id)
+        if old is not None:
+            self._identities.pop(old, None)
+        self._identities[identity] = peer_id
+        self._routes[peer_id] = identity
+
+    def _begin_connect(self, address: str) -> Future[PeerId]:
+        self._aliases += 1
+        alias = b"\x7fpd-out-%d" % self._aliases
+        self._router.setsockopt(zmq.CONNECT_ROUTING_ID, alias)
+        self._router.connect(address)
+        fut: Future[PeerId] = Future()
+        self._pending[alias] = (address, fut)
+        self._send(alias, self.participant.hello())
+        return fut
+
+    def _finish_connect(self, alias: bytes, reply: HelloReply, now: float) -> None:
+        address, fut = self._pending.pop(alias)
+        verdict = self.participant.on_hello_reply(reply, now)
+        peer_id = PeerId(reply.hello.peer_id)
+        if verdict.compatible:
+            self.counters["handshakes_completed"] += 1
+            self._bind(peer_id, alias)
+            fut.set_result(peer_id)
+            return
+        self.counters["handshakes_refused"] += 1
+        log.warning("peer %s is incompatible: %s", peer_id, "; ".join(verdict.reasons))
+        with contextlib.suppress(zmq.ZMQError):
+            self._router.disconnect(address)
+        fut.set_exception(
+            IncompatiblePeerError(f"peer {peer_id} is incompatible: {'; '.join(verdict.reasons)}")
+        )
+
+    def _dispatch(self, actions: list[Action]) -> None:
+        for act in actions:
+            if isinstance(act, Transmit):
+                identity = self._routes.get(act.peer_id)
+                if identity is None:
+                    self._drop("no_route")
+                else:
+                    self._send(identity, act.event)
+            else:
+                self.on_action(act)
+
+    def _send(self, identity: bytes, event: AnyWireEvent) -> None:
+        try:
+            frame = self.codec.encode(event)
+        except InvalidArgumentError:  # over max_frame: refused here rather than by the peer
+            self._drop("unencodable")
+            log.exception("cannot send %s", type(event).__name__)
+            return
+        try:
+            self._router.send(identity, _SNDMORE_NOBLOCK)
+            self._router.send(frame, _NOBLOCK)
+            self.counters["frames_out"] += 1
+        except zmq.Again:  # peer's queue full: best effort, the protocol retransmits
+            self._drop("send_blocked")
+
+    def _snapshot(self) -> dict[str, int]:
+        out = dict(self.counters)
+        out["handshake_cached_verdicts"] = self.participant.peers.cached_verdicts
+        out["sessions_live"] = len(self.participant.sessions)
+        for key, value in self.participant.counters.items():
+            out[f"session_{key}"] = value
+        return out
+
+
+class ControlClient:
+    """A blocking DEALER that speaks frames to an endpoint: health probes, benches, fuzzers."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        secret: bytes | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.codec = Codec(secret=secret, max_frame=max_frame)
+        self.timeout_ms = int(timeout_s * 1000)
+        self._ctx = zmq.Context()
+        self.sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+        self.sock.connect(address)
+
+    def send_raw(self, *parts: bytes) -> None:
+        self.sock.send_multipart(list(parts))
+
+    def send(self, event: AnyWireEvent) -> None:
+        self.sock.send(self.codec.encode(event))
+
+    def recv(self) -> AnyWireEvent | MalformedMessage:
+        try:
+            return self.codec.decode(self.sock.recv())
+        except zmq.Again as exc:
+            raise TransferTimeoutError(f"no reply within {self.timeout_ms} ms") from exc
+
+    def request(self, event: AnyWireEvent) -> AnyWireEvent | MalformedMessage:
+        self.send(event)
+        return self.recv()
+
+    def probe(self, nonce: int = 1) -> ProbeReply:
+        """Ask for health; skips unrelated frames; ``TransferTimeoutError`` if none comes."""
+        self.send(Probe(nonce=nonce))
+        while True:
+            got = self.recv()
+            if isinstance(got, ProbeReply) and got.nonce == nonce:
+                return got
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,405 @@
+"""One worker's side of the PD protocol: many sessions, epochs, tombstones, timers and leases.
+
+Theory of operation
+-------------------
+A :class:`Participant` is still sans-IO: the endpoint (or a simulation) hands it decoded wire
+events from authenticated peers, local commands and evidence, and the current time ``now``; it
+returns the actions to perform (``Transmit``, ``StartSubmit``, ``Release``, ``Finished``).
+``ArmTimer`` actions never leave it: they go into its :class:`~kvplane.pd.timers.TimerQueue`
+and come back as ``Timeout`` events from :meth:`Participant.tick`.
+
+Stale work never recreates state. Sessions are keyed by id; each incarnation has an epoch,
+chosen by the receiver from a counter that starts at the participant's ``incarnation`` (a
+restarted process must pass a larger one, e.g. its start time in microseconds). A frame for a
+live session with another epoch is dropped. A session that is terminal, fully released and
+owes nothing is *retired* to a tombstone that answers late frames idempotently (repeats the
+verdict, re-acknowledges aborts) and never becomes a session again; only a frame with a *newer*
+epoch may open a new incarnation. Tombstones are bounded (LRU); evicting one raises that peer's
+epoch floor, below which frames for unknown sessions are dropped as stale. An ``Abort`` for an
+unknown session leaves a tombstone, so its ``TransferRequest`` arriving late cannot open it.
+
+A peer whose lease expires is lost: ``PeerLost`` goes to that peer's sessions and no others.
+Protocol errors caused by a peer's frame are counted and dropped; the control loop continues.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from functools import partial
+
+from kvplane.errors import InvalidArgumentError, ProtocolError
+from kvplane.ids import PeerId, SessionId
+from kvplane.metrics import MetricsRegistry
+from kvplane.pd.actions import Action, ArmTimer, Finished, Transmit
+from kvplane.pd.events import (
+    Abort,
+    AbortAck,
+    AnyWireEvent,
+    Cancel,
+    Fail,
+    Heartbeat,
+    Hello,
+    HelloReply,
+    LeaseRenew,
+    PeerLost,
+    SessionEvent,
+    StartTransfer,
+    SubmitSlice,
+    Timeout,
+    TimerKind,
+    TransferRequest,
+    check_id,
+    wire_text,
+)
+from kvplane.pd.handshake import PeerProfile, Verdict
+from kvplane.pd.peers import PeerTable
+from kvplane.pd.receiver import ReceiverSession
+from kvplane.pd.sender import SenderSession
+from kvplane.pd.session import Session
+from kvplane.pd.states import OUTCOME_STATE, Ownership, Role
+from kvplane.pd.timers import TimerQueue, Timings
+from kvplane.pd.tombstones import Tombstone, TombstoneTable, answer
+
+TimerKey = tuple[int, TimerKind, int]
+
+
+class Participant:
+    """All PD sessions of one worker (either role), driven with explicit ``now`` values."""
+
+    def __init__(
+        self,
+        peer_id: PeerId,
+        profile: PeerProfile,
+        *,
+        incarnation: int,
+        timings: Timings | None = None,
+        metrics: MetricsRegistry | None = None,
+        tombstone_capacity: int = 65536,
+        transport: str = "",
+        transport_metadata: bytes = b"",
+    ) -> None:
+        if (
+            isinstance(incarnation, bool)
+            or not isinstance(incarnation, int)
+            or not 0 <= incarnation < 1 << 62
+        ):
+            raise InvalidArgumentError(
+                f"incarnation must be an int in [0, 2**62), got {incarnation!r}"
+            )
+        check_id("Participant", "peer_id", peer_id)
+        self.peer_id = peer_id
+        self.incarnation = incarnation
+        self.timings = timings or Timings()
+        self.peers = PeerTable(profile, self.timings.heartbeat_s)
+        self._hello = Hello(
+            peer_id=peer_id,
+            incarnation=incarnation,
+            profile=profile,
+            fingerprint=self.peers.fingerprint,
+            transport=transport,
+            transport_metadata=transport_metadata,
+            lease_ms=max(1, int(self.timings.lease_s * 1000)),
+        )
+        self.sessions: dict[SessionId, Session] = {}
+        self._by_peer: dict[PeerId, set[SessionId]] = {}
+        self._serial_of: dict[SessionId, int] = {}
+        self._by_serial: dict[int, SessionId] = {}
+        self._tombs = TombstoneTable(tombstone_capacity)
+        self._timers: TimerQueue[TimerKey] = TimerQueue()
+        self._next_serial = 0
+        self._next_epoch = incarnation
+        self._next_token = 0
+        self.counters: Counter[str] = Counter()
+        self._events = (
+            None
+            if metrics is None
+            else metrics.counter(
+                "pd_participant_events",
+                "PD participant events: drops, late frames, peer loss",
+                ["event"],
+            )
+        )
+        self._finished = (
+            None
+            if metrics is None
+            else metrics.counter(
+                "pd_sessions_finished", "PD sessions by terminal state", ["role", "state"]
+            )
+        )
+
+    # -- handshake -------------------------------------------------------------------------------
+    def hello(self) -> Hello:
+        return self._hello
+
+    def on_hello(self, hello: Hello, now: float) -> tuple[HelloReply, list[Action]]:
+        """Judge a peer's ``Hello`` (cached per peer); a restarted peer's old sessions fail."""
+        verdict, restarted = self.peers.judge(hello)
+        peer_id = PeerId(hello.peer_id)
+        out = self._lose(peer_id, now, "peer restarted") if restarted else []
+        if verdict.compatible:
+            self.peers.admit(peer_id, now)
+        else:
+            self._count("incompatible_peer")
+        return HelloReply(
+            hello=self._hello,
+            accepted=verdict.compatible,
+            reasons=tuple(wire_text(r) for r in verdict.reasons[:64]),
+        ), out
+
+    def on_hello_reply(self, reply: HelloReply, now: float) -> Verdict:
+        """Complete our handshake: both the peer's verdict and ours must accept."""
+        ours, _ = self.peers.judge(reply.hello)
+        peer_id = PeerId(reply.hello.peer_id)
+        reasons = tuple(f"peer refused: {r}" for r in reply.reasons) if not reply.accepted else ()
+        verdict = Verdict(
+            compatible=reply.accepted and ours.compatible, reasons=reasons + ours.reasons
+        )
+        if verdict.compatible:
+            self.peers.admit(peer_id, now)
+        else:
+            self.peers.refuse(peer_id, verdict)
+            self._count("incompatible_peer")
+        return verdict
+
+    # -- sessions ----------------------------------------------------------------------------------
+    def open_receiver(
+        self, session_id: SessionId, peer_id: PeerId, start: StartTransfer, now: float
+    ) -> tuple[ReceiverSession, list[Action]]:
+        """Open a receiver session (new epoch) and send its ``TransferRequest``."""
+        self._check_new(session_id, peer_id)
+        self._next_epoch += 1
+        sess = ReceiverSession(
+            session_id, peer_id, epoch=self._next_epoch, token=self._token(), timings=self.timings
+        )
+        self._tombs.pop(session_id)
+        actions = self._install(sess, now)
+        return sess, actions + self._drive(sess, lambda: sess.send(start), now, local=True)
+
+    def open_sender(
+        self, session_id: SessionId, peer_id: PeerId, now: float
+    ) -> tuple[SenderSession | None, list[Action]]:
+        """The sender session for ``session_id``: the live one, a new one, or None if torn down."""
+        live = self.sessions.get(session_id)
+        if live is not None:
+            if not isinstance(live, SenderSession) or live.peer_id != peer_id:
+                raise ProtocolError(f"session {session_id} is open as another role or peer")
+            return live, []
+        if session_id in self._tombs:
+            return None, []
+        self._check_new(session_id, peer_id)
+        sess = SenderSession(session_id, peer_id, token=self._token(), timings=self.timings)
+        return sess, self._install(sess, now)
+
+    def send(
+        self, session_id: SessionId, command: SubmitSlice | Cancel | Fail, now: float
+    ) -> list[Action]:
+        """Apply a local command; ``ProtocolError`` (nothing changed) if the session is not live."""
+        sess = self._live(session_id)
+        return self._drive(sess, lambda: sess.send(command), now, local=True)
+
+    def receive_local(self, session_id: SessionId, event: object, now: float) -> list[Action]:
+        """Apply transport evidence; evidence for a retired session is counted and dropped."""
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            self._count("late_evidence")
+            return []
+        return self._drive(sess, lambda: sess.receive(event), now, local=True)
+
+    def submittable(self, session_id: SessionId, slice_id: int) -> bool:
+        """True while a ``StartSubmit``'s slice may still be submitted (ADMITTED, not cancelled).
+
+        A ``StartSubmit`` can be overtaken by a cancel (even within one batch of actions); a
+        driver checks this right before calling the transport.
+        """
+        sess = self.sessions.get(session_id)
+        return (
+            isinstance(sess, SenderSession)
+            and slice_id in sess.ledger
+            and sess.ledger.state(slice_id) is Ownership.ADMITTED
+        )
+
+    def session(self, session_id: SessionId) -> Session | None:
+        return self.sessions.get(session_id)
+
+    def tombstone(self, session_id: SessionId) -> Tombstone | None:
+        return self._tombs.get(session_id)
+
+    # -- frames from peers -----------------------------------------------------------------------
+    def on_event(self, peer_id: PeerId, event: AnyWireEvent, now: float) -> list[Action]:
+        """Handle a decoded, authenticated frame from ``peer_id``; never raises for its content."""
+        if not self.peers.touch(peer_id, now):
+            self._count("unknown_peer")
+            return []
+        if isinstance(event, Heartbeat):
+            lease_ms = self._hello.lease_ms
+            return [
+                Transmit(
+                    peer_id, LeaseRenew(peer_id=self.peer_id, seq=event.seq, lease_ms=lease_ms)
+                )
+            ]
+        if isinstance(event, LeaseRenew):
+            return []
+        if not isinstance(event, SessionEvent):
+            self._count("unexpected_event")
+            return []
+        sid = event.sid
+        sess = self.sessions.get(sid)
+        if sess is not None:
+            if sess.peer_id != peer_id:
+                self._count("wrong_peer")
+                return []
+            if sess.epoch is not None and event.epoch != sess.epoch:
+                self._count("stale_epoch")
+                return []
+            return self._drive(sess, lambda: sess.receive(event), now, local=False)
+        tomb = self._tombs.get(sid)
+        if tomb is not None and tomb.peer_id == peer_id:
+            if tomb.epoch is None or event.epoch == tomb.epoch:
+                self._count("late_frame")
+                return answer(tomb, event)
+            if event.epoch < tomb.epoch:
+                self._count("stale_epoch")
+                return []
+        if event.epoch <= self._tombs.floor(peer_id):
+            self._count("stale_epoch")
+            return []
+        if isinstance(event, TransferRequest):
+            sender = SenderSession(sid, peer_id, token=self._token(), timings=self.timings)
+            self._tombs.pop(sid)
+            out = self._install(sender, now)
+            return out + self._drive(sender, lambda: sender.receive(event), now, local=False)
+        if isinstance(event, Abort):
+            self._tombs.bury(
+                sid,
+                Tombstone(Role.SENDER, peer_id, event.epoch, OUTCOME_STATE[event.outcome], True),
+            )
+            self._count("abort_for_unknown_session")
+            ack = AbortAck(
+                session_id=sid, epoch=event.epoch, token=event.token, outcome=event.outcome
+            )
+            return [Transmit(peer_id, ack)]
+        self._count("unknown_session")
+        return []
+
+    # -- clock -----------------------------------------------------------------------------------
+    def tick(self, now: float) -> list[Action]:
+        """Expire leases, send heartbeats and deliver due timers."""
+        out: list[Action] = []
+        for peer_id in self.peers.expired(now):
+            self._count("peer_lost")
+            out += self._lose(peer_id, now, "lease expired")
+        for peer_id, seq in self.peers.heartbeats_due(now):
+            out.append(Transmit(peer_id, Heartbeat(peer_id=self.peer_id, seq=seq)))
+        for serial, timer, unit in self._timers.due(now):
+            sid = self._by_serial.get(serial)
+            sess = None if sid is None else self.sessions.get(sid)
+            if sess is not None:
+                ev = Timeout(timer=timer, unit=unit)
+                out += self._drive(sess, partial(sess.receive, ev), now, local=True)
+        return out
+
+    def next_deadline(self) -> float | None:
+        times = [
+            t for t in (self._timers.next_deadline(), self.peers.next_deadline()) if t is not None
+        ]
+        return min(times) if times else None
+
+    def lose_peer(self, peer_id: PeerId, now: float, reason: str) -> list[Action]:
+        """Declare ``peer_id`` dead now (e.g. the transport saw the connection reset)."""
+        self.peers.lose(peer_id)
+        return self._lose(peer_id, now, reason)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _lose(self, peer_id: PeerId, now: float, reason: str) -> list[Action]:
+        out: list[Action] = []
+        for sid in sorted(self._by_peer.get(peer_id, ())):
+            sess = self.sessions[sid]
+            ev = PeerLost(peer_id=peer_id, reason=reason)
+            out += self._drive(sess, partial(sess.receive, ev), now, local=True)
+        return out
+
+    def _token(self) -> int:
+        self._next_token += 1
+        return self._next_token
+
+    def _check_new(self, session_id: SessionId, peer_id: PeerId) -> None:
+        if session_id in self.sessions:
+            raise ProtocolError(f"session {session_id} is already open")
+        if not self.peers.is_live(peer_id):
+            raise ProtocolError(
+                f"peer {peer_id} is not connected (no accepted handshake or lease lost)"
+            )
+
+    def _live(self, session_id: SessionId) -> Session:
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            state = "retired" if session_id in self._tombs else "unknown"
+            raise ProtocolError(f"session {session_id} is {state}; the caller keeps its memory")
+        return sess
+
+    def _install(self, sess: Session, now: float) -> list[Action]:
+        self._next_serial += 1
+        self.sessions[sess.session_id] = sess
+        self._serial_of[sess.session_id] = self._next_serial
+        self._by_serial[self._next_serial] = sess.session_id
+        self._by_peer.setdefault(sess.peer_id, set()).add(sess.session_id)
+        return self._absorb(sess, sess.open(), now)
+
+    def _drive(
+        self, sess: Session, fn: Callable[[], list[Action]], now: float, *, local: bool
+    ) -> list[Action]:
+        try:
+            actions = fn()
+        except ProtocolError:
+            if local:
+                raise
+            self._count("protocol_error")
+            return []
+        out = self._absorb(sess, actions, now)
+        if sess.retirable:
+            self._retire(sess)
+        return out
+
+    def _absorb(self, sess: Session, actions: list[Action], now: float) -> list[Action]:
+        serial = self._serial_of[sess.session_id]
+        out: list[Action] = []
+        for act in actions:
+            if isinstance(act, ArmTimer):
+                self._timers.arm((serial, act.timer, act.unit), now + act.delay_s)
+                continue
+            if isinstance(act, Finished):
+                self.counters[f"finished_{act.role.value}_{act.state.value}"] += 1
+                if self._finished is not None:
+                    self._finished.labels(act.role.value, act.state.value).inc()
+            out.append(act)
+        return out
+
+    def _retire(self, sess: Session) -> None:
+        sid = sess.session_id
+        serial = self._serial_of.pop(sid)
+        del self._by_serial[serial]
+        del self.sessions[sid]
+        self._by_peer[sess.peer_id].discard(sid)
+        for timer in TimerKind:
+            for unit in {0, *(r.unit for r in sess.ledger.records())}:
+                self._timers.cancel((serial, timer, unit))
+        self._tombs.bury(sid, sess.tombstone())
+        self.counters["retired"] += 1
+
+    def _count(self, reason: str) -> None:
+        self.counters[reason] += 1
+        if self._events is not None:
+            self._events.labels(reason).inc()
+
+    def check_integrity(self) -> None:
+        """Every live session's ledger is consistent and indexed; retired ones hold nothing."""
+        for sid, sess in self.sessions.items():
+            sess.ledger.check_integrity()
+            if sid not in self._serial_of or sid not in self._by_peer.get(sess.peer_id, set()):
+                raise ProtocolError(f"session {sid} is not indexed")
+        indexed = sum(len(v) for v in self._by_peer.values())
+        if indexed != len(self.sessions) or len(self._by_serial) != len(self.sessions):
+            raise ProtocolError("participant indexes disagree with its sessions")
+        if set(self.sessions) & self._tombs.ids():
+            raise ProtocolError("a session is both live and retired")

@@ -1,0 +1,100 @@
+"""Tombstones: what remains of retired sessions, so late frames are answered, never revived.
+
+A participant retires a session once it is terminal, fully released and owes nothing; its
+:class:`Tombstone` keeps just enough to answer late frames of the same epoch idempotently
+(:func:`answer`): the receiver's COMMITTED verdict or its abort, the sender's re-acknowledgement
+of an abort. The :class:`TombstoneTable` is bounded (LRU); evicting a tombstone raises that
+peer's *epoch floor*, below which frames for unknown sessions are stale (epochs are issued in
+increasing order by each receiver), so eviction never lets old work recreate a session.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvplane.errors import InvalidArgumentError
+from kvplane.ids import PeerId, SessionId
+from kvplane.pd.actions import Action, Transmit
+from kvplane.pd.events import (
+    Abort,
+    AbortAck,
+    SessionEvent,
+    SliceReady,
+    SliceResult,
+    TransferRequest,
+)
+from kvplane.pd.states import STATE_OUTCOME, Role, SessionState
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """A retired session: role, peer, epoch, final state, and what to repeat to the peer."""
+
+    role: Role
+    peer_id: PeerId
+    epoch: int | None
+    state: SessionState
+    clean: bool
+    verdict: SliceResult | None = None
+    notice: Abort | None = None
+
+
+def answer(tomb: Tombstone, event: SessionEvent) -> list[Action]:
+    """The idempotent answer of a retired session to a late frame of its own epoch."""
+    peer = tomb.peer_id
+    if isinstance(event, Abort):
+        if tomb.verdict is not None:
+            return [Transmit(peer, tomb.verdict)]
+        ack = AbortAck(
+            session_id=event.session_id,
+            epoch=event.epoch,
+            token=event.token,
+            outcome=STATE_OUTCOME.get(tomb.state, event.outcome),
+            drained=tomb.clean,
+        )
+        return [Transmit(peer, ack)]
+    if isinstance(event, SliceReady | TransferRequest):
+        if tomb.verdict is not None:
+            return [Transmit(peer, tomb.verdict)]
+        if tomb.notice is not None:
+            return [Transmit(peer, tomb.notice)]
+    return []
+
+
+class TombstoneTable:
+    """Tombstones by session id, least recently buried evicted first, with per-peer floors."""
+
+    def __init__(self, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise InvalidArgumentError(f"tombstone capacity must be an int >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self._tombs: OrderedDict[SessionId, Tombstone] = OrderedDict()
+        self._floor: dict[PeerId, int] = {}
+
+    def __contains__(self, sid: SessionId) -> bool:
+        return sid in self._tombs
+
+    def __len__(self) -> int:
+        return len(self._tombs)
+
+    def get(self, sid: SessionId) -> Tombstone | None:
+        return self._tombs.get(sid)
+
+    def pop(self, sid: SessionId) -> Tombstone | None:
+        return self._tombs.pop(sid, None)
+
+    def bury(self, sid: SessionId, tomb: Tombstone) -> None:
+        self._tombs[sid] = tomb
+        self._tombs.move_to_end(sid)
+        while len(self._tombs) > self.capacity:
+            _, old = self._tombs.popitem(last=False)
+            if old.epoch is not None:
+                self._floor[old.peer_id] = max(self._floor.get(old.peer_id, 0), old.epoch)
+
+    def floor(self, peer_id: PeerId) -> int:
+        """Frames from ``peer_id`` for unknown sessions with an epoch at or below this are stale."""
+        return self._floor.get(peer_id, 0)
+
+    def ids(self) -> set[SessionId]:
+        return set(self._tombs)

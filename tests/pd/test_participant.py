@@ -1,0 +1,260 @@
+"""Participants: handshakes, epochs, tombstones, leases, timers, dropped peer frames."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvplane.errors import ProtocolError
+from kvplane.ids import PeerId, RequestId, SessionId, SliceId
+from kvplane.metrics import MetricsRegistry
+from kvplane.pd.actions import Action, Finished, Release, StartSubmit, Transmit
+from kvplane.pd.events import (
+    Abort,
+    AbortAck,
+    Cancel,
+    Heartbeat,
+    LeaseRenew,
+    Outcome,
+    SliceReady,
+    SliceResult,
+    SliceStatus,
+    StartTransfer,
+    SubmitSkipped,
+    SubmitSlice,
+    TransferRequest,
+    TransportDone,
+)
+from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile
+from kvplane.pd.pair import sim_profile
+from kvplane.pd.participant import Participant
+from kvplane.pd.states import Ownership, Role, SessionState
+from kvplane.pd.timers import Timings
+
+T = Timings(deadline_s=5.0, verdict_grace_s=1.0, retransmit_s=0.5, heartbeat_s=1.0, lease_s=3.0)
+P, D, D2 = PeerId("prefill"), PeerId("decode"), PeerId("decode2")
+START = StartTransfer(request_id=RequestId("r"), dst_block_ids=(0,), prefix_tokens=0, num_tokens=0)
+
+
+def node(name: PeerId, incarnation: int = 1, **kw: object) -> Participant:
+    return Participant(name, sim_profile(), incarnation=incarnation, timings=T, **kw)  # type: ignore[arg-type]
+
+
+def connect(server: Participant, client: Participant, now: float = 0.0) -> None:
+    reply, _ = server.on_hello(client.hello(), now)
+    assert client.on_hello_reply(reply, now).compatible
+
+
+def pump(
+    nodes: dict[PeerId, Participant], actions: list[Action], src: PeerId, now: float
+) -> list[Action]:
+    """Deliver every Transmit (recursively); return the other actions."""
+    rest: list[Action] = []
+    queue = [(src, a) for a in actions]
+    while queue:
+        frm, act = queue.pop(0)
+        if isinstance(act, Transmit):
+            dst = nodes[act.peer_id]
+            queue += [(dst.peer_id, a) for a in dst.on_event(frm, act.event, now)]
+        else:
+            rest.append(act)
+    return rest
+
+
+def one_session(
+    prefill: Participant, decode: Participant, sid: str, now: float = 0.0
+) -> list[Action]:
+    nodes = {P: prefill, decode.peer_id: decode}
+    _, acts = decode.open_receiver(SessionId(sid), P, START, now)
+    rest = pump(nodes, acts, decode.peer_id, now)
+    acts = prefill.send(
+        SessionId(sid), SubmitSlice(slice_id=SliceId(0), is_last=True, start=0, end=0), now
+    )
+    rest += pump(nodes, acts, P, now)
+    starts = [a for a in rest if isinstance(a, StartSubmit)]
+    for a in starts:
+        rest += pump(
+            nodes,
+            prefill.receive_local(a.session_id, SubmitSkipped(slice_id=a.slice_id), now),
+            P,
+            now,
+        )
+    return rest
+
+
+def test_a_session_completes_and_both_sides_retire_to_tombstones() -> None:
+    prefill, decode = node(P), node(D, 1 << 20)
+    connect(prefill, decode)
+    rest = one_session(prefill, decode, "s1")
+    finished = sorted((a.role.value, a.state.value) for a in rest if isinstance(a, Finished))
+    assert finished == [("receiver", "success"), ("sender", "success")]
+    assert prefill.sessions == {} and decode.sessions == {}
+    assert prefill.tombstone(SessionId("s1")).state is SessionState.SUCCESS  # type: ignore[union-attr]
+    assert decode.counters["retired"] == prefill.counters["retired"] == 1
+    prefill.check_integrity()
+    decode.check_integrity()
+
+
+def test_late_frames_meet_the_tombstone_and_never_recreate_a_session() -> None:
+    prefill, decode = node(P), node(D, 1 << 20)
+    connect(prefill, decode)
+    one_session(prefill, decode, "s1")
+    epoch = decode.tombstone(SessionId("s1")).epoch  # type: ignore[union-attr]
+    assert epoch is not None
+    late = SliceReady(session_id="s1", epoch=epoch, slice_id=0, is_last=True, start=0, end=0)
+    out = decode.on_event(P, late, 1.0)
+    assert [type(a.event) for a in out if isinstance(a, Transmit)] == [SliceResult]
+    req = TransferRequest(
+        session_id="s1",
+        epoch=epoch,
+        request_id="r",
+        dst_block_ids=(0,),
+        prefix_tokens=0,
+        num_tokens=0,
+    )
+    assert prefill.on_event(D, req, 1.0) == [] and prefill.sessions == {}
+    assert prefill.on_event(D, TransferRequest(**{**_fields(req), "epoch": epoch - 1}), 1.0) == []
+    assert prefill.counters["stale_epoch"] == 1 and prefill.counters["late_frame"] == 1
+    newer = TransferRequest(**{**_fields(req), "epoch": epoch + 1})
+    prefill.on_event(D, newer, 1.0)
+    assert prefill.session(SessionId("s1")) is not None  # a newer incarnation may open
+    assert prefill.open_sender(SessionId("s1"), D, 1.0)[0] is prefill.session(SessionId("s1"))
+
+
+def _fields(ev: TransferRequest) -> dict[str, object]:
+    return {f: getattr(ev, f) for f in ev.__struct_fields__}
+
+
+def test_an_abort_for_an_unknown_session_leaves_a_tombstone_that_blocks_its_request() -> None:
+    prefill = node(P)
+    decode = node(D, 1 << 20)
+    connect(prefill, decode)
+    abort = Abort(session_id="x", epoch=5, token=1, outcome=Outcome.ABORTED)
+    out = prefill.on_event(D, abort, 0.0)
+    assert out == [Transmit(D, AbortAck(session_id="x", epoch=5, token=1, outcome=Outcome.ABORTED))]
+    req = TransferRequest(
+        session_id="x", epoch=5, request_id="r", dst_block_ids=(), prefix_tokens=0, num_tokens=0
+    )
+    assert prefill.on_event(D, req, 0.1) == [] and prefill.sessions == {}
+    assert prefill.open_sender(SessionId("x"), D, 0.1) == (None, [])
+
+
+def test_evicted_tombstones_raise_the_epoch_floor() -> None:
+    prefill, decode = node(P, tombstone_capacity=1), node(D, 100)
+    connect(prefill, decode)
+    one_session(prefill, decode, "a")
+    one_session(prefill, decode, "b")  # evicts a's tombstone: floor = a's epoch (101)
+    assert prefill.tombstone(SessionId("a")) is None
+    stale = TransferRequest(
+        session_id="a", epoch=101, request_id="r", dst_block_ids=(), prefix_tokens=0, num_tokens=0
+    )
+    assert prefill.on_event(D, stale, 1.0) == [] and prefill.counters["stale_epoch"] == 1
+
+
+def test_frames_from_unknown_peers_and_bad_frames_are_counted_not_raised() -> None:
+    metrics = MetricsRegistry()
+    prefill, decode = node(P, metrics=metrics), node(D, 1 << 20)
+    assert prefill.on_event(D, Heartbeat(peer_id="decode", seq=1), 0.0) == []
+    connect(prefill, decode)
+    one_session(prefill, decode, "s")
+    bogus = SliceResult(
+        session_id="nobody", epoch=7, slice_id=3, is_last=False, start=0, end=1,
+        status=SliceStatus.ACCEPTED,
+    )  # fmt: skip
+    assert prefill.on_event(D, bogus, 0.0) == []
+    sender, _ = prefill.open_sender(SessionId("t"), D, 0.0)
+    assert sender is not None
+    wrong = AbortAck(session_id="t", epoch=9, token=123, outcome=Outcome.ABORTED)
+    assert prefill.on_event(D, wrong, 0.0) == []  # an ack for an abort never sent: dropped
+    assert prefill.counters["unknown_peer"] == 1 and prefill.counters["protocol_error"] == 1
+    assert prefill.counters["unknown_session"] == 1
+    assert metrics.value("pd_participant_events", {"event": "protocol_error"}, "_total") == 1.0
+    assert sender.state is SessionState.BOOTSTRAPPING
+
+
+def test_heartbeats_leases_and_peer_loss_fail_only_that_peers_sessions() -> None:
+    prefill, d1, d2 = node(P), node(D, 1 << 20), node(D2, 1 << 30)
+    connect(prefill, d1)
+    connect(prefill, d2)
+    for dec in (d1, d2):
+        dec.open_receiver(SessionId(f"s-{dec.peer_id}"), P, START, 0.0)
+        prefill.open_sender(SessionId(f"s-{dec.peer_id}"), dec.peer_id, 0.0)
+    beats = prefill.tick(1.0)
+    assert [a for a in beats if isinstance(a, Transmit) and isinstance(a.event, Heartbeat)] == [
+        Transmit(D, Heartbeat(peer_id="prefill", seq=1)),
+        Transmit(D2, Heartbeat(peer_id="prefill", seq=1)),
+    ]
+    assert prefill.on_event(D2, Heartbeat(peer_id="decode2", seq=4), 2.5) == [
+        Transmit(D2, LeaseRenew(peer_id="prefill", seq=4, lease_ms=3000))
+    ]
+    lost = prefill.tick(3.0)  # d1's lease (from t=0) expires at 3.0; d2 renewed at 2.5
+    states = {(a.session_id, a.state) for a in lost if isinstance(a, Finished)}
+    assert states == {(SessionId("s-decode"), SessionState.FAILED)}
+    assert prefill.session(SessionId("s-decode2")).state is SessionState.BOOTSTRAPPING  # type: ignore[union-attr]
+    assert prefill.counters["peer_lost"] == 1 and prefill.peers.live_peers() == [D2]
+    with pytest.raises(ProtocolError, match="not connected"):
+        prefill.open_sender(SessionId("new"), D, 3.1)
+
+
+def test_a_restarted_peer_fails_its_old_sessions_and_verdicts_are_cached() -> None:
+    prefill, decode = node(P), node(D, 1 << 20)
+    connect(prefill, decode)
+    connect(prefill, decode)
+    assert prefill.peers.cached_verdicts == 1
+    prefill.open_sender(SessionId("old"), D, 0.0)
+    reborn = node(D, 1 << 21)
+    _, out = prefill.on_hello(reborn.hello(), 1.0)
+    assert [a.state for a in out if isinstance(a, Finished)] == [SessionState.FAILED]
+
+
+def test_incompatible_peers_are_refused_both_ways() -> None:
+    lay = LayoutInfo(
+        kind="gqa",
+        dtype="float16",
+        layer_ids=(0,),
+        total_heads=4,
+        head_start=0,
+        head_end=4,
+        head_dim=64,
+    )
+    other = Participant(
+        D,
+        PeerProfile(protocol_version=PROTOCOL_VERSION, model_id="x", layouts=(lay,)),
+        incarnation=1,
+    )
+    prefill = node(P)
+    reply, _ = prefill.on_hello(other.hello(), 0.0)
+    assert not reply.accepted and "model_id: ours 'tiny-mla', theirs 'x'" in reply.reasons
+    verdict = other.on_hello_reply(reply, 0.0)
+    assert not verdict.compatible and verdict.reasons[0].startswith("peer refused: ")
+    assert prefill.counters["incompatible_peer"] == 1 and not prefill.peers.is_live(D)
+
+
+def test_timers_arrive_through_tick_and_evidence_for_retired_sessions_is_dropped() -> None:
+    prefill, decode = node(P), node(D, 1 << 20)
+    connect(prefill, decode)
+    decode.open_receiver(SessionId("s"), P, START, 0.0)
+    assert decode.next_deadline() == 0.5  # the request's retransmit timer
+    assert [type(a.event) for a in decode.tick(0.5) if isinstance(a, Transmit)] == [TransferRequest]
+    out = decode.tick(5.0)  # deadline: FAILED, Abort to the sender
+    assert any(isinstance(a, Finished) and a.state is SessionState.FAILED for a in out)
+    assert decode.receive_local(SessionId("gone"), TransportDone(slice_id=SliceId(0)), 5.0) == []
+    assert decode.counters["late_evidence"] == 1
+
+
+def test_submittable_tracks_cancellation() -> None:
+    prefill, decode = node(P), node(D, 1 << 20)
+    connect(prefill, decode)
+    nodes = {P: prefill, D: decode}
+    _, acts = decode.open_receiver(SessionId("s"), P, START, 0.0)
+    pump(nodes, acts, D, 0.0)
+    out = prefill.send(
+        SessionId("s"), SubmitSlice(slice_id=SliceId(0), is_last=True, start=0, end=0), 0.0
+    )
+    assert [type(a) for a in out] == [StartSubmit]
+    assert prefill.submittable(SessionId("s"), 0)
+    rest = pump(nodes, decode.send(SessionId("s"), Cancel(), 0.1), D, 0.1)
+    assert not prefill.submittable(SessionId("s"), 0)
+    assert (
+        Release(SessionId("s"), D, Role.SENDER, 0, Ownership.NOT_SUBMITTED, SessionState.ABORTED)
+        in rest
+    )
