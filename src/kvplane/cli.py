@@ -13,11 +13,11 @@ from types import ModuleType
 
 from kvplane import __version__
 from kvplane.errors import KVPlaneError
-from kvplane.runtime import bench, demo
+from kvplane.runtime import bench, demo, generate
 
 
 def _commands() -> list[ModuleType]:
-    return [demo, bench]
+    return [demo, bench, generate]
 
 
 def build_parser() -> argparse.ArgumentParser:

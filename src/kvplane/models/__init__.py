@@ -1,0 +1,80 @@
+"""L5 models: tiny Llama and DeepSeek-V2/V3 decoders over paged KV and kvplane's attention
+backends, HF checkpoint loading, chunked-prefill forward steps and greedy generation.
+
+Typical use::
+
+    model = load_model("tiny-llama")                       # or "tiny-deepseek", or an HF dir
+    result = model.generate([1, 2, 3], max_new_tokens=8, step_size=2)
+
+A serving loop drives :meth:`CausalLM.forward_step` directly: admit a request to a
+``BlockPool`` through a ``BlockTable``, build a :class:`StepBatch` for each prefill chunk or
+decode step, and keep KV in a :class:`PagedKVCache` of ``model.kv_layout(...)``.
+"""
+
+from kvplane.models.base import CausalLM
+from kvplane.models.config import (
+    SUPPORTED_ARCHITECTURES,
+    DeepSeekConfig,
+    Family,
+    LlamaConfig,
+    ModelConfig,
+    MoEConfig,
+    config_from_hf,
+)
+from kvplane.models.decoder import PagedDecoder, StepAttention
+from kvplane.models.deepseek import DeepSeekModel, MLAPath
+from kvplane.models.generate import (
+    GenerationResult,
+    PagedContext,
+    blocks_needed,
+    greedy_generate,
+    greedy_token,
+    prefill_ranges,
+)
+from kvplane.models.kv import PagedKVCache
+from kvplane.models.llama import LlamaModel
+from kvplane.models.loader import (
+    TINY_DEEPSEEK,
+    TINY_LLAMA,
+    TINY_MODELS,
+    build_model,
+    load_model,
+    save_checkpoint,
+    tiny_config,
+)
+from kvplane.models.rope import RopeSpec, RopeStyle
+from kvplane.models.step import StepBatch, StepRequest
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "TINY_DEEPSEEK",
+    "TINY_LLAMA",
+    "TINY_MODELS",
+    "CausalLM",
+    "DeepSeekConfig",
+    "DeepSeekModel",
+    "Family",
+    "GenerationResult",
+    "LlamaConfig",
+    "LlamaModel",
+    "MLAPath",
+    "MoEConfig",
+    "ModelConfig",
+    "PagedContext",
+    "PagedDecoder",
+    "PagedKVCache",
+    "RopeSpec",
+    "RopeStyle",
+    "StepAttention",
+    "StepBatch",
+    "StepRequest",
+    "blocks_needed",
+    "build_model",
+    "config_from_hf",
+    "greedy_generate",
+    "greedy_token",
+    "load_model",
+    "prefill_ranges",
+    "save_checkpoint",
+    "tiny_config",
+]

@@ -1,0 +1,331 @@
+"""Model configs: the Llama and DeepSeek-V2/V3 families, parsed from (and written to) HF
+``config.json`` dicts with every field validated.
+
+A config is a frozen value; :func:`config_from_hf` picks the family from ``architectures`` and
+raises :class:`~kvplane.errors.CheckpointError` naming the key for anything missing, mistyped or
+unsupported (an unknown architecture lists the supported ones). ``to_hf()`` writes the keys that
+``config_from_hf`` and transformers read, so a saved tiny model loads in both.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvplane.errors import CheckpointError
+from kvplane.models.rope import RopeSpec, RopeStyle
+
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
+DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, DEEPSEEK_V2, DEEPSEEK_V3)
+_MISSING = object()
+
+
+class Family(enum.Enum):
+    LLAMA = "llama"
+    DEEPSEEK = "deepseek"
+
+
+def _int(d: Mapping[str, Any], key: str, default: Any = _MISSING, minimum: int = 1) -> int:
+    value = d.get(key, default)
+    if value is None and default is not _MISSING:
+        value = default  # JSON null means "unset"
+    if value is _MISSING or value is None:
+        raise CheckpointError(f"config.json has no {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CheckpointError(f"config.json {key!r} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _opt_int(d: Mapping[str, Any], key: str) -> int | None:
+    return None if d.get(key) is None else _int(d, key)
+
+
+def _float(d: Mapping[str, Any], key: str, default: float) -> float:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise CheckpointError(f"config.json {key!r} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _bool(d: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = d.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise CheckpointError(f"config.json {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _silu(d: Mapping[str, Any]) -> None:
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"config.json hidden_act {act!r} is not supported (only 'silu')")
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """A Llama-family decoder: RMSNorm, NEOX RoPE, GQA attention, SwiGLU MLP."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise CheckpointError(f"head_dim {self.head_dim} must be even for RoPE")
+
+    @property
+    def family(self) -> Family:
+        return Family.LLAMA
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any]) -> LlamaConfig:
+        _silu(d)
+        heads = _int(d, "num_attention_heads")
+        hidden = _int(d, "hidden_size")
+        head_dim = d.get("head_dim") or hidden // heads
+        max_pos = _int(d, "max_position_embeddings", 2048)
+        return cls(
+            vocab_size=_int(d, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_int(d, "intermediate_size"),
+            num_layers=_int(d, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=_int(d, "num_key_value_heads", heads),
+            head_dim=_int({"head_dim": head_dim}, "head_dim"),
+            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
+            rope=RopeSpec.from_hf(d, max_pos),
+            max_position_embeddings=max_pos,
+            attention_bias=_bool(d, "attention_bias", False),
+            mlp_bias=_bool(d, "mlp_bias", False),
+            tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
+            architecture=str(d["architectures"][0]),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "architectures": [self.architecture], "model_type": "llama",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": self.rope.to_hf(), "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """DeepSeek mixture of experts: routed experts (top-k of ``num_experts``) plus shared ones.
+
+    ``scoring`` is ``softmax`` (V2) or ``sigmoid`` (V3, with a score-correction bias and group
+    selection by the sum of each group's top-2 scores); ``topk_method`` for V2 is ``greedy`` or
+    ``group_limited_greedy`` (groups ranked by their best score).
+    """
+
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int
+    num_shared_experts: int
+    routed_scaling_factor: float
+    scoring: str
+    topk_method: str
+    num_groups: int
+    topk_groups: int
+    norm_topk_prob: bool
+    first_k_dense_replace: int
+    layer_freq: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.experts_per_token <= self.num_experts:
+            raise CheckpointError(
+                f"num_experts_per_tok {self.experts_per_token} must be in [1, "
+                f"n_routed_experts={self.num_experts}]"
+            )
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise CheckpointError(
+                f"n_group {self.num_groups} must divide {self.num_experts} experts and "
+                f"topk_group {self.topk_groups} must be in [1, n_group]"
+            )
+        if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise CheckpointError(f"topk_method {self.topk_method!r} is not supported")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise CheckpointError(f"MoE scoring {self.scoring!r} is not softmax or sigmoid")
+        if self.scoring == "sigmoid" and self.num_experts // self.num_groups < 2:
+            raise CheckpointError(
+                f"sigmoid routing ranks groups by their top-2 experts: {self.num_experts} "
+                f"experts in {self.num_groups} groups leaves fewer than 2 per group"
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace and layer % self.layer_freq == 0
+
+
+@dataclass(frozen=True, slots=True)
+class DeepSeekConfig:
+    """A DeepSeek-V2/V3 decoder: MLA (optional q LoRA, latent KV, decoupled RoPE) + dense/MoE."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    rope_interleave: bool = True
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    moe: MoEConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in (DEEPSEEK_V2, DEEPSEEK_V3):
+            raise CheckpointError(f"{self.architecture!r} is not a DeepSeek architecture")
+        if self.qk_rope_head_dim % 2:
+            raise CheckpointError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even")
+        if self.architecture == DEEPSEEK_V2 and not self.rope_interleave:
+            raise CheckpointError("DeepSeek-V2 always interleaves its rope channels")
+
+    @property
+    def family(self) -> Family:
+        return Family.DEEPSEEK
+
+    @property
+    def rope_style(self) -> RopeStyle:
+        """V2: interleaved pairs in place; V3: interleaved pairs written split (``rope_interleave``)
+        or NEOX halves."""
+        if self.architecture == DEEPSEEK_V2:
+            return RopeStyle.INTERLEAVED
+        return RopeStyle.INTERLEAVED_SPLIT if self.rope_interleave else RopeStyle.NEOX
+
+    @property
+    def sm_scale(self) -> float:
+        """``(qk_nope + qk_rope) ** -0.5`` times yarn's ``mscale ** 2``."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        return float(scale * self.rope.softmax_scale_factor)
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any]) -> DeepSeekConfig:
+        _silu(d)
+        arch = str(d["architectures"][0])
+        max_pos = _int(d, "max_position_embeddings", 2048)
+        v3 = arch == DEEPSEEK_V3
+        moe = None
+        experts = d.get("n_routed_experts")
+        if experts:
+            moe = MoEConfig(
+                num_experts=_int(d, "n_routed_experts"),
+                experts_per_token=_int(d, "num_experts_per_tok"),
+                intermediate_size=_int(d, "moe_intermediate_size"),
+                num_shared_experts=_int(d, "n_shared_experts", 0, minimum=0),
+                routed_scaling_factor=_float(d, "routed_scaling_factor", 1.0),
+                scoring="sigmoid" if v3 else "softmax",
+                topk_method="noaux_tc" if v3 else str(d.get("topk_method") or "greedy"),
+                num_groups=_opt_int(d, "n_group") or 1,
+                topk_groups=_opt_int(d, "topk_group") or 1,
+                norm_topk_prob=_bool(d, "norm_topk_prob", v3),
+                first_k_dense_replace=_int(d, "first_k_dense_replace", 0, minimum=0),
+                layer_freq=_int(d, "moe_layer_freq", 1),
+            )
+        return cls(
+            architecture=arch,
+            vocab_size=_int(d, "vocab_size"),
+            hidden_size=_int(d, "hidden_size"),
+            intermediate_size=_int(d, "intermediate_size"),
+            num_layers=_int(d, "num_hidden_layers"),
+            num_heads=_int(d, "num_attention_heads"),
+            q_lora_rank=_opt_int(d, "q_lora_rank"),
+            kv_lora_rank=_int(d, "kv_lora_rank"),
+            qk_nope_head_dim=_int(d, "qk_nope_head_dim"),
+            qk_rope_head_dim=_int(d, "qk_rope_head_dim"),
+            v_head_dim=_int(d, "v_head_dim"),
+            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
+            rope=RopeSpec.from_hf(d, max_pos),
+            rope_interleave=_bool(d, "rope_interleave", True) if v3 else True,
+            max_position_embeddings=max_pos,
+            attention_bias=_bool(d, "attention_bias", False),
+            mlp_bias=_bool(d, "mlp_bias", False),
+            tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
+            moe=moe,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        v3 = self.architecture == DEEPSEEK_V3
+        out: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_heads,
+            "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim, "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": self.rope.to_hf(), "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
+            "tie_word_embeddings": self.tie_word_embeddings, "n_routed_experts": None,
+            "first_k_dense_replace": self.num_layers,
+        }  # fmt: skip
+        if v3:
+            out["rope_interleave"] = self.rope_interleave
+            out["num_nextn_predict_layers"] = 0
+        m = self.moe
+        if m is not None:
+            out.update({
+                "n_routed_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
+                "moe_intermediate_size": m.intermediate_size,
+                "n_shared_experts": m.num_shared_experts,
+                "routed_scaling_factor": m.routed_scaling_factor, "n_group": m.num_groups,
+                "topk_group": m.topk_groups, "norm_topk_prob": m.norm_topk_prob,
+                "first_k_dense_replace": m.first_k_dense_replace, "moe_layer_freq": m.layer_freq,
+            })  # fmt: skip
+            if not v3:
+                out["topk_method"] = m.topk_method
+        return out
+
+
+ModelConfig = LlamaConfig | DeepSeekConfig
+
+
+def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
+    """Parse an HF ``config.json`` dict; ``CheckpointError`` for an unsupported architecture."""
+    if not isinstance(d, Mapping):
+        raise CheckpointError(f"config.json must hold an object, got {type(d).__name__}")
+    archs = d.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise CheckpointError(f"config.json 'architectures' must name one class, got {archs!r}")
+    if archs[0] in LLAMA_ARCHITECTURES:
+        return LlamaConfig.from_hf(d)
+    if archs[0] in (DEEPSEEK_V2, DEEPSEEK_V3):
+        return DeepSeekConfig.from_hf(d)
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    raise CheckpointError(f"architecture {archs[0]!r} is not supported; supported: {supported}")

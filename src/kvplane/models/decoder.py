@@ -1,0 +1,190 @@
+"""What every paged decoder shares: input checks, embedding, the final norm and logits, per-step
+attention planning, and greedy generation.
+
+A subclass supplies :meth:`PagedDecoder.kv_layout` and :meth:`PagedDecoder._run_layers` (the
+decoder layers of one step). :class:`StepAttention` plans each attention kind once per step
+through the injected :class:`~kvplane.attention.Selector` (``auto`` by default) and runs that
+plan for every layer, so selection and page-table work is not repeated per layer; every plan
+carries its selection trace.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from kvplane.attention import (
+    AUTO,
+    AttentionKind,
+    AttentionProblem,
+    AttentionResult,
+    Plan,
+    Selector,
+    default_registry,
+)
+from kvplane.blocks.hashing import TokenIds
+from kvplane.errors import InvalidArgumentError
+from kvplane.layout import BLOCK_MAJOR, Axis, KVLayout
+from kvplane.metrics import MetricsRegistry
+from kvplane.models.config import ModelConfig
+from kvplane.models.generate import GenerationResult, PagedContext, greedy_generate
+from kvplane.models.kv import PagedKVCache
+from kvplane.models.layers import Embedding, Linear, RMSNorm
+from kvplane.models.step import StepBatch
+
+
+class StepAttention:
+    """Plans attention once per (step, kind) and runs the plan for each layer."""
+
+    def __init__(self, selector: Selector, backend: str) -> None:
+        self._selector = selector
+        self._backend = backend
+        self._plans: dict[AttentionKind, Plan] = {}
+
+    @property
+    def plans(self) -> tuple[Plan, ...]:
+        """The plans made so far this step (with their selection traces)."""
+        return tuple(self._plans.values())
+
+    def run(self, problem: AttentionProblem, query: object, cache: object) -> AttentionResult:
+        plan = self._plans.get(problem.kind)
+        if plan is None:
+            plan = self._selector.plan(problem, self._backend)
+            self._plans[problem.kind] = plan
+        return self._selector.registry.get(plan.backend).run(plan, query, cache)
+
+
+class PagedDecoder(abc.ABC):
+    """Shared machinery of the model families; see the module docstring.
+
+    ``selector`` (default: a fresh one over ``default_registry()`` reporting to ``metrics``)
+    and ``backend`` (``"auto"``, ``"measured"`` or a backend name) choose attention backends.
+    Weights are never written; ``last_plans`` is per-call diagnostics, so one model object
+    serves one thread at a time.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: Embedding,
+        final_norm: RMSNorm,
+        lm_head: Linear,
+        *,
+        selector: Selector | None = None,
+        backend: str = AUTO,
+        metrics: MetricsRegistry | None = None,
+    ) -> None:
+        self._config = config
+        self.embed = embed
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.selector = (
+            selector if selector is not None else Selector(default_registry(), metrics=metrics)
+        )
+        self.backend = backend
+        self.last_plans: tuple[Plan, ...] = ()
+
+    # -- CausalLM ------------------------------------------------------------------------------
+    @property
+    def config(self) -> ModelConfig:
+        return self._config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed.vocab_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @abc.abstractmethod
+    def kv_layout(
+        self, num_blocks: int, block_size: int, order: tuple[Axis, ...] = BLOCK_MAJOR
+    ) -> KVLayout: ...
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        return PagedKVCache(self.kv_layout(num_blocks, block_size), device=self.device)
+
+    def forward_step(
+        self, batch: StepBatch, kv: PagedKVCache, *, all_logits: bool = False
+    ) -> torch.Tensor:
+        """See :meth:`kvplane.models.base.CausalLM.forward_step`. ``last_plans`` afterwards
+        holds this step's attention plans. A failure after the checks (a backend error) may
+        leave this step's own slots half written, never any other slot."""
+        self.check_step(batch, kv)
+        attention = StepAttention(self.selector, self.backend)
+        with torch.no_grad():
+            x = self.embed(batch.token_ids)
+            x = self._run_layers(x, batch, kv, attention)
+            if not all_logits:
+                x = x[batch.last_rows]
+            logits = self.lm_head(self.final_norm(x)).float()
+        self.last_plans = attention.plans
+        return logits
+
+    @abc.abstractmethod
+    def _run_layers(
+        self, x: torch.Tensor, batch: StepBatch, kv: PagedKVCache, attention: StepAttention
+    ) -> torch.Tensor:
+        """Every decoder layer over ``x [T, hidden]``; writes the step's KV; returns ``x``."""
+
+    def check_step(self, batch: StepBatch, kv: PagedKVCache) -> None:
+        """Raise ``InvalidArgumentError`` naming what is wrong; touches nothing."""
+        if not isinstance(batch, StepBatch):
+            raise InvalidArgumentError(f"expected a StepBatch, got {type(batch).__name__}")
+        if not isinstance(kv, PagedKVCache):
+            raise InvalidArgumentError(f"expected a PagedKVCache, got {type(kv).__name__}")
+        want = self.kv_layout(kv.num_blocks, kv.block_size, kv.layout.order)
+        if kv.layout.compat_fingerprint() != want.compat_fingerprint():
+            raise InvalidArgumentError(
+                f"KV layout {kv.layout.describe()} does not fit this model, which needs "
+                f"{want.describe()}"
+            )
+        if batch.block_size != kv.block_size:
+            raise InvalidArgumentError(
+                f"step uses block size {batch.block_size}, the KV pool has {kv.block_size}"
+            )
+        if batch.token_ids.device != self.device or kv.device != self.device:
+            raise InvalidArgumentError(
+                f"step on {batch.token_ids.device} and KV on {kv.device}; the model is on "
+                f"{self.device}"
+            )
+        self.check_token_ids(batch.token_ids)
+        kv.check_slots(batch.slot_mapping)
+        max_page = batch.metadata.structure().max_page
+        if max_page >= kv.num_blocks:
+            raise InvalidArgumentError(
+                f"step reads block {max_page}; the KV pool has {kv.num_blocks} blocks"
+            )
+
+    def check_token_ids(self, token_ids: torch.Tensor) -> None:
+        """``InvalidArgumentError`` naming the first id outside ``[0, vocab_size)``."""
+        bad = ((token_ids < 0) | (token_ids >= self.vocab_size)).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise InvalidArgumentError(
+                f"token id {int(token_ids[i])} at position {i} is outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: TokenIds,
+        max_new_tokens: int,
+        step_size: int | None = None,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        context: PagedContext | None = None,
+    ) -> GenerationResult:
+        """Greedy generation in this process (see :func:`~kvplane.models.greedy_generate`)."""
+        return greedy_generate(
+            self, prompt_ids, max_new_tokens, step_size=step_size, block_size=block_size,
+            num_blocks=num_blocks, context=context,
+        )  # fmt: skip

@@ -1,0 +1,196 @@
+"""Greedy generation of one request in one process, over a private paged pool.
+
+Theory of operation
+-------------------
+The prompt is admitted to a fresh :class:`~kvplane.blocks.BlockPool` through a
+:class:`~kvplane.blocks.BlockTable`, then prefilled in steps (:func:`prefill_ranges`: one step
+for the whole prompt, or chunks of ``step_size`` tokens, each step attending over the KV the
+earlier ones wrote). The prompt's last logits give the first new token; each further token is
+appended to the table and computed by a one-token decode step. After every step the computed
+tokens are marked (full blocks enter the pool's prefix cache, as a serving engine would); with
+a caller-owned :class:`PagedContext`, a later request sharing a prefix starts its prefill after
+the cached blocks.
+
+Greedy means ``argmax`` with ties going to the lowest token id, so the same model, prompt and
+weights give the same tokens whatever the step sizes — the property a PD-disaggregated run is
+checked against. A private pool is sized to exactly the request unless ``num_blocks`` is given; a
+request that does not fit is rejected before any forward step, and the table is released on
+every exit path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvplane.blocks import BlockHasher, BlockPool, BlockTable, canonical_token_ids
+from kvplane.blocks.hashing import TokenIds
+from kvplane.errors import BlockStateError, InvalidArgumentError
+from kvplane.ids import RequestId, TokenRange
+from kvplane.models.base import CausalLM
+from kvplane.models.kv import PagedKVCache
+from kvplane.models.step import StepBatch
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """The new tokens (``len == max_new_tokens``), the token range each step computed and how
+    many prompt tokens came from the prefix cache instead."""
+
+    tokens: tuple[int, ...]
+    prompt_len: int
+    steps: tuple[TokenRange, ...]
+    num_cached_tokens: int = 0
+
+    @property
+    def num_prefill_steps(self) -> int:
+        return sum(1 for r in self.steps if r.end <= self.prompt_len)
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def prefill_ranges(
+    num_tokens: int, step_size: int | None = None, start: int = 0
+) -> list[TokenRange]:
+    """The step ranges of a chunked prefill of ``[start, num_tokens)``: one range when
+    ``step_size`` is ``None``, else consecutive ranges of ``step_size`` (the last may be short)."""
+    _positive("num_tokens", num_tokens)
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < num_tokens:
+        raise InvalidArgumentError(f"start must be in [0, {num_tokens}), got {start!r}")
+    step = num_tokens - start if step_size is None else _positive("step_size", step_size)
+    return [TokenRange(s, min(s + step, num_tokens)) for s in range(start, num_tokens, step)]
+
+
+def greedy_token(logits: torch.Tensor) -> list[int]:
+    """Greedy choice per row of ``logits [B, vocab]`` (ties: lowest id)."""
+    return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
+
+
+def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Blocks holding the KV of a request: the prompt plus every new token but the last."""
+    return -(-(prompt_len + max(max_new_tokens - 1, 0)) // block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedContext:
+    """A block pool, the KV pool it indexes and the hasher of its prefix cache.
+
+    Owned by the caller when passed to :func:`greedy_generate` (requests release their blocks on
+    return, so ``pool.check_integrity()`` and ``pool.num_free_blocks`` can be checked after);
+    full blocks stay cached, so a later request with the same prefix skips that prefill.
+    """
+
+    pool: BlockPool
+    kv: PagedKVCache
+    hasher: BlockHasher
+
+    @classmethod
+    def for_model(
+        cls, model: CausalLM, num_blocks: int, block_size: int, seed: int = 0
+    ) -> PagedContext:
+        kv = model.new_kv_cache(num_blocks, block_size)
+        pool = BlockPool(num_blocks, block_size, name="generate")
+        return cls(pool, kv, BlockHasher(seed=seed, fingerprint=kv.layout.fingerprint()))
+
+    def __post_init__(self) -> None:
+        if (self.pool.num_blocks, self.pool.block_size) != (self.kv.num_blocks, self.kv.block_size):
+            raise InvalidArgumentError(
+                f"block pool ({self.pool.num_blocks} x {self.pool.block_size}) and KV pool "
+                f"({self.kv.num_blocks} x {self.kv.block_size}) disagree"
+            )
+
+
+def greedy_generate(
+    model: CausalLM,
+    prompt_ids: TokenIds,
+    max_new_tokens: int,
+    *,
+    step_size: int | None = None,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    context: PagedContext | None = None,
+    request_id: str = "generate",
+) -> GenerationResult:
+    """Generate ``max_new_tokens`` greedy tokens after ``prompt_ids``; see the module docstring.
+
+    Without ``context`` a private pool of ``num_blocks`` (default: exactly enough) blocks of
+    ``block_size`` is used; with one, its pool (and its block size) is used and a cached prefix
+    is not recomputed. Raises :class:`InvalidArgumentError` before any work for an empty
+    prompt, a prompt id outside the vocabulary, a bad count or step size, or a request longer
+    than the pool; and, with nothing left allocated, when a shared pool lacks free blocks.
+    """
+    prompt = canonical_token_ids(prompt_ids)
+    if prompt.size == 0:
+        raise InvalidArgumentError("the prompt has no tokens")
+    vocab = model.vocab_size
+    bad = ((prompt < 0) | (prompt >= vocab)).nonzero()[0]
+    if bad.size:
+        raise InvalidArgumentError(
+            f"prompt token id {int(prompt[bad[0]])} at position {int(bad[0])} is outside the "
+            f"vocabulary [0, {vocab})"
+        )
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 0
+    ):
+        raise InvalidArgumentError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    n = int(prompt.size)
+    prefill_ranges(n, step_size)  # validates step_size
+    if context is not None:
+        if num_blocks is not None:
+            raise InvalidArgumentError("give num_blocks or a context, not both")
+        block_size = context.pool.block_size
+    _positive("block_size", block_size)
+    need = blocks_needed(n, max_new_tokens, block_size)
+    total = context.pool.num_blocks if context is not None else num_blocks or need
+    _positive("num_blocks", total)
+    if need > total:
+        raise InvalidArgumentError(
+            f"a prompt of {n} tokens plus {max_new_tokens} new tokens needs {need} blocks of "
+            f"{block_size} tokens; the pool has {total}"
+        )
+    if max_new_tokens == 0:
+        return GenerationResult((), n, ())
+    ctx = context if context is not None else PagedContext.for_model(model, total, block_size)
+    table = BlockTable(RequestId(request_id), block_size, ctx.hasher)
+    if table.admit(ctx.pool, prompt) is None:
+        raise InvalidArgumentError(
+            f"the pool has {ctx.pool.num_free_blocks} free blocks; admitting {n} tokens needs more"
+        )
+    steps: list[TokenRange] = []
+    tokens: list[int] = []
+    cached = table.num_cached_tokens
+    try:
+        more = need - len(table.block_ids)
+        if more > ctx.pool.num_free_blocks:
+            raise InvalidArgumentError(
+                f"decoding {max_new_tokens} tokens needs {more} more blocks; the pool has "
+                f"{ctx.pool.num_free_blocks} free"
+            )
+        for rng in prefill_ranges(n, step_size, table.num_computed_tokens):
+            logits = _step(model, table, ctx, rng)
+            steps.append(rng)
+        tokens.append(greedy_token(logits)[0])
+        while len(tokens) < max_new_tokens:
+            if not table.append_tokens(ctx.pool, [tokens[-1]]):  # pragma: no cover - checked
+                raise BlockStateError("the pool ran out of blocks while decoding")
+            rng = TokenRange(table.num_tokens - 1, table.num_tokens)
+            logits = _step(model, table, ctx, rng)
+            steps.append(rng)
+            tokens.append(greedy_token(logits)[0])
+    finally:
+        table.release(ctx.pool)
+    return GenerationResult(tuple(tokens), n, tuple(steps), cached)
+
+
+def _step(model: CausalLM, table: BlockTable, ctx: PagedContext, rng: TokenRange) -> torch.Tensor:
+    batch = StepBatch.from_tables([(table, rng)], model.device)
+    logits = model.forward_step(batch, ctx.kv)
+    table.mark_computed(ctx.pool, len(rng))
+    return logits

@@ -1,0 +1,98 @@
+"""Shared decoder layers as frozen weight holders with pure forward functions.
+
+Shapes: activations are ``[T, hidden]`` (the packed tokens of one step, no batch axis); weights
+follow the HF ``nn.Linear`` convention ``[out, in]``. Nothing here keeps state or mutates its
+input; every function returns a new tensor in the input's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional
+
+from kvplane.models.weights import TensorSource, WeightKind
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` over the last dim, normalised in float32 like HF's RMSNorm."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    """``y = x @ weight.T (+ bias)``; ``weight [out, in]``, ``bias [out]`` or ``None``."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def load(
+        cls, src: TensorSource, prefix: str, out_dim: int, in_dim: int, bias: bool = False
+    ) -> Linear:
+        w = src.take(f"{prefix}.weight", (out_dim, in_dim), WeightKind.MATRIX)
+        b = src.take(f"{prefix}.bias", (out_dim,), WeightKind.BIAS) if bias else None
+        return cls(w, b)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True, slots=True)
+class RMSNorm:
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def load(cls, src: TensorSource, name: str, dim: int, eps: float) -> RMSNorm:
+        return cls(src.take(f"{name}.weight", (dim,), WeightKind.NORM), eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+@dataclass(frozen=True, slots=True)
+class SwiGLU:
+    """The gated MLP ``down(silu(gate(x)) * up(x))``."""
+
+    gate: Linear
+    up: Linear
+    down: Linear
+
+    @classmethod
+    def load(
+        cls, src: TensorSource, prefix: str, hidden: int, inner: int, bias: bool = False
+    ) -> SwiGLU:
+        return cls(
+            Linear.load(src, f"{prefix}.gate_proj", inner, hidden, bias),
+            Linear.load(src, f"{prefix}.up_proj", inner, hidden, bias),
+            Linear.load(src, f"{prefix}.down_proj", hidden, inner, bias),
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(functional.silu(self.gate(x)) * self.up(x))
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """Token embeddings ``[vocab, hidden]``: int64 ids ``[T]`` -> ``[T, hidden]``."""
+
+    weight: torch.Tensor
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.weight.shape[0])
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return functional.embedding(token_ids, self.weight)
+
+
+def load_lm_head(src: TensorSource, embed: Embedding, tie: bool) -> Linear:
+    """``lm_head.weight``, or the embedding matrix when the config ties them and it is absent."""
+    vocab, hidden = embed.weight.shape
+    if tie and not src.has("lm_head.weight"):
+        return Linear(embed.weight)
+    return Linear.load(src, "lm_head", int(vocab), int(hidden))

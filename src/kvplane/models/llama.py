@@ -1,0 +1,111 @@
+"""The Llama-family decoder (``LlamaForCausalLM``) over a paged GQA KV cache.
+
+Per layer: ``x += o(attn(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))))`` then
+``x += down(silu(gate(n2(x))) * up(n2(x)))`` with RMSNorms ``n1``/``n2``, NEOX-style RoPE,
+``num_heads`` query heads over ``num_kv_heads`` KV heads (query head ``h`` reads KV head
+``h // (num_heads / num_kv_heads)``) and ``sm_scale = head_dim ** -0.5``. The step's K/V are
+written into the pool at the step's slots *before* attention, which then reads ``[0, end)`` of
+each request through its page table (prefix KV and the step's own tokens alike), causally.
+Weights use the HF names (``model.layers.{i}.self_attn.q_proj.weight`` ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvplane.attention import AUTO, GQAQuery, Selector, gqa_problem
+from kvplane.layout import BLOCK_MAJOR, Axis, KVLayout
+from kvplane.metrics import MetricsRegistry
+from kvplane.models.config import LlamaConfig
+from kvplane.models.decoder import PagedDecoder, StepAttention
+from kvplane.models.kv import PagedKVCache
+from kvplane.models.layers import Embedding, Linear, RMSNorm, SwiGLU, load_lm_head
+from kvplane.models.rope import RopeStyle, apply_rope, rope_tables
+from kvplane.models.step import StepBatch
+from kvplane.models.weights import TensorSource, WeightKind
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaLayer:
+    """One decoder layer's weights."""
+
+    input_norm: RMSNorm
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    post_norm: RMSNorm
+    mlp: SwiGLU
+
+    @classmethod
+    def load(cls, src: TensorSource, cfg: LlamaConfig, i: int) -> LlamaLayer:
+        p = f"model.layers.{i}"
+        hid, d, b = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        return cls(
+            input_norm=RMSNorm.load(src, f"{p}.input_layernorm", hid, cfg.rms_norm_eps),
+            q=Linear.load(src, f"{p}.self_attn.q_proj", cfg.num_heads * d, hid, b),
+            k=Linear.load(src, f"{p}.self_attn.k_proj", cfg.num_kv_heads * d, hid, b),
+            v=Linear.load(src, f"{p}.self_attn.v_proj", cfg.num_kv_heads * d, hid, b),
+            o=Linear.load(src, f"{p}.self_attn.o_proj", hid, cfg.num_heads * d, b),
+            post_norm=RMSNorm.load(src, f"{p}.post_attention_layernorm", hid, cfg.rms_norm_eps),
+            mlp=SwiGLU.load(src, f"{p}.mlp", hid, cfg.intermediate_size, cfg.mlp_bias),
+        )
+
+
+class LlamaModel(PagedDecoder):
+    """A Llama decoder whose weights come from ``src`` (a checkpoint or a seeded generator).
+
+    Every tensor is read and checked (``CheckpointError`` for a missing, mis-shaped or unused
+    one) before the model exists.
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        src: TensorSource,
+        *,
+        selector: Selector | None = None,
+        backend: str = AUTO,
+        metrics: MetricsRegistry | None = None,
+    ) -> None:
+        hid = config.hidden_size
+        embed = Embedding(
+            src.take("model.embed_tokens.weight", (config.vocab_size, hid), WeightKind.MATRIX)
+        )
+        self.layers = tuple(LlamaLayer.load(src, config, i) for i in range(config.num_layers))
+        norm = RMSNorm.load(src, "model.norm", hid, config.rms_norm_eps)
+        lm_head = load_lm_head(src, embed, config.tie_word_embeddings)
+        src.finish()
+        super().__init__(
+            config, embed, norm, lm_head, selector=selector, backend=backend, metrics=metrics
+        )
+        self.llama = config
+
+    def kv_layout(
+        self, num_blocks: int, block_size: int, order: tuple[Axis, ...] = BLOCK_MAJOR
+    ) -> KVLayout:
+        c = self.llama
+        return KVLayout.gqa(
+            num_blocks=num_blocks, block_size=block_size, num_layers=c.num_layers,
+            kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype, order=order,
+        )  # fmt: skip
+
+    def _run_layers(
+        self, x: torch.Tensor, batch: StepBatch, kv: PagedKVCache, attention: StepAttention
+    ) -> torch.Tensor:
+        c = self.llama
+        t, d = x.shape[0], c.head_dim
+        cos, sin = rope_tables(c.rope, d, batch.positions)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_norm(x)
+            q = apply_rope(layer.q(h).view(t, c.num_heads, d), cos, sin, RopeStyle.NEOX)
+            k = apply_rope(layer.k(h).view(t, c.num_kv_heads, d), cos, sin, RopeStyle.NEOX)
+            kv.write_kv(i, batch.slot_mapping, k, layer.v(h).view(t, c.num_kv_heads, d))
+            query, cache = GQAQuery(q), kv.gqa(i)
+            problem = gqa_problem(query, cache, batch.metadata, sm_scale=d**-0.5, causal=True)
+            out = attention.run(problem, query, cache).out
+            x = x + layer.o(out.reshape(t, c.num_heads * d))
+            x = x + layer.mlp(layer.post_norm(x))
+        return x

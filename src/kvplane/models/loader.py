@@ -1,0 +1,168 @@
+"""Building models: from an HF checkpoint directory or an embedded tiny config, and back.
+
+``load_model("tiny-llama" | "tiny-deepseek" | DIR)`` is the one entry point. The tiny names
+are embedded configs with seeded random weights (:class:`~kvplane.models.weights.RandomTensors`,
+``seed`` selects the weights), so nothing is downloaded and every process that loads the same
+name and seed holds bit-identical weights. A directory must hold ``config.json`` of a supported
+architecture and its ``*.safetensors``; the family registry maps the config to its model class.
+:func:`save_checkpoint` writes a model's config and weights in the HF format (what transformers
+and :func:`load_model` read), e.g. to hand a tiny model to other processes by path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvplane.attention import AUTO, Selector
+from kvplane.errors import CheckpointError, InvalidArgumentError
+from kvplane.metrics import MetricsRegistry
+from kvplane.models.config import (
+    DEEPSEEK_V3,
+    DeepSeekConfig,
+    Family,
+    LlamaConfig,
+    ModelConfig,
+    MoEConfig,
+    config_from_hf,
+)
+from kvplane.models.decoder import PagedDecoder
+from kvplane.models.deepseek import DeepSeekModel, MLAPath
+from kvplane.models.llama import LlamaModel
+from kvplane.models.safetensors_io import write_safetensors
+from kvplane.models.weights import (
+    CheckpointTensors,
+    RandomTensors,
+    TensorSource,
+    WeightKind,
+    read_checkpoint_dir,
+)
+
+TINY_LLAMA = "tiny-llama"
+TINY_DEEPSEEK = "tiny-deepseek"
+TINY_MODELS = (TINY_LLAMA, TINY_DEEPSEEK)
+
+Builder = Callable[..., PagedDecoder]
+
+
+def tiny_config(name: str) -> ModelConfig:
+    """The embedded config named ``name`` (one of :data:`TINY_MODELS`)."""
+    if name == TINY_LLAMA:
+        return LlamaConfig(
+            vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2,
+            num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=4096,
+        )  # fmt: skip
+    if name == TINY_DEEPSEEK:
+        moe = MoEConfig(
+            num_experts=4, experts_per_token=2, intermediate_size=64, num_shared_experts=1,
+            routed_scaling_factor=2.5, scoring="sigmoid", topk_method="noaux_tc", num_groups=1,
+            topk_groups=1, norm_topk_prob=True, first_k_dense_replace=1,
+        )  # fmt: skip
+        return DeepSeekConfig(
+            architecture=DEEPSEEK_V3, vocab_size=1024, hidden_size=128, intermediate_size=256,
+            num_layers=2, num_heads=4, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
+            qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=4096, moe=moe,
+        )  # fmt: skip
+    raise InvalidArgumentError(f"no embedded model {name!r}; embedded: {', '.join(TINY_MODELS)}")
+
+
+def family_builders() -> dict[Family, Builder]:
+    """The registry: which model class serves each config family."""
+    return {Family.LLAMA: LlamaModel, Family.DEEPSEEK: DeepSeekModel}
+
+
+def build_model(
+    config: ModelConfig,
+    src: TensorSource,
+    *,
+    selector: Selector | None = None,
+    backend: str = AUTO,
+    metrics: MetricsRegistry | None = None,
+    mla_path: MLAPath = MLAPath.AUTO,
+) -> PagedDecoder:
+    """The model of ``config``'s family with weights from ``src``; ``mla_path`` applies to the
+    DeepSeek family only (``InvalidArgumentError`` otherwise)."""
+    options: dict[str, Any] = {"selector": selector, "backend": backend, "metrics": metrics}
+    if config.family is Family.DEEPSEEK:
+        options["mla_path"] = mla_path
+    elif mla_path is not MLAPath.AUTO:
+        raise InvalidArgumentError(
+            f"mla_path applies to DeepSeek models, not {config.architecture}"
+        )
+    return family_builders()[config.family](config, src, **options)
+
+
+def load_model(
+    source: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    selector: Selector | None = None,
+    backend: str = AUTO,
+    metrics: MetricsRegistry | None = None,
+    mla_path: MLAPath = MLAPath.AUTO,
+) -> PagedDecoder:
+    """A tiny embedded model by name (weights seeded by ``seed``) or a checkpoint directory.
+
+    Raises :class:`~kvplane.errors.CheckpointError` naming the problem for a missing directory
+    or file, an unsupported architecture, or missing, mis-shaped or unused tensors.
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise InvalidArgumentError(f"model dtype must be float32, bfloat16 or float16, got {dtype}")
+    kwargs: dict[str, Any] = {
+        "selector": selector, "backend": backend, "metrics": metrics, "mla_path": mla_path,
+    }  # fmt: skip
+    if isinstance(source, str) and source in TINY_MODELS:
+        src: TensorSource = RandomTensors(seed, dtype, device)
+        return build_model(tiny_config(source), src, **kwargs)
+    if isinstance(source, str) and not Path(source).exists() and "/" not in source:
+        raise CheckpointError(
+            f"{source!r} is neither an embedded model ({', '.join(TINY_MODELS)}) nor a directory"
+        )
+    raw, files = read_checkpoint_dir(source)
+    config = config_from_hf(raw)
+    return build_model(config, CheckpointTensors(files, config.num_layers, dtype, device), **kwargs)
+
+
+class _Recorder:
+    """A tensor source that records what it hands out (for :func:`save_checkpoint`)."""
+
+    def __init__(self, inner: TensorSource) -> None:
+        self.inner = inner
+        self.taken: dict[str, torch.Tensor] = {}
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(name)
+
+    def take(self, name: str, shape: tuple[int, ...], kind: WeightKind) -> torch.Tensor:
+        t = self.inner.take(name, shape, kind)
+        self.taken[name] = t
+        return t
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+
+def save_checkpoint(
+    config: ModelConfig,
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write ``config`` with seeded random weights (those :func:`load_model` would build for a
+    tiny name with ``seed``) as an HF checkpoint: ``config.json`` + ``model.safetensors``."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    recorder = _Recorder(RandomTensors(seed, dtype))
+    build_model(config, recorder)
+    hf = config.to_hf()
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    write_safetensors(out / "model.safetensors", recorder.taken, {"format": "pt"})
+    return out

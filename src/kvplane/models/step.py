@@ -1,0 +1,162 @@
+"""One forward step's inputs: packed new tokens of one or more requests over paged KV.
+
+Theory of operation
+-------------------
+A step computes the tokens ``[start, end)`` of each request in its batch. KV for ``[0, start)``
+must already be in the pool (an earlier step wrote it, a prefix-cache hit shared it, or a PD
+transfer delivered it): that is the caller's promise, which is what makes chunked prefill,
+decode and prefill-on-one-worker/decode-on-another the same operation. The step writes the KV
+of ``[start, end)`` through ``slot_mapping`` and attends with ``q_len = end - start`` queries
+over ``kv_len = end`` positions (bottom-right causal), so a prefill is any number of steps of
+any sizes and a decode step is ``q_len = 1``.
+
+:class:`StepBatch` packs the requests' tokens one after another (``T = sum(q_len)`` rows) and
+carries the paged-attention metadata (a dense block table, CPU int64) and each request's last
+row (where its next-token logits come from). Everything is built with vectorised index
+arithmetic; per-request Python work is limited to padding the block lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvplane.attention import PlanMetadata
+from kvplane.blocks import BlockTable, canonical_token_ids
+from kvplane.blocks.hashing import TokenIds
+from kvplane.errors import InvalidArgumentError
+from kvplane.ids import BlockId, TokenRange
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    """One request's share of a step: ``token_ids`` are positions ``[start, start + n)``;
+    ``block_ids`` hold the request's tokens from position 0 and cover at least ``[0, end)``."""
+
+    token_ids: TokenIds
+    start: int
+    block_ids: Sequence[BlockId] | Sequence[int]
+
+    @property
+    def range(self) -> TokenRange:
+        return TokenRange(self.start, self.start + len(self.token_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """Packed inputs of one forward step (see the module docstring).
+
+    ``token_ids``, ``positions``, ``slot_mapping``: int64 ``[T]`` on the model device;
+    ``last_rows``: int64 ``[B]`` row of each request's last token; ``metadata``: the page table
+    (``kv_len = end``, ``q_len = end - start`` per request); ``ranges``: each request's range.
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    last_rows: torch.Tensor
+    metadata: PlanMetadata
+    ranges: tuple[TokenRange, ...]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request computes exactly one token."""
+        return all(len(r) == 1 for r in self.ranges)
+
+    @classmethod
+    def build(
+        cls,
+        requests: Sequence[StepRequest],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> StepBatch:
+        """Pack ``requests``; ``InvalidArgumentError`` naming the request for bad input."""
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+        if not requests:
+            raise InvalidArgumentError("a step needs at least one request")
+        ids, ranges, tables = [], [], []
+        for i, req in enumerate(requests):
+            if not isinstance(req, StepRequest):
+                raise InvalidArgumentError(f"request {i} is not a StepRequest: {req!r}")
+            tokens = canonical_token_ids(req.token_ids)
+            if tokens.size == 0:
+                raise InvalidArgumentError(f"request {i} computes no tokens")
+            if isinstance(req.start, bool) or not isinstance(req.start, int) or req.start < 0:
+                raise InvalidArgumentError(f"request {i} start must be an int >= 0: {req.start!r}")
+            end = req.start + int(tokens.size)
+            blocks = [int(b) for b in req.block_ids]
+            if len(blocks) * block_size < end or any(b < 0 for b in blocks):
+                raise InvalidArgumentError(
+                    f"request {i} computes tokens [{req.start}, {end}) but its {len(blocks)} "
+                    f"blocks of {block_size} cover {len(blocks) * block_size} (ids {blocks[:8]})"
+                )
+            ids.append(tokens)
+            ranges.append(TokenRange(req.start, end))
+            tables.append(blocks[: -(-end // block_size)])
+        return cls._pack(ids, ranges, tables, block_size, torch.device(device))
+
+    @classmethod
+    def from_tables(
+        cls,
+        items: Sequence[tuple[BlockTable, TokenRange]],
+        device: torch.device | str = "cpu",
+    ) -> StepBatch:
+        """A step over ``token_range`` of each ADMITTED block table (one block size for all)."""
+        if not items:
+            raise InvalidArgumentError("a step needs at least one request")
+        sizes = {table.block_size for table, _ in items}
+        if len(sizes) != 1:
+            raise InvalidArgumentError(f"the tables of one step disagree on block size: {sizes}")
+        reqs = []
+        for table, rng in items:
+            if not isinstance(rng, TokenRange) or rng.empty or rng.end > table.num_tokens:
+                raise InvalidArgumentError(
+                    f"request {table.request_id!r}: step range {rng} must be non-empty and "
+                    f"inside its tokens [0, {table.num_tokens})"
+                )
+            reqs.append(
+                StepRequest(table.token_ids[rng.start : rng.end], rng.start, table.block_ids)
+            )
+        return cls.build(reqs, sizes.pop(), device)
+
+    @classmethod
+    def _pack(
+        cls,
+        ids: list[np.ndarray],
+        ranges: list[TokenRange],
+        tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> StepBatch:
+        q_len = torch.tensor([len(r) for r in ranges], dtype=torch.int64)
+        kv_len = torch.tensor([r.end for r in ranges], dtype=torch.int64)
+        starts = torch.tensor([r.start for r in ranges], dtype=torch.int64)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        row_req = torch.repeat_interleave(torch.arange(len(ranges)), q_len)
+        first_row = torch.cumsum(q_len, 0) - q_len
+        positions = starts[row_req] + torch.arange(int(q_len.sum())) - first_row[row_req]
+        slots = table[row_req, positions // block_size] * block_size + positions % block_size
+        metadata = PlanMetadata.from_dense(block_size, table, kv_len, q_len)
+        return cls(
+            token_ids=torch.from_numpy(np.concatenate(ids)).to(device),
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
+            last_rows=(first_row + q_len - 1).to(device),
+            metadata=metadata,
+            ranges=tuple(ranges),
+            block_size=block_size,
+        )
