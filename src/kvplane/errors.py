@@ -122,3 +122,8 @@ class UnknownPeerError(TransportError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
         return str(self.args[0]) if self.args else "unknown peer"
+
+
+# -- integrations (appended) ------------------------------------------------------------------
+class IntegrationError(KVPlaneError):
+    """A run of a third-party engine with kvplane inside it (e.g. vLLM) failed."""

@@ -14,7 +14,8 @@ plan of a hundred thousand runs costs three arrays, not a hundred thousand objec
 (``PlanError``), then returns a :class:`Handle`. ``poll`` reports a :class:`Poll`: PENDING until
 the batch ends in DONE, FAILED(reason) or IN_DOUBT (the transport cannot tell whether the bytes
 landed, e.g. the connection broke after the last send). Every batch has a deadline; passing it
-turns the handle FAILED with a timeout reason. A peer that dies surfaces as FAILED with
+turns the handle FAILED with ``FailureKind.TIMEOUT`` — or IN_DOUBT (failure TIMEOUT) when every
+byte was already handed over but the peer never acknowledged, since they may have landed. A peer that dies surfaces as FAILED with
 ``FailureKind.REMOTE_DISCONNECT``, never a hang. ``notify`` bytes, when given, are delivered to the
 peer's ``notifications()`` after (and only after) all of the batch's bytes have landed there.
 """
@@ -98,7 +99,8 @@ class DescriptorList:
         """Raise ``PlanError`` if a descriptor names an unknown region or runs past its end."""
         if not len(self):
             return
-        ids = np.unique(self.regions)
+        one = int(self.regions.min()) == int(self.regions.max())  # common: skip the sort
+        ids = self.regions[:1] if one else np.unique(self.regions)
         unknown = [int(r) for r in ids if RegionId(int(r)) not in region_lengths]
         if unknown:
             raise PlanError(f"{side} descriptors name unknown region(s) {unknown}")

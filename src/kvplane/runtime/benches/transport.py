@@ -1,0 +1,213 @@
+"""``kvplane bench transport``: each transport against the physical limit of its path.
+
+What is timed: 64 MiB moved as 256 KiB blocks and as 4 KiB blocks (the small-transfer regime)
+in one ``submit`` (no notify), from submit to DONE (busy polling). The source blocks are in
+order, the destination blocks are a seeded random permutation -- the scatter into a paged pool
+-- so nothing coalesces and every block is its own descriptor. ``local`` copies inside this
+process; ``shm``, ``tcp``, ``nixl`` and ``mooncake`` write into a child process
+(:class:`~kvplane.transports.peer_process.PeerProcess`).
+
+The limit of each path is measured in the same run, interleaved repeat by repeat with kvplane
+(the machine is shared and noisy): torch ``copy_`` of 64 MiB for ``local`` and ``shm``; a raw
+Python ``sendall`` (1 MiB pieces) into a ``recv_into`` loop in the child for ``tcp``; the raw
+NIXL / Mooncake API writing the same blocks into the same child memory for the adapters.
+``gbps`` and ``limit_gbps`` are medians; ``ratio = gbps / limit_gbps``. Targets: local and shm
+>= 0.8, tcp >= 0.85 (and >= the NIXL adapter), adapters >= 0.9. The result's ``results`` list
+also carries the planner entry of ``transport_planner`` (a 128k-token DeepSeek-V3 MLA plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvplane.errors import KVPlaneError
+from kvplane.transports.base import DescriptorList, XferKind
+from kvplane.transports.core import TransportCore
+from kvplane.transports.local import LocalTransport
+from kvplane.transports.peer_process import PeerProcess, pattern
+from kvplane.transports.registry import available, create_transport
+
+NAME = "transport"
+HELP = "Transport throughput (64 MiB as 256 KiB and 4 KiB blocks) against each path's limit."
+
+TOTAL = 64 << 20
+BLOCKS = (256 << 10, 4 << 10)
+REPEATS = {True: 3, False: 9}
+TARGETS = {"local": 0.8, "shm": 0.8, "tcp": 0.85, "nixl": 0.9, "mooncake": 0.9}
+LIMITS = {
+    "local": "torch copy_ of 64 MiB",
+    "shm": "torch copy_ of 64 MiB",
+    "tcp": "raw sendall/recv_into loop (1 MiB pieces) to the child",
+    "nixl": "raw NIXL WRITE of the same blocks to the child",
+    "mooncake": "raw Mooncake batch_transfer_sync_write of the same blocks to the child",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", nargs="*", default=None, help="transports to run (default all)")
+
+
+def _blocks(block: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    n = TOTAL // block
+    perm = np.random.default_rng(block).permutation(n)
+    return np.arange(n, dtype=np.int64) * block, perm.astype(np.int64) * block, np.full(n, block)
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _kv_write(t: TransportCore, peer: Any, src: DescriptorList, dst: DescriptorList) -> None:
+    got = t.wait(t.submit(XferKind.WRITE, src, dst, peer, deadline_s=300.0))
+    if got.bytes_done != TOTAL:
+        raise KVPlaneError(f"bench write on {t.name} ended {got}")
+
+
+def _row(name: str, block: int, kv: list[float], limit: list[float]) -> dict[str, Any]:
+    gbps = TOTAL / statistics.median(kv) / 1e9
+    limit_gbps = TOTAL / statistics.median(limit) / 1e9
+    return {"transport": name, "block_bytes": block, "total_bytes": TOTAL, "gbps": round(gbps, 3),
+            "limit_gbps": round(limit_gbps, 3), "ratio": round(gbps / limit_gbps, 3)}  # fmt: skip
+
+
+def _measure(
+    name: str, reps: int, kv: Callable[[int], None], limit: Callable[[int], None]
+) -> list[dict[str, Any]]:
+    rows = []
+    for block in BLOCKS:
+        kv(block)  # warm-up: first touch, connection set-up
+        limit(block)
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(reps):
+            times[0].append(_timed(lambda: kv(block)))  # noqa: B023
+            times[1].append(_timed(lambda: limit(block)))  # noqa: B023
+        rows.append(_row(name, block, *times))
+    return rows
+
+
+def _local(reps: int) -> list[dict[str, Any]]:
+    t = LocalTransport()
+    src, dst = pattern(TOTAL, 1), torch.zeros(TOTAL, dtype=torch.uint8)
+    rs, rd = t.register(src).region_id, t.register(dst).region_id
+    peer = t.connect(t.metadata())
+
+    def kv(block: int) -> None:
+        so, do, ln = _blocks(block)
+        _kv_write(t, peer, DescriptorList(np.full(len(so), rs), so, ln),
+                  DescriptorList(np.full(len(so), rd), do, ln))  # fmt: skip
+
+    def memcpy(block: int) -> None:
+        dst.copy_(src)
+
+    try:
+        return _measure("local", reps, kv, memcpy)
+    finally:
+        t.close()
+
+
+def _tcp_limit(far: PeerProcess, reps: int) -> Callable[[int], None]:
+    port = far.raw_sink(TOTAL, len(BLOCKS) * (reps + 1))
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    data = pattern(TOTAL, 2).numpy().data
+
+    def send(block: int) -> None:
+        for i in range(0, TOTAL, 1 << 20):
+            sock.sendall(data[i : i + (1 << 20)])
+        sock.recv(1)
+
+    return send
+
+
+def _cross(name: str, reps: int) -> list[dict[str, Any]]:
+    with PeerProcess(name) as far:
+        region = far.alloc(TOTAL)
+        t = create_transport(name)
+        assert isinstance(t, TransportCore)
+        allocate = getattr(t, "allocate", None)
+        src = allocate(TOTAL) if allocate is not None else torch.empty(TOTAL, dtype=torch.uint8)
+        src.copy_(pattern(TOTAL, 1))
+        mine = t.register(src).region_id
+        meta = far.metadata()
+        peer = t.connect(meta)
+        raw: Any = None
+        scratch = torch.zeros(TOTAL, dtype=torch.uint8)
+        if name == "tcp":
+            limit = _tcp_limit(far, reps)
+        elif name == "shm":
+
+            def limit(block: int) -> None:
+                scratch.copy_(src)
+
+        else:
+            from kvplane.transports.mooncake import RawMooncakeWriter
+            from kvplane.transports.nixl import RawNixlWriter
+
+            raw = (RawNixlWriter if name == "nixl" else RawMooncakeWriter)(meta, scratch)
+
+            def limit(block: int) -> None:
+                so, do, ln = _blocks(block)
+                raw.write(so, int(region), do, ln)
+
+        def kv(block: int) -> None:
+            so, do, ln = _blocks(block)
+            _kv_write(t, peer, DescriptorList(np.full(len(so), mine), so, ln),
+                      DescriptorList(np.full(len(so), region), do, ln))  # fmt: skip
+
+        try:
+            return _measure(name, reps, kv, limit)
+        finally:
+            if raw is not None:
+                raw.close()
+            t.close()
+
+
+def _planner(quick: bool) -> dict[str, Any] | None:
+    try:
+        from kvplane.runtime.benches.transport_planner import planner_entry
+    except ImportError:
+        return None
+    return dict(planner_entry(quick))
+
+
+def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
+    reps = REPEATS[quick]
+    only = getattr(args, "only", None)
+    results: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    for name, reason in available().items():
+        if only and name not in only:
+            continue
+        if reason is not None:
+            skipped[name] = reason
+            continue
+        results += _local(reps) if name == "local" else _cross(name, reps)
+    summary = {
+        f"{r['transport']} {r['block_bytes'] >> 10} KiB": (
+            f"{r['gbps']:.2f} / {r['limit_gbps']:.2f} GB/s = {r['ratio']:.2f} "
+            f"(target {TARGETS[r['transport']]})"
+        )
+        for r in results
+    }
+    by = {(r["transport"], r["block_bytes"]): r for r in results}
+    tcp_vs_nixl = {
+        f"tcp >= nixl at {b >> 10} KiB": by[("tcp", b)]["gbps"] >= by[("nixl", b)]["gbps"]
+        for b in BLOCKS if ("tcp", b) in by and ("nixl", b) in by
+    }  # fmt: skip
+    planner = _planner(quick)
+    if planner is not None:
+        results.append(planner)
+    else:
+        skipped["planner"] = "kvplane.runtime.benches.transport_planner is not available"
+    return {"results": results, "summary": summary, "tcp_vs_nixl": tcp_vs_nixl,
+            "limits": LIMITS, "targets": TARGETS, "skipped": skipped}  # fmt: skip

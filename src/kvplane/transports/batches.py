@@ -1,0 +1,195 @@
+"""Batches in flight on one transport: sticky terminal states, deadlines and quiescence.
+
+Theory of operation
+-------------------
+A :class:`Batch` is one ``submit``. Its *state* is what ``poll`` reports: PENDING, then exactly
+one terminal transition (DONE, FAILED or IN_DOUBT) made by :meth:`BatchTable.finish`; later
+attempts are ignored, so a late engine completion cannot overwrite a timeout. Separately, a batch
+is *quiescent* once no thread or engine can touch its memory any more; only then are its region
+pins released (:meth:`BatchTable.quiesce`, exactly once). The two differ when, say, a deadline
+passes while an engine still owns the buffers: the caller sees FAILED(TIMEOUT) at once, but the
+regions stay pinned (``deregister`` refuses them) until the engine lets go.
+
+Terminal, quiescent batches move to a bounded history (oldest dropped first) so that polling a
+finished handle keeps answering the same result without the table growing without bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvplane.errors import TransportError
+from kvplane.ids import PeerId, RegionId
+from kvplane.metrics import MetricsRegistry
+from kvplane.transports.base import FailureKind, Handle, Poll, XferKind, XferState
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    """Mutable record of one submitted batch (guarded by its table's lock)."""
+
+    handle: Handle
+    kind: XferKind
+    deadline: float
+    pins: tuple[RegionId, ...]
+    started_at: float
+    state: XferState = XferState.PENDING
+    failure: FailureKind | None = None
+    reason: str = ""
+    bytes_done: int = 0
+    started: bool = False
+    """Some byte may have moved (or the wire was touched) for this batch."""
+    committed: bool = False
+    """Every byte was handed over; only the peer's confirmation is missing."""
+    cancel_requested: bool = False
+    quiescent: bool = False
+    job: object = None
+    done_event: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state.terminal
+
+    def poll(self) -> Poll:
+        return Poll(self.state, self.bytes_done, self.failure, self.reason)
+
+
+class BatchTable:
+    """The batches of one transport; ``release`` unpins a quiescent batch's regions."""
+
+    def __init__(
+        self,
+        transport: str,
+        release: Callable[[tuple[RegionId, ...]], None],
+        metrics: MetricsRegistry,
+        history: int = 100_000,
+    ) -> None:
+        self._name = transport
+        self._release = release
+        self._lock = threading.Lock()
+        self._live: dict[int, Batch] = {}
+        self._history: collections.OrderedDict[int, Poll] = collections.OrderedDict()
+        self._history_cap = history
+        self._ids = itertools.count(1)
+        self._m_batches = metrics.counter(
+            "transport_batches", "Batches ended per transport and outcome", ("transport", "state")
+        )
+        self._m_bytes = metrics.counter(
+            "transport_bytes", "Bytes of batches that ended DONE", ("transport", "kind")
+        )
+        self._m_seconds = metrics.histogram(
+            "transport_batch_seconds", "Submit-to-terminal time of batches", ("transport",)
+        )
+
+    def new(
+        self,
+        peer_id: PeerId,
+        kind: XferKind,
+        num_bytes: int,
+        deadline_s: float,
+        pins: tuple[RegionId, ...],
+    ) -> Batch:
+        now = time.monotonic()
+        handle = Handle(self._name, next(self._ids), peer_id, num_bytes)
+        batch = Batch(handle, kind, now + deadline_s, pins, now)
+        with self._lock:
+            self._live[handle.xfer_id] = batch
+        return batch
+
+    def lookup(self, handle: Handle) -> Batch | Poll:
+        """The live batch, or the remembered final ``Poll``; ``TransportError`` if unknown."""
+        if not isinstance(handle, Handle) or handle.transport != self._name:
+            raise TransportError(f"{handle!r} is not a handle of transport {self._name!r}")
+        with self._lock:
+            batch = self._live.get(handle.xfer_id)
+            if batch is not None:
+                return batch
+            done = self._history.get(handle.xfer_id)
+        if done is None:
+            raise TransportError(f"unknown or forgotten handle {handle.xfer_id} on {self._name}")
+        return done
+
+    def by_id(self, xfer_id: int) -> Batch | None:
+        with self._lock:
+            return self._live.get(xfer_id)
+
+    def begin(self, batch: Batch) -> bool:
+        """Mark a batch started (bytes may move from now on); False if it already ended."""
+        with self._lock:
+            if batch.state.terminal:
+                return False
+            batch.started = True
+            return True
+
+    def commit(self, batch: Batch) -> bool:
+        """Mark every byte handed over (a later cancel/timeout yields IN_DOUBT); False if ended."""
+        with self._lock:
+            if batch.state.terminal:
+                return False
+            batch.committed = True
+            return True
+
+    def finish(
+        self,
+        batch: Batch,
+        state: XferState,
+        failure: FailureKind | None = None,
+        reason: str = "",
+        bytes_done: int | None = None,
+        *,
+        doubt_if_committed: bool = False,
+    ) -> bool:
+        """Make the one terminal transition; False (and no change) if already terminal.
+        With ``doubt_if_committed``, a batch whose bytes were all handed over ends IN_DOUBT."""
+        with self._lock:
+            if batch.state.terminal:
+                return False
+            if doubt_if_committed and batch.committed:
+                state = XferState.IN_DOUBT
+            batch.state = state
+            batch.failure = failure
+            batch.reason = reason
+            if bytes_done is not None:
+                batch.bytes_done = bytes_done
+            elif state is XferState.DONE:
+                batch.bytes_done = batch.handle.num_bytes
+            self._retire_locked(batch)
+        batch.done_event.set()
+        self._m_batches.labels(self._name, state.value).inc()
+        self._m_seconds.labels(self._name).observe(time.monotonic() - batch.started_at)
+        if state is XferState.DONE:
+            self._m_bytes.labels(self._name, batch.kind.value).inc(batch.handle.num_bytes)
+        return True
+
+    def quiesce(self, batch: Batch) -> None:
+        """No thread or engine touches the batch's memory any more: release its pins once."""
+        with self._lock:
+            if batch.quiescent:
+                return
+            batch.quiescent = True
+            self._retire_locked(batch)
+        self._release(batch.pins)
+
+    def _retire_locked(self, batch: Batch) -> None:
+        if not (batch.quiescent and batch.state.terminal):
+            return
+        self._live.pop(batch.handle.xfer_id, None)
+        self._history[batch.handle.xfer_id] = batch.poll()
+        while len(self._history) > self._history_cap:
+            self._history.popitem(last=False)
+
+    def live(self, peer_id: PeerId | None = None) -> list[Batch]:
+        with self._lock:
+            return [
+                b for b in self._live.values() if peer_id is None or b.handle.peer_id == peer_id
+            ]
+
+    def fail_all(self, batches: Iterable[Batch], failure: FailureKind, reason: str) -> None:
+        """End pending batches: IN_DOUBT if every byte was handed over, else FAILED."""
+        for batch in batches:
+            self.finish(batch, XferState.FAILED, failure, reason, doubt_if_committed=True)

@@ -1,0 +1,298 @@
+"""Socket plumbing shared by the ``tcp`` and ``shm`` transports: channels, handshake, threads.
+
+Theory of operation
+-------------------
+A connection has two ends. The *initiator* (the side that called ``connect``) owns a
+:class:`Link` with two threads: a *sender* that runs queued jobs (one per submitted batch) and
+never reads, and a *receiver* that reads frames and never writes. The *target* (the side whose
+:class:`Listener` accepted) runs one handler thread per connection that reads a request and
+answers it. Because the initiator's receiver never blocks on a send, the target's answers always
+drain and the two directions cannot deadlock.
+
+Every connection starts with the same handshake (frames of ``wire``): HELLO (version, agent,
+transport) -> CHALLENGE (target agent, random nonce) -> AUTH (HMAC-SHA256 of the nonce under the
+shared secret, empty without one) -> WELCOME (the target's live region table) or REJECT (reason,
+then close). With a secret configured, a peer that cannot prove it is refused before it can touch
+memory. A link goes *down* once (EOF, error, or ``close``): its socket is shut down, which wakes
+both threads, and ``on_down`` lets the transport fail the batches bound to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import queue
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+
+from kvplane.errors import IncompatiblePeerError, MalformedMessageError, TransportError
+from kvplane.transports.wire import (
+    HEADER,
+    WIRE_VERSION,
+    Auth,
+    Challenge,
+    FrameType,
+    Header,
+    Hello,
+    Welcome,
+    decode,
+    encode,
+    pack_header,
+    parse_header,
+    recv_bytes,
+    recv_exact,
+)
+
+MAX_FDS = 250
+"""Most segment file descriptors one WELCOME may carry (the kernel's SCM_MAX_FD is 253)."""
+
+
+class Channel:
+    """A connected stream socket speaking ``wire`` frames."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    def send(self, *parts: bytes | memoryview) -> None:
+        with self._send_lock:
+            for part in parts:
+                self.sock.sendall(part)
+
+    def send_frame(
+        self, ftype: FrameType, xfer_id: int, body: bytes = b"", count: int = 0, flags: int = 0
+    ) -> None:
+        self.send(pack_header(ftype, xfer_id, len(body), count, flags) + body)
+
+    def recv_header(self) -> Header:
+        return parse_header(recv_bytes(self.sock, HEADER.size))
+
+    def recv_body(self, header: Header) -> bytes:
+        return recv_bytes(self.sock, header.length)
+
+    def recv_into(self, view: memoryview) -> None:
+        recv_exact(self.sock, view)
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.shutdown()
+        self.sock.close()
+
+
+def _mac(secret: bytes | None, nonce: bytes) -> bytes:
+    return b"" if secret is None else hmac.new(secret, nonce, hashlib.sha256).digest()
+
+
+def _expect(ch: Channel, ftype: FrameType, fds: list[int] | None = None) -> bytes:
+    if fds is None:
+        raw = recv_bytes(ch.sock, HEADER.size)
+    else:  # the WELCOME of shm carries descriptors on its first byte
+        data, got, _flags, _addr = socket.recv_fds(ch.sock, HEADER.size, MAX_FDS)
+        fds.extend(got)
+        if not data:
+            raise ConnectionResetError("peer closed the connection during the handshake")
+        raw = data + recv_bytes(ch.sock, HEADER.size - len(data))
+    header = parse_header(raw)
+    body = ch.recv_body(header)
+    if header.ftype is FrameType.REJECT:
+        raise TransportError(f"peer refused the connection: {body.decode(errors='replace')}")
+    if header.ftype is not ftype:
+        raise MalformedMessageError(
+            f"expected {ftype.name} during handshake, got {header.ftype.name}"
+        )
+    return body
+
+
+def client_handshake(
+    ch: Channel, agent: str, transport: str, secret: bytes | None, *, with_fds: bool = False
+) -> tuple[str, Welcome, list[int]]:
+    """Initiator side: returns the target's agent, its region table and any passed fds."""
+    ch.send_frame(FrameType.HELLO, 0, encode(Hello(WIRE_VERSION, agent, transport)))
+    challenge = decode(_expect(ch, FrameType.CHALLENGE), Challenge)
+    ch.send_frame(FrameType.AUTH, 0, encode(Auth(_mac(secret, challenge.nonce))))
+    fds: list[int] = []
+    try:
+        welcome = decode(_expect(ch, FrameType.WELCOME, fds if with_fds else None), Welcome)
+    except BaseException:
+        for fd in fds:
+            socket.close(fd)
+        raise
+    return challenge.agent, welcome, fds
+
+
+def server_handshake(
+    ch: Channel,
+    agent: str,
+    transport: str,
+    secret: bytes | None,
+    welcome: Callable[[], tuple[Welcome, list[int]]],
+) -> str:
+    """Target side: authenticates the initiator, sends WELCOME; returns the initiator's agent."""
+    hello = decode(_expect(ch, FrameType.HELLO), Hello)
+    reason = ""
+    if hello.version != WIRE_VERSION or hello.transport != transport:
+        reason = f"expected {transport} v{WIRE_VERSION}, got {hello.transport} v{hello.version}"
+    nonce = secrets.token_bytes(32)
+    ch.send_frame(FrameType.CHALLENGE, 0, encode(Challenge(agent, nonce)))
+    auth = decode(_expect(ch, FrameType.AUTH), Auth)
+    if not reason and not hmac.compare_digest(auth.mac, _mac(secret, nonce)):
+        reason = "authentication failed (shared secret mismatch)"
+    if reason:
+        ch.send_frame(FrameType.REJECT, 0, reason.encode())
+        raise IncompatiblePeerError(f"refused {hello.agent!r}: {reason}")
+    table, fds = welcome()
+    body = encode(table)
+    frame = pack_header(FrameType.WELCOME, 0, len(body)) + body
+    if fds:
+        sent = socket.send_fds(ch.sock, [frame], fds)
+        ch.send(frame[sent:])
+    else:
+        ch.send(frame)
+    return hello.agent
+
+
+class Listener:
+    """Accepts connections on ``sock`` and runs ``serve(channel)`` in a thread per connection."""
+
+    def __init__(self, sock: socket.socket, name: str, serve: Callable[[Channel], None]) -> None:
+        self.sock = sock
+        self._name = name
+        self._serve = serve
+        self._lock = threading.Lock()
+        self._channels: set[Channel] = set()
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            ch = Channel(conn)
+            with self._lock:
+                if self._closed:
+                    ch.close()
+                    return
+                thread = threading.Thread(target=self._run, args=(ch,), name=f"{self._name}-serve",
+                                          daemon=True)  # fmt: skip
+                self._channels.add(ch)
+                self._threads.add(thread)
+            thread.start()
+
+    def _run(self, ch: Channel) -> None:
+        try:
+            self._serve(ch)
+        finally:
+            ch.close()
+            with self._lock:
+                self._channels.discard(ch)
+                self._threads.discard(threading.current_thread())
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            self._closed = True
+            channels, threads = list(self._channels), list(self._threads)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        for ch in channels:
+            ch.shutdown()
+        self._thread.join(timeout)
+        for thread in threads:
+            thread.join(timeout)
+
+
+_STOP = object()
+
+
+class Link:
+    """Initiator end of one connection: a sender thread for jobs, a receiver thread for frames."""
+
+    def __init__(
+        self,
+        ch: Channel,
+        name: str,
+        *,
+        run_job: Callable[[object], None],
+        drop_job: Callable[[object], None],
+        on_frame: Callable[[Header], None],
+        on_down: Callable[[Link, str], None],
+        on_recv_exit: Callable[[Link], None] | None = None,
+    ) -> None:
+        self.ch = ch
+        self._run_job, self._drop_job = run_job, drop_job
+        self._on_frame, self._on_down = on_frame, on_down
+        self._on_recv_exit = on_recv_exit
+        self.lock = threading.Lock()
+        self.down = False
+        self.reason = ""
+        self._jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
+        self._receiver = threading.Thread(target=self._recv_loop, name=f"{name}-recv", daemon=True)
+        self._sender.start()
+        self._receiver.start()
+
+    def put(self, job: object) -> bool:
+        """Queue a job for the sender; False if the link is already down (job not taken)."""
+        with self.lock:
+            if self.down:
+                return False
+            self._jobs.put(job)
+            return True
+
+    def fail(self, reason: str) -> None:
+        """Take the link down once: shut the socket, wake both threads, tell the transport."""
+        with self.lock:
+            if self.down:
+                return
+            self.down = True
+            self.reason = reason
+            self._jobs.put(_STOP)
+        self.ch.shutdown()
+        self._on_down(self, reason)
+
+    def _send_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                break
+            if self.down:
+                self._drop_job(job)
+                continue
+            try:
+                self._run_job(job)
+            except Exception as exc:  # any failure mid-job leaves the stream unusable
+                self._drop_job(job)
+                self.fail(f"send failed: {exc!r}")
+        while True:  # the link is down: whatever is still queued will never run
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not _STOP:
+                self._drop_job(job)
+
+    def _recv_loop(self) -> None:
+        try:
+            while True:
+                self._on_frame(self.ch.recv_header())
+        except Exception as exc:  # EOF, reset, malformed frame: the link is over either way
+            self.fail(f"connection lost: {exc!r}")
+        finally:
+            if self._on_recv_exit is not None:
+                self._on_recv_exit(self)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.fail("closed")
+        self._sender.join(timeout)
+        self._receiver.join(timeout)
+        self.ch.close()

@@ -1,0 +1,336 @@
+"""Vectorised byte moves between flat ``uint8`` views, and descriptor-list arithmetic.
+
+Theory of operation
+-------------------
+Every CPU-side move in kvplane's own transports (``local`` copies, ``shm`` copies into a mapped
+peer segment, ``tcp`` gather-before-send and scatter-after-receive) comes down to
+:func:`copy_runs`: ``n`` byte runs from one buffer to another. A run's cost is a memcpy plus, if
+issued from Python, a few microseconds of overhead, so the strategy depends on the runs:
+
+* few runs: one ``narrow().copy_()`` each;
+* many runs of one length ``L`` that sit a multiple of ``L`` apart on both sides (paged blocks):
+  torch ``index_copy_`` / ``index_select`` over row views of 8- or 4-byte elements, which torch
+  runs on all its threads -- one scatter (or gather) pass when one side is back to back, else
+  two passes through a cache-sized chunk (``CHUNK_BYTES``);
+* other runs, long (>= ``LARGE_RUN``): one copy each (the overhead is amortised);
+* other short runs: NumPy fancy indexing over a ``V{L}`` (opaque ``L``-byte) view whose stride
+  is one byte, so a run may start at any byte offset, with the same one-pass/chunked shapes.
+  No Python loop per run.
+
+:func:`coalesce` merges consecutive pairs that continue each other on both sides, :func:`split`
+cuts runs longer than a limit, :func:`check_disjoint` and :func:`check_no_cross_overlap` refuse
+ranges that overlap (``PlanError``) -- all vectorised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvplane.errors import PlanError
+from kvplane.ids import RegionId
+from kvplane.transports.base import DescriptorList, Int64Array
+
+LOOP_MAX = 16
+"""At most this many runs (of one length) are copied one call each."""
+LARGE_RUN = 128 << 10
+"""Runs at least this long are copied one call each."""
+CHUNK_BYTES = 1 << 20
+"""Chunk of the two-pass path (scattered source and destination)."""
+_OFFSET_BITS = 40
+"""Offsets below 1 TiB; region ids are shifted above them to sort (region, offset) as one key."""
+
+
+def _loop(
+    src: torch.Tensor, so: Int64Array, dst: torch.Tensor, do: Int64Array, ln: Int64Array
+) -> None:
+    for s, d, n in zip(so.tolist(), do.tolist(), ln.tolist(), strict=True):
+        dst.narrow(0, d, n).copy_(src.narrow(0, s, n))
+
+
+def _strided(buf: npt.NDArray[np.uint8], length: int) -> npt.NDArray[np.void]:
+    """An ``L``-byte item starting at every byte offset of ``buf`` (items overlap)."""
+    return np.ndarray(
+        shape=(buf.size - length + 1,), dtype=np.dtype(f"V{length}"), buffer=buf, strides=(1,)
+    )
+
+
+def _back_to_back(offsets: Int64Array, length: int) -> bool:
+    return len(offsets) == 1 or bool(np.all(np.diff(offsets) == length))
+
+
+def _copy_equal(
+    sn: npt.NDArray[np.uint8],
+    so: Int64Array,
+    dn: npt.NDArray[np.uint8],
+    do: Int64Array,
+    length: int,
+) -> None:
+    n = len(so)
+    step = max(1, CHUNK_BYTES // length)
+    item = np.dtype(f"V{length}")
+    if _back_to_back(so, length):
+        s0 = int(so[0])
+        block = sn[s0 : s0 + n * length]
+        if _back_to_back(do, length):
+            d0 = int(do[0])
+            dn[d0 : d0 + n * length] = block
+        else:
+            _strided(dn, length)[do] = block.view(item)
+    elif _back_to_back(do, length):
+        d0 = int(do[0])
+        out = dn[d0 : d0 + n * length].view(item)
+        sv = _strided(sn, length)
+        for i in range(0, n, step):
+            out[i : i + step] = sv[so[i : i + step]]
+    else:
+        sv, dv = _strided(sn, length), _strided(dn, length)
+        for i in range(0, n, step):
+            dv[do[i : i + step]] = sv[so[i : i + step]]
+
+
+_WIDE = {8: torch.int64, 4: torch.int32}
+
+
+def _rows(
+    buf: torch.Tensor, offsets: Int64Array, length: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``buf`` seen as rows of ``length`` bytes (wide integer elements) holding every run, and
+    each run's row index; None unless all runs sit a multiple of ``length`` apart, aligned."""
+    width = next((w for w in _WIDE if length % w == 0), None)
+    base = int(offsets.min())
+    rel = offsets - base
+    if width is None or (buf.data_ptr() + base) % width or np.any(rel % length):
+        return None
+    rows = int(rel.max()) // length + 1
+    view = buf.narrow(0, base, rows * length).view(_WIDE[width]).view(rows, length // width)
+    return view, torch.from_numpy(rel // length)
+
+
+def _copy_rows(src: torch.Tensor, so: Int64Array, dst: torch.Tensor, do: Int64Array,
+               length: int) -> bool:  # fmt: skip
+    """Equal runs by torch index ops on wide-element row views (multi-threaded); False if the
+    runs are not row-aligned or the two row views share memory (same region)."""
+    s, d = _rows(src, so, length), _rows(dst, do, length)
+    if s is None or d is None:
+        return False
+    (sv, si), (dv, di) = s, d
+    s_lo, d_lo = sv.data_ptr(), dv.data_ptr()
+    if (
+        s_lo < d_lo + dv.numel() * dv.element_size()
+        and d_lo < s_lo + sv.numel() * sv.element_size()
+    ):
+        return False
+    n = len(so)
+    if sv.shape[0] == n and bool(torch.equal(si, torch.arange(n))):
+        dv.index_copy_(0, di, sv)  # sources back to back: one scatter pass
+    elif dv.shape[0] == n and bool(torch.equal(di, torch.arange(n))):
+        torch.index_select(sv, 0, si, out=dv)  # destinations back to back: one gather pass
+    else:
+        step = max(1, CHUNK_BYTES // length)
+        stage = torch.empty((min(step, n), sv.shape[1]), dtype=sv.dtype)
+        for i in range(0, n, step):
+            part = stage[: min(step, n - i)]
+            torch.index_select(sv, 0, si[i : i + step], out=part)
+            dv.index_copy_(0, di[i : i + step], part)
+    return True
+
+
+def copy_runs(
+    src: torch.Tensor, src_offsets: Int64Array, dst: torch.Tensor, dst_offsets: Int64Array,
+    lengths: Int64Array,
+) -> None:  # fmt: skip
+    """Copy ``lengths[i]`` bytes from ``src[src_offsets[i]:]`` to ``dst[dst_offsets[i]:]``.
+
+    ``src`` and ``dst`` are flat ``uint8`` tensors; the caller has checked bounds and that no two
+    destination runs overlap. Mutates ``dst`` only. Non-CPU tensors use per-run torch copies.
+    """
+    n = len(lengths)
+    if n == 0:
+        return
+    if src.device.type != "cpu" or dst.device.type != "cpu" or n <= LOOP_MAX:
+        _loop(src, src_offsets, dst, dst_offsets, lengths)
+        return
+    sn, dn = src.numpy(), dst.numpy()
+    if int(lengths.min()) == int(lengths.max()):  # the common case: equal blocks
+        uniq, inverse = lengths[:1], np.zeros(n, dtype=np.int64)
+    else:
+        uniq, inverse = np.unique(lengths, return_inverse=True)
+    for k, length in enumerate(uniq.tolist()):
+        idx = np.flatnonzero(inverse == k) if len(uniq) > 1 else np.arange(n)
+        so, do = src_offsets[idx], dst_offsets[idx]
+        if len(idx) <= LOOP_MAX:
+            _loop(src, so, dst, do, lengths[idx])
+        elif _copy_rows(src, so, dst, do, length):
+            continue
+        elif length >= LARGE_RUN:
+            _loop(src, so, dst, do, lengths[idx])
+        else:
+            _copy_equal(sn, so, dn, do, length)
+
+
+def distinct(regions: Int64Array) -> list[int]:
+    """The distinct region ids of a descriptor column (no sort when there is only one)."""
+    if not len(regions):
+        return []
+    if int(regions.min()) == int(regions.max()):
+        return [int(regions[0])]
+    return [int(r) for r in np.unique(regions)]
+
+
+def _groups(*cols: Int64Array) -> list[Int64Array]:
+    """Index arrays of the rows sharing each distinct combination of ``cols``."""
+    if len(cols[0]) == 0:
+        return []
+    if all(int(c.min()) == int(c.max()) for c in cols):  # the common case: one group
+        return [np.arange(len(cols[0]))]
+    keys = np.stack(cols, axis=1)
+    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+    if len(uniq) == 1:
+        return [np.arange(len(cols[0]))]
+    order = np.argsort(inverse.reshape(-1), kind="stable")
+    bounds = np.flatnonzero(np.diff(inverse.reshape(-1)[order])) + 1
+    return list(np.split(order, bounds))
+
+
+def copy_pairs(
+    src_views: Mapping[RegionId, torch.Tensor],
+    dst_views: Mapping[RegionId, torch.Tensor],
+    src: DescriptorList,
+    dst: DescriptorList,
+) -> None:
+    """Move ``src[i]`` to ``dst[i]`` for every i (validated, equal lengths); mutates dst views."""
+    src, dst = coalesce(src, dst)
+    for idx in _groups(src.regions, dst.regions):
+        i0 = int(idx[0])
+        copy_runs(
+            src_views[RegionId(int(src.regions[i0]))], src.offsets[idx],
+            dst_views[RegionId(int(dst.regions[i0]))], dst.offsets[idx], src.lengths[idx],
+        )  # fmt: skip
+
+
+def _exclusive_cumsum(values: Int64Array) -> Int64Array:
+    out = np.zeros(len(values), dtype=np.int64)
+    np.cumsum(values[:-1], out=out[1:])
+    return out
+
+
+def packed_offsets(descs: DescriptorList) -> Int64Array:
+    """Where each descriptor's bytes start when the list is packed back to back."""
+    return _exclusive_cumsum(descs.lengths)
+
+
+def gather(
+    views: Mapping[RegionId, torch.Tensor], descs: DescriptorList, out: torch.Tensor
+) -> None:
+    """Pack the bytes of ``descs`` back to back into ``out`` (flat uint8, >= total bytes)."""
+    packed = packed_offsets(descs)
+    for idx in _groups(descs.regions):
+        view = views[RegionId(int(descs.regions[int(idx[0])]))]
+        copy_runs(view, descs.offsets[idx], out, packed[idx], descs.lengths[idx])
+
+
+def scatter(
+    views: Mapping[RegionId, torch.Tensor], descs: DescriptorList, data: torch.Tensor
+) -> None:
+    """Unpack back-to-back bytes in ``data`` into ``descs``; mutates the views."""
+    packed = packed_offsets(descs)
+    for idx in _groups(descs.regions):
+        view = views[RegionId(int(descs.regions[int(idx[0])]))]
+        copy_runs(data, packed[idx], view, descs.offsets[idx], descs.lengths[idx])
+
+
+def coalesce(
+    src: DescriptorList, dst: DescriptorList, *, min_gain: float = 2.0
+) -> tuple[DescriptorList, DescriptorList]:
+    """Merge consecutive pairs that continue each other on both sides (same bytes moved).
+
+    The merge is kept only if it divides the number of pairs by at least ``min_gain``: a few
+    accidental merges in a batch of equal blocks would cost more (they break the equal-length,
+    row-aligned shape the fast copy paths need) than they save.
+    """
+    if len(src) < 2:
+        return src, dst
+    cont = (
+        (src.regions[1:] == src.regions[:-1])
+        & (src.offsets[1:] == src.offsets[:-1] + src.lengths[:-1])
+        & (dst.regions[1:] == dst.regions[:-1])
+        & (dst.offsets[1:] == dst.offsets[:-1] + dst.lengths[:-1])
+    )
+    merged = int(cont.sum())
+    if not merged or len(src) < min_gain * (len(src) - merged):
+        return src, dst
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    lengths = np.add.reduceat(src.lengths, starts)
+    return (
+        DescriptorList(src.regions[starts], src.offsets[starts], lengths),
+        DescriptorList(dst.regions[starts], dst.offsets[starts], lengths),
+    )
+
+
+def split(
+    src: DescriptorList, dst: DescriptorList, max_len: int
+) -> tuple[DescriptorList, DescriptorList]:
+    """Cut every pair longer than ``max_len`` into consecutive pieces of at most ``max_len``."""
+    if len(src) == 0 or int(src.lengths.max()) <= max_len:
+        return src, dst
+    counts = -(-src.lengths // max_len)
+    owner = np.repeat(np.arange(len(src)), counts)
+    first = np.repeat(_exclusive_cumsum(counts), counts)
+    piece = (np.arange(int(counts.sum())) - first) * max_len
+    lengths = np.minimum(src.lengths[owner] - piece, max_len)
+    return (
+        DescriptorList(src.regions[owner], src.offsets[owner] + piece, lengths),
+        DescriptorList(dst.regions[owner], dst.offsets[owner] + piece, lengths),
+    )
+
+
+def _keys(descs: DescriptorList) -> tuple[Int64Array, Int64Array]:
+    if len(descs) and int((descs.offsets + descs.lengths).max()) >= 1 << _OFFSET_BITS:
+        raise PlanError(f"descriptor offsets beyond {1 << _OFFSET_BITS} bytes are not supported")
+    base = descs.regions << _OFFSET_BITS
+    return base + descs.offsets, base + descs.offsets + descs.lengths
+
+
+def _blocks_disjoint(descs: DescriptorList) -> bool | None:
+    """Fast answer for one region of equal, equally aligned runs (paged blocks): whether no
+    two coincide (counting, no sort); None when the shape does not apply."""
+    length, lo = int(descs.lengths[0]), int(descs.offsets.min())
+    if (
+        int(descs.regions.min()) != int(descs.regions.max())
+        or int(descs.lengths.max()) != length
+        or np.any((descs.offsets - lo) % length)
+    ):
+        return None
+    counts = np.bincount((descs.offsets - lo) // length)
+    return bool(counts.max() <= 1)
+
+
+def check_disjoint(descs: DescriptorList, side: str) -> None:
+    """``PlanError`` if two descriptors of ``descs`` share a byte (e.g. one written twice)."""
+    if len(descs) < 2 or _blocks_disjoint(descs):
+        return
+    start, end = _keys(descs)
+    order = np.argsort(start)
+    bad = np.flatnonzero(end[order][:-1] > start[order][1:])
+    if len(bad):
+        i, j = sorted((int(order[bad[0]]), int(order[bad[0] + 1])))
+        raise PlanError(f"{side} descriptors {i} and {j} overlap (a byte would be written twice)")
+
+
+def check_no_cross_overlap(src: DescriptorList, dst: DescriptorList) -> None:
+    """``PlanError`` if a destination range overlaps a source range (same memory, loopback)."""
+    if not len(src) or not len(dst) or not np.intersect1d(src.regions, dst.regions).size:
+        return
+    s_start, s_end = _keys(src)
+    d_start, d_end = _keys(dst)
+    order = np.argsort(s_start)
+    reach = np.maximum.accumulate(s_end[order])  # furthest end among sources sorted by start
+    pos = np.searchsorted(s_start[order], d_end, side="left")  # sources starting before d's end
+    hit = (pos > 0) & (reach[np.maximum(pos - 1, 0)] > d_start)
+    if hit.any():
+        j = int(np.flatnonzero(hit)[0])
+        raise PlanError(f"destination descriptor {j} overlaps a source range in the same region")

@@ -1,0 +1,284 @@
+"""What every kvplane transport shares: validation, the region and batch tables, poll semantics.
+
+Theory of operation
+-------------------
+:class:`TransportCore` implements the :class:`~kvplane.transports.base.Transport` protocol's
+bookkeeping once; an implementation fills in a handful of hooks (``_connect``, ``_start`` and,
+where needed, ``_progress``, ``_abort``, ``_close``, ``_on_register``, ``_on_deregister``).
+
+``submit`` checks everything before any state changes: argument types, a known peer, pairing and
+equal lengths, bounds of the local side against our regions and of the remote side against the
+peer's live region table, no destination byte written twice, and (loopback) no destination range
+overlapping a source range. Only then does it pin the local regions and create the batch; a
+``PlanError`` raised by ``_start`` still leaves nothing behind. ``poll`` advances engine-polled
+batches (``_progress``) and enforces the deadline: a batch that passes it ends FAILED(TIMEOUT),
+or IN_DOUBT(TIMEOUT) if every byte was already handed over. ``cancel`` ends a batch at once
+(FAILED(CANCELLED), or IN_DOUBT if already committed) and asks the implementation to stop.
+In all cases region pins are released only when the batch is quiescent (see ``batches``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import os
+import secrets
+import threading
+import time
+
+import numpy as np
+import torch
+
+from kvplane.errors import InvalidArgumentError, PlanError, TransportError, UnknownPeerError
+from kvplane.ids import PeerId, RegionId
+from kvplane.metrics import MetricsRegistry
+from kvplane.transports.base import (
+    DescriptorList,
+    FailureKind,
+    Handle,
+    Peer,
+    Poll,
+    Region,
+    XferKind,
+    XferState,
+    check_pairing,
+)
+from kvplane.transports.batches import Batch, BatchTable
+from kvplane.transports.copier import check_disjoint, check_no_cross_overlap, distinct
+from kvplane.transports.regions import RegionEntry, RegionTable, byte_view
+from kvplane.transports.wire import MAX_NOTIFY_BYTES
+
+
+def check_agent(agent: str | None, name: str) -> PeerId:
+    """A valid agent name (given, or ``<transport>-<pid>-<random>``)."""
+    if agent is None:
+        return PeerId(f"{name}-{os.getpid()}-{secrets.token_hex(4)}")
+    if not isinstance(agent, str) or not agent or len(agent) > 200 or not agent.isprintable():
+        raise InvalidArgumentError(f"agent must be a printable name of 1..200 chars, got {agent!r}")
+    return PeerId(agent)
+
+
+def as_region_id(value: object) -> RegionId:
+    """``value`` as a RegionId; ``InvalidArgumentError`` unless it is an integer (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise InvalidArgumentError(f"a region id must be an int, got {value!r}")
+    return RegionId(int(value))
+
+
+class TransportCore:
+    """Shared implementation of the Transport protocol; subclasses set ``name`` and hooks."""
+
+    name: str = "core"
+    _spin_wait = False
+    """``wait`` re-polls without sleeping (engines that progress only when polled)."""
+
+    def __init__(
+        self,
+        *,
+        agent: str | None = None,
+        metrics: MetricsRegistry | None = None,
+        history: int = 100_000,
+    ) -> None:
+        self.agent = check_agent(agent, self.name)
+        self.metrics = metrics if metrics is not None else MetricsRegistry()
+        self._regions = RegionTable()
+        self._batches = BatchTable(self.name, self._regions.unpin, self.metrics, history)
+        self._peers: dict[PeerId, Peer] = {}
+        self._notes: collections.deque[tuple[PeerId, bytes]] = collections.deque()
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _on_register(self, entry: RegionEntry) -> None:
+        """Engine-side registration of a new region (raise ``TransportError`` to refuse)."""
+
+    def _on_deregister(self, entry: RegionEntry) -> None:
+        """Engine-side deregistration (the region is unpinned)."""
+
+    def _exported(self, view: torch.Tensor) -> tuple[bool, object]:
+        """Whether peers may address a new region, and implementation data to keep with it."""
+        return True, None
+
+    def _connect(self, peer_metadata: bytes) -> Peer:
+        raise NotImplementedError
+
+    def _start(
+        self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
+        notify: bytes | None,
+    ) -> None:  # fmt: skip
+        raise NotImplementedError
+
+    def _progress(self, batch: Batch) -> None:
+        """Advance an engine-polled batch (called by ``poll`` while it is PENDING)."""
+
+    def _abort(self, batch: Batch) -> None:
+        """Stop working on a batch that ended by deadline or cancel (best effort)."""
+
+    def _close(self) -> None:
+        """Stop threads and connections; afterwards no batch memory is touched."""
+
+    # -- the Transport protocol ----------------------------------------------------------------
+    def register(self, buffer: torch.Tensor) -> Region:
+        self._check_open()
+        exported, extra = self._exported(byte_view(buffer))
+        region = self._regions.add(buffer, exported=exported, extra=extra)
+        try:
+            self._on_register(self._regions.entry(region.region_id))
+        except BaseException:
+            self._regions.remove(region.region_id)
+            raise
+        return region
+
+    def deregister(self, region_id: RegionId) -> None:
+        self._check_open()
+        rid = as_region_id(region_id)
+        entry = self._regions.check_removable(rid)
+        self._on_deregister(entry)
+        self._regions.remove(rid)
+
+    def connect(self, peer_metadata: bytes) -> Peer:
+        self._check_open()
+        peer = self._connect(peer_metadata)
+        with self._lock:
+            self._peers[peer.peer_id] = peer
+        return peer
+
+    def submit(
+        self,
+        kind: XferKind,
+        src: DescriptorList,
+        dst: DescriptorList,
+        peer: Peer,
+        *,
+        notify: bytes | None = None,
+        deadline_s: float = 30.0,
+    ) -> Handle:
+        self._check_open()
+        known = self._check_submit(kind, src, dst, peer, notify=notify, deadline_s=deadline_s)
+        local = src if kind is XferKind.WRITE else dst
+        pins = self._regions.pin(distinct(local.regions))
+        batch = self._batches.new(known.peer_id, kind, src.total_bytes, float(deadline_s), pins)
+        try:
+            self._start(batch, src, dst, known, notify)
+        except PlanError:
+            self._batches.finish(batch, XferState.FAILED, FailureKind.LOCAL_ERROR, "refused")
+            self._batches.quiesce(batch)
+            raise
+        except Exception as exc:  # an engine error is a FAILED result, not an exception
+            self._batches.finish(batch, XferState.FAILED, FailureKind.BACKEND_ERROR, repr(exc))
+            self._batches.quiesce(batch)
+        return batch.handle
+
+    def poll(self, handle: Handle) -> Poll:
+        found = self._batches.lookup(handle)
+        if isinstance(found, Poll):
+            return found
+        if not found.terminal:
+            self._progress(found)
+        if not found.terminal and time.monotonic() > found.deadline:
+            self._end_early(found, FailureKind.TIMEOUT, "deadline passed")
+        return found.poll()
+
+    def wait(self, handle: Handle, timeout_s: float | None = None) -> Poll:
+        """Block until the batch is terminal, or ``timeout_s`` passes (then the last poll).
+        Not part of the Transport protocol: a convenience that wakes as soon as the batch ends
+        instead of sleeping between polls (and lets I/O threads have the GIL meanwhile)."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            got = self.poll(handle)
+            now = time.monotonic()
+            if got.state.terminal or (end is not None and now >= end):
+                return got
+            found = self._batches.lookup(handle)
+            if isinstance(found, Batch) and not self._spin_wait:
+                found.done_event.wait(0.005 if end is None else min(0.005, end - now))
+
+    def cancel(self, handle: Handle) -> None:
+        found = self._batches.lookup(handle)
+        if isinstance(found, Batch) and not found.terminal:
+            found.cancel_requested = True
+            self._end_early(found, FailureKind.CANCELLED, "cancelled")
+
+    def notifications(self) -> list[tuple[PeerId, bytes]]:
+        out: list[tuple[PeerId, bytes]] = []
+        while self._notes:
+            out.append(self._notes.popleft())
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._close()
+        live = self._batches.live()
+        self._batches.fail_all(live, FailureKind.LOCAL_ERROR, "transport closed")
+        for batch in live:
+            self._batches.quiesce(batch)
+        for entry in self._regions.clear():
+            with contextlib.suppress(Exception):  # closing: an engine that already let go is fine
+                self._on_deregister(entry)
+        with self._lock:
+            self._peers.clear()
+
+    # -- helpers for implementations and tests -------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def pinned_regions(self) -> int:
+        """Total pins held (0 when no batch, ours or a peer's, may touch our memory)."""
+        return self._regions.total_pins()
+
+    def live_batches(self) -> int:
+        """Batches not yet both terminal and quiescent."""
+        return len(self._batches.live())
+
+    def regions(self) -> list[Region]:
+        return [e.region for e in self._regions.entries()]
+
+    def _deliver(self, peer_id: PeerId, payload: bytes) -> None:
+        self._notes.append((peer_id, payload))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"{self.name} transport {self.agent!r} is closed")
+
+    def _end_early(self, batch: Batch, failure: FailureKind, reason: str) -> None:
+        if self._batches.finish(batch, XferState.FAILED, failure, reason, doubt_if_committed=True):
+            self._abort(batch)
+
+    def _check_submit(
+        self, kind: XferKind, src: DescriptorList, dst: DescriptorList, peer: Peer, *,
+        notify: bytes | None, deadline_s: float,
+    ) -> Peer:  # fmt: skip
+        if not isinstance(kind, XferKind):
+            raise InvalidArgumentError(f"kind must be an XferKind, got {kind!r}")
+        if not isinstance(src, DescriptorList) or not isinstance(dst, DescriptorList):
+            raise InvalidArgumentError("src and dst must be DescriptorList values")
+        if not isinstance(peer, Peer):
+            raise InvalidArgumentError(f"peer must be a Peer, got {type(peer).__name__}")
+        if (
+            isinstance(deadline_s, bool)
+            or not isinstance(deadline_s, int | float)
+            or not (deadline_s > 0 and math.isfinite(deadline_s))
+        ):
+            raise InvalidArgumentError(f"deadline_s must be a positive number, got {deadline_s!r}")
+        if notify is not None and (not isinstance(notify, bytes) or len(notify) > MAX_NOTIFY_BYTES):
+            raise InvalidArgumentError(
+                f"notify must be None or bytes of at most {MAX_NOTIFY_BYTES} bytes, got "
+                f"{type(notify).__name__} {notify[:16] if isinstance(notify, bytes) else notify!r}"
+            )
+        with self._lock:
+            known = self._peers.get(peer.peer_id)
+        if known is None:
+            raise UnknownPeerError(f"peer {peer.peer_id!r} is not connected to {self.agent!r}")
+        check_pairing(src, dst)
+        local, remote = (src, dst) if kind is XferKind.WRITE else (dst, src)
+        local.check_bounds(self._regions.lengths(), "local")
+        remote.check_bounds(known.regions, f"peer {known.peer_id!r}")
+        check_disjoint(dst, "destination")
+        if known.peer_id == self.agent:
+            check_no_cross_overlap(src, dst)
+        return known

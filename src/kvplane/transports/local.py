@@ -1,0 +1,114 @@
+"""``local``: byte moves inside one process (torch/NumPy copies, vectorised by ``copier``).
+
+A :class:`LocalTransport` reaches itself (loopback: both pools registered on one transport) and
+any other local transport that joined the same :class:`LocalFabric`, an explicit object passed
+to each constructor (no module-level registry). ``submit`` copies synchronously in the calling
+thread, so every handle is terminal when ``submit`` returns: DONE, or FAILED if the peer left
+the fabric or a peer region vanished. While copying, the regions of both sides are pinned, so a
+concurrent ``deregister`` on either transport is refused rather than racing the copy. ``notify``
+is queued on the peer after the last byte is copied. Tensors on other devices (CUDA) are
+supported through per-descriptor torch copies.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from kvplane.errors import TransportError
+from kvplane.ids import PeerId
+from kvplane.metrics import MetricsRegistry
+from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferKind, XferState
+from kvplane.transports.batches import Batch
+from kvplane.transports.copier import copy_pairs, distinct
+from kvplane.transports.core import TransportCore
+from kvplane.transports.wire import WIRE_VERSION, Metadata, RegionInfo, decode_metadata, encode
+
+
+class LocalFabric:
+    """The same-process transports that can address one another by agent name."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._members: dict[PeerId, weakref.ref[LocalTransport]] = {}
+
+    def join(self, transport: LocalTransport) -> None:
+        with self._lock:
+            current = self._members.get(transport.agent)
+            if current is not None and current() is not None:
+                raise TransportError(f"agent {transport.agent!r} already joined this fabric")
+            self._members[transport.agent] = weakref.ref(transport)
+
+    def leave(self, transport: LocalTransport) -> None:
+        with self._lock:
+            current = self._members.get(transport.agent)
+            if current is not None and current() is transport:
+                del self._members[transport.agent]
+
+    def get(self, agent: PeerId) -> LocalTransport | None:
+        with self._lock:
+            ref = self._members.get(agent)
+        return None if ref is None else ref()
+
+
+class LocalTransport(TransportCore):
+    """Same-process transport; ``fabric`` shared with the local transports it should reach."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        *,
+        fabric: LocalFabric | None = None,
+        agent: str | None = None,
+        metrics: MetricsRegistry | None = None,
+        history: int = 100_000,
+    ) -> None:
+        super().__init__(agent=agent, metrics=metrics, history=history)
+        self._fabric = fabric if fabric is not None else LocalFabric()
+        self._fabric.join(self)
+
+    def metadata(self) -> bytes:
+        self._check_open()
+        regions = [RegionInfo(int(e.region.region_id), e.region.length)
+                   for e in self._regions.entries()]  # fmt: skip
+        return encode(Metadata(WIRE_VERSION, self.name, self.agent, regions=regions))
+
+    def _connect(self, peer_metadata: bytes) -> Peer:
+        meta = decode_metadata(peer_metadata, self.name)
+        target = self._fabric.get(PeerId(meta.agent))
+        if target is None or target.closed:
+            raise TransportError(f"no open local transport {meta.agent!r} in this fabric")
+        return Peer(target.agent, target._regions.lengths())
+
+    def _start(
+        self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
+        notify: bytes | None,
+    ) -> None:  # fmt: skip
+        target = self._fabric.get(peer.peer_id)
+        if target is None or target.closed:
+            self._batches.finish(batch, XferState.FAILED, FailureKind.REMOTE_DISCONNECT,
+                                 f"local peer {peer.peer_id!r} is gone")  # fmt: skip
+            self._batches.quiesce(batch)
+            return
+        local, remote = (src, dst) if batch.kind is XferKind.WRITE else (dst, src)
+        remote.check_bounds(target._regions.lengths(), f"peer {peer.peer_id!r} (live)")
+        remote_pins = target._regions.pin(distinct(remote.regions))
+        try:
+            local_views = self._regions.views(distinct(local.regions))
+            remote_views = target._regions.views(remote_pins)
+            batch.started = True
+            if batch.kind is XferKind.WRITE:
+                copy_pairs(local_views, remote_views, src, dst)
+            else:
+                copy_pairs(remote_views, local_views, src, dst)
+        finally:
+            target._regions.unpin(remote_pins)
+        batch.committed = True
+        if notify is not None:
+            target._deliver(self.agent, notify)
+        self._batches.finish(batch, XferState.DONE)
+        self._batches.quiesce(batch)
+
+    def _close(self) -> None:
+        self._fabric.leave(self)

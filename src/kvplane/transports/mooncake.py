@@ -1,0 +1,283 @@
+"""``mooncake``: adapter over the Mooncake Transfer Engine (tcp protocol, P2P handshake).
+
+Install: ``pip install mooncake-transfer-engine-non-cuda`` and Debian ``libibverbs1``.
+
+Theory of operation
+-------------------
+One engine per transport, initialised with ``P2PHANDSHAKE`` (no metadata server): its session
+name ``host:rpc_port`` is the address in our metadata, next to our region table (ids, lengths,
+base addresses) and the address of a 64-byte *mailbox* every transport registers. The engine's
+Python API offers notifications only on its blocking calls (and its asynchronous status call
+frees the batch it reports on), so batches run on one worker thread per transport: coalesced
+pairs are turned into address lists (vectorised) and sent in sub-batches of ``SUB_BATCH``
+descriptors (much larger batches overflow the engine's TCP lanes); the last sub-batch carries
+the notify, which the engine delivers after the data. A notify-only batch moves one mailbox
+byte. A failed sub-batch is retried once (a known engine bug fails the first TCP transfer after
+an idle period with "lane queue-full"); if it fails again, a refused connection to the peer's
+RPC port classifies it as REMOTE_DISCONNECT, anything else as BACKEND_ERROR. Cancel and deadlines
+are honoured between sub-batches; a running engine call cannot be interrupted, so the batch's
+regions stay pinned until it returns. The engine is imported here only.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import queue
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvplane.errors import InvalidArgumentError, TransportError, UnsupportedError
+from kvplane.ids import PeerId, RegionId
+from kvplane.metrics import MetricsRegistry
+from kvplane.transports.base import (
+    DescriptorList,
+    FailureKind,
+    Int64Array,
+    Peer,
+    XferKind,
+    XferState,
+)
+from kvplane.transports.batches import Batch
+from kvplane.transports.copier import coalesce
+from kvplane.transports.core import TransportCore
+from kvplane.transports.regions import RegionEntry
+from kvplane.transports.wire import WIRE_VERSION, Metadata, RegionInfo, decode_metadata, encode
+
+INSTALL_HINT = (
+    "Mooncake Transfer Engine is not installed: pip install mooncake-transfer-engine-non-cuda "
+    "and apt-get install -y libibverbs1"
+)
+SUB_BATCH = 512
+"""Descriptors per engine call."""
+_MAILBOX = 64
+
+
+def probe() -> str | None:
+    """None if the engine can be imported here, else why not and how to install it."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception as exc:  # ImportError, or libibverbs missing
+        return f"{INSTALL_HINT} ({type(exc).__name__}: {exc})"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Remote:
+    session: str
+    bases: dict[RegionId, int]
+    mailbox: int
+
+
+@dataclass(slots=True)
+class _Job:
+    batch: Batch
+    src: DescriptorList
+    dst: DescriptorList
+    notify: bytes | None
+    remote: _Remote
+
+
+def _addresses(bases: dict[RegionId, int], descs: DescriptorList) -> np.ndarray[Any, Any]:
+    ids = np.array(sorted(bases), dtype=np.int64)
+    base = np.array([bases[RegionId(int(i))] for i in ids], dtype=np.int64)
+    return base[np.searchsorted(ids, descs.regions)] + descs.offsets
+
+
+def _peer_alive(session: str) -> bool:
+    host, _, port = session.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class MooncakeTransport(TransportCore):
+    """Mooncake Transfer Engine as a kvplane transport (CPU memory, tcp protocol)."""
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        agent: str | None = None,
+        metrics: MetricsRegistry | None = None,
+        history: int = 100_000,
+    ) -> None:
+        try:
+            from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
+        except Exception as exc:
+            raise UnsupportedError(f"{INSTALL_HINT} ({type(exc).__name__}: {exc})") from None
+        if not isinstance(host, str) or not host:
+            raise InvalidArgumentError(f"host must be a non-empty string, got {host!r}")
+        super().__init__(agent=agent, metrics=metrics, history=history)
+        self._notify_cls: Any = TransferNotify
+        self._ops: Any = {XferKind.WRITE: TransferOpcode.Write, XferKind.READ: TransferOpcode.Read}
+        self._engine: Any = TransferEngine()
+        if self._engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+            raise TransportError(f"Mooncake engine failed to initialise on {host}")
+        self.address = f"{host}:{self._engine.get_rpc_port()}"
+        self._mailbox = torch.zeros(_MAILBOX, dtype=torch.uint8)
+        if self._engine.register_memory(self._mailbox.data_ptr(), _MAILBOX) != 0:
+            raise TransportError("Mooncake engine refused to register the mailbox")
+        self._remotes: dict[PeerId, _Remote] = {}
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._stopping = False
+        self._worker = threading.Thread(
+            target=self._work, name=f"kvplane-mooncake-{self.agent}-worker", daemon=True
+        )
+        self._worker.start()
+
+    # -- memory and metadata -------------------------------------------------------------------
+    def _exported(self, view: Any) -> tuple[bool, object]:
+        if view.device.type != "cpu":
+            raise TransportError(f"the mooncake adapter registers CPU memory, got {view.device}")
+        return True, None
+
+    def _on_register(self, entry: RegionEntry) -> None:
+        r = entry.region
+        if self._engine.register_memory(r.base, r.length) != 0:
+            raise TransportError(f"Mooncake refused to register region {r.region_id}")
+
+    def _on_deregister(self, entry: RegionEntry) -> None:
+        self._engine.unregister_memory(entry.region.base)
+
+    def metadata(self) -> bytes:
+        self._check_open()
+        regions = [RegionInfo(int(e.region.region_id), e.region.length, e.region.base)
+                   for e in self._regions.entries()]  # fmt: skip
+        mailbox = self._mailbox.data_ptr().to_bytes(8, "little")
+        meta = Metadata(WIRE_VERSION, self.name, self.agent, self.address, "", regions, mailbox)
+        return encode(meta)
+
+    def _connect(self, peer_metadata: bytes) -> Peer:
+        meta = decode_metadata(peer_metadata, self.name)
+        if len(meta.engine) != 8:
+            raise TransportError(f"mooncake metadata of {meta.agent!r} lacks a mailbox address")
+        remote = _Remote(meta.address, {RegionId(r.region_id): r.base for r in meta.regions},
+                         int.from_bytes(meta.engine, "little"))  # fmt: skip
+        peer_id = PeerId(meta.agent)
+        with self._lock:
+            self._remotes[peer_id] = remote
+        return Peer(peer_id, {RegionId(r.region_id): r.length for r in meta.regions})
+
+    # -- transfers -----------------------------------------------------------------------------
+    def _start(
+        self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
+        notify: bytes | None,
+    ) -> None:  # fmt: skip
+        with self._lock:
+            remote = self._remotes[peer.peer_id]
+        self._jobs.put(_Job(batch, src, dst, notify, remote))
+
+    def _call(self, remote: _Remote, kind: XferKind, lists: list[list[int]], notify: Any) -> int:
+        rc = int(self._engine.batch_transfer_sync(remote.session, *lists, self._ops[kind], notify))
+        if rc != 0:  # retry once: the engine's first transfer after an idle period may fail
+            rc = int(
+                self._engine.batch_transfer_sync(remote.session, *lists, self._ops[kind], notify)
+            )
+        return rc
+
+    def _run(self, job: _Job) -> None:
+        batch, remote = job.batch, job.remote
+        src, dst = coalesce(job.src, job.dst, min_gain=1.0)  # fewer engine requests
+        local, far = (src, dst) if batch.kind is XferKind.WRITE else (dst, src)
+        bases = {e.region.region_id: e.region.base for e in self._regions.entries()}
+        local_addr, far_addr = _addresses(bases, local), _addresses(remote.bases, far)
+        lengths = src.lengths
+        kind = batch.kind
+        if not len(src):  # notify-only: one mailbox byte carries it
+            local_addr = np.array([self._mailbox.data_ptr()], dtype=np.int64)
+            far_addr, lengths, kind = np.array([remote.mailbox]), np.array([1]), XferKind.WRITE
+        notify = None
+        if job.notify is not None:
+            notify = self._notify_cls(self.agent, base64.b64encode(job.notify).decode())
+        n = len(lengths)
+        for a in range(0, n, SUB_BATCH):
+            if batch.terminal:
+                return
+            b = min(n, a + SUB_BATCH)
+            lists = [local_addr[a:b].tolist(), far_addr[a:b].tolist(), lengths[a:b].tolist()]
+            if self._call(remote, kind, lists, notify if b == n else None) != 0:
+                failure = (FailureKind.BACKEND_ERROR if _peer_alive(remote.session)
+                           else FailureKind.REMOTE_DISCONNECT)  # fmt: skip
+                self._batches.finish(batch, XferState.FAILED, failure,
+                                     f"Mooncake transfer to {remote.session} failed")  # fmt: skip
+                return
+            if b < n:
+                batch.bytes_done += int(lengths[a:b].sum())
+        self._batches.finish(batch, XferState.DONE)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if self._stopping:
+                self._batches.finish(job.batch, XferState.FAILED, FailureKind.LOCAL_ERROR,
+                                     "transport closed")  # fmt: skip
+            elif self._batches.begin(job.batch):
+                try:
+                    self._run(job)
+                except Exception as exc:  # an engine exception fails this batch, not the worker
+                    self._batches.finish(job.batch, XferState.FAILED, FailureKind.BACKEND_ERROR,
+                                         repr(exc))  # fmt: skip
+            self._batches.quiesce(job.batch)
+
+    def notifications(self) -> list[tuple[PeerId, bytes]]:
+        for note in self._engine.get_notifies():
+            with contextlib.suppress(ValueError):
+                self._deliver(PeerId(str(note.name)), base64.b64decode(note.msg, validate=True))
+        return super().notifications()
+
+    def _close(self) -> None:
+        self._stopping = True
+        self._jobs.put(None)
+        self._worker.join(60.0)
+        with contextlib.suppress(Exception):
+            self._engine.unregister_memory(self._mailbox.data_ptr())
+
+
+class RawMooncakeWriter:
+    """The raw engine API with nothing of kvplane in between: the bench's limit for the adapter.
+
+    A fresh engine registers ``buffer``; :meth:`write` issues ``batch_transfer_sync_write`` in
+    sub-batches of ``SUB_BATCH`` (the engine's own limit) with the same retry-once rule.
+    """
+
+    def __init__(self, peer_metadata: bytes, buffer: torch.Tensor, host: str = "127.0.0.1") -> None:
+        from mooncake.engine import TransferEngine
+
+        meta = decode_metadata(peer_metadata, "mooncake")
+        self._engine: Any = TransferEngine()
+        if self._engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+            raise TransportError("raw Mooncake engine failed to initialise")
+        self._base = buffer.data_ptr()
+        if self._engine.register_memory(self._base, buffer.numel() * buffer.element_size()) != 0:
+            raise TransportError("raw Mooncake engine refused the buffer")
+        self._session = meta.address
+        self._bases = {r.region_id: r.base for r in meta.regions}
+
+    def write(self, src_offsets: Int64Array, region: int, dst_offsets: Int64Array,
+              lengths: Int64Array) -> None:  # fmt: skip
+        srcs = (self._base + src_offsets).tolist()
+        dsts = (self._bases[region] + dst_offsets).tolist()
+        lens = lengths.tolist()
+        for a in range(0, len(lens), SUB_BATCH):
+            part = (srcs[a : a + SUB_BATCH], dsts[a : a + SUB_BATCH], lens[a : a + SUB_BATCH])
+            rc = self._engine.batch_transfer_sync_write(self._session, *part)
+            if rc != 0:
+                rc = self._engine.batch_transfer_sync_write(self._session, *part)
+            if rc != 0:
+                raise TransportError(f"raw Mooncake write failed ({rc})")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._engine.unregister_memory(self._base)

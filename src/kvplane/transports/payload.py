@@ -1,0 +1,147 @@
+"""Streaming descriptor bytes through a socket: frames out of a batch, payload in and out.
+
+Theory of operation
+-------------------
+A batch's descriptor pairs are first coalesced and cut (``copier``) and then grouped into frames
+(:func:`frames`) of at most ``FRAME_BYTES`` payload and ``FRAME_DESCRIPTORS`` descriptors, so
+deadlines and cancels are honoured between frames and a frame's table stays small. Within a
+frame the payload is the descriptors' bytes back to back. Runs of at least ``DIRECT_MIN`` bytes
+go straight between the socket and region memory (``sendall`` / ``recv_into`` on a memoryview of
+the region: no copy in Python); shorter runs are packed (sender) or unpacked (receiver) through
+a preallocated staging buffer with the vectorised ``copier.gather`` / ``copier.scatter``, one
+``sendall``/``recv_into`` per staging fill instead of one system call per small run -- unless
+a fill's runs lie back to back in region memory on this side, which then goes direct too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import torch
+
+from kvplane.ids import RegionId
+from kvplane.transports.base import DescriptorList, Int64Array
+from kvplane.transports.copier import gather, scatter
+from kvplane.transports.wire import recv_exact
+
+DIRECT_MIN = 64 << 10
+"""Runs at least this long move between socket and region memory directly."""
+STAGING_BYTES = 4 << 20
+"""Short runs are packed into fills of about this many bytes."""
+FRAME_BYTES = 16 << 20
+FRAME_DESCRIPTORS = 8192
+
+
+def staging_buffer() -> torch.Tensor:
+    """A staging buffer big enough for one fill (a fill may overrun by one short run)."""
+    return torch.empty(STAGING_BYTES + DIRECT_MIN, dtype=torch.uint8)
+
+
+def sub(descs: DescriptorList, a: int, b: int) -> DescriptorList:
+    return DescriptorList(descs.regions[a:b], descs.offsets[a:b], descs.lengths[a:b])
+
+
+def frames(lengths: Int64Array) -> Iterator[tuple[int, int]]:
+    """``[a, b)`` index ranges of at most FRAME_DESCRIPTORS runs and ~FRAME_BYTES payload."""
+    n = len(lengths)
+    if n == 0:
+        return
+    starts = np.cumsum(lengths) - lengths
+    by_bytes = starts // FRAME_BYTES
+    by_count = np.arange(n) // FRAME_DESCRIPTORS
+    key = by_bytes * (n + 1) + by_count
+    cuts = np.flatnonzero(np.diff(key)) + 1
+    bounds = [0, *cuts.tolist(), n]
+    yield from itertools.pairwise(bounds)
+
+
+def _pieces(lengths: Int64Array) -> Iterator[tuple[int, int, bool]]:
+    """``[a, b)`` ranges that are either one direct run each or one staging fill of short runs."""
+    n = len(lengths)
+    if n == 0:
+        return
+    direct = lengths >= DIRECT_MIN
+    fill = (np.cumsum(lengths) - lengths) // STAGING_BYTES
+    key = np.where(direct, np.arange(n) + 1, 0) * (int(fill[-1]) + 2) + np.where(direct, 0, fill)
+    cuts = np.flatnonzero(np.diff(key) != 0) + 1
+    bounds = [0, *cuts.tolist(), n]
+    flags = direct[bounds[:-1]].tolist()
+    yield from zip(bounds[:-1], bounds[1:], flags, strict=True)
+
+
+def _span(descs: DescriptorList, a: int, b: int) -> tuple[int, int, int] | None:
+    """``(region, offset, length)`` if runs ``[a, b)`` are back to back in one region."""
+    regions, offsets, lengths = descs.regions[a:b], descs.offsets[a:b], descs.lengths[a:b]
+    if int(regions.min()) != int(regions.max()) or np.any(
+        offsets[1:] != offsets[:-1] + lengths[:-1]
+    ):
+        return None
+    return int(regions[0]), int(offsets[0]), int(lengths.sum())
+
+
+def byte_views(views: Mapping[RegionId, torch.Tensor]) -> dict[RegionId, memoryview]:
+    """Writable memoryviews of CPU region views (for zero-copy socket I/O)."""
+    return {rid: t.numpy().data for rid, t in views.items()}
+
+
+def send_payload(
+    sock: socket.socket,
+    views: Mapping[RegionId, torch.Tensor],
+    descs: DescriptorList,
+    staging: torch.Tensor,
+) -> None:
+    """Send the bytes of ``descs`` back to back (regions in ``views``, CPU ``uint8``)."""
+    mvs = byte_views(views)
+    stage = staging.numpy().data
+    regions, offsets, lengths = (
+        descs.regions.tolist(),
+        descs.offsets.tolist(),
+        descs.lengths.tolist(),
+    )
+    for a, b, direct in _pieces(descs.lengths):
+        span = (regions[a], offsets[a], lengths[a]) if direct else _span(descs, a, b)
+        if span is not None:  # one run, or short runs back to back in memory: no staging
+            region, off, n = span
+            sock.sendall(mvs[RegionId(region)][off : off + n])
+        else:
+            part = sub(descs, a, b)
+            gather(views, part, staging)
+            sock.sendall(stage[: part.total_bytes])
+
+
+def recv_payload(
+    sock: socket.socket,
+    views: Mapping[RegionId, torch.Tensor],
+    descs: DescriptorList,
+    staging: torch.Tensor,
+) -> None:
+    """Receive the bytes of ``descs`` back to back, straight into region memory where long."""
+    mvs = byte_views(views)
+    stage = staging.numpy().data
+    regions, offsets, lengths = (
+        descs.regions.tolist(),
+        descs.offsets.tolist(),
+        descs.lengths.tolist(),
+    )
+    for a, b, direct in _pieces(descs.lengths):
+        span = (regions[a], offsets[a], lengths[a]) if direct else _span(descs, a, b)
+        if span is not None:
+            region, off, n = span
+            recv_exact(sock, mvs[RegionId(region)][off : off + n])
+        else:
+            part = sub(descs, a, b)
+            total = part.total_bytes
+            recv_exact(sock, stage[:total])
+            scatter(views, part, staging[:total])
+
+
+def discard(sock: socket.socket, nbytes: int, staging: torch.Tensor) -> None:
+    """Read and drop ``nbytes`` (the payload of a refused frame) to keep the stream in sync."""
+    stage = staging.numpy().data
+    while nbytes > 0:
+        n = min(nbytes, len(stage))
+        recv_exact(sock, stage[:n])
+        nbytes -= n

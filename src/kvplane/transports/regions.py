@@ -1,0 +1,156 @@
+"""The local region table every transport keeps: registration, overlap refusal, pins.
+
+A region is a registered contiguous tensor, exposed as a flat ``uint8`` view of its bytes. Ids
+are handed out by a per-table counter and never reused, so a stale id can never alias new memory.
+A *pin* is a count held while some batch (ours, or a peer's on our memory) may touch a region's
+bytes; :meth:`RegionTable.remove` refuses a pinned region, which is how "a region freed while a
+transfer is in flight" becomes a typed error instead of a use-after-free. All methods are
+thread-safe (one lock); every refusal happens before any state changes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from kvplane.errors import InvalidArgumentError, TransportError
+from kvplane.ids import RegionId
+from kvplane.transports.base import Region
+
+
+@dataclass(slots=True)
+class RegionEntry:
+    """A registered region: its public value, a flat uint8 view, pin count and export flag."""
+
+    region: Region
+    view: torch.Tensor
+    exported: bool = True
+    pins: int = 0
+    extra: object = None
+
+
+def byte_view(buffer: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous tensor's bytes (no copy); typed error otherwise."""
+    if not isinstance(buffer, torch.Tensor):
+        raise InvalidArgumentError(f"register() needs a torch.Tensor, got {type(buffer).__name__}")
+    if not buffer.is_contiguous():
+        raise InvalidArgumentError(
+            f"register() needs a contiguous tensor, got shape {tuple(buffer.shape)} with strides "
+            f"{buffer.stride()}"
+        )
+    if buffer.numel() == 0:
+        raise InvalidArgumentError("register() needs a non-empty tensor")
+    return buffer.detach().reshape(-1).view(torch.uint8)
+
+
+class RegionTable:
+    """Registered regions of one transport, keyed by ``RegionId``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[RegionId, RegionEntry] = {}
+        self._next = 1
+
+    def add(self, buffer: torch.Tensor, *, exported: bool = True, extra: object = None) -> Region:
+        """Register ``buffer``; ``TransportError`` if its bytes overlap a registered region."""
+        view = byte_view(buffer)
+        base, length = view.data_ptr(), view.numel()
+        device = str(view.device)
+        with self._lock:
+            for entry in self._entries.values():
+                r = entry.region
+                if r.device == device and base < r.base + r.length and r.base < base + length:
+                    raise TransportError(
+                        f"buffer [{base:#x}, {base + length:#x}) on {device} overlaps region "
+                        f"{r.region_id} [{r.base:#x}, {r.base + r.length:#x})"
+                    )
+            rid = RegionId(self._next)
+            self._next += 1
+            region = Region(rid, base, length, device)
+            self._entries[rid] = RegionEntry(region, view, exported, 0, extra)
+            return region
+
+    def entry(self, region_id: RegionId) -> RegionEntry:
+        with self._lock:
+            return self._get(region_id)
+
+    def _get(self, region_id: RegionId) -> RegionEntry:
+        entry = self._entries.get(region_id)
+        if entry is None:
+            raise TransportError(f"region {region_id} is not registered")
+        return entry
+
+    def _unpinned(self, region_id: RegionId) -> RegionEntry:
+        entry = self._get(region_id)
+        if entry.pins:
+            raise TransportError(
+                f"region {region_id} is in use by {entry.pins} in-flight batch(es); "
+                "deregister it after they end"
+            )
+        return entry
+
+    def check_removable(self, region_id: RegionId) -> RegionEntry:
+        """The entry of an unpinned region; ``TransportError`` if unknown or in use."""
+        with self._lock:
+            return self._unpinned(region_id)
+
+    def remove(self, region_id: RegionId) -> RegionEntry:
+        """Forget an unpinned region (same refusals as :meth:`check_removable`)."""
+        with self._lock:
+            entry = self._unpinned(region_id)
+            del self._entries[region_id]
+            return entry
+
+    def lengths(self, *, exported_only: bool = False) -> dict[RegionId, int]:
+        with self._lock:
+            return {
+                rid: e.region.length
+                for rid, e in self._entries.items()
+                if e.exported or not exported_only
+            }
+
+    def entries(self) -> list[RegionEntry]:
+        with self._lock:
+            return list(self._entries.values())
+
+    def views(self, region_ids: Iterable[int]) -> dict[RegionId, torch.Tensor]:
+        with self._lock:
+            return {RegionId(int(r)): self._get(RegionId(int(r))).view for r in region_ids}
+
+    def pin(
+        self, region_ids: Iterable[int], *, exported_only: bool = False
+    ) -> tuple[RegionId, ...]:
+        """Pin each distinct region once, all or nothing; ``TransportError`` if one is missing."""
+        ids = tuple(sorted({RegionId(int(r)) for r in region_ids}))
+        with self._lock:
+            for rid in ids:
+                entry = self._get(rid)
+                if exported_only and not entry.exported:
+                    raise TransportError(f"region {rid} is not exported to peers")
+            for rid in ids:
+                self._entries[rid].pins += 1
+        return ids
+
+    def unpin(self, region_ids: Iterable[RegionId]) -> None:
+        with self._lock:
+            for rid in region_ids:
+                entry = self._entries.get(rid)
+                if entry is not None and entry.pins > 0:
+                    entry.pins -= 1
+
+    def total_pins(self) -> int:
+        with self._lock:
+            return sum(e.pins for e in self._entries.values())
+
+    def clear(self) -> list[RegionEntry]:
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+            return entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)

@@ -1,0 +1,317 @@
+"""``shm``: processes on one host move bytes by copying straight into each other's memory.
+
+Theory of operation
+-------------------
+Memory a peer may address lives in shared segments: :meth:`ShmTransport.allocate` creates an
+anonymous ``memfd`` segment, maps it and returns a ``uint8`` tensor over it; a registered tensor
+whose bytes lie inside such a segment is *exported* (metadata lists its region id and length).
+Any other registered tensor is *local only*: it can be the local side of a batch (we copy
+between it and the peer's memory) but a peer cannot name it. Segments have no file-system name:
+their descriptors travel in the handshake's WELCOME over the Unix-domain control socket
+(SCM_RIGHTS), so nothing is left in ``/dev/shm`` when a process dies, even by SIGKILL.
+
+A batch on the initiator's sender thread: PIN (the peer's region ids) -> wait for PINNED, so the
+peer cannot deregister that memory under us -> copy with ``copier`` between our memory and the
+peer's mapping (this is the only data movement) -> COMMIT with the notify. The target unpins,
+queues the notification (after the bytes, which were copied before the COMMIT was sent) and
+ACKs; the ACK makes the batch DONE. The control socket's EOF means the peer process is gone:
+every batch bound to it fails REMOTE_DISCONNECT (also while waiting for PINNED, e.g. a stopped
+peer killed later). Peers must share a host (kernel boot id in the metadata).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvplane.errors import (
+    IncompatiblePeerError,
+    InvalidArgumentError,
+    KVPlaneError,
+    MalformedMessageError,
+    TransportError,
+)
+from kvplane.ids import PeerId, RegionId
+from kvplane.metrics import MetricsRegistry
+from kvplane.transports.base import FailureKind, Peer, XferKind, XferState
+from kvplane.transports.channel import MAX_FDS, Channel, Listener, client_handshake
+from kvplane.transports.copier import copy_pairs, distinct
+from kvplane.transports.stream import Job, LinkState, StreamTransport
+from kvplane.transports.wire import (
+    FLAG_ERROR,
+    FLAG_NOTIFY,
+    WIRE_VERSION,
+    FrameType,
+    Header,
+    Metadata,
+    SegmentInfo,
+    Welcome,
+    decode_metadata,
+    encode,
+    pack_header,
+)
+
+_PIN_POLL_S = 0.05
+"""How often a sender waiting for PINNED re-checks for cancel, deadline and link loss."""
+
+
+def host_id() -> str:
+    """This machine's identity for the same-host check: the kernel boot id."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:  # not Linux: fall back to the host name
+        return socket.gethostname()
+
+
+@dataclass(slots=True)
+class _Segment:
+    fd: int
+    mapping: mmap.mmap
+    tensor: torch.Tensor
+
+
+@dataclass(slots=True)
+class _ShmLink(LinkState):
+    """Initiator state: the peer's mapped segments and region views, pending PIN replies."""
+
+    mappings: dict[int, mmap.mmap] = field(default_factory=dict)
+    views: dict[RegionId, torch.Tensor] = field(default_factory=dict)
+    pin_replies: dict[int, str] = field(default_factory=dict)
+    pin_ready: threading.Condition = field(default_factory=threading.Condition)
+
+
+class ShmTransport(StreamTransport):
+    """Same-host transport over shared memory; allocate peer-visible memory with ``allocate``."""
+
+    name = "shm"
+
+    def __init__(
+        self,
+        *,
+        secret: bytes | None = None,
+        connect_timeout_s: float = 10.0,
+        agent: str | None = None,
+        metrics: MetricsRegistry | None = None,
+        history: int = 100_000,
+    ) -> None:
+        super().__init__(
+            secret=secret, connect_timeout_s=connect_timeout_s, agent=agent, metrics=metrics,
+            history=history,
+        )  # fmt: skip
+        self._segments: dict[int, _Segment] = {}
+        self._next_segment = 1
+        self.address = f"kvplane-shm-{os.getpid()}-{secrets.token_hex(8)}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + self.address)  # abstract namespace: nothing on the file system
+        sock.listen()
+        self._listener = Listener(sock, f"kvplane-shm-{self.agent}", self._serve)
+
+    # -- memory ----------------------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A zeroed ``uint8`` tensor of ``nbytes`` in a new shared segment (register to export)."""
+        self._check_open()
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
+        with self._lock:
+            if len(self._segments) >= MAX_FDS:
+                raise TransportError(f"at most {MAX_FDS} shared segments per transport")
+            seg_id = self._next_segment
+            self._next_segment += 1
+        fd = os.memfd_create(f"kvplane-{self.agent}-{seg_id}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes)
+        except OSError as exc:
+            os.close(fd)
+            raise TransportError(f"cannot allocate {nbytes} shared bytes: {exc}") from None
+        tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+        with self._lock:
+            self._segments[seg_id] = _Segment(fd, mapping, tensor)
+        return tensor
+
+    def _exported(self, view: torch.Tensor) -> tuple[bool, object]:
+        if view.device.type != "cpu":
+            raise TransportError(f"shm registers CPU memory only, got a tensor on {view.device}")
+        start = view.data_ptr()
+        end = start + view.numel() * view.element_size()
+        with self._lock:
+            for seg_id, seg in self._segments.items():
+                base = seg.tensor.data_ptr()
+                if base <= start and end <= base + seg.tensor.numel():
+                    return True, (seg_id, start - base)
+        return False, None
+
+    def _welcome(self) -> tuple[Welcome, list[int]]:
+        with self._lock:
+            segs = dict(self._segments)
+        infos = [SegmentInfo(i, s.tensor.numel()) for i, s in segs.items()]
+        return Welcome(self._region_infos(), infos), [s.fd for s in segs.values()]
+
+    def metadata(self) -> bytes:
+        self._check_open()
+        return encode(Metadata(WIRE_VERSION, self.name, self.agent, self.address, host_id(),
+                               self._region_infos()))  # fmt: skip
+
+    # -- connecting ------------------------------------------------------------------------------
+    def _connect(self, peer_metadata: bytes) -> Peer:
+        meta = decode_metadata(peer_metadata, self.name)
+        if meta.host != host_id():
+            raise IncompatiblePeerError(f"shm peer {meta.agent!r} runs on another host")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self._connect_timeout)
+        ch = Channel(sock)
+        try:
+            sock.connect("\0" + meta.address)
+            agent, welcome, fds = client_handshake(ch, self.agent, self.name, self._secret,
+                                                   with_fds=True)  # fmt: skip
+        except OSError as exc:
+            ch.close()
+            raise TransportError(f"cannot reach shm peer {meta.agent!r}: {exc}") from None
+        except BaseException:
+            ch.close()
+            raise
+        try:
+            if agent != meta.agent or len(fds) != len(welcome.segments):
+                raise MalformedMessageError(f"bad WELCOME from {agent!r} (expected {meta.agent!r})")
+            mappings = {s.segment: mmap.mmap(fd, s.length) for s, fd in
+                        zip(welcome.segments, fds, strict=True)}  # fmt: skip
+        except BaseException:
+            ch.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        sock.settimeout(None)
+        peer, state = self._install(PeerId(agent), ch, welcome)
+        assert isinstance(state, _ShmLink)
+        views = {}
+        for r in welcome.regions:
+            seg = mappings.get(r.segment)
+            if seg is None or r.segment_offset + r.length > len(seg):
+                raise MalformedMessageError(f"region {r.region_id} lies outside its segment")
+            whole = torch.frombuffer(seg, dtype=torch.uint8)
+            views[RegionId(r.region_id)] = whole.narrow(0, r.segment_offset, r.length)
+        state.mappings, state.views = mappings, views  # in-flight jobs keep their old views
+        return peer
+
+    def _new_state(self, peer_id: PeerId) -> _ShmLink:
+        return _ShmLink(peer_id)
+
+    # -- initiator -------------------------------------------------------------------------------
+    def _run(self, state: LinkState, job: object) -> None:
+        assert isinstance(state, _ShmLink) and state.link is not None and isinstance(job, Job)
+        batch, link = job.batch, state.link
+        if not self._batches.begin(batch):
+            self._batches.quiesce(batch)
+            return
+        xid = batch.handle.xfer_id
+        remote = job.dst if batch.kind is XferKind.WRITE else job.src
+        ids = np.array(distinct(remote.regions), dtype=np.int64)
+        link.ch.send(pack_header(FrameType.PIN, xid, 8 * len(ids), len(ids)) + ids.tobytes())
+        with state.pin_ready:
+            while xid not in state.pin_replies and not batch.terminal and not link.down:
+                state.pin_ready.wait(_PIN_POLL_S)
+            refused = state.pin_replies.pop(xid, None)
+        if refused:  # the peer could not pin (region gone or not exported): nothing pinned
+            self._batches.finish(batch, XferState.FAILED, FailureKind.BACKEND_ERROR, refused)
+            self._batches.quiesce(batch)
+            return
+        if refused is None or batch.terminal:  # cancelled, timed out or link down meanwhile
+            if not link.down:
+                link.ch.send_frame(FrameType.ABORT, xid)  # releases a pin granted later
+            self._batches.quiesce(batch)
+            return
+        local = self._regions.views(distinct((job.src if remote is job.dst else job.dst).regions))
+        peer_views = {RegionId(int(r)): state.views[RegionId(int(r))] for r in ids}
+        if batch.kind is XferKind.WRITE:
+            copy_pairs(local, peer_views, job.src, job.dst)
+        else:
+            copy_pairs(peer_views, local, job.src, job.dst)
+        if self._batches.commit(batch):
+            flags = 0 if job.notify is None else FLAG_NOTIFY
+            link.ch.send_frame(FrameType.COMMIT, xid, job.notify or b"", flags=flags)
+        else:
+            link.ch.send_frame(FrameType.ABORT, xid)
+        self._batches.quiesce(batch)
+
+    def _on_frame(self, state: LinkState, h: Header) -> None:
+        assert isinstance(state, _ShmLink) and state.link is not None
+        body = state.link.ch.recv_body(h)
+        if h.ftype is FrameType.PINNED:
+            batch = self._batches.by_id(h.xfer_id)
+            if batch is None or batch.terminal:
+                return  # the sender gave up waiting and sent ABORT
+            with state.pin_ready:
+                state.pin_replies[h.xfer_id] = body.decode(errors="replace") if h.flags else ""
+                state.pin_ready.notify_all()
+        elif h.ftype is FrameType.ACK:
+            batch = self._batches.by_id(h.xfer_id)
+            if batch is None:
+                return
+            if h.flags & FLAG_ERROR:
+                self._batches.finish(batch, XferState.FAILED, FailureKind.BACKEND_ERROR,
+                                     body.decode(errors="replace"))  # fmt: skip
+            else:
+                self._batches.finish(batch, XferState.DONE)
+        else:
+            raise MalformedMessageError(f"unexpected {h.ftype.name} frame from the shm target")
+
+    def _on_recv_exit(self, state: LinkState) -> None:
+        assert isinstance(state, _ShmLink)
+        with state.pin_ready:
+            state.pin_ready.notify_all()
+
+    def _on_link_closed(self, state: LinkState) -> None:
+        assert isinstance(state, _ShmLink)
+        state.views, state.mappings = {}, {}  # unmapped once in-flight copies drop their views
+
+    # -- target ----------------------------------------------------------------------------------
+    def _serve_target(self, ch: Channel, peer: PeerId) -> None:
+        pins: dict[int, tuple[RegionId, ...]] = {}
+        try:
+            while True:
+                h = ch.recv_header()
+                body = ch.recv_body(h)
+                if h.ftype is FrameType.PIN:
+                    if len(body) != 8 * h.count:
+                        raise MalformedMessageError(f"PIN of {len(body)} bytes for {h.count} ids")
+                    ids = np.frombuffer(body, dtype="<i8").tolist()
+                    try:
+                        pins[h.xfer_id] = self._regions.pin(ids, exported_only=True)
+                        ch.send_frame(FrameType.PINNED, h.xfer_id)
+                    except TransportError as exc:
+                        ch.send_frame(
+                            FrameType.PINNED, h.xfer_id, str(exc).encode(), flags=FLAG_ERROR
+                        )
+                elif h.ftype in (FrameType.COMMIT, FrameType.ABORT):
+                    self._regions.unpin(pins.pop(h.xfer_id, ()))
+                    if h.ftype is FrameType.COMMIT:
+                        if h.flags & FLAG_NOTIFY:
+                            self._deliver(peer, body)
+                        ch.send_frame(FrameType.ACK, h.xfer_id)
+                else:
+                    raise MalformedMessageError(f"unexpected {h.ftype.name} frame on shm")
+        except (OSError, KVPlaneError):
+            pass
+        finally:
+            for held in pins.values():
+                self._regions.unpin(held)
+
+    def _close(self) -> None:
+        super()._close()
+        with self._lock:
+            segments = list(self._segments.values())
+            self._segments.clear()
+        for seg in segments:
+            os.close(seg.fd)
+            with contextlib.suppress(BufferError):  # still viewed by a caller's tensor: GC unmaps
+                seg.mapping.close()

@@ -1,0 +1,168 @@
+"""The connection-oriented half shared by ``tcp`` and ``shm``: links per peer, jobs, teardown.
+
+A :class:`StreamTransport` keeps one :class:`~kvplane.transports.channel.Link` per connected
+peer and one :class:`~kvplane.transports.channel.Listener` for peers connecting to it.
+``submit`` turns a validated batch into a :class:`Job` on the peer's link; the link's sender
+thread runs it (``_run``), its receiver thread feeds frames to ``_on_frame``. When a link goes
+down every batch bound to it fails (REMOTE_DISCONNECT, or IN_DOUBT once committed) and jobs
+still queued are dropped and released. Connecting to a peer whose link is up only refreshes
+its region table (the handshake's WELCOME) and keeps the link. Subclasses provide the dialing,
+the per-job protocol and the target side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvplane.errors import InvalidArgumentError, KVPlaneError
+from kvplane.ids import PeerId, RegionId
+from kvplane.metrics import MetricsRegistry
+from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferState
+from kvplane.transports.batches import Batch
+from kvplane.transports.channel import Channel, Link, Listener, server_handshake
+from kvplane.transports.core import TransportCore
+from kvplane.transports.wire import Header, RegionInfo, Welcome
+
+
+@dataclass(slots=True)
+class Job:
+    """One submitted batch waiting for (or running on) a link's sender thread."""
+
+    batch: Batch
+    src: DescriptorList
+    dst: DescriptorList
+    notify: bytes | None
+    handed_off: bool = False
+    """The receiver thread now owns the batch's completion and release."""
+
+
+@dataclass(slots=True)
+class LinkState:
+    """Initiator-side state of one connection (subclasses add protocol fields)."""
+
+    peer_id: PeerId
+    link: Link | None = None
+
+
+class StreamTransport(TransportCore):
+    """Base of socket transports: one link per peer, one listener, shared-secret handshakes."""
+
+    def __init__(
+        self,
+        *,
+        secret: bytes | None,
+        connect_timeout_s: float,
+        agent: str | None,
+        metrics: MetricsRegistry | None,
+        history: int,
+    ) -> None:
+        if secret is not None and (not isinstance(secret, bytes) or not secret):
+            raise InvalidArgumentError("secret must be non-empty bytes or None")
+        if (
+            isinstance(connect_timeout_s, bool)
+            or not isinstance(connect_timeout_s, int | float)
+            or not connect_timeout_s > 0
+        ):
+            raise InvalidArgumentError(f"connect_timeout_s must be > 0, got {connect_timeout_s!r}")
+        super().__init__(agent=agent, metrics=metrics, history=history)
+        self._secret = secret
+        self._connect_timeout = float(connect_timeout_s)
+        self._links: dict[PeerId, LinkState] = {}
+        self._listener: Listener | None = None
+
+    # -- subclass protocol ---------------------------------------------------------------------
+    def _new_state(self, peer_id: PeerId) -> LinkState:
+        return LinkState(peer_id)
+
+    def _run(self, state: LinkState, job: object) -> None:
+        raise NotImplementedError
+
+    def _on_frame(self, state: LinkState, header: Header) -> None:
+        raise NotImplementedError
+
+    def _on_recv_exit(self, state: LinkState) -> None:
+        """The receiver thread ended (the link is down)."""
+
+    def _on_link_closed(self, state: LinkState) -> None:
+        """The link's threads have stopped (release per-peer resources)."""
+
+    def _welcome(self) -> tuple[Welcome, list[int]]:
+        return Welcome(self._region_infos()), []
+
+    def _serve_target(self, ch: Channel, peer: PeerId) -> None:
+        raise NotImplementedError
+
+    # -- shared machinery ----------------------------------------------------------------------
+    def _region_infos(self) -> list[RegionInfo]:
+        return [RegionInfo(int(e.region.region_id), e.region.length, 0, *self._location(e.extra))
+                for e in self._regions.entries() if e.exported]  # fmt: skip
+
+    @staticmethod
+    def _location(extra: object) -> tuple[int, int]:
+        return extra if isinstance(extra, tuple) else (0, 0)
+
+    def _install(self, peer_id: PeerId, ch: Channel, welcome: Welcome) -> tuple[Peer, LinkState]:
+        """Adopt a handshaken channel as the peer's link, or only refresh a live link's table."""
+        peer = Peer(peer_id, {RegionId(r.region_id): r.length for r in welcome.regions})
+        with self._lock:
+            current = self._links.get(peer_id)
+            if current is not None and current.link is not None and not current.link.down:
+                ch.close()
+                return peer, current
+            state = self._new_state(peer_id)
+            state.link = Link(
+                ch, f"kvplane-{self.name}-{self.agent}->{peer_id}",
+                run_job=lambda job: self._run(state, job),
+                drop_job=self._drop,
+                on_frame=lambda h: self._on_frame(state, h),
+                on_down=self._on_down,
+                on_recv_exit=lambda link: self._on_recv_exit(state),
+            )  # fmt: skip
+            self._links[peer_id] = state
+        if current is not None and current.link is not None:
+            current.link.close()
+            self._on_link_closed(current)
+        return peer, state
+
+    def _start(
+        self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
+        notify: bytes | None,
+    ) -> None:  # fmt: skip
+        with self._lock:
+            state = self._links.get(peer.peer_id)
+        link = None if state is None else state.link
+        batch.job = link
+        if link is None or not link.put(Job(batch, src, dst, notify)):
+            why = "not connected" if link is None else f"connection down: {link.reason}"
+            self._batches.finish(batch, XferState.FAILED, FailureKind.REMOTE_DISCONNECT, why)
+            self._batches.quiesce(batch)
+
+    def _drop(self, job: object) -> None:
+        if isinstance(job, Job) and not job.handed_off:
+            self._batches.fail_all([job.batch], FailureKind.REMOTE_DISCONNECT, "connection down")
+            self._batches.quiesce(job.batch)
+
+    def _on_down(self, link: Link, why: str) -> None:
+        mine = [b for b in self._batches.live() if b.job is link]
+        self._batches.fail_all(mine, FailureKind.REMOTE_DISCONNECT, why)
+
+    def _serve(self, ch: Channel) -> None:
+        """Target side of one accepted connection: handshake, then the subclass's loop."""
+        try:
+            ch.sock.settimeout(self._connect_timeout)
+            agent = server_handshake(ch, self.agent, self.name, self._secret, self._welcome)
+            ch.sock.settimeout(None)
+        except (OSError, KVPlaneError):
+            return
+        self._serve_target(ch, PeerId(agent))
+
+    def _close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            states = list(self._links.values())
+            self._links.clear()
+        for state in states:
+            if state.link is not None:
+                state.link.close()
+            self._on_link_closed(state)

@@ -1,0 +1,349 @@
+"""``tcp``: kvplane's own stream transport between processes and hosts (127.0.0.1 by default).
+
+Theory of operation
+-------------------
+Every transport listens on ``host:port`` (its metadata carries the address and agent name).
+``connect`` opens one connection per peer and authenticates it (``channel`` handshake, optional
+shared secret); the WELCOME carries the peer's live region table, so connecting again refreshes
+it. Per connection the initiator runs a sender and a receiver thread, the target one handler.
+
+WRITE: the sender streams DATA frames -- descriptor table of the *destination* ranges, then the
+bytes (``payload``) -- and a COMMIT with the optional notify. The target checks every table
+against its own regions (never trusting the peer), pins the regions from the first frame to the
+COMMIT, receives straight into them, queues the notification after the last byte and ACKs;
+the ACK makes the batch DONE. READ: the sender registers the batch with the receiver, then sends
+READ_REQ frames (tables of the *peer's* ranges); the target answers each with a DATA frame, which
+the receiver writes into the local destination; after the last one the batch is DONE and a
+COMMIT carries the notify to the target.
+
+Failures: a refused table gives an error ACK (FAILED, BACKEND_ERROR). EOF or a reset fails the
+connection's batches with REMOTE_DISCONNECT (IN_DOUBT if the COMMIT was already sent). A batch
+whose deadline passes while its bytes are on the wire tears the connection down (a stalled
+stream cannot be resynchronised); ``connect`` again to resume.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+from dataclasses import dataclass, field
+
+import torch
+
+from kvplane.errors import (
+    IncompatiblePeerError,
+    InvalidArgumentError,
+    KVPlaneError,
+    MalformedMessageError,
+    PlanError,
+    TransportError,
+)
+from kvplane.ids import PeerId, RegionId
+from kvplane.metrics import MetricsRegistry
+from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferKind, XferState
+from kvplane.transports.batches import Batch
+from kvplane.transports.channel import Channel, Link, Listener, client_handshake
+from kvplane.transports.copier import coalesce, distinct, split
+from kvplane.transports.payload import (
+    FRAME_BYTES,
+    discard,
+    frames,
+    recv_payload,
+    send_payload,
+    staging_buffer,
+    sub,
+)
+from kvplane.transports.stream import Job, LinkState, StreamTransport
+from kvplane.transports.wire import (
+    FLAG_ERROR,
+    FLAG_NOTIFY,
+    WIRE_VERSION,
+    FrameType,
+    Header,
+    Metadata,
+    Welcome,
+    decode_metadata,
+    encode,
+    pack_header,
+    pack_table,
+    parse_table,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Notify:
+    """A COMMIT that only carries a finished READ's notify to the target."""
+
+    xfer_id: int
+    payload: bytes
+
+
+@dataclass(slots=True)
+class _Read:
+    batch: Batch
+    chunks: collections.deque[DescriptorList]
+    notify: bytes | None
+    failed: str = ""
+
+
+@dataclass(slots=True)
+class _TcpLink(LinkState):
+    """Per-connection initiator state shared by its sender and receiver threads."""
+
+    reads: collections.deque[_Read] = field(default_factory=collections.deque)
+    send_stage: torch.Tensor = field(default_factory=staging_buffer)
+    recv_stage: torch.Tensor = field(default_factory=staging_buffer)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class TcpTransport(StreamTransport):
+    """Stream transport over TCP; ``secret`` (bytes) makes peers prove they share it."""
+
+    name = "tcp"
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes | None = None,
+        connect_timeout_s: float = 10.0,
+        agent: str | None = None,
+        metrics: MetricsRegistry | None = None,
+        history: int = 100_000,
+    ) -> None:
+        if not isinstance(host, str) or not host:
+            raise InvalidArgumentError(f"host must be a non-empty string, got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            raise InvalidArgumentError(f"port must be an int in [0, 65535], got {port!r}")
+        super().__init__(
+            secret=secret, connect_timeout_s=connect_timeout_s, agent=agent, metrics=metrics,
+            history=history,
+        )  # fmt: skip
+        try:
+            sock = socket.create_server((host, port))
+        except OSError as exc:
+            raise TransportError(f"cannot listen on {host}:{port}: {exc}") from None
+        self.address = f"{host}:{sock.getsockname()[1]}"
+        self._listener = Listener(sock, f"kvplane-tcp-{self.agent}", self._serve)
+
+    # -- metadata and connections --------------------------------------------------------------
+    def metadata(self) -> bytes:
+        self._check_open()
+        meta = Metadata(WIRE_VERSION, self.name, self.agent, self.address, "", self._region_infos())
+        return encode(meta)
+
+    def _dial(self, meta: Metadata) -> tuple[Channel, Welcome]:
+        host, _, port = meta.address.rpartition(":")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=self._connect_timeout)
+        except (OSError, ValueError) as exc:
+            raise TransportError(f"cannot reach {meta.agent!r} at {meta.address}: {exc}") from None
+        _tune(sock)
+        ch = Channel(sock)
+        try:
+            agent, welcome, _ = client_handshake(ch, self.agent, self.name, self._secret)
+            if agent != meta.agent:
+                raise IncompatiblePeerError(f"{meta.address} is {agent!r}, not {meta.agent!r}")
+        except OSError as exc:
+            ch.close()
+            raise TransportError(f"handshake with {meta.agent!r} failed: {exc}") from None
+        except BaseException:
+            ch.close()
+            raise
+        sock.settimeout(None)
+        return ch, welcome
+
+    def _connect(self, peer_metadata: bytes) -> Peer:
+        meta = decode_metadata(peer_metadata, self.name)
+        ch, welcome = self._dial(meta)
+        return self._install(PeerId(meta.agent), ch, welcome)[0]
+
+    def _new_state(self, peer_id: PeerId) -> _TcpLink:
+        return _TcpLink(peer_id)
+
+    # -- initiator: sender and receiver threads ------------------------------------------------
+    def _run(self, state: LinkState, job: object) -> None:
+        assert isinstance(state, _TcpLink) and state.link is not None
+        ch = state.link.ch
+        if isinstance(job, _Notify):
+            ch.send_frame(FrameType.COMMIT, job.xfer_id, job.payload, flags=FLAG_NOTIFY)
+            return
+        assert isinstance(job, Job)
+        batch = job.batch
+        if not self._batches.begin(batch):
+            self._batches.quiesce(batch)
+            return
+        xid = batch.handle.xfer_id
+        src, dst = split(*coalesce(job.src, job.dst), FRAME_BYTES)
+        if batch.kind is XferKind.READ and len(src):
+            chunks = collections.deque(sub(dst, a, b) for a, b in frames(dst.lengths))
+            with state.link.lock:
+                if state.link.down:
+                    raise TransportError(f"connection down: {state.link.reason}")
+                state.reads.append(_Read(batch, chunks, job.notify))
+                job.handed_off = True
+            for a, b in frames(src.lengths):
+                ch.send(pack_header(FrameType.READ_REQ, xid, 0, b - a) + pack_table(sub(src, a, b)))
+            return
+        views = self._regions.views(distinct(src.regions))
+        for a, b in frames(dst.lengths):
+            if batch.terminal:
+                ch.send_frame(FrameType.ABORT, xid)
+                self._batches.quiesce(batch)
+                return
+            part = sub(dst, a, b)
+            ch.send(pack_header(FrameType.DATA, xid, part.total_bytes, b - a) + pack_table(part))
+            send_payload(ch.sock, views, sub(src, a, b), state.send_stage)
+        if self._batches.commit(batch):
+            flags = 0 if job.notify is None else FLAG_NOTIFY
+            ch.send_frame(FrameType.COMMIT, xid, job.notify or b"", flags=flags)
+        else:
+            ch.send_frame(FrameType.ABORT, xid)
+        self._batches.quiesce(batch)
+
+    def _on_frame(self, state: LinkState, h: Header) -> None:
+        assert isinstance(state, _TcpLink) and state.link is not None
+        ch = state.link.ch
+        if h.ftype is FrameType.ACK:
+            body = ch.recv_body(h)
+            if state.reads and state.reads[0].batch.handle.xfer_id == h.xfer_id:
+                read = state.reads[0]
+                read.failed = read.failed or body.decode(errors="replace")
+                read.chunks.popleft()
+                self._maybe_end_read(state)
+                return
+            batch = self._batches.by_id(h.xfer_id)
+            if batch is None:
+                return  # a late ACK: the batch already ended (deadline, cancel) and retired
+            if h.flags & FLAG_ERROR:
+                self._batches.finish(batch, XferState.FAILED, FailureKind.BACKEND_ERROR,
+                                     f"peer refused: {body.decode(errors='replace')}")  # fmt: skip
+            else:
+                self._batches.finish(batch, XferState.DONE)
+        elif h.ftype is FrameType.DATA:
+            if not state.reads or state.reads[0].batch.handle.xfer_id != h.xfer_id:
+                raise MalformedMessageError(f"unexpected DATA frame for transfer {h.xfer_id}")
+            read = state.reads[0]
+            part = read.chunks.popleft()
+            if h.count or h.length != part.total_bytes:
+                raise MalformedMessageError(
+                    f"read reply of {h.length} bytes, {part.total_bytes} asked"
+                )
+            if read.batch.terminal or read.failed:
+                discard(ch.sock, h.length, state.recv_stage)
+            else:
+                views = self._regions.views(distinct(part.regions))
+                recv_payload(ch.sock, views, part, state.recv_stage)
+                read.batch.bytes_done += h.length
+            self._maybe_end_read(state)
+        else:
+            raise MalformedMessageError(f"unexpected {h.ftype.name} frame from the target")
+
+    def _maybe_end_read(self, state: _TcpLink) -> None:
+        read = state.reads[0]
+        if read.chunks:
+            return
+        state.reads.popleft()
+        batch = read.batch
+        if read.failed:
+            self._batches.finish(batch, XferState.FAILED, FailureKind.BACKEND_ERROR,
+                                 f"peer refused: {read.failed}")  # fmt: skip
+        elif self._batches.finish(batch, XferState.DONE) and read.notify is not None:
+            assert state.link is not None
+            state.link.put(_Notify(batch.handle.xfer_id, read.notify))
+        self._batches.quiesce(batch)
+
+    def _on_recv_exit(self, state: LinkState) -> None:
+        assert isinstance(state, _TcpLink) and state.link is not None
+        with state.link.lock:
+            reads = list(state.reads)
+            state.reads.clear()
+        for read in reads:
+            self._batches.fail_all([read.batch], FailureKind.REMOTE_DISCONNECT, state.link.reason)
+            self._batches.quiesce(read.batch)
+
+    def _abort(self, batch: Batch) -> None:
+        link = batch.job
+        if batch.failure is FailureKind.TIMEOUT and batch.started and isinstance(link, Link):
+            link.fail(f"transfer {batch.handle.xfer_id} passed its deadline mid-stream")
+
+    def _serve_target(self, ch: Channel, peer: PeerId) -> None:
+        _tune(ch.sock)
+        _Target(self, ch, peer).serve()
+
+
+class _Target:
+    """State of one accepted connection: pins of incoming writes until COMMIT/ABORT/EOF."""
+
+    def __init__(self, transport: TcpTransport, ch: Channel, peer: PeerId) -> None:
+        self.t, self.ch, self.peer = transport, ch, peer
+        self.pins: dict[int, tuple[RegionId, ...]] = {}
+        self.errors: dict[int, str] = {}
+        self.stage = staging_buffer()
+
+    def serve(self) -> None:
+        try:
+            while True:
+                self.handle(self.ch.recv_header())
+        except (OSError, KVPlaneError):
+            pass
+        finally:
+            for pins in self.pins.values():
+                self.t._regions.unpin(pins)
+            self.pins.clear()
+
+    def _checked(self, xid: int, table: DescriptorList) -> str:
+        """'' if ``table`` fits our exported regions (pinning them for ``xid``), else why not."""
+        try:
+            table.check_bounds(self.t._regions.lengths(exported_only=True), "requested")
+            new = set(distinct(table.regions)) - set(self.pins.get(xid, ()))
+            self.pins[xid] = self.pins.get(xid, ()) + self.t._regions.pin(new, exported_only=True)
+        except (PlanError, TransportError) as exc:
+            return str(exc)
+        return ""
+
+    def _table(self, h: Header) -> DescriptorList:
+        raw = self.ch.recv_body(Header(h.ftype, 0, 0, h.xfer_id, 24 * h.count))
+        return parse_table(raw, h.count)
+
+    def handle(self, h: Header) -> None:
+        ch, t, xid = self.ch, self.t, h.xfer_id
+        if h.ftype is FrameType.DATA:
+            table = self._table(h)
+            if table.total_bytes != h.length:
+                raise MalformedMessageError(
+                    f"DATA table sums to {table.total_bytes}, not {h.length}"
+                )
+            why = self.errors.get(xid) or self._checked(xid, table)
+            if why:
+                self.errors[xid] = why
+                discard(ch.sock, h.length, self.stage)
+            else:
+                views = t._regions.views(distinct(table.regions))
+                recv_payload(ch.sock, views, table, self.stage)
+        elif h.ftype in (FrameType.COMMIT, FrameType.ABORT):
+            body = ch.recv_body(h)
+            why = self.errors.pop(xid, "")
+            t._regions.unpin(self.pins.pop(xid, ()))
+            if h.ftype is FrameType.COMMIT:
+                if not why and h.flags & FLAG_NOTIFY:
+                    t._deliver(self.peer, body)
+                ch.send_frame(FrameType.ACK, xid, why.encode(), flags=FLAG_ERROR if why else 0)
+        elif h.ftype is FrameType.READ_REQ:
+            table = self._table(h)
+            why = self._checked(xid, table)
+            if why:
+                ch.send_frame(FrameType.ACK, xid, why.encode(), flags=FLAG_ERROR)
+                return
+            try:
+                views = t._regions.views(distinct(table.regions))
+                ch.send(pack_header(FrameType.DATA, xid, table.total_bytes))
+                send_payload(ch.sock, views, table, self.stage)
+            finally:
+                t._regions.unpin(self.pins.pop(xid, ()))
+        else:
+            raise MalformedMessageError(f"unexpected {h.ftype.name} frame from the initiator")

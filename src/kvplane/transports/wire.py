@@ -1,0 +1,223 @@
+"""What transports put on the wire: typed metadata, handshake bodies and the binary frame header.
+
+Theory of operation
+-------------------
+Two kinds of bytes leave a transport. *Metadata* (``Transport.metadata()``) and handshake bodies
+are msgspec msgpack structs: typed, versioned (``WIRE_VERSION``), size-limited
+(``MAX_CONTROL_BYTES``) and validated on decode, never pickled. *Frames* carry the stream
+protocols of ``tcp`` and ``shm``: a fixed 28-byte little-endian header (magic, version, frame
+type, flags, descriptor count, transfer id, body length) followed by ``body length`` bytes. A
+``DATA`` frame's body is a descriptor table (``count`` x (region, offset, length) as three int64
+columns) and then exactly ``sum(lengths)`` payload bytes; every other frame's body is at most
+``MAX_CONTROL_BYTES``. :func:`parse_header` refuses a bad magic, version, type, count or length
+with :class:`~kvplane.errors.MalformedMessageError` before a single body byte is read, so a peer
+cannot make us allocate or write out of bounds.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+import numpy as np
+
+from kvplane.errors import IncompatiblePeerError, MalformedMessageError
+from kvplane.transports.base import DescriptorList
+
+WIRE_VERSION = 1
+"""Version of metadata, handshake and frame formats; peers must match exactly."""
+MAGIC = b"KVPT"
+MAX_CONTROL_BYTES = 1 << 20
+"""Largest metadata blob, handshake body or control frame body."""
+MAX_NOTIFY_BYTES = 64 << 10
+"""Largest ``notify`` payload a batch may carry."""
+MAX_FRAME_DESCRIPTORS = 1 << 16
+MAX_FRAME_PAYLOAD = 1 << 30
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+HEADER = struct.Struct("<4sBBHIQQ")
+"""magic, version, frame type, flags, descriptor count, transfer id, body length."""
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1  # initiator -> target: Hello
+    CHALLENGE = 2  # target -> initiator: Challenge
+    AUTH = 3  # initiator -> target: Auth
+    WELCOME = 4  # target -> initiator: Welcome (shm: segment fds ride along)
+    REJECT = 5  # target -> initiator: utf-8 reason, then close
+    DATA = 6  # bytes for a write (to target) or a read response (to initiator)
+    COMMIT = 7  # initiator -> target: every byte of the batch was sent/copied; body = notify
+    ABORT = 8  # initiator -> target: forget the batch (release its pins)
+    ACK = 9  # target -> initiator: batch outcome; FLAG_ERROR + utf-8 reason on failure
+    READ_REQ = 10  # initiator -> target: descriptor table of target bytes to send back
+    PIN = 11  # shm initiator -> target: pin these region ids (int64 body) for the batch
+    PINNED = 12  # shm target -> initiator: pin outcome (FLAG_ERROR + reason on failure)
+
+
+FLAG_ERROR = 1
+"""ACK/PINNED: the operation failed; the body is a utf-8 reason."""
+FLAG_NOTIFY = 2
+"""COMMIT: the body is a notify payload (possibly empty) to deliver."""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    ftype: FrameType
+    flags: int
+    count: int
+    xfer_id: int
+    length: int
+
+
+class RegionInfo(msgspec.Struct, array_like=True, frozen=True):
+    """One exposed region: id and length; ``base`` (engine address) or shm ``segment`` location."""
+
+    region_id: int
+    length: int
+    base: int = 0
+    segment: int = 0
+    segment_offset: int = 0
+
+
+class Metadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What ``Transport.metadata()`` returns, encoded; ``engine`` holds third-party metadata."""
+
+    version: int
+    transport: str
+    agent: str
+    address: str = ""
+    host: str = ""
+    regions: list[RegionInfo] = []
+    engine: bytes = b""
+
+
+class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    version: int
+    agent: str
+    transport: str
+
+
+class Challenge(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    agent: str
+    nonce: bytes
+
+
+class Auth(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    mac: bytes
+
+
+class SegmentInfo(msgspec.Struct, array_like=True, frozen=True):
+    segment: int
+    length: int
+
+
+class Welcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The target's live region table (and, for shm, the segments whose fds ride along)."""
+
+    regions: list[RegionInfo]
+    segments: list[SegmentInfo] = []
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return msgspec.msgpack.encode(msg)
+
+
+def decode(data: bytes, kind: type[S]) -> S:
+    """Decode and validate ``data`` as ``kind``; ``MalformedMessageError`` names what is wrong."""
+    if len(data) > MAX_CONTROL_BYTES:
+        raise MalformedMessageError(
+            f"{kind.__name__} of {len(data)} bytes exceeds the {MAX_CONTROL_BYTES}-byte limit"
+        )
+    try:
+        return msgspec.msgpack.decode(data, type=kind)
+    except msgspec.DecodeError as exc:
+        raise MalformedMessageError(f"malformed {kind.__name__}: {exc}") from None
+
+
+def decode_metadata(data: bytes, transport: str) -> Metadata:
+    """Decode peer metadata and check that it is ours (same transport kind and wire version)."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise MalformedMessageError(f"peer metadata must be bytes, got {type(data).__name__}")
+    meta = decode(bytes(data), Metadata)
+    if meta.version != WIRE_VERSION:
+        raise IncompatiblePeerError(
+            f"peer {meta.agent!r} speaks wire version {meta.version}, we speak {WIRE_VERSION}"
+        )
+    if meta.transport != transport:
+        raise IncompatiblePeerError(
+            f"peer {meta.agent!r} metadata is for transport {meta.transport!r}, not {transport!r}"
+        )
+    if not meta.agent:
+        raise MalformedMessageError("peer metadata has an empty agent name")
+    return meta
+
+
+def pack_header(
+    ftype: FrameType, xfer_id: int, length: int, count: int = 0, flags: int = 0
+) -> bytes:
+    return HEADER.pack(MAGIC, WIRE_VERSION, int(ftype), flags, count, xfer_id, length)
+
+
+def parse_header(raw: bytes | bytearray | memoryview) -> Header:
+    """Validate a received header; ``MalformedMessageError`` before any body byte is read."""
+    magic, version, ftype, flags, count, xfer_id, length = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise MalformedMessageError(f"bad frame magic {magic!r}")
+    if version != WIRE_VERSION:
+        raise MalformedMessageError(f"frame version {version}, expected {WIRE_VERSION}")
+    try:
+        kind = FrameType(ftype)
+    except ValueError:
+        raise MalformedMessageError(f"unknown frame type {ftype}") from None
+    if count > MAX_FRAME_DESCRIPTORS:
+        raise MalformedMessageError(
+            f"frame names {count} descriptors (max {MAX_FRAME_DESCRIPTORS})"
+        )
+    if kind in (FrameType.DATA, FrameType.READ_REQ):
+        limit = MAX_FRAME_PAYLOAD if kind is FrameType.DATA else 0
+        if length > limit:
+            raise MalformedMessageError(f"{kind.name} frame payload {length} exceeds {limit}")
+    elif length > MAX_CONTROL_BYTES:
+        raise MalformedMessageError(f"{kind.name} frame body {length} exceeds {MAX_CONTROL_BYTES}")
+    return Header(kind, flags, count, xfer_id, length)
+
+
+def pack_table(descs: DescriptorList) -> bytes:
+    """The wire form of a descriptor table: regions, offsets, lengths as little-endian int64."""
+    return b"".join(np.ascontiguousarray(c, dtype="<i8").tobytes() for c in
+                    (descs.regions, descs.offsets, descs.lengths))  # fmt: skip
+
+
+def parse_table(raw: bytes | bytearray, count: int) -> DescriptorList:
+    """Decode ``count`` descriptors; ``MalformedMessageError`` for negative or empty ranges."""
+    if len(raw) != 24 * count:
+        raise MalformedMessageError(f"descriptor table of {len(raw)} bytes for {count} entries")
+    cols = np.frombuffer(raw, dtype="<i8").reshape(3, count).astype(np.int64)
+    try:
+        return DescriptorList(cols[0], cols[1], cols[2])
+    except ValueError as exc:
+        raise MalformedMessageError(f"bad descriptor table: {exc}") from None
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ``ConnectionResetError`` if the peer closes first."""
+    while len(view):
+        got = sock.recv_into(view)
+        if got == 0:
+            raise ConnectionResetError("peer closed the connection")
+        view = view[got:]
+
+
+def recv_bytes(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def read_header(sock: socket.socket) -> Header:
+    return parse_header(recv_bytes(sock, HEADER.size))

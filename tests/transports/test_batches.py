@@ -1,0 +1,66 @@
+"""BatchTable: one sticky terminal transition, pins released once at quiescence, bounded history."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvplane.errors import TransportError
+from kvplane.ids import PeerId, RegionId
+from kvplane.metrics import MetricsRegistry
+from kvplane.transports.base import FailureKind, Handle, Poll, XferKind, XferState
+from kvplane.transports.batches import BatchTable
+
+
+def _table(history: int = 100) -> tuple[BatchTable, list[tuple[RegionId, ...]], MetricsRegistry]:
+    released: list[tuple[RegionId, ...]] = []
+    metrics = MetricsRegistry()
+    return BatchTable("t", released.append, metrics, history), released, metrics
+
+
+def test_terminal_state_is_sticky_and_counted():
+    table, released, metrics = _table()
+    b = table.new(PeerId("p"), XferKind.WRITE, 10, 5.0, (RegionId(1),))
+    assert table.finish(b, XferState.FAILED, FailureKind.TIMEOUT, "late")
+    assert not table.finish(b, XferState.DONE)
+    assert b.poll() == Poll(XferState.FAILED, 0, FailureKind.TIMEOUT, "late")
+    assert metrics.value("transport_batches", {"transport": "t", "state": "failed"}, "_total") == 1
+    assert metrics.value("transport_batches", {"transport": "t", "state": "done"}, "_total") == 0
+    assert released == []  # not quiescent yet: pins held
+    assert table.lookup(b.handle) is b
+
+
+def test_quiesce_releases_once_and_retires_into_history():
+    table, released, metrics = _table()
+    b = table.new(PeerId("p"), XferKind.READ, 7, 5.0, (RegionId(1), RegionId(2)))
+    table.quiesce(b)
+    table.quiesce(b)
+    assert released == [(RegionId(1), RegionId(2))]
+    assert table.lookup(b.handle) is b  # still pending: stays live
+    table.finish(b, XferState.DONE)
+    assert table.live() == []
+    assert table.lookup(b.handle) == Poll(XferState.DONE, 7, None, "")
+    assert metrics.value("transport_bytes", {"transport": "t", "kind": "read"}, "_total") == 7
+
+
+def test_committed_batch_ends_in_doubt_and_begin_refuses_ended():
+    table, _, _ = _table()
+    b = table.new(PeerId("p"), XferKind.WRITE, 1, 5.0, ())
+    assert table.begin(b) and table.commit(b)
+    table.fail_all([b], FailureKind.REMOTE_DISCONNECT, "gone")
+    assert b.state is XferState.IN_DOUBT and b.failure is FailureKind.REMOTE_DISCONNECT
+    c = table.new(PeerId("p"), XferKind.WRITE, 1, 5.0, ())
+    table.finish(c, XferState.FAILED, FailureKind.CANCELLED)
+    assert not table.begin(c) and not table.commit(c) and not c.started
+
+
+def test_history_is_bounded_and_foreign_handles_refused():
+    table, _, _ = _table(history=2)
+    batches = [table.new(PeerId("p"), XferKind.WRITE, 1, 5.0, ()) for _ in range(3)]
+    for b in batches:
+        table.finish(b, XferState.DONE)
+        table.quiesce(b)
+    with pytest.raises(TransportError, match="unknown or forgotten handle 1"):
+        table.lookup(batches[0].handle)
+    assert table.lookup(batches[2].handle).state is XferState.DONE
+    with pytest.raises(TransportError, match="not a handle of transport 't'"):
+        table.lookup(Handle("other", 3, PeerId("p"), 1))

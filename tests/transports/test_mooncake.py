@@ -1,0 +1,46 @@
+"""mooncake adapter specifics (skipped without the engine): sub-batches, notify-only batches."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvplane.ids import PeerId
+from kvplane.transports.base import DescriptorList, XferKind, XferState
+from kvplane.transports.mooncake import SUB_BATCH, probe
+
+pytestmark = pytest.mark.skipif(probe() is not None, reason=str(probe()))
+
+
+def test_many_descriptors_span_sub_batches_and_notify_once(kit):
+    from kvplane.transports.mooncake import MooncakeTransport
+
+    a, b = MooncakeTransport(agent="mc-a"), MooncakeTransport(agent="mc-b")
+    try:
+        n = 2 * SUB_BATCH + 7
+        src_buf = torch.randint(0, 256, (n * 16,), dtype=torch.uint8)
+        dst_buf = torch.zeros(n * 16, dtype=torch.uint8)
+        src, dst = a.register(src_buf).region_id, b.register(dst_buf).region_id
+        peer = a.connect(b.metadata())
+        perm = np.random.default_rng(0).permutation(n)  # scattered: nothing coalesces
+        s = DescriptorList(np.full(n, src), np.arange(n) * 16, np.full(n, 16))
+        d = DescriptorList(np.full(n, dst), perm * 16, np.full(n, 16))
+        h = a.submit(XferKind.WRITE, s, d, peer, notify=b"\x00\xffbinary")
+        assert kit.wait(a, h).state is XferState.DONE
+        assert torch.equal(dst_buf, kit.reference(src_buf, torch.zeros_like(dst_buf), s, d))
+        h = a.submit(XferKind.WRITE, DescriptorList.empty(), DescriptorList.empty(), peer,
+                     notify=b"end")  # fmt: skip
+        assert kit.wait(a, h).state is XferState.DONE
+        notes: list[tuple[PeerId, bytes]] = []
+        end = time.monotonic() + 10
+        while len(notes) < 2 and time.monotonic() < end:
+            notes += b.notifications()
+        assert notes == [(PeerId("mc-a"), b"\x00\xffbinary"), (PeerId("mc-a"), b"end")]
+        assert a.pinned_regions() == 0 and a.live_batches() == 0
+    finally:
+        a.close()
+        b.close()
+    assert not [name for name in kit.kv_threads() if "mc-" in name]

@@ -1,0 +1,68 @@
+"""shm specifics: exported vs local-only regions, memfd segments, same-host check, validation."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvplane.errors import IncompatiblePeerError, InvalidArgumentError, PlanError, TransportError
+from kvplane.transports.base import XferKind, XferState
+from kvplane.transports.shm import ShmTransport, host_id
+from kvplane.transports.wire import WIRE_VERSION, Metadata, decode_metadata, encode
+
+
+def test_only_memory_from_allocate_is_exported(kit):
+    a, b = ShmTransport(agent="a"), ShmTransport(agent="b")
+    try:
+        private = b.register(torch.zeros(256, dtype=torch.uint8)).region_id
+        pool = b.allocate(1024)
+        shared = b.register(pool[512:]).region_id  # a view inside a segment is exported too
+        meta = decode_metadata(b.metadata(), "shm")
+        assert [(r.region_id, r.length, r.segment_offset) for r in meta.regions] == [
+            (shared, 512, 512)
+        ]
+        assert meta.host == host_id()
+        src = a.register(torch.arange(256, dtype=torch.uint8)).region_id  # local-only is fine here
+        peer = a.connect(b.metadata())
+        assert peer.regions == {shared: 512}
+        with pytest.raises(PlanError, match="unknown region"):
+            a.submit(XferKind.WRITE, kit.one(src, 0, 8), kit.one(private, 0, 8), peer)
+        h = a.submit(XferKind.WRITE, kit.one(src, 0, 256), kit.one(shared, 256, 256), peer)
+        assert kit.wait(a, h).state is XferState.DONE
+        assert torch.equal(pool[768:], torch.arange(256, dtype=torch.uint8))
+        assert int(pool[:768].sum()) == 0
+    finally:
+        a.close()
+        b.close()
+    assert kit.kv_threads() == []
+
+
+def test_segments_are_anonymous_and_released(kit):
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    t = ShmTransport(agent="anon")
+    buf = t.allocate(4096)
+    assert buf.dtype == torch.uint8 and buf.numel() == 4096 and int(buf.sum()) == 0
+    region = t.register(buf.view(torch.float32))
+    assert region.length == 4096
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert after == before  # memfd segments have no file-system name
+    t.close()
+    with pytest.raises(TransportError, match="is closed"):
+        t.allocate(16)
+
+
+def test_refusals():
+    t = ShmTransport(agent="r")
+    try:
+        with pytest.raises(InvalidArgumentError, match="nbytes must be a positive int"):
+            t.allocate(0)
+        other_host = encode(Metadata(WIRE_VERSION, "shm", "far", "kvplane-shm-x", "another-boot"))
+        with pytest.raises(IncompatiblePeerError, match="runs on another host"):
+            t.connect(other_host)
+        gone = encode(Metadata(WIRE_VERSION, "shm", "gone", "kvplane-shm-nobody", host_id()))
+        with pytest.raises(TransportError, match="cannot reach shm peer 'gone'"):
+            t.connect(gone)
+    finally:
+        t.close()

@@ -1,0 +1,142 @@
+"""tcp specifics: shared-secret handshake, hostile frames, refresh keeps the link, options."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from kvplane.errors import IncompatiblePeerError, InvalidArgumentError, TransportError
+from kvplane.transports.base import XferKind, XferState
+from kvplane.transports.tcp import TcpTransport
+from kvplane.transports.wire import HEADER, FrameType, pack_header
+
+
+def test_shared_secret_admits_matching_peers_only(kit):
+    a = TcpTransport(secret=b"s3cret", agent="a")
+    b = TcpTransport(secret=b"s3cret", agent="b")
+    wrong = TcpTransport(secret=b"other", agent="w")
+    none = TcpTransport(agent="n")
+    try:
+        dst = torch.zeros(64, dtype=torch.uint8)
+        region = b.register(dst).region_id
+        src = a.register(torch.full((64,), 5, dtype=torch.uint8)).region_id
+        peer = a.connect(b.metadata())
+        h = a.submit(XferKind.WRITE, kit.one(src, 0, 64), kit.one(region, 0, 64), peer)
+        assert kit.wait(a, h).state is XferState.DONE and int(dst.sum()) == 5 * 64
+        for intruder in (wrong, none):
+            with pytest.raises(TransportError, match="authentication failed"):
+                intruder.connect(b.metadata())
+        assert b.pinned_regions() == 0
+    finally:
+        for t in (a, b, wrong, none):
+            t.close()
+    assert kit.kv_threads() == []
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    """True once the target hung up on us without sending a byte (EOF or reset)."""
+    try:
+        return s.recv(HEADER.size) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _raw(address: str) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def test_hostile_frames_drop_the_connection_and_the_listener_keeps_serving(kit):
+    b = TcpTransport(agent="target")
+    a = TcpTransport(agent="client")
+    try:
+        dst = torch.zeros(32, dtype=torch.uint8)
+        region = b.register(dst).region_id
+        garbage = [
+            b"GET / HTTP/1.1\r\n\r\n" + b"x" * 40,
+            pack_header(FrameType.DATA, 1, 1 << 40, count=1),  # oversized payload
+            pack_header(FrameType.HELLO, 0, 10) + b"\xc1" * 10,
+        ]  # undecodable body
+        for blob in garbage:
+            with _raw(b.address) as s:
+                s.sendall(blob)
+                assert _closed_by_peer(s)
+        src = a.register(torch.full((32,), 9, dtype=torch.uint8)).region_id
+        peer = a.connect(b.metadata())
+        h = a.submit(XferKind.WRITE, kit.one(src, 0, 32), kit.one(region, 0, 32), peer)
+        assert kit.wait(a, h).state is XferState.DONE and int(dst.sum()) == 9 * 32
+    finally:
+        a.close()
+        b.close()
+    assert kit.kv_threads() == []
+
+
+def test_connect_again_refreshes_regions_and_keeps_the_link(kit):
+    a, b = TcpTransport(agent="a"), TcpTransport(agent="b")
+    try:
+        src = a.register(torch.arange(64, dtype=torch.uint8)).region_id
+        peer = a.connect(b.metadata())
+        assert peer.regions == {}
+        threads = kit.kv_threads()
+        late = torch.zeros(64, dtype=torch.uint8)
+        region = b.register(late).region_id
+        peer = a.connect(b.metadata())
+        assert peer.regions == {region: 64}
+        deadline = time.monotonic() + 5  # the refresh connection's target thread winds down
+        while kit.kv_threads() != threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert kit.kv_threads() == threads  # the link was kept, not replaced
+        h = a.submit(XferKind.WRITE, kit.one(src, 10, 4), kit.one(region, 0, 4), peer)
+        assert kit.wait(a, h).state is XferState.DONE
+        assert late[:4].tolist() == [10, 11, 12, 13]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_peer_deregistering_mid_batch_fails_it_cleanly(kit):
+    a, b = TcpTransport(agent="a"), TcpTransport(agent="b")
+    try:
+        src = a.register(torch.ones(128, dtype=torch.uint8)).region_id
+        dst = b.register(torch.zeros(128, dtype=torch.uint8)).region_id
+        peer = a.connect(b.metadata())
+        b.deregister(dst)  # a still believes in it: the target must refuse, not write
+        h = a.submit(XferKind.WRITE, kit.one(src, 0, 128), kit.one(dst, 0, 128), peer)
+        got = kit.wait(a, h)
+        assert got.state is XferState.FAILED and "region" in got.reason
+        h = a.submit(XferKind.READ, kit.one(dst, 0, 128), kit.one(src, 0, 128), peer)
+        got = kit.wait(a, h)
+        assert got.state is XferState.FAILED and "peer refused" in got.reason
+        deadline = time.monotonic() + 5
+        while (a.pinned_regions() or b.pinned_regions()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.pinned_regions() == 0 and b.pinned_regions() == 0 and a.live_batches() == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_option_validation():
+    with pytest.raises(InvalidArgumentError, match="port must be an int"):
+        TcpTransport(port=70000)
+    with pytest.raises(InvalidArgumentError, match="secret must be non-empty bytes"):
+        TcpTransport(secret="text")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="connect_timeout_s must be > 0"):
+        TcpTransport(connect_timeout_s=0)
+    t = TcpTransport(agent="dup")
+    try:
+        with pytest.raises(TransportError, match="cannot listen"):
+            TcpTransport(port=int(t.address.rpartition(":")[2]))
+        with pytest.raises(IncompatiblePeerError, match="for transport 'shm', not 'tcp'"):
+            t.connect(_shm_meta())
+    finally:
+        t.close()
+
+
+def _shm_meta() -> bytes:
+    from kvplane.transports.wire import WIRE_VERSION, Metadata, encode
+
+    return encode(Metadata(WIRE_VERSION, "shm", "x"))
