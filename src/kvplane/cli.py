@@ -13,11 +13,11 @@ from types import ModuleType
 
 from kvplane import __version__
 from kvplane.errors import KVPlaneError
-from kvplane.runtime import bench, demo, generate
+from kvplane.runtime import bench, demo, generate, serve
 
 
 def _commands() -> list[ModuleType]:
-    return [demo, bench, generate]
+    return [demo, bench, generate, serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

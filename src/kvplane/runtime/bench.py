@@ -20,7 +20,7 @@ from rich.table import Table
 NAME = "bench"
 HELP = "Run a benchmark (ratios against the physical limit measured in the same run)."
 
-BENCHES: tuple[str, ...] = ("attention",)
+BENCHES: tuple[str, ...] = ("attention", "offload", "protocol", "transport", "pd", "vllm")
 """Module names under ``kvplane.runtime.benches``; each engineer appends their bench here."""
 
 

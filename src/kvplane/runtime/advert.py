@@ -1,0 +1,163 @@
+"""What a worker tells its PD peers about its memory: pools, their layouts and regions.
+
+Theory of operation
+-------------------
+The PD handshake (``Hello``) carries a compatibility profile (``PeerProfile``: what must match)
+and an opaque ``transport_metadata`` blob. The runtime puts a :class:`PoolAdvert` in that blob:
+the transport's own metadata (what ``Transport.connect`` needs) and, per pool, the *full*
+physical layout (block size, TP head range, memory order and pool size — what the profile
+leaves out because the planner reconciles it) and the transport region holding it. With it the
+prefill side can plan writes straight into the decode side's blocks.
+
+Pools are listed in a fixed order — the KV pool, then any whole-only pools (the recurrent state
+pool if the model has one, then the tail pool that carries the first token) — and a
+``TransferRequest``'s ``dst_block_ids`` follow the same order: ``ceil(num_tokens / block_size)``
+KV blocks, then one slot per whole-only pool (:func:`split_destination`).
+
+Decoding is strict: versioned msgspec, size-limited by the handshake field, every layout rebuilt
+through ``KVLayout`` (which validates it) and checked against the profile's physical
+fingerprint, so a forged or stale advert is an error naming the pool, never a wrong plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+
+from kvplane.errors import InvalidArgumentError, LayoutError, ProtocolError
+from kvplane.ids import RegionId
+from kvplane.layout import Axis, KVLayout, LayoutKind, dtype_from_name, dtype_name
+from kvplane.pd.handshake import PeerProfile
+
+ADVERT_VERSION = 1
+_Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+
+
+class LayoutDesc(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A ``KVLayout`` as wire data (every field, so it rebuilds exactly)."""
+
+    kind: str
+    num_blocks: _Small
+    block_size: _Small
+    layer_ids: Annotated[tuple[int, ...], msgspec.Meta(max_length=4096)]
+    total_heads: _Small
+    head_start: _Small
+    head_end: _Small
+    head_dim: _Small
+    rope_dim: _Small
+    dtype: str
+    order: Annotated[tuple[str, ...], msgspec.Meta(min_length=6, max_length=6)]
+    sliding_window: int | None = None
+
+
+class PoolDesc(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    region: _Small
+    layout: LayoutDesc
+
+
+class PoolAdvert(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """The runtime's ``Hello.transport_metadata``: transport metadata plus the pools."""
+
+    version: int
+    transport: str
+    transport_metadata: bytes
+    pools: Annotated[tuple[PoolDesc, ...], msgspec.Meta(min_length=1, max_length=16)]
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePool:
+    """A peer's pool as the planner needs it: its layout and the region that holds it."""
+
+    layout: KVLayout
+    region: RegionId
+
+
+def describe(layout: KVLayout) -> LayoutDesc:
+    lo, hi = layout.head_range
+    return LayoutDesc(
+        kind=layout.kind.value,
+        num_blocks=layout.num_blocks,
+        block_size=layout.block_size,
+        layer_ids=layout.layer_ids,
+        total_heads=layout.total_heads,
+        head_start=lo,
+        head_end=hi,
+        head_dim=layout.head_dim,
+        rope_dim=layout.rope_dim,
+        dtype=dtype_name(layout.dtype),
+        order=tuple(a.name for a in layout.order),
+        sliding_window=layout.sliding_window,
+    )
+
+
+def rebuild(desc: LayoutDesc) -> KVLayout:
+    """The ``KVLayout`` of a description (``LayoutError`` if it is not a valid layout)."""
+    try:
+        order = tuple(Axis[name] for name in desc.order)
+        return KVLayout(
+            kind=LayoutKind(desc.kind),
+            num_blocks=desc.num_blocks,
+            block_size=desc.block_size,
+            layer_ids=tuple(desc.layer_ids),
+            total_heads=desc.total_heads,
+            head_dim=desc.head_dim,
+            dtype=dtype_from_name(desc.dtype),
+            head_range=(desc.head_start, desc.head_end),
+            rope_dim=desc.rope_dim,
+            order=order,
+            sliding_window=desc.sliding_window,
+        )
+    except (KeyError, ValueError) as exc:
+        if isinstance(exc, LayoutError):
+            raise
+        raise LayoutError(f"advertised layout {desc!r} is not a layout: {exc}") from None
+
+
+def encode_advert(transport: str, metadata: bytes, pools: list[tuple[KVLayout, RegionId]]) -> bytes:
+    advert = PoolAdvert(
+        version=ADVERT_VERSION,
+        transport=transport,
+        transport_metadata=metadata,
+        pools=tuple(PoolDesc(region=int(r), layout=describe(lay)) for lay, r in pools),
+    )
+    return msgspec.msgpack.encode(advert)
+
+
+def decode_advert(blob: bytes, profile: PeerProfile) -> tuple[PoolAdvert, list[RemotePool]]:
+    """Read a peer's advert and check it against the profile it shook hands with."""
+    try:
+        advert = msgspec.msgpack.decode(blob, type=PoolAdvert)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"peer's pool advert is malformed: {exc}") from None
+    if advert.version != ADVERT_VERSION:
+        raise ProtocolError(f"pool advert version {advert.version}, expected {ADVERT_VERSION}")
+    if len(advert.pools) != len(profile.layouts):
+        raise ProtocolError(
+            f"advert lists {len(advert.pools)} pools, the handshake profile {len(profile.layouts)}"
+        )
+    pools = []
+    for i, (desc, info) in enumerate(zip(advert.pools, profile.layouts, strict=True)):
+        layout = rebuild(desc.layout)
+        if info.fingerprint and layout.fingerprint() != info.fingerprint:
+            raise ProtocolError(f"advertised pool {i} does not match the handshake's layout")
+        pools.append(RemotePool(layout, RegionId(desc.region)))
+    return advert, pools
+
+
+def split_destination(
+    dst_block_ids: tuple[int, ...], pools: list[RemotePool], num_tokens: int
+) -> list[tuple[int, ...]]:
+    """Per pool, its share of a request's ``dst_block_ids`` (see the module docstring)."""
+    if not pools or pools[0].layout.whole_only:
+        raise InvalidArgumentError("the first advertised pool must be the paged KV pool")
+    n_kv = -(-num_tokens // pools[0].layout.block_size)
+    need = n_kv + len(pools) - 1
+    if len(dst_block_ids) != need:
+        raise ProtocolError(
+            f"{len(dst_block_ids)} destination ids for {num_tokens} tokens; the pools need {need}"
+        )
+    out = [tuple(dst_block_ids[:n_kv])]
+    out += [(dst_block_ids[n_kv + i],) for i in range(len(pools) - 1)]
+    return out

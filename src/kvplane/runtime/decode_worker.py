@@ -1,0 +1,301 @@
+"""The decode worker: pre-allocates, receives a request's KV, then decodes from it.
+
+Theory of operation
+-------------------
+A :class:`~kvplane.runtime.messages.DecodeOrder` names the request, its PD session, the prefill
+peer and the prompt. The worker admits the prompt into its pool through a
+:class:`~kvplane.blocks.BlockTable` — prefix reuse: full blocks already in the pool's prefix
+cache are shared and only ``[prefix_tokens, N)`` will move — and takes one whole-only slot (the
+state and tail records). It then opens the receiver session with one ``StartTransfer`` naming
+every destination block (KV blocks, then one slot per whole-only pool; see
+``runtime/advert.py``): one receive posted per request. An order waits in FIFO when memory is
+short, and is answered only when the request ends.
+
+The receiver session decides the outcome (final slice + every slice + exact tiling), and the
+ledger decides the memory. On ``Release`` in SUCCESS the destination passes to the request: the
+worker reads the tail record (first token), runs the :class:`KVDecoder`, registers the received
+full blocks in the prefix cache (not for sliding-window pools, whose early blocks were never
+sent), answers the order and frees the table. On any other outcome the answer goes out at
+``Finished`` and the blocks are freed at the ledger's ``Release`` — which, when the sender's
+writes may still land (IN_DOUBT), is the fail-closed deadline, never earlier.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvplane.blocks import BlockTable
+from kvplane.errors import ConfigError, InvalidArgumentError, KVPlaneError, ProtocolError
+from kvplane.ids import PeerId, RequestId, SessionId, TokenRange
+from kvplane.metrics import MetricsRegistry
+from kvplane.pd.actions import Finished, Release
+from kvplane.pd.events import Cancel, StartTransfer
+from kvplane.pd.states import Role, SessionState
+from kvplane.runtime.chaos import FaultPlan
+from kvplane.runtime.messages import (
+    Ack,
+    AnyMessage,
+    CancelOrder,
+    DecodeOrder,
+    ErrorReply,
+    PairWith,
+    RequestResult,
+)
+from kvplane.runtime.producer import DecodeJob, KVDecoder
+from kvplane.runtime.rpc import Reply
+from kvplane.runtime.timeline import Mark
+from kvplane.runtime.worker import Worker
+from kvplane.runtime.worker_config import WorkerConfig
+from kvplane.transports.base import Transport
+
+
+@dataclass(slots=True, eq=False)
+class _Decode:
+    order: DecodeOrder
+    reply: Reply
+    sid: SessionId
+    peer: PeerId
+    tokens: np.ndarray
+    table: BlockTable | None = None
+    slot: int | None = None
+    prefix_tokens: int = 0
+    opened: bool = False
+    cancelled: str = ""
+    outcome: SessionState | None = None
+    replied: bool = False
+    failed_at: float | None = None
+
+
+class DecodeWorker(Worker):
+    """See the module docstring. ``decoder`` consumes received KV (verifier or a real model)."""
+
+    role = "decode"
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        decoder: KVDecoder,
+        *,
+        metrics: MetricsRegistry | None = None,
+        transport: Transport | None = None,
+        faults: FaultPlan | None = None,
+    ) -> None:
+        super().__init__(config, decoder, metrics=metrics, transport=transport, faults=faults)
+        self.decoder = decoder
+        self._requests: dict[RequestId, _Decode] = {}
+        self._by_session: dict[SessionId, _Decode] = {}
+        self._waiting: deque[_Decode] = deque()
+
+    def _requests_live(self) -> int:
+        return len(self._requests)
+
+    # -- orders ----------------------------------------------------------------------------------
+    def _on_order(self, msg: AnyMessage, reply: Reply) -> None:
+        if isinstance(msg, DecodeOrder):
+            self._accept(msg, reply)
+        elif isinstance(msg, CancelOrder):
+            reply(Ack(detail=self._cancel(RequestId(msg.request_id), msg.reason)))
+        else:
+            super()._on_order(msg, reply)
+
+    def pair(self, pd_address: str, timeout_s: float = 5.0) -> PeerId:
+        """Shake hands with a prefill worker's PD endpoint (any thread but the PD loop)."""
+        return self.endpoint.connect(pd_address, timeout_s=timeout_s)
+
+    def _on_message(self, msg: AnyMessage, reply: Reply) -> None:
+        if isinstance(msg, PairWith):  # a handshake waits on the network: not on this thread
+            threading.Thread(
+                target=self._pair_and_reply,
+                args=(msg.pd_address, reply),
+                name="kvplane-pair",
+                daemon=True,
+            ).start()
+        else:
+            super()._on_message(msg, reply)
+
+    def _pair_and_reply(self, address: str, reply: Reply) -> None:
+        try:
+            reply(Ack(detail=self.pair(address)))
+        except KVPlaneError as exc:
+            reply(ErrorReply(reason=f"pairing with {address} failed: {exc}"))
+
+    def _accept(self, order: DecodeOrder, reply: Reply) -> None:
+        rid = RequestId(order.request_id)
+        if rid in self._requests:
+            raise InvalidArgumentError(f"request {rid!r} is already on this worker")
+        need = -(-len(order.token_ids) // self.config.block_size)
+        if need > self.config.num_blocks:
+            raise ConfigError(
+                f"request {rid!r} needs {need} blocks; the pool has {self.config.num_blocks}"
+            )
+        peer = PeerId(order.prefill_peer)
+        if not self.endpoint.call(lambda: self.participant.peers.is_live(peer)):
+            raise ProtocolError(f"prefill peer {order.prefill_peer!r} is not connected")
+        req = _Decode(
+            order,
+            reply,
+            SessionId(order.session_id),
+            PeerId(order.prefill_peer),
+            np.asarray(order.token_ids, dtype=np.int64),
+        )
+        self._requests[rid] = req
+        self._by_session[req.sid] = req
+        self.timeline.record(Mark.ORDER, rid)
+        self._waiting.append(req)
+        self._admit_waiting()
+
+    def _cancel(self, rid: RequestId, reason: str) -> str:
+        req = self._requests.get(rid)
+        if req is None:
+            return "unknown request"
+        if req.failed_at is None:
+            req.failed_at = time.monotonic()
+        if not req.opened:
+            req.cancelled = reason
+            self._end(req, SessionState.ABORTED, reason)
+            return "cancelled before the transfer started"
+        try:
+            self.endpoint.send(req.sid, Cancel(reason=reason))
+        except ProtocolError:
+            return "session already ended"
+        return "cancelling"
+
+    def _admit_waiting(self) -> None:
+        while self._waiting:
+            req = self._waiting[0]
+            if req.outcome is not None:
+                self._waiting.popleft()
+                continue
+            rid = RequestId(req.order.request_id)
+            table = BlockTable(rid, self.config.block_size, self.pools.hasher)
+            if self.pools.slots.num_free_blocks == 0:
+                return
+            admitted = table.admit(self.pools.blocks, req.tokens)
+            if admitted is None:
+                return
+            slot = self.pools.take_slot()
+            if slot is None:  # pragma: no cover - checked above; only this thread allocates
+                table.release(self.pools.blocks)
+                return
+            self._waiting.popleft()
+            req.table, req.slot = table, slot
+            req.prefix_tokens = table.num_cached_tokens
+            whole = len(self.pools.layouts) - 1
+            start = StartTransfer(
+                request_id=rid,
+                dst_block_ids=tuple(int(b) for b in table.block_ids) + (slot,) * whole,
+                prefix_tokens=req.prefix_tokens,
+                num_tokens=len(req.tokens),
+            )
+            try:
+                self.endpoint.open_receiver(req.sid, req.peer, start)
+            except ProtocolError as exc:  # peer lost or session id reused: fail, free at once
+                self._end(req, SessionState.FAILED, str(exc))
+                continue
+            req.opened = True
+
+    # -- protocol actions --------------------------------------------------------------------------
+    def _on_pd(self, act: object) -> None:
+        if isinstance(act, Release) and act.role is Role.RECEIVER:
+            req = self._by_session.get(act.session_id)
+            if req is None:
+                self.counters["release_unknown_session"] += 1
+            elif act.state is SessionState.SUCCESS:
+                self._deliver(req)
+            else:
+                self._release(req)
+        elif isinstance(act, Finished) and act.role is Role.RECEIVER:
+            self.rmetrics.finished(act.state.value, act.reason)
+            req = self._by_session.get(act.session_id)
+            if req is None:
+                return
+            req.outcome = act.state
+            self.timeline.record(Mark.SESSION_END, req.order.request_id, detail=act.state.value)
+            if act.state is not SessionState.SUCCESS:
+                if req.failed_at is None:
+                    req.failed_at = time.monotonic()
+                self._answer(req, self._result(req, act.state, act.reason))
+            self._maybe_forget(req)
+
+    def _result(self, req: _Decode, state: SessionState, reason: str) -> RequestResult:
+        return RequestResult(
+            request_id=req.order.request_id,
+            state=state.value,
+            reason=reason,
+            num_tokens=len(req.tokens),
+            prefix_tokens=req.prefix_tokens,
+        )
+
+    def _deliver(self, req: _Decode) -> None:
+        """The KV is ours: decode, cache the received blocks, answer, free."""
+        if req.table is None or req.slot is None:  # pragma: no cover - opened implies both
+            return
+        rid = RequestId(req.order.request_id)
+        ready = self.timeline.record(Mark.DECODE_READY, rid)
+        first, length = self.pools.read_tail(req.slot)
+        n = len(req.tokens)
+        if self.pools.kv.layout.sliding_window is None:  # the prompt's KV is all here now
+            req.table.mark_computed(self.pools.blocks, n - req.table.num_computed_tokens)
+        job = DecodeJob(
+            rid,
+            req.tokens,
+            req.table,
+            self.pools.blocks,
+            first,
+            req.order.max_new_tokens,
+            TokenRange(req.prefix_tokens, n),
+            req.slot,
+        )
+        out = self.decoder.decode(job, self.pools.kv, self.pools.state)
+        mismatches = out.mismatches
+        if mismatches is not None and length != n:
+            mismatches += 1
+        self._answer(
+            req,
+            RequestResult(
+                request_id=rid,
+                state=SessionState.SUCCESS.value,
+                tokens=out.tokens,
+                num_tokens=n,
+                prefix_tokens=req.prefix_tokens,
+                mismatches=mismatches,
+                ready_at=ready.t,
+            ),
+        )
+        self._release(req)
+
+    def _end(self, req: _Decode, state: SessionState, reason: str) -> None:
+        """A request that never reached a session (or no longer can): answer and free now."""
+        req.outcome = req.outcome or state
+        self._answer(req, self._result(req, req.outcome, reason or req.cancelled))
+        self._release(req)
+
+    def _answer(self, req: _Decode, result: RequestResult) -> None:
+        if not req.replied:
+            req.replied = True
+            req.reply(result)
+
+    def _release(self, req: _Decode) -> None:
+        """The ledger released the destination (or it never was the session's): free it."""
+        if req.table is not None:
+            req.table.release(self.pools.blocks)
+            req.table = None
+        if req.slot is not None:
+            self.pools.free_slot(req.slot)
+            req.slot = None
+        self.timeline.record(Mark.RELEASED, req.order.request_id)
+        if req.failed_at is not None:
+            self.rmetrics.release_latency.observe(time.monotonic() - req.failed_at)
+        self._maybe_forget(req)
+        self._admit_waiting()
+
+    def _maybe_forget(self, req: _Decode) -> None:
+        """Drop the request once it is answered, its memory freed and its session over."""
+        if req.replied and req.table is None and req.outcome is not None:
+            self._requests.pop(RequestId(req.order.request_id), None)
+            self._by_session.pop(req.sid, None)

@@ -1,0 +1,164 @@
+"""The runtime's control messages (router ↔ workers ↔ clients): typed, versioned, size-limited.
+
+These are *orders and reports*, not the PD protocol: the router tells a decode worker to
+receive a request from a prefill peer and a prefill worker to compute it; the PD protocol
+(``kvplane.pd``) then runs the transfer between the two workers directly. Every message is a
+frozen msgspec struct in one tagged union (no pickle), validated on decode; ids travel as
+strings of at most 256 characters and token ids as int64s.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+RUNTIME_VERSION = 1
+MAX_TOKENS = 1 << 22
+
+_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+_Text = Annotated[str, msgspec.Meta(max_length=4096)]
+_Tokens = Annotated[tuple[int, ...], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Base of every runtime message."""
+
+
+class InfoQuery(Message, frozen=True, kw_only=True, tag="info_query"):
+    """Ask a worker who it is."""
+
+
+class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
+    """A worker's identity: role, PD peer id and endpoint, incarnation, transport."""
+
+    role: str
+    peer_id: _Id
+    pd_address: _Text
+    incarnation: _Count
+    transport: _Text
+    metrics_port: _Count = 0
+
+
+class PairWith(Message, frozen=True, kw_only=True, tag="pair_with"):
+    """To a decode worker: shake hands with the prefill worker at ``pd_address``."""
+
+    pd_address: _Text
+
+
+class Ack(Message, frozen=True, kw_only=True, tag="ack"):
+    """Success of an order that has no other answer (``detail`` says what happened)."""
+
+    detail: _Text = ""
+
+
+class ErrorReply(Message, frozen=True, kw_only=True, tag="error"):
+    """The order was refused or failed; ``reason`` names the value at fault."""
+
+    reason: _Text
+
+
+class PrefillOrder(Message, frozen=True, kw_only=True, tag="prefill_order"):
+    """To a prefill worker: compute ``token_ids`` and send the KV to ``decode_peer``."""
+
+    request_id: _Id
+    session_id: _Id
+    decode_peer: _Id
+    token_ids: _Tokens
+    step_size: _Count = 0
+    """Tokens per prefill step; 0 means the worker's default."""
+
+
+class DecodeOrder(Message, frozen=True, kw_only=True, tag="decode_order"):
+    """To a decode worker: receive the KV of ``token_ids`` from ``prefill_peer`` and decode.
+    Answered with a :class:`RequestResult` when the request ends (any way)."""
+
+    request_id: _Id
+    session_id: _Id
+    prefill_peer: _Id
+    token_ids: _Tokens
+    max_new_tokens: _Count = 1
+
+
+class CancelOrder(Message, frozen=True, kw_only=True, tag="cancel_order"):
+    """Cancel a request on the worker that receives this (either side, any moment)."""
+
+    request_id: _Id
+    reason: _Text = "cancelled"
+
+
+class RequestResult(Message, frozen=True, kw_only=True, tag="request_result"):
+    """How a request ended on the decode side.
+
+    ``state``: the PD session's terminal state (success, aborted, failed). ``prefix_tokens``:
+    tokens the decode pool already held; ``tokens``: generated tokens (first token first);
+    ``mismatches``: for a verifying decoder, differing elements (None otherwise).
+    """
+
+    request_id: _Id
+    state: _Text
+    reason: _Text = ""
+    tokens: tuple[int, ...] = ()
+    num_tokens: _Count = 0
+    prefix_tokens: _Count = 0
+    mismatches: int | None = None
+    ready_at: float = 0.0
+
+
+class Generate(Message, frozen=True, kw_only=True, tag="generate"):
+    """To the router: serve one request end to end (answered with a :class:`RequestResult`)."""
+
+    request_id: _Id
+    token_ids: _Tokens
+    max_new_tokens: _Count = 1
+    step_size: _Count = 0
+
+
+class StatsQuery(Message, frozen=True, kw_only=True, tag="stats_query"):
+    """Ask a worker for its counters, pool usage and (optionally) its timeline."""
+
+    timeline: bool = False
+
+
+class WorkerStats(Message, frozen=True, kw_only=True, tag="worker_stats"):
+    """Counters, pool usage, live sessions, integrity verdict and timeline events (dicts)."""
+
+    peer_id: _Id
+    counters: dict[str, int]
+    used_blocks: _Count
+    used_slots: _Count
+    sessions_live: _Count
+    requests_live: _Count
+    integrity: _Text = ""
+    """Empty when every pool and ledger is consistent, else the first broken invariant."""
+    timeline: tuple[dict[str, str | int | float], ...] = ()
+
+
+class Shutdown(Message, frozen=True, kw_only=True, tag="shutdown"):
+    """Ask a worker process to exit (after replying)."""
+
+
+AnyMessage = (
+    InfoQuery
+    | WorkerInfo
+    | PairWith
+    | Ack
+    | ErrorReply
+    | PrefillOrder
+    | DecodeOrder
+    | CancelOrder
+    | RequestResult
+    | Generate
+    | StatsQuery
+    | WorkerStats
+    | Shutdown
+)
+
+
+class Envelope(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """What travels: protocol version, the caller's call id, the message."""
+
+    version: int
+    call_id: _Count
+    body: AnyMessage

@@ -1,0 +1,323 @@
+"""The prefill worker: chunked prefill with a pipelined, ledger-owned transfer of every slice.
+
+Theory of operation
+-------------------
+A :class:`~kvplane.runtime.messages.PrefillOrder` names the request, its PD session, the decode
+peer and the prompt. The worker opens (or attaches to) the sender session at once — a decode
+side that already gave up leaves a tombstone and the order is dropped — then admits the prompt
+into its pool (a block table plus one whole-only slot; an order waits in FIFO when memory is
+short). The worker loop then runs one prefill step at a time, round-robin over its requests:
+:meth:`KVProducer.produce` computes ``[start, end)``, the :class:`SliceCutter` turns the step
+into a slice (or defers it to the next aligned boundary), and ``SubmitSlice`` goes to the
+session; the session's ``StartSubmit`` reaches the :class:`SliceDriver`, which moves the bytes
+while the loop computes the next step. The last step writes the tail record (first token)
+before the final slice is submitted.
+
+Ownership apart from phase: compute ends long before the bytes are read, and a session can end
+(abort from either side, peer loss) while slices are in flight. The request's blocks are freed
+only when the session has finished *and* the ledger has released every slice the session
+admitted (``Release`` via BACKEND_DONE, NOT_SUBMITTED or EXPIRED) — never on the phase alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvplane.blocks import BlockTable
+from kvplane.errors import ConfigError, InvalidArgumentError, ProtocolError
+from kvplane.ids import PeerId, RegionId, RequestId, SessionId, TokenRange
+from kvplane.metrics import MetricsRegistry
+from kvplane.pd.actions import Action, Finished, Release, StartSubmit
+from kvplane.pd.events import Cancel, SubmitSlice
+from kvplane.pd.states import Role, SessionState
+from kvplane.runtime.chaos import FaultPlan
+from kvplane.runtime.driver import SliceDriver, SliceSource
+from kvplane.runtime.messages import Ack, AnyMessage, CancelOrder, PrefillOrder
+from kvplane.runtime.producer import KVProducer, ProduceStep
+from kvplane.runtime.rpc import Reply
+from kvplane.runtime.slicing import LocalPool, SliceCutter, slice_schedule, step_ranges
+from kvplane.runtime.timeline import Mark, request_times
+from kvplane.runtime.worker import Worker
+from kvplane.runtime.worker_config import WorkerConfig
+from kvplane.transports.base import Transport
+
+
+@dataclass(slots=True, eq=False)
+class _Prefill:
+    order: PrefillOrder
+    sid: SessionId
+    peer: PeerId
+    tokens: np.ndarray
+    steps: list[TokenRange]
+    table: BlockTable | None = None
+    slot: int | None = None
+    cutter: SliceCutter | None = None
+    next_step: int = 0
+    admitted: int = 0
+    released: int = 0
+    outcome: SessionState | None = None
+    stopped: bool = False
+    failed_at: float | None = None
+    finished_at: float | None = None
+    prefill_end: float | None = None
+
+    @property
+    def computing(self) -> bool:
+        return self.table is not None and not self.stopped and self.next_step < len(self.steps)
+
+
+class PrefillWorker(Worker):
+    """See the module docstring. ``producer`` computes the KV (synthetic or a real model)."""
+
+    role = "prefill"
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        producer: KVProducer,
+        *,
+        metrics: MetricsRegistry | None = None,
+        transport: Transport | None = None,
+        faults: FaultPlan | None = None,
+    ) -> None:
+        super().__init__(config, producer, metrics=metrics, transport=transport, faults=faults)
+        self.producer = producer
+        self._requests: dict[RequestId, _Prefill] = {}
+        self._by_session: dict[SessionId, _Prefill] = {}
+        self._waiting: deque[_Prefill] = deque()
+        self._running: deque[_Prefill] = deque()
+        self._sources: dict[SessionId, SliceSource] = {}
+        self._sources_lock = threading.Lock()
+        self.driver = SliceDriver(
+            self.endpoint,
+            self.transport,
+            self._source,
+            local_regions=self.pools.local_regions(),
+            slice_timeout_s=config.slice_timeout_s,
+            metrics=self.rmetrics,
+            timeline=self.timeline,
+            grouping=config.grouping,
+            max_inflight_ops=config.max_inflight_ops,
+        )
+
+    def start(self) -> None:
+        self.driver.start()
+        super().start()
+
+    def _close_parts(self) -> None:
+        self.driver.close()
+
+    def _source(self, sid: SessionId) -> SliceSource | None:
+        with self._sources_lock:
+            return self._sources.get(sid)
+
+    def _on_action(self, act: Action) -> None:
+        if isinstance(act, StartSubmit):
+            self.driver.submit(act)  # straight to the driver: no hop through the worker loop
+        else:
+            super()._on_action(act)
+
+    def _requests_live(self) -> int:
+        return len(self._requests)
+
+    # -- orders ----------------------------------------------------------------------------------
+    def _on_order(self, msg: AnyMessage, reply: Reply) -> None:
+        if isinstance(msg, PrefillOrder):
+            reply(Ack(detail=self._accept(msg)))
+        elif isinstance(msg, CancelOrder):
+            reply(Ack(detail=self._cancel(RequestId(msg.request_id), msg.reason)))
+        else:
+            super()._on_order(msg, reply)
+
+    def _accept(self, order: PrefillOrder) -> str:
+        rid = RequestId(order.request_id)
+        if rid in self._requests:
+            raise InvalidArgumentError(f"request {rid!r} is already on this worker")
+        n = len(order.token_ids)
+        need = -(-n // self.config.block_size)
+        if need > self.config.num_blocks:
+            raise ConfigError(
+                f"request {rid!r} needs {need} blocks; the pool has {self.config.num_blocks}"
+            )
+        step = order.step_size or self.config.step_size
+        sid, peer = SessionId(order.session_id), PeerId(order.decode_peer)
+        if not self.endpoint.open_sender(sid, peer):
+            self.counters["orders_for_ended_sessions"] += 1
+            return "session already ended"
+        req = _Prefill(
+            order, sid, peer, np.asarray(order.token_ids, dtype=np.int64), step_ranges(n, step)
+        )
+        self._requests[rid] = req
+        self._by_session[sid] = req
+        self.timeline.record(Mark.ORDER, rid)
+        self._waiting.append(req)
+        self._admit_waiting()
+        return "accepted"
+
+    def _cancel(self, rid: RequestId, reason: str) -> str:
+        req = self._requests.get(rid)
+        if req is None:
+            return "unknown request"
+        if req.failed_at is None:
+            req.failed_at = time.monotonic()
+        req.stopped = True
+        try:
+            self.endpoint.send(req.sid, Cancel(reason=reason))
+        except ProtocolError:
+            return "session already ended"
+        finally:
+            self._maybe_free(req)  # everything admitted may already be released
+        return "cancelling"
+
+    def _admit_waiting(self) -> None:
+        while self._waiting:
+            req = self._waiting[0]
+            if req.outcome is not None or req.stopped:
+                self._waiting.popleft()
+                self._maybe_free(req)
+                continue
+            table = BlockTable(
+                RequestId(req.order.request_id), self.config.block_size, self.pools.hasher
+            )
+            if (
+                self.pools.slots.num_free_blocks == 0
+                or table.admit(self.pools.blocks, req.tokens) is None
+            ):
+                return
+            slot = self.pools.take_slot()
+            if slot is None:  # pragma: no cover - checked above; only this thread allocates
+                table.release(self.pools.blocks)
+                return
+            self._waiting.popleft()
+            req.table, req.slot = table, slot
+            align = self._alignment(req.peer)
+            req.cutter = SliceCutter(len(req.tokens), align, pipelined=self.config.pipelined)
+            schedule = slice_schedule(
+                len(req.tokens), req.steps, align, pipelined=self.config.pipelined
+            )
+            pools = [LocalPool(self.pools.kv.layout, self.pools.regions[0], table.block_ids)]
+            pools += [
+                LocalPool(lay, RegionId(r), (slot,))
+                for lay, r in zip(self.pools.layouts[1:], self.pools.regions[1:], strict=True)
+            ]
+            with self._sources_lock:
+                self._sources[req.sid] = SliceSource(req.order.request_id, tuple(pools), schedule)
+            self._running.append(req)
+
+    def _alignment(self, peer: PeerId) -> int:
+        rec = self.endpoint.call(lambda: self.participant.peers.get(peer))
+        sizes = [self.config.block_size]
+        if rec is not None:
+            sizes.append(rec.hello.profile.layouts[0].block_size)
+        return SliceCutter.alignment(*sizes)
+
+    # -- compute ---------------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return any(r.computing for r in self._running)
+
+    def _work(self) -> None:
+        for _ in range(len(self._running)):
+            req = self._running[0]
+            self._running.rotate(-1)
+            if req.computing:
+                self._step(req)
+                return
+
+    def _step(self, req: _Prefill) -> None:
+        if req.table is None or req.cutter is None:  # pragma: no cover - computing checks it
+            return
+        rng = req.steps[req.next_step]
+        is_last = req.next_step == len(req.steps) - 1
+        rid = req.order.request_id
+        self.timeline.record(Mark.STEP_START, rid, slice_id=req.next_step)
+        out = self.producer.produce(
+            ProduceStep(RequestId(rid), req.tokens, req.table.block_ids, rng, is_last, req.slot),
+            self.pools.kv,
+            self.pools.state,
+        )
+        req.next_step += 1
+        if is_last:
+            if out.first_token is None or req.slot is None:
+                raise InvalidArgumentError(f"producer gave no first token for request {rid!r}")
+            self.pools.write_tail(req.slot, out.first_token, len(req.tokens))
+        ev = self.timeline.record(Mark.STEP_END, rid, slice_id=req.next_step - 1)
+        if is_last:
+            req.prefill_end = ev.t
+        cut = req.cutter.after_step(rng.end, is_last)
+        if cut is None:
+            return
+        slice_id, tokens = cut
+        try:
+            self.endpoint.send(
+                req.sid,
+                SubmitSlice(slice_id=slice_id, is_last=is_last, start=tokens.start, end=tokens.end),
+            )
+            req.admitted += 1
+        except ProtocolError:  # the session is gone (retired): nothing more to send
+            req.stopped = True
+            if req.failed_at is None:
+                req.failed_at = time.monotonic()
+            self.counters["slices_after_session_end"] += 1
+
+    # -- protocol actions --------------------------------------------------------------------------
+    def _on_pd(self, act: object) -> None:
+        if isinstance(act, Release) and act.role is Role.SENDER:
+            req = self._by_session.get(act.session_id)
+            if req is not None:
+                req.released += 1
+                self._maybe_free(req)
+        elif isinstance(act, Finished) and act.role is Role.SENDER:
+            self._on_finished(act)
+
+    def _on_finished(self, act: Finished) -> None:
+        req = self._by_session.get(act.session_id)
+        if req is None:
+            self.counters["finished_unknown_session"] += 1
+            return
+        now = time.monotonic()
+        req.outcome = act.state
+        req.finished_at = now
+        req.stopped = True
+        self.rmetrics.finished(act.state.value, act.reason)
+        self.timeline.record(Mark.SESSION_END, req.order.request_id, detail=act.state.value)
+        if act.state is not SessionState.SUCCESS and req.failed_at is None:
+            req.failed_at = now
+        self._maybe_free(req)
+
+    def _maybe_free(self, req: _Prefill) -> None:
+        """Free the request's memory once nothing more will be submitted (session ended or
+        stopped locally) and the ledger released every slice the session admitted; forget the
+        request once its session has ended too."""
+        if (req.outcome is None and not req.stopped) or req.released < req.admitted:
+            return
+        if req in self._waiting:
+            return  # dropped by _admit_waiting
+        rid = RequestId(req.order.request_id)
+        if req.table is not None or req.slot is not None:
+            with self._sources_lock:
+                self._sources.pop(req.sid, None)
+            if req.table is not None:
+                req.table.release(self.pools.blocks)
+                req.table = None
+            if req.slot is not None:
+                self.pools.free_slot(req.slot)
+                req.slot = None
+            self._running = deque(r for r in self._running if r is not req)
+            self.timeline.record(Mark.RELEASED, rid)
+            if req.failed_at is not None:
+                self.rmetrics.release_latency.observe(time.monotonic() - req.failed_at)
+            self._admit_waiting()
+        if req.outcome is None:
+            return
+        self._requests.pop(rid, None)
+        self._by_session.pop(req.sid, None)
+        if req.outcome is SessionState.SUCCESS and req.failed_at is None:
+            times = request_times(self.timeline.events(rid))
+            self.rmetrics.overlap.observe(times.overlap_ratio)
+            if req.prefill_end is not None and req.finished_at is not None:
+                self.rmetrics.tail.observe(max(0.0, req.finished_at - req.prefill_end))

@@ -1,0 +1,131 @@
+"""The plug-in points of the PD workers: what computes KV (prefill) and what consumes it (decode).
+
+Theory of operation
+-------------------
+A prefill worker owns a paged KV pool; a :class:`KVProducer` fills it. The worker admits a
+request into a block table, then calls :meth:`KVProducer.produce` once per chunked-prefill step
+with a :class:`ProduceStep`: compute the KV of tokens ``[start, end)`` into the pool tensor at
+the request's blocks; KV of ``[0, start)`` is already there (earlier steps). The last step also
+returns the first sampled token (and fills the request's whole-only state slot, if the
+producer declares a state pool). Between two calls the worker plans and submits the slice the
+step produced, so the transfer of step *k* overlaps the compute of step *k + 1*.
+
+A decode worker receives the KV into its own pool (other block size, TP head range or memory
+order are fine: the transfer planner reconciles them) and hands the request to a
+:class:`KVDecoder` once the session committed: the decoder continues generation from the
+received KV and the first token (a real model), or proves the bytes are right (the synthetic
+one). Both sides describe their pools with the same three methods (:class:`KVModel`), so a
+model is plugged in by implementing them; the tiny Llama/DeepSeek models of ``kvplane.models``
+fit the same shape (``kv_layout`` / ``forward_step`` over a ``PagedKVCache``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from kvplane.blocks import BlockPool, BlockTable
+from kvplane.ids import RequestId, TokenRange
+from kvplane.layout import KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class PoolTensor:
+    """A pool tensor with its layout (``layout.check_pool(tensor)`` holds); views, not copies."""
+
+    layout: KVLayout
+    tensor: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.layout.check_pool(self.tensor)
+
+
+@dataclass(frozen=True, slots=True)
+class ProduceStep:
+    """One prefill step of one request.
+
+    ``token_ids``: int64 ``[N]`` read-only, the whole prompt. ``block_ids``: the request's blocks
+    in the prefill pool, holding positions ``[0, N)``. ``tokens``: the positions this step
+    computes. ``state_slot``: the request's slot in the state pool (None without one).
+    """
+
+    request_id: RequestId
+    token_ids: np.ndarray
+    block_ids: tuple[int, ...]
+    tokens: TokenRange
+    is_last: bool
+    state_slot: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What a step returns: the first sampled token, exactly on the last step."""
+
+    first_token: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeJob:
+    """A request whose KV has arrived: ``table`` (ADMITTED in ``pool``) holds the prompt's
+    blocks; ``received`` is the range that moved (``[0, received.start)`` came from the decode
+    pool's prefix cache). The decoder may grow ``table`` through ``pool`` (decode tokens); the
+    worker releases the table afterwards."""
+
+    request_id: RequestId
+    token_ids: np.ndarray
+    table: BlockTable
+    pool: BlockPool
+    first_token: int
+    max_new_tokens: int
+    received: TokenRange
+    state_slot: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeOutput:
+    """Generated tokens (starting with the first token) and, for a verifying decoder, how many
+    KV elements / state bytes / token values differed from what the producer made (else None)."""
+
+    tokens: tuple[int, ...]
+    mismatches: int | None = None
+
+
+@runtime_checkable
+class KVModel(Protocol):
+    """How a model's KV is laid out; both sides of a PD pair must agree (handshake)."""
+
+    @property
+    def model_id(self) -> str: ...
+
+    def kv_layout(
+        self, num_blocks: int, block_size: int, head_range: tuple[int, int] | None = None
+    ) -> KVLayout:
+        """The paged pool of ``num_blocks`` blocks (the rank's TP ``head_range``, default all)."""
+        ...
+
+    def state_layout(self, num_slots: int) -> KVLayout | None:
+        """The whole-only per-request state pool (recurrent state), or None."""
+        ...
+
+
+@runtime_checkable
+class KVProducer(KVModel, Protocol):
+    """Computes KV step by step into the prefill pool (see the module docstring)."""
+
+    def produce(self, step: ProduceStep, kv: PoolTensor, state: PoolTensor | None) -> StepOutput:
+        """Write the KV of ``step.tokens`` into ``kv`` (a pool of :meth:`kv_layout`) at
+        ``step.block_ids``; on the last step fill ``state`` at ``step.state_slot`` and return the
+        first token. Mutates only those slots."""
+        ...
+
+
+@runtime_checkable
+class KVDecoder(KVModel, Protocol):
+    """Continues a request from received KV (see the module docstring)."""
+
+    def decode(self, job: DecodeJob, kv: PoolTensor, state: PoolTensor | None) -> DecodeOutput:
+        """Generate up to ``job.max_new_tokens`` tokens starting with ``job.first_token``."""
+        ...

@@ -1,0 +1,239 @@
+"""Request/reply over zmq for the runtime's control messages (127.0.0.1 unless told otherwise).
+
+Theory of operation
+-------------------
+An :class:`RpcServer` binds one ROUTER; a :class:`RpcClient` connects one DEALER. Each side runs
+one loop thread that alone touches its socket; other threads hand it frames through a queue
+and an inproc wake-up socket. Every frame is one :class:`~kvplane.runtime.messages.Envelope`
+(version, call id, message), msgpack-encoded and at most ``max_frame`` bytes; a frame that is
+oversized, undecodable or of another version is dropped and counted (answered with an
+``ErrorReply`` when its call id is readable) and the loop keeps serving.
+
+The server calls ``handler(message, reply)`` on its loop thread; the handler must not block: it
+answers at once or keeps ``reply`` and calls it later from any thread (a decode order is
+answered when the request ends). A handler that raises a ``KVPlaneError`` is answered with an
+``ErrorReply`` naming it. The client matches replies to futures by call id; :meth:`RpcClient.call`
+waits with a timeout (``TransferTimeoutError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import msgspec
+import zmq
+
+from kvplane.errors import InvalidArgumentError, KVPlaneError, TransferTimeoutError
+from kvplane.runtime.messages import RUNTIME_VERSION, AnyMessage, Envelope, ErrorReply
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_FRAME = 64 << 20
+Reply = Callable[[AnyMessage], None]
+Handler = Callable[[AnyMessage, Reply], None]
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+def encode(call_id: int, body: AnyMessage) -> bytes:
+    return _encoder.encode(Envelope(version=RUNTIME_VERSION, call_id=call_id, body=body))
+
+
+class _Loop:
+    """One socket, one loop thread, a queue of outgoing multipart frames and a wake-up socket."""
+
+    def __init__(self, kind: int, name: str, max_frame: int) -> None:
+        if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame <= 0:
+            raise InvalidArgumentError(f"max_frame must be a positive int, got {max_frame!r}")
+        self.max_frame = max_frame
+        self.counters: Counter[str] = Counter()
+        self._ctx = zmq.Context()
+        self.sock: zmq.Socket[bytes] = self._ctx.socket(kind)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame + 4096)
+        wake = f"inproc://rpc-wake-{id(self)}"
+        self._pull: zmq.Socket[bytes] = self._ctx.socket(zmq.PULL)
+        self._pull.bind(wake)
+        self._push: zmq.Socket[bytes] = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(wake)
+        self._push_lock = threading.Lock()
+        self._out: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._closed = False
+
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def _send_later(self, parts: list[bytes]) -> None:
+        self._out.put(parts)
+        with self._push_lock, contextlib.suppress(zmq.ZMQError):
+            self._push.send(b"", zmq.NOBLOCK)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                ready = dict(poller.poll(50))
+                if self._pull in ready:
+                    with contextlib.suppress(zmq.Again):
+                        while True:
+                            self._pull.recv(zmq.NOBLOCK)
+                while not self._out.empty():
+                    self.sock.send_multipart(self._out.get_nowait())
+                if self.sock in ready:
+                    with contextlib.suppress(zmq.Again):
+                        for _ in range(64):
+                            self._on_frames(self.sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                self.counters["socket_errors"] += 1
+                log.exception("rpc loop socket error (the loop keeps serving)")
+            except Exception:
+                self.counters["loop_errors"] += 1
+                log.exception("rpc loop error (the loop keeps serving)")
+        with contextlib.suppress(zmq.ZMQError):  # closing: hand over the last replies
+            while not self._out.empty():
+                self.sock.send_multipart(self._out.get_nowait(), zmq.NOBLOCK)
+
+    def _on_frames(self, parts: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def _decode(self, payload: bytes) -> Envelope | None:
+        if len(payload) > self.max_frame:
+            self.counters["dropped_oversized"] += 1
+            return None
+        try:
+            env = _decoder.decode(payload)
+        except msgspec.DecodeError:
+            self.counters["dropped_malformed"] += 1
+            return None
+        if env.version != RUNTIME_VERSION:
+            self.counters["dropped_version"] += 1
+            return None
+        return env
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        with self._push_lock:
+            self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self.sock.close(linger=500)  # bounded: replies already queued may still leave
+        self._ctx.term()
+
+
+class RpcServer(_Loop):
+    """Serves one handler on a ROUTER bound at ``bind`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        bind: str,
+        handler: Handler,
+        *,
+        name: str = "kvplane-rpc",
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        super().__init__(zmq.ROUTER, name, max_frame)
+        self._handler = handler
+        self.sock.bind(bind)
+        self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _on_frames(self, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            self.counters["dropped_bad_parts"] += 1
+            return
+        identity, payload = parts
+        env = self._decode(payload)
+        if env is None:
+            return
+        self.counters["calls"] += 1
+
+        def reply(msg: AnyMessage, call_id: int = env.call_id) -> None:
+            self._send_later([identity, encode(call_id, msg)])
+
+        try:
+            self._handler(env.body, reply)
+        except KVPlaneError as exc:
+            self.counters["handler_errors"] += 1
+            reply(ErrorReply(reason=str(exc)[:4000]))
+
+
+class RpcClient(_Loop):
+    """Calls a server at ``address``; thread-safe (any thread may call)."""
+
+    def __init__(
+        self, address: str, *, timeout_s: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> None:
+        super().__init__(zmq.DEALER, "kvplane-rpc-client", max_frame)
+        self.address = address
+        self.timeout_s = timeout_s
+        self.sock.connect(address)
+        self._ids = itertools.count(1)
+        self._futures: dict[int, Future[AnyMessage]] = {}
+        self._lock = threading.Lock()
+        self.start()
+
+    def call_async(self, msg: AnyMessage) -> Future[AnyMessage]:
+        """Send ``msg``; its reply resolves the future (never, if the server is gone)."""
+        return self._start(msg)[1]
+
+    def _start(self, msg: AnyMessage) -> tuple[int, Future[AnyMessage]]:
+        fut: Future[AnyMessage] = Future()
+        call_id = next(self._ids)
+        with self._lock:
+            self._futures[call_id] = fut
+        self._send_later([encode(call_id, msg)])
+        return call_id, fut
+
+    def forget(self, fut: Future[AnyMessage]) -> None:
+        """Stop waiting for ``fut`` (its late reply is counted and dropped)."""
+        with self._lock:
+            for call_id, known in list(self._futures.items()):
+                if known is fut:
+                    del self._futures[call_id]
+        fut.cancel()
+
+    def call(self, msg: AnyMessage, timeout_s: float | None = None) -> AnyMessage:
+        """Send ``msg`` and wait for its reply (``TransferTimeoutError`` after the timeout)."""
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        call_id, fut = self._start(msg)
+        try:
+            return fut.result(timeout=wait)
+        except FutureTimeout:
+            with self._lock:
+                self._futures.pop(call_id, None)
+            fut.cancel()
+            raise TransferTimeoutError(
+                f"no reply from {self.address} to {type(msg).__name__} within {wait} s"
+            ) from None
+
+    def _on_frames(self, parts: list[bytes]) -> None:
+        if len(parts) != 1:
+            self.counters["dropped_bad_parts"] += 1
+            return
+        env = self._decode(parts[0])
+        if env is None:
+            return
+        with self._lock:
+            fut = self._futures.pop(env.call_id, None)
+        if fut is None:
+            self.counters["late_replies"] += 1
+        elif not fut.cancelled():
+            fut.set_result(env.body)

@@ -1,0 +1,184 @@
+"""``kvplane serve prefill|decode|router``: the PD workers and the router as processes.
+
+Each worker binds its order socket (``--control``) and its PD endpoint (``--pd``) on 127.0.0.1
+unless told otherwise, picks its transport (``--transport``), sizes its pool and serves
+``/metrics`` when ``--metrics-port`` is given. Once listening it prints one JSON line
+(``{"role", "name", "control", "pd", "incarnation"}``) on stdout, so a supervisor (or a test)
+learns the addresses, then serves until SIGTERM/SIGINT or a ``Shutdown`` order. The synthetic
+model is the KV producer; its shape flags (``--layout``, ``--layers``, ...) must agree between a
+prefill and a decode worker (the PD handshake refuses them otherwise), while ``--block-size``
+and ``--head-range`` may differ. A shared secret, if any, is read from ``KVPLANE_SECRET`` (never
+from the command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+
+from kvplane.errors import ConfigError
+from kvplane.pd.timers import Timings
+from kvplane.runtime.chaos import FaultPlan
+from kvplane.runtime.decode_worker import DecodeWorker
+from kvplane.runtime.prefill_worker import PrefillWorker
+from kvplane.runtime.router import Router
+from kvplane.runtime.rpc import RpcServer
+from kvplane.runtime.synthetic_model import SyntheticDecoder, SyntheticProducer, SyntheticSpec
+from kvplane.runtime.worker import Worker
+from kvplane.runtime.worker_config import LOOPBACK, WorkerConfig
+from kvplane.transfer import OpGrouping
+
+NAME = "serve"
+HELP = "Run a PD prefill worker, decode worker or router as a process."
+
+
+def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--name", default=role, help="PD peer id (unique per deployment)")
+    p.add_argument("--control", default=LOOPBACK, help="order socket address (zmq)")
+    p.add_argument("--pd", default=LOOPBACK, help="PD control endpoint address (zmq)")
+    p.add_argument("--transport", default="tcp", help="tcp, shm, ... (see transports)")
+    p.add_argument("--transport-host", default="127.0.0.1", help="tcp transport listen host")
+    p.add_argument("--layout", default="mla", choices=("mla", "gqa"))
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--latent-dim", type=int, default=64)
+    p.add_argument("--rope-dim", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--sliding-window", type=int, default=None)
+    p.add_argument("--state-dim", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="synthetic KV seed")
+    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-slots", type=int, default=64)
+    p.add_argument("--head-range", default=None, help="TP KV-head range START:END")
+    p.add_argument("--step-size", type=int, default=256, help="prefill step (tokens)")
+    p.add_argument("--compute-us-per-token", type=float, default=0.0)
+    p.add_argument("--compute-ms-per-step", type=float, default=0.0)
+    p.add_argument("--slice-timeout", type=float, default=10.0, help="seconds per slice")
+    p.add_argument("--layer-ops", action="store_true", help="one transfer op per layer")
+    p.add_argument("--no-pipeline", action="store_true", help="send KV after prefill ends")
+    p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--deadline", type=float, default=30.0, help="PD session deadline (s)")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="PD heartbeat (s)")
+    p.add_argument("--lease", type=float, default=5.0, help="PD lease (s)")
+    p.add_argument("--drain", type=float, default=5.0, help="PD drain bound (s)")
+    p.add_argument("--in-doubt", type=float, default=1.0, help="IN_DOUBT release deadline (s)")
+    p.add_argument("--retransmit", type=float, default=0.2, help="PD retransmit period (s)")
+    c = p.add_argument_group("chaos (seeded fault injection, for tests)")
+    c.add_argument("--chaos-seed", type=int, default=0)
+    for fault in ("submit-error", "fail", "in-doubt", "delay", "drop", "duplicate", "reorder"):
+        c.add_argument(f"--chaos-{fault}", type=float, default=0.0, help="probability")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="role", metavar="ROLE")
+    for role in ("prefill", "decode"):
+        _worker_flags(sub.add_parser(role, help=f"a {role} worker"), role)
+    r = sub.add_parser("router", help="pair workers and serve Generate requests")
+    r.add_argument("--control", default=LOOPBACK, help="client order socket address (zmq)")
+    r.add_argument("--prefill", action="append", default=[], help="prefill order address")
+    r.add_argument("--decode", action="append", default=[], help="decode order address")
+    r.add_argument("--timeout", type=float, default=30.0, help="per-call timeout (s)")
+
+
+def _head_range(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--head-range must be START:END, got {text!r}") from None
+    return lo, hi
+
+
+def spec_of(args: argparse.Namespace) -> SyntheticSpec:
+    return SyntheticSpec(
+        kind=args.layout, num_layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        latent_dim=args.latent_dim, rope_dim=args.rope_dim, dtype=args.dtype,
+        sliding_window=args.sliding_window, state_dim=args.state_dim, seed=args.seed,
+        compute_s_per_token=args.compute_us_per_token * 1e-6,
+        compute_s_per_step=args.compute_ms_per_step * 1e-3,
+    )  # fmt: skip
+
+
+def config_of(args: argparse.Namespace) -> WorkerConfig:
+    secret = os.environ.get("KVPLANE_SECRET")
+    timings = Timings(
+        deadline_s=args.deadline, retransmit_s=args.retransmit, drain_s=args.drain,
+        in_doubt_s=args.in_doubt, heartbeat_s=args.heartbeat, lease_s=args.lease,
+    )  # fmt: skip
+    return WorkerConfig(
+        name=args.name, control_bind=args.control, pd_bind=args.pd, transport=args.transport,
+        transport_host=args.transport_host, num_blocks=args.num_blocks,
+        block_size=args.block_size, num_slots=args.num_slots,
+        head_range=_head_range(args.head_range), step_size=args.step_size,
+        slice_timeout_s=args.slice_timeout, timings=timings,
+        secret=secret.encode() if secret else None, metrics_port=args.metrics_port,
+        grouping=OpGrouping.LAYER if args.layer_ops else OpGrouping.WHOLE,
+        pipelined=not args.no_pipeline,
+    )  # fmt: skip
+
+
+def faults_of(args: argparse.Namespace) -> FaultPlan | None:
+    plan = FaultPlan(
+        seed=args.chaos_seed, submit_error=args.chaos_submit_error, fail=args.chaos_fail,
+        in_doubt=args.chaos_in_doubt, delay=args.chaos_delay, drop=args.chaos_drop,
+        duplicate=args.chaos_duplicate, reorder=args.chaos_reorder,
+    )  # fmt: skip
+    return plan if plan.transport_faults or plan.frame_faults else None
+
+
+def build_worker(args: argparse.Namespace) -> Worker:
+    spec, config, faults = spec_of(args), config_of(args), faults_of(args)
+    if args.role == "prefill":
+        return PrefillWorker(config, SyntheticProducer(spec), faults=faults)
+    return DecodeWorker(config, SyntheticDecoder(spec), faults=faults)
+
+
+def _wait(stop: threading.Event) -> None:
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop.wait(0.2):
+        pass
+
+
+def _announce(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    role = getattr(args, "role", None)
+    if role is None:
+        print("usage: kvplane serve {prefill,decode,router} [flags]", file=sys.stderr)
+        return 2
+    if role == "router":
+        router = Router(args.prefill, args.decode, timeout_s=args.timeout)
+        server = RpcServer(args.control, router.handle, name="kvplane-router")
+        try:
+            router.connect()
+            server.start()
+            _announce(role="router", name="router", control=server.address, pd="",
+                      incarnation=0)  # fmt: skip
+            _wait(threading.Event())
+        finally:
+            server.close()
+            router.close()
+        return 0
+    worker = build_worker(args)
+    try:
+        worker.start()
+        info = worker.info()
+        _announce(role=role, name=info.peer_id, control=worker.address, pd=info.pd_address,
+                  incarnation=info.incarnation)  # fmt: skip
+        _wait(worker.exit_requested)
+    finally:
+        worker.close()
+    return 0

@@ -1,0 +1,202 @@
+"""Synthetic KV: bytes that are a pure function of (token, position, layer, component, head, dim).
+
+Theory of operation
+-------------------
+Tests and benches need KV whose every byte proves where it came from, so a misplaced, stale or
+missing byte is caught. :class:`SyntheticKV` derives each element's bits as ``row ^ column``: a
+64-bit mix of its token id and sequence position (plus a seed), XOR a 64-bit mix of its *global*
+layer id, component (K/V), *global* head index and element index along DIM — both cut to the
+element's width. Two elements agree only by a chance of 2**-bits each, so a misplaced token,
+layer, head or dim shows up in nearly every element it touches, and the grid costs one XOR
+pass. Because heads and layers are global, a prefill rank and a decode rank with different TP
+head ranges, block sizes or memory orders produce the same bytes for the same logical element,
+and a comparison is exact (bytes are compared as integers, never as floats, so NaN bit
+patterns are harmless).
+
+Writing and reading are vectorised: one mix over a ``[T, L, C, H, D]`` integer grid, one
+``index_put`` into the pool's canonical view, one gather back out. No Python loop per token,
+block or layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvplane.errors import InvalidArgumentError
+from kvplane.ids import TokenRange
+from kvplane.layout import KVLayout
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT_OF_SIZE = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * _M1
+        x = x ^ (x >> np.uint64(27))
+        x = x * _M2
+        out: np.ndarray = x ^ (x >> np.uint64(31))
+        return out
+
+
+def slots_of(block_ids: Sequence[int], block_size: int, tokens: TokenRange) -> np.ndarray:
+    """``(block, offset)`` pairs as int64 ``[2, T]`` for the positions of ``tokens``."""
+    pos = np.arange(tokens.start, tokens.end, dtype=np.int64)
+    table = np.asarray(block_ids, dtype=np.int64)
+    if len(pos) and -(-tokens.end // block_size) > len(table):
+        raise InvalidArgumentError(
+            f"block table of {len(table)} blocks of {block_size} cannot hold tokens {tokens}"
+        )
+    return np.stack([table[pos // block_size], pos % block_size])
+
+
+def _pieces(
+    layout: KVLayout, block_ids: Sequence[int], tokens: TokenRange
+) -> list[tuple[torch.Tensor | int, slice, slice]]:
+    """``tokens`` as at most three pieces: (blocks, token offsets in a block, rows of ``tokens``).
+
+    The whole blocks in the middle are one piece indexed by a block-id tensor; a partial first
+    or last block is a piece indexed by one block id. Vectorised: no loop over blocks.
+    """
+    bs = layout.block_size
+    table = np.asarray(block_ids, dtype=np.int64)
+    if -(-tokens.end // bs) > len(table):
+        raise InvalidArgumentError(
+            f"block table of {len(table)} blocks of {bs} cannot hold tokens {tokens}"
+        )
+    a = min(tokens.end, -(-tokens.start // bs) * bs)
+    b = max(a, (tokens.end // bs) * bs)
+    out: list[tuple[torch.Tensor | int, slice, slice]] = []
+    s0 = tokens.start
+    if tokens.start < a:
+        first = tokens.start % bs
+        out.append((int(table[tokens.start // bs]), slice(first, first + a - s0), slice(0, a - s0)))
+    if a < b:
+        out.append((torch.from_numpy(table[a // bs : b // bs]), slice(0, bs),
+                    slice(a - s0, b - s0)))  # fmt: skip
+    if b < tokens.end:
+        out.append((int(table[b // bs]), slice(0, tokens.end - b), slice(b - s0, tokens.end - s0)))
+    return out
+
+
+class SyntheticKV:
+    """The synthetic value function for pools of one layout family (any block size/order/TP)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise InvalidArgumentError(f"seed must be a non-negative int, got {seed!r}")
+        self.seed = seed
+
+    def values(
+        self, layout: KVLayout, token_ids: np.ndarray, positions: np.ndarray
+    ) -> torch.Tensor:
+        """Elements ``[T, layers, comps, local_heads, dim]`` of ``layout.dtype`` for the tokens.
+
+        ``token_ids`` and ``positions`` are int64 ``[T]``; heads are the layout's TP range.
+        """
+        tok = np.asarray(token_ids, dtype=np.int64).astype(np.uint64)
+        pos = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+        if tok.shape != pos.shape or tok.ndim != 1:
+            raise InvalidArgumentError(
+                f"token_ids {tok.shape} and positions {pos.shape} must be equal 1-D shapes"
+            )
+        layers = np.asarray(layout.layer_ids, dtype=np.uint64)
+        comps = np.arange(layout.num_components, dtype=np.uint64)
+        heads = np.arange(*layout.head_range, dtype=np.uint64)
+        dims = np.arange(layout.head_dim, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            base = _mix(tok * np.uint64(0x9E3779B97F4A7C15) + np.uint64(self.seed))
+            base = _mix(base ^ (pos * np.uint64(0xD1B54A32D192ED03)))
+            cols = _mix(
+                (layers * np.uint64(0x8CB92BA72F3D8DD7))[:, None, None, None]
+                + (comps * np.uint64(0xF1357AEA2E62A9C5))[None, :, None, None]
+                + (heads * np.uint64(0xAEF17502108EF2D9))[None, None, :, None]
+                + (dims * np.uint64(0x2545F4914F6CDD1D))[None, None, None, :]
+            )
+        size = layout.element_size
+        kind = _NP_INT_OF_SIZE[size]
+        rows = torch.from_numpy(base.view(np.int64).astype(kind) if size < 8 else base.view(kind))
+        grid = torch.from_numpy(
+            (cols.view(np.int64).astype(kind) if size < 8 else cols.view(kind)).reshape(-1)
+        )
+        mixed = torch.bitwise_xor(rows[:, None], grid[None, :])  # one pass, GIL released
+        shape = (len(tok), layout.num_layers, layout.num_components, layout.local_heads,
+                 layout.head_dim)  # fmt: skip
+        return mixed.view(layout.dtype).view(shape)
+
+    def write(
+        self,
+        layout: KVLayout,
+        pool: torch.Tensor,
+        token_ids: np.ndarray,
+        block_ids: Sequence[int],
+        tokens: TokenRange,
+    ) -> None:
+        """Store the synthetic KV of ``tokens`` (``token_ids`` is the whole sequence) into
+        ``pool`` through the request's ``block_ids``. Mutates ``pool`` only at those slots."""
+        if tokens.empty:
+            return
+        vals = self.values(
+            layout,
+            np.asarray(token_ids)[tokens.start : tokens.end],
+            np.arange(tokens.start, tokens.end),
+        )
+        canon = layout.canonical_view(pool)  # [B, L, C, Tb, H, D]
+        for blocks, offs, rows in _pieces(layout, block_ids, tokens):  # at most three pieces
+            part = vals[rows]  # [t, L, C, H, D]
+            if isinstance(blocks, int):
+                canon[blocks, :, :, offs] = part.permute(1, 2, 0, 3, 4)
+            else:
+                nb = len(blocks)
+                blocked = part.reshape(nb, layout.block_size, *part.shape[1:])
+                canon.index_copy_(0, blocks, blocked.permute(0, 2, 3, 1, 4, 5))
+
+    def mismatches(
+        self,
+        layout: KVLayout,
+        pool: torch.Tensor,
+        token_ids: np.ndarray,
+        block_ids: Sequence[int],
+        tokens: TokenRange,
+    ) -> int:
+        """How many elements of ``tokens`` in ``pool`` differ from the synthetic KV (bit-exact)."""
+        if tokens.empty:
+            return 0
+        want = self.values(
+            layout,
+            np.asarray(token_ids)[tokens.start : tokens.end],
+            np.arange(tokens.start, tokens.end),
+        )
+        canon = layout.canonical_view(pool)
+        ints = _INT_OF_SIZE[layout.element_size]
+        bad = 0
+        for blocks, offs, rows in _pieces(layout, block_ids, tokens):
+            if isinstance(blocks, int):
+                got = canon[blocks, :, :, offs].permute(2, 0, 1, 3, 4)
+            else:
+                got = canon.index_select(0, blocks)[:, :, :, offs].permute(0, 3, 1, 2, 4, 5)
+                got = got.reshape(-1, *got.shape[2:])
+            bad += int((got.contiguous().view(ints) != want[rows].view(ints)).sum())
+        return bad
+
+    def state_bytes(self, token_ids: np.ndarray, nbytes: int) -> torch.Tensor:
+        """A whole-only per-request state of ``nbytes`` uint8: a function of every prompt token."""
+        tok = np.asarray(token_ids, dtype=np.int64).astype(np.uint64)
+        pos = np.arange(len(tok), dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            per_token = _mix(tok * np.uint64(0x9E3779B97F4A7C15) + pos * _M1 + np.uint64(self.seed))
+            acc = _mix(np.bitwise_xor.reduce(per_token, initial=np.uint64(len(tok))))
+            idx = np.arange((nbytes + 7) // 8, dtype=np.uint64)
+            words = _mix(idx * np.uint64(0x9E3779B97F4A7C15) + acc)
+        return torch.from_numpy(words.view(np.uint8)[:nbytes].copy())
+
+    def first_token(self, token_ids: np.ndarray, vocab_size: int) -> int:
+        """The synthetic 'sampled' first token: a function of the whole prompt."""
+        return int(self.state_bytes(token_ids, 8).view(torch.int64).item() % vocab_size)

@@ -1,0 +1,186 @@
+"""The runtime timeline: what happened when, per request, as plain data — and what it implies.
+
+Theory of operation
+-------------------
+Workers record :class:`TimelineEvent` s (step start/end, slice submit/done/fail, session end,
+memory release, decode ready) with ``time.monotonic()`` stamps — one system-wide clock on a
+host, so the prefill and decode processes' timelines merge. Events are plain frozen values
+(``as_dict`` gives JSON-ready dicts) that a report can turn into a Chrome/Perfetto trace; the
+:class:`Timeline` keeps the latest ``capacity`` of them (bounded, thread-safe).
+
+:func:`request_times` reads one request's events and derives the seed's metrics
+(ARCHITECTURE.md §4): the *overlap ratio* (transfer time hidden under the request's prefill
+compute / total transfer time, both measured on the union of the slice transfer intervals), and
+the *exposed tail* (last prefill step end → decode ready, when the decode side's events are in).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from kvplane.errors import InvalidArgumentError
+from kvplane.metrics import overlap_ratio
+
+
+class Mark(enum.Enum):
+    """Kinds of timeline events."""
+
+    ORDER = "order"
+    STEP_START = "step_start"
+    STEP_END = "step_end"
+    SLICE_SUBMIT = "slice_submit"
+    SLICE_DONE = "slice_done"
+    SLICE_FAILED = "slice_failed"
+    SESSION_END = "session_end"
+    RELEASED = "released"
+    DECODE_READY = "decode_ready"
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineEvent:
+    """One event: monotonic time ``t`` (s), the worker, the kind, the request and detail."""
+
+    t: float
+    worker: str
+    mark: str
+    request_id: str
+    slice_id: int = -1
+    nbytes: int = 0
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class Timeline:
+    """A bounded, thread-safe log of :class:`TimelineEvent` s of one worker, indexed by request
+    (the events of the latest ``max_requests`` requests are kept)."""
+
+    def __init__(self, worker: str, max_requests: int = 20_000) -> None:
+        if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests <= 0:
+            raise InvalidArgumentError(f"max_requests must be a positive int, got {max_requests!r}")
+        self.worker = worker
+        self._max = max_requests
+        self._requests: OrderedDict[str, list[TimelineEvent]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def record(
+        self,
+        mark: Mark,
+        request_id: str,
+        *,
+        slice_id: int = -1,
+        nbytes: int = 0,
+        detail: str = "",
+        t: float | None = None,
+    ) -> TimelineEvent:
+        ev = TimelineEvent(
+            time.monotonic() if t is None else t,
+            self.worker,
+            mark.value,
+            request_id,
+            slice_id,
+            nbytes,
+            detail,
+        )
+        with self._lock:
+            evs = self._requests.get(request_id)
+            if evs is None:
+                evs = self._requests[request_id] = []
+                if len(self._requests) > self._max:
+                    self._requests.popitem(last=False)
+            evs.append(ev)
+        return ev
+
+    def events(self, request_id: str | None = None) -> list[TimelineEvent]:
+        """One request's events in record order, or every kept event in time order."""
+        with self._lock:
+            if request_id is not None:
+                return list(self._requests.get(request_id, ()))
+            out = [e for evs in self._requests.values() for e in evs]
+        return sorted(out, key=lambda e: e.t)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(map(len, self._requests.values()))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """One request's derived times (seconds); ``None`` where the events are missing."""
+
+    compute_s: float
+    transfer_s: float
+    hidden_s: float
+    overlap_ratio: float
+    prefill_end: float | None
+    decode_ready: float | None
+    exposed_tail_s: float | None
+    slice_transfer_s: tuple[float, ...]
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _measure(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    total = 0.0
+    for a, b in xs:
+        for c, d in ys:
+            total += max(0.0, min(b, d) - max(a, c))
+    return total
+
+
+def request_times(events: Iterable[TimelineEvent]) -> RequestTimes:
+    """Derive :class:`RequestTimes` from one request's events (either or both workers)."""
+    evs = sorted(events, key=lambda e: e.t)
+    starts: dict[int, float] = {}
+    compute: list[tuple[float, float]] = []
+    transfers: list[tuple[float, float]] = []
+    step_start: float | None = None
+    prefill_end = decode_ready = None
+    for e in evs:
+        if e.mark == Mark.STEP_START.value:
+            step_start = e.t
+        elif e.mark == Mark.STEP_END.value and step_start is not None:
+            compute.append((step_start, e.t))
+            prefill_end = e.t
+            step_start = None
+        elif e.mark == Mark.SLICE_SUBMIT.value:
+            starts[e.slice_id] = e.t
+        elif e.mark in (Mark.SLICE_DONE.value, Mark.SLICE_FAILED.value) and e.slice_id in starts:
+            transfers.append((starts.pop(e.slice_id), e.t))
+        elif e.mark == Mark.DECODE_READY.value:
+            decode_ready = e.t
+    busy = _union(transfers)
+    comp = _union(compute)
+    total = _measure(busy)
+    hidden = min(total, _intersect(busy, comp))
+    tail = None
+    if prefill_end is not None and decode_ready is not None:
+        tail = max(0.0, decode_ready - prefill_end)
+    return RequestTimes(
+        compute_s=_measure(comp),
+        transfer_s=total,
+        hidden_s=hidden,
+        overlap_ratio=overlap_ratio(hidden, total),
+        prefill_end=prefill_end,
+        decode_ready=decode_ready,
+        exposed_tail_s=tail,
+        slice_transfer_s=tuple(b - a for a, b in transfers),
+    )

@@ -1,0 +1,76 @@
+"""The seeded fault injectors: a transport never reports bytes it did not move."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvplane.errors import ConfigError, TransportError
+from kvplane.runtime.chaos import FaultPlan, FaultyTransport
+from kvplane.transports.base import DescriptorList, Poll, XferKind, XferState
+from kvplane.transports.local import LocalFabric, LocalTransport
+
+
+def _pair(
+    plan: FaultPlan,
+) -> tuple[FaultyTransport, LocalTransport, DescriptorList, DescriptorList]:
+    fabric = LocalFabric()
+    a, b = LocalTransport(fabric=fabric, agent="a"), LocalTransport(fabric=fabric, agent="b")
+    src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    ra, rb = a.register(src), b.register(dst)
+    faulty = FaultyTransport(a, plan)
+    return (
+        faulty,
+        b,
+        DescriptorList.of([(ra.region_id, 0, 64)]),
+        DescriptorList.of([(rb.region_id, 0, 64)]),
+    )
+
+
+def _wait(t: FaultyTransport, h: object) -> Poll:
+    end = time.monotonic() + 5
+    while True:
+        got = t.poll(h)  # type: ignore[arg-type]
+        if got.state.terminal or time.monotonic() > end:
+            return got
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize(
+    ("fate", "state"), [("fail", XferState.FAILED), ("in_doubt", XferState.IN_DOUBT)]
+)
+def test_injected_outcomes_come_after_the_real_batch(fate: str, state: XferState) -> None:
+    t, b, s, d = _pair(FaultPlan(**{fate: 1.0}))
+    peer = t.connect(b.metadata())
+    h = t.submit(XferKind.WRITE, s, d, peer)
+    got = _wait(t, h)
+    assert got.state is state and "injected" in got.reason
+    assert t.inner.poll(h).state is XferState.DONE  # the bytes did land; we only lie late
+    assert t.injected == {fate: 1}
+    t.close()
+    b.close()
+
+
+def test_submit_errors_and_delays() -> None:
+    t, b, s, d = _pair(FaultPlan(submit_error=1.0))
+    peer = t.connect(b.metadata())
+    with pytest.raises(TransportError, match="injected"):
+        t.submit(XferKind.WRITE, s, d, peer)
+    t.close()
+    t, b, s, d = _pair(FaultPlan(delay=1.0, delay_s=0.05))
+    peer = t.connect(b.metadata())
+    start = time.monotonic()
+    assert _wait(t, t.submit(XferKind.WRITE, s, d, peer)).state is XferState.DONE
+    assert time.monotonic() - start >= 0.05
+    t.close()
+    b.close()
+
+
+def test_plan_validation() -> None:
+    with pytest.raises(ConfigError, match="drop"):
+        FaultPlan(drop=1.5)
+    with pytest.raises(ConfigError, match="delay_s"):
+        FaultPlan(delay_s=-1)
+    assert FaultPlan(fail=0.1).transport_faults and not FaultPlan(fail=0.1).frame_faults

@@ -1,0 +1,163 @@
+"""End to end in one process (real sockets, real transports, worker threads): byte-exact KV.
+
+Every request's decode-side KV is checked element by element against the synthetic producer
+(the decoder returns the number of differing elements, state bytes and token values), and every
+test ends with both workers' pools empty and every pool and ledger consistent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from pd_testlib import GQA, MLA, Cluster, check_balanced, cluster, prompt
+
+from kvplane.runtime.synthetic_model import SyntheticSpec
+from kvplane.transfer import OpGrouping
+
+
+@pytest.fixture
+def mla() -> Iterator[Cluster]:
+    c = cluster(MLA, decode={"block_size": 8})
+    yield c
+    c.close()
+
+
+def test_mla_byte_exact_with_different_block_sizes_and_unaligned_ends(mla: Cluster) -> None:
+    rng = np.random.default_rng(1)
+    for i, n in enumerate([1, 7, 16, 31, 32, 33, 95, 200]):
+        res = mla.router.generate(f"r{i}", prompt(rng, n))
+        assert (res.state, res.mismatches, res.num_tokens, res.prefix_tokens) == (
+            "success",
+            0,
+            n,
+            0,
+        )
+        assert len(res.tokens) == 1
+    stats = check_balanced(mla.router)
+    assert stats["prefill"].counters["session_finished_sender_success"] == 8
+    assert stats["decode"].counters["session_finished_receiver_success"] == 8
+
+
+def test_first_token_arrives_with_the_final_slice(mla: Cluster) -> None:
+    tokens = list(range(40))
+    res = mla.router.generate("t", tokens)
+    expected = mla.prefill.producer.kv.first_token(np.array(tokens), MLA.vocab_size)
+    assert res.tokens == (expected,)
+    check_balanced(mla.router)
+
+
+def test_prefix_reuse_moves_only_the_rest(mla: Cluster) -> None:
+    base = list(range(1000, 1100))
+    first = mla.router.generate("a", base)
+    assert (first.state, first.prefix_tokens, first.mismatches) == ("success", 0, 0)
+    moved_before = mla.prefill.metrics.value("pd_bytes_moved", suffix="_total")
+    second = mla.router.generate("b", [*base, 7, 8, 9])
+    # decode blocks of 8: 96 tokens cached (the capped admission keeps the last token out)
+    assert (second.state, second.prefix_tokens, second.mismatches) == ("success", 96, 0)
+    moved = mla.prefill.metrics.value("pd_bytes_moved", suffix="_total") - moved_before
+    layout = mla.decode.pools.kv.layout
+    per_token = layout.num_layers * layout.bytes_per_token_per_layer
+    assert moved == (103 - 96) * per_token + 16  # the rest of the KV + the 16-byte tail
+    check_balanced(mla.router)
+
+
+def test_slices_inside_the_receivers_prefix_are_skipped_not_sent() -> None:
+    c = cluster(MLA, prefill={"step_size": 16})
+    try:
+        res = c.router.generate("e", list(range(64)), step_size=16)
+        assert (res.state, res.mismatches) == ("success", 0)
+        assert c.prefill.metrics.value("pd_slices", {"result": "done"}, "_total") == 4
+        again = c.router.generate("f", list(range(64)), step_size=16)
+        assert (again.state, again.prefix_tokens, again.mismatches) == ("success", 48, 0)
+        assert c.prefill.metrics.value("pd_slices", {"result": "skipped"}, "_total") == 3
+        assert c.prefill.metrics.value("pd_slices", {"result": "done"}, "_total") == 5
+        check_balanced(c.router)
+    finally:
+        c.close()
+
+
+def test_gqa_with_tp_head_ranges_and_layer_ops() -> None:
+    c = cluster(
+        GQA,
+        prefill={"grouping": OpGrouping.LAYER, "block_size": 4},
+        decode={"head_range": (1, 3), "block_size": 16},
+    )
+    try:
+        rng = np.random.default_rng(2)
+        for i, n in enumerate([5, 64, 77]):
+            res = c.router.generate(f"g{i}", prompt(rng, n))
+            assert (res.state, res.mismatches) == ("success", 0)
+        check_balanced(c.router)
+    finally:
+        c.close()
+
+
+def test_sliding_window_moves_only_the_final_window() -> None:
+    spec = SyntheticSpec(kind="gqa", num_layers=2, kv_heads=2, head_dim=8, sliding_window=20)
+    c = cluster(spec)
+    try:
+        res = c.router.generate("w", list(range(100)))
+        assert (res.state, res.mismatches) == ("success", 0)
+        layout = c.decode.pools.kv.layout
+        per_token = layout.num_layers * layout.bytes_per_token_per_layer
+        assert c.prefill.metrics.value("pd_bytes_moved", suffix="_total") == 20 * per_token + 16
+        check_balanced(c.router)
+    finally:
+        c.close()
+
+
+def test_whole_only_state_travels_in_the_final_slice() -> None:
+    spec = SyntheticSpec(kind="mla", num_layers=2, latent_dim=16, rope_dim=8, state_dim=24)
+    c = cluster(spec)
+    try:
+        res = c.router.generate("s", list(range(50)))
+        assert (res.state, res.mismatches) == ("success", 0)
+        assert c.prefill.metrics.value("pd_bytes_moved", suffix="_total") == (
+            50 * 2 * 24 * 2 + 2 * 24 + 16
+        )
+        check_balanced(c.router)
+    finally:
+        c.close()
+
+
+def test_many_concurrent_requests_and_metrics(mla: Cluster) -> None:
+    rng = np.random.default_rng(3)
+    futs = [
+        mla.router.submit(
+            f"c{i}", prompt(rng, int(rng.integers(1, 150))), step_size=int(rng.integers(1, 64))
+        )
+        for i in range(24)
+    ]
+    results = [f.result(timeout=30) for f in futs]
+    assert all((r.state, r.mismatches) == ("success", 0) for r in results)
+    check_balanced(mla.router)
+    text = mla.prefill.metrics.render().decode()
+    for name in (
+        "kvplane_pd_overlap_ratio",
+        "kvplane_pd_slice_transfer_seconds",
+        "kvplane_pd_blocks_per_op",
+        "kvplane_pd_transfer_amplification",
+        "kvplane_block_pool_usage",
+        "kvplane_pd_requests_total",
+    ):
+        assert name in text
+    assert (
+        mla.prefill.metrics.value("pd_requests", {"role": "prefill", "state": "success"}, "_total")
+        == 24
+    )
+
+
+def test_shm_transport_when_available() -> None:
+    from kvplane.transports.registry import available
+
+    if available().get("shm") is not None:
+        pytest.skip("shm transport unavailable here")
+    c = cluster(MLA, transport="shm")
+    try:
+        res = c.router.generate("m", list(range(70)))
+        assert (res.state, res.mismatches) == ("success", 0)
+        check_balanced(c.router)
+    finally:
+        c.close()
