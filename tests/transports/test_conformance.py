@@ -298,6 +298,10 @@ def test_peer_killed_mid_transfer_fails_within_deadline(name, kit):
         assert time.monotonic() - start < 10.0
         _settle(t)
         t.deregister(mine)
+        # the link's threads exit on their own after the EOF; give them a bounded moment
+        end = time.monotonic() + 5.0
+        while [n for n in kit.kv_threads() if f"->{peer.peer_id}" in n] and time.monotonic() < end:
+            time.sleep(0.01)
         assert not [n for n in kit.kv_threads() if f"->{peer.peer_id}" in n]
     finally:
         far.close()
