@@ -83,15 +83,15 @@ class DiskTier:
         self.payload_span = round_up(chunk_bytes)
         self.slot_stride = self.payload_span + ALIGN
         self._counters = TierCounters(metrics, name)
-        self._fd = -1
-        self._direct_fd = -1
+        self._fd: int | None = None  # None: closed
+        self._direct_fd: int | None = None  # None: no O_DIRECT descriptor
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(self._fd)
-                self._fd = -1
+                self._fd = None
                 raise OffloadError(
                     f"disk tier {str(self.path)!r} is in use by another process"
                 ) from None
@@ -105,7 +105,7 @@ class DiskTier:
         except OSError as exc:
             self.close()
             raise OffloadError(f"disk tier {str(self.path)!r} cannot be opened: {exc}") from exc
-        self.direct = self._direct_fd >= 0
+        self.direct = self._direct_fd is not None
         self._bounce = mmap.mmap(-1, self.payload_span)  # page aligned, for unaligned buffers
         self._header = mmap.mmap(-1, ALIGN)
         self._pad = mmap.mmap(-1, ALIGN)  # zeros written over the padding of a buffered slot
@@ -113,9 +113,11 @@ class DiskTier:
 
     # -- helpers ----------------------------------------------------------------------------------
     def _io_fd(self) -> int:
-        if self._fd < 0:
+        if self._fd is None:
             raise OffloadError(f"disk tier {str(self.path)!r} is closed")
-        return self._direct_fd if self.direct else self._fd
+        if self._direct_fd is not None:
+            return self._direct_fd
+        return self._fd
 
     def _direct_ok(self, t: torch.Tensor) -> bool:
         """A buffer direct I/O may use as is: aligned, and no padding to overreach into."""
@@ -281,7 +283,7 @@ class DiskTier:
 
     def _close(self) -> None:
         for attr in ("_direct_fd", "_fd"):
-            fd = getattr(self, attr, -1)
-            if fd >= 0:
+            fd = getattr(self, attr, None)
+            if fd is not None:
                 os.close(fd)
-                setattr(self, attr, -1)
+                setattr(self, attr, None)
