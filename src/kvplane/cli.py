@@ -13,11 +13,11 @@ from types import ModuleType
 
 from kvplane import __version__
 from kvplane.errors import KVPlaneError
-from kvplane.runtime import bench, demo, generate, serve
+from kvplane.runtime import bench, demo, generate, report, serve
 
 
 def _commands() -> list[ModuleType]:
-    return [demo, bench, generate, serve]
+    return [demo, bench, generate, serve, report]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -127,3 +127,8 @@ class UnknownPeerError(TransportError, KeyError):
 # -- integrations (appended) ------------------------------------------------------------------
 class IntegrationError(KVPlaneError):
     """A run of a third-party engine with kvplane inside it (e.g. vLLM) failed."""
+
+
+# -- runtime (appended) -----------------------------------------------------------------------
+class WorkerDiedError(KVPlaneError):
+    """A worker process exited while the runtime (e.g. ``kvplane demo``) still needed it."""

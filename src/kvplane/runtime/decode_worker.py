@@ -27,6 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from kvplane.blocks import BlockTable
@@ -45,7 +46,10 @@ from kvplane.runtime.messages import (
     ErrorReply,
     PairWith,
     RequestResult,
+    WorkerStats,
 )
+from kvplane.runtime.model_adapter import PromptChecker
+from kvplane.runtime.prefill_worker import report_counters
 from kvplane.runtime.producer import DecodeJob, KVDecoder
 from kvplane.runtime.rpc import Reply
 from kvplane.runtime.timeline import Mark
@@ -128,7 +132,13 @@ class DecodeWorker(Worker):
         rid = RequestId(order.request_id)
         if rid in self._requests:
             raise InvalidArgumentError(f"request {rid!r} is already on this worker")
-        need = -(-len(order.token_ids) // self.config.block_size)
+        n, bs = len(order.token_ids), self.config.block_size
+        need = -(-n // bs)
+        if isinstance(self.decoder, PromptChecker):
+            self.decoder.check_prompt(
+                np.asarray(order.token_ids, dtype=np.int64), order.max_new_tokens
+            )
+            need = -(-(n + max(order.max_new_tokens - 1, 0)) // bs)
         if need > self.config.num_blocks:
             raise ConfigError(
                 f"request {rid!r} needs {need} blocks; the pool has {self.config.num_blocks}"
@@ -251,7 +261,14 @@ class DecodeWorker(Worker):
             TokenRange(req.prefix_tokens, n),
             req.slot,
         )
-        out = self.decoder.decode(job, self.pools.kv, self.pools.state)
+        try:
+            out = self.decoder.decode(job, self.pools.kv, self.pools.state)
+        except KVPlaneError as exc:  # the request fails; the worker and its memory do not
+            self.counters["decode_errors"] += 1
+            self._answer(req, self._result(req, SessionState.FAILED, f"decode failed: {exc}"))
+            self._release(req)
+            return
+        self.timeline.record(Mark.DECODE_DONE, rid, detail=str(len(out.tokens)))
         mismatches = out.mismatches
         if mismatches is not None and length != n:
             mismatches += 1
@@ -299,3 +316,9 @@ class DecodeWorker(Worker):
         if req.replied and req.table is None and req.outcome is not None:
             self._requests.pop(RequestId(req.order.request_id), None)
             self._by_session.pop(req.sid, None)
+
+    def stats(self, *, timeline: bool = False) -> WorkerStats:
+        """The base stats plus the model's attention plans and fallbacks."""
+        base = super().stats(timeline=timeline)
+        extra = report_counters(self.metrics, self.decoder)
+        return msgspec.structs.replace(base, counters={**base.counters, **extra})

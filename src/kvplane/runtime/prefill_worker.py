@@ -13,6 +13,13 @@ session; the session's ``StartSubmit`` reaches the :class:`SliceDriver`, which m
 while the loop computes the next step. The last step writes the tail record (first token)
 before the final slice is submitted.
 
+Prefix offload (optional, :class:`~kvplane.runtime.prefix_offload.PrefixOffload`): at admission
+the prompt's chunk keys are looked up in the tier cascade and the leading hits are loaded into
+the request's own blocks; the request waits (its blocks untouched by anything else) until the
+load ends, then its first "step" is the loaded range ``[0, loaded)`` — no compute, just the
+slice — and real steps compute only the rest. After the last step the prompt's full chunks
+are stored (device blocks fenced until copied) and cascade down to the lower tiers.
+
 Ownership apart from phase: compute ends long before the bytes are read, and a session can end
 (abort from either side, peer loss) while slices are in flight. The request's blocks are freed
 only when the session has finished *and* the ledger has released every slice the session
@@ -26,10 +33,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from kvplane.blocks import BlockTable
-from kvplane.errors import ConfigError, InvalidArgumentError, ProtocolError
+from kvplane.errors import ConfigError, InvalidArgumentError, KVPlaneError, ProtocolError
 from kvplane.ids import PeerId, RegionId, RequestId, SessionId, TokenRange
 from kvplane.metrics import MetricsRegistry
 from kvplane.pd.actions import Action, Finished, Release, StartSubmit
@@ -37,7 +45,10 @@ from kvplane.pd.events import Cancel, SubmitSlice
 from kvplane.pd.states import Role, SessionState
 from kvplane.runtime.chaos import FaultPlan
 from kvplane.runtime.driver import SliceDriver, SliceSource
-from kvplane.runtime.messages import Ack, AnyMessage, CancelOrder, PrefillOrder
+from kvplane.runtime.messages import Ack, AnyMessage, CancelOrder, PrefillOrder, WorkerStats
+from kvplane.runtime.model_adapter import ModelKV, PromptChecker, kv_fingerprint
+from kvplane.runtime.prefix_offload import Finished as OffloadFinished
+from kvplane.runtime.prefix_offload import PrefixOffload, PrefixSettings, StoreFinished
 from kvplane.runtime.producer import KVProducer, ProduceStep
 from kvplane.runtime.rpc import Reply
 from kvplane.runtime.slicing import LocalPool, SliceCutter, slice_schedule, step_ranges
@@ -65,10 +76,17 @@ class _Prefill:
     failed_at: float | None = None
     finished_at: float | None = None
     prefill_end: float | None = None
+    loading: bool = False
+    loaded: int = 0
 
     @property
     def computing(self) -> bool:
-        return self.table is not None and not self.stopped and self.next_step < len(self.steps)
+        return (
+            self.table is not None
+            and self.cutter is not None
+            and not self.stopped
+            and self.next_step < len(self.steps)
+        )
 
 
 class PrefillWorker(Worker):
@@ -84,9 +102,21 @@ class PrefillWorker(Worker):
         metrics: MetricsRegistry | None = None,
         transport: Transport | None = None,
         faults: FaultPlan | None = None,
+        offload: PrefixSettings | None = None,
     ) -> None:
         super().__init__(config, producer, metrics=metrics, transport=transport, faults=faults)
         self.producer = producer
+        self.offload: PrefixOffload | None = None
+        if offload is not None:
+            kv = self.pools.kv
+            self.offload = PrefixOffload(
+                offload,
+                kv,
+                self.pools.blocks,
+                kv_fingerprint(producer.model_id, kv.layout),
+                hash_seed=config.hash_seed,
+                metrics=self.metrics,
+            )
         self._requests: dict[RequestId, _Prefill] = {}
         self._by_session: dict[SessionId, _Prefill] = {}
         self._waiting: deque[_Prefill] = deque()
@@ -111,6 +141,8 @@ class PrefillWorker(Worker):
 
     def _close_parts(self) -> None:
         self.driver.close()
+        if self.offload is not None:
+            self.offload.close()
 
     def _source(self, sid: SessionId) -> SliceSource | None:
         with self._sources_lock:
@@ -144,6 +176,8 @@ class PrefillWorker(Worker):
             raise ConfigError(
                 f"request {rid!r} needs {need} blocks; the pool has {self.config.num_blocks}"
             )
+        if isinstance(self.producer, PromptChecker):
+            self.producer.check_prompt(np.asarray(order.token_ids, dtype=np.int64))
         step = order.step_size or self.config.step_size
         sid, peer = SessionId(order.session_id), PeerId(order.decode_peer)
         if not self.endpoint.open_sender(sid, peer):
@@ -195,19 +229,62 @@ class PrefillWorker(Worker):
                 return
             self._waiting.popleft()
             req.table, req.slot = table, slot
-            align = self._alignment(req.peer)
-            req.cutter = SliceCutter(len(req.tokens), align, pipelined=self.config.pipelined)
-            schedule = slice_schedule(
-                len(req.tokens), req.steps, align, pipelined=self.config.pipelined
+            if self.offload is not None:
+                load = self.offload.begin_load(
+                    RequestId(req.order.request_id), req.tokens, table.block_ids
+                )
+                if load is not None:
+                    req.loading = True
+                    self.timeline.record(
+                        Mark.LOAD_START,
+                        req.order.request_id,
+                        detail=",".join(load.sources),
+                    )
+                    continue
+            self._start(req)
+
+    def _start(self, req: _Prefill) -> None:
+        """Cut, schedule and run an admitted request (its prefix, if any, is loaded)."""
+        table, slot = req.table, req.slot
+        if table is None or slot is None:  # pragma: no cover - admitted requests hold both
+            return
+        n = len(req.tokens)
+        if req.loaded:  # the loaded prefix is "step" 0: no compute, just its slice
+            step = req.order.step_size or self.config.step_size
+            rest = range(req.loaded, n, step)
+            req.steps = [TokenRange(0, req.loaded)]
+            req.steps += [TokenRange(s, min(s + step, n)) for s in rest]
+        align = self._alignment(req.peer)
+        req.cutter = SliceCutter(n, align, pipelined=self.config.pipelined)
+        schedule = slice_schedule(n, req.steps, align, pipelined=self.config.pipelined)
+        pools = [LocalPool(self.pools.kv.layout, self.pools.regions[0], table.block_ids)]
+        pools += [
+            LocalPool(lay, RegionId(r), (slot,))
+            for lay, r in zip(self.pools.layouts[1:], self.pools.regions[1:], strict=True)
+        ]
+        with self._sources_lock:
+            self._sources[req.sid] = SliceSource(req.order.request_id, tuple(pools), schedule)
+        self._running.append(req)
+
+    def _on_offload(self, events: list[OffloadFinished]) -> None:
+        """Loads that ended start their requests (or free them, if stopped meanwhile)."""
+        for ev in events:
+            if isinstance(ev, StoreFinished):
+                if ev.request_id:
+                    self.timeline.record(Mark.STORE_DONE, ev.request_id, detail=str(ev.stored))
+                continue
+            req = self._requests.get(ev.request_id)
+            self.timeline.record(
+                Mark.LOAD_DONE, ev.request_id, nbytes=ev.tokens, detail=f"{ev.chunks} chunks"
             )
-            pools = [LocalPool(self.pools.kv.layout, self.pools.regions[0], table.block_ids)]
-            pools += [
-                LocalPool(lay, RegionId(r), (slot,))
-                for lay, r in zip(self.pools.layouts[1:], self.pools.regions[1:], strict=True)
-            ]
-            with self._sources_lock:
-                self._sources[req.sid] = SliceSource(req.order.request_id, tuple(pools), schedule)
-            self._running.append(req)
+            if req is None or not req.loading:  # pragma: no cover - a loading request stays
+                continue
+            req.loading = False
+            if req.stopped or req.outcome is not None:
+                self._maybe_free(req)
+                continue
+            req.loaded = ev.tokens
+            self._start(req)
 
     def _alignment(self, peer: PeerId) -> int:
         rec = self.endpoint.call(lambda: self.participant.peers.get(peer))
@@ -218,6 +295,10 @@ class PrefillWorker(Worker):
 
     # -- compute ---------------------------------------------------------------------------------
     def _has_work(self) -> bool:
+        if self.offload is not None and self.offload.busy:
+            self._on_offload(self.offload.poll())
+            if self.offload.loading:
+                return True
         return any(r.computing for r in self._running)
 
     def _work(self) -> None:
@@ -227,27 +308,18 @@ class PrefillWorker(Worker):
             if req.computing:
                 self._step(req)
                 return
+        if self.offload is not None and self.offload.loading:  # nothing else to do: wait a bit
+            self._on_offload(self.offload.wait(0.005))
 
     def _step(self, req: _Prefill) -> None:
         if req.table is None or req.cutter is None:  # pragma: no cover - computing checks it
             return
         rng = req.steps[req.next_step]
         is_last = req.next_step == len(req.steps) - 1
-        rid = req.order.request_id
-        self.timeline.record(Mark.STEP_START, rid, slice_id=req.next_step)
-        out = self.producer.produce(
-            ProduceStep(RequestId(rid), req.tokens, req.table.block_ids, rng, is_last, req.slot),
-            self.pools.kv,
-            self.pools.state,
-        )
-        req.next_step += 1
-        if is_last:
-            if out.first_token is None or req.slot is None:
-                raise InvalidArgumentError(f"producer gave no first token for request {rid!r}")
-            self.pools.write_tail(req.slot, out.first_token, len(req.tokens))
-        ev = self.timeline.record(Mark.STEP_END, rid, slice_id=req.next_step - 1)
-        if is_last:
-            req.prefill_end = ev.t
+        if rng.end <= req.loaded:  # the loaded prefix: already in the blocks
+            req.next_step += 1
+        else:
+            self._compute(req, rng, is_last)
         cut = req.cutter.after_step(rng.end, is_last)
         if cut is None:
             return
@@ -263,6 +335,38 @@ class PrefillWorker(Worker):
             if req.failed_at is None:
                 req.failed_at = time.monotonic()
             self.counters["slices_after_session_end"] += 1
+
+    def _compute(self, req: _Prefill, rng: TokenRange, is_last: bool) -> None:
+        """One prefill step through the producer; the last one writes the tail record and
+        stores the prompt's chunks in the offload tiers."""
+        table = req.table
+        if table is None:  # pragma: no cover - computing checks it
+            return
+        rid = req.order.request_id
+        self.timeline.record(Mark.STEP_START, rid, slice_id=req.next_step)
+        try:
+            out = self.producer.produce(
+                ProduceStep(RequestId(rid), req.tokens, table.block_ids, rng, is_last, req.slot),
+                self.pools.kv,
+                self.pools.state,
+            )
+        except KVPlaneError as exc:  # a step that cannot run fails its request, not the worker
+            self.counters["step_errors"] += 1
+            self.timeline.record(Mark.STEP_END, rid, slice_id=req.next_step, detail="failed")
+            self._cancel(RequestId(rid), f"prefill step failed: {exc}"[:4000])
+            return
+        req.next_step += 1
+        if is_last:
+            if out.first_token is None or req.slot is None:
+                raise InvalidArgumentError(f"producer gave no first token for request {rid!r}")
+            self.pools.write_tail(req.slot, out.first_token, len(req.tokens))
+        ev = self.timeline.record(Mark.STEP_END, rid, slice_id=req.next_step - 1)
+        if is_last:
+            req.prefill_end = ev.t
+            if self.offload is not None:
+                chunks = self.offload.store(RequestId(rid), req.tokens, table.block_ids)
+                if chunks:
+                    self.timeline.record(Mark.STORE_START, rid, detail=str(chunks))
 
     # -- protocol actions --------------------------------------------------------------------------
     def _on_pd(self, act: object) -> None:
@@ -295,8 +399,8 @@ class PrefillWorker(Worker):
         request once its session has ended too."""
         if (req.outcome is None and not req.stopped) or req.released < req.admitted:
             return
-        if req in self._waiting:
-            return  # dropped by _admit_waiting
+        if req in self._waiting or req.loading:
+            return  # dropped by _admit_waiting / freed when its load ends
         rid = RequestId(req.order.request_id)
         if req.table is not None or req.slot is not None:
             with self._sources_lock:
@@ -321,3 +425,32 @@ class PrefillWorker(Worker):
             self.rmetrics.overlap.observe(times.overlap_ratio)
             if req.prefill_end is not None and req.finished_at is not None:
                 self.rmetrics.tail.observe(max(0.0, req.finished_at - req.prefill_end))
+
+    # -- observation -------------------------------------------------------------------------------
+    def stats(self, *, timeline: bool = False) -> WorkerStats:
+        """The base stats plus offload hits per tier, transfer amplification inputs, blocks per
+        op and the model's attention plans/fallbacks; offload integrity joins the verdict."""
+        base = super().stats(timeline=timeline)
+        extra = report_counters(self.metrics, self.producer)
+        problem = base.integrity
+        if self.offload is not None:
+            extra.update(self.offload.snapshot())
+            try:
+                self.offload.check_integrity()
+            except KVPlaneError as exc:
+                problem = problem or f"offload: {exc}"[:4000]
+        return msgspec.structs.replace(base, counters={**base.counters, **extra}, integrity=problem)
+
+
+def report_counters(metrics: MetricsRegistry, model: object) -> dict[str, int]:
+    """Integer counters a report derives the seed's metrics from (``WorkerStats.counters``)."""
+    out = {
+        "pd_bytes_moved": int(metrics.value("pd_bytes_moved", suffix="_total")),
+        "pd_logical_bytes": int(metrics.value("pd_logical_bytes", suffix="_total")),
+        "pd_blocks_per_op_sum": int(metrics.value("pd_blocks_per_op", suffix="_sum")),
+        "pd_blocks_per_op_count": int(metrics.value("pd_blocks_per_op", suffix="_count")),
+    }
+    if isinstance(model, ModelKV):
+        plans, fallbacks = model.fallback_counts
+        out.update(attention_plans=plans, attention_fallbacks=fallbacks)
+    return out

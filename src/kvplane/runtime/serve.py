@@ -9,6 +9,12 @@ model is the KV producer; its shape flags (``--layout``, ``--layers``, ...) must
 prefill and a decode worker (the PD handshake refuses them otherwise), while ``--block-size``
 and ``--head-range`` may differ. A shared secret, if any, is read from ``KVPLANE_SECRET`` (never
 from the command line).
+
+``--model tiny-llama|tiny-deepseek|DIR`` serves a real model instead (weights seeded by
+``--seed``, dtype ``--model-dtype``): chunked prefill on the prefill worker, greedy decode of
+the order's ``max_new_tokens`` on the decode worker; both must name the same model and seed.
+A prefill worker offloads prompt prefixes with ``--offload-host-slots N`` (chunks of
+``--blocks-per-chunk`` blocks; ``--offload-disk DIR`` adds a disk tier below the host).
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from kvplane.errors import ConfigError
+from kvplane.offload import OffloadConfig
 from kvplane.pd.timers import Timings
 from kvplane.runtime.chaos import FaultPlan
 from kvplane.runtime.decode_worker import DecodeWorker
+from kvplane.runtime.model_adapter import DTYPES, ModelDecoder, ModelProducer, ModelSpec
 from kvplane.runtime.prefill_worker import PrefillWorker
+from kvplane.runtime.prefix_offload import PrefixSettings
 from kvplane.runtime.router import Router
 from kvplane.runtime.rpc import RpcServer
 from kvplane.runtime.synthetic_model import SyntheticDecoder, SyntheticProducer, SyntheticSpec
@@ -51,7 +61,15 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--sliding-window", type=int, default=None)
     p.add_argument("--state-dim", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0, help="synthetic KV seed")
+    p.add_argument("--seed", type=int, default=0, help="synthetic KV seed / model weights seed")
+    p.add_argument("--model", default=None, help="tiny-llama, tiny-deepseek or an HF directory")
+    p.add_argument("--model-dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--hash-seed", type=int, default=0, help="block hash seed")
+    o = p.add_argument_group("prefix offload (prefill workers)")
+    o.add_argument("--offload-host-slots", type=int, default=0, help="host tier chunks (0: off)")
+    o.add_argument("--offload-disk", default=None, help="disk tier directory")
+    o.add_argument("--offload-disk-slots", type=int, default=256)
+    o.add_argument("--blocks-per-chunk", type=int, default=2)
     p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-slots", type=int, default=64)
@@ -120,8 +138,20 @@ def config_of(args: argparse.Namespace) -> WorkerConfig:
         slice_timeout_s=args.slice_timeout, timings=timings,
         secret=secret.encode() if secret else None, metrics_port=args.metrics_port,
         grouping=OpGrouping.LAYER if args.layer_ops else OpGrouping.WHOLE,
-        pipelined=not args.no_pipeline,
+        pipelined=not args.no_pipeline, hash_seed=args.hash_seed,
     )  # fmt: skip
+
+
+def offload_of(args: argparse.Namespace) -> PrefixSettings | None:
+    """The prefill worker's prefix offload, or None (``--offload-host-slots 0``)."""
+    if not args.offload_host_slots:
+        return None
+    disk = Path(args.offload_disk) if args.offload_disk else None
+    config = OffloadConfig(
+        host_slots=args.offload_host_slots, disk_path=disk, disk_slots=args.offload_disk_slots,
+        disk_direct_io=False, pin_memory=False,
+    )  # fmt: skip
+    return PrefixSettings(config, args.blocks_per_chunk)
 
 
 def faults_of(args: argparse.Namespace) -> FaultPlan | None:
@@ -134,9 +164,18 @@ def faults_of(args: argparse.Namespace) -> FaultPlan | None:
 
 
 def build_worker(args: argparse.Namespace) -> Worker:
-    spec, config, faults = spec_of(args), config_of(args), faults_of(args)
+    config, faults = config_of(args), faults_of(args)
+    if args.model is not None:
+        model = ModelSpec(args.model, args.seed, args.model_dtype)
+        if args.role == "prefill":
+            producer = ModelProducer.from_spec(model)
+            return PrefillWorker(config, producer, faults=faults, offload=offload_of(args))
+        return DecodeWorker(config, ModelDecoder.from_spec(model), faults=faults)
+    spec = spec_of(args)
     if args.role == "prefill":
-        return PrefillWorker(config, SyntheticProducer(spec), faults=faults)
+        return PrefillWorker(
+            config, SyntheticProducer(spec), faults=faults, offload=offload_of(args)
+        )
     return DecodeWorker(config, SyntheticDecoder(spec), faults=faults)
 
 

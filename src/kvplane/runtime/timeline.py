@@ -3,10 +3,11 @@
 Theory of operation
 -------------------
 Workers record :class:`TimelineEvent` s (step start/end, slice submit/done/fail, session end,
-memory release, decode ready) with ``time.monotonic()`` stamps — one system-wide clock on a
-host, so the prefill and decode processes' timelines merge. Events are plain frozen values
-(``as_dict`` gives JSON-ready dicts) that a report can turn into a Chrome/Perfetto trace; the
-:class:`Timeline` keeps the latest ``capacity`` of them (bounded, thread-safe).
+memory release, decode ready/done, offload load/store start/done) with ``time.monotonic()``
+stamps — one system-wide clock on a host, so the prefill and decode processes' timelines
+merge. Events are plain frozen values (``as_dict`` gives JSON-ready dicts) that a report can
+turn into a Chrome/Perfetto trace; the :class:`Timeline` keeps the latest ``capacity`` of
+them (bounded, thread-safe).
 
 :func:`request_times` reads one request's events and derives the seed's metrics
 (ARCHITECTURE.md §4): the *overlap ratio* (transfer time hidden under the request's prefill
@@ -39,6 +40,11 @@ class Mark(enum.Enum):
     SESSION_END = "session_end"
     RELEASED = "released"
     DECODE_READY = "decode_ready"
+    DECODE_DONE = "decode_done"
+    LOAD_START = "load_start"
+    LOAD_DONE = "load_done"
+    STORE_START = "store_start"
+    STORE_DONE = "store_done"
 
 
 @dataclass(frozen=True, slots=True)

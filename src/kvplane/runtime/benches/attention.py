@@ -2,13 +2,18 @@
 
 For each grid point (batch, q_len, kv_len, heads; DeepSeek dims r=512, p=64; pages shuffled in
 the pool) every viable non-oracle backend is timed on the same synthetic inputs; effective
-bandwidth is KV bytes read / time, compared with ``torch`` memcpy bandwidth measured in the same
-run. ``auto`` and ``measured`` (with its own timing and ranking cache) each pick a backend, and
-the point records whether ``measured``'s pick is within 10% of the fastest backend's time.
+bandwidth is KV bytes read / time, compared with ``torch`` memcpy bandwidth measured in the
+same run. ``auto`` and ``measured`` (with its own timing on its own synthetic twin and its own
+ranking cache) each pick a backend, and the point records whether ``measured``'s pick is within
+10% of the fastest backend's time. Every time, the table's, ``measured``'s and memcpy's, is
+judged the same way: a :class:`~kvplane.attention.timing.PerfCounterTimer` (warmup, interleaved
+rotated rounds, more rounds for cheap points, best of each).
 
-MLA decode is compute-heavy per KV byte (``2 x H x (2r + p)`` flops per token), so on a small CPU
-the bandwidth ratio is bounded by matmul throughput, not memory: the result also reports the
-matmul GFLOP/s measured in the same run and each point's achieved GFLOP/s.
+MLA decode is compute-heavy per KV byte (``2 x H x (2r + p)`` flops per token, 15 flop/byte at
+16 heads in float32), so on a small CPU the bandwidth ratio is bounded by matmul throughput, not
+memory: the result also reports the matmul GFLOP/s measured in the same run, each point's
+achieved GFLOP/s, and ``decode_roofline_ratio``, the ratio the decode point would reach if its
+flops ran at that matmul rate with no memory traffic at all.
 
 JSON: ``{"grid": [...], "measured_within_10pct": fraction, "best_decode_gbps_ratio": x, ...}``
 where the ratio is taken at batch 32, q_len 1, kv_len 8192 (the largest decode point present).
@@ -17,7 +22,6 @@ where the ratio is taken at batch 32, q_len 1, kv_len 8192 (the largest decode p
 from __future__ import annotations
 
 import argparse
-import time
 from itertools import product
 from typing import Any
 
@@ -41,6 +45,7 @@ FULL_GRID = {"batch": (1, 8, 32), "q_len": (1, 4), "kv_len": (128, 1024, 8192), 
 QUICK_GRID = {"batch": (1, 8), "q_len": (1, 4), "kv_len": (128, 1024), "heads": (16,)}
 QUICK_EXTRA = ((32, 1, 8192, 16),)  # the decode point the bandwidth target is defined at
 DECODE_POINT = (32, 1, 8192)
+MATMUL = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,24 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _memcpy_gbps(nbytes: int) -> float:
+def _memcpy_gbps(nbytes: int, timer: PerfCounterTimer) -> float:
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(4):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
+    return nbytes / timer({"memcpy": lambda: dst.copy_(src)})["memcpy"] / 1e9
 
 
-def _matmul_gflops() -> float:
-    a = torch.randn(1024, 1024)
-    torch.mm(a, a)
-    start = time.perf_counter()
-    for _ in range(4):
-        torch.mm(a, a)
-    return 4 * 2 * 1024**3 / (time.perf_counter() - start) / 1e9
+def _matmul_gflops(dtype: torch.dtype, timer: PerfCounterTimer) -> float:
+    a = torch.randn(MATMUL, MATMUL).to(dtype)
+    return 2 * MATMUL**3 / timer({"mm": lambda: torch.mm(a, a)})["mm"] / 1e9
 
 
 def _point(
@@ -78,7 +74,7 @@ def _point(
         sm_scale=(128 + ROPE) ** -0.5, causal=True,
     )  # fmt: skip
     registry = default_registry()
-    times: dict[str, float] = {}
+    thunks = {}
     for backend in registry.candidates(inp.problem.kind):
         if backend.capabilities.oracle or not isinstance(backend.check(inp.problem), Supported):
             continue
@@ -87,7 +83,8 @@ def _point(
         def thunk(b: Any = backend, p: Any = plan) -> object:
             return b.run(p, inp.query, inp.cache)
 
-        times[backend.name] = timer(backend.name, thunk)
+        thunks[backend.name] = thunk
+    times = dict(timer(thunks))
     selector = Selector(registry, timer=timer)
     auto = selector.plan(inp.problem, AUTO).backend
     measured = selector.plan(inp.problem, MEASURED).backend
@@ -115,18 +112,22 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
     points = list(product(grid["batch"], grid["q_len"], grid["kv_len"], grid["heads"]))
     if quick:
         points.extend(QUICK_EXTRA)
-    timer = PerfCounterTimer(warmup=1, repeats=2 if quick else 3)
+    timer = PerfCounterTimer(warmup=1, rounds=3 if quick else 5, min_seconds=0.5)
     largest = max(b * k for b, _, k, _ in points) * (RANK + ROPE) * 4
-    memcpy = _memcpy_gbps(min(largest, 1 << 30))
+    memcpy = _memcpy_gbps(min(largest, 1 << 30), timer)
+    matmul = _matmul_gflops(dtype, timer)
     rows = [_point(b, q, k, h, dtype=dtype, timer=timer) for b, q, k, h in points]
     decode = [r for r in rows if (r["batch"], r["q_len"], r["kv_len"]) == DECODE_POINT]
     best_decode = max((max(r["gbps"].values()) for r in decode), default=0.0)
+    heads = min((r["heads"] for r in decode), default=0)
+    flop_per_byte = 2 * heads * (2 * RANK + ROPE) / ((RANK + ROPE) * dtype.itemsize)
     return {
         "grid": rows,
         "dtype": str(dtype).removeprefix("torch."),
         "memcpy_gbps": memcpy,
-        "matmul_gflops": _matmul_gflops(),
+        "matmul_gflops": matmul,
         "measured_within_10pct": sum(r["measured_within_10pct"] for r in rows) / len(rows),
         "best_decode_gbps": best_decode,
         "best_decode_gbps_ratio": best_decode / memcpy,
+        "decode_roofline_ratio": matmul / flop_per_byte / memcpy if heads else 0.0,
     }

@@ -1,0 +1,141 @@
+"""Worker processes of the demo: start, announce, watch, stop — every wait has a deadline.
+
+Theory of operation
+-------------------
+:class:`Child` runs ``python -m kvplane serve ROLE ...`` (the same interpreter) with its stderr
+in a log file, and reads its stdout on a daemon thread: the first line is the worker's JSON
+announce (addresses), which :meth:`Child.announce` waits for up to a deadline while checking
+that the process still lives. :class:`ProcessGroup` holds the children of one run: any caller
+waiting on the cluster calls :meth:`ProcessGroup.check` between short waits, which raises
+:class:`WorkerDiedError` (naming the worker, its exit code and its last log lines) as soon as one
+exits; :meth:`ProcessGroup.stop` terminates every child and kills those that do not exit in
+time. Nothing here listens on a socket; the workers bind 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from kvplane.errors import TransferTimeoutError, WorkerDiedError
+
+
+class Child:
+    """One ``kvplane serve`` subprocess (see the module docstring)."""
+
+    def __init__(self, role: str, args: list[str], log_dir: Path) -> None:
+        self.role = role
+        self.log_path = log_dir / f"{role}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvplane", "serve", role, *args],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._reader = threading.Thread(
+            target=_pump, args=(self.proc.stdout, self._lines), name=f"demo-{role}", daemon=True
+        )
+        self._reader.start()
+        self.info: dict[str, Any] = {}
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 8) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+    def died(self, doing: str) -> WorkerDiedError:
+        code = self.proc.poll()
+        tail = self.log_tail()
+        more = f"; its log ends:\n{tail}" if tail else ""
+        return WorkerDiedError(
+            f"the {self.role} worker (pid {self.pid}) exited with code {code} {doing}{more}"
+        )
+
+    def announce(self, deadline: float) -> dict[str, Any]:
+        """The worker's announce line, waiting until ``deadline`` (monotonic)."""
+        while True:
+            try:
+                line = self._lines.get(timeout=0.1)
+            except queue.Empty:
+                if not self.alive():
+                    raise self.died("while starting") from None
+                if time.monotonic() > deadline:
+                    raise TransferTimeoutError(
+                        f"the {self.role} worker did not start in time"
+                    ) from None
+                continue
+            try:
+                info = json.loads(line)
+            except ValueError:
+                continue  # not the announce line
+            if isinstance(info, dict) and "control" in info:
+                self.info = info
+                return info
+
+    def stop(self, timeout_s: float = 5.0) -> int | None:
+        """Terminate (then kill after ``timeout_s``); the exit code."""
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=timeout_s)
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL now (chaos)."""
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def _pump(stream: IO[str] | None, out: queue.SimpleQueue[str]) -> None:
+    if stream is None:
+        return
+    for line in stream:
+        out.put(line)
+
+
+class ProcessGroup:
+    """The children of one demo run."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.children: dict[str, Child] = {}
+
+    def start(self, role: str, args: list[str], deadline: float) -> dict[str, Any]:
+        child = Child(role, args, self.log_dir)
+        self.children[role] = child
+        return child.announce(deadline)
+
+    def check(self, doing: str = "") -> None:
+        """Raise :class:`WorkerDiedError` if any child has exited."""
+        for child in self.children.values():
+            if not child.alive():
+                raise child.died(doing)
+
+    def stop(self) -> None:
+        for child in reversed(list(self.children.values())):
+            child.stop()
