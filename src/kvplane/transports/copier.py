@@ -8,13 +8,17 @@ peer segment, ``tcp`` gather-before-send and scatter-after-receive) comes down t
 issued from Python, a few microseconds of overhead, so the strategy depends on the runs:
 
 * few runs: one ``narrow().copy_()`` each;
-* many runs of one length ``L`` that sit a multiple of ``L`` apart on both sides (paged blocks):
-  torch ``index_copy_`` / ``index_select`` over row views of 8- or 4-byte elements, which torch
-  runs on all its threads -- one scatter (or gather) pass when one side is back to back, else
-  two passes through a cache-sized chunk (``CHUNK_BYTES``);
-* other runs, long (>= ``LARGE_RUN``): one copy each (the overhead is amortised);
-* other short runs: NumPy fancy indexing over a ``V{L}`` (opaque ``L``-byte) view whose stride
-  is one byte, so a run may start at any byte offset, with the same one-pass/chunked shapes.
+* many short runs of one length ``L`` (< ``NUMPY_MAX``, e.g. 4 KiB paged blocks): NumPy fancy
+  indexing over a ``V{L}`` (opaque ``L``-byte) view whose stride is one byte, so a run may start
+  at any byte offset -- one pass when one side is back to back, else through cache-sized
+  chunks (``CHUNK_BYTES``). NumPy releases the GIL while it copies, so the index range is split
+  among the transport's :class:`~kvplane.transports.workers.CopyWorkers` (as many threads as
+  torch's own ``copy_`` uses); torch's ``index_copy_`` would copy short rows element by element;
+* longer runs of one length that sit a multiple of ``L`` apart on both sides: torch
+  ``index_copy_`` / ``index_select`` over row views of 8- or 4-byte elements, which torch runs
+  on all its threads -- one scatter (or gather) pass when one side is back to back, else two
+  passes through a cache-sized chunk;
+* other runs, long (>= ``LARGE_RUN``): one copy each (the overhead is amortised), else NumPy.
   No Python loop per run.
 
 :func:`coalesce` merges consecutive pairs that continue each other on both sides, :func:`split`
@@ -33,6 +37,7 @@ import torch
 from kvplane.errors import PlanError
 from kvplane.ids import RegionId
 from kvplane.transports.base import DescriptorList, Int64Array
+from kvplane.transports.workers import CopyWorkers
 
 LOOP_MAX = 16
 """At most this many runs (of one length) are copied one call each."""
@@ -40,6 +45,11 @@ LARGE_RUN = 128 << 10
 """Runs at least this long are copied one call each."""
 CHUNK_BYTES = 1 << 20
 """Chunk of the two-pass path (scattered source and destination)."""
+NUMPY_MAX = 64 << 10
+"""Equal runs shorter than this go through NumPy fancy assignment (split among the copy
+workers); torch's ``index_copy_`` copies element by element and is slower on short rows."""
+PART_BYTES = 256 << 10
+"""Smallest share of a copy worth handing to a helper thread."""
 _OFFSET_BITS = 40
 """Offsets below 1 TiB; region ids are shifted above them to sort (region, offset) as one key."""
 
@@ -68,28 +78,39 @@ def _copy_equal(
     dn: npt.NDArray[np.uint8],
     do: Int64Array,
     length: int,
+    *,
+    workers: CopyWorkers | None,
 ) -> None:
+    """``n`` runs of ``length`` bytes by NumPy fancy assignment (which releases the GIL), the
+    index range split among ``workers``; one pass when either side is back to back."""
     n = len(so)
     step = max(1, CHUNK_BYTES // length)
     item = np.dtype(f"V{length}")
-    if _back_to_back(so, length):
-        s0 = int(so[0])
-        block = sn[s0 : s0 + n * length]
-        if _back_to_back(do, length):
-            d0 = int(do[0])
-            dn[d0 : d0 + n * length] = block
+    src_b2b, dst_b2b = _back_to_back(so, length), _back_to_back(do, length)
+    if src_b2b and dst_b2b:
+        s0, d0 = int(so[0]), int(do[0])
+        dn[d0 : d0 + n * length] = sn[s0 : s0 + n * length]
+        return
+    sv, dv = _strided(sn, length), _strided(dn, length)
+
+    def part(a: int, b: int) -> None:
+        if src_b2b:
+            s0 = int(so[0]) + a * length
+            dv[do[a:b]] = sn[s0 : s0 + (b - a) * length].view(item)
+        elif dst_b2b:
+            d0 = int(do[0]) + a * length
+            out = dn[d0 : d0 + (b - a) * length].view(item)
+            for i in range(a, b, step):
+                out[i - a : i - a + step] = sv[so[i : min(i + step, b)]]
         else:
-            _strided(dn, length)[do] = block.view(item)
-    elif _back_to_back(do, length):
-        d0 = int(do[0])
-        out = dn[d0 : d0 + n * length].view(item)
-        sv = _strided(sn, length)
-        for i in range(0, n, step):
-            out[i : i + step] = sv[so[i : i + step]]
+            for i in range(a, b, step):
+                j = min(i + step, b)
+                dv[do[i:j]] = sv[so[i:j]]
+
+    if workers is None:
+        part(0, n)
     else:
-        sv, dv = _strided(sn, length), _strided(dn, length)
-        for i in range(0, n, step):
-            dv[do[i : i + step]] = sv[so[i : i + step]]
+        workers.run(part, n, min_part=max(1, PART_BYTES // length))
 
 
 _WIDE = {8: torch.int64, 4: torch.int32}
@@ -141,12 +162,13 @@ def _copy_rows(src: torch.Tensor, so: Int64Array, dst: torch.Tensor, do: Int64Ar
 
 def copy_runs(
     src: torch.Tensor, src_offsets: Int64Array, dst: torch.Tensor, dst_offsets: Int64Array,
-    lengths: Int64Array,
+    lengths: Int64Array, *, workers: CopyWorkers | None = None,
 ) -> None:  # fmt: skip
     """Copy ``lengths[i]`` bytes from ``src[src_offsets[i]:]`` to ``dst[dst_offsets[i]:]``.
 
     ``src`` and ``dst`` are flat ``uint8`` tensors; the caller has checked bounds and that no two
     destination runs overlap. Mutates ``dst`` only. Non-CPU tensors use per-run torch copies.
+    ``workers`` (optional) share the short-run NumPy copies with the calling thread.
     """
     n = len(lengths)
     if n == 0:
@@ -164,12 +186,14 @@ def copy_runs(
         so, do = src_offsets[idx], dst_offsets[idx]
         if len(idx) <= LOOP_MAX:
             _loop(src, so, dst, do, lengths[idx])
+        elif length < NUMPY_MAX:
+            _copy_equal(sn, so, dn, do, length, workers=workers)
         elif _copy_rows(src, so, dst, do, length):
             continue
         elif length >= LARGE_RUN:
             _loop(src, so, dst, do, lengths[idx])
         else:
-            _copy_equal(sn, so, dn, do, length)
+            _copy_equal(sn, so, dn, do, length, workers=workers)
 
 
 def distinct(regions: Int64Array) -> list[int]:
@@ -201,6 +225,7 @@ def copy_pairs(
     dst_views: Mapping[RegionId, torch.Tensor],
     src: DescriptorList,
     dst: DescriptorList,
+    workers: CopyWorkers | None = None,
 ) -> None:
     """Move ``src[i]`` to ``dst[i]`` for every i (validated, equal lengths); mutates dst views."""
     src, dst = coalesce(src, dst)
@@ -209,6 +234,7 @@ def copy_pairs(
         copy_runs(
             src_views[RegionId(int(src.regions[i0]))], src.offsets[idx],
             dst_views[RegionId(int(dst.regions[i0]))], dst.offsets[idx], src.lengths[idx],
+            workers=workers,
         )  # fmt: skip
 
 
@@ -224,23 +250,25 @@ def packed_offsets(descs: DescriptorList) -> Int64Array:
 
 
 def gather(
-    views: Mapping[RegionId, torch.Tensor], descs: DescriptorList, out: torch.Tensor
-) -> None:
+    views: Mapping[RegionId, torch.Tensor], descs: DescriptorList, out: torch.Tensor,
+    workers: CopyWorkers | None = None,
+) -> None:  # fmt: skip
     """Pack the bytes of ``descs`` back to back into ``out`` (flat uint8, >= total bytes)."""
     packed = packed_offsets(descs)
     for idx in _groups(descs.regions):
         view = views[RegionId(int(descs.regions[int(idx[0])]))]
-        copy_runs(view, descs.offsets[idx], out, packed[idx], descs.lengths[idx])
+        copy_runs(view, descs.offsets[idx], out, packed[idx], descs.lengths[idx], workers=workers)
 
 
 def scatter(
-    views: Mapping[RegionId, torch.Tensor], descs: DescriptorList, data: torch.Tensor
-) -> None:
+    views: Mapping[RegionId, torch.Tensor], descs: DescriptorList, data: torch.Tensor,
+    workers: CopyWorkers | None = None,
+) -> None:  # fmt: skip
     """Unpack back-to-back bytes in ``data`` into ``descs``; mutates the views."""
     packed = packed_offsets(descs)
     for idx in _groups(descs.regions):
         view = views[RegionId(int(descs.regions[int(idx[0])]))]
-        copy_runs(data, packed[idx], view, descs.offsets[idx], descs.lengths[idx])
+        copy_runs(data, packed[idx], view, descs.offsets[idx], descs.lengths[idx], workers=workers)
 
 
 def coalesce(
@@ -323,7 +351,7 @@ def check_disjoint(descs: DescriptorList, side: str) -> None:
 
 def check_no_cross_overlap(src: DescriptorList, dst: DescriptorList) -> None:
     """``PlanError`` if a destination range overlaps a source range (same memory, loopback)."""
-    if not len(src) or not len(dst) or not np.intersect1d(src.regions, dst.regions).size:
+    if not len(src) or not len(dst) or not set(distinct(src.regions)) & set(distinct(dst.regions)):
         return
     s_start, s_end = _keys(src)
     d_start, d_end = _keys(dst)

@@ -48,6 +48,7 @@ from kvplane.transports.batches import Batch, BatchTable
 from kvplane.transports.copier import check_disjoint, check_no_cross_overlap, distinct
 from kvplane.transports.regions import RegionEntry, RegionTable, byte_view
 from kvplane.transports.wire import MAX_NOTIFY_BYTES
+from kvplane.transports.workers import CopyWorkers
 
 
 def check_agent(agent: str | None, name: str) -> PeerId:
@@ -88,6 +89,8 @@ class TransportCore:
         self._notes: collections.deque[tuple[PeerId, bytes]] = collections.deque()
         self._lock = threading.RLock()
         self._closed = False
+        self._copy_workers = CopyWorkers(name=f"kvplane-{self.name}-copy")
+        """Helper threads for large CPU copies (started on first use, stopped by ``close``)."""
 
     # -- hooks ---------------------------------------------------------------------------------
     def _on_register(self, entry: RegionEntry) -> None:
@@ -212,6 +215,7 @@ class TransportCore:
                 return
             self._closed = True
         self._close()
+        self._copy_workers.close()
         live = self._batches.live()
         self._batches.fail_all(live, FailureKind.LOCAL_ERROR, "transport closed")
         for batch in live:

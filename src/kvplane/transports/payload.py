@@ -11,6 +11,9 @@ the region: no copy in Python); shorter runs are packed (sender) or unpacked (re
 a preallocated staging buffer with the vectorised ``copier.gather`` / ``copier.scatter``, one
 ``sendall``/``recv_into`` per staging fill instead of one system call per small run -- unless
 a fill's runs lie back to back in region memory on this side, which then goes direct too.
+A frame whose runs average ``VECTORED_MEAN`` to ``DIRECT_MIN`` bytes (paged blocks) skips all
+that on a blocking socket: ``readv``/``writev`` (``vectored``) move up to ``IOV_MAX`` runs per
+system call straight between the socket and region memory -- no staging copy, no call per run.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 
 from kvplane.ids import RegionId
+from kvplane.transports import vectored
 from kvplane.transports.base import DescriptorList, Int64Array
 from kvplane.transports.copier import gather, scatter
 from kvplane.transports.wire import recv_exact
@@ -33,6 +37,9 @@ STAGING_BYTES = 4 << 20
 """Short runs are packed into fills of about this many bytes."""
 FRAME_BYTES = 16 << 20
 FRAME_DESCRIPTORS = 8192
+VECTORED_MEAN = 1024
+"""A frame whose runs average at least this many bytes (and less than ``DIRECT_MIN``, where one
+call per run is already amortised) moves by vectored I/O (``vectored``)."""
 
 
 def staging_buffer() -> torch.Tensor:
@@ -82,6 +89,15 @@ def _span(descs: DescriptorList, a: int, b: int) -> tuple[int, int, int] | None:
     return int(regions[0]), int(offsets[0]), int(lengths.sum())
 
 
+def _vectored(
+    sock: socket.socket, views: Mapping[RegionId, torch.Tensor], descs: DescriptorList
+) -> bool:
+    """Whether ``descs`` go by one vectored call per ``IOV_MAX`` runs rather than staging."""
+    n = len(descs)
+    mean = descs.total_bytes / max(1, n)
+    return n > 1 and VECTORED_MEAN <= mean < DIRECT_MIN and vectored.usable(sock, views)
+
+
 def byte_views(views: Mapping[RegionId, torch.Tensor]) -> dict[RegionId, memoryview]:
     """Writable memoryviews of CPU region views (for zero-copy socket I/O)."""
     return {rid: t.numpy().data for rid, t in views.items()}
@@ -94,6 +110,9 @@ def send_payload(
     staging: torch.Tensor,
 ) -> None:
     """Send the bytes of ``descs`` back to back (regions in ``views``, CPU ``uint8``)."""
+    if _vectored(sock, views, descs):
+        vectored.send_runs(sock, vectored.iovecs(views, descs))
+        return
     mvs = byte_views(views)
     stage = staging.numpy().data
     regions, offsets, lengths = (
@@ -119,6 +138,9 @@ def recv_payload(
     staging: torch.Tensor,
 ) -> None:
     """Receive the bytes of ``descs`` back to back, straight into region memory where long."""
+    if _vectored(sock, views, descs):
+        vectored.recv_into_runs(sock, vectored.iovecs(views, descs))
+        return
     mvs = byte_views(views)
     stage = staging.numpy().data
     regions, offsets, lengths = (

@@ -233,9 +233,9 @@ class ShmTransport(StreamTransport):
         local = self._regions.views(distinct((job.src if remote is job.dst else job.dst).regions))
         peer_views = {RegionId(int(r)): state.views[RegionId(int(r))] for r in ids}
         if batch.kind is XferKind.WRITE:
-            copy_pairs(local, peer_views, job.src, job.dst)
+            copy_pairs(local, peer_views, job.src, job.dst, self._copy_workers)
         else:
-            copy_pairs(peer_views, local, job.src, job.dst)
+            copy_pairs(peer_views, local, job.src, job.dst, self._copy_workers)
         if self._batches.commit(batch):
             flags = 0 if job.notify is None else FLAG_NOTIFY
             link.ch.send_frame(FrameType.COMMIT, xid, job.notify or b"", flags=flags)

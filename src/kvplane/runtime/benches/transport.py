@@ -1,11 +1,12 @@
 """``kvplane bench transport``: each transport against the physical limit of its path.
 
 What is timed: 64 MiB moved as 256 KiB blocks and as 4 KiB blocks (the small-transfer regime)
-in one ``submit`` (no notify), from submit to DONE (busy polling). The source blocks are in
-order, the destination blocks are a seeded random permutation -- the scatter into a paged pool
--- so nothing coalesces and every block is its own descriptor. ``local`` copies inside this
-process; ``shm``, ``tcp``, ``nixl`` and ``mooncake`` write into a child process
-(:class:`~kvplane.transports.peer_process.PeerProcess`).
+in one ``submit`` (no notify), from submit to DONE (busy polling); the descriptor lists (and the
+raw engines' block lists) are built before the clock starts, for kvplane and limit alike. The
+source blocks are in order, the destination blocks are a seeded random permutation -- the
+scatter into a paged pool -- so nothing coalesces and every block is its own descriptor.
+``local`` copies inside this process; ``shm``, ``tcp``, ``nixl`` and ``mooncake`` write into a
+child process (:class:`~kvplane.transports.peer_process.PeerProcess`).
 
 The limit of each path is measured in the same run, interleaved repeat by repeat with kvplane
 (the machine is shared and noisy): torch ``copy_`` of 64 MiB for ``local`` and ``shm``; a raw
@@ -61,6 +62,19 @@ def _blocks(block: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.
     return np.arange(n, dtype=np.int64) * block, perm.astype(np.int64) * block, np.full(n, block)
 
 
+def _descriptors(
+    src_region: int, dst_region: int
+) -> dict[int, tuple[DescriptorList, DescriptorList]]:
+    """Per block size, the (source, destination) descriptor lists of one bench write, built
+    before timing starts (the timed span is submit to DONE, not building the plan)."""
+    out = {}
+    for block in BLOCKS:
+        so, do, ln = _blocks(block)
+        out[block] = (DescriptorList(np.full(len(so), src_region), so, ln),
+                      DescriptorList(np.full(len(so), dst_region), do, ln))  # fmt: skip
+    return out
+
+
 def _timed(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
@@ -101,10 +115,10 @@ def _local(reps: int) -> list[dict[str, Any]]:
     rs, rd = t.register(src).region_id, t.register(dst).region_id
     peer = t.connect(t.metadata())
 
+    descs = _descriptors(rs, rd)
+
     def kv(block: int) -> None:
-        so, do, ln = _blocks(block)
-        _kv_write(t, peer, DescriptorList(np.full(len(so), rs), so, ln),
-                  DescriptorList(np.full(len(so), rd), do, ln))  # fmt: skip
+        _kv_write(t, peer, *descs[block])
 
     def memcpy(block: int) -> None:
         dst.copy_(src)
@@ -155,14 +169,16 @@ def _cross(name: str, reps: int) -> list[dict[str, Any]]:
 
             raw = (RawNixlWriter if name == "nixl" else RawMooncakeWriter)(meta, scratch)
 
+            layout = {block: _blocks(block) for block in BLOCKS}
+
             def limit(block: int) -> None:
-                so, do, ln = _blocks(block)
+                so, do, ln = layout[block]
                 raw.write(so, int(region), do, ln)
 
+        descs = _descriptors(int(mine), int(region))
+
         def kv(block: int) -> None:
-            so, do, ln = _blocks(block)
-            _kv_write(t, peer, DescriptorList(np.full(len(so), mine), so, ln),
-                      DescriptorList(np.full(len(so), region), do, ln))  # fmt: skip
+            _kv_write(t, peer, *descs[block])
 
         try:
             return _measure(name, reps, kv, limit)

@@ -1,0 +1,114 @@
+"""Vectored socket I/O: one ``readv``/``writev`` system call moves many descriptor runs.
+
+Theory of operation
+-------------------
+Streaming a batch of small runs (4 KiB paged blocks scattered over a pool) through a socket one
+``recv_into`` per run costs a system call and a GIL round trip per run; packing them through a
+staging buffer costs an extra copy of every byte. ``readv``/``writev`` instead take an array of
+``struct iovec {void *base; size_t len}`` and let the kernel copy between the socket and every
+run directly. The iovec array is built with NumPy (region base address + offset, length: an
+``(n, 2)`` ``uint64`` array, no Python object per run) and passed to libc through ``ctypes``,
+which releases the GIL for the call. At most ``IOV_MAX`` entries go per call; a partial
+transfer (a blocking stream socket returns what is there) advances the array in place
+(``searchsorted`` over the running byte count) and the loop continues.
+
+Only blocking sockets (``gettimeout() is None``) and CPU memory qualify (:func:`usable`); the
+callers fall back to ``recv_into``/``sendall`` otherwise, or where libc cannot be loaded. The
+caller guarantees the memory stays valid (its regions are pinned) for the duration of a call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import socket
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvplane.ids import RegionId
+from kvplane.transports.base import DescriptorList
+
+IOV_MAX = 1024
+"""Entries per ``readv``/``writev`` call (the POSIX minimum of ``IOV_MAX`` on Linux)."""
+
+IovArray = npt.NDArray[np.uint64]
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        for name in ("readv", "writev"):
+            fn = getattr(libc, name)
+            fn.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+            fn.restype = ctypes.c_ssize_t
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _load_libc()
+"""libc (read-only after import), or None where it cannot be loaded (then nothing is vectored)."""
+
+
+def usable(sock: socket.socket, views: Mapping[RegionId, torch.Tensor]) -> bool:
+    """Whether vectored I/O applies: libc loaded, a blocking socket and CPU region views."""
+    return (
+        _LIBC is not None
+        and sock.gettimeout() is None
+        and all(v.device.type == "cpu" for v in views.values())
+    )
+
+
+def iovecs(views: Mapping[RegionId, torch.Tensor], descs: DescriptorList) -> IovArray:
+    """The ``(n, 2)`` iovec array (address, length) of ``descs`` inside ``views`` (flat uint8)."""
+    regions = descs.regions
+    if len(regions) and int(regions.min()) == int(regions.max()):
+        bases: npt.NDArray[np.int64] | int = views[RegionId(int(regions[0]))].data_ptr()
+    else:
+        ids = np.unique(regions)
+        table = np.array([views[RegionId(int(r))].data_ptr() for r in ids], dtype=np.int64)
+        bases = table[np.searchsorted(ids, regions)]
+    iov = np.empty((len(regions), 2), dtype=np.uint64)
+    iov[:, 0] = bases + descs.offsets
+    iov[:, 1] = descs.lengths
+    return iov
+
+
+def _transfer(sock: socket.socket, iov: IovArray, name: str) -> None:
+    assert _LIBC is not None
+    call = getattr(_LIBC, name)
+    fd = sock.fileno()
+    iov = np.array(iov, dtype=np.uint64, copy=True)  # advanced in place on partial transfers
+    pos, n = 0, len(iov)
+    while pos < n:
+        count = min(IOV_MAX, n - pos)
+        got = int(call(fd, iov[pos:].ctypes.data, count))
+        if got < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            raise OSError(err, f"{name}: {os.strerror(err)}")
+        if got == 0:
+            raise ConnectionResetError("peer closed the connection")
+        ends = np.cumsum(iov[pos : pos + count, 1])
+        done = int(np.searchsorted(ends, got, side="right"))
+        pos += done
+        if done < count:  # part of entry ``pos`` moved: advance it
+            moved = got - (int(ends[done - 1]) if done else 0)
+            iov[pos, 0] += np.uint64(moved)
+            iov[pos, 1] -= np.uint64(moved)
+
+
+def recv_into_runs(sock: socket.socket, iov: IovArray) -> None:
+    """Fill every run of ``iov`` from ``sock`` in order; ``ConnectionResetError`` on EOF."""
+    _transfer(sock, iov, "readv")
+
+
+def send_runs(sock: socket.socket, iov: IovArray) -> None:
+    """Send every run of ``iov`` in order (like ``sendall`` over their concatenation)."""
+    _transfer(sock, iov, "writev")
