@@ -16,8 +16,9 @@ the batch ends in DONE, FAILED(reason) or IN_DOUBT (the transport cannot tell wh
 landed, e.g. the connection broke after the last send). Every batch has a deadline; passing it
 turns the handle FAILED with ``FailureKind.TIMEOUT`` — or IN_DOUBT (failure TIMEOUT) when every
 byte was already handed over but the peer never acknowledged, since they may have landed. A
-peer that dies surfaces as FAILED with ``FailureKind.REMOTE_DISCONNECT``, never a hang. ``notify`` bytes, when given, are delivered to the
-peer's ``notifications()`` after (and only after) all of the batch's bytes have landed there.
+peer that dies surfaces as FAILED with ``FailureKind.REMOTE_DISCONNECT``, never a hang.
+``notify`` bytes, when given, are delivered to the peer's ``notifications()`` after (and only
+after) all of the batch's bytes have landed there.
 """
 
 from __future__ import annotations
