@@ -3,19 +3,32 @@
 Theory of operation
 -------------------
 The PD session decides *when* a slice may move (``StartSubmit``); this driver decides nothing
-else. It keeps one ordered queue per session — slices of one (request, peer) are submitted in
-order, the next only after the previous one's evidence — and runs the heads of all queues
-concurrently on one thread with non-blocking :class:`~kvplane.transfer.PlanRun` steps, while the
-bytes move on the transport's own threads and the worker loop computes the next prefill step.
+else. Slices of one session form one ordered queue: they are begun in slice order as soon as
+their ``StartSubmit`` arrives — several may be in flight, queued in order on the transport's
+link behind one another — and their evidence is reported in the same order (a slice's evidence
+waits for its predecessors'). All runs are stepped on one thread with non-blocking
+:class:`~kvplane.transfer.PlanRun` steps, while the bytes move on the transport's own threads and
+the worker loop computes the next prefill step.
 
-For each slice: plan it (:func:`~kvplane.runtime.slicing.plan_slice`, pure), then, in one call
-on the PD loop thread, check ``Participant.submittable`` (a cancel may have overtaken the
-``StartSubmit``) and report ``SubmitStarted`` — or ``SubmitSkipped`` when nothing moves. Only
-then are the runs started (validated against both sides' regions, deadline = the per-slice
-timeout). When every run of the slice is terminal the evidence goes back: ``TransportDone``,
-``TransportFailed`` or ``TransportInDoubt`` (any op whose fate is unknown). A slice that cannot
-even be planned (peer unreachable, request the pools cannot serve) fails its session with
-``Fail``; its memory is then released by the ledger (NOT_SUBMITTED), never by the driver.
+For each slice: plan it (:func:`~kvplane.runtime.slicing.plan_slice`, pure — usually done ahead,
+while the prefill computes the slice), then, on the PD loop thread, check
+``Participant.submittable`` (a cancel may have overtaken the ``StartSubmit``) and report
+``SubmitStarted`` — or ``SubmitSkipped`` when nothing moves. Only then are the runs started
+(validated against both sides' regions, deadline = the per-slice timeout) and their first ops
+handed to the transport. When every run of the slice is terminal the evidence goes back:
+``TransportDone``, ``TransportFailed`` or ``TransportInDoubt`` (any op whose fate is unknown). A
+slice that cannot even be planned (peer unreachable, request the pools cannot serve) fails its
+session with ``Fail``; its memory is then released by the ledger (NOT_SUBMITTED), never by the
+driver.
+
+Latency: every hop to the PD loop thread costs a thread handoff, so one driver turn makes at
+most one: the evidence of every finished slice, the worker's queued ``SubmitSlice`` commands
+(:meth:`SliceDriver.admit`: the worker loop hands them over and goes on computing, the result
+comes back through a callback) and the begin check of every new slice go in one call. The
+thread sleeps on a condition that a new ``StartSubmit``, a command, or the end of a watched
+transport batch (:class:`~kvplane.runtime.watcher.BatchWatcher`) signals at once; it polls on a
+timer only as a fallback (every :data:`WATCHED_POLL_S`, or :data:`POLL_S` for a transport that
+cannot be watched).
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ from kvplane.pd.endpoint import Endpoint
 from kvplane.pd.events import (
     Fail,
     SubmitSkipped,
+    SubmitSlice,
     SubmitStarted,
     TransportDone,
     TransportFailed,
@@ -44,10 +58,23 @@ from kvplane.runtime.advert import RemotePool, decode_advert
 from kvplane.runtime.observe import RuntimeMetrics
 from kvplane.runtime.slicing import LocalPool, PlannedSlice, plan_slice
 from kvplane.runtime.timeline import Mark, Timeline
+from kvplane.runtime.watcher import BatchWatcher
 from kvplane.transfer import OpGrouping, PlanExecutor, PlanOutcome, PlanRun
 from kvplane.transports.base import Peer, Transport
 
 log = logging.getLogger(__name__)
+
+POLL_S = 2e-4
+"""How often in-flight runs are polled when the transport cannot be watched."""
+WATCHED_POLL_S = 5e-3
+"""How often in-flight runs are polled anyway when the watcher wakes the driver (deadlines,
+fault-injected delays)."""
+IDLE_S = 0.05
+"""The longest idle wait (nothing queued, in flight or left to plan)."""
+LOOKAHEAD = 2
+"""How many slices past the latest begun one a session's plans are made ahead."""
+
+Evidence = TransportDone | TransportFailed | TransportInDoubt
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,16 +88,6 @@ class SliceSource:
     schedule: tuple[tuple[TokenRange, bool], ...] = ()
 
 
-@dataclass(slots=True)
-class _Session:
-    """What the driver knows of one session: its peer link, request and ready plans."""
-
-    link: PeerLink
-    act: StartSubmit
-    plans: dict[int, PlannedSlice]
-    next_plan: int = 0
-
-
 @dataclass(frozen=True, slots=True)
 class PeerLink:
     """A decode peer as the planner sees it: transport peer and advertised pools."""
@@ -81,12 +98,50 @@ class PeerLink:
 
 
 @dataclass(slots=True)
+class _Session:
+    """What the driver knows of one session: its peer link, request and ready plans."""
+
+    link: PeerLink
+    act: StartSubmit
+    plans: dict[int, PlannedSlice]
+    next_plan: int = 0
+    begun: int = 0
+
+
+@dataclass(slots=True)
 class _Job:
+    """One begun slice: its runs (none when it failed before any could start)."""
+
     act: StartSubmit
     source: SliceSource
     planned: PlannedSlice
     runs: list[PlanRun]
     started: float
+    failure: str = ""
+
+    @property
+    def done(self) -> bool:
+        return all(run.done for run in self.runs)
+
+
+@dataclass(slots=True)
+class _Command:
+    """A worker's ``SubmitSlice``, to send on the PD loop; ``on_result(accepted)`` after."""
+
+    session_id: SessionId
+    command: SubmitSlice
+    on_result: Callable[[bool], None]
+    accepted: bool = False
+
+
+@dataclass(slots=True)
+class _Begin:
+    """A slice ready to begin: planned, waiting for the PD loop's go-ahead."""
+
+    act: StartSubmit
+    source: SliceSource
+    planned: PlannedSlice
+    allowed: bool = False
 
 
 class SliceDriver:
@@ -113,12 +168,15 @@ class SliceDriver:
         self._metrics = metrics
         self._timeline = timeline
         self._grouping = grouping
-        self._executor = PlanExecutor(transport, max_inflight=max_inflight_ops)
+        self._watcher = BatchWatcher(transport, self._wake)
+        self._executor = PlanExecutor(self._watcher.transport, max_inflight=max_inflight_ops)
+        self._poll_s = WATCHED_POLL_S if self._watcher.active else POLL_S
         self._links: dict[PeerId, PeerLink] = {}
         self._sessions: dict[SessionId, _Session] = {}
-        self._queues: dict[SessionId, deque[StartSubmit]] = {}
-        self._active: dict[SessionId, _Job] = {}
+        self._flights: dict[SessionId, deque[_Job]] = {}
         self._inbox: deque[StartSubmit] = deque()
+        self._commands: deque[_Command] = deque()
+        self._woken = False
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="kvplane-slice-driver", daemon=True)
@@ -130,7 +188,17 @@ class SliceDriver:
             self._inbox.append(act)
             self._cond.notify()
 
+    def admit(
+        self, session_id: SessionId, command: SubmitSlice, on_result: Callable[[bool], None]
+    ) -> None:
+        """Send ``command`` to the session from the driver thread, in call order; then
+        ``on_result(accepted)`` (False: the session refused it, e.g. it has ended)."""
+        with self._cond:
+            self._commands.append(_Command(session_id, command, on_result))
+            self._cond.notify()
+
     def start(self) -> None:
+        self._watcher.start()
         self._thread.start()
 
     def close(self) -> None:
@@ -139,54 +207,93 @@ class SliceDriver:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
+        self._watcher.close()
 
     def busy(self) -> int:
         """Slices queued or in flight."""
         with self._cond:
-            return len(self._inbox) + len(self._active) + sum(map(len, self._queues.values()))
+            queued = len(self._inbox) + len(self._commands)
+            return queued + sum(map(len, self._flights.values()))
+
+    def _wake(self) -> None:
+        """A watched batch ended (watcher thread): step the runs now."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify()
 
     # -- the driver thread --------------------------------------------------------------------
     def _loop(self) -> None:
         planning = False
         while True:
             with self._cond:
-                idle = not (self._inbox or self._active or any(self._queues.values()))
-                if idle and not planning:
-                    self._cond.wait(timeout=0.05)
+                if not (planning or self._inbox or self._commands or self._woken or self._stop):
+                    self._cond.wait(self._poll_s if self._flights else IDLE_S)
                 if self._stop:
                     break
-                while self._inbox:
-                    act = self._inbox.popleft()
-                    self._queues.setdefault(act.session_id, deque()).append(act)
+                fresh, commands = list(self._inbox), list(self._commands)
+                self._inbox.clear()
+                self._commands.clear()
+                self._woken = False
             try:
-                progressed = self._turn()
-                # plan ahead only while nothing is in flight: planning must not delay polls
-                planning = progressed or (not self._active and self._plan_ahead())
-                if not progressed and self._active:
-                    time.sleep(2e-4)
+                self._turn(fresh, commands)
+                # plan ahead only when no new slice waits: a begin must not wait for a plan
+                planning = self._plan_ahead() if not self._inbox else True
             except Exception:  # a bug must not stop the driver: count it and keep driving
                 self._count("loop_errors")
                 log.exception("slice driver error (the driver keeps running)")
-        for job in self._active.values():  # closing: stop what is in flight (best effort)
-            for run in job.runs:
-                run.cancel("worker closing")
+        for jobs in self._flights.values():  # closing: stop what is in flight (best effort)
+            for job in jobs:
+                for run in job.runs:
+                    run.cancel("worker closing")
 
-    def _turn(self) -> bool:
-        """Begin the head of every idle queue, step every run; True if anything moved."""
-        for sid in [s for s, q in self._queues.items() if q and s not in self._active]:
-            self._begin(self._queues[sid].popleft())
-        for sid, q in list(self._queues.items()):
-            if not q and sid not in self._active:
-                del self._queues[sid]
-        progressed = False
-        for sid, job in list(self._active.items()):
-            for run in job.runs:
-                progressed |= bool(run.step())
-            if all(run.done for run in job.runs):
-                del self._active[sid]
-                self._finish(job)
-                progressed = True
-        return progressed
+    def _turn(self, fresh: list[StartSubmit], commands: list[_Command]) -> None:
+        """Step every run; report finished slices, send the worker's commands and begin new
+        slices in one PD loop call."""
+        evidence = self._harvest()
+        begins = [b for b in map(self._prepare, fresh) if b is not None]
+        if not evidence and not begins and not commands:
+            return
+        ep = self._ep
+
+        def on_loop() -> None:
+            for sid, event in evidence:
+                with contextlib.suppress(ProtocolError):  # the session already ended
+                    ep.receive_local(sid, event)
+            for c in commands:  # their StartSubmits come back to this driver's inbox
+                with contextlib.suppress(ProtocolError):  # refused: reported as not accepted
+                    ep.send(c.session_id, c.command)
+                    c.accepted = True
+            for b in begins:
+                sid, slice_id = b.act.session_id, b.act.slice_id
+                if ep.participant.submittable(sid, slice_id):
+                    kind = SubmitSkipped if b.planned.empty else SubmitStarted
+                    with contextlib.suppress(ProtocolError):  # refused: it stays unbegun
+                        ep.receive_local(sid, kind(slice_id=slice_id))
+                        b.allowed = True
+
+        try:
+            ep.call(on_loop)
+        finally:  # the worker counts on one answer per command
+            for c in commands:
+                c.on_result(c.accepted)
+        for b in begins:
+            if b.allowed:
+                self._start(b)
+            else:
+                self._count("overtaken")
+
+    def _harvest(self) -> list[tuple[SessionId, Evidence]]:
+        """Step every run; the evidence of finished slices, each session's in slice order."""
+        out: list[tuple[SessionId, Evidence]] = []
+        for sid, jobs in list(self._flights.items()):
+            for job in jobs:
+                for run in job.runs:
+                    run.step()
+            while jobs and jobs[0].done:
+                out.append((sid, self._finish(jobs.popleft())))
+            if not jobs:
+                del self._flights[sid]
+        return out
 
     def _count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
@@ -197,7 +304,8 @@ class SliceDriver:
             self._ep.send(act.session_id, Fail(reason=reason))
 
     def _plan_ahead(self) -> bool:
-        """Plan one future slice of a known session while the prefill computes it."""
+        """Plan one future slice of a known session while the prefill computes it; True if
+        one was planned (more may follow)."""
         for sid, sess in list(self._sessions.items()):
             source = self._sources(sid)
             if source is None:  # the request's memory is gone: forget the session
@@ -205,10 +313,11 @@ class SliceDriver:
                 continue
             while sess.next_plan < len(source.schedule) and sess.next_plan in sess.plans:
                 sess.next_plan += 1
-            if sess.next_plan >= len(source.schedule):
+            slice_id = max(sess.next_plan, sess.begun)
+            if slice_id >= len(source.schedule) or slice_id > sess.begun + LOOKAHEAD:
                 continue
-            slice_id = sess.next_plan
             tokens, is_last = source.schedule[slice_id]
+            sess.next_plan = slice_id + 1
             try:
                 sess.plans[slice_id] = self._plan(
                     source, sess.link, sess.act, tokens, slice_id=slice_id, is_last=is_last
@@ -235,6 +344,7 @@ class SliceDriver:
         if sess is None:  # a session is bound to one peer incarnation: link it once
             sess = _Session(self._link(act.peer_id), act, {})
             self._sessions[sid] = sess
+        sess.begun = max(sess.begun, int(act.slice_id) + 1)
         ready = sess.plans.pop(int(act.slice_id), None)
         n = act.request.num_tokens
         if ready is not None and int(act.slice_id) < len(source.schedule):
@@ -248,36 +358,32 @@ class SliceDriver:
             source, sess.link, act, tokens, slice_id=int(act.slice_id), is_last=act.is_last
         )
 
-    def _begin(self, act: StartSubmit) -> None:
+    def _prepare(self, act: StartSubmit) -> _Begin | None:
+        """Plan a new slice (or fail its session when it cannot be planned)."""
         source = self._sources(act.session_id)
         if source is None:
             self._count("no_source")
-            return
+            return None
         try:
             planned = self._planned(act, source)
         except KVPlaneError as exc:
             self._fail(act, f"slice {act.slice_id} cannot be planned: {exc}")
-            return
-        evidence = SubmitSkipped if planned.empty else SubmitStarted
-        ep, sid, slice_id = self._ep, act.session_id, act.slice_id
+            return None
+        return _Begin(act, source, planned)
 
-        def begin() -> bool:
-            if not ep.participant.submittable(sid, slice_id):
-                return False
-            ep.receive_local(sid, evidence(slice_id=slice_id))
-            return True
-
-        if not ep.call(begin):
-            self._count("overtaken")
-            return
+    def _start(self, b: _Begin) -> None:
+        """Start the runs of a slice the session let begin, and hand their first ops over."""
+        act, source, planned = b.act, b.source, b.planned
+        sid = act.session_id
         if planned.empty:
             self._metrics.slices.labels("skipped").inc()
             return
         self._metrics.planned(list(zip(planned.plans, planned.dst_block_sizes, strict=True)))
-        runs: list[PlanRun] = []
+        job = _Job(act, source, planned, [], time.monotonic())
+        self._flights.setdefault(sid, deque()).append(job)
         try:
             for plan in planned.plans:
-                runs.append(
+                job.runs.append(
                     self._executor.start(
                         plan,
                         self._sessions[sid].link.peer,
@@ -286,47 +392,46 @@ class SliceDriver:
                     )
                 )
         except KVPlaneError as exc:  # invalid against the regions: nothing of this run moved
-            for run in runs:
-                run.cancel(str(exc))
-            self._active[sid] = _Job(act, source, planned, runs, time.monotonic())
-            self._report(sid, TransportFailed(slice_id=slice_id, reason=str(exc)[:400]))
+            job.failure = str(exc)[:400]
+            for run in job.runs:
+                run.cancel(job.failure)
             return
         self._metrics.slices.labels("submitted").inc()
         self._timeline.record(
-            Mark.SLICE_SUBMIT, source.request_id, slice_id=int(slice_id), nbytes=planned.num_bytes
+            Mark.SLICE_SUBMIT,
+            source.request_id,
+            slice_id=int(act.slice_id),
+            nbytes=planned.num_bytes,
         )
-        self._active[sid] = _Job(act, source, planned, runs, time.monotonic())
+        for run in job.runs:  # submit now: the transport starts while we report
+            run.step()
 
-    def _report(self, sid: SessionId, event: object) -> None:
-        with contextlib.suppress(ProtocolError):
-            self._ep.receive_local(sid, event)
-
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: _Job) -> Evidence:
+        """Record a finished slice; its evidence, to report to the session."""
         if job.act.is_last:
             self._sessions.pop(job.act.session_id, None)
         results = [run.result() for run in job.runs]
         slice_id = job.act.slice_id
-        sid = job.act.session_id
         rid = job.source.request_id
         elapsed = time.monotonic() - job.started
-        if all(r.ok for r in results):
+        if not job.failure and all(r.ok for r in results):
             self._metrics.slices.labels("done").inc()
             self._metrics.slice_seconds.observe(elapsed)
             self._metrics.moved(list(job.planned.plans))
             self._timeline.record(
                 Mark.SLICE_DONE, rid, slice_id=int(slice_id), nbytes=job.planned.num_bytes
             )
-            self._report(sid, TransportDone(slice_id=slice_id))
-            return
-        reason = next((r.reason for r in results if not r.ok), "")[:400]
+            return TransportDone(slice_id=slice_id)
+        reason = job.failure or next((r.reason for r in results if not r.ok), "")[:400]
+        event: Evidence
         if any(r.outcome is PlanOutcome.IN_DOUBT for r in results):
             self._metrics.slices.labels("in_doubt").inc()
-            event: object = TransportInDoubt(slice_id=slice_id, reason=reason)
+            event = TransportInDoubt(slice_id=slice_id, reason=reason)
         else:
             self._metrics.slices.labels("failed").inc()
             event = TransportFailed(slice_id=slice_id, reason=reason)
         self._timeline.record(Mark.SLICE_FAILED, rid, slice_id=int(slice_id), detail=reason)
-        self._report(sid, event)
+        return event
 
     def _link(self, peer_id: PeerId) -> PeerLink:
         """The transport peer and pools of ``peer_id``'s current incarnation (connects once)."""

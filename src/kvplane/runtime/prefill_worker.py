@@ -9,9 +9,10 @@ into its pool (a block table plus one whole-only slot; an order waits in FIFO wh
 short). The worker loop then runs one prefill step at a time, round-robin over its requests:
 :meth:`KVProducer.produce` computes ``[start, end)``, the :class:`SliceCutter` turns the step
 into a slice (or defers it to the next aligned boundary), and ``SubmitSlice`` goes to the
-session; the session's ``StartSubmit`` reaches the :class:`SliceDriver`, which moves the bytes
-while the loop computes the next step. The last step writes the tail record (first token)
-before the final slice is submitted.
+session through the :class:`SliceDriver` (the loop does not wait for the PD loop thread: the
+slice counts as admitted until the session refuses it); the session's ``StartSubmit`` reaches
+the driver, which moves the bytes while the loop computes the next step. The last step writes
+the tail record (first token) before the final slice is submitted.
 
 Prefix offload (optional, :class:`~kvplane.runtime.prefix_offload.PrefixOffload`): at admission
 the prompt's chunk keys are looked up in the tier cascade and the leading hits are loaded into
@@ -56,6 +57,15 @@ from kvplane.runtime.timeline import Mark, request_times
 from kvplane.runtime.worker import Worker
 from kvplane.runtime.worker_config import WorkerConfig
 from kvplane.transports.base import Transport
+
+
+@dataclass(frozen=True, slots=True)
+class _Admission:
+    """The session's answer to one of a request's ``SubmitSlice`` commands (driver thread →
+    worker loop)."""
+
+    session_id: SessionId
+    accepted: bool
 
 
 @dataclass(slots=True, eq=False)
@@ -324,17 +334,25 @@ class PrefillWorker(Worker):
         if cut is None:
             return
         slice_id, tokens = cut
-        try:
-            self.endpoint.send(
-                req.sid,
-                SubmitSlice(slice_id=slice_id, is_last=is_last, start=tokens.start, end=tokens.end),
-            )
-            req.admitted += 1
-        except ProtocolError:  # the session is gone (retired): nothing more to send
-            req.stopped = True
-            if req.failed_at is None:
-                req.failed_at = time.monotonic()
-            self.counters["slices_after_session_end"] += 1
+        # counted admitted until the session says otherwise: memory waits for the answer
+        req.admitted += 1
+        command = SubmitSlice(
+            slice_id=slice_id, is_last=is_last, start=tokens.start, end=tokens.end
+        )
+        inbox, sid = self._inbox, req.sid
+        self.driver.admit(sid, command, lambda ok: inbox.put(_Admission(sid, ok)))
+
+    def _on_admission(self, ev: _Admission) -> None:
+        """A slice the session refused (it is gone, retired): nothing more to send."""
+        req = self._by_session.get(ev.session_id)
+        if ev.accepted or req is None:
+            return
+        req.admitted -= 1
+        req.stopped = True
+        if req.failed_at is None:
+            req.failed_at = time.monotonic()
+        self.counters["slices_after_session_end"] += 1
+        self._maybe_free(req)
 
     def _compute(self, req: _Prefill, rng: TokenRange, is_last: bool) -> None:
         """One prefill step through the producer; the last one writes the tail record and
@@ -370,7 +388,9 @@ class PrefillWorker(Worker):
 
     # -- protocol actions --------------------------------------------------------------------------
     def _on_pd(self, act: object) -> None:
-        if isinstance(act, Release) and act.role is Role.SENDER:
+        if isinstance(act, _Admission):
+            self._on_admission(act)
+        elif isinstance(act, Release) and act.role is Role.SENDER:
             req = self._by_session.get(act.session_id)
             if req is not None:
                 req.released += 1

@@ -1,0 +1,144 @@
+"""Completion wake-ups for the slice driver: a transport tap and one watcher thread.
+
+Theory of operation
+-------------------
+The transport protocol reports progress only through ``poll``. A driver that polls in a loop
+while slices are in flight wakes thousands of times a second, and every wake-up takes a core and
+the GIL from the threads that matter — the transport's I/O threads and the prefill compute.
+:class:`BatchWatcher` removes the loop: :attr:`BatchWatcher.transport` is the driver's transport
+with every call delegated unchanged, except that each handle ``submit`` returns is queued for
+the watcher thread, which blocks in the real transport's own ``wait(handle, timeout)`` (the
+transports built on ``TransportCore`` have it; it sleeps on the batch's completion event with
+the GIL released) and calls ``wake()`` as soon as the batch ends. The driver then polls as
+usual, so a wake-up is only a hint: every state still comes from ``poll`` (fault-injecting
+wrappers included), and a missed or early hint costs latency, never correctness.
+
+A transport without ``wait`` is not watched (:attr:`BatchWatcher.active` is False): the driver
+then polls on a short period. Handles are watched in submission order — the order a link moves
+them in — each at most :data:`WATCH_S` per wait call, so :meth:`BatchWatcher.close` returns
+promptly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from typing import Protocol, cast
+
+import torch
+
+from kvplane.errors import KVPlaneError
+from kvplane.ids import PeerId, RegionId
+from kvplane.transports.base import (
+    DescriptorList,
+    Handle,
+    Peer,
+    Poll,
+    Region,
+    Transport,
+    XferKind,
+)
+
+WATCH_S = 0.05
+"""The longest single blocking wait on one batch (the watcher re-checks for close between)."""
+
+_STOP = object()
+
+
+class _Waitable(Protocol):
+    def wait(self, handle: Handle, timeout_s: float | None = None) -> Poll: ...
+
+
+class _Tap:
+    """The watched transport: the real one's calls, plus each new handle sent to the watcher."""
+
+    def __init__(self, inner: Transport, watch: Callable[[Handle], None]) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._watch = watch
+
+    def register(self, buffer: torch.Tensor) -> Region:
+        return self.inner.register(buffer)
+
+    def deregister(self, region_id: RegionId) -> None:
+        self.inner.deregister(region_id)
+
+    def metadata(self) -> bytes:
+        return self.inner.metadata()
+
+    def connect(self, peer_metadata: bytes) -> Peer:
+        return self.inner.connect(peer_metadata)
+
+    def submit(
+        self,
+        kind: XferKind,
+        src: DescriptorList,
+        dst: DescriptorList,
+        peer: Peer,
+        *,
+        notify: bytes | None = None,
+        deadline_s: float = 30.0,
+    ) -> Handle:
+        handle = self.inner.submit(kind, src, dst, peer, notify=notify, deadline_s=deadline_s)
+        self._watch(handle)
+        return handle
+
+    def poll(self, handle: Handle) -> Poll:
+        return self.inner.poll(handle)
+
+    def cancel(self, handle: Handle) -> None:
+        self.inner.cancel(handle)
+
+    def notifications(self) -> list[tuple[PeerId, bytes]]:
+        return self.inner.notifications()
+
+    def close(self) -> None:
+        """Not the tap's to close: the worker owns the transport."""
+
+
+class BatchWatcher:
+    """Wakes its owner when a watched batch ends (see the module docstring).
+
+    ``wake`` is called on the watcher thread and must be cheap and thread-safe (the driver
+    notifies its condition). Call :meth:`start` before submitting and :meth:`close` at the end.
+    """
+
+    def __init__(self, transport: Transport, wake: Callable[[], None]) -> None:
+        found = getattr(transport, "wait", None)
+        self._wait = cast(_Waitable, transport).wait if callable(found) else None
+        self._wake = wake
+        self._handles: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvplane-xfer-watch", daemon=True)
+        self.transport: Transport = _Tap(transport, self._handles.put) if self.active else transport
+
+    @property
+    def active(self) -> bool:
+        """Whether batches are watched (the transport can block until a batch ends)."""
+        return self._wait is not None
+
+    def start(self) -> None:
+        if self.active:
+            self._thread.start()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._handles.put(_STOP)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+
+    def _loop(self) -> None:
+        wait = self._wait
+        if wait is None:  # pragma: no cover - the thread starts only when active
+            return
+        while True:
+            item = self._handles.get()
+            if item is _STOP or self._closing.is_set():
+                return
+            handle = cast(Handle, item)
+            with contextlib.suppress(KVPlaneError):  # forgotten or broken: poll will tell
+                while not self._closing.is_set() and not wait(handle, WATCH_S).state.terminal:
+                    pass
+            self._wake()
