@@ -13,7 +13,9 @@ from kvplane.runtime.timeline import TimelineEvent
 from kvplane.runtime.trace import chrome_trace, events_from_dicts, read_trace, spans, write_trace
 
 
-def ev(t: float, worker: str, mark: str, rid: str = "r0", slice_id: int = -1) -> TimelineEvent:
+def ev(
+    t: float, worker: str, mark: str, rid: str = "r0", slice_id: int | None = None
+) -> TimelineEvent:
     return TimelineEvent(t, worker, mark, rid, slice_id)
 
 
@@ -38,8 +40,8 @@ def test_spans_pair_starts_with_their_ends() -> None:
     done, instants = spans(EVENTS)
     got = sorted((s.worker, s.name, s.slice_id, round((s.end - s.start) * 1e3, 3)) for s in done)
     assert got == [
-        ("decode", "decode", -1, 10.0),
-        ("prefill", "offload load", -1, 1.0),
+        ("decode", "decode", None, 10.0),
+        ("prefill", "offload load", None, 1.0),
         ("prefill", "prefill step", 1, 4.0),
         ("prefill", "slice transfer", 0, 2.0),
         ("prefill", "slice transfer", 1, 2.0),

@@ -55,7 +55,7 @@ class TimelineEvent:
     worker: str
     mark: str
     request_id: str
-    slice_id: int = -1
+    slice_id: int | None = None  # None: the event is not about one slice
     nbytes: int = 0
     detail: str = ""
 
@@ -80,7 +80,7 @@ class Timeline:
         mark: Mark,
         request_id: str,
         *,
-        slice_id: int = -1,
+        slice_id: int | None = None,
         nbytes: int = 0,
         detail: str = "",
         t: float | None = None,
@@ -167,7 +167,7 @@ def request_times(events: Iterable[TimelineEvent]) -> RequestTimes:
             compute.append((step_start, e.t))
             prefill_end = e.t
             step_start = None
-        elif e.mark == Mark.SLICE_SUBMIT.value:
+        elif e.mark == Mark.SLICE_SUBMIT.value and e.slice_id is not None:
             starts[e.slice_id] = e.t
         elif e.mark in (Mark.SLICE_DONE.value, Mark.SLICE_FAILED.value) and e.slice_id in starts:
             transfers.append((starts.pop(e.slice_id), e.t))

@@ -37,12 +37,12 @@ _ENDS = {end: start for start, (_n, ends) in SPANS.items() for end in ends}
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """One complete span: worker, request, name, slice id (-1: none), start and end (s)."""
+    """One complete span: worker, request, name, slice id (None: not a slice), start and end (s)."""
 
     worker: str
     request_id: str
     name: str
-    slice_id: int
+    slice_id: int | None
     start: float
     end: float
     detail: str = ""
@@ -59,7 +59,7 @@ def events_from_dicts(rows: Iterable[Mapping[str, Any]]) -> list[TimelineEvent]:
                     worker=str(row["worker"]),
                     mark=str(row["mark"]),
                     request_id=str(row["request_id"]),
-                    slice_id=int(row.get("slice_id", -1)),
+                    slice_id=_optional_int(row.get("slice_id")),
                     nbytes=int(row.get("nbytes", 0)),
                     detail=str(row.get("detail", "")),
                 )
@@ -73,7 +73,7 @@ def events_from_dicts(rows: Iterable[Mapping[str, Any]]) -> list[TimelineEvent]:
 
 def spans(events: Iterable[TimelineEvent]) -> tuple[list[Span], list[TimelineEvent]]:
     """Pair start/end events per (worker, request, kind, slice); the rest are instants."""
-    open_: dict[tuple[str, str, str, int], TimelineEvent] = {}
+    open_: dict[tuple[str, str, str, int | None], TimelineEvent] = {}
     done: list[Span] = []
     instants: list[TimelineEvent] = []
     for e in sorted(events, key=lambda e: e.t):
@@ -118,7 +118,7 @@ def chrome_trace(
             )
     done, instants = spans(evs)
     for s in done:
-        label = f"{s.name} {s.slice_id}" if s.slice_id >= 0 else s.name
+        label = f"{s.name} {s.slice_id}" if s.slice_id is not None else s.name
         out.append({
             "ph": "X", "name": label, "cat": s.name, "pid": pid[s.worker], "tid": tid[s.request_id],
             "ts": round((s.start - t0) * 1e6, 3), "dur": round((s.end - s.start) * 1e6, 3),
@@ -172,7 +172,7 @@ def read_trace(path: Path) -> tuple[list[Span], dict[str, Any]]:
                     names.get(int(ev["pid"]), str(ev["pid"])),
                     str(args.get("request", ev["tid"])),
                     str(ev.get("cat", ev["name"])),
-                    int(args.get("slice", -1)),
+                    _optional_int(args.get("slice")),
                     start,
                     start + float(ev["dur"]) / 1e6,
                     str(args.get("detail", "")),
@@ -182,3 +182,7 @@ def read_trace(path: Path) -> tuple[list[Span], dict[str, Any]]:
             raise InvalidArgumentError(f"{path}: trace event {i} is malformed ({exc})") from None
     other = data.get("otherData")
     return out, dict(other) if isinstance(other, dict) else {}
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
