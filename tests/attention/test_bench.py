@@ -18,7 +18,7 @@ def test_bench_json_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     out = bench.run(True, argparse.Namespace(dtype="float32"))
     assert set(out) == {
         "grid", "dtype", "memcpy_gbps", "matmul_gflops", "measured_within_10pct",
-        "best_decode_gbps", "best_decode_gbps_ratio",
+        "best_decode_gbps", "best_decode_gbps_ratio", "decode_roofline_ratio",
     }  # fmt: skip
     grid = out["grid"]
     assert isinstance(grid, list) and [(r["batch"], r["kv_len"]) for r in grid] == [
@@ -33,3 +33,6 @@ def test_bench_json_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     assert 0.0 <= out["measured_within_10pct"] <= 1.0
     assert out["best_decode_gbps"] == max(grid[1]["gbps"].values())
     assert out["best_decode_gbps_ratio"] == out["best_decode_gbps"] / out["memcpy_gbps"]
+    flop_per_byte = 2 * 2 * (2 * 512 + 64) / ((512 + 64) * 4)  # 2 heads, float32
+    roofline = out["matmul_gflops"] / flop_per_byte / out["memcpy_gbps"]
+    assert out["decode_roofline_ratio"] == roofline

@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from kvplane.attention import merge_states
-from kvplane.attention.paged import build_batch_index, pad_queries, softmax_lse, unpad_rows
+from kvplane.attention.paged import (
+    BatchGroup,
+    batch_groups,
+    build_batch_index,
+    gather_group,
+    pad_queries,
+    softmax_lse,
+    unpad_rows,
+)
 from kvplane.attention.synthetic import synthetic_metadata
 
 
@@ -67,3 +75,44 @@ def test_merge_states_equals_attention_over_union() -> None:
     assert torch.equal(o2, o_all) and torch.equal(lse2, lse_all)
     o3, lse3 = merge_states(empty_o, empty_lse, empty_o, empty_lse)
     assert torch.equal(o3, empty_o) and bool(torch.isneginf(lse3).all())
+
+
+def test_batch_groups_fit_the_budget_and_know_their_masks() -> None:
+    meta, _ = synthetic_metadata([1, 1, 2, 1, 1], [8, 5, 8, 0, 3], 4)
+    s = meta.structure()
+    # 2 pages x 4 tokens x 10 B = 80 B per request at the batch's widest
+    assert batch_groups(s, True, 10, 160) == (
+        BatchGroup(0, 2, 2, True),  # kv 5 sees 5 < 8 positions
+        BatchGroup(2, 4, 2, True),  # q_len 2 causal: first row sees 7
+        BatchGroup(4, 5, 1, True),  # kv 3 in one page of 4
+    )
+    assert batch_groups(s, False, 10, 160) == (
+        BatchGroup(0, 2, 2, True),
+        BatchGroup(2, 4, 2, True),  # kv 8 sees all 8 without causality, but kv 0 sees nothing
+        BatchGroup(4, 5, 1, True),
+    )
+    assert batch_groups(s, False, 10, 1) == tuple(  # under one request: one request per group
+        BatchGroup(i, i + 1, p, m)
+        for i, (p, m) in enumerate([(2, False), (2, True), (2, False), (0, False), (1, True)])
+    )
+    assert batch_groups(s, False, 10, 400, align=2) == (  # 5 fit, aligned down to 4
+        BatchGroup(0, 4, 2, True),
+        BatchGroup(4, 5, 1, True),
+    )
+    assert batch_groups(s, False, 10, 1 << 20, align=2) == (BatchGroup(0, 5, 2, True),)
+
+
+def test_gather_group_reads_only_its_requests_and_zeroes_the_tail() -> None:
+    meta, pages = synthetic_metadata([1, 1, 1], [3, 6, 2], 2, shuffle_seed=1)
+    s = meta.structure()
+    idx = build_batch_index(meta, s, True, torch.device("cpu"))
+    pool = torch.arange(pages * 2, dtype=torch.float32).view(pages, 2, 1) + 100
+    out = torch.full((64,), float("nan"))
+    group = BatchGroup(0, 2, 3, True)
+    kv = gather_group(pool, idx, group, out)
+    assert kv.shape == (2, 6, 1) and kv.data_ptr() == out.data_ptr()
+    table = meta.dense().block_table
+    for b, n in enumerate((3, 6)):
+        want = pool[table[b, :3].long()].reshape(6)
+        assert kv[b, :n, 0].tolist() == want[:n].tolist()
+        assert kv[b, n:, 0].tolist() == [0.0] * (6 - n)

@@ -16,6 +16,7 @@ from kvplane.attention import (
     MLAKVCache,
     MLAQuery,
     MLAShape,
+    MLAUpProjection,
     QueryLayout,
     gqa_problem,
     mla_problem,
@@ -114,3 +115,42 @@ def test_lse_natural_converts_base_two() -> None:
     assert r.lse_natural().item() == pytest.approx(3.0 * math.log(2.0))
     e = AttentionResult(torch.zeros(1, 1, 1), torch.tensor([[3.0]]), LSEBase.E)
     assert e.lse_natural() is e.lse
+
+
+def _ambiguous(pages: int, *, up: bool = True) -> tuple[MLAQuery, MLAKVCache]:
+    """d_nope == r == 8: a latent and a per-head query are both [T, H, 8 + 2]."""
+    w = MLAUpProjection(torch.randn(2, 8, 8), torch.randn(2, 8, 6)) if up else None
+    return MLAQuery.packed(torch.randn(3, 2, 10), 8), MLAKVCache(torch.randn(pages, 4, 10), 8, w)
+
+
+def test_absorbed_is_required_where_shapes_cannot_tell() -> None:
+    meta, pages = _meta()
+    q, cache = _ambiguous(pages)
+    with pytest.raises(InvalidArgumentError, match=r"pass absorbed=True .* or absorbed=False"):
+        mla_problem(q, cache, meta, sm_scale=0.5, causal=True)
+    latent = mla_problem(q, cache, meta, sm_scale=0.5, causal=True, absorbed=True)
+    assert latent.shape == MLAShape(2, 8, 2) and latent.kind is AttentionKind.MLA
+    per_head = mla_problem(q, cache, meta, sm_scale=0.5, causal=True, absorbed=False)
+    assert per_head.shape == MLAShape(2, 8, 2, 8, 6) and per_head.kind is AttentionKind.MLA_MHA
+    assert per_head.shape.v_dim == 6 and not per_head.shape.absorbed and latent.shape.absorbed
+
+
+def test_absorbed_must_fit_the_shapes() -> None:
+    meta, pages = _meta()
+    q, no_up = _ambiguous(pages, up=False)
+    assert mla_problem(q, no_up, meta, sm_scale=0.5, causal=True).kind is AttentionKind.MLA
+    with pytest.raises(InvalidArgumentError, match=r"needs the cache's up_proj .* has no up_proj"):
+        mla_problem(q, no_up, meta, sm_scale=0.5, causal=True, absorbed=False)
+    per_head_q = MLAQuery.packed(torch.randn(3, 2, 14), 12)  # d_nope 12 != r 8
+    cache = MLAKVCache(no_up.data, 8, MLAUpProjection(torch.randn(2, 8, 12), torch.randn(2, 8, 6)))
+    assert mla_problem(per_head_q, cache, meta, sm_scale=0.5, causal=True).shape == MLAShape(
+        2, 8, 2, 12, 6
+    )
+    with pytest.raises(InvalidArgumentError, match="absorbed query needs nope dim == latent rank"):
+        mla_problem(per_head_q, cache, meta, sm_scale=0.5, causal=True, absorbed=True)
+    with pytest.raises(InvalidArgumentError, match="has up_proj d_nope 12"):
+        mla_problem(q, cache, meta, sm_scale=0.5, causal=True, absorbed=False)
+    with pytest.raises(InvalidArgumentError, match="absorbed must be a bool or None, got 1"):
+        mla_problem(q, cache, meta, sm_scale=0.5, causal=True, absorbed=1)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"both set .* or both None"):
+        MLAShape(2, 8, 2, 8, None)

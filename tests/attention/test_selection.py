@@ -3,7 +3,7 @@ caches; traces and the fallback-ratio metric, with a deterministic injected time
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ from kvplane.attention import (
     WorkloadBucket,
 )
 from kvplane.attention.backends import ReferenceBackend, SDPABackend, TorchMLABackend
-from kvplane.errors import InvalidArgumentError, UnsupportedError
+from kvplane.errors import BackendError, InvalidArgumentError, UnsupportedError
 from kvplane.metrics import MetricsRegistry
 
 TIMES = {"torch": 3.0, "torch_splitkv": 1.0, "sdpa": 2.0}
@@ -33,10 +33,11 @@ class FakeTimer:
         self.times = times
         self.calls: list[str] = []
 
-    def __call__(self, name: str, fn: Callable[[], object]) -> float:
-        fn()
-        self.calls.append(name)
-        return self.times[name]
+    def __call__(self, thunks: Mapping[str, Callable[[], object]]) -> dict[str, float]:
+        for name, fn in thunks.items():
+            fn()
+            self.calls.append(name)
+        return {name: self.times[name] for name in thunks}
 
 
 def test_explicit_never_substitutes(registry, mla_inputs) -> None:
@@ -200,7 +201,17 @@ def test_perf_counter_timer_runs_warmup_and_repeats() -> None:
     from kvplane.attention import PerfCounterTimer
 
     calls: list[int] = []
-    seconds = PerfCounterTimer(warmup=2, repeats=3)("x", lambda: calls.append(1))
-    assert len(calls) == 5 and seconds >= 0.0
-    with pytest.raises(InvalidArgumentError, match="got 1 and 0"):
-        PerfCounterTimer(warmup=1, repeats=0)
+    seconds = PerfCounterTimer(warmup=2, rounds=3)({"x": lambda: calls.append(1)})
+    assert len(calls) == 5 and seconds["x"] >= 0.0
+    with pytest.raises(InvalidArgumentError, match="warmup=1, rounds=0"):
+        PerfCounterTimer(warmup=1, rounds=0)
+
+
+def test_a_timer_that_skips_a_candidate_publishes_nothing(registry, mla_inputs) -> None:
+    timer = FakeTimer(TIMES)
+    sel = Selector(
+        registry, timer=lambda thunks: {"torch": timer({"torch": thunks["torch"]})["torch"]}
+    )
+    with pytest.raises(BackendError, match="the timer returned no time for torch_splitkv, sdpa"):
+        sel.plan(mla_inputs([1], [5]).problem, MEASURED)
+    assert timer.calls == ["torch"] and sel.plans == 0 and len(sel.cache) == 0

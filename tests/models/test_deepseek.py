@@ -50,8 +50,15 @@ def test_paths_and_backends_per_step() -> None:
     assert [p.backend for p in model.last_plans] == ["mha"]
     model.forward_step(decode, kv)
     assert [p.backend for p in model.last_plans] == ["torch"]
+    # d_nope == r: both queries are [T, H, r + p]; the path is still the step's own
     same = random_model(small_deepseek(qk_nope_head_dim=16, kv_lora_rank=16))
-    assert isinstance(same, DeepSeekModel) and same.absorbed(prefill)  # shapes coincide
+    assert isinstance(same, DeepSeekModel)
+    assert not same.absorbed(prefill) and same.absorbed(decode)
+    same_kv = same.new_kv_cache(3, 4)
+    same.forward_step(prefill, same_kv)
+    assert [p.backend for p in same.last_plans] == ["mha"]
+    same.forward_step(decode, same_kv)
+    assert [p.backend for p in same.last_plans] == ["torch"]
     explicit = random_model(small_deepseek(), backend="torch")
     with pytest.raises(UnsupportedError, match="'torch' cannot run this problem"):
         explicit.forward_step(prefill, explicit.new_kv_cache(3, 4))

@@ -45,7 +45,8 @@ from kvplane.attention.problem import (
     mla_problem,
 )
 from kvplane.attention.ranking import RankingCache, WorkloadBucket
-from kvplane.attention.selection import AUTO, MEASURED, PerfCounterTimer, Selector
+from kvplane.attention.selection import AUTO, MEASURED, Selector
+from kvplane.attention.timing import PerfCounterTimer, Timer
 
 MLAPlanMetadata = PlanMetadata
 """The ARCHITECTURE.md name: the same object serves MLA and GQA batches."""
@@ -80,6 +81,7 @@ __all__ = [
     "RankingCache",
     "Selector",
     "Supported",
+    "Timer",
     "TraceEntry",
     "Unsupported",
     "Verdict",

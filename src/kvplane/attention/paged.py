@@ -15,6 +15,11 @@ NaN included: :func:`zero_invalid` zeroes them before they are multiplied, and t
 masks them, so nothing past ``kv_len`` can leak. Rows that see no key get ``out = 0`` and
 ``lse = -inf``. :func:`merge_states` combines two partial attention states by their LSE (the
 split-KV / flash-decoding reduction).
+
+A padded batch is processed in :class:`BatchGroup` s of consecutive requests sized so that one
+group's gathered KV fits a byte budget (:func:`batch_groups`): memory is bounded by the budget
+(or one request) instead of ``B x max kv_len``, the gather target is a reused buffer that stays
+warm in cache, and each group is only as wide as its own longest request.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvplane.attention.metadata import PagedStructure, PlanMetadata, QueryClass
+from kvplane.attention.problem import AttentionResult, LSEBase
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +89,76 @@ def build_batch_index(
     )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class BatchGroup:
+    """Requests ``[lo, hi)`` of a padded batch, over their first ``pages`` page columns.
+
+    ``masked``: some real query row of the group sees fewer than ``pages * page_size`` keys (a
+    shorter request or causality), so the group needs a visibility mask.
+    """
+
+    lo: int
+    hi: int
+    pages: int
+    masked: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedBatch:
+    """A :class:`BatchIndex` and the groups its requests are processed in."""
+
+    index: BatchIndex
+    groups: tuple[BatchGroup, ...]
+
+
+def batch_groups(
+    structure: PagedStructure, causal: bool, token_bytes: int, budget_bytes: int, align: int = 1
+) -> tuple[BatchGroup, ...]:
+    """Consecutive groups of requests whose gathered KV (``token_bytes`` per position, padded to
+    the longest request of the batch) fits ``budget_bytes``; at least one request per group, a
+    multiple of ``align`` requests when more than ``align`` fit (so the groups split evenly over
+    ``align`` threads)."""
+    ps, b = structure.page_size, structure.batch_size
+    need = torch.tensor(structure.pages_needed, dtype=torch.long)
+    fit = budget_bytes // max(1, int(need.max()) * ps * token_bytes)
+    n = max(1, fit - fit % align if fit >= align else fit)
+    kv = torch.tensor(structure.kv_lens, dtype=torch.long)
+    ql = torch.tensor(structure.q_lens, dtype=torch.long)
+    # the fewest keys a real row of each request sees (causal: its first row)
+    least = torch.clamp(kv - ql + 1, min=0) if causal else kv
+    least = torch.where(ql > 0, least, torch.iinfo(torch.long).max)
+    starts = range(0, b, n)
+    pages = [int(need[lo : lo + n].max()) for lo in starts]
+    return tuple(
+        BatchGroup(lo, min(b, lo + n), w, bool((least[lo : lo + n] < w * ps).any()))
+        for lo, w in zip(starts, pages, strict=True)
+    )
+
+
 def pad_queries(x: torch.Tensor, index: BatchIndex) -> torch.Tensor:
     """``[T, H, D]`` -> ``[B, t_max, H, D]``; a view for uniform batches, a gather otherwise."""
     if index.q_rows is None:
         return x.view(index.batch, index.t_max, *x.shape[1:])
     return x[index.q_rows]
+
+
+def empty_state(
+    index: BatchIndex, heads: int, v_dim: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o [B, t_max, H, v_dim] zeros, lse [B, t_max, H] -inf)``: the state of rows that have
+    seen nothing yet, in ``dtype``."""
+    o = torch.zeros((index.batch, index.t_max, heads, v_dim), dtype=dtype, device=device)
+    return o, torch.full(o.shape[:3], float("-inf"), dtype=dtype, device=device)
+
+
+def padded_result(
+    o: torch.Tensor, lse: torch.Tensor, index: BatchIndex, dtype: torch.dtype
+) -> AttentionResult:
+    """The result of padded ``o [B, t_max, H, v]``/``lse [B, t_max, H]`` (base e): unpadded,
+    ``out`` in ``dtype`` and ``lse`` float32."""
+    return AttentionResult(
+        unpad_rows(o, index).to(dtype), unpad_rows(lse, index).float(), LSEBase.E
+    )
 
 
 def unpad_rows(y: torch.Tensor, index: BatchIndex) -> torch.Tensor:
@@ -120,6 +191,16 @@ def zero_invalid(kv: torch.Tensor, start: int, kv_lens: torch.Tensor) -> None:
     bad = pos[None, :] >= kv_lens[:, None]
     if bool(bad.any()):
         kv[bad] = 0
+
+
+def gather_group(
+    pool: torch.Tensor, index: BatchIndex, group: BatchGroup, out: torch.Tensor
+) -> torch.Tensor:
+    """The group's KV ``[n, pages * page_size, ...]`` gathered into the flat buffer ``out`` (at
+    least that many elements), positions past each request's ``kv_len`` zeroed."""
+    kv = gather_pages(pool, index.pages[group.lo : group.hi, : group.pages], out=out)
+    zero_invalid(kv, 0, index.kv_lens[group.lo : group.hi])
+    return kv
 
 
 def visible(limits: torch.Tensor, start: int, length: int) -> torch.Tensor:

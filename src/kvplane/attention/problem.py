@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvplane.attention.inputs import GQAKVCache, GQAQuery, MLAKVCache, MLAQuery
+from kvplane.attention.inputs import GQAKVCache, GQAQuery, MLAKVCache, MLAQuery, MLAUpProjection
 from kvplane.attention.metadata import PlanMetadata
 from kvplane.errors import BackendError, InvalidArgumentError
 
@@ -43,7 +43,8 @@ class LSEBase(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class MLAShape:
-    """MLA heads: absorbed when ``qk_nope_dim``/``v_head_dim`` are ``None``, else non-absorbed."""
+    """MLA heads: absorbed when ``qk_nope_dim``/``v_head_dim`` are ``None``, else non-absorbed
+    (both set, even when ``qk_nope_dim == kv_lora_rank``)."""
 
     num_heads: int
     kv_lora_rank: int
@@ -51,9 +52,20 @@ class MLAShape:
     qk_nope_dim: int | None = None
     v_head_dim: int | None = None
 
+    def __post_init__(self) -> None:
+        if (self.qk_nope_dim is None) != (self.v_head_dim is None):
+            raise InvalidArgumentError(
+                "qk_nope_dim and v_head_dim are both set (non-absorbed) or both None (absorbed),"
+                f" got {self.qk_nope_dim!r} and {self.v_head_dim!r}"
+            )
+
+    @property
+    def absorbed(self) -> bool:
+        return self.qk_nope_dim is None
+
     @property
     def kind(self) -> AttentionKind:
-        return AttentionKind.MLA if self.qk_nope_dim is None else AttentionKind.MLA_MHA
+        return AttentionKind.MLA if self.absorbed else AttentionKind.MLA_MHA
 
     @property
     def v_dim(self) -> int:
@@ -174,9 +186,15 @@ def mla_problem(
     *,
     sm_scale: float,
     causal: bool,
+    absorbed: bool | None = None,
 ) -> AttentionProblem:
-    """Describe an MLA call; non-absorbed (MHA) when ``cache.up_proj`` is set and the query's
-    nope dim equals the projection's ``d_nope`` rather than the latent rank."""
+    """Describe an MLA call: absorbed (a latent query, nope dim ``r``) or non-absorbed (a
+    per-head query, nope dim ``up_proj.qk_nope_dim``, decompressed through ``cache.up_proj``).
+
+    ``absorbed`` says which; it is required when the shapes cannot tell (``cache.up_proj`` set
+    and ``qk_nope_dim == kv_lora_rank``, where both queries are ``[T, H, r + p]``), and when
+    given it must fit the shapes. The kind is never guessed.
+    """
     if query.dtype != cache.data.dtype or query.device != cache.data.device:
         raise InvalidArgumentError(
             f"query is {query.dtype}@{query.device}, "
@@ -184,22 +202,52 @@ def mla_problem(
         )
     if query.rope_dim != cache.rope_dim:
         raise InvalidArgumentError(f"query rope dim {query.rope_dim} != cache {cache.rope_dim}")
-    up = cache.up_proj
-    if up is not None and query.nope_dim == up.qk_nope_dim and query.nope_dim != cache.kv_lora_rank:
+    up = _decompression(query, cache, absorbed)
+    if up is None:
+        shape = MLAShape(query.num_heads, cache.kv_lora_rank, cache.rope_dim)
+    else:
         _check_heads("up_proj", up.num_heads, query.num_heads)
         shape = MLAShape(
             query.num_heads, cache.kv_lora_rank, cache.rope_dim, up.qk_nope_dim, up.v_head_dim
         )
-    elif query.nope_dim == cache.kv_lora_rank:
-        shape = MLAShape(query.num_heads, cache.kv_lora_rank, cache.rope_dim)
-    else:
-        raise InvalidArgumentError(
-            f"query nope dim {query.nope_dim} is neither the latent rank {cache.kv_lora_rank} "
-            "nor an up_proj d_nope"
-        )
     _check_structure(metadata, cache.page_size, query.num_tokens)
     layout = QueryLayout.PACKED if query.packed_data is not None else QueryLayout.SPLIT
     return AttentionProblem(shape, metadata, query.dtype, query.device, sm_scale, causal, layout)
+
+
+def _decompression(
+    query: MLAQuery, cache: MLAKVCache, absorbed: bool | None
+) -> MLAUpProjection | None:
+    """The up-projection a non-absorbed call decompresses with, ``None`` for an absorbed call:
+    ``absorbed`` checked against the shapes, or the only kind the shapes allow;
+    ``InvalidArgumentError`` when it does not fit or cannot be told."""
+    if absorbed is not None and not isinstance(absorbed, bool):
+        raise InvalidArgumentError(f"absorbed must be a bool or None, got {absorbed!r}")
+    nope, r, up = query.nope_dim, cache.kv_lora_rank, cache.up_proj
+    latent = nope == r
+    per_head = up is not None and nope == up.qk_nope_dim
+    if absorbed is None:
+        if latent and per_head:
+            raise InvalidArgumentError(
+                f"query nope dim {nope} is both the latent rank and up_proj's d_nope: pass "
+                "absorbed=True (a latent query) or absorbed=False (a per-head query)"
+            )
+        if not (latent or per_head):
+            raise InvalidArgumentError(
+                f"query nope dim {nope} is neither the latent rank {r} nor an up_proj d_nope"
+            )
+        absorbed = latent
+    if absorbed and not latent:
+        raise InvalidArgumentError(
+            f"an absorbed query needs nope dim == latent rank {r}, got {nope}"
+        )
+    if not absorbed and not per_head:
+        have = "no up_proj" if up is None else f"up_proj d_nope {up.qk_nope_dim}"
+        raise InvalidArgumentError(
+            f"a non-absorbed query needs the cache's up_proj with d_nope == its nope dim {nope},"
+            f" the cache has {have}"
+        )
+    return None if absorbed else up
 
 
 def gqa_problem(

@@ -14,16 +14,16 @@ candidate (decision, reason, measured time). A plan is published (counted, cache
 the chosen backend's ``plan`` succeeded. Metrics, on the injected registry:
 ``kvplane_attention_plans_total{backend,mode}``, ``kvplane_attention_fallback_plans_total`` and
 the gauge ``kvplane_attention_fallback_ratio`` (plans resolved to a non-first candidate / plans).
-The timer is injectable: ``timer(backend_name, thunk) -> seconds``.
+The timer is injectable (:class:`~kvplane.attention.timing.Timer`: ``timer({name: thunk}) ->
+{name: seconds}``, all candidates of one bucket timed together); the default is an interleaved
+:class:`~kvplane.attention.timing.PerfCounterTimer` that takes more rounds for cheap problems.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable, Sequence
-
-import torch
+from collections.abc import Sequence
+from functools import partial
 
 from kvplane.attention.base import (
     AttentionBackend,
@@ -38,42 +38,12 @@ from kvplane.attention.base import (
 from kvplane.attention.problem import AttentionProblem
 from kvplane.attention.ranking import RankedCandidate, Ranking, RankingCache, WorkloadBucket
 from kvplane.attention.synthetic import twin
-from kvplane.errors import InvalidArgumentError, UnsupportedError
+from kvplane.attention.timing import PerfCounterTimer, Timer
+from kvplane.errors import BackendError, UnsupportedError
 from kvplane.metrics import MetricsRegistry, fallback_ratio
 
 AUTO = "auto"
 MEASURED = "measured"
-
-Timer = Callable[[str, Callable[[], object]], float]
-
-
-class PerfCounterTimer:
-    """Best (minimum) of ``repeats`` ``time.perf_counter`` timings after ``warmup`` untimed runs.
-
-    The minimum, not the mean, because on a shared machine noise only ever adds time.
-    """
-
-    def __init__(self, warmup: int = 1, repeats: int = 3) -> None:
-        if warmup < 0 or repeats < 1:
-            raise InvalidArgumentError(
-                f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}"
-            )
-        self.warmup, self.repeats = warmup, repeats
-
-    def __call__(self, name: str, fn: Callable[[], object]) -> float:
-        cuda = torch.cuda.is_available()
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.repeats):
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return min(times)
 
 
 def _why(v: Verdict) -> str:
@@ -93,7 +63,7 @@ class Selector:
         seed: int = 0,
     ) -> None:
         self.registry = registry
-        self.timer: Timer = timer if timer is not None else PerfCounterTimer()
+        self.timer: Timer = timer if timer is not None else PerfCounterTimer(min_seconds=0.05)
         self.cache = cache if cache is not None else RankingCache()
         self.seed = seed
         self.plans = 0
@@ -181,17 +151,18 @@ class Selector:
         return candidates
 
     def _time(self, problem: AttentionProblem, viable: Sequence[AttentionBackend]) -> Ranking:
+        """Every viable candidate timed together by the timer on one synthetic twin."""
         inputs = twin(problem, seed=self.seed)
-        timed = []
-        for i, b in enumerate(viable):
-            p = b.plan(inputs.problem)
-
-            def thunk(b: AttentionBackend = b, p: Plan = p) -> object:
-                return b.run(p, inputs.query, inputs.cache)
-
-            seconds = self.timer(b.name, thunk)
-            timed.append((seconds, i, RankedCandidate(b.name, seconds)))
-        return tuple(c for _, _, c in sorted(timed, key=lambda x: (x[0], x[1])))
+        thunks = {
+            b.name: partial(b.run, b.plan(inputs.problem), inputs.query, inputs.cache)
+            for b in viable
+        }
+        seconds = self.timer(thunks)
+        missing = [name for name in thunks if name not in seconds]
+        if missing:
+            raise BackendError(f"the timer returned no time for {', '.join(missing)}")
+        timed = sorted((seconds[b.name], i, b.name) for i, b in enumerate(viable))
+        return tuple(RankedCandidate(name, t) for t, _, name in timed)
 
     @staticmethod
     def _none_supported(problem: AttentionProblem, trace: list[TraceEntry]) -> str:

@@ -4,8 +4,8 @@
 like vLLM's null block; pages optionally shuffled). :func:`make_mla_inputs` /
 :func:`make_gqa_inputs` fill a pool of exactly the needed pages with seeded random data, and
 :func:`twin` builds, for any problem, a problem of the same structure (lengths, heads, dims,
-dtype, device, causality, layout) over synthetic data, ready to time without touching the
-caller's tensors.
+dtype, device, causality, layout; pages shuffled) over synthetic data, ready to time without
+touching the caller's tensors.
 """
 
 from __future__ import annotations
@@ -116,7 +116,9 @@ def make_mla_inputs(
             _randn((t, shape.num_heads, nope), dtype, dev, gen),
             _randn((t, shape.num_heads, p), dtype, dev, gen),
         )
-    problem = mla_problem(query, cache, metadata, sm_scale=sm_scale, causal=causal)
+    problem = mla_problem(
+        query, cache, metadata, sm_scale=sm_scale, causal=causal, absorbed=shape.absorbed
+    )
     return Inputs(problem, query, cache)
 
 
@@ -143,9 +145,12 @@ def make_gqa_inputs(
 
 
 def twin(problem: AttentionProblem, *, seed: int = 0) -> Inputs:
-    """Synthetic inputs with ``problem``'s structure (its lengths, on a fresh compact pool)."""
+    """Synthetic inputs with ``problem``'s structure: its lengths, on a fresh compact pool whose
+    pages are shuffled (seeded), as in a pool that has served for a while."""
     s = problem.metadata.structure()
-    meta, pages = synthetic_metadata(s.q_lens, s.kv_lens, s.page_size, device=problem.device)
+    meta, pages = synthetic_metadata(
+        s.q_lens, s.kv_lens, s.page_size, device=problem.device, shuffle_seed=seed
+    )
     if isinstance(problem.shape, MLAShape):
         return make_mla_inputs(
             meta, pages, problem.shape, dtype=problem.dtype, sm_scale=problem.sm_scale,

@@ -19,10 +19,11 @@ Per head, keys and values are up-projections of the latent (``kv_b_proj`` split 
   plain attention with ``[T, H, d_nope + p]`` queries.
 
 ``AUTO`` uses the absorbed path for decode steps (one token per request) and the decompressed one
-otherwise; when ``d_nope == r`` the two query shapes coincide and the absorbed path is used
-throughout. The step's latent is written before attention, so prefix KV and the step's own
-tokens are read alike, causally. MLP: dense SwiGLU for the first ``first_k_dense_replace``
-layers, a :class:`~kvplane.models.moe.MoE` after them when the config has routed experts.
+otherwise. The path is passed to ``mla_problem`` explicitly (``absorbed=``), so it holds even
+when ``d_nope == r`` and both queries are ``[T, H, r + p]``. The step's latent is written
+before attention, so prefix KV and the step's own tokens are read alike, causally. MLP: dense
+SwiGLU for the first ``first_k_dense_replace`` layers, a :class:`~kvplane.models.moe.MoE` after
+them when the config has routed experts.
 """
 
 from __future__ import annotations
@@ -167,8 +168,7 @@ class DeepSeekModel(PagedDecoder):
 
     def absorbed(self, batch: StepBatch) -> bool:
         """Whether ``batch`` runs the absorbed MLA path."""
-        c = self.deepseek
-        if self.mla_path is MLAPath.ABSORBED or c.qk_nope_head_dim == c.kv_lora_rank:
+        if self.mla_path is MLAPath.ABSORBED:
             return True
         return self.mla_path is MLAPath.AUTO and batch.is_decode
 
@@ -194,7 +194,9 @@ class DeepSeekModel(PagedDecoder):
             else:
                 query = MLAQuery.packed(torch.cat((q_nope, q_pe), -1), dn)
                 cache = kv.mla(i, a.up)
-            problem = mla_problem(query, cache, batch.metadata, sm_scale=c.sm_scale, causal=True)
+            problem = mla_problem(
+                query, cache, batch.metadata, sm_scale=c.sm_scale, causal=True, absorbed=absorbed
+            )
             out = attention.run(problem, query, cache).out
             if absorbed:
                 out = a.up.project_output(out)

@@ -8,20 +8,30 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvplane.attention import MLAKVCache, MLAQuery, PlanMetadata, QueryLayout, mla_problem
-from kvplane.attention.backends import TorchSplitKVBackend
+from kvplane.attention.backends import SDPABackend, TorchMLABackend, TorchSplitKVBackend
 from kvplane.attention.synthetic import Inputs
 
-MLA_BACKENDS = ["torch", "torch_splitkv", "sdpa", "splitkv_tiny"]
+MLA_BACKENDS = [
+    "torch", "torch_splitkv", "sdpa", "splitkv_tiny", "torch_1req", "sdpa_1req", "sdpa_split",
+]  # fmt: skip
 
 
 @pytest.fixture
 def runner(run_backend, registry):
-    """Like ``run_backend`` plus ``splitkv_tiny``: split-KV with 4-token splits (many merges)."""
-    tiny = TorchSplitKVBackend(split_tokens=4)
+    """Like ``run_backend`` plus ``splitkv_tiny``: split-KV with 4-token splits (many merges),
+    ``*_1req``: a one-byte group budget, so every request is its own group, and ``sdpa_split``:
+    one request per group cut into up to 4 kernel work items of >= 4 tokens (LSE-merged)."""
+    variants = {
+        "splitkv_tiny": TorchSplitKVBackend(split_tokens=4),
+        "torch_1req": TorchMLABackend(group_bytes=1),
+        "sdpa_1req": SDPABackend(group_bytes=1),
+        "sdpa_split": SDPABackend(group_bytes=1, min_split_tokens=4, work_items=4),
+    }
 
     def run(name: str, inputs: Inputs):
-        if name == "splitkv_tiny":
-            return tiny.run(tiny.plan(inputs.problem), inputs.query, inputs.cache)
+        b = variants.get(name)
+        if b is not None:
+            return b.run(b.plan(inputs.problem), inputs.query, inputs.cache)
         return run_backend(name, inputs)
 
     return run

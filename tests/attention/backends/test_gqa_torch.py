@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvplane.attention import Selector
+from kvplane.attention.backends import GQATorchBackend
 
 
 def _poison(inputs):
@@ -35,9 +36,12 @@ def test_gqa_matches_reference(  # noqa: PLR0917
 ) -> None:
     q, kv = CASES[case]
     inputs = _poison(gqa_inputs(q, kv, heads=heads, kv_heads=kv_heads, causal=causal))
-    assert_close(
-        run_backend("gqa_torch", inputs), run_backend("gqa_reference", inputs), torch.float32
-    )
+    want = run_backend("gqa_reference", inputs)
+    assert_close(run_backend("gqa_torch", inputs), want, torch.float32)
+    one_per_group = GQATorchBackend(group_bytes=1)  # every request its own group
+    plan = one_per_group.plan(inputs.problem)
+    assert len(plan.state.groups) == len(q)
+    assert_close(one_per_group.run(plan, inputs.query, inputs.cache), want, torch.float32)
 
 
 def test_gqa_bf16(gqa_inputs, run_backend, assert_close) -> None:

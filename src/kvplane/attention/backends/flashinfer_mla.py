@@ -19,14 +19,16 @@ unsupported (left to the CPU backends) rather than relying on kernel behaviour f
 from __future__ import annotations
 
 import importlib
-import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvplane.attention.backends.torch_mla import check_inputs, empty_result
-from kvplane.attention.base import Capabilities, Plan, Verdict, plan_state, verdict
+from kvplane.attention.backends.common import MLABackend, cuda_package_reasons
+from kvplane.attention.base import Capabilities, Plan
+from kvplane.attention.inputs import MLAKVCache, MLAQuery
+from kvplane.attention.metadata import PagedStructure
 from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
 from kvplane.errors import UnsupportedError
 
@@ -35,47 +37,31 @@ WORKSPACE_BYTES = 128 << 20
 INSTALL_HINT = "install FlashInfer (pip install flashinfer-python) on a machine with an NVIDIA GPU"
 
 
-def environment_reasons() -> list[str]:
-    reasons = []
-    if not torch.cuda.is_available():
-        reasons.append(f"no CUDA device is available; {INSTALL_HINT}")
-    if importlib.util.find_spec("flashinfer") is None:
-        reasons.append(f"the flashinfer package is not installed; {INSTALL_HINT}")
-    return reasons
-
-
 @dataclass(frozen=True, slots=True)
 class FlashInferState:
     wrapper: Any  # flashinfer.mla.BatchMLAPagedAttentionWrapper, planned for this problem
 
 
-class FlashInferMLABackend:
+class FlashInferMLABackend(MLABackend[FlashInferState]):
     """FlashInfer's Batch-MLA paged attention; see the module docstring."""
 
     def __init__(self, workspace_bytes: int = WORKSPACE_BYTES) -> None:
-        self._workspace_bytes = workspace_bytes
-        self._workspaces: dict[torch.device, torch.Tensor] = {}
-        self._caps = Capabilities(
+        caps = Capabilities(
             kinds=frozenset({AttentionKind.MLA}),
             devices=frozenset({"cuda"}),
             dtypes=frozenset({torch.float16, torch.bfloat16}),
             lse_base=LSEBase.TWO,
             mla_dims=frozenset({(512, 64)}),
         )
+        super().__init__(NAME, caps, FlashInferState)
+        self._workspace_bytes = workspace_bytes
+        self._workspaces: dict[torch.device, torch.Tensor] = {}
 
-    @property
-    def name(self) -> str:
-        return NAME
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
-    def check(self, problem: AttentionProblem) -> Verdict:
-        reasons = list(self._caps.reasons(problem))
+    def environment_reasons(self, problem: AttentionProblem) -> Sequence[str]:
+        reasons = []
         if 0 in problem.metadata.structure().kv_lens:
             reasons.append("a request with kv_len 0 (left to the CPU backends)")
-        return verdict(reasons + environment_reasons())
+        return reasons + cuda_package_reasons("flashinfer", INSTALL_HINT)
 
     def _workspace(self, device: torch.device) -> torch.Tensor:
         ws = self._workspaces.get(device)
@@ -84,12 +70,11 @@ class FlashInferMLABackend:
             self._workspaces[device] = ws
         return ws
 
-    def plan(self, problem: AttentionProblem) -> Plan:
-        missing = environment_reasons()
+    def prepare(self, problem: AttentionProblem, structure: PagedStructure) -> FlashInferState:
+        missing = cuda_package_reasons("flashinfer", INSTALL_HINT)
         if missing:
             raise UnsupportedError("; ".join(missing))
         mla = importlib.import_module("flashinfer.mla")
-        s = problem.metadata.structure()
         shape = problem.mla_shape()
         csr = problem.metadata.csr()
         dev = problem.device
@@ -100,16 +85,13 @@ class FlashInferMLABackend:
         wrapper = mla.BatchMLAPagedAttentionWrapper(self._workspace(dev), backend="auto")
         wrapper.plan(
             i32(csr.qo_indptr), i32(csr.kv_indptr), i32(csr.kv_indices), i32(csr.kv_len),
-            shape.num_heads, shape.kv_lora_rank, shape.rope_dim, s.page_size,
+            shape.num_heads, shape.kv_lora_rank, shape.rope_dim, structure.page_size,
             problem.causal, problem.sm_scale, problem.dtype, problem.dtype,
         )  # fmt: skip
-        return Plan(NAME, problem, s, FlashInferState(wrapper))
+        return FlashInferState(wrapper)
 
-    def run(self, plan: Plan, query: object, cache: object) -> AttentionResult:
-        st = plan_state(plan, NAME, FlashInferState)
-        q, c = check_inputs(plan, query, cache)
-        done = empty_result(plan, plan.problem.mla_shape().v_dim)
-        if done is not None:
-            return done
-        out, lse = st.wrapper.run(q.nope, q.pe, c.ckv, c.kpe, return_lse=True)
+    def attend(
+        self, plan: Plan, state: FlashInferState, query: MLAQuery, cache: MLAKVCache
+    ) -> AttentionResult:
+        out, lse = state.wrapper.run(query.nope, query.pe, cache.ckv, cache.kpe, return_lse=True)
         return AttentionResult(out, lse, LSEBase.TWO)

@@ -2,68 +2,68 @@
 
 Serves varlen queries, bottom-right causality and prefix KV alike (the model writes the new
 tokens' K/V into their pages first, then attends with ``q_len`` new tokens over
-``kv_len = prefix + new`` positions). The padded batch's pages are gathered once and query heads
-are grouped per KV head (head ``h`` reads KV head ``h // (Hq / Hkv)``), so K/V are never
-repeated per query head.
+``kv_len = prefix + new`` positions). Requests are processed in groups as in the ``torch`` MLA
+backend, each group's pages gathered into reused scratch buffers, and query heads are grouped
+per KV head (head ``h`` reads KV head ``h // (Hq / Hkv)``), so K/V are never repeated per query
+head.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvplane.attention.backends.gqa_reference import GQABackendBase, gqa_empty, gqa_inputs
-from kvplane.attention.backends.torch_mla import CPU_DTYPES, compute_dtype
-from kvplane.attention.base import Capabilities, Plan, plan_state
-from kvplane.attention.paged import (
-    BatchIndex,
-    build_batch_index,
-    gather_pages,
-    pad_queries,
-    softmax_lse,
-    unpad_rows,
-    visible,
-    zero_invalid,
+from kvplane.attention.backends.common import (
+    GROUP_BYTES,
+    GQABackend,
+    compute_dtype,
+    group_kv,
+    grouped_batch,
+    positive_int,
+    torch_capabilities,
 )
-from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
+from kvplane.attention.base import Plan
+from kvplane.attention.inputs import GQAKVCache, GQAQuery
+from kvplane.attention.metadata import PagedStructure
+from kvplane.attention.paged import (
+    GroupedBatch,
+    empty_state,
+    pad_queries,
+    padded_result,
+    softmax_lse,
+    visible,
+)
+from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult
+
+NAME = "gqa_torch"
 
 
-class GQATorchBackend(GQABackendBase):
-    """Vectorised padded batch; query heads grouped per KV head."""
+class GQATorchBackend(GQABackend[GroupedBatch]):
+    """Vectorised padded batch, group by group; query heads grouped per KV head."""
 
-    def __init__(self) -> None:
-        self._name = "gqa_torch"
-        self._caps = Capabilities(
-            kinds=frozenset({AttentionKind.GQA}),
-            devices=frozenset({"cpu", "cuda"}),
-            dtypes=CPU_DTYPES,
-            lse_base=LSEBase.E,
-        )
+    def __init__(self, group_bytes: int = GROUP_BYTES) -> None:
+        super().__init__(NAME, torch_capabilities(AttentionKind.GQA), GroupedBatch)
+        self.group_bytes = positive_int("group_bytes", group_bytes)
 
-    def plan(self, problem: AttentionProblem) -> Plan:
-        s = problem.metadata.structure()
-        index = build_batch_index(problem.metadata, s, problem.causal, problem.device)
-        return Plan(self._name, problem, s, index)
+    def prepare(self, problem: AttentionProblem, structure: PagedStructure) -> GroupedBatch:
+        shape = problem.gqa_shape()
+        width = 2 * shape.num_kv_heads * shape.head_dim  # K and V
+        return grouped_batch(problem, structure, width, self.group_bytes)
 
-    def run(self, plan: Plan, query: object, cache: object) -> AttentionResult:
-        index = plan_state(plan, self._name, BatchIndex)
-        q, c = gqa_inputs(plan, query, cache)
-        done = gqa_empty(plan)
-        if done is not None:
-            return done
-        shape = plan.problem.gqa_shape()
-        cdt = compute_dtype(plan.problem.dtype)
-        keys = gather_pages(c.k, index.pages)  # [B, S, Hkv, D]
-        vals = gather_pages(c.v, index.pages)
-        zero_invalid(keys, 0, index.kv_lens)
-        zero_invalid(vals, 0, index.kv_lens)
-        keys, vals = keys.to(cdt), vals.to(cdt)
-        b, t = index.batch, index.t_max
+    def attend(
+        self, plan: Plan, state: GroupedBatch, query: GQAQuery, cache: GQAKVCache
+    ) -> AttentionResult:
+        p, index, shape = plan.problem, state.index, plan.problem.gqa_shape()
+        cdt = compute_dtype(p.dtype)
+        b, t, d = index.batch, index.t_max, shape.head_dim
         hkv, group = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads
-        qg = pad_queries(q.q, index).to(cdt).view(b, t, hkv, group, shape.head_dim)
-        scores = torch.einsum("btkgd,bskd->btkgs", qg, keys).reshape(b, t, shape.num_heads, -1)
-        scores.mul_(plan.problem.sm_scale)
-        probs, lse = softmax_lse(scores, visible(index.limits, 0, keys.shape[1]))
-        pg = probs.view(b, t, hkv, group, -1)
-        o = torch.einsum("btkgs,bskd->btkgd", pg, vals).reshape(b, t, shape.num_heads, -1)
-        out = unpad_rows(o, index).to(plan.problem.dtype)
-        return AttentionResult(out, unpad_rows(lse, index).float(), LSEBase.E)
+        qg = pad_queries(query.q, index).to(cdt).view(b, t, hkv, group, d)
+        o, lse = empty_state(index, shape.num_heads, d, cdt, p.device)
+        for part in group_kv(self.scratch, state, (cache.k, cache.v), cdt):
+            rows, (keys, vals) = part.rows, part.kv
+            n = keys.shape[0]
+            scores = torch.einsum("btkgd,bskd->btkgs", qg[rows], keys)
+            scores = scores.reshape(n, t, shape.num_heads, part.tokens).mul_(p.sm_scale)
+            probs, lse[rows] = softmax_lse(scores, visible(index.limits[rows], 0, part.tokens))
+            pg = probs.view(n, t, hkv, group, part.tokens)
+            o[rows] = torch.einsum("btkgs,bskd->btkgd", pg, vals).reshape(n, t, -1, d)
+        return padded_result(o, lse, index, p.dtype)

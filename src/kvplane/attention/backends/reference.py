@@ -9,12 +9,14 @@ in the query dtype with a float32 base-e LSE. Slow by design; ``measured`` never
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from kvplane.attention.backends.torch_mla import check_inputs, empty_result
-from kvplane.attention.base import Capabilities, Plan, Verdict, plan_state, verdict
-from kvplane.attention.inputs import FLOAT_DTYPES
-from kvplane.attention.metadata import DensePageTable
+from kvplane.attention.backends.common import MLABackend
+from kvplane.attention.base import Capabilities, Plan
+from kvplane.attention.inputs import FLOAT_DTYPES, MLAKVCache, MLAQuery
+from kvplane.attention.metadata import DensePageTable, PagedStructure
 from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
 
 NAME = "reference"
@@ -45,64 +47,66 @@ def request_rows(pool: torch.Tensor, table: torch.Tensor, kv_len: int) -> torch.
     return pool[pages].reshape(need * page_size, *pool.shape[2:])[:kv_len].double()
 
 
-class ReferenceBackend:
+def oracle_capabilities(*kinds: AttentionKind) -> Capabilities:
+    """A float64 oracle's capabilities: ``kinds`` on CPU or CUDA in any float dtype."""
+    return Capabilities(
+        kinds=frozenset(kinds), devices=frozenset({"cpu", "cuda"}),
+        dtypes=frozenset(FLOAT_DTYPES), lse_base=LSEBase.E, oracle=True,
+    )  # fmt: skip
+
+
+Request = Callable[[int, slice, int], tuple[torch.Tensor, torch.Tensor]]
+"""``(b, token rows, kv_len) -> (logits [t, H, kv_len], values [H, kv_len, v])``, float64,
+logits not yet scaled."""
+
+
+def oracle_attend(plan: Plan, v_dim: int, request: Request) -> AttentionResult:
+    """Attention request by request in float64: for every request with query tokens and KV,
+    ``request`` gives its logits and values; scaling, the causal mask, the softmax and the
+    output are done here. Output in the query dtype, LSE float32 base e."""
+    s, p = plan.structure, plan.problem
+    out = torch.zeros((s.num_tokens, p.num_heads, v_dim), dtype=p.dtype, device=p.device)
+    lse = torch.full((s.num_tokens, p.num_heads), float("-inf"), device=p.device)
+    start = 0
+    for b, (q_len, kv_len) in enumerate(zip(s.q_lens, s.kv_lens, strict=True)):
+        rows = slice(start, start + q_len)
+        start += q_len
+        if not (q_len and kv_len):
+            continue
+        logits, values = request(b, rows, kv_len)
+        logits = logits * p.sm_scale + causal_bias(q_len, kv_len, p.causal, p.device)[:, None]
+        probs, row_lse = softmax64(logits)
+        out[rows] = torch.einsum("ths,hsv->thv", probs, values).to(p.dtype)
+        lse[rows] = row_lse.float()
+    return AttentionResult(out, lse, LSEBase.E)
+
+
+class ReferenceBackend(MLABackend[DensePageTable]):
     """The float64 MLA oracle (absorbed and non-absorbed); see the module docstring."""
 
     def __init__(self) -> None:
-        self._caps = Capabilities(
-            kinds=frozenset({AttentionKind.MLA, AttentionKind.MLA_MHA}),
-            devices=frozenset({"cpu", "cuda"}),
-            dtypes=frozenset(FLOAT_DTYPES),
-            lse_base=LSEBase.E,
-            oracle=True,
-        )
+        caps = oracle_capabilities(AttentionKind.MLA, AttentionKind.MLA_MHA)
+        super().__init__(NAME, caps, DensePageTable)
 
-    @property
-    def name(self) -> str:
-        return NAME
+    def prepare(self, problem: AttentionProblem, structure: PagedStructure) -> DensePageTable:
+        return problem.metadata.dense()
 
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
-    def check(self, problem: AttentionProblem) -> Verdict:
-        return verdict(self._caps.reasons(problem))
-
-    def plan(self, problem: AttentionProblem) -> Plan:
-        s = problem.metadata.structure()
-        return Plan(NAME, problem, s, problem.metadata.dense())
-
-    def run(self, plan: Plan, query: object, cache: object) -> AttentionResult:
-        dense = plan_state(plan, NAME, DensePageTable)
-        q, c = check_inputs(plan, query, cache)
+    def attend(
+        self, plan: Plan, state: DensePageTable, query: MLAQuery, cache: MLAKVCache
+    ) -> AttentionResult:
         shape = plan.problem.mla_shape()
-        done = empty_result(plan, shape.v_dim)
-        if done is not None:
-            return done
-        s, p = plan.structure, plan.problem
-        r = shape.kv_lora_rank
-        out = torch.zeros((s.num_tokens, p.num_heads, shape.v_dim), dtype=p.dtype, device=p.device)
-        lse = torch.full((s.num_tokens, p.num_heads), float("-inf"), device=p.device)
-        start = 0
-        for b, (q_len, kv_len) in enumerate(zip(s.q_lens, s.kv_lens, strict=True)):
-            end = start + q_len
-            if q_len and kv_len:
-                rows = request_rows(c.data, dense.block_table[b], kv_len)
-                ckv, kpe = rows[:, :r], rows[:, r:]
-                qn, qp = q.nope[start:end].double(), q.pe[start:end].double()
-                logits = torch.einsum("thp,sp->ths", qp, kpe)
-                if c.up_proj is not None and shape.qk_nope_dim is not None:
-                    k_nope = torch.einsum("sr,hrd->hsd", ckv, c.up_proj.w_uk.double())
-                    values = torch.einsum("sr,hrv->hsv", ckv, c.up_proj.w_uv.double())
-                    logits += torch.einsum("thd,hsd->ths", qn, k_nope)
-                else:
-                    values = ckv[None].expand(p.num_heads, kv_len, r)
-                    logits += torch.einsum("thr,sr->ths", qn, ckv)
-                logits = (
-                    logits * p.sm_scale + causal_bias(q_len, kv_len, p.causal, p.device)[:, None]
-                )
-                probs, row_lse = softmax64(logits)
-                out[start:end] = torch.einsum("ths,hsv->thv", probs, values).to(p.dtype)
-                lse[start:end] = row_lse.float()
-            start = end
-        return AttentionResult(out, lse, LSEBase.E)
+        r, up = shape.kv_lora_rank, cache.up_proj if not shape.absorbed else None
+
+        def request(b: int, rows: slice, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+            latent = request_rows(cache.data, state.block_table[b], kv_len)
+            ckv, kpe = latent[:, :r], latent[:, r:]
+            q_nope, q_pe = query.nope[rows].double(), query.pe[rows].double()
+            logits = torch.einsum("thp,sp->ths", q_pe, kpe)
+            if up is None:  # absorbed: latent queries, the latent is the value
+                logits += torch.einsum("thr,sr->ths", q_nope, ckv)
+                return logits, ckv[None].expand(shape.num_heads, kv_len, r)
+            k_nope = torch.einsum("sr,hrd->hsd", ckv, up.w_uk.double())
+            logits += torch.einsum("thd,hsd->ths", q_nope, k_nope)
+            return logits, torch.einsum("sr,hrv->hsv", ckv, up.w_uv.double())
+
+        return oracle_attend(plan, shape.v_dim, request)

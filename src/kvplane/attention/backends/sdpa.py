@@ -3,27 +3,42 @@
 The public ``scaled_dot_product_attention`` returns no LSE, so this backend calls the CPU
 flash kernel behind it (``aten::_scaled_dot_product_flash_attention_for_cpu``), which returns
 ``(out, logsumexp)``. That kernel needs one head dim for Q, K and V, so the gathered latent KV
-``[B, S, r + p]`` is passed as both K and V (one head, expanded to ``H`` without a copy) and the
-output's first ``r`` columns are the latent output. Bottom-right causality and ``kv_len`` are an
-additive ``-inf`` mask. Needs a packed query (split inputs fall through to another backend). A
-torch build without the kernel makes ``check`` report Unsupported.
+``[n, S, r + p]`` is passed as both K and V and the output's first ``r`` columns are the latent
+output.
+
+All MLA heads share that one latent KV head, so the heads are folded into the kernel's query
+rows (as FlashMLA does): the kernel sees ``[n, t, H, r + p]`` queries, its "heads" being the
+``t`` query positions and its "rows" the ``H`` heads, with K/V expanded (no copy) over the ``t``
+positions. Each kernel block is then an ``H``-row matrix product over the KV instead of ``H``
+single-row ones, and the KV block is read once for all heads. Bottom-right causality and
+``kv_len`` are an additive ``-inf`` mask ``[n, t, 1, S]`` (one row per position, broadcast over
+the heads), built only for groups that need one.
+
+Requests are processed in groups as in the ``torch`` backend. The kernel's work items are
+(request, position) pairs, so a group of fewer requests than torch has threads (one long
+decode) would leave threads idle: its KV is then cut into equal page-aligned splits of at least
+``min_split_tokens``, each a work item of its own, and the splits' states are merged by their
+LSE (flash-decoding) in float32. The kernel returns ``0`` for a row that sees no key of a split;
+such rows get ``lse = -inf`` before the merge, so rows that see nothing end at ``0`` / ``-inf``.
+Needs a packed query (split inputs fall through to another backend). A torch build without the
+kernel makes ``check`` report Unsupported.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from kvplane.attention.backends.torch_mla import check_inputs, empty_result
-from kvplane.attention.base import Capabilities, Plan, Verdict, plan_state, verdict
-from kvplane.attention.paged import (
-    BatchIndex,
-    build_batch_index,
-    gather_pages,
-    pad_queries,
-    unpad_rows,
-    visible,
-    zero_invalid,
+from kvplane.attention.backends.common import (
+    GROUP_BYTES,
+    GroupedMLABackend,
+    group_kv,
+    positive_int,
 )
+from kvplane.attention.base import Capabilities, Plan
+from kvplane.attention.inputs import MLAKVCache, MLAQuery
+from kvplane.attention.paged import GroupedBatch, empty_state, pad_queries, padded_result, visible
 from kvplane.attention.problem import (
     AttentionKind,
     AttentionProblem,
@@ -35,63 +50,106 @@ from kvplane.errors import BackendError
 
 NAME = "sdpa"
 _OP = "_scaled_dot_product_flash_attention_for_cpu"
+MIN_SPLIT_TOKENS = 256
+"""Shortest KV split worth a kernel work item of its own."""
 
 
-class SDPABackend:
-    """Absorbed MLA via the fused CPU flash kernel; see the module docstring."""
+def kv_splits(requests: int, tokens: int, page_size: int, items: int, min_tokens: int) -> int:
+    """Equal page-aligned parts to cut each request's ``tokens`` KV positions into, so that a
+    group of ``requests`` gives the kernel ``items`` work items (one per thread); parts of at
+    least ``min_tokens``, and ``1`` when the group has work enough."""
+    want = min(-(-items // requests), tokens // min_tokens)
+    pages = tokens // page_size
+    return max((k for k in range(1, want + 1) if pages % k == 0), default=1)
 
-    def __init__(self) -> None:
-        self._caps = Capabilities(
+
+def merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine per-split states ``out [n, splits, ..., v]``, ``lse [n, splits, ...]`` (base e,
+    ``-inf`` where a split was empty) into ``(o [n, ..., v] float32, lse [n, ...])``; rows that
+    saw nothing at all get ``0`` / ``-inf``."""
+    total = torch.logsumexp(lse, dim=1)
+    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    weights = torch.exp(lse - safe[:, None])
+    return (out.float() * weights[..., None]).sum(1), total
+
+
+def split_attention(
+    problem: AttentionProblem,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    limits: torch.Tensor,
+    *,
+    masked: bool,
+    splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on ``q [n, t, H, D]`` over ``kv [n, S, D]`` cut into ``splits`` equal parts,
+    ``limits [n, t]`` keys visible per row: ``(out [n, splits, t, H, D], lse [n, splits, t,
+    H])``, ``lse = -inf`` where a row sees nothing of a split."""
+    n, t, h, d = q.shape
+    s_len = kv.shape[1]
+    part = s_len // splits
+    k = kv.view(n * splits, 1, part, d).expand(n * splits, t, part, d)
+    qs = q[:, None].expand(n, splits, t, h, d).reshape(n * splits, t, h, d)
+    bias = None
+    if masked:
+        seen = visible(limits, 0, s_len).view(n, t, splits, part).transpose(1, 2)
+        bias = torch.zeros(seen.shape, dtype=problem.dtype, device=problem.device)
+        bias.masked_fill_(~seen, float("-inf"))
+        bias = bias.reshape(n * splits, t, 1, part)
+    op = getattr(torch.ops.aten, _OP)
+    out, lse = op(qs, k, k, 0.0, False, attn_mask=bias, scale=problem.sm_scale)
+    starts = torch.arange(splits, device=problem.device) * part
+    empty = limits[:, None, :] <= starts[None, :, None]  # [n, splits, t]
+    lse = lse.view(n, splits, t, h).masked_fill(empty[..., None], float("-inf"))
+    return out.view(n, splits, t, h, d), lse
+
+
+class SDPABackend(GroupedMLABackend):
+    """Absorbed MLA via the fused CPU flash kernel, heads folded; see the module docstring.
+
+    ``work_items`` (default: torch's intra-op threads at run time) is how many kernel work
+    items a group should offer; ``min_split_tokens`` the shortest KV split.
+    """
+
+    def __init__(
+        self,
+        group_bytes: int = GROUP_BYTES,
+        *,
+        min_split_tokens: int = MIN_SPLIT_TOKENS,
+        work_items: int | None = None,
+    ) -> None:
+        caps = Capabilities(
             kinds=frozenset({AttentionKind.MLA}),
             devices=frozenset({"cpu"}),
             dtypes=frozenset({torch.float32, torch.bfloat16}),
             lse_base=LSEBase.E,
             query_layouts=frozenset({QueryLayout.PACKED}),
         )
+        super().__init__(NAME, caps, group_bytes)
+        self.min_split_tokens = positive_int("min_split_tokens", min_split_tokens)
+        self.work_items = None if work_items is None else positive_int("work_items", work_items)
 
-    @property
-    def name(self) -> str:
-        return NAME
+    def environment_reasons(self, problem: AttentionProblem) -> Sequence[str]:
+        if hasattr(torch.ops.aten, _OP):
+            return ()
+        return (f"this torch build has no aten::{_OP} kernel",)
 
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
-    def check(self, problem: AttentionProblem) -> Verdict:
-        reasons = list(self._caps.reasons(problem))
-        if not hasattr(torch.ops.aten, _OP):
-            reasons.append(f"this torch build has no aten::{_OP} kernel")
-        return verdict(reasons)
-
-    def plan(self, problem: AttentionProblem) -> Plan:
-        s = problem.metadata.structure()
-        index = build_batch_index(problem.metadata, s, problem.causal, problem.device)
-        return Plan(NAME, problem, s, index)
-
-    def run(self, plan: Plan, query: object, cache: object) -> AttentionResult:
-        index = plan_state(plan, NAME, BatchIndex)
-        q, c = check_inputs(plan, query, cache)
-        shape = plan.problem.mla_shape()
-        done = empty_result(plan, shape.v_dim)
-        if done is not None:
-            return done
-        if q.packed_data is None:
+    def attend(
+        self, plan: Plan, state: GroupedBatch, query: MLAQuery, cache: MLAKVCache
+    ) -> AttentionResult:
+        if query.packed_data is None:
             raise BackendError("sdpa needs a packed query")
-        dtype = plan.problem.dtype
-        kv = gather_pages(c.data, index.pages)
-        zero_invalid(kv, 0, index.kv_lens)
-        b, s_len, d = kv.shape
-        h = shape.num_heads
-        qp = pad_queries(q.packed_data, index).transpose(1, 2)  # [B, H, t, D]
-        k = kv[:, None].expand(b, h, s_len, d)
-        seen = visible(index.limits, 0, s_len)
-        bias = torch.zeros(seen.shape, dtype=dtype, device=kv.device)
-        bias.masked_fill_(~seen, float("-inf"))
-        op = getattr(torch.ops.aten, _OP)
-        out, lse = op(qp, k, k, 0.0, False, attn_mask=bias[:, None], scale=plan.problem.sm_scale)
-        out = out[..., : shape.kv_lora_rank].transpose(1, 2)  # [B, t, H, r]
-        lse = lse.transpose(1, 2).float()  # [B, t, H]
-        empty = (index.limits == 0)[:, :, None]  # rows that see nothing: 0 / -inf
-        out = out.masked_fill(empty[..., None], 0)
-        lse = lse.masked_fill(empty, float("-inf"))
-        return AttentionResult(unpad_rows(out, index).to(dtype), unpad_rows(lse, index), LSEBase.E)
+        p, index = plan.problem, state.index
+        qp = pad_queries(query.packed_data, index)  # [B, t, H, D]: t "heads" of H rows
+        r = p.mla_shape().kv_lora_rank
+        items = self.work_items if self.work_items is not None else torch.get_num_threads()
+        o, lse = empty_state(index, p.num_heads, r, torch.float32, p.device)
+        for part in group_kv(self.scratch, state, (cache.data,), p.dtype):
+            rows = part.rows
+            n = rows.stop - rows.start
+            splits = kv_splits(n, part.tokens, index.page_size, items, self.min_split_tokens)
+            out, split_lse = split_attention(
+                p, qp[rows], part.kv[0], index.limits[rows], masked=part.masked, splits=splits
+            )
+            o[rows], lse[rows] = merge_splits(out[..., :r], split_lse)
+        return padded_result(o, lse, index, p.dtype)

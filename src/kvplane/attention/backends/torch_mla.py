@@ -1,41 +1,39 @@
 """``torch``: absorbed MLA in latent space on any torch device (gather pages, matmul, softmax).
 
-The whole padded batch is gathered at once (``[B, pages * page_size, r + p]``), so memory grows
-with ``B x max kv_len``; ``torch_splitkv`` bounds it for long contexts. Low-precision inputs are
-computed in float32; the output is cast back to the query dtype, the LSE is float32 base e.
+The padded batch is processed in groups of requests (:func:`~kvplane.attention.paged.
+batch_groups`) whose gathered KV ``[n, pages * page_size, r + p]`` fits :data:`GROUP_BYTES`,
+gathered into the backend's reused scratch buffer; scores are one batched matmul of the packed
+query against the whole latent row, the output one against its ``c_kv`` part. Memory is about
+one group, not ``B x max kv_len``; ``torch_splitkv`` also bounds a single long request.
+Low-precision inputs are computed in float32; the output is cast back to the query dtype, the
+LSE is float32 base e.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvplane.attention.base import Capabilities, Plan, Verdict, plan_state, verdict
+from kvplane.attention.backends.common import (
+    GROUP_BYTES,
+    GroupedMLABackend,
+    compute_dtype,
+    group_kv,
+    torch_capabilities,
+)
+from kvplane.attention.base import Plan
 from kvplane.attention.inputs import MLAKVCache, MLAQuery
 from kvplane.attention.paged import (
     BatchIndex,
-    build_batch_index,
-    gather_pages,
+    GroupedBatch,
+    empty_state,
     pad_queries,
+    padded_result,
     softmax_lse,
-    unpad_rows,
     visible,
-    zero_invalid,
 )
-from kvplane.attention.problem import (
-    AttentionKind,
-    AttentionProblem,
-    AttentionResult,
-    LSEBase,
-)
-from kvplane.errors import BackendError
+from kvplane.attention.problem import AttentionKind, AttentionResult
 
 NAME = "torch"
-CPU_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Low-precision inputs are computed in float32; float32/64 stay as they are."""
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def padded_query(
@@ -81,67 +79,22 @@ def attend_latent(
     return o, lse
 
 
-def check_inputs(plan: Plan, query: object, cache: object) -> tuple[MLAQuery, MLAKVCache]:
-    plan.problem.validate_inputs(query, cache)
-    if not isinstance(query, MLAQuery) or not isinstance(cache, MLAKVCache):
-        raise BackendError(
-            "MLA backends need MLAQuery and MLAKVCache"
-        )  # unreachable after validate
-    return query, cache
+class TorchMLABackend(GroupedMLABackend):
+    """Absorbed MLA, group by group; see the module docstring."""
 
+    def __init__(self, group_bytes: int = GROUP_BYTES) -> None:
+        super().__init__(NAME, torch_capabilities(AttentionKind.MLA), group_bytes)
 
-def empty_result(plan: Plan, v_dim: int) -> AttentionResult | None:
-    """The result when there is nothing to attend to (no query token or no KV at all): zeros
-    and ``lse = -inf``; ``None`` otherwise."""
-    s = plan.structure
-    if s.num_tokens and s.max_kv_len:
-        return None
-    p = plan.problem
-    out = torch.zeros((s.num_tokens, p.num_heads, v_dim), dtype=p.dtype, device=p.device)
-    lse = torch.full((s.num_tokens, p.num_heads), float("-inf"), device=p.device)
-    return AttentionResult(out, lse, LSEBase.E)
-
-
-class TorchMLABackend:
-    """Absorbed MLA, whole batch at once; see the module docstring."""
-
-    def __init__(self) -> None:
-        self._caps = Capabilities(
-            kinds=frozenset({AttentionKind.MLA}),
-            devices=frozenset({"cpu", "cuda"}),
-            dtypes=CPU_DTYPES,
-            lse_base=LSEBase.E,
-        )
-
-    @property
-    def name(self) -> str:
-        return NAME
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
-    def check(self, problem: AttentionProblem) -> Verdict:
-        return verdict(self._caps.reasons(problem))
-
-    def plan(self, problem: AttentionProblem) -> Plan:
-        s = problem.metadata.structure()
-        index = build_batch_index(problem.metadata, s, problem.causal, problem.device)
-        return Plan(NAME, problem, s, index)
-
-    def run(self, plan: Plan, query: object, cache: object) -> AttentionResult:
-        index = plan_state(plan, NAME, BatchIndex)
-        q, c = check_inputs(plan, query, cache)
-        shape = plan.problem.mla_shape()
-        done = empty_result(plan, shape.v_dim)
-        if done is not None:
-            return done
-        cdt = compute_dtype(plan.problem.dtype)
-        kv = gather_pages(c.data, index.pages)
-        zero_invalid(kv, 0, index.kv_lens)
-        kv = kv.to(cdt)
-        mask = visible(index.limits, 0, kv.shape[1])
-        qp = padded_query(q, index, cdt)
-        o, lse = attend_latent(qp, kv, mask, plan.problem.sm_scale, shape.kv_lora_rank)
-        out = unpad_rows(o, index).to(plan.problem.dtype)
-        return AttentionResult(out, unpad_rows(lse, index).float(), LSEBase.E)
+    def attend(
+        self, plan: Plan, state: GroupedBatch, query: MLAQuery, cache: MLAKVCache
+    ) -> AttentionResult:
+        p, index = plan.problem, state.index
+        r, cdt = p.mla_shape().kv_lora_rank, compute_dtype(p.dtype)
+        packed, nope, pe = padded_query(query, index, cdt)
+        o, lse = empty_state(index, p.num_heads, r, cdt, p.device)
+        for part in group_kv(self.scratch, state, (cache.data,), cdt):
+            rows = part.rows
+            q = (None if packed is None else packed[rows], nope[rows], pe[rows])
+            mask = visible(index.limits[rows], 0, part.tokens)
+            o[rows], lse[rows] = attend_latent(q, part.kv[0], mask, p.sm_scale, r)
+        return padded_result(o, lse, index, p.dtype)

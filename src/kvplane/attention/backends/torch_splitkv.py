@@ -17,26 +17,27 @@ from dataclasses import dataclass
 
 import torch
 
-from kvplane.attention.backends.torch_mla import (
-    CPU_DTYPES,
-    attend_latent,
-    check_inputs,
+from kvplane.attention.backends.common import (
+    MLABackend,
     compute_dtype,
-    empty_result,
-    padded_query,
+    positive_int,
+    torch_capabilities,
 )
-from kvplane.attention.base import Capabilities, Plan, Verdict, plan_state, verdict
+from kvplane.attention.backends.torch_mla import attend_latent, padded_query
+from kvplane.attention.base import Plan
+from kvplane.attention.inputs import MLAKVCache, MLAQuery
+from kvplane.attention.metadata import PagedStructure
 from kvplane.attention.paged import (
     BatchIndex,
     build_batch_index,
+    empty_state,
     gather_pages,
     merge_states,
-    unpad_rows,
+    padded_result,
     visible,
     zero_invalid,
 )
-from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
-from kvplane.errors import InvalidArgumentError
+from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult
 
 NAME = "torch_splitkv"
 TARGET_SPLIT_BYTES = 8 << 20
@@ -63,35 +64,17 @@ def split_pages_for(batch: int, row_bytes: int, page_size: int, max_pages: int) 
     return max(1, min(max_pages, tokens // page_size))
 
 
-class TorchSplitKVBackend:
+class TorchSplitKVBackend(MLABackend[SplitPlan]):
     """Split-KV absorbed MLA; ``split_tokens`` fixes the split length (rounded up to pages)."""
 
     def __init__(self, split_tokens: int | None = None) -> None:
-        if split_tokens is not None and (
-            isinstance(split_tokens, bool) or not isinstance(split_tokens, int) or split_tokens < 1
-        ):
-            raise InvalidArgumentError(f"split_tokens must be a positive int, got {split_tokens!r}")
+        if split_tokens is not None:
+            positive_int("split_tokens", split_tokens)
+        super().__init__(NAME, torch_capabilities(AttentionKind.MLA), SplitPlan)
         self._split_tokens = split_tokens
-        self._caps = Capabilities(
-            kinds=frozenset({AttentionKind.MLA}),
-            devices=frozenset({"cpu", "cuda"}),
-            dtypes=CPU_DTYPES,
-            lse_base=LSEBase.E,
-        )
 
-    @property
-    def name(self) -> str:
-        return NAME
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
-    def check(self, problem: AttentionProblem) -> Verdict:
-        return verdict(self._caps.reasons(problem))
-
-    def plan(self, problem: AttentionProblem) -> Plan:
-        s = problem.metadata.structure()
+    def prepare(self, problem: AttentionProblem, structure: PagedStructure) -> SplitPlan:
+        s = structure
         shape = problem.mla_shape()
         full = build_batch_index(problem.metadata, s, problem.causal, problem.device)
         kv = torch.tensor(s.kv_lens, dtype=torch.long)
@@ -109,50 +92,35 @@ class TorchSplitKVBackend:
         active = tuple(int((sorted_kv > i * tokens).sum()) for i in range(n_splits))
         ragged = tuple(int(sorted_kv[n - 1]) < (i + 1) * tokens for i, n in enumerate(active))
         dev = problem.device
-        state = SplitPlan(
-            full,
-            full.permuted(order.to(dev)),
-            inverse.to(dev),
-            order.to(dev),
-            pages,
-            active,
+        return SplitPlan(
+            full, full.permuted(order.to(dev)), inverse.to(dev), order.to(dev), pages, active,
             ragged,
-        )
-        return Plan(NAME, problem, s, state)
+        )  # fmt: skip
 
-    def run(self, plan: Plan, query: object, cache: object) -> AttentionResult:
-        sp = plan_state(plan, NAME, SplitPlan)
-        q, c = check_inputs(plan, query, cache)
-        shape = plan.problem.mla_shape()
-        done = empty_result(plan, shape.v_dim)
-        if done is not None:
-            return done
-        cdt = compute_dtype(plan.problem.dtype)
-        r = shape.kv_lora_rank
-        packed, nope, pe = padded_query(q, sp.full, cdt)
+    def attend(
+        self, plan: Plan, state: SplitPlan, query: MLAQuery, cache: MLAKVCache
+    ) -> AttentionResult:
+        sp, p, pool = state, plan.problem, cache.data
+        cdt, r = compute_dtype(p.dtype), p.mla_shape().kv_lora_rank
+        packed, nope, pe = padded_query(query, sp.full, cdt)
         if packed is not None:  # permute one buffer and keep the halves as its views
             packed = packed[sp.order]
             nope, pe = packed[..., :r], packed[..., r:]
         else:
             nope, pe = nope[sp.order], pe[sp.order]
         idx = sp.index
-        b, t, h = idx.batch, idx.t_max, shape.num_heads
-        o = torch.zeros((b, t, h, r), dtype=cdt, device=plan.problem.device)
-        lse = torch.full((b, t, h), float("-inf"), dtype=cdt, device=plan.problem.device)
+        o, lse = empty_state(idx, p.num_heads, r, cdt, p.device)
         tokens = sp.split_pages * idx.page_size
-        ws = torch.empty(
-            sp.active[0] * tokens * c.data.shape[-1], dtype=c.data.dtype, device=c.data.device
-        ) if sp.active else None  # fmt: skip
-        for i, n in enumerate(sp.active):
-            start = i * tokens
-            pages = idx.pages[:n, i * sp.split_pages : (i + 1) * sp.split_pages]
-            kv = gather_pages(c.data, pages, out=ws)
-            if sp.ragged[i]:
-                zero_invalid(kv, start, idx.kv_lens[:n])
-            mask = visible(idx.limits[:n], start, kv.shape[1])
-            qn = (None if packed is None else packed[:n], nope[:n], pe[:n])
-            o_s, lse_s = attend_latent(qn, kv.to(cdt), mask, plan.problem.sm_scale, r)
-            o[:n], lse[:n] = merge_states(o[:n], lse[:n], o_s, lse_s)
-        o, lse = o[sp.inverse], lse[sp.inverse]
-        out = unpad_rows(o, sp.full).to(plan.problem.dtype)
-        return AttentionResult(out, unpad_rows(lse, sp.full).float(), LSEBase.E)
+        with self.scratch.use() as take:
+            ws = take("kv", sp.active[0] * tokens * pool.shape[-1], pool.dtype, pool.device)
+            for i, n in enumerate(sp.active):
+                start = i * tokens
+                pages = idx.pages[:n, i * sp.split_pages : (i + 1) * sp.split_pages]
+                kv = gather_pages(pool, pages, out=ws)
+                if sp.ragged[i]:
+                    zero_invalid(kv, start, idx.kv_lens[:n])
+                mask = visible(idx.limits[:n], start, kv.shape[1])
+                qn = (None if packed is None else packed[:n], nope[:n], pe[:n])
+                o_s, lse_s = attend_latent(qn, kv.to(cdt), mask, p.sm_scale, r)
+                o[:n], lse[:n] = merge_states(o[:n], lse[:n], o_s, lse_s)
+        return padded_result(o[sp.inverse], lse[sp.inverse], sp.full, p.dtype)

@@ -11,14 +11,16 @@ head block) and reads pages straight from the packed cache.
 from __future__ import annotations
 
 import importlib
-import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from kvplane.attention.backends.torch_mla import check_inputs, empty_result
-from kvplane.attention.base import Capabilities, Plan, Verdict, plan_state, verdict
+from kvplane.attention.backends.common import MLABackend, cuda_package_reasons
+from kvplane.attention.base import Capabilities, Plan
+from kvplane.attention.inputs import MLAKVCache, MLAQuery
+from kvplane.attention.metadata import PagedStructure
 from kvplane.attention.paged import build_batch_index, unpad_rows
 from kvplane.attention.problem import (
     AttentionKind,
@@ -39,16 +41,6 @@ def _pow2_at_least_16(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
-def environment_reasons() -> list[str]:
-    """Why this process cannot run Triton kernels (empty when it can)."""
-    reasons = []
-    if not torch.cuda.is_available():
-        reasons.append(f"no CUDA device is available; {INSTALL_HINT}")
-    if importlib.util.find_spec("triton") is None:
-        reasons.append(f"the triton package is not installed; {INSTALL_HINT}")
-    return reasons
-
-
 @dataclass(frozen=True, slots=True)
 class TritonState:
     block_table: torch.Tensor  # [B, max_pages] int32 on the device
@@ -56,37 +48,30 @@ class TritonState:
     tok_limit: torch.Tensor  # [T] int32: visible KV positions of each query token
 
 
-class TritonMLABackend:
+class TritonMLABackend(MLABackend[TritonState]):
     """Absorbed MLA in a Triton kernel; see the module docstring."""
 
     def __init__(self) -> None:
-        self._caps = Capabilities(
+        caps = Capabilities(
             kinds=frozenset({AttentionKind.MLA}),
             devices=frozenset({"cuda"}),
             dtypes=frozenset({torch.float16, torch.bfloat16}),
             lse_base=LSEBase.E,
         )
+        super().__init__(NAME, caps, TritonState)
         self._kernel_module: ModuleType | None = None
 
-    @property
-    def name(self) -> str:
-        return NAME
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
-    def check(self, problem: AttentionProblem) -> Verdict:
-        reasons = list(self._caps.reasons(problem))
+    def environment_reasons(self, problem: AttentionProblem) -> Sequence[str]:
+        reasons = []
         if isinstance(problem.shape, MLAShape):
             r, p = problem.shape.kv_lora_rank, problem.shape.rope_dim
             if not (_pow2_at_least_16(r) and _pow2_at_least_16(p)):
                 reasons.append(f"MLA dims (r, p)=({r}, {p}) must be powers of two >= 16")
-        return verdict(reasons + environment_reasons())
+        return reasons + cuda_package_reasons("triton", INSTALL_HINT)
 
     def _kernel(self) -> ModuleType:
         if self._kernel_module is None:
-            missing = environment_reasons()
+            missing = cuda_package_reasons("triton", INSTALL_HINT)
             if missing:
                 raise UnsupportedError("; ".join(missing))
             self._kernel_module = importlib.import_module(
@@ -94,23 +79,20 @@ class TritonMLABackend:
             )
         return self._kernel_module
 
-    def plan(self, problem: AttentionProblem) -> Plan:
-        s = problem.metadata.structure()
+    def prepare(self, problem: AttentionProblem, structure: PagedStructure) -> TritonState:
+        s = structure
         self._kernel()  # fail here, before anything is published, if Triton cannot load
         idx = build_batch_index(problem.metadata, s, problem.causal, problem.device)
         lens = torch.tensor(s.q_lens, dtype=torch.long, device=problem.device)
         tok_req = torch.repeat_interleave(torch.arange(s.batch_size, device=problem.device), lens)
         tok_limit = unpad_rows(idx.limits, idx)
-        state = TritonState(idx.pages.int(), tok_req.int(), tok_limit.int())
-        return Plan(NAME, problem, s, state)
+        return TritonState(idx.pages.int(), tok_req.int(), tok_limit.int())
 
-    def run(self, plan: Plan, query: object, cache: object) -> AttentionResult:
-        st = plan_state(plan, NAME, TritonState)
-        q, c = check_inputs(plan, query, cache)
+    def attend(
+        self, plan: Plan, state: TritonState, query: MLAQuery, cache: MLAKVCache
+    ) -> AttentionResult:
+        st, q, c = state, query, cache
         shape = plan.problem.mla_shape()
-        done = empty_result(plan, shape.v_dim)
-        if done is not None:
-            return done
         kernel = self._kernel().mla_paged_decode_kernel
         t, h, r = q.num_tokens, shape.num_heads, shape.kv_lora_rank
         out = torch.empty((t, h, r), dtype=plan.problem.dtype, device=plan.problem.device)
