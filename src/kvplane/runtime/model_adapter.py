@@ -21,7 +21,8 @@ reference.
 Both sides build the model from the same :class:`ModelSpec` (embedded name + seed, or a
 checkpoint directory), so their weights are bit-identical; :attr:`ModelKV.model_id` names the
 weights (name + seed, or the checkpoint's content hash) and goes into the PD handshake and into
-the offload chunk keys (:func:`kv_fingerprint`). One model object serves one thread.
+the offload chunk keys (:func:`~kvplane.runtime.producer.kv_fingerprint`). One model object
+serves one thread.
 """
 
 from __future__ import annotations
@@ -46,14 +47,15 @@ from kvplane.models import (
     greedy_token,
     load_model,
 )
-from kvplane.runtime.producer import DecodeJob, DecodeOutput, PoolTensor, ProduceStep, StepOutput
+from kvplane.runtime.producer import (
+    DecodeJob,
+    DecodeOutput,
+    PoolTensor,
+    ProduceStep,
+    StepOutput,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def kv_fingerprint(model_id: str, layout: KVLayout) -> bytes:
-    """Model identity + pool layout: what a worker's block hashes (and chunk keys) commit to."""
-    return b"model:" + model_id.encode() + b"\0layout:" + layout.fingerprint()
 
 
 @runtime_checkable

@@ -32,7 +32,7 @@ from kvplane.layout import KVLayout
 from kvplane.metrics import MetricsRegistry
 from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile
 from kvplane.runtime.advert import encode_advert
-from kvplane.runtime.producer import KVModel, PoolTensor
+from kvplane.runtime.producer import KVModel, PoolTensor, kv_fingerprint
 from kvplane.transports.base import Transport
 
 TAIL_BYTES = 16
@@ -86,7 +86,9 @@ class WorkerPools:
         self.tail = PoolTensor(tail_layout, self.tensors[-1])
         self.blocks = BlockPool(num_blocks, block_size, metrics, name=f"{name}_kv")
         self.slots = BlockPool(num_slots, 1, metrics, name=f"{name}_slots")
-        self.hasher = BlockHasher(seed=hash_seed, fingerprint=kv_layout.fingerprint())
+        self.hasher = BlockHasher(
+            seed=hash_seed, fingerprint=kv_fingerprint(self.model_id, kv_layout)
+        )
         self.transport_name = transport.name
         self._transport = transport
 

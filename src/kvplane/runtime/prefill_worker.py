@@ -47,10 +47,10 @@ from kvplane.pd.states import Role, SessionState
 from kvplane.runtime.chaos import FaultPlan
 from kvplane.runtime.driver import SliceDriver, SliceSource
 from kvplane.runtime.messages import Ack, AnyMessage, CancelOrder, PrefillOrder, WorkerStats
-from kvplane.runtime.model_adapter import ModelKV, PromptChecker, kv_fingerprint
+from kvplane.runtime.model_adapter import ModelKV, PromptChecker
 from kvplane.runtime.prefix_offload import Finished as OffloadFinished
 from kvplane.runtime.prefix_offload import PrefixOffload, PrefixSettings, StoreFinished
-from kvplane.runtime.producer import KVProducer, ProduceStep
+from kvplane.runtime.producer import KVProducer, ProduceStep, kv_fingerprint
 from kvplane.runtime.rpc import Reply
 from kvplane.runtime.slicing import LocalPool, SliceCutter, slice_schedule, step_ranges
 from kvplane.runtime.timeline import Mark, request_times

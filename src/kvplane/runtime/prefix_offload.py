@@ -5,7 +5,7 @@ Theory of operation
 -------------------
 A prompt's full blocks get chained block hashes from a :class:`~kvplane.blocks.BlockHasher`
 seeded by the worker's hash seed and fingerprinted with the model identity and the pool layout
-(:func:`~kvplane.runtime.model_adapter.kv_fingerprint`), so a chunk stored by another model,
+(:func:`~kvplane.runtime.producer.kv_fingerprint`), so a chunk stored by another model,
 another seed or another layout can never be a hit. :class:`~kvplane.chunks.ChunkSpec` groups
 ``blocks_per_chunk`` blocks into a chunk whose key is its last block's hash (it commits to the
 whole prefix).

@@ -129,3 +129,8 @@ class KVDecoder(KVModel, Protocol):
     def decode(self, job: DecodeJob, kv: PoolTensor, state: PoolTensor | None) -> DecodeOutput:
         """Generate up to ``job.max_new_tokens`` tokens starting with ``job.first_token``."""
         ...
+
+
+def kv_fingerprint(model_id: str, layout: KVLayout) -> bytes:
+    """Model identity + pool layout: what a worker's block hashes (and chunk keys) commit to."""
+    return b"model:" + model_id.encode() + b"\0layout:" + layout.fingerprint()
