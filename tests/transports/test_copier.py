@@ -31,34 +31,42 @@ def _bytes(n: int, seed: int) -> torch.Tensor:
     )
 
 
+@pytest.mark.parametrize("torch_pool", [False, True])
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31), max_run=st.sampled_from([1, 7, 64, 4096, 200_000]),
        max_desc=st.sampled_from([1, LOOP_MAX, 300]))  # fmt: skip
-def test_copy_pairs_matches_reference(kit, seed, max_run, max_desc):
+def test_copy_pairs_matches_reference(kit, seed, max_run, max_desc, torch_pool):
     rng = np.random.default_rng(seed)
     src_len, dst_len = 1 << 20, 1 << 20
     s, d = kit.random_batch(rng, SRC, src_len, DST, dst_len, max_desc=max_desc, max_run=max_run)
     src, dst = _bytes(src_len, seed), _bytes(dst_len, seed + 1)
     expected = kit.reference(src, dst, s, d)
-    copy_pairs({SRC: src}, {DST: dst}, s, d)
+    copy_pairs({SRC: src}, {DST: dst}, s, d, torch_pool=torch_pool)
     assert torch.equal(dst, expected)
 
 
+@pytest.mark.parametrize("torch_pool", [False, True])
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31), length=st.sampled_from([3, 512, 4096]))
-def test_equal_runs_back_to_back_and_shuffled(kit, seed, length):
-    """The three vectorised paths: contiguous source, contiguous destination, both scattered."""
+@given(seed=st.integers(0, 2**31), length=st.sampled_from([3, 512, 4096, 65536]),
+       shifts=st.sampled_from([(0, 0), (4, 8), (5, 4), (0, 4)]))  # fmt: skip
+def test_equal_runs_back_to_back_and_shuffled(kit, seed, length, shifts, torch_pool):
+    """The vectorised paths: contiguous source, contiguous destination, a permuted destination
+    span, a sparse destination, both scattered; bases shifted off 8-byte alignment."""
     rng = np.random.default_rng(seed)
-    n = 200
-    size = n * length
+    src_shift, dst_shift = shifts
+    n = 40
+    size = 2 * n * length + 8
+    sparse = rng.choice(2 * n, n, replace=False)
     for src_order, dst_order in ((np.arange(n), rng.permutation(n)),
                                  (rng.permutation(n), np.arange(n)),
+                                 (np.arange(n), sparse),
+                                 (rng.permutation(n), sparse),
                                  (rng.permutation(n), rng.permutation(n))):  # fmt: skip
-        s = DescriptorList(np.full(n, SRC), src_order * length, np.full(n, length))
-        d = DescriptorList(np.full(n, DST), dst_order * length, np.full(n, length))
+        s = DescriptorList(np.full(n, SRC), src_order * length + src_shift, np.full(n, length))
+        d = DescriptorList(np.full(n, DST), dst_order * length + dst_shift, np.full(n, length))
         src, dst = _bytes(size, seed), torch.zeros(size, dtype=torch.uint8)
         expected = kit.reference(src, dst, s, d)
-        copy_pairs({SRC: src}, {DST: dst}, s, d)
+        copy_pairs({SRC: src}, {DST: dst}, s, d, torch_pool=torch_pool)
         assert torch.equal(dst, expected)
 
 

@@ -8,16 +8,23 @@ peer segment, ``tcp`` gather-before-send and scatter-after-receive) comes down t
 issued from Python, a few microseconds of overhead, so the strategy depends on the runs:
 
 * few runs: one ``narrow().copy_()`` each;
-* many short runs of one length ``L`` (< ``NUMPY_MAX``, e.g. 4 KiB paged blocks): NumPy fancy
+* runs of one length ``L`` that sit a multiple of ``L`` apart on both sides (paged blocks),
+  as ``[rows, L]`` row views. Which threads copy them depends on who calls. On the
+  application's own thread (``torch_pool=True``: ``local``), torch index ops run them on torch's
+  intra-op pool -- the pool the application's compute and ``copy_`` use, so nothing else
+  fights it for cores -- one gather pass of byte rows when the destination rows tile their
+  span (a permutation included), one scatter pass of 8- or 4-byte-integer rows when the
+  sources are back to back (torch scatters byte rows element by element), else two passes
+  through a cache-sized chunk. On a transport's background thread (``shm``, ``tcp``) a torch
+  parallel op would start a second OpenMP team, whose spinning threads and the first team's
+  slow both to a fraction of memcpy; there NumPy row indexing (which releases the GIL) runs
+  them, split among the transport's :class:`~kvplane.transports.workers.CopyWorkers`;
+* other short runs of one length ``L`` (< ``NUMPY_MAX``): NumPy fancy
   indexing over a ``V{L}`` (opaque ``L``-byte) view whose stride is one byte, so a run may start
   at any byte offset -- one pass when one side is back to back, else through cache-sized
   chunks (``CHUNK_BYTES``). NumPy releases the GIL while it copies, so the index range is split
   among the transport's :class:`~kvplane.transports.workers.CopyWorkers` (as many threads as
-  torch's own ``copy_`` uses); torch's ``index_copy_`` would copy short rows element by element;
-* longer runs of one length that sit a multiple of ``L`` apart on both sides: torch
-  ``index_copy_`` / ``index_select`` over row views of 8- or 4-byte elements, which torch runs
-  on all its threads -- one scatter (or gather) pass when one side is back to back, else two
-  passes through a cache-sized chunk;
+  torch's own ``copy_`` uses);
 * other runs, long (>= ``LARGE_RUN``): one copy each (the overhead is amortised), else NumPy.
   No Python loop per run.
 
@@ -116,59 +123,144 @@ def _copy_equal(
 _WIDE = {8: torch.int64, 4: torch.int32}
 
 
+def _row_span(offsets: Int64Array, length: int) -> tuple[int, int, Int64Array] | None:
+    """``(base, rows, row index of each run)`` when every run sits a multiple of ``length``
+    bytes from the lowest one, else None."""
+    base = int(offsets.min())
+    rel = offsets - base
+    if np.any(rel % length):
+        return None
+    return base, int(rel.max()) // length + 1, rel // length
+
+
 def _rows(
     buf: torch.Tensor, offsets: Int64Array, length: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``buf`` seen as rows of ``length`` bytes (wide integer elements) holding every run, and
-    each run's row index; None unless all runs sit a multiple of ``length`` apart, aligned."""
-    width = next((w for w in _WIDE if length % w == 0), None)
-    base = int(offsets.min())
-    rel = offsets - base
-    if width is None or (buf.data_ptr() + base) % width or np.any(rel % length):
+    """``buf`` seen as ``[rows, length]`` bytes holding every run, and each run's row index;
+    None unless all runs sit a multiple of ``length`` apart."""
+    found = _row_span(offsets, length)
+    if found is None:
         return None
-    rows = int(rel.max()) // length + 1
-    view = buf.narrow(0, base, rows * length).view(_WIDE[width]).view(rows, length // width)
-    return view, torch.from_numpy(rel // length)
+    base, rows, idx = found
+    return buf.narrow(0, base, rows * length).view(rows, length), torch.from_numpy(idx)
 
 
-def _copy_rows(src: torch.Tensor, so: Int64Array, dst: torch.Tensor, do: Int64Array,
+def _wide(
+    src_rows: torch.Tensor, dst_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Both sides' byte rows seen as rows of 8- or 4-byte integers (torch scatters those in
+    bulk; it scatters byte rows element by element), or None if they are not so aligned."""
+    length = src_rows.shape[1]
+    for width, dtype in _WIDE.items():
+        if length % width == 0 and src_rows.data_ptr() % width == dst_rows.data_ptr() % width == 0:
+            return src_rows.view(dtype), dst_rows.view(dtype)
+    return None
+
+
+def _copy_rows_torch(src: torch.Tensor, so: Int64Array, dst: torch.Tensor, do: Int64Array,
                length: int) -> bool:  # fmt: skip
-    """Equal runs by torch index ops on wide-element row views (multi-threaded); False if the
-    runs are not row-aligned or the two row views share memory (same region)."""
+    """Equal runs by torch index ops on row views (torch runs them on its own intra-op
+    threads); False if the runs are not row-aligned or the two row views share memory."""
     s, d = _rows(src, so, length), _rows(dst, do, length)
     if s is None or d is None:
         return False
     (sv, si), (dv, di) = s, d
     s_lo, d_lo = sv.data_ptr(), dv.data_ptr()
-    if (
-        s_lo < d_lo + dv.numel() * dv.element_size()
-        and d_lo < s_lo + sv.numel() * sv.element_size()
-    ):
+    if s_lo < d_lo + dv.numel() and d_lo < s_lo + sv.numel():
         return False
     n = len(so)
+    if dv.shape[0] == n:  # the destination rows tile their span: one gather pass of byte rows
+        if not bool(torch.equal(di, torch.arange(n))):
+            si = torch.empty_like(si).index_copy_(0, di, si)  # the source row of each dest row
+        torch.index_select(sv, 0, si, out=dv)
+        return True
+    wide = _wide(sv, dv)
+    if wide is None:
+        return False
+    swide, dwide = wide
     if sv.shape[0] == n and bool(torch.equal(si, torch.arange(n))):
-        dv.index_copy_(0, di, sv)  # sources back to back: one scatter pass
-    elif dv.shape[0] == n and bool(torch.equal(di, torch.arange(n))):
-        torch.index_select(sv, 0, si, out=dv)  # destinations back to back: one gather pass
+        dwide.index_copy_(0, di, swide)  # sources back to back: one scatter pass
     else:
         step = max(1, CHUNK_BYTES // length)
-        stage = torch.empty((min(step, n), sv.shape[1]), dtype=sv.dtype)
+        stage = torch.empty((min(step, n), swide.shape[1]), dtype=swide.dtype)
         for i in range(0, n, step):
             part = stage[: min(step, n - i)]
-            torch.index_select(sv, 0, si[i : i + step], out=part)
-            dv.index_copy_(0, di[i : i + step], part)
+            torch.index_select(swide, 0, si[i : i + step], out=part)
+            dwide.index_copy_(0, di[i : i + step], part)
     return True
+
+
+def _copy_rows_numpy(
+    sn: npt.NDArray[np.uint8], so: Int64Array, dn: npt.NDArray[np.uint8], do: Int64Array,
+    length: int, *, workers: CopyWorkers | None,
+) -> bool:  # fmt: skip
+    """Equal row-aligned runs by NumPy row indexing over ``[rows, length]`` byte views (which
+    releases the GIL, unlike opaque ``V{L}`` items of this size), split among ``workers``;
+    False if the runs are not row-aligned or the two row views may share memory."""
+    s, d = _np_rows(sn, so, length), _np_rows(dn, do, length)
+    if s is None or d is None:
+        return False
+    (sv, si), (dv, di) = s, d
+    if np.may_share_memory(sv, dv):
+        return False
+    n = len(so)
+    src_b2b = sv.shape[0] == n and bool(np.all(si == np.arange(n)))
+    dst_b2b = dv.shape[0] == n and bool(np.all(di == np.arange(n)))
+    step = max(1, CHUNK_BYTES // length)
+
+    def part(a: int, b: int) -> None:
+        if src_b2b:
+            dv[di[a:b]] = sv[a:b]  # one scatter pass
+        elif dst_b2b:
+            np.take(sv, si[a:b], axis=0, out=dv[a:b])  # one gather pass
+        else:
+            stage = np.empty((min(step, b - a), length), dtype=np.uint8)
+            for i in range(a, b, step):
+                j = min(i + step, b)
+                np.take(sv, si[i:j], axis=0, out=stage[: j - i])
+                dv[di[i:j]] = stage[: j - i]
+
+    if workers is None:
+        part(0, n)
+    else:
+        workers.run(part, n, min_part=max(1, PART_BYTES // length))
+    return True
+
+
+def _copy_rows(
+    src: torch.Tensor, so: Int64Array, dst: torch.Tensor, do: Int64Array, length: int, *,
+    workers: CopyWorkers | None, torch_pool: bool,
+) -> bool:  # fmt: skip
+    """Equal row-aligned runs on torch's pool or on NumPy + ``workers`` (see module doc)."""
+    if torch_pool:
+        return _copy_rows_torch(src, so, dst, do, length)
+    return _copy_rows_numpy(src.numpy(), so, dst.numpy(), do, length, workers=workers)
+
+
+def _np_rows(
+    buf: npt.NDArray[np.uint8], offsets: Int64Array, length: int
+) -> tuple[npt.NDArray[np.uint8], Int64Array] | None:
+    """NumPy twin of :func:`_rows`."""
+    found = _row_span(offsets, length)
+    if found is None:
+        return None
+    base, rows, idx = found
+    return buf[base : base + rows * length].reshape(rows, length), idx
 
 
 def copy_runs(
     src: torch.Tensor, src_offsets: Int64Array, dst: torch.Tensor, dst_offsets: Int64Array,
-    lengths: Int64Array, *, workers: CopyWorkers | None = None,
+    lengths: Int64Array, *, workers: CopyWorkers | None = None, torch_pool: bool = False,
 ) -> None:  # fmt: skip
     """Copy ``lengths[i]`` bytes from ``src[src_offsets[i]:]`` to ``dst[dst_offsets[i]:]``.
 
     ``src`` and ``dst`` are flat ``uint8`` tensors; the caller has checked bounds and that no two
     destination runs overlap. Mutates ``dst`` only. Non-CPU tensors use per-run torch copies.
-    ``workers`` (optional) share the short-run NumPy copies with the calling thread.
+    ``workers`` (optional) share the NumPy copies with the calling thread. ``torch_pool``: the
+    caller is the application's own thread, so torch's intra-op pool (the one its compute
+    uses) may run row copies; a transport's background thread leaves it False, because a torch
+    parallel op there starts a second OpenMP team that fights the first for the cores (measured:
+    both teams' copies fall to a fraction of memcpy).
     """
     n = len(lengths)
     if n == 0:
@@ -186,10 +278,10 @@ def copy_runs(
         so, do = src_offsets[idx], dst_offsets[idx]
         if len(idx) <= LOOP_MAX:
             _loop(src, so, dst, do, lengths[idx])
+        elif _copy_rows(src, so, dst, do, length, workers=workers, torch_pool=torch_pool):
+            continue
         elif length < NUMPY_MAX:
             _copy_equal(sn, so, dn, do, length, workers=workers)
-        elif _copy_rows(src, so, dst, do, length):
-            continue
         elif length >= LARGE_RUN:
             _loop(src, so, dst, do, lengths[idx])
         else:
@@ -226,15 +318,18 @@ def copy_pairs(
     src: DescriptorList,
     dst: DescriptorList,
     workers: CopyWorkers | None = None,
+    *,
+    torch_pool: bool = False,
 ) -> None:
-    """Move ``src[i]`` to ``dst[i]`` for every i (validated, equal lengths); mutates dst views."""
+    """Move ``src[i]`` to ``dst[i]`` for every i (validated, equal lengths); mutates dst views.
+    ``workers`` and ``torch_pool`` as in :func:`copy_runs`."""
     src, dst = coalesce(src, dst)
     for idx in _groups(src.regions, dst.regions):
         i0 = int(idx[0])
         copy_runs(
             src_views[RegionId(int(src.regions[i0]))], src.offsets[idx],
             dst_views[RegionId(int(dst.regions[i0]))], dst.offsets[idx], src.lengths[idx],
-            workers=workers,
+            workers=workers, torch_pool=torch_pool,
         )  # fmt: skip
 
 

@@ -99,9 +99,9 @@ class LocalTransport(TransportCore):
             remote_views = target._regions.views(remote_pins)
             batch.started = True
             if batch.kind is XferKind.WRITE:
-                copy_pairs(local_views, remote_views, src, dst, self._copy_workers)
+                copy_pairs(local_views, remote_views, src, dst, self._copy_workers, torch_pool=True)
             else:
-                copy_pairs(remote_views, local_views, src, dst, self._copy_workers)
+                copy_pairs(remote_views, local_views, src, dst, self._copy_workers, torch_pool=True)
         finally:
             target._regions.unpin(remote_pins)
         batch.committed = True
