@@ -14,6 +14,7 @@ from kvplane.errors import InvalidArgumentError, OffloadError, UnsupportedError
 from kvplane.ids import SlotId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.tiers import ReadOutcome, RemoteTier, Tier
+from kvplane.offload.tiers import remote as remote_module
 from kvplane.offload.tiers.redis_server import LocalRedisServer
 
 FP = bytes(range(16))
@@ -70,6 +71,25 @@ def test_damage_is_a_miss_and_a_metric(redis_url: str, redis_namespace: str) -> 
     raw.close()
     tier.close()
     other.close()
+
+
+def test_batches_span_pipeline_groups_and_a_lost_payload_is_corrupt(
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(remote_module, "PIPELINE_BYTES", 2 * CHUNK + 1)  # groups of two chunks
+    m = MetricsRegistry()
+    tier = RemoteTier(redis_url, 5, CHUNK, FP, namespace=redis_namespace, metrics=m)
+    order = [SlotId(s) for s in (4, 0, 2, 1, 3)]
+    tier.write(order, keys(0, 1, 2, 3, 4), [pattern(i) for i in range(5)])
+    outs = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in range(5)]
+    assert tier.read(order[::-1], keys(4, 3, 2, 1, 0), outs) == [OK] * 5
+    assert all(torch.equal(outs[i], pattern(4 - i)) for i in range(5))
+    raw = redis.Redis.from_url(redis_url)
+    raw.hdel(f"{redis_namespace}:slot:0", "p")  # the header stays, the payload is gone
+    assert tier.read([SlotId(0), SlotId(4)], keys(1, 0), outs[:2]) == [CORRUPT, OK]
+    assert corrupt(m, "missing") == 1 and torch.equal(outs[1], pattern(0))
+    raw.close()
+    tier.close()
 
 
 def test_server_going_away_mid_run_is_a_typed_error() -> None:

@@ -7,7 +7,10 @@ Slot ``i`` is the Redis hash ``<namespace>:slot:<i>`` with two fields: ``h``, th
 both and the server applies a command whole, so a client that dies mid-send publishes nothing
 (publish after complete); a later ``HSET`` to the slot replaces both fields at once. A read
 (``HMGET``) checks the header (key, layout fingerprint, length) and the payload CRC-32 and
-returns CORRUPT or MISSING rather than bytes it cannot vouch for. :meth:`RemoteTier.scan`
+returns CORRUPT or MISSING rather than bytes it cannot vouch for. A batch goes out in pipelined
+groups of about :data:`PIPELINE_BYTES` (one round trip per group, not per chunk); each chunk is
+still its own atomic command, so a connection lost mid-group fails the job and leaves every
+chunk either whole or absent. :meth:`RemoteTier.scan`
 re-indexes the namespace from headers alone (payloads are verified when read).
 
 The ``redis`` client is imported here only; without it :func:`redis_support` says why and the
@@ -34,6 +37,8 @@ from kvplane.offload.tiers.header import FINGERPRINT_BYTES, ChunkHeader, payload
 
 _H = b"h"
 _P = b"p"
+PIPELINE_BYTES = 8 << 20
+"""Payload bytes per pipelined round trip of a batch (reads hold a group's replies at once)."""
 
 
 def redis_support() -> str | None:
@@ -104,16 +109,25 @@ class RemoteTier:
     def write(
         self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], payloads: Sequence[torch.Tensor]
     ) -> None:
-        """One atomic ``HSET`` of header and payload per chunk."""
+        """One atomic ``HSET`` of header and payload per chunk, pipelined by groups."""
         check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, payloads)
         try:
-            for slot, key, payload in zip(slots, keys, payloads, strict=True):
-                view = as_buffer(payload)
-                crc = payload_checksum(view)
-                header = ChunkHeader(key, self.fingerprint, self.chunk_bytes, crc)
-                self._client.hset(self._key(slot), mapping={_H: header.encode(), _P: view})
+            for group in self._groups(len(slots)):
+                pipe = self._client.pipeline(transaction=False)
+                for i in group:
+                    view = as_buffer(payloads[i])
+                    crc = payload_checksum(view)
+                    header = ChunkHeader(keys[i], self.fingerprint, self.chunk_bytes, crc)
+                    pipe.hset(self._key(slots[i]), mapping={_H: header.encode(), _P: view})
+                pipe.execute()
         except self._errors as exc:
             raise self._fail("write", exc) from exc
+
+    def _groups(self, n: int) -> list[range]:
+        """Index ranges of at most :data:`PIPELINE_BYTES` of payload (at least one chunk):
+        one round trip per group instead of one per chunk, with bounded client memory."""
+        per = max(1, PIPELINE_BYTES // self.chunk_bytes)
+        return [range(a, min(a + per, n)) for a in range(0, n, per)]
 
     def read(
         self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]
@@ -122,15 +136,20 @@ class RemoteTier:
         check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, outs)
         outcomes: list[ReadOutcome] = []
         try:
-            for slot, key, out in zip(slots, keys, outs, strict=True):
-                raw_header, payload = self._client.hmget(self._key(slot), [_H, _P])
+            replies: list[list[bytes | None]] = []
+            for group in self._groups(len(slots)):
+                pipe = self._client.pipeline(transaction=False)
+                for i in group:
+                    pipe.hmget(self._key(slots[i]), [_H, _P])
+                replies.extend(pipe.execute())
+            for key, out, (raw_header, payload) in zip(keys, outs, replies, strict=True):
                 header = self._check(key, raw_header, payload)
                 if header is None:
                     outcomes.append(
                         ReadOutcome.MISSING if raw_header is None else ReadOutcome.CORRUPT
                     )
-                elif payload_checksum(payload) != header.checksum:
-                    self._counters.corrupt("checksum")
+                elif payload is None or payload_checksum(payload) != header.checksum:
+                    self._counters.corrupt("checksum" if payload is not None else "missing")
                     outcomes.append(ReadOutcome.CORRUPT)
                 else:
                     as_buffer(out)[:] = payload
