@@ -12,9 +12,11 @@ The limit of each path is measured in the same run, interleaved repeat by repeat
 (the machine is shared and noisy): torch ``copy_`` of 64 MiB for ``local`` and ``shm``; a raw
 Python ``sendall`` (1 MiB pieces) into a ``recv_into`` loop in the child for ``tcp``; the raw
 NIXL / Mooncake API writing the same blocks into the same child memory for the adapters.
-``gbps`` and ``limit_gbps`` are medians; ``ratio = gbps / limit_gbps``. Targets: local and shm
->= 0.8, tcp >= 0.85 (and >= the NIXL adapter), adapters >= 0.9. The result's ``results`` list
-also carries the planner entry of ``transport_planner`` (a 128k-token DeepSeek-V3 MLA plan).
+Every timed run starts after a short settle pause (:data:`SETTLE_S`), so neither side
+inherits the other's spinning threads. ``gbps`` and ``limit_gbps`` are medians;
+``ratio = gbps / limit_gbps``. Targets: local and shm >= 0.8, tcp >= 0.85 (and >= the NIXL
+adapter), adapters >= 0.9. The result's ``results`` list also carries the planner entry of
+``transport_planner`` (a 128k-token DeepSeek-V3 MLA plan).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ HELP = "Transport throughput (64 MiB as 256 KiB and 4 KiB blocks) against each p
 TOTAL = 64 << 20
 BLOCKS = (256 << 10, 4 << 10)
 REPEATS = {True: 3, False: 9}
+SETTLE_S = 0.03
+"""Pause before every timed run: after a torch op its OpenMP threads spin-wait for several
+milliseconds, stealing the cores of whatever runs next (measured: a copy right after the limit's
+``copy_`` lost a third of its speed); each run starts on a quiet machine instead."""
 TARGETS = {"local": 0.8, "shm": 0.8, "tcp": 0.85, "nixl": 0.9, "mooncake": 0.9}
 LIMITS = {
     "local": "torch copy_ of 64 MiB",
@@ -103,7 +109,9 @@ def _measure(
         limit(block)
         times: tuple[list[float], list[float]] = ([], [])
         for _ in range(reps):
+            time.sleep(SETTLE_S)
             times[0].append(_timed(lambda: kv(block)))  # noqa: B023
+            time.sleep(SETTLE_S)
             times[1].append(_timed(lambda: limit(block)))  # noqa: B023
         rows.append(_row(name, block, *times))
     return rows
