@@ -18,7 +18,8 @@ issued from Python, a few microseconds of overhead, so the strategy depends on t
   through a cache-sized chunk. On a transport's background thread (``shm``, ``tcp``) a torch
   parallel op would start a second OpenMP team, whose spinning threads and the first team's
   slow both to a fraction of memcpy; there NumPy row indexing (which releases the GIL) runs
-  them, split among the transport's :class:`~kvplane.transports.workers.CopyWorkers`;
+  runs of at least ``NUMPY_MAX`` bytes, split among the transport's
+  :class:`~kvplane.transports.workers.CopyWorkers` (shorter ones take the next path);
 * other short runs of one length ``L`` (< ``NUMPY_MAX``): NumPy fancy
   indexing over a ``V{L}`` (opaque ``L``-byte) view whose stride is one byte, so a run may start
   at any byte offset -- one pass when one side is back to back, else through cache-sized
@@ -231,9 +232,13 @@ def _copy_rows(
     src: torch.Tensor, so: Int64Array, dst: torch.Tensor, do: Int64Array, length: int, *,
     workers: CopyWorkers | None, torch_pool: bool,
 ) -> bool:  # fmt: skip
-    """Equal row-aligned runs on torch's pool or on NumPy + ``workers`` (see module doc)."""
+    """Equal row-aligned runs on torch's pool, or on NumPy + ``workers`` when they are at least
+    ``NUMPY_MAX`` long (shorter ones copy faster as opaque items: see module doc); False when
+    this path does not take them."""
     if torch_pool:
         return _copy_rows_torch(src, so, dst, do, length)
+    if length < NUMPY_MAX:
+        return False
     return _copy_rows_numpy(src.numpy(), so, dst.numpy(), do, length, workers=workers)
 
 
