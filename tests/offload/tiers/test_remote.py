@@ -53,13 +53,13 @@ def test_damage_is_a_miss_and_a_metric(redis_url: str, redis_namespace: str) -> 
     tier = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, metrics=m)
     tier.write([SlotId(0), SlotId(1), SlotId(2)], keys(0, 1, 2), [pattern(i) for i in range(3)])
     raw = redis.Redis.from_url(redis_url)
-    payload = bytearray(raw.hget(f"{redis_namespace}:slot:0", "p"))
+    payload = bytearray(raw.get(f"{redis_namespace}:slot:0"))
     payload[77] ^= 0x04
-    raw.hset(f"{redis_namespace}:slot:0", "p", bytes(payload))  # bit flip
-    raw.hset(f"{redis_namespace}:slot:1", "p", b"short")  # wrong length
-    header = bytearray(raw.hget(f"{redis_namespace}:slot:2", "h"))
+    raw.set(f"{redis_namespace}:slot:0", bytes(payload))  # bit flip
+    raw.set(f"{redis_namespace}:slot:1", b"short")  # wrong length
+    header = bytearray(raw.get(f"{redis_namespace}:slot:2:h"))
     header[20] ^= 0x01
-    raw.hset(f"{redis_namespace}:slot:2", "h", bytes(header))  # damaged header
+    raw.set(f"{redis_namespace}:slot:2:h", bytes(header))  # damaged header
     outs = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in range(3)]
     assert tier.read([SlotId(0), SlotId(1), SlotId(2)], keys(0, 1, 2), outs) == [CORRUPT] * 3
     assert (corrupt(m, "checksum"), corrupt(m, "length"), corrupt(m, "header")) == (1, 1, 1)
@@ -85,9 +85,14 @@ def test_batches_span_pipeline_groups_and_a_lost_payload_is_corrupt(
     assert tier.read(order[::-1], keys(4, 3, 2, 1, 0), outs) == [OK] * 5
     assert all(torch.equal(outs[i], pattern(4 - i)) for i in range(5))
     raw = redis.Redis.from_url(redis_url)
-    raw.hdel(f"{redis_namespace}:slot:0", "p")  # the header stays, the payload is gone
+    raw.delete(f"{redis_namespace}:slot:0")  # the header stays, the payload is gone
     assert tier.read([SlotId(0), SlotId(4)], keys(1, 0), outs[:2]) == [CORRUPT, OK]
     assert corrupt(m, "missing") == 1 and torch.equal(outs[1], pattern(0))
+    # a writer that died after dropping the old header and setting the new payload
+    raw.delete(f"{redis_namespace}:slot:2:h")
+    raw.set(f"{redis_namespace}:slot:2", bytes(pattern(9)))
+    assert tier.read([SlotId(2)], keys(2), outs[:1]) == [MISSING]
+    assert SlotId(2) not in tier.scan().values()
     raw.close()
     tier.close()
 
