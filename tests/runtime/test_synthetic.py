@@ -80,3 +80,31 @@ def test_state_and_first_token_depend_on_every_token_and_its_position() -> None:
     assert KV.first_token(np.array([1, 2, 3]), 100) == KV.first_token(np.array([1, 2, 3]), 100)
     with pytest.raises(InvalidArgumentError, match="cannot hold"):
         KV.write(gqa(4), gqa(4).allocate(), np.arange(100), [0, 1], TokenRange(0, 9))
+
+
+@pytest.mark.parametrize(
+    "lay",
+    [
+        KVLayout.mla(num_blocks=8, block_size=4, num_layers=3, latent_dim=8, rope_dim=4),
+        KVLayout.gqa(
+            num_blocks=8, block_size=4, num_layers=2, kv_heads=2, head_dim=6, dtype=torch.float32
+        ),
+        KVLayout.gqa(
+            num_blocks=8, block_size=4, num_layers=2, kv_heads=2, head_dim=3, dtype=torch.bfloat16
+        ),  # rows of 6 bytes: the element path
+        gqa(4, order=LAYER_MAJOR),
+    ],
+)
+def test_whole_blocks_hold_exactly_the_values(lay: KVLayout) -> None:
+    """The write's word-wide whole-block path gives the same elements as ``values``."""
+    pool = lay.allocate()
+    tokens = np.arange(500, 530)
+    table = [6, 1, 4, 0, 7, 2, 5, 3]
+    KV.write(lay, pool, tokens, table, TokenRange(2, 30))
+    want = KV.values(lay, tokens[2:30], np.arange(2, 30))  # [T, L, C, H, D]
+    canon = lay.canonical_view(pool)  # [B, L, C, Tb, H, D]
+    ints = {2: torch.int16, 4: torch.int32}[lay.element_size]
+    for t in range(2, 30):
+        got = canon[table[t // 4], :, :, t % 4]
+        assert torch.equal(got.view(ints), want[t - 2].view(ints)), t
+    assert KV.mismatches(lay, pool, tokens, table, TokenRange(2, 30)) == 0

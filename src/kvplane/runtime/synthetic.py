@@ -35,6 +35,11 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
+def _wrap64(value: int) -> int:
+    """``value`` (< 2**64) as the signed int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
@@ -94,13 +99,11 @@ class SyntheticKV:
             raise InvalidArgumentError(f"seed must be a non-negative int, got {seed!r}")
         self.seed = seed
 
-    def values(
+    def _parts(
         self, layout: KVLayout, token_ids: np.ndarray, positions: np.ndarray
-    ) -> torch.Tensor:
-        """Elements ``[T, layers, comps, local_heads, dim]`` of ``layout.dtype`` for the tokens.
-
-        ``token_ids`` and ``positions`` are int64 ``[T]``; heads are the layout's TP range.
-        """
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two factors of :meth:`values`: per-token rows ``[T]`` and per-column grid
+        ``[layers, comps, local_heads, dim]``, as signed ints of the element size."""
         tok = np.asarray(token_ids, dtype=np.int64).astype(np.uint64)
         pos = np.asarray(positions, dtype=np.int64).astype(np.uint64)
         if tok.shape != pos.shape or tok.ndim != 1:
@@ -123,12 +126,19 @@ class SyntheticKV:
         size = layout.element_size
         kind = _NP_INT_OF_SIZE[size]
         rows = torch.from_numpy(base.view(np.int64).astype(kind) if size < 8 else base.view(kind))
-        grid = torch.from_numpy(
-            (cols.view(np.int64).astype(kind) if size < 8 else cols.view(kind)).reshape(-1)
-        )
-        mixed = torch.bitwise_xor(rows[:, None], grid[None, :])  # one pass, GIL released
-        shape = (len(tok), layout.num_layers, layout.num_components, layout.local_heads,
-                 layout.head_dim)  # fmt: skip
+        grid = torch.from_numpy(cols.view(np.int64).astype(kind) if size < 8 else cols.view(kind))
+        return rows, grid
+
+    def values(
+        self, layout: KVLayout, token_ids: np.ndarray, positions: np.ndarray
+    ) -> torch.Tensor:
+        """Elements ``[T, layers, comps, local_heads, dim]`` of ``layout.dtype`` for the tokens.
+
+        ``token_ids`` and ``positions`` are int64 ``[T]``; heads are the layout's TP range.
+        """
+        rows, grid = self._parts(layout, token_ids, positions)
+        mixed = torch.bitwise_xor(rows[:, None], grid.reshape(1, -1))  # one pass, GIL released
+        shape = (len(rows), *grid.shape)
         return mixed.view(layout.dtype).view(shape)
 
     def write(
@@ -140,23 +150,33 @@ class SyntheticKV:
         tokens: TokenRange,
     ) -> None:
         """Store the synthetic KV of ``tokens`` (``token_ids`` is the whole sequence) into
-        ``pool`` through the request's ``block_ids``. Mutates ``pool`` only at those slots."""
+        ``pool`` through the request's ``block_ids``. Mutates ``pool`` only at those slots.
+
+        Whole blocks are computed straight in the pool's canonical order ``[n, L, C, Tb, H,
+        D]`` (one broadcast pass, then one block copy), so a step costs about two passes over
+        its bytes -- a stand-in for model compute must leave the cores to the transport."""
         if tokens.empty:
             return
-        vals = self.values(
-            layout,
-            np.asarray(token_ids)[tokens.start : tokens.end],
-            np.arange(tokens.start, tokens.end),
-        )
+        ids = np.asarray(token_ids)[tokens.start : tokens.end]
+        rows, grid = self._parts(layout, ids, np.arange(tokens.start, tokens.end))
         canon = layout.canonical_view(pool)  # [B, L, C, Tb, H, D]
-        for blocks, offs, rows in _pieces(layout, block_ids, tokens):  # at most three pieces
-            part = vals[rows]  # [t, L, C, H, D]
+        ints = _INT_OF_SIZE[layout.element_size]
+        for blocks, offs, sel in _pieces(layout, block_ids, tokens):  # at most three pieces
             if isinstance(blocks, int):
-                canon[blocks, :, :, offs] = part.permute(1, 2, 0, 3, 4)
-            else:
-                nb = len(blocks)
-                blocked = part.reshape(nb, layout.block_size, *part.shape[1:])
-                canon.index_copy_(0, blocks, blocked.permute(0, 2, 3, 1, 4, 5))
+                part = torch.bitwise_xor(rows[sel][:, None], grid.reshape(1, -1))
+                view = part.view(layout.dtype).view(-1, *grid.shape)
+                canon[blocks, :, :, offs] = view.permute(1, 2, 0, 3, 4)
+                continue
+            nb, bs = len(blocks), layout.block_size
+            dst, row, cols = canon.view(ints), rows[sel], grid
+            size = layout.element_size
+            if size < 8 and dst.stride(-1) == 1 and (layout.head_dim * size) % 8 == 0:
+                # eight bytes per element op: every lane of a word holds the token's value
+                lanes = sum(1 << (8 * size * k) for k in range(8 // size))
+                row = (row.to(torch.int64) & ((1 << (8 * size)) - 1)) * _wrap64(lanes)
+                dst, cols = dst.view(torch.int64), grid.view(torch.int64)
+            out = torch.bitwise_xor(row.view(nb, 1, 1, bs, 1, 1), cols.unsqueeze(2).unsqueeze(0))
+            dst.index_copy_(0, blocks, out)  # [n, L, C, Tb, H, D]
 
     def mismatches(
         self,
