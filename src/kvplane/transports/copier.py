@@ -7,7 +7,9 @@ peer segment, ``tcp`` gather-before-send and scatter-after-receive) comes down t
 :func:`copy_runs`: ``n`` byte runs from one buffer to another. A run's cost is a memcpy plus, if
 issued from Python, a few microseconds of overhead, so the strategy depends on the runs:
 
-* few runs: one ``narrow().copy_()`` each;
+* few runs (or long ones, >= ``LARGE_RUN``): one copy each -- ``narrow().copy_()`` on the
+  application's thread (``torch_pool``, below), a NumPy slice copy split among the copy workers
+  on a transport's thread;
 * runs of one length ``L`` that sit a multiple of ``L`` apart on both sides (paged blocks),
   as ``[rows, L]`` row views. Which threads copy them depends on who calls. On the
   application's own thread (``torch_pool=True``: ``local``), torch index ops run them on torch's
@@ -26,8 +28,8 @@ issued from Python, a few microseconds of overhead, so the strategy depends on t
   chunks (``CHUNK_BYTES``). NumPy releases the GIL while it copies, so the index range is split
   among the transport's :class:`~kvplane.transports.workers.CopyWorkers` (as many threads as
   torch's own ``copy_`` uses);
-* other runs, long (>= ``LARGE_RUN``): one copy each (the overhead is amortised), else NumPy.
-  No Python loop per run.
+* other runs: long ones one copy each (the overhead is amortised), else NumPy. No Python loop
+  per run.
 
 :func:`coalesce` merges consecutive pairs that continue each other on both sides, :func:`split`
 cuts runs longer than a limit, :func:`check_disjoint` and :func:`check_no_cross_overlap` refuse
@@ -67,6 +69,23 @@ def _loop(
 ) -> None:
     for s, d, n in zip(so.tolist(), do.tolist(), ln.tolist(), strict=True):
         dst.narrow(0, d, n).copy_(src.narrow(0, s, n))
+
+
+def _np_loop(
+    sn: npt.NDArray[np.uint8], so: Int64Array, dn: npt.NDArray[np.uint8], do: Int64Array,
+    ln: Int64Array, *, workers: CopyWorkers | None,
+) -> None:  # fmt: skip
+    """:func:`_loop` without torch (for transport threads): NumPy slice copies, which release
+    the GIL; a run long enough is split among ``workers``."""
+    for s, d, n in zip(so.tolist(), do.tolist(), ln.tolist(), strict=True):
+        if workers is None or n < 2 * PART_BYTES:
+            dn[d : d + n] = sn[s : s + n]
+            continue
+
+        def part(a: int, b: int, s: int = s, d: int = d) -> None:
+            dn[d + a : d + b] = sn[s + a : s + b]
+
+        workers.run(part, n, min_part=PART_BYTES)
 
 
 def _strided(buf: npt.NDArray[np.uint8], length: int) -> npt.NDArray[np.void]:
@@ -270,10 +289,20 @@ def copy_runs(
     n = len(lengths)
     if n == 0:
         return
-    if src.device.type != "cpu" or dst.device.type != "cpu" or n <= LOOP_MAX:
+    if src.device.type != "cpu" or dst.device.type != "cpu":
         _loop(src, src_offsets, dst, dst_offsets, lengths)
         return
     sn, dn = src.numpy(), dst.numpy()
+
+    def each(so: Int64Array, do: Int64Array, ln: Int64Array) -> None:  # one call per run
+        if torch_pool:
+            _loop(src, so, dst, do, ln)
+        else:
+            _np_loop(sn, so, dn, do, ln, workers=workers)
+
+    if n <= LOOP_MAX:
+        each(src_offsets, dst_offsets, lengths)
+        return
     if int(lengths.min()) == int(lengths.max()):  # the common case: equal blocks
         uniq, inverse = lengths[:1], np.zeros(n, dtype=np.int64)
     else:
@@ -282,13 +311,13 @@ def copy_runs(
         idx = np.flatnonzero(inverse == k) if len(uniq) > 1 else np.arange(n)
         so, do = src_offsets[idx], dst_offsets[idx]
         if len(idx) <= LOOP_MAX:
-            _loop(src, so, dst, do, lengths[idx])
+            each(so, do, lengths[idx])
         elif _copy_rows(src, so, dst, do, length, workers=workers, torch_pool=torch_pool):
             continue
         elif length < NUMPY_MAX:
             _copy_equal(sn, so, dn, do, length, workers=workers)
         elif length >= LARGE_RUN:
-            _loop(src, so, dst, do, lengths[idx])
+            each(so, do, lengths[idx])
         else:
             _copy_equal(sn, so, dn, do, length, workers=workers)
 

@@ -64,6 +64,14 @@ _PIN_POLL_S = 0.05
 """How often a sender waiting for PINNED re-checks for cancel, deadline and link loss."""
 
 
+def _map(fd: int, nbytes: int) -> mmap.mmap:
+    """A shared mapping of a segment with its page tables filled at once (``MAP_POPULATE``):
+    otherwise the first copy into each 4 KiB page of a peer's pool pays a page fault, which
+    made a 4.7 MiB slice copy several times slower than memcpy."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, nbytes, flags=flags)
+
+
 def host_id() -> str:
     """This machine's identity for the same-host check: the kernel boot id."""
     try:
@@ -129,7 +137,7 @@ class ShmTransport(StreamTransport):
         fd = os.memfd_create(f"kvplane-{self.agent}-{seg_id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
-            mapping = mmap.mmap(fd, nbytes)
+            mapping = _map(fd, nbytes)
         except OSError as exc:
             os.close(fd)
             raise TransportError(f"cannot allocate {nbytes} shared bytes: {exc}") from None
@@ -182,7 +190,7 @@ class ShmTransport(StreamTransport):
         try:
             if agent != meta.agent or len(fds) != len(welcome.segments):
                 raise MalformedMessageError(f"bad WELCOME from {agent!r} (expected {meta.agent!r})")
-            mappings = {s.segment: mmap.mmap(fd, s.length) for s, fd in
+            mappings = {s.segment: _map(fd, s.length) for s, fd in
                         zip(welcome.segments, fds, strict=True)}  # fmt: skip
         except BaseException:
             ch.close()
