@@ -1,14 +1,17 @@
 """``kvplane bench pd``: pipelined vs non-pipelined prefill→decode transfer, per transport.
 
 One workload (default 8 requests × 4,096 tokens, MLA layout, steps of 512 tokens; ``--quick``:
-4 × 2,048 with steps of 256 and fewer layers) runs through a real prefill worker and decode
-worker (threads of this process, real sockets, the named transport), once *pipelined* (a slice
-after every step) and once *non-pipelined* (everything after the prefill ends).
+4 × 2,048 with steps of 256 and fewer layers) runs through a real prefill worker process and
+decode worker process (``kvplane serve``, real sockets, the named transport; a router in this
+process), once *pipelined* (a slice after every step) and once *non-pipelined* (everything
+after the prefill ends). Separate processes, as deployed: in one interpreter the two workers'
+threads would queue on one GIL.
 
-Calibration first measures one step's transfer time (the median of five one-step requests, no
-compute); the synthetic producer then spends that long per step, so per-step compute ≈
-per-step transfer — the regime where pipelining matters most. Requests run one at a time, the
-two modes interleaved (load changes on a shared machine hit both alike); rows report medians.
+Calibration first measures one step's transfer time (the median of five one-step requests on a
+pair without compute); the two measured pairs then spend that long per step
+(``--compute-ms-per-step``), so per-step compute ≈ per-step transfer — the regime where
+pipelining matters most. Requests run one at a time, the two modes interleaved (load changes on
+a shared machine hit both alike); rows report medians.
 
 Per (transport, mode) row: ``ttft_ms`` (submit → first token ready on the decode side),
 ``exposed_tail_ms`` (last prefill step end → decode ready), ``overlap_ratio`` (transfer time
@@ -22,19 +25,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvplane.pd.timers import Timings
-from kvplane.runtime.decode_worker import DecodeWorker
-from kvplane.runtime.prefill_worker import PrefillWorker
+from kvplane.runtime.demo_procs import ProcessGroup
 from kvplane.runtime.router import Router
-from kvplane.runtime.synthetic_model import SyntheticDecoder, SyntheticProducer, SyntheticSpec
-from kvplane.runtime.timeline import request_times
-from kvplane.runtime.worker_config import WorkerConfig
+from kvplane.runtime.timeline import TimelineEvent, request_times
 from kvplane.transports.registry import available
 
 NAME = "pd"
@@ -50,34 +51,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class _Pair:
-    """A prefill and a decode worker and a router, in this process."""
+    """A prefill and a decode worker process (one mode, one compute time) and a router."""
 
-    def __init__(self, spec: SyntheticSpec, config: WorkerConfig) -> None:
-        self.producer = SyntheticProducer(spec)
-        self.prefill = PrefillWorker(config, self.producer)
-        self.decode = DecodeWorker(replace(config, name="decode"), SyntheticDecoder(spec))
-        self.prefill.start()
-        self.decode.start()
-        self.router = Router([self.prefill.address], [self.decode.address], timeout_s=120.0)
-        self.router.connect()
+    def __init__(self, work: Path, spec: _Spec, compute_ms: float, *, pipelined: bool) -> None:
+        work.mkdir(parents=True, exist_ok=True)
+        self.group = ProcessGroup(work)
+        common = [
+            "--transport", spec.transport, "--layout", "mla", "--layers", str(spec.layers),
+            "--latent-dim", "512", "--rope-dim", "64", "--block-size", "16",
+            "--num-blocks", str(2 * -(-spec.tokens // 16) + 8), "--num-slots", "4",
+            "--step-size", str(spec.step), "--compute-ms-per-step", f"{compute_ms:.4f}",
+            "--slice-timeout", "60", "--deadline", "120", "--heartbeat", "1", "--lease", "10",
+        ]  # fmt: skip
+        if not pipelined:
+            common.append("--no-pipeline")
+        deadline = time.monotonic() + 60.0
+        try:
+            pre = self.group.start("prefill", ["--name", "prefill", *common], deadline)
+            dec = self.group.start("decode", ["--name", "decode", *common], deadline)
+            self.router = Router([str(pre["control"])], [str(dec["control"])], timeout_s=120.0)
+            self.router.connect()
+        except BaseException:
+            self.group.stop()
+            raise
+        self.ready: dict[str, float] = {}
 
-    def run(self, rid: str, tokens: list[int], step: int) -> dict[str, float]:
+    def run(self, rid: str, tokens: list[int], step: int) -> float:
+        """Serve one request; its TTFT (submit → first token ready on the decode side), ms."""
+        self.group.check(f"serving {rid}")
         t0 = time.monotonic()
         res = self.router.generate(rid, tokens, step_size=step)
         if res.state != "success" or res.mismatches != 0:
             raise RuntimeError(f"bench request {rid} ended {res.state} ({res.reason})")
-        times = request_times(self.prefill.timeline.events(rid) + self.decode.timeline.events(rid))
-        return {
-            "ttft_ms": (res.ready_at - t0) * 1e3,
-            "exposed_tail_ms": (times.exposed_tail_s or 0.0) * 1e3,
-            "overlap_ratio": times.overlap_ratio,
-            "slice_transfer_ms": statistics.mean(times.slice_transfer_s) * 1e3,
-        }
+        return (res.ready_at - t0) * 1e3
+
+    def times(self, rids: list[str]) -> list[dict[str, float]]:
+        """Exposed tail, overlap and mean slice transfer of each request, from both workers'
+        timelines (one monotonic clock on this host)."""
+        stats = self.router.stats(timeline=True)
+        events = [TimelineEvent(**e) for w in stats.values() for e in w.timeline]  # type: ignore[arg-type]
+        out = []
+        for rid in rids:
+            t = request_times(e for e in events if e.request_id == rid)
+            out.append({
+                "exposed_tail_ms": (t.exposed_tail_s or 0.0) * 1e3,
+                "overlap_ratio": t.overlap_ratio,
+                "slice_transfer_ms": statistics.mean(t.slice_transfer_s or (0.0,)) * 1e3,
+            })  # fmt: skip
+        return out
 
     def close(self) -> None:
         self.router.close()
-        self.prefill.close()
-        self.decode.close()
+        self.group.stop()
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    transport: str
+    requests: int
+    tokens: int
+    step: int
+    layers: int
 
 
 def _memcpy_ms(nbytes: int) -> float:
@@ -95,39 +129,47 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
     return round(statistics.median(r[key] for r in runs), 4)
 
 
-def _transport_rows(
-    transport: str, spec: SyntheticSpec, n_req: int, n_tok: int, step: int
-) -> tuple[list[dict[str, Any]], float]:
-    blocks = 2 * -(-n_tok // 16) + 8
-    config = WorkerConfig(
-        name="prefill", transport=transport, num_blocks=blocks, block_size=16, num_slots=4,
-        step_size=step, slice_timeout_s=60.0,
-        timings=Timings(deadline_s=120.0, heartbeat_s=1.0, lease_s=10.0),
-    )  # fmt: skip
-    pairs = {
-        "pipelined": _Pair(spec, config),
-        "non_pipelined": _Pair(spec, replace(config, pipelined=False)),
-    }
+def _calibrate(work: Path, spec: _Spec) -> float:
+    """One step's transfer time, ms: the median slice of five one-step requests, no compute."""
+    pair = _Pair(work / "calibrate", spec, 0.0, pipelined=True)
     try:
-        pipe = pairs["pipelined"]
-        pipe.run("warm", list(range(step)), step)
-        per_slice = statistics.median(  # one step's KV, alone: the per-step transfer time
-            pipe.run(f"cal{i}", [(i + t) % 30000 for t in range(step)], step)["slice_transfer_ms"]
-            for i in range(5)
-        )
+        pair.run("warm", list(range(spec.step)), spec.step)
+        rids = [f"cal{i}" for i in range(5)]
+        for i, rid in enumerate(rids):
+            pair.run(rid, [(i + t) % 30000 for t in range(spec.step)], spec.step)
+        return statistics.median(r["slice_transfer_ms"] for r in pair.times(rids))
+    finally:
+        pair.close()
+
+
+def _transport_rows(spec: _Spec, work: Path) -> tuple[list[dict[str, Any]], float]:
+    per_slice = _calibrate(work, spec)
+    pairs: dict[str, _Pair] = {}
+    try:
+        for mode in ("pipelined", "non_pipelined"):
+            pairs[mode] = _Pair(work / mode, spec, per_slice, pipelined=mode == "pipelined")
+        ttft: dict[str, list[float]] = {mode: [] for mode in pairs}
         for pair in pairs.values():
-            pair.producer.retime(per_slice / 1e3)
-        runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in pairs}
-        for i in range(n_req):  # interleaved, so load changes hit both modes alike
-            tokens = [(i * 7919 + t) % 30000 for t in range(n_tok)]
+            pair.run("warm", list(range(spec.step)), spec.step)
+        for i in range(spec.requests):  # interleaved, so load changes hit both modes alike
+            tokens = [(i * 7919 + t) % 30000 for t in range(spec.tokens)]
             for mode, pair in pairs.items():
-                runs[mode].append(pair.run(f"{mode}{i}", tokens, step))
+                ttft[mode].append(pair.run(f"r{i}", tokens, spec.step))
+        runs = {
+            mode: [
+                {"ttft_ms": t, **times}
+                for t, times in zip(
+                    ttft[mode], pair.times([f"r{i}" for i in range(spec.requests)]), strict=True
+                )
+            ]
+            for mode, pair in pairs.items()
+        }
     finally:
         for pair in pairs.values():
             pair.close()
     rows = []
     for mode, got in runs.items():
-        row: dict[str, Any] = {"transport": transport, "mode": mode}
+        row: dict[str, Any] = {"transport": spec.transport, "mode": mode}
         for key in ("ttft_ms", "exposed_tail_ms", "overlap_ratio", "slice_transfer_ms"):
             row[key] = _median(got, key)
         rows.append(row)
@@ -139,7 +181,6 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
     n_tok = args.tokens or (2048 if quick else 4096)
     step = args.step or (256 if quick else 512)
     layers = args.layers or (4 if quick else 8)
-    spec = SyntheticSpec(kind="mla", num_layers=layers, latent_dim=512, rope_dim=64)
     usable = available()
     rows: list[dict[str, Any]] = []
     targets: dict[str, dict[str, bool]] = {}
@@ -149,7 +190,10 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
         if reason is not None:
             rows.append({"transport": transport, "skipped": reason})
             continue
-        got, calib_ms = _transport_rows(transport, spec, n_req, n_tok, step)
+        with tempfile.TemporaryDirectory(prefix="kvplane-bench-pd-") as work:
+            got, calib_ms = _transport_rows(
+                _Spec(transport, n_req, n_tok, step, layers), Path(work)
+            )
         rows.extend(got)
         pipe, base = got[0], got[1]
         targets[transport] = {
