@@ -405,7 +405,6 @@ class SliceDriver:
         )
         for run in job.runs:  # submit now: the transport starts while we report
             run.step()
-        time.sleep(0)  # hand the GIL to the link thread now, not after planning ahead
 
     def _finish(self, job: _Job) -> Evidence:
         """Record a finished slice; its evidence, to report to the session."""
