@@ -40,6 +40,18 @@ def _wrap64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def _words_fit(view: torch.Tensor, size: int) -> bool:
+    """Can ``view`` (elements of ``size`` bytes) be seen as int64 words along its last axis?"""
+    ratio = 8 // size
+    return (
+        size < 8
+        and view.stride(-1) == 1
+        and view.shape[-1] % ratio == 0
+        and view.storage_offset() % ratio == 0
+        and all(st % ratio == 0 for st in view.stride()[:-1])
+    )
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
@@ -170,7 +182,7 @@ class SyntheticKV:
             nb, bs = len(blocks), layout.block_size
             dst, row, cols = canon.view(ints), rows[sel], grid
             size = layout.element_size
-            if size < 8 and dst.stride(-1) == 1 and (layout.head_dim * size) % 8 == 0:
+            if _words_fit(dst, size):
                 # eight bytes per element op: every lane of a word holds the token's value
                 lanes = sum(1 << (8 * size * k) for k in range(8 // size))
                 row = (row.to(torch.int64) & ((1 << (8 * size)) - 1)) * _wrap64(lanes)
