@@ -35,7 +35,8 @@ import torch
 
 from kvplane.runtime.demo_procs import ProcessGroup
 from kvplane.runtime.router import Router
-from kvplane.runtime.timeline import TimelineEvent, request_times
+from kvplane.runtime.timeline import request_times
+from kvplane.runtime.trace import events_from_dicts
 from kvplane.transports.registry import available
 
 NAME = "pd"
@@ -48,6 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--step", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    transport: str
+    requests: int
+    tokens: int
+    step: int
+    layers: int
 
 
 class _Pair:
@@ -74,7 +84,6 @@ class _Pair:
         except BaseException:
             self.group.stop()
             raise
-        self.ready: dict[str, float] = {}
 
     def run(self, rid: str, tokens: list[int], step: int) -> float:
         """Serve one request; its TTFT (submit → first token ready on the decode side), ms."""
@@ -89,7 +98,7 @@ class _Pair:
         """Exposed tail, overlap and mean slice transfer of each request, from both workers'
         timelines (one monotonic clock on this host)."""
         stats = self.router.stats(timeline=True)
-        events = [TimelineEvent(**e) for w in stats.values() for e in w.timeline]  # type: ignore[arg-type]
+        events = events_from_dicts(e for w in stats.values() for e in w.timeline)
         out = []
         for rid in rids:
             t = request_times(e for e in events if e.request_id == rid)
@@ -103,15 +112,6 @@ class _Pair:
     def close(self) -> None:
         self.router.close()
         self.group.stop()
-
-
-@dataclass(frozen=True, slots=True)
-class _Spec:
-    transport: str
-    requests: int
-    tokens: int
-    step: int
-    layers: int
 
 
 def _memcpy_ms(nbytes: int) -> float:
