@@ -24,110 +24,18 @@ after) all of the batch's bytes have landed there.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
-from kvplane.errors import PlanError
 from kvplane.ids import PeerId, RegionId
+from kvplane.transports.descriptors import DescriptorList, Int64Array, check_pairing
 
-Int64Array = npt.NDArray[np.int64]
-
-
-def _frozen_int64(values: npt.ArrayLike, what: str) -> Int64Array:
-    arr = np.ascontiguousarray(values, dtype=np.int64)
-    if arr.ndim != 1:
-        raise PlanError(f"{what} must be one-dimensional, got shape {arr.shape}")
-    arr.setflags(write=False)
-    return arr
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class DescriptorList:
-    """Columnar list of ``(region, offset, length)`` byte ranges; arrays are read-only int64."""
-
-    regions: Int64Array
-    offsets: Int64Array
-    lengths: Int64Array
-
-    def __post_init__(self) -> None:
-        regions = _frozen_int64(self.regions, "regions")
-        offsets = _frozen_int64(self.offsets, "offsets")
-        lengths = _frozen_int64(self.lengths, "lengths")
-        if not len(regions) == len(offsets) == len(lengths):
-            raise PlanError(
-                f"descriptor columns differ in length: {len(regions)}, {len(offsets)}, "
-                f"{len(lengths)}"
-            )
-        if len(offsets) and (int(offsets.min()) < 0 or int(lengths.min()) <= 0):
-            raise PlanError("descriptor offsets must be >= 0 and lengths > 0")
-        object.__setattr__(self, "regions", regions)
-        object.__setattr__(self, "offsets", offsets)
-        object.__setattr__(self, "lengths", lengths)
-
-    @classmethod
-    def of(cls, triples: Sequence[tuple[int, int, int]]) -> DescriptorList:
-        """Build from ``(region, offset, length)`` tuples (convenience for tests and tools)."""
-        if not triples:
-            return cls.empty()
-        cols = np.asarray(triples, dtype=np.int64).reshape(-1, 3)
-        return cls(cols[:, 0], cols[:, 1], cols[:, 2])
-
-    @classmethod
-    def empty(cls) -> DescriptorList:
-        z = np.zeros(0, dtype=np.int64)
-        return cls(z, z, z)
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    @property
-    def total_bytes(self) -> int:
-        return int(self.lengths.sum())
-
-    def equals(self, other: DescriptorList) -> bool:
-        return (
-            np.array_equal(self.regions, other.regions)
-            and np.array_equal(self.offsets, other.offsets)
-            and np.array_equal(self.lengths, other.lengths)
-        )
-
-    def check_bounds(self, region_lengths: dict[RegionId, int], side: str) -> None:
-        """Raise ``PlanError`` if a descriptor names an unknown region or runs past its end."""
-        if not len(self):
-            return
-        one = int(self.regions.min()) == int(self.regions.max())  # common: skip the sort
-        ids = self.regions[:1] if one else np.unique(self.regions)
-        unknown = [int(r) for r in ids if RegionId(int(r)) not in region_lengths]
-        if unknown:
-            raise PlanError(f"{side} descriptors name unknown region(s) {unknown}")
-        limits = np.array([region_lengths[RegionId(int(r))] for r in ids], dtype=np.int64)
-        per_desc = limits[np.searchsorted(ids, self.regions)]
-        over = np.nonzero(self.offsets + self.lengths > per_desc)[0]
-        if len(over):
-            i = int(over[0])
-            raise PlanError(
-                f"{side} descriptor {i} (region {int(self.regions[i])}, offset "
-                f"{int(self.offsets[i])}, length {int(self.lengths[i])}) runs past the region "
-                f"end {int(per_desc[i])}"
-            )
-
-
-def check_pairing(src: DescriptorList, dst: DescriptorList) -> None:
-    """Raise ``PlanError`` unless ``src[i]`` and ``dst[i]`` exist pairwise with equal lengths."""
-    if len(src) != len(dst):
-        raise PlanError(f"{len(src)} source descriptors but {len(dst)} destination descriptors")
-    bad = np.nonzero(src.lengths != dst.lengths)[0]
-    if len(bad):
-        i = int(bad[0])
-        raise PlanError(
-            f"descriptor pair {i}: source length {int(src.lengths[i])} != destination length "
-            f"{int(dst.lengths[i])}"
-        )
+__all__ = [
+    "DescriptorList", "FailureKind", "Handle", "Int64Array", "Peer", "Poll", "Region",
+    "Transport", "XferKind", "XferState", "check_pairing",
+]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,19 +10,10 @@ issued from Python, a few microseconds of overhead, so the strategy depends on t
 * few runs (or long ones, >= ``LARGE_RUN``): one copy each -- ``narrow().copy_()`` on the
   application's thread (``torch_pool``, below), a NumPy slice copy split among the copy workers
   on a transport's thread;
-* runs of one length ``L`` that sit a multiple of ``L`` apart on both sides (paged blocks),
-  as ``[rows, L]`` row views. Which threads copy them depends on who calls. On the
-  application's own thread (``torch_pool=True``: ``local``), torch index ops run them on torch's
-  intra-op pool -- the pool the application's compute and ``copy_`` use, so nothing else
-  fights it for cores -- one gather pass of byte rows when the destination rows tile their
-  span (a permutation included), one scatter pass of 8- or 4-byte-integer rows when the
-  sources are back to back (torch scatters byte rows element by element), else two passes
-  through a cache-sized chunk. On a transport's background thread (``shm``, ``tcp``) a torch
-  parallel op would start a second OpenMP team, whose spinning threads and the first team's
-  slow both to a fraction of memcpy; there NumPy row indexing (which releases the GIL) runs
-  runs of at least ``NUMPY_MAX`` bytes, split among the transport's
-  :class:`~kvplane.transports.workers.CopyWorkers` (shorter ones take the next path);
-* other short runs of one length ``L`` (< ``NUMPY_MAX``): NumPy fancy
+* runs of one length ``L`` that sit a multiple of ``L`` apart on both sides (paged blocks):
+  one index op over ``[rows, L]`` row views (:mod:`kvplane.transports.rows`), on torch's pool
+  from the application's thread (``torch_pool``), by NumPy on a transport's thread;
+* other short runs of one length ``L`` (< ``NUMPY_MIN``): NumPy fancy
   indexing over a ``V{L}`` (opaque ``L``-byte) view whose stride is one byte, so a run may start
   at any byte offset -- one pass when one side is back to back, else through cache-sized
   chunks (``CHUNK_BYTES``). NumPy releases the GIL while it copies, so the index range is split
@@ -33,7 +24,9 @@ issued from Python, a few microseconds of overhead, so the strategy depends on t
 
 :func:`coalesce` merges consecutive pairs that continue each other on both sides, :func:`split`
 cuts runs longer than a limit, :func:`check_disjoint` and :func:`check_no_cross_overlap` refuse
-ranges that overlap (``PlanError``) -- all vectorised.
+ranges that overlap (``PlanError``) -- all vectorised, and all reading the lists' cached facts
+(:mod:`kvplane.transports.descriptors`) where a whole list is involved, so a list submitted
+again costs no second analysis.
 """
 
 from __future__ import annotations
@@ -46,22 +39,20 @@ import torch
 
 from kvplane.errors import PlanError
 from kvplane.ids import RegionId
-from kvplane.transports.base import DescriptorList, Int64Array
+from kvplane.transports.descriptors import DescriptorList, Int64Array, RowMap, row_map
+from kvplane.transports.rows import (
+    CHUNK_BYTES,
+    NUMPY_MIN,
+    PART_BYTES,
+    copy_rows_numpy,
+    copy_rows_torch,
+)  # fmt: skip
 from kvplane.transports.workers import CopyWorkers
 
 LOOP_MAX = 16
 """At most this many runs (of one length) are copied one call each."""
 LARGE_RUN = 128 << 10
 """Runs at least this long are copied one call each."""
-CHUNK_BYTES = 1 << 20
-"""Chunk of the two-pass path (scattered source and destination)."""
-NUMPY_MAX = 64 << 10
-"""Equal runs shorter than this go through NumPy fancy assignment (split among the copy
-workers); torch's ``index_copy_`` copies element by element and is slower on short rows."""
-PART_BYTES = 256 << 10
-"""Smallest share of a copy worth handing to a helper thread."""
-_OFFSET_BITS = 40
-"""Offsets below 1 TiB; region ids are shifted above them to sort (region, offset) as one key."""
 
 
 def _loop(
@@ -140,141 +131,27 @@ def _copy_equal(
         workers.run(part, n, min_part=max(1, PART_BYTES // length))
 
 
-_WIDE = {8: torch.int64, 4: torch.int32}
-
-
-def _row_span(offsets: Int64Array, length: int) -> tuple[int, int, Int64Array] | None:
-    """``(base, rows, row index of each run)`` when every run sits a multiple of ``length``
-    bytes from the lowest one, else None."""
-    base = int(offsets.min())
-    rel = offsets - base
-    if np.any(rel % length):
-        return None
-    return base, int(rel.max()) // length + 1, rel // length
-
-
-def _rows(
-    buf: torch.Tensor, offsets: Int64Array, length: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``buf`` seen as ``[rows, length]`` bytes holding every run, and each run's row index;
-    None unless all runs sit a multiple of ``length`` apart."""
-    found = _row_span(offsets, length)
-    if found is None:
-        return None
-    base, rows, idx = found
-    return buf.narrow(0, base, rows * length).view(rows, length), torch.from_numpy(idx)
-
-
-def _wide(
-    src_rows: torch.Tensor, dst_rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Both sides' byte rows seen as rows of 8- or 4-byte integers (torch scatters those in
-    bulk; it scatters byte rows element by element), or None if they are not so aligned."""
-    length = src_rows.shape[1]
-    for width, dtype in _WIDE.items():
-        if length % width == 0 and src_rows.data_ptr() % width == dst_rows.data_ptr() % width == 0:
-            return src_rows.view(dtype), dst_rows.view(dtype)
-    return None
-
-
-def _copy_rows_torch(src: torch.Tensor, so: Int64Array, dst: torch.Tensor, do: Int64Array,
-               length: int) -> bool:  # fmt: skip
-    """Equal runs by torch index ops on row views (torch runs them on its own intra-op
-    threads); False if the runs are not row-aligned or the two row views share memory."""
-    s, d = _rows(src, so, length), _rows(dst, do, length)
-    if s is None or d is None:
-        return False
-    (sv, si), (dv, di) = s, d
-    s_lo, d_lo = sv.data_ptr(), dv.data_ptr()
-    if s_lo < d_lo + dv.numel() and d_lo < s_lo + sv.numel():
-        return False
-    n = len(so)
-    if dv.shape[0] == n:  # the destination rows tile their span: one gather pass of byte rows
-        if not bool(torch.equal(di, torch.arange(n))):
-            si = torch.empty_like(si).index_copy_(0, di, si)  # the source row of each dest row
-        torch.index_select(sv, 0, si, out=dv)
-        return True
-    wide = _wide(sv, dv)
-    if wide is None:
-        return False
-    swide, dwide = wide
-    if sv.shape[0] == n and bool(torch.equal(si, torch.arange(n))):
-        dwide.index_copy_(0, di, swide)  # sources back to back: one scatter pass
-    else:
-        step = max(1, CHUNK_BYTES // length)
-        stage = torch.empty((min(step, n), swide.shape[1]), dtype=swide.dtype)
-        for i in range(0, n, step):
-            part = stage[: min(step, n - i)]
-            torch.index_select(swide, 0, si[i : i + step], out=part)
-            dwide.index_copy_(0, di[i : i + step], part)
-    return True
-
-
-def _copy_rows_numpy(
-    sn: npt.NDArray[np.uint8], so: Int64Array, dn: npt.NDArray[np.uint8], do: Int64Array,
-    length: int, *, workers: CopyWorkers | None,
-) -> bool:  # fmt: skip
-    """Equal row-aligned runs by NumPy row indexing over ``[rows, length]`` byte views (which
-    releases the GIL, unlike opaque ``V{L}`` items of this size), split among ``workers``;
-    False if the runs are not row-aligned or the two row views may share memory."""
-    s, d = _np_rows(sn, so, length), _np_rows(dn, do, length)
-    if s is None or d is None:
-        return False
-    (sv, si), (dv, di) = s, d
-    if np.may_share_memory(sv, dv):
-        return False
-    n = len(so)
-    src_b2b = sv.shape[0] == n and bool(np.all(si == np.arange(n)))
-    dst_b2b = dv.shape[0] == n and bool(np.all(di == np.arange(n)))
-    step = max(1, CHUNK_BYTES // length)
-
-    def part(a: int, b: int) -> None:
-        if src_b2b:
-            dv[di[a:b]] = sv[a:b]  # one scatter pass
-        elif dst_b2b:
-            np.take(sv, si[a:b], axis=0, out=dv[a:b])  # one gather pass
-        else:
-            stage = np.empty((min(step, b - a), length), dtype=np.uint8)
-            for i in range(a, b, step):
-                j = min(i + step, b)
-                np.take(sv, si[i:j], axis=0, out=stage[: j - i])
-                dv[di[i:j]] = stage[: j - i]
-
-    if workers is None:
-        part(0, n)
-    else:
-        workers.run(part, n, min_part=max(1, PART_BYTES // length))
-    return True
-
-
 def _copy_rows(
     src: torch.Tensor, so: Int64Array, dst: torch.Tensor, do: Int64Array, length: int, *,
-    workers: CopyWorkers | None, torch_pool: bool,
+    maps: tuple[RowMap | None, RowMap | None] | None, workers: CopyWorkers | None,
+    torch_pool: bool,
 ) -> bool:  # fmt: skip
-    """Equal row-aligned runs on torch's pool, or on NumPy + ``workers`` when they are at least
-    ``NUMPY_MAX`` long (shorter ones copy faster as opaque items: see module doc); False when
-    this path does not take them."""
-    if torch_pool:
-        return _copy_rows_torch(src, so, dst, do, length)
-    if length < NUMPY_MAX:
+    """Equal runs as rows (:mod:`kvplane.transports.rows`); False when that path does not
+    take them. ``maps``: the runs' row maps when the caller already knows them."""
+    if not torch_pool and length < NUMPY_MIN:
         return False
-    return _copy_rows_numpy(src.numpy(), so, dst.numpy(), do, length, workers=workers)
-
-
-def _np_rows(
-    buf: npt.NDArray[np.uint8], offsets: Int64Array, length: int
-) -> tuple[npt.NDArray[np.uint8], Int64Array] | None:
-    """NumPy twin of :func:`_rows`."""
-    found = _row_span(offsets, length)
-    if found is None:
-        return None
-    base, rows, idx = found
-    return buf[base : base + rows * length].reshape(rows, length), idx
+    s, d = maps if maps is not None else (row_map(so, length), row_map(do, length))
+    if s is None or d is None:
+        return False
+    if torch_pool:
+        return copy_rows_torch(src, s, dst, d)
+    return copy_rows_numpy(src.numpy(), s, dst.numpy(), d, workers=workers)
 
 
 def copy_runs(
     src: torch.Tensor, src_offsets: Int64Array, dst: torch.Tensor, dst_offsets: Int64Array,
     lengths: Int64Array, *, workers: CopyWorkers | None = None, torch_pool: bool = False,
+    maps: tuple[RowMap | None, RowMap | None] | None = None,
 ) -> None:  # fmt: skip
     """Copy ``lengths[i]`` bytes from ``src[src_offsets[i]:]`` to ``dst[dst_offsets[i]:]``.
 
@@ -284,7 +161,8 @@ def copy_runs(
     caller is the application's own thread, so torch's intra-op pool (the one its compute
     uses) may run row copies; a transport's background thread leaves it False, because a torch
     parallel op there starts a second OpenMP team that fights the first for the cores (measured:
-    both teams' copies fall to a fraction of memcpy).
+    both teams' copies fall to a fraction of memcpy). ``maps``: when all runs share one length,
+    the row maps of both offset arrays, if known (from the lists' cached facts).
     """
     n = len(lengths)
     if n == 0:
@@ -304,22 +182,22 @@ def copy_runs(
         each(src_offsets, dst_offsets, lengths)
         return
     if int(lengths.min()) == int(lengths.max()):  # the common case: equal blocks
-        uniq, inverse = lengths[:1], np.zeros(n, dtype=np.int64)
+        groups: list[tuple[int, Int64Array | None]] = [(int(lengths[0]), None)]
     else:
+        maps = None
         uniq, inverse = np.unique(lengths, return_inverse=True)
-    for k, length in enumerate(uniq.tolist()):
-        idx = np.flatnonzero(inverse == k) if len(uniq) > 1 else np.arange(n)
-        so, do = src_offsets[idx], dst_offsets[idx]
-        if len(idx) <= LOOP_MAX:
-            each(so, do, lengths[idx])
-        elif _copy_rows(src, so, dst, do, length, workers=workers, torch_pool=torch_pool):
+        groups = [(int(ln), np.flatnonzero(inverse == k)) for k, ln in enumerate(uniq.tolist())]
+    for length, idx in groups:
+        so, do = (src_offsets, dst_offsets) if idx is None else (src_offsets[idx], dst_offsets[idx])
+        if len(so) <= LOOP_MAX:
+            each(so, do, np.full(len(so), length))
+        elif _copy_rows(src, so, dst, do, length, maps=maps, workers=workers,
+                        torch_pool=torch_pool):  # fmt: skip
             continue
-        elif length < NUMPY_MAX:
+        elif length < LARGE_RUN:
             _copy_equal(sn, so, dn, do, length, workers=workers)
-        elif length >= LARGE_RUN:
-            each(so, do, lengths[idx])
         else:
-            _copy_equal(sn, so, dn, do, length, workers=workers)
+            each(so, do, np.full(len(so), length))
 
 
 def distinct(regions: Int64Array) -> list[int]:
@@ -358,6 +236,13 @@ def copy_pairs(
     """Move ``src[i]`` to ``dst[i]`` for every i (validated, equal lengths); mutates dst views.
     ``workers`` and ``torch_pool`` as in :func:`copy_runs`."""
     src, dst = coalesce(src, dst)
+    if src.facts.single_region and dst.facts.single_region:  # common: no grouping, facts known
+        copy_runs(
+            src_views[RegionId(int(src.regions[0]))], src.offsets,
+            dst_views[RegionId(int(dst.regions[0]))], dst.offsets, src.lengths,
+            workers=workers, torch_pool=torch_pool, maps=(src.facts.rows, dst.facts.rows),
+        )  # fmt: skip
+        return
     for idx in _groups(src.regions, dst.regions):
         i0 = int(idx[0])
         copy_runs(
@@ -411,12 +296,7 @@ def coalesce(
     """
     if len(src) < 2:
         return src, dst
-    cont = (
-        (src.regions[1:] == src.regions[:-1])
-        & (src.offsets[1:] == src.offsets[:-1] + src.lengths[:-1])
-        & (dst.regions[1:] == dst.regions[:-1])
-        & (dst.offsets[1:] == dst.offsets[:-1] + dst.lengths[:-1])
-    )
+    cont = src.facts.continues & dst.facts.continues
     merged = int(cont.sum())
     if not merged or len(src) < min_gain * (len(src) - merged):
         return src, dst
@@ -445,45 +325,21 @@ def split(
     )
 
 
-def _keys(descs: DescriptorList) -> tuple[Int64Array, Int64Array]:
-    if len(descs) and int((descs.offsets + descs.lengths).max()) >= 1 << _OFFSET_BITS:
-        raise PlanError(f"descriptor offsets beyond {1 << _OFFSET_BITS} bytes are not supported")
-    base = descs.regions << _OFFSET_BITS
-    return base + descs.offsets, base + descs.offsets + descs.lengths
-
-
-def _blocks_disjoint(descs: DescriptorList) -> bool | None:
-    """Fast answer for one region of equal, equally aligned runs (paged blocks): whether no
-    two coincide (counting, no sort); None when the shape does not apply."""
-    length, lo = int(descs.lengths[0]), int(descs.offsets.min())
-    if (
-        int(descs.regions.min()) != int(descs.regions.max())
-        or int(descs.lengths.max()) != length
-        or np.any((descs.offsets - lo) % length)
-    ):
-        return None
-    counts = np.bincount((descs.offsets - lo) // length)
-    return bool(counts.max() <= 1)
-
-
 def check_disjoint(descs: DescriptorList, side: str) -> None:
     """``PlanError`` if two descriptors of ``descs`` share a byte (e.g. one written twice)."""
-    if len(descs) < 2 or _blocks_disjoint(descs):
-        return
-    start, end = _keys(descs)
-    order = np.argsort(start)
-    bad = np.flatnonzero(end[order][:-1] > start[order][1:])
-    if len(bad):
-        i, j = sorted((int(order[bad[0]]), int(order[bad[0] + 1])))
+    found = descs.facts.overlap
+    if found is not None:
+        i, j = found
         raise PlanError(f"{side} descriptors {i} and {j} overlap (a byte would be written twice)")
 
 
 def check_no_cross_overlap(src: DescriptorList, dst: DescriptorList) -> None:
     """``PlanError`` if a destination range overlaps a source range (same memory, loopback)."""
-    if not len(src) or not len(dst) or not set(distinct(src.regions)) & set(distinct(dst.regions)):
+    shared = set(src.facts.region_ids.tolist()) & set(dst.facts.region_ids.tolist())
+    if not len(src) or not len(dst) or not shared:
         return
-    s_start, s_end = _keys(src)
-    d_start, d_end = _keys(dst)
+    s_start, s_end = src.facts.byte_keys()
+    d_start, d_end = dst.facts.byte_keys()
     order = np.argsort(s_start)
     reach = np.maximum.accumulate(s_end[order])  # furthest end among sources sorted by start
     pos = np.searchsorted(s_start[order], d_end, side="left")  # sources starting before d's end

@@ -45,7 +45,7 @@ from kvplane.transports.base import (
     check_pairing,
 )
 from kvplane.transports.batches import Batch, BatchTable
-from kvplane.transports.copier import check_disjoint, check_no_cross_overlap, distinct
+from kvplane.transports.copier import check_disjoint, check_no_cross_overlap
 from kvplane.transports.regions import RegionEntry, RegionTable, byte_view
 from kvplane.transports.wire import MAX_NOTIFY_BYTES
 from kvplane.transports.workers import CopyWorkers
@@ -160,7 +160,7 @@ class TransportCore:
         self._check_open()
         known = self._check_submit(kind, src, dst, peer, notify=notify, deadline_s=deadline_s)
         local = src if kind is XferKind.WRITE else dst
-        pins = self._regions.pin(distinct(local.regions))
+        pins = self._regions.pin(local.facts.region_ids.tolist())
         batch = self._batches.new(known.peer_id, kind, src.total_bytes, float(deadline_s), pins)
         try:
             self._start(batch, src, dst, known, notify)

@@ -20,7 +20,7 @@ from kvplane.ids import PeerId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferKind, XferState
 from kvplane.transports.batches import Batch
-from kvplane.transports.copier import copy_pairs, distinct
+from kvplane.transports.copier import copy_pairs
 from kvplane.transports.core import TransportCore
 from kvplane.transports.wire import WIRE_VERSION, Metadata, RegionInfo, decode_metadata, encode
 
@@ -93,9 +93,9 @@ class LocalTransport(TransportCore):
             return
         local, remote = (src, dst) if batch.kind is XferKind.WRITE else (dst, src)
         remote.check_bounds(target._regions.lengths(), f"peer {peer.peer_id!r} (live)")
-        remote_pins = target._regions.pin(distinct(remote.regions))
+        remote_pins = target._regions.pin(remote.facts.region_ids.tolist())
         try:
-            local_views = self._regions.views(distinct(local.regions))
+            local_views = self._regions.views(local.facts.region_ids.tolist())
             remote_views = target._regions.views(remote_pins)
             batch.started = True
             if batch.kind is XferKind.WRITE:

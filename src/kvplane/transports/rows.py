@@ -1,0 +1,135 @@
+"""Copies of paged blocks: equal runs that sit on rows of their length, by one index op.
+
+Theory of operation
+-------------------
+Runs of one length ``L`` whose offsets are all multiples of ``L`` from the lowest one (a pool of
+paged blocks) are rows of a ``[rows, L]`` byte view (:class:`~kvplane.transports.descriptors.
+RowMap`). Moving them is then an index op over rows instead of one copy per run. Which threads
+run it depends on the caller:
+
+* the application's own thread (``torch_pool=True``, the ``local`` transport): torch index ops
+  on torch's intra-op pool -- the pool the application's compute and ``copy_`` use, so nothing
+  else fights it for cores. One gather pass of byte rows when the destination rows tile their
+  span (a permutation included); one scatter pass of 8- or 4-byte-integer rows when the sources
+  are back to back (torch scatters byte rows element by element); else two passes through a
+  cache-sized stage.
+* a transport's background thread (``shm``, ``tcp``): a torch parallel op there would start a
+  second OpenMP team, whose spinning threads and the first team's slow both to a fraction of
+  memcpy. NumPy row indexing (which releases the GIL) runs rows of at least ``NUMPY_MIN``
+  bytes instead, split among the transport's
+  :class:`~kvplane.transports.workers.CopyWorkers`; shorter rows are left to the caller.
+
+Row maps of a whole descriptor list come from its cached facts (computed once per list); maps
+of a sub-selection are computed here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvplane.transports.descriptors import Int64Array, RowMap
+from kvplane.transports.workers import CopyWorkers
+
+CHUNK_BYTES = 1 << 20
+"""Stage of the two-pass paths (scattered source and destination)."""
+NUMPY_MIN = 64 << 10
+"""Shortest rows the NumPy path takes (shorter ones copy faster as opaque items)."""
+PART_BYTES = 256 << 10
+"""Smallest share of a copy worth handing to a helper thread."""
+_WIDE = {8: torch.int64, 4: torch.int32}
+
+
+def _view(buf: torch.Tensor, m: RowMap) -> torch.Tensor:
+    return buf.narrow(0, m.base, m.rows * m.length).view(m.rows, m.length)
+
+
+def _wide(
+    src_rows: torch.Tensor, dst_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Both sides' byte rows seen as rows of 8- or 4-byte integers, or None if they are not so
+    aligned."""
+    length = src_rows.shape[1]
+    for width, dtype in _WIDE.items():
+        if length % width == 0 and src_rows.data_ptr() % width == dst_rows.data_ptr() % width == 0:
+            return src_rows.view(dtype), dst_rows.view(dtype)
+    return None
+
+
+def source_per_destination_row(s: RowMap, d: RowMap) -> Int64Array | None:
+    """When the destination runs tile their rows: the source row feeding each destination row
+    (so the move is one gather); else None."""
+    if d.identity:
+        return s.index
+    if d.inverse is None:
+        return None
+    return d.inverse if s.identity else s.index[d.inverse]
+
+
+def copy_rows_torch(src: torch.Tensor, s: RowMap, dst: torch.Tensor, d: RowMap) -> bool:
+    """Move run i (row ``s.index[i]`` of ``src``) to row ``d.index[i]`` of ``dst`` with torch
+    index ops; mutates ``dst`` only. False (nothing copied) if the two row views share memory
+    or the rows are too oddly aligned for the scatter path."""
+    sv, dv = _view(src, s), _view(dst, d)
+    s_lo, d_lo = sv.data_ptr(), dv.data_ptr()
+    if s_lo < d_lo + dv.numel() and d_lo < s_lo + sv.numel():
+        return False
+    gather = source_per_destination_row(s, d)
+    if gather is not None:  # the destination rows tile their span: one gather pass
+        torch.index_select(sv, 0, torch.from_numpy(gather), out=dv)
+        return True
+    wide = _wide(sv, dv)
+    if wide is None:
+        return False
+    swide, dwide = wide
+    di = torch.from_numpy(d.index)
+    if s.identity:
+        dwide.index_copy_(0, di, swide)  # sources back to back: one scatter pass
+        return True
+    si, n = torch.from_numpy(s.index), len(s.index)
+    step = max(1, CHUNK_BYTES // s.length)
+    stage = torch.empty((min(step, n), swide.shape[1]), dtype=swide.dtype)
+    for i in range(0, n, step):
+        part = stage[: min(step, n - i)]
+        torch.index_select(swide, 0, si[i : i + step], out=part)
+        dwide.index_copy_(0, di[i : i + step], part)
+    return True
+
+
+def copy_rows_numpy(
+    sn: npt.NDArray[np.uint8], s: RowMap, dn: npt.NDArray[np.uint8], d: RowMap,
+    *, workers: CopyWorkers | None,
+) -> bool:  # fmt: skip
+    """:func:`copy_rows_torch` by NumPy row indexing (releases the GIL), split among
+    ``workers``; False if the rows are shorter than ``NUMPY_MIN`` or the views may share
+    memory."""
+    length = s.length
+    if length < NUMPY_MIN:
+        return False
+    sv = sn[s.base : s.base + s.rows * length].reshape(s.rows, length)
+    dv = dn[d.base : d.base + d.rows * length].reshape(d.rows, length)
+    if np.may_share_memory(sv, dv):
+        return False
+    si, di = s.index, d.index
+    gather = source_per_destination_row(s, d)
+    step = max(1, CHUNK_BYTES // length)
+
+    def part(a: int, b: int) -> None:
+        if s.identity:
+            dv[di[a:b]] = sv[a:b]  # one scatter pass
+        elif gather is not None:
+            np.take(sv, gather[a:b], axis=0, out=dv[a:b])  # one gather pass
+        else:
+            stage = np.empty((min(step, b - a), length), dtype=np.uint8)
+            for i in range(a, b, step):
+                j = min(i + step, b)
+                np.take(sv, si[i:j], axis=0, out=stage[: j - i])
+                dv[di[i:j]] = stage[: j - i]
+
+    n = len(si)
+    if workers is None:
+        part(0, n)
+    else:
+        workers.run(part, n, min_part=max(1, PART_BYTES // length))
+    return True
