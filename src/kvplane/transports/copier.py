@@ -7,20 +7,20 @@ peer segment, ``tcp`` gather-before-send and scatter-after-receive) comes down t
 :func:`copy_runs`: ``n`` byte runs from one buffer to another. A run's cost is a memcpy plus, if
 issued from Python, a few microseconds of overhead, so the strategy depends on the runs:
 
-* few runs (or long ones, >= ``LARGE_RUN``): one copy each -- ``narrow().copy_()`` on the
-  application's thread (``torch_pool``, below), a NumPy slice copy split among the copy workers
-  on a transport's thread;
+* few runs: one copy each -- ``narrow().copy_()`` on the application's thread
+  (``torch_pool``, below), a NumPy slice copy split among the copy workers on a transport's
+  thread;
 * runs of one length ``L`` that sit a multiple of ``L`` apart on both sides (paged blocks):
   one index op over ``[rows, L]`` row views (:mod:`kvplane.transports.rows`), on torch's pool
   from the application's thread (``torch_pool``), by NumPy on a transport's thread;
-* other short runs of one length ``L`` (< ``NUMPY_MIN``): NumPy fancy
-  indexing over a ``V{L}`` (opaque ``L``-byte) view whose stride is one byte, so a run may start
+* other runs of one length ``L`` shorter than ``LONG_RUN``: NumPy fancy indexing over a ``V{L}`` (opaque ``L``-byte) view whose stride is one byte, so a run may start
   at any byte offset -- one pass when one side is back to back, else through cache-sized
   chunks (``CHUNK_BYTES``). NumPy releases the GIL while it copies, so the index range is split
   among the transport's :class:`~kvplane.transports.workers.CopyWorkers` (as many threads as
   torch's own ``copy_`` uses);
-* other runs: long ones one copy each (the overhead is amortised), else NumPy. No Python loop
-  per run.
+* other runs of at least ``LONG_RUN`` bytes (e.g. blocks scattered on both sides): one NumPy
+  slice copy each (the call overhead is amortised; cheaper than two staged passes), else
+  NumPy fancy indexing. No Python loop per short run.
 
 :func:`coalesce` merges consecutive pairs that continue each other on both sides, :func:`split`
 cuts runs longer than a limit, :func:`check_disjoint` and :func:`check_no_cross_overlap` refuse
@@ -42,17 +42,16 @@ from kvplane.ids import RegionId
 from kvplane.transports.descriptors import DescriptorList, Int64Array, RowMap, row_map
 from kvplane.transports.rows import (
     CHUNK_BYTES,
+    LONG_RUN,
     NUMPY_MIN,
     PART_BYTES,
     copy_rows_numpy,
     copy_rows_torch,
-)  # fmt: skip
+)
 from kvplane.transports.workers import CopyWorkers
 
 LOOP_MAX = 16
 """At most this many runs (of one length) are copied one call each."""
-LARGE_RUN = 128 << 10
-"""Runs at least this long are copied one call each."""
 
 
 def _loop(
@@ -194,10 +193,10 @@ def copy_runs(
         elif _copy_rows(src, so, dst, do, length, maps=maps, workers=workers,
                         torch_pool=torch_pool):  # fmt: skip
             continue
-        elif length < LARGE_RUN:
+        elif length < LONG_RUN:
             _copy_equal(sn, so, dn, do, length, workers=workers)
-        else:
-            each(so, do, np.full(len(so), length))
+        else:  # NumPy slice copies: faster per call than torch's on either kind of thread
+            _np_loop(sn, so, dn, do, np.full(len(so), length), workers=workers)
 
 
 def distinct(regions: Int64Array) -> list[int]:
