@@ -8,6 +8,7 @@ test ends with both workers' pools empty and every pool and ledger consistent.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -38,6 +39,22 @@ def test_mla_byte_exact_with_different_block_sizes_and_unaligned_ends(mla: Clust
     stats = check_balanced(mla.router)
     assert stats["prefill"].counters["session_finished_sender_success"] == 8
     assert stats["decode"].counters["session_finished_receiver_success"] == 8
+
+
+def test_slices_planned_ahead_begin_in_the_call_that_sends_them() -> None:
+    """A pipelined request's later slices are planned while it computes (20 ms a step, far
+    longer than a plan); each then begins in the same PD-loop call that sends its SubmitSlice
+    (one thread hop, not two)."""
+    c = cluster(replace(MLA, compute_s_per_step=0.02))
+    try:
+        res = c.router.generate("ahead", prompt(np.random.default_rng(3), 200), step_size=32)
+        assert (res.state, res.mismatches) == ("success", 0)
+        counters = check_balanced(c.router)["prefill"].counters
+    finally:
+        c.close()
+    # 7 slices: the first is planned when its session appears, the other 6 ahead of time
+    assert counters["driver_plans_ready"] == 6
+    assert counters["driver_begun_in_call"] == 6
 
 
 def test_first_token_arrives_with_the_final_slice(mla: Cluster) -> None:

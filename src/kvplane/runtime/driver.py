@@ -24,7 +24,9 @@ driver.
 Latency: every hop to the PD loop thread costs a thread handoff, so one driver turn makes at
 most one: the evidence of every finished slice, the worker's queued ``SubmitSlice`` commands
 (:meth:`SliceDriver.admit`: the worker loop hands them over and goes on computing, the result
-comes back through a callback) and the begin check of every new slice go in one call. The
+comes back through a callback) and the begin check of every new slice go in one call — including
+the slices those very commands let start, when their plans were made ahead (the session emits
+their ``StartSubmit`` inside the call, and the same call reports ``SubmitStarted``). The
 thread sleeps on a condition that a new ``StartSubmit``, a command, or the end of a watched
 transport batch (:class:`~kvplane.runtime.watcher.BatchWatcher`) signals at once; it polls on a
 timer only as a fallback (every :data:`WATCHED_POLL_S`, or :data:`POLL_S` for a transport that
@@ -254,6 +256,7 @@ class SliceDriver:
         if not evidence and not begins and not commands:
             return
         ep = self._ep
+        late: list[StartSubmit] = []
 
         def on_loop() -> None:
             for sid, event in evidence:
@@ -263,6 +266,8 @@ class SliceDriver:
                 with contextlib.suppress(ProtocolError):  # refused: reported as not accepted
                     ep.send(c.session_id, c.command)
                     c.accepted = True
+            if commands:  # begin what they let start now, in this same call
+                late.extend(self._take_arrived(begins))
             for b in begins:
                 sid, slice_id = b.act.session_id, b.act.slice_id
                 if ep.participant.submittable(sid, slice_id):
@@ -276,11 +281,39 @@ class SliceDriver:
         finally:  # the worker counts on one answer per command
             for c in commands:
                 c.on_result(c.accepted)
+            if late:  # not planned ahead: planned on this thread in the next turn, in order
+                with self._cond:
+                    self._inbox.extendleft(reversed(late))
         for b in begins:
             if b.allowed:
                 self._start(b)
             else:
                 self._count("overtaken")
+
+    def _take_arrived(self, begins: list[_Begin]) -> list[StartSubmit]:
+        """On the PD loop, inside a turn's call (the driver thread waits on it): move the
+        ``StartSubmit`` s that the turn's commands just produced from the inbox into
+        ``begins`` when their plans were made ahead (no planning or connecting here); the
+        others come back, each session's from its first unready slice on, to keep order."""
+        with self._cond:
+            arrived = list(self._inbox)
+            self._inbox.clear()
+        late: list[StartSubmit] = []
+        held: set[SessionId] = set()
+        for act in arrived:
+            sid = act.session_id
+            sess, source = self._sessions.get(sid), self._sources(sid)
+            if sid in held or sess is None or source is None:
+                ready = None
+            else:
+                ready = self._ahead(act, source, sess)
+            if ready is None or source is None:
+                held.add(sid)
+                late.append(act)
+            else:
+                self._count("begun_in_call")
+                begins.append(_Begin(act, source, ready))
+        return late
 
     def _harvest(self) -> list[tuple[SessionId, Evidence]]:
         """Step every run; the evidence of finished slices, each session's in slice order."""
@@ -344,19 +377,29 @@ class SliceDriver:
         if sess is None:  # a session is bound to one peer incarnation: link it once
             sess = _Session(self._link(act.peer_id), act, {})
             self._sessions[sid] = sess
+        ready = self._ahead(act, source, sess)
+        if ready is not None:
+            return ready
         sess.begun = max(sess.begun, int(act.slice_id) + 1)
-        ready = sess.plans.pop(int(act.slice_id), None)
-        n = act.request.num_tokens
-        if ready is not None and int(act.slice_id) < len(source.schedule):
-            tokens, is_last = source.schedule[int(act.slice_id)]
-            lo = min(max(tokens.start, act.request.prefix_tokens), n)
-            if (lo, max(lo, min(tokens.end, n)), is_last) == (act.start, act.end, act.is_last):
-                self._count("plans_ready")
-                return ready
         tokens = TokenRange(act.start, act.end)
         return self._plan(
             source, sess.link, act, tokens, slice_id=int(act.slice_id), is_last=act.is_last
         )
+
+    def _ahead(self, act: StartSubmit, source: SliceSource, sess: _Session) -> PlannedSlice | None:
+        """The plans made ahead for ``act``'s slice if they match what the session asks for
+        (taken: the slice counts as begun), else None (any stale ones are dropped)."""
+        ready = sess.plans.pop(int(act.slice_id), None)
+        if ready is None or int(act.slice_id) >= len(source.schedule):
+            return None
+        n = act.request.num_tokens
+        tokens, is_last = source.schedule[int(act.slice_id)]
+        lo = min(max(tokens.start, act.request.prefix_tokens), n)
+        if (lo, max(lo, min(tokens.end, n)), is_last) != (act.start, act.end, act.is_last):
+            return None
+        sess.begun = max(sess.begun, int(act.slice_id) + 1)
+        self._count("plans_ready")
+        return ready
 
     def _prepare(self, act: StartSubmit) -> _Begin | None:
         """Plan a new slice (or fail its session when it cannot be planned)."""

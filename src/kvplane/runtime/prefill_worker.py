@@ -452,6 +452,7 @@ class PrefillWorker(Worker):
         op and the model's attention plans/fallbacks; offload integrity joins the verdict."""
         base = super().stats(timeline=timeline)
         extra = report_counters(self.metrics, self.producer)
+        extra.update({f"driver_{k}": v for k, v in dict(self.driver.counters).items()})
         problem = base.integrity
         if self.offload is not None:
             extra.update(self.offload.snapshot())
