@@ -64,3 +64,22 @@ def test_history_is_bounded_and_foreign_handles_refused():
     assert table.lookup(batches[2].handle).state is XferState.DONE
     with pytest.raises(TransportError, match="not a handle of transport 't'"):
         table.lookup(Handle("other", 3, PeerId("p"), 1))
+
+
+def test_done_callbacks_run_once_at_the_end_or_at_once_if_it_already_ended():
+    table, _, _ = _table()
+    b = table.new(PeerId("p"), XferKind.WRITE, 8, 10.0, ())
+    calls: list[str] = []
+    table.on_done(b.handle, lambda: calls.append("first"))
+    table.on_done(b.handle, lambda: calls.append("second"))
+    assert calls == []
+    assert table.finish(b, XferState.DONE)
+    assert calls == ["first", "second"]
+    assert not table.finish(b, XferState.FAILED, FailureKind.TIMEOUT, "late")  # no second run
+    assert calls == ["first", "second"]
+    table.on_done(b.handle, lambda: calls.append("late"))  # ended, still live: runs at once
+    table.quiesce(b)
+    table.on_done(b.handle, lambda: calls.append("history"))  # retired: runs at once
+    assert calls == ["first", "second", "late", "history"]
+    with pytest.raises(TransportError):
+        table.on_done(Handle("t", 999, PeerId("p"), 1), lambda: None)

@@ -1,4 +1,4 @@
-"""Completion wake-ups for the slice driver: a transport tap and one watcher thread.
+"""Completion wake-ups for the slice driver: a transport tap and, where needed, a watcher thread.
 
 Theory of operation
 -------------------
@@ -6,17 +6,20 @@ The transport protocol reports progress only through ``poll``. A driver that pol
 while slices are in flight wakes thousands of times a second, and every wake-up takes a core and
 the GIL from the threads that matter — the transport's I/O threads and the prefill compute.
 :class:`BatchWatcher` removes the loop: :attr:`BatchWatcher.transport` is the driver's transport
-with every call delegated unchanged, except that each handle ``submit`` returns is queued for
-the watcher thread, which blocks in the real transport's own ``wait(handle, timeout)`` (the
-transports built on ``TransportCore`` have it; it sleeps on the batch's completion event with
-the GIL released) and calls ``wake()`` as soon as the batch ends. The driver then polls as
-usual, so a wake-up is only a hint: every state still comes from ``poll`` (fault-injecting
-wrappers included), and a missed or early hint costs latency, never correctness.
+with every call delegated unchanged, except that each handle ``submit`` returns is watched, and
+``wake()`` is called as soon as its batch ends. Two ways, best first:
 
-A transport without ``wait`` is not watched (:attr:`BatchWatcher.active` is False): the driver
-then polls on a short period. Handles are watched in submission order — the order a link moves
-them in — each at most :data:`WATCH_S` per wait call, so :meth:`BatchWatcher.close` returns
-promptly.
+* the transport has a completion hook ``on_done(handle, fn)`` (those built on
+  ``TransportCore``): ``wake`` runs on the thread that ends the batch — no thread of ours and no
+  extra hand-off between threads, each of which costs a GIL acquisition on a busy worker;
+* it has only ``wait(handle, timeout)``: one watcher thread blocks in it, handle after handle
+  in submission order (each at most :data:`WATCH_S` per call, so :meth:`BatchWatcher.close`
+  returns promptly), and calls ``wake`` when each ends.
+
+The driver then polls as usual, so a wake-up is only a hint: every state still comes from
+``poll`` (fault-injecting wrappers included), and a missed or early hint costs latency, never
+correctness. A transport with neither is not watched (:attr:`BatchWatcher.active` is False): the
+driver then polls on a short period.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ _STOP = object()
 
 class _Waitable(Protocol):
     def wait(self, handle: Handle, timeout_s: float | None = None) -> Poll: ...
+
+
+class _Hooked(Protocol):
+    def on_done(self, handle: Handle, fn: Callable[[], None]) -> None: ...
 
 
 class _Tap:
@@ -106,21 +113,30 @@ class BatchWatcher:
     """
 
     def __init__(self, transport: Transport, wake: Callable[[], None]) -> None:
+        hook = getattr(transport, "on_done", None)
         found = getattr(transport, "wait", None)
+        self._hook = cast(_Hooked, transport).on_done if callable(hook) else None
         self._wait = cast(_Waitable, transport).wait if callable(found) else None
         self._wake = wake
         self._handles: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvplane-xfer-watch", daemon=True)
-        self.transport: Transport = _Tap(transport, self._handles.put) if self.active else transport
+        watch = self._hooked if self._hook is not None else self._handles.put
+        self.transport: Transport = _Tap(transport, watch) if self.active else transport
 
     @property
     def active(self) -> bool:
-        """Whether batches are watched (the transport can block until a batch ends)."""
-        return self._wait is not None
+        """Whether batches are watched (the transport has a completion hook or can block until
+        a batch ends)."""
+        return self._hook is not None or self._wait is not None
+
+    @property
+    def threaded(self) -> bool:
+        """Whether a watcher thread is needed (no completion hook, only ``wait``)."""
+        return self._hook is None and self._wait is not None
 
     def start(self) -> None:
-        if self.active:
+        if self.threaded:
             self._thread.start()
 
     def close(self) -> None:
@@ -128,6 +144,17 @@ class BatchWatcher:
         self._handles.put(_STOP)
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
+
+    def _hooked(self, handle: object) -> None:
+        hook = self._hook
+        if hook is None:  # pragma: no cover - chosen only with a hook
+            return
+        with contextlib.suppress(KVPlaneError):  # forgotten or broken: poll will tell
+            hook(cast(Handle, handle), self._notify)
+
+    def _notify(self) -> None:
+        if not self._closing.is_set():
+            self._wake()
 
     def _loop(self) -> None:
         wait = self._wait

@@ -10,6 +10,10 @@ pins released (:meth:`BatchTable.quiesce`, exactly once). The two differ when, s
 passes while an engine still owns the buffers: the caller sees FAILED(TIMEOUT) at once, but the
 regions stay pinned (``deregister`` refuses them) until the engine lets go.
 
+Completion callbacks (:meth:`BatchTable.on_done`) run once, right after the terminal
+transition, on whichever thread made it (an I/O thread, or a poller enforcing the deadline);
+one registered after the end runs at once on the caller's thread.
+
 Terminal, quiescent batches move to a bounded history (oldest dropped first) so that polling a
 finished handle keeps answering the same result without the table growing without bound.
 """
@@ -50,6 +54,7 @@ class Batch:
     quiescent: bool = False
     job: object = None
     done_event: threading.Event = field(default_factory=threading.Event)
+    callbacks: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def terminal(self) -> bool:
@@ -118,6 +123,18 @@ class BatchTable:
         with self._lock:
             return self._live.get(xfer_id)
 
+    def on_done(self, handle: Handle, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once when the batch of ``handle`` ends (at once if it has ended).
+        ``fn`` must be cheap, thread-safe and not raise. ``TransportError`` if the handle is
+        not this table's or is forgotten."""
+        found = self.lookup(handle)
+        if isinstance(found, Batch):
+            with self._lock:
+                if not found.state.terminal:
+                    found.callbacks.append(fn)
+                    return
+        fn()
+
     def begin(self, batch: Batch) -> bool:
         """Mark a batch started (bytes may move from now on); False if it already ended."""
         with self._lock:
@@ -159,7 +176,10 @@ class BatchTable:
             elif state is XferState.DONE:
                 batch.bytes_done = batch.handle.num_bytes
             self._retire_locked(batch)
+            callbacks, batch.callbacks = batch.callbacks, []
         batch.done_event.set()
+        for fn in callbacks:
+            fn()
         self._m_batches.labels(self._name, state.value).inc()
         self._m_seconds.labels(self._name).observe(time.monotonic() - batch.started_at)
         if state is XferState.DONE:

@@ -13,11 +13,12 @@ issued from Python, a few microseconds of overhead, so the strategy depends on t
 * runs of one length ``L`` that sit a multiple of ``L`` apart on both sides (paged blocks):
   one index op over ``[rows, L]`` row views (:mod:`kvplane.transports.rows`), on torch's pool
   from the application's thread (``torch_pool``), by NumPy on a transport's thread;
-* other runs of one length ``L`` shorter than ``LONG_RUN``: NumPy fancy indexing over a ``V{L}`` (opaque ``L``-byte) view whose stride is one byte, so a run may start
-  at any byte offset -- one pass when one side is back to back, else through cache-sized
-  chunks (``CHUNK_BYTES``). NumPy releases the GIL while it copies, so the index range is split
-  among the transport's :class:`~kvplane.transports.workers.CopyWorkers` (as many threads as
-  torch's own ``copy_`` uses);
+* other runs of one length ``L`` shorter than ``LONG_RUN``: NumPy fancy indexing over a
+  ``V{L}`` (opaque ``L``-byte) view whose stride is one byte, so a run may start at any byte
+  offset -- one pass when one side is back to back, else through cache-sized chunks
+  (``CHUNK_BYTES``). NumPy releases the GIL while it copies, so the index range is split among
+  the transport's :class:`~kvplane.transports.workers.CopyWorkers` (as many threads as torch's
+  own ``copy_`` uses);
 * other runs of at least ``LONG_RUN`` bytes (e.g. blocks scattered on both sides): one NumPy
   slice copy each (the call overhead is amortised; cheaper than two staged passes), else
   NumPy fancy indexing. No Python loop per short run.

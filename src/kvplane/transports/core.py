@@ -26,6 +26,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -196,6 +197,13 @@ class TransportCore:
             found = self._batches.lookup(handle)
             if isinstance(found, Batch) and not self._spin_wait:
                 found.done_event.wait(0.005 if end is None else min(0.005, end - now))
+
+    def on_done(self, handle: Handle, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once when the batch ends, on the thread that ends it (at once if it
+        already has). Not part of the Transport protocol: a completion hook for drivers that
+        would otherwise park a thread in :meth:`wait`. ``fn`` must be cheap and not raise; the
+        state still comes from ``poll``. Note a batch also ends by deadline only when polled."""
+        self._batches.on_done(handle, fn)
 
     def cancel(self, handle: Handle) -> None:
         found = self._batches.lookup(handle)
