@@ -4,6 +4,7 @@ re-index, a server that goes away mid-run, and the typed "unsupported" path."""
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import pytest
 import redis
@@ -95,9 +96,10 @@ def test_batches_span_pipeline_groups_and_a_lost_payload_is_corrupt(
     assert SlotId(2) not in tier.scan().values()
     raw.close()
     tier.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvplane-remote-")]
 
 
-def test_server_going_away_mid_run_is_a_typed_error() -> None:
+def test_server_going_away_mid_run_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
     m = MetricsRegistry()
     with LocalRedisServer() as server:  # stopped even if an assertion fails
         tier = RemoteTier(server.url, 2, CHUNK, FP, timeout_s=2.0, metrics=m)
@@ -105,11 +107,18 @@ def test_server_going_away_mid_run_is_a_typed_error() -> None:
         server.kill()
         with pytest.raises(OffloadError, match="write failed"):
             tier.write([SlotId(1)], keys(1), [pattern(1)])
+        many = [SlotId(i) for i in range(2)]
+        with monkeypatch.context() as mp:  # several groups: the helper's failure surfaces too
+            mp.setattr(remote_module, "PIPELINE_BYTES", CHUNK)
+            with pytest.raises(OffloadError, match="write failed"):
+                tier.write(many, keys(0, 1), [pattern(0), pattern(1)])
+            with pytest.raises(OffloadError, match="read failed"):
+                tier.read(many, keys(0, 1), [torch.zeros(CHUNK, dtype=torch.uint8)] * 2)
         with pytest.raises(OffloadError, match="read failed"):
             tier.read([SlotId(0)], keys(0), [torch.zeros(CHUNK, dtype=torch.uint8)])
         with pytest.raises(OffloadError, match="re-index failed"):
             tier.scan()
-        assert m.value("offload_tier_errors", {"tier": "remote"}, "_total") == 3
+        assert m.value("offload_tier_errors", {"tier": "remote"}, "_total") == 5
         tier.close()
         with pytest.raises(OffloadError, match="unreachable"):
             RemoteTier(server.url, 2, CHUNK, FP, timeout_s=1.0)

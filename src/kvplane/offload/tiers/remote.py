@@ -12,22 +12,31 @@ vouching for other bytes. Plain ``SET`` because the server keeps a large
 store). A read is one ``MGET`` of header and payload (an atomic snapshot); it checks the header
 (key, layout fingerprint, length) and the payload CRC-32 and returns CORRUPT or MISSING rather
 than bytes it cannot vouch for. A batch goes out in pipelined groups of about
-:data:`PIPELINE_BYTES` (one round trip per group, not per chunk). :meth:`RemoteTier.scan`
-re-indexes the namespace from headers alone (payloads are verified when read).
+:data:`PIPELINE_BYTES` (one round trip per group, not per chunk), and the groups overlap with
+the checksum work on loads: a load checks and copies one group while the tier's helper thread
+already fetches the next (the CRC and the socket I/O both release the GIL; measured 16 x 4 MiB:
+0.99 vs 0.74 GB/s in one A/B run). Stores are bound by the send, not the CRC (an overlapped
+store measured no faster), so they stay on the caller's thread.
+:meth:`RemoteTier.scan` re-indexes the namespace from headers alone (payloads are verified
+when read).
 
 The ``redis`` client is imported here only; without it :func:`redis_support` says why and the
 constructor raises :class:`~kvplane.errors.UnsupportedError`. Connection loss, timeouts and
 server errors raise :class:`~kvplane.errors.OffloadError` (counted); the failed job's chunks
 become misses. Payloads go out as memoryviews (no copy into a request buffer). A namespace
 belongs to one manager; two processes must not share one. Thread-safe: the client pools its
-connections and the tier keeps no buffers, so a store and a load job may overlap.
+connections and the tier keeps no buffers, so a store and a load job may overlap (the read
+helper thread is started on first use and stopped by :meth:`close`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
@@ -41,6 +50,8 @@ _HEADER = b":h"
 """Suffix of a slot's header key."""
 PIPELINE_BYTES = 8 << 20
 """Payload bytes per pipelined round trip of a batch (reads hold a group's replies at once)."""
+
+T = TypeVar("T")
 
 
 def redis_support() -> str | None:
@@ -90,6 +101,8 @@ class RemoteTier:
         self.fingerprint = fingerprint
         self.namespace = namespace
         self._counters = TierCounters(metrics, name)
+        self._reader: ThreadPoolExecutor | None = None
+        self._helpers_lock = threading.Lock()
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._client: Any = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
@@ -114,18 +127,27 @@ class RemoteTier:
     ) -> None:
         """Per chunk: drop the old header, set the payload, set the header (module doc)."""
         check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, payloads)
+
+        def prepare(group: range) -> list[tuple[bytes, memoryview, bytes]]:
+            out = []
+            for i in group:
+                view = as_buffer(payloads[i])
+                header = ChunkHeader(keys[i], self.fingerprint, self.chunk_bytes,
+                                     payload_checksum(view))  # fmt: skip
+                out.append((self._key(slots[i]), view, header.encode()))
+            return out
+
+        def send(prepared: list[tuple[bytes, memoryview, bytes]]) -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for name, view, header in prepared:
+                pipe.delete(name + _HEADER)
+                pipe.set(name, view)
+                pipe.set(name + _HEADER, header)
+            pipe.execute()
+
         try:
             for group in self._groups(len(slots)):
-                pipe = self._client.pipeline(transaction=False)
-                for i in group:
-                    view = as_buffer(payloads[i])
-                    crc = payload_checksum(view)
-                    header = ChunkHeader(keys[i], self.fingerprint, self.chunk_bytes, crc)
-                    name = self._key(slots[i])
-                    pipe.delete(name + _HEADER)
-                    pipe.set(name, view)
-                    pipe.set(name + _HEADER, header.encode())
-                pipe.execute()
+                send(prepare(group))
         except self._errors as exc:
             raise self._fail("write", exc) from exc
 
@@ -135,36 +157,61 @@ class RemoteTier:
         per = max(1, PIPELINE_BYTES // self.chunk_bytes)
         return [range(a, min(a + per, n)) for a in range(0, n, per)]
 
+    def _helper(self) -> ThreadPoolExecutor:
+        with self._helpers_lock:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"kvplane-{self.name}-read")
+            return self._reader
+
+    def _ahead(self, groups: list[range], fetch: Callable[[range], T]) -> Iterator[tuple[range, T]]:
+        """``(group, fetch(group))`` in order, the next group fetched on the read helper thread
+        while the caller works on the current one."""
+        pending: Future[T] | None = None
+        try:
+            for k, group in enumerate(groups):
+                got = fetch(group) if pending is None else pending.result()
+                pending = None
+                if k + 1 < len(groups):
+                    pending = self._helper().submit(fetch, groups[k + 1])
+                yield group, got
+        finally:
+            _settle(pending)
+
     def read(
         self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]
     ) -> list[ReadOutcome]:
         """``MGET`` each chunk's header and payload, check both, copy the payload into
         ``outs[i]``."""
         check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, outs)
+
+        def fetch(group: range) -> list[list[bytes | None]]:
+            pipe = self._client.pipeline(transaction=False)
+            for i in group:
+                name = self._key(slots[i])
+                pipe.mget([name + _HEADER, name])
+            return list(pipe.execute())
+
         outcomes: list[ReadOutcome] = []
         try:
-            replies: list[list[bytes | None]] = []
-            for group in self._groups(len(slots)):
-                pipe = self._client.pipeline(transaction=False)
-                for i in group:
-                    name = self._key(slots[i])
-                    pipe.mget([name + _HEADER, name])
-                replies.extend(pipe.execute())
-            for key, out, (raw_header, payload) in zip(keys, outs, replies, strict=True):
-                header = self._check(key, raw_header, payload)
-                if header is None:
-                    outcomes.append(
-                        ReadOutcome.MISSING if raw_header is None else ReadOutcome.CORRUPT
-                    )
-                elif payload is None or payload_checksum(payload) != header.checksum:
-                    self._counters.corrupt("checksum" if payload is not None else "missing")
-                    outcomes.append(ReadOutcome.CORRUPT)
-                else:
-                    as_buffer(out)[:] = payload
-                    outcomes.append(ReadOutcome.OK)
+            for group, replies in self._ahead(self._groups(len(slots)), fetch):
+                for i, (raw_header, payload) in zip(group, replies, strict=True):
+                    outcomes.append(self._accept(keys[i], raw_header, payload, outs[i]))
         except self._errors as exc:
             raise self._fail("read", exc) from exc
         return outcomes
+
+    def _accept(
+        self, key: ChunkKey, raw_header: bytes | None, payload: bytes | None, out: torch.Tensor
+    ) -> ReadOutcome:
+        """Check one chunk's reply; copy the payload into ``out`` only when it is vouched for."""
+        header = self._check(key, raw_header, payload)
+        if header is None:
+            return ReadOutcome.MISSING if raw_header is None else ReadOutcome.CORRUPT
+        if payload is None or payload_checksum(payload) != header.checksum:
+            self._counters.corrupt("checksum" if payload is not None else "missing")
+            return ReadOutcome.CORRUPT
+        as_buffer(out)[:] = payload
+        return ReadOutcome.OK
 
     def _check(
         self, key: ChunkKey | None, raw_header: bytes | None, payload: bytes | None
@@ -217,7 +264,18 @@ class RemoteTier:
             raise self._fail("clear", exc) from exc
 
     def close(self) -> None:
-        """Close the connection pool; idempotent."""
+        """Stop the helper threads and close the connection pool; idempotent."""
+        reader: ThreadPoolExecutor | None = getattr(self, "_reader", None)
+        if reader is not None:
+            reader.shutdown(wait=True)
+            self._reader = None
         client = getattr(self, "_client", None)
         if client is not None:
             client.close()
+
+
+def _settle(pending: Future[Any] | None) -> None:
+    """Wait for a helper's unfinished work (its error, if any, was already or is not wanted)."""
+    if pending is not None:
+        with contextlib.suppress(Exception):
+            pending.result()
