@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from kvplane.runtime.chaos import FaultPlan, FaultyTransport
 from kvplane.runtime.watcher import BatchWatcher
 from kvplane.transports.base import DescriptorList, XferKind, XferState
 from kvplane.transports.local import LocalFabric, LocalTransport
+
+
+class _WaitOnly:
+    """A transport with ``wait`` but no completion hook (the watcher needs its thread)."""
+
+    def __init__(self, inner: LocalTransport) -> None:
+        self.inner, self.name = inner, inner.name
+
+    def __getattr__(self, attr: str) -> object:
+        if attr == "on_done":
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
 
 
 def _setup() -> tuple[LocalTransport, LocalTransport, torch.Tensor, DescriptorList, DescriptorList]:
@@ -26,11 +39,14 @@ def _setup() -> tuple[LocalTransport, LocalTransport, torch.Tensor, DescriptorLi
     )
 
 
-def test_a_submitted_batch_wakes_the_owner_once_it_has_landed() -> None:
+@pytest.mark.parametrize("wait_only", [False, True])
+def test_a_submitted_batch_wakes_the_owner_once_it_has_landed(wait_only: bool) -> None:
+    """Through the transport's completion hook (no thread of the watcher's), or from the
+    watcher's thread blocked in ``wait`` when the transport has no hook."""
     a, b, dst, s, d = _setup()
     woken = threading.Event()
-    w = BatchWatcher(a, woken.set)
-    assert w.active and w.transport.name == "local"
+    w = BatchWatcher(_WaitOnly(a) if wait_only else a, woken.set)  # type: ignore[arg-type]
+    assert w.active and w.threaded is wait_only and w.transport.name == "local"
     w.start()
     try:
         peer = w.transport.connect(b.metadata())
@@ -75,35 +91,3 @@ def test_closing_with_nothing_in_flight_returns_and_tap_close_leaves_the_transpo
     assert a.wait(a.submit(XferKind.WRITE, s, d, peer), 5.0).state is XferState.DONE
     a.close()
     b.close()
-
-
-class _WaitOnly:
-    """A transport with ``wait`` but no completion hook (the watcher needs its thread)."""
-
-    def __init__(self, inner: LocalTransport) -> None:
-        self.inner, self.name = inner, inner.name
-
-    def __getattr__(self, attr: str) -> object:
-        if attr == "on_done":
-            raise AttributeError(attr)
-        return getattr(self.inner, attr)
-
-
-def test_a_completion_hook_needs_no_thread_and_a_wait_only_transport_gets_one() -> None:
-    for wrap, threaded in ((lambda t: t, False), (_WaitOnly, True)):
-        a, b, dst, s, d = _setup()
-        woken = threading.Event()
-        w = BatchWatcher(wrap(a), woken.set)  # type: ignore[no-untyped-call]
-        assert w.active and w.threaded is threaded
-        w.start()
-        try:
-            peer = w.transport.connect(b.metadata())
-            h = w.transport.submit(XferKind.WRITE, s, d, peer)
-            assert woken.wait(5.0)
-            assert w.transport.poll(h).state is XferState.DONE
-            assert torch.equal(dst, torch.arange(64, dtype=torch.uint8))
-        finally:
-            w.close()
-            a.close()
-            b.close()
-        assert a.live_batches() == 0 and a.pinned_regions() == 0
