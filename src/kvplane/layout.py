@@ -279,7 +279,7 @@ class KVLayout:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def axis_sizes(self) -> tuple[int, ...]:
         """Size of each axis, indexed by ``Axis`` (canonical order)."""
