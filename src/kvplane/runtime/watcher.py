@@ -28,6 +28,7 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol, cast
 
 import torch
@@ -121,7 +122,9 @@ class BatchWatcher:
         self._handles: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvplane-xfer-watch", daemon=True)
-        watch = self._hooked if self._hook is not None else self._handles.put
+        watch: Callable[[Handle], None] = self._handles.put
+        if self._hook is not None:
+            watch = partial(_hook_one, self._hook, self._notify)
         self.transport: Transport = _Tap(transport, watch) if self.active else transport
 
     @property
@@ -145,13 +148,6 @@ class BatchWatcher:
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
 
-    def _hooked(self, handle: object) -> None:
-        hook = self._hook
-        if hook is None:  # pragma: no cover - chosen only with a hook
-            return
-        with contextlib.suppress(KVPlaneError):  # forgotten or broken: poll will tell
-            hook(cast(Handle, handle), self._notify)
-
     def _notify(self) -> None:
         if not self._closing.is_set():
             self._wake()
@@ -169,3 +165,11 @@ class BatchWatcher:
                 while not self._closing.is_set() and not wait(handle, WATCH_S).state.terminal:
                     pass
             self._wake()
+
+
+def _hook_one(
+    hook: Callable[[Handle, Callable[[], None]], None], notify: Callable[[], None], handle: Handle
+) -> None:
+    """Ask the transport to call ``notify`` when ``handle`` ends."""
+    with contextlib.suppress(KVPlaneError):  # forgotten or broken: poll will tell
+        hook(handle, notify)

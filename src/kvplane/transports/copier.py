@@ -200,15 +200,6 @@ def copy_runs(
             _np_loop(sn, so, dn, do, np.full(len(so), length), workers=workers)
 
 
-def distinct(regions: Int64Array) -> list[int]:
-    """The distinct region ids of a descriptor column (no sort when there is only one)."""
-    if not len(regions):
-        return []
-    if int(regions.min()) == int(regions.max()):
-        return [int(regions[0])]
-    return [int(r) for r in np.unique(regions)]
-
-
 def _groups(*cols: Int64Array) -> list[Int64Array]:
     """Index arrays of the rows sharing each distinct combination of ``cols``."""
     if len(cols[0]) == 0:

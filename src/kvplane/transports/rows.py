@@ -15,8 +15,8 @@ run it depends on the caller:
   cache-sized stage.
 * a transport's background thread (``shm``, ``tcp``): a torch parallel op there would start a
   second OpenMP team, whose spinning threads and the first team's slow both to a fraction of
-  memcpy. NumPy row indexing (which releases the GIL) runs rows of at least ``NUMPY_MIN``
-  bytes instead, split among the transport's
+  memcpy. NumPy row indexing (which releases the GIL) runs them instead (the copier sends it
+  rows of at least ``NUMPY_MIN`` bytes), split among the transport's
   :class:`~kvplane.transports.workers.CopyWorkers`, when one pass does it (a back-to-back
   source or a destination that tiles its rows); the rest is left to the caller.
 
@@ -113,11 +113,9 @@ def copy_rows_numpy(
     *, workers: CopyWorkers | None,
 ) -> bool:  # fmt: skip
     """:func:`copy_rows_torch` by NumPy row indexing (releases the GIL), split among
-    ``workers``, for one-pass moves only; False if the rows are shorter than ``NUMPY_MIN``,
-    the views may share memory, or both sides are scattered."""
+    ``workers``, for one-pass moves only; False if the views may share memory or both sides
+    are scattered. (Callers leave rows shorter than ``NUMPY_MIN`` to opaque-item copies.)"""
     length = s.length
-    if length < NUMPY_MIN:
-        return False
     sv = sn[s.base : s.base + s.rows * length].reshape(s.rows, length)
     dv = dn[d.base : d.base + d.rows * length].reshape(d.rows, length)
     if np.may_share_memory(sv, dv):

@@ -44,7 +44,7 @@ from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import FailureKind, Peer, XferKind, XferState
 from kvplane.transports.channel import MAX_FDS, Channel, Listener, client_handshake
-from kvplane.transports.copier import copy_pairs, distinct
+from kvplane.transports.copier import copy_pairs
 from kvplane.transports.stream import Job, LinkState, StreamTransport
 from kvplane.transports.wire import (
     FLAG_ERROR,
@@ -223,7 +223,7 @@ class ShmTransport(StreamTransport):
             return
         xid = batch.handle.xfer_id
         remote = job.dst if batch.kind is XferKind.WRITE else job.src
-        ids = np.array(distinct(remote.regions), dtype=np.int64)
+        ids = remote.facts.region_ids
         link.ch.send(pack_header(FrameType.PIN, xid, 8 * len(ids), len(ids)) + ids.tobytes())
         with state.pin_ready:
             while xid not in state.pin_replies and not batch.terminal and not link.down:
@@ -238,7 +238,9 @@ class ShmTransport(StreamTransport):
                 link.ch.send_frame(FrameType.ABORT, xid)  # releases a pin granted later
             self._batches.quiesce(batch)
             return
-        local = self._regions.views(distinct((job.src if remote is job.dst else job.dst).regions))
+        local = self._regions.views(
+            (job.src if remote is job.dst else job.dst).facts.region_ids.tolist()
+        )
         peer_views = {RegionId(int(r)): state.views[RegionId(int(r))] for r in ids}
         if batch.kind is XferKind.WRITE:
             copy_pairs(local, peer_views, job.src, job.dst, self._copy_workers)

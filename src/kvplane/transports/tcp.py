@@ -43,7 +43,7 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferKind, XferState
 from kvplane.transports.batches import Batch
 from kvplane.transports.channel import Channel, Link, Listener, client_handshake
-from kvplane.transports.copier import coalesce, distinct, split
+from kvplane.transports.copier import coalesce, split
 from kvplane.transports.payload import (
     FRAME_BYTES,
     discard,
@@ -189,7 +189,7 @@ class TcpTransport(StreamTransport):
             for a, b in frames(src.lengths):
                 ch.send(pack_header(FrameType.READ_REQ, xid, 0, b - a) + pack_table(sub(src, a, b)))
             return
-        views = self._regions.views(distinct(src.regions))
+        views = self._regions.views(src.facts.region_ids.tolist())
         for a, b in frames(dst.lengths):
             if batch.terminal:
                 ch.send_frame(FrameType.ABORT, xid)
@@ -236,7 +236,7 @@ class TcpTransport(StreamTransport):
             if read.batch.terminal or read.failed:
                 discard(ch.sock, h.length, state.recv_stage)
             else:
-                views = self._regions.views(distinct(part.regions))
+                views = self._regions.views(part.facts.region_ids.tolist())
                 recv_payload(ch.sock, views, part, state.recv_stage)
                 read.batch.bytes_done += h.length
             self._maybe_end_read(state)
@@ -300,7 +300,7 @@ class _Target:
         """'' if ``table`` fits our exported regions (pinning them for ``xid``), else why not."""
         try:
             table.check_bounds(self.t._regions.lengths(exported_only=True), "requested")
-            new = set(distinct(table.regions)) - set(self.pins.get(xid, ()))
+            new = set(table.facts.region_ids.tolist()) - set(self.pins.get(xid, ()))
             self.pins[xid] = self.pins.get(xid, ()) + self.t._regions.pin(new, exported_only=True)
         except (PlanError, TransportError) as exc:
             return str(exc)
@@ -323,7 +323,7 @@ class _Target:
                 self.errors[xid] = why
                 discard(ch.sock, h.length, self.stage)
             else:
-                views = t._regions.views(distinct(table.regions))
+                views = t._regions.views(table.facts.region_ids.tolist())
                 recv_payload(ch.sock, views, table, self.stage)
         elif h.ftype in (FrameType.COMMIT, FrameType.ABORT):
             body = ch.recv_body(h)
@@ -340,7 +340,7 @@ class _Target:
                 ch.send_frame(FrameType.ACK, xid, why.encode(), flags=FLAG_ERROR)
                 return
             try:
-                views = t._regions.views(distinct(table.regions))
+                views = t._regions.views(table.facts.region_ids.tolist())
                 ch.send(pack_header(FrameType.DATA, xid, table.total_bytes))
                 send_payload(ch.sock, views, table, self.stage)
             finally:

@@ -102,7 +102,7 @@ class RemoteTier:
         self.namespace = namespace
         self._counters = TierCounters(metrics, name)
         self._reader: ThreadPoolExecutor | None = None
-        self._helpers_lock = threading.Lock()
+        self._reader_lock = threading.Lock()
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._client: Any = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
@@ -158,7 +158,7 @@ class RemoteTier:
         return [range(a, min(a + per, n)) for a in range(0, n, per)]
 
     def _helper(self) -> ThreadPoolExecutor:
-        with self._helpers_lock:
+        with self._reader_lock:
             if self._reader is None:
                 self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"kvplane-{self.name}-read")
             return self._reader
