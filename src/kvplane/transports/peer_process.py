@@ -32,6 +32,20 @@ from kvplane.ids import PeerId, RegionId
 from kvplane.transports.base import DescriptorList, FailureKind, Peer, Poll, XferKind, XferState
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """True when every thread of ``pid`` is in the stopped state (``T``/``t`` in /proc)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        for tid in tasks:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if state not in ("T", "t"):
+                return False
+    except FileNotFoundError:  # the process (or a thread) is gone: nothing left running
+        return True
+    return True
+
+
 def pattern(nbytes: int, seed: int) -> torch.Tensor:
     """Deterministic pseudo-random bytes (the same in every process for the same seed)."""
     gen = torch.Generator().manual_seed(seed)
@@ -255,8 +269,17 @@ class PeerProcess:
     def raw_sink(self, nbytes: int, reps: int) -> int:
         return int(self.call("raw_sink", nbytes, reps))
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP the child and return only once every one of its threads is stopped.
+
+        The signal is delivered asynchronously: without the wait, a thread of the child that is
+        running on another core may still answer one more frame after ``stop`` returned."""
         os.kill(self.pid, signal.SIGSTOP)
+        end = time.monotonic() + timeout_s
+        while not _all_threads_stopped(self.pid):
+            if time.monotonic() > end:
+                raise TransportError(f"peer process {self.pid} did not stop in {timeout_s} s")
+            time.sleep(0.001)
 
     def cont(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
