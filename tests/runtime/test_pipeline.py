@@ -42,10 +42,10 @@ def test_mla_byte_exact_with_different_block_sizes_and_unaligned_ends(mla: Clust
 
 
 def test_slices_planned_ahead_begin_in_the_call_that_sends_them() -> None:
-    """A pipelined request's later slices are planned while it computes (20 ms a step, far
+    """A pipelined request's later slices are planned while it computes (50 ms a step, far
     longer than a plan); each then begins in the same PD-loop call that sends its SubmitSlice
     (one thread hop, not two)."""
-    c = cluster(replace(MLA, compute_s_per_step=0.02))
+    c = cluster(replace(MLA, compute_s_per_step=0.05))
     try:
         res = c.router.generate("ahead", prompt(np.random.default_rng(3), 200), step_size=32)
         assert (res.state, res.mismatches) == ("success", 0)
