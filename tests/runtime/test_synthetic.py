@@ -108,3 +108,21 @@ def test_whole_blocks_hold_exactly_the_values(lay: KVLayout) -> None:
         got = canon[table[t // 4], :, :, t % 4]
         assert torch.equal(got.view(ints), want[t - 2].view(ints)), t
     assert KV.mismatches(lay, pool, tokens, table, TokenRange(2, 30)) == 0
+
+
+def test_each_wrong_element_counts_once_in_whole_and_partial_blocks() -> None:
+    """bf16 MLA elements pack four to a word: the fast word compare must still count elements."""
+    lay = KVLayout.mla(num_blocks=6, block_size=4, num_layers=2, latent_dim=8, rope_dim=4)
+    pool = lay.allocate()
+    tokens = np.arange(100, 118)
+    table = [5, 0, 3, 1, 4]  # tokens 0..17: four whole blocks, then two tokens of block 4
+    KV.write(lay, pool, tokens, table, TokenRange(0, 18))
+    assert KV.mismatches(lay, pool, tokens, table, TokenRange(0, 18)) == 0
+    words = lay.canonical_view(pool).view(torch.int16)  # [B, L, C, Tb, H, D]
+    words[3, 1, 0, 2, 0, 0:3] ^= 1  # three elements of one 8-byte word (token 10, layer 1)
+    words[5, 0, 0, 0, 0, 11] ^= 1  # the last element of token 0
+    words[4, 0, 0, 1, 0, 5] ^= 1  # token 17, in the partial last block
+    assert KV.mismatches(lay, pool, tokens, table, TokenRange(0, 18)) == 5
+    assert KV.mismatches(lay, pool, tokens, table, TokenRange(4, 8)) == 0  # block 0 untouched
+    words[2, 0, 0, 0, 0, 0] ^= 1  # a block outside the table: not looked at
+    assert KV.mismatches(lay, pool, tokens, table, TokenRange(0, 18)) == 5

@@ -63,6 +63,23 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return out
 
 
+def _whole_blocks(
+    layout: KVLayout, canon: torch.Tensor, rows: torch.Tensor, grid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The canonical pool view ``canon`` as integers and the synthetic values of whole blocks
+    in its block order ``[n, L, C, Tb, H, D]`` (``rows``: ``n * block_size`` token rows). When
+    the elements pack into 8-byte words both are int64 words (one op per eight bytes: every
+    lane of a word holds its token's value), else element-sized ints. Allocates the values."""
+    size, bs = layout.element_size, layout.block_size
+    dst, row, cols = canon.view(_INT_OF_SIZE[size]), rows, grid
+    if _words_fit(dst, size):
+        lanes = sum(1 << (8 * size * k) for k in range(8 // size))
+        row = (row.to(torch.int64) & ((1 << (8 * size)) - 1)) * _wrap64(lanes)
+        dst, cols = dst.view(torch.int64), grid.view(torch.int64)
+    nb = len(rows) // bs
+    return dst, torch.bitwise_xor(row.view(nb, 1, 1, bs, 1, 1), cols.unsqueeze(2).unsqueeze(0))
+
+
 def slots_of(block_ids: Sequence[int], block_size: int, tokens: TokenRange) -> np.ndarray:
     """``(block, offset)`` pairs as int64 ``[2, T]`` for the positions of ``tokens``."""
     pos = np.arange(tokens.start, tokens.end, dtype=np.int64)
@@ -172,22 +189,13 @@ class SyntheticKV:
         ids = np.asarray(token_ids)[tokens.start : tokens.end]
         rows, grid = self._parts(layout, ids, np.arange(tokens.start, tokens.end))
         canon = layout.canonical_view(pool)  # [B, L, C, Tb, H, D]
-        ints = _INT_OF_SIZE[layout.element_size]
         for blocks, offs, sel in _pieces(layout, block_ids, tokens):  # at most three pieces
             if isinstance(blocks, int):
                 part = torch.bitwise_xor(rows[sel][:, None], grid.reshape(1, -1))
                 view = part.view(layout.dtype).view(-1, *grid.shape)
                 canon[blocks, :, :, offs] = view.permute(1, 2, 0, 3, 4)
                 continue
-            nb, bs = len(blocks), layout.block_size
-            dst, row, cols = canon.view(ints), rows[sel], grid
-            size = layout.element_size
-            if _words_fit(dst, size):
-                # eight bytes per element op: every lane of a word holds the token's value
-                lanes = sum(1 << (8 * size * k) for k in range(8 // size))
-                row = (row.to(torch.int64) & ((1 << (8 * size)) - 1)) * _wrap64(lanes)
-                dst, cols = dst.view(torch.int64), grid.view(torch.int64)
-            out = torch.bitwise_xor(row.view(nb, 1, 1, bs, 1, 1), cols.unsqueeze(2).unsqueeze(0))
+            dst, out = _whole_blocks(layout, canon, rows[sel], grid)
             dst.index_copy_(0, blocks, out)  # [n, L, C, Tb, H, D]
 
     def mismatches(
@@ -201,21 +209,23 @@ class SyntheticKV:
         """How many elements of ``tokens`` in ``pool`` differ from the synthetic KV (bit-exact)."""
         if tokens.empty:
             return 0
-        want = self.values(
-            layout,
-            np.asarray(token_ids)[tokens.start : tokens.end],
-            np.arange(tokens.start, tokens.end),
-        )
+        ids = np.asarray(token_ids)[tokens.start : tokens.end]
+        rows, grid = self._parts(layout, ids, np.arange(tokens.start, tokens.end))
         canon = layout.canonical_view(pool)
         ints = _INT_OF_SIZE[layout.element_size]
         bad = 0
-        for blocks, offs, rows in _pieces(layout, block_ids, tokens):
-            if isinstance(blocks, int):
-                got = canon[blocks, :, :, offs].permute(2, 0, 1, 3, 4)
-            else:
-                got = canon.index_select(0, blocks)[:, :, :, offs].permute(0, 3, 1, 2, 4, 5)
-                got = got.reshape(-1, *got.shape[2:])
-            bad += int((got.contiguous().view(ints) != want[rows].view(ints)).sum())
+        for blocks, offs, sel in _pieces(layout, block_ids, tokens):
+            if isinstance(blocks, int):  # a partial block: token order [t, L, C, H, D]
+                got = canon[blocks, :, :, offs].permute(2, 0, 1, 3, 4).contiguous().view(ints)
+                want = torch.bitwise_xor(rows[sel][:, None], grid.reshape(1, -1))
+                bad += int((got != want.view(got.shape)).sum())
+                continue
+            # whole blocks, compared in the pool's own order (no permuted copy); elements are
+            # counted one by one only when some word differs
+            src, want = _whole_blocks(layout, canon, rows[sel], grid)
+            got = src.index_select(0, blocks)
+            if not torch.equal(got, want):
+                bad += int((got.view(ints) != want.view(ints)).sum())
         return bad
 
     def state_bytes(self, token_ids: np.ndarray, nbytes: int) -> torch.Tensor:
