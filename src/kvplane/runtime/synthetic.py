@@ -182,8 +182,10 @@ class SyntheticKV:
         ``pool`` through the request's ``block_ids``. Mutates ``pool`` only at those slots.
 
         Whole blocks are computed straight in the pool's canonical order ``[n, L, C, Tb, H,
-        D]`` (one broadcast pass, then one block copy), so a step costs about two passes over
-        its bytes -- a stand-in for model compute must leave the cores to the transport."""
+        D]`` (one broadcast pass, then one block scatter -- by NumPy on CPU, measured 0.2 ms
+        against torch ``index_copy_``'s 1.2 ms for 32 blocks of 144 KiB), so a step costs about
+        two passes over its bytes -- a stand-in for model compute must leave the cores to the
+        transport."""
         if tokens.empty:
             return
         ids = np.asarray(token_ids)[tokens.start : tokens.end]
@@ -195,8 +197,11 @@ class SyntheticKV:
                 view = part.view(layout.dtype).view(-1, *grid.shape)
                 canon[blocks, :, :, offs] = view.permute(1, 2, 0, 3, 4)
                 continue
-            dst, out = _whole_blocks(layout, canon, rows[sel], grid)
-            dst.index_copy_(0, blocks, out)  # [n, L, C, Tb, H, D]
+            dst, out = _whole_blocks(layout, canon, rows[sel], grid)  # [n, L, C, Tb, H, D]
+            if dst.device.type == "cpu":  # NumPy's row scatter: ~5x torch's index_copy_ on CPU
+                dst.numpy()[blocks.numpy()] = out.numpy()
+            else:
+                dst.index_copy_(0, blocks, out)
 
     def mismatches(
         self,
