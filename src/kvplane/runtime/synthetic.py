@@ -63,6 +63,12 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return out
 
 
+def _token_rows(rows: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Values in token order ``[T, layers, comps, local_heads, dim]`` as element-sized ints
+    (one broadcast pass, GIL released)."""
+    return torch.bitwise_xor(rows[:, None], grid.reshape(1, -1)).view(len(rows), *grid.shape)
+
+
 def _whole_blocks(
     layout: KVLayout, canon: torch.Tensor, rows: torch.Tensor, grid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,9 +172,7 @@ class SyntheticKV:
         ``token_ids`` and ``positions`` are int64 ``[T]``; heads are the layout's TP range.
         """
         rows, grid = self._parts(layout, token_ids, positions)
-        mixed = torch.bitwise_xor(rows[:, None], grid.reshape(1, -1))  # one pass, GIL released
-        shape = (len(rows), *grid.shape)
-        return mixed.view(layout.dtype).view(shape)
+        return _token_rows(rows, grid).view(layout.dtype)
 
     def write(
         self,
@@ -193,8 +197,7 @@ class SyntheticKV:
         canon = layout.canonical_view(pool)  # [B, L, C, Tb, H, D]
         for blocks, offs, sel in _pieces(layout, block_ids, tokens):  # at most three pieces
             if isinstance(blocks, int):
-                part = torch.bitwise_xor(rows[sel][:, None], grid.reshape(1, -1))
-                view = part.view(layout.dtype).view(-1, *grid.shape)
+                view = _token_rows(rows[sel], grid).view(layout.dtype)
                 canon[blocks, :, :, offs] = view.permute(1, 2, 0, 3, 4)
                 continue
             dst, out = _whole_blocks(layout, canon, rows[sel], grid)  # [n, L, C, Tb, H, D]
@@ -222,13 +225,12 @@ class SyntheticKV:
         for blocks, offs, sel in _pieces(layout, block_ids, tokens):
             if isinstance(blocks, int):  # a partial block: token order [t, L, C, H, D]
                 got = canon[blocks, :, :, offs].permute(2, 0, 1, 3, 4).contiguous().view(ints)
-                want = torch.bitwise_xor(rows[sel][:, None], grid.reshape(1, -1))
-                bad += int((got != want.view(got.shape)).sum())
+                bad += int((got != _token_rows(rows[sel], grid)).sum())
                 continue
             # whole blocks, compared in the pool's own order (no permuted copy); elements are
             # counted one by one only when some word differs
-            src, want = _whole_blocks(layout, canon, rows[sel], grid)
-            got = src.index_select(0, blocks)
+            pool_ints, want = _whole_blocks(layout, canon, rows[sel], grid)
+            got = pool_ints.index_select(0, blocks)
             if not torch.equal(got, want):
                 bad += int((got.view(ints) != want.view(ints)).sum())
         return bad

@@ -31,18 +31,25 @@ from kvplane.errors import TransferTimeoutError, TransportError
 from kvplane.ids import PeerId, RegionId
 from kvplane.transports.base import DescriptorList, FailureKind, Peer, Poll, XferKind, XferState
 
+_NOT_RUNNING = frozenset("TtZX")
+"""/proc thread states that run no code: stopped, traced, zombie, dead."""
+
 
 def _all_threads_stopped(pid: int) -> bool:
-    """True when every thread of ``pid`` is in the stopped state (``T``/``t`` in /proc)."""
+    """True when no thread of ``pid`` can run (every state in :data:`_NOT_RUNNING`; a thread
+    that exits while we look is skipped, a process that is gone counts as stopped)."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
-        for tid in tasks:
+    except FileNotFoundError:
+        return True
+    for tid in tasks:
+        try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
-            if state not in ("T", "t"):
-                return False
-    except FileNotFoundError:  # the process (or a thread) is gone: nothing left running
-        return True
+        except FileNotFoundError:
+            continue
+        if state not in _NOT_RUNNING:
+            return False
     return True
 
 
