@@ -7,6 +7,7 @@ import torch
 
 from kvplane.attention.backends import TorchSplitKVBackend
 from kvplane.attention.backends.torch_splitkv import SplitPlan, split_pages_for
+from kvplane.attention.problem import QueryLayout
 from kvplane.errors import InvalidArgumentError
 
 
@@ -19,6 +20,7 @@ def test_plan_sorts_requests_and_counts_active(mla_inputs) -> None:
     assert sp.split_pages == 2  # 8 tokens of page size 4
     assert sp.active == (2, 1, 1)  # positions [0,8): 17 and 5; [8,16): 17; [16,24): 17
     assert sp.ragged == (True, False, True)
+    assert sp.masked == (True, False, True)  # 5 < 8; 17 >= 16; 17 < 24
 
 
 @pytest.mark.parametrize("split", [1, 4, 12, 1000])
@@ -30,6 +32,23 @@ def test_any_split_size_matches_reference(split, mla_inputs, run_backend, assert
         run_backend("reference", inputs),
         torch.float32,
     )
+
+
+@pytest.mark.parametrize("layout", list(QueryLayout))
+def test_rows_that_see_nothing_and_unmasked_splits(
+    layout, mla_inputs, run_backend, assert_close
+) -> None:
+    # causal q_len 4 over kv_len 2: the first two rows see no key (out 0, lse -inf); the
+    # splits [4, 8) and [12, 16) need no mask; the online state is rescaled across splits
+    inputs = mla_inputs([4, 1, 3], [2, 16, 11], layout=layout)
+    b = TorchSplitKVBackend(split_tokens=4)
+    plan = b.plan(inputs.problem)
+    assert plan.state.active == (3, 2, 2, 1)
+    assert plan.state.masked == (True, False, True, False)
+    got = b.run(plan, inputs.query, inputs.cache)
+    assert_close(got, run_backend("reference", inputs), torch.float32)
+    assert torch.equal(got.out[:2], torch.zeros_like(got.out[:2]))
+    assert got.lse_natural()[:2].isneginf().all()
 
 
 def test_split_sizing() -> None:

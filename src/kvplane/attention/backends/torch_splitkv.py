@@ -4,11 +4,16 @@ Theory of operation
 -------------------
 The KV axis is cut into splits of ``split_tokens`` positions (a multiple of the page size, sized
 at plan time so one split of the whole batch is a few MiB and stays in cache). Each split is
-gathered into one reused workspace, attended to on its own, giving a normalised partial state
-``(o_s, lse_s)``, and folded into the running state with the LSE merge
-(:func:`~kvplane.attention.paged.merge_states`). Requests are sorted by ``kv_len`` descending at
-plan time, so the requests still active in split ``s`` are a prefix of the batch: a split never
-gathers pages of requests that have ended. Memory is ``O(B x split)``, not ``O(B x kv_len)``.
+gathered into one reused workspace and folded into a running *unnormalised* state with the
+online softmax: per query row a running maximum ``m``, a running sum ``l`` and an accumulator
+``acc = sum_j e^(s_j - m) v_j``. A split with scores ``s`` raises the maximum to ``m'``, rescales
+``l`` and ``acc`` by ``e^(m - m')`` in place and adds its own ``e^(s - m')`` (one ``baddbmm``
+into ``acc``); ``out = acc / l`` and ``lse = m + log l`` are formed once at the end. Nothing of
+the size of the output is allocated per split, the query is scaled once, and the visibility
+mask is applied only to splits where some active row sees fewer keys than the split holds
+(decided at plan time). Requests are sorted by ``kv_len`` descending at plan time, so the
+requests still active in split ``s`` are a prefix of the batch: a split never gathers pages of
+requests that have ended. Memory is ``O(B x split)``, not ``O(B x kv_len)``.
 """
 
 from __future__ import annotations
@@ -23,16 +28,14 @@ from kvplane.attention.backends.common import (
     positive_int,
     torch_capabilities,
 )
-from kvplane.attention.backends.torch_mla import attend_latent, padded_query
+from kvplane.attention.backends.torch_mla import padded_query
 from kvplane.attention.base import Plan
 from kvplane.attention.inputs import MLAKVCache, MLAQuery
 from kvplane.attention.metadata import PagedStructure
 from kvplane.attention.paged import (
     BatchIndex,
     build_batch_index,
-    empty_state,
     gather_pages,
-    merge_states,
     padded_result,
     visible,
     zero_invalid,
@@ -47,21 +50,52 @@ MIN_SPLIT_TOKENS = 64
 
 @dataclass(frozen=True, slots=True)
 class SplitPlan:
-    """Unsorted and sorted batch indexes, the permutations, pages per split, active requests."""
+    """Unsorted and sorted batch indexes, the permutations, pages per split and, per split, the
+    active requests (a sorted prefix), whether it holds positions past some active request's end
+    (``ragged``: zero them) and whether some active real row sees fewer keys than it holds
+    (``masked``: apply the visibility mask; padding rows may see anything, they are dropped)."""
 
     full: BatchIndex
     index: BatchIndex
     inverse: torch.Tensor
     order: torch.Tensor
     split_pages: int
-    active: tuple[int, ...]  # requests (a sorted prefix) active in each split
-    ragged: tuple[bool, ...]  # does the split hold positions past some active request's end
+    active: tuple[int, ...]
+    ragged: tuple[bool, ...]
+    masked: tuple[bool, ...]
 
 
 def split_pages_for(batch: int, row_bytes: int, page_size: int, max_pages: int) -> int:
     """Pages per split: about ``TARGET_SPLIT_BYTES`` for the batch, at least one page."""
     tokens = max(MIN_SPLIT_TOKENS, TARGET_SPLIT_BYTES // max(1, batch * row_bytes))
     return max(1, min(max_pages, tokens // page_size))
+
+
+class _OnlineState:
+    """The running ``(m, l, acc)`` (``l`` is ``total``) of the sorted batch, rows ``[n, t*H]``."""
+
+    def __init__(self, batch: int, rows: int, v_dim: int, dtype: torch.dtype, dev: torch.device):
+        self.m = torch.full((batch, rows), float("-inf"), dtype=dtype, device=dev)
+        self.total = torch.zeros((batch, rows), dtype=dtype, device=dev)
+        self.acc = torch.zeros((batch, rows, v_dim), dtype=dtype, device=dev)
+
+    def fold(self, n: int, scores: torch.Tensor, values: torch.Tensor) -> None:
+        """Fold masked scores ``[n, rows, S]`` (consumed in place) and ``values [n, S, v]``."""
+        m, total, acc = self.m[:n], self.total[:n], self.acc[:n]
+        new = torch.maximum(m, scores.amax(dim=-1))
+        safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+        alpha = torch.exp(m - safe)
+        scores.sub_(safe[..., None]).exp_()
+        total.mul_(alpha).add_(scores.sum(dim=-1))
+        acc.mul_(alpha[..., None]).baddbmm_(scores, values)
+        m.copy_(new)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(o [n, rows, v], lse [n, rows])``; rows that saw no key give ``0`` and ``-inf``."""
+        empty = self.total == 0
+        o = self.acc / torch.where(empty, torch.ones_like(self.total), self.total)[..., None]
+        lse = torch.where(empty, torch.full_like(self.m, float("-inf")), self.m + self.total.log())
+        return o, lse
 
 
 class TorchSplitKVBackend(MLABackend[SplitPlan]):
@@ -88,13 +122,17 @@ class TorchSplitKVBackend(MLABackend[SplitPlan]):
             pages = split_pages_for(s.batch_size, row, s.page_size, max_pages)
         tokens = pages * s.page_size
         sorted_kv = kv[order]
+        # padding rows (past a request's q_len) are discarded: they never call for a mask
+        real = torch.arange(full.t_max)[None, :] < torch.tensor(s.q_lens, dtype=torch.long)[:, None]
+        limits = torch.where(real, full.limits.cpu(), s.max_kv_len)[order]
         n_splits = -(-s.max_kv_len // tokens)
         active = tuple(int((sorted_kv > i * tokens).sum()) for i in range(n_splits))
         ragged = tuple(int(sorted_kv[n - 1]) < (i + 1) * tokens for i, n in enumerate(active))
+        masked = tuple(bool((limits[:n] < (i + 1) * tokens).any()) for i, n in enumerate(active))
         dev = problem.device
         return SplitPlan(
             full, full.permuted(order.to(dev)), inverse.to(dev), order.to(dev), pages, active,
-            ragged,
+            ragged, masked,
         )  # fmt: skip
 
     def attend(
@@ -102,25 +140,40 @@ class TorchSplitKVBackend(MLABackend[SplitPlan]):
     ) -> AttentionResult:
         sp, p, pool = state, plan.problem, cache.data
         cdt, r = compute_dtype(p.dtype), p.mla_shape().kv_lora_rank
+        idx, heads = sp.index, p.num_heads
+        b, t = idx.batch, idx.t_max
         packed, nope, pe = padded_query(query, sp.full, cdt)
-        if packed is not None:  # permute one buffer and keep the halves as its views
-            packed = packed[sp.order]
-            nope, pe = packed[..., :r], packed[..., r:]
+        if packed is not None:  # one scaled, sorted buffer: the scores are one matmul
+            packed = (packed[sp.order] * p.sm_scale).view(b, t * heads, -1)
         else:
-            nope, pe = nope[sp.order], pe[sp.order]
-        idx = sp.index
-        o, lse = empty_state(idx, p.num_heads, r, cdt, p.device)
+            nope = (nope[sp.order] * p.sm_scale).view(b, t * heads, r)
+            pe = (pe[sp.order] * p.sm_scale).view(b, t * heads, -1)
+        run = _OnlineState(b, t * heads, r, cdt, p.device)
         tokens = sp.split_pages * idx.page_size
         with self.scratch.use() as take:
             ws = take("kv", sp.active[0] * tokens * pool.shape[-1], pool.dtype, pool.device)
+            sws = take("scores", sp.active[0] * t * heads * tokens, cdt, p.device)
             for i, n in enumerate(sp.active):
                 start = i * tokens
                 pages = idx.pages[:n, i * sp.split_pages : (i + 1) * sp.split_pages]
                 kv = gather_pages(pool, pages, out=ws)
                 if sp.ragged[i]:
                     zero_invalid(kv, start, idx.kv_lens[:n])
-                mask = visible(idx.limits[:n], start, kv.shape[1])
-                qn = (None if packed is None else packed[:n], nope[:n], pe[:n])
-                o_s, lse_s = attend_latent(qn, kv.to(cdt), mask, p.sm_scale, r)
-                o[:n], lse[:n] = merge_states(o[:n], lse[:n], o_s, lse_s)
-        return padded_result(o[sp.inverse], lse[sp.inverse], sp.full, p.dtype)
+                kv = kv.to(cdt)
+                width = kv.shape[1]
+                scores = sws[: n * t * heads * width].view(n, t * heads, width)
+                kt = kv.transpose(1, 2)
+                if packed is not None:
+                    torch.bmm(packed[:n], kt, out=scores)
+                else:
+                    torch.bmm(nope[:n], kt[:, :r], out=scores)
+                    scores.baddbmm_(pe[:n], kt[:, r:])
+                if sp.masked[i]:
+                    mask = visible(idx.limits[:n], start, width)
+                    scores.view(n, t, heads, width).masked_fill_(
+                        ~mask[:, :, None, :], float("-inf")
+                    )
+                run.fold(n, scores, kv[..., :r])
+        o, lse = run.result()
+        o, lse = o.view(b, t, heads, r)[sp.inverse], lse.view(b, t, heads)[sp.inverse]
+        return padded_result(o, lse, sp.full, p.dtype)
