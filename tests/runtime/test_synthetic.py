@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import TokenRange
 from kvplane.layout import LAYER_MAJOR, KVLayout
-from kvplane.runtime.synthetic import SyntheticKV
+from kvplane.runtime import synthetic
+from kvplane.runtime.synthetic import SyntheticKV, block_runs
 
 KV = SyntheticKV(seed=5)
 
@@ -126,3 +127,33 @@ def test_each_wrong_element_counts_once_in_whole_and_partial_blocks() -> None:
     assert KV.mismatches(lay, pool, tokens, table, TokenRange(4, 8)) == 0  # block 0 untouched
     words[2, 0, 0, 0, 0, 0] ^= 1  # a block outside the table: not looked at
     assert KV.mismatches(lay, pool, tokens, table, TokenRange(0, 18)) == 5
+
+
+def test_block_runs() -> None:
+    assert block_runs(np.array([], dtype=np.int64)) == []
+    assert block_runs(np.array([4, 5, 6, 2, 3, 9], dtype=np.int64)) == [
+        (0, 4, 3),
+        (3, 2, 2),
+        (5, 9, 1),
+    ]
+
+
+def test_runs_of_blocks_are_written_and_checked_in_chunks(monkeypatch) -> None:
+    """Consecutive ids are one XOR straight into the pool; the check walks them in chunks."""
+    monkeypatch.setattr(synthetic, "CHUNK_BYTES", 1)  # one block per compared chunk
+    lay = KVLayout.mla(num_blocks=12, block_size=4, num_layers=2, latent_dim=8, rope_dim=4)
+    pool = lay.allocate()
+    tokens = np.arange(300, 330)
+    table = [2, 3, 4, 5, 9, 10, 0, 1]  # runs 2..5, 9..10, 0..1; tokens 28..29 in block 1
+    KV.write(lay, pool, tokens, table, TokenRange(1, 30))
+    want = KV.values(lay, tokens[1:30], np.arange(1, 30))
+    canon = lay.canonical_view(pool)
+    for t in range(1, 30):
+        got = canon[table[t // 4], :, :, t % 4].view(torch.int16)
+        assert torch.equal(got, want[t - 1].view(torch.int16)), t
+    assert torch.count_nonzero(canon[[6, 7, 8, 11]].view(torch.int16)) == 0  # untouched
+    assert KV.mismatches(lay, pool, tokens, table, TokenRange(1, 30)) == 0
+    words = canon.view(torch.int16)
+    words[4, 0, 0, 3, 0, 1] ^= 1  # token 11 (third block of the first run)
+    words[10, 1, 0, 0, 0, 7] ^= 1  # token 20 (second run)
+    assert KV.mismatches(lay, pool, tokens, table, TokenRange(1, 30)) == 2
