@@ -1,7 +1,7 @@
 """``kvplane bench pd``: pipelined vs non-pipelined prefill→decode transfer, per transport.
 
-One workload (default 8 requests × 4,096 tokens, MLA layout, steps of 512 tokens; ``--quick``:
-4 × 2,048 with steps of 256 and fewer layers) runs through a real prefill worker process and
+One workload (default 8 requests × 4,096 tokens, DeepSeek-V3's MLA layout -- 61 layers of 512 +
+64 bf16 -- steps of 512 tokens, so a slice is 36 MB; ``--quick``: 4 × 2,048 with steps of 256) runs through a real prefill worker process and
 decode worker process (``kvplane serve``, real sockets, the named transport; a router in this
 process), once *pipelined* (a slice after every step) and once *non-pipelined* (everything
 after the prefill ends). Separate processes, as deployed: in one interpreter the two workers'
@@ -40,6 +40,10 @@ from kvplane.runtime.trace import events_from_dicts
 from kvplane.transports.registry import available
 
 NAME = "pd"
+DEEPSEEK_V3_LAYERS = 61
+"""The default layer count: with a real model's depth a slice's transfer is dominated by its
+bytes, not by the fixed per-slice cost (planning, control round trips) that a toy depth
+exaggerates."""
 HELP = "Pipelined vs non-pipelined PD transfer: TTFT, exposed tail, overlap (tcp, shm)."
 
 
@@ -180,7 +184,7 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
     n_req = args.requests or (4 if quick else 8)
     n_tok = args.tokens or (2048 if quick else 4096)
     step = args.step or (256 if quick else 512)
-    layers = args.layers or (4 if quick else 8)
+    layers = args.layers or DEEPSEEK_V3_LAYERS
     usable = available()
     rows: list[dict[str, Any]] = []
     targets: dict[str, dict[str, bool]] = {}
