@@ -32,6 +32,7 @@ again costs no second analysis.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 
 import numpy as np
@@ -67,16 +68,26 @@ def _np_loop(
     ln: Int64Array, *, workers: CopyWorkers | None,
 ) -> None:  # fmt: skip
     """:func:`_loop` without torch (for transport threads): NumPy slice copies, which release
-    the GIL; a run long enough is split among ``workers``."""
-    for s, d, n in zip(so.tolist(), do.tolist(), ln.tolist(), strict=True):
-        if workers is None or n < 2 * PART_BYTES:
+    the GIL. With ``workers`` the runs, laid end to end, are cut into one contiguous byte range
+    per thread (one handoff per copy, not per run: 32 scattered 1.1 MiB runs took 8.8 ms handed
+    over run by run, against 4.8 ms on one thread)."""
+    total = int(ln.sum())
+    runs = list(zip(so.tolist(), do.tolist(), ln.tolist(), strict=True))
+    if workers is None or total < 2 * PART_BYTES:
+        for s, d, n in runs:
             dn[d : d + n] = sn[s : s + n]
-            continue
+        return
+    ends = np.cumsum(ln).tolist()
 
-        def part(a: int, b: int, s: int = s, d: int = d) -> None:
-            dn[d + a : d + b] = sn[s + a : s + b]
+    def part(a: int, b: int) -> None:  # bytes [a, b) of the runs laid end to end
+        i = bisect.bisect_right(ends, a)
+        while i < len(runs) and ends[i] - runs[i][2] < b:
+            s, d, n = runs[i]
+            lo, hi = max(a, ends[i] - n) - (ends[i] - n), min(b, ends[i]) - (ends[i] - n)
+            dn[d + lo : d + hi] = sn[s + lo : s + hi]
+            i += 1
 
-        workers.run(part, n, min_part=PART_BYTES)
+    workers.run(part, total, min_part=PART_BYTES)
 
 
 def _strided(buf: npt.NDArray[np.uint8], length: int) -> npt.NDArray[np.void]:
