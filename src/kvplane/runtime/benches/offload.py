@@ -6,14 +6,15 @@ What is timed (median of repeats; each repeat times kvplane and its limit back t
 - ``host``: the real cascade path. Store = ``TierCascade.store`` + drain (manager bookkeeping,
   job thread, fence, one gather per run of slots) from a device pool into host slots; load =
   ``TierCascade.load`` + drain back into other pool blocks. The pool is a CPU tensor here (on a
-  GPU host it would be the GPU pool). Limit: ``torch`` ``copy_`` of the same chunks, one copy
-  per chunk, same direction.
+  GPU host it would be the GPU pool). Limit: memcpy bandwidth -- one ``torch`` ``copy_`` of all
+  the chunks' bytes, same direction.
 - ``disk``: manager bookkeeping + ``DiskTier.write`` / ``read`` (header, CRC-32 on a helper
   thread, ``O_DIRECT`` when the file system allows) between host slots and the slot file.
   Limit: raw ``pwrite`` / ``preadv`` of the same chunk sizes from the same aligned buffers
   with the same open flags and sync policy.
 - ``remote``: manager bookkeeping + ``RemoteTier`` (``HSET``/``HMGET`` of header and payload,
-  CRC-32) against a real ``redis-server``. Limit: raw client ``SET``/``GET`` of the same sizes.
+  CRC-32) against a real ``redis-server``. Limit: raw client ``SET``/``GET`` of the same sizes,
+  all of a repeat's keys in one pipeline (one round trip, as the tier batches them).
   Without ``--redis-url`` (or ``KVPLANE_OFFLOAD_REMOTE_URL``) the bench starts its own server
   on 127.0.0.1 and stops it.
 
@@ -106,19 +107,20 @@ def _measure(
     reps: int,
     *,
     ours: tuple[KeyedOp, KeyedOp],
-    limit: tuple[Callable[[int], object], Callable[[int], object]],
+    limit: tuple[Callable[[], object], Callable[[], object]],
 ) -> list[dict[str, Any]]:
-    """Rows for store and load: each repeat times kvplane then its limit back to back, in
-    each direction; the first :data:`WARMUP` repeats are dropped. ``gbps``
-    and ``limit_gbps`` are medians; ``ratio`` is the median of the per-repeat ratios (each pair
-    ran under the same machine load, which on a shared host drifts between repeats)."""
+    """Rows for store and load: each repeat times kvplane then its limit (moving the same
+    ``n`` chunks) back to back, in each direction; the first :data:`WARMUP` repeats are
+    dropped. ``gbps`` and ``limit_gbps`` are medians; ``ratio`` is the median of the
+    per-repeat ratios (each pair ran under the same machine load, which on a shared host
+    drifts between repeats)."""
     times: list[list[float]] = [[], [], [], []]
     for _ in range(WARMUP + reps):
         keys = _fresh_keys(n)
         times[0].append(_seconds(lambda: ours[0](keys)))  # noqa: B023 - called right here
-        times[1].append(_seconds(lambda: _each(n, limit[0])))
+        times[1].append(_seconds(limit[0]))
         times[2].append(_seconds(lambda: ours[1](keys)))  # noqa: B023 - called right here
-        times[3].append(_seconds(lambda: _each(n, limit[1])))
+        times[3].append(_seconds(limit[1]))
     nbytes = n * chunk
     return [
         _row(tier, op, chunk, nbytes, ours=ours_t[WARMUP:], limit=lim_t[WARMUP:])
@@ -160,8 +162,8 @@ def _host_rows(chunk: int, n: int, reps: int) -> list[dict[str, Any]]:
 
     rows = _measure(
         "host", chunk, n, reps, ours=(store, load),
-        limit=(lambda i: host_chunks[i].copy_(pool_chunks[i]),
-               lambda i: pool_chunks[n + i].copy_(host_chunks[i])),
+        limit=(lambda: host_chunks.copy_(pool_chunks[:n]),
+               lambda: pool_chunks[n:].copy_(host_chunks)),
     )  # fmt: skip
     c.check_integrity()
     c.close()
@@ -213,7 +215,8 @@ def _disk_rows(
     mgr = OffloadManager("disk", n, "lru", AdmissionFilter(0))
     try:
         ops = _tier_ops(tier, mgr, bufs)
-        raw = (raw_write, lambda i: os.preadv(fd, [views[i]], i * chunk))
+        raw = (lambda: _each(n, raw_write),
+               lambda: _each(n, lambda i: os.preadv(fd, [views[i]], i * chunk)))  # fmt: skip
         rows = _measure("disk", chunk, n, reps, ours=ops, limit=raw)
         mgr.check_integrity()
         return rows, tier.direct
@@ -233,13 +236,23 @@ def _remote_rows(chunk: int, n: int, reps: int, url: str) -> list[dict[str, Any]
     bufs, views = _host_buffers(n, chunk)
     names = [f"{ns}:raw:{i}" for i in range(n)]
 
-    def raw_read(i: int) -> None:
-        views[i][:] = cast(bytes, client.get(names[i]))
+    def raw_store() -> None:
+        pipe = client.pipeline(transaction=False)
+        for i in range(n):
+            pipe.set(names[i], views[i])
+        pipe.execute()
+
+    def raw_load() -> None:
+        pipe = client.pipeline(transaction=False)
+        for i in range(n):
+            pipe.get(names[i])
+        for view, got in zip(views, pipe.execute(), strict=True):
+            view[:] = cast(bytes, got)
 
     mgr = OffloadManager("remote", n, "lru", AdmissionFilter(0))
     try:
         ops = _tier_ops(tier, mgr, bufs)
-        raw = (lambda i: client.set(names[i], views[i]), raw_read)
+        raw = (raw_store, raw_load)
         rows = _measure("remote", chunk, n, reps, ours=ops, limit=raw)
         mgr.check_integrity()
         return rows
