@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -140,3 +141,11 @@ def _shm_meta() -> bytes:
     from kvplane.transports.wire import WIRE_VERSION, Metadata, encode
 
     return encode(Metadata(WIRE_VERSION, "shm", "x"))
+
+
+@pytest.mark.parametrize("bad", [0, True, "2"])
+def test_bad_copy_threads_refused_before_listening(bad) -> None:
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(InvalidArgumentError, match="threads must be an int >= 1"):
+        TcpTransport(agent="c", copy_threads=bad)
+    assert {t.name for t in threading.enumerate()} == before  # no listener was started

@@ -52,6 +52,10 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--pd", default=LOOPBACK, help="PD control endpoint address (zmq)")
     p.add_argument("--transport", default="tcp", help="tcp, shm, ... (see transports)")
     p.add_argument("--transport-host", default="127.0.0.1", help="tcp transport listen host")
+    p.add_argument(
+        "--copy-threads", type=int, default=None,
+        help="threads the tcp/shm transport copies bytes with (default: torch's thread count)",
+    )  # fmt: skip
     p.add_argument("--layout", default="mla", choices=("mla", "gqa"))
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--kv-heads", type=int, default=4)
@@ -138,7 +142,7 @@ def config_of(args: argparse.Namespace) -> WorkerConfig:
         slice_timeout_s=args.slice_timeout, timings=timings,
         secret=secret.encode() if secret else None, metrics_port=args.metrics_port,
         grouping=OpGrouping.LAYER if args.layer_ops else OpGrouping.WHOLE,
-        pipelined=not args.no_pipeline, hash_seed=args.hash_seed,
+        pipelined=not args.no_pipeline, hash_seed=args.hash_seed, copy_threads=args.copy_threads,
     )  # fmt: skip
 
 

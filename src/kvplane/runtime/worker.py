@@ -58,12 +58,15 @@ GAUGE_PERIOD_S = 0.5
 
 
 def make_transport(config: WorkerConfig, agent: str) -> Transport:
-    """The configured transport (``tcp`` listens on ``transport_host``)."""
+    """The configured transport (``tcp`` listens on ``transport_host``; ``tcp``/``shm`` copy
+    with ``copy_threads``)."""
     options: dict[str, object] = {"agent": agent}
     if config.transport == "tcp":
         options["host"] = config.transport_host
     if config.transport in ("tcp", "shm") and config.secret is not None:
         options["secret"] = config.secret
+    if config.transport in ("tcp", "shm") and config.copy_threads is not None:
+        options["copy_threads"] = config.copy_threads
     return create_transport(config.transport, **options)
 
 

@@ -28,7 +28,9 @@ class WorkerConfig:
     ``step_size`` is the default prefill step (tokens); ``slice_timeout_s`` bounds every slice
     transfer; ``timings`` are the PD protocol's; ``metrics_port`` > 0 serves ``/metrics``;
     ``incarnation`` 0 derives one from the clock (a restarted worker must use a larger one).
-    ``pipelined`` False sends a request's KV only after its prefill ends (the baseline)."""
+    ``pipelined`` False sends a request's KV only after its prefill ends (the baseline).
+    ``copy_threads`` is how many threads a ``tcp``/``shm`` transport copies bytes with (None:
+    torch's thread count)."""
 
     name: str
     control_bind: str = LOOPBACK
@@ -49,6 +51,7 @@ class WorkerConfig:
     grouping: OpGrouping = OpGrouping.WHOLE
     max_inflight_ops: int = 8
     pipelined: bool = True
+    copy_threads: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -57,6 +60,8 @@ class WorkerConfig:
             raise ConfigError(str(exc)) from None
         for name in ("num_blocks", "block_size", "num_slots", "step_size", "max_inflight_ops"):
             _positive_int(name, getattr(self, name))
+        if self.copy_threads is not None:
+            _positive_int("copy_threads", self.copy_threads)
         for name in ("control_bind", "pd_bind"):
             value = getattr(self, name)
             if not isinstance(value, str) or "://" not in value:

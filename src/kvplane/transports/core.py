@@ -81,7 +81,9 @@ class TransportCore:
         agent: str | None = None,
         metrics: MetricsRegistry | None = None,
         history: int = 100_000,
+        copy_threads: int | None = None,
     ) -> None:
+        copy_workers = CopyWorkers(copy_threads, name=f"kvplane-{self.name}-copy")  # checks it
         self.agent = check_agent(agent, self.name)
         self.metrics = metrics if metrics is not None else MetricsRegistry()
         self._regions = RegionTable()
@@ -90,8 +92,9 @@ class TransportCore:
         self._notes: collections.deque[tuple[PeerId, bytes]] = collections.deque()
         self._lock = threading.RLock()
         self._closed = False
-        self._copy_workers = CopyWorkers(name=f"kvplane-{self.name}-copy")
-        """Helper threads for large CPU copies (started on first use, stopped by ``close``)."""
+        self._copy_workers = copy_workers
+        """Threads for large CPU copies (``copy_threads``, default torch's thread count; the
+        helpers start on first use and stop at ``close``)."""
 
     # -- hooks ---------------------------------------------------------------------------------
     def _on_register(self, entry: RegionEntry) -> None:

@@ -110,10 +110,11 @@ class ShmTransport(StreamTransport):
         agent: str | None = None,
         metrics: MetricsRegistry | None = None,
         history: int = 100_000,
+        copy_threads: int | None = None,
     ) -> None:
         super().__init__(
             secret=secret, connect_timeout_s=connect_timeout_s, agent=agent, metrics=metrics,
-            history=history,
+            history=history, copy_threads=copy_threads,
         )  # fmt: skip
         self._segments: dict[int, _Segment] = {}
         self._next_segment = 1

@@ -55,6 +55,7 @@ class StreamTransport(TransportCore):
         agent: str | None,
         metrics: MetricsRegistry | None,
         history: int,
+        copy_threads: int | None = None,
     ) -> None:
         if secret is not None and (not isinstance(secret, bytes) or not secret):
             raise InvalidArgumentError("secret must be non-empty bytes or None")
@@ -64,7 +65,7 @@ class StreamTransport(TransportCore):
             or not connect_timeout_s > 0
         ):
             raise InvalidArgumentError(f"connect_timeout_s must be > 0, got {connect_timeout_s!r}")
-        super().__init__(agent=agent, metrics=metrics, history=history)
+        super().__init__(agent=agent, metrics=metrics, history=history, copy_threads=copy_threads)
         self._secret = secret
         self._connect_timeout = float(connect_timeout_s)
         self._links: dict[PeerId, LinkState] = {}

@@ -114,6 +114,7 @@ class TcpTransport(StreamTransport):
         agent: str | None = None,
         metrics: MetricsRegistry | None = None,
         history: int = 100_000,
+        copy_threads: int | None = None,
     ) -> None:
         if not isinstance(host, str) or not host:
             raise InvalidArgumentError(f"host must be a non-empty string, got {host!r}")
@@ -121,7 +122,7 @@ class TcpTransport(StreamTransport):
             raise InvalidArgumentError(f"port must be an int in [0, 65535], got {port!r}")
         super().__init__(
             secret=secret, connect_timeout_s=connect_timeout_s, agent=agent, metrics=metrics,
-            history=history,
+            history=history, copy_threads=copy_threads,
         )  # fmt: skip
         try:
             sock = socket.create_server((host, port))

@@ -1,11 +1,14 @@
 """``kvplane bench pd``: pipelined vs non-pipelined prefill→decode transfer, per transport.
 
-One workload (default 8 requests × 4,096 tokens, DeepSeek-V3's MLA layout -- 61 layers of 512 +
-64 bf16 -- steps of 512 tokens, so a slice is 36 MB; ``--quick``: 4 × 2,048 with steps of 256) runs through a real prefill worker process and
-decode worker process (``kvplane serve``, real sockets, the named transport; a router in this
-process), once *pipelined* (a slice after every step) and once *non-pipelined* (everything
-after the prefill ends). Separate processes, as deployed: in one interpreter the two workers'
-threads would queue on one GIL.
+One workload (default 8 requests × 4,096 tokens, DeepSeek-V3's MLA layout -- 61 layers of 512
++ 64 bf16 -- steps of 512 tokens, so a slice is 36 MB; ``--quick``: 4 × 2,048 with steps of
+256) runs through a real prefill worker process and decode worker process (``kvplane serve``,
+real sockets, the named transport; a router in this process), once *pipelined* (a slice after
+every step) and once *non-pipelined* (everything after the prefill ends). Separate processes,
+as deployed: in one interpreter the two workers' threads would queue on one GIL. Workers run
+with one torch thread each (two share this host), so their transports copy on one thread too;
+``--copy-threads`` would change that (measured on 2 cores: a lone shm slice 7.5 -> 6.7 ms, but
+tcp's pipelined TTFT ratio 0.62 -> 0.74, its copies then fighting the socket's).
 
 Calibration first measures one step's transfer time (the median of five one-step requests on a
 pair without compute); the two measured pairs then spend that long per step
