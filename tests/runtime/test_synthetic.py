@@ -138,9 +138,12 @@ def test_block_runs() -> None:
     ]
 
 
-def test_runs_of_blocks_are_written_and_checked_in_chunks(monkeypatch) -> None:
-    """Consecutive ids are one XOR straight into the pool; the check walks them in chunks."""
-    monkeypatch.setattr(synthetic, "CHUNK_BYTES", 1)  # one block per compared chunk
+@pytest.mark.parametrize("run_min", [1, 1 << 30], ids=["one-op-per-run", "chunked-scatter"])
+def test_runs_of_blocks_are_written_and_checked_in_chunks(monkeypatch, run_min: int) -> None:
+    """Runs of consecutive ids are one XOR straight into the pool when they are long enough,
+    else go chunk by chunk through a scatter; the check walks either way in chunks."""
+    monkeypatch.setattr(synthetic, "CHUNK_BYTES", 1)  # one block per chunk
+    monkeypatch.setattr(synthetic, "RUN_MIN_BYTES", run_min)
     lay = KVLayout.mla(num_blocks=12, block_size=4, num_layers=2, latent_dim=8, rope_dim=4)
     pool = lay.allocate()
     tokens = np.arange(300, 330)

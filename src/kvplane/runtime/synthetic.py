@@ -70,8 +70,9 @@ def _token_rows(rows: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
 
 
 CHUNK_BYTES = 4 << 20
-"""A check compares at most this many bytes of expected values at a time: temporaries stay on
-the allocator's heap (a fresh multi-MiB mapping would cost a page fault per 4 KiB)."""
+"""Expected values are formed at most this many bytes at a time (a scattered write, a check):
+temporaries stay on the allocator's heap (a fresh multi-MiB mapping would cost a page fault per
+4 KiB)."""
 
 
 def _whole_blocks(
@@ -91,6 +92,21 @@ def _whole_blocks(
         dst, cols = dst.view(torch.int64), grid.view(torch.int64)
     nb = len(rows) // bs
     return dst, row.view(nb, 1, 1, bs, 1, 1), cols.unsqueeze(2).unsqueeze(0)
+
+
+def _blocks_per_chunk(pool_ints: torch.Tensor) -> int:
+    """How many whole blocks of the pool make about :data:`CHUNK_BYTES` (at least one)."""
+    return max(1, CHUNK_BYTES // max(1, pool_ints[0].numel() * pool_ints.element_size()))
+
+
+RUN_MIN_BYTES = 64 << 10
+"""Runs of consecutive blocks at least this long on average are worth one op each (the call
+overhead is amortised); shorter ones go chunk by chunk through a temporary."""
+
+
+def _runs_pay(runs: list[tuple[int, int, int]], blocks: int, pool_ints: torch.Tensor) -> bool:
+    """Are ``runs`` (of ``blocks`` whole blocks) long enough for one op per run?"""
+    return len(runs) * RUN_MIN_BYTES <= blocks * pool_ints[0].numel() * pool_ints.element_size()
 
 
 def block_runs(blocks: np.ndarray) -> list[tuple[int, int, int]]:
@@ -204,10 +220,12 @@ class SyntheticKV:
         ``pool`` through the request's ``block_ids``. Mutates ``pool`` only at those slots.
 
         Whole blocks are computed straight into the pool in its canonical order ``[n, L, C,
-        Tb, H, D]``: on CPU one broadcast XOR with ``out=`` per run of consecutive block ids,
-        so a step costs one pass over its bytes and no temporary (a 36 MiB step of 61 MLA
-        layers: 20 ms with a temporary and a scatter, most of it page faults) -- a stand-in
-        for model compute must leave the cores to the transport."""
+        Tb, H, D]``: on CPU one broadcast XOR with ``out=`` per run of consecutive block ids
+        (runs shorter than :data:`RUN_MIN_BYTES` on average go chunk by chunk through a
+        temporary and NumPy's row scatter). A step costs about one pass over its
+        bytes (36 MiB of 61 MLA layers in one run: 2.4 ms, against 20 ms for a whole-step
+        temporary and a scatter, most of it page faults) -- a stand-in for model compute must
+        leave the cores to the transport."""
         if tokens.empty:
             return
         ids = np.asarray(token_ids)[tokens.start : tokens.end]
@@ -222,8 +240,14 @@ class SyntheticKV:
             if dst.device.type != "cpu":
                 dst.index_copy_(0, blocks.to(dst.device), (row ^ cols).to(dst.device))
                 continue
-            for i, b, n in block_runs(blocks.numpy()):  # XOR straight into the pool
-                torch.bitwise_xor(row[i : i + n], cols, out=dst[b : b + n])
+            ids = blocks.numpy()
+            runs, per = block_runs(ids), _blocks_per_chunk(dst)
+            if _runs_pay(runs, len(ids), dst):  # long runs: XOR straight into the pool
+                for i, b, n in runs:
+                    torch.bitwise_xor(row[i : i + n], cols, out=dst[b : b + n])
+                continue
+            for k in range(0, len(ids), per):  # scattered: chunk by chunk, NumPy's scatter
+                dst.numpy()[ids[k : k + per]] = (row[k : k + per] ^ cols).numpy()
 
     def mismatches(
         self,
@@ -249,11 +273,17 @@ class SyntheticKV:
             # whole blocks, compared in the pool's own order by runs of consecutive ids (no
             # gathered copy); elements are counted one by one only when some word differs
             pool_ints, row, cols = _whole_blocks(layout, canon, rows[sel], grid)
-            per = max(1, CHUNK_BYTES // max(1, pool_ints[0].numel() * pool_ints.element_size()))
-            for i, b, n in block_runs(blocks.numpy()):
+            ids = blocks.numpy()
+            runs, per = block_runs(ids), _blocks_per_chunk(pool_ints)
+            if not _runs_pay(runs, len(ids), pool_ints):  # short runs: gathered chunk by chunk
+                runs = [(k, -1, min(per, len(ids) - k)) for k in range(0, len(ids), per)]
+            for i, b, n in runs:
                 for k in range(0, n, per):
                     m = min(per, n - k)
-                    got = pool_ints[b + k : b + k + m]
+                    if b < 0:
+                        got = pool_ints.index_select(0, blocks[i + k : i + k + m])
+                    else:
+                        got = pool_ints[b + k : b + k + m]
                     want = (row[i + k : i + k + m] ^ cols).to(got.device)
                     if not torch.equal(got, want):
                         bad += int((got.view(ints) != want.view(ints)).sum())
