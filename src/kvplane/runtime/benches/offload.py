@@ -14,7 +14,7 @@ What is timed (median of repeats; each repeat times kvplane and its limit back t
   with the same open flags and sync policy.
 - ``remote``: manager bookkeeping + ``RemoteTier`` (``HSET``/``HMGET`` of header and payload,
   CRC-32) against a real ``redis-server``. Limit: raw client ``SET``/``GET`` of the same sizes,
-  all of a repeat's keys in one pipeline (one round trip, as the tier batches them).
+  pipelined in the tier's own groups of ``PIPELINE_BYTES`` (one round trip per group).
   Without ``--redis-url`` (or ``KVPLANE_OFFLOAD_REMOTE_URL``) the bench starts its own server
   on 127.0.0.1 and stops it.
 
@@ -51,7 +51,7 @@ from kvplane.offload import (
 from kvplane.offload.tiers import ALIGN, DiskTier, HostTier, ReadOutcome, RemoteTier, SyncPolicy
 from kvplane.offload.tiers.base import as_buffer
 from kvplane.offload.tiers.redis_server import LocalRedisServer, redis_server_support
-from kvplane.offload.tiers.remote import redis_support
+from kvplane.offload.tiers.remote import PIPELINE_BYTES, redis_support
 
 NAME = "offload"
 HELP = "Offload tiers: store/load GB/s per tier vs memcpy, raw file I/O and raw Redis."
@@ -236,18 +236,23 @@ def _remote_rows(chunk: int, n: int, reps: int, url: str) -> list[dict[str, Any]
     bufs, views = _host_buffers(n, chunk)
     names = [f"{ns}:raw:{i}" for i in range(n)]
 
+    per = max(1, PIPELINE_BYTES // chunk)
+    groups = [range(a, min(a + per, n)) for a in range(0, n, per)]
+
     def raw_store() -> None:
-        pipe = client.pipeline(transaction=False)
-        for i in range(n):
-            pipe.set(names[i], views[i])
-        pipe.execute()
+        for group in groups:
+            pipe = client.pipeline(transaction=False)
+            for i in group:
+                pipe.set(names[i], views[i])
+            pipe.execute()
 
     def raw_load() -> None:
-        pipe = client.pipeline(transaction=False)
-        for i in range(n):
-            pipe.get(names[i])
-        for view, got in zip(views, pipe.execute(), strict=True):
-            view[:] = cast(bytes, got)
+        for group in groups:
+            pipe = client.pipeline(transaction=False)
+            for i in group:
+                pipe.get(names[i])
+            for i, got in zip(group, pipe.execute(), strict=True):
+                views[i][:] = cast(bytes, got)
 
     mgr = OffloadManager("remote", n, "lru", AdmissionFilter(0))
     try:
