@@ -11,7 +11,7 @@ import torch
 
 from kvplane.blocks.hashing import BlockHasher
 from kvplane.blocks.pool import BlockPool
-from kvplane.blocks.table import BlockTable, TableState
+from kvplane.blocks.table import BlockTable, TableState, consecutive_runs
 from kvplane.errors import BlockStateError, InvalidArgumentError
 from kvplane.ids import BlockId, RequestId, TokenRange
 
@@ -328,3 +328,13 @@ def test_concurrent_duplicates_keep_the_prefix_findable() -> None:
     pool.free([BlockId(1), BlockId(2)])
     assert pool.num_free_blocks == 6
     pool.check_integrity()
+
+
+def test_consecutive_runs() -> None:
+    assert consecutive_runs(np.array([], dtype=np.int64)) == []
+    # runs (start id, length): 4..6, 2..3, 9
+    assert consecutive_runs(np.array([4, 5, 6, 2, 3, 9], dtype=np.int64)) == [
+        (0, 3),
+        (3, 5),
+        (5, 6),
+    ]

@@ -12,7 +12,7 @@ from kvplane.errors import InvalidArgumentError
 from kvplane.ids import TokenRange
 from kvplane.layout import LAYER_MAJOR, KVLayout
 from kvplane.runtime import synthetic
-from kvplane.runtime.synthetic import SyntheticKV, block_runs
+from kvplane.runtime.synthetic import SyntheticKV
 
 KV = SyntheticKV(seed=5)
 
@@ -127,15 +127,6 @@ def test_each_wrong_element_counts_once_in_whole_and_partial_blocks() -> None:
     assert KV.mismatches(lay, pool, tokens, table, TokenRange(4, 8)) == 0  # block 0 untouched
     words[2, 0, 0, 0, 0, 0] ^= 1  # a block outside the table: not looked at
     assert KV.mismatches(lay, pool, tokens, table, TokenRange(0, 18)) == 5
-
-
-def test_block_runs() -> None:
-    assert block_runs(np.array([], dtype=np.int64)) == []
-    assert block_runs(np.array([4, 5, 6, 2, 3, 9], dtype=np.int64)) == [
-        (0, 4, 3),
-        (3, 2, 2),
-        (5, 9, 1),
-    ]
 
 
 @pytest.mark.parametrize("run_min", [1, 1 << 30], ids=["one-op-per-run", "chunked-scatter"])

@@ -12,7 +12,7 @@ from kvplane.blocks.hashing import (
     encode_extra_keys,
 )
 from kvplane.blocks.pool import BlockPool
-from kvplane.blocks.table import AdmitResult, BlockTable, TableState
+from kvplane.blocks.table import AdmitResult, BlockTable, TableState, consecutive_runs
 
 __all__ = [
     "DIGEST_SIZE",
@@ -26,5 +26,6 @@ __all__ = [
     "TokenIds",
     "canonical_token_ids",
     "check_block_hash",
+    "consecutive_runs",
     "encode_extra_keys",
 ]

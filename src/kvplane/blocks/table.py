@@ -25,9 +25,11 @@ returns ``None``/``False`` or raises changes neither the table nor the pool.
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvplane.blocks.hashing import (
@@ -40,6 +42,16 @@ from kvplane.blocks.hashing import (
 from kvplane.blocks.pool import BlockPool
 from kvplane.errors import BlockStateError, InvalidArgumentError
 from kvplane.ids import BlockHash, BlockId, RequestId, TokenRange
+
+
+def consecutive_runs(values: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """``[start, stop)`` positions of the maximal runs of consecutive increasing values of
+    ``values`` (e.g. block ids that sit back to back in a pool); vectorised."""
+    if values.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(values) != 1) + 1
+    bounds = np.concatenate(([0], cuts, [values.size]))
+    return [(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
 
 
 class TableState(enum.Enum):

@@ -26,13 +26,13 @@ There is no Python loop per block per layer: loops are per run of slots or of bl
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvplane.blocks.table import consecutive_runs
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import SlotId
 from kvplane.layout import KVLayout
@@ -43,15 +43,6 @@ MIN_RUN = 4
 """Average device-block run length from which per-run slice copies beat ``index_copy_``."""
 
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
-
-
-def _runs(values: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
-    """``[start, stop)`` positions of maximal runs of consecutive increasing values."""
-    if values.size == 0:
-        return []
-    cuts = np.flatnonzero(np.diff(values) != 1) + 1
-    bounds = np.concatenate(([0], cuts, [values.size]))
-    return [(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
 
 
 class ChunkCopier:
@@ -110,7 +101,10 @@ class ChunkCopier:
 
     def _host_runs(self, sl: npt.NDArray[np.int64]) -> list[tuple[int, int, torch.Tensor]]:
         """``(chunk start, chunk stop, host view [blocks, *block_shape])`` per run of slots."""
-        runs = _runs(sl) if self.host.contiguous_slots else [(i, i + 1) for i in range(sl.size)]
+        if self.host.contiguous_slots:
+            runs = consecutive_runs(sl)
+        else:
+            runs = [(i, i + 1) for i in range(sl.size)]
         out = []
         for a, b in runs:
             raw = (
@@ -134,7 +128,7 @@ class ChunkCopier:
             if self._staging is not None:
                 self._via_staging(torch.from_numpy(part), host, self._staging[0], to_host=True)
                 continue
-            runs = _runs(part)
+            runs = consecutive_runs(part)
             if len(runs) * MIN_RUN <= part.size:
                 for s, e in runs:
                     first = int(part[s])
@@ -152,7 +146,7 @@ class ChunkCopier:
             if self._staging is not None:
                 self._via_staging(torch.from_numpy(part), host, self._staging[1], to_host=False)
                 continue
-            runs = _runs(part)
+            runs = consecutive_runs(part)
             if len(runs) * MIN_RUN <= part.size:
                 for s, e in runs:
                     first = int(part[s])

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvplane.blocks.table import consecutive_runs
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import TokenRange
 from kvplane.layout import KVLayout
@@ -94,30 +95,13 @@ def _whole_blocks(
     return dst, row.view(nb, 1, 1, bs, 1, 1), cols.unsqueeze(2).unsqueeze(0)
 
 
-def _blocks_per_chunk(pool_ints: torch.Tensor) -> int:
-    """How many whole blocks of the pool make about :data:`CHUNK_BYTES` (at least one)."""
-    return max(1, CHUNK_BYTES // max(1, pool_ints[0].numel() * pool_ints.element_size()))
+def _block_bytes(pool_ints: torch.Tensor) -> int:
+    return int(pool_ints[0].numel() * pool_ints.element_size())
 
 
 RUN_MIN_BYTES = 64 << 10
 """Runs of consecutive blocks at least this long on average are worth one op each (the call
 overhead is amortised); shorter ones go chunk by chunk through a temporary."""
-
-
-def _runs_pay(runs: list[tuple[int, int, int]], blocks: int, pool_ints: torch.Tensor) -> bool:
-    """Are ``runs`` (of ``blocks`` whole blocks) long enough for one op per run?"""
-    return len(runs) * RUN_MIN_BYTES <= blocks * pool_ints[0].numel() * pool_ints.element_size()
-
-
-def block_runs(blocks: np.ndarray) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive ids in ``blocks`` (int64 ``[n]``) as ``(index into blocks,
-    first block id, length)``; vectorised, one entry per run."""
-    if len(blocks) == 0:
-        return []
-    cut = np.flatnonzero(np.diff(blocks) != 1) + 1
-    starts = np.concatenate(([0], cut))
-    lengths = np.diff(np.concatenate((starts, [len(blocks)])))
-    return list(zip(starts.tolist(), blocks[starts].tolist(), lengths.tolist(), strict=True))
 
 
 def slots_of(block_ids: Sequence[int], block_size: int, tokens: TokenRange) -> np.ndarray:
@@ -240,13 +224,15 @@ class SyntheticKV:
             if dst.device.type != "cpu":
                 dst.index_copy_(0, blocks.to(dst.device), (row ^ cols).to(dst.device))
                 continue
-            ids = blocks.numpy()
-            runs, per = block_runs(ids), _blocks_per_chunk(dst)
-            if _runs_pay(runs, len(ids), dst):  # long runs: XOR straight into the pool
-                for i, b, n in runs:
-                    torch.bitwise_xor(row[i : i + n], cols, out=dst[b : b + n])
+            ids, nbytes = blocks.numpy(), _block_bytes(dst)
+            runs = consecutive_runs(ids)
+            if len(runs) * RUN_MIN_BYTES <= len(ids) * nbytes:  # long runs: XOR into the pool
+                for a, z in runs:
+                    b = int(ids[a])
+                    torch.bitwise_xor(row[a:z], cols, out=dst[b : b + z - a])
                 continue
-            for k in range(0, len(ids), per):  # scattered: chunk by chunk, NumPy's scatter
+            per = max(1, CHUNK_BYTES // nbytes)  # short runs: chunk by chunk, NumPy's scatter
+            for k in range(0, len(ids), per):
                 dst.numpy()[ids[k : k + per]] = (row[k : k + per] ^ cols).numpy()
 
     def mismatches(
@@ -273,18 +259,21 @@ class SyntheticKV:
             # whole blocks, compared in the pool's own order by runs of consecutive ids (no
             # gathered copy); elements are counted one by one only when some word differs
             pool_ints, row, cols = _whole_blocks(layout, canon, rows[sel], grid)
-            ids = blocks.numpy()
-            runs, per = block_runs(ids), _blocks_per_chunk(pool_ints)
-            if not _runs_pay(runs, len(ids), pool_ints):  # short runs: gathered chunk by chunk
-                runs = [(k, -1, min(per, len(ids) - k)) for k in range(0, len(ids), per)]
-            for i, b, n in runs:
-                for k in range(0, n, per):
-                    m = min(per, n - k)
-                    if b < 0:
-                        got = pool_ints.index_select(0, blocks[i + k : i + k + m])
+            ids, nbytes = blocks.numpy(), _block_bytes(pool_ints)
+            per = max(1, CHUNK_BYTES // nbytes)
+            runs = consecutive_runs(ids)
+            direct = len(runs) * RUN_MIN_BYTES <= len(ids) * nbytes
+            if not direct:  # short runs: gathered chunk by chunk
+                runs = [(k, min(k + per, len(ids))) for k in range(0, len(ids), per)]
+            for a, z in runs:
+                for k in range(a, z, per):
+                    m = min(per, z - k)
+                    if direct:
+                        b = int(ids[a]) + k - a
+                        got = pool_ints[b : b + m]
                     else:
-                        got = pool_ints[b + k : b + k + m]
-                    want = (row[i + k : i + k + m] ^ cols).to(got.device)
+                        got = pool_ints.index_select(0, blocks[k : k + m])
+                    want = (row[k : k + m] ^ cols).to(got.device)
                     if not torch.equal(got, want):
                         bad += int((got.view(ints) != want.view(ints)).sum())
         return bad

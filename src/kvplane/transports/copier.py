@@ -83,7 +83,8 @@ def _np_loop(
         i = bisect.bisect_right(ends, a)
         while i < len(runs) and ends[i] - runs[i][2] < b:
             s, d, n = runs[i]
-            lo, hi = max(a, ends[i] - n) - (ends[i] - n), min(b, ends[i]) - (ends[i] - n)
+            start = ends[i] - n  # the run's first byte in the end-to-end order
+            lo, hi = max(a, start) - start, min(b, ends[i]) - start
             dn[d + lo : d + hi] = sn[s + lo : s + hi]
             i += 1
 

@@ -102,8 +102,8 @@ class RemoteTier:
         self.fingerprint = fingerprint
         self.namespace = namespace
         self._counters = TierCounters(metrics, name)
-        self._reader: ThreadPoolExecutor | None = None
-        self._reader_lock = threading.Lock()
+        self._helper_pool: ThreadPoolExecutor | None = None
+        self._helper_lock = threading.Lock()
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._client: Any = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
@@ -163,11 +163,11 @@ class RemoteTier:
         return [range(a, min(a + per, n)) for a in range(0, n, per)]
 
     def _helper(self) -> ThreadPoolExecutor:
-        with self._reader_lock:
-            if self._reader is None:
+        with self._helper_lock:
+            if self._helper_pool is None:
                 name = f"kvplane-{self.name}-helper"
-                self._reader = ThreadPoolExecutor(1, thread_name_prefix=name)
-            return self._reader
+                self._helper_pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+            return self._helper_pool
 
     def _ahead(self, groups: list[range], fetch: Callable[[range], T]) -> Iterator[tuple[range, T]]:
         """``(group, fetch(group))`` in order, the next group fetched on the helper thread
@@ -271,10 +271,10 @@ class RemoteTier:
 
     def close(self) -> None:
         """Stop the helper threads and close the connection pool; idempotent."""
-        reader: ThreadPoolExecutor | None = getattr(self, "_reader", None)
-        if reader is not None:
-            reader.shutdown(wait=True)
-            self._reader = None
+        helper: ThreadPoolExecutor | None = getattr(self, "_helper_pool", None)
+        if helper is not None:
+            helper.shutdown(wait=True)
+            self._helper_pool = None
         client = getattr(self, "_client", None)
         if client is not None:
             client.close()
