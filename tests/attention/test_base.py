@@ -69,11 +69,11 @@ def test_plan_is_bound_to_its_backend(mla_inputs, registry) -> None:
 def test_registry_order_and_errors() -> None:
     reg = default_registry()
     assert reg.names() == (
-        "flashinfer", "triton", "torch", "torch_splitkv", "sdpa", "mha", "reference",
-        "gqa_torch", "gqa_reference",
+        "flashinfer", "triton", "torch", "torch_splitkv", "sdpa", "cpu_fused", "mha",
+        "reference", "gqa_torch", "gqa_reference",
     )  # fmt: skip
     assert [b.name for b in reg.candidates(AttentionKind.MLA)] == [
-        "flashinfer", "triton", "torch", "torch_splitkv", "sdpa", "reference",
+        "flashinfer", "triton", "torch", "torch_splitkv", "sdpa", "cpu_fused", "reference",
     ]  # fmt: skip
     assert [b.name for b in reg.candidates(AttentionKind.MLA_MHA)] == ["mha", "reference"]
     assert [b.name for b in reg.candidates(AttentionKind.GQA)] == ["gqa_torch", "gqa_reference"]

@@ -26,7 +26,7 @@ def test_bench_json_shape(monkeypatch: pytest.MonkeyPatch) -> None:
         (2, 64),
     ]
     for row in grid:
-        assert set(row["seconds"]) == {"torch", "torch_splitkv", "sdpa"}
+        assert set(row["seconds"]) == {"torch", "torch_splitkv", "sdpa", "cpu_fused"}
         assert row["auto"] == "torch"
         assert row["measured"] in row["seconds"]
         assert row["fastest"] == min(row["seconds"], key=row["seconds"].get)

@@ -19,11 +19,18 @@ from kvplane.attention import (
     TraceEntry,
     WorkloadBucket,
 )
-from kvplane.attention.backends import ReferenceBackend, SDPABackend, TorchMLABackend
+from kvplane.attention.backends import (
+    CPUFusedBackend,
+    ReferenceBackend,
+    SDPABackend,
+    TorchMLABackend,
+)
 from kvplane.errors import BackendError, InvalidArgumentError, UnsupportedError
 from kvplane.metrics import MetricsRegistry
 
-TIMES = {"torch": 3.0, "torch_splitkv": 1.0, "sdpa": 2.0}
+TIMES = {"torch": 3.0, "torch_splitkv": 1.0, "sdpa": 2.0, "cpu_fused": 4.0}
+FUSED = not CPUFusedBackend().environment_reasons(None)  # type: ignore[arg-type]
+"""Whether this machine can build the C kernel (it has a C compiler)."""
 
 
 class FakeTimer:
@@ -73,6 +80,7 @@ def test_auto_walks_candidates_and_traces(registry, mla_inputs) -> None:
         ("torch", Decision.SELECTED),
         ("torch_splitkv", Decision.NOT_TRIED),
         ("sdpa", Decision.NOT_TRIED),
+        ("cpu_fused", Decision.NOT_TRIED),
         ("reference", Decision.NOT_TRIED),
     ]
     assert "no CUDA device is available" in plan.trace[0].reason
@@ -103,33 +111,36 @@ def test_measured_ranks_by_time_and_caches(registry, mla_inputs) -> None:
     inputs = mla_inputs([1, 1], [5, 9])
     plan = sel.plan(inputs.problem, MEASURED)
     assert plan.backend == "torch_splitkv"
-    assert timer.calls == ["torch", "torch_splitkv", "sdpa"]
+    fused = ["cpu_fused"] if FUSED else []
+    assert timer.calls == ["torch", "torch_splitkv", "sdpa", *fused]
     assert [(e.candidate, e.decision, e.seconds) for e in plan.trace] == [
         ("flashinfer", Decision.UNSUPPORTED, None),
         ("triton", Decision.UNSUPPORTED, None),
         ("torch", Decision.SLOWER, 3.0),
         ("torch_splitkv", Decision.SELECTED, 1.0),
         ("sdpa", Decision.SLOWER, 2.0),
+        ("cpu_fused", *((Decision.SLOWER, 4.0) if FUSED else (Decision.UNSUPPORTED, None))),
         ("reference", Decision.NOT_TRIED, None),
     ]
     ranking = sel.cache.get(WorkloadBucket.of(inputs.problem))
-    assert ranking is not None and [c.name for c in ranking] == ["torch_splitkv", "sdpa", "torch"]
+    assert ranking is not None
+    assert [c.name for c in ranking] == ["torch_splitkv", "sdpa", "torch", *fused]
     # same bucket (kv 9 -> 12 stays in the 16 bucket): no new timing
     assert sel.plan(mla_inputs([1, 1], [6, 12]).problem, MEASURED).backend == "torch_splitkv"
-    assert len(timer.calls) == 3
+    assert len(timer.calls) == 3 + len(fused)
     # a different bucket is timed anew
     sel.plan(mla_inputs([1, 1], [5, 40]).problem, MEASURED)
-    assert len(timer.calls) == 6 and len(sel.cache) == 2
+    assert len(timer.calls) == 2 * (3 + len(fused)) and len(sel.cache) == 2
     assert sel.fallbacks == 0
 
 
 def test_measured_falls_to_next_ranked_when_fastest_unsupported(registry, mla_inputs) -> None:
-    timer = FakeTimer({"torch": 3.0, "torch_splitkv": 2.0, "sdpa": 1.0})
+    timer = FakeTimer({"torch": 3.0, "torch_splitkv": 2.0, "sdpa": 1.0, "cpu_fused": 4.0})
     sel = Selector(registry, timer=timer)
     assert sel.plan(mla_inputs([1], [5]).problem, MEASURED).backend == "sdpa"
     split = mla_inputs([1], [5], layout=QueryLayout.SPLIT)  # same bucket, sdpa unsupported
     plan = sel.plan(split.problem, MEASURED)
-    assert plan.backend == "torch_splitkv" and len(timer.calls) == 3
+    assert plan.backend == "torch_splitkv" and len(timer.calls) == 3 + FUSED
     assert (sel.plans, sel.fallbacks) == (2, 1)
 
 
@@ -139,7 +150,7 @@ def test_measured_ranking_persists_across_selectors(tmp_path: Path, registry, ml
     Selector(registry, timer=first, cache=RankingCache(path)).plan(
         mla_inputs([1], [5]).problem, MEASURED
     )
-    second = FakeTimer({"torch": 0.1, "torch_splitkv": 9.0, "sdpa": 9.0})
+    second = FakeTimer({"torch": 0.1, "torch_splitkv": 9.0, "sdpa": 9.0, "cpu_fused": 9.0})
     plan = Selector(registry, timer=second, cache=RankingCache(path)).plan(
         mla_inputs([1], [7]).problem, MEASURED
     )

@@ -8,11 +8,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvplane.attention import MLAKVCache, MLAQuery, PlanMetadata, QueryLayout, mla_problem
-from kvplane.attention.backends import SDPABackend, TorchMLABackend, TorchSplitKVBackend
+from kvplane.attention.backends import (
+    CPUFusedBackend,
+    SDPABackend,
+    TorchMLABackend,
+    TorchSplitKVBackend,
+)
 from kvplane.attention.synthetic import Inputs
 
 MLA_BACKENDS = [
     "torch", "torch_splitkv", "sdpa", "splitkv_tiny", "torch_1req", "sdpa_1req", "sdpa_split",
+    "cpu_fused", "fused_ranges",
 ]  # fmt: skip
 
 
@@ -20,12 +26,14 @@ MLA_BACKENDS = [
 def runner(run_backend, registry):
     """Like ``run_backend`` plus ``splitkv_tiny``: split-KV with 4-token splits (many merges),
     ``*_1req``: a one-byte group budget, so every request is its own group, and ``sdpa_split``:
-    one request per group cut into up to 4 kernel work items of >= 4 tokens (LSE-merged)."""
+    one request per group cut into up to 4 kernel work items of >= 4 tokens (LSE-merged) and
+    ``fused_ranges``: the C kernel with every request cut into key ranges of >= 4 tokens."""
     variants = {
         "splitkv_tiny": TorchSplitKVBackend(split_tokens=4),
         "torch_1req": TorchMLABackend(group_bytes=1),
         "sdpa_1req": SDPABackend(group_bytes=1),
         "sdpa_split": SDPABackend(group_bytes=1, min_split_tokens=4, work_items=4),
+        "fused_ranges": CPUFusedBackend(threads=8, min_split_tokens=4),
     }
 
     def run(name: str, inputs: Inputs):
@@ -107,7 +115,7 @@ def test_bottom_right_causal_alignment(mla_inputs, runner):
         torch.testing.assert_close(verify.lse[i], single.lse[0], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch", "torch_splitkv", "sdpa"])
+@pytest.mark.parametrize("backend", ["torch", "torch_splitkv", "sdpa", "cpu_fused"])
 def test_packed_and_split_identical_without_copies(backend, mla_inputs, runner):
     inputs = mla_inputs([1, 2, 1], [5, 9, 14])
     packed = inputs.query.packed_data
@@ -140,7 +148,7 @@ def test_separate_split_tensors_match_packed(mla_inputs, runner, assert_close):
         sm_scale=inputs.problem.sm_scale,
         causal=True,
     )
-    for name in ("torch", "torch_splitkv"):
+    for name in ("torch", "torch_splitkv", "cpu_fused"):
         assert_close(
             runner(name, inputs), runner(name, Inputs(p2, packed_q, inputs.cache)), torch.float32
         )
@@ -167,14 +175,14 @@ def test_absorbed_equals_non_absorbed(mla_inputs, runner, assert_close):
 def test_deepseek_dims_tiny_batch(mla_inputs, runner, assert_close):
     inputs = _poison(mla_inputs([1, 2], [20, 7], heads=2, rank=512, rope=64, page_size=8))
     want = runner("reference", inputs)
-    for name in ("torch", "torch_splitkv", "sdpa"):
+    for name in ("torch", "torch_splitkv", "sdpa", "cpu_fused", "fused_ranges"):
         assert_close(runner(name, inputs), want, torch.float32)
 
 
 def test_run_never_mutates_the_cache(mla_inputs, runner):
     inputs = _poison(mla_inputs([1, 3], [9, 14]))
     before = inputs.cache.data.clone()
-    for name in ("torch", "torch_splitkv", "sdpa", "reference"):
+    for name in ("torch", "torch_splitkv", "sdpa", "cpu_fused", "reference"):
         runner(name, inputs)
     assert torch.equal(before.nan_to_num(7.0), inputs.cache.data.nan_to_num(7.0))
 

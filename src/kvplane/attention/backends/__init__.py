@@ -6,6 +6,7 @@ falls through), then the CPU/torch backends, then the float64 oracles.
 
 from __future__ import annotations
 
+from kvplane.attention.backends.cpu_fused import CPUFusedBackend
 from kvplane.attention.backends.flashinfer_mla import FlashInferMLABackend
 from kvplane.attention.backends.gqa_reference import GQAReferenceBackend
 from kvplane.attention.backends.gqa_torch import GQATorchBackend
@@ -18,6 +19,7 @@ from kvplane.attention.backends.triton_mla import TritonMLABackend
 from kvplane.attention.base import BackendRegistry
 
 __all__ = [
+    "CPUFusedBackend",
     "FlashInferMLABackend",
     "GQAReferenceBackend",
     "GQATorchBackend",
@@ -40,6 +42,7 @@ def default_registry() -> BackendRegistry:
             TorchMLABackend(),
             TorchSplitKVBackend(),
             SDPABackend(),
+            CPUFusedBackend(),
             MHABackend(),
             ReferenceBackend(),
             GQATorchBackend(),

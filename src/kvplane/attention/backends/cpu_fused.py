@@ -1,0 +1,185 @@
+"""``cpu_fused``: absorbed MLA by a fused flash-decoding C kernel that reads pages in place.
+
+Theory of operation
+-------------------
+The torch backends are bounded by the small matrix products of decode (16 query rows against
+thousands of keys run at half the CPU's arithmetic peak) and by reading the KV twice (scores,
+then values) through a gathered copy. This backend hands the whole batch to one C kernel
+(``native/mla_decode.c``, built on first use by :mod:`native_build`): per work item
+``(request, key range)`` it walks the range in blocks of 64 keys straight from their pages,
+computes the scores of all query rows in register tiles, applies each row's visibility limit,
+folds the block into an online softmax and adds the values while the block is still in cache.
+The cache is read from memory once and never copied, and keys at or past ``kv_len`` are never
+touched.
+
+Work items are shared by ``torch.get_num_threads()`` threads. When the batch is smaller than
+twice that, each request's keys are cut into up to that many ranges (of at least
+``MIN_SPLIT_TOKENS``); the kernel then leaves raw ``(acc, m, l)`` per range and they are merged
+here with the usual log-sum-exp weights. Otherwise each request is one item and the kernel
+writes the normalised output and LSE directly.
+
+Float32 and bfloat16 caches are read as they are (bf16 widened on load); queries and the
+arithmetic are float32. CPU only; Unsupported where no C compiler is available.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvplane.attention.backends.common import MLABackend, positive_int
+from kvplane.attention.backends.native_build import KernelBuild, load_kernel
+from kvplane.attention.backends.torch_mla import padded_query
+from kvplane.attention.base import Capabilities, Plan
+from kvplane.attention.inputs import MLAKVCache, MLAQuery
+from kvplane.attention.metadata import PagedStructure
+from kvplane.attention.paged import BatchIndex, build_batch_index, padded_result
+from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
+from kvplane.errors import BackendError, UnsupportedError
+
+NAME = "cpu_fused"
+SOURCE = "mla_decode.c"
+DTYPES = frozenset({torch.float32, torch.bfloat16})
+MIN_SPLIT_TOKENS = 512
+"""By default a request is cut into key ranges of at least this many positions."""
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SIGNATURE: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_int]] = [
+    _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+    _PTR, _PTR, _PTR, _INT, _INT,
+]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class FusedPlan:
+    """The padded batch index, each query row's visible key count ``limits [B, t_max * H]``,
+    the work items ``[B * splits, 3]`` (request, first key, end key) and ``splits`` per request."""
+
+    index: BatchIndex
+    limits: torch.Tensor
+    items: torch.Tensor
+    splits: int
+
+
+def splits_for(batch: int, max_kv_len: int, threads: int, min_tokens: int) -> int:
+    """Key ranges per request: 1 for a batch of >= 2 x ``threads``, else enough ranges for
+    every thread to have about two items, none shorter than ``min_tokens``."""
+    if batch >= 2 * threads:
+        return 1
+    want = -(-2 * threads // batch)
+    return max(1, min(want, max_kv_len // min_tokens))
+
+
+class CPUFusedBackend(MLABackend[FusedPlan]):
+    """Fused split-KV MLA decode/prefill in C; see the module docstring. ``threads`` (default
+    ``torch.get_num_threads()`` at run time) and ``min_split_tokens`` shape the work items."""
+
+    def __init__(
+        self, *, threads: int | None = None, min_split_tokens: int = MIN_SPLIT_TOKENS
+    ) -> None:
+        if threads is not None:
+            positive_int("threads", threads)
+        positive_int("min_split_tokens", min_split_tokens)
+        self._threads, self._min_split = threads, min_split_tokens
+        caps = Capabilities(
+            kinds=frozenset({AttentionKind.MLA}), devices=frozenset({"cpu"}), dtypes=DTYPES,
+            lse_base=LSEBase.E,
+        )  # fmt: skip
+        super().__init__(NAME, caps, FusedPlan)
+        self._lock = threading.Lock()
+        self._build: KernelBuild | None = None
+
+    def _kernel(self) -> KernelBuild:
+        with self._lock:
+            if self._build is None:
+                self._build = load_kernel(SOURCE)
+                if self._build.library is not None:
+                    fn = self._build.library.kvp_mla_attend
+                    fn.argtypes, fn.restype = _SIGNATURE, ctypes.c_int
+            return self._build
+
+    def _thread_count(self) -> int:
+        return self._threads if self._threads is not None else torch.get_num_threads()
+
+    def environment_reasons(self, problem: AttentionProblem) -> Sequence[str]:
+        reason = self._kernel().reason
+        return () if reason is None else (f"the C kernel is unavailable: {reason}",)
+
+    def _library(self) -> ctypes.CDLL:
+        build = self._kernel()
+        if build.library is None:
+            raise UnsupportedError(f"backend {NAME!r} cannot run: {build.reason}")
+        return build.library
+
+    def prepare(self, problem: AttentionProblem, structure: PagedStructure) -> FusedPlan:
+        self._library()
+        s, heads = structure, problem.num_heads
+        index = build_batch_index(problem.metadata, s, problem.causal, torch.device("cpu"))
+        kv = index.kv_lens
+        limits = torch.minimum(index.limits, kv[:, None]).repeat_interleave(heads, dim=1)
+        splits = splits_for(s.batch_size, s.max_kv_len, self._thread_count(), self._min_split)
+        span = -(-s.max_kv_len // splits)
+        starts = torch.arange(splits, dtype=torch.long) * span
+        first = torch.minimum(starts[None, :], kv[:, None])
+        end = torch.minimum(starts[None, :] + span, kv[:, None])
+        b = torch.arange(s.batch_size, dtype=torch.long)[:, None].expand(-1, splits)
+        items = torch.stack([b, first, end], dim=-1).reshape(-1, 3).contiguous()
+        contiguous = BatchIndex(
+            index.batch, index.t_max, index.page_size, index.pages.contiguous(), kv.contiguous(),
+            index.limits, index.q_rows, index.out_rows,
+        )  # fmt: skip
+        return FusedPlan(contiguous, limits.contiguous(), items, splits)
+
+    def attend(
+        self, plan: Plan, state: FusedPlan, query: MLAQuery, cache: MLAKVCache
+    ) -> AttentionResult:
+        p, idx, pool = plan.problem, state.index, cache.data  # pool rows: unit stride
+        fn = self._library()
+        r, dim = cache.kv_lora_rank, pool.shape[-1]
+        b, t, heads = idx.batch, idx.t_max, p.num_heads
+        rows = t * heads
+        packed, nope, pe = padded_query(query, idx, torch.float32)
+        q = packed if packed is not None else torch.cat([nope, pe], dim=-1)
+        q = (q * p.sm_scale).reshape(b, rows, dim).contiguous()
+        n = state.items.shape[0]
+        acc = torch.empty((n, rows, r), dtype=torch.float32)
+        m = torch.empty((n, rows), dtype=torch.float32)
+        total = torch.empty((n, rows), dtype=torch.float32)
+        normalize = state.splits == 1
+        failed = fn.kvp_mla_attend(
+            pool.data_ptr(), pool.stride(0), pool.stride(1), idx.page_size, dim, r,
+            int(pool.dtype == torch.bfloat16), q.data_ptr(), rows, idx.pages.data_ptr(),
+            idx.pages.stride(0), idx.kv_lens.data_ptr(), state.limits.data_ptr(),
+            state.items.data_ptr(), n, acc.data_ptr(), m.data_ptr(), total.data_ptr(),
+            int(normalize), self._thread_count(),
+        )  # fmt: skip
+        if failed:
+            raise BackendError(f"{NAME}: the kernel could not get its scratch memory")
+        if normalize:
+            o, lse = acc, m
+        else:
+            o, lse = merge_ranges(acc, m, total, b, state.splits)
+        return padded_result(o.view(b, t, heads, r), lse.view(b, t, heads), idx, p.dtype)
+
+
+def merge_ranges(
+    acc: torch.Tensor, m: torch.Tensor, total: torch.Tensor, batch: int, splits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge raw per-range states (``acc [B*S, rows, v]`` unnormalised, running max ``m`` and
+    sum ``total`` ``[B*S, rows]``) into ``(o [B, rows, v], lse [B, rows])``; rows that saw no
+    key give ``0`` and ``-inf``."""
+    acc = acc.view(batch, splits, *acc.shape[1:])
+    m, total = m.view(batch, splits, -1), total.view(batch, splits, -1)
+    top = m.amax(dim=1, keepdim=True)
+    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w = torch.exp(m - safe) * (total > 0)
+    denom = (w * total).sum(dim=1)
+    o = (w[..., None] * acc).sum(dim=1)
+    empty = denom == 0
+    o = o / torch.where(empty, torch.ones_like(denom), denom)[..., None]
+    lse = torch.where(empty, torch.full_like(denom, float("-inf")), safe[:, 0] + denom.log())
+    return o, lse
