@@ -307,6 +307,8 @@ class OffloadManager:
             self._m_usage.set(self.table.num_used / self.table.num_slots)
 
     def _require(self, keys: Sequence[ChunkKey], status: SlotStatus, what: str) -> None:
+        if self.table.all_in(keys, status):
+            return
         for key in keys:
             if self.table.slot_of(key) is None:
                 raise UnknownChunkError(f"{what}: chunk {key.hex()} is not held by {self.tier!r}")

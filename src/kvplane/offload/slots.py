@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 from kvplane.errors import IllegalTransitionError, InvalidArgumentError, UnknownChunkError
 from kvplane.ids import ChunkKey, SlotId
@@ -43,6 +44,10 @@ class SlotStatus(enum.Enum):
     LOADING = "loading"
     EVICTING = "evicting"
 
+    # Members are singletons compared by identity: hash them by identity too, in C (Enum's own
+    # __hash__ is Python code, and every transition check hashes two statuses).
+    __hash__ = object.__hash__
+
 
 S = SlotStatus
 TRANSITIONS: frozenset[tuple[SlotStatus, SlotStatus]] = frozenset(
@@ -58,6 +63,10 @@ TRANSITIONS: frozenset[tuple[SlotStatus, SlotStatus]] = frozenset(
     }
 )
 """The only legal ``(from, to)`` pairs; LOADING -> LOADING adds or drops one reader."""
+_SOURCES: dict[SlotStatus, frozenset[SlotStatus]] = {
+    to: frozenset(a for a, b in TRANSITIONS if b is to) for to in SlotStatus
+}
+"""Per target status, the statuses that may move to it (one set lookup per checked slot)."""
 
 
 def check_chunk_key(key: object) -> ChunkKey:
@@ -74,7 +83,11 @@ def check_chunk_keys(keys: Iterable[object]) -> list[ChunkKey]:
     """Validate a batch of keys: each a valid key, no key twice (``InvalidArgumentError``)."""
     if isinstance(keys, (bytes, bytearray, str)):
         raise InvalidArgumentError(f"expected a sequence of chunk keys, got a single {keys!r:.40}")
-    out = [check_chunk_key(k) for k in keys]
+    given = list(keys)
+    for key in given:  # checked inline: this runs per chunk on every store and load
+        if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+            check_chunk_key(key)  # a bytes subclass passes; anything else raises
+    out = cast(list[ChunkKey], given)
     if len(set(out)) != len(out):
         seen: set[ChunkKey] = set()
         for key in out:
@@ -152,13 +165,24 @@ class SlotTable:
     def _held(self, keys: Sequence[ChunkKey], to: SlotStatus) -> list[SlotId]:
         """Slots of ``keys`` after checking each is held and may move to ``to``."""
         slots: list[SlotId] = []
+        sources, slot_of, status = _SOURCES[to], self._slot_of, self._status
         for key in keys:
-            slot = self._slot_of.get(key)
+            slot = slot_of.get(key)
             if slot is None:
                 raise UnknownChunkError(f"chunk {key.hex()} is not held by tier {self.name!r}")
-            self._check_transition(slot, to)
+            if status[slot] not in sources:
+                self._check_transition(slot, to)  # raises, naming the slot and the move
             slots.append(slot)
         return slots
+
+    def all_in(self, keys: Sequence[ChunkKey], status: SlotStatus) -> bool:
+        """Whether every key is held and in ``status`` (the fast check before a batch move)."""
+        slot_of, st = self._slot_of, self._status
+        for key in keys:
+            slot = slot_of.get(key)
+            if slot is None or st[slot] is not status:
+                return False
+        return True
 
     def _check_transition(self, slot: int, to: SlotStatus) -> None:
         frm = self._status[slot]
@@ -241,8 +265,7 @@ class SlotTable:
         """READY -> EVICTING -> EMPTY for each key (a pinned or storing chunk cannot go)."""
         slots = self._held(keys, S.EVICTING)
         for key, slot in zip(keys, slots, strict=True):
-            self._status[slot] = S.EVICTING
-            self._check_transition(slot, S.EMPTY)
+            self._status[slot] = S.EVICTING  # EVICTING -> EMPTY is always legal
             self._release(key, slot)
         return slots
 

@@ -52,6 +52,7 @@ from kvplane.offload.tiers import ALIGN, DiskTier, HostTier, ReadOutcome, Remote
 from kvplane.offload.tiers.base import as_buffer
 from kvplane.offload.tiers.redis_server import LocalRedisServer, redis_server_support
 from kvplane.offload.tiers.remote import PIPELINE_BYTES, redis_support
+from kvplane.runtime.benches.transport import SETTLE_S
 
 NAME = "offload"
 HELP = "Offload tiers: store/load GB/s per tier vs memcpy, raw file I/O and raw Redis."
@@ -110,17 +111,17 @@ def _measure(
     limit: tuple[Callable[[], object], Callable[[], object]],
 ) -> list[dict[str, Any]]:
     """Rows for store and load: each repeat times kvplane then its limit (moving the same
-    ``n`` chunks) back to back, in each direction; the first :data:`WARMUP` repeats are
-    dropped. ``gbps`` and ``limit_gbps`` are medians; ``ratio`` is the median of the
-    per-repeat ratios (each pair ran under the same machine load, which on a shared host
-    drifts between repeats)."""
+    ``n`` chunks) in each direction, every run after a settle pause (:data:`SETTLE_S`); the
+    first :data:`WARMUP` repeats are dropped. ``gbps`` and ``limit_gbps`` are medians;
+    ``ratio`` is the median of the per-repeat ratios (each pair ran under the same machine
+    load, which on a shared host drifts between repeats)."""
     times: list[list[float]] = [[], [], [], []]
     for _ in range(WARMUP + reps):
         keys = _fresh_keys(n)
-        times[0].append(_seconds(lambda: ours[0](keys)))  # noqa: B023 - called right here
-        times[1].append(_seconds(limit[0]))
-        times[2].append(_seconds(lambda: ours[1](keys)))  # noqa: B023 - called right here
-        times[3].append(_seconds(limit[1]))
+        runs = (lambda: ours[0](keys), limit[0], lambda: ours[1](keys), limit[1])  # noqa: B023
+        for i, run in enumerate(runs):
+            time.sleep(SETTLE_S)  # neither side inherits the other's spinning OpenMP threads
+            times[i].append(_seconds(run))
     nbytes = n * chunk
     return [
         _row(tier, op, chunk, nbytes, ours=ours_t[WARMUP:], limit=lim_t[WARMUP:])
