@@ -20,16 +20,16 @@ from kvplane.attention import (
     WorkloadBucket,
 )
 from kvplane.attention.backends import (
-    CPUFusedBackend,
     ReferenceBackend,
     SDPABackend,
     TorchMLABackend,
+    native_build,
 )
 from kvplane.errors import BackendError, InvalidArgumentError, UnsupportedError
 from kvplane.metrics import MetricsRegistry
 
 TIMES = {"torch": 3.0, "torch_splitkv": 1.0, "sdpa": 2.0, "cpu_fused": 4.0}
-FUSED = not CPUFusedBackend().environment_reasons(None)  # type: ignore[arg-type]
+FUSED = native_build.compiler() is not None
 """Whether this machine can build the C kernel (it has a C compiler)."""
 
 
