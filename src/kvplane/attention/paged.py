@@ -14,7 +14,7 @@ Gathered positions past ``kv_len`` (the tail of the last page, padding pages) ma
 NaN included: :func:`zero_invalid` zeroes them before they are multiplied, and the softmax
 masks them, so nothing past ``kv_len`` can leak. Rows that see no key get ``out = 0`` and
 ``lse = -inf``. :func:`merge_states` combines two partial attention states by their LSE (the
-split-KV / flash-decoding reduction).
+split-KV / flash-decoding reduction), :func:`merge_splits` any number of them at once.
 
 A padded batch is processed in :class:`BatchGroup` s of consecutive requests sized so that one
 group's gathered KV fits a byte budget (:func:`batch_groups`): memory is bounded by the budget
@@ -239,3 +239,13 @@ def merge_states(
     w_a = torch.exp(lse_a - safe)[..., None]
     w_b = torch.exp(lse_b - safe)[..., None]
     return o_a * w_a + o_b * w_b, lse
+
+
+def merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine per-split states ``out [n, splits, ..., v]``, ``lse [n, splits, ...]`` (base e,
+    ``-inf`` where a split was empty) into ``(o [n, ..., v] float32, lse [n, ...])``; rows that
+    saw nothing at all get ``0`` / ``-inf``."""
+    total = torch.logsumexp(lse, dim=1)
+    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    weights = torch.exp(lse - safe[:, None])
+    return (out.float() * weights[..., None]).sum(1), total

@@ -7,7 +7,8 @@ import torch
 
 from kvplane.attention import MLAKVCache, Supported, Unsupported, mla_problem
 from kvplane.attention.backends import CPUFusedBackend, native_build
-from kvplane.attention.backends.cpu_fused import FusedPlan, merge_ranges, splits_for
+from kvplane.attention.backends.cpu_fused import FusedPlan, splits_for
+from kvplane.attention.paged import merge_splits
 from kvplane.attention.synthetic import Inputs
 from kvplane.errors import InvalidArgumentError, UnsupportedError
 
@@ -65,18 +66,17 @@ def test_strided_cache_rows_are_read_in_place(mla_inputs, run_backend, assert_cl
     assert_close(got, run_backend("reference", inputs), torch.float32)
 
 
-def test_merge_ranges_weights_by_lse() -> None:
+def test_ranges_merge_by_lse() -> None:
+    """What the kernel's ranges of one request merge into (``merge_splits`` of their outputs)."""
     # one request, one row, v_dim 1; range 0 saw one key (score 0, value 2), range 1 one key
-    # (score log 3, value 5), range 2 nothing; acc = sum e^(s - m) v with m the range's max
-    acc = torch.tensor([[[2.0]], [[5.0]], [[0.0]]])
-    m = torch.tensor([[0.0], [float(torch.tensor(3.0).log())], [float("-inf")]])
-    total = torch.tensor([[1.0], [1.0], [0.0]])
-    o, lse = merge_ranges(acc, m, total, 1, 3)
+    # (score log 3, value 5), range 2 nothing (the kernel writes 0 and -inf)
+    out = torch.tensor([[[[2.0]], [[5.0]], [[0.0]]]])
+    lse = torch.tensor([[[0.0], [float(torch.tensor(3.0).log())], [float("-inf")]]])
+    o, merged = merge_splits(out, lse)
     assert torch.allclose(o, torch.tensor([[[(1.0 * 2.0 + 3.0 * 5.0) / 4.0]]]))
-    assert torch.allclose(lse, torch.tensor([[float(torch.tensor(4.0).log())]]))
-    o, lse = merge_ranges(torch.zeros(2, 1, 1), torch.full((2, 1), float("-inf")),
-                          torch.zeros(2, 1), 1, 2)  # fmt: skip
-    assert o.tolist() == [[[0.0]]] and lse.tolist() == [[float("-inf")]]
+    assert torch.allclose(merged, torch.tensor([[float(torch.tensor(4.0).log())]]))
+    o, merged = merge_splits(torch.zeros(1, 2, 1, 1), torch.full((1, 2, 1), float("-inf")))
+    assert o.tolist() == [[[0.0]]] and merged.tolist() == [[float("-inf")]]
 
 
 def test_arguments_are_validated() -> None:

@@ -7,7 +7,8 @@ import torch
 
 from kvplane.attention import QueryLayout, Unsupported
 from kvplane.attention.backends import SDPABackend
-from kvplane.attention.backends.sdpa import kv_splits, merge_splits
+from kvplane.attention.backends.sdpa import kv_splits
+from kvplane.attention.paged import merge_splits
 from kvplane.errors import InvalidArgumentError
 
 

@@ -14,9 +14,9 @@ touched.
 
 Work items are shared by ``torch.get_num_threads()`` threads. When the batch is smaller than
 twice that, each request's keys are cut into up to that many ranges (of at least
-``MIN_SPLIT_TOKENS``); the kernel then leaves raw ``(acc, m, l)`` per range and they are merged
-here with the usual log-sum-exp weights. Otherwise each request is one item and the kernel
-writes the normalised output and LSE directly.
+``MIN_SPLIT_TOKENS``) and the ranges' normalised outputs are merged by their LSE
+(:func:`~kvplane.attention.paged.merge_splits`). Otherwise each request is one item and the
+kernel's output is the result.
 
 Float32 and bfloat16 caches are read as they are (bf16 widened on load); queries and the
 arithmetic are float32. CPU only; Unsupported where no C compiler is available.
@@ -37,7 +37,7 @@ from kvplane.attention.backends.torch_mla import padded_query
 from kvplane.attention.base import Capabilities, Plan
 from kvplane.attention.inputs import MLAKVCache, MLAQuery
 from kvplane.attention.metadata import PagedStructure
-from kvplane.attention.paged import BatchIndex, build_batch_index, padded_result
+from kvplane.attention.paged import BatchIndex, build_batch_index, merge_splits, padded_result
 from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
 from kvplane.errors import BackendError, UnsupportedError
 
@@ -50,7 +50,7 @@ MIN_SPLIT_TOKENS = 512
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURE: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_int]] = [
     _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-    _PTR, _PTR, _PTR, _INT, _INT,
+    _PTR, _PTR, _INT,
 ]  # fmt: skip
 
 
@@ -120,7 +120,7 @@ class CPUFusedBackend(MLABackend[FusedPlan]):
         s, heads = structure, problem.num_heads
         index = build_batch_index(problem.metadata, s, problem.causal, torch.device("cpu"))
         kv = index.kv_lens
-        limits = torch.minimum(index.limits, kv[:, None]).repeat_interleave(heads, dim=1)
+        limits = index.limits.repeat_interleave(heads, dim=1)  # a new contiguous tensor
         splits = splits_for(s.batch_size, s.max_kv_len, self._thread_count(), self._min_split)
         span = -(-s.max_kv_len // splits)
         starts = torch.arange(splits, dtype=torch.long) * span
@@ -128,11 +128,7 @@ class CPUFusedBackend(MLABackend[FusedPlan]):
         end = torch.minimum(starts[None, :] + span, kv[:, None])
         b = torch.arange(s.batch_size, dtype=torch.long)[:, None].expand(-1, splits)
         items = torch.stack([b, first, end], dim=-1).reshape(-1, 3).contiguous()
-        contiguous = BatchIndex(
-            index.batch, index.t_max, index.page_size, index.pages.contiguous(), kv.contiguous(),
-            index.limits, index.q_rows, index.out_rows,
-        )  # fmt: skip
-        return FusedPlan(contiguous, limits.contiguous(), items, splits)
+        return FusedPlan(index, limits, items, splits)  # index tensors: fresh, contiguous
 
     def attend(
         self, plan: Plan, state: FusedPlan, query: MLAQuery, cache: MLAKVCache
@@ -146,40 +142,16 @@ class CPUFusedBackend(MLABackend[FusedPlan]):
         q = packed if packed is not None else torch.cat([nope, pe], dim=-1)
         q = (q * p.sm_scale).reshape(b, rows, dim).contiguous()
         n = state.items.shape[0]
-        acc = torch.empty((n, rows, r), dtype=torch.float32)
-        m = torch.empty((n, rows), dtype=torch.float32)
-        total = torch.empty((n, rows), dtype=torch.float32)
-        normalize = state.splits == 1
+        out = torch.empty((n, rows, r), dtype=torch.float32)
+        lse = torch.empty((n, rows), dtype=torch.float32)
         failed = fn.kvp_mla_attend(
             pool.data_ptr(), pool.stride(0), pool.stride(1), idx.page_size, dim, r,
             int(pool.dtype == torch.bfloat16), q.data_ptr(), rows, idx.pages.data_ptr(),
             idx.pages.stride(0), idx.kv_lens.data_ptr(), state.limits.data_ptr(),
-            state.items.data_ptr(), n, acc.data_ptr(), m.data_ptr(), total.data_ptr(),
-            int(normalize), self._thread_count(),
+            state.items.data_ptr(), n, out.data_ptr(), lse.data_ptr(), self._thread_count(),
         )  # fmt: skip
         if failed:
             raise BackendError(f"{NAME}: the kernel could not get its scratch memory")
-        if normalize:
-            o, lse = acc, m
-        else:
-            o, lse = merge_ranges(acc, m, total, b, state.splits)
-        return padded_result(o.view(b, t, heads, r), lse.view(b, t, heads), idx, p.dtype)
-
-
-def merge_ranges(
-    acc: torch.Tensor, m: torch.Tensor, total: torch.Tensor, batch: int, splits: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge raw per-range states (``acc [B*S, rows, v]`` unnormalised, running max ``m`` and
-    sum ``total`` ``[B*S, rows]``) into ``(o [B, rows, v], lse [B, rows])``; rows that saw no
-    key give ``0`` and ``-inf``."""
-    acc = acc.view(batch, splits, *acc.shape[1:])
-    m, total = m.view(batch, splits, -1), total.view(batch, splits, -1)
-    top = m.amax(dim=1, keepdim=True)
-    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    w = torch.exp(m - safe) * (total > 0)
-    denom = (w * total).sum(dim=1)
-    o = (w[..., None] * acc).sum(dim=1)
-    empty = denom == 0
-    o = o / torch.where(empty, torch.ones_like(denom), denom)[..., None]
-    lse = torch.where(empty, torch.full_like(denom, float("-inf")), safe[:, 0] + denom.log())
-    return o, lse
+        if state.splits > 1:
+            out, lse = merge_splits(out.view(b, state.splits, rows, r), lse.view(b, -1, rows))
+        return padded_result(out.view(b, t, heads, r), lse.view(b, t, heads), idx, p.dtype)

@@ -38,7 +38,14 @@ from kvplane.attention.backends.common import (
 )
 from kvplane.attention.base import Capabilities, Plan
 from kvplane.attention.inputs import MLAKVCache, MLAQuery
-from kvplane.attention.paged import GroupedBatch, empty_state, pad_queries, padded_result, visible
+from kvplane.attention.paged import (
+    GroupedBatch,
+    empty_state,
+    merge_splits,
+    pad_queries,
+    padded_result,
+    visible,
+)
 from kvplane.attention.problem import (
     AttentionKind,
     AttentionProblem,
@@ -61,16 +68,6 @@ def kv_splits(requests: int, tokens: int, page_size: int, items: int, min_tokens
     want = min(-(-items // requests), tokens // min_tokens)
     pages = tokens // page_size
     return max((k for k in range(1, want + 1) if pages % k == 0), default=1)
-
-
-def merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine per-split states ``out [n, splits, ..., v]``, ``lse [n, splits, ...]`` (base e,
-    ``-inf`` where a split was empty) into ``(o [n, ..., v] float32, lse [n, ...])``; rows that
-    saw nothing at all get ``0`` / ``-inf``."""
-    total = torch.logsumexp(lse, dim=1)
-    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-    weights = torch.exp(lse - safe[:, None])
-    return (out.float() * weights[..., None]).sum(1), total
 
 
 def split_attention(

@@ -28,6 +28,7 @@ kept for the other points' context.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from itertools import product
 from typing import Any
 
@@ -62,10 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _memcpy_gbps(nbytes: int, timer: PerfCounterTimer) -> float:
+def _memcpy(nbytes: int) -> Callable[[], object]:
+    """The limit: one torch ``copy_`` of ``nbytes`` between two fresh buffers."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return nbytes / timer({"memcpy": lambda: dst.copy_(src)})["memcpy"] / 1e9
+    return lambda: dst.copy_(src)
+
+
+def _memcpy_gbps(nbytes: int, timer: PerfCounterTimer) -> float:
+    return nbytes / timer({MEMCPY: _memcpy(nbytes)})[MEMCPY] / 1e9
 
 
 def _matmul_gflops(dtype: torch.dtype, timer: PerfCounterTimer) -> float:
@@ -93,11 +99,8 @@ def _point(
 
         thunks[backend.name] = thunk
     kv_bytes = batch * kv_len * (RANK + ROPE) * dtype.itemsize
-    limit = (batch, q_len, kv_len) == DECODE_POINT
-    if limit:  # the limit, interleaved with the backends in the same rounds
-        src = torch.ones(kv_bytes // 4)
-        dst = torch.empty_like(src)
-        thunks[MEMCPY] = lambda: dst.copy_(src)
+    if (batch, q_len, kv_len) == DECODE_POINT:  # the limit, in the backends' own rounds
+        thunks[MEMCPY] = _memcpy(kv_bytes)
     times = dict(timer(thunks))
     memcpy = times.pop(MEMCPY, None)
     selector = Selector(registry, timer=timer)

@@ -52,7 +52,7 @@ from kvplane.offload.tiers import ALIGN, DiskTier, HostTier, ReadOutcome, Remote
 from kvplane.offload.tiers.base import as_buffer
 from kvplane.offload.tiers.redis_server import LocalRedisServer, redis_server_support
 from kvplane.offload.tiers.remote import PIPELINE_BYTES, redis_support
-from kvplane.runtime.benches.transport import SETTLE_S
+from kvplane.runtime.benches import SETTLE_S
 
 NAME = "offload"
 HELP = "Offload tiers: store/load GB/s per tier vs memcpy, raw file I/O and raw Redis."

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from kvplane.errors import KVPlaneError
+from kvplane.runtime.benches import SETTLE_S
 from kvplane.transports.base import DescriptorList, XferKind
 from kvplane.transports.core import TransportCore
 from kvplane.transports.local import LocalTransport
@@ -55,10 +56,6 @@ HELP = "Transport throughput (64 MiB as 256 KiB and 4 KiB blocks) against each p
 TOTAL = 64 << 20
 BLOCKS = (256 << 10, 4 << 10)
 REPEATS = {True: 3, False: 9}
-SETTLE_S = 0.03
-"""Pause before every timed run: after a torch op its OpenMP threads spin-wait for several
-milliseconds, stealing the cores of whatever runs next (measured: a copy right after the limit's
-``copy_`` lost a third of its speed); each run starts on a quiet machine instead."""
 TARGETS = {"local": 0.8, "shm": 0.8, "tcp": 0.85, "nixl": 0.9, "mooncake": 0.9}
 LIMITS = {
     "local": "torch copy_ of 64 MiB",

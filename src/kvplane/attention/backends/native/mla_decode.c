@@ -12,8 +12,9 @@
  * them in cache. Keys at or past kv_len are never touched, so whatever sits there (NaN,
  * another request) cannot leak.
  * Items are shared by a few POSIX threads through an atomic counter; each thread owns its
- * scores scratch. With `normalize` the item writes out = acc / l and lse = m + log l (rows
- * that saw no key: 0 and -inf); otherwise it leaves the raw (acc, m, l) for a merge.
+ * scores and running-sum scratch. Each item writes its normalised out = acc / l and
+ * lse = m + log l (rows that saw no key: 0 and -inf); items of one request are merged by LSE
+ * by the caller.
  *
  * Element types: the cache is float32 (suffix f32) or bfloat16 (suffix bf16, widened on load);
  * queries, scores and outputs are float32. Compiled with GCC/Clang vector extensions, so the
@@ -80,10 +81,9 @@ typedef struct {
     const int64_t *limits;  /* [B, rows] keys visible to each row */
     const int64_t *items;   /* [n_items, 3]: b, j0, j1 */
     int64_t n_items;
-    float *acc; /* [n_items, rows, rank] */
-    float *m;   /* [n_items, rows] */
-    float *l;   /* [n_items, rows] */
-    int normalize, bf16;
+    float *out; /* [n_items, rows, rank] */
+    float *lse; /* [n_items, rows] */
+    int bf16;
     atomic_long next;
 } job_t;
 
@@ -265,11 +265,12 @@ static void key_rows(const job_t *a, int64_t b, int64_t pos, int64_t nk, const v
     }
 }
 
-static void attend_item(job_t *a, int64_t it, float *s, const void **kp) {
+/* One item: the running (m, l, acc) live in its lse and out rows and the thread's l. */
+static void attend_item(job_t *a, int64_t it, float *s, const void **kp, float *l) {
     const int64_t b = a->items[it * 3], j0 = a->items[it * 3 + 1], j1 = a->items[it * 3 + 2];
     const int64_t rows = a->rows, rank = a->rank, kv = a->kv_lens[b];
     const int64_t *lim = a->limits + b * rows;
-    float *acc = a->acc + it * rows * rank, *m = a->m + it * rows, *l = a->l + it * rows;
+    float *acc = a->out + it * rows * rank, *m = a->lse + it * rows;
     memset(acc, 0, (size_t)(rows * rank) * sizeof *acc);
     int64_t end = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -298,7 +299,6 @@ static void attend_item(job_t *a, int64_t it, float *s, const void **kp) {
         else values_f32(a, kp, nk, s, acc, kp + KB, nb);
         memcpy(kp, kp + KB, (size_t)nb * sizeof *kp);
     }
-    if (!a->normalize) return;
     for (int64_t r = 0; r < rows; r++) {
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         for (int64_t c = 0; c < rank; c++) acc[r * rank + c] *= inv;
@@ -310,13 +310,15 @@ static void *worker(void *arg) {
     job_t *a = arg;
     float *s = malloc((size_t)(a->rows * KB) * sizeof *s);
     const void **kp = malloc(2 * KB * sizeof *kp); /* this block, the next */
-    if (s != NULL && kp != NULL) {
+    float *l = malloc((size_t)a->rows * sizeof *l);
+    if (s != NULL && kp != NULL && l != NULL) {
         for (;;) {
             long it = atomic_fetch_add(&a->next, 1);
             if (it >= a->n_items) break;
-            attend_item(a, it, s, kp);
+            attend_item(a, it, s, kp, l);
         }
     }
+    free(l);
     free(s);
     free((void *)kp);
     return NULL;
@@ -326,13 +328,13 @@ static void *worker(void *arg) {
 int kvp_mla_attend(const void *pool, int64_t page_stride, int64_t row_stride, int64_t page_size,
                    int64_t dim, int64_t rank, int bf16, const float *q, int64_t rows,
                    const int64_t *table, int64_t table_stride, const int64_t *kv_lens,
-                   const int64_t *limits, const int64_t *items, int64_t n_items, float *acc,
-                   float *m, float *l, int normalize, int threads) {
+                   const int64_t *limits, const int64_t *items, int64_t n_items, float *out,
+                   float *lse, int threads) {
     job_t a = {.pool = pool, .page_stride = page_stride, .row_stride = row_stride,
                .page_size = page_size, .dim = dim, .rank = rank, .q = q, .rows = rows,
                .table = table, .table_stride = table_stride, .kv_lens = kv_lens,
-               .limits = limits, .items = items, .n_items = n_items, .acc = acc, .m = m,
-               .l = l, .normalize = normalize, .bf16 = bf16};
+               .limits = limits, .items = items, .n_items = n_items, .out = out, .lse = lse,
+               .bf16 = bf16};
     atomic_init(&a.next, 0);
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     threads = threads > n_items ? (int)n_items : threads;
