@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -58,8 +59,10 @@ from kvplane.pd.participant import Participant
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 DEFAULT_BIND = "tcp://127.0.0.1:0"
-TICK_MS = 2
-"""Timer resolution of the control loop (and its longest idle wait), in milliseconds."""
+MAX_WAIT_MS = 50
+"""The control loop's longest wait, in milliseconds. Frames and commands end a wait at once and
+a wait ends at the next timer deadline, so this only bounds how late the loop notices a
+deadline that moved without it (none does today)."""
 
 
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -119,7 +122,7 @@ class Endpoint:
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue()
         )
-        self._next_check = 0.0
+        self._wait_ms = 0
         self._rcvtimeo = -2
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -232,12 +235,14 @@ class Endpoint:
     def step(self, timeout_ms: int | None = None) -> int:
         """One loop iteration: wait for frames (at most ``timeout_ms``), serve, run due timers.
 
-        Returns the number of frames read. The wait is one blocking ``recv`` with a fixed
-        receive timeout of :data:`TICK_MS` (cheaper than ``poll`` + ``recv``), so timers fire
-        within a tick of their deadline; timers are checked at most once per tick.
+        Returns the number of frames read. The wait is one blocking ``recv`` whose receive
+        timeout runs to the participant's next timer deadline (at most :data:`MAX_WAIT_MS`;
+        cheaper than ``poll`` + ``recv``): an idle loop wakes only when a frame, a command or a
+        deadline is due, not on a fixed tick. The deadline is read again after every iteration,
+        because only this thread's dispatches change the timers.
         """
         router = self._router
-        wait = TICK_MS if timeout_ms is None else max(0, min(timeout_ms, TICK_MS))
+        wait = self._wait_ms if timeout_ms is None else max(0, min(timeout_ms, self._wait_ms))
         if wait != self._rcvtimeo:
             router.setsockopt(zmq.RCVTIMEO, wait)
             self._rcvtimeo = wait
@@ -255,12 +260,14 @@ class Endpoint:
                 fut.set_result(fn())
             except BaseException as exc:  # handed to the caller's thread
                 fut.set_exception(exc)
+        participant = self.participant
         now = self.clock()
-        if now >= self._next_check:
-            self._next_check = now + TICK_MS / 1000.0
-            nxt = self.participant.next_deadline()
-            if nxt is not None and now >= nxt:
-                self._dispatch(self.participant.tick(now))
+        nxt, floor = participant.next_deadline(), 0
+        if nxt is not None and now >= nxt:
+            self._dispatch(participant.tick(now))
+            nxt, floor = participant.next_deadline(), 1  # a timer still due after its tick: no spin
+        left_ms = MAX_WAIT_MS if nxt is None else math.ceil((nxt - now) * 1e3)
+        self._wait_ms = max(floor, min(MAX_WAIT_MS, left_ms))
         return frames
 
     def _drop(self, reason: str) -> None:
