@@ -120,6 +120,7 @@ class KVLayout:
     order: tuple[Axis, ...] = BLOCK_MAJOR
     sliding_window: int | None = None
     _strides: tuple[int, ...] = field(init=False, repr=False, compare=False, default=())
+    _fingerprint: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, LayoutKind):
@@ -400,10 +401,13 @@ class KVLayout:
         return _digest(b"kvplane-layout-compat", d)
 
     def fingerprint(self) -> bytes:
-        """Physical identity of a block's bytes (all but pool size): for hashes and headers."""
-        d = self.describe()
-        d.pop("num_blocks")
-        return _digest(b"kvplane-layout", d)
+        """Physical identity of a block's bytes (all but pool size): for hashes and headers.
+        Computed once per layout (every plan carries its two sides' fingerprints)."""
+        if not self._fingerprint:
+            d = self.describe()
+            d.pop("num_blocks")
+            object.__setattr__(self, "_fingerprint", _digest(b"kvplane-layout", d))
+        return self._fingerprint
 
 
 def _digest(tag: bytes, d: dict[str, Any]) -> bytes:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvplane.errors import PlanError
 from kvplane.transfer.coverage import (
     MOD,
+    SMALL_LIST,
     Coverage,
     concat_descriptors,
     coverage_of_descriptors,
@@ -57,6 +58,28 @@ def test_closed_forms_stay_exact_for_huge_descriptors(n: int) -> None:
         n, (n * s + t1) % MOD, (n * d + t1) % MOD, (n * s * d + (s + d) * t1 + t2) % MOD
     )
     assert coverage_of_descriptors(*lists([(s, d, n)])) == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pairs=st.lists(
+        st.tuples(offsets, offsets, st.integers(1, 40) | st.integers((1 << 33) - 3, 1 << 40)),
+        min_size=SMALL_LIST + 1,
+        max_size=3 * SMALL_LIST,
+    )
+)
+def test_array_and_exact_integer_paths_agree(pairs) -> None:
+    """Long lists take the wrapping uint64 path, short ones exact Python ints: same moments."""
+    src, dst = lists(pairs)
+    whole = coverage_of_descriptors(src, dst)
+    parts = [lists(pairs[i : i + SMALL_LIST]) for i in range(0, len(pairs), SMALL_LIST)]
+    pieces = [coverage_of_descriptors(s, d) for s, d in parts]
+    assert whole == Coverage(
+        sum(p.num_bytes for p in pieces),
+        sum(p.src_sum for p in pieces) % MOD,
+        sum(p.dst_sum for p in pieces) % MOD,
+        sum(p.cross_sum for p in pieces) % MOD,
+    )
 
 
 @settings(max_examples=100, deadline=None)

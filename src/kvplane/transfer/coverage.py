@@ -124,10 +124,17 @@ def _square_pyramidal(n: U64Array) -> U64Array:
     return a * b * c
 
 
+SMALL_LIST = 32
+"""Up to this many descriptors, moments are summed as exact Python ints (a slice's plan: 16
+descriptors); numpy's per-call cost would dominate the twenty reductions of the array path."""
+
+
 def coverage_of_descriptors(src: DescriptorList, dst: DescriptorList) -> Coverage:
     """Moments of the mapping ``src[i] → dst[i]`` (the lists must be paired, equal lengths)."""
     if not len(src):
         return Coverage.zero()
+    if len(src) <= SMALL_LIST:
+        return _small_coverage(src.lengths.tolist(), src.offsets.tolist(), dst.offsets.tolist())
     n = _u64(src.lengths)
     s = _u64(src.offsets)
     d = _u64(dst.offsets)
@@ -139,6 +146,19 @@ def coverage_of_descriptors(src: DescriptorList, dst: DescriptorList) -> Coverag
         dst_sum=_sum(n * d + t1),
         cross_sum=_sum(n * s * d + (s + d) * t1 + t2),
     )
+
+
+def _small_coverage(lengths: list[int], src: list[int], dst: list[int]) -> Coverage:
+    """:func:`coverage_of_descriptors` in exact integer arithmetic, reduced mod 2**64 at the end
+    (the same ring, so the same moments as the array path)."""
+    total = src_sum = dst_sum = cross = 0
+    for n, a, b in zip(lengths, src, dst, strict=True):
+        t1 = n * (n - 1) // 2
+        total += n
+        src_sum += n * a + t1
+        dst_sum += n * b + t1
+        cross += n * a * b + (a + b) * t1 + (n - 1) * n * (2 * n - 1) // 6
+    return Coverage(total, src_sum % MOD, dst_sum % MOD, cross % MOD)
 
 
 def coverage_of_product(axes: Sequence[tuple[Int64Array, Int64Array]]) -> Coverage:
@@ -154,9 +174,13 @@ def coverage_of_product(axes: Sequence[tuple[Int64Array, Int64Array]]) -> Covera
         total *= c
     if total == 0:
         return Coverage.zero()
-    sums_s = [_sum(_u64(s)) for s, _ in axes]
-    sums_d = [_sum(_u64(d)) for _, d in axes]
-    paired = [_sum(_u64(s) * _u64(d)) for s, d in axes]
+    # per-axis sums in three reductions over the axes laid end to end (wrapping uint64)
+    s_all = _u64(np.concatenate([s for s, _ in axes]))
+    d_all = _u64(np.concatenate([d for _, d in axes]))
+    starts = np.cumsum([0, *counts[:-1]])
+    sums_s = [int(v) for v in np.add.reduceat(s_all, starts)]
+    sums_d = [int(v) for v in np.add.reduceat(d_all, starts)]
+    paired = [int(v) for v in np.add.reduceat(s_all * d_all, starts)]
     src_sum = sum(sums_s[a] * (total // counts[a]) for a in range(len(axes)))
     dst_sum = sum(sums_d[a] * (total // counts[a]) for a in range(len(axes)))
     cross = 0

@@ -54,12 +54,17 @@ class _Axis:
     src: Int64Array
     dst: Int64Array
     selects_op: bool = False
+    steps: tuple[int, int] | None = None
+    """``(src, dst)`` byte step between consecutive indices when the axis is an arithmetic
+    progression on both sides (known from the layout), so folding needs no array scan."""
 
     def folds_into(self, run: int) -> bool:
         if len(self.src) == 1:
             return True
         if self.selects_op:
             return False
+        if self.steps is not None:
+            return self.steps == (run, run)
         return bool(np.all(np.diff(self.src) == run) and np.all(np.diff(self.dst) == run))
 
 
@@ -91,10 +96,11 @@ def plan_transfer(
     """
     req = resolve(src, dst, tokens, layers, options or PlanOptions())
     specs = _op_specs(req)
-    coverage = _coverage(req)
+    fixed = _fixed_axes(req)
+    coverage = _coverage(req, fixed)
     ops: tuple[TransferOp, ...] = ()
     if not req.tokens.empty:
-        elements = _coalesce(_elements(req), single_op=len(specs) == 1)
+        elements = _coalesce(_elements(req, fixed), single_op=len(specs) == 1)
         ops = _split(req, specs, elements)
     return TransferPlan(
         ops=ops,
@@ -152,18 +158,31 @@ def _fixed_axes(req: PlanRequest) -> list[_Axis]:
     heads = np.arange(req.heads[0], req.heads[1], dtype=np.int64)
     s_head0, d_head0 = req.src.layout.head_range[0], req.dst.layout.head_range[0]
     by_layer = req.options.grouping is OpGrouping.LAYER
+    sl, dl = req.src_layers, req.dst_layers
+    layer_steps = None  # both sides hold the chosen layers at consecutive indices
+    if _consecutive(sl) and _consecutive(dl):
+        layer_steps = (s_str[Axis.LAYER], d_str[Axis.LAYER])
     return [
-        _Axis(req.src_layers * s_str[Axis.LAYER], req.dst_layers * d_str[Axis.LAYER], by_layer),
-        _Axis(comps * s_str[Axis.COMP], comps * d_str[Axis.COMP]),
-        _Axis((heads - s_head0) * s_str[Axis.HEAD], (heads - d_head0) * d_str[Axis.HEAD]),
-    ]
+        _Axis(sl * s_str[Axis.LAYER], dl * d_str[Axis.LAYER], by_layer, layer_steps),
+        _Axis(comps * s_str[Axis.COMP], comps * d_str[Axis.COMP], False,
+              (s_str[Axis.COMP], d_str[Axis.COMP])),
+        _Axis((heads - s_head0) * s_str[Axis.HEAD], (heads - d_head0) * d_str[Axis.HEAD], False,
+              (s_str[Axis.HEAD], d_str[Axis.HEAD])),
+    ]  # fmt: skip
+
+
+def _consecutive(indices: Int64Array) -> bool:
+    n = len(indices)
+    return n < 2 or (
+        int(indices[-1]) - int(indices[0]) == n - 1 and bool(np.all(np.diff(indices) == 1))
+    )
 
 
 def _row_bytes(req: PlanRequest) -> int:
     return req.src.layout.head_dim * req.src.layout.element_size
 
 
-def _coverage(req: PlanRequest) -> Coverage:
+def _coverage(req: PlanRequest, fixed: list[_Axis]) -> Coverage:
     """Analytic moments of the request, per token from the block tables (independent of the
     segment/fold/coalesce path)."""
     if req.tokens.empty:
@@ -171,7 +190,7 @@ def _coverage(req: PlanRequest) -> Coverage:
     positions = np.arange(req.tokens.start, req.tokens.end, dtype=np.int64)
     row = np.arange(_row_bytes(req), dtype=np.int64)
     axes = [(_token_offsets(req.src, positions), _token_offsets(req.dst, positions))]
-    axes += [(ax.src, ax.dst) for ax in _fixed_axes(req)]
+    axes += [(ax.src, ax.dst) for ax in fixed]
     axes.append((row, row))
     return coverage_of_product(axes)
 
@@ -190,7 +209,7 @@ def _segments(req: PlanRequest) -> tuple[Int64Array, Int64Array]:
     return starts, lengths
 
 
-def _elements(req: PlanRequest) -> _Elements:
+def _elements(req: PlanRequest, fixed: list[_Axis]) -> _Elements:
     """Every unfoldable element as parallel arrays (src offset, dst offset, length, op)."""
     starts, lengths = _segments(req)
     seg_src = _token_offsets(req.src, starts)
@@ -201,14 +220,13 @@ def _elements(req: PlanRequest) -> _Elements:
         seg_op = starts // step - req.tokens.start // step
     else:
         seg_op = np.zeros(len(starts), dtype=np.int64)
-    fixed = _fixed_axes(req)
     s_tok = req.src.layout.strides_bytes()[Axis.TOKEN]
     d_tok = req.dst.layout.strides_bytes()[Axis.TOKEN]
     parts: list[_Elements] = []
     for n in np.unique(lengths).tolist():  # distinct segment lengths: one or a few
         tok = np.arange(n, dtype=np.int64)
         run, comb_s, comb_d, comb_op = _fold_and_enumerate(
-            _row_bytes(req), [_Axis(tok * s_tok, tok * d_tok), *fixed]
+            _row_bytes(req), [_Axis(tok * s_tok, tok * d_tok, False, (s_tok, d_tok)), *fixed]
         )
         pick = np.flatnonzero(lengths == n)
         s = (seg_src[pick, None] + comb_s[None, :]).ravel()

@@ -136,6 +136,8 @@ def _check_compatible(a: KVLayout, b: KVLayout) -> None:
 
 
 def _layer_indices(layout: KVLayout, layers: tuple[int, ...], side: str) -> Int64Array:
+    if layers == layout.layer_ids:  # every layer in pool order (the usual request)
+        return np.arange(len(layers), dtype=np.int64)
     known = {layer: i for i, layer in enumerate(layout.layer_ids)}
     missing = [layer for layer in layers if layer not in known]
     if missing:
@@ -146,7 +148,9 @@ def _layer_indices(layout: KVLayout, layers: tuple[int, ...], side: str) -> Int6
 
 
 def _resolve_layers(src: KVLayout, layers: Sequence[int] | None) -> tuple[int, ...]:
-    chosen = tuple(src.layer_ids) if layers is None else tuple(layers)
+    if layers is None:  # the layout validated its own layer ids
+        return src.layer_ids
+    chosen = tuple(layers)
     if not chosen:
         raise PlanError("a plan needs at least one layer")
     if any(isinstance(i, bool) or not isinstance(i, int) for i in chosen):
