@@ -251,6 +251,7 @@ class Endpoint:
             parts = router.recv_multipart()
         except zmq.Again:
             parts = None
+            self.counters["idle_wakeups"] += 1
         if parts is not None:
             frames = 1
             self._on_parts(parts)
