@@ -190,6 +190,10 @@ def _effective_tokens(
     return TokenRange(min(start, tokens.end), tokens.end)
 
 
+SMALL_TABLE = 256
+"""Block tables up to this long are checked for repeats with a set, longer ones by sorting."""
+
+
 def _check_blocks(side: PlanSide, tokens: TokenRange, name: str) -> None:
     if tokens.empty:
         return
@@ -201,6 +205,8 @@ def _check_blocks(side: PlanSide, tokens: TokenRange, name: str) -> None:
             f"tokens) but tokens {tokens} need {last}"
         )
     used = side.block_ids[first:last]
+    if len(used) <= SMALL_TABLE and len(set(used.tolist())) == len(used):
+        return  # the usual slice: a few blocks, all distinct (a set beats a sort here)
     uniq, counts = np.unique(used, return_counts=True)
     if len(uniq) != len(used):
         raise PlanError(f"{name} block table repeats block id {int(uniq[counts > 1][0])}")
