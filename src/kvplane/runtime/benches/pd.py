@@ -10,7 +10,7 @@ with one torch thread each (two share this host), so their transports copy on on
 ``--copy-threads`` would change that (measured on 2 cores: a lone shm slice 7.5 -> 6.7 ms, but
 tcp's pipelined TTFT ratio 0.62 -> 0.74, its copies then fighting the socket's).
 
-Calibration first measures one step's transfer time (the median of five one-step requests on a
+Calibration first measures one step's transfer time (the median of nine one-step requests on a
 pair without compute); the two measured pairs then spend that long per step
 (``--compute-ms-per-step``), so per-step compute ≈ per-step transfer — the regime where
 pipelining matters most. Requests run one at a time, the two modes interleaved (load changes on
@@ -47,6 +47,9 @@ DEEPSEEK_V3_LAYERS = 61
 """The default layer count: with a real model's depth a slice's transfer is dominated by its
 bytes, not by the fixed per-slice cost (planning, control round trips) that a toy depth
 exaggerates."""
+CALIBRATION_REQUESTS = 9
+"""One-step requests whose median slice sets the step compute (it is cheap: a few ms each;
+with five, tcp's calibrated step read 11, 24 and 16 ms in three runs on this shared host)."""
 HELP = "Pipelined vs non-pipelined PD transfer: TTFT, exposed tail, overlap (tcp, shm)."
 
 
@@ -137,11 +140,12 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
 
 
 def _calibrate(work: Path, spec: _Spec) -> float:
-    """One step's transfer time, ms: the median slice of five one-step requests, no compute."""
+    """One step's transfer time, ms: the median slice of :data:`CALIBRATION_REQUESTS` one-step
+    requests, no compute."""
     pair = _Pair(work / "calibrate", spec, 0.0, pipelined=True)
     try:
         pair.run("warm", list(range(spec.step)), spec.step)
-        rids = [f"cal{i}" for i in range(5)]
+        rids = [f"cal{i}" for i in range(CALIBRATION_REQUESTS)]
         for i, rid in enumerate(rids):
             pair.run(rid, [(i + t) % 30000 for t in range(spec.step)], spec.step)
         return statistics.median(r["slice_transfer_ms"] for r in pair.times(rids))
