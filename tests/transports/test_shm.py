@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -66,3 +67,41 @@ def test_refusals():
             t.connect(gone)
     finally:
         t.close()
+
+
+def test_batches_cancelled_while_queued_on_a_link_leave_no_pin_and_the_rest_land(kit):
+    """Eight 4 MiB batches queued on one link; cancelling the last three while they wait ends
+    them with no pin left on the target, and every other batch lands its exact bytes."""
+    a, b = ShmTransport(agent="a"), ShmTransport(agent="b")
+    size, n = 4 << 20, 8
+    try:
+        pool = b.allocate(n * size)
+        dst = b.register(pool).region_id
+        data = torch.randint(
+            0, 256, (n * size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+        )
+        src = a.register(data).region_id
+        peer = a.connect(b.metadata())
+        handles = [
+            a.submit(
+                XferKind.WRITE, kit.one(src, i * size, size), kit.one(dst, i * size, size), peer
+            )
+            for i in range(n)
+        ]
+        for h in handles[5:]:
+            a.cancel(h)
+        states = [kit.wait(a, h).state for h in handles]
+        assert states[:5] == [XferState.DONE] * 5
+        assert all(s in (XferState.DONE, XferState.FAILED) for s in states[5:])
+        for i, s in enumerate(states):
+            if s is XferState.DONE:
+                assert torch.equal(pool[i * size : (i + 1) * size], data[i * size : (i + 1) * size])
+        end = time.monotonic() + 10.0
+        while (b.pinned_regions() or a.live_batches()) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert b.pinned_regions() == 0 and a.live_batches() == 0
+        b.deregister(dst)  # nothing holds the region any more
+    finally:
+        a.close()
+        b.close()
+    assert kit.kv_threads() == []
