@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from kvplane.errors import ConfigError, TransportError
-from kvplane.runtime.chaos import FaultPlan, FaultyTransport
+from kvplane.ids import PeerId
+from kvplane.pd.endpoint import Endpoint
+from kvplane.pd.events import Abort, Outcome
+from kvplane.pd.pair import sim_profile
+from kvplane.pd.participant import Participant
+from kvplane.runtime.chaos import FaultPlan, FaultyEndpoint, FaultyTransport
 from kvplane.transports.base import DescriptorList, Poll, XferKind, XferState
 from kvplane.transports.local import LocalFabric, LocalTransport
 
@@ -74,3 +79,25 @@ def test_plan_validation() -> None:
     with pytest.raises(ConfigError, match="delay_s"):
         FaultPlan(delay_s=-1)
     assert FaultPlan(fail=0.1).transport_faults and not FaultPlan(fail=0.1).frame_faults
+
+
+def test_a_held_frame_is_a_deadline_of_the_faulty_endpoint_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A frame held back for reordering bounds the loop's wait (an idle loop would otherwise
+    sleep up to MAX_WAIT_MS past its time) and goes out once, when due."""
+    sent: list[object] = []
+    monkeypatch.setattr(Endpoint, "_send", lambda self, identity, event: sent.append(event))
+    plan = FaultPlan(reorder=1.0, reorder_s=0.2)
+    with FaultyEndpoint(Participant(PeerId("p"), sim_profile(), incarnation=1), plan=plan) as ep:
+        frame = Abort(session_id="s", epoch=1, token=7, outcome=Outcome.ABORTED)
+        held_until, own = ep.call(
+            lambda: (ep._send(b"peer", frame), ep._held[0][0], ep.participant.next_deadline())[1:]
+        )
+        assert ep.call(ep._next_deadline) == min(t for t in (held_until, own) if t is not None)
+        assert sent == []
+        ep.start()
+        end = time.monotonic() + 5.0
+        while not sent and time.monotonic() < end:
+            time.sleep(0.005)
+        assert sent == [frame] and ep.call(lambda: ep._held) == []

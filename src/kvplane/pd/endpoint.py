@@ -263,13 +263,23 @@ class Endpoint:
                 fut.set_exception(exc)
         participant = self.participant
         now = self.clock()
-        nxt, floor = participant.next_deadline(), 0
+        nxt = participant.next_deadline()
         if nxt is not None and now >= nxt:
             self._dispatch(participant.tick(now))
-            nxt, floor = participant.next_deadline(), 1  # a timer still due after its tick: no spin
-        left_ms = MAX_WAIT_MS if nxt is None else math.ceil((nxt - now) * 1e3)
-        self._wait_ms = max(floor, min(MAX_WAIT_MS, left_ms))
+        self._plan_wait(now)
         return frames
+
+    def _plan_wait(self, now: float) -> None:
+        """Set the next iteration's wait from :meth:`_next_deadline` (read after this one's
+        work). A deadline already passed gives a 1 ms wait, not a spin: its timer ran."""
+        nxt = self._next_deadline()
+        left_ms = MAX_WAIT_MS if nxt is None else math.ceil((nxt - now) * 1e3)
+        self._wait_ms = max(1 if left_ms <= 0 else 0, min(MAX_WAIT_MS, left_ms))
+
+    def _next_deadline(self) -> float | None:
+        """When the loop must next run without a frame or a command (subclasses with their
+        own timed work extend it)."""
+        return self.participant.next_deadline()
 
     def _drop(self, reason: str) -> None:
         self.counters[f"dropped_{reason}"] += 1

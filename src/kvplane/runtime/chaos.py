@@ -198,4 +198,10 @@ class FaultyEndpoint(Endpoint):
             self._held = [h for h in self._held if h[0] > now]
             for _, identity, event in due:
                 super()._send(identity, event)
+            self._plan_wait(self.clock())  # the next held frame is a deadline too
         return frames
+
+    def _next_deadline(self) -> float | None:
+        own = super()._next_deadline()
+        times = [h[0] for h in self._held] + ([] if own is None else [own])
+        return min(times) if times else None
