@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-_CACHE_ENV = "KVPLANE_CACHE_DIR"
+from kvplane.attention.backends.native_build import CACHE_ENV as _CACHE_ENV
+
 _MADE_CACHE = pytest.StashKey[str]()
 
 

@@ -261,24 +261,22 @@ class Endpoint:
                 fut.set_result(fn())
             except BaseException as exc:  # handed to the caller's thread
                 fut.set_exception(exc)
-        participant = self.participant
         now = self.clock()
-        nxt = participant.next_deadline()
-        if nxt is not None and now >= nxt:
-            self._dispatch(participant.tick(now))
-        self._plan_wait(now)
+        self._run_due(now)
+        nxt = self._next_deadline()  # read after this iteration's work: it may set timers
+        left_ms = MAX_WAIT_MS if nxt is None else math.ceil((nxt - now) * 1e3)
+        self._wait_ms = max(1 if left_ms <= 0 else 0, min(MAX_WAIT_MS, left_ms))  # no spin
         return frames
 
-    def _plan_wait(self, now: float) -> None:
-        """Set the next iteration's wait from :meth:`_next_deadline` (read after this one's
-        work). A deadline already passed gives a 1 ms wait, not a spin: its timer ran."""
-        nxt = self._next_deadline()
-        left_ms = MAX_WAIT_MS if nxt is None else math.ceil((nxt - now) * 1e3)
-        self._wait_ms = max(1 if left_ms <= 0 else 0, min(MAX_WAIT_MS, left_ms))
+    # Timed work: a subclass with its own extends both hooks, so the wait covers it too.
+    def _run_due(self, now: float) -> None:
+        """Run what is due at ``now`` (the participant's timers)."""
+        nxt = self.participant.next_deadline()
+        if nxt is not None and now >= nxt:
+            self._dispatch(self.participant.tick(now))
 
     def _next_deadline(self) -> float | None:
-        """When the loop must next run without a frame or a command (subclasses with their
-        own timed work extend it)."""
+        """When the loop must next run without a frame or a command."""
         return self.participant.next_deadline()
 
     def _drop(self, reason: str) -> None:

@@ -186,20 +186,17 @@ class FaultyEndpoint(Endpoint):
         elif roll - p.duplicate < p.reorder:
             self._count_fault("reorder")
             delay = self._rng.random() * p.reorder_s
-            self._held.append((time.monotonic() + delay, identity, event))
+            self._held.append((self.clock() + delay, identity, event))
             return
         super()._send(identity, event)
 
-    def step(self, timeout_ms: int | None = None) -> int:
-        frames = super().step(timeout_ms)
-        if self._held:
-            now = time.monotonic()
+    def _run_due(self, now: float) -> None:
+        super()._run_due(now)
+        if self._held:  # held frames whose time has come go out now
             due = [h for h in self._held if h[0] <= now]
             self._held = [h for h in self._held if h[0] > now]
             for _, identity, event in due:
                 super()._send(identity, event)
-            self._plan_wait(self.clock())  # the next held frame is a deadline too
-        return frames
 
     def _next_deadline(self) -> float | None:
         own = super()._next_deadline()
