@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvplane.attention.backends.native_build import CACHE_ENV as _CACHE_ENV
+from kvplane.native import CACHE_ENV as _CACHE_ENV
 
 _MADE_CACHE = pytest.StashKey[str]()
 

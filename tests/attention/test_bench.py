@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from kvplane.attention.backends import native_build
+from kvplane import native as native_build
 from kvplane.runtime.benches import attention as bench
 from kvplane.runtime.benches.attention import MEMCPY
 

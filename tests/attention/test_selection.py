@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvplane import native as native_build
 from kvplane.attention import (
     AUTO,
     MEASURED,
@@ -23,7 +24,6 @@ from kvplane.attention.backends import (
     ReferenceBackend,
     SDPABackend,
     TorchMLABackend,
-    native_build,
 )
 from kvplane.errors import BackendError, InvalidArgumentError, UnsupportedError
 from kvplane.metrics import MetricsRegistry

@@ -1,5 +1,6 @@
 """ChunkCopier: gather/scatter move exactly the right bytes for every pool order, dtype,
-slot run shape and block-id pattern; bad input is rejected before anything moves."""
+slot run shape and block-id pattern, by the C run copier and by the torch paths; bad input is
+rejected before anything moves."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from offload_testlib import filled_pool, tiny_layout
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import BlockId, SlotId
 from kvplane.layout import LAYER_MAJOR, KVLayout
+from kvplane.native import KernelBuild
+from kvplane.offload import copier as copier_module
 from kvplane.offload.copier import ChunkCopier
 from kvplane.offload.tiers import HostTier
+from kvplane.transports.native_copy import kernel
 
 
 def chunk_bytes_of(layout: KVLayout, pool: torch.Tensor, ids: list[int]) -> torch.Tensor:
@@ -35,14 +39,29 @@ LAYOUTS = {
 }  # fmt: skip
 
 
+BACK_TO_BACK = {"gqa-block-major", "mla-bf16-padded", "gqa-fp8"}
+"""Layouts whose blocks lie back to back in the pool: the C run copier takes them."""
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which copy path the test runs: the C run copier or (kernel disabled) torch."""
+    if request.param == "torch":
+        monkeypatch.setattr(copier_module, "kernel", lambda: KernelBuild(None, "disabled"))
+    elif kernel().library is None:
+        pytest.skip("needs a C compiler to build the run copier")
+    return str(request.param)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_gather_then_scatter_moves_exact_bytes(name: str) -> None:
+def test_gather_then_scatter_moves_exact_bytes(name: str, path: str) -> None:
     layout = LAYOUTS[name]
     bpc = 2
     pool = filled_pool(layout, seed=1)
     original = pool.clone()
     host = HostTier(8, bpc * layout.bytes_per_block)
     copier = ChunkCopier(layout, pool, host, bpc)
+    assert (copier._flat is not None) == (path == "native" and name in BACK_TO_BACK)
     ids = [[7, 3], [4, 5], [0, 31], [10, 11]]
     slots = [SlotId(s) for s in (0, 1, 3, 4)]  # runs [0, 1] and [3, 4]
     copier.gather([BlockId(b) for c in ids for b in c], slots)
@@ -63,9 +82,13 @@ def test_gather_then_scatter_moves_exact_bytes(name: str) -> None:
     assert torch.equal(canon[scattered], orig[flat])
     untouched = sorted(set(range(32)) - set(range(12, 20)) - set(scattered))
     assert not canon[untouched].view(torch.uint8).any()
+    copier.close()
+    copier.gather([BlockId(b) for b in (30, 2)], [SlotId(2)])  # closed: the caller's thread only
+    assert torch.equal(host.slot(SlotId(2)), chunk_bytes_of(layout, pool, [30, 2]))
+    assert host.slot(SlotId(2)).any()
 
 
-def test_bad_input_moves_nothing() -> None:
+def test_bad_input_moves_nothing(path: str) -> None:
     layout = tiny_layout()
     pool = filled_pool(layout)
     host = HostTier(2, 2 * layout.bytes_per_block)

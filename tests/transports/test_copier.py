@@ -1,7 +1,10 @@
-"""copier: vectorised copies equal a reference gather/scatter (with and without copy workers);
-descriptor arithmetic is exact."""
+"""copier: vectorised copies equal a reference gather/scatter (with and without copy workers),
+both by the C run copier and by the NumPy/torch paths used without it; descriptor arithmetic is
+exact."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvplane.errors import PlanError
 from kvplane.ids import RegionId
+from kvplane.transports import copier
 from kvplane.transports.base import DescriptorList
 from kvplane.transports.copier import (
     LOOP_MAX,
@@ -24,10 +28,22 @@ from kvplane.transports.copier import (
     scatter,
     split,
 )
+from kvplane.transports.native_copy import kernel
 from kvplane.transports.rows import PART_BYTES
 from kvplane.transports.workers import CopyWorkers
 
 SRC, DST = RegionId(1), RegionId(2)
+
+
+@pytest.fixture(autouse=True, scope="module", params=["native", "numpy_torch"])
+def copy_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test of this module runs with the C run copier and with it disabled."""
+    if request.param == "native" and kernel().library is None:
+        pytest.skip("needs a C compiler to build the run copier")
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "numpy_torch":
+            mp.setattr(copier, "copy_runs_native", lambda *a, **k: False)
+        yield str(request.param)
 
 
 def _bytes(n: int, seed: int) -> torch.Tensor:

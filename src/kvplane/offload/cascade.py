@@ -381,6 +381,7 @@ class TierCascade:
             self.drain()
         finally:
             self.jobs.close()
+            self.copier.close()
             for tier, _mgr in self.lower:
                 tier.close()
 

@@ -17,6 +17,13 @@ BLOCK axis:
   ``index_copy_`` is an element loop, several times slower than memcpy, hence the run split;
   on a GPU both index ops are used directly.
 
+A CPU pool whose canonical view is its memory order (blocks back to back) skips torch: the
+blocks of a host run are byte runs of the pool, moved by the transports' C run copier
+(:func:`~kvplane.transports.native_copy.copy_runs_native`: ``memcpy`` per block, streaming
+stores for large moves, split with the copier's own :class:`CopyWorkers`). The job thread
+then starts no OpenMP team of its own to fight the application's, and a chunk store or load
+runs at memcpy speed or better. Without a C compiler the torch paths below do it.
+
 Tensors are viewed as the widest integer type dividing a DIM row (``int64`` for any usual
 head size), which keeps the copies dtype-agnostic (fp8 included) and ``index_copy_`` fast.
 A pool on a GPU goes through preallocated device staging buffers (one for each direction, so a
@@ -38,6 +45,8 @@ from kvplane.ids import SlotId
 from kvplane.layout import KVLayout
 from kvplane.offload.jobs import BlockIds
 from kvplane.offload.tiers.host import HostTier
+from kvplane.transports.native_copy import copy_runs_native, kernel
+from kvplane.transports.workers import CopyWorkers
 
 MIN_RUN = 4
 """Average device-block run length from which per-run slice copies beat ``index_copy_``."""
@@ -47,7 +56,8 @@ _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 class ChunkCopier:
     """Moves chunks of ``blocks_per_chunk`` blocks between ``pool`` (laid out as ``layout``)
-    and the slots of ``host``. Not thread-safe per direction; gather and scatter may overlap."""
+    and the slots of ``host``. Not thread-safe per direction; gather and scatter may overlap.
+    :meth:`close` stops its copy helper threads (started on first use)."""
 
     def __init__(
         self,
@@ -74,6 +84,11 @@ class ChunkCopier:
         self._block_shape = tuple(self._view.shape[1:])
         self._on_cpu = pool.device.type == "cpu"
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._flat: torch.Tensor | None = None
+        """The pool as flat bytes, when its blocks lie back to back (the native run path)."""
+        self._workers = CopyWorkers(name="kvplane-offload-copy")
+        if self._on_cpu and self._view.is_contiguous() and kernel().library is not None:
+            self._flat = self._view.reshape(-1).view(torch.uint8)
         if not self._on_cpu:
             shape = (staging_blocks, *self._block_shape)
             self._staging = (
@@ -100,21 +115,29 @@ class ChunkCopier:
         return ids, sl
 
     def _host_runs(self, sl: npt.NDArray[np.int64]) -> list[tuple[int, int, torch.Tensor]]:
-        """``(chunk start, chunk stop, host view [blocks, *block_shape])`` per run of slots."""
-        if self.host.contiguous_slots:
-            runs = consecutive_runs(sl)
-        else:
-            runs = [(i, i + 1) for i in range(sl.size)]
-        out = []
-        for a, b in runs:
-            raw = (
-                self.host.run(SlotId(int(sl[a])), b - a)
-                if self.host.contiguous_slots
-                else self.host.slot(SlotId(int(sl[a])))
+        """``(chunk start, chunk stop, host bytes)`` per run of slots (flat ``uint8``)."""
+        if not self.host.contiguous_slots:
+            return [(i, i + 1, self.host.slot(SlotId(int(sl[i])))) for i in range(sl.size)]
+        return [(a, b, self.host.run(SlotId(int(sl[a])), b - a)) for a, b in consecutive_runs(sl)]
+
+    def _blocks_view(self, raw: torch.Tensor) -> torch.Tensor:
+        """Host bytes seen as ``[blocks, *block_shape]`` of the copy dtype."""
+        return raw.view(self._dtype).view(-1, *self._block_shape)
+
+    def _native(self, part: npt.NDArray[np.int64], raw: torch.Tensor, *, to_host: bool) -> bool:
+        """Pool blocks ``part`` <-> host bytes ``raw`` (block ``i`` of the run at ``i * block
+        bytes``) by the C run copier; False when the pool does not take that path."""
+        if self._flat is None:
+            return False
+        block = self.layout.bytes_per_block
+        pool_off = part * block
+        host_off = np.arange(part.size, dtype=np.int64) * block
+        lengths = np.full(part.size, block, dtype=np.int64)
+        if to_host:
+            return copy_runs_native(
+                self._flat, pool_off, raw, host_off, lengths, workers=self._workers
             )
-            view = raw.view(self._dtype).view((b - a) * self.blocks_per_chunk, *self._block_shape)
-            out.append((a, b, view))
-        return out
+        return copy_runs_native(raw, host_off, self._flat, pool_off, lengths, workers=self._workers)
 
     # -- copies --------------------------------------------------------------------------------
     def gather(self, block_ids: BlockIds, slots: Sequence[SlotId]) -> None:
@@ -123,8 +146,11 @@ class ChunkCopier:
         STORING and keeps the blocks from reuse (the fence) until this returns."""
         ids, sl = self._check(block_ids, slots)
         bpc = self.blocks_per_chunk
-        for a, b, host in self._host_runs(sl):
+        for a, b, raw in self._host_runs(sl):
             part = ids[a * bpc : b * bpc]
+            if self._native(part, raw, to_host=True):
+                continue
+            host = self._blocks_view(raw)
             if self._staging is not None:
                 self._via_staging(torch.from_numpy(part), host, self._staging[0], to_host=True)
                 continue
@@ -141,8 +167,11 @@ class ChunkCopier:
         blocks; the caller holds the slots pinned (LOADING) and owns the blocks."""
         ids, sl = self._check(block_ids, slots)
         bpc = self.blocks_per_chunk
-        for a, b, host in self._host_runs(sl):
+        for a, b, raw in self._host_runs(sl):
             part = ids[a * bpc : b * bpc]
+            if self._native(part, raw, to_host=False):
+                continue
+            host = self._blocks_view(raw)
             if self._staging is not None:
                 self._via_staging(torch.from_numpy(part), host, self._staging[1], to_host=False)
                 continue
@@ -169,3 +198,7 @@ class ChunkCopier:
                 stage.copy_(host[s : s + n])
                 self._view.index_copy_(0, dev_idx[s : s + n], stage)
         torch.cuda.synchronize(self._view.device)
+
+    def close(self) -> None:
+        """Stop the copy helper threads; later copies run on the calling thread only."""
+        self._workers.close()

@@ -42,6 +42,7 @@ import torch
 from kvplane.errors import PlanError
 from kvplane.ids import RegionId
 from kvplane.transports.descriptors import DescriptorList, Int64Array, RowMap, row_map
+from kvplane.transports.native_copy import copy_runs_native
 from kvplane.transports.rows import (
     CHUNK_BYTES,
     LONG_RUN,
@@ -181,6 +182,8 @@ def copy_runs(
         return
     if src.device.type != "cpu" or dst.device.type != "cpu":
         _loop(src, src_offsets, dst, dst_offsets, lengths)
+        return
+    if copy_runs_native(src, src_offsets, dst, dst_offsets, lengths, workers=workers):
         return
     sn, dn = src.numpy(), dst.numpy()
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvplane import native as native_build
 from kvplane.attention import MLAKVCache, Supported, Unsupported, mla_problem
-from kvplane.attention.backends import CPUFusedBackend, native_build
-from kvplane.attention.backends.cpu_fused import FusedPlan, splits_for
+from kvplane.attention.backends import CPUFusedBackend
+from kvplane.attention.backends.cpu_fused import SOURCE, FusedPlan, splits_for
 from kvplane.attention.paged import merge_splits
 from kvplane.attention.synthetic import Inputs
 from kvplane.errors import InvalidArgumentError, UnsupportedError
@@ -104,18 +105,17 @@ def test_capabilities_and_build_failures(mla_inputs, monkeypatch, tmp_path) -> N
 
 def test_build_is_cached_and_a_broken_source_is_a_reason(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path))
-    first = native_build.load_kernel("mla_decode.c")
+    first = native_build.load_kernel(SOURCE)
     assert first.library is not None and first.reason is None
     built = list(tmp_path.glob("mla_decode-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    assert native_build.load_kernel("mla_decode.c").library is not None
+    assert native_build.load_kernel(SOURCE).library is not None
     assert built[0].stat().st_mtime_ns == stamp and len(list(tmp_path.iterdir())) == 1
     src = tmp_path / "src"
     src.mkdir()
     (src / "broken.c").write_text("int f(void) { return }\n")
-    monkeypatch.setattr(native_build, "SOURCE_DIR", src)
-    broken = native_build.load_kernel("broken.c")
+    broken = native_build.load_kernel(src / "broken.c")
     assert broken.library is None and broken.reason is not None
     assert broken.reason.startswith("building broken.c with") and "failed" in broken.reason
     assert not list(tmp_path.glob("broken*"))  # no temporary left behind

@@ -7,13 +7,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvplane import native as native_build
 from kvplane.attention import MLAKVCache, MLAQuery, PlanMetadata, QueryLayout, mla_problem
 from kvplane.attention.backends import (
     CPUFusedBackend,
     SDPABackend,
     TorchMLABackend,
     TorchSplitKVBackend,
-    native_build,
 )
 from kvplane.attention.synthetic import Inputs
 

@@ -5,7 +5,7 @@ Theory of operation
 The torch backends are bounded by the small matrix products of decode (16 query rows against
 thousands of keys run at half the CPU's arithmetic peak) and by reading the KV twice (scores,
 then values) through a gathered copy. This backend hands the whole batch to one C kernel
-(``native/mla_decode.c``, built on first use by :mod:`native_build`): per work item
+(``native/mla_decode.c``, built on first use by :mod:`kvplane.native`): per work item
 ``(request, key range)`` it walks the range in blocks of 64 keys straight from their pages,
 computes the scores of all query rows in register tiles, applies each row's visibility limit,
 folds the block into an online softmax and adds the values while the block is still in cache.
@@ -28,11 +28,11 @@ import ctypes
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kvplane.attention.backends.common import MLABackend, positive_int
-from kvplane.attention.backends.native_build import KernelBuild, load_kernel
 from kvplane.attention.backends.torch_mla import padded_query
 from kvplane.attention.base import Capabilities, Plan
 from kvplane.attention.inputs import MLAKVCache, MLAQuery
@@ -40,9 +40,10 @@ from kvplane.attention.metadata import PagedStructure
 from kvplane.attention.paged import BatchIndex, build_batch_index, merge_splits, padded_result
 from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
 from kvplane.errors import BackendError, UnsupportedError
+from kvplane.native import KernelBuild, load_kernel
 
 NAME = "cpu_fused"
-SOURCE = "mla_decode.c"
+SOURCE = Path(__file__).parent / "native" / "mla_decode.c"
 DTYPES = frozenset({torch.float32, torch.bfloat16})
 MIN_SPLIT_TOKENS = 512
 """By default a request is cut into key ranges of at least this many positions."""

@@ -298,6 +298,7 @@ class WorkerSide:
             self.drain()
         finally:
             self.jobs.close()
+            self.copier.close()
             for tier in self.lower.values():
                 tier.close()
 

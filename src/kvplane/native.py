@@ -1,15 +1,17 @@
-"""Build and load the C kernels that ship with the native CPU backends.
+"""Build and load the C kernels that ship inside the package.
 
-A kernel's source lives in ``backends/native/`` inside the package. The first process that
-needs it compiles it with the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``)
-into a cache directory (``$KVPLANE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvplane`` or
-``~/.cache/kvplane``), under a name keyed by a hash of the source, the compiler and the flags;
-later processes only ``dlopen`` it. The build writes a private temporary file and renames it
-into place, so concurrent first uses never load a half-written library. On x86-64 machines
-whose CPU has AVX2 and FMA the kernel is built for them; elsewhere it is built portably.
+A kernel's source lives next to the module that uses it (``attention/backends/native/``,
+``transports/native/``). The first process that needs it compiles it with the system C compiler
+(``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache directory (``$KVPLANE_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/kvplane`` or ``~/.cache/kvplane``), under a name keyed by a hash of the
+source, the compiler and the flags; later processes only ``dlopen`` it. The build writes a
+private temporary file and renames it into place, so concurrent first uses never load a
+half-written library. On x86-64 machines whose CPU has AVX2 and FMA the kernel is built for them;
+elsewhere it is built portably.
 
 A missing compiler or a failed build is not an exception: :func:`load_kernel` returns a
-:class:`KernelBuild` whose ``reason`` the backend reports as Unsupported.
+:class:`KernelBuild` whose ``reason`` its user reports (a backend as Unsupported; the run
+copier by leaving the move to its NumPy and torch paths).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-SOURCE_DIR = Path(__file__).parent / "native"
 CACHE_ENV = "KVPLANE_CACHE_DIR"
 BASE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=fast")
 X86_FLAGS = ("-mavx2", "-mfma")
@@ -79,9 +80,8 @@ def cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache") / "kvplane"
 
 
-def load_kernel(source: str) -> KernelBuild:
-    """Build (once per machine and source version) and load ``native/<source>``."""
-    path = SOURCE_DIR / source
+def load_kernel(path: Path) -> KernelBuild:
+    """Build (once per machine and source version) and load the C source at ``path``."""
     cc = compiler()
     if cc is None:
         return KernelBuild(None, "no C compiler found (install gcc or set $CC)")
