@@ -11,7 +11,12 @@ import redis
 import torch
 from offload_testlib import key, keys
 
-from kvplane.errors import InvalidArgumentError, OffloadError, UnsupportedError
+from kvplane.errors import (
+    InvalidArgumentError,
+    MalformedMessageError,
+    OffloadError,
+    UnsupportedError,
+)
 from kvplane.ids import SlotId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.tiers import ReadOutcome, RemoteTier, Tier
@@ -94,9 +99,40 @@ def test_batches_span_pipeline_groups_and_a_lost_payload_is_corrupt(
     raw.set(f"{redis_namespace}:slot:2", bytes(pattern(9)))
     assert tier.read([SlotId(2)], keys(2), outs[:1]) == [MISSING]
     assert SlotId(2) not in tier.scan().values()
+    # a payload of the wrong length is skipped in the reply stream: the next chunks still read
+    raw.set(f"{redis_namespace}:slot:1", bytes(CHUNK // 2 + 3))
+    assert tier.read([SlotId(1), SlotId(3), SlotId(4)], keys(3, 4, 0), outs[:3]) == [
+        CORRUPT, OK, OK,
+    ]  # fmt: skip
+    assert corrupt(m, "length") == 1
+    assert torch.equal(outs[1], pattern(4)) and torch.equal(outs[2], pattern(0))
     raw.close()
     tier.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("kvplane-remote-")]
+
+
+def test_a_reply_stream_broken_part_way_drops_its_connection(
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that fails between replies leaves unread replies on its connection: the
+    connection is dropped, so the next read (on a fresh one) gets exactly its own replies."""
+    monkeypatch.setattr(remote_module, "PIPELINE_BYTES", CHUNK)  # a group per chunk
+    tier = RemoteTier(redis_url, 3, CHUNK, FP, namespace=redis_namespace)
+    slots = [SlotId(i) for i in range(3)]
+    tier.write(slots, keys(0, 1, 2), [pattern(i) for i in range(3)])
+    outs = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in range(3)]
+
+    class Breaks(remote_module.ReplyReader):
+        def bulk_into(self, out: memoryview) -> None:
+            raise MalformedMessageError("injected")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(remote_module, "ReplyReader", Breaks)
+        with pytest.raises(OffloadError, match="read failed: injected"):
+            tier.read(slots, keys(0, 1, 2), outs)
+    assert tier.read(slots[::-1], keys(2, 1, 0), outs) == [OK] * 3
+    assert all(torch.equal(outs[i], pattern(2 - i)) for i in range(3))
+    tier.close()
 
 
 def test_server_going_away_mid_run_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
