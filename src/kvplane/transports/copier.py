@@ -4,8 +4,10 @@ Theory of operation
 -------------------
 Every CPU-side move in kvplane's own transports (``local`` copies, ``shm`` copies into a mapped
 peer segment, ``tcp`` gather-before-send and scatter-after-receive) comes down to
-:func:`copy_runs`: ``n`` byte runs from one buffer to another. A run's cost is a memcpy plus, if
-issued from Python, a few microseconds of overhead, so the strategy depends on the runs:
+:func:`copy_runs`: ``n`` byte runs from one buffer to another. Where the C run copier is built
+(:mod:`kvplane.transports.native_copy`) it does every move but a few short runs; the paths
+below are the rest, and the whole move where no C compiler is found. A run's cost is a memcpy
+plus, if issued from Python, a few microseconds of overhead, so the strategy depends on the runs:
 
 * few runs: one copy each -- ``narrow().copy_()`` on the application's thread
   (``torch_pool``, below), a NumPy slice copy split among the copy workers on a transport's
@@ -55,6 +57,9 @@ from kvplane.transports.workers import CopyWorkers
 
 LOOP_MAX = 16
 """At most this many runs (of one length) are copied one call each."""
+NATIVE_MIN = 64 << 10
+"""Up to :data:`LOOP_MAX` runs moving fewer bytes than this are copied one call each, not by
+the C run copier (whose checks and set-up cost ~20 us, against ~9 us for one short run)."""
 
 
 def _loop(
@@ -183,8 +188,6 @@ def copy_runs(
     if src.device.type != "cpu" or dst.device.type != "cpu":
         _loop(src, src_offsets, dst, dst_offsets, lengths)
         return
-    if copy_runs_native(src, src_offsets, dst, dst_offsets, lengths, workers=workers):
-        return
     sn, dn = src.numpy(), dst.numpy()
 
     def each(so: Int64Array, do: Int64Array, ln: Int64Array) -> None:  # one call per run
@@ -193,7 +196,13 @@ def copy_runs(
         else:
             _np_loop(sn, so, dn, do, ln, workers=workers)
 
-    if n <= LOOP_MAX:
+    few = n <= LOOP_MAX
+    if few and int(lengths.sum()) < NATIVE_MIN:  # cheaper than the kernel's checks and set-up
+        each(src_offsets, dst_offsets, lengths)
+        return
+    if copy_runs_native(src, src_offsets, dst, dst_offsets, lengths, workers=workers):
+        return
+    if few:
         each(src_offsets, dst_offsets, lengths)
         return
     if int(lengths.min()) == int(lengths.max()):  # the common case: equal blocks
