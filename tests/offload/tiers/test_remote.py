@@ -44,6 +44,7 @@ def test_round_trip_and_reindex(redis_url: str, redis_namespace: str) -> None:
     got = tier.read([SlotId(0), SlotId(3), SlotId(2)], keys(1, 0, 2), outs)
     assert got == [OK, OK, MISSING]
     assert torch.equal(outs[0], pattern(1)) and torch.equal(outs[1], pattern(0))
+    assert tier.read([], [], []) == []
     tier.close()
     again = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace)  # a restart
     assert again.scan() == {key(0): 3, key(1): 0}

@@ -183,6 +183,8 @@ class RemoteTier:
         """``MGET`` each chunk's header and payload, the payload read straight into
         ``outs[i]`` (garbage there unless the outcome is OK), then check both (module doc)."""
         check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, outs)
+        if not slots:
+            return []
         groups = self._groups(len(slots))
         pool = self._client.connection_pool
         try:
