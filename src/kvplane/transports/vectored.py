@@ -11,9 +11,9 @@ run directly. The iovec array is built with NumPy (region base address + offset,
 which releases the GIL for the call. At most ``IOV_MAX`` entries go per call. Receiving is
 ``recvmsg`` with ``MSG_WAITALL`` (a ``readv`` that waits for all its entries: plain ``readv``
 returns whatever has arrived, so a slow sender cost a system call and a loop turn per arrival;
-measured 64 MiB into 4 KiB blocks over loopback: +3, +11 and +20% in three runs). A partial transfer (a signal,
-or EOF) advances the array in place (``searchsorted`` over the running byte count) and the loop
-continues.
+measured 64 MiB into 4 KiB blocks over loopback: +3, +11 and +20% in three runs). A partial
+transfer (a signal, or EOF) advances the array in place (``searchsorted`` over the running byte
+count) and the loop continues.
 
 Only blocking sockets (``gettimeout() is None``) and CPU memory qualify (:func:`usable`); the
 callers fall back to ``recv_into``/``sendall`` otherwise, or where libc cannot be loaded. The
