@@ -52,7 +52,7 @@ from kvplane.offload.tiers import ALIGN, DiskTier, HostTier, ReadOutcome, Remote
 from kvplane.offload.tiers.base import as_buffer
 from kvplane.offload.tiers.redis_server import LocalRedisServer, redis_server_support
 from kvplane.offload.tiers.remote import PIPELINE_BYTES, redis_support
-from kvplane.runtime.benches import SETTLE_S
+from kvplane.runtime.benches import SETTLE_S, paired_ratio
 
 NAME = "offload"
 HELP = "Offload tiers: store/load GB/s per tier vs memcpy, raw file I/O and raw Redis."
@@ -138,7 +138,7 @@ def _row(
         "chunk_bytes": chunk,
         "gbps": round(nbytes / statistics.median(ours) / 1e9, 3),
         "limit_gbps": round(nbytes / statistics.median(limit) / 1e9, 3),
-        "ratio": round(statistics.median(lim / us for us, lim in zip(ours, limit, strict=True)), 3),
+        "ratio": round(paired_ratio(ours, limit), 3),
     }
 
 
