@@ -7,8 +7,10 @@ checked against an implementation that shares nothing with theirs.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,10 @@ import torch
 
 from kvplane.ids import RegionId
 from kvplane.transports.base import DescriptorList, Handle, Poll, Transport
+
+# Byte-run helpers live in runs_testlib.py beside this file (importlib mode puts no test
+# directory on sys.path; this one is, for the transport tests only).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 class Kit:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runs_testlib import RUN_SLACK, disjoint_runs, reference_runs
 
 from kvplane.errors import PlanError
 from kvplane.ids import RegionId
@@ -56,7 +57,7 @@ def _bytes(n: int, seed: int) -> torch.Tensor:
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31), max_run=st.sampled_from([1, 7, 64, 4096, 200_000]),
        max_desc=st.sampled_from([1, LOOP_MAX, 300]))  # fmt: skip
-def test_copy_pairs_matches_reference(kit, seed, max_run, max_desc, torch_pool):
+def test_copy_pairs_matchesreference_runs(kit, seed, max_run, max_desc, torch_pool):
     rng = np.random.default_rng(seed)
     src_len, dst_len = 1 << 20, 1 << 20
     s, d = kit.random_batch(rng, SRC, src_len, DST, dst_len, max_desc=max_desc, max_run=max_run)
@@ -173,27 +174,6 @@ def test_same_buffer_disjoint_blocks(kit):
 
 
 # -- copy_runs with copy workers: runs laid end to end, cut at thread boundaries -------------
-def _reference(src, so, dst, do, ln):
-    out = dst.clone()
-    for s, d, n in zip(so.tolist(), do.tolist(), ln.tolist(), strict=True):
-        out[d : d + n] = src[s : s + n]
-    return out
-
-
-def _disjoint_runs(rng, lengths, space):
-    """Offsets of ``lengths`` runs in a buffer of ``space`` bytes, non-overlapping, shuffled."""
-    order = rng.permutation(len(lengths))
-    gaps = rng.integers(0, 64, len(lengths))
-    offsets = np.zeros(len(lengths), dtype=np.int64)
-    at = 0
-    for i in order:
-        at += int(gaps[i])
-        offsets[i] = at
-        at += int(lengths[i])
-    assert at <= space
-    return offsets
-
-
 @pytest.mark.parametrize("threads", [None, 2, 3])
 @settings(max_examples=30, deadline=None)
 @given(
@@ -201,7 +181,7 @@ def _disjoint_runs(rng, lengths, space):
     count=st.sampled_from([1, 5, 17, 40]),
     kind=st.sampled_from(["short", "long", "mixed", "equal_long"]),
 )
-def test_copy_runs_matches_reference(seed, count, kind, threads):
+def test_copy_runs_matchesreference_runs(seed, count, kind, threads):
     rng = np.random.default_rng(seed)
     if kind == "short":
         ln = rng.integers(1, 600, count)
@@ -212,11 +192,11 @@ def test_copy_runs_matches_reference(seed, count, kind, threads):
     else:
         ln = np.where(rng.random(count) < 0.5, rng.integers(1, 600, count), 3 * PART_BYTES + 7)
     ln = ln.astype(np.int64)
-    space = int(ln.sum()) + 64 * count + 1
+    space = int(ln.sum()) + RUN_SLACK * count
     src = torch.from_numpy(rng.integers(0, 256, space, dtype=np.uint8))
     dst = torch.zeros(space, dtype=torch.uint8)
-    so, do = _disjoint_runs(rng, ln, space), _disjoint_runs(rng, ln, space)
-    want = _reference(src, so, dst, do, ln)
+    so, do = disjoint_runs(rng, ln, space), disjoint_runs(rng, ln, space)
+    want = reference_runs(src, so, dst, do, ln)
     workers = None if threads is None else CopyWorkers(threads)
     try:
         copy_runs(src, so, dst, do, ln, workers=workers)
@@ -233,7 +213,7 @@ def test_np_loop_cuts_runs_laid_end_to_end_at_thread_boundaries():
     do = np.array([6, 3, 0], dtype=np.int64) * PART_BYTES  # disjoint destinations
     src = torch.from_numpy(np.random.default_rng(1).integers(0, 256, 10 * PART_BYTES, np.uint8))
     dst = torch.zeros(10 * PART_BYTES + 64, dtype=torch.uint8)
-    want = _reference(src, so, dst, do, ln)
+    want = reference_runs(src, so, dst, do, ln)
     workers = CopyWorkers(3)
     try:
         _np_loop(src.numpy(), so, dst.numpy(), do, ln, workers=workers)

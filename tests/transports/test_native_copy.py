@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runs_testlib import RUN_SLACK, disjoint_runs, reference_runs
 
 from kvplane.errors import InvalidArgumentError
 from kvplane.native import KernelBuild
@@ -21,33 +22,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _reference(src, so, dst, do, ln):
-    out = dst.clone()
-    for s, d, n in zip(so.tolist(), do.tolist(), ln.tolist(), strict=True):
-        out[d : d + n] = src[s : s + n]
-    return out
-
-
-def _runs(rng, lengths, space):
-    """Shuffled, pairwise disjoint offsets of ``lengths`` runs (odd gaps) in ``space`` bytes."""
-    order = rng.permutation(len(lengths))
-    offsets = np.zeros(len(lengths), dtype=np.int64)
-    at = int(rng.integers(0, 31))
-    for i in order:
-        offsets[i] = at
-        at += int(lengths[i]) + int(rng.integers(0, 97))
-    assert at <= space
-    return offsets
-
-
 def _case(seed, count, max_len, equal):
     rng = np.random.default_rng(seed)
     ln = np.full(count, max_len) if equal else rng.integers(0, max_len + 1, count)
     ln = ln.astype(np.int64)
-    space = int(ln.sum()) + 128 * count + 64
+    space = int(ln.sum()) + RUN_SLACK * count
     src = torch.from_numpy(rng.integers(0, 256, space, dtype=np.uint8))
     dst = torch.from_numpy(rng.integers(0, 256, space, dtype=np.uint8))
-    return rng, src, _runs(rng, ln, space), dst, _runs(rng, ln, space), ln
+    return rng, src, disjoint_runs(rng, ln, space), dst, disjoint_runs(rng, ln, space), ln
 
 
 @settings(max_examples=60, deadline=None)
@@ -61,7 +43,7 @@ def _case(seed, count, max_len, equal):
 )
 def test_windows_of_any_cut_add_up_to_the_whole_move(*, seed, count, max_len, equal, stream, cuts):
     rng, src, so, dst, do, ln = _case(seed, count, max_len, equal)
-    want = _reference(src, so, dst, do, ln)
+    want = reference_runs(src, so, dst, do, ln)
     total = int(ln.sum())
     bounds = [0, *sorted(rng.integers(0, total + 1, cuts).tolist()), total]
     ends = None if equal else np.cumsum(ln)
@@ -80,7 +62,7 @@ def test_a_streamed_move_on_several_threads_is_exact(threads, equal):
     inside runs; every byte outside the runs keeps its value."""
     _, src, so, dst, do, ln = _case(7, 300, 12_345, equal)
     assert int(ln.sum()) >= STREAM_MIN
-    want = _reference(src, so, dst, do, ln)
+    want = reference_runs(src, so, dst, do, ln)
     workers = None if threads is None else CopyWorkers(threads)
     try:
         assert copy_runs_native(src, so, dst, do, ln, workers=workers)
