@@ -40,6 +40,7 @@ def test_whole_blocks_round_trip_through_host_slots() -> None:
         assert torch.equal(t[8], b[7]) and torch.equal(t[9], b[1])
         assert torch.equal(t[5], b[3]) and torch.equal(t[6], b[4])
         assert torch.equal(t[:5], b[:5]) and torch.equal(t[7], b[7])
+    copier.close()
 
 
 def test_scatter_partial_writes_only_the_named_blocks() -> None:
@@ -58,6 +59,7 @@ def test_scatter_partial_writes_only_the_named_blocks() -> None:
         assert torch.equal(t[:8], b[:8])
     pool.scatter_partial(host.slot(SlotId(0)), 0, [])  # nothing to write
     assert all(torch.equal(t[:8], before[n][:8]) for n, t in kv.items())
+    copier.close()
 
 
 def test_refuses_what_it_cannot_copy_whole() -> None:

@@ -4,6 +4,8 @@ rejected before anything moves."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from offload_testlib import filled_pool, tiny_layout
@@ -15,7 +17,7 @@ from kvplane.native import KernelBuild
 from kvplane.offload import copier as copier_module
 from kvplane.offload.copier import ChunkCopier
 from kvplane.offload.tiers import HostTier
-from kvplane.transports.native_copy import kernel
+from kvplane.transports.native_copy import SPLIT_MIN, kernel
 
 
 def chunk_bytes_of(layout: KVLayout, pool: torch.Tensor, ids: list[int]) -> torch.Tensor:
@@ -86,6 +88,43 @@ def test_gather_then_scatter_moves_exact_bytes(name: str, path: str) -> None:
     copier.gather([BlockId(b) for b in (30, 2)], [SlotId(2)])  # closed: the caller's thread only
     assert torch.equal(host.slot(SlotId(2)), chunk_bytes_of(layout, pool, [30, 2]))
     assert host.slot(SlotId(2)).any()
+
+
+def test_native_moves_split_among_copy_threads_until_closed() -> None:
+    """A move of >= 2 x SPLIT_MIN bytes is cut among the copier's threads; ``close`` stops
+    them and later moves run (exactly) on the calling thread alone."""
+    if kernel().library is None:
+        pytest.skip("needs a C compiler to build the run copier")
+    layout, bpc = tiny_layout(num_blocks=1024), 64  # 2 KiB blocks, 128 KiB chunks
+    pool = filled_pool(layout, seed=3)
+    host = HostTier(8, bpc * layout.bytes_per_block)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        copier = ChunkCopier(layout, pool, host, bpc)
+    finally:
+        torch.set_num_threads(threads)
+    assert copier._flat is not None and 8 * host.chunk_bytes >= 2 * SPLIT_MIN
+
+    def helpers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("kvplane-offload-copy")]
+
+    order = torch.randperm(1024, generator=torch.Generator().manual_seed(5))[:512].tolist()
+    slots = [SlotId(s) for s in range(8)]
+    copier.gather([BlockId(b) for b in order], slots)
+    assert len(helpers()) == 1
+    for i, s in enumerate(slots):
+        assert torch.equal(
+            host.slot(s), chunk_bytes_of(layout, pool, order[i * bpc : (i + 1) * bpc])
+        )
+    copier.close()
+    assert not helpers()
+    copier.scatter(slots[::-1], [BlockId(b) for b in range(512)])
+    assert not helpers()
+    canon = layout.canonical_view(pool)
+    want = [b for i in range(7, -1, -1) for b in order[i * bpc : (i + 1) * bpc]]
+    original = layout.canonical_view(filled_pool(layout, seed=3))
+    assert torch.equal(canon[:512], original[want])
 
 
 def test_bad_input_moves_nothing(path: str) -> None:

@@ -79,6 +79,7 @@ def test_a_run_outside_its_buffer_is_refused_before_any_byte_moves():
         (so, np.append(do[:-1], dst.numel() - 99), ln, "destination"),
         (np.append(so[:-1], src.numel() - 10), do, ln, "source"),
         (np.append(so[:-1], -1), do, ln, "source"),
+        (so, np.append(do[:-1], 2**63 - 50), ln, "destination"),  # offset + length wraps
         (so, do, np.append(ln[:-1], -1), "negative"),
     ):
         with pytest.raises(InvalidArgumentError, match=side):

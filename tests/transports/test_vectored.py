@@ -1,7 +1,10 @@
-"""vectored: readv/writev of many runs equal a byte-by-byte reference, across partial transfers."""
+"""vectored: recvmsg/writev of many runs equal a byte-by-byte reference; a partial transfer
+advances the entry array exactly."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import socket
 import threading
 
@@ -18,13 +21,13 @@ A, B = RegionId(1), RegionId(2)
 
 def _pair(buf: int) -> tuple[socket.socket, socket.socket]:
     left, right = socket.socketpair()
-    for s in (left, right):  # small buffers: transfers return partially, many times
+    for s in (left, right):  # small buffers: the sender's writev returns partially
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buf)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buf)
     return left, right
 
 
-def test_send_then_receive_runs_across_regions_and_partial_transfers(kit):
+def test_send_then_receive_runs_across_regions(kit):
     rng = np.random.default_rng(7)
     n, size = 3000, 1 << 20  # more than IOV_MAX runs, two regions on each side
     src = {A: torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8)),
@@ -70,4 +73,35 @@ def test_eof_mid_receive_is_a_connection_reset_and_timeouts_are_not_vectored():
     assert buf[A][5000:5280].tolist() == (list(range(256)) * 5)[1000:1280]
     right.settimeout(1.0)
     assert not vectored.usable(right, buf)
+    right.close()
+
+
+def test_a_partial_call_advances_the_entries_it_moved_and_eintr_retries():
+    """A scripted system call: each call records the entries it was given and moves ``got``
+    bytes -- mid-entry, exactly to an entry boundary, interrupted (EINTR), then the rest."""
+    base = 1 << 20
+    iov = np.array([[base, 10], [base + 100, 20], [base + 200, 30]], dtype=np.uint64)
+    script = [15, 15, -1, 10, 20]
+    seen: list[list[tuple[int, int]]] = []
+
+    def call(fd: int, ptr: int, count: int) -> int:
+        entries = (ctypes.c_uint64 * (2 * count)).from_address(ptr)
+        seen.append([(int(entries[2 * i]), int(entries[2 * i + 1])) for i in range(count)])
+        got = script.pop(0)
+        if got < 0:
+            ctypes.set_errno(errno.EINTR)
+        return got
+
+    left, right = socket.socketpair()
+    vectored._transfer(right, iov, call, "scripted")
+    assert seen == [
+        [(base, 10), (base + 100, 20), (base + 200, 30)],
+        [(base + 105, 15), (base + 200, 30)],  # 5 bytes of entry 1 had moved
+        [(base + 200, 30)],  # 15 more ended exactly at entry 1's end
+        [(base + 200, 30)],  # interrupted: the same call again
+        [(base + 210, 20)],
+    ]
+    assert not script
+    assert iov[:, 1].tolist() == [10, 20, 30]  # the caller's array is never advanced
+    left.close()
     right.close()

@@ -66,7 +66,9 @@ def _flat_bytes(t: torch.Tensor) -> bool:
 
 
 def _check_inside(offsets: Int64Array, lengths: Int64Array, size: int, side: str) -> None:
-    if int(offsets.min()) < 0 or int((offsets + lengths).max()) > size:
+    """Every run ``[offset, offset + length)`` inside ``[0, size)``; lengths are >= 0 (checked
+    first), so ``size - lengths`` cannot wrap where ``offsets + lengths`` could."""
+    if int(offsets.min()) < 0 or bool((offsets > size - lengths).any()):
         raise InvalidArgumentError(f"a {side} run falls outside its {size}-byte buffer")
 
 

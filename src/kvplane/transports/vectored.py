@@ -42,10 +42,6 @@ IOV_MAX = 1024
 IovArray = npt.NDArray[np.uint64]
 
 
-MSG_WAITALL = 0x100
-"""``recvmsg`` flag (Linux): block until every byte asked for has arrived."""
-
-
 class _MsgHdr(ctypes.Structure):
     """``struct msghdr`` (Linux): no address, no control data."""
 
@@ -63,10 +59,8 @@ class _MsgHdr(ctypes.Structure):
 def _load_libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        for name in ("readv", "writev"):
-            fn = getattr(libc, name)
-            fn.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
-            fn.restype = ctypes.c_ssize_t
+        libc.writev.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+        libc.writev.restype = ctypes.c_ssize_t
         libc.recvmsg.argtypes = (ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int)
         libc.recvmsg.restype = ctypes.c_ssize_t
     except (OSError, AttributeError):
@@ -79,7 +73,7 @@ def _readv_all(fd: int, iov: int, count: int) -> int:
     call per ``IOV_MAX`` runs however the bytes trickle in, instead of one per arrival."""
     assert _LIBC is not None
     msg = _MsgHdr(None, 0, iov, count, None, 0, 0)
-    return int(_LIBC.recvmsg(fd, ctypes.byref(msg), MSG_WAITALL))
+    return int(_LIBC.recvmsg(fd, ctypes.byref(msg), socket.MSG_WAITALL))
 
 
 def _writev(fd: int, iov: int, count: int) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+import time
+from typing import Any
 
 import pytest
 import redis
@@ -21,6 +23,7 @@ from kvplane.ids import SlotId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.tiers import ReadOutcome, RemoteTier, Tier
 from kvplane.offload.tiers import remote as remote_module
+from kvplane.offload.tiers import resp as resp_module
 from kvplane.offload.tiers.redis_server import LocalRedisServer
 
 FP = bytes(range(16))
@@ -73,6 +76,13 @@ def test_damage_is_a_miss_and_a_metric(redis_url: str, redis_namespace: str) -> 
     tier.write([SlotId(3)], keys(3), [pattern(3)])
     assert tier.read([SlotId(3)], keys(4), [outs[0]]) == [CORRUPT]  # another chunk's slot
     assert corrupt(m, "key") == 1
+    # a header value of the wrong size, even one starting with a valid header, is skipped
+    # unread (never allocated whole) and the next chunk of the reply stream still reads
+    good = raw.get(f"{redis_namespace}:slot:3:h")
+    raw.set(f"{redis_namespace}:slot:3:h", good + bytes(1 << 20))
+    tier.write([SlotId(0)], keys(0), [pattern(0)])
+    assert tier.read([SlotId(3), SlotId(0)], keys(3, 0), outs[:2]) == [CORRUPT, OK]
+    assert corrupt(m, "header") == 2 and torch.equal(outs[1], pattern(0))
     other = RemoteTier(redis_url, 4, CHUNK, bytes(16), namespace=redis_namespace, metrics=m)
     assert other.scan() == {}  # another layout: nothing is adopted
     raw.close()
@@ -127,12 +137,54 @@ def test_a_reply_stream_broken_part_way_drops_its_connection(
         def bulk_into(self, out: memoryview) -> None:
             raise MalformedMessageError("injected")
 
+    pool = tier._client.connection_pool
+    released: list[bool] = []  # per release: was the connection's socket still open?
+    release = pool.release
+
+    def recording(conn: Any) -> None:
+        released.append(conn._sock is not None)
+        release(conn)
+
+    monkeypatch.setattr(pool, "release", recording)
     with monkeypatch.context() as mp:
         mp.setattr(remote_module, "ReplyReader", Breaks)
         with pytest.raises(OffloadError, match="read failed: injected"):
             tier.read(slots, keys(0, 1, 2), outs)
+    assert released == [False]  # dropped before it went back to the pool
     assert tier.read(slots[::-1], keys(2, 1, 0), outs) == [OK] * 3
+    assert released == [False, True]  # a clean read keeps its connection
     assert all(torch.equal(outs[i], pattern(2 - i)) for i in range(3))
+    tier.close()
+
+
+def test_a_health_check_due_mid_read_does_not_take_a_reply(
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``health_check_interval`` in the URL, redis-py PINGs before a send once the
+    interval has passed since it last read a reply itself -- which during a read it never
+    does. Sending the next group after the interval must not PING (its answer would be an
+    MGET reply), so a slow read still gets exactly its own replies."""
+    monkeypatch.setattr(remote_module, "PIPELINE_BYTES", CHUNK)  # a group per chunk
+    # A small line buffer: the next group's reply is still on the socket when it is due.
+    monkeypatch.setattr(resp_module, "BUFFER_BYTES", 256)
+    sep = "&" if "?" in redis_url else "?"
+    tier = RemoteTier(f"{redis_url}{sep}health_check_interval=1", 3, CHUNK, FP,
+                      namespace=redis_namespace)  # fmt: skip
+    slots = [SlotId(i) for i in range(3)]
+    tier.write(slots, keys(0, 1, 2), [pattern(i) for i in range(3)])
+    outs = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in range(3)]
+    slow: list[int] = []
+
+    class Slow(remote_module.ReplyReader):
+        def array(self) -> int:
+            if not slow:  # the first reply is read 1.2 s after the first send
+                slow.append(1)
+                time.sleep(1.2)
+            return super().array()
+
+    monkeypatch.setattr(remote_module, "ReplyReader", Slow)
+    assert tier.read(slots, keys(0, 1, 2), outs) == [OK] * 3
+    assert all(torch.equal(outs[i], pattern(i)) for i in range(3))
     tier.close()
 
 

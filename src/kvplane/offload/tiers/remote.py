@@ -41,7 +41,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -55,7 +55,12 @@ from kvplane.errors import (
 from kvplane.ids import ChunkKey, SlotId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.tiers.base import ReadOutcome, TierCounters, as_buffer, check_batch
-from kvplane.offload.tiers.header import FINGERPRINT_BYTES, ChunkHeader, payload_checksum
+from kvplane.offload.tiers.header import (
+    FINGERPRINT_BYTES,
+    HEADER_BYTES,
+    ChunkHeader,
+    payload_checksum,
+)
 from kvplane.offload.tiers.resp import ReplyReader
 
 _HEADER = b":h"
@@ -151,7 +156,8 @@ class RemoteTier:
                     pipe.set(name, view)
                 pipe.execute()
             finally:
-                sums = crcs.result()
+                wait([crcs])  # the helper is done with ``payloads`` even when the send failed
+            sums = crcs.result()
             pipe = self._client.pipeline(transaction=False)
             for i, name, crc in zip(group, names, sums, strict=True):
                 header = ChunkHeader(keys[i], self.fingerprint, self.chunk_bytes, crc)
@@ -195,11 +201,16 @@ class RemoteTier:
         received: list[ReadOutcome | ChunkHeader] = []
         sums: list[Future[list[int]]] = []
         try:
+            # No health check on send: its PING would read an MGET reply as its answer, and
+            # the replies are read here, not by the client, whose health timer never restarts.
             reader = ReplyReader(conn._sock)
-            conn.send_packed_command(self._mget_commands(conn, slots, groups[0]))
             for k, group in enumerate(groups):
+                if k == 0:
+                    first = self._mget_commands(conn, slots, group)
+                    conn.send_packed_command(first, check_health=False)
                 if k + 1 < len(groups):  # the server prepares the next group meanwhile
-                    conn.send_packed_command(self._mget_commands(conn, slots, groups[k + 1]))
+                    nxt = self._mget_commands(conn, slots, groups[k + 1])
+                    conn.send_packed_command(nxt, check_health=False)
                 got = [self._receive(reader, keys[i], outs[i]) for i in group]
                 views = [as_buffer(outs[i]) for i, g in zip(group, got, strict=True)
                          if isinstance(g, ChunkHeader)]  # fmt: skip
@@ -212,7 +223,8 @@ class RemoteTier:
             if not clean:  # its place in the reply stream is unknown: never reuse it
                 conn.disconnect()
             pool.release(conn)
-            crcs = iter([c for fut in sums for c in fut.result()])  # waited for even on error
+            wait(sums)  # the helper is done with ``outs`` even when the read failed
+        crcs = iter([c for fut in sums for c in fut.result()])
         return [self._verify(g, next(crcs)) if isinstance(g, ChunkHeader) else g for g in received]
 
     def _mget_commands(self, conn: Any, slots: Sequence[SlotId], group: range) -> list[bytes]:
@@ -227,7 +239,11 @@ class RemoteTier:
         if reader.array() != 2:
             raise MalformedMessageError("an MGET of header and payload did not answer two values")
         n = reader.bulk_length()
-        raw_header = None if n is None else reader.bulk_bytes(n)
+        if n is None or n == HEADER_BYTES:
+            raw_header = None if n is None else reader.bulk_bytes(n)
+        else:  # not a header we wrote: skipped unread (never an allocation of its size)
+            reader.skip(n)
+            raw_header = b""
         length = reader.bulk_length()
         if length == self.chunk_bytes:
             reader.bulk_into(as_buffer(out))

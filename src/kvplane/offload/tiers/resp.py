@@ -91,8 +91,10 @@ class ReplyReader:
 
     # -- replies -----------------------------------------------------------------------------
     def _count(self, line: bytes, kind: bytes) -> int:
-        if line[:1] == b"-" or line[:1] == b"!":
+        if line[:1] == b"-":
             raise OffloadError(f"Redis error reply: {line[1:].decode(errors='replace')}")
+        if line[:1] == b"!":  # RESP3 blob error: the message follows as a bulk body
+            raise OffloadError(f"Redis error reply: {self._blob_error(line)}")
         if line == b"_":  # RESP3 null
             return -1
         if line[:1] != kind:
@@ -104,6 +106,17 @@ class ReplyReader:
         if n < -1 or n > MAX_BULK:
             raise MalformedMessageError(f"Redis reply length {n} is out of range")
         return n
+
+    def _blob_error(self, line: bytes) -> str:
+        """The message of a RESP3 blob error whose ``!<len>`` line is ``line`` (read whole:
+        at most :data:`MAX_LINE` bytes are kept)."""
+        try:
+            n = int(line[1:])
+        except ValueError:
+            raise MalformedMessageError(f"bad Redis reply length {line[:40]!r}") from None
+        if not 0 <= n <= MAX_LINE:
+            raise MalformedMessageError(f"Redis blob error length {n} is out of range")
+        return self.bulk_bytes(n).decode(errors="replace")
 
     def array(self) -> int:
         """The element count of the next reply, an array (``*n``); -1 for a nil array."""
