@@ -83,6 +83,7 @@ def test_damage_is_a_miss_and_a_metric(redis_url: str, redis_namespace: str) -> 
     tier.write([SlotId(0)], keys(0), [pattern(0)])
     assert tier.read([SlotId(3), SlotId(0)], keys(3, 0), outs[:2]) == [CORRUPT, OK]
     assert corrupt(m, "header") == 2 and torch.equal(outs[1], pattern(0))
+    assert key(3) not in tier.scan()  # nor is it adopted by a re-index
     other = RemoteTier(redis_url, 4, CHUNK, bytes(16), namespace=redis_namespace, metrics=m)
     assert other.scan() == {}  # another layout: nothing is adopted
     raw.close()

@@ -270,7 +270,7 @@ class RemoteTier:
             if key is not None:
                 self._counters.corrupt("missing")
             return None
-        header = ChunkHeader.decode(raw_header)
+        header = ChunkHeader.decode(raw_header) if len(raw_header) == HEADER_BYTES else None
         reason = (
             "header" if header is None
             else "key" if key is not None and header.key != key
