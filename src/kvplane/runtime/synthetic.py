@@ -29,6 +29,7 @@ from kvplane.blocks.table import consecutive_runs
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import TokenRange
 from kvplane.layout import KVLayout
+from kvplane.runtime.synthetic_native import xor_blocks
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_SIZE = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -229,7 +230,8 @@ class SyntheticKV:
             if len(runs) * RUN_MIN_BYTES <= len(ids) * nbytes:  # long runs: XOR into the pool
                 for a, z in runs:
                     b = int(ids[a])
-                    torch.bitwise_xor(row[a:z], cols, out=dst[b : b + z - a])
+                    if not xor_blocks(dst[b : b + z - a], row[a:z], cols):
+                        torch.bitwise_xor(row[a:z], cols, out=dst[b : b + z - a])
                 continue
             per = max(1, CHUNK_BYTES // nbytes)  # short runs: chunk by chunk, NumPy's scatter
             for k in range(0, len(ids), per):
