@@ -13,9 +13,10 @@ head ranges, block sizes or memory orders produce the same bytes for the same lo
 and a comparison is exact (bytes are compared as integers, never as floats, so NaN bit
 patterns are harmless).
 
-Writing and reading are vectorised: one mix over a ``[T, L, C, H, D]`` integer grid, one
-``index_put`` into the pool's canonical view, one gather back out. No Python loop per token,
-block or layer.
+Writing and reading are vectorised: the two factors are mixed once per call (``[T]`` token rows,
+a ``[L, C, H, D]`` column grid); whole blocks are their broadcast XOR written straight into the
+pool per run of consecutive block ids and compared run by run, partial blocks go through one
+indexed put or gather. No Python loop per token, block or layer.
 """
 
 from __future__ import annotations
@@ -205,9 +206,10 @@ class SyntheticKV:
         ``pool`` through the request's ``block_ids``. Mutates ``pool`` only at those slots.
 
         Whole blocks are computed straight into the pool in its canonical order ``[n, L, C,
-        Tb, H, D]``: on CPU one broadcast XOR with ``out=`` per run of consecutive block ids
-        (runs shorter than :data:`RUN_MIN_BYTES` on average go chunk by chunk through a
-        temporary and NumPy's row scatter). A step costs about one pass over its
+        Tb, H, D]``: on CPU one broadcast XOR per run of consecutive block ids, written by the
+        streaming-store C kernel (:func:`~kvplane.runtime.synthetic_native.xor_blocks`) or else
+        by torch with ``out=`` (runs shorter than :data:`RUN_MIN_BYTES` on average go chunk by
+        chunk through a temporary and NumPy's row scatter). A step costs about one pass over its
         bytes (36 MiB of 61 MLA layers in one run: 2.4 ms, against 20 ms for a whole-step
         temporary and a scatter, most of it page faults) -- a stand-in for model compute must
         leave the cores to the transport."""
