@@ -16,8 +16,11 @@ Every timed run starts after a short settle pause (:data:`SETTLE_S`), so neither
 inherits the other's spinning threads. ``gbps`` and ``limit_gbps`` are medians; ``ratio`` is
 the median of the per-repeat ratios (``paired_ratio``: each repeat's two runs shared the
 machine's load of the moment, which drifts between repeats). Targets: local and shm >= 0.8,
-tcp >= 0.85 (and >= the NIXL adapter), adapters >= 0.9. The result's ``results`` list also
-carries the planner entry of ``transport_planner`` (a 128k-token DeepSeek-V3 MLA plan).
+tcp >= 0.85 (and >= the NIXL adapter), adapters >= 0.9. ``local`` and ``shm`` rows also carry
+``stream_limit_gbps`` and ``stream_ratio``: the same bytes copied by one streaming-store
+``memcpy`` (``stream_memcpy``), a stronger limit than torch ``copy_`` on this project's VMs.
+The result's ``results`` list also carries the planner entry of ``transport_planner`` (a
+128k-token DeepSeek-V3 MLA plan).
 
 ``tcp`` against NIXL on one path: with its default transports UCX moves bytes between two
 processes of one host by cross-memory attach (``cma``: one kernel copy straight between the two
@@ -44,7 +47,7 @@ import numpy as np
 import torch
 
 from kvplane.errors import KVPlaneError
-from kvplane.runtime.benches import SETTLE_S, paired_ratio
+from kvplane.runtime.benches import SETTLE_S, paired_ratio, stream_memcpy
 from kvplane.transports.base import DescriptorList, XferKind
 from kvplane.transports.core import TransportCore
 from kvplane.transports.local import LocalTransport
@@ -122,27 +125,39 @@ def _kv_write(t: TransportCore, peer: Any, src: DescriptorList, dst: DescriptorL
         raise KVPlaneError(f"bench write on {t.name} ended {got}")
 
 
-def _row(name: str, block: int, kv: list[float], limit: list[float]) -> dict[str, Any]:
+def _row(
+    name: str, block: int, kv: list[float], limit: list[float], stream: list[float]
+) -> dict[str, Any]:
     gbps = TOTAL / statistics.median(kv) / 1e9
     limit_gbps = TOTAL / statistics.median(limit) / 1e9
     ratio = paired_ratio(kv, limit)
-    return {"transport": name, "block_bytes": block, "total_bytes": TOTAL, "gbps": round(gbps, 3),
-            "limit_gbps": round(limit_gbps, 3), "ratio": round(ratio, 3)}  # fmt: skip
+    row = {"transport": name, "block_bytes": block, "total_bytes": TOTAL, "gbps": round(gbps, 3),
+           "limit_gbps": round(limit_gbps, 3), "ratio": round(ratio, 3)}  # fmt: skip
+    if stream:
+        row["stream_limit_gbps"] = round(TOTAL / statistics.median(stream) / 1e9, 3)
+        row["stream_ratio"] = round(paired_ratio(kv, stream), 3)
+    return row
 
 
 def _measure(
-    name: str, reps: int, kv: Callable[[int], None], limit: Callable[[int], None]
-) -> list[dict[str, Any]]:
+    name: str, reps: int, kv: Callable[[int], None], limit: Callable[[int], None],
+    stream: Callable[[], None] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Rows per block size: each repeat times kvplane, then the limit, then (when given) the
+    streaming memcpy of the same bytes, each after a settle pause."""
     rows = []
     for block in BLOCKS:
         kv(block)  # warm-up: first touch, connection set-up
         limit(block)
-        times: tuple[list[float], list[float]] = ([], [])
+        times: tuple[list[float], list[float], list[float]] = ([], [], [])
         for _ in range(reps):
             time.sleep(SETTLE_S)
             times[0].append(_timed(lambda: kv(block)))  # noqa: B023
             time.sleep(SETTLE_S)
             times[1].append(_timed(lambda: limit(block)))  # noqa: B023
+            if stream is not None:
+                time.sleep(SETTLE_S)
+                times[2].append(_timed(stream))
         rows.append(_row(name, block, *times))
     return rows
 
@@ -162,7 +177,7 @@ def _local(reps: int) -> list[dict[str, Any]]:
         dst.copy_(src)
 
     try:
-        return _measure("local", reps, kv, memcpy)
+        return _measure("local", reps, kv, memcpy, stream_memcpy(src, dst))
     finally:
         t.close()
 
@@ -219,7 +234,8 @@ def _cross(name: str, reps: int) -> list[dict[str, Any]]:
             _kv_write(t, peer, *descs[block])
 
         try:
-            return _measure(name, reps, kv, limit)
+            stream = stream_memcpy(src, scratch) if name == "shm" else None
+            return _measure(name, reps, kv, limit, stream)
         finally:
             if raw is not None:
                 raw.close()
@@ -262,6 +278,7 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
         f"{r['transport']}{_tls(r)} {r['block_bytes'] >> 10} KiB": (
             f"{r['gbps']:.2f} / {r['limit_gbps']:.2f} GB/s = {r['ratio']:.2f} "
             f"(target {TARGETS[r['transport']]})"
+            + (f"; {r['stream_ratio']:.2f} of a streaming memcpy" if "stream_ratio" in r else "")
         )
         for r in results
     }
