@@ -204,10 +204,9 @@ class RemoteTier:
             # No health check on send: its PING would read an MGET reply as its answer, and
             # the replies are read here, not by the client, whose health timer never restarts.
             reader = ReplyReader(conn._sock)
+            first = self._mget_commands(conn, slots, groups[0])
+            conn.send_packed_command(first, check_health=False)
             for k, group in enumerate(groups):
-                if k == 0:
-                    first = self._mget_commands(conn, slots, group)
-                    conn.send_packed_command(first, check_health=False)
                 if k + 1 < len(groups):  # the server prepares the next group meanwhile
                     nxt = self._mget_commands(conn, slots, groups[k + 1])
                     conn.send_packed_command(nxt, check_health=False)
