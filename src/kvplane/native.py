@@ -1,13 +1,15 @@
 """Build and load the C kernels that ship inside the package.
 
 A kernel's source lives next to the module that uses it (``attention/backends/native/``,
-``transports/native/``). The first process that needs it compiles it with the system C compiler
-(``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache directory (``$KVPLANE_CACHE_DIR``,
-else ``$XDG_CACHE_HOME/kvplane`` or ``~/.cache/kvplane``), under a name keyed by a hash of the
-source, the compiler and the flags; later processes only ``dlopen`` it. The build writes a
-private temporary file and renames it into place, so concurrent first uses never load a
-half-written library. On x86-64 machines whose CPU has AVX2 and FMA the kernel is built for them;
-elsewhere it is built portably.
+``transports/native/``, ``runtime/native/``). The first process that needs it compiles it with
+the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache directory
+(``$KVPLANE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvplane`` or ``~/.cache/kvplane``), under a
+name keyed by a hash of the source, the compiler and the flags; later processes only
+``dlopen`` it. The build writes a private temporary file and renames it into place, so
+concurrent first uses never load a half-written library. On x86-64 machines whose CPU has
+AVX2 and FMA the kernel is built for them; elsewhere it is built portably. ``load_kernel``
+also types the functions its caller names (``ctypes`` argument and result types), so a
+library without one of them is a failed build, not an error at the first call.
 
 A missing compiler or a failed build is not an exception: :func:`load_kernel` returns a
 :class:`KernelBuild` whose ``reason`` its user reports (a backend as Unsupported; the run
@@ -23,8 +25,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CACHE_ENV = "KVPLANE_CACHE_DIR"
 BASE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=fast")
@@ -80,8 +84,13 @@ def cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache") / "kvplane"
 
 
-def load_kernel(path: Path) -> KernelBuild:
-    """Build (once per machine and source version) and load the C source at ``path``."""
+Signature = tuple[Sequence[Any], Any]
+"""A C function's ``(argtypes, restype)`` for ``ctypes`` (``restype`` None for ``void``)."""
+
+
+def load_kernel(path: Path, signatures: Mapping[str, Signature] | None = None) -> KernelBuild:
+    """Build (once per machine and source version) and load the C source at ``path``, typing
+    each function named in ``signatures`` (a name the library lacks is a failed build)."""
     cc = compiler()
     if cc is None:
         return KernelBuild(None, "no C compiler found (install gcc or set $CC)")
@@ -94,9 +103,16 @@ def load_kernel(path: Path) -> KernelBuild:
         if reason is not None:
             return KernelBuild(None, reason)
     try:
-        return KernelBuild(ctypes.CDLL(str(out)))
+        library = ctypes.CDLL(str(out))
     except OSError as exc:
         return KernelBuild(None, f"cannot load {out}: {exc}")
+    for name, (argtypes, restype) in (signatures or {}).items():
+        try:
+            fn = getattr(library, name)
+        except AttributeError:
+            return KernelBuild(None, f"{out.name} has no function {name!r}")
+        fn.argtypes, fn.restype = list(argtypes), restype
+    return KernelBuild(library)
 
 
 def _compile(cc: str, flags: tuple[str, ...], source: Path, out: Path) -> str | None:

@@ -35,11 +35,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 @functools.cache
 def kernel() -> KernelBuild:
     """The loaded kernel, built on first use (once per process; a memo of a constant)."""
-    build = load_kernel(SOURCE)
-    if build.library is not None:
-        fn = build.library.kvp_xor_blocks
-        fn.argtypes, fn.restype = [_P, _P, _P, _I, _I, _I, _I], None
-    return build
+    return load_kernel(SOURCE, {"kvp_xor_blocks": ([_P, _P, _P, _I, _I, _I, _I], None)})
 
 
 def _words(t: torch.Tensor) -> bool:

@@ -54,11 +54,7 @@ _SIGNATURE: list[type[ctypes.c_void_p | ctypes.c_int64 | ctypes.c_int]] = [
 @functools.cache
 def kernel() -> KernelBuild:
     """The loaded kernel, built on first use (once per process; a memo of a constant)."""
-    build = load_kernel(SOURCE)
-    if build.library is not None:
-        fn = build.library.kvp_copy_window
-        fn.argtypes, fn.restype = _SIGNATURE, None
-    return build
+    return load_kernel(SOURCE, {"kvp_copy_window": (_SIGNATURE, None)})
 
 
 def _flat_bytes(t: torch.Tensor) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -119,3 +121,17 @@ def test_build_is_cached_and_a_broken_source_is_a_reason(monkeypatch, tmp_path) 
     assert broken.library is None and broken.reason is not None
     assert broken.reason.startswith("building broken.c with") and "failed" in broken.reason
     assert not list(tmp_path.glob("broken*"))  # no temporary left behind
+
+
+def test_named_functions_are_typed_and_a_missing_one_is_a_reason(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "halve.c").write_text("double halve(long long x) { return x / 2.0; }\n")
+    typed = native_build.load_kernel(
+        src / "halve.c", {"halve": ([ctypes.c_longlong], ctypes.c_double)}
+    )
+    assert typed.library is not None and typed.library.halve(7) == 3.5  # restype applied
+    missing = native_build.load_kernel(src / "halve.c", {"double_it": ([], None)})
+    assert missing.library is None and missing.reason is not None
+    assert "no function 'double_it'" in missing.reason

@@ -97,10 +97,7 @@ class CPUFusedBackend(MLABackend[FusedPlan]):
     def _kernel(self) -> KernelBuild:
         with self._lock:
             if self._build is None:
-                self._build = load_kernel(SOURCE)
-                if self._build.library is not None:
-                    fn = self._build.library.kvp_mla_attend
-                    fn.argtypes, fn.restype = _SIGNATURE, ctypes.c_int
+                self._build = load_kernel(SOURCE, {"kvp_mla_attend": (_SIGNATURE, ctypes.c_int)})
             return self._build
 
     def _thread_count(self) -> int:

@@ -24,6 +24,19 @@ def paired_ratio(ours_s: Sequence[float], limit_s: Sequence[float]) -> float:
     return statistics.median(lim / us for us, lim in zip(ours_s, limit_s, strict=True))
 
 
+def stream_fields(
+    nbytes: int, ours_s: Sequence[float], stream_s: Sequence[float]
+) -> dict[str, float]:
+    """A row's ``stream_limit_gbps`` (median) and ``stream_ratio`` (paired) for ``nbytes``
+    moved per repeat, or nothing when no streaming memcpy was timed (``stream_s`` empty)."""
+    if not stream_s:
+        return {}
+    return {
+        "stream_limit_gbps": round(nbytes / statistics.median(stream_s) / 1e9, 3),
+        "stream_ratio": round(paired_ratio(ours_s, stream_s), 3),
+    }
+
+
 def stream_memcpy(src: torch.Tensor, dst: torch.Tensor) -> Callable[[], None] | None:
     """A thunk copying all of ``src`` into ``dst`` (contiguous CPU tensors of equal byte size)
     as one run of the C run copier on the calling thread -- one ``memcpy`` with streaming

@@ -54,7 +54,7 @@ from kvplane.offload.tiers import ALIGN, DiskTier, HostTier, ReadOutcome, Remote
 from kvplane.offload.tiers.base import as_buffer
 from kvplane.offload.tiers.redis_server import LocalRedisServer, redis_server_support
 from kvplane.offload.tiers.remote import PIPELINE_BYTES, redis_support
-from kvplane.runtime.benches import SETTLE_S, paired_ratio, stream_memcpy
+from kvplane.runtime.benches import SETTLE_S, paired_ratio, stream_fields, stream_memcpy
 
 NAME = "offload"
 HELP = "Offload tiers: store/load GB/s per tier vs memcpy, raw file I/O and raw Redis."
@@ -140,18 +140,15 @@ def _row(
     tier: str, op: str, chunk: int, nbytes: int, *, ours: list[float], limit: list[float],
     stream: list[float],
 ) -> dict[str, Any]:  # fmt: skip
-    row: dict[str, Any] = {
+    return {
         "tier": tier,
         "op": op,
         "chunk_bytes": chunk,
         "gbps": round(nbytes / statistics.median(ours) / 1e9, 3),
         "limit_gbps": round(nbytes / statistics.median(limit) / 1e9, 3),
         "ratio": round(paired_ratio(ours, limit), 3),
+        **stream_fields(nbytes, ours, stream),
     }
-    if stream:
-        row["stream_limit_gbps"] = round(nbytes / statistics.median(stream) / 1e9, 3)
-        row["stream_ratio"] = round(paired_ratio(ours, stream), 3)
-    return row
 
 
 # -- host: the cascade path between a (CPU) device pool and host slots ----------------------------

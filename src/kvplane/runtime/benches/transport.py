@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from kvplane.errors import KVPlaneError
-from kvplane.runtime.benches import SETTLE_S, paired_ratio, stream_memcpy
+from kvplane.runtime.benches import SETTLE_S, paired_ratio, stream_fields, stream_memcpy
 from kvplane.transports.base import DescriptorList, XferKind
 from kvplane.transports.core import TransportCore
 from kvplane.transports.local import LocalTransport
@@ -131,12 +131,9 @@ def _row(
     gbps = TOTAL / statistics.median(kv) / 1e9
     limit_gbps = TOTAL / statistics.median(limit) / 1e9
     ratio = paired_ratio(kv, limit)
-    row = {"transport": name, "block_bytes": block, "total_bytes": TOTAL, "gbps": round(gbps, 3),
-           "limit_gbps": round(limit_gbps, 3), "ratio": round(ratio, 3)}  # fmt: skip
-    if stream:
-        row["stream_limit_gbps"] = round(TOTAL / statistics.median(stream) / 1e9, 3)
-        row["stream_ratio"] = round(paired_ratio(kv, stream), 3)
-    return row
+    return {"transport": name, "block_bytes": block, "total_bytes": TOTAL, "gbps": round(gbps, 3),
+            "limit_gbps": round(limit_gbps, 3), "ratio": round(ratio, 3),
+            **stream_fields(TOTAL, kv, stream)}  # fmt: skip
 
 
 def _measure(
