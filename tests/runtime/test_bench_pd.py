@@ -24,6 +24,8 @@ def test_bench_reports_every_key_for_both_modes() -> None:
             "slice_transfer_ms",
         }
         assert row["ttft_ms"] > 0 and 0.0 <= row["overlap_ratio"] <= 1.0
+    assert rows[0]["ttft_ratio"] > 0 and rows[1]["per_step_transfer_ms"] >= 0
+    assert rows[0]["zero_stretch_ttft_ratio"] > 0
     assert rows[1]["overlap_ratio"] == 0.0  # nothing overlaps when sending after the prefill
     assert rows[2] == {"transport": "nope", "skipped": "unknown transport"}
     targets = out["targets"]
@@ -32,3 +34,17 @@ def test_bench_reports_every_key_for_both_modes() -> None:
         "ttft_le_0.7x_non_pipelined",
         "overlap_ge_0.8",
     }
+
+
+def test_ttft_ratio_pairs_requests_not_medians() -> None:
+    # two pairs at half; load hit the third pair's non-pipelined run less than its pipelined
+    pipelined = [10.0, 60.0, 70.0]
+    non_pipelined = [20.0, 120.0, 65.0]
+    assert pd.ttft_ratio(pipelined, non_pipelined) == 0.5  # the medians' ratio: 60 / 65
+
+
+def test_zero_stretch_ratio() -> None:
+    # 8 steps of 4 ms + a 4 ms lone slice = 36 ms, against 8 x 4 + 8 x 2 ms of bulk = 48 ms
+    assert pd.zero_stretch_ratio(8, 4.0, 2.0) == 0.75
+    # a bulk transfer no cheaper per step than a lone slice: (N + 1) / 2N
+    assert pd.zero_stretch_ratio(8, 4.0, 4.0) == 9 / 16
