@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from kvplane.runtime.benches import paired_ratio
 from kvplane.runtime.demo_procs import ProcessGroup
 from kvplane.runtime.router import Router
 from kvplane.runtime.timeline import request_times
@@ -213,9 +214,10 @@ def ttft_ratio(pipelined_ms: Sequence[float], non_pipelined_ms: Sequence[float])
     """Pipelined TTFT / non-pipelined TTFT: the median of the per-request ratios. Request ``i``
     ran in both modes back to back (interleaved), under the same machine load; on a shared host
     the load drifts between requests, and a ratio of the two medians would divide TTFTs taken
-    under different conditions (see :func:`~kvplane.runtime.benches.paired_ratio`).
-    Equal-length, positive sequences."""
-    return statistics.median(p / n for p, n in zip(pipelined_ms, non_pipelined_ms, strict=True))
+    under different conditions. Equal-length, positive sequences. It is
+    :func:`~kvplane.runtime.benches.paired_ratio` with the non-pipelined run as "ours" and the
+    pipelined one as the "limit" (both are times: the median of ``pipelined / non_pipelined``)."""
+    return paired_ratio(non_pipelined_ms, pipelined_ms)
 
 
 def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
