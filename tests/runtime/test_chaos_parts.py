@@ -67,8 +67,12 @@ def test_submit_errors_and_delays() -> None:
     t, b, s, d = _pair(FaultPlan(delay=1.0, delay_s=0.05))
     peer = t.connect(b.metadata())
     start = time.monotonic()
-    assert _wait(t, t.submit(XferKind.WRITE, s, d, peer)).state is XferState.DONE
+    h = t.submit(XferKind.WRITE, s, d, peer)
+    got = _wait(t, h)
+    assert got.state is XferState.DONE
     assert time.monotonic() - start >= 0.05
+    # the end is injected: the inner batch's (earlier) end time is not passed on as its own
+    assert got.ended_at is None and t.inner.poll(h).ended_at is not None
     t.close()
     b.close()
 

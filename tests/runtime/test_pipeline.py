@@ -7,8 +7,10 @@ test ends with both workers' pools empty and every pool and ledger consistent.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -175,6 +177,37 @@ def test_shm_transport_when_available() -> None:
     try:
         res = c.router.generate("m", list(range(70)))
         assert (res.state, res.mismatches) == ("success", 0)
+        check_balanced(c.router)
+    finally:
+        c.close()
+
+
+def test_slice_done_is_when_the_transport_ended_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver that gets to a finished slice late still records when its bytes landed."""
+    from kvplane.runtime.driver import SliceDriver
+    from kvplane.runtime.timeline import Mark
+
+    reached: dict[int, float] = {}
+    finish = SliceDriver._finish
+
+    def late_finish(self: SliceDriver, job: Any) -> Any:
+        reached[int(job.act.slice_id)] = time.monotonic()
+        time.sleep(0.05)  # a driver thread busy elsewhere
+        return finish(self, job)
+
+    monkeypatch.setattr(SliceDriver, "_finish", late_finish)
+    c = cluster(MLA)
+    try:
+        res = c.router.generate("late", prompt(np.random.default_rng(5), 100), step_size=32)
+        assert (res.state, res.mismatches) == ("success", 0)
+        done = {
+            e.slice_id: e.t
+            for e in c.prefill.timeline.events("late")
+            if e.mark == Mark.SLICE_DONE.value
+        }
+        assert sorted(done) == sorted(reached) == [0, 1, 2, 3]
+        for slice_id, t in done.items():
+            assert t <= reached[slice_id]  # stamped before the driver reached it, not after
         check_balanced(c.router)
     finally:
         c.close()

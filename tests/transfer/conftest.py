@@ -324,7 +324,7 @@ class ScriptedTransport:
         b.cursor = stop
         done = int(b.src.lengths[:stop].sum())
         if stop == len(b.src):
-            b.poll = Poll(XferState.DONE, done)
+            b.poll = Poll(XferState.DONE, done, ended_at=self.clock())
             if b.notify is not None:
                 self._notes.append((PeerId("loopback"), b.notify))
         else:

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from kvplane.metrics import MetricsRegistry
-from kvplane.transfer.progress import ExecMetrics, OpProgress, OpState, PlanOutcome, PlanResult
+from kvplane.transfer.progress import (
+    ExecMetrics,
+    OpProgress,
+    OpState,
+    PlanOutcome,
+    PlanResult,
+    latest_end,
+)
 from kvplane.transports.base import FailureKind
 
 
@@ -28,3 +35,9 @@ def test_result_ok_and_metrics_record() -> None:
     # asking again for the same metrics reuses them (one registry, many executors)
     ExecMetrics(registry, "shm").record(failed)
     assert registry.value("plan_exec_bytes", {"transport": "shm"}, "_total") == 100.0
+
+
+def test_latest_end_needs_every_end() -> None:
+    assert latest_end([3.0, 5.0, 4.0]) == 5.0
+    assert latest_end([3.0, None]) is None  # one op's end unknown: the run's is too
+    assert latest_end([]) is None

@@ -4,7 +4,7 @@ driven deterministically (fake clock) over a scripted, byte-moving transport."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -95,6 +95,22 @@ def test_all_ops_done_with_per_op_progress(scripted, clock, kvref) -> None:
     assert scripted.cancelled == []
 
 
+def test_a_done_run_ended_when_its_last_op_did(scripted, clock, kvref) -> None:
+    s = setup(scripted, kvref)
+    ends: list[float] = []
+
+    def seen(e: OpProgress) -> None:
+        if e.state is OpState.DONE:
+            ends.append(clock.now)  # the scripted transport stamps a batch's end with its clock
+
+    result = executor(scripted, clock).execute(
+        s.plan, s.peer, local_regions=scripted.lengths(), on_progress=seen
+    )
+    assert result.ok and len(ends) == 4
+    assert result.ended_at == max(ends)
+    assert result == replace(result, ended_at=None)  # a measurement, not part of the outcome
+
+
 def test_in_flight_window(scripted, clock, kvref) -> None:
     s = setup(scripted, kvref)
     result = executor(scripted, clock, max_inflight=2).execute(
@@ -113,6 +129,7 @@ def test_a_failed_op_stops_the_run(scripted, clock, kvref, fault) -> None:
     assert result.outcome is PlanOutcome.FAILED and not result.ok
     assert result.failure is FailureKind.REMOTE_DISCONNECT
     assert result.reason == "op 1 ended failed: scripted fail"
+    assert result.ended_at is None  # only a DONE run has an end time
     assert [p.state for p in result.ops] == [
         OpState.DONE, OpState.FAILED, OpState.NOT_SUBMITTED, OpState.NOT_SUBMITTED,
     ]  # fmt: skip

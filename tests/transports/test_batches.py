@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvplane.errors import TransportError
@@ -27,6 +29,20 @@ def test_terminal_state_is_sticky_and_counted():
     assert metrics.value("transport_batches", {"transport": "t", "state": "done"}, "_total") == 0
     assert released == []  # not quiescent yet: pins held
     assert table.lookup(b.handle) is b
+
+
+def test_finish_stamps_when_the_batch_ended():
+    table, _, _ = _table()
+    b = table.new(PeerId("p"), XferKind.WRITE, 10, 5.0, (RegionId(1),))
+    assert b.poll().ended_at is None  # pending: no end yet
+    before = time.monotonic()
+    table.finish(b, XferState.DONE)
+    ended = b.poll().ended_at
+    assert ended is not None and before <= ended <= time.monotonic()
+    table.finish(b, XferState.FAILED)  # refused: the one terminal transition keeps its time
+    table.quiesce(b)  # retired into history, which keeps it too
+    assert table.lookup(b.handle) == Poll(XferState.DONE, 10)
+    assert table.lookup(b.handle).ended_at == ended
 
 
 def test_quiesce_releases_once_and_retires_into_history():

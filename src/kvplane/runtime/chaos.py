@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -141,10 +141,10 @@ class FaultyTransport:
                 since = time.monotonic()
         if not got.state.terminal or fate == "ok":
             return got
-        if fate == "delay":
+        if fate == "delay":  # the batch ends late, when revealed (so its true end is unknown)
             if time.monotonic() - since < self.plan.delay_s:
                 return Poll(XferState.PENDING, got.bytes_done)
-            return got
+            return replace(got, ended_at=None)
         state = XferState.FAILED if fate == "fail" else XferState.IN_DOUBT
         return Poll(state, got.bytes_done, FailureKind.BACKEND_ERROR, f"injected: {fate}")
 

@@ -16,10 +16,13 @@ while the prefill computes the slice), then, on the PD loop thread, check
 ``SubmitStarted`` — or ``SubmitSkipped`` when nothing moves. Only then are the runs started
 (validated against both sides' regions, deadline = the per-slice timeout) and their first ops
 handed to the transport. When every run of the slice is terminal the evidence goes back:
-``TransportDone``, ``TransportFailed`` or ``TransportInDoubt`` (any op whose fate is unknown). A
-slice that cannot even be planned (peer unreachable, request the pools cannot serve) fails its
-session with ``Fail``; its memory is then released by the ledger (NOT_SUBMITTED), never by the
-driver.
+``TransportDone``, ``TransportFailed`` or ``TransportInDoubt`` (any op whose fate is unknown).
+A done slice's timeline event carries the time its transport saw the last batch end
+(``PlanResult.ended_at``), not when this thread got to it: on a busy host that is most of a
+millisecond later, and slice times, the overlap ratio and ``bench pd``'s calibrated step would
+count it as transfer. A slice that cannot even be planned (peer unreachable, request the pools
+cannot serve) fails its session with ``Fail``; its memory is then released by the ledger
+(NOT_SUBMITTED), never by the driver.
 
 Latency: every hop to the PD loop thread costs a thread handoff, so one driver turn makes at
 most one: the evidence of every finished slice, the worker's queued ``SubmitSlice`` commands
@@ -61,7 +64,7 @@ from kvplane.runtime.observe import RuntimeMetrics
 from kvplane.runtime.slicing import LocalPool, PlannedSlice, plan_slice
 from kvplane.runtime.timeline import Mark, Timeline
 from kvplane.runtime.watcher import BatchWatcher
-from kvplane.transfer import OpGrouping, PlanExecutor, PlanOutcome, PlanRun
+from kvplane.transfer import OpGrouping, PlanExecutor, PlanOutcome, PlanRun, latest_end
 from kvplane.transports.base import Peer, Transport
 
 log = logging.getLogger(__name__)
@@ -457,14 +460,18 @@ class SliceDriver:
         results = [run.result() for run in job.runs]
         slice_id = job.act.slice_id
         rid = job.source.request_id
-        elapsed = time.monotonic() - job.started
         if not job.failure and all(r.ok for r in results):
+            # when the transport saw the bytes land, not when this thread got round to it
+            done_at = latest_end([r.ended_at for r in results])
+            if done_at is None:  # a transport that does not say: now is the best we know
+                done_at = time.monotonic()
             self._metrics.slices.labels("done").inc()
-            self._metrics.slice_seconds.observe(elapsed)
+            self._metrics.slice_seconds.observe(done_at - job.started)
             self._metrics.moved(list(job.planned.plans))
             self._timeline.record(
-                Mark.SLICE_DONE, rid, slice_id=int(slice_id), nbytes=job.planned.num_bytes
-            )
+                Mark.SLICE_DONE, rid, slice_id=int(slice_id), nbytes=job.planned.num_bytes,
+                t=done_at,
+            )  # fmt: skip
             return TransportDone(slice_id=slice_id)
         reason = job.failure or next((r.reason for r in results if not r.ok), "")[:400]
         event: Evidence

@@ -7,7 +7,7 @@ from kvplane.transfer.coverage import Coverage
 from kvplane.transfer.executor import PlanExecutor
 from kvplane.transfer.plan import TransferOp, TransferPlan
 from kvplane.transfer.planner import plan_transfer
-from kvplane.transfer.progress import OpProgress, OpState, PlanOutcome, PlanResult
+from kvplane.transfer.progress import OpProgress, OpState, PlanOutcome, PlanResult, latest_end
 from kvplane.transfer.request import OpGrouping, PlanOptions, PlanSide
 from kvplane.transfer.run import PlanRun
 from kvplane.transfer.stats import PlanStats
@@ -28,5 +28,6 @@ __all__ = [
     "TransferPlan",
     "decode_plan",
     "encode_plan",
+    "latest_end",
     "plan_transfer",
 ]

@@ -9,7 +9,8 @@ IN_DOUBT if any op is IN_DOUBT, else FAILED.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from kvplane.metrics import COUNT_BUCKETS, MetricsRegistry
 from kvplane.transports.base import FailureKind
@@ -55,10 +56,20 @@ class PlanResult:
     elapsed_s: float
     failure: FailureKind | None = None
     reason: str = ""
+    ended_at: float | None = field(default=None, compare=False)
+    """For a DONE run: when its transport saw the last op end (``Poll.ended_at``, the
+    transport's ``time.monotonic()``), which a caller stepping the run later learns only then.
+    None when the run did not end DONE or a transport did not say."""
 
     @property
     def ok(self) -> bool:
         return self.outcome is PlanOutcome.DONE
+
+
+def latest_end(ends: Sequence[float | None]) -> float | None:
+    """The latest of several end times; None if any is unknown, or there are none."""
+    known = [t for t in ends if t is not None]
+    return max(known) if known and len(known) == len(ends) else None
 
 
 class ExecMetrics:

@@ -28,7 +28,14 @@ from kvplane.errors import (
     TransferTimeoutError,
 )
 from kvplane.transfer.plan import TransferPlan
-from kvplane.transfer.progress import ExecMetrics, OpProgress, OpState, PlanOutcome, PlanResult
+from kvplane.transfer.progress import (
+    ExecMetrics,
+    OpProgress,
+    OpState,
+    PlanOutcome,
+    PlanResult,
+    latest_end,
+)
 from kvplane.transports.base import FailureKind, Handle, Peer, Transport, XferKind, XferState
 
 CANCEL_GRACE_S = 1.0
@@ -78,6 +85,7 @@ class PlanRun:
         self._give_up_at: float | None = None
         self._result: PlanResult | None = None
         self._num_ops = n
+        self._ends: list[float | None] = []  # Poll.ended_at of every op that ended DONE
 
     @property
     def done(self) -> bool:
@@ -197,6 +205,7 @@ class PlanRun:
                 continue
             del self._handles[i]
             if polled.state is XferState.DONE:
+                self._ends.append(polled.ended_at)
                 self._set(i, OpState.DONE, events, bytes_done=self._progress[i].num_bytes)
                 continue
             state = OpState.FAILED if polled.state is XferState.FAILED else OpState.IN_DOUBT
@@ -226,6 +235,7 @@ class PlanRun:
             elapsed_s=now - self._started,
             failure=None if outcome is PlanOutcome.DONE else failure,
             reason="" if outcome is PlanOutcome.DONE else reason,
+            ended_at=latest_end(self._ends) if outcome is PlanOutcome.DONE else None,
         )
         if self._metrics is not None:
             self._metrics.record(self._result)

@@ -92,6 +92,11 @@ class Poll:
     bytes_done: int = 0
     failure: FailureKind | None = None
     reason: str = ""
+    ended_at: float | None = field(default=None, compare=False)
+    """When the transport saw the batch end (its ``time.monotonic()``); None while PENDING, or
+    when the transport cannot tell (a remote or injected outcome). A caller that polls later
+    learns the state late, not the time. A measurement, not part of the outcome: polls that
+    differ only here are equal."""
 
 
 @dataclass(frozen=True, slots=True)

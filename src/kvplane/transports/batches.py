@@ -53,6 +53,7 @@ class Batch:
     cancel_requested: bool = False
     quiescent: bool = False
     job: object = None
+    ended_at: float | None = None
     done_event: threading.Event = field(default_factory=threading.Event)
     callbacks: list[Callable[[], None]] = field(default_factory=list)
 
@@ -61,7 +62,7 @@ class Batch:
         return self.state.terminal
 
     def poll(self) -> Poll:
-        return Poll(self.state, self.bytes_done, self.failure, self.reason)
+        return Poll(self.state, self.bytes_done, self.failure, self.reason, self.ended_at)
 
 
 class BatchTable:
@@ -169,6 +170,7 @@ class BatchTable:
             if doubt_if_committed and batch.committed:
                 state = XferState.IN_DOUBT
             batch.state = state
+            ended = batch.ended_at = time.monotonic()
             batch.failure = failure
             batch.reason = reason
             if bytes_done is not None:
@@ -181,7 +183,7 @@ class BatchTable:
         for fn in callbacks:
             fn()
         self._m_batches.labels(self._name, state.value).inc()
-        self._m_seconds.labels(self._name).observe(time.monotonic() - batch.started_at)
+        self._m_seconds.labels(self._name).observe(ended - batch.started_at)
         if state is XferState.DONE:
             self._m_bytes.labels(self._name, batch.kind.value).inc(batch.handle.num_bytes)
         return True
