@@ -16,13 +16,11 @@ while the prefill computes the slice), then, on the PD loop thread, check
 ``SubmitStarted`` — or ``SubmitSkipped`` when nothing moves. Only then are the runs started
 (validated against both sides' regions, deadline = the per-slice timeout) and their first ops
 handed to the transport. When every run of the slice is terminal the evidence goes back:
-``TransportDone``, ``TransportFailed`` or ``TransportInDoubt`` (any op whose fate is unknown).
-A done slice's timeline event carries the time its transport saw the last batch end
-(``PlanResult.ended_at``), not when this thread got to it: on a busy host that is most of a
-millisecond later, and slice times, the overlap ratio and ``bench pd``'s calibrated step would
-count it as transfer. A slice that cannot even be planned (peer unreachable, request the pools
-cannot serve) fails its session with ``Fail``; its memory is then released by the ledger
-(NOT_SUBMITTED), never by the driver.
+``TransportDone``, ``TransportFailed`` or ``TransportInDoubt`` (any op whose fate is unknown);
+a done slice is timed to when its transport saw the last batch end, not to when this thread got
+to it (on a busy host most of a millisecond later). A slice that cannot even be planned (peer
+unreachable, request the pools cannot serve) fails its session with ``Fail``; its memory is
+then released by the ledger (NOT_SUBMITTED), never by the driver.
 
 Latency: every hop to the PD loop thread costs a thread handoff, so one driver turn makes at
 most one: the evidence of every finished slice, the worker's queued ``SubmitSlice`` commands
@@ -32,8 +30,7 @@ the slices those very commands let start, when their plans were made ahead (the 
 their ``StartSubmit`` inside the call, and the same call reports ``SubmitStarted``). The
 thread sleeps on a condition that a new ``StartSubmit``, a command, or the end of a watched
 transport batch (:class:`~kvplane.runtime.watcher.BatchWatcher`) signals at once; it polls on a
-timer only as a fallback (every :data:`WATCHED_POLL_S`, or :data:`POLL_S` for a transport that
-cannot be watched).
+timer only as a fallback (:data:`WATCHED_POLL_S`; :data:`POLL_S` when it cannot be watched).
 """
 
 from __future__ import annotations
@@ -461,10 +458,7 @@ class SliceDriver:
         slice_id = job.act.slice_id
         rid = job.source.request_id
         if not job.failure and all(r.ok for r in results):
-            # when the transport saw the bytes land, not when this thread got round to it
-            done_at = latest_end([r.ended_at for r in results])
-            if done_at is None:  # a transport that does not say: now is the best we know
-                done_at = time.monotonic()
+            done_at = latest_end([r.ended_at for r in results]) or time.monotonic()  # or unknown
             self._metrics.slices.labels("done").inc()
             self._metrics.slice_seconds.observe(done_at - job.started)
             self._metrics.moved(list(job.planned.plans))
