@@ -18,7 +18,12 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 redis_dir="$(mktemp -d)"
 cleanup() {
-  if [ -f "$redis_dir/redis.pid" ]; then kill "$(cat "$redis_dir/redis.pid")" 2>/dev/null || true; fi
+  if [ -f "$redis_dir/redis.pid" ]; then
+    pid="$(cat "$redis_dir/redis.pid")"
+    kill "$pid" 2>/dev/null || true
+    # it writes its log while shutting down: remove its directory once it has gone (<= 5 s)
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  fi
   rm -rf "$redis_dir"
 }
 trap cleanup EXIT
