@@ -223,6 +223,15 @@ def _settle(t: Transport, timeout_s: float = 20.0) -> None:
     assert t.pinned_regions() == 0 and t.live_batches() == 0
 
 
+def _settle_far(far: Any, timeout_s: float = 20.0) -> None:
+    """Wait until the far process holds no pin and no live batch: after a stall it ends the
+    batches of a torn-down or finished stream on its own threads, a moment after ours end."""
+    end = time.monotonic() + timeout_s
+    while any(far.status()[k] for k in ("pinned", "live")) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert far.status()["pinned"] == 0 and far.status()["live"] == 0
+
+
 def test_deregister_in_flight_refused_then_completes(pair, kit):
     if pair.name not in CROSS_PROCESS:
         pytest.skip("local copies synchronously: nothing stays in flight")
@@ -237,6 +246,7 @@ def test_deregister_in_flight_refused_then_completes(pair, kit):
         pair.far.cont()
     assert kit.wait(pair.t, h).state is XferState.DONE
     _settle(pair.t)
+    _settle_far(pair.far)
     pair.t.deregister(mine)
     pair.far.deregister(far_big)
 
@@ -264,6 +274,7 @@ def test_deadline_and_cancel_end_stalled_batches(pair, kit):
     h3 = pair.t.submit(XferKind.WRITE, kit.one(mine, 0, 64), kit.one(far_big, 0, 64), pair.peer)
     assert kit.wait(pair.t, h3).state is XferState.DONE
     _settle(pair.t)
+    _settle_far(pair.far)
     pair.t.deregister(mine)
     pair.far.deregister(far_big)
 
