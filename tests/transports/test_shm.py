@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 import torch
 
 from kvplane.errors import IncompatiblePeerError, InvalidArgumentError, PlanError, TransportError
+from kvplane.transports import shm as shm_module
 from kvplane.transports.base import XferKind, XferState
 from kvplane.transports.shm import ShmTransport, host_id
 from kvplane.transports.wire import WIRE_VERSION, Metadata, decode_metadata, encode
@@ -101,6 +103,75 @@ def test_batches_cancelled_while_queued_on_a_link_leave_no_pin_and_the_rest_land
             time.sleep(0.01)
         assert b.pinned_regions() == 0 and a.live_batches() == 0
         b.deregister(dst)  # nothing holds the region any more
+    finally:
+        a.close()
+        b.close()
+    assert kit.kv_threads() == []
+
+
+def test_the_sender_pins_queued_batches_ahead_of_running_them(kit, monkeypatch):
+    """While one batch copies, the PINs of the batches queued behind it are already granted:
+    batch B's copy sees C's and D's regions pinned on the target, which without pins ahead
+    happens only after B's COMMIT. D, cancelled while pinned ahead, ends FAILED with no byte
+    moved and its pin released; the others land their exact bytes; no pin is left."""
+    a, b = ShmTransport(agent="a"), ShmTransport(agent="b")
+    size, n = 1 << 16, 4
+    pinned: list[int] = []
+    copies: list[bool] = []
+    copying, go, ahead, resume = (threading.Event() for _ in range(4))
+    real_pin, real_copy = b._regions.pin, shm_module.copy_pairs
+
+    def logged_pin(ids, *, exported_only=False):
+        got = real_pin(ids, exported_only=exported_only)
+        pinned.extend(int(i) for i in ids)
+        return got
+
+    def gated_copy(*args, **kwargs):
+        if not copies:  # A: hold the sender until B, C and D are queued behind it
+            copying.set()
+            copies.append(go.wait(5.0))
+        elif len(copies) == 1:  # B: are C and D pinned before B has even copied?
+            end = time.monotonic() + 5.0
+            while not set(regions[2:]) <= set(pinned) and time.monotonic() < end:
+                time.sleep(0.001)
+            copies.append(set(regions[2:]) <= set(pinned))
+            ahead.set()
+            resume.wait(5.0)
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(b._regions, "pin", logged_pin)
+    monkeypatch.setattr(shm_module, "copy_pairs", gated_copy)
+    try:
+        pools = [b.allocate(size) for _ in range(n)]
+        regions = [b.register(p).region_id for p in pools]
+        data = torch.randint(0, 256, (n * size,), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(5))  # fmt: skip
+        src = a.register(data).region_id
+        peer = a.connect(b.metadata())
+        submit = [
+            lambda i=i: a.submit(
+                XferKind.WRITE, kit.one(src, i * size, size), kit.one(regions[i], 0, size), peer
+            )
+            for i in range(n)
+        ]
+        handles = [submit[0]()]
+        assert copying.wait(5.0)  # A is copying, its gate closed
+        handles += [s() for s in submit[1:]]
+        go.set()
+        assert ahead.wait(5.0)
+        a.cancel(handles[3])  # D: pinned ahead, not begun
+        resume.set()
+        polls = [kit.wait(a, h) for h in handles]
+        assert [p.state for p in polls] == [XferState.DONE] * 3 + [XferState.FAILED]
+        assert copies == [True, True]
+        assert pinned == [int(r) for r in regions]  # each pinned once
+        for i, pool in enumerate(pools[:3]):
+            assert torch.equal(pool, data[i * size : (i + 1) * size])
+        assert int(pools[3].sum()) == 0  # nothing of D moved
+        end = time.monotonic() + 10.0
+        while b.pinned_regions() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert b.pinned_regions() == 0 and a.live_batches() == 0  # D's pin went with its ABORT
     finally:
         a.close()
         b.close()

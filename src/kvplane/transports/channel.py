@@ -235,7 +235,7 @@ class Link:
         self.lock = threading.Lock()
         self.down = False
         self.reason = ""
-        self._jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._jobs: queue.Queue[object] = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name=f"{name}-recv", daemon=True)
         self._sender.start()
@@ -248,6 +248,12 @@ class Link:
                 return False
             self._jobs.put(job)
             return True
+
+    def queued(self) -> list[object]:
+        """A snapshot of the jobs waiting behind the one running, oldest first, so the sender
+        can prepare them ahead (``shm`` sends their PINs); the queue is not changed."""
+        with self._jobs.mutex:
+            return [job for job in self._jobs.queue if job is not _STOP]
 
     def fail(self, reason: str) -> None:
         """Take the link down once: shut the socket, wake both threads, tell the transport."""

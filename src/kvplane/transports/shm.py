@@ -12,7 +12,12 @@ their descriptors travel in the handshake's WELCOME over the Unix-domain control
 
 A batch on the initiator's sender thread: PIN (the peer's region ids) -> wait for PINNED, so the
 peer cannot deregister that memory under us -> copy with ``copier`` between our memory and the
-peer's mapping (this is the only data movement) -> COMMIT with the notify. The target unpins,
+peer's mapping (this is the only data movement) -> COMMIT with the notify. Before it waits, the
+sender also sends the PINs of up to :data:`PIN_AHEAD` jobs queued behind (*pins ahead*), so
+their round trips overlap this batch's copy instead of following it: a slice's second batch
+(the final slice's tail record) or a backlog of slices then starts copying at once. A job pinned
+ahead that is cancelled before it runs is sent an ABORT when the sender reaches it, which
+releases the pin; the target also releases every pin of a connection that closes. The target unpins,
 queues the notification (after the bytes, which were copied before the COMMIT was sent) and
 ACKs; the ACK makes the batch DONE. The control socket's EOF means the peer process is gone:
 every batch bound to it fails REMOTE_DISCONNECT (also while waiting for PINNED, e.g. a stopped
@@ -43,7 +48,7 @@ from kvplane.errors import (
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import FailureKind, Peer, XferKind, XferState
-from kvplane.transports.channel import MAX_FDS, Channel, Listener, client_handshake
+from kvplane.transports.channel import MAX_FDS, Channel, Link, Listener, client_handshake
 from kvplane.transports.copier import copy_pairs
 from kvplane.transports.stream import Job, LinkState, StreamTransport
 from kvplane.transports.wire import (
@@ -62,6 +67,8 @@ from kvplane.transports.wire import (
 
 _PIN_POLL_S = 0.05
 """How often a sender waiting for PINNED re-checks for cancel, deadline and link loss."""
+PIN_AHEAD = 8
+"""Most queued jobs whose PINs a sender sends ahead of running them."""
 
 
 def _map(fd: int, nbytes: int) -> mmap.mmap:
@@ -95,6 +102,8 @@ class _ShmLink(LinkState):
     views: dict[RegionId, torch.Tensor] = field(default_factory=dict)
     pin_replies: dict[int, str] = field(default_factory=dict)
     pin_ready: threading.Condition = field(default_factory=threading.Condition)
+    pinned_ahead: set[int] = field(default_factory=set)
+    """Transfer ids whose PIN went out before their job ran (the sender thread's own set)."""
 
 
 class ShmTransport(StreamTransport):
@@ -219,13 +228,21 @@ class ShmTransport(StreamTransport):
     def _run(self, state: LinkState, job: object) -> None:
         assert isinstance(state, _ShmLink) and state.link is not None and isinstance(job, Job)
         batch, link = job.batch, state.link
-        if not self._batches.begin(batch):
+        xid = batch.handle.xfer_id
+        sent = xid in state.pinned_ahead
+        state.pinned_ahead.discard(xid)
+        if not self._batches.begin(batch):  # ended while queued
+            if sent:
+                with state.pin_ready:
+                    state.pin_replies.pop(xid, None)
+                link.ch.send_frame(FrameType.ABORT, xid)  # releases the pin sent ahead
             self._batches.quiesce(batch)
             return
-        xid = batch.handle.xfer_id
+        if not sent:
+            self._send_pin(link, job)
+        self._pin_ahead(state, link)
         remote = job.dst if batch.kind is XferKind.WRITE else job.src
         ids = remote.facts.region_ids
-        link.ch.send(pack_header(FrameType.PIN, xid, 8 * len(ids), len(ids)) + ids.tobytes())
         with state.pin_ready:
             while xid not in state.pin_replies and not batch.terminal and not link.down:
                 state.pin_ready.wait(_PIN_POLL_S)
@@ -253,6 +270,25 @@ class ShmTransport(StreamTransport):
         else:
             link.ch.send_frame(FrameType.ABORT, xid)
         self._batches.quiesce(batch)
+
+    @staticmethod
+    def _send_pin(link: Link, job: Job) -> None:
+        remote = job.dst if job.batch.kind is XferKind.WRITE else job.src
+        ids = remote.facts.region_ids
+        xid = job.batch.handle.xfer_id
+        link.ch.send(pack_header(FrameType.PIN, xid, 8 * len(ids), len(ids)) + ids.tobytes())
+
+    def _pin_ahead(self, state: _ShmLink, link: Link) -> None:
+        """Send the PINs of jobs queued behind the running one (at most :data:`PIN_AHEAD`
+        outstanding); their replies wait in ``pin_replies`` until the jobs run."""
+        for job in link.queued():
+            if len(state.pinned_ahead) >= PIN_AHEAD:
+                return
+            if not isinstance(job, Job) or job.batch.terminal:
+                continue
+            if job.batch.handle.xfer_id not in state.pinned_ahead:
+                self._send_pin(link, job)
+                state.pinned_ahead.add(job.batch.handle.xfer_id)
 
     def _on_frame(self, state: LinkState, h: Header) -> None:
         assert isinstance(state, _ShmLink) and state.link is not None
