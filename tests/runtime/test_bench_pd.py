@@ -48,3 +48,12 @@ def test_zero_stretch_ratio() -> None:
     assert pd.zero_stretch_ratio(8, 4.0, 2.0) == 0.75
     # a bulk transfer no cheaper per step than a lone slice: (N + 1) / 2N
     assert pd.zero_stretch_ratio(8, 4.0, 4.0) == 9 / 16
+
+
+def test_prompts_share_no_first_block() -> None:
+    """The warm-up and every request start differently, so none hits another's prefix."""
+    firsts = {tuple(pd.prompt(i, 16)) for i in range(-1, 2_000)}
+    assert len(firsts) == 2_001
+    assert pd.prompt(0, 4) == [7919, 7920, 7921, 7922]
+    assert pd.prompt(-1, 3) == [29_999, 0, 1]  # wraps inside the vocabulary
+    assert max(max(pd.prompt(i, 4_096)) for i in (-1, 0, 5)) < pd.VOCAB

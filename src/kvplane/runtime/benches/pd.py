@@ -58,6 +58,8 @@ exaggerates."""
 CALIBRATION_REQUESTS = 9
 """One-step requests whose median slice sets the step compute (it is cheap: a few ms each;
 with five, tcp's calibrated step read 11, 24 and 16 ms in three runs on this shared host)."""
+VOCAB = 30_000
+"""Token ids of the bench prompts lie in ``[0, VOCAB)``."""
 HELP = "Pipelined vs non-pipelined PD transfer: TTFT, exposed tail, overlap (tcp, shm)."
 
 
@@ -147,15 +149,24 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
     return round(statistics.median(r[key] for r in runs), 4)
 
 
+def prompt(i: int, num_tokens: int) -> list[int]:
+    """The tokens of bench request ``i`` (``i < 0``: a warm-up request). Prompts of different
+    ``i`` differ from their first token on, so no request finds another's KV in the decode
+    side's prefix cache (a hit moves only the rest: a calibration request that repeated the
+    warm-up's tokens once timed a near-empty slice)."""
+    start = (i + 1) * 7919 % VOCAB if i >= 0 else VOCAB + i
+    return [(start + t) % VOCAB for t in range(num_tokens)]
+
+
 def _calibrate(work: Path, spec: _Spec) -> float:
     """One step's transfer time, ms: the median slice of :data:`CALIBRATION_REQUESTS` one-step
     requests, no compute."""
     pair = _Pair(work / "calibrate", spec, 0.0, pipelined=True)
     try:
-        pair.run("warm", list(range(spec.step)), spec.step)
+        pair.run("warm", prompt(-1, spec.step), spec.step)
         rids = [f"cal{i}" for i in range(CALIBRATION_REQUESTS)]
         for i, rid in enumerate(rids):
-            pair.run(rid, [(i + t) % 30000 for t in range(spec.step)], spec.step)
+            pair.run(rid, prompt(i, spec.step), spec.step)
         return statistics.median(r["slice_transfer_ms"] for r in pair.times(rids))
     finally:
         pair.close()
@@ -169,9 +180,9 @@ def _transport_rows(spec: _Spec, work: Path) -> tuple[list[dict[str, Any]], floa
             pairs[mode] = _Pair(work / mode, spec, per_slice, pipelined=mode == "pipelined")
         ttft: dict[str, list[float]] = {mode: [] for mode in pairs}
         for pair in pairs.values():
-            pair.run("warm", list(range(spec.step)), spec.step)
+            pair.run("warm", prompt(-1, spec.step), spec.step)
         for i in range(spec.requests):  # interleaved, so load changes hit both modes alike
-            tokens = [(i * 7919 + t) % 30000 for t in range(spec.tokens)]
+            tokens = prompt(i, spec.tokens)
             for mode, pair in pairs.items():
                 ttft[mode].append(pair.run(f"r{i}", tokens, spec.step))
         runs = {
