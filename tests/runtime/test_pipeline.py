@@ -136,6 +136,9 @@ def test_whole_only_state_travels_in_the_final_slice() -> None:
         assert c.prefill.metrics.value("pd_bytes_moved", suffix="_total") == (
             50 * 2 * 24 * 2 + 2 * 24 + 16
         )
+        # two slices, two batches: the final one carries its KV, the state and the tail record
+        done = {"transport": "tcp", "state": "done"}
+        assert c.prefill.metrics.value("transport_batches", done, "_total") == 2
         check_balanced(c.router)
     finally:
         c.close()
@@ -160,6 +163,7 @@ def test_many_concurrent_requests_and_metrics(mla: Cluster) -> None:
         "kvplane_pd_transfer_amplification",
         "kvplane_block_pool_usage",
         "kvplane_pd_requests_total",
+        "kvplane_transport_batches_total",  # the transport's own metrics, in the worker's
     ):
         assert name in text
     assert (

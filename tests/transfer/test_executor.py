@@ -203,3 +203,62 @@ def test_region_ids_are_whatever_the_transport_assigned(scripted, clock, kvref) 
     ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
     assert ex.execute(plan, scripted.connect(b""), local_regions=scripted.lengths()).ok
     assert torch.equal(dst, expected)
+
+
+STATE_LAYOUT = KVLayout.state(num_slots=3, num_layers=2, state_dim=8, dtype=torch.uint8)
+
+
+def _state_plan(transport, slot: int):
+    """A whole-only plan: slot ``slot`` of a 3-slot state pool into slot 2 of another."""
+    src = torch.arange(STATE_LAYOUT.pool_bytes, dtype=torch.int64).to(torch.uint8)
+    dst = torch.zeros(STATE_LAYOUT.pool_bytes, dtype=torch.uint8)
+    s_reg, d_reg = transport.register(src), transport.register(dst)
+    plan = plan_transfer(
+        PlanSide(STATE_LAYOUT, np.array([slot]), s_reg.region_id),
+        PlanSide(STATE_LAYOUT, np.array([2]), d_reg.region_id),
+        None,
+    )
+    return plan, src, dst
+
+
+def test_plans_run_jointly_share_batches(scripted, clock, kvref) -> None:
+    """A 4-op KV plan and a 1-op state plan run jointly: 4 batches, the first carrying both
+    plans' descriptors; the bytes are those of running each alone; one result for both."""
+    kv, _, dst, expected, _ = build(scripted, kvref)
+    state, s_src, s_dst = _state_plan(scripted, slot=1)
+    assert (len(kv.ops), len(state.ops)) == (4, 1)
+    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
+    run = ex.start_joint((kv, state), scripted.connect(b""), local_regions=scripted.lengths(),
+                         notify=b"end")  # fmt: skip
+    while not run.done:
+        run.step()
+        clock.sleep(1e-3)
+    result = run.result()
+    assert result.ok and result.num_bytes == kv.num_bytes + state.num_bytes == result.bytes_done
+    batches = list(scripted.batches.values())
+    assert len(batches) == 4 == len(result.ops)
+    assert len(batches[0].src) == len(kv.ops[0].src) + len(state.ops[0].src)
+    assert [len(b.src) for b in batches[1:]] == [len(op.src) for op in kv.ops[1:]]
+    assert [b.notify for b in batches] == [None, None, None, b"end"]
+    assert [p.num_bytes for p in result.ops] == [
+        kv.ops[0].num_bytes + state.ops[0].num_bytes,
+        *(op.num_bytes for op in kv.ops[1:]),
+    ]
+    assert torch.equal(dst, expected)
+    row = STATE_LAYOUT.pool_bytes // 3
+    assert torch.equal(s_dst[2 * row :], s_src[row : 2 * row])
+    assert int(s_dst[: 2 * row].sum()) == 0
+
+
+def test_joint_plans_that_share_bytes_are_refused_before_any_byte_moves(scripted, clock) -> None:
+    one, _, dst = _state_plan(scripted, slot=0)
+    other = TransferPlan(one.ops, one.tokens, one.layers, one.coverage)  # the same bytes again
+    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
+    peer = scripted.connect(b"")
+    with pytest.raises(PlanError, match="plans run jointly share destination bytes"):
+        ex.start_joint((one, other), peer, local_regions=scripted.lengths())
+    with pytest.raises(InvalidArgumentError, match="one or more TransferPlans"):
+        ex.start_joint((), peer, local_regions=scripted.lengths())
+    with pytest.raises(InvalidArgumentError, match="one or more TransferPlans"):
+        ex.start_joint((one, "plan"), peer, local_regions=scripted.lengths())
+    assert scripted.batches == {} and int(dst.sum()) == 0

@@ -13,8 +13,9 @@ the worker loop computes the next prefill step.
 For each slice: plan it (:func:`~kvplane.runtime.slicing.plan_slice`, pure — usually done ahead,
 while the prefill computes the slice), then, on the PD loop thread, check
 ``Participant.submittable`` (a cancel may have overtaken the ``StartSubmit``) and report
-``SubmitStarted`` — or ``SubmitSkipped`` when nothing moves. Only then are the runs started
-(validated against both sides' regions, deadline = the per-slice timeout) and their first ops
+``SubmitStarted`` — or ``SubmitSkipped`` when nothing moves. Only then is the slice's run
+started (its plans validated against both sides' regions and run jointly, so the final slice's
+whole-only records share its KV's batch; deadline = the per-slice timeout) and its first ops
 handed to the transport. When every run of the slice is terminal the evidence goes back:
 ``TransportDone``, ``TransportFailed`` or ``TransportInDoubt`` (any op whose fate is unknown);
 a done slice is timed to when its transport saw the last batch end, not to when this thread got
@@ -425,16 +426,15 @@ class SliceDriver:
         self._metrics.planned(list(zip(planned.plans, planned.dst_block_sizes, strict=True)))
         job = _Job(act, source, planned, [], time.monotonic())
         self._flights.setdefault(sid, deque()).append(job)
-        try:
-            for plan in planned.plans:
-                job.runs.append(
-                    self._executor.start(
-                        plan,
-                        self._sessions[sid].link.peer,
-                        local_regions=self._regions,
-                        deadline_s=self._timeout,
-                    )
+        try:  # one run, one batch per op position: the final slice's records ride with its KV
+            job.runs.append(
+                self._executor.start_joint(
+                    planned.plans,
+                    self._sessions[sid].link.peer,
+                    local_regions=self._regions,
+                    deadline_s=self._timeout,
                 )
+            )
         except KVPlaneError as exc:  # invalid against the regions: nothing of this run moved
             job.failure = str(exc)[:400]
             for run in job.runs:

@@ -57,10 +57,12 @@ GAUGE_PERIOD_S = 0.5
 """How often the worker loop refreshes the sessions-by-state and live-request gauges."""
 
 
-def make_transport(config: WorkerConfig, agent: str) -> Transport:
+def make_transport(
+    config: WorkerConfig, agent: str, metrics: MetricsRegistry | None = None
+) -> Transport:
     """The configured transport (``tcp`` listens on ``transport_host``; ``tcp``/``shm`` copy
-    with ``copy_threads``)."""
-    options: dict[str, object] = {"agent": agent}
+    with ``copy_threads``), its batch metrics in ``metrics`` (the worker's ``/metrics``)."""
+    options: dict[str, object] = {"agent": agent, "metrics": metrics}
     if config.transport == "tcp":
         options["host"] = config.transport_host
     if config.transport in ("tcp", "shm") and config.secret is not None:
@@ -94,7 +96,9 @@ class Worker:
         self.rmetrics = RuntimeMetrics(self.metrics, self.role)
         self.timeline = Timeline(config.name)
         self.incarnation = config.incarnation or time.time_ns() // 1000
-        self.transport = transport or make_transport(config, f"{config.name}.{self.incarnation}")
+        self.transport = transport or make_transport(
+            config, f"{config.name}.{self.incarnation}", self.metrics
+        )
         if faults is not None and faults.transport_faults:
             self.transport = FaultyTransport(self.transport, faults)
         self.pools = WorkerPools(

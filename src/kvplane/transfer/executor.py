@@ -2,7 +2,10 @@
 
 :meth:`PlanExecutor.start` validates the plan against the local regions and the peer's regions
 (``PlanError`` before any byte moves) and returns a :class:`~kvplane.transfer.run.PlanRun` that
-has submitted nothing; :meth:`PlanExecutor.execute` drives that run to its end with a short
+has submitted nothing (:meth:`PlanExecutor.start_joint` does the same for several plans that
+run as one: a transfer unit built from plans of several pools, e.g. a final slice's KV and its
+whole-only records, then costs one transport batch per op position instead of one per plan);
+:meth:`PlanExecutor.execute` drives that run to its end with a short
 backoff, calling ``on_progress`` for every op change, and returns the typed
 :class:`~kvplane.transfer.progress.PlanResult` — FAILED and IN_DOUBT are results, not exceptions.
 """
@@ -10,12 +13,12 @@ backoff, calling ``on_progress`` for every op change, and returns the typed
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from kvplane.errors import InvalidArgumentError, PlanError
 from kvplane.ids import RegionId
 from kvplane.metrics import MetricsRegistry
-from kvplane.transfer.plan import TransferPlan
+from kvplane.transfer.plan import TransferPlan, check_disjoint
 from kvplane.transfer.progress import ExecMetrics, OpProgress, PlanResult
 from kvplane.transfer.run import PlanRun
 from kvplane.transports.base import Peer, Transport, XferKind
@@ -56,6 +59,28 @@ class PlanExecutor:
     ) -> PlanRun:
         """Validate ``plan`` (WRITE: sources local, destinations the peer's; READ: the reverse)
         and return a run that has submitted nothing yet. ``PlanError`` if the plan is invalid."""
+        return self.start_joint(
+            (plan,), peer, local_regions=local_regions, kind=kind, deadline_s=deadline_s,
+            notify=notify,
+        )  # fmt: skip
+
+    def start_joint(
+        self,
+        plans: Sequence[TransferPlan],
+        peer: Peer,
+        *,
+        local_regions: Mapping[RegionId, int],
+        kind: XferKind = XferKind.WRITE,
+        deadline_s: float = 30.0,
+        notify: bytes | None = None,
+    ) -> PlanRun:
+        """:meth:`start` for several plans run as one: batch ``k`` moves op ``k`` of every plan
+        (:func:`~kvplane.transfer.plan.joint_ops`), one result for all. Each plan is validated,
+        and no two may write the same destination byte or read the same source byte
+        (``PlanError`` before any byte moves)."""
+        plans = tuple(plans)
+        if not plans or any(not isinstance(p, TransferPlan) for p in plans):
+            raise InvalidArgumentError("start_joint needs one or more TransferPlans")
         if not isinstance(kind, XferKind):
             raise InvalidArgumentError(f"kind must be an XferKind, got {kind!r}")
         if (
@@ -64,14 +89,16 @@ class PlanExecutor:
             or not deadline_s > 0
         ):
             raise InvalidArgumentError(f"deadline_s must be a positive number, got {deadline_s!r}")
-        if notify is not None and plan.empty:
+        if notify is not None and all(p.empty for p in plans):
             raise PlanError("an empty plan has no op to carry the notification")
-        if kind is XferKind.WRITE:
-            plan.validate(local_regions, peer.regions)
-        else:
-            plan.validate(peer.regions, local_regions)
+        for plan in plans:
+            if kind is XferKind.WRITE:
+                plan.validate(local_regions, peer.regions)
+            else:
+                plan.validate(peer.regions, local_regions)
+        check_disjoint(plans)
         return PlanRun(
-            self.transport, plan, peer,
+            self.transport, plans, peer,
             kind=kind, deadline_s=float(deadline_s), max_inflight=self._max_inflight,
             notify=notify, clock=self._clock, metrics=self._metrics,
         )  # fmt: skip

@@ -14,7 +14,7 @@ Plans are built by :func:`kvplane.transfer.planner.plan_transfer` (a pure functi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvplane.errors import PlanError
@@ -229,6 +229,44 @@ class TransferPlan:
             }
             for i, op in enumerate(self.ops)
         ]
+
+
+def joint_ops(plans: Sequence[TransferPlan]) -> tuple[tuple[DescriptorList, DescriptorList], ...]:
+    """The batches of running ``plans`` jointly: batch ``k`` moves op ``k`` of every plan that
+    has one (their descriptors concatenated in plan order), so a transfer unit made of several
+    plans -- a final slice's KV and its whole-only records -- costs one transport batch, not
+    one per plan. One plan gives its own ops' lists unchanged."""
+    count = max((len(p.ops) for p in plans), default=0)
+    out = []
+    for k in range(count):
+        ops = [p.ops[k] for p in plans if k < len(p.ops)]
+        out.append(
+            (ops[0].src, ops[0].dst)
+            if len(ops) == 1
+            else (
+                concat_descriptors([o.src for o in ops]),
+                concat_descriptors([o.dst for o in ops]),
+            )
+        )
+    return tuple(out)
+
+
+def check_disjoint(plans: Sequence[TransferPlan]) -> None:
+    """``PlanError`` if two of ``plans`` write the same destination byte or read the same source
+    byte (each plan's own ops are checked by :meth:`TransferPlan.validate`); mutates nothing."""
+    if len(plans) < 2:
+        return
+    for side, descs in (
+        ("destination", concat_descriptors([p.dst_descriptors() for p in plans])),
+        ("source", concat_descriptors([p.src_descriptors() for p in plans])),
+    ):
+        clash = first_overlap(descs)
+        if clash is not None:
+            i = clash[0]
+            raise PlanError(
+                f"plans run jointly share {side} bytes: region {int(descs.regions[i])} "
+                f"[{int(descs.offsets[i])}, +{int(descs.lengths[i])})"
+            )
 
 
 def _moments(c: Coverage) -> str:

@@ -19,7 +19,7 @@ hears of the plan only after all of its bytes have landed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvplane.errors import (
     InvalidArgumentError,
@@ -27,7 +27,7 @@ from kvplane.errors import (
     RemoteDisconnectError,
     TransferTimeoutError,
 )
-from kvplane.transfer.plan import TransferPlan
+from kvplane.transfer.plan import TransferPlan, joint_ops
 from kvplane.transfer.progress import (
     ExecMetrics,
     OpProgress,
@@ -54,13 +54,15 @@ def _failure_of(exc: KVPlaneError) -> FailureKind:
 
 
 class PlanRun:
-    """One plan executing on one transport. Created by :meth:`PlanExecutor.start`; advance it
-    with :meth:`step` until :attr:`done`, then read :meth:`result`. Not thread-safe."""
+    """One plan -- or several run jointly, op ``k`` of each in one batch (:func:`joint_ops`) --
+    executing on one transport. Created by :meth:`PlanExecutor.start` or
+    :meth:`PlanExecutor.start_joint`; advance it with :meth:`step` until :attr:`done`, then read
+    :meth:`result`, whose ``ops`` are the run's batches. Not thread-safe."""
 
     def __init__(
         self,
         transport: Transport,
-        plan: TransferPlan,
+        plans: Sequence[TransferPlan],
         peer: Peer,
         *,
         kind: XferKind,
@@ -70,14 +72,17 @@ class PlanRun:
         clock: Callable[[], float],
         metrics: ExecMetrics | None,
     ) -> None:
-        self._transport, self._plan, self._peer, self._kind = transport, plan, peer, kind
+        self._transport, self._peer, self._kind = transport, peer, kind
+        self._ops = joint_ops(plans)
+        self._num_bytes = sum(p.num_bytes for p in plans)
         self._notify, self._clock, self._metrics = notify, clock, metrics
         self._max_inflight = max_inflight
         self._started = clock()
         self._deadline = self._started + deadline_s
-        n = len(plan.ops)
+        n = len(self._ops)
         self._progress = [
-            OpProgress(i, OpState.WAITING, 0, op.num_bytes) for i, op in enumerate(plan.ops)
+            OpProgress(i, OpState.WAITING, 0, src.total_bytes)
+            for i, (src, _) in enumerate(self._ops)
         ]
         self._handles: dict[int, Handle] = {}
         self._next = 0
@@ -166,10 +171,10 @@ class PlanRun:
             notify = self._notify if i == last else None
             if notify is not None and any(p.state is not OpState.DONE for p in self._progress[:i]):
                 return  # the notifying op waits until every other op has landed
-            op = self._plan.ops[i]
+            src, dst = self._ops[i]
             try:
                 handle = self._transport.submit(
-                    self._kind, op.src, op.dst, self._peer,
+                    self._kind, src, dst, self._peer,
                     notify=notify, deadline_s=max(self._deadline - now, 1e-6),
                 )  # fmt: skip
             except KVPlaneError as exc:
@@ -180,7 +185,7 @@ class PlanRun:
                 self._halt(_failure_of(exc), f"op {i} was refused: {exc}")
                 return
             if self._metrics is not None:
-                self._metrics.descriptors.observe(op.num_descriptors)
+                self._metrics.descriptors.observe(len(src))
             self._handles[i] = handle
             self._next += 1
             self._set(i, OpState.PENDING, events)
@@ -231,7 +236,7 @@ class PlanRun:
             outcome=outcome,
             ops=tuple(self._progress),
             bytes_done=sum(p.bytes_done for p in self._progress),
-            num_bytes=self._plan.num_bytes,
+            num_bytes=self._num_bytes,
             elapsed_s=now - self._started,
             failure=None if outcome is PlanOutcome.DONE else failure,
             reason="" if outcome is PlanOutcome.DONE else reason,
