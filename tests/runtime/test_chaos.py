@@ -71,7 +71,8 @@ SLACK_S = 0.3
 
 
 class Deployment:
-    def __init__(self) -> None:
+    def __init__(self, transport: str = "tcp") -> None:
+        self.transport = transport
         self.ports = {k: free_port() for k in ("pc", "pp", "dc", "dp")}
         self.procs: list[Proc] = []
         self.prefill = self.start("prefill")
@@ -95,6 +96,8 @@ class Deployment:
             *TIMING,
             *FRAMES,
             *extra,
+            "--transport",
+            self.transport,
             "--chaos-seed",
             str(len(self.procs) + 11),
         ]
@@ -109,8 +112,8 @@ class Deployment:
 
 
 @pytest.fixture
-def deployment() -> Iterator[Deployment]:
-    d = Deployment()
+def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
+    d = Deployment(getattr(request, "param", "tcp"))
     yield d
     d.close()
 
@@ -202,5 +205,6 @@ def test_chaos_short(deployment: Deployment) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("deployment", ["tcp", "shm"], indirect=True)
 def test_chaos_thousand_requests(deployment: Deployment) -> None:
     run_chaos(deployment, 1000, kills=[(300, "decode"), (650, "prefill")], seed=4)
