@@ -228,7 +228,7 @@ def test_plans_run_jointly_share_batches(scripted, clock, kvref) -> None:
     state, s_src, s_dst = _state_plan(scripted, slot=1)
     assert (len(kv.ops), len(state.ops)) == (4, 1)
     ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
-    run = ex.start_joint((kv, state), scripted.connect(b""), local_regions=scripted.lengths(),
+    run = ex.start((kv, state), scripted.connect(b""), local_regions=scripted.lengths(),
                          notify=b"end")  # fmt: skip
     while not run.done:
         run.step()
@@ -256,9 +256,9 @@ def test_joint_plans_that_share_bytes_are_refused_before_any_byte_moves(scripted
     ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
     peer = scripted.connect(b"")
     with pytest.raises(PlanError, match="plans run jointly share destination bytes"):
-        ex.start_joint((one, other), peer, local_regions=scripted.lengths())
-    with pytest.raises(InvalidArgumentError, match="one or more TransferPlans"):
-        ex.start_joint((), peer, local_regions=scripted.lengths())
-    with pytest.raises(InvalidArgumentError, match="one or more TransferPlans"):
-        ex.start_joint((one, "plan"), peer, local_regions=scripted.lengths())
+        ex.start((one, other), peer, local_regions=scripted.lengths())
+    with pytest.raises(InvalidArgumentError, match="a TransferPlan or a sequence of them"):
+        ex.start((), peer, local_regions=scripted.lengths())
+    with pytest.raises(InvalidArgumentError, match="a TransferPlan or a sequence of them"):
+        ex.start((one, "plan"), peer, local_regions=scripted.lengths())
     assert scripted.batches == {} and int(dst.sum()) == 0

@@ -428,7 +428,7 @@ class SliceDriver:
         self._flights.setdefault(sid, deque()).append(job)
         try:  # one run, one batch per op position: the final slice's records ride with its KV
             job.runs.append(
-                self._executor.start_joint(
+                self._executor.start(
                     planned.plans,
                     self._sessions[sid].link.peer,
                     local_regions=self._regions,

@@ -2,11 +2,10 @@
 
 :meth:`PlanExecutor.start` validates the plan against the local regions and the peer's regions
 (``PlanError`` before any byte moves) and returns a :class:`~kvplane.transfer.run.PlanRun` that
-has submitted nothing (:meth:`PlanExecutor.start_joint` does the same for several plans that
-run as one: a transfer unit built from plans of several pools, e.g. a final slice's KV and its
-whole-only records, then costs one transport batch per op position instead of one per plan);
-:meth:`PlanExecutor.execute` drives that run to its end with a short
-backoff, calling ``on_progress`` for every op change, and returns the typed
+has submitted nothing. Given several plans it runs them as one: a transfer unit built from plans
+of several pools (a final slice's KV and its whole-only records) then costs one transport batch
+per op position instead of one per plan. :meth:`PlanExecutor.execute` drives a run to its end
+with a short backoff, calling ``on_progress`` for every op change, and returns the typed
 :class:`~kvplane.transfer.progress.PlanResult` — FAILED and IN_DOUBT are results, not exceptions.
 """
 
@@ -49,7 +48,7 @@ class PlanExecutor:
 
     def start(
         self,
-        plan: TransferPlan,
+        plans: TransferPlan | Sequence[TransferPlan],
         peer: Peer,
         *,
         local_regions: Mapping[RegionId, int],
@@ -57,30 +56,14 @@ class PlanExecutor:
         deadline_s: float = 30.0,
         notify: bytes | None = None,
     ) -> PlanRun:
-        """Validate ``plan`` (WRITE: sources local, destinations the peer's; READ: the reverse)
-        and return a run that has submitted nothing yet. ``PlanError`` if the plan is invalid."""
-        return self.start_joint(
-            (plan,), peer, local_regions=local_regions, kind=kind, deadline_s=deadline_s,
-            notify=notify,
-        )  # fmt: skip
-
-    def start_joint(
-        self,
-        plans: Sequence[TransferPlan],
-        peer: Peer,
-        *,
-        local_regions: Mapping[RegionId, int],
-        kind: XferKind = XferKind.WRITE,
-        deadline_s: float = 30.0,
-        notify: bytes | None = None,
-    ) -> PlanRun:
-        """:meth:`start` for several plans run as one: batch ``k`` moves op ``k`` of every plan
-        (:func:`~kvplane.transfer.plan.joint_ops`), one result for all. Each plan is validated,
-        and no two may write the same destination byte or read the same source byte
-        (``PlanError`` before any byte moves)."""
-        plans = tuple(plans)
+        """Validate a plan (WRITE: sources local, destinations the peer's; READ: the reverse)
+        and return a run that has submitted nothing yet; ``PlanError`` if the plan is invalid.
+        Several plans run as one: batch ``k`` moves op ``k`` of every plan
+        (:func:`~kvplane.transfer.plan.joint_ops`), one result for all; each plan is validated,
+        and no two may write the same destination byte or read the same source byte."""
+        plans = (plans,) if isinstance(plans, TransferPlan) else tuple(plans)
         if not plans or any(not isinstance(p, TransferPlan) for p in plans):
-            raise InvalidArgumentError("start_joint needs one or more TransferPlans")
+            raise InvalidArgumentError("start needs a TransferPlan or a sequence of them")
         if not isinstance(kind, XferKind):
             raise InvalidArgumentError(f"kind must be an XferKind, got {kind!r}")
         if (

@@ -55,9 +55,9 @@ def _failure_of(exc: KVPlaneError) -> FailureKind:
 
 class PlanRun:
     """One plan -- or several run jointly, op ``k`` of each in one batch (:func:`joint_ops`) --
-    executing on one transport. Created by :meth:`PlanExecutor.start` or
-    :meth:`PlanExecutor.start_joint`; advance it with :meth:`step` until :attr:`done`, then read
-    :meth:`result`, whose ``ops`` are the run's batches. Not thread-safe."""
+    executing on one transport. Created by :meth:`PlanExecutor.start`; advance it with
+    :meth:`step` until :attr:`done`, then read :meth:`result`, whose ``ops`` are the run's
+    batches. Not thread-safe."""
 
     def __init__(
         self,
