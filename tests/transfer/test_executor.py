@@ -7,15 +7,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvplane.chunks import ChunkSpec
 from kvplane.errors import InvalidArgumentError, PlanError
 from kvplane.ids import RegionId, TokenRange
 from kvplane.layout import HEAD_MAJOR, KVLayout
 from kvplane.metrics import MetricsRegistry
-from kvplane.transfer.coverage import Coverage
+from kvplane.transfer.coverage import Coverage, concat_descriptors
 from kvplane.transfer.executor import PlanExecutor
-from kvplane.transfer.plan import TransferPlan
+from kvplane.transfer.plan import TransferPlan, joint_ops
 from kvplane.transfer.planner import plan_transfer
 from kvplane.transfer.progress import OpProgress, OpState, PlanOutcome
 from kvplane.transfer.request import OpGrouping, PlanOptions, PlanSide
@@ -262,3 +264,59 @@ def test_joint_plans_that_share_bytes_are_refused_before_any_byte_moves(scripted
     with pytest.raises(InvalidArgumentError, match="a TransferPlan or a sequence of them"):
         ex.start((one, "plan"), peer, local_regions=scripted.lengths())
     assert scripted.batches == {} and int(dst.sum()) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    plans=st.lists(
+        st.tuples(
+            st.integers(0, 15),  # token range start
+            st.integers(1, 16),  # token count
+            st.sampled_from(list(OpGrouping)),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_a_joint_run_moves_the_bytes_of_each_plan_run_alone(kvref, plans, seed) -> None:
+    """Plans of several pool pairs (random token ranges and op groupings) run jointly over the
+    local loopback: one batch per op position, each holding that op of every plan in plan order,
+    and every destination byte as if each plan had run alone."""
+    transport = LocalTransport()
+    try:
+        built, alone, lengths = [], [], {}
+        for i, (start, count, grouping) in enumerate(plans):
+            src, _ = kvref.region_with_pool(SRC_LAYOUT, 0, seed=seed + 2 * i)
+            dst, _ = kvref.region_with_pool(DST_LAYOUT, 0, seed=seed + 2 * i + 1)
+            s_reg, d_reg = transport.register(src), transport.register(dst)
+            lengths.update({s_reg.region_id: s_reg.length, d_reg.region_id: d_reg.length})
+            end = min(start + count, 16)
+            plan = plan_transfer(
+                PlanSide(SRC_LAYOUT, np.array(S_IDS), s_reg.region_id),
+                PlanSide(DST_LAYOUT, np.array(D_IDS), d_reg.region_id),
+                TokenRange(start, end),
+                options=PlanOptions(grouping=grouping, chunk_spec=ChunkSpec(4)),
+            )
+            expected = dst.clone()
+            kvref.memcpy(plan, {s_reg.region_id: src, d_reg.region_id: expected})
+            built.append(plan)
+            alone.append((dst, expected))
+        batches = joint_ops(built)
+        assert len(batches) == max(len(p.ops) for p in built)
+        for k, (src_list, dst_list) in enumerate(batches):
+            ops = [p.ops[k] for p in built if k < len(p.ops)]
+            assert src_list.equals(concat_descriptors([o.src for o in ops]))
+            assert dst_list.equals(concat_descriptors([o.dst for o in ops]))
+        run = PlanExecutor(transport).start(
+            built, transport.connect(transport.metadata()), local_regions=lengths
+        )
+        while not run.done:
+            run.step()
+        result = run.result()
+        assert result.ok and len(result.ops) == len(batches)
+        assert result.bytes_done == sum(p.num_bytes for p in built)
+        for dst, expected in alone:
+            assert torch.equal(dst, expected)
+    finally:
+        transport.close()
