@@ -169,7 +169,7 @@ def test_the_sender_pins_queued_batches_ahead_of_running_them(kit, monkeypatch):
             assert torch.equal(pool, data[i * size : (i + 1) * size])
         assert int(pools[3].sum()) == 0  # nothing of D moved
         end = time.monotonic() + 10.0
-        while b.pinned_regions() and time.monotonic() < end:
+        while (b.pinned_regions() or a.live_batches()) and time.monotonic() < end:
             time.sleep(0.01)
         assert b.pinned_regions() == 0 and a.live_batches() == 0  # D's pin went with its ABORT
     finally:
