@@ -14,14 +14,14 @@ A batch on the initiator's sender thread: PIN (the peer's region ids) -> wait fo
 peer cannot deregister that memory under us -> copy with ``copier`` between our memory and the
 peer's mapping (this is the only data movement) -> COMMIT with the notify. Before it waits, the
 sender also sends the PINs of up to :data:`PIN_AHEAD` jobs queued behind (*pins ahead*), so
-their round trips overlap this batch's copy instead of following it: a slice's second batch
-(the final slice's tail record) or a backlog of slices then starts copying at once. A job pinned
-ahead that is cancelled before it runs is sent an ABORT when the sender reaches it, which
-releases the pin; the target also releases every pin of a connection that closes. The target unpins,
-queues the notification (after the bytes, which were copied before the COMMIT was sent) and
-ACKs; the ACK makes the batch DONE. The control socket's EOF means the peer process is gone:
-every batch bound to it fails REMOTE_DISCONNECT (also while waiting for PINNED, e.g. a stopped
-peer killed later). Peers must share a host (kernel boot id in the metadata).
+their round trips overlap this batch's copy instead of following it: a backlog of slices then
+starts copying at once. A job pinned ahead that is cancelled before it runs is sent an ABORT
+when the sender reaches it, which releases the pin (the target also releases every pin of a
+connection that closes). On COMMIT the target unpins, queues the notification (after the
+bytes, which were copied before the COMMIT was sent) and ACKs; the ACK makes the batch DONE. The
+control socket's EOF means the peer process is gone: every batch bound to it fails
+REMOTE_DISCONNECT (also while waiting for PINNED, e.g. a stopped peer killed later). Peers must
+share a host (kernel boot id in the metadata).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class _ShmLink(LinkState):
     pin_replies: dict[int, str] = field(default_factory=dict)
     pin_ready: threading.Condition = field(default_factory=threading.Condition)
     pinned_ahead: set[int] = field(default_factory=set)
-    """Transfer ids whose PIN went out before their job ran (the sender thread's own set)."""
+    """Transfer ids whose PIN went out before their job ran (only the sender thread uses it)."""
 
 
 class ShmTransport(StreamTransport):
@@ -235,7 +235,8 @@ class ShmTransport(StreamTransport):
             if sent:
                 with state.pin_ready:
                     state.pin_replies.pop(xid, None)
-                link.ch.send_frame(FrameType.ABORT, xid)  # releases the pin sent ahead
+                if not link.down:
+                    link.ch.send_frame(FrameType.ABORT, xid)  # releases the pin sent ahead
             self._batches.quiesce(batch)
             return
         if not sent:
