@@ -144,6 +144,32 @@ def test_write_random_batches_equal_reference(pair, kit, seed, max_desc, max_run
     assert pair.far.notifications(10.0) == [(pair.t.agent, f"w{seed}".encode())]
 
 
+def test_one_batch_spans_several_peer_regions(pair, kit):
+    """One WRITE whose destinations lie in two of the peer's regions (as when a final slice's
+    KV and its whole-only records run as one batch) lands each byte in its own region."""
+    other = pair.far.alloc(SIZE)
+    pair.peer = pair.t.connect(pair.far.metadata())  # refreshes the peer's region table
+    rng = np.random.default_rng(9)
+    s1, d1 = kit.random_batch(rng, pair.mine, SIZE, pair.far_zero, SIZE, max_desc=60,
+                              max_run=9000)  # fmt: skip
+    s2, d2 = kit.random_batch(rng, pair.mine, SIZE, other, SIZE, max_desc=60, max_run=9000)
+    both = [
+        DescriptorList(
+            np.concatenate([a.regions, b.regions]),
+            np.concatenate([a.offsets, b.offsets]),
+            np.concatenate([a.lengths, b.lengths]),
+        )
+        for a, b in ((s1, s2), (d1, d2))
+    ]
+    before = _far_bytes(pair, pair.far_zero), _far_bytes(pair, other)
+    h = pair.t.submit(XferKind.WRITE, both[0], both[1], pair.peer, notify=b"two")
+    got = kit.wait(pair.t, h)
+    assert (got.state, got.bytes_done) == (XferState.DONE, s1.total_bytes + s2.total_bytes)
+    assert torch.equal(_far_bytes(pair, pair.far_zero), kit.reference(pair.src, before[0], s1, d1))
+    assert torch.equal(_far_bytes(pair, other), kit.reference(pair.src, before[1], s2, d2))
+    assert pair.far.notifications(10.0) == [(pair.t.agent, b"two")]
+
+
 @pytest.mark.parametrize("seed", [3, 4])
 def test_read_random_batches_equal_reference(pair, kit, seed):
     rng = np.random.default_rng(seed)
