@@ -172,15 +172,21 @@ def test_many_concurrent_requests_and_metrics(mla: Cluster) -> None:
     )
 
 
-def test_shm_transport_when_available() -> None:
+@pytest.mark.parametrize("transport", ["shm", "nixl", "mooncake"])
+def test_other_transports_when_available(transport: str) -> None:
+    """The same byte-exact pipeline over shm and the NIXL and Mooncake adapters, including a
+    one-token request and unaligned ends (each final slice one batch across two regions)."""
     from kvplane.transports.registry import available
 
-    if available().get("shm") is not None:
-        pytest.skip("shm transport unavailable here")
-    c = cluster(MLA, transport="shm")
+    reason = available().get(transport)
+    if reason is not None:
+        pytest.skip(reason)
+    c = cluster(MLA, transport=transport)
     try:
-        res = c.router.generate("m", list(range(70)))
-        assert (res.state, res.mismatches) == ("success", 0)
+        rng = np.random.default_rng(7)
+        for i, n in enumerate([1, 33, 70]):
+            res = c.router.generate(f"m{i}", prompt(rng, n))
+            assert (res.state, res.mismatches, res.num_tokens) == ("success", 0, n)
         check_balanced(c.router)
     finally:
         c.close()
