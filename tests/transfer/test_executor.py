@@ -230,8 +230,9 @@ def test_plans_run_jointly_share_batches(scripted, clock, kvref) -> None:
     state, s_src, s_dst = _state_plan(scripted, slot=1)
     assert (len(kv.ops), len(state.ops)) == (4, 1)
     ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
-    run = ex.start((kv, state), scripted.connect(b""), local_regions=scripted.lengths(),
-                         notify=b"end")  # fmt: skip
+    run = ex.start(
+        (kv, state), scripted.connect(b""), local_regions=scripted.lengths(), notify=b"end"
+    )
     while not run.done:
         run.step()
         clock.sleep(1e-3)

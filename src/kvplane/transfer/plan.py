@@ -238,15 +238,10 @@ def joint_ops(plans: Sequence[TransferPlan]) -> tuple[tuple[DescriptorList, Desc
     one per plan. One plan gives its own ops' lists unchanged."""
     count = max((len(p.ops) for p in plans), default=0)
     out = []
-    for k in range(count):
+    for k in range(count):  # concat_descriptors hands a lone list back unchanged
         ops = [p.ops[k] for p in plans if k < len(p.ops)]
         out.append(
-            (ops[0].src, ops[0].dst)
-            if len(ops) == 1
-            else (
-                concat_descriptors([o.src for o in ops]),
-                concat_descriptors([o.dst for o in ops]),
-            )
+            (concat_descriptors([o.src for o in ops]), concat_descriptors([o.dst for o in ops]))
         )
     return tuple(out)
 
