@@ -1,16 +1,20 @@
-"""nixl adapter specifics (skipped without NIXL): address arithmetic, tagging, empty batches."""
+"""nixl adapter specifics (skipped without NIXL): address arithmetic, tagging, empty batches,
+and the poster thread (``submit`` never waits for NIXL to copy)."""
 
 from __future__ import annotations
 
+import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from kvplane.errors import TransportError
 from kvplane.ids import PeerId, RegionId
-from kvplane.transports.base import DescriptorList, XferKind, XferState
-from kvplane.transports.nixl import addresses, probe
+from kvplane.transports.base import DescriptorList, FailureKind, XferKind, XferState
+from kvplane.transports.nixl import _thread_safe_config, addresses, probe
 
 pytestmark = pytest.mark.skipif(probe() is not None, reason=str(probe()))
 
@@ -46,3 +50,119 @@ def test_loopback_write_and_notify_only_batch(kit):
         assert t.pinned_regions() == 0 and t.live_batches() == 0
     finally:
         t.close()
+
+
+def test_agent_is_created_thread_safe_rw_else_strict():
+    def api(*modes: str) -> SimpleNamespace:
+        return SimpleNamespace(nixl_thread_sync_t=SimpleNamespace(**{m: m for m in modes}),
+                               nixl_agent_config=lambda **kw: kw)  # fmt: skip
+
+    both = api("NIXL_THREAD_SYNC_NONE", "NIXL_THREAD_SYNC_STRICT", "NIXL_THREAD_SYNC_RW")
+    assert _thread_safe_config(both, ["UCX"]) == {
+        "backends": ["UCX"], "sync_mode": "NIXL_THREAD_SYNC_RW"
+    }  # fmt: skip
+    older = api("NIXL_THREAD_SYNC_NONE", "NIXL_THREAD_SYNC_STRICT")
+    assert _thread_safe_config(older, ["UCX"])["sync_mode"] == "NIXL_THREAD_SYNC_STRICT"
+
+
+class _GatedTransfer:
+    """Wraps the agent's ``transfer``: records the calling thread, then waits for ``gate``."""
+
+    def __init__(self, agent: object) -> None:
+        self.inner = agent.transfer  # type: ignore[attr-defined]
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.threads: list[str] = []
+
+    def __call__(self, handle: object) -> str:
+        self.threads.append(threading.current_thread().name)
+        self.entered.set()
+        assert self.gate.wait(20)
+        return str(self.inner(handle))
+
+
+def test_submit_returns_while_nixl_copies_and_batches_keep_order(kit):
+    from kvplane.transports.nixl import NixlTransport
+
+    t = NixlTransport(agent="nixl-gate")
+    try:
+        src_buf = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+        dst_buf = torch.zeros(256, dtype=torch.uint8)
+        src, dst = t.register(src_buf).region_id, t.register(dst_buf).region_id
+        peer = t.connect(t.metadata())
+        gated = _GatedTransfer(t._agent)
+        t._agent.transfer = gated
+        h1 = t.submit(XferKind.WRITE, kit.one(src, 0, 128), kit.one(dst, 0, 128), peer)
+        h2 = t.submit(XferKind.WRITE, kit.one(src, 128, 128), kit.one(dst, 128, 128), peer,
+                      notify=b"second")  # fmt: skip
+        assert gated.entered.wait(10)  # the poster is inside NIXL's transfer of h1 ...
+        assert t.poll(h1).state is XferState.PENDING and t.poll(h2).state is XferState.PENDING
+        assert int(dst_buf.sum()) == 0 and gated.threads == ["kvplane-nixl-nixl-gate-post"]
+        gated.gate.set()  # ... and submit returned without waiting for it
+        assert kit.wait(t, h1).state is XferState.DONE
+        assert kit.wait(t, h2).state is XferState.DONE
+        assert gated.threads == ["kvplane-nixl-nixl-gate-post"] * 2
+        assert torch.equal(dst_buf, src_buf)
+        assert t.pinned_regions() == 0 and t.live_batches() == 0
+    finally:
+        t.close()
+    assert not [name for name in kit.kv_threads() if "nixl-gate" in name]
+
+
+def test_cancel_while_nixl_copies_ends_at_once_and_unpins_when_nixl_lets_go(kit):
+    from kvplane.transports.nixl import NixlTransport
+
+    t = NixlTransport(agent="nixl-cancel")
+    try:
+        src_buf = torch.full((64,), 7, dtype=torch.uint8)
+        dst_buf = torch.zeros(64, dtype=torch.uint8)
+        src, dst = t.register(src_buf).region_id, t.register(dst_buf).region_id
+        peer = t.connect(t.metadata())
+        gated = _GatedTransfer(t._agent)
+        t._agent.transfer = gated
+        running = t.submit(XferKind.WRITE, kit.one(src, 0, 32), kit.one(dst, 0, 32), peer)
+        queued = t.submit(XferKind.WRITE, kit.one(src, 32, 32), kit.one(dst, 32, 32), peer)
+        assert gated.entered.wait(10)
+        t.cancel(running)
+        t.cancel(queued)
+        for h in (running, queued):
+            got = t.poll(h)
+            assert (got.state, got.failure) == (XferState.FAILED, FailureKind.CANCELLED)
+        with pytest.raises(TransportError):  # NIXL still owns the running batch's bytes
+            t.deregister(src)
+        gated.gate.set()
+        end = time.monotonic() + 10
+        while (t.pinned_regions() or t.live_batches()) and time.monotonic() < end:
+            time.sleep(1e-3)
+        assert t.pinned_regions() == 0 and t.live_batches() == 0
+        assert gated.threads == ["kvplane-nixl-nixl-cancel-post"]  # the queued one never ran
+        assert int(dst_buf[32:].sum()) == 0
+        t.deregister(src)
+    finally:
+        t.close()
+
+
+def test_close_fails_queued_batches_and_stops_the_poster(kit):
+    from kvplane.transports.nixl import NixlTransport
+
+    t = NixlTransport(agent="nixl-close")
+    src = t.register(torch.ones(64, dtype=torch.uint8)).region_id
+    dst = t.register(torch.zeros(64, dtype=torch.uint8)).region_id
+    peer = t.connect(t.metadata())
+    gated = _GatedTransfer(t._agent)
+    t._agent.transfer = gated
+    first = t.submit(XferKind.WRITE, kit.one(src, 0, 32), kit.one(dst, 0, 32), peer)
+    second = t.submit(XferKind.WRITE, kit.one(src, 32, 32), kit.one(dst, 32, 32), peer)
+    assert gated.entered.wait(10)
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    end = time.monotonic() + 10
+    while not t._stopping and time.monotonic() < end:  # closing before the copy returns
+        time.sleep(1e-3)
+    gated.gate.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert t.poll(second).state is XferState.FAILED
+    assert t.poll(first).state.terminal
+    assert t.pinned_regions() == 0 and t.live_batches() == 0
+    assert not [name for name in kit.kv_threads() if "nixl-close" in name]

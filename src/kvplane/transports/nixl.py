@@ -5,14 +5,28 @@ Theory of operation
 One NIXL agent per transport, named after our agent. ``register`` registers the tensor's bytes
 with the agent; ``metadata`` wraps the agent's own metadata blob together with our region table
 (ids, lengths, base addresses); ``connect`` loads the peer's blob (``add_remote_agent``, which
-also refreshes it) and keeps the peer's base addresses. ``submit`` coalesces the pairs, turns
-them into two ``(address, length, device)`` arrays -- vectorised, no loop per descriptor -- and
-posts one NIXL transfer whose notification (tagged, so it is told apart from foreign ones)
-NIXL delivers to the peer after the data. ``poll`` asks NIXL for the state. NIXL has no
-deadline of its own: past ours we try to release (cancel) the request; if NIXL cannot yet, the
-request is kept and reaped later, and the batch's regions stay pinned until it is. NIXL raising
-its remote-disconnect error maps to REMOTE_DISCONNECT. NIXL is imported here only; without it
-the constructor raises ``UnsupportedError`` with the install hint.
+also refreshes it) and keeps the peer's base addresses.
+
+``submit`` only queues the batch: one *poster* thread per transport takes batches in submission
+order, coalesces the pairs, turns them into two ``(address, length, device)`` arrays --
+vectorised, no loop per descriptor -- and posts one NIXL transfer whose notification (tagged, so
+it is told apart from foreign ones) NIXL delivers to the peer after the data. The thread is
+needed because NIXL may move the bytes inside ``transfer`` itself (UCX's cross-memory-attach
+path on one host copies a whole 18 MB batch in the call, with the GIL released): done on the
+caller's thread, that blocked the slice driver for every copy and serialised its slices. The
+poster also polls its running requests (backing off from 50 us to 1 ms while nothing changes,
+woken at once by a new batch), ends each one, enforces deadlines, and releases NIXL requests.
+A batch is ended only after its NIXL request is released and its regions unpinned, so whoever
+sees DONE sees a quiescent batch. Cancel or a passed deadline ends a batch at once; NIXL's
+request is then released (cancelled) by the poster, which keeps retrying while NIXL cannot yet,
+and the regions stay pinned until it can. NIXL raising its remote-disconnect error maps to
+REMOTE_DISCONNECT.
+
+The agent is driven from several threads (the poster; ``register``, ``connect`` and
+``notifications`` on the caller's), which NIXL allows only in a thread-sync mode; the agent is
+created with ``NIXL_THREAD_SYNC_RW`` (metadata calls exclusive, transfer calls shared), or
+``STRICT`` where a NIXL build lacks it. NIXL is imported here only; without it the constructor
+raises ``UnsupportedError`` with the install hint.
 """
 
 from __future__ import annotations
@@ -20,8 +34,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import secrets
 import sys
+import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,10 +51,8 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import (
     DescriptorList,
     FailureKind,
-    Handle,
     Int64Array,
     Peer,
-    Poll,
     XferKind,
     XferState,
 )
@@ -49,6 +65,10 @@ from kvplane.transports.wire import WIRE_VERSION, Metadata, RegionInfo, decode_m
 INSTALL_HINT = "NIXL is not installed: pip install torch==2.13.0 && pip install nixl"
 _TAG = b"K"
 """Prefix of kvplane notifications (an empty notify is still a non-empty NIXL message)."""
+POLL_MIN_S = 50e-6
+POLL_MAX_S = 1e-3
+"""The poster's polling interval while requests run: doubles from the first to the second
+while no request changes state."""
 
 
 def _logs_to_stderr() -> None:
@@ -85,11 +105,30 @@ def addresses(bases: dict[RegionId, int], descs: DescriptorList) -> np.ndarray[A
     return rows.astype(np.uint64)
 
 
+def _thread_safe_config(api: Any, backends: list[str]) -> Any:
+    """An agent config whose locking allows calls from several threads (RW, else STRICT)."""
+    modes = api.nixl_thread_sync_t
+    mode = getattr(modes, "NIXL_THREAD_SYNC_RW", None) or modes.NIXL_THREAD_SYNC_STRICT
+    return api.nixl_agent_config(backends=backends, sync_mode=mode)
+
+
+@dataclass(slots=True)
+class _Job:
+    batch: Batch
+    src: DescriptorList
+    dst: DescriptorList
+    peer_id: PeerId
+    notify: bytes | None
+
+
+_STOP = None
+"""Queued by ``close``: the poster finishes what it holds and exits."""
+
+
 class NixlTransport(TransportCore):
     """NIXL agent as a kvplane transport (CPU memory; ``backends`` defaults to UCX)."""
 
     name = "nixl"
-    _spin_wait = True  # NIXL completes (and sends notifications) as it is polled
 
     def __init__(
         self,
@@ -100,17 +139,23 @@ class NixlTransport(TransportCore):
         history: int = 100_000,
     ) -> None:
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            from nixl import _api
         except Exception as exc:
             raise UnsupportedError(f"{INSTALL_HINT} ({type(exc).__name__}: {exc})") from None
         _logs_to_stderr()
         super().__init__(agent=agent, metrics=metrics, history=history)
         try:
-            self._agent: Any = nixl_agent(self.agent, nixl_agent_config(backends=list(backends)))
+            config = _thread_safe_config(_api, list(backends))
+            self._agent: Any = _api.nixl_agent(self.agent, config)
         except Exception as exc:
             raise TransportError(f"cannot create NIXL agent {self.agent!r}: {exc!r}") from None
         self._bases: dict[PeerId, dict[RegionId, int]] = {}
-        self._zombies: list[Batch] = []
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._stopping = False
+        self._poster = threading.Thread(
+            target=self._post_loop, name=f"kvplane-nixl-{self.agent}-post", daemon=True
+        )
+        self._poster.start()
 
     # -- memory and metadata -------------------------------------------------------------------
     def _exported(self, view: Any) -> tuple[bool, object]:
@@ -158,85 +203,26 @@ class NixlTransport(TransportCore):
             self._bases[peer_id] = {RegionId(r.region_id): r.base for r in meta.regions}
         return Peer(peer_id, {RegionId(r.region_id): r.length for r in meta.regions})
 
-    # -- transfers -----------------------------------------------------------------------------
+    # -- transfers: the caller's side ----------------------------------------------------------
     def _start(
         self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
         notify: bytes | None,
     ) -> None:  # fmt: skip
-        self._reap()
-        message = b"" if notify is None else _TAG + notify
-        if not len(src):
-            if notify is not None:
-                self._agent.send_notif(peer.peer_id, message)
-            self._settle(batch, "DONE")
-            return
-        src, dst = coalesce(src, dst, min_gain=1.0)  # fewer NIXL descriptors
-        local, remote = (src, dst) if batch.kind is XferKind.WRITE else (dst, src)
-        with self._lock:
-            remote_bases = self._bases[peer.peer_id]
-        agent = self._agent
-        local_d = agent.get_xfer_descs(addresses(self._local_bases(), local), "DRAM")
-        remote_d = agent.get_xfer_descs(addresses(remote_bases, remote), "DRAM")
-        op = "WRITE" if batch.kind is XferKind.WRITE else "READ"
-        batch.job = agent.initialize_xfer(op, local_d, remote_d, peer.peer_id, message)
-        self._batches.begin(batch)
-        try:
-            state = agent.transfer(batch.job)
-        except Exception as exc:
-            self._settle(batch, "ERR", exc)
-            return
-        self._settle(batch, state)
-
-    def _settle(self, batch: Batch, state: str, exc: BaseException | None = None) -> None:
-        if state == "PROC":
-            return
-        if state == "DONE":
-            self._batches.finish(batch, XferState.DONE)
-        else:
-            failure = FailureKind.BACKEND_ERROR if exc is None else _failure(exc)
-            self._batches.finish(batch, XferState.FAILED, failure, f"NIXL: {exc or state}")
-        self._release(batch)
-
-    def _release(self, batch: Batch) -> bool:
-        """Free the NIXL request (cancelling it if active); quiesce on success."""
-        if batch.job is not None:
-            try:
-                self._agent.release_xfer_handle(batch.job)
-            except Exception:  # still active and not cancellable yet: reap later
-                return False
-            batch.job = None
-        self._batches.quiesce(batch)
-        return True
-
-    def _progress(self, batch: Batch) -> None:
-        try:
-            state = self._agent.check_xfer_state(batch.job)
-        except Exception as exc:
-            self._settle(batch, "ERR", exc)
-            return
-        self._settle(batch, state)
+        self._jobs.put(_Job(batch, src, dst, peer.peer_id, notify))
 
     def _abort(self, batch: Batch) -> None:
-        if not self._release(batch):
-            with self._lock:
-                self._zombies.append(batch)
+        """Nothing here: the poster sees the batch ended and releases its NIXL request."""
 
-    def _reap(self) -> None:
+    def _close(self) -> None:
+        self._stopping = True
+        self._jobs.put(_STOP)
+        self._poster.join(60.0)
         with self._lock:
-            zombies, self._zombies = self._zombies, []
-        for batch in zombies:
+            peers = list(self._bases)
+            self._bases.clear()
+        for peer in peers:
             with contextlib.suppress(Exception):
-                if self._agent.check_xfer_state(batch.job) == "PROC":
-                    with self._lock:
-                        self._zombies.append(batch)
-                    continue
-            if not self._release(batch):
-                with self._lock:
-                    self._zombies.append(batch)
-
-    def poll(self, handle: Handle) -> Poll:
-        self._reap()
-        return super().poll(handle)
+                self._agent.remove_remote_agent(peer)
 
     def notifications(self) -> list[tuple[PeerId, bytes]]:
         for name, messages in self._agent.get_new_notifs().items():
@@ -245,18 +231,104 @@ class NixlTransport(TransportCore):
                     self._deliver(PeerId(str(name)), bytes(msg[len(_TAG) :]))
         return super().notifications()
 
-    def _close(self) -> None:
-        for batch in self._batches.live():
-            if batch.job is not None:
-                with contextlib.suppress(Exception):
-                    self._agent.release_xfer_handle(batch.job)
-                batch.job = None
-        with self._lock:
-            peers = list(self._bases)
-            self._bases.clear()
-        for peer in peers:
-            with contextlib.suppress(Exception):
-                self._agent.remove_remote_agent(peer)
+    # -- transfers: the poster thread ----------------------------------------------------------
+    def _post_loop(self) -> None:
+        running: list[Batch] = []
+        idle = 0
+        while True:
+            items = self._take(min(POLL_MAX_S, POLL_MIN_S * 2**idle) if running else None)
+            for item in items:
+                if item is _STOP:
+                    for batch in running:  # close: the core fails and quiesces them next
+                        with contextlib.suppress(Exception):
+                            self._agent.release_xfer_handle(batch.job)
+                        batch.job = None
+                    return
+                self._post(item, running)
+            before = len(running)
+            running[:] = [b for b in running if not self._advance(b)]
+            idle = 0 if items or len(running) < before else min(idle + 1, 5)
+
+    def _take(self, timeout_s: float | None) -> list[_Job | None]:
+        """Every queued item, waiting up to ``timeout_s`` (None: until one comes) for the first."""
+        try:
+            items = [self._jobs.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                items.append(self._jobs.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _post(self, job: _Job, running: list[Batch]) -> None:
+        """Post one queued batch to NIXL; add it to ``running`` unless it has ended and its
+        request is released."""
+        batch = job.batch
+        if self._stopping:
+            self._batches.finish(batch, XferState.FAILED, FailureKind.LOCAL_ERROR,
+                                 "transport closed")  # fmt: skip
+        if not self._batches.begin(batch):  # cancelled, timed out or closed while queued
+            self._batches.quiesce(batch)
+            return
+        agent = self._agent
+        message = b"" if job.notify is None else _TAG + job.notify
+        try:
+            if not len(job.src):
+                if job.notify is not None:
+                    agent.send_notif(job.peer_id, message)
+                self._end(batch, "DONE")
+                return
+            src, dst = coalesce(job.src, job.dst, min_gain=1.0)  # fewer NIXL descriptors
+            local, remote = (src, dst) if batch.kind is XferKind.WRITE else (dst, src)
+            with self._lock:
+                remote_bases = self._bases[job.peer_id]
+            local_d = agent.get_xfer_descs(addresses(self._local_bases(), local), "DRAM")
+            remote_d = agent.get_xfer_descs(addresses(remote_bases, remote), "DRAM")
+            op = "WRITE" if batch.kind is XferKind.WRITE else "READ"
+            batch.job = agent.initialize_xfer(op, local_d, remote_d, job.peer_id, message)
+            state = agent.transfer(batch.job)
+        except Exception as exc:
+            if not self._end(batch, "ERR", exc):
+                running.append(batch)
+            return
+        if state == "PROC" or not self._end(batch, state):
+            running.append(batch)
+
+    def _advance(self, batch: Batch) -> bool:
+        """Poll one running request; True once it has ended and been released."""
+        if not batch.terminal and time.monotonic() > batch.deadline:
+            self._end_early(batch, FailureKind.TIMEOUT, "deadline passed")
+        if batch.terminal:  # cancelled or timed out: release (cancel) the NIXL request
+            return self._release(batch)
+        try:
+            state = self._agent.check_xfer_state(batch.job)
+        except Exception as exc:
+            return self._end(batch, "ERR", exc)
+        return state != "PROC" and self._end(batch, state)
+
+    def _end(self, batch: Batch, state: str, exc: BaseException | None = None) -> bool:
+        """End a batch whose request NIXL reports ended: release the request first, so that a
+        caller who sees the batch end sees its regions unpinned. False if NIXL still holds the
+        request (the poster retries the release; the regions stay pinned until then)."""
+        released = self._release(batch)
+        if state == "DONE":
+            self._batches.finish(batch, XferState.DONE)
+        else:
+            failure = FailureKind.BACKEND_ERROR if exc is None else _failure(exc)
+            self._batches.finish(batch, XferState.FAILED, failure, f"NIXL: {exc or state}")
+        return released
+
+    def _release(self, batch: Batch) -> bool:
+        """Free the NIXL request (cancelling it if active); quiesce on success."""
+        if batch.job is not None:
+            try:
+                self._agent.release_xfer_handle(batch.job)
+            except Exception:  # still active and not cancellable yet: retried by the poster
+                return False
+            batch.job = None
+        self._batches.quiesce(batch)
+        return True
 
 
 class RawNixlWriter:
