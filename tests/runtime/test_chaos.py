@@ -6,8 +6,9 @@ Checked: every request ends in exactly one terminal state (one answer per reques
 session end per request and worker), both sides agree on success, every successful request's
 decode-side KV is byte-identical to the producer's, the survivor releases the dead peer's
 memory within lease + one heartbeat, and at the end pools and ledgers are balanced everywhere.
-The default suite runs 50 requests and one kill; ``KVPLANE_SLOW=1`` runs 1,000 requests and
-kills each worker once.
+The default suite runs 50 requests and one kill over tcp and over the NIXL adapter;
+``KVPLANE_SLOW=1`` runs 1,000 requests and kills each worker once, over tcp, shm, NIXL and
+Mooncake (an engine that is not installed is skipped with its install hint).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pd_testlib import Proc, check_balanced, free_port, prompt
 
 from kvplane.runtime.messages import RequestResult
 from kvplane.runtime.router import Router
+from kvplane.transports.registry import available
 
 LEASE, HEARTBEAT, IN_DOUBT = 0.6, 0.15, 0.15
 TIMING = [
@@ -113,7 +115,11 @@ class Deployment:
 
 @pytest.fixture
 def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
-    d = Deployment(getattr(request, "param", "tcp"))
+    transport = getattr(request, "param", "tcp")
+    reason = available().get(transport)
+    if reason is not None:
+        pytest.skip(reason)
+    d = Deployment(transport)
     yield d
     d.close()
 
@@ -200,11 +206,12 @@ def check_outcomes(
     assert all(s.integrity == "" for s in stats.values())
 
 
+@pytest.mark.parametrize("deployment", ["tcp", "nixl"], indirect=True)
 def test_chaos_short(deployment: Deployment) -> None:
     run_chaos(deployment, 50, kills=[(36, "decode")], seed=3)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("deployment", ["tcp", "shm"], indirect=True)
+@pytest.mark.parametrize("deployment", ["tcp", "shm", "nixl", "mooncake"], indirect=True)
 def test_chaos_thousand_requests(deployment: Deployment) -> None:
     run_chaos(deployment, 1000, kills=[(300, "decode"), (650, "prefill")], seed=4)
