@@ -14,7 +14,7 @@ import torch
 from kvplane.errors import TransportError
 from kvplane.ids import PeerId, RegionId
 from kvplane.transports.base import DescriptorList, FailureKind, XferKind, XferState
-from kvplane.transports.nixl import _thread_safe_config, addresses, probe
+from kvplane.transports.nixl import PROGRESS_DELAY_US, addresses, make_agent, probe
 
 pytestmark = pytest.mark.skipif(probe() is not None, reason=str(probe()))
 
@@ -52,17 +52,60 @@ def test_loopback_write_and_notify_only_batch(kit):
         t.close()
 
 
-def test_agent_is_created_thread_safe_rw_else_strict():
-    def api(*modes: str) -> SimpleNamespace:
-        return SimpleNamespace(nixl_thread_sync_t=SimpleNamespace(**{m: m for m in modes}),
-                               nixl_agent_config=lambda **kw: kw)  # fmt: skip
+class _FakeApi:
+    """The names of ``nixl._api`` that :func:`make_agent` uses, recording what it does."""
 
-    both = api("NIXL_THREAD_SYNC_NONE", "NIXL_THREAD_SYNC_STRICT", "NIXL_THREAD_SYNC_RW")
-    assert _thread_safe_config(both, ["UCX"]) == {
-        "backends": ["UCX"], "sync_mode": "NIXL_THREAD_SYNC_RW"
-    }  # fmt: skip
-    older = api("NIXL_THREAD_SYNC_NONE", "NIXL_THREAD_SYNC_STRICT")
-    assert _thread_safe_config(older, ["UCX"])["sync_mode"] == "NIXL_THREAD_SYNC_STRICT"
+    def __init__(self, *modes: str, bind: bool = True) -> None:
+        self.nixl_thread_sync_t = SimpleNamespace(**{m: SimpleNamespace(value=m) for m in modes})
+        self.made: list[tuple[str, dict[str, object]]] = []
+        if bind:
+            engine = lambda name, cfg: ("engine", name, cfg)  # noqa: E731
+            self.nixlBind = SimpleNamespace(nixlAgentConfig=SimpleNamespace, nixlAgent=engine)
+
+    @staticmethod
+    def nixl_agent_config(**kw: object) -> dict[str, object]:
+        return kw
+
+    def nixl_agent(self, name: str, config: dict[str, object]) -> SimpleNamespace:
+        self.made.append((name, config))
+        shell = SimpleNamespace(agent=("own", name), backends=[])
+        shell.create_backend = lambda b, params: shell.backends.append((b, params, shell.agent))
+        return shell
+
+
+def test_make_agent_sets_thread_sync_and_a_progress_delay_before_any_backend():
+    api = _FakeApi("NIXL_THREAD_SYNC_NONE", "NIXL_THREAD_SYNC_STRICT", "NIXL_THREAD_SYNC_RW")
+    agent, delayed = make_agent(api, "a1", ["UCX"])
+    assert delayed is True
+    [(name, shell_config)] = api.made
+    assert name == "a1" and shell_config["backends"] == []  # no engine work on the shell's
+    assert shell_config["enable_prog_thread"] is False
+    kind, engine_name, cfg = agent.agent
+    assert (kind, engine_name) == ("engine", "a1")
+    assert cfg.pthrDelay == PROGRESS_DELAY_US > 0 and cfg.useProgThread is True
+    assert cfg.syncMode == "NIXL_THREAD_SYNC_RW" and cfg.useListenThread is False
+    assert agent.backends == [("UCX", {}, agent.agent)]  # created on the configured engine
+
+
+def test_make_agent_falls_back_to_strict_and_to_the_wrappers_own_config():
+    older = _FakeApi("NIXL_THREAD_SYNC_NONE", "NIXL_THREAD_SYNC_STRICT")
+    agent, _ = make_agent(older, "a2", ["UCX"])
+    assert agent.agent[2].syncMode == "NIXL_THREAD_SYNC_STRICT"
+    bare = _FakeApi("NIXL_THREAD_SYNC_NONE", "NIXL_THREAD_SYNC_STRICT", bind=False)
+    agent, delayed = make_agent(bare, "a3", ["UCX"])
+    assert delayed is False and agent.agent == ("own", "a3")
+    strict = SimpleNamespace(value="NIXL_THREAD_SYNC_STRICT")
+    assert bare.made == [("a3", {"backends": ["UCX"], "sync_mode": strict})]
+
+
+def test_real_agent_gets_the_progress_delay():
+    from kvplane.transports.nixl import NixlTransport
+
+    t = NixlTransport(agent="nixl-delay")
+    try:
+        assert t.progress_delay_set is True
+    finally:
+        t.close()
 
 
 class _GatedTransfer:

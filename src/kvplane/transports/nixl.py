@@ -25,8 +25,10 @@ REMOTE_DISCONNECT.
 The agent is driven from several threads (the poster; ``register``, ``connect`` and
 ``notifications`` on the caller's), which NIXL allows only in a thread-sync mode; the agent is
 created with ``NIXL_THREAD_SYNC_RW`` (metadata calls exclusive, transfer calls shared), or
-``STRICT`` where a NIXL build lacks it. NIXL is imported here only; without it the constructor
-raises ``UnsupportedError`` with the install hint.
+``STRICT`` where a NIXL build lacks it, and with a progress thread that waits for events between
+rounds instead of spinning on a core (:data:`PROGRESS_DELAY_US`; a target's progress thread is
+what completes writes into it). NIXL is imported here only; without it the constructor raises
+``UnsupportedError`` with the install hint.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,11 +108,44 @@ def addresses(bases: dict[RegionId, int], descs: DescriptorList) -> np.ndarray[A
     return rows.astype(np.uint64)
 
 
-def _thread_safe_config(api: Any, backends: list[str]) -> Any:
-    """An agent config whose locking allows calls from several threads (RW, else STRICT)."""
+PROGRESS_DELAY_US = 100
+"""How long NIXL's progress thread waits for events between rounds. NIXL's Python wrapper sets 0,
+and its progress thread then spins: a full core per agent, idle or not (two idle agents took
+1.99 cores; 0.06 with 10-1000 us). On a small host that core is taken from the copies: a 64 MiB
+write between two processes took 25 ms with spinning agents, 13 ms with this delay."""
+
+
+def _sync_mode(api: Any) -> Any:
+    """The thread-sync mode for an agent driven from several threads: RW, else STRICT."""
     modes = api.nixl_thread_sync_t
-    mode = getattr(modes, "NIXL_THREAD_SYNC_RW", None) or modes.NIXL_THREAD_SYNC_STRICT
-    return api.nixl_agent_config(backends=backends, sync_mode=mode)
+    return getattr(modes, "NIXL_THREAD_SYNC_RW", None) or modes.NIXL_THREAD_SYNC_STRICT
+
+
+def make_agent(api: Any, name: str, backends: Sequence[str]) -> tuple[Any, bool]:
+    """A NIXL agent (``api`` is ``nixl._api``) that may be driven from several threads and whose
+    progress thread waits :data:`PROGRESS_DELAY_US` between rounds instead of spinning; and
+    whether that delay could be set. The wrapper offers no such option, so its engine object
+    (``agent``) is replaced, before any backend exists, by one built with the full config; a
+    wrapper without those names gets its own configuration (progress thread spinning)."""
+    mode = _sync_mode(api)
+    try:
+        bind = api.nixlBind
+        config = bind.nixlAgentConfig()
+        config.useProgThread = True
+        config.useListenThread = False
+        config.syncMode = mode.value
+        config.pthrDelay = PROGRESS_DELAY_US
+        config.captureTelemetry = False
+        shell = api.nixl_agent(
+            name, api.nixl_agent_config(enable_prog_thread=False, backends=[], sync_mode=mode)
+        )
+        shell.agent = bind.nixlAgent(name, config)
+    except AttributeError:
+        return api.nixl_agent(name, api.nixl_agent_config(backends=list(backends),
+                                                          sync_mode=mode)), False  # fmt: skip
+    for backend in backends:
+        shell.create_backend(backend, {})
+    return shell, True
 
 
 @dataclass(slots=True)
@@ -145,8 +181,8 @@ class NixlTransport(TransportCore):
         _logs_to_stderr()
         super().__init__(agent=agent, metrics=metrics, history=history)
         try:
-            config = _thread_safe_config(_api, list(backends))
-            self._agent: Any = _api.nixl_agent(self.agent, config)
+            self._agent: Any
+            self._agent, self.progress_delay_set = make_agent(_api, self.agent, backends)
         except Exception as exc:
             raise TransportError(f"cannot create NIXL agent {self.agent!r}: {exc!r}") from None
         self._bases: dict[PeerId, dict[RegionId, int]] = {}
@@ -334,17 +370,18 @@ class NixlTransport(TransportCore):
 class RawNixlWriter:
     """The raw NIXL API with nothing of kvplane in between: the bench's limit for the adapter.
 
-    Registers ``buffer`` with a fresh agent, loads the peer from kvplane metadata, and
+    Registers ``buffer`` with a fresh agent (configured as the adapter's, :func:`make_agent`: a
+    raw user would not leave a core spinning either), loads the peer from kvplane metadata, and
     :meth:`write` posts one NIXL WRITE of the given runs and busy-polls it to completion.
     """
 
     def __init__(self, peer_metadata: bytes, buffer: torch.Tensor) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl import _api
 
         _logs_to_stderr()
         meta = decode_metadata(peer_metadata, "nixl")
-        self._agent: Any = nixl_agent(f"raw-{os.getpid()}-{secrets.token_hex(4)}",
-                                      nixl_agent_config(backends=["UCX"]))  # fmt: skip
+        self._agent: Any
+        self._agent, _ = make_agent(_api, f"raw-{os.getpid()}-{secrets.token_hex(4)}", ["UCX"])
         self._reg = self._agent.register_memory(buffer)
         self._peer = self._agent.add_remote_agent(meta.engine)
         self._base = buffer.data_ptr()
