@@ -56,6 +56,26 @@ def test_segments_are_anonymous_and_released(kit):
         t.allocate(16)
 
 
+@pytest.mark.parametrize("advice", [shm_module.MADV_POPULATE_WRITE, 9999])
+def test_mapping_a_segment_in_use_keeps_its_bytes_and_shares_writes(monkeypatch, advice):
+    """Filling the page tables writable must not write a byte (the owner and other peers may be
+    using the memory); an advice the kernel refuses (9999) falls back to ``MAP_POPULATE``."""
+    monkeypatch.setattr(shm_module, "MADV_POPULATE_WRITE", advice)
+    fd = os.memfd_create("kvplane-test-map")
+    try:
+        os.ftruncate(fd, 3 * 4096 + 100)
+        owner = torch.frombuffer(shm_module._map(fd, 3 * 4096 + 100), dtype=torch.uint8)
+        pattern = torch.arange(owner.numel(), dtype=torch.int64).remainder(251).to(torch.uint8)
+        owner.copy_(pattern)
+        peer = torch.frombuffer(shm_module._map(fd, 3 * 4096 + 100), dtype=torch.uint8)
+        assert torch.equal(peer, pattern) and torch.equal(owner, pattern)
+        peer[4096:8192].fill_(7)
+        assert int(owner[4096:8192].min()) == int(owner[4096:8192].max()) == 7
+        assert torch.equal(owner[:4096], pattern[:4096])
+    finally:
+        os.close(fd)
+
+
 def test_refusals():
     t = ShmTransport(agent="r")
     try:

@@ -71,12 +71,29 @@ PIN_AHEAD = 8
 """Most queued jobs whose PINs a sender sends ahead of running them."""
 
 
+MADV_POPULATE_WRITE = 23
+"""Linux's ``madvise`` advice (5.14+) that fills a range's page tables as if each page were written
+(Python 3.11's ``mmap`` module does not name it)."""
+
+
 def _map(fd: int, nbytes: int) -> mmap.mmap:
-    """A shared mapping of a segment with its page tables filled at once (``MAP_POPULATE``):
-    otherwise the first copy into each 4 KiB page of a peer's pool pays a page fault, which
-    made a 4.7 MiB slice copy several times slower than memcpy."""
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(fd, nbytes, flags=flags)
+    """A shared mapping of a segment whose page tables are filled at once, writable and dirty.
+
+    Without that, the first copy into each 4 KiB page of a peer's pool paid a page fault (which
+    made a 4.7 MiB slice copy several times slower than memcpy). Filling them by
+    ``MAP_POPULATE`` is not enough: it maps pages clean, and the first write to each page then
+    makes the CPU set the page-table entry's dirty bit, a slow assist under virtualisation --
+    measured here, a 36 MiB copy into a peer's pool took 7.5 ms the first time and 4.4 ms after.
+    ``MADV_POPULATE_WRITE`` installs the entries as a write fault would (dirty), without writing
+    a byte, so it is safe while the owner or other peers use the memory. Kernels without it get
+    ``MAP_POPULATE``. Costs about 0.1 ms per MiB, once per mapping."""
+    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    try:
+        mapping.madvise(MADV_POPULATE_WRITE)
+    except OSError:  # before Linux 5.14 (EINVAL): populate clean
+        mapping.close()
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    return mapping
 
 
 def host_id() -> str:
