@@ -6,7 +6,14 @@ import pytest
 
 from kvplane.errors import ProtocolError
 from kvplane.ids import PeerId, SessionId, SliceId
-from kvplane.pd.actions import ArmTimer, Finished, Release, StartSubmit, Transmit
+from kvplane.pd.actions import (
+    ArmTimer,
+    DestinationKnown,
+    Finished,
+    Release,
+    StartSubmit,
+    Transmit,
+)
 from kvplane.pd.events import (
     Abort,
     AbortAck,
@@ -78,7 +85,11 @@ def test_happy_path_clips_to_the_prefix_and_ends_on_the_receivers_verdict() -> N
     s = new()
     assert s.send(slice_cmd(0, 0, 64)) == []  # no destination yet: waits ADMITTED
     req = request()
-    assert s.receive(req) == [StartSubmit(SID, PEER, SliceId(0), False, 16, 64, req)]
+    assert s.receive(req) == [
+        DestinationKnown(SID, PEER, req),  # once: the driver may plan ahead from now on
+        StartSubmit(SID, PEER, SliceId(0), False, 16, 64, req),
+    ]
+    assert s.receive(req) == []  # a duplicate request: no second hint, no second start
     assert run(s, 0) == [
         Transmit(PEER, ready(0, 16, 64)),
         ArmTimer(SID, TimerKind.RETRANSMIT, 0, 0.1),

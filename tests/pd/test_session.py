@@ -17,7 +17,7 @@ import pytest
 
 from kvplane.errors import ProtocolError
 from kvplane.ids import PeerId, RequestId, SessionId, SliceId
-from kvplane.pd.actions import ArmTimer, Finished, StartSubmit, Transmit
+from kvplane.pd.actions import ArmTimer, DestinationKnown, Finished, StartSubmit, Transmit
 from kvplane.pd.events import (
     Abort,
     AbortAck,
@@ -339,5 +339,8 @@ def test_start_submit_is_emitted_once_the_destination_is_known() -> None:
     s = sender()
     assert s.send(SubmitSlice(slice_id=SliceId(0), is_last=False, start=0, end=10)) == []
     actions = s.receive(REQUEST)
-    assert actions == [StartSubmit(SID, PEER, SliceId(0), False, 0, 10, REQUEST)]
+    assert actions == [
+        DestinationKnown(SID, PEER, REQUEST),
+        StartSubmit(SID, PEER, SliceId(0), False, 0, 10, REQUEST),
+    ]
     assert s.epoch == EPOCH and s.state is S.WAITING_FOR_INPUT

@@ -44,9 +44,9 @@ def test_mla_byte_exact_with_different_block_sizes_and_unaligned_ends(mla: Clust
 
 
 def test_slices_planned_ahead_begin_in_the_call_that_sends_them() -> None:
-    """A pipelined request's later slices are planned while it computes (50 ms a step, far
-    longer than a plan); each then begins in the same PD-loop call that sends its SubmitSlice
-    (one thread hop, not two)."""
+    """A pipelined request's slices are planned while it computes (50 ms a step, far longer
+    than a plan), the first as soon as the receiver's request names the destination; each then
+    begins in the same PD-loop call that sends its SubmitSlice (one thread hop, not two)."""
     c = cluster(replace(MLA, compute_s_per_step=0.05))
     try:
         res = c.router.generate("ahead", prompt(np.random.default_rng(3), 200), step_size=32)
@@ -54,9 +54,26 @@ def test_slices_planned_ahead_begin_in_the_call_that_sends_them() -> None:
         counters = check_balanced(c.router)["prefill"].counters
     finally:
         c.close()
-    # 7 slices: the first is planned when its session appears, the other 6 ahead of time
-    assert counters["driver_plans_ready"] == 6
-    assert counters["driver_begun_in_call"] == 6
+    # 7 slices, all planned ahead: the first once DestinationKnown names the destination
+    # (during its 50 ms step), the other 6 while the steps before them compute
+    assert counters["driver_sessions_expected"] == 1
+    assert counters["driver_plans_ready"] == 7
+    assert counters["driver_begun_in_call"] == 7
+
+
+def test_the_only_slice_of_a_short_prompt_is_planned_before_its_step_ends() -> None:
+    """A one-step request has no earlier step to plan its slice in: the session's
+    DestinationKnown hint lets the driver plan it while the step computes, so the slice begins
+    in the call that sends its SubmitSlice instead of being planned after the step."""
+    c = cluster(replace(MLA, compute_s_per_step=0.05))
+    try:
+        res = c.router.generate("short", prompt(np.random.default_rng(4), 20), step_size=32)
+        assert (res.state, res.mismatches, res.num_tokens) == ("success", 0, 20)
+        counters = check_balanced(c.router)["prefill"].counters
+    finally:
+        c.close()
+    assert counters["driver_sessions_expected"] == 1
+    assert counters["driver_plans_ready"] == 1 and counters["driver_begun_in_call"] == 1
 
 
 def test_first_token_arrives_with_the_final_slice(mla: Cluster) -> None:

@@ -1,9 +1,10 @@
 """What a sans-IO session asks its driver to do: the protocol's only outputs.
 
 A session never sends, sleeps or frees memory itself. Each call returns a list of actions, in
-order: ``Transmit`` a wire event to the peer, ``StartSubmit`` a slice on the transport, ``ArmTimer``
-for a later ``Timeout``, ``Release`` a unit of memory (exactly once per ledger entry) and
-``Finished`` once when the session reaches its terminal state.
+order: ``Transmit`` a wire event to the peer, ``DestinationKnown`` once the receiver has named
+where the slices go (a hint: plans may be made from now on), ``StartSubmit`` a slice on the
+transport, ``ArmTimer`` for a later ``Timeout``, ``Release`` a unit of memory (exactly once per
+ledger entry) and ``Finished`` once when the session reaches its terminal state.
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ class Transmit:
 
     peer_id: PeerId
     event: AnyWireEvent
+
+
+@dataclass(frozen=True, slots=True)
+class DestinationKnown:
+    """Sender: the receiver's ``request`` names the destination (emitted once per session, before
+    any ``StartSubmit``). Nothing may move yet; a driver may plan the request's slices now, so
+    that a slice whose step has not ended -- the only slice of a short prompt, say -- starts as
+    soon as its ``StartSubmit`` comes. Ignoring it is always correct."""
+
+    session_id: SessionId
+    peer_id: PeerId
+    request: TransferRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,4 +94,4 @@ class Finished:
     reason: str
 
 
-Action = Transmit | StartSubmit | ArmTimer | Release | Finished
+Action = Transmit | DestinationKnown | StartSubmit | ArmTimer | Release | Finished

@@ -5,8 +5,9 @@ Theory of operation
 The prefill worker submits slices in order (``SubmitSlice``: ids 0, 1, 2, ... whose token ranges
 tile ``[0, num_tokens)``; the last has ``is_last``). Each slice becomes a ledger unit, ADMITTED.
 Once the receiver's ``TransferRequest`` names the destination (it may arrive before or after the
-first slices), every admitted slice is handed to the driver with ``StartSubmit``; the driver
-reports ``SubmitStarted`` / ``SubmitAccepted`` and then the transport's evidence. On
+first slices), the driver is told so once (``DestinationKnown``: it may plan ahead) and every
+admitted slice is handed to it with ``StartSubmit``; the driver reports ``SubmitStarted`` /
+``SubmitAccepted`` and then the transport's evidence. On
 ``TransportDone`` the unit is released (BACKEND_DONE) and the slice is announced with
 ``SliceReady``, resent every ``retransmit_s`` until the receiver acknowledges it; once every
 slice is acknowledged, the last one is resent until the receiver's COMMITTED verdict.
@@ -27,7 +28,7 @@ from typing import cast
 
 from kvplane.errors import ProtocolError
 from kvplane.ids import PeerId, SessionId, SliceId
-from kvplane.pd.actions import StartSubmit
+from kvplane.pd.actions import DestinationKnown, StartSubmit
 from kvplane.pd.events import (
     Abort,
     AbortAck,
@@ -377,6 +378,8 @@ class SenderSession(Session):
         if mismatch and self.requested is None:
             self._request(Outcome.FAILED, f"slices {mismatch} do not fit {ev.num_tokens} tokens")
             return
+        if self.requested is None:  # a hint: the driver may plan slices not yet computed
+            self._emit(DestinationKnown(self.session_id, self.peer_id, ev))
         for unit in self.ledger.units((Ownership.ADMITTED,)):
             self._start_submit(self.slices[unit])
         self._after_progress()

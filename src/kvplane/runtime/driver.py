@@ -11,7 +11,9 @@ waits for its predecessors'). All runs are stepped on one thread with non-blocki
 the worker loop computes the next prefill step.
 
 For each slice: plan it (:func:`~kvplane.runtime.slicing.plan_slice`, pure — usually done ahead,
-while the prefill computes the slice), then, on the PD loop thread, check
+while the prefill computes the slice: from the first slice on once the session's
+``DestinationKnown`` hint has come, so the only slice of a short prompt does not wait for its
+plan; up to :data:`LOOKAHEAD` slices past the latest begun one), then, on the PD loop thread, check
 ``Participant.submittable`` (a cancel may have overtaken the ``StartSubmit``) and report
 ``SubmitStarted`` — or ``SubmitSkipped`` when nothing moves. Only then is the slice's run
 started (its plans validated against both sides' regions and run jointly, so the final slice's
@@ -42,28 +44,37 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvplane.errors import KVPlaneError, ProtocolError
 from kvplane.ids import PeerId, RegionId, SessionId, SliceId, TokenRange
-from kvplane.pd.actions import StartSubmit
+from kvplane.pd.actions import DestinationKnown, StartSubmit
 from kvplane.pd.endpoint import Endpoint
 from kvplane.pd.events import (
     Fail,
     SubmitSkipped,
     SubmitSlice,
     SubmitStarted,
+    TransferRequest,
     TransportDone,
     TransportFailed,
     TransportInDoubt,
 )
-from kvplane.runtime.advert import RemotePool, decode_advert
+from kvplane.runtime.advert import decode_advert
+from kvplane.runtime.driver_records import (
+    Evidence,
+    PeerLink,
+    PlannedSession,
+    SliceBegin,
+    SliceJob,
+    SliceSource,
+    WorkerCommand,
+)
 from kvplane.runtime.observe import RuntimeMetrics
-from kvplane.runtime.slicing import LocalPool, PlannedSlice, plan_slice
+from kvplane.runtime.slicing import PlannedSlice, plan_slice
 from kvplane.runtime.timeline import Mark, Timeline
 from kvplane.runtime.watcher import BatchWatcher
-from kvplane.transfer import OpGrouping, PlanExecutor, PlanOutcome, PlanRun, latest_end
-from kvplane.transports.base import Peer, Transport
+from kvplane.transfer import OpGrouping, PlanExecutor, PlanOutcome, latest_end
+from kvplane.transports.base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -77,75 +88,6 @@ IDLE_S = 0.05
 """The longest idle wait (nothing queued, in flight or left to plan)."""
 LOOKAHEAD = 2
 """How many slices past the latest begun one a session's plans are made ahead."""
-
-Evidence = TransportDone | TransportFailed | TransportInDoubt
-
-
-@dataclass(frozen=True, slots=True)
-class SliceSource:
-    """The prefill memory of one request: its pools with block ids (KV, state, tail order), and
-    the slice schedule (``(range, is_last)`` per slice id) the prefill will follow, so slices
-    can be planned before they are computed."""
-
-    request_id: str
-    pools: tuple[LocalPool, ...]
-    schedule: tuple[tuple[TokenRange, bool], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PeerLink:
-    """A decode peer as the planner sees it: transport peer and advertised pools."""
-
-    incarnation: int
-    peer: Peer
-    pools: tuple[RemotePool, ...]
-
-
-@dataclass(slots=True)
-class _Session:
-    """What the driver knows of one session: its peer link, request and ready plans."""
-
-    link: PeerLink
-    act: StartSubmit
-    plans: dict[int, PlannedSlice]
-    next_plan: int = 0
-    begun: int = 0
-
-
-@dataclass(slots=True)
-class _Job:
-    """One begun slice: its runs (none when it failed before any could start)."""
-
-    act: StartSubmit
-    source: SliceSource
-    planned: PlannedSlice
-    runs: list[PlanRun]
-    started: float
-    failure: str = ""
-
-    @property
-    def done(self) -> bool:
-        return all(run.done for run in self.runs)
-
-
-@dataclass(slots=True)
-class _Command:
-    """A worker's ``SubmitSlice``, to send on the PD loop; ``on_result(accepted)`` after."""
-
-    session_id: SessionId
-    command: SubmitSlice
-    on_result: Callable[[bool], None]
-    accepted: bool = False
-
-
-@dataclass(slots=True)
-class _Begin:
-    """A slice ready to begin: planned, waiting for the PD loop's go-ahead."""
-
-    act: StartSubmit
-    source: SliceSource
-    planned: PlannedSlice
-    allowed: bool = False
 
 
 class SliceDriver:
@@ -176,10 +118,11 @@ class SliceDriver:
         self._executor = PlanExecutor(self._watcher.transport, max_inflight=max_inflight_ops)
         self._poll_s = WATCHED_POLL_S if self._watcher.active else POLL_S
         self._links: dict[PeerId, PeerLink] = {}
-        self._sessions: dict[SessionId, _Session] = {}
-        self._flights: dict[SessionId, deque[_Job]] = {}
+        self._sessions: dict[SessionId, PlannedSession] = {}
+        self._flights: dict[SessionId, deque[SliceJob]] = {}
         self._inbox: deque[StartSubmit] = deque()
-        self._commands: deque[_Command] = deque()
+        self._commands: deque[WorkerCommand] = deque()
+        self._hints: list[DestinationKnown] = []
         self._woken = False
         self._cond = threading.Condition()
         self._stop = False
@@ -192,13 +135,20 @@ class SliceDriver:
             self._inbox.append(act)
             self._cond.notify()
 
+    def expect(self, hint: DestinationKnown) -> None:
+        """A session's destination is known: link its peer and plan its first slices ahead,
+        before their steps end (a hint; the slices still begin only on ``StartSubmit``)."""
+        with self._cond:
+            self._hints.append(hint)
+            self._cond.notify()
+
     def admit(
         self, session_id: SessionId, command: SubmitSlice, on_result: Callable[[bool], None]
     ) -> None:
         """Send ``command`` to the session from the driver thread, in call order; then
         ``on_result(accepted)`` (False: the session refused it, e.g. it has ended)."""
         with self._cond:
-            self._commands.append(_Command(session_id, command, on_result))
+            self._commands.append(WorkerCommand(session_id, command, on_result))
             self._cond.notify()
 
     def start(self) -> None:
@@ -230,16 +180,19 @@ class SliceDriver:
         planning = False
         while True:
             with self._cond:
-                if not (planning or self._inbox or self._commands or self._woken or self._stop):
+                if not (planning or self._inbox or self._commands or self._woken or self._stop
+                        or self._hints):  # fmt: skip
                     self._cond.wait(self._poll_s if self._flights else IDLE_S)
                 if self._stop:
                     break
-                fresh, commands = list(self._inbox), list(self._commands)
+                fresh, commands, hints = list(self._inbox), list(self._commands), self._hints
                 self._inbox.clear()
                 self._commands.clear()
+                self._hints = []
                 self._woken = False
             try:
                 self._turn(fresh, commands)
+                self._adopt(hints)
                 # plan ahead only when no new slice waits: a begin must not wait for a plan
                 planning = self._plan_ahead() if not self._inbox else True
             except Exception:  # a bug must not stop the driver: count it and keep driving
@@ -250,7 +203,7 @@ class SliceDriver:
                 for run in job.runs:
                     run.cancel("worker closing")
 
-    def _turn(self, fresh: list[StartSubmit], commands: list[_Command]) -> None:
+    def _turn(self, fresh: list[StartSubmit], commands: list[WorkerCommand]) -> None:
         """Step every run; report finished slices, send the worker's commands and begin new
         slices in one PD loop call."""
         evidence = self._harvest()
@@ -292,7 +245,7 @@ class SliceDriver:
             else:
                 self._count("overtaken")
 
-    def _take_arrived(self, begins: list[_Begin]) -> list[StartSubmit]:
+    def _take_arrived(self, begins: list[SliceBegin]) -> list[StartSubmit]:
         """On the PD loop, inside a turn's call (the driver thread waits on it): move the
         ``StartSubmit`` s that the turn's commands just produced from the inbox into
         ``begins`` when their plans were made ahead (no planning or connecting here); the
@@ -314,7 +267,7 @@ class SliceDriver:
                 late.append(act)
             else:
                 self._count("begun_in_call")
-                begins.append(_Begin(act, source, ready))
+                begins.append(SliceBegin(act, source, ready))
         return late
 
     def _harvest(self) -> list[tuple[SessionId, Evidence]]:
@@ -338,6 +291,20 @@ class SliceDriver:
         with contextlib.suppress(ProtocolError):  # the session already ended: nothing to fail
             self._ep.send(act.session_id, Fail(reason=reason))
 
+    def _adopt(self, hints: list[DestinationKnown]) -> None:
+        """Know the sessions whose destination the hints name, so :meth:`_plan_ahead` plans
+        their slices from the first on (linking a new peer here, off the critical path)."""
+        for hint in hints:
+            sid = hint.session_id
+            if sid in self._sessions or self._sources(sid) is None:
+                continue  # begun already, or its memory is not (or no longer) here
+            try:
+                link = self._link(hint.peer_id)
+            except KVPlaneError:  # the slice's own StartSubmit fails it, in order
+                continue
+            self._sessions[sid] = PlannedSession(link, hint.request, {})
+            self._count("sessions_expected")
+
     def _plan_ahead(self) -> bool:
         """Plan one future slice of a known session while the prefill computes it; True if
         one was planned (more may follow)."""
@@ -355,7 +322,7 @@ class SliceDriver:
             sess.next_plan = slice_id + 1
             try:
                 sess.plans[slice_id] = self._plan(
-                    source, sess.link, sess.act, tokens, slice_id=slice_id, is_last=is_last
+                    source, sess.link, sess.request, tokens, slice_id=slice_id, is_last=is_last
                 )
             except KVPlaneError:
                 sess.next_plan = len(source.schedule)  # plan it (and fail) when it is due
@@ -364,11 +331,11 @@ class SliceDriver:
         return False
 
     def _plan(
-        self, source: SliceSource, link: PeerLink, act: StartSubmit, tokens: TokenRange,
+        self, source: SliceSource, link: PeerLink, request: TransferRequest, tokens: TokenRange,
         *, slice_id: int, is_last: bool,
     ) -> PlannedSlice:  # fmt: skip
         return plan_slice(
-            list(source.pools), list(link.pools), act.request, tokens,
+            list(source.pools), list(link.pools), request, tokens,
             slice_id=SliceId(slice_id), is_last=is_last, grouping=self._grouping,
         )  # fmt: skip
 
@@ -377,7 +344,7 @@ class SliceDriver:
         sid = act.session_id
         sess = self._sessions.get(sid)
         if sess is None:  # a session is bound to one peer incarnation: link it once
-            sess = _Session(self._link(act.peer_id), act, {})
+            sess = PlannedSession(self._link(act.peer_id), act.request, {})
             self._sessions[sid] = sess
         ready = self._ahead(act, source, sess)
         if ready is not None:
@@ -385,10 +352,12 @@ class SliceDriver:
         sess.begun = max(sess.begun, int(act.slice_id) + 1)
         tokens = TokenRange(act.start, act.end)
         return self._plan(
-            source, sess.link, act, tokens, slice_id=int(act.slice_id), is_last=act.is_last
+            source, sess.link, act.request, tokens, slice_id=int(act.slice_id), is_last=act.is_last
         )
 
-    def _ahead(self, act: StartSubmit, source: SliceSource, sess: _Session) -> PlannedSlice | None:
+    def _ahead(
+        self, act: StartSubmit, source: SliceSource, sess: PlannedSession
+    ) -> PlannedSlice | None:
         """The plans made ahead for ``act``'s slice if they match what the session asks for
         (taken: the slice counts as begun), else None (any stale ones are dropped)."""
         ready = sess.plans.pop(int(act.slice_id), None)
@@ -403,7 +372,7 @@ class SliceDriver:
         self._count("plans_ready")
         return ready
 
-    def _prepare(self, act: StartSubmit) -> _Begin | None:
+    def _prepare(self, act: StartSubmit) -> SliceBegin | None:
         """Plan a new slice (or fail its session when it cannot be planned)."""
         source = self._sources(act.session_id)
         if source is None:
@@ -414,9 +383,9 @@ class SliceDriver:
         except KVPlaneError as exc:
             self._fail(act, f"slice {act.slice_id} cannot be planned: {exc}")
             return None
-        return _Begin(act, source, planned)
+        return SliceBegin(act, source, planned)
 
-    def _start(self, b: _Begin) -> None:
+    def _start(self, b: SliceBegin) -> None:
         """Start the runs of a slice the session let begin, and hand their first ops over."""
         act, source, planned = b.act, b.source, b.planned
         sid = act.session_id
@@ -424,7 +393,7 @@ class SliceDriver:
             self._metrics.slices.labels("skipped").inc()
             return
         self._metrics.planned(list(zip(planned.plans, planned.dst_block_sizes, strict=True)))
-        job = _Job(act, source, planned, [], time.monotonic())
+        job = SliceJob(act, source, planned, [], time.monotonic())
         self._flights.setdefault(sid, deque()).append(job)
         try:  # one run, one batch per op position: the final slice's records ride with its KV
             job.runs.append(
@@ -450,7 +419,7 @@ class SliceDriver:
         for run in job.runs:  # submit now: the transport starts while we report
             run.step()
 
-    def _finish(self, job: _Job) -> Evidence:
+    def _finish(self, job: SliceJob) -> Evidence:
         """Record a finished slice; its evidence, to report to the session."""
         if job.act.is_last:
             self._sessions.pop(job.act.session_id, None)

@@ -41,11 +41,12 @@ from kvplane.blocks import BlockTable
 from kvplane.errors import ConfigError, InvalidArgumentError, KVPlaneError, ProtocolError
 from kvplane.ids import PeerId, RegionId, RequestId, SessionId, TokenRange
 from kvplane.metrics import MetricsRegistry
-from kvplane.pd.actions import Action, Finished, Release, StartSubmit
+from kvplane.pd.actions import Action, DestinationKnown, Finished, Release, StartSubmit
 from kvplane.pd.events import Cancel, SubmitSlice
 from kvplane.pd.states import Role, SessionState
 from kvplane.runtime.chaos import FaultPlan
-from kvplane.runtime.driver import SliceDriver, SliceSource
+from kvplane.runtime.driver import SliceDriver
+from kvplane.runtime.driver_records import SliceSource
 from kvplane.runtime.messages import Ack, AnyMessage, CancelOrder, PrefillOrder, WorkerStats
 from kvplane.runtime.model_adapter import ModelKV, PromptChecker
 from kvplane.runtime.prefix_offload import Finished as OffloadFinished
@@ -161,6 +162,8 @@ class PrefillWorker(Worker):
     def _on_action(self, act: Action) -> None:
         if isinstance(act, StartSubmit):
             self.driver.submit(act)  # straight to the driver: no hop through the worker loop
+        elif isinstance(act, DestinationKnown):
+            self.driver.expect(act)  # plans ahead from the first slice on
         else:
             super()._on_action(act)
 
