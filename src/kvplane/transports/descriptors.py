@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
+import numpy.ma  # numpy 2's ``unique`` imports it on its first call: 7-15 ms inside a slice
 import numpy.typing as npt
 
 from kvplane.errors import PlanError
