@@ -124,17 +124,23 @@ class _GatedTransfer:
         return str(self.inner(handle))
 
 
-def test_submit_returns_while_nixl_copies_and_batches_keep_order(kit):
+def _gated_loopback(agent: str, src_buf: torch.Tensor, dst_buf: torch.Tensor):
+    """A loopback NIXL transport with both buffers registered and its ``transfer`` gated."""
     from kvplane.transports.nixl import NixlTransport
 
-    t = NixlTransport(agent="nixl-gate")
+    t = NixlTransport(agent=agent)
+    src, dst = t.register(src_buf).region_id, t.register(dst_buf).region_id
+    peer = t.connect(t.metadata())
+    gated = _GatedTransfer(t._agent)
+    t._agent.transfer = gated
+    return t, src, dst, peer, gated
+
+
+def test_submit_returns_while_nixl_copies_and_batches_keep_order(kit):
+    src_buf = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    dst_buf = torch.zeros(256, dtype=torch.uint8)
+    t, src, dst, peer, gated = _gated_loopback("nixl-gate", src_buf, dst_buf)
     try:
-        src_buf = torch.arange(256, dtype=torch.int64).to(torch.uint8)
-        dst_buf = torch.zeros(256, dtype=torch.uint8)
-        src, dst = t.register(src_buf).region_id, t.register(dst_buf).region_id
-        peer = t.connect(t.metadata())
-        gated = _GatedTransfer(t._agent)
-        t._agent.transfer = gated
         h1 = t.submit(XferKind.WRITE, kit.one(src, 0, 128), kit.one(dst, 0, 128), peer)
         h2 = t.submit(XferKind.WRITE, kit.one(src, 128, 128), kit.one(dst, 128, 128), peer,
                       notify=b"second")  # fmt: skip
@@ -153,16 +159,11 @@ def test_submit_returns_while_nixl_copies_and_batches_keep_order(kit):
 
 
 def test_cancel_while_nixl_copies_ends_at_once_and_unpins_when_nixl_lets_go(kit):
-    from kvplane.transports.nixl import NixlTransport
-
-    t = NixlTransport(agent="nixl-cancel")
+    dst_buf = torch.zeros(64, dtype=torch.uint8)
+    t, src, dst, peer, gated = _gated_loopback(
+        "nixl-cancel", torch.full((64,), 7, dtype=torch.uint8), dst_buf
+    )
     try:
-        src_buf = torch.full((64,), 7, dtype=torch.uint8)
-        dst_buf = torch.zeros(64, dtype=torch.uint8)
-        src, dst = t.register(src_buf).region_id, t.register(dst_buf).region_id
-        peer = t.connect(t.metadata())
-        gated = _GatedTransfer(t._agent)
-        t._agent.transfer = gated
         running = t.submit(XferKind.WRITE, kit.one(src, 0, 32), kit.one(dst, 0, 32), peer)
         queued = t.submit(XferKind.WRITE, kit.one(src, 32, 32), kit.one(dst, 32, 32), peer)
         assert gated.entered.wait(10)
@@ -186,14 +187,8 @@ def test_cancel_while_nixl_copies_ends_at_once_and_unpins_when_nixl_lets_go(kit)
 
 
 def test_close_fails_queued_batches_and_stops_the_poster(kit):
-    from kvplane.transports.nixl import NixlTransport
-
-    t = NixlTransport(agent="nixl-close")
-    src = t.register(torch.ones(64, dtype=torch.uint8)).region_id
-    dst = t.register(torch.zeros(64, dtype=torch.uint8)).region_id
-    peer = t.connect(t.metadata())
-    gated = _GatedTransfer(t._agent)
-    t._agent.transfer = gated
+    ones, zeros = torch.ones(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    t, src, dst, peer, gated = _gated_loopback("nixl-close", ones, zeros)
     first = t.submit(XferKind.WRITE, kit.one(src, 0, 32), kit.one(dst, 0, 32), peer)
     second = t.submit(XferKind.WRITE, kit.one(src, 32, 32), kit.one(dst, 32, 32), peer)
     assert gated.entered.wait(10)
