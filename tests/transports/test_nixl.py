@@ -204,3 +204,31 @@ def test_close_fails_queued_batches_and_stops_the_poster(kit):
     assert t.poll(first).state.terminal
     assert t.pinned_regions() == 0 and t.live_batches() == 0
     assert not [name for name in kit.kv_threads() if "nixl-close" in name]
+
+
+def test_a_poster_error_fails_its_batch_and_the_poster_keeps_going(kit, monkeypatch):
+    src_buf = torch.arange(64, dtype=torch.int64).to(torch.uint8)
+    dst_buf = torch.zeros(64, dtype=torch.uint8)
+    t, src, dst, peer, gated = _gated_loopback("nixl-bug", src_buf, dst_buf)
+    gated.gate.set()
+    begin = t._batches.begin
+    calls = []
+
+    def broken_once(batch):
+        calls.append(batch)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return begin(batch)
+
+    monkeypatch.setattr(t._batches, "begin", broken_once)
+    try:
+        bad = t.submit(XferKind.WRITE, kit.one(src, 0, 32), kit.one(dst, 0, 32), peer)
+        good = t.submit(XferKind.WRITE, kit.one(src, 32, 32), kit.one(dst, 32, 32), peer)
+        got = kit.wait(t, bad)
+        assert (got.state, got.failure) == (XferState.FAILED, FailureKind.LOCAL_ERROR)
+        assert "a bug" in got.reason
+        assert kit.wait(t, good).state is XferState.DONE
+        assert torch.equal(dst_buf[32:], src_buf[32:]) and int(dst_buf[:32].sum()) == 0
+        assert t.pinned_regions() == 0 and t.live_batches() == 0
+    finally:
+        t.close()

@@ -20,7 +20,8 @@ A batch is ended only after its NIXL request is released and its regions unpinne
 sees DONE sees a quiescent batch. Cancel or a passed deadline ends a batch at once; NIXL's
 request is then released (cancelled) by the poster, which keeps retrying while NIXL cannot yet,
 and the regions stay pinned until it can. NIXL raising its remote-disconnect error maps to
-REMOTE_DISCONNECT.
+REMOTE_DISCONNECT. An unexpected error on the poster fails that batch (LOCAL_ERROR, logged) and
+the poster goes on.
 
 The agent is driven from several threads (the poster; ``register``, ``connect`` and
 ``notifications`` on the caller's), which NIXL allows only in a thread-sync mode; the agent is
@@ -64,6 +65,8 @@ from kvplane.transports.copier import coalesce
 from kvplane.transports.core import TransportCore
 from kvplane.transports.regions import RegionEntry
 from kvplane.transports.wire import WIRE_VERSION, Metadata, RegionInfo, decode_metadata, encode
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = "NIXL is not installed: pip install torch==2.13.0 && pip install nixl"
 _TAG = b"K"
@@ -280,7 +283,14 @@ class NixlTransport(TransportCore):
                             self._agent.release_xfer_handle(batch.job)
                         batch.job = None
                     return
-                self._post(item, running)
+                try:
+                    self._post(item, running)
+                except Exception as exc:  # a bug must not stop the poster: fail this batch
+                    log.exception("NIXL poster error (the poster keeps running)")
+                    self._batches.finish(item.batch, XferState.FAILED, FailureKind.LOCAL_ERROR,
+                                         f"NIXL poster error: {exc!r}")  # fmt: skip
+                    if not self._release(item.batch):
+                        running.append(item.batch)
             before = len(running)
             running[:] = [b for b in running if not self._advance(b)]
             idle = 0 if items or len(running) < before else min(idle + 1, 5)
