@@ -76,6 +76,25 @@ def test_the_only_slice_of_a_short_prompt_is_planned_before_its_step_ends() -> N
     assert counters["driver_plans_ready"] == 1 and counters["driver_begun_in_call"] == 1
 
 
+def test_a_destination_known_before_the_requests_memory_waits_for_it() -> None:
+    """Request b waits for prefill memory (a 5-block pool; a holds 4 blocks until its KV has
+    moved), so its DestinationKnown comes long before its blocks: the hint waits, and when b is
+    admitted its only slice is still planned during its 50 ms step."""
+    c = cluster(replace(MLA, compute_s_per_step=0.05), prefill={"num_blocks": 5})
+    try:
+        rng = np.random.default_rng(5)
+        a = c.router.submit("a", prompt(rng, 50), step_size=32)
+        time.sleep(0.01)
+        b = c.router.submit("b", prompt(rng, 20), step_size=32)
+        for res in (a.result(timeout=30), b.result(timeout=30)):
+            assert (res.state, res.mismatches) == ("success", 0)
+        counters = check_balanced(c.router)["prefill"].counters
+    finally:
+        c.close()
+    assert counters["driver_sessions_expected"] == 2
+    assert counters["driver_plans_ready"] == 3 and counters["driver_begun_in_call"] == 3
+
+
 def test_first_token_arrives_with_the_final_slice(mla: Cluster) -> None:
     tokens = list(range(40))
     res = mla.router.generate("t", tokens)

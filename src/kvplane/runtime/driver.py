@@ -88,6 +88,8 @@ IDLE_S = 0.05
 """The longest idle wait (nothing queued, in flight or left to plan)."""
 LOOKAHEAD = 2
 """How many slices past the latest begun one a session's plans are made ahead."""
+MAX_WAITING = 1024
+"""Most ``DestinationKnown`` hints kept while their request's memory is not admitted yet."""
 
 
 class SliceDriver:
@@ -123,6 +125,9 @@ class SliceDriver:
         self._inbox: deque[StartSubmit] = deque()
         self._commands: deque[WorkerCommand] = deque()
         self._hints: list[DestinationKnown] = []
+        self._sourced: list[SessionId] = []
+        self._waiting: dict[SessionId, DestinationKnown] = {}
+        """Hints that came before their request's memory (``source_ready`` retries them)."""
         self._woken = False
         self._cond = threading.Condition()
         self._stop = False
@@ -140,6 +145,12 @@ class SliceDriver:
         before their steps end (a hint; the slices still begin only on ``StartSubmit``)."""
         with self._cond:
             self._hints.append(hint)
+            self._cond.notify()
+
+    def source_ready(self, session_id: SessionId) -> None:
+        """The session's request memory is now in ``sources`` (its hint may have come first)."""
+        with self._cond:
+            self._sourced.append(session_id)
             self._cond.notify()
 
     def admit(
@@ -181,18 +192,19 @@ class SliceDriver:
         while True:
             with self._cond:
                 if not (planning or self._inbox or self._commands or self._woken or self._stop
-                        or self._hints):  # fmt: skip
+                        or self._hints or self._sourced):  # fmt: skip
                     self._cond.wait(self._poll_s if self._flights else IDLE_S)
                 if self._stop:
                     break
                 fresh, commands, hints = list(self._inbox), list(self._commands), self._hints
+                sourced, self._sourced = self._sourced, []
                 self._inbox.clear()
                 self._commands.clear()
                 self._hints = []
                 self._woken = False
             try:
                 self._turn(fresh, commands)
-                self._adopt(hints)
+                self._adopt(hints, sourced)
                 # plan ahead only when no new slice waits: a begin must not wait for a plan
                 planning = self._plan_ahead() if not self._inbox else True
             except Exception:  # a bug must not stop the driver: count it and keep driving
@@ -291,13 +303,21 @@ class SliceDriver:
         with contextlib.suppress(ProtocolError):  # the session already ended: nothing to fail
             self._ep.send(act.session_id, Fail(reason=reason))
 
-    def _adopt(self, hints: list[DestinationKnown]) -> None:
+    def _adopt(self, hints: list[DestinationKnown], sourced: list[SessionId]) -> None:
         """Know the sessions whose destination the hints name, so :meth:`_plan_ahead` plans
-        their slices from the first on (linking a new peer here, off the critical path)."""
-        for hint in hints:
+        their slices from the first on (linking a new peer here, off the critical path). A hint
+        that came before its request's memory waits for ``source_ready`` (the oldest of more
+        than :data:`MAX_WAITING` are dropped: the first slice is then planned when it starts)."""
+        retried = [self._waiting.pop(sid) for sid in sourced if sid in self._waiting]
+        for hint in hints + retried:
             sid = hint.session_id
-            if sid in self._sessions or self._sources(sid) is None:
-                continue  # begun already, or its memory is not (or no longer) here
+            if sid in self._sessions:
+                continue  # begun already
+            if self._sources(sid) is None:  # its memory is not here yet
+                self._waiting[sid] = hint
+                while len(self._waiting) > MAX_WAITING:
+                    del self._waiting[next(iter(self._waiting))]
+                continue
             try:
                 link = self._link(hint.peer_id)
             except KVPlaneError:  # the slice's own StartSubmit fails it, in order
@@ -344,6 +364,7 @@ class SliceDriver:
         sid = act.session_id
         sess = self._sessions.get(sid)
         if sess is None:  # a session is bound to one peer incarnation: link it once
+            self._waiting.pop(sid, None)
             sess = PlannedSession(self._link(act.peer_id), act.request, {})
             self._sessions[sid] = sess
         ready = self._ahead(act, source, sess)

@@ -277,6 +277,7 @@ class PrefillWorker(Worker):
         ]
         with self._sources_lock:
             self._sources[req.sid] = SliceSource(req.order.request_id, tuple(pools), schedule)
+        self.driver.source_ready(req.sid)  # a DestinationKnown that came first can plan now
         self._running.append(req)
 
     def _on_offload(self, events: list[OffloadFinished]) -> None:
