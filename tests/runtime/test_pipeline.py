@@ -245,7 +245,7 @@ def test_slice_done_is_when_the_transport_ended_it(monkeypatch: pytest.MonkeyPat
     c = cluster(MLA)
     try:
         res = c.router.generate("late", prompt(np.random.default_rng(5), 100), step_size=32)
-        assert (res.state, res.mismatches) == ("success", 0)
+        assert (res.state, res.mismatches) == ("success", 0), res.reason
         done = {
             e.slice_id: e.t
             for e in c.prefill.timeline.events("late")

@@ -44,3 +44,22 @@ def test_many_descriptors_span_sub_batches_and_notify_once(kit):
         a.close()
         b.close()
     assert not [name for name in kit.kv_threads() if "mc-" in name]
+
+
+def test_close_destroys_the_engine_even_when_the_transport_is_kept_alive():
+    """The engine's destructor holds the GIL while it stops its threads: it must run in
+    ``close``, not whenever the garbage collector reaches a transport caught in a cycle."""
+    import weakref
+
+    from kvplane.transports.mooncake import MooncakeTransport
+
+    t = MooncakeTransport(agent="mc-close")
+    t.register(torch.zeros(4096, dtype=torch.uint8))
+    engine = weakref.ref(t._engine)
+    cycle = [t]
+    cycle.append(cycle)  # type: ignore[arg-type]  # the transport stays reachable
+    t.close()
+    assert engine() is None  # destroyed by close itself, no collection needed
+    assert t.notifications() == []
+    t.close()  # idempotent
+    assert t.pinned_regions() == 0 and t.live_batches() == 0

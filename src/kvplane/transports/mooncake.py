@@ -232,7 +232,8 @@ class MooncakeTransport(TransportCore):
             self._batches.quiesce(job.batch)
 
     def notifications(self) -> list[tuple[PeerId, bytes]]:
-        for note in self._engine.get_notifies():
+        engine = self._engine  # None once closed
+        for note in engine.get_notifies() if engine is not None else ():
             with contextlib.suppress(ValueError):
                 self._deliver(PeerId(str(note.name)), base64.b64decode(note.msg, validate=True))
         return super().notifications()
@@ -243,6 +244,19 @@ class MooncakeTransport(TransportCore):
         self._worker.join(60.0)
         with contextlib.suppress(Exception):
             self._engine.unregister_memory(self._mailbox.data_ptr())
+
+    def close(self) -> None:
+        """Close as every transport does, then destroy the engine here, not later.
+
+        The engine's destructor stops its threads while holding the GIL (0.7 s here). Left to
+        the garbage collector (a transport sits in reference cycles), it ran at an arbitrary
+        moment and froze every thread of the process that long: PD leases of 0.6 s expired in
+        a pipeline that happened to be running then.
+        """
+        super().close()
+        with self._lock:
+            engine, self._engine = self._engine, None
+        del engine  # the last reference: the engine stops now, on the closing thread
 
 
 class RawMooncakeWriter:
@@ -279,5 +293,7 @@ class RawMooncakeWriter:
                 raise TransportError(f"raw Mooncake write failed ({rc})")
 
     def close(self) -> None:
+        """Unregister the buffer; destroy the engine now (see :meth:`MooncakeTransport.close`)."""
         with contextlib.suppress(Exception):
             self._engine.unregister_memory(self._base)
+        self._engine = None
