@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -59,21 +59,56 @@ def pattern(nbytes: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
 
 
-def _raw_sink(nbytes: int, reps: int, ready: list[int]) -> None:
-    """Receive ``reps`` x ``nbytes`` with a plain recv_into loop, acking each (bench limit)."""
+SCATTER_CALL_BYTES = 256 << 10
+"""Bytes of pieces handed to one ``recvmsg_into`` of the scattered raw sink (the call takes
+every piece's buffer again, so a whole 64 MiB list per call would cost more than the data)."""
+
+
+def _recv_contiguous(conn: socket.socket, buf: memoryview) -> bool:
+    view = buf
+    while len(view):
+        got = conn.recv_into(view)
+        if got == 0:
+            return False
+        view = view[got:]
+    return True
+
+
+def _recv_scattered(conn: socket.socket, pieces: list[memoryview], block: int) -> bool:
+    """Fill ``pieces`` (each ``block`` bytes) in order with ``recvmsg_into``, straight from the
+    socket into them; False on EOF."""
+    per, k, head = max(1, SCATTER_CALL_BYTES // block), 0, None
+    while k < len(pieces):
+        group = pieces[k : k + per] if head is None else [head, *pieces[k + 1 : k + per]]
+        got = conn.recvmsg_into(group)[0]
+        if got == 0:
+            return False
+        if got < len(group[0]):  # still inside the first piece
+            head = group[0][got:]
+            continue
+        got -= len(group[0])
+        k += 1 + got // block
+        head = pieces[k][got % block :] if got % block else None
+    return True
+
+
+def _raw_sink(
+    nbytes: int, reps: int, ready: list[int], block: int = 0, offsets: list[int] | None = None
+) -> None:
+    """Receive ``reps`` x ``nbytes``, acking each (bench limits): with a plain ``recv_into``
+    loop into one buffer, or, given ``offsets``, straight into the ``block``-byte pieces of
+    the buffer at those offsets in that order (the scattered pages of a paged pool)."""
     with socket.create_server(("127.0.0.1", 0)) as srv:
         ready.append(srv.getsockname()[1])
         conn, _ = srv.accept()
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             buf = memoryview(bytearray(nbytes))
+            pieces = [buf[o : o + block] for o in offsets or ()]  # built before any timing
             for _ in range(reps):
-                view = buf
-                while len(view):
-                    got = conn.recv_into(view)
-                    if got == 0:
-                        return
-                    view = view[got:]
+                ok = _recv_scattered(conn, pieces, block) if pieces else _recv_contiguous(conn, buf)
+                if not ok:
+                    return
                 conn.sendall(b"k")
 
 
@@ -139,9 +174,12 @@ class _Child:
         threads = sum(1 for th in threading.enumerate() if th.name.startswith("kvplane-"))
         return {"pinned": pinned, "live": live, "threads": threads}
 
-    def raw_sink(self, nbytes: int, reps: int) -> int:
+    def raw_sink(
+        self, nbytes: int, reps: int, block: int = 0, offsets: list[int] | None = None
+    ) -> int:
         ready: list[int] = []
-        threading.Thread(target=_raw_sink, args=(nbytes, reps, ready), daemon=True).start()
+        args = (nbytes, reps, ready, block, offsets)
+        threading.Thread(target=_raw_sink, args=args, daemon=True).start()
         while not ready:
             time.sleep(1e-3)
         return ready[0]
@@ -273,8 +311,18 @@ class PeerProcess:
     def status(self) -> dict[str, int]:
         return dict(self.call("status"))
 
-    def raw_sink(self, nbytes: int, reps: int) -> int:
-        return int(self.call("raw_sink", nbytes, reps))
+    def raw_sink(
+        self, nbytes: int, reps: int, block: int = 0, offsets: Sequence[int] | None = None
+    ) -> int:
+        """Start a raw socket sink in the child (see :func:`_raw_sink`); its port. Pieces
+        outside the buffer are refused here, before the child is asked."""
+        where = None if offsets is None else [int(o) for o in offsets]
+        if where and (block <= 0 or min(where) < 0 or max(where) + block > nbytes):
+            raise errors.InvalidArgumentError(
+                f"{block}-byte pieces at offsets {min(where)}..{max(where)} do not fit in "
+                f"{nbytes} bytes"
+            )
+        return int(self.call("raw_sink", nbytes, reps, block, where))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGSTOP the child and return only once every one of its threads is stopped.

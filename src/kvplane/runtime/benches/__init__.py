@@ -24,17 +24,26 @@ def paired_ratio(ours_s: Sequence[float], limit_s: Sequence[float]) -> float:
     return statistics.median(lim / us for us, lim in zip(ours_s, limit_s, strict=True))
 
 
+def limit_fields(
+    kind: str, nbytes: int, ours_s: Sequence[float], limit_s: Sequence[float]
+) -> dict[str, float]:
+    """A row's ``{kind}_limit_gbps`` (median) and ``{kind}_ratio`` (paired) for a second limit
+    timed beside the row's main one, ``nbytes`` moved per repeat; nothing when that limit was
+    not timed (``limit_s`` empty)."""
+    if not limit_s:
+        return {}
+    return {
+        f"{kind}_limit_gbps": round(nbytes / statistics.median(limit_s) / 1e9, 3),
+        f"{kind}_ratio": round(paired_ratio(ours_s, limit_s), 3),
+    }
+
+
 def stream_fields(
     nbytes: int, ours_s: Sequence[float], stream_s: Sequence[float]
 ) -> dict[str, float]:
-    """A row's ``stream_limit_gbps`` (median) and ``stream_ratio`` (paired) for ``nbytes``
-    moved per repeat, or nothing when no streaming memcpy was timed (``stream_s`` empty)."""
-    if not stream_s:
-        return {}
-    return {
-        "stream_limit_gbps": round(nbytes / statistics.median(stream_s) / 1e9, 3),
-        "stream_ratio": round(paired_ratio(ours_s, stream_s), 3),
-    }
+    """A row's ``stream_limit_gbps`` and ``stream_ratio`` (:func:`limit_fields`) against the
+    streaming memcpy of :func:`stream_memcpy`."""
+    return limit_fields("stream", nbytes, ours_s, stream_s)
 
 
 def stream_memcpy(src: torch.Tensor, dst: torch.Tensor) -> Callable[[], None] | None:
