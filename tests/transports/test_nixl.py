@@ -232,3 +232,154 @@ def test_a_poster_error_fails_its_batch_and_the_poster_keeps_going(kit, monkeypa
         assert t.pinned_regions() == 0 and t.live_batches() == 0
     finally:
         t.close()
+
+
+def test_addresses_refuse_a_region_they_have_no_base_for():
+    bases = {RegionId(1): 1000, RegionId(3): 9000}
+    for regions in ([2], [1, 4], [0]):
+        descs = DescriptorList.of([(r, 0, 1) for r in regions])
+        with pytest.raises(TransportError, match="no base address"):
+            addresses(bases, descs)
+    with pytest.raises(TransportError):
+        addresses({}, DescriptorList.of([(1, 0, 1)]))
+    assert addresses({}, DescriptorList.empty()).shape == (0, 3)
+
+
+def test_loopback_destination_is_pinned_while_nixl_may_write_it(kit):
+    dst_buf = torch.zeros(64, dtype=torch.uint8)
+    t, src, dst, peer, gated = _gated_loopback("nixl-pin", torch.ones(64, dtype=torch.uint8),
+                                               dst_buf)  # fmt: skip
+    try:
+        h = t.submit(XferKind.WRITE, kit.one(src, 0, 64), kit.one(dst, 0, 64), peer)
+        assert gated.entered.wait(10)
+        with pytest.raises(TransportError, match="in use"):  # our own memory, NIXL writes it
+            t.deregister(dst)
+        gated.gate.set()
+        assert kit.wait(t, h).state is XferState.DONE
+        assert int(dst_buf.sum()) == 64 and t.pinned_regions() == 0
+        t.deregister(dst)
+    finally:
+        t.close()
+
+
+def test_a_queued_write_keeps_the_peer_table_it_was_checked_against(kit):
+    """A ``connect`` that refreshes the peer's table while a write waits for the poster does
+    not re-aim it: the write goes where it was checked to go, or fails; it never lands in a
+    neighbouring region (before: region 2 gone from the table, its bytes went to region 3)."""
+    from kvplane.transports.nixl import NixlTransport
+
+    a, b = NixlTransport(agent="nixl-tab-a"), NixlTransport(agent="nixl-tab-b")
+    try:
+        src = a.register(torch.full((64,), 7, dtype=torch.uint8)).region_id
+        bufs = [torch.zeros(64, dtype=torch.uint8) for _ in range(3)]
+        r1, r2, _r3 = (b.register(x).region_id for x in bufs)
+        peer = a.connect(b.metadata())
+        gated = _GatedTransfer(a._agent)
+        a._agent.transfer = gated
+        first = a.submit(XferKind.WRITE, kit.one(src, 0, 8), kit.one(r1, 0, 8), peer)
+        assert gated.entered.wait(10)  # the poster is busy: the next write waits in the queue
+        queued = a.submit(XferKind.WRITE, kit.one(src, 8, 16), kit.one(r2, 16, 16), peer)
+        b.deregister(r2)
+        a.connect(b.metadata())  # refreshed: b now has regions r1 and r3 only
+        gated.gate.set()
+        assert kit.wait(a, first).state is XferState.DONE
+        got = kit.wait(a, queued).state  # NIXL may refuse the dropped region, or write it
+        assert got is XferState.FAILED or bufs[1][16:32].tolist() == [7] * 16
+        assert int(bufs[2].sum()) == 0  # never the neighbour
+        assert a.pinned_regions() == 0 and a.live_batches() == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def _loopback(agent: str):
+    """A loopback NIXL transport with a 64-byte source of ones and destination of zeros."""
+    from kvplane.transports.nixl import NixlTransport
+
+    t = NixlTransport(agent=agent)
+    src = t.register(torch.ones(64, dtype=torch.uint8)).region_id
+    dst = t.register(torch.zeros(64, dtype=torch.uint8)).region_id
+    return t, src, dst, t.connect(t.metadata())
+
+
+def _wait_posted(t, handle) -> None:
+    """Until the poster has handed the batch to NIXL (it is committed)."""
+    end = time.monotonic() + 10
+    while not t._batches.lookup(handle).committed and time.monotonic() < end:
+        time.sleep(1e-3)
+
+
+def _posted_then_pending(t):
+    """Make NIXL's requests look running (``PROC``) after they were really posted, until
+    ``hold`` is cleared; returns that event."""
+    hold = threading.Event()
+    hold.set()
+    agent = t._agent
+    transfer, check = agent.transfer, agent.check_xfer_state
+
+    def posted(handle):
+        transfer(handle)
+        return "PROC"
+
+    agent.transfer = posted
+    agent.check_xfer_state = lambda h: "PROC" if hold.is_set() else check(h)
+    return hold
+
+
+def test_cancel_after_nixl_has_the_bytes_ends_in_doubt(kit):
+    t, src, dst, peer = _loopback("nixl-doubt")
+    try:
+        hold = _posted_then_pending(t)
+        h = t.submit(XferKind.WRITE, kit.one(src, 0, 64), kit.one(dst, 0, 64), peer)
+        _wait_posted(t, h)
+        t.cancel(h)
+        got = t.poll(h)
+        assert (got.state, got.failure) == (XferState.IN_DOUBT, FailureKind.CANCELLED)
+        hold.clear()
+        end = time.monotonic() + 10
+        while (t.pinned_regions() or t.live_batches()) and time.monotonic() < end:
+            time.sleep(1e-3)
+        assert t.pinned_regions() == 0 and t.live_batches() == 0
+    finally:
+        t.close()
+
+
+def test_a_done_batch_is_released_before_anyone_sees_it_done(kit):
+    t, src, dst, peer = _loopback("nixl-rel")
+    try:
+        release, refusals = t._agent.release_xfer_handle, []
+
+        def refuse_twice(handle):
+            if len(refusals) < 2:
+                refusals.append(handle)
+                raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+            return release(handle)
+
+        t._agent.release_xfer_handle = refuse_twice
+        h = t.submit(XferKind.WRITE, kit.one(src, 0, 64), kit.one(dst, 0, 64), peer)
+        seen: list[int] = []
+        t.on_done(h, lambda: seen.append(t.pinned_regions()))
+        assert kit.wait(t, h).state is XferState.DONE
+        assert len(refusals) == 2 and seen == [0]  # unpinned before it turned DONE
+    finally:
+        t.close()
+
+
+def test_close_asks_nixl_again_until_it_lets_go_of_a_running_request(kit):
+    t, src, dst, peer = _loopback("nixl-shut")
+    _posted_then_pending(t)  # stays "running" for good
+    release, calls = t._agent.release_xfer_handle, []
+
+    def busy_thrice(handle):
+        calls.append(handle)
+        if len(calls) <= 3:
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+        return release(handle)
+
+    t._agent.release_xfer_handle = busy_thrice
+    h = t.submit(XferKind.WRITE, kit.one(src, 0, 64), kit.one(dst, 0, 64), peer)
+    _wait_posted(t, h)
+    t.close()
+    assert len(calls) == 4  # released (cancelled) before close deregistered the memory
+    assert t.poll(h).state is XferState.IN_DOUBT
+    assert not [name for name in kit.kv_threads() if "nixl-shut" in name]

@@ -51,6 +51,26 @@ def test_pinned_region_cannot_be_removed_until_unpinned():
     assert len(table) == 0 and table.total_pins() == 0
 
 
+def test_a_region_being_removed_takes_no_new_pin_until_the_removal_is_undone():
+    """Deregistering is check, engine deregistration, removal: between the first and the
+    last a concurrent submit must not pin the region (it would outlive its registration)."""
+    table = RegionTable()
+    r = table.add(ARENA[:64]).region_id
+    table.begin_removal(r)
+    with pytest.raises(TransportError, match="being deregistered"):
+        table.pin([r])
+    with pytest.raises(TransportError, match="already being deregistered"):
+        table.begin_removal(r)
+    table.cancel_removal(r)  # the engine refused: usable again
+    assert table.pin([r]) == (r,)
+    with pytest.raises(TransportError, match="in use"):
+        table.begin_removal(r)
+    table.unpin([r])
+    table.begin_removal(r)
+    table.remove(r)
+    assert len(table) == 0 and table.total_pins() == 0
+
+
 def test_pin_is_all_or_nothing():
     table = RegionTable()
     r = table.add(ARENA[0:64])

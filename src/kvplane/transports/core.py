@@ -140,8 +140,12 @@ class TransportCore:
     def deregister(self, region_id: RegionId) -> None:
         self._check_open()
         rid = as_region_id(region_id)
-        entry = self._regions.check_removable(rid)
-        self._on_deregister(entry)
+        entry = self._regions.begin_removal(rid)  # no submit can pin it from here on
+        try:
+            self._on_deregister(entry)
+        except BaseException:
+            self._regions.cancel_removal(rid)
+            raise
         self._regions.remove(rid)
 
     def connect(self, peer_metadata: bytes) -> Peer:
@@ -164,8 +168,14 @@ class TransportCore:
         self._check_open()
         known = self._check_submit(kind, src, dst, peer, notify=notify, deadline_s=deadline_s)
         local = src if kind is XferKind.WRITE else dst
-        pins = self._regions.pin(local.facts.region_ids.tolist())
-        batch = self._batches.new(known.peer_id, kind, src.total_bytes, float(deadline_s), pins)
+        ids = local.facts.region_ids.tolist()
+        if known.peer_id == self.agent:  # loopback: the far side is our own memory too
+            ids += (dst if kind is XferKind.WRITE else src).facts.region_ids.tolist()
+        with self._lock:  # a batch exists only while open: close fails every one it lists
+            self._check_open()
+            pins = self._regions.pin(ids)
+            batch = self._batches.new(known.peer_id, kind, src.total_bytes, float(deadline_s),
+                                      pins)  # fmt: skip
         try:
             self._start(batch, src, dst, known, notify)
         except PlanError:

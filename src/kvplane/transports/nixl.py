@@ -16,12 +16,16 @@ path on one host copies a whole 18 MB batch in the call, with the GIL released):
 caller's thread, that blocked the slice driver for every copy and serialised its slices. The
 poster also polls its running requests (backing off from 50 us to 1 ms while nothing changes,
 woken at once by a new batch), ends each one, enforces deadlines, and releases NIXL requests.
-A batch is ended only after its NIXL request is released and its regions unpinned, so whoever
-sees DONE sees a quiescent batch. Cancel or a passed deadline ends a batch at once; NIXL's
-request is then released (cancelled) by the poster, which keeps retrying while NIXL cannot yet,
-and the regions stay pinned until it can. NIXL raising its remote-disconnect error maps to
-REMOTE_DISCONNECT. An unexpected error on the poster fails that batch (LOCAL_ERROR, logged) and
-the poster goes on.
+A batch is ended DONE only after its NIXL request is released and its regions unpinned, so
+whoever sees DONE sees a quiescent batch. A batch posts with the peer's address table it was
+checked against at ``submit`` (a later ``connect`` may refresh the table), and an address for a
+region the table lacks is an error, never a neighbour's base. Once posted, a batch is committed:
+cancel or a passed deadline (judged after NIXL's own state) ends it IN_DOUBT, since NIXL may
+still move its bytes, and before that FAILED; NIXL's request is then released (cancelled) by
+the poster, which keeps retrying while NIXL cannot yet (at ``close`` for at most
+:data:`CLOSE_RELEASE_S`), and the regions stay pinned until it can. NIXL raising its
+remote-disconnect error maps to REMOTE_DISCONNECT. An unexpected error on the poster fails that
+batch (LOCAL_ERROR, logged) and the poster goes on.
 
 The agent is driven from several threads (the poster; ``register``, ``connect`` and
 ``notifications`` on the caller's), which NIXL allows only in a thread-sync mode; the agent is
@@ -103,10 +107,15 @@ def _failure(exc: BaseException) -> FailureKind:
 
 
 def addresses(bases: dict[RegionId, int], descs: DescriptorList) -> np.ndarray[Any, Any]:
-    """``(N, 3)`` uint64 rows ``(base[region] + offset, length, device 0)``, vectorised."""
+    """``(N, 3)`` uint64 rows ``(base[region] + offset, length, device 0)``, vectorised. A
+    region missing from ``bases`` is a ``TransportError``, never a neighbour's base."""
     ids = np.array(sorted(bases), dtype=np.int64)
     base = np.array([bases[RegionId(int(i))] for i in ids], dtype=np.int64)
-    addr = base[np.searchsorted(ids, descs.regions)] + descs.offsets
+    at = np.minimum(np.searchsorted(ids, descs.regions), max(len(ids) - 1, 0))
+    if len(descs) and (not len(ids) or bool(np.any(ids[at] != descs.regions))):
+        unknown = sorted(set(descs.regions.tolist()) - set(ids.tolist()))
+        raise TransportError(f"NIXL has no base address for region(s) {unknown}")
+    addr = base[at] + descs.offsets
     rows = np.stack([addr, descs.lengths, np.zeros_like(addr)], axis=1)
     return rows.astype(np.uint64)
 
@@ -158,10 +167,15 @@ class _Job:
     dst: DescriptorList
     peer_id: PeerId
     notify: bytes | None
+    remote_bases: dict[RegionId, int]
+    """The peer's base addresses as the batch was checked against at submit (a later
+    ``connect`` may refresh the peer's table before the poster gets to the batch)."""
 
 
 _STOP = None
 """Queued by ``close``: the poster finishes what it holds and exits."""
+CLOSE_RELEASE_S = 5.0
+"""How long ``close`` keeps asking NIXL to let go of a request still active."""
 
 
 class NixlTransport(TransportCore):
@@ -247,7 +261,11 @@ class NixlTransport(TransportCore):
         self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
         notify: bytes | None,
     ) -> None:  # fmt: skip
-        self._jobs.put(_Job(batch, src, dst, peer.peer_id, notify))
+        with self._lock:
+            bases = self._bases.get(peer.peer_id)
+        if bases is None:
+            raise TransportError(f"no NIXL metadata for peer {peer.peer_id}")
+        self._jobs.put(_Job(batch, src, dst, peer.peer_id, notify, bases))
 
     def _abort(self, batch: Batch) -> None:
         """Nothing here: the poster sees the batch ended and releases its NIXL request."""
@@ -256,6 +274,8 @@ class NixlTransport(TransportCore):
         self._stopping = True
         self._jobs.put(_STOP)
         self._poster.join(60.0)
+        if self._poster.is_alive():  # stuck inside a NIXL call: its memory may still be used
+            log.error("NIXL poster of %s did not stop within 60 s of close", self.agent)
         with self._lock:
             peers = list(self._bases)
             self._bases.clear()
@@ -278,22 +298,43 @@ class NixlTransport(TransportCore):
             items = self._take(min(POLL_MAX_S, POLL_MIN_S * 2**idle) if running else None)
             for item in items:
                 if item is _STOP:
-                    for batch in running:  # close: the core fails and quiesces them next
-                        with contextlib.suppress(Exception):
-                            self._agent.release_xfer_handle(batch.job)
-                        batch.job = None
+                    self._release_all(running)
                     return
                 try:
                     self._post(item, running)
                 except Exception as exc:  # a bug must not stop the poster: fail this batch
-                    log.exception("NIXL poster error (the poster keeps running)")
-                    self._batches.finish(item.batch, XferState.FAILED, FailureKind.LOCAL_ERROR,
-                                         f"NIXL poster error: {exc!r}")  # fmt: skip
-                    if not self._release(item.batch):
+                    if not self._poster_error(item.batch, exc):
                         running.append(item.batch)
             before = len(running)
-            running[:] = [b for b in running if not self._advance(b)]
+            running[:] = [b for b in running if not self._advanced(b)]
             idle = 0 if items or len(running) < before else min(idle + 1, 5)
+
+    def _advanced(self, batch: Batch) -> bool:
+        """:meth:`_advance`, with a bug failing that batch instead of the poster."""
+        try:
+            return self._advance(batch)
+        except Exception as exc:
+            return self._poster_error(batch, exc)
+
+    def _poster_error(self, batch: Batch, exc: Exception) -> bool:
+        """Fail a batch the poster broke on; True once its request is released."""
+        log.exception("NIXL poster error (the poster keeps running)")
+        self._batches.finish(batch, XferState.FAILED, FailureKind.LOCAL_ERROR,
+                             f"NIXL poster error: {exc!r}", doubt_if_committed=True)  # fmt: skip
+        return self._release(batch)
+
+    def _release_all(self, running: list[Batch]) -> None:
+        """Closing: cancel and release every running request, asking again for up to
+        :data:`CLOSE_RELEASE_S` while NIXL keeps one active (the core fails the batches and
+        deregisters their memory next)."""
+        end = time.monotonic() + CLOSE_RELEASE_S
+        while running:
+            running[:] = [b for b in running if not self._release(b)]
+            if running and time.monotonic() > end:
+                log.error("NIXL kept %d request(s) active past close", len(running))
+                return
+            if running:
+                time.sleep(POLL_MAX_S)
 
     def _take(self, timeout_s: float | None) -> list[_Job | None]:
         """Every queued item, waiting up to ``timeout_s`` (None: until one comes) for the first."""
@@ -327,13 +368,12 @@ class NixlTransport(TransportCore):
                 return
             src, dst = coalesce(job.src, job.dst, min_gain=1.0)  # fewer NIXL descriptors
             local, remote = (src, dst) if batch.kind is XferKind.WRITE else (dst, src)
-            with self._lock:
-                remote_bases = self._bases[job.peer_id]
             local_d = agent.get_xfer_descs(addresses(self._local_bases(), local), "DRAM")
-            remote_d = agent.get_xfer_descs(addresses(remote_bases, remote), "DRAM")
+            remote_d = agent.get_xfer_descs(addresses(job.remote_bases, remote), "DRAM")
             op = "WRITE" if batch.kind is XferKind.WRITE else "READ"
             batch.job = agent.initialize_xfer(op, local_d, remote_d, job.peer_id, message)
             state = agent.transfer(batch.job)
+            self._batches.commit(batch)  # posted: an early end now leaves the bytes in doubt
         except Exception as exc:
             if not self._end(batch, "ERR", exc):
                 running.append(batch)
@@ -342,16 +382,21 @@ class NixlTransport(TransportCore):
             running.append(batch)
 
     def _advance(self, batch: Batch) -> bool:
-        """Poll one running request; True once it has ended and been released."""
-        if not batch.terminal and time.monotonic() > batch.deadline:
-            self._end_early(batch, FailureKind.TIMEOUT, "deadline passed")
+        """Poll one running request; True once it has ended and been released. NIXL's state
+        is read before the deadline is judged: a request that finished while the poster was
+        busy elsewhere ends DONE, not timed out."""
         if batch.terminal:  # cancelled or timed out: release (cancel) the NIXL request
             return self._release(batch)
         try:
             state = self._agent.check_xfer_state(batch.job)
         except Exception as exc:
             return self._end(batch, "ERR", exc)
-        return state != "PROC" and self._end(batch, state)
+        if state != "PROC":
+            return self._end(batch, state)
+        if time.monotonic() > batch.deadline:
+            self._end_early(batch, FailureKind.TIMEOUT, "deadline passed")
+            return self._release(batch)
+        return False
 
     def _end(self, batch: Batch, state: str, exc: BaseException | None = None) -> bool:
         """End a batch whose request NIXL reports ended: release the request first, so that a
@@ -359,7 +404,8 @@ class NixlTransport(TransportCore):
         request (the poster retries the release; the regions stay pinned until then)."""
         released = self._release(batch)
         if state == "DONE":
-            self._batches.finish(batch, XferState.DONE)
+            if released:  # else it stays running: a DONE batch is already released
+                self._batches.finish(batch, XferState.DONE)
         else:
             failure = FailureKind.BACKEND_ERROR if exc is None else _failure(exc)
             self._batches.finish(batch, XferState.FAILED, failure, f"NIXL: {exc or state}")

@@ -30,6 +30,8 @@ class RegionEntry:
     exported: bool = True
     pins: int = 0
     extra: object = None
+    removing: bool = False
+    """Being deregistered: no new pin may take it (set by :meth:`RegionTable.begin_removal`)."""
 
 
 def byte_view(buffer: torch.Tensor) -> torch.Tensor:
@@ -85,6 +87,8 @@ class RegionTable:
 
     def _unpinned(self, region_id: RegionId) -> RegionEntry:
         entry = self._get(region_id)
+        if entry.removing:
+            raise TransportError(f"region {region_id} is already being deregistered")
         if entry.pins:
             raise TransportError(
                 f"region {region_id} is in use by {entry.pins} in-flight batch(es); "
@@ -92,15 +96,28 @@ class RegionTable:
             )
         return entry
 
-    def check_removable(self, region_id: RegionId) -> RegionEntry:
-        """The entry of an unpinned region; ``TransportError`` if unknown or in use."""
-        with self._lock:
-            return self._unpinned(region_id)
-
-    def remove(self, region_id: RegionId) -> RegionEntry:
-        """Forget an unpinned region (same refusals as :meth:`check_removable`)."""
+    def begin_removal(self, region_id: RegionId) -> RegionEntry:
+        """Start deregistering an unpinned region: from now on :meth:`pin` refuses it, so no
+        batch can take it between the engine's deregistration and :meth:`remove`.
+        ``TransportError`` if it is unknown, in use or already being removed."""
         with self._lock:
             entry = self._unpinned(region_id)
+            entry.removing = True
+            return entry
+
+    def cancel_removal(self, region_id: RegionId) -> None:
+        """The engine refused to let the region go: it is usable again."""
+        with self._lock:
+            entry = self._entries.get(region_id)
+            if entry is not None:
+                entry.removing = False
+
+    def remove(self, region_id: RegionId) -> RegionEntry:
+        """Forget an unpinned region (a removal begun, or none: the same refusals otherwise)."""
+        with self._lock:
+            entry = self._get(region_id)
+            if not entry.removing:
+                entry = self._unpinned(region_id)
             del self._entries[region_id]
             return entry
 
@@ -130,6 +147,8 @@ class RegionTable:
                 entry = self._get(rid)
                 if exported_only and not entry.exported:
                     raise TransportError(f"region {rid} is not exported to peers")
+                if entry.removing:
+                    raise TransportError(f"region {rid} is being deregistered")
             for rid in ids:
                 self._entries[rid].pins += 1
         return ids
