@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pd_testlib import GQA, MLA, Cluster, check_balanced, cluster, prompt
+from pd_testlib import GQA, MLA, Cluster, check_balanced, cluster, prompt, wait_for
 
 from kvplane.runtime.synthetic_model import SyntheticSpec
 from kvplane.transfer import OpGrouping
@@ -93,6 +93,27 @@ def test_a_destination_known_before_the_requests_memory_waits_for_it() -> None:
         c.close()
     assert counters["driver_sessions_expected"] == 2
     assert counters["driver_plans_ready"] == 3 and counters["driver_begun_in_call"] == 3
+
+
+def test_a_waiting_hint_goes_with_its_session_when_it_ends_without_memory() -> None:
+    """A hint waiting for memory the request never gets (cancelled while queued; an order
+    the prefill refuses) is dropped when its session ends, not kept for the worker's life."""
+    c = cluster(replace(MLA, compute_s_per_step=0.05), prefill={"num_blocks": 5})
+    try:
+        rng = np.random.default_rng(5)
+        driver = c.prefill.driver
+        a = c.router.submit("a", prompt(rng, 50), step_size=32)
+        time.sleep(0.01)
+        b = c.router.submit("b", prompt(rng, 20), step_size=32)
+        wait_for(lambda: len(driver._waiting) == 1, 10, "b's hint waiting for memory")
+        c.router.cancel("b", side="decode", reason="client gone")
+        assert (a.result(timeout=30).state, b.result(timeout=30).state) == ("success", "aborted")
+        big = c.router.submit("big", prompt(rng, 100), step_size=32)  # 7 blocks: refused
+        assert big.result(timeout=30).state != "success"
+        check_balanced(c.router)
+        wait_for(lambda: not driver._waiting and not driver._sessions, 10, "hints dropped")
+    finally:
+        c.close()
 
 
 def test_first_token_arrives_with_the_final_slice(mla: Cluster) -> None:

@@ -126,6 +126,7 @@ class SliceDriver:
         self._commands: deque[WorkerCommand] = deque()
         self._hints: list[DestinationKnown] = []
         self._sourced: list[SessionId] = []
+        self._ended: list[SessionId] = []
         self._waiting: dict[SessionId, DestinationKnown] = {}
         """Hints that came before their request's memory (``source_ready`` retries them)."""
         self._woken = False
@@ -151,6 +152,12 @@ class SliceDriver:
         """The session's request memory is now in ``sources`` (its hint may have come first)."""
         with self._cond:
             self._sourced.append(session_id)
+            self._cond.notify()
+
+    def forget(self, session_id: SessionId) -> None:
+        """The session has ended: drop its waiting hint and plans (it sends nothing more)."""
+        with self._cond:
+            self._ended.append(session_id)
             self._cond.notify()
 
     def admit(
@@ -192,12 +199,13 @@ class SliceDriver:
         while True:
             with self._cond:
                 if not (planning or self._inbox or self._commands or self._woken or self._stop
-                        or self._hints or self._sourced):  # fmt: skip
+                        or self._hints or self._sourced or self._ended):  # fmt: skip
                     self._cond.wait(self._poll_s if self._flights else IDLE_S)
                 if self._stop:
                     break
                 fresh, commands, hints = list(self._inbox), list(self._commands), self._hints
                 sourced, self._sourced = self._sourced, []
+                ended, self._ended = self._ended, []
                 self._inbox.clear()
                 self._commands.clear()
                 self._hints = []
@@ -205,6 +213,9 @@ class SliceDriver:
             try:
                 self._turn(fresh, commands)
                 self._adopt(hints, sourced)
+                for sid in ended:  # after _adopt: its hint came before its end
+                    self._waiting.pop(sid, None)
+                    self._sessions.pop(sid, None)
                 # plan ahead only when no new slice waits: a begin must not wait for a plan
                 planning = self._plan_ahead() if not self._inbox else True
             except Exception:  # a bug must not stop the driver: count it and keep driving

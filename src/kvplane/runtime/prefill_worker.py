@@ -165,6 +165,8 @@ class PrefillWorker(Worker):
         elif isinstance(act, DestinationKnown):
             self.driver.expect(act)  # plans ahead from the first slice on
         else:
+            if isinstance(act, Finished) and act.role is Role.SENDER:
+                self.driver.forget(act.session_id)  # a hint may wait for memory it never got
             super()._on_action(act)
 
     def _requests_live(self) -> int:
