@@ -138,6 +138,41 @@ def test_an_abort_for_an_unknown_session_leaves_a_tombstone_that_blocks_its_requ
     assert prefill.open_sender(SessionId("x"), D, 0.1) == (None, [])
 
 
+def test_an_abandoned_receiver_ends_the_waiting_sender_and_frees_its_slices_now() -> None:
+    """The decode ends a request before it could open its receiver (cancelled while waiting
+    for memory): one Abort ends the sender session the prefill order opened, its admitted
+    slices released at once (not at the deadline), both sides left with tombstones."""
+    prefill, decode = node(P), node(D, 1 << 20)
+    connect(prefill, decode)
+    nodes = {P: prefill, D: decode}
+    sid = SessionId("w")
+    _, acts = prefill.open_sender(sid, D, 0.0)
+    acts += prefill.send(sid, SubmitSlice(slice_id=SliceId(0), is_last=False, start=0, end=16),
+                         0.0)  # fmt: skip
+    assert not [a for a in pump(nodes, acts, P, 0.0) if isinstance(a, StartSubmit)]
+    rest = pump(nodes, decode.abandon(sid, P, "client gone"), D, 0.1)
+    released = [a for a in rest if isinstance(a, Release)]
+    finished = [(a.role, a.state) for a in rest if isinstance(a, Finished)]
+    assert [(a.role, a.unit, a.via) for a in released] == [
+        (Role.SENDER, 0, Ownership.NOT_SUBMITTED)
+    ]
+    assert finished == [(Role.SENDER, SessionState.ABORTED)]
+    assert prefill.sessions == {} and decode.sessions == {}
+    tomb = decode.tombstone(sid)
+    assert tomb is not None and tomb.role is Role.RECEIVER and tomb.notice is not None
+    assert prefill.tombstone(sid).state is SessionState.ABORTED  # type: ignore[union-attr]
+    prefill.check_integrity()
+    decode.check_integrity()
+
+
+def test_an_abandon_that_beats_the_prefill_order_keeps_the_order_from_opening() -> None:
+    prefill, decode = node(P), node(D, 1 << 20)
+    connect(prefill, decode)
+    pump({P: prefill, D: decode}, decode.abandon(SessionId("early"), P, "gone"), D, 0.0)
+    assert prefill.open_sender(SessionId("early"), D, 0.1) == (None, [])
+    assert prefill.sessions == {} and decode.counters["abandoned_receivers"] == 1
+
+
 def test_evicted_tombstones_raise_the_epoch_floor() -> None:
     prefill, decode = node(P, tombstone_capacity=1), node(D, 100)
     connect(prefill, decode)

@@ -40,6 +40,28 @@ def test_cancel_mid_transfer_from_either_side(side: str) -> None:
         c.close()
 
 
+def test_a_decode_cancel_before_its_memory_frees_the_prefill_side_at_once() -> None:
+    """b waits for decode memory behind a; cancelled there, it never opens its receiver, and
+    the prefill session its order opened ends at once (it held b's prefill blocks until the
+    8 s deadline before, and requests queued behind it waited as long)."""
+    c = cluster(SLOW, decode={"num_blocks": 6})
+    try:
+        a = c.router.submit("a", list(range(90)), step_size=8)  # all 6 decode blocks, 120 ms
+        time.sleep(0.02)
+        b = c.router.submit("b", list(range(1000, 1040)), step_size=16)
+        wait_for(lambda: "b" in c.prefill._requests, what="b's prefill order")
+        begun = time.monotonic()
+        assert c.router.cancel("b", side="decode", reason="client gone")
+        assert b.result(timeout=10).state == "aborted"
+        wait_for(lambda: "b" not in c.prefill._requests, timeout_s=3.0, what="b freed")
+        assert time.monotonic() - begun < FAST.deadline_s / 2
+        assert a.result(timeout=20).state == "success"
+        check_balanced(c.router)
+        assert c.decode.endpoint.participant.counters["abandoned_receivers"] == 1
+    finally:
+        c.close()
+
+
 def test_random_cancels_on_both_sides_leave_every_request_terminal() -> None:
     c = cluster(SLOW)
     rng = np.random.default_rng(7)

@@ -209,6 +209,11 @@ class Endpoint:
 
         self.call(run)
 
+    def abandon(self, session_id: SessionId, peer_id: PeerId, reason: str) -> None:
+        """Tell the sender that a receiver session it waits for will never open
+        (:meth:`Participant.abandon`); ``ProtocolError`` if the peer is not live."""
+        self.call(lambda: self._dispatch(self.participant.abandon(session_id, peer_id, reason)))
+
     def open_sender(self, session_id: SessionId, peer_id: PeerId) -> bool:
         """Open (or attach to) a sender session; False if the session was already torn down."""
 

@@ -42,6 +42,7 @@ from kvplane.pd.events import (
     Hello,
     HelloReply,
     LeaseRenew,
+    Outcome,
     PeerLost,
     SessionEvent,
     StartTransfer,
@@ -175,6 +176,22 @@ class Participant:
         self._tombs.pop(session_id)
         actions = self._install(sess, now)
         return sess, actions + self._drive(sess, lambda: sess.send(start), now, local=True)
+
+    def abandon(self, session_id: SessionId, peer_id: PeerId, reason: str) -> list[Action]:
+        """End a receiver session that was never opened (its request ended while it waited for
+        memory): send the sender one ``Abort`` of a new epoch, so that its session, open since
+        the prefill order and holding that side's memory, ends now instead of at its deadline,
+        and leave a tombstone that repeats the notice to a late frame. The ``Abort`` is not
+        resent: if it is lost, the sender's deadline still ends its session."""
+        self._check_new(session_id, peer_id)
+        self._next_epoch += 1
+        notice = Abort(session_id=session_id, epoch=self._next_epoch, token=self._token(),
+                       outcome=Outcome.ABORTED, reason=wire_text(reason))  # fmt: skip
+        state = OUTCOME_STATE[Outcome.ABORTED]
+        tomb = Tombstone(Role.RECEIVER, peer_id, notice.epoch, state, True, None, notice)
+        self._tombs.bury(session_id, tomb)
+        self._count("abandoned_receivers")
+        return [Transmit(peer_id, notice)]
 
     def open_sender(
         self, session_id: SessionId, peer_id: PeerId, now: float

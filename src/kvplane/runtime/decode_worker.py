@@ -22,6 +22,7 @@ writes may still land (IN_DOUBT), is the fail-closed deadline, never earlier.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -168,6 +169,8 @@ class DecodeWorker(Worker):
         if not req.opened:
             req.cancelled = reason
             self._end(req, SessionState.ABORTED, reason)
+            with contextlib.suppress(ProtocolError):  # peer gone: its sessions end anyway
+                self.endpoint.abandon(req.sid, req.peer, reason)  # the prefill frees it now
             return "cancelled before the transfer started"
         try:
             self.endpoint.send(req.sid, Cancel(reason=reason))
