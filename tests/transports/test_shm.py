@@ -196,3 +196,87 @@ def test_the_sender_pins_queued_batches_ahead_of_running_them(kit, monkeypatch):
         a.close()
         b.close()
     assert kit.kv_threads() == []
+
+
+def test_closing_mid_copy_keeps_the_targets_pin_until_the_copy_has_ended(kit, monkeypatch):
+    """The target drops a connection's pins at EOF; our close must not shut the socket while
+    our sender still copies into the target's memory (before: the target saw EOF at once, its
+    owner deregistered the region and the copy went on writing into it)."""
+    real_copy, copying, go, ended = shm_module.copy_pairs, threading.Event(), threading.Event(), []
+
+    def gated_copy(*args, **kwargs):
+        copying.set()
+        assert go.wait(20)
+        real_copy(*args, **kwargs)
+        ended.append(time.monotonic())
+
+    monkeypatch.setattr(shm_module, "copy_pairs", gated_copy)
+    a, b = ShmTransport(agent="a"), ShmTransport(agent="b")
+    try:
+        pool = b.allocate(1 << 20)
+        dst = b.register(pool).region_id
+        src = a.register(torch.full((1 << 20,), 0xAB, dtype=torch.uint8)).region_id
+        peer = a.connect(b.metadata())
+        h = a.submit(XferKind.WRITE, kit.one(src, 0, 1 << 20), kit.one(dst, 0, 1 << 20), peer)
+        assert copying.wait(10)
+        closer = threading.Thread(target=a.close)
+        closer.start()
+        time.sleep(0.2)  # a close that does not wait would have shut the socket by now
+        assert b.pinned_regions() == 1 and not ended  # still pinned while the copy runs
+        go.set()
+        closer.join(20)
+        end = time.monotonic() + 10
+        while b.pinned_regions() and time.monotonic() < end:
+            time.sleep(1e-3)
+        unpinned = time.monotonic()
+        assert ended and ended[0] <= unpinned and b.pinned_regions() == 0
+        assert a.poll(h).state.terminal
+        b.deregister(dst)
+    finally:
+        go.set()
+        a.close()
+        b.close()
+
+
+def test_a_done_batch_has_released_its_pins(kit, monkeypatch):
+    """The initiator unpins before its COMMIT, so the ACK cannot end the batch DONE while a
+    pin is still held (a deregister right after DONE was spuriously refused 17 in 3,000; a
+    slow unpin here makes the old order fail every time)."""
+    a, b = ShmTransport(agent="a"), ShmTransport(agent="b")
+    quiesce = a._batches.quiesce
+
+    def slow_quiesce(batch):
+        time.sleep(0.02)
+        quiesce(batch)
+
+    monkeypatch.setattr(a._batches, "quiesce", slow_quiesce)
+    try:
+        dst = b.register(b.allocate(4096)).region_id
+        src = a.register(torch.ones(4096, dtype=torch.uint8)).region_id
+        peer = a.connect(b.metadata())
+        seen: list[int] = []
+        for _ in range(5):
+            h = a.submit(XferKind.WRITE, kit.one(src, 0, 4096), kit.one(dst, 0, 4096), peer)
+            a.on_done(h, lambda: seen.append(a.pinned_regions()))
+            assert kit.wait(a, h).state is XferState.DONE
+        assert seen == [0] * 5
+    finally:
+        a.close()
+        b.close()
+
+
+def test_memory_from_allocate_stays_mapped_after_close():
+    """close() must not unmap a segment a caller's tensor still uses (torch keeps the mmap
+    object, not a buffer export, so mmap.close() succeeded and the tensor dangled: SIGSEGV)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from kvplane.transports.shm import ShmTransport\n"
+        "t = ShmTransport(agent='u'); x = t.allocate(1 << 20); x[:] = 7; t.close()\n"
+        "x[5] = 9; print(int(x.sum()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert (out.returncode, out.stdout.strip()) == (0, str(7 * ((1 << 20) - 1) + 9))

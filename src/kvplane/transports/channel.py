@@ -227,8 +227,15 @@ class Link:
         on_frame: Callable[[Header], None],
         on_down: Callable[[Link, str], None],
         on_recv_exit: Callable[[Link], None] | None = None,
+        drain_s: float = 0.0,
     ) -> None:
         self.ch = ch
+        self._drain_s = drain_s
+        """How long :meth:`fail` lets a running job end before it shuts the socket (0: at
+        once, which unblocks a sender stuck in ``sendall``; shm's target drops its pins at EOF,
+        so a copy into its memory must end first)."""
+        self._idle = threading.Event()
+        self._idle.set()
         self._run_job, self._drop_job = run_job, drop_job
         self._on_frame, self._on_down = on_frame, on_down
         self._on_recv_exit = on_recv_exit
@@ -263,6 +270,8 @@ class Link:
             self.down = True
             self.reason = reason
             self._jobs.put(_STOP)
+        if self._drain_s and threading.current_thread() is not self._sender:
+            self._idle.wait(self._drain_s)  # a job running now ends before the peer sees EOF
         self.ch.shutdown()
         self._on_down(self, reason)
 
@@ -271,14 +280,17 @@ class Link:
             job = self._jobs.get()
             if job is _STOP:
                 break
-            if self.down:
-                self._drop_job(job)
-                continue
+            self._idle.clear()  # before reading ``down``: a fail() from now on waits for us
             try:
+                if self.down:
+                    self._drop_job(job)
+                    continue
                 self._run_job(job)
             except Exception as exc:  # any failure mid-job leaves the stream unusable
                 self._drop_job(job)
                 self.fail(f"send failed: {exc!r}")
+            finally:
+                self._idle.set()
         while True:  # the link is down: whatever is still queued will never run
             try:
                 job = self._jobs.get_nowait()

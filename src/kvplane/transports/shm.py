@@ -26,7 +26,6 @@ share a host (kernel boot id in the metadata).
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import secrets
@@ -127,6 +126,9 @@ class ShmTransport(StreamTransport):
     """Same-host transport over shared memory; allocate peer-visible memory with ``allocate``."""
 
     name = "shm"
+    link_drain_s = 5.0
+    """The target releases a connection's pins when it sees EOF: a copy into its memory that
+    is running when the link fails (our close, a lost receiver) ends before that."""
 
     def __init__(
         self,
@@ -269,7 +271,7 @@ class ShmTransport(StreamTransport):
             self._batches.finish(batch, XferState.FAILED, FailureKind.BACKEND_ERROR, refused)
             self._batches.quiesce(batch)
             return
-        if refused is None or batch.terminal:  # cancelled, timed out or link down meanwhile
+        if refused is None or batch.terminal or link.down:  # cancelled, timed out, link down
             if not link.down:
                 link.ch.send_frame(FrameType.ABORT, xid)  # releases a pin granted later
             self._batches.quiesce(batch)
@@ -282,12 +284,13 @@ class ShmTransport(StreamTransport):
             copy_pairs(local, peer_views, job.src, job.dst, self._copy_workers)
         else:
             copy_pairs(peer_views, local, job.src, job.dst, self._copy_workers)
-        if self._batches.commit(batch):
+        committed = self._batches.commit(batch)
+        self._batches.quiesce(batch)  # the copy is over: unpinned before the ACK can end it
+        if committed:
             flags = 0 if job.notify is None else FLAG_NOTIFY
             link.ch.send_frame(FrameType.COMMIT, xid, job.notify or b"", flags=flags)
         else:
             link.ch.send_frame(FrameType.ABORT, xid)
-        self._batches.quiesce(batch)
 
     @staticmethod
     def _send_pin(link: Link, job: Job) -> None:
@@ -376,7 +379,6 @@ class ShmTransport(StreamTransport):
         with self._lock:
             segments = list(self._segments.values())
             self._segments.clear()
-        for seg in segments:
-            os.close(seg.fd)
-            with contextlib.suppress(BufferError):  # still viewed by a caller's tensor: GC unmaps
-                seg.mapping.close()
+        for seg in segments:  # the mapping is not closed: a caller's tensor from ``allocate``
+            os.close(seg.fd)  # may still use it (torch holds the mmap, not a buffer export),
+            # and a close would unmap it under that tensor; it unmaps with its last reference

@@ -13,6 +13,7 @@ the per-job protocol and the target side.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvplane.errors import InvalidArgumentError, KVPlaneError
 from kvplane.ids import PeerId, RegionId
@@ -46,6 +47,10 @@ class LinkState:
 
 class StreamTransport(TransportCore):
     """Base of socket transports: one link per peer, one listener, shared-secret handshakes."""
+
+    link_drain_s: ClassVar[float] = 0.0
+    """How long a failing link lets its running job end before shutting the socket
+    (:class:`~kvplane.transports.channel.Link`)."""
 
     def __init__(
         self,
@@ -118,6 +123,7 @@ class StreamTransport(TransportCore):
                 on_frame=lambda h: self._on_frame(state, h),
                 on_down=self._on_down,
                 on_recv_exit=lambda link: self._on_recv_exit(state),
+                drain_s=self.link_drain_s,
             )  # fmt: skip
             self._links[peer_id] = state
         if current is not None and current.link is not None:
