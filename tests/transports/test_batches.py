@@ -69,6 +69,19 @@ def test_committed_batch_ends_in_doubt_and_begin_refuses_ended():
     assert not table.begin(c) and not table.commit(c) and not c.started
 
 
+def test_an_early_end_is_failed_only_for_a_batch_that_never_started():
+    """Cancel and deadline pass ``doubt_if_started``: a started batch's bytes may still land
+    (in a socket, inside an engine call), so only a batch that never began ends FAILED."""
+    table, _, _ = _table()
+    queued = table.new(PeerId("p"), XferKind.WRITE, 1, 5.0, ())
+    running = table.new(PeerId("p"), XferKind.WRITE, 1, 5.0, ())
+    assert table.begin(running)
+    for b in (queued, running):
+        assert table.finish(b, XferState.FAILED, FailureKind.CANCELLED, doubt_if_started=True)
+    assert (queued.state, running.state) == (XferState.FAILED, XferState.IN_DOUBT)
+    assert running.failure is FailureKind.CANCELLED
+
+
 def test_history_is_bounded_and_foreign_handles_refused():
     table, _, _ = _table(history=2)
     batches = [table.new(PeerId("p"), XferKind.WRITE, 1, 5.0, ()) for _ in range(3)]

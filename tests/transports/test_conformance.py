@@ -287,11 +287,14 @@ def test_deadline_and_cancel_end_stalled_batches(pair, kit):
         pair.t.cancel(h2)
         got = pair.t.poll(h2)
         if pair.name in PEER_DRIVEN or got.state is not XferState.DONE:
-            assert got.state is XferState.FAILED and got.failure is FailureKind.CANCELLED
+            # FAILED only if it never started (queued behind h), else its bytes are in doubt
+            assert got.state in (XferState.FAILED, XferState.IN_DOUBT)
+            assert got.failure is FailureKind.CANCELLED
         start = time.monotonic()
         got = kit.wait(pair.t, h, 10.0)
         if pair.name in PEER_DRIVEN or got.state is not XferState.DONE:
-            assert got.state is XferState.FAILED and got.failure is FailureKind.TIMEOUT
+            # started, and its bytes may still land once the far process runs again
+            assert got.state is XferState.IN_DOUBT and got.failure is FailureKind.TIMEOUT
         assert time.monotonic() - start < 5.0
     finally:
         pair.far.cont()

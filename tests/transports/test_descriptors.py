@@ -148,3 +148,14 @@ def test_row_copies_refuse_shared_memory():
     before = buf.clone()
     assert not copy_rows_torch(buf, m, buf, m)
     assert torch.equal(buf, before)
+
+
+def test_a_descriptor_whose_end_would_wrap_int64_is_refused():
+    """``offset + length`` past 2**62 is refused at construction: an end that wraps negative
+    once passed ``check_bounds`` for a 1 MiB region (a hostile tcp DATA table)."""
+    from kvplane.transports.descriptors import MAX_END
+
+    for offset, length in (((1 << 63) - 16, 32), (MAX_END, 1), (MAX_END - 8, 16)):
+        with pytest.raises(PlanError, match="ends past"):
+            DescriptorList.of([(1, 0, 16), (1, offset, length)])
+    assert len(DescriptorList.of([(1, MAX_END - 16, 16)])) == 1

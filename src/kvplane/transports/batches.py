@@ -161,13 +161,15 @@ class BatchTable:
         bytes_done: int | None = None,
         *,
         doubt_if_committed: bool = False,
+        doubt_if_started: bool = False,
     ) -> bool:
         """Make the one terminal transition; False (and no change) if already terminal.
-        With ``doubt_if_committed``, a batch whose bytes were all handed over ends IN_DOUBT."""
+        With ``doubt_if_committed``, a batch whose bytes were all handed over ends IN_DOUBT;
+        with ``doubt_if_started``, one whose bytes may have begun to move does."""
         with self._lock:
             if batch.state.terminal:
                 return False
-            if doubt_if_committed and batch.committed:
+            if (doubt_if_committed and batch.committed) or (doubt_if_started and batch.started):
                 state = XferState.IN_DOUBT
             batch.state = state
             ended = batch.ended_at = time.monotonic()

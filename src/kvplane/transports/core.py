@@ -271,7 +271,11 @@ class TransportCore:
             raise TransportError(f"{self.name} transport {self.agent!r} is closed")
 
     def _end_early(self, batch: Batch, failure: FailureKind, reason: str) -> None:
-        if self._batches.finish(batch, XferState.FAILED, failure, reason, doubt_if_committed=True):
+        """End a batch now by cancel or deadline: FAILED if it never started, else IN_DOUBT.
+        A started batch's bytes may still land after this (tcp: already in the socket; shm,
+        NIXL, Mooncake: a copy or engine call that cannot be interrupted), so FAILED, which
+        lets the caller reuse the memory, is only said of a batch that never moved a byte."""
+        if self._batches.finish(batch, XferState.FAILED, failure, reason, doubt_if_started=True):
             self._abort(batch)
 
     def _check_submit(

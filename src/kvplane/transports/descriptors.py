@@ -45,6 +45,11 @@ def _frozen(arr: Int64Array) -> Int64Array:
     return arr
 
 
+MAX_END = 1 << 62
+"""No descriptor ends past this byte (far beyond any region): ``offset + length`` never wraps
+int64, so a hostile table cannot pass a bounds check by overflowing it."""
+
+
 @dataclass(frozen=True, slots=True)
 class RowMap:
     """Runs of one ``length`` that all sit a multiple of ``length`` bytes from ``base``: the
@@ -178,6 +183,8 @@ class DescriptorList:
             )
         if len(offsets) and (int(offsets.min()) < 0 or int(lengths.min()) <= 0):
             raise PlanError("descriptor offsets must be >= 0 and lengths > 0")
+        if len(offsets) and bool(np.any(offsets > MAX_END - lengths)):  # no int64 wrap later
+            raise PlanError(f"a descriptor ends past {MAX_END} bytes")
         object.__setattr__(self, "regions", regions)
         object.__setattr__(self, "offsets", offsets)
         object.__setattr__(self, "lengths", lengths)

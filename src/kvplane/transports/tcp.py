@@ -25,6 +25,7 @@ stream cannot be resynchronised); ``connect`` again to resume.
 from __future__ import annotations
 
 import collections
+import logging
 import socket
 from dataclasses import dataclass, field
 
@@ -68,6 +69,8 @@ from kvplane.transports.wire import (
     pack_table,
     parse_table,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +295,8 @@ class _Target:
                 self.handle(self.ch.recv_header())
         except (OSError, KVPlaneError):
             pass
+        except Exception:  # a bug must end only this connection (its pins released below)
+            log.exception("tcp target connection from %s failed", self.peer)
         finally:
             for pins in self.pins.values():
                 self.t._regions.unpin(pins)
