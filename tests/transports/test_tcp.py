@@ -149,3 +149,36 @@ def test_bad_copy_threads_refused_before_listening(bad) -> None:
     with pytest.raises(InvalidArgumentError, match="threads must be an int >= 1"):
         TcpTransport(agent="c", copy_threads=bad)
     assert {t.name for t in threading.enumerate()} == before  # no listener was started
+
+
+def test_a_batch_timing_out_behind_a_cancelled_stalled_stream_tears_it_down(kit):
+    """The target hangs with its socket open; our sender blocks in ``sendall`` on a big WRITE
+    that the caller then cancels. A later batch that times out queued behind it tears the
+    stream down, so the blocked sender, its pins and the link are freed (before: the link
+    stayed up, every later batch timed out and the pins piled up until close)."""
+    from kvplane.transports.peer_process import PeerProcess
+
+    n = 256 << 20
+    a = TcpTransport(agent="wedge")
+    far = PeerProcess("tcp")
+    try:
+        dst = far.alloc(n)
+        peer = a.connect(far.metadata())
+        src = a.register(torch.ones(n, dtype=torch.uint8)).region_id
+        far.stop()
+        big = a.submit(XferKind.WRITE, kit.one(src, 0, n), kit.one(dst, 0, n), peer,
+                       deadline_s=60)  # fmt: skip
+        time.sleep(0.5)  # the sender is blocked in sendall now
+        a.cancel(big)
+        assert a.poll(big).state is XferState.IN_DOUBT  # bytes may still land: in doubt
+        late = a.submit(XferKind.WRITE, kit.one(src, 0, 64), kit.one(dst, 0, 64), peer,
+                        deadline_s=0.5)  # fmt: skip
+        assert kit.wait(a, late, 10).state is XferState.FAILED
+        end = time.monotonic() + 10
+        while (a.pinned_regions() or a.live_batches()) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert a.pinned_regions() == 0 and a.live_batches() == 0  # while the far side hangs
+    finally:
+        far.cont()
+        far.close()
+        a.close()

@@ -236,6 +236,8 @@ class Link:
         so a copy into its memory must end first)."""
         self._idle = threading.Event()
         self._idle.set()
+        self.current: object | None = None
+        """The job the sender is running now (None between jobs)."""
         self._run_job, self._drop_job = run_job, drop_job
         self._on_frame, self._on_down = on_frame, on_down
         self._on_recv_exit = on_recv_exit
@@ -285,11 +287,13 @@ class Link:
                 if self.down:
                     self._drop_job(job)
                     continue
+                self.current = job
                 self._run_job(job)
             except Exception as exc:  # any failure mid-job leaves the stream unusable
                 self._drop_job(job)
                 self.fail(f"send failed: {exc!r}")
             finally:
+                self.current = None
                 self._idle.set()
         while True:  # the link is down: whatever is still queued will never run
             try:

@@ -271,9 +271,17 @@ class TcpTransport(StreamTransport):
             self._batches.quiesce(read.batch)
 
     def _abort(self, batch: Batch) -> None:
+        """A batch past its deadline mid-stream tears its stream down; so does one that timed
+        out queued behind a job that already ended but is still sending (cancelled while
+        ``sendall`` is blocked on a stalled target: nothing else would ever unblock it)."""
         link = batch.job
-        if batch.failure is FailureKind.TIMEOUT and batch.started and isinstance(link, Link):
-            link.fail(f"transfer {batch.handle.xfer_id} passed its deadline mid-stream")
+        if batch.failure is not FailureKind.TIMEOUT or not isinstance(link, Link):
+            return
+        ahead = link.current
+        stuck = isinstance(ahead, Job) and ahead.batch is not batch and ahead.batch.terminal
+        if batch.started or stuck:
+            link.fail(f"transfer {batch.handle.xfer_id} passed its deadline "
+                      + ("mid-stream" if batch.started else "behind a stalled stream"))  # fmt: skip
 
     def _serve_target(self, ch: Channel, peer: PeerId) -> None:
         _tune(ch.sock)
