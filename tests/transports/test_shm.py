@@ -280,3 +280,30 @@ def test_memory_from_allocate_stays_mapped_after_close():
         [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
     )
     assert (out.returncode, out.stdout.strip()) == (0, str(7 * ((1 << 20) - 1) + 9))
+
+
+def test_a_region_registered_while_a_peer_connects_comes_with_its_segment(kit, monkeypatch):
+    """The WELCOME lists regions before it snapshots segments (segments only grow), so a
+    region registered in between never names a segment whose fd it does not carry (before:
+    the connect failed after installing a link with no views, whose next job died)."""
+    b = ShmTransport(agent="b")
+    a = ShmTransport(agent="a")
+    real = ShmTransport._region_infos
+    grown: list[int] = []
+
+    def grow_then_region_infos(self):
+        if self is b and threading.current_thread().name.endswith("-serve") and not grown:
+            grown.append(int(b.register(b.allocate(4096)).region_id))  # mid-WELCOME
+        return real(self)
+
+    monkeypatch.setattr(ShmTransport, "_region_infos", grow_then_region_infos)
+    try:
+        first = b.register(b.allocate(4096)).region_id
+        peer = a.connect(b.metadata())
+        assert grown and first in a._links[peer.peer_id].views
+        src = a.register(torch.ones(64, dtype=torch.uint8)).region_id
+        h = a.submit(XferKind.WRITE, kit.one(src, 0, 64), kit.one(first, 0, 64), peer)
+        assert kit.wait(a, h).state is XferState.DONE
+    finally:
+        a.close()
+        b.close()

@@ -188,10 +188,11 @@ class ShmTransport(StreamTransport):
         return False, None
 
     def _welcome(self) -> tuple[Welcome, list[int]]:
+        regions = self._region_infos()  # first: segments only grow, so each one's is listed
         with self._lock:
             segs = dict(self._segments)
         infos = [SegmentInfo(i, s.tensor.numel()) for i, s in segs.items()]
-        return Welcome(self._region_infos(), infos), [s.fd for s in segs.values()]
+        return Welcome(regions, infos), [s.fd for s in segs.values()]
 
     def metadata(self) -> bytes:
         self._check_open()
@@ -221,6 +222,13 @@ class ShmTransport(StreamTransport):
                 raise MalformedMessageError(f"bad WELCOME from {agent!r} (expected {meta.agent!r})")
             mappings = {s.segment: _map(fd, s.length) for s, fd in
                         zip(welcome.segments, fds, strict=True)}  # fmt: skip
+            views = {}  # checked before the link exists: a bad WELCOME installs nothing
+            for r in welcome.regions:
+                seg = mappings.get(r.segment)
+                if seg is None or r.segment_offset + r.length > len(seg):
+                    raise MalformedMessageError(f"region {r.region_id} lies outside its segment")
+                whole = torch.frombuffer(seg, dtype=torch.uint8)
+                views[RegionId(r.region_id)] = whole.narrow(0, r.segment_offset, r.length)
         except BaseException:
             ch.close()
             raise
@@ -230,13 +238,6 @@ class ShmTransport(StreamTransport):
         sock.settimeout(None)
         peer, state = self._install(PeerId(agent), ch, welcome)
         assert isinstance(state, _ShmLink)
-        views = {}
-        for r in welcome.regions:
-            seg = mappings.get(r.segment)
-            if seg is None or r.segment_offset + r.length > len(seg):
-                raise MalformedMessageError(f"region {r.region_id} lies outside its segment")
-            whole = torch.frombuffer(seg, dtype=torch.uint8)
-            views[RegionId(r.region_id)] = whole.narrow(0, r.segment_offset, r.length)
         state.mappings, state.views = mappings, views  # in-flight jobs keep their old views
         return peer
 
