@@ -182,3 +182,45 @@ def test_a_batch_timing_out_behind_a_cancelled_stalled_stream_tears_it_down(kit)
         far.cont()
         far.close()
         a.close()
+
+
+def test_a_target_drops_a_peer_that_goes_silent_while_it_holds_pins(kit, monkeypatch):
+    """A peer that stops mid-frame (host gone with no FIN, or hung) no longer keeps the
+    target's region pinned for ever: after ``target_stall_s`` without a byte, the target
+    drops the connection and its pins; an idle connection holding nothing is left alone."""
+    import kvplane.transports.tcp as tcp_module
+
+    go = threading.Event()
+
+    def stall_after_100_bytes(sock, views, descs, stage):
+        sock.sendall(b"\x01" * 100)
+        assert go.wait(20)
+        raise ConnectionResetError("the test released the stalled sender")
+
+    b = TcpTransport(agent="target", target_stall_s=0.5)
+    a = TcpTransport(agent="silent")
+    try:
+        dst = b.register(torch.zeros(4096, dtype=torch.uint8)).region_id
+        src = a.register(torch.ones(4096, dtype=torch.uint8)).region_id
+        peer = a.connect(b.metadata())
+        idle_since = time.monotonic()
+        time.sleep(0.8)  # idle longer than the stall timeout: the link must survive it
+        h = a.submit(XferKind.WRITE, kit.one(src, 0, 64), kit.one(dst, 0, 64), peer)
+        assert kit.wait(a, h).state is XferState.DONE and time.monotonic() - idle_since > 0.5
+        monkeypatch.setattr(tcp_module, "send_payload", stall_after_100_bytes)
+        h = a.submit(XferKind.WRITE, kit.one(src, 0, 4096), kit.one(dst, 0, 4096), peer)
+        end = time.monotonic() + 10
+        while not b.pinned_regions() and time.monotonic() < end:
+            time.sleep(1e-3)
+        while b.pinned_regions() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert b.pinned_regions() == 0  # dropped while our sender still hangs mid-frame
+        b.deregister(dst)
+        go.set()
+        assert kit.wait(a, h).state.terminal
+    finally:
+        go.set()
+        a.close()
+        b.close()
+    with pytest.raises(InvalidArgumentError):
+        TcpTransport(target_stall_s=0)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +103,19 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+TARGET_STALL_S = 60.0
+"""How long a target waits for the next byte of a peer while it holds pins for that peer's
+batch; then the connection is dropped and the pins released (a peer gone without a FIN, or
+hung). An idle connection, holding nothing, waits for ever."""
+
+
+def _receive_timeout(sock: socket.socket, seconds: float) -> None:
+    """``SO_RCVTIMEO`` (0: none): applies to every receive on the socket, ``readv`` too."""
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                    struct.pack("ll", whole, int((seconds - whole) * 1e6)))  # fmt: skip
+
+
 class TcpTransport(StreamTransport):
     """Stream transport over TCP; ``secret`` (bytes) makes peers prove they share it."""
 
@@ -118,9 +132,19 @@ class TcpTransport(StreamTransport):
         metrics: MetricsRegistry | None = None,
         history: int = 100_000,
         copy_threads: int | None = None,
+        target_stall_s: float = TARGET_STALL_S,
     ) -> None:
         if not isinstance(host, str) or not host:
             raise InvalidArgumentError(f"host must be a non-empty string, got {host!r}")
+        if (
+            isinstance(target_stall_s, bool)
+            or not isinstance(target_stall_s, int | float)
+            or not 0 < target_stall_s < 1e6
+        ):
+            raise InvalidArgumentError(
+                f"target_stall_s must be a number in (0, 1e6), got {target_stall_s!r}"
+            )
+        self.target_stall_s = float(target_stall_s)
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
             raise InvalidArgumentError(f"port must be an int in [0, 65535], got {port!r}")
         super().__init__(
@@ -296,6 +320,13 @@ class _Target:
         self.pins: dict[int, tuple[RegionId, ...]] = {}
         self.errors: dict[int, str] = {}
         self.stage = staging_buffer()
+        self._watched = False
+
+    def _watch(self) -> None:
+        """Arm the stall timeout while pins are held, disarm it when none are."""
+        if bool(self.pins) != self._watched:
+            self._watched = bool(self.pins)
+            _receive_timeout(self.ch.sock, self.t.target_stall_s if self._watched else 0.0)
 
     def serve(self) -> None:
         try:
@@ -318,6 +349,7 @@ class _Target:
             self.pins[xid] = self.pins.get(xid, ()) + self.t._regions.pin(new, exported_only=True)
         except (PlanError, TransportError) as exc:
             return str(exc)
+        self._watch()
         return ""
 
     def _table(self, h: Header) -> DescriptorList:
@@ -343,6 +375,7 @@ class _Target:
             body = ch.recv_body(h)
             why = self.errors.pop(xid, "")
             t._regions.unpin(self.pins.pop(xid, ()))
+            self._watch()
             if h.ftype is FrameType.COMMIT:
                 if not why and h.flags & FLAG_NOTIFY:
                     t._deliver(self.peer, body)
@@ -359,5 +392,6 @@ class _Target:
                 send_payload(ch.sock, views, table, self.stage)
             finally:
                 t._regions.unpin(self.pins.pop(xid, ()))
+                self._watch()
         else:
             raise MalformedMessageError(f"unexpected {h.ftype.name} frame from the initiator")
