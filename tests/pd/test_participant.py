@@ -173,6 +173,40 @@ def test_an_abandon_that_beats_the_prefill_order_keeps_the_order_from_opening() 
     assert prefill.sessions == {} and decode.counters["abandoned_receivers"] == 1
 
 
+def test_a_request_after_the_sender_gave_up_is_answered_so_the_receiver_frees_at_once() -> None:
+    """The decode waited for memory past the sender's deadline: the sender failed before it
+    knew an epoch, so it had no notice to send. Its tombstone now answers the late request
+    with an Abort of that epoch; the receiver ends FAILED and frees its destination at once
+    instead of retransmitting until its own deadline."""
+    prefill, decode = node(P), node(D, 1 << 20)
+    connect(prefill, decode)
+    nodes = {P: prefill, D: decode}
+    sid = SessionId("late")
+    _, acts = prefill.open_sender(sid, D, 0.0)
+    acts += prefill.send(sid, SubmitSlice(slice_id=SliceId(0), is_last=True, start=0, end=16),
+                         0.0)  # fmt: skip
+    pump(nodes, acts, P, 0.0)
+    now = 0.0
+    while prefill.sessions and now < 20:  # the sender's deadline passes, it retires
+        now += 0.25
+        for n in (prefill, decode):
+            pump(nodes, n.tick(now), n.peer_id, now)
+    assert prefill.tombstone(sid) is not None and prefill.tombstone(sid).epoch is None  # type: ignore[union-attr]
+    start = StartTransfer(request_id=RequestId("r"), dst_block_ids=(0,), prefix_tokens=0,
+                          num_tokens=16)  # fmt: skip
+    _, acts = decode.open_receiver(sid, P, start, now)
+    rest = pump(nodes, acts, D, now)
+    assert [(a.role, a.state) for a in rest if isinstance(a, Finished)] == [
+        (Role.RECEIVER, SessionState.FAILED)
+    ]
+    assert [a.role for a in rest if isinstance(a, Release)] == [Role.RECEIVER]
+    assert decode.sessions == {}
+    with pytest.raises(ProtocolError, match="already ended"):  # abandon never buries over it
+        decode.abandon(sid, P, "too late")
+    prefill.check_integrity()
+    decode.check_integrity()
+
+
 def test_evicted_tombstones_raise_the_epoch_floor() -> None:
     prefill, decode = node(P, tombstone_capacity=1), node(D, 100)
     connect(prefill, decode)

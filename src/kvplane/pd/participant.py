@@ -184,6 +184,8 @@ class Participant:
         and leave a tombstone that repeats the notice to a late frame. The ``Abort`` is not
         resent: if it is lost, the sender's deadline still ends its session."""
         self._check_new(session_id, peer_id)
+        if session_id in self._tombs:
+            raise ProtocolError(f"session {session_id} has already ended here")
         self._next_epoch += 1
         notice = Abort(session_id=session_id, epoch=self._next_epoch, token=self._token(),
                        outcome=Outcome.ABORTED, reason=wire_text(reason))  # fmt: skip

@@ -366,8 +366,11 @@ class SenderSession(Session):
             if self._notice is not None:
                 self._transmit(self._notice)
             return
-        if self.terminal:  # ended (by the receiver's abort) before its request arrived
+        if self.terminal:  # ended (the receiver's abort, our deadline) before its request
             self.stats["late_requests"] += 1
+            if self._gave_up and self.epoch is None:  # tell the waiting receiver at once
+                self.epoch = ev.epoch
+                self._after_progress()
             return
         self.epoch = ev.epoch
         self.request = ev

@@ -19,6 +19,7 @@ from kvplane.pd.actions import Action, Transmit
 from kvplane.pd.events import (
     Abort,
     AbortAck,
+    Outcome,
     SessionEvent,
     SliceReady,
     SliceResult,
@@ -59,6 +60,13 @@ def answer(tomb: Tombstone, event: SessionEvent) -> list[Action]:
             return [Transmit(peer, tomb.verdict)]
         if tomb.notice is not None:
             return [Transmit(peer, tomb.notice)]
+        if isinstance(event, TransferRequest) and tomb.role is Role.SENDER and tomb.epoch is None:
+            # a sender that failed before any request came: the receiver waits for nothing
+            notice = Abort(session_id=event.session_id, epoch=event.epoch, token=0,
+                           outcome=STATE_OUTCOME.get(tomb.state, Outcome.FAILED),
+                           reason="the sender ended before the request came",
+                           drained=tomb.clean)  # fmt: skip
+            return [Transmit(peer, notice)]
     return []
 
 
