@@ -14,6 +14,7 @@ from pathlib import Path
 from kvplane.errors import ConfigError
 from kvplane.offload.policies.registry import POLICIES
 from kvplane.offload.tiers.base import SyncPolicy
+from kvplane.offload.tiers.remote import NAMESPACE_BAD
 
 
 def _positive(name: str, value: object) -> None:
@@ -57,10 +58,10 @@ class OffloadConfig:
             raise ConfigError(
                 f"OffloadConfig.remote_url must be a redis:// URL: {self.remote_url!r}"
             )
-        if not self.remote_namespace or ":" in self.remote_namespace:
+        if not self.remote_namespace or NAMESPACE_BAD.search(self.remote_namespace):
             raise ConfigError(
-                f"OffloadConfig.remote_namespace must be non-empty without ':': "
-                f"{self.remote_namespace!r}"
+                f"OffloadConfig.remote_namespace must be non-empty without ':' or a glob "
+                f"character (*?[]\\): {self.remote_namespace!r}"
             )
         t = self.remote_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:

@@ -58,6 +58,24 @@ def test_round_trip_and_reindex(redis_url: str, redis_namespace: str) -> None:
     small.close()
 
 
+def test_foreign_keys_under_the_prefix_are_skipped_by_the_reindex(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """A key matching ``ns:slot:*:h`` whose slot is not ASCII digits (bytes that do not
+    decode, a digit ``int`` refuses) is not ours: skipped, not a startup error."""
+    tier = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace)
+    try:
+        tier.write([SlotId(1)], keys(0), [pattern(0)])
+        raw = redis.Redis.from_url(redis_url)
+        for slot in (b"\xff", "\u00b2".encode(), b"1x", b""):
+            raw.set(redis_namespace.encode() + b":slot:" + slot + b":h", b"junk")
+        assert tier.scan() == {key(0): 1}
+        raw.close()
+    finally:
+        tier.clear()
+        tier.close()
+
+
 def test_damage_is_a_miss_and_a_metric(redis_url: str, redis_namespace: str) -> None:
     m = MetricsRegistry()
     tier = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, metrics=m)
@@ -215,7 +233,8 @@ def test_server_going_away_mid_run_is_a_typed_error(monkeypatch: pytest.MonkeyPa
 
 
 def test_bad_arguments_and_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
-    for kw in ({"url": "http://x"}, {"namespace": "a:b"}, {"timeout_s": 0}):
+    bad = [{"namespace": ns} for ns in ("a:b", "", "kv*", "k?", "[k]", "k\\")]
+    for kw in ({"url": "http://x"}, {"timeout_s": 0}, *bad):
         args = {"url": "redis://127.0.0.1:1/0", "namespace": "ns", "timeout_s": 1.0} | kw
         with pytest.raises(InvalidArgumentError):
             RemoteTier(

@@ -39,6 +39,7 @@ helper thread is started on first use and stopped by :meth:`close`).
 from __future__ import annotations
 
 import importlib.util
+import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -64,6 +65,11 @@ from kvplane.offload.tiers.header import (
 from kvplane.offload.tiers.resp import ReplyReader
 
 _HEADER = b":h"
+_SLOT = re.compile(rb"[0-9]+")
+NAMESPACE_BAD = re.compile(r"[:*?\[\]\\]")
+"""Characters a namespace may not hold: ':' separates key parts, and the rest would make the
+``SCAN MATCH`` patterns of :meth:`RemoteTier.scan` and :meth:`RemoteTier.clear` reach other
+namespaces (``kv*`` cleared ``kvplane``)."""
 """Suffix of a slot's header key."""
 PIPELINE_BYTES = 8 << 20
 """Payload bytes per pipelined round trip of a batch (a read has the server hold up to two
@@ -99,9 +105,10 @@ class RemoteTier:
             raise InvalidArgumentError(f"RemoteTier.fingerprint must be {FINGERPRINT_BYTES} bytes")
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise InvalidArgumentError(f"RemoteTier.url must be a redis:// URL, got {url!r}")
-        if not namespace or ":" in namespace:
+        if not isinstance(namespace, str) or not namespace or NAMESPACE_BAD.search(namespace):
             raise InvalidArgumentError(
-                f"RemoteTier.namespace must be non-empty without ':': {namespace!r}"
+                f"RemoteTier.namespace must be non-empty without ':' or a glob character "
+                f"(*?[]\\): {namespace!r}"
             )
         if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise InvalidArgumentError(f"RemoteTier.timeout_s must be positive: {timeout_s!r}")
@@ -288,11 +295,11 @@ class RemoteTier:
         prefix, suffix = f"{self.namespace}:slot:", _HEADER.decode()
         found: dict[ChunkKey, SlotId] = {}
         try:
-            names = (
-                k.decode()[len(prefix) : -len(suffix)]
+            names = (  # a foreign key under our prefix is skipped, never a startup error
+                _SLOT.fullmatch(k[len(prefix) : -len(suffix)])
                 for k in self._client.scan_iter(match=f"{prefix}*{suffix}", count=1000)
             )
-            for slot in sorted(int(n) for n in names if n.isdigit()):
+            for slot in sorted(int(m[0]) for m in names if m is not None):
                 if slot >= self.num_slots:
                     continue
                 header = self._check(None, self._client.get(self._key(slot) + _HEADER), None)
