@@ -138,18 +138,27 @@ def test_an_abort_for_an_unknown_session_leaves_a_tombstone_that_blocks_its_requ
     assert prefill.open_sender(SessionId("x"), D, 0.1) == (None, [])
 
 
+def _sender_before_its_request(
+    sid: SessionId, *, is_last: bool
+) -> tuple[Participant, Participant, dict[PeerId, Participant], list[Action]]:
+    """A prefill order's sender session with one slice of 16 tokens admitted, its receiver
+    not opened yet: both participants, the node map and the actions left over."""
+    prefill, decode = node(P), node(D, 1 << 20)
+    connect(prefill, decode)
+    nodes = {P: prefill, D: decode}
+    _, acts = prefill.open_sender(sid, D, 0.0)
+    acts += prefill.send(sid, SubmitSlice(slice_id=SliceId(0), is_last=is_last, start=0, end=16),
+                         0.0)  # fmt: skip
+    return prefill, decode, nodes, pump(nodes, acts, P, 0.0)
+
+
 def test_an_abandoned_receiver_ends_the_waiting_sender_and_frees_its_slices_now() -> None:
     """The decode ends a request before it could open its receiver (cancelled while waiting
     for memory): one Abort ends the sender session the prefill order opened, its admitted
     slices released at once (not at the deadline), both sides left with tombstones."""
-    prefill, decode = node(P), node(D, 1 << 20)
-    connect(prefill, decode)
-    nodes = {P: prefill, D: decode}
     sid = SessionId("w")
-    _, acts = prefill.open_sender(sid, D, 0.0)
-    acts += prefill.send(sid, SubmitSlice(slice_id=SliceId(0), is_last=False, start=0, end=16),
-                         0.0)  # fmt: skip
-    assert not [a for a in pump(nodes, acts, P, 0.0) if isinstance(a, StartSubmit)]
+    prefill, decode, nodes, acts = _sender_before_its_request(sid, is_last=False)
+    assert not [a for a in acts if isinstance(a, StartSubmit)]
     rest = pump(nodes, decode.abandon(sid, P, "client gone"), D, 0.1)
     released = [a for a in rest if isinstance(a, Release)]
     finished = [(a.role, a.state) for a in rest if isinstance(a, Finished)]
@@ -178,14 +187,8 @@ def test_a_request_after_the_sender_gave_up_is_answered_so_the_receiver_frees_at
     knew an epoch, so it had no notice to send. Its tombstone now answers the late request
     with an Abort of that epoch; the receiver ends FAILED and frees its destination at once
     instead of retransmitting until its own deadline."""
-    prefill, decode = node(P), node(D, 1 << 20)
-    connect(prefill, decode)
-    nodes = {P: prefill, D: decode}
     sid = SessionId("late")
-    _, acts = prefill.open_sender(sid, D, 0.0)
-    acts += prefill.send(sid, SubmitSlice(slice_id=SliceId(0), is_last=True, start=0, end=16),
-                         0.0)  # fmt: skip
-    pump(nodes, acts, P, 0.0)
+    prefill, decode, nodes, _ = _sender_before_its_request(sid, is_last=True)
     now = 0.0
     while prefill.sessions and now < 20:  # the sender's deadline passes, it retires
         now += 0.25
