@@ -19,13 +19,13 @@ woken at once by a new batch), ends each one, enforces deadlines, and releases N
 A batch is ended DONE only after its NIXL request is released and its regions unpinned, so
 whoever sees DONE sees a quiescent batch. A batch posts with the peer's address table it was
 checked against at ``submit`` (a later ``connect`` may refresh the table), and an address for a
-region the table lacks is an error, never a neighbour's base. Once posted, a batch is committed:
-cancel or a passed deadline (judged after NIXL's own state) ends it IN_DOUBT, since NIXL may
-still move its bytes, and before that FAILED; NIXL's request is then released (cancelled) by
-the poster, which keeps retrying while NIXL cannot yet (at ``close`` for at most
-:data:`CLOSE_RELEASE_S`), and the regions stay pinned until it can. NIXL raising its
-remote-disconnect error maps to REMOTE_DISCONNECT. An unexpected error on the poster fails that
-batch (LOCAL_ERROR, logged) and the poster goes on.
+region the table lacks is an error, never a neighbour's base. Cancel or a passed deadline
+(judged after NIXL's own state) ends a started batch IN_DOUBT, since NIXL may still move its
+bytes (inside ``transfer`` or after posting), and a queued one FAILED; posting commits a batch.
+NIXL's request is then released (cancelled) by the poster, which keeps retrying while NIXL
+cannot yet (at ``close`` for at most :data:`CLOSE_RELEASE_S`), and the regions stay pinned
+until it can. NIXL raising its remote-disconnect error maps to REMOTE_DISCONNECT. An unexpected
+error on the poster fails that batch (LOCAL_ERROR, logged) and the poster goes on.
 
 The agent is driven from several threads (the poster; ``register``, ``connect`` and
 ``notifications`` on the caller's), which NIXL allows only in a thread-sync mode; the agent is
@@ -320,7 +320,7 @@ class NixlTransport(TransportCore):
         """Fail a batch the poster broke on; True once its request is released."""
         log.exception("NIXL poster error (the poster keeps running)")
         self._batches.finish(batch, XferState.FAILED, FailureKind.LOCAL_ERROR,
-                             f"NIXL poster error: {exc!r}", doubt_if_committed=True)  # fmt: skip
+                             f"NIXL poster error: {exc!r}", doubt_if_started=True)  # fmt: skip
         return self._release(batch)
 
     def _release_all(self, running: list[Batch]) -> None:
