@@ -28,6 +28,11 @@ from kvplane.pd.events import (
 from kvplane.pd.states import STATE_OUTCOME, Role, SessionState
 
 
+TOMB_TOKEN = 0
+"""The token of an Abort a tombstone sends for a session that never had one of ours (a sender
+that ended before its request came): session tokens start at 1, so its ack matches nothing."""
+
+
 @dataclass(frozen=True, slots=True)
 class Tombstone:
     """A retired session: role, peer, epoch, final state, and what to repeat to the peer."""
@@ -62,7 +67,7 @@ def answer(tomb: Tombstone, event: SessionEvent) -> list[Action]:
             return [Transmit(peer, tomb.notice)]
         if isinstance(event, TransferRequest) and tomb.role is Role.SENDER and tomb.epoch is None:
             # a sender that failed before any request came: the receiver waits for nothing
-            notice = Abort(session_id=event.session_id, epoch=event.epoch, token=0,
+            notice = Abort(session_id=event.session_id, epoch=event.epoch, token=TOMB_TOKEN,
                            outcome=STATE_OUTCOME.get(tomb.state, Outcome.FAILED),
                            reason="the sender ended before the request came",
                            drained=tomb.clean)  # fmt: skip
