@@ -27,7 +27,6 @@ from kvplane.pd.events import (
 )
 from kvplane.pd.states import STATE_OUTCOME, Role, SessionState
 
-
 TOMB_TOKEN = 0
 """The token of an Abort a tombstone sends for a session that never had one of ours (a sender
 that ended before its request came): session tokens start at 1, so its ack matches nothing."""
