@@ -21,6 +21,7 @@ from kvplane.pd.events import (
     StartTransfer,
     SubmitSkipped,
     SubmitSlice,
+    SubmitStarted,
     TransferRequest,
     TransportDone,
 )
@@ -208,6 +209,77 @@ def test_a_request_after_the_sender_gave_up_is_answered_so_the_receiver_frees_at
         decode.abandon(sid, P, "too late")
     prefill.check_integrity()
     decode.check_integrity()
+
+
+def _beat(nodes: dict[PeerId, Participant], now: float) -> list[Action]:
+    """Tick both nodes at ``now``, delivering their frames; the other actions."""
+    out: list[Action] = []
+    for n in nodes.values():
+        out += pump(nodes, n.tick(now), n.peer_id, now)
+    return out
+
+
+def _late_receiver(
+    sid: SessionId, at: float
+) -> tuple[Participant, Participant, dict[PeerId, Participant], list[Action]]:
+    """The prefill order at 0; decode memory (the receiver's open) only at ``at``, its
+    request delivered at once; the nodes and the actions left over."""
+    prefill, decode, nodes, _ = _sender_before_its_request(sid, is_last=True)
+    for now in range(1, int(at) + 1):
+        _beat(nodes, float(now))
+    start = StartTransfer(request_id=RequestId("r"), dst_block_ids=(0,), prefix_tokens=0,
+                          num_tokens=16)  # fmt: skip
+    _, acts = decode.open_receiver(sid, P, start, at)
+    return prefill, decode, nodes, pump(nodes, acts, D, at)
+
+
+def test_a_transfer_ending_at_the_senders_first_deadline_ends_the_same_on_both_sides() -> None:
+    """The receiver opened 5.9 s after the prefill order (it waited for decode memory); the
+    only slice is done at 5.999 and its SliceReady is on the wire when the sender's deadline
+    from its open (6 s) passes. Counted from the open, the sender failed while the receiver
+    committed SUCCESS; from the request's arrival, that deadline no longer ends it."""
+    sid = SessionId("race")
+    prefill, decode, nodes, rest = _late_receiver(sid, 5.9)
+    (start,) = [a for a in rest if isinstance(a, StartSubmit)]
+    prefill.receive_local(sid, SubmitStarted(slice_id=start.slice_id), 5.9)
+    done = prefill.receive_local(sid, TransportDone(slice_id=start.slice_id), 5.999)
+    in_flight = [a for a in done if isinstance(a, Transmit)]
+    assert [type(a.event) for a in in_flight] == [SliceReady]
+    fin = [a for a in prefill.tick(6.0) if isinstance(a, Finished)]
+    fin += [a for a in pump(nodes, in_flight, P, 6.0005) if isinstance(a, Finished)]
+    assert [(a.role, a.state) for a in fin] == [
+        (Role.RECEIVER, SessionState.SUCCESS), (Role.SENDER, SessionState.SUCCESS)
+    ]  # fmt: skip
+    assert prefill.sessions == {} and decode.sessions == {}
+    prefill.check_integrity()
+    decode.check_integrity()
+
+
+def test_a_sender_whose_receiver_never_decides_fails_one_deadline_after_its_request() -> None:
+    """The request came at 2 s; from then on only heartbeats get through (every session frame
+    is lost, both ways). The first deadline (6 s) passes harmlessly; the verdict deadline, 6 s
+    after the request, ends the sender FAILED with its slice's memory released."""
+    sid = SessionId("mute")
+    prefill, decode, nodes, rest = _late_receiver(sid, 2.0)
+    (start,) = [a for a in rest if isinstance(a, StartSubmit)]
+    prefill.receive_local(sid, SubmitStarted(slice_id=start.slice_id), 2.0)
+    prefill.receive_local(sid, TransportDone(slice_id=start.slice_id), 2.1)
+    ended: list[tuple[float, Finished]] = []
+    now = 2.0
+    while now < 9:
+        now = round(now + 0.25, 2)
+        for n in (prefill, decode):
+            for a in n.tick(now):
+                if isinstance(a, Finished):
+                    ended.append((now, a))
+                elif isinstance(a, Transmit) and isinstance(a.event, Heartbeat):
+                    nodes[a.peer_id].on_event(n.peer_id, a.event, now)
+    assert [(t, a.role, a.state, a.reason) for t, a in ended] == [
+        (7.0, Role.RECEIVER, SessionState.FAILED, "deadline"),
+        (8.0, Role.SENDER, SessionState.FAILED, "deadline: no verdict from the receiver"),
+    ]
+    assert prefill.sessions == {} and prefill.counters["finished_sender_failed"] == 1
+    prefill.check_integrity()
 
 
 def test_evicted_tombstones_raise_the_epoch_floor() -> None:

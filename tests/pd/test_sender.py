@@ -86,6 +86,7 @@ def test_happy_path_clips_to_the_prefix_and_ends_on_the_receivers_verdict() -> N
     assert s.send(slice_cmd(0, 0, 64)) == []  # no destination yet: waits ADMITTED
     req = request()
     assert s.receive(req) == [
+        ArmTimer(SID, TimerKind.VERDICT, 0, T.sender_deadline_s),  # replaces the open's deadline
         DestinationKnown(SID, PEER, req),  # once: the driver may plan ahead from now on
         StartSubmit(SID, PEER, SliceId(0), False, 16, 64, req),
     ]
@@ -250,7 +251,7 @@ def test_own_deadline_fails_unilaterally_and_notifies_once_drained() -> None:
     s = new()
     s.receive(request(prefix=0, num=20))
     s.send(slice_cmd(0, 0, 10))
-    out = s.receive(Timeout(timer=TimerKind.DEADLINE))
+    out = s.receive(Timeout(timer=TimerKind.VERDICT))
     notice = Abort(
         session_id=SID, epoch=EPOCH, token=TOKEN, outcome=Outcome.FAILED,
         reason="sender deadline", drained=True,
@@ -258,7 +259,7 @@ def test_own_deadline_fails_unilaterally_and_notifies_once_drained() -> None:
     assert out == [
         Transmit(PEER, notice),
         release(0, Ownership.NOT_SUBMITTED, S.FAILED),
-        Finished(SID, PEER, Role.SENDER, S.FAILED, "deadline"),
+        Finished(SID, PEER, Role.SENDER, S.FAILED, "deadline: no verdict from the receiver"),
     ]
     assert s.receive(request(prefix=0, num=20)) == [Transmit(PEER, notice)]  # repeated on contact
     late = result(0, 0, 20, True, SliceStatus.COMMITTED)
@@ -285,7 +286,7 @@ def test_cancel_before_the_request_waits_for_the_epoch() -> None:
     s.send(slice_cmd(0, 0, 10))
     assert s.send(Cancel()) == [release(0, Ownership.NOT_SUBMITTED, S.BOOTSTRAPPING)]
     out = s.receive(request(prefix=0, num=10))
-    assert isinstance(out[0], Transmit) and isinstance(out[0].event, Abort)
+    assert isinstance(out[1], Transmit) and isinstance(out[1].event, Abort)
     assert s.state is S.WAITING_FOR_INPUT and s.epoch == EPOCH
 
 
@@ -313,7 +314,7 @@ def test_no_slice_after_the_last_and_mismatched_request_is_a_failed_request() ->
         s.send(slice_cmd(1, 10, 20))
     out = s.receive(request(prefix=0, num=99))  # the peers disagree on the prompt length
     assert s.requested == (Outcome.FAILED, "slices [0] do not fit 99 tokens")
-    assert isinstance(out[0], Transmit) and isinstance(out[0].event, Abort)
+    assert isinstance(out[1], Transmit) and isinstance(out[1].event, Abort)
     assert out[-1] == release(0, Ownership.NOT_SUBMITTED, S.WAITING_FOR_INPUT)
 
 

@@ -236,6 +236,7 @@ def representative(kind: EventKind, s: Session) -> object:
         EventKind.TRANSPORT_FAILED: lambda: TransportFailed(slice_id=SliceId(in_flight)),
         EventKind.TRANSPORT_IN_DOUBT: lambda: TransportInDoubt(slice_id=SliceId(in_flight)),
         EventKind.TIMEOUT_DEADLINE: lambda: Timeout(timer=TimerKind.DEADLINE),
+        EventKind.TIMEOUT_VERDICT: lambda: Timeout(timer=TimerKind.VERDICT),
         EventKind.TIMEOUT_RETRANSMIT: lambda: Timeout(timer=TimerKind.RETRANSMIT),
         EventKind.TIMEOUT_DRAIN: lambda: Timeout(timer=TimerKind.DRAIN),
         EventKind.TIMEOUT_RELEASE: lambda: Timeout(timer=TimerKind.RELEASE, unit=1),
@@ -340,6 +341,7 @@ def test_start_submit_is_emitted_once_the_destination_is_known() -> None:
     assert s.send(SubmitSlice(slice_id=SliceId(0), is_last=False, start=0, end=10)) == []
     actions = s.receive(REQUEST)
     assert actions == [
+        ArmTimer(SID, TimerKind.VERDICT, 0, TIMINGS.sender_deadline_s),
         DestinationKnown(SID, PEER, REQUEST),
         StartSubmit(SID, PEER, SliceId(0), False, 0, 10, REQUEST),
     ]

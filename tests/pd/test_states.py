@@ -47,8 +47,23 @@ def test_every_non_terminal_state_can_fail_on_deadline_and_peer_loss(role: Role)
     table = TABLES[role]
     for state in SessionState:
         if not state.terminal:
-            assert table[(state, EventKind.TIMEOUT_DEADLINE)] is SessionState.FAILED
+            deadline = table[(state, EventKind.TIMEOUT_DEADLINE)]
+            verdict = table.get((state, EventKind.TIMEOUT_VERDICT))
+            assert SessionState.FAILED in (deadline, verdict), (role, state)
             assert table[(state, EventKind.PEER_LOST)] is SessionState.FAILED
+
+
+def test_the_senders_deadline_is_the_opens_until_the_request_then_the_verdicts() -> None:
+    """The request is what leaves BOOTSTRAPPING; VERDICT is armed then and DEADLINE disarmed,
+    so after it a DEADLINE timeout is stale and must not end the session."""
+    s = SessionState
+    assert SENDER_TABLE[(s.BOOTSTRAPPING, EventKind.TRANSFER_REQUEST)] is s.WAITING_FOR_INPUT
+    assert SENDER_TABLE[(s.BOOTSTRAPPING, EventKind.TIMEOUT_DEADLINE)] is s.FAILED
+    assert (s.BOOTSTRAPPING, EventKind.TIMEOUT_VERDICT) not in SENDER_TABLE
+    for state in (s.WAITING_FOR_INPUT, s.TRANSFERRING):
+        assert SENDER_TABLE[(state, EventKind.TIMEOUT_DEADLINE)] is state
+        assert SENDER_TABLE[(state, EventKind.TIMEOUT_VERDICT)] is s.FAILED
+    assert not any(kind is EventKind.TIMEOUT_VERDICT for (_, kind) in RECEIVER_TABLE)
 
 
 def test_only_the_receiver_commits_and_the_sender_follows_its_verdict() -> None:
@@ -67,7 +82,7 @@ def test_only_the_receiver_commits_and_the_sender_follows_its_verdict() -> None:
 
 
 def test_tables_have_the_documented_size() -> None:
-    assert len(SENDER_TABLE) == 95
+    assert len(SENDER_TABLE) == 100
     assert len(RECEIVER_TABLE) == 63
     assert (SessionState.BOOTSTRAPPING, EventKind.SLICE_READY) not in RECEIVER_TABLE
     assert (SessionState.SUCCESS, EventKind.SUBMIT_SLICE) not in SENDER_TABLE

@@ -58,7 +58,11 @@ class TimerKind(enum.Enum):
     """The deadlines a session arms (``ArmTimer``) and receives back as ``Timeout``."""
 
     DEADLINE = "deadline"
-    """The whole session's deadline: a non-terminal session fails."""
+    """The whole session's deadline: a non-terminal session fails. A sender's bounds its wait
+    for the receiver's request; once the request arrives, ``VERDICT`` replaces it."""
+    VERDICT = "verdict"
+    """A sender's deadline once the receiver's request is known, counted from its arrival (so
+    never before the receiver's own deadline plus the grace): a non-terminal sender fails."""
     RETRANSMIT = "retransmit"
     """Resend what the peer has not acknowledged yet."""
     DRAIN = "drain"

@@ -112,7 +112,11 @@ class SessionPlan:
             step_tokens=rng.randint(1, 128),
             step_s=rng.uniform(0.001, 0.02),
             sender_opens_at=rng.uniform(0.0, 0.05),
-            receiver_opens_at=rng.uniform(0.0, 0.05),
+            receiver_opens_at=(
+                rng.uniform(0.0, 0.05)
+                if rng.random() < 0.9  # else decode memory came late, around the sender's deadline
+                else rng.uniform(0.9, 1.02) * SIM_TIMINGS.sender_deadline_s
+            ),
             cancel=(rng.choice(side), rng.uniform(0.0, 0.3)) if rng.random() < 0.15 else None,
             fail=(rng.choice(side), rng.uniform(0.0, 0.3)) if rng.random() < 0.08 else None,
             stall_after=rng.randrange(slices) if rng.random() < 0.05 else None,

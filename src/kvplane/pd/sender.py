@@ -17,8 +17,11 @@ The receiver decides every outcome. A local ``Cancel``/``Fail`` or a failed tran
 or IN_DOUBT after ``drain_s``), and only then is ``Abort(outcome, drained)`` sent; the state
 changes on the receiver's answer (``AbortAck`` with the outcome it committed, or COMMITTED if it
 had already finished). A receiver's ``Abort`` is obeyed at once (state ABORTED/FAILED) and
-acknowledged only after the drain. Only the sender's own deadline (receiver's deadline plus a
-grace) and peer loss end it unilaterally, as FAILED.
+acknowledged only after the drain. Only the sender's own deadline and peer loss end it
+unilaterally, as FAILED. That deadline (the receiver's plus a grace) runs twice: from the open
+(the prefill order) until the receiver's request arrives, then afresh from that arrival
+(``VERDICT``). The receiver opened before it sent the request, so its deadline always fires
+first and a transfer finishing near it cannot end SUCCESS on one side and FAILED on the other.
 """
 
 from __future__ import annotations
@@ -312,8 +315,14 @@ class SenderSession(Session):
 
     # -- clock and lease -------------------------------------------------------------------------
     def _on_timeout_deadline(self, event: object) -> None:
+        self._give_up(event, "deadline")
+
+    def _on_timeout_verdict(self, event: object) -> None:
+        self._give_up(event, "deadline: no verdict from the receiver")
+
+    def _give_up(self, event: object, reason: str) -> None:
         if self._take(event) and not self.terminal:
-            self.reason = "deadline"
+            self.reason = reason
             self._gave_up = True
             self._cancel_admitted()
             if self.ledger.in_flight():
@@ -374,6 +383,10 @@ class SenderSession(Session):
             return
         self.epoch = ev.epoch
         self.request = ev
+        # The receiver's deadline runs from its open, before it sent this request: counted from
+        # now, ours can no longer fire before its verdict (or its own deadline) reaches us.
+        self._disarm(TimerKind.DEADLINE)
+        self._arm(TimerKind.VERDICT, 0, self._deadline_s())
         mismatch = [
             s.slice_id for s in self.slices.values()
             if s.end > ev.num_tokens or (s.is_last and s.end != ev.num_tokens)

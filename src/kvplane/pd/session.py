@@ -190,6 +190,7 @@ class Session:
                 out.append(Release(self.session_id, self.peer_id, self.role, unit, via, target))
             if target.terminal and not before.terminal:
                 self._armed.discard((TimerKind.DEADLINE, 0))
+                self._armed.discard((TimerKind.VERDICT, 0))
                 out.append(Finished(self.session_id, self.peer_id, self.role, target, self.reason))
             followups = self._followups
         finally:

@@ -16,7 +16,8 @@ target.
 
 Who decides: the receiver commits every outcome (it alone knows whether all slices arrived).
 The sender turns terminal on the receiver's verdict (``SLICE_COMMITTED``, ``ABORT``,
-``ABORT_ACK``...), or unilaterally as FAILED on its own deadline or on peer loss; its own
+``ABORT_ACK``...), or unilaterally as FAILED on its own deadline (``TIMEOUT_DEADLINE`` before
+the receiver's request, ``TIMEOUT_VERDICT`` after it) or on peer loss; its own
 ``CANCEL``/``FAIL``/transport failures are *requests* that leave its state unchanged until the
 verdict arrives. That is why the sender's ``CANCEL`` row is all self-loops.
 
@@ -118,6 +119,7 @@ class EventKind(enum.Enum):
     TRANSPORT_IN_DOUBT = "transport_in_doubt"
     # facts from the clock and the lease keeper
     TIMEOUT_DEADLINE = "timeout_deadline"
+    TIMEOUT_VERDICT = "timeout_verdict"
     TIMEOUT_RETRANSMIT = "timeout_retransmit"
     TIMEOUT_DRAIN = "timeout_drain"
     TIMEOUT_RELEASE = "timeout_release"
@@ -137,6 +139,7 @@ class EventKind(enum.Enum):
 
 _TIMEOUT_KIND = {
     TimerKind.DEADLINE: EventKind.TIMEOUT_DEADLINE,
+    TimerKind.VERDICT: EventKind.TIMEOUT_VERDICT,
     TimerKind.RETRANSMIT: EventKind.TIMEOUT_RETRANSMIT,
     TimerKind.DRAIN: EventKind.TIMEOUT_DRAIN,
     TimerKind.RELEASE: EventKind.TIMEOUT_RELEASE,
@@ -196,8 +199,6 @@ def _build(rows: Iterable[tuple[EventKind, Iterable[SessionState], SessionState 
 
 _SELF = None
 _TIMER_ROWS = [
-    (K.TIMEOUT_DEADLINE, NON_TERMINAL, S.FAILED),
-    (K.TIMEOUT_DEADLINE, TERMINAL, _SELF),
     (K.TIMEOUT_RETRANSMIT, ALL_STATES, _SELF),
     (K.TIMEOUT_DRAIN, ALL_STATES, _SELF),
     (K.TIMEOUT_RELEASE, ALL_STATES, _SELF),
@@ -234,6 +235,11 @@ SENDER_TABLE: Table = _build(
         (K.ABORT_ACK, (S.ABORTED, S.FAILED), _SELF),
         (K.FAIL_ACK, (S.WAITING_FOR_INPUT, S.TRANSFERRING), S.FAILED),
         (K.FAIL_ACK, (S.ABORTED, S.FAILED), _SELF),
+        # DEADLINE runs until the request (which leaves BOOTSTRAPPING), VERDICT from it on
+        (K.TIMEOUT_DEADLINE, (S.BOOTSTRAPPING,), S.FAILED),
+        (K.TIMEOUT_DEADLINE, (S.WAITING_FOR_INPUT, S.TRANSFERRING, *TERMINAL), _SELF),
+        (K.TIMEOUT_VERDICT, (S.WAITING_FOR_INPUT, S.TRANSFERRING), S.FAILED),
+        (K.TIMEOUT_VERDICT, TERMINAL, _SELF),
         *_TIMER_ROWS,
     ]
 )
@@ -253,6 +259,8 @@ RECEIVER_TABLE: Table = _build(
         (K.FAIL_NOTICE, TERMINAL, _SELF),
         (K.ABORT_ACK, (S.ABORTED, S.FAILED), _SELF),
         (K.FAIL_ACK, (S.ABORTED, S.FAILED), _SELF),
+        (K.TIMEOUT_DEADLINE, NON_TERMINAL, S.FAILED),
+        (K.TIMEOUT_DEADLINE, TERMINAL, _SELF),
         *_TIMER_ROWS,
     ]
 )

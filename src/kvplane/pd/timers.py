@@ -25,7 +25,9 @@ class Timings:
     """Every delay of the protocol, in seconds.
 
     ``deadline_s`` bounds a receiver session; a sender waits ``verdict_grace_s`` longer for the
-    receiver's verdict before failing on its own. ``retransmit_s`` paces resends of what the peer
+    receiver's verdict before failing on its own, counted from its open until the receiver's
+    request arrives and from that arrival afterwards (so it holds its KV for at most twice
+    ``sender_deadline_s``). ``retransmit_s`` paces resends of what the peer
     has not acknowledged. ``drain_s`` bounds how long an abort waits for in-flight work (sender)
     or for the abort ack (receiver) before declaring it IN_DOUBT; ``in_doubt_s`` is the
     fail-closed release deadline of an IN_DOUBT unit. A peer whose lease (``lease_s``) is not
