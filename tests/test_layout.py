@@ -145,6 +145,12 @@ def test_dtype_names_round_trip() -> None:
         ({"sliding_window": 0}, "sliding_window"),
         ({"order": (Axis.DIM, *BLOCK_MAJOR[:-1])}, "DIM last"),
         ({"order": (*BLOCK_MAJOR[:-2], Axis.DIM)}, "six axes"),
+        ({"head_range": (0.5, 2.5)}, "head_range must hold ints"),
+        ({"head_range": (0, True)}, "head_range must hold ints"),
+        ({"head_range": (0, 1, 2)}, "head_range must hold 2 ints"),
+        ({"head_range": "01"}, "head_range must be a sequence of ints"),
+        ({"order": ("block",) * 6}, "sequence of Axis"),
+        ({"num_blocks": 1 << 60}, "exceeds the 4611686018427387904-byte limit"),
     ],
 )
 def test_bad_gqa_layouts_are_rejected(kwargs: dict[str, object], match: str) -> None:
@@ -167,6 +173,14 @@ def test_bad_mla_and_state_layouts_are_rejected() -> None:
         gqa(layer_ids=(1, 1), num_layers=None)
     with pytest.raises(LayoutError, match="disagrees"):
         gqa(layer_ids=(1, 2), num_layers=3)
+
+
+def test_sequence_fields_are_stored_as_tuples_so_layouts_hash() -> None:
+    layout = KVLayout(LayoutKind.GQA, 2, 4, [0, 1], 4, 8, torch.float16, head_range=[0, 2])  # type: ignore[arg-type]
+    assert layout.layer_ids == (0, 1) and layout.head_range == (0, 2)
+    assert hash(layout) == hash(
+        KVLayout(LayoutKind.GQA, 2, 4, (0, 1), 4, 8, torch.float16, head_range=(0, 2))
+    )
 
 
 def test_pool_tensor_checks() -> None:

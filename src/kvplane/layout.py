@@ -98,6 +98,23 @@ def dtype_from_name(name: str) -> torch.dtype:
     raise LayoutError(f"unknown KV dtype name {name!r}; use one of {list(_DTYPE_NAMES.values())}")
 
 
+MAX_POOL_BYTES = 1 << 62
+"""No pool is larger than this (far beyond any memory): every byte offset into a pool, and
+every ``offset + length`` of a descriptor, stays well inside int64."""
+
+
+def _int_tuple(what: str, value: object, size: int | None = None) -> tuple[int, ...]:
+    """``value`` as a tuple of non-bool ints (``LayoutError`` otherwise), of ``size`` if given."""
+    if not isinstance(value, tuple | list):
+        raise LayoutError(f"KVLayout.{what} must be a sequence of ints, got {value!r}")
+    items = tuple(value)
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in items):
+        raise LayoutError(f"KVLayout.{what} must hold ints, got {value!r}")
+    if size is not None and len(items) != size:
+        raise LayoutError(f"KVLayout.{what} must hold {size} ints, got {value!r}")
+    return items
+
+
 def _positive(what: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise LayoutError(f"KVLayout.{what} must be a positive int, got {value!r}")
@@ -128,6 +145,13 @@ class KVLayout:
         for name in ("num_blocks", "block_size", "total_heads", "head_dim"):
             _positive(name, getattr(self, name))
         dtype_name(self.dtype)
+        object.__setattr__(self, "layer_ids", _int_tuple("layer_ids", self.layer_ids))
+        object.__setattr__(self, "head_range", _int_tuple("head_range", self.head_range, 2))
+        if not isinstance(self.order, tuple | list) or any(
+            not isinstance(a, Axis) for a in self.order
+        ):
+            raise LayoutError(f"KVLayout.order must be a sequence of Axis, got {self.order!r}")
+        object.__setattr__(self, "order", tuple(self.order))
         if not self.layer_ids:
             raise LayoutError("KVLayout.layer_ids must name at least one layer")
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layer_ids):
@@ -155,6 +179,8 @@ class KVLayout:
         for axis in reversed(self.order):
             strides[axis] = step
             step *= sizes[axis]
+        if step > MAX_POOL_BYTES:
+            raise LayoutError(f"a pool of {step} bytes exceeds the {MAX_POOL_BYTES}-byte limit")
         object.__setattr__(self, "_strides", tuple(strides))
 
     def _check_kind(self) -> None:

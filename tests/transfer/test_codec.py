@@ -50,7 +50,8 @@ def test_round_trip_is_exact_and_still_validates() -> None:
     assert back.equals(plan)
     assert [op.chunk_keys for op in back.ops] == [(KEYS[0],), (KEYS[1],), (KEYS[2],)]
     assert {op.slice_id for op in back.ops} == {5}
-    assert back.coverage == plan.coverage and back.coverage.cross_sum == plan.coverage.cross_sum
+    assert back.coverage == plan.coverage and back.coverage.moments == plan.coverage.moments
+    assert (back.src_region, back.dst_region) == (plan.src_region, plan.dst_region)
     back.validate({RegionId(3): LAYOUT.pool_bytes}, {RegionId(9): 64 + LAYOUT.pool_bytes})
 
 
@@ -91,7 +92,10 @@ def tamper(**changes: object) -> bytes:
         (tamper(op_ends=b"\x00" * 7), "not int64s"),
         (tamper(op_ends=np.array([1, 2], dtype="<i8").tobytes()), "2 op boundaries for 3 ops"),
         (tamper(op_ends=np.array([5, 2, 9], dtype="<i8").tobytes()), "do not partition"),
-        (tamper(coverage=[-1, 0, 0, 0]), "invalid plan message"),
+        (tamper(coverage=[-1, [0] * 7]), "invalid plan message"),
+        (tamper(coverage=[0, [0, 0]]), "tuple of 7"),
+        (tamper(regions=[-1, 0]), "src_region must be an int >= 0"),
+        (tamper(op_ends=b"", ops=[]), r"do not partition \d+ descriptors"),  # columns, no ops
         (tamper(layers="all"), "undecodable"),
         (tamper(extra=1), "undecodable"),
     ],
@@ -99,6 +103,11 @@ def tamper(**changes: object) -> bytes:
 def test_malformed_messages_are_refused(data: bytes, match: str) -> None:
     with pytest.raises(MalformedMessageError, match=match):
         decode_plan(data)
+
+
+def test_a_message_that_is_not_bytes_is_refused() -> None:
+    with pytest.raises(MalformedMessageError, match="a plan message is bytes, got str"):
+        decode_plan("plan")  # type: ignore[arg-type]
 
 
 def test_inconsistent_descriptor_columns_are_refused() -> None:

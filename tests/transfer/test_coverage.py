@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from math import comb
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from kvplane.errors import PlanError
 from kvplane.transfer.coverage import (
     MOD,
+    MONOMIALS,
     SMALL_LIST,
     Coverage,
     concat_descriptors,
@@ -22,16 +24,17 @@ from kvplane.transfer.coverage import (
 from kvplane.transports.base import DescriptorList
 
 
+def moments_of(byte_pairs: list[tuple[int, int]]) -> Coverage:
+    """Moments by definition: ``Σ s^i d^j`` over every listed byte's ``(src, dst)`` offsets."""
+    return Coverage(
+        len(byte_pairs),
+        tuple(sum(s**i * d**j for s, d in byte_pairs) % MOD for i, j in MONOMIALS),
+    )
+
+
 def brute(pairs: list[tuple[int, int, int]]) -> Coverage:
     """Moments by enumerating every byte of ``(src offset, dst offset, length)`` pairs."""
-    count = s_sum = d_sum = cross = 0
-    for s, d, n in pairs:
-        for k in range(n):
-            count += 1
-            s_sum += s + k
-            d_sum += d + k
-            cross += (s + k) * (d + k)
-    return Coverage(count, s_sum % MOD, d_sum % MOD, cross % MOD)
+    return moments_of([(s + k, d + k) for s, d, n in pairs for k in range(n)])
 
 
 def lists(pairs: list[tuple[int, int, int]]) -> tuple[DescriptorList, DescriptorList]:
@@ -52,10 +55,18 @@ def test_descriptor_moments_equal_brute_force(pairs) -> None:
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7, (1 << 33) + 1, (1 << 34) + 3, (1 << 40) - 1])
 def test_closed_forms_stay_exact_for_huge_descriptors(n: int) -> None:
     s, d = (1 << 39) + 5, (1 << 41) + 11
-    t1 = n * (n - 1) // 2
-    t2 = (n - 1) * n * (2 * n - 1) // 6
+    t = (n, n * (n - 1) // 2, (n - 1) * n * (2 * n - 1) // 6, (n * (n - 1) // 2) ** 2)  # Σ k^c
     want = Coverage(
-        n, (n * s + t1) % MOD, (n * d + t1) % MOD, (n * s * d + (s + d) * t1 + t2) % MOD
+        n,
+        tuple(
+            sum(  # Σ_k (s+k)^i (d+k)^j, binomially expanded by hand in exact integers
+                comb(i, a) * comb(j, b) * s ** (i - a) * d ** (j - b) * t[a + b]
+                for a in range(i + 1)
+                for b in range(j + 1)
+            )
+            % MOD
+            for i, j in MONOMIALS
+        ),
     )
     assert coverage_of_descriptors(*lists([(s, d, n)])) == want
 
@@ -76,9 +87,7 @@ def test_array_and_exact_integer_paths_agree(pairs) -> None:
     pieces = [coverage_of_descriptors(s, d) for s, d in parts]
     assert whole == Coverage(
         sum(p.num_bytes for p in pieces),
-        sum(p.src_sum for p in pieces) % MOD,
-        sum(p.dst_sum for p in pieces) % MOD,
-        sum(p.cross_sum for p in pieces) % MOD,
+        tuple(sum(m) % MOD for m in zip(*(p.moments for p in pieces), strict=True)),
     )
 
 
@@ -97,40 +106,52 @@ def test_array_and_exact_integer_paths_agree(pairs) -> None:
 )
 def test_product_moments_equal_brute_force(axes) -> None:
     arrays = [(np.array(s, dtype=np.int64), np.array(d, dtype=np.int64)) for s, d in axes]
-    count = s_sum = d_sum = cross = 0
-    for combo in itertools.product(*[range(len(s)) for s, _ in axes]):
-        s = sum(axes[a][0][i] for a, i in enumerate(combo))
-        d = sum(axes[a][1][i] for a, i in enumerate(combo))
-        count, s_sum, d_sum, cross = count + 1, s_sum + s, d_sum + d, cross + s * d
-    assert coverage_of_product(arrays) == Coverage(count, s_sum % MOD, d_sum % MOD, cross % MOD)
+    bytes_ = [
+        (sum(axes[a][0][i] for a, i in enumerate(combo)),
+         sum(axes[a][1][i] for a, i in enumerate(combo)))
+        for combo in itertools.product(*[range(len(s)) for s, _ in axes])
+    ]  # fmt: skip
+    assert coverage_of_product(arrays) == moments_of(bytes_)
 
 
 def test_product_of_an_empty_axis_is_zero() -> None:
     empty = np.zeros(0, dtype=np.int64)
     assert coverage_of_product([(empty, empty)]) == Coverage.zero()
-    assert coverage_of_descriptors(DescriptorList.empty(), DescriptorList.empty()) == Coverage(
-        0, 0, 0, 0
-    )
+    empty_lists = coverage_of_descriptors(DescriptorList.empty(), DescriptorList.empty())
+    assert empty_lists == Coverage(0, (0,) * len(MONOMIALS))
 
 
 def test_moments_tell_swapped_destinations_apart() -> None:
     right = coverage_of_descriptors(*lists([(0, 100, 10), (10, 200, 10)]))
     swapped = coverage_of_descriptors(*lists([(0, 200, 10), (10, 100, 10)]))
-    assert (right.num_bytes, right.src_sum, right.dst_sum) == (
-        swapped.num_bytes,
-        swapped.src_sum,
-        swapped.dst_sum,
-    )
-    assert right.cross_sum != swapped.cross_sum
+    assert right.num_bytes == swapped.num_bytes
+    assert right.moments[:3] == swapped.moments[:3]  # Σs, Σd, Σs²: the same byte sets
+    assert right.moments[3] != swapped.moments[3]  # Σs·d: the pairing differs
+
+
+def test_third_degree_moments_catch_permutations_that_cancel_in_the_cross_sum() -> None:
+    """Blocks 0..3 go to destination blocks 0,1,3,2; swapping the destinations of 0↔1 and of
+    2↔3 (1,0,2,3) keeps Σs·d (0+1+6+6 == 0+0+4+9 in block units), not Σs·d²."""
+    b = 64
+    right = coverage_of_descriptors(*lists([(k * b, t * b, b) for k, t in enumerate([0, 1, 3, 2])]))
+    wrong = coverage_of_descriptors(*lists([(k * b, t * b, b) for k, t in enumerate([1, 0, 2, 3])]))
+    cross = MONOMIALS.index((1, 1))
+    assert right.moments[: cross + 2] == wrong.moments[: cross + 2]
+    assert right != wrong
 
 
 def test_coverage_fields_are_checked() -> None:
+    zeros = (0,) * len(MONOMIALS)
     with pytest.raises(PlanError, match="num_bytes"):
-        Coverage(-1, 0, 0, 0)
-    with pytest.raises(PlanError, match="cross_sum"):
-        Coverage(0, 0, 0, MOD)
-    with pytest.raises(PlanError, match="src_sum"):
-        Coverage(0, True, 0, 0)  # type: ignore[arg-type]
+        Coverage(-1, zeros)
+    with pytest.raises(PlanError, match=r"Σ s\^1 d\^2"):
+        Coverage(0, (*zeros[:-1], MOD))
+    with pytest.raises(PlanError, match=r"Σ s\^1 d\^0"):
+        Coverage(0, (True, *zeros[1:]))
+    with pytest.raises(PlanError, match="tuple of 7"):
+        Coverage(0, zeros[:4])
+    with pytest.raises(PlanError, match="tuple of 7"):
+        Coverage(0, list(zeros))  # type: ignore[arg-type]
 
 
 def test_first_overlap() -> None:

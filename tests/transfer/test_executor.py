@@ -21,7 +21,7 @@ from kvplane.transfer.plan import TransferPlan, joint_ops
 from kvplane.transfer.planner import plan_transfer
 from kvplane.transfer.progress import OpProgress, OpState, PlanOutcome
 from kvplane.transfer.request import OpGrouping, PlanOptions, PlanSide
-from kvplane.transports.base import Peer, XferKind
+from kvplane.transports.base import Peer, XferKind, XferState
 from kvplane.transports.local import LocalFabric, LocalTransport
 
 SRC_LAYOUT = KVLayout.gqa(
@@ -64,6 +64,31 @@ def test_invalid_plan_is_refused_before_any_byte_moves(scripted, clock, kvref) -
     assert scripted.batches == {} and torch.equal(dst, before)
 
 
+def test_a_raising_progress_callback_cancels_the_run_before_it_propagates(
+    scripted, clock, kvref, fault
+) -> None:
+    """The caller never gets the run, so execute itself must end every batch it started."""
+    plan, _, _, _, _ = build(scripted, kvref, OpGrouping.LAYER)
+    scripted.faults = {i: fault("stall") for i in range(len(plan.ops))}
+
+    def broken(event: OpProgress) -> None:
+        raise RuntimeError("bug in the callback")
+
+    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
+    with pytest.raises(RuntimeError, match="bug in the callback"):
+        ex.execute(
+            plan, scripted.connect(b""), local_regions=scripted.lengths(), on_progress=broken
+        )
+    started = sorted(scripted.batches)
+    assert started and scripted.cancelled == started
+    assert all(b.poll.state is not XferState.PENDING for b in scripted.batches.values())
+
+
+def test_a_region_longer_than_any_descriptor_can_reach_is_no_error(scripted, clock, kvref) -> None:
+    plan, _, _, _, (s_id, d_id) = build(scripted, kvref)
+    plan.validate({s_id: 1 << 63}, {d_id: (1 << 64) + 5})  # clamped, never cast into int64
+
+
 def test_write_and_read_move_the_same_bytes(scripted, clock, kvref) -> None:
     plan, _, dst, expected, (_, d_id) = build(scripted, kvref)
     ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
@@ -95,7 +120,7 @@ def test_notify_follows_every_byte(scripted, clock, kvref) -> None:
 
 
 def test_empty_plan(scripted, clock) -> None:
-    empty = TransferPlan((), TokenRange(5, 5), (0,), Coverage.zero())
+    empty = TransferPlan((), TokenRange(5, 5), (0,), Coverage.zero(), RegionId(0), RegionId(1))
     ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
     result = ex.execute(empty, scripted.connect(b""), local_regions={})
     assert result.outcome is PlanOutcome.DONE and result.ops == () and result.num_bytes == 0
@@ -109,7 +134,7 @@ def test_arguments_are_checked(scripted, clock) -> None:
     with pytest.raises(InvalidArgumentError, match="max_idle_s"):
         PlanExecutor(scripted, max_idle_s=0)
     ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
-    empty = TransferPlan((), TokenRange(5, 5), (0,), Coverage.zero())
+    empty = TransferPlan((), TokenRange(5, 5), (0,), Coverage.zero(), RegionId(0), RegionId(1))
     peer = scripted.connect(b"")
     for bad in (0, -1.0, True, "1"):
         with pytest.raises(InvalidArgumentError, match="deadline_s"):
@@ -255,7 +280,9 @@ def test_plans_run_jointly_share_batches(scripted, clock, kvref) -> None:
 
 def test_joint_plans_that_share_bytes_are_refused_before_any_byte_moves(scripted, clock) -> None:
     one, _, dst = _state_plan(scripted, slot=0)
-    other = TransferPlan(one.ops, one.tokens, one.layers, one.coverage)  # the same bytes again
+    other = TransferPlan(
+        one.ops, one.tokens, one.layers, one.coverage, one.src_region, one.dst_region
+    )  # the same bytes again
     ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
     peer = scripted.connect(b"")
     with pytest.raises(PlanError, match="plans run jointly share destination bytes"):

@@ -33,9 +33,9 @@ def op(pairs: list[tuple[int, int, int]]) -> TransferOp:
 def plan_of(*ops: TransferOp, coverage: Coverage | None = None) -> TransferPlan:
     """A plan whose requested coverage is what the given ops move (or ``coverage``)."""
     if coverage is None:
-        probe = TransferPlan(ops, TokenRange(0, 1), (0,), Coverage.zero())
+        probe = TransferPlan(ops, TokenRange(0, 1), (0,), Coverage.zero(), SRC, DST)
         coverage = coverage_of_descriptors(probe.src_descriptors(), probe.dst_descriptors())
-    return TransferPlan(ops, TokenRange(0, 1), (0,), coverage)
+    return TransferPlan(ops, TokenRange(0, 1), (0,), coverage, SRC, DST)
 
 
 def test_a_consistent_hand_built_plan_validates() -> None:
@@ -73,11 +73,11 @@ def test_op_construction_checks_pairing_and_annotations() -> None:
     with pytest.raises(PlanError, match="DescriptorLists"):
         TransferOp([(0, 0, 4)], good[1], TokenRange(0, 1), (0,))  # type: ignore[arg-type]
     with pytest.raises(PlanError, match="TransferOps"):
-        TransferPlan(("op",), TokenRange(0, 1), (0,), Coverage.zero())  # type: ignore[arg-type]
+        TransferPlan(("op",), TokenRange(0, 1), (0,), Coverage.zero(), SRC, DST)  # type: ignore[arg-type]
     with pytest.raises(PlanError, match="coverage"):
-        TransferPlan((), TokenRange(0, 1), (0,), (0, 0, 0, 0))  # type: ignore[arg-type]
+        TransferPlan((), TokenRange(0, 1), (0,), (0, 0, 0, 0), SRC, DST)  # type: ignore[arg-type]
     with pytest.raises(PlanError, match="TokenRange"):
-        TransferPlan((), (0, 1), (0,), Coverage.zero())  # type: ignore[arg-type]
+        TransferPlan((), (0, 1), (0,), Coverage.zero(), SRC, DST)  # type: ignore[arg-type]
     keyed = TransferOp(*good, TokenRange(0, 1), [2], chunk_keys=[ChunkKey(b"x")])  # type: ignore[arg-type]
     assert keyed.layers == (2,) and keyed.chunk_keys == (b"x",)
 
@@ -142,7 +142,7 @@ def test_a_tampered_planner_plan_is_refused_and_validate_mutates_nothing() -> No
     bad_dst = DescriptorList(only.dst.regions, offsets, only.dst.lengths)
     tampered = TransferPlan(
         (TransferOp(only.src, bad_dst, only.tokens, only.layers),),
-        plan.tokens, plan.layers, plan.coverage,
+        plan.tokens, plan.layers, plan.coverage, plan.src_region, plan.dst_region,
     )  # fmt: skip
     with pytest.raises(PlanError, match="do not cover the requested bytes"):
         tampered.validate(src_len, dst_len)
@@ -155,15 +155,69 @@ def test_a_tampered_planner_plan_is_refused_and_validate_mutates_nothing() -> No
     plan.validate(src_len, dst_len)
 
 
+def test_a_plan_aimed_at_another_region_of_the_peer_is_refused() -> None:
+    """The moments see offsets only: a plan retargeted, wholly or half, to another registered
+    region of the same size moves the right offsets into the wrong pool. It names regions the
+    plan was not built for, so validate refuses it before any byte moves."""
+    plan, src_len, dst_len = planned()
+    (only,) = plan.ops
+    other = RegionId(7)
+    n = len(only.dst)
+    for regions in ([other] * n, [DST] * (n // 2) + [other] * (n - n // 2)):
+        moved = DescriptorList(
+            np.array(regions, dtype=np.int64), only.dst.offsets, only.dst.lengths
+        )
+        bad = TransferPlan(
+            (TransferOp(only.src, moved, only.tokens, only.layers),),
+            plan.tokens, plan.layers, plan.coverage, plan.src_region, plan.dst_region,
+        )  # fmt: skip
+        with pytest.raises(PlanError, match="names region 7, but the plan was built for region 1"):
+            bad.validate(src_len, {**dst_len, other: dst_len[DST]})
+    stray_src = DescriptorList(np.full(len(only.src), 5), only.src.offsets, only.src.lengths)
+    bad = TransferPlan(
+        (TransferOp(stray_src, only.dst, only.tokens, only.layers),),
+        plan.tokens, plan.layers, plan.coverage, plan.src_region, plan.dst_region,
+    )  # fmt: skip
+    with pytest.raises(PlanError, match="source descriptor 0 names region 5"):
+        bad.validate({**src_len, RegionId(5): src_len[SRC]}, dst_len)
+
+
+def test_permuted_destination_blocks_whose_cross_sums_cancel_are_refused() -> None:
+    """Source blocks 0..3 go to destination blocks 0,1,3,2. Swapping the destinations of 0↔1
+    and of 2↔3 keeps the byte count, Σs, Σd and Σs·d; a third-degree moment differs."""
+    layout = KVLayout.mla(num_blocks=8, block_size=4, num_layers=1, latent_dim=3, rope_dim=1,
+                          dtype=torch.float16)  # fmt: skip
+    plan = plan_transfer(
+        PlanSide(layout, np.array([0, 1, 2, 3]), SRC),
+        PlanSide(layout, np.array([0, 1, 3, 2]), DST),
+        TokenRange(0, 16),
+    )
+    lengths = ({SRC: layout.pool_bytes}, {DST: layout.pool_bytes})
+    plan.validate(*lengths)
+    b = layout.bytes_per_block
+
+    def per_block(dst_blocks: list[int]) -> TransferPlan:
+        src = DescriptorList.of([(SRC, k * b, b) for k in range(4)])
+        dst = DescriptorList.of([(DST, t * b, b) for t in dst_blocks])
+        ops = (TransferOp(src, dst, plan.tokens, plan.layers),)
+        return TransferPlan(ops, plan.tokens, plan.layers, plan.coverage, SRC, DST)
+
+    per_block([0, 1, 3, 2]).validate(*lengths)
+    with pytest.raises(PlanError, match="do not cover the requested bytes"):
+        per_block([1, 0, 2, 3]).validate(*lengths)
+
+
 def test_empty_plan_and_equality() -> None:
-    empty = TransferPlan((), TokenRange(4, 4), (0, 1), Coverage.zero())
+    empty = TransferPlan((), TokenRange(4, 4), (0, 1), Coverage.zero(), SRC, DST)
     empty.validate({}, {})
     assert empty.empty and empty.num_bytes == 0 and empty.describe() == []
     a, _, _ = planned()
     b, _, _ = planned()
     assert a.equals(b)
     assert not a.equals(empty)
-    other = TransferPlan(a.ops, a.tokens, a.layers, a.coverage, src_fingerprint=b"other")
+    other = TransferPlan(
+        a.ops, a.tokens, a.layers, a.coverage, a.src_region, a.dst_region, src_fingerprint=b"other"
+    )
     assert not a.equals(other)
     with pytest.raises(InvalidArgumentError):
-        TransferPlan((), TokenRange(4, 3), (0,), Coverage.zero())  # type: ignore[misc]
+        TransferPlan((), TokenRange(4, 3), (0,), Coverage.zero(), SRC, DST)  # type: ignore[misc]

@@ -83,6 +83,10 @@ def test_options_are_checked() -> None:
         PlanOptions(slice_id=SliceId(-2))
     with pytest.raises(PlanError, match="grouping"):
         PlanOptions(grouping="layer")  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match="chunk_keys must be a sequence"):
+        PlanOptions(chunk_keys=None)  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match="layers must be a sequence of ints"):
+        plan_transfer(side(gqa(), [0]), side(gqa(), [1]), TokenRange(0, 4), layers=5)  # type: ignore[arg-type]
 
 
 def test_side_and_state_arguments_are_checked() -> None:
@@ -93,5 +97,8 @@ def test_side_and_state_arguments_are_checked() -> None:
     with pytest.raises(PlanError, match="PlanSide"):
         plan_transfer("src", side(gqa(), [0]), TokenRange(0, 4))  # type: ignore[arg-type]
     assert side(gqa(), [1], offset=7).pool_end == 7 + gqa().pool_bytes
+    with pytest.raises(PlanError, match="ends past the 4611686018427387904-byte limit"):
+        side(gqa(), [1], offset=(1 << 62) - gqa().pool_bytes + 1)  # offsets would wrap int64
+    assert side(gqa(), [1], offset=(1 << 62) - gqa().pool_bytes).pool_end == 1 << 62
     chunked = PlanOptions(grouping=OpGrouping.CHUNK, chunk_spec=ChunkSpec(4))
     assert chunked.chunk_keys == ()

@@ -15,12 +15,12 @@ import msgspec
 import numpy as np
 
 from kvplane.errors import KVPlaneError, MalformedMessageError
-from kvplane.ids import ChunkKey, SliceId, TokenRange
+from kvplane.ids import ChunkKey, RegionId, SliceId, TokenRange
 from kvplane.transfer.coverage import Coverage
 from kvplane.transfer.plan import TransferOp, TransferPlan
 from kvplane.transports.base import DescriptorList, Int64Array
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 """Largest encoded plan :func:`decode_plan` accepts unless told otherwise (256 MiB)."""
 
@@ -38,7 +38,8 @@ class _WirePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version: int
     tokens: tuple[int, int]
     layers: list[int]
-    coverage: tuple[int, int, int, int]
+    coverage: tuple[int, tuple[int, ...]]
+    regions: tuple[int, int]
     src_fingerprint: bytes
     dst_fingerprint: bytes
     op_ends: bytes
@@ -66,7 +67,8 @@ def encode_plan(plan: TransferPlan) -> bytes:
         version=WIRE_VERSION,
         tokens=(plan.tokens.start, plan.tokens.end),
         layers=list(plan.layers),
-        coverage=(c.num_bytes, c.src_sum, c.dst_sum, c.cross_sum),
+        coverage=(c.num_bytes, c.moments),
+        regions=(plan.src_region, plan.dst_region),
         src_fingerprint=plan.src_fingerprint,
         dst_fingerprint=plan.dst_fingerprint,
         op_ends=_pack(ends),
@@ -87,6 +89,8 @@ def encode_plan(plan: TransferPlan) -> bytes:
 
 def decode_plan(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> TransferPlan:
     """Rebuild a plan from :func:`encode_plan` output (``MalformedMessageError`` if it is not)."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise MalformedMessageError(f"a plan message is bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
         raise MalformedMessageError(f"plan message of {len(data)} bytes exceeds {max_bytes}")
     try:
@@ -116,7 +120,8 @@ def _rebuild(wire: _WirePlan) -> TransferPlan:
     if len(ends) != len(wire.ops):
         raise MalformedMessageError(f"{len(ends)} op boundaries for {len(wire.ops)} ops")
     starts = np.concatenate(([0], ends[:-1])) if len(ends) else ends
-    if len(ends) and (np.any(ends < starts) or int(ends[-1]) != len(src)):
+    covered = int(ends[-1]) if len(ends) else 0  # no ops: no descriptors either
+    if np.any(ends < starts) or covered != len(src):
         raise MalformedMessageError(f"op boundaries do not partition {len(src)} descriptors")
     if len(src) != len(dst):
         raise MalformedMessageError(f"{len(src)} source but {len(dst)} destination descriptors")
@@ -136,7 +141,9 @@ def _rebuild(wire: _WirePlan) -> TransferPlan:
         ops=tuple(ops),
         tokens=TokenRange(*wire.tokens),
         layers=tuple(wire.layers),
-        coverage=Coverage(*wire.coverage),
+        coverage=Coverage(wire.coverage[0], tuple(wire.coverage[1])),
+        src_region=RegionId(wire.regions[0]),
+        dst_region=RegionId(wire.regions[1]),
         src_fingerprint=wire.src_fingerprint,
         dst_fingerprint=wire.dst_fingerprint,
     )

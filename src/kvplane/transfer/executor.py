@@ -97,20 +97,35 @@ class PlanExecutor:
         notify: bytes | None = None,
         on_progress: Callable[[OpProgress], None] | None = None,
     ) -> PlanResult:
-        """Run ``plan`` to completion (see :meth:`start`), reporting each op change."""
+        """Run ``plan`` to completion (see :meth:`start`), reporting each op change.
+
+        If ``on_progress`` raises, the run is cancelled and stepped until every batch has ended
+        (so no transfer is left touching the memory), then the exception propagates."""
         run = self.start(
             plan, peer, local_regions=local_regions, kind=kind, deadline_s=deadline_s, notify=notify
         )
-        idle = 1e-5
-        while True:
-            events = run.step()
-            if on_progress is not None:
-                for event in events:
-                    on_progress(event)
-            if run.done:
-                return run.result()
-            if events:
-                idle = 1e-5
-            else:
-                self._sleep(idle)
-                idle = min(idle * 2, self._max_idle_s)
+        idle = [1e-5]  # the current back-off, shared by the normal and the cancelling loop
+        try:
+            while True:
+                events = self._advance(run, idle)
+                if on_progress is not None:
+                    for event in events:
+                        on_progress(event)
+                if run.done:
+                    return run.result()
+        except BaseException:
+            run.cancel("the progress callback raised")
+            while not run.done:
+                self._advance(run, idle)
+            raise
+
+    def _advance(self, run: PlanRun, idle: list[float]) -> list[OpProgress]:
+        """One step of ``run``; when nothing changed, sleeps ``idle[0]`` and doubles it (up to
+        ``max_idle_s``); a change resets it."""
+        events = run.step()
+        if events or run.done:
+            idle[0] = 1e-5
+        else:
+            self._sleep(idle[0])
+            idle[0] = min(idle[0] * 2, self._max_idle_s)
+        return events

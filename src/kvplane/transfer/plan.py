@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvplane.errors import PlanError
 from kvplane.ids import ChunkKey, RegionId, SliceId, TokenRange
 from kvplane.transfer.coverage import (
@@ -98,15 +100,19 @@ class TransferPlan:
 
     ``tokens`` is the effective token range moved (after prefix reuse and sliding window);
     ``layers`` the global layer ids; ``coverage`` the analytic moments of the requested byte
-    mapping (``coverage.num_bytes`` is the logical byte count); the fingerprints are the two
-    layouts' physical fingerprints (empty when unknown), so a receiver can check the plan was
-    built for its pool.
+    mapping (``coverage.num_bytes`` is the logical byte count), whose offsets are within
+    ``src_region`` and ``dst_region``: every descriptor must name that side's region (the
+    moments see offsets only, so this is what ties the bytes to their pools); the fingerprints
+    are the two layouts' physical fingerprints (empty when unknown), so a receiver can check the
+    plan was built for its pool.
     """
 
     ops: tuple[TransferOp, ...]
     tokens: TokenRange
     layers: tuple[int, ...]
     coverage: Coverage
+    src_region: RegionId
+    dst_region: RegionId
     src_fingerprint: bytes = b""
     dst_fingerprint: bytes = b""
 
@@ -120,6 +126,11 @@ class TransferPlan:
         _check_layers(self.layers, "TransferPlan")
         if not isinstance(self.coverage, Coverage):
             raise PlanError(f"TransferPlan.coverage must be a Coverage, got {self.coverage!r}")
+        for name in ("src_region", "dst_region"):
+            if not _is_index(getattr(self, name)):
+                raise PlanError(
+                    f"TransferPlan.{name} must be an int >= 0, got {getattr(self, name)!r}"
+                )
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -156,11 +167,12 @@ class TransferPlan:
     ) -> None:
         """Raise ``PlanError`` unless the plan is safe and exact; mutates nothing.
 
-        Proves: every op's descriptors pair up with equal lengths; every descriptor names a known
-        region and lies inside it; no destination byte is written twice and no source byte is
-        read twice (across all ops); the bytes moved equal the logical bytes requested and their
-        moments (``Σ src``, ``Σ dst``, ``Σ src·dst``) equal the request's analytic moments, so
-        every requested byte is covered exactly once, from the right place to the right place.
+        Proves: every op's descriptors pair up with equal lengths; every descriptor names its
+        side's region (``src_region``/``dst_region``), which is known, and lies inside it; no
+        destination byte is written twice and no source byte is read twice (across all ops);
+        the bytes moved equal the logical bytes requested and their moments (:data:`MONOMIALS`
+        of :mod:`~kvplane.transfer.coverage`) equal the request's analytic moments, so every
+        requested byte is covered exactly once, from the right place to the right place.
         """
         for i, op in enumerate(self.ops):
             try:
@@ -169,6 +181,15 @@ class TransferPlan:
                 raise PlanError(f"op {i}: {exc}") from None
         src = self.src_descriptors()
         dst = self.dst_descriptors()
+        for side, descs, region in (("source", src, self.src_region),
+                                    ("destination", dst, self.dst_region)):  # fmt: skip
+            stray = np.flatnonzero(descs.regions != region)
+            if len(stray):
+                i = int(stray[0])
+                raise PlanError(
+                    f"{side} descriptor {i} names region {int(descs.regions[i])}, but the plan "
+                    f"was built for region {region}"
+                )
         src.check_bounds(dict(src_region_lengths), "source")
         dst.check_bounds(dict(dst_region_lengths), "destination")
         for side, descs in (("destination", dst), ("source", src)):
@@ -189,7 +210,7 @@ class TransferPlan:
         if got != self.coverage:
             raise PlanError(
                 "plan descriptors do not cover the requested bytes: moments "
-                f"{_moments(got)} != requested {_moments(self.coverage)}"
+                f"{got.describe()} != requested {self.coverage.describe()}"
             )
 
     def stats(self) -> PlanStats:
@@ -209,6 +230,8 @@ class TransferPlan:
             and self.tokens == other.tokens
             and self.layers == other.layers
             and self.coverage == other.coverage
+            and self.src_region == other.src_region
+            and self.dst_region == other.dst_region
             and self.src_fingerprint == other.src_fingerprint
             and self.dst_fingerprint == other.dst_fingerprint
         )
@@ -262,7 +285,3 @@ def check_disjoint(plans: Sequence[TransferPlan]) -> None:
                 f"plans run jointly share {side} bytes: region {int(descs.regions[i])} "
                 f"[{int(descs.offsets[i])}, +{int(descs.lengths[i])})"
             )
-
-
-def _moments(c: Coverage) -> str:
-    return f"(bytes={c.num_bytes}, Σsrc={c.src_sum}, Σdst={c.dst_sum}, Σsrc·dst={c.cross_sum})"

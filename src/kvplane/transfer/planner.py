@@ -107,6 +107,8 @@ def plan_transfer(
         tokens=req.tokens,
         layers=req.layers,
         coverage=coverage,
+        src_region=src.region,
+        dst_region=dst.region,
         src_fingerprint=src.layout.fingerprint(),
         dst_fingerprint=dst.layout.fingerprint(),
     )

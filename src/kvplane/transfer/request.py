@@ -25,6 +25,7 @@ from kvplane.errors import LayoutError, PlanError
 from kvplane.ids import ChunkKey, RegionId, SliceId, TokenRange
 from kvplane.layout import KVLayout
 from kvplane.transports.base import Int64Array
+from kvplane.transports.descriptors import MAX_END
 
 
 def _non_negative_int(what: str, value: object) -> int:
@@ -66,6 +67,11 @@ class PlanSide:
         object.__setattr__(self, "block_ids", ids)
         _non_negative_int("PlanSide.region", self.region)
         _non_negative_int("PlanSide.offset", self.offset)
+        if self.offset > MAX_END - self.layout.pool_bytes:
+            raise PlanError(
+                f"PlanSide: a pool of {self.layout.pool_bytes} bytes at offset {self.offset} "
+                f"ends past the {MAX_END}-byte limit"
+            )
 
     @property
     def pool_end(self) -> int:
@@ -102,6 +108,8 @@ class PlanOptions:
             raise PlanError(f"PlanOptions.grouping must be an OpGrouping, got {self.grouping!r}")
         if self.chunk_spec is not None and not isinstance(self.chunk_spec, ChunkSpec):
             raise PlanError(f"PlanOptions.chunk_spec must be a ChunkSpec, got {self.chunk_spec!r}")
+        if not isinstance(self.chunk_keys, tuple | list):
+            raise PlanError(f"PlanOptions.chunk_keys must be a sequence, got {self.chunk_keys!r}")
         object.__setattr__(self, "chunk_keys", tuple(self.chunk_keys))
         if any(not isinstance(k, bytes) for k in self.chunk_keys):
             raise PlanError("PlanOptions.chunk_keys must be bytes")
@@ -150,7 +158,10 @@ def _layer_indices(layout: KVLayout, layers: tuple[int, ...], side: str) -> Int6
 def _resolve_layers(src: KVLayout, layers: Sequence[int] | None) -> tuple[int, ...]:
     if layers is None:  # the layout validated its own layer ids
         return src.layer_ids
-    chosen = tuple(layers)
+    try:
+        chosen = tuple(layers)
+    except TypeError:
+        raise PlanError(f"layers must be a sequence of ints, got {layers!r}") from None
     if not chosen:
         raise PlanError("a plan needs at least one layer")
     if any(isinstance(i, bool) or not isinstance(i, int) for i in chosen):

@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from kvplane.errors import PlanError
 from kvplane.ids import RegionId
+from kvplane.layout import MAX_POOL_BYTES
 
 Int64Array = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -45,7 +46,7 @@ def _frozen(arr: Int64Array) -> Int64Array:
     return arr
 
 
-MAX_END = 1 << 62
+MAX_END = MAX_POOL_BYTES
 """No descriptor ends past this byte (far beyond any region): ``offset + length`` never wraps
 int64, so a hostile table cannot pass a bounds check by overflowing it."""
 
@@ -235,7 +236,9 @@ class DescriptorList:
         unknown = [int(r) for r in ids if RegionId(int(r)) not in region_lengths]
         if unknown:
             raise PlanError(f"{side} descriptors name unknown region(s) {unknown}")
-        limits = np.array([region_lengths[RegionId(int(r))] for r in ids], dtype=np.int64)
+        limits = np.array(  # a longer region cannot hold a descriptor past MAX_END anyway
+            [min(region_lengths[RegionId(int(r))], MAX_END) for r in ids], dtype=np.int64
+        )
         if bool(np.all(ends <= limits)):
             return
         per_desc = limits[np.searchsorted(ids, self.regions)]
