@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
 import pytest
 
 from kvplane.errors import InvalidArgumentError
-from kvplane.integrations.vllm.fingerprint import EngineFingerprint, weights_stamp
+from kvplane.integrations.vllm.fingerprint import EngineFingerprint, config_stamp, weights_stamp
 
 BASE = EngineFingerprint(
     vllm_version="0.32.0",
@@ -41,6 +42,7 @@ def test_digest_is_stable_and_16_bytes() -> None:
         {"num_layers": 3},
         {"model": "/n"},
         {"weights": "abd"},
+        {"config": "0123"},
         {"tp_rank": 1, "tp_size": 2},
     ],
 )
@@ -71,3 +73,40 @@ def test_weights_stamp_follows_the_weight_files(tmp_path: Path) -> None:
     empty.mkdir()
     with pytest.raises(InvalidArgumentError, match="no weight files"):
         weights_stamp(empty)
+
+
+class _HFConfig:
+    """A stand-in for a transformers config: ``to_json_string`` with sorted keys."""
+
+    def __init__(self, **values: object) -> None:
+        self.values = values
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        assert use_diff is False  # the full config, not its diff from the defaults
+        return json.dumps(self.values, sort_keys=True)
+
+
+class _ModelConfig:
+    def __init__(self, hf: _HFConfig, **extra: object) -> None:
+        self.hf_config = hf
+        self.revision = extra.get("revision")
+        self.quantization = extra.get("quantization")
+        self.hf_overrides = extra.get("hf_overrides", {})
+
+
+def test_the_config_stamp_follows_what_changes_the_kv_bytes() -> None:
+    """An ``hf_overrides`` RoPE scaling leaves the model name and weights alone but changes
+    every KV byte: its stamp, so the chunk keys, must differ."""
+    base = {"rope_theta": 10000.0, "num_key_value_heads": 2}
+    stamp = config_stamp(_ModelConfig(_HFConfig(**base)))
+    assert stamp == config_stamp(_ModelConfig(_HFConfig(**dict(reversed(base.items())))))
+    scaled = {**base, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    overrides = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    changed = [
+        _ModelConfig(_HFConfig(**scaled), hf_overrides=overrides),
+        _ModelConfig(_HFConfig(**{**base, "rope_theta": 500000.0})),
+        _ModelConfig(_HFConfig(**base), revision="v2"),
+        _ModelConfig(_HFConfig(**base), quantization="fp8"),
+    ]
+    assert len({stamp, *(config_stamp(c) for c in changed)}) == 5
+    assert config_stamp(object()) == config_stamp(object())  # nothing known: one stamp

@@ -55,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
     ) from exc
 
 from kvplane.integrations.vllm.config import check_vllm_version, parse_extra_config
-from kvplane.integrations.vllm.fingerprint import EngineFingerprint, weights_stamp
+from kvplane.integrations.vllm.fingerprint import EngineFingerprint, config_stamp, weights_stamp
 from kvplane.integrations.vllm.keys import request_extra_keys
 from kvplane.integrations.vllm.messages import StepMeta, TierIndex, WorkerReport
 from kvplane.integrations.vllm.pool import VllmPool
@@ -228,6 +228,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             num_layers=layout.num_layers,
             model=str(cfg.model_config.model),
             weights=weights_stamp(cfg.model_config.model),
+            config=config_stamp(cfg.model_config),
         )
         self.worker = WorkerSide(self.config, pool, fingerprint.digest(), self.metrics)
 

@@ -10,18 +10,24 @@ keys for the same tokens, so an incompatible store is a miss, never corruption.
 
 The weights enter by a cheap stamp (file names, sizes and modification times of the
 checkpoint's weight files), not by hashing gigabytes; rewriting a checkpoint in place therefore
-changes the stamp. Everything here is plain data: no vLLM import.
+changes the stamp. The model's *effective* configuration enters by :func:`config_stamp`: the
+Hugging Face config as the engine resolved it (so ``hf_overrides`` such as a RoPE scaling change,
+which alter every KV byte without touching the weights or the model name, change the key), the
+checkpoint revision and the quantization method. Everything here is plain data: no vLLM
+import.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from kvplane.errors import InvalidArgumentError
 
-_TAG = b"kvplane/vllm-engine-fingerprint/v1"
+_TAG = b"kvplane/vllm-engine-fingerprint/v2"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
@@ -44,6 +50,33 @@ def weights_stamp(model_dir: str | Path) -> str:
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=12).hexdigest()
 
 
+def config_stamp(model_config: Any) -> str:
+    """A short digest of a vLLM ``ModelConfig``'s KV-relevant facts, read by duck typing.
+
+    Its ``hf_config`` serialised in full with sorted keys (``to_json_string(use_diff=False)``
+    where the object has it, else its ``repr``), ``revision``, ``quantization`` and
+    ``hf_overrides``; a missing attribute reads as ``None``. Equal configs give equal stamps in
+    every process (no ids or addresses enter it)."""
+    hf = getattr(model_config, "hf_config", None)
+    to_json = getattr(hf, "to_json_string", None)
+    hf_text = to_json(use_diff=False) if callable(to_json) else repr(hf)
+    parts = [
+        f"hf_config={hf_text}",
+        f"revision={getattr(model_config, 'revision', None)!r}",
+        f"quantization={getattr(model_config, 'quantization', None)!r}",
+        f"hf_overrides={_canonical(getattr(model_config, 'hf_overrides', None))}",
+    ]
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=12).hexdigest()
+
+
+def _canonical(value: object) -> str:
+    """``value`` as JSON with sorted keys when it is plain data, else its ``repr``."""
+    try:
+        return json.dumps(value, sort_keys=True, default=repr)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineFingerprint:
     """The facts that decide whether two engines' KV blocks are interchangeable byte for byte."""
@@ -57,6 +90,8 @@ class EngineFingerprint:
     num_layers: int
     model: str
     weights: str
+    config: str = ""
+    """:func:`config_stamp` of the engine's model config (empty where it is not known)."""
     tp_rank: int = 0
     tp_size: int = 1
 
