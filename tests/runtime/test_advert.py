@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ from kvplane.runtime.advert import (
     rebuild,
     split_destination,
 )
-from kvplane.runtime.pools import TAIL_BYTES, WorkerPools
+from kvplane.runtime.pools import TAIL_BYTES, TailRecord, WorkerPools, prompt_digest
 from kvplane.runtime.synthetic_model import SyntheticModel, SyntheticSpec
 from kvplane.transports.local import LocalTransport
 
@@ -91,15 +92,17 @@ def test_split_destination(pools: WorkerPools) -> None:
 def test_tail_records_and_slots(pools: WorkerPools) -> None:
     slot = pools.take_slot()
     assert slot == 0
-    pools.write_tail(slot, 31999, 4096)
-    assert pools.read_tail(slot) == (31999, 4096)
+    prompt = np.arange(4096, dtype=np.int64)
+    pools.write_tail(slot, 31999, prompt)
+    assert pools.read_tail(slot) == TailRecord(31999, 4096, prompt_digest(prompt))
+    assert prompt_digest(prompt) != prompt_digest(prompt[::-1].copy())
     assert pools.state is not None
     pools.state.layout.canonical_view(pools.state.tensor)[slot].fill_(7)
     with pytest.raises(BlockStateError, match="1 slots"):
         pools.check_idle()
     pools.free_slot(slot)
     again = pools.take_slot()
-    assert again is not None and pools.read_tail(again) == (0, 0)
+    assert again is not None and pools.read_tail(again) == TailRecord(0, 0, bytes(16))
     assert int(pools.state.layout.canonical_view(pools.state.tensor)[again].sum()) == 0
     rest = [pools.take_slot(), pools.take_slot()]
     assert pools.take_slot() is None

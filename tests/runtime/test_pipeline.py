@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from pd_testlib import GQA, MLA, Cluster, check_balanced, cluster, prompt, wait_for
 
+from kvplane.runtime.pools import TAIL_BYTES
 from kvplane.runtime.synthetic_model import SyntheticSpec
 from kvplane.transfer import OpGrouping
 
@@ -135,7 +136,7 @@ def test_prefix_reuse_moves_only_the_rest(mla: Cluster) -> None:
     moved = mla.prefill.metrics.value("pd_bytes_moved", suffix="_total") - moved_before
     layout = mla.decode.pools.kv.layout
     per_token = layout.num_layers * layout.bytes_per_token_per_layer
-    assert moved == (103 - 96) * per_token + 16  # the rest of the KV + the 16-byte tail
+    assert moved == (103 - 96) * per_token + TAIL_BYTES  # the rest of the KV + the tail
     check_balanced(mla.router)
 
 
@@ -178,7 +179,10 @@ def test_sliding_window_moves_only_the_final_window() -> None:
         assert (res.state, res.mismatches) == ("success", 0)
         layout = c.decode.pools.kv.layout
         per_token = layout.num_layers * layout.bytes_per_token_per_layer
-        assert c.prefill.metrics.value("pd_bytes_moved", suffix="_total") == 20 * per_token + 16
+        assert (
+            c.prefill.metrics.value("pd_bytes_moved", suffix="_total")
+            == 20 * per_token + TAIL_BYTES
+        )
         check_balanced(c.router)
     finally:
         c.close()
@@ -191,7 +195,7 @@ def test_whole_only_state_travels_in_the_final_slice() -> None:
         res = c.router.generate("s", list(range(50)))
         assert (res.state, res.mismatches) == ("success", 0)
         assert c.prefill.metrics.value("pd_bytes_moved", suffix="_total") == (
-            50 * 2 * 24 * 2 + 2 * 24 + 16
+            50 * 2 * 24 * 2 + 2 * 24 + TAIL_BYTES
         )
         # two slices, two batches: the final one carries its KV, the state and the tail record
         done = {"transport": "tcp", "state": "done"}

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import zmq
 
@@ -18,7 +19,7 @@ from kvplane.runtime.messages import (
     InfoQuery,
     StatsQuery,
 )
-from kvplane.runtime.rpc import Reply, RpcClient, RpcServer, encode
+from kvplane.runtime.rpc import Reply, RpcClient, RpcServer
 
 
 class Echo:
@@ -72,16 +73,96 @@ def test_bad_frames_are_dropped_and_the_loop_keeps_serving(
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.connect(server.address)
-    raw.send(b"\x92not an envelope")
+    raw.send(b"\xc1not an envelope")  # no readable call id: nobody to answer
     raw.send_multipart([b"a", b"b"])
-    bad_version = encode(1, InfoQuery()).replace(b"\x93\x01", b"\x93\x07", 1)
-    raw.send(bad_version)
+    raw.send(msgspec.msgpack.encode(["x", 3, {"type": "info_query"}]))
     raw.close(linger=100)
     ctx.term()
     assert client.call(InfoQuery()) == Ack(detail="InfoQuery")
-    assert server.counters["dropped_malformed"] == 1
+    assert server.counters["dropped_malformed"] == 2
     assert server.counters["dropped_bad_parts"] == 1
-    assert server.counters["dropped_version"] == 1
+
+
+@pytest.mark.parametrize(
+    ("envelope", "reason"),
+    [
+        ([1, 8, {"type": "generate", "request_id": "r", "token_ids": []}], "token_ids"),
+        ([1, 9, {"type": "nope"}], "Invalid value 'nope'"),
+        ([1, 10, {"type": "cancel_order"}], "missing required field `request_id`"),
+        ([1, 11, {"type": "generate", "request_id": "r", "token_ids": [1 << 63]}], "<= 9223"),
+        ([2, 12, {"type": "info_query"}], "runtime version 2 is not 1"),
+        ([7, 13, "whatever"], "runtime version 7 is not 1"),
+    ],
+)
+def test_a_frame_with_a_readable_call_id_is_answered(
+    served: tuple[RpcServer, RpcClient, Echo], envelope: list[object], reason: str
+) -> None:
+    server, client, _ = served
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.RCVTIMEO, 2000)
+    raw.connect(server.address)
+    try:
+        raw.send(msgspec.msgpack.encode(envelope))
+        version, call_id, body = msgspec.msgpack.decode(raw.recv())
+    finally:
+        raw.close(linger=0)
+        ctx.term()
+    assert (version, call_id, body["type"]) == (1, envelope[1], "error")
+    assert reason in body["reason"]
+    assert server.counters["calls"] == 0  # the handler never saw it
+    assert client.call(InfoQuery()) == Ack(detail="InfoQuery")
+
+
+def test_a_malformed_reply_resolves_its_call_with_an_error_reply() -> None:
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    fake.setsockopt(zmq.RCVTIMEO, 2000)
+    client = RpcClient(f"tcp://127.0.0.1:{port}", timeout_s=2.0)
+    try:
+        fut = client.call_async(InfoQuery())
+        identity, payload = fake.recv_multipart()
+        call_id = msgspec.msgpack.decode(payload)[1]
+        fake.send_multipart([identity, msgspec.msgpack.encode([1, call_id, {"type": "nope"}])])
+        got = fut.result(timeout=2)
+        assert isinstance(got, ErrorReply) and "Invalid value 'nope'" in got.reason
+        assert client.counters["refused_malformed"] == 1
+    finally:
+        client.close()
+        fake.close(linger=0)
+        ctx.term()
+
+
+def test_a_reply_over_the_frame_limit_becomes_an_error_reply() -> None:
+    server = RpcServer(
+        "tcp://127.0.0.1:0", lambda m, reply: reply(Ack(detail="x" * 100_000)), max_frame=65536
+    )
+    server.start()
+    client = RpcClient(server.address, timeout_s=2.0, max_frame=65536)
+    try:
+        got = client.call(InfoQuery())
+        assert isinstance(got, ErrorReply)
+        assert "exceeds the 65536-byte frame limit" in got.reason
+        assert server.counters["replies_oversized"] == 1
+        assert client.counters["socket_errors"] == 0
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_handler_bug_is_answered() -> None:
+    def boom(msg: AnyMessage, reply: Reply) -> None:
+        raise RuntimeError("oops")
+
+    server = RpcServer("tcp://127.0.0.1:0", boom)
+    server.start()
+    client = RpcClient(server.address, timeout_s=2.0)
+    try:
+        assert client.call(InfoQuery()) == ErrorReply(reason="internal error: RuntimeError: oops")
+    finally:
+        client.close()
+        server.close()
 
 
 def test_timeout_names_the_call(served: tuple[RpcServer, RpcClient, Echo]) -> None:

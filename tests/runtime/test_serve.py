@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 from pd_testlib import Proc, check_balanced, free_port, idle, prompt, wait_for
 
-from kvplane.runtime.messages import Generate, RequestResult, Shutdown, StatsQuery, WorkerStats
+from kvplane.runtime.messages import (
+    ErrorReply,
+    Generate,
+    RequestResult,
+    Shutdown,
+    StatsQuery,
+    WorkerStats,
+)
 from kvplane.runtime.router import Router
 from kvplane.runtime.rpc import RpcClient
 
@@ -143,3 +150,33 @@ def test_sigkill_mid_transfer_then_restart(procs: list[Proc]) -> None:
         check_balanced(router)
     finally:
         router.close()
+
+
+def test_the_router_process_survives_a_decode_restart(procs: list[Proc]) -> None:
+    pc, pp, dc, dp = free_port(), free_port(), free_port(), free_port()
+    pre = Proc("prefill", worker_args("prefill", pc, pp))
+    procs.append(pre)
+    dec = Proc("decode", worker_args("decode", dc, dp))
+    procs.append(dec)
+    flags = ["--timeout", "5", "--refresh", "0.2", "--request-deadline", "20"]
+    rt = Proc("router", ["--prefill", pre.control, "--decode", dec.control, *flags])
+    procs.append(rt)
+    client = RpcClient(rt.control, timeout_s=15)
+    try:
+        before = client.call(Generate(request_id="a", token_ids=tuple(range(40))))
+        assert isinstance(before, RequestResult) and before.state == "success"
+        dec.kill()
+        lost = client.call(Generate(request_id="b", token_ids=tuple(range(40))))
+        if isinstance(lost, RequestResult):  # sent before the router saw it go: failed then
+            assert (lost.state, lost.reason) == (
+                "failed",
+                f"decode worker at tcp://127.0.0.1:{dc} is unreachable",
+            )
+        else:  # the router already knew: refused
+            assert lost == ErrorReply(reason="no decode worker is up")
+        procs.append(Proc("decode", worker_args("decode", dc, dp)))
+        for i in range(3):
+            got = client.call(Generate(request_id=f"c{i}", token_ids=tuple(range(40))))
+            assert isinstance(got, RequestResult) and (got.state, got.mismatches) == ("success", 0)
+    finally:
+        client.close()

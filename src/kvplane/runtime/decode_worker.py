@@ -9,20 +9,26 @@ cache are shared and only ``[prefix_tokens, N)`` will move — and takes one who
 state and tail records). It then opens the receiver session with one ``StartTransfer`` naming
 every destination block (KV blocks, then one slot per whole-only pool; see
 ``runtime/advert.py``): one receive posted per request. An order waits in FIFO when memory is
-short, and is answered only when the request ends.
+short, and is answered only when the request ends. An order whose request id or session id is
+already bound on this worker is refused (``ErrorReply``) and changes nothing.
 
 The receiver session decides the outcome (final slice + every slice + exact tiling), and the
 ledger decides the memory. On ``Release`` in SUCCESS the destination passes to the request: the
-worker reads the tail record (first token), runs the :class:`KVDecoder`, registers the received
-full blocks in the prefix cache (not for sliding-window pools, whose early blocks were never
-sent), answers the order and frees the table. On any other outcome the answer goes out at
-``Finished`` and the blocks are freed at the ledger's ``Release`` — which, when the sender's
-writes may still land (IN_DOUBT), is the fail-closed deadline, never earlier.
+worker reads the tail record (first token, prompt length and digest). A tail whose length or
+digest is not the order's prompt means the prefill computed other tokens: the request fails and
+nothing is cached. Otherwise the worker runs the :class:`KVDecoder` and, unless it counted
+mismatches, registers the received full blocks in the prefix cache (not for sliding-window
+pools, whose early blocks were never sent), answers the order and frees the table. On any other
+outcome the answer goes out at ``Finished`` and the blocks are freed at the ledger's
+``Release`` — which, when the sender's writes may still land (IN_DOUBT), is the fail-closed
+deadline, never earlier. A request that ends before its session opens (cancelled while it waits
+for memory, refused by the endpoint) is answered and counted as finished at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 
 import msgspec
 import numpy as np
+import zmq
 
 from kvplane.blocks import BlockTable
 from kvplane.errors import ConfigError, InvalidArgumentError, KVPlaneError, ProtocolError
@@ -50,6 +57,7 @@ from kvplane.runtime.messages import (
     WorkerStats,
 )
 from kvplane.runtime.model_adapter import PromptChecker
+from kvplane.runtime.pools import prompt_digest
 from kvplane.runtime.prefill_worker import report_counters
 from kvplane.runtime.producer import DecodeJob, KVDecoder
 from kvplane.runtime.rpc import Reply
@@ -57,6 +65,8 @@ from kvplane.runtime.timeline import Mark
 from kvplane.runtime.worker import Worker
 from kvplane.runtime.worker_config import WorkerConfig
 from kvplane.transports.base import Transport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -104,7 +114,8 @@ class DecodeWorker(Worker):
         if isinstance(msg, DecodeOrder):
             self._accept(msg, reply)
         elif isinstance(msg, CancelOrder):
-            reply(Ack(detail=self._cancel(RequestId(msg.request_id), msg.reason)))
+            detail = self._cancel(RequestId(msg.request_id), msg.reason, msg.session_id)
+            reply(Ack(detail=detail))
         else:
             super()._on_order(msg, reply)
 
@@ -124,15 +135,26 @@ class DecodeWorker(Worker):
             super()._on_message(msg, reply)
 
     def _pair_and_reply(self, address: str, reply: Reply) -> None:
+        """Pair and answer, whatever happens (a malformed address is a zmq error)."""
         try:
             reply(Ack(detail=self.pair(address)))
-        except KVPlaneError as exc:
-            reply(ErrorReply(reason=f"pairing with {address} failed: {exc}"))
+        except (KVPlaneError, zmq.ZMQError) as exc:
+            reply(ErrorReply(reason=f"pairing with {address!r} failed: {exc}"[:4000]))
+        except Exception as exc:  # a bug: answer, log, keep serving
+            self.counters["pair_errors"] += 1
+            log.exception("pairing with %r failed", address)
+            reply(ErrorReply(reason=f"pairing with {address!r} failed: {exc!r}"[:4000]))
 
     def _accept(self, order: DecodeOrder, reply: Reply) -> None:
         rid = RequestId(order.request_id)
         if rid in self._requests:
             raise InvalidArgumentError(f"request {rid!r} is already on this worker")
+        bound = self._by_session.get(SessionId(order.session_id))
+        if bound is not None:
+            other = bound.order.request_id
+            raise InvalidArgumentError(
+                f"session {order.session_id!r} is already bound to request {other!r}"
+            )
         n, bs = len(order.token_ids), self.config.block_size
         need = -(-n // bs)
         if isinstance(self.decoder, PromptChecker):
@@ -160,9 +182,10 @@ class DecodeWorker(Worker):
         self._waiting.append(req)
         self._admit_waiting()
 
-    def _cancel(self, rid: RequestId, reason: str) -> str:
+    def _cancel(self, rid: RequestId, reason: str, sid: str | None = None) -> str:
+        """Cancel request ``rid`` (only while it is bound to session ``sid``, when given)."""
         req = self._requests.get(rid)
-        if req is None:
+        if req is None or (sid is not None and req.sid != sid):
             return "unknown request"
         if req.failed_at is None:
             req.failed_at = time.monotonic()
@@ -245,21 +268,25 @@ class DecodeWorker(Worker):
         )
 
     def _deliver(self, req: _Decode) -> None:
-        """The KV is ours: decode, cache the received blocks, answer, free."""
+        """The KV is ours: check the tail, decode, cache the received blocks, answer, free."""
         if req.table is None or req.slot is None:  # pragma: no cover - opened implies both
             return
         rid = RequestId(req.order.request_id)
         ready = self.timeline.record(Mark.DECODE_READY, rid)
-        first, length = self.pools.read_tail(req.slot)
+        tail = self.pools.read_tail(req.slot)
         n = len(req.tokens)
-        if self.pools.kv.layout.sliding_window is None:  # the prompt's KV is all here now
-            req.table.mark_computed(self.pools.blocks, n - req.table.num_computed_tokens)
+        if tail.num_tokens != n or tail.digest != prompt_digest(req.tokens):
+            self.counters["prompt_mismatches"] += 1  # other tokens' KV: never cache it
+            why = f"the prefill computed another prompt ({tail.num_tokens} tokens, other digest)"
+            self._answer(req, self._result(req, SessionState.FAILED, why))
+            self._release(req)
+            return
         job = DecodeJob(
             rid,
             req.tokens,
             req.table,
             self.pools.blocks,
-            first,
+            tail.first_token,
             req.order.max_new_tokens,
             TokenRange(req.prefix_tokens, n),
             req.slot,
@@ -273,8 +300,9 @@ class DecodeWorker(Worker):
             return
         self.timeline.record(Mark.DECODE_DONE, rid, detail=str(len(out.tokens)))
         mismatches = out.mismatches
-        if mismatches is not None and length != n:
-            mismatches += 1
+        left = n - req.table.num_computed_tokens  # a decoder that grew the table marked them
+        if not mismatches and left > 0 and self.pools.kv.layout.sliding_window is None:
+            req.table.mark_computed(self.pools.blocks, left)  # caches the received blocks
         self._answer(
             req,
             RequestResult(
@@ -290,7 +318,10 @@ class DecodeWorker(Worker):
         self._release(req)
 
     def _end(self, req: _Decode, state: SessionState, reason: str) -> None:
-        """A request that never reached a session (or no longer can): answer and free now."""
+        """A request that never reached a session (or no longer can): answer and free now; one
+        whose session never opened is counted as finished here (no ``Finished`` will come)."""
+        if req.outcome is None and not req.opened:
+            self.rmetrics.finished(state.value, reason or req.cancelled)
         req.outcome = req.outcome or state
         self._answer(req, self._result(req, req.outcome, reason or req.cancelled))
         self._release(req)
@@ -301,24 +332,30 @@ class DecodeWorker(Worker):
             req.reply(result)
 
     def _release(self, req: _Decode) -> None:
-        """The ledger released the destination (or it never was the session's): free it."""
+        """The ledger released the destination (or it never was the session's): free it. The
+        ``RELEASED`` mark and the release latency are recorded only when memory was held."""
+        held = req.table is not None or req.slot is not None
         if req.table is not None:
             req.table.release(self.pools.blocks)
             req.table = None
         if req.slot is not None:
             self.pools.free_slot(req.slot)
             req.slot = None
-        self.timeline.record(Mark.RELEASED, req.order.request_id)
-        if req.failed_at is not None:
-            self.rmetrics.release_latency.observe(time.monotonic() - req.failed_at)
+        if held:
+            self.timeline.record(Mark.RELEASED, req.order.request_id)
+            if req.failed_at is not None:
+                self.rmetrics.release_latency.observe(time.monotonic() - req.failed_at)
         self._maybe_forget(req)
         self._admit_waiting()
 
     def _maybe_forget(self, req: _Decode) -> None:
         """Drop the request once it is answered, its memory freed and its session over."""
         if req.replied and req.table is None and req.outcome is not None:
-            self._requests.pop(RequestId(req.order.request_id), None)
-            self._by_session.pop(req.sid, None)
+            rid = RequestId(req.order.request_id)
+            if self._requests.get(rid) is req:  # never another request's entry
+                del self._requests[rid]
+            if self._by_session.get(req.sid) is req:
+                del self._by_session[req.sid]
 
     def stats(self, *, timeline: bool = False) -> WorkerStats:
         """The base stats plus the model's attention plans and fallbacks."""

@@ -4,7 +4,8 @@ These are *orders and reports*, not the PD protocol: the router tells a decode w
 receive a request from a prefill peer and a prefill worker to compute it; the PD protocol
 (``kvplane.pd``) then runs the transfer between the two workers directly. Every message is a
 frozen msgspec struct in one tagged union (no pickle), validated on decode; ids travel as
-strings of at most 256 characters and token ids as int64s.
+strings of at most 256 characters and token ids as int64s (a value outside
+``[-2**63, 2**63)`` fails validation, like any other malformed field).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ MAX_TOKENS = 1 << 22
 
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 _Text = Annotated[str, msgspec.Meta(max_length=4096)]
-_Tokens = Annotated[tuple[int, ...], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
+_Token = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+_Tokens = Annotated[tuple[_Token, ...], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
 
 
@@ -82,10 +84,15 @@ class DecodeOrder(Message, frozen=True, kw_only=True, tag="decode_order"):
 
 
 class CancelOrder(Message, frozen=True, kw_only=True, tag="cancel_order"):
-    """Cancel a request on the worker that receives this (either side, any moment)."""
+    """Cancel a request on the worker that receives this (either side, any moment).
+
+    With ``session_id`` the cancel applies only while ``request_id`` is bound to that session
+    (a follow-up cancel can never hit another request that reuses the id); without it, to
+    whatever request has the id."""
 
     request_id: _Id
     reason: _Text = "cancelled"
+    session_id: _Id | None = None
 
 
 class RequestResult(Message, frozen=True, kw_only=True, tag="request_result"):
@@ -133,6 +140,30 @@ class WorkerStats(Message, frozen=True, kw_only=True, tag="worker_stats"):
     integrity: _Text = ""
     """Empty when every pool and ledger is consistent, else the first broken invariant."""
     timeline: tuple[dict[str, str | int | float], ...] = ()
+    timeline_truncated: _Count = 0
+    """Oldest timeline events left out so that the reply fits in one frame (0: none)."""
+
+
+def fit_timeline(stats: WorkerStats, max_bytes: int) -> WorkerStats:
+    """``stats`` with the newest timeline events whose encoded reply fits in ``max_bytes``
+    (the rest counted in ``timeline_truncated``); unchanged when it fits already."""
+    enc = msgspec.msgpack.encode
+    if len(enc(stats)) <= max_bytes:
+        return stats
+    budget = max_bytes - len(enc(msgspec.structs.replace(stats, timeline=())))
+    budget -= 16  # the array header and the counter may grow
+    first = len(stats.timeline)  # events [first, len) are kept: the newest that fit
+    while first > 0:
+        size = len(enc(stats.timeline[first - 1]))
+        if size > budget:
+            break
+        budget -= size
+        first -= 1
+    return msgspec.structs.replace(
+        stats,
+        timeline=stats.timeline[first:],
+        timeline_truncated=stats.timeline_truncated + first,
+    )
 
 
 class Shutdown(Message, frozen=True, kw_only=True, tag="shutdown"):

@@ -8,9 +8,10 @@ A worker holds up to three pool tensors, each registered as one transport region
   hands out through per-request :class:`~kvplane.blocks.BlockTable` s (the decode side uses
   its prefix cache; the prefill side never caches, so it never matches);
 - the model's whole-only state pool (``model.state_layout``), if it has one;
-- the *tail* pool: a 16-byte whole-only record per request (first token, prompt length) that the
-  final slice writes, so the first token arrives with the end signal, in the same memory
-  transfer, instead of through another channel.
+- the *tail* pool: a 32-byte whole-only record per request (first token, prompt length, digest
+  of the prompt tokens) that the final slice writes, so the first token arrives with the end
+  signal, in the same memory transfer, instead of through another channel — and the receiver
+  can check that the KV it got was computed from the prompt it holds before it caches it.
 
 Whole-only pools share one slot allocator (a request's state slot and tail slot are the same
 index). When the transport can allocate peer-visible memory (``shm`` has ``allocate``), the
@@ -19,7 +20,9 @@ pools live there; otherwise in ordinary tensors. Not thread-safe: the worker loo
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -35,8 +38,24 @@ from kvplane.runtime.advert import encode_advert
 from kvplane.runtime.producer import KVModel, PoolTensor, kv_fingerprint
 from kvplane.transports.base import Transport
 
-TAIL_BYTES = 16
-"""A tail record: first token (int64 LE) then the prompt length (int64 LE)."""
+TAIL_BYTES = 32
+"""A tail record: first token (int64 LE), prompt length (int64 LE), :func:`prompt_digest`."""
+DIGEST_BYTES = 16
+
+
+def prompt_digest(token_ids: np.ndarray) -> bytes:
+    """16-byte BLAKE2b digest of a prompt's token ids (as int64 LE): what the tail carries."""
+    data = np.ascontiguousarray(token_ids, dtype="<i8").tobytes()
+    return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class TailRecord:
+    """What a tail record says (all zeros: never written)."""
+
+    first_token: int
+    num_tokens: int
+    digest: bytes
 
 
 def _allocate(transport: Transport, layout: KVLayout) -> torch.Tensor:
@@ -128,14 +147,16 @@ class WorkerPools:
     def free_slot(self, slot: int) -> None:
         self.slots.free([BlockId(slot)])
 
-    def write_tail(self, slot: int, first_token: int, num_tokens: int) -> None:
-        record = np.array([first_token, num_tokens], dtype="<i8").view(np.uint8)
-        self._tail_row(slot).copy_(torch.from_numpy(record))
+    def write_tail(self, slot: int, first_token: int, token_ids: np.ndarray) -> None:
+        """The tail record of a prompt (``token_ids``) whose first sampled token is given."""
+        words = np.array([first_token, len(token_ids)], dtype="<i8").view(np.uint8)
+        digest = np.frombuffer(prompt_digest(token_ids), dtype=np.uint8)
+        self._tail_row(slot).copy_(torch.from_numpy(np.concatenate([words, digest])))
 
-    def read_tail(self, slot: int) -> tuple[int, int]:
-        """``(first_token, num_tokens)`` of a tail record."""
-        words = self._tail_row(slot).numpy().copy().view("<i8")
-        return int(words[0]), int(words[1])
+    def read_tail(self, slot: int) -> TailRecord:
+        raw = self._tail_row(slot).numpy().copy()
+        words = raw[:16].view("<i8")
+        return TailRecord(int(words[0]), int(words[1]), raw[16:].tobytes())
 
     def _tail_row(self, slot: int) -> torch.Tensor:
         return self.tail.layout.canonical_view(self.tail.tensor)[slot, 0, 0, 0, 0, :]

@@ -4,7 +4,9 @@ Theory of operation
 -------------------
 A :class:`~kvplane.runtime.messages.PrefillOrder` names the request, its PD session, the decode
 peer and the prompt. The worker opens (or attaches to) the sender session at once — a decode
-side that already gave up leaves a tombstone and the order is dropped — then admits the prompt
+side that already gave up leaves a tombstone and the order is dropped; a session id already
+bound to another request on this worker is refused (attaching is only for a session the decode
+side opened first, before any order named it) — then admits the prompt
 into its pool (a block table plus one whole-only slot; an order waits in FIFO when memory is
 short). The worker loop then runs one prefill step at a time, round-robin over its requests:
 :meth:`KVProducer.produce` computes ``[start, end)``, the :class:`SliceCutter` turns the step
@@ -12,7 +14,7 @@ into a slice (or defers it to the next aligned boundary), and ``SubmitSlice`` go
 session through the :class:`SliceDriver` (the loop does not wait for the PD loop thread: the
 slice counts as admitted until the session refuses it); the session's ``StartSubmit`` reaches
 the driver, which moves the bytes while the loop computes the next step. The last step writes
-the tail record (first token) before the final slice is submitted.
+the tail record (first token, prompt digest) before the final slice is submitted.
 
 Prefix offload (optional, :class:`~kvplane.runtime.prefix_offload.PrefixOffload`): at admission
 the prompt's chunk keys are looked up in the tier cascade and the leading hits are loaded into
@@ -177,7 +179,8 @@ class PrefillWorker(Worker):
         if isinstance(msg, PrefillOrder):
             reply(Ack(detail=self._accept(msg)))
         elif isinstance(msg, CancelOrder):
-            reply(Ack(detail=self._cancel(RequestId(msg.request_id), msg.reason)))
+            detail = self._cancel(RequestId(msg.request_id), msg.reason, msg.session_id)
+            reply(Ack(detail=detail))
         else:
             super()._on_order(msg, reply)
 
@@ -185,6 +188,10 @@ class PrefillWorker(Worker):
         rid = RequestId(order.request_id)
         if rid in self._requests:
             raise InvalidArgumentError(f"request {rid!r} is already on this worker")
+        sid, peer = SessionId(order.session_id), PeerId(order.decode_peer)
+        if sid in self._by_session:
+            other = self._by_session[sid].order.request_id
+            raise InvalidArgumentError(f"session {sid!r} is already bound to request {other!r}")
         n = len(order.token_ids)
         need = -(-n // self.config.block_size)
         if need > self.config.num_blocks:
@@ -194,7 +201,6 @@ class PrefillWorker(Worker):
         if isinstance(self.producer, PromptChecker):
             self.producer.check_prompt(np.asarray(order.token_ids, dtype=np.int64))
         step = order.step_size or self.config.step_size
-        sid, peer = SessionId(order.session_id), PeerId(order.decode_peer)
         if not self.endpoint.open_sender(sid, peer):
             self.counters["orders_for_ended_sessions"] += 1
             return "session already ended"
@@ -208,9 +214,10 @@ class PrefillWorker(Worker):
         self._admit_waiting()
         return "accepted"
 
-    def _cancel(self, rid: RequestId, reason: str) -> str:
+    def _cancel(self, rid: RequestId, reason: str, sid: str | None = None) -> str:
+        """Stop request ``rid`` (only while it is bound to session ``sid``, when given)."""
         req = self._requests.get(rid)
-        if req is None:
+        if req is None or (sid is not None and req.sid != sid):
             return "unknown request"
         if req.failed_at is None:
             req.failed_at = time.monotonic()
@@ -383,7 +390,7 @@ class PrefillWorker(Worker):
         if is_last:
             if out.first_token is None or req.slot is None:
                 raise InvalidArgumentError(f"producer gave no first token for request {rid!r}")
-            self.pools.write_tail(req.slot, out.first_token, len(req.tokens))
+            self.pools.write_tail(req.slot, out.first_token, req.tokens)
         ev = self.timeline.record(Mark.STEP_END, rid, slice_id=req.next_step - 1)
         if is_last:
             req.prefill_end = ev.t
@@ -444,8 +451,10 @@ class PrefillWorker(Worker):
             self._admit_waiting()
         if req.outcome is None:
             return
-        self._requests.pop(rid, None)
-        self._by_session.pop(req.sid, None)
+        if self._requests.get(rid) is req:
+            del self._requests[rid]
+        if self._by_session.get(req.sid) is req:
+            del self._by_session[req.sid]
         if req.outcome is SessionState.SUCCESS and req.failed_at is None:
             times = request_times(self.timeline.events(rid))
             self.rmetrics.overlap.observe(times.overlap_ratio)

@@ -71,8 +71,10 @@ class StepOutput:
 class DecodeJob:
     """A request whose KV has arrived: ``table`` (ADMITTED in ``pool``) holds the prompt's
     blocks; ``received`` is the range that moved (``[0, received.start)`` came from the decode
-    pool's prefix cache). The decoder may grow ``table`` through ``pool`` (decode tokens); the
-    worker releases the table afterwards."""
+    pool's prefix cache) and is not yet marked computed: the worker marks it (caching its full
+    blocks) after a decode that counted no mismatches. A decoder that grows ``table`` through
+    ``pool`` (decode tokens) marks the prompt computed first; the worker releases the table
+    afterwards."""
 
     request_id: RequestId
     token_ids: np.ndarray

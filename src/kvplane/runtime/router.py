@@ -5,28 +5,45 @@ Theory of operation
 The router knows workers by their order-socket addresses. :meth:`Router.connect` asks each for
 its :class:`~kvplane.runtime.messages.WorkerInfo` and tells every decode worker to shake hands
 with every prefill worker's PD endpoint (the PD protocol then runs between them directly; the
-router never touches KV). :meth:`Router.submit` picks a pair round-robin, mints a session id
-that is unique across router restarts, and sends the prefill order and the decode order at
-once — the prefill side starts computing while the decode side allocates; whichever PD frame
-arrives first opens the session. The decode worker answers when the request ends; that answer
-is the request's result. An order a worker refuses fails the request and cancels the other
-side. :meth:`Router.refresh` re-pairs workers that restarted (new incarnation).
+router never touches KV). :meth:`Router.submit` picks a pair round-robin among the workers that
+are up, mints a session id that is unique across router restarts, and sends the prefill order
+and the decode order at once — the prefill side starts computing while the decode side
+allocates; whichever PD frame arrives first opens the session. The decode worker answers when
+the request ends; that answer is the request's result. An order a worker refuses fails the
+request and cancels the other side. A request id is unique among the requests in flight (a
+duplicate is refused before anything is sent), and every follow-up cancel names the request's
+session id, so it can never stop another request that reuses the id on a worker.
 
-``kvplane serve router`` wraps a router in an order socket that serves ``Generate`` (and
-``CancelOrder``/``StatsQuery``) to clients.
+:meth:`Router.refresh` asks every worker who it is (one info query each, answered off the
+worker loop, within ``probe_s``). A worker that does not answer is marked *down*: submit skips
+it and the requests it carries fail at once (the other side is cancelled); it comes back up,
+re-paired, when it answers again. A worker that restarted (new incarnation) is re-paired, and
+the requests its old incarnation carried as decode worker fail. Every request also has a
+deadline (``deadline_s``): one still unanswered then fails with that reason and is cancelled
+on both sides, so no future waits forever. A maintenance thread expires deadlines and, when
+``refresh_s`` is given (``kvplane serve router``), refreshes that often — and at once when a
+decode worker reports a prefill peer "not connected".
+
+``kvplane serve router`` wraps a router in an order socket that serves ``Generate``,
+``CancelOrder``, ``InfoQuery`` and ``StatsQuery`` (aggregated over the workers) to clients;
+see :mod:`kvplane.runtime.router_serve`.
 """
 
 from __future__ import annotations
 
-import itertools
+import logging
+import operator
 import secrets
 import threading
+import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from kvplane.errors import InvalidArgumentError, ProtocolError, TransferTimeoutError
+import msgspec
+
+from kvplane.errors import InvalidArgumentError, KVPlaneError, ProtocolError, TransferTimeoutError
 from kvplane.runtime.messages import (
-    Ack,
     AnyMessage,
     CancelOrder,
     DecodeOrder,
@@ -40,104 +57,251 @@ from kvplane.runtime.messages import (
     WorkerInfo,
     WorkerStats,
 )
-from kvplane.runtime.rpc import Reply, RpcClient
+from kvplane.runtime.router_serve import serve_message
+from kvplane.runtime.rpc import DEFAULT_MAX_FRAME, Reply, RpcClient
+
+log = logging.getLogger(__name__)
+TICK_S = 0.05
+"""How often the maintenance thread looks for expired requests and due refreshes."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class WorkerHandle:
-    """A worker as the router sees it."""
+    """A worker as the router sees it: ``up`` while it answers info queries; ``repair`` after a
+    pairing with it failed (tried again at the next refresh)."""
 
     address: str
     client: RpcClient
     info: WorkerInfo | None = None
+    up: bool = False
+    repair: bool = False
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Flight:
+    request_id: str
+    session_id: str
     prefill: WorkerHandle
     decode: WorkerHandle
     decode_incarnation: int
     out: Future[RequestResult]
     num_tokens: int
+    deadline: float
+
+
+def _positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 class Router:
-    """Pairs workers and serves requests (see the module docstring). Thread-safe."""
+    """Pairs workers and serves requests (see the module docstring). Thread-safe.
 
-    def __init__(self, prefill: list[str], decode: list[str], *, timeout_s: float = 10.0) -> None:
+    ``timeout_s``: per-call wait (and :meth:`generate`'s); ``deadline_s``: a request's whole
+    life (default ``max(60, 4 * timeout_s)``); ``refresh_s``: periodic refresh (None: only
+    when called); ``probe_s``: how long a refresh waits for info replies (at most
+    ``timeout_s``). ``max_frame``: the frame limit an aggregated stats reply is fitted to.
+    """
+
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        *,
+        timeout_s: float = 10.0,
+        deadline_s: float | None = None,
+        refresh_s: float | None = None,
+        probe_s: float = 2.0,
+    ) -> None:
         if not prefill or not decode:
             raise InvalidArgumentError("a router needs at least one prefill and one decode worker")
+        self.timeout_s = _positive("timeout_s", timeout_s)
+        self.deadline_s = (
+            max(60.0, 4 * self.timeout_s)
+            if deadline_s is None
+            else _positive("deadline_s", deadline_s)
+        )
+        self.refresh_s = None if refresh_s is None else _positive("refresh_s", refresh_s)
+        self.probe_s = min(_positive("probe_s", probe_s), self.timeout_s)
+        self.max_frame = DEFAULT_MAX_FRAME
         self.prefill = [WorkerHandle(a, RpcClient(a, timeout_s=timeout_s)) for a in prefill]
         self.decode = [WorkerHandle(a, RpcClient(a, timeout_s=timeout_s)) for a in decode]
-        self.timeout_s = timeout_s
         self._tag = secrets.token_hex(4)
-        self._serial = itertools.count()
+        self._serial = 0
         self._flights: dict[str, _Flight] = {}
         self._lock = threading.Lock()
         self._settle_lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        self._refresh_wanted = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._maintain, name="kvplane-router", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10.0)
         for w in self.prefill + self.decode:
             w.client.close()
 
-    # -- pairing ---------------------------------------------------------------------------------
-    def _info(self, w: WorkerHandle) -> WorkerInfo:
-        got = w.client.call(InfoQuery())
-        if not isinstance(got, WorkerInfo):
-            raise ProtocolError(f"worker at {w.address} answered {got!r} to an info query")
-        return got
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return self.prefill + self.decode
 
+    @property
+    def flights_live(self) -> int:
+        """Requests submitted and not yet settled."""
+        with self._lock:
+            return len(self._flights)
+
+    def worker_counts(self) -> tuple[int, int]:
+        """Workers up, workers down (never answered counts as down)."""
+        up = sum(w.up for w in self.workers)
+        return up, len(self.workers) - up
+
+    def ready(self) -> bool:
+        """True when at least one prefill and one decode worker is up."""
+        return any(w.up for w in self.prefill) and any(w.up for w in self.decode)
+
+    # -- pairing ---------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Learn every worker and pair every decode worker with every prefill worker."""
+        """Learn every worker and pair every decode worker with every prefill worker.
+        ``ProtocolError`` if a pairing fails or no worker of a role answers."""
         self.refresh(force=True)
+        for role, ws in (("prefill", self.prefill), ("decode", self.decode)):
+            if not any(w.up for w in ws):
+                raise ProtocolError(f"no {role} worker answered: {[w.address for w in ws]}")
 
     def refresh(self, *, force: bool = False) -> list[str]:
-        """Re-learn workers; re-pair those that restarted (or all, with ``force``). Returns the
-        peer ids of the workers that were (re-)paired."""
+        """Re-learn workers: mark the silent ones down (failing their requests), re-pair those
+        that restarted, came back up or failed to pair (or all, with ``force``). Returns the
+        peer ids of the workers that were (re-)paired; ``ProtocolError`` after the whole
+        refresh if a pairing failed (that worker is paired again at the next refresh)."""
+        with self._refresh_lock:
+            return self._refresh(force)
+
+    def refresh_unless_ready(self) -> None:
+        """Refresh, unless a worker of each role is up (checked once the lock is held)."""
+        with self._refresh_lock:
+            if not self.ready():
+                self._refresh(False)
+
+    def _refresh(self, force: bool) -> list[str]:
+        asked = [(w, w.client.call_async(InfoQuery())) for w in self.workers]
+        end = time.monotonic() + self.probe_s
         changed: list[WorkerHandle] = []
-        for w in self.prefill + self.decode:
-            info = self._info(w)
-            if force or w.info is None or w.info.incarnation != info.incarnation:
+        for w, fut in asked:
+            try:
+                got = fut.result(timeout=max(0.0, end - time.monotonic()))
+            except FutureTimeout:
+                w.client.forget(fut)
+                got = None
+            if not isinstance(got, WorkerInfo):
+                if w.up:
+                    log.warning("worker at %s does not answer: marked down", w.address)
+                w.up = False
+                continue
+            restarted = w.info is None or w.info.incarnation != got.incarnation
+            if force or restarted or not w.up or w.repair:
                 changed.append(w)
-            w.info = info
-        paired = {w.info.peer_id for w in changed if w.info is not None}
+            w.info, w.up, w.repair = got, True, False
         self._fail_orphans()
+        errors: list[str] = []
         for d in self.decode:
             for p in self.prefill:
-                if d in changed or p in changed:
-                    self._pair(d, p)
-        return sorted(paired)
+                if d.up and p.up and (d in changed or p in changed):
+                    errors += [e for e in [self._pair(d, p)] if e]
+        if errors:
+            raise ProtocolError("; ".join(errors)[:4000])
+        return sorted(w.info.peer_id for w in changed if w.info is not None and w.up)
 
+    def _pair(self, d: WorkerHandle, p: WorkerHandle) -> str:
+        """Pair ``d`` with ``p``: "" or what went wrong (``d`` is marked for a re-pair)."""
+        if p.info is None:  # pragma: no cover - refresh fills every info first
+            return f"prefill worker at {p.address} is unknown"
+        try:
+            got = d.client.call(PairWith(pd_address=p.info.pd_address))
+        except TransferTimeoutError as exc:
+            d.repair = True
+            return f"decode worker at {d.address} cannot pair: {exc}"
+        if isinstance(got, ErrorReply):
+            d.repair = True
+            return f"decode worker at {d.address} cannot pair: {got.reason}"
+        return ""
+
+    def _fail_orphans(self) -> None:
+        """Requests whose decode worker restarted or whose worker is down: fail them now."""
+        lost: list[tuple[_Flight, str]] = []
+        with self._lock:
+            for f in self._flights.values():
+                d = f.decode
+                if not d.up:
+                    lost.append((f, f"decode worker at {d.address} is unreachable"))
+                elif d.info is not None and d.info.incarnation != f.decode_incarnation:
+                    lost.append((f, "decode worker restarted"))
+                elif not f.prefill.up:
+                    lost.append((f, f"prefill worker at {f.prefill.address} is unreachable"))
+            for f, _ in lost:
+                del self._flights[f.request_id]
+        for f, reason in lost:
+            self._abandon(f, reason)
+
+    # -- settling --------------------------------------------------------------------------------
     def _settle(self, out: Future[RequestResult], result: RequestResult) -> None:
-        """Resolve ``out`` once (a restart and a late answer may race)."""
+        """Resolve ``out`` once (a restart, a deadline and a late answer may race)."""
         with self._settle_lock:
             if not out.done():
                 out.set_result(result)
 
-    def _fail_orphans(self) -> None:
-        """Requests whose decode worker restarted will never be answered: fail them now."""
-        with self._lock:
-            orphans = [
-                (rid, f) for rid, f in self._flights.items()
-                if f.decode.info is not None and f.decode.info.incarnation != f.decode_incarnation
-            ]  # fmt: skip
-            for rid, _ in orphans:
-                del self._flights[rid]
-        for rid, f in orphans:
-            lost = RequestResult(
-                request_id=rid, state="failed", num_tokens=f.num_tokens,
-                reason="decode worker restarted",
-            )  # fmt: skip
-            self._settle(f.out, lost)
+    def _failed(self, f: _Flight, reason: str) -> RequestResult:
+        return RequestResult(
+            request_id=f.request_id, state="failed", reason=reason[:4000], num_tokens=f.num_tokens
+        )
 
-    def _pair(self, d: WorkerHandle, p: WorkerHandle) -> None:
-        if p.info is None:  # pragma: no cover - refresh fills every info first
-            raise ProtocolError(f"prefill worker at {p.address} is unknown")
-        got = d.client.call(PairWith(pd_address=p.info.pd_address))
-        if isinstance(got, ErrorReply):
-            raise ProtocolError(f"decode worker at {d.address} cannot pair: {got.reason}")
+    def _abandon(self, f: _Flight, reason: str) -> None:
+        """Fail a flight the router gave up on and cancel it wherever it may still live."""
+        self._settle(f.out, self._failed(f, reason))
+        for w in (f.prefill, f.decode):
+            if w.up:
+                w.client.call_async(
+                    CancelOrder(
+                        request_id=f.request_id, reason=reason[:4000], session_id=f.session_id
+                    )
+                )
+
+    def _maintain(self) -> None:
+        """Maintenance thread: expire deadlines; refresh when due or asked (``refresh_s``)."""
+        due = time.monotonic() + (self.refresh_s or 0.0)
+        while not self._stop.wait(TICK_S):
+            now = time.monotonic()
+            with self._lock:
+                late = [f for f in self._flights.values() if f.deadline <= now]
+                for f in late:
+                    del self._flights[f.request_id]
+            for f in late:
+                self._abandon(f, f"no answer within the request deadline ({self.deadline_s:g} s)")
+            if self.refresh_s is None or (now < due and not self._refresh_wanted.is_set()):
+                continue
+            self._refresh_wanted.clear()
+            try:
+                self.refresh()
+            except KVPlaneError as exc:
+                log.warning("router refresh: %s", exc)
+            except Exception:  # a bug must not stop the maintenance thread
+                log.exception("router refresh failed")
+            due = time.monotonic() + self.refresh_s
 
     # -- requests --------------------------------------------------------------------------------
+    def _pick(self, ws: list[WorkerHandle], n: int, role: str) -> tuple[WorkerHandle, WorkerInfo]:
+        if all(w.info is None for w in ws):
+            raise ProtocolError("call Router.connect() before submitting requests")
+        for k in range(len(ws)):
+            w = ws[(n + k) % len(ws)]
+            if w.up and w.info is not None:
+                return w, w.info
+        raise ProtocolError(f"no {role} worker is up")
+
     def submit(
         self,
         request_id: str,
@@ -146,23 +310,37 @@ class Router:
         max_new_tokens: int = 1,
         step_size: int = 0,
     ) -> Future[RequestResult]:
-        """Start one request; the future resolves to its :class:`RequestResult`."""
-        n = next(self._serial)
-        p = self.prefill[n % len(self.prefill)]
-        d = self.decode[n % len(self.decode)]
-        if p.info is None or d.info is None:
-            raise ProtocolError("call Router.connect() before submitting requests")
-        sid = f"{request_id}/{self._tag}.{n}"
-        tokens = tuple(int(t) for t in token_ids)
-        out: Future[RequestResult] = Future()
+        """Start one request; the future resolves to its :class:`RequestResult` (failed by the
+        deadline at the latest). Nothing is sent and nothing changes when it raises:
+        ``InvalidArgumentError`` for an invalid value or a request id already in flight,
+        ``ProtocolError`` before :meth:`connect` or while no worker of a role is up."""
+        try:
+            tokens = [operator.index(t) for t in token_ids]
+            order = msgspec.convert(
+                {"request_id": request_id, "token_ids": tokens,
+                 "max_new_tokens": max_new_tokens, "step_size": step_size},
+                Generate,
+            )  # fmt: skip
+        except (TypeError, msgspec.ValidationError) as exc:
+            raise InvalidArgumentError(f"request {request_id!r}: {exc}") from None
         with self._lock:
-            self._flights[request_id] = _Flight(p, d, d.info.incarnation, out, len(tokens))
+            if request_id in self._flights:
+                raise InvalidArgumentError(f"request {request_id!r} is already in flight")
+            p, p_info = self._pick(self.prefill, self._serial, "prefill")
+            d, d_info = self._pick(self.decode, self._serial, "decode")
+            sid = f"{request_id}/{self._tag}.{self._serial}"
+            self._serial += 1
+            flight = _Flight(
+                request_id, sid, p, d, d_info.incarnation, Future(), len(tokens),
+                time.monotonic() + self.deadline_s,
+            )  # fmt: skip
+            self._flights[request_id] = flight
         pre = p.client.call_async(
             PrefillOrder(
                 request_id=request_id,
                 session_id=sid,
-                decode_peer=d.info.peer_id,
-                token_ids=tokens,
+                decode_peer=d_info.peer_id,
+                token_ids=order.token_ids,
                 step_size=step_size,
             )
         )
@@ -170,37 +348,42 @@ class Router:
             DecodeOrder(
                 request_id=request_id,
                 session_id=sid,
-                prefill_peer=p.info.peer_id,
-                token_ids=tokens,
+                prefill_peer=p_info.peer_id,
+                token_ids=order.token_ids,
                 max_new_tokens=max_new_tokens,
             )
         )
+        pre.add_done_callback(lambda f: self._on_prefill(flight, f))
+        dec.add_done_callback(lambda f: self._on_decode(flight, f))
+        return flight.out
 
-        def on_prefill(f: Future[AnyMessage]) -> None:
-            got = f.result() if not f.cancelled() else None
-            if isinstance(got, ErrorReply):
-                d.client.call_async(
-                    CancelOrder(request_id=request_id, reason=f"prefill refused: {got.reason}")
-                )
-
-        def on_decode(f: Future[AnyMessage]) -> None:
-            with self._lock:
-                self._flights.pop(request_id, None)
-            got = f.result() if not f.cancelled() else None
-            if isinstance(got, RequestResult):
-                out.set_result(got)
-                return
-            reason = got.reason if isinstance(got, ErrorReply) else f"unexpected reply {got!r}"
-            p.client.call_async(CancelOrder(request_id=request_id, reason=reason))
-            out.set_result(
-                RequestResult(
-                    request_id=request_id, state="failed", reason=reason, num_tokens=len(tokens)
+    def _on_prefill(self, flight: _Flight, f: Future[AnyMessage]) -> None:
+        got = f.result() if not f.cancelled() else None
+        if isinstance(got, ErrorReply):  # the decode side answers the order when it stops
+            reason = f"prefill refused: {got.reason}"[:4000]
+            flight.decode.client.call_async(
+                CancelOrder(
+                    request_id=flight.request_id, reason=reason, session_id=flight.session_id
                 )
             )
 
-        pre.add_done_callback(on_prefill)
-        dec.add_done_callback(on_decode)
-        return out
+    def _on_decode(self, flight: _Flight, f: Future[AnyMessage]) -> None:
+        with self._lock:
+            if self._flights.get(flight.request_id) is flight:
+                del self._flights[flight.request_id]
+        got = f.result() if not f.cancelled() else None
+        if isinstance(got, RequestResult):
+            self._settle(flight.out, got)
+            return
+        reason = got.reason if isinstance(got, ErrorReply) else f"unexpected reply {got!r}"
+        if "not connected" in reason:  # a pairing was lost: refresh now (with refresh_s)
+            self._refresh_wanted.set()
+        flight.prefill.client.call_async(
+            CancelOrder(
+                request_id=flight.request_id, reason=reason[:4000], session_id=flight.session_id
+            )
+        )
+        self._settle(flight.out, self._failed(flight, reason))
 
     def generate(
         self, request_id: str, token_ids: tuple[int, ...] | list[int], **kw: int
@@ -209,7 +392,7 @@ class Router:
         fut = self.submit(request_id, token_ids, **kw)
         try:
             return fut.result(timeout=self.timeout_s)
-        except TimeoutError:
+        except FutureTimeout:
             raise TransferTimeoutError(f"request {request_id!r} did not end in time") from None
 
     def cancel(self, request_id: str, *, side: str = "decode", reason: str = "cancelled") -> bool:
@@ -221,36 +404,45 @@ class Router:
         if flight is None:
             return False
         w = flight.decode if side == "decode" else flight.prefill
-        w.client.call_async(CancelOrder(request_id=request_id, reason=reason))
+        w.client.call_async(
+            CancelOrder(request_id=request_id, reason=reason, session_id=flight.session_id)
+        )
         return True
 
-    def stats(self, *, timeline: bool = False) -> dict[str, WorkerStats]:
-        out = {}
-        for w in self.prefill + self.decode:
-            got = w.client.call(StatsQuery(timeline=timeline))
+    # -- observation -----------------------------------------------------------------------------
+    def gather_stats(self, *, timeline: bool = False) -> tuple[dict[str, WorkerStats], list[str]]:
+        """Stats of every worker not marked down, by peer id, waiting at most ``timeout_s`` in
+        all; and the addresses (with why) of the workers that gave none."""
+        asked = [
+            (w, w.client.call_async(StatsQuery(timeline=timeline)))
+            for w in self.workers
+            if w.up or w.info is None
+        ]
+        end = time.monotonic() + self.timeout_s
+        out: dict[str, WorkerStats] = {}
+        missing: list[str] = []
+        for w, fut in asked:
+            try:
+                got = fut.result(timeout=max(0.0, end - time.monotonic()))
+            except FutureTimeout:
+                w.client.forget(fut)
+                missing.append(f"{w.address} (no reply)")
+                continue
             if isinstance(got, WorkerStats):
                 out[got.peer_id] = got
+            else:
+                missing.append(f"{w.address} ({got!r})"[:500])
+        return out, missing
+
+    def stats(self, *, timeline: bool = False) -> dict[str, WorkerStats]:
+        """Stats of every worker not marked down; ``TransferTimeoutError`` naming those that
+        gave none within ``timeout_s``."""
+        out, missing = self.gather_stats(timeline=timeline)
+        if missing:
+            raise TransferTimeoutError(f"no stats from {', '.join(missing)}"[:4000])
         return out
 
     # -- serving clients -------------------------------------------------------------------------
     def handle(self, msg: AnyMessage, reply: Reply) -> None:
-        """Order-socket handler of ``kvplane serve router``."""
-        if isinstance(msg, Generate):
-            fut = self.submit(
-                msg.request_id,
-                msg.token_ids,
-                max_new_tokens=msg.max_new_tokens,
-                step_size=msg.step_size,
-            )
-            fut.add_done_callback(lambda f: reply(f.result()))
-        elif isinstance(msg, CancelOrder):
-            ok = self.cancel(msg.request_id, reason=msg.reason)
-            reply(Ack(detail="cancelling" if ok else "unknown request"))
-        elif isinstance(msg, InfoQuery):
-            reply(
-                WorkerInfo(
-                    role="router", peer_id="router", pd_address="", incarnation=0, transport=""
-                )
-            )
-        else:
-            reply(ErrorReply(reason=f"the router does not take {type(msg).__name__}"))
+        """Order-socket handler of ``kvplane serve router`` (see :mod:`router_serve`)."""
+        serve_message(self, msg, reply)

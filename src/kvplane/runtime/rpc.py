@@ -5,15 +5,20 @@ Theory of operation
 An :class:`RpcServer` binds one ROUTER; a :class:`RpcClient` connects one DEALER. Each side runs
 one loop thread that alone touches its socket; other threads hand it frames through a queue
 and an inproc wake-up socket. Every frame is one :class:`~kvplane.runtime.messages.Envelope`
-(version, call id, message), msgpack-encoded and at most ``max_frame`` bytes; a frame that is
-oversized, undecodable or of another version is dropped and counted (answered with an
-``ErrorReply`` when its call id is readable) and the loop keeps serving.
+(version, call id, message), msgpack-encoded and at most ``max_frame`` bytes. A frame that is
+oversized or undecodable is dropped and counted, and the loop keeps serving; a frame whose
+envelope head ``[version, call_id]`` is readable but whose version differs or whose message
+fails validation (unknown tag, empty prompt, out-of-range value) is counted and answered: the
+server replies ``ErrorReply(reason)`` to that call id, the client resolves that call's future
+with one. A reply that would not fit in ``max_frame`` bytes is replaced by an ``ErrorReply``
+naming its size (a frame over the peer's limit would be dropped by zmq, with the connection).
 
 The server calls ``handler(message, reply)`` on its loop thread; the handler must not block: it
 answers at once or keeps ``reply`` and calls it later from any thread (a decode order is
-answered when the request ends). A handler that raises a ``KVPlaneError`` is answered with an
-``ErrorReply`` naming it. The client matches replies to futures by call id; :meth:`RpcClient.call`
-waits with a timeout (``TransferTimeoutError``).
+answered when the request ends). A handler that raises is answered with an ``ErrorReply``
+naming the error (anything but a ``KVPlaneError`` is logged as a bug, too). The client matches
+replies to futures by call id; :meth:`RpcClient.call` waits with a timeout
+(``TransferTimeoutError``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -40,6 +46,25 @@ Reply = Callable[[AnyMessage], None]
 Handler = Callable[[AnyMessage, Reply], None]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+class _Head(msgspec.Struct, frozen=True, array_like=True):
+    """The envelope's leading fields, read leniently when the whole envelope does not decode."""
+
+    version: int
+    call_id: int
+
+
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+_MAX_CALL_ID = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A frame whose call id is readable but whose version or message is not acceptable."""
+
+    call_id: int
+    reason: str
 
 
 def encode(call_id: int, body: AnyMessage) -> bytes:
@@ -111,19 +136,34 @@ class _Loop:
     def _on_frames(self, parts: list[bytes]) -> None:
         raise NotImplementedError
 
-    def _decode(self, payload: bytes) -> Envelope | None:
+    def _decode(self, payload: bytes) -> Envelope | Refused | None:
+        """The envelope; a :class:`Refused` when only its head is readable; None to drop."""
         if len(payload) > self.max_frame:
             self.counters["dropped_oversized"] += 1
             return None
         try:
             env = _decoder.decode(payload)
-        except msgspec.DecodeError:
-            self.counters["dropped_malformed"] += 1
-            return None
+        except msgspec.DecodeError as exc:
+            return self._refused(payload, f"invalid message: {exc}")
         if env.version != RUNTIME_VERSION:
-            self.counters["dropped_version"] += 1
-            return None
+            return self._refused(
+                payload, f"runtime version {env.version} is not {RUNTIME_VERSION}", "version"
+            )
         return env
+
+    def _refused(self, payload: bytes, reason: str, kind: str = "malformed") -> Refused | None:
+        try:
+            head = _head_decoder.decode(payload)
+        except msgspec.DecodeError:
+            self.counters[f"dropped_{kind}"] += 1
+            return None
+        if head.version != RUNTIME_VERSION:
+            kind, reason = "version", f"runtime version {head.version} is not {RUNTIME_VERSION}"
+        if not 0 <= head.call_id <= _MAX_CALL_ID:
+            self.counters[f"dropped_{kind}"] += 1
+            return None
+        self.counters[f"refused_{kind}"] += 1
+        return Refused(head.call_id, reason[:4000])
 
     def close(self) -> None:
         if self._closed:
@@ -163,16 +203,31 @@ class RpcServer(_Loop):
         env = self._decode(payload)
         if env is None:
             return
-        self.counters["calls"] += 1
 
         def reply(msg: AnyMessage, call_id: int = env.call_id) -> None:
-            self._send_later([identity, encode(call_id, msg)])
+            frame = encode(call_id, msg)
+            if len(frame) > self.max_frame:
+                self.counters["replies_oversized"] += 1
+                reason = (
+                    f"the {type(msg).__name__} reply ({len(frame)} bytes) exceeds the "
+                    f"{self.max_frame}-byte frame limit"
+                )
+                frame = encode(call_id, ErrorReply(reason=reason))
+            self._send_later([identity, frame])
 
+        if isinstance(env, Refused):
+            reply(ErrorReply(reason=env.reason))
+            return
+        self.counters["calls"] += 1
         try:
             self._handler(env.body, reply)
         except KVPlaneError as exc:
             self.counters["handler_errors"] += 1
             reply(ErrorReply(reason=str(exc)[:4000]))
+        except Exception as exc:  # a bug in a handler: answer it, log it, keep serving
+            self.counters["handler_errors"] += 1
+            log.exception("rpc handler error")
+            reply(ErrorReply(reason=f"internal error: {type(exc).__name__}: {exc}"[:4000]))
 
 
 class RpcClient(_Loop):
@@ -233,7 +288,8 @@ class RpcClient(_Loop):
             return
         with self._lock:
             fut = self._futures.pop(env.call_id, None)
+        body = env.body if isinstance(env, Envelope) else ErrorReply(reason=env.reason)
         if fut is None:
             self.counters["late_replies"] += 1
         elif not fut.cancelled():
-            fut.set_result(env.body)
+            fut.set_result(body)

@@ -4,7 +4,10 @@ Each worker binds its order socket (``--control``) and its PD endpoint (``--pd``
 unless told otherwise, picks its transport (``--transport``), sizes its pool and serves
 ``/metrics`` when ``--metrics-port`` is given. Once listening it prints one JSON line
 (``{"role", "name", "control", "pd", "incarnation"}``) on stdout, so a supervisor (or a test)
-learns the addresses, then serves until SIGTERM/SIGINT or a ``Shutdown`` order. The synthetic
+learns the addresses, then serves until SIGTERM/SIGINT or a ``Shutdown`` order. The router
+re-learns its workers every ``--refresh`` seconds (a restarted worker is re-paired, a silent
+one skipped until it answers again) and fails a request still unanswered after
+``--request-deadline`` seconds. The synthetic
 model is the KV producer; its shape flags (``--layout``, ``--layers``, ...) must agree between a
 prefill and a decode worker (the PD handshake refuses them otherwise), while ``--block-size``
 and ``--head-range`` may differ. A shared secret, if any, is read from ``KVPLANE_SECRET`` (never
@@ -106,6 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--prefill", action="append", default=[], help="prefill order address")
     r.add_argument("--decode", action="append", default=[], help="decode order address")
     r.add_argument("--timeout", type=float, default=30.0, help="per-call timeout (s)")
+    r.add_argument(
+        "--request-deadline", type=float, default=120.0,
+        help="a request still unanswered after this long fails (s)",
+    )  # fmt: skip
+    r.add_argument(
+        "--refresh", type=float, default=1.0,
+        help="re-learn workers this often: mark silent ones down, re-pair restarted ones (s)",
+    )  # fmt: skip
 
 
 def _head_range(text: str | None) -> tuple[int, int] | None:
@@ -203,7 +214,10 @@ def run(args: argparse.Namespace) -> int:
         print("usage: kvplane serve {prefill,decode,router} [flags]", file=sys.stderr)
         return 2
     if role == "router":
-        router = Router(args.prefill, args.decode, timeout_s=args.timeout)
+        router = Router(
+            args.prefill, args.decode, timeout_s=args.timeout,
+            deadline_s=args.request_deadline, refresh_s=args.refresh,
+        )  # fmt: skip
         server = RpcServer(args.control, router.handle, name="kvplane-router")
         try:
             router.connect()

@@ -42,6 +42,7 @@ from kvplane.runtime.messages import (
     StatsQuery,
     WorkerInfo,
     WorkerStats,
+    fit_timeline,
 )
 from kvplane.runtime.observe import RuntimeMetrics
 from kvplane.runtime.pools import WorkerPools
@@ -55,6 +56,8 @@ from kvplane.transports.registry import create_transport
 log = logging.getLogger(__name__)
 GAUGE_PERIOD_S = 0.5
 """How often the worker loop refreshes the sessions-by-state and live-request gauges."""
+REPLY_MARGIN = 1024
+"""Bytes of a frame kept for the envelope when a stats reply is fitted to the frame limit."""
 
 
 def make_transport(
@@ -218,15 +221,23 @@ class Worker:
                 self._refresh_gauges()
 
     def _handle(self, item: object) -> None:
+        """One inbox item. An order is always answered: a ``KVPlaneError`` (a refusal) and any
+        other exception (a bug: logged and counted in ``order_errors``) become an
+        ``ErrorReply``."""
         if isinstance(item, tuple):
             msg, reply = item
             try:
                 if isinstance(msg, StatsQuery):
-                    reply(self.stats(timeline=msg.timeline))
+                    stats = self.stats(timeline=msg.timeline)
+                    reply(fit_timeline(stats, self.rpc.max_frame - REPLY_MARGIN))
                 else:
                     self._on_order(msg, reply)
             except KVPlaneError as exc:
                 reply(ErrorReply(reason=str(exc)[:4000]))
+            except Exception as exc:
+                self.counters["order_errors"] += 1
+                log.exception("%s worker failed on %s", self.role, type(msg).__name__)
+                reply(ErrorReply(reason=f"internal error: {type(exc).__name__}: {exc}"[:4000]))
         else:
             self._on_pd(item)
 
@@ -257,7 +268,9 @@ class Worker:
         return by_state
 
     def stats(self, *, timeline: bool = False) -> WorkerStats:
-        """Counters, pool usage, sessions and the integrity verdict (call on the worker loop)."""
+        """Counters, pool usage, sessions and the integrity verdict (call on the worker loop).
+        A ``StatsQuery`` reply keeps only the newest events that fit in one frame
+        (``timeline_truncated`` counts the others)."""
         snap = self.endpoint.snapshot()
         snap.update({f"worker_{k}": v for k, v in self.counters.items()})
         by_state = self._refresh_gauges()
