@@ -110,3 +110,33 @@ def test_bad_input_is_a_chunk_error(call: object, match: str) -> None:
     with pytest.raises(ChunkError, match=match):
         call()  # type: ignore[operator]
     assert ChunkSpec.from_chunk_tokens(12, 4) == ChunkSpec(4, 3)
+
+
+@pytest.mark.parametrize(
+    ("hashes", "match"),
+    [
+        ([3, 5], r"block_hashes\[0\] must be a 32-byte BlockHash, got 3"),
+        (["ab"], r"block_hashes\[0\].*'ab'"),
+        ([b"x" * 31], r"block_hashes\[0\]"),
+        ([b"x" * 32, b"y" * 33], r"block_hashes\[1\]"),
+        ([b"x" * 32, b"y" * 32, None], r"block_hashes\[2\].*None"),  # the tail is checked too
+        (b"x" * 32, "sequence of block hashes"),  # one hash, not a list of them
+        (None, "sequence of block hashes"),
+        (5, "sequence of block hashes"),
+    ],
+)
+def test_chunk_keys_validates_every_block_hash(hashes: object, match: str) -> None:
+    with pytest.raises(ChunkError, match=match):
+        ChunkSpec(4, 2).chunk_keys(hashes)  # type: ignore[arg-type]
+
+
+def test_chunk_keys_accepts_hash_sequences_of_any_kind() -> None:
+    hs = fake_hashes(4)
+
+    class Digest(bytes):
+        pass
+
+    assert ChunkSpec(4, 2).chunk_keys(tuple(hs)) == [hs[1], hs[3]]
+    got = ChunkSpec(4, 2).chunk_keys([Digest(h) for h in hs])
+    assert got == [hs[1], hs[3]] and {type(k) for k in got} == {bytes}
+    assert ChunkSpec(4, 2).chunk_keys([]) == []

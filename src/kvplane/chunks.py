@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
+from kvplane.blocks.hashing import DIGEST_SIZE
 from kvplane.errors import ChunkError
 from kvplane.ids import BlockHash, ChunkKey, TokenRange
 
@@ -153,11 +155,13 @@ class ChunkSpec:
 
         ``block_hashes`` are the hashes of the sequence's first full blocks, in order (as
         ``BlockHasher.hash_blocks`` returns them). Blocks after the last full chunk are the tail
-        and get no key.
+        and get no key. Raises :class:`ChunkError` unless ``block_hashes`` is a sequence of
+        32-byte ``bytes`` hashes (every one is checked, the tail's too).
         """
+        hashes = _block_hashes(block_hashes)
         step = self.blocks_per_chunk
-        usable = len(block_hashes) - len(block_hashes) % step
-        return [ChunkKey(bytes(block_hashes[i - 1])) for i in range(step, usable + 1, step)]
+        usable = len(hashes) - len(hashes) % step
+        return [ChunkKey(bytes(hashes[i - 1])) for i in range(step, usable + 1, step)]
 
     def chunks(self, block_hashes: Sequence[BlockHash]) -> list[ChunkRef]:
         """The full chunks of a sequence with their keys, token ranges and block ranges."""
@@ -180,6 +184,29 @@ class ChunkSpec:
                 f"block table holds {len(block_ids)}"
             )
         return list(block_ids[blocks.start : blocks.stop])
+
+
+def _block_hashes(block_hashes: object) -> list[BlockHash]:
+    """``block_hashes`` as a list after checking each is a :data:`BlockHash` (32 bytes).
+
+    The common case (plain ``bytes`` of one length) is checked with two C-level maps; only a
+    bad batch walks the items, to name the first bad one.
+    """
+    if isinstance(block_hashes, (str, bytes, bytearray)) or block_hashes is None:
+        raise ChunkError(f"block_hashes must be a sequence of block hashes, got {block_hashes!r}")
+    try:
+        hashes = list(block_hashes)  # type: ignore[call-overload]
+    except TypeError:
+        raise ChunkError(
+            f"block_hashes must be a sequence of block hashes, got {block_hashes!r:.80}"
+        ) from None
+    if hashes and (set(map(type, hashes)) != {bytes} or set(map(len, hashes)) != {DIGEST_SIZE}):
+        for i, h in enumerate(hashes):
+            if not isinstance(h, bytes) or len(h) != DIGEST_SIZE:
+                raise ChunkError(
+                    f"block_hashes[{i}] must be a {DIGEST_SIZE}-byte BlockHash, got {h!r:.80}"
+                )
+    return cast(list[BlockHash], hashes)
 
 
 def _non_negative(what: str, value: int) -> None:

@@ -7,6 +7,8 @@ import os
 import struct
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -234,3 +236,36 @@ def test_hasher_is_a_frozen_value() -> None:
         h.seed = 1  # type: ignore[misc]
     assert h == BlockHasher(seed=0, fingerprint=b"fp")
     assert hash(h) == hash(BlockHasher(seed=0, fingerprint=b"fp"))
+
+
+def _quantized() -> torch.Tensor:
+    with warnings.catch_warnings():  # quantized tensors are deprecated; still a caller's input
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 1.0, 0, torch.quint8)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: [7, True], "got True"),  # numpy alone would make this int64 [7, 1]
+        (lambda: [True, 7], "got True"),
+        (lambda: [7, np.True_], "True"),
+        (lambda: 5, "sequence of ints, got 5"),
+        (lambda: None, "sequence of ints, got None"),
+        (lambda: torch.tensor([1, 2]).to_sparse(), "dense integer tensor"),
+        (_quantized, "dense integer tensor"),
+    ],
+    ids=["bool-last", "bool-first", "numpy-bool", "scalar", "none", "sparse", "quantized"],
+)
+def test_bools_among_ints_and_non_iterables_are_typed_errors(
+    make: Callable[[], object], match: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        canonical_token_ids(make())  # type: ignore[arg-type]
+
+
+def test_a_bool_never_hashes_like_one() -> None:
+    h = BlockHasher(seed=0, fingerprint=b"fp")
+    with pytest.raises(InvalidArgumentError, match="True"):
+        h.hash_blocks([7, True], 2)
+    assert canonical_token_ids([7, np.int64(1)]).tolist() == [7, 1]  # numpy ints stay fine

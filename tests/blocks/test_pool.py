@@ -108,9 +108,9 @@ def test_cache_block_rules() -> None:
     assert pool.lookup(H(1)) == a
     assert pool.block_hash(b) == H(1)
     assert pool.num_cached_blocks == 2
-    # once a is evicted, b takes over: the prefix stays findable while b lives
+    # a freed: lookup prefers b, in use (sharing it costs no free block); a stays cached
     pool.free([a])
-    assert pool.lookup(H(1)) == a  # freed but not yet evicted
+    assert (pool.lookup(H(1)), pool.block_hash(a)) == (b, H(1))
     assert pool.allocate(1) == [a]
     assert pool.block_hash(a) is None
     assert pool.lookup(H(1)) == b
@@ -264,3 +264,33 @@ def test_metrics_exact_values() -> None:
     assert val("allocated_blocks") == 6
     pool.check_integrity()
     other.check_integrity()
+
+
+def test_lookup_prefers_a_holder_in_use() -> None:
+    pool = BlockPool(3, 4)
+    a, b, c = pool.allocate(3) or []
+    pool.cache_block(a, H(1))
+    pool.cache_block(b, H(1))  # b stands by behind a
+    assert pool.lookup(H(1)) == a  # both in use: the first registered
+    pool.free([a])
+    assert pool.lookup(H(1)) == b  # a is free: sharing b costs no free block
+    pool.free([b])
+    assert pool.lookup(H(1)) == a  # both free: the first registered again
+    pool.touch([b])
+    assert pool.lookup(H(1)) == b
+    pool.free([b, c])
+    pool.check_integrity()
+
+
+def test_check_touch_raises_what_touch_would_and_changes_nothing(snap_pool: Snap) -> None:
+    pool = BlockPool(3, 4)
+    a, _b, _c = pool.allocate(3) or []
+    pool.cache_block(a, H(1))
+    pool.free(ids(0, 2))  # a: free and cached; c: free, uncached
+    before = snap_pool(pool)
+    assert pool.check_touch(np.array([0, 1])) == [0, 1]  # type: ignore[arg-type]
+    with pytest.raises(BlockStateError, match="block 2"):
+        pool.check_touch(ids(0, 2))
+    with pytest.raises(UnknownBlockError):
+        pool.check_touch(ids(5))
+    assert snap_pool(pool) == before

@@ -1,8 +1,8 @@
 """Hypothesis stateful test: BlockPool against a plain-list model, invariants after every step.
 
 The model keeps ref counts, the free queue as a Python list (head first) and the hash map as a
-dict of hash -> list of holders (first = the one looked up), applying the documented rules in
-the most obvious way. Every rule also predicts which
+dict of hash -> list of holders (registration order), applying the documented rules in the
+most obvious way (lookup: the first holder in use, else the first). Every rule also predicts which
 typed error a call must raise; a raising call must leave the pool exactly as it was.
 """
 
@@ -148,9 +148,13 @@ class PoolMachine(RuleBasedStateMachine):
                 self.by_hash.setdefault(h, []).append(block)
             call()
 
+    def model_lookup(self, h: BlockHash) -> int | None:
+        holders = self.by_hash.get(h, [])
+        return next((b for b in holders if self.ref[b] > 0), holders[0] if holders else None)
+
     @rule(h=st.sampled_from(HASHES))
     def lookup(self, h: BlockHash) -> None:
-        assert self.pool.lookup(h) == self.by_hash.get(h, [None])[0]
+        assert self.pool.lookup(h) == self.model_lookup(h)
 
     # -- invariants --------------------------------------------------------------------------
     @invariant()
@@ -165,7 +169,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert p.num_free_blocks == len(self.queue)
         assert p.num_used_blocks == sum(1 for r in self.ref if r)
         assert p.num_cached_blocks == len(self.hash_of)
-        assert all(p.lookup(h) == holders[0] for h, holders in self.by_hash.items())
+        assert all(p.lookup(h) == self.model_lookup(h) for h in self.by_hash)
 
 
 TestPoolMachine = PoolMachine.TestCase

@@ -106,8 +106,8 @@ def test_hit_is_capped_so_the_last_token_is_computed() -> None:
     assert res.block_ids[0] == 0
     assert res.block_ids[1] != 1
     d.mark_computed(pool, 4)
-    # block 1's hash stays with the first writer; our duplicate stands by behind it
-    assert pool.lookup(d.block_hashes[1]) == 1
+    # block 1 (free, cached) and our duplicate (in use) both hold the hash: lookup prefers ours
+    assert pool.lookup(d.block_hashes[1]) == res.block_ids[1]
     assert pool.block_hash(res.block_ids[1]) == d.block_hashes[1]
     d.release(pool)
     pool.check_integrity()
@@ -338,3 +338,38 @@ def test_consecutive_runs() -> None:
         (3, 5),
         (5, 6),
     ]
+
+
+def test_admit_shares_an_in_use_standby_copy() -> None:
+    """The first holder of a hash is free (cached) while a duplicate is in use: admission
+    shares the in-use copy, so the free one is not counted against the free blocks."""
+    pool = BlockPool(4, BS)
+    prompt = list(range(BS))
+    a = table("a")
+    assert a.admit(pool, prompt) is not None  # block 0
+    b = table("b")
+    assert b.admit(pool, [*prompt, 7]) is not None  # blocks 1, 2 (no hit yet)
+    a.mark_computed(pool, BS)
+    b.mark_computed(pool, BS + 1)  # block 1 stands by behind block 0
+    other = pool.allocate(1)  # block 3: busy
+    a.release(pool)  # block 0: free and cached; the only free block
+    assert (pool.num_free_blocks, pool.lookup(b.block_hashes[0])) == (1, 1)
+    c = table("c")
+    res = c.admit(pool, [*prompt, 9])
+    assert res is not None
+    assert (res.block_ids, res.num_cached_blocks) == ((1, 0), 1)
+    assert (pool.ref_count(BlockId(1)), pool.num_free_blocks) == (2, 0)
+    for t in (b, c):
+        t.release(pool)
+    pool.free(other or [])
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("tokens", [5, None, [7, True]])
+def test_admit_refuses_non_sequences_and_bools(tokens: object, snap_pool: PoolSnap) -> None:
+    pool = BlockPool(4, BS)
+    before = snap_pool(pool)
+    t = table()
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        t.admit(pool, tokens)  # type: ignore[arg-type]
+    assert t.state is TableState.NEW and snap_pool(pool) == before

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from offload_testlib import filled_pool, key, keys, tiny_layout
 
 from kvplane.blocks import BlockPool
-from kvplane.errors import InvalidArgumentError, OffloadError
-from kvplane.ids import BlockId, ChunkKey
+from kvplane.errors import BlockStateError, InvalidArgumentError, OffloadError
+from kvplane.ids import BlockId, ChunkKey, JobId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload import (
     CascadeDone,
@@ -22,6 +23,8 @@ from kvplane.offload import (
     TierCascade,
     build_cascade,
 )
+from kvplane.offload.jobs import JobResult
+from kvplane.offload.policies.arc import ARCPolicy
 from kvplane.offload.tiers import DiskTier, RemoteTier, Tier
 from kvplane.offload.tiers.redis_server import LocalRedisServer
 
@@ -262,3 +265,102 @@ def test_bad_input_changes_nothing() -> None:
         c.load(keys(0), blocks(5))
     assert [(mgr.table.keys(), mgr.table.num_free) for mgr in c.managers()] == before
     c.check_integrity()
+
+
+def test_arc_counts_neither_the_write_down_nor_a_promotion_as_a_hit(tmp_path: Path) -> None:
+    c, pool, _ = make(lower=[disk(tmp_path)], policy="arc")
+    arc = c.host_manager.policy
+    assert isinstance(arc, ARCPolicy)
+    store(c, keys(0, 1), blocks(0, 1))  # host pins both to write them down to disk
+    assert (arc.t1, arc.t2) == (keys(0, 1), [])  # stored once, never requested: T1
+    load_ok(c, pool, keys(0), blocks(5))
+    assert (arc.t1, arc.t2) == (keys(1), keys(0))  # a requested load is a hit
+    c.close()
+    c2, pool2, _ = make(lower=[disk(tmp_path)], policy="arc")  # restart: host empty, no ghosts
+    arc2 = c2.host_manager.policy
+    assert isinstance(arc2, ARCPolicy)
+    assert load_ok(c2, pool2, keys(1), blocks(6)).ok == (True,)  # promoted from disk
+    assert (arc2.t1, arc2.t2) == (keys(1), [])  # one request: one reference
+    c2.check_integrity()
+    c2.close()
+
+
+def test_a_store_refused_by_the_fence_evicts_nothing() -> None:
+    bp = BlockPool(LAYOUT.num_blocks, LAYOUT.block_size)
+    c = build_cascade(OffloadConfig(host_slots=2), LAYOUT, BPC, filled_pool(LAYOUT), block_pool=bp)
+    held = bp.allocate(4)
+    assert held is not None
+    store(c, keys(0, 1), held)  # the host is full
+    c.lookup(keys(2))
+    host = c.host_manager
+    before = (host.table.keys(), host.policy.order(), bp.free_queue_order(), len(c.fence))
+    with pytest.raises(BlockStateError, match="free and not cached"):
+        c.store(keys(2), blocks(10))  # blocks 20, 21 are free and hold no KV
+    assert (host.table.keys(), host.policy.order(), bp.free_queue_order(), len(c.fence)) == before
+    assert c.jobs.in_flight == 0
+    bp.free(held)
+    c.check_integrity()
+    c.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [2.9, 3.9],
+        [True, False],
+        [2, True],
+        ["a", "b"],
+        None,
+        5,
+        np.array([2.0, 3.0]),
+        np.array([[2, 3]]),
+        torch.tensor([2.0, 3.0]),
+    ],
+    ids=repr,
+)
+def test_block_ids_must_be_integers(bad: object) -> None:
+    c, _pool, _ = make()
+    store(c, keys(0), blocks(0))
+    c.lookup(keys(1))
+    before = [(mgr.table.keys(), mgr.table.num_free) for mgr in c.managers()]
+    with pytest.raises(InvalidArgumentError, match="block ids"):
+        c.store(keys(1), bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="block ids"):
+        c.load(keys(0), bad)  # type: ignore[arg-type]
+    assert [(mgr.table.keys(), mgr.table.num_free) for mgr in c.managers()] == before
+    assert c.jobs.in_flight == 0
+    assert c.store(keys(1), np.array([2, 3], dtype=np.int32)) is not None  # any int dtype
+    c.drain()
+    c.check_integrity()
+    c.close()
+
+
+def test_a_result_that_raises_does_not_strand_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    c, _pool, _ = make()
+    c.lookup(keys(0, 1))
+    j1, j2 = c.store(keys(0), blocks(0)), c.store(keys(1), blocks(1))
+    assert j1 is not None and j2 is not None
+    got: list[JobResult] = []
+    while len(got) < 2:  # harvest both results unapplied, then hand them over in one batch
+        got += c.jobs.wait(10)
+    real = c.fence.release
+
+    def release(job_id: JobId) -> None:
+        if job_id == j1:
+            raise OffloadError("boom")
+        real(job_id)
+
+    monkeypatch.setattr(c.jobs, "poll", lambda: got)
+    monkeypatch.setattr(c.fence, "release", release)
+    with pytest.raises(OffloadError, match="boom"):
+        c.poll()
+    monkeypatch.undo()
+    host = c.host_manager
+    assert host.status(key(1)) is SlotStatus.READY  # job 2 was applied anyway
+    assert len(c.fence) == 1 and c.jobs.in_flight == 0  # only job 1's fence is left
+    assert c.wait(10) == [StoreDone(j2, (key(1),), (True,))]  # its event comes next, at once
+    assert c.poll() == []
+    c.fence.release(j1)  # settle the job whose application failed
+    host.complete_store(keys(0), False)
+    c.check_integrity()
+    c.close()

@@ -42,3 +42,17 @@ def test_resolve_from_env_file_and_flags() -> None:
 def test_bad_values_name_the_field(kw: dict[str, object]) -> None:
     with pytest.raises(ConfigError, match=next(iter(kw))):
         OffloadConfig(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), -1.0, "5"])
+def test_remote_timeout_must_be_finite_and_positive(value: object) -> None:
+    with pytest.raises(ConfigError, match="remote_timeout_s must be a finite number > 0"):
+        OffloadConfig(remote_timeout_s=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf"])
+def test_remote_timeout_from_the_environment_refuses_nan_and_inf(raw: str) -> None:
+    with pytest.raises(ConfigError, match="remote_timeout_s"):
+        resolve(OffloadConfig, "offload", env={"KVPLANE_OFFLOAD_REMOTE_TIMEOUT_S": raw})
+    cfg, _ = resolve(OffloadConfig, "offload", env={"KVPLANE_OFFLOAD_REMOTE_TIMEOUT_S": "0.5"})
+    assert cfg.remote_timeout_s == 0.5

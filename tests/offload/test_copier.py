@@ -144,3 +144,26 @@ def test_bad_input_moves_nothing(path: str) -> None:
     state = KVLayout.state(num_slots=4, num_layers=1, state_dim=8)
     with pytest.raises(InvalidArgumentError, match="whole"):
         ChunkCopier(state, state.allocate(), HostTier(2, state.bytes_per_block), 1)
+
+
+def test_non_integer_ids_and_slots_are_refused_before_any_copy() -> None:
+    layout = tiny_layout()
+    pool = filled_pool(layout)
+    host = HostTier(2, 2 * layout.bytes_per_block)
+    copier = ChunkCopier(layout, pool, host, 2)
+    host.buffer.fill_(9)
+    for ids, slots, match in (
+        ([2.9, 3.9], [0], "block ids"),  # would have been truncated to blocks 2, 3
+        ([True, False], [0], "block ids"),
+        ([0, 1], [0.0], "host slots"),
+        ([0, 1], [True], "host slots"),
+        (5, [0], "block ids"),
+        (None, [0], "block ids"),
+        ([0, 1], 0, "host slots"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=match):
+            copier.gather(ids, slots)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match=match):
+            copier.scatter(slots, ids)  # type: ignore[arg-type]
+    assert bool((host.buffer == 9).all()) and torch.equal(pool, filled_pool(layout))
+    copier.close()

@@ -5,13 +5,16 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
+import torch
 from offload_testlib import keys
 
 from kvplane.blocks import BlockPool
 from kvplane.errors import BlockStateError, InvalidArgumentError, OffloadError, UnknownBlockError
 from kvplane.ids import BlockId, JobId
 from kvplane.metrics import MetricsRegistry
+from kvplane.offload import jobs
 from kvplane.offload.jobs import BlockFence, JobRunner
 
 
@@ -130,3 +133,64 @@ def test_fence_misuse_changes_nothing() -> None:
     assert plain.fenced_blocks() == {3}
     plain.release(JobId(7))
     assert not plain.fenced_blocks()
+
+
+def test_fence_release_frees_tail_first_like_a_block_table() -> None:
+    pool = BlockPool(4, 16)
+    fence = BlockFence(pool)
+    request = pool.allocate(4)
+    assert request == [0, 1, 2, 3]
+    fence.hold(JobId(1), request)
+    pool.free(request)  # the request ends first: the fence holds the last references
+    fence.release(JobId(1))
+    assert pool.free_queue_order() == [3, 2, 1, 0]  # the prefix is evicted last
+    pool.check_integrity()
+
+
+BAD_IDS = [
+    [0.5, 1.5],
+    [1, True],
+    [True, False],
+    [np.True_],
+    ["a"],
+    None,
+    5,
+    "01",
+    [[0, 1]],
+    [[0], [1, 2]],
+    np.array([1.0, 2.0]),
+    np.array([True]),
+    np.zeros((1, 2), dtype=np.int64),
+    torch.tensor([0.0, 1.0]),
+    torch.tensor([True]),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=repr)
+def test_block_ids_must_be_a_1d_integer_sequence(bad: object) -> None:
+    fence = BlockFence()  # no pool: nothing else would refuse them
+    with pytest.raises(InvalidArgumentError, match="block ids"):
+        fence.hold(JobId(1), bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="block ids"):
+        fence.check(bad)  # type: ignore[arg-type]
+    assert len(fence) == 0
+    with pytest.raises(InvalidArgumentError, match="block ids"):
+        jobs.check_block_ids(bad)
+
+
+def test_check_block_ids_exact_values() -> None:
+    for good in ([3, np.int64(4)], (3, 4), range(3, 5), np.array([3, 4], dtype=np.uint8),
+                 torch.tensor([3, 4], dtype=torch.int32)):  # fmt: skip
+        out = jobs.check_block_ids(good, 5)
+        assert out.dtype == np.int64 and out.tolist() == [3, 4]
+    src = np.array([1, 2], dtype=np.int64)
+    out = jobs.check_block_ids(src)
+    src[0] = 9
+    assert out.tolist() == [1, 2]  # a fresh copy
+    assert jobs.check_block_ids([]).shape == (0,)
+    with pytest.raises(InvalidArgumentError, match=r"0\.\.4, got 0\.\.5"):
+        jobs.check_block_ids([0, 5], 5)
+    with pytest.raises(InvalidArgumentError, match=r"0\.\.4"):
+        jobs.check_block_ids([-1], 5)
+    with pytest.raises(InvalidArgumentError, match=r"2\*\*63"):
+        jobs.check_block_ids(np.array([2**63], dtype=np.uint64))

@@ -8,6 +8,7 @@ from offload_testlib import key, keys
 from kvplane.errors import IllegalTransitionError, InvalidArgumentError, UnknownChunkError
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload import AdmissionFilter, ChunkLookup, OffloadManager, SlotStatus
+from kvplane.offload.policies.arc import ARCPolicy
 
 H, M, P = ChunkLookup.HIT, ChunkLookup.MISS, ChunkLookup.HIT_PENDING
 
@@ -149,4 +150,80 @@ def test_adopt_reindexes_found_chunks() -> None:
     mgr.adopt({key(5): 3, key(6): 1})  # type: ignore[dict-item]
     assert mgr.status(key(5)) is SlotStatus.READY and mgr.table.slot_of(key(6)) == 1
     assert mgr.lookup(keys(6, 5)).hit_run == 2
+    mgr.check_integrity()
+
+
+def test_lookup_hit_is_an_access() -> None:
+    mgr = OffloadManager("host", 2, "lru")
+    stored(mgr, 0, 1)  # LRU order 0, 1
+    assert mgr.lookup(keys(0, 2)).results == (H, M)
+    assert mgr.policy.order() == keys(1, 0)  # the hit refreshed 0; the miss changed nothing
+    mgr.lookup(keys(2))
+    plan = mgr.prepare_store(keys(2))
+    assert plan is not None and plan.evicted == (key(1),)
+    mgr.complete_store(plan.keys, True)
+    mgr.check_integrity()
+
+
+def test_lookup_of_a_doomed_chunk_is_no_access() -> None:
+    mgr = OffloadManager("disk", 2, "lru")
+    stored(mgr, 0, 1)
+    mgr.prepare_load(keys(0))
+    mgr.prepare_load(keys(0))
+    mgr.complete_load(keys(0), ok=False)  # doomed, one reader left
+    order = mgr.policy.order()
+    assert mgr.lookup(keys(0)).results == (M,) and mgr.policy.order() == order
+    mgr.complete_load(keys(0))
+    mgr.check_integrity()
+
+
+def test_a_pin_with_access_false_leaves_the_policy_alone() -> None:
+    mgr = OffloadManager("host", 4, "arc")
+    arc = mgr.policy
+    assert isinstance(arc, ARCPolicy)
+    stored(mgr, 0, 1)
+    mgr.prepare_load(keys(0), access=False)  # e.g. the cascade writing 0 down to disk
+    assert (arc.t1, arc.t2) == (keys(0, 1), [])  # stored once, never used: still T1
+    mgr.prepare_load(keys(1))  # a real load: seen again
+    assert (arc.t1, arc.t2) == (keys(0), keys(1))
+    mgr.complete_load(keys(0, 1))
+    mgr.check_integrity()
+
+
+def test_doomed_key_is_deferred_not_skipped_until_its_last_reader_leaves() -> None:
+    mgr = OffloadManager("disk", 4)
+    stored(mgr, 0)
+    mgr.prepare_load(keys(0))
+    mgr.prepare_load(keys(0))
+    mgr.complete_load(keys(0), ok=False)  # a bad copy; one reader still pins it
+    plan = mgr.prepare_store(keys(0))
+    assert plan is not None
+    assert (plan.keys, plan.skipped, plan.deferred) == ((), (), (key(0),))
+    mgr.complete_load(keys(0))  # the last reader: the bad copy is dropped
+    again = mgr.prepare_store(keys(0))
+    assert again is not None and (again.keys, again.deferred) == ((key(0),), ())
+    mgr.complete_store(again.keys, True)
+    assert mgr.lookup(keys(0)).results == (H,)
+    mgr.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("found", "exc"),
+    [
+        ({key(0): 1, key(1): 1}, InvalidArgumentError),  # one slot twice
+        ({key(0): 1, key(1): 7}, InvalidArgumentError),  # out of range
+        ({key(0): 1, key(1): True}, InvalidArgumentError),  # a bool is no slot
+        ({key(0): 1, b"": 2}, InvalidArgumentError),  # empty key
+        ({key(0): 1, "k" * 32: 2}, InvalidArgumentError),  # not bytes
+        ([(key(0), 1)], InvalidArgumentError),  # not a mapping
+        ({key(0): 1, key(9): 2}, IllegalTransitionError),  # key 9 already held
+        ({key(0): 1, key(1): 0}, IllegalTransitionError),  # slot 0 holds key 9
+    ],
+)
+def test_adopt_validates_the_whole_batch_first(found: object, exc: type[Exception]) -> None:
+    mgr = OffloadManager("disk", 4, "arc")
+    stored(mgr, 9)  # slot 0
+    with pytest.raises(exc):
+        mgr.adopt(found)  # type: ignore[arg-type]
+    assert mgr.table.keys() == keys(9) and mgr.policy.order() == keys(9)
     mgr.check_integrity()

@@ -73,6 +73,7 @@ class ManagerMachine(RuleBasedStateMachine):
             e = self.model.get(k)
             if self.hit(k):
                 want.append(ChunkLookup.HIT)
+                self.touch_lru(k)  # a lookup hit is an access
             elif e is not None and e.status is S.STORING:
                 want.append(ChunkLookup.HIT_PENDING)
             else:
@@ -85,7 +86,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def prepare_store(self, ks: list[ChunkKey]) -> None:
         before = dict(self.model)
         plan = self.mgr.prepare_store(ks)
-        skipped = [k for k in ks if k in self.model]
+        skipped = [k for k in ks if k in self.model and not self.model[k].doomed]
+        deferred = [k for k in ks if k in self.model and self.model[k].doomed]
         rejected = [k for k in ks if k not in self.model and k not in self.looked]
         new = [k for k in ks if k not in self.model and k in self.looked]
         need = len(new) - len(self.free)
@@ -100,6 +102,7 @@ class ManagerMachine(RuleBasedStateMachine):
             rejected,
             new,
         )
+        assert list(plan.deferred) == deferred
         if self.policy == "lru":
             assert list(plan.evicted) == victims[: max(need, 0)]
         else:

@@ -119,3 +119,55 @@ def test_key_validation() -> None:
         SlotTable(0)
     with pytest.raises(InvalidArgumentError):
         SlotTable(2).status(SlotId(2))
+
+
+def _busy_table() -> SlotTable:
+    """key 0 LOADING (one reader), key 1 STORING, key 2 READY; slot 3 free."""
+    t = SlotTable(4)
+    t.begin_store(keys(0, 1, 2))
+    t.finish_store(keys(0, 2), ok=True)
+    t.pin(keys(0))
+    return t
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda t: t.begin_store([key(3), key(3)]),
+        lambda t: t.finish_store([key(1), key(1)], ok=False),
+        lambda t: t.finish_store([key(1), key(1)], ok=True),
+        lambda t: t.pin([key(2), key(2)]),
+        lambda t: t.unpin([key(0), key(0)]),
+        lambda t: t.evict([key(2), key(2)]),
+    ],
+    ids=["begin_store", "finish_store-fail", "finish_store-ok", "pin", "unpin", "evict"],
+)
+def test_batch_methods_reject_a_key_listed_twice(call) -> None:  # type: ignore[no-untyped-def]
+    t = _busy_table()
+    before = snapshot(t)
+    with pytest.raises(InvalidArgumentError, match="appears twice"):
+        call(t)
+    assert snapshot(t) == before and t.num_free == 1
+    t.check_integrity()
+
+
+def test_adopt_batch_is_all_or_nothing() -> None:
+    t = SlotTable(4)
+    t.begin_store(keys(9))  # slot 0 STORING
+    before = snapshot(t)
+    for ks, slots, exc in (
+        (keys(1, 2), [1, 1], InvalidArgumentError),  # one slot twice
+        (keys(1, 1), [1, 2], InvalidArgumentError),  # one key twice
+        (keys(1, 2), [1, 4], InvalidArgumentError),  # out of range
+        (keys(1, 2), [1], InvalidArgumentError),  # lengths differ
+        ([key(1), b""], [1, 2], InvalidArgumentError),  # not a chunk key
+        (keys(1, 2), [1, 0], IllegalTransitionError),  # slot 0 is STORING
+        (keys(1, 9), [1, 2], IllegalTransitionError),  # key 9 is held
+    ):
+        with pytest.raises(exc):
+            t.adopt_batch(ks, [SlotId(s) for s in slots])
+        assert snapshot(t) == before, (ks, slots)
+    t.adopt_batch(keys(1, 2), [SlotId(3), SlotId(1)])
+    assert (t.slot_of(key(1)), t.slot_of(key(2)), t.status(SlotId(3))) == (3, 1, S.READY)
+    assert t.begin_store(keys(4)) == [2]  # the free heap lost exactly the adopted slots
+    t.check_integrity()

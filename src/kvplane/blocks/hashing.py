@@ -51,6 +51,7 @@ DIGEST_SIZE = 32
 _ROOT_TAG = b"kvplane/block-hash/root/v1"
 _BLOCK_TAG = b"kvplane/block-hash/block/v1"
 _U64 = struct.Struct("<Q")
+_BOOLS = frozenset({bool, np.bool_})
 
 
 def _digest(data: bytes) -> BlockHash:
@@ -72,28 +73,38 @@ def canonical_token_ids(token_ids: TokenIds) -> np.ndarray:
 
     Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer torch tensor (any
     device; it is copied to the CPU). Every id must be a non-negative integer below ``2**63``.
-    Raises :class:`InvalidArgumentError` naming the offending value otherwise (floats, bools,
-    strings, nested or multi-dimensional input, negative or too-large ids). Does not mutate
-    the input.
+    Raises :class:`InvalidArgumentError` naming the offending value otherwise (floats, bools
+    -- also a bool among ints, which never aliases ``1`` --, strings, ``None`` or another
+    non-iterable, nested or multi-dimensional input, a quantized or sparse tensor, negative or
+    too-large ids). Does not mutate the input.
     """
     if isinstance(token_ids, torch.Tensor):
         dt = token_ids.dtype
         if dt == torch.bool or dt.is_floating_point or dt.is_complex:
             raise InvalidArgumentError(f"token ids must be integers, got a {dt} tensor")
-        arr = token_ids.detach().to("cpu").numpy()
+        try:
+            arr = token_ids.detach().to("cpu").numpy()
+        except (TypeError, RuntimeError) as exc:  # quantized, sparse: no numpy view
+            raise InvalidArgumentError(f"token ids must be a dense integer tensor: {exc}") from None
     elif isinstance(token_ids, np.ndarray):
         arr = token_ids
-    elif isinstance(token_ids, (str, bytes, bytearray)):
+    elif isinstance(token_ids, (str, bytes, bytearray)) or token_ids is None:
         raise InvalidArgumentError(f"token ids must be a sequence of ints, got {token_ids!r}")
     else:
-        items = list(token_ids)
+        try:
+            items = list(token_ids)
+        except TypeError:  # a scalar or another non-iterable
+            raise InvalidArgumentError(
+                f"token ids must be a sequence of ints, got {token_ids!r:.80}"
+            ) from None
         if not items:
             return np.zeros(0, dtype="<i8")
         try:
             arr = np.asarray(items)
         except (ValueError, TypeError) as exc:  # ragged nesting
             raise InvalidArgumentError(f"token ids are not a flat list of ints: {exc}") from exc
-        if arr.dtype.kind not in "iu":  # floats, bools, strings, huge ids: name the culprit
+        # numpy turns [7, True] into int64 [7, 1]: look for bools among the items (in C)
+        if arr.dtype.kind not in "iu" or not _BOOLS.isdisjoint(map(type, items)):
             for tok in items:
                 if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
                     raise InvalidArgumentError(f"token ids must be ints, got {tok!r}")

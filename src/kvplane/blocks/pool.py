@@ -13,9 +13,10 @@ head, eviction is least-recently-freed first.
 
 Several blocks may hold the same content (two requests with one prompt computed it
 concurrently). The map keeps, per hash, an insertion-ordered set of the blocks registered under
-it: :meth:`BlockPool.lookup` returns the FIRST one, and the others stand by. When the first is
-evicted the next takes over, so a prefix stays findable as long as any block holding it lives
-(a request still decoding keeps its prompt matchable after the first copy was reused).
+it: :meth:`BlockPool.lookup` returns the first one IN USE (sharing it costs no free block), or
+the first one when all are free; the others stand by. When a holder is evicted the others carry
+on, so a prefix stays findable as long as any block holding it lives (a request still decoding
+keeps its prompt matchable after the first copy was reused).
 
 Invariants (:meth:`BlockPool.check_integrity`): free + used == num_blocks; ref counts >= 0; the
 free queue is consistent and holds exactly the ref-0 blocks; ``b in hash_map[h]`` exactly when
@@ -166,12 +167,24 @@ class BlockPool:
         return self._hash[self._block_id(block_id)]
 
     def lookup(self, block_hash: BlockHash) -> BlockId | None:
-        """The first block cached under ``block_hash`` (used or free), or ``None``.
+        """A block cached under ``block_hash``, or ``None``.
 
-        Changes nothing. Raises :class:`InvalidArgumentError` for a malformed hash.
+        Among several holders it is the first registered one in use (``ref_count > 0``), so
+        sharing it takes nothing from the free queue; when every holder is free, the first
+        registered one. Changes nothing. Raises :class:`InvalidArgumentError` for a malformed
+        hash.
         """
         holders = self._hash_map.get(check_block_hash(block_hash))
-        return None if holders is None else next(iter(holders))
+        if holders is None:
+            return None
+        ref = self._ref
+        first: BlockId | None = None
+        for block in holders:  # almost always one holder; standbys are rare
+            if ref[block] > 0:
+                return block
+            if first is None:
+                first = block
+        return first
 
     def free_queue_order(self) -> list[BlockId]:
         """Free blocks from the next one :meth:`allocate` hands out to the most recently freed."""
@@ -239,12 +252,7 @@ class BlockPool:
         :class:`UnknownBlockError` for an id outside the pool and :class:`BlockStateError` for a
         free block that is not cached (its content is garbage), before changing anything.
         """
-        ids = self._block_ids(block_ids)
-        for block in ids:
-            if self._ref[block] == 0 and self._hash[block] is None:
-                raise BlockStateError(
-                    f"cannot touch block {block} of pool {self._name!r}: it is free and not cached"
-                )
+        ids = self.check_touch(block_ids)
         for block in ids:
             if self._ref[block] == 0:
                 self._free.remove(block)
@@ -253,13 +261,29 @@ class BlockPool:
             self._m_hits.inc(len(ids))
             self._update_gauges()
 
+    def check_touch(self, block_ids: Sequence[BlockId]) -> list[BlockId]:
+        """Raise what :meth:`touch` would raise for ``block_ids``; changes nothing.
+
+        Returns the ids as validated :data:`~kvplane.ids.BlockId` values. Lets a caller check
+        blocks before other work that must not happen when the touch would fail.
+        """
+        ids = self._block_ids(block_ids)
+        ref, hashes = self._ref, self._hash
+        for block in ids:
+            if ref[block] == 0 and hashes[block] is None:
+                raise BlockStateError(
+                    f"cannot touch block {block} of pool {self._name!r}: it is free and not cached"
+                )
+        return ids
+
     def cache_block(self, block_id: BlockId, block_hash: BlockHash) -> None:
         """Register a FULL, computed, in-use block under ``block_hash`` for prefix matching.
 
         The caller promises the block's KV for all ``block_size`` tokens is written. Idempotent
-        for the same (block, hash). First writer wins: when ``block_hash`` is already registered
-        for another block, :meth:`lookup` keeps returning that block and ``block_id`` stands by
-        behind it (both hold the same KV), taking over if the first is evicted. Raises
+        for the same (block, hash). When ``block_hash`` is already registered for another block,
+        ``block_id`` stands by behind it (both hold the same KV): :meth:`lookup` returns the
+        earliest registered holder in use, else the earliest registered one, so a prefix stays
+        findable while any holder lives. Raises
         :class:`UnknownBlockError`, :class:`InvalidArgumentError` for a malformed hash, and
         :class:`BlockStateError` for a free block or one already cached under another hash.
         """

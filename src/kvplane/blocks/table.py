@@ -201,8 +201,10 @@ class BlockTable:
         ``(len - 1) // block_size``) are touched, and ``ceil(len / block_size) - hits`` fresh
         blocks are allocated. Returns ``None`` with nothing changed when the pool cannot supply
         the fresh blocks (a hit that is currently free counts against the free blocks, since
-        touching it takes it out of the free queue). Raises :class:`BlockStateError` unless
-        the table is NEW, :class:`InvalidArgumentError` for bad tokens or a mismatched pool.
+        touching it takes it out of the free queue; ``pool.lookup`` prefers a copy in use, so
+        a free copy is counted only when no in-use copy of that block exists). Raises
+        :class:`BlockStateError` unless the table is NEW, :class:`InvalidArgumentError` for bad
+        tokens or a mismatched pool.
         """
         self._require(TableState.NEW, "admit")
         self._check_pool(pool)

@@ -41,7 +41,15 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.offload.admission import AdmissionFilter
 from kvplane.offload.config import OffloadConfig
 from kvplane.offload.copier import ChunkCopier
-from kvplane.offload.jobs import BlockFence, BlockIds, JobResult, JobRunner, TransferJob, Work
+from kvplane.offload.jobs import (
+    BlockFence,
+    BlockIds,
+    JobResult,
+    JobRunner,
+    TransferJob,
+    Work,
+    check_block_ids,
+)
 from kvplane.offload.manager import ChunkLookup, OffloadManager
 from kvplane.offload.slots import SlotStatus, check_chunk_keys
 from kvplane.offload.tiers.base import ReadOutcome, Tier
@@ -158,6 +166,7 @@ class TierCascade:
         self.fence = fence if fence is not None else BlockFence()
         self._pending: dict[JobId, _Pending] = {}
         self._tickets: dict[int, _Ticket] = {}
+        self._carried: list[Event] = []  # events of a poll/wait that raised, for the next one
         self._ticket_ids = itertools.count(1)
         self._bpc = copier.blocks_per_chunk
 
@@ -181,18 +190,16 @@ class TierCascade:
         return CascadeLookup(tuple(where), tuple(pending), run)
 
     def _blocks(self, block_ids: BlockIds, n_keys: int) -> npt.NDArray[np.int64]:
-        """``block_ids`` as an ``[n_keys, bpc]`` array after checking count and range; also
-        refuses work once the job runner is closed (before anything changes)."""
+        """``block_ids`` as an ``[n_keys, bpc]`` array after checking type (a 1-D integer
+        sequence, :func:`check_block_ids`), count and range; also refuses work once the job
+        runner is closed (before anything changes)."""
         if self.jobs.closed:
             raise OffloadError("the cascade is closed")
-        ids = np.asarray(block_ids, dtype=np.int64)
-        if ids.ndim != 1 or ids.size != n_keys * self._bpc:
+        ids = check_block_ids(block_ids, self.copier.layout.num_blocks)
+        if ids.size != n_keys * self._bpc:
             raise InvalidArgumentError(
-                f"{n_keys} chunks need {n_keys * self._bpc} block ids, got {len(block_ids)}"
+                f"{n_keys} chunks need {n_keys * self._bpc} block ids, got {ids.size}"
             )
-        pool_blocks = self.copier.layout.num_blocks
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= pool_blocks):
-            raise InvalidArgumentError(f"block ids must be in 0..{pool_blocks - 1}")
         return ids.reshape(n_keys, self._bpc)
 
     # -- store -----------------------------------------------------------------------------
@@ -201,10 +208,13 @@ class TierCascade:
 
         Returns the ``device_to_host`` job, or ``None`` when nothing was submitted (all held,
         not admitted, or no host room even after eviction). The blocks of submitted chunks are
-        fenced until the job's :class:`StoreDone`.
+        fenced until the job's :class:`StoreDone`. Every block of ``block_ids`` must be one the
+        fence accepts (with a pool: in use, or free and cached), checked with the keys and ids
+        before anything changes, so a raising call evicts nothing.
         """
         ks = check_chunk_keys(keys)
         ids = self._blocks(block_ids, len(ks))
+        self.fence.check(ids.reshape(-1))
         plan = self.host_manager.prepare_store(ks)
         if plan is None or not plan.keys:
             return None
@@ -230,7 +240,8 @@ class TierCascade:
             plan = mgr.prepare_store(keys) if keys else None
             if plan is None or not plan.keys:
                 continue
-            pinned = self.host_manager.prepare_load(plan.keys)
+            # the write-down's own pin is no use of the chunk: ARC must keep it in T1
+            pinned = self.host_manager.prepare_load(plan.keys, access=False)
             payloads = [self.host.slot(s) for s in pinned.slots]
             job = self.jobs.new_job(plan.keys, "host", tier.name)
 
@@ -345,8 +356,8 @@ class TierCascade:
             self.host_manager.complete_store(p.keys, ok)
             good = [k for k, f in zip(p.keys, ok, strict=True) if f]
             ticket.ok.update((k, False) for k, f in zip(p.keys, ok, strict=True) if not f)
-            if good:
-                self.host_manager.prepare_load(good)
+            if good:  # the load was the access (counted in the lower tier); insert is enough
+                self.host_manager.prepare_load(good, access=False)
                 self._to_device(p.ticket, good)
         else:
             self.host_manager.complete_load(p.keys)
@@ -356,18 +367,45 @@ class TierCascade:
         del self._tickets[p.ticket]
         return [LoadDone(p.ticket, ticket.keys, tuple(ticket.ok[k] for k in ticket.keys))]
 
+    def _apply_all(self, results: Sequence[JobResult]) -> list[Event]:
+        """Apply each result on its own: one that raises does not stop the others (their
+        slots, pins and fences are settled). The first error is raised after all are applied,
+        and the events gathered meanwhile are kept for the next poll/wait/drain."""
+        events, self._carried = self._carried, []
+        error: Exception | None = None
+        for result in results:
+            try:
+                events += self._apply(result)
+            except Exception as exc:  # each result must be applied, whatever the others do
+                if error is None:
+                    error = exc
+        if error is not None:
+            self._carried = events
+            raise error
+        return events
+
     def poll(self) -> list[Event]:
-        """Apply every finished job; never blocks."""
-        return [e for r in self.jobs.poll() for e in self._apply(r)]
+        """Apply every finished job; never blocks.
+
+        Each result is applied independently; if applying one raises, the rest are still
+        applied, the first error propagates and their events come with the next call.
+        """
+        return self._apply_all(self.jobs.poll())
 
     def wait(self, timeout: float | None = None) -> list[Event]:
-        """Block for at least one finished job (or ``timeout``), then apply all finished."""
-        return [e for r in self.jobs.wait(timeout) for e in self._apply(r)]
+        """Block for at least one finished job (or ``timeout``), then apply all finished.
+
+        Returns at once when events of an earlier raising call are pending; errors as
+        :meth:`poll`.
+        """
+        if self._carried:
+            return self._apply_all(self.jobs.poll())
+        return self._apply_all(self.jobs.wait(timeout))
 
     def drain(self, timeout: float = 60.0) -> list[Event]:
         """Apply results until no job is in flight (follow-up jobs included)."""
         deadline = time.monotonic() + timeout
-        events: list[Event] = []
+        events = self.poll()  # pending events of an earlier raising call, and finished jobs
         while self.jobs.in_flight:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -8,6 +8,7 @@ Tiers below the host are enabled by giving them a place: ``disk_path`` for the d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +23,23 @@ def _positive(name: str, value: object) -> None:
         raise ConfigError(f"OffloadConfig.{name} must be a positive int, got {value!r}")
 
 
+def _positive_seconds(name: str, value: object) -> None:
+    """A duration: a finite int or float > 0 (NaN and infinity are refused)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"OffloadConfig.{name} must be a finite number > 0, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class OffloadConfig:
-    """Sizes are in chunk slots; a slot holds one chunk (``blocks_per_chunk`` blocks)."""
+    """Sizes are in chunk slots; a slot holds one chunk (``blocks_per_chunk`` blocks).
+
+    Every size is a positive int; ``remote_timeout_s`` (the one float field) is finite and > 0.
+    """
 
     host_slots: int = 64
     policy: str = "lru"
@@ -63,6 +78,4 @@ class OffloadConfig:
                 f"OffloadConfig.remote_namespace must be non-empty without ':' or a glob "
                 f"character (*?[]\\): {self.remote_namespace!r}"
             )
-        t = self.remote_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
-            raise ConfigError(f"OffloadConfig.remote_timeout_s must be positive, got {t!r}")
+        _positive_seconds("remote_timeout_s", self.remote_timeout_s)  # the one float field

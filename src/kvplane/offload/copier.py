@@ -43,7 +43,7 @@ from kvplane.blocks.table import consecutive_runs
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import SlotId
 from kvplane.layout import KVLayout
-from kvplane.offload.jobs import BlockIds
+from kvplane.offload.jobs import BlockIds, check_block_ids
 from kvplane.offload.tiers.host import HostTier
 from kvplane.transports.native_copy import copy_runs_native, kernel
 from kvplane.transports.workers import CopyWorkers
@@ -100,18 +100,14 @@ class ChunkCopier:
     def _check(
         self, block_ids: BlockIds, slots: Sequence[SlotId]
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        ids = np.asarray(block_ids, dtype=np.int64)
-        sl = np.asarray(slots, dtype=np.int64)
-        if ids.ndim != 1 or sl.ndim != 1 or ids.size != sl.size * self.blocks_per_chunk:
+        """Both as int64 arrays: 1-D integer sequences (:func:`check_block_ids`), in range and
+        ``blocks_per_chunk`` ids per slot; ``InvalidArgumentError`` before any copy otherwise."""
+        ids = check_block_ids(block_ids, int(self._view.shape[0]))
+        sl = check_block_ids(slots, self.host.num_slots, "host slots")
+        if ids.size != sl.size * self.blocks_per_chunk:
             raise InvalidArgumentError(
-                f"{len(slots)} chunks need {len(slots) * self.blocks_per_chunk} block ids, "
-                f"got {len(block_ids)}"
+                f"{sl.size} chunks need {sl.size * self.blocks_per_chunk} block ids, got {ids.size}"
             )
-        n = self._view.shape[0]
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
-            raise InvalidArgumentError(f"block ids must be in 0..{n - 1}: {ids.min()}..{ids.max()}")
-        if sl.size and (int(sl.min()) < 0 or int(sl.max()) >= self.host.num_slots):
-            raise InvalidArgumentError(f"host slots must be in 0..{self.host.num_slots - 1}")
         return ids, sl
 
     def _host_runs(self, sl: npt.NDArray[np.int64]) -> list[tuple[int, int, torch.Tensor]]:

@@ -40,6 +40,46 @@ from kvplane.metrics import COUNT_BUCKETS, MetricsRegistry
 BlockIds = Sequence[BlockId] | npt.NDArray[np.int64]
 """Device block ids as a sequence or a 1-D int64 array (the hot paths pass arrays)."""
 
+_BOOLS = frozenset({bool, np.bool_})
+
+
+def check_block_ids(
+    block_ids: object, num_blocks: int | None = None, what: str = "block ids"
+) -> npt.NDArray[np.int64]:
+    """``block_ids`` as a fresh 1-D ``int64`` array, or ``InvalidArgumentError`` naming them.
+
+    Accepts a sequence of ints (``numpy`` integers included) or a 1-D integer array (numpy,
+    or a CPU torch tensor); refuses floats, bools, strings, ``None``, scalars, nested or
+    multi-dimensional input (nothing is truncated or coerced). With ``num_blocks`` every id must
+    also lie in ``0..num_blocks-1``. The one check behind every block-id argument of the
+    offload package (cascade, copier, fence); vectorised, no Python loop per block.
+    """
+    if isinstance(block_ids, (str, bytes, bytearray)) or block_ids is None:
+        raise InvalidArgumentError(f"{what} must be a 1-D sequence of ints, got {block_ids!r:.80}")
+    if isinstance(block_ids, Sequence):  # not an array: look at the items' types
+        if not block_ids:
+            return np.zeros(0, dtype=np.int64)
+        if not _BOOLS.isdisjoint(map(type, block_ids)):  # [1, True] would become int64 [1, 1]
+            raise InvalidArgumentError(f"{what} must be ints, not bools: {block_ids!r:.80}")
+    try:
+        arr = np.asarray(block_ids)
+    except (TypeError, ValueError, RuntimeError) as exc:  # ragged, or a tensor off the CPU
+        raise InvalidArgumentError(f"{what} are not a 1-D sequence of ints: {exc}") from None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(
+            f"{what} must be a 1-D sequence of ints, got {arr.ndim}-D {arr.dtype}: "
+            f"{block_ids!r:.80}"
+        )
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= 2**63:
+        raise InvalidArgumentError(f"{what} must be below 2**63, got {int(arr.max())}")
+    ids = arr.astype(np.int64, copy=True)
+    if num_blocks is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise InvalidArgumentError(
+            f"{what} must be in 0..{num_blocks - 1}, got {int(ids.min())}..{int(ids.max())}"
+        )
+    return ids
+
+
 Work = Callable[[], Sequence[bool]]
 """Moves a job's bytes; returns one ok flag per chunk key, in order."""
 
@@ -210,23 +250,36 @@ class BlockFence:
     def hold(self, job_id: JobId, block_ids: BlockIds) -> None:
         """Fence ``block_ids`` for ``job_id`` (a pool reference each, when there is a pool).
 
-        Raises ``InvalidArgumentError`` if the job already holds a fence, and the pool's error
-        (unknown block, free uncached block) before recording anything.
+        Raises ``InvalidArgumentError`` if the job already holds a fence or ``block_ids`` are
+        not a 1-D integer sequence (:func:`check_block_ids`), and the pool's error (unknown
+        block, free uncached block) before recording anything.
         """
         if job_id in self._held:
             raise InvalidArgumentError(f"job {job_id} already holds a fence")
-        blocks = np.array(block_ids, dtype=np.int64).reshape(-1)
+        blocks = check_block_ids(block_ids)
         if self.pool is not None:
-            self.pool.touch([BlockId(b) for b in blocks.tolist()])
+            self.pool.touch(blocks.tolist())
         self._held[job_id] = blocks
 
+    def check(self, block_ids: BlockIds) -> None:
+        """Raise what :meth:`hold` would raise for ``block_ids`` (bad ids, the pool's unknown
+        or free uncached block); changes nothing. Lets a caller validate before other work."""
+        blocks = check_block_ids(block_ids)
+        if self.pool is not None:
+            self.pool.check_touch(blocks.tolist())
+
     def release(self, job_id: JobId) -> None:
-        """Lift ``job_id``'s fence (drop its pool references); ``InvalidArgumentError`` if none."""
+        """Lift ``job_id``'s fence (drop its pool references); ``InvalidArgumentError`` if none.
+
+        The references are dropped in REVERSE order, like :meth:`BlockTable.release`: blocks
+        the fence is last to hold reach the free queue tail-first, so a chain's tail is
+        evicted before its shared prefix.
+        """
         blocks = self._held.get(job_id)
         if blocks is None:
             raise InvalidArgumentError(f"job {job_id} holds no fence")
         if self.pool is not None:
-            self.pool.free([BlockId(b) for b in blocks.tolist()])
+            self.pool.free(blocks[::-1].tolist())
         del self._held[job_id]
 
     def fenced_blocks(self) -> frozenset[BlockId]:

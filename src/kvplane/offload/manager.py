@@ -8,18 +8,23 @@ the owner thread reports back. The protocol, per batch of chunk keys:
 
 - :meth:`~OffloadManager.lookup` -> per key MISS / HIT (READY or LOADING) / HIT_PENDING
   (STORING: a write is in flight), plus the longest consecutive HIT run from the start (a KV
-  prefix is usable only up to its first gap). Each lookup counts toward admission.
+  prefix is usable only up to its first gap). Each lookup counts toward admission, and each
+  HIT is an access for the eviction policy.
 - :meth:`~OffloadManager.prepare_store` -> a :class:`StorePlan` (keys to write and their slots,
   now STORING) or ``None`` when there is not room even after eviction. Keys already held are
-  skipped, keys the admission filter refuses are rejected. Eviction is atomic: the policy first
-  *selects* every victim it needs among READY chunks that are not inputs of this call, and only
-  if it found enough are they evicted; otherwise nothing changes.
+  skipped, keys the admission filter refuses are rejected, doomed keys (below) are deferred.
+  Eviction is atomic: the policy first *selects* every victim it needs among READY chunks that
+  are not inputs of this call, and only if it found enough are they evicted; otherwise nothing
+  changes.
 - :meth:`~OffloadManager.complete_store` -> STORING becomes READY (and enters the policy), or,
   for a failed store, EMPTY again: the slot is free and the chunk is a MISS.
 - :meth:`~OffloadManager.prepare_load` pins (READY -> LOADING, one more reader);
   :meth:`~OffloadManager.complete_load` unpins. A reader that found the bytes bad (checksum,
   lost server) reports ``ok=False``: the chunk is *doomed* (lookups say MISS, no new reader may
-  pin it) and dropped when its last reader unpins, so it is never served again.
+  pin it) and dropped when its last reader unpins, so it is never served again. Its slot is
+  busy until then, so :meth:`~OffloadManager.prepare_store` cannot store a fresh copy yet: it
+  lists the key in :attr:`StorePlan.deferred` (not ``skipped``: the tier does not hold it in
+  any usable way), and once the last reader is done the key is EMPTY and stores normally.
 
 Every method validates its whole batch before changing anything; a raising call changes
 nothing. Not thread-safe: jobs run on worker threads, but only the owner thread calls this.
@@ -28,7 +33,7 @@ nothing. Not thread-safe: jobs run on worker threads, but only the owner thread 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvplane.errors import IllegalTransitionError, InvalidArgumentError, UnknownChunkError
@@ -62,7 +67,9 @@ class StorePlan:
     """What :meth:`OffloadManager.prepare_store` reserved: write ``keys[i]`` into ``slots[i]``.
 
     ``evicted`` (with ``evicted_slots``) were dropped to make room; ``skipped`` were already
-    held (any status); ``rejected`` were refused by the admission filter.
+    held (any status but doomed); ``rejected`` were refused by the admission filter;
+    ``deferred`` are doomed (a bad copy that readers still pin): not stored now, and storable
+    again as soon as their last reader has unpinned, so the caller should store them later.
     """
 
     keys: tuple[ChunkKey, ...]
@@ -71,6 +78,7 @@ class StorePlan:
     evicted_slots: tuple[SlotId, ...] = ()
     skipped: tuple[ChunkKey, ...] = ()
     rejected: tuple[ChunkKey, ...] = ()
+    deferred: tuple[ChunkKey, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,15 +152,20 @@ class OffloadManager:
         return (st is SlotStatus.READY or st is SlotStatus.LOADING) and key not in self._doomed
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
-        """Per-key MISS/HIT/HIT_PENDING and the leading runs; counts toward admission."""
+        """Per-key MISS/HIT/HIT_PENDING and the leading runs; counts toward admission.
+
+        Every HIT is an access for the eviction policy (in input order, like
+        :meth:`prepare_load`), so a chunk found by lookup is recently used.
+        """
         ks = check_chunk_keys(keys)
         self.admission.record(ks)
-        table, doomed = self.table, self._doomed
+        table, doomed, access = self.table, self._doomed, self.policy.access
         out: list[ChunkLookup] = []
         for key in ks:
             st = table.status_of(key)
             if st is SlotStatus.READY or (st is SlotStatus.LOADING and key not in doomed):
                 out.append(ChunkLookup.HIT)
+                access(key)
             elif st is SlotStatus.STORING:
                 out.append(ChunkLookup.HIT_PENDING)
             else:
@@ -172,15 +185,17 @@ class OffloadManager:
 
         ``bypass_admission`` is for promotions (a chunk loaded from a lower tier). Never evicts
         one of ``keys``; evicts only READY chunks; changes nothing when it returns ``None``.
+        A doomed key is neither stored nor skipped but ``deferred`` (see :class:`StorePlan`).
         """
         ks = check_chunk_keys(keys)
-        table, admission = self.table, self.admission
+        table, admission, doomed = self.table, self.admission, self._doomed
         new: list[ChunkKey] = []
         skipped: list[ChunkKey] = []
         rejected: list[ChunkKey] = []
+        deferred: list[ChunkKey] = []
         for key in ks:
             if table.slot_of(key) is not None:
-                skipped.append(key)
+                (deferred if key in doomed else skipped).append(key)
             elif bypass_admission or admission.admits(key):
                 new.append(key)
             else:
@@ -217,6 +232,7 @@ class OffloadManager:
             evicted_slots=tuple(evicted_slots),
             skipped=tuple(skipped),
             rejected=tuple(rejected),
+            deferred=tuple(deferred),
         )
 
     def complete_store(self, keys: Sequence[ChunkKey], ok: bool | Sequence[bool]) -> None:
@@ -239,11 +255,14 @@ class OffloadManager:
             self._m_usage.set(self.table.num_used / self.table.num_slots)
 
     # -- loads -----------------------------------------------------------------------------
-    def prepare_load(self, keys: Sequence[ChunkKey]) -> LoadPlan:
+    def prepare_load(self, keys: Sequence[ChunkKey], *, access: bool = True) -> LoadPlan:
         """Pin READY/LOADING chunks for reading (one more reader each) and count them as hits.
 
-        Raises ``UnknownChunkError`` for a key not held, ``IllegalTransitionError`` for one
-        that is STORING (not yet published) or doomed, before changing anything.
+        ``access=False`` is for a pin that is not a use of the chunk (the cascade copying it
+        to a lower tier, or scattering a chunk just promoted): the policy is not told, so
+        e.g. ARC keeps a chunk stored once in T1. Raises ``UnknownChunkError`` for a key not
+        held, ``IllegalTransitionError`` for one that is STORING (not yet published) or
+        doomed, before changing anything.
         """
         ks = check_chunk_keys(keys)
         for key in ks:
@@ -256,8 +275,9 @@ class OffloadManager:
                     + (" (doomed after a bad read)" if key in self._doomed else "")
                 )
         slots = self.table.pin(ks)
-        for key in ks:
-            self.policy.access(key)
+        if access:
+            for key in ks:
+                self.policy.access(key)
         return LoadPlan(tuple(ks), tuple(slots))
 
     def complete_load(self, keys: Sequence[ChunkKey], ok: bool | Sequence[bool] = True) -> None:
@@ -298,10 +318,19 @@ class OffloadManager:
             self._m_usage.set(self.table.num_used / self.table.num_slots)
         return tuple(slots)
 
-    def adopt(self, found: dict[ChunkKey, SlotId]) -> None:
-        """Re-index after a restart: each valid stored chunk becomes READY in its slot."""
-        for key, slot in sorted(found.items(), key=lambda kv: kv[1]):
-            self.table.adopt(key, slot)
+    def adopt(self, found: Mapping[ChunkKey, SlotId]) -> None:
+        """Re-index after a restart: each valid stored chunk becomes READY in its slot.
+
+        All or nothing: the whole batch is validated first (``InvalidArgumentError`` for a key
+        that is not 1..64 bytes, a slot out of range or named twice; ``IllegalTransitionError``
+        for a key already held or a slot not EMPTY), then every chunk is adopted and enters
+        the policy in slot order.
+        """
+        if not isinstance(found, Mapping):
+            raise InvalidArgumentError(f"adopt needs a mapping key -> slot, got {found!r:.80}")
+        keys = list(found)
+        self.table.adopt_batch(keys, [found[k] for k in keys])
+        for key in sorted(keys, key=found.__getitem__):  # slots are valid ints by now
             self.policy.insert(key)
         if self._metrics is not None:
             self._m_usage.set(self.table.num_used / self.table.num_slots)

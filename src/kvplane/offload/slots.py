@@ -88,13 +88,18 @@ def check_chunk_keys(keys: Iterable[object]) -> list[ChunkKey]:
         if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
             check_chunk_key(key)  # a bytes subclass passes; anything else raises
     out = cast(list[ChunkKey], given)
-    if len(set(out)) != len(out):
+    reject_duplicates(out)
+    return out
+
+
+def reject_duplicates(keys: Sequence[ChunkKey]) -> None:
+    """``InvalidArgumentError`` naming the first key listed twice in ``keys``; one set build."""
+    if len(set(keys)) != len(keys):
         seen: set[ChunkKey] = set()
-        for key in out:
+        for key in keys:
             if key in seen:
                 raise InvalidArgumentError(f"chunk key {key.hex()} appears twice in one batch")
             seen.add(key)
-    return out
 
 
 class SlotTable:
@@ -197,9 +202,11 @@ class SlotTable:
     def begin_store(self, keys: Sequence[ChunkKey]) -> list[SlotId] | None:
         """EMPTY -> STORING for new ``keys`` in the lowest free slots; ``None`` if too few free.
 
-        Raises ``IllegalTransitionError`` for a key already held (any status) before changing
-        anything. Keys must be pre-validated (:func:`check_chunk_keys`).
+        Raises ``InvalidArgumentError`` for a key listed twice and ``IllegalTransitionError``
+        for a key already held (any status) before changing anything. Keys must otherwise be
+        pre-validated (:func:`check_chunk_key`).
         """
+        reject_duplicates(keys)
         for key in keys:
             slot = self._slot_of.get(key)
             if slot is not None:
@@ -218,6 +225,7 @@ class SlotTable:
 
     def finish_store(self, keys: Sequence[ChunkKey], ok: bool) -> list[SlotId]:
         """STORING -> READY (``ok``) or STORING -> EMPTY (failed store frees the slot)."""
+        reject_duplicates(keys)
         to = S.READY if ok else S.EMPTY
         slots = self._held(keys, to)
         for key, slot in zip(keys, slots, strict=True):
@@ -228,7 +236,8 @@ class SlotTable:
         return slots
 
     def pin(self, keys: Sequence[ChunkKey]) -> list[SlotId]:
-        """READY -> LOADING, or one more reader on a LOADING slot."""
+        """READY -> LOADING, or one more reader on a LOADING slot (each key listed once)."""
+        reject_duplicates(keys)
         slots: list[SlotId] = []
         for key in keys:
             slot = self._slot_of.get(key)
@@ -243,7 +252,11 @@ class SlotTable:
         return slots
 
     def unpin(self, keys: Sequence[ChunkKey]) -> list[SlotId]:
-        """One reader fewer: LOADING(n) -> LOADING(n-1), or -> READY for the last reader."""
+        """One reader fewer: LOADING(n) -> LOADING(n-1), or -> READY for the last reader.
+
+        Each key listed once (``InvalidArgumentError`` otherwise, before any change).
+        """
+        reject_duplicates(keys)
         slots: list[SlotId] = []
         for key in keys:
             slot = self._slot_of.get(key)
@@ -263,6 +276,7 @@ class SlotTable:
 
     def evict(self, keys: Sequence[ChunkKey]) -> list[SlotId]:
         """READY -> EVICTING -> EMPTY for each key (a pinned or storing chunk cannot go)."""
+        reject_duplicates(keys)
         slots = self._held(keys, S.EVICTING)
         for key, slot in zip(keys, slots, strict=True):
             self._status[slot] = S.EVICTING  # EVICTING -> EMPTY is always legal
@@ -271,17 +285,36 @@ class SlotTable:
 
     def adopt(self, key: ChunkKey, slot: SlotId) -> None:
         """Re-index after a restart: an EMPTY ``slot`` found holding ``key`` becomes READY."""
-        idx = self._check_slot(slot)
-        if key in self._slot_of or self._status[idx] is not S.EMPTY:
-            raise IllegalTransitionError(
-                f"tier {self.name!r}: cannot adopt chunk {key.hex()} into slot {idx} "
-                f"({self._status[idx].value}, key held: {key in self._slot_of})"
-            )
-        self._free.remove(idx)
+        self.adopt_batch([key], [slot])
+
+    def adopt_batch(self, keys: Sequence[ChunkKey], slots: Sequence[SlotId]) -> None:
+        """:meth:`adopt` ``keys[i]`` into ``slots[i]`` for every ``i``, all or nothing.
+
+        Raises ``InvalidArgumentError`` for a bad key (:func:`check_chunk_keys`), a slot out of
+        range, a key or slot listed twice or unequal lengths, and ``IllegalTransitionError`` for
+        a key already held or a slot not EMPTY, before changing anything.
+        """
+        ks = check_chunk_keys(keys)
+        idx = [self._check_slot(s) for s in slots]
+        if len(idx) != len(ks):
+            raise InvalidArgumentError(f"adopt: {len(ks)} keys but {len(idx)} slots")
+        if len(set(idx)) != len(idx):
+            raise InvalidArgumentError(f"adopt: a slot is named twice in {sorted(idx)}")
+        for key, i in zip(ks, idx, strict=True):
+            if key in self._slot_of or self._status[i] is not S.EMPTY:
+                raise IllegalTransitionError(
+                    f"tier {self.name!r}: cannot adopt chunk {key.hex()} into slot {i} "
+                    f"({self._status[i].value}, key held: {key in self._slot_of})"
+                )
+        if not idx:
+            return
+        taken = set(idx)
+        self._free = [f for f in self._free if f not in taken]
         heapq.heapify(self._free)
-        self._status[idx] = S.READY
-        self._key[idx] = key
-        self._slot_of[key] = SlotId(idx)
+        for key, i in zip(ks, idx, strict=True):
+            self._status[i] = S.READY
+            self._key[i] = key
+            self._slot_of[key] = SlotId(i)
 
     def _release(self, key: ChunkKey, slot: int) -> None:
         self._status[slot] = S.EMPTY
