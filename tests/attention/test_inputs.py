@@ -62,6 +62,20 @@ def test_separate_split_tensors_have_no_packed_view() -> None:
         (lambda: MLAUpProjection(torch.randn(2, 6, 3), torch.randn(3, 6, 3)), "differ in"),
         (lambda: GQAKVCache(torch.randn(2, 4, 1, 8), torch.randn(2, 4, 2, 8)), "one shape"),
         (lambda: GQAQuery(torch.randint(0, 3, (2, 3, 4))), "floating"),
+        (
+            lambda: GQAKVCache(torch.zeros(2, 4, 0, 8), torch.zeros(2, 4, 0, 8)),
+            r"k needs >= 1 head \(dim 2\), got shape \(2, 4, 0, 8\)",
+        ),
+        (lambda: GQAQuery(torch.zeros(1, 0, 8)), r"q needs >= 1 head \(dim 1\)"),
+        (lambda: MLAQuery.packed(torch.zeros(1, 0, 8), 4), r"q needs >= 1 head \(dim 1\)"),
+        (
+            lambda: MLAQuery.split(torch.zeros(1, 0, 4), torch.zeros(1, 0, 4)),
+            r"q_nope needs >= 1 head \(dim 1\)",
+        ),
+        (
+            lambda: MLAUpProjection(torch.zeros(0, 6, 3), torch.zeros(0, 6, 3)),
+            r"w_uk needs >= 1 head \(dim 0\)",
+        ),
     ],
 )
 def test_bad_inputs_are_rejected(make, match) -> None:

@@ -161,3 +161,38 @@ def test_dense_csr_dense_roundtrip(batch) -> None:
     # the two forms, given together, are accepted as equivalent
     assert PlanMetadata(page_size, csr=csr, dense=meta.dense()).structure() == s
     assert int(csr.kv_indptr[-1]) == sum(s.pages_needed) == csr.kv_indices.numel()
+
+
+INT64_MAX = 2**63 - 1
+
+
+def i64(*xs: int) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    ("meta", "match"),
+    [
+        (
+            PlanMetadata.from_dense(
+                16, torch.zeros((1, 1), dtype=torch.int64), i64(INT64_MAX), i64(1)
+            ),
+            rf"kv_len {INT64_MAX} needing 576460752303423488 pages but the block table has 1 col",
+        ),
+        (
+            PlanMetadata.from_csr(16, i64(0, 1), i64(0, 1), i64(0), i64(INT64_MAX)),
+            rf"kv_len {INT64_MAX} needing 576460752303423488 pages of 16 but kv_indptr gives it 1",
+        ),
+    ],
+)
+def test_kv_len_near_int64_max_does_not_overflow_the_page_count(meta, match) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        meta.structure()
+
+
+def test_page_count_is_an_exact_ceil_division() -> None:
+    meta = PlanMetadata.from_dense(
+        4, torch.zeros((5, 2), dtype=torch.int64), i64(0, 1, 4, 5, 8), i64(1, 1, 1, 1, 1)
+    )
+    assert meta.structure().pages_needed == (0, 1, 1, 2, 2)
+    assert meta.csr().kv_indptr.tolist() == [0, 0, 1, 2, 4, 6]

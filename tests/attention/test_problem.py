@@ -154,3 +154,50 @@ def test_absorbed_must_fit_the_shapes() -> None:
         mla_problem(q, cache, meta, sm_scale=0.5, causal=True, absorbed=1)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match=r"both set .* or both None"):
         MLAShape(2, 8, 2, 8, None)
+
+
+def _up(heads: int = 2, nope: int = 8, v: int = 8, dtype: torch.dtype = torch.float32):
+    return MLAUpProjection(
+        torch.randn(heads, 16, nope, dtype=dtype), torch.randn(heads, 16, v, dtype=dtype)
+    )
+
+
+@pytest.mark.parametrize(
+    ("up", "match"),
+    [
+        (
+            _up(v=12),
+            r"up_proj \(heads, d_nope, d_v\) \(2, 8, 12\) do not match the planned \(2, 8, 8\)",
+        ),
+        (
+            _up(heads=3),
+            r"up_proj \(heads, d_nope, d_v\) \(3, 8, 8\) do not match the planned \(2, 8, 8\)",
+        ),
+        (
+            _up(nope=6),
+            r"up_proj \(heads, d_nope, d_v\) \(2, 6, 8\) do not match the planned \(2, 8, 8\)",
+        ),
+        (_up(dtype=torch.float64), "up_proj is torch.float64@cpu, planned for torch.float32@cpu"),
+        (None, "non-absorbed MLA needs the cache's up_proj weights"),
+    ],
+)
+def test_validate_inputs_checks_the_up_projection_of_non_absorbed_mla(up, match) -> None:
+    meta, pages = synthetic_metadata([3], [5], 4)
+    data = torch.randn(pages, 4, 24)
+    q = MLAQuery.packed(torch.randn(3, 2, 16), 8)
+    p = mla_problem(q, MLAKVCache(data, 16, _up()), meta, sm_scale=0.2, causal=True)
+    assert p.shape == MLAShape(2, 16, 8, 8, 8)
+    p.validate_inputs(q, MLAKVCache(data, 16, _up()))  # a matching up_proj passes
+    with pytest.raises(BackendError, match=match):
+        p.validate_inputs(q, MLAKVCache(data, 16, up))
+
+
+def test_up_projection_dtype_must_match_the_query_at_build() -> None:
+    meta, pages = synthetic_metadata([3], [5], 4)
+    cache = MLAKVCache(torch.randn(pages, 4, 24), 16, _up(dtype=torch.float64))
+    with pytest.raises(
+        InvalidArgumentError, match=r"up_proj is torch\.float64@cpu, query is torch\.float32@cpu"
+    ):
+        mla_problem(
+            MLAQuery.packed(torch.randn(3, 2, 16), 8), cache, meta, sm_scale=0.2, causal=True
+        )

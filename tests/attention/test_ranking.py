@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvplane.attention import RankingCache, WorkloadBucket
+from kvplane.attention import QueryLayout, RankingCache, WorkloadBucket
 from kvplane.attention.ranking import RankedCandidate, pow2_bucket
 
 
@@ -14,9 +14,9 @@ def test_pow2_bucket() -> None:
 
 def test_bucket_key(mla_inputs) -> None:
     b = WorkloadBucket.of(mla_inputs([1, 1], [5, 100]).problem)
-    assert b.key() == "mla|b2|single1|kv128|h4|d64x16x0x0|ps4|float32|cpu|causal"
+    assert b.key() == "mla|b2|single1|kv128|h4|d64x16x0x0|ps4|float32|cpu|causal|packed"
     v = WorkloadBucket.of(mla_inputs([1, 3], [5, 100], causal=False).problem)
-    assert v.key() == "mla|b2|varlen|kv128|h4|d64x16x0x0|ps4|float32|cpu|full"
+    assert v.key() == "mla|b2|varlen|kv128|h4|d64x16x0x0|ps4|float32|cpu|full|packed"
     # same bucket for a different length in the same power-of-two range
     assert WorkloadBucket.of(mla_inputs([1, 1], [70, 90]).problem) == b
 
@@ -40,3 +40,29 @@ def test_cache_persists_and_ignores_garbage(tmp_path: Path, mla_inputs) -> None:
     )
     loaded = RankingCache(path)
     assert len(loaded) == 1
+
+
+def test_query_layout_is_part_of_the_bucket(mla_inputs) -> None:
+    packed = WorkloadBucket.of(mla_inputs([1, 1], [5, 100]).problem)
+    split = WorkloadBucket.of(mla_inputs([1, 1], [5, 100], layout=QueryLayout.SPLIT).problem)
+    assert (packed.layout, split.layout) == ("packed", "split")
+    assert packed != split
+    assert split.key() == "mla|b2|single1|kv128|h4|d64x16x0x0|ps4|float32|cpu|causal|split"
+
+
+def test_a_file_with_keys_of_an_older_format_loads_but_never_matches(
+    tmp_path: Path, mla_inputs
+) -> None:
+    path = tmp_path / "rank.json"
+    bucket = WorkloadBucket.of(mla_inputs([1, 1], [5, 100]).problem)
+    old_key = "mla|b2|single1|kv128|h4|d64x16x0x0|ps4|float32|cpu|causal"  # no layout
+    path.write_text(
+        '{"format": "kvplane.attention.rankings/1", '
+        f'"rankings": {{"{old_key}": [["sdpa", 0.5]]}}}}'
+    )
+    cache = RankingCache(path)
+    assert len(cache) == 1 and cache.get(bucket) is None
+    new = (RankedCandidate("torch", 1.0),)
+    cache.put(bucket, new)
+    again = RankingCache(path)
+    assert len(again) == 2 and again.get(bucket) == new

@@ -3,6 +3,7 @@ caches; traces and the fallback-ratio metric, with a deterministic injected time
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from kvplane.attention import (
     RankingCache,
     Selector,
     TraceEntry,
+    Unsupported,
     WorkloadBucket,
 )
 from kvplane.attention.backends import (
@@ -25,6 +27,7 @@ from kvplane.attention.backends import (
     SDPABackend,
     TorchMLABackend,
 )
+from kvplane.attention.ranking import RankedCandidate
 from kvplane.errors import BackendError, InvalidArgumentError, UnsupportedError
 from kvplane.metrics import MetricsRegistry
 
@@ -135,13 +138,97 @@ def test_measured_ranks_by_time_and_caches(registry, mla_inputs) -> None:
 
 
 def test_measured_falls_to_next_ranked_when_fastest_unsupported(registry, mla_inputs) -> None:
-    timer = FakeTimer({"torch": 3.0, "torch_splitkv": 2.0, "sdpa": 1.0, "cpu_fused": 4.0})
+    timer = FakeTimer(TIMES)
     sel = Selector(registry, timer=timer)
-    assert sel.plan(mla_inputs([1], [5]).problem, MEASURED).backend == "sdpa"
-    split = mla_inputs([1], [5], layout=QueryLayout.SPLIT)  # same bucket, sdpa unsupported
-    plan = sel.plan(split.problem, MEASURED)
-    assert plan.backend == "torch_splitkv" and len(timer.calls) == 3 + FUSED
-    assert (sel.plans, sel.fallbacks) == (2, 1)
+    problem = mla_inputs([1], [5]).problem
+    # the fastest entry names a backend this registry no longer has: the next viable one wins
+    ranked = ("retired", "sdpa", "torch_splitkv", "torch", "cpu_fused")
+    sel.cache.put(
+        WorkloadBucket.of(problem), tuple(RankedCandidate(n, i + 1.0) for i, n in enumerate(ranked))
+    )
+    plan = sel.plan(problem, MEASURED)
+    assert plan.backend == "sdpa" and timer.calls == []
+    assert (sel.plans, sel.fallbacks) == (1, 1)
+
+
+def test_measured_never_reuses_a_ranking_of_the_other_query_layout(mla_inputs) -> None:
+    """sdpa cannot run a split query: a ranking timed on one must not decide packed queries."""
+    timer = FakeTimer({"torch": 3.0, "sdpa": 1.0})
+    sel = Selector(BackendRegistry([TorchMLABackend(), SDPABackend()]), timer=timer)
+    split = mla_inputs([1, 1], [5, 9], layout=QueryLayout.SPLIT)
+    assert sel.plan(split.problem, MEASURED).backend == "torch"
+    assert timer.calls == ["torch"]
+    plan = sel.plan(mla_inputs([1, 1], [5, 9]).problem, MEASURED)
+    assert plan.backend == "sdpa" and timer.calls == ["torch", "torch", "sdpa"]
+    assert [(e.candidate, e.decision, e.seconds) for e in plan.trace] == [
+        ("torch", Decision.SLOWER, 3.0),
+        ("sdpa", Decision.SELECTED, 1.0),
+    ]
+    assert len(sel.cache) == 2 and sel.fallbacks == 0
+    # both rankings are kept: neither layout is timed again
+    assert sel.plan(split.problem, MEASURED).backend == "torch"
+    assert sel.plan(mla_inputs([1, 1], [6, 12]).problem, MEASURED).backend == "sdpa"
+    assert len(timer.calls) == 3
+
+
+def test_measured_retimes_when_a_viable_candidate_is_missing(mla_inputs) -> None:
+    """A cached ranking without one of the viable candidates is timed again (not trusted)."""
+    timer = FakeTimer({"torch": 3.0, "sdpa": 1.0})
+    sel = Selector(BackendRegistry([TorchMLABackend(), SDPABackend()]), timer=timer)
+    problem = mla_inputs([1], [5]).problem
+    bucket = WorkloadBucket.of(problem)
+    sel.cache.put(bucket, (RankedCandidate("torch", 0.5), RankedCandidate("gone", 2.0)))
+    assert sel.plan(problem, MEASURED).backend == "sdpa"
+    assert timer.calls == ["torch", "sdpa"]
+    # the new times replace the old ones; the entry not timed now keeps its time
+    assert sel.cache.get(bucket) == (
+        RankedCandidate("sdpa", 1.0),
+        RankedCandidate("gone", 2.0),
+        RankedCandidate("torch", 3.0),
+    )
+    assert sel.plan(problem, MEASURED).backend == "sdpa" and len(timer.calls) == 2
+
+
+class ParityBackend(TorchMLABackend):
+    """The torch backend under another name, Supported only for an odd (or even) longest KV:
+    two problems of one bucket (kv 5 and kv 6 share the 8 bucket) with different candidates."""
+
+    def __init__(self, name: str, odd: bool) -> None:
+        super().__init__()
+        self._parity_name, self._odd = name, odd
+
+    @property
+    def name(self) -> str:
+        return self._parity_name
+
+    def check(self, problem):
+        if (problem.metadata.structure().max_kv_len % 2 == 1) != self._odd:
+            return Unsupported(("wrong parity",))
+        return super().check(problem)
+
+    def plan(self, problem):
+        return dataclasses.replace(super().plan(problem), backend=self._parity_name)
+
+    def run(self, plan, query, cache):
+        return super().run(dataclasses.replace(plan, backend="torch"), query, cache)
+
+
+def test_a_bucket_with_varying_candidates_is_timed_once_per_new_candidate(mla_inputs) -> None:
+    reg = BackendRegistry(
+        [TorchMLABackend(), ParityBackend("odd", True), ParityBackend("even", False)]
+    )
+    timer = FakeTimer({"torch": 3.0, "odd": 2.0, "even": 1.0})
+    sel = Selector(reg, timer=timer)
+    odd, even = mla_inputs([1], [5]).problem, mla_inputs([1], [6]).problem
+    assert WorkloadBucket.of(odd) == WorkloadBucket.of(even)
+    assert sel.plan(odd, MEASURED).backend == "odd"
+    assert sel.plan(even, MEASURED).backend == "even"  # "even" was never timed: timed now
+    assert timer.calls == ["torch", "odd", "torch", "even"]
+    for _ in range(2):  # the merged ranking holds all three: no more timing
+        assert sel.plan(odd, MEASURED).backend == "odd"
+        assert sel.plan(even, MEASURED).backend == "even"
+    assert len(timer.calls) == 4
+    assert [c.name for c in sel.cache.get(WorkloadBucket.of(odd)) or ()] == ["even", "odd", "torch"]
 
 
 def test_measured_ranking_persists_across_selectors(tmp_path: Path, registry, mla_inputs) -> None:

@@ -87,6 +87,10 @@ def _llama(**changes: Any) -> dict[str, Any]:
         (_llama(num_key_value_heads=3), "not a multiple"),
         (_llama(head_dim=7), "even"),
         (_llama(rms_norm_eps=-1.0), "rms_norm_eps"),
+        (_llama(rms_norm_eps=math.nan), "'rms_norm_eps' must be a finite number >= 0, got nan"),
+        (_llama(rms_norm_eps=math.inf), "'rms_norm_eps' must be a finite number >= 0, got inf"),
+        (_llama(rms_norm_eps=10**400), "'rms_norm_eps' must be a finite number >= 0"),
+        (_llama(rope_scaling="yarn", rope_parameters=None), "rope_scaling must be an object"),
         (_llama(attention_bias="yes"), "attention_bias"),
     ],
 )
@@ -111,6 +115,7 @@ def _ds(**changes: Any) -> dict[str, Any]:
         (_ds(architectures=[DEEPSEEK_V2], topk_method="random"), "topk_method 'random'"),
         (_ds(qk_rope_head_dim=5), "qk_rope_head_dim 5"),
         (_ds(kv_lora_rank=None), "no 'kv_lora_rank'"),
+        (_ds(routed_scaling_factor=math.nan), "'routed_scaling_factor' must be a finite number"),
     ],
 )
 def test_bad_deepseek_configs_name_the_key(config: dict[str, Any], words: str) -> None:

@@ -156,3 +156,12 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         CheckpointError, match="'Qwen2ForCausalLM' is not supported; supported: LlamaForCausalLM"
     ):
         load_model(tmp_path)
+
+
+def test_a_checkpoint_with_a_nan_norm_epsilon_is_refused(tmp_path: Path) -> None:
+    save_checkpoint(small_llama(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rms_norm_eps"] = float("nan")
+    (tmp_path / "config.json").write_text(json.dumps(config))  # json writes and reads NaN
+    with pytest.raises(CheckpointError, match="'rms_norm_eps' must be a finite number >= 0"):
+        load_model(tmp_path)

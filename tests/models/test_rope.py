@@ -42,11 +42,78 @@ def test_yarn_without_factor_uses_the_context_ratio() -> None:
         ({"rope_parameters": {"rope_type": "linear", "factor": 0}}, "factor"),
         ({"rope_parameters": {"partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
         ({"rope_parameters": [1, 2]}, "object"),
+        ({"rope_scaling": "yarn"}, "rope_scaling must be an object, got 'yarn'"),
+        ({"rope_scaling": [["type", "linear"]]}, "rope_scaling must be an object"),
+        (
+            {"rope_parameters": {"partial_rotary_factor": None}},
+            "'partial_rotary_factor' must be a number, got None",
+        ),
+        (
+            {"rope_parameters": {"partial_rotary_factor": "1"}},
+            "'partial_rotary_factor' must be a number",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 0}},
+            "original_max_position_embeddings must be >= 1, got 0",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 0.5,
+                }
+            },
+            "original_max_position_embeddings must be >= 1, got 0.5",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": math.nan}},
+            "'factor' must be finite",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": math.inf}},
+            "'factor' must be finite",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": 10**400}},
+            "'factor' must be finite",
+        ),
+        ({"rope_parameters": {"rope_theta": math.nan}}, "'rope_theta' must be finite"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                }
+            },
+            "low_freq_factor must be > 0, got 0",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "beta_fast": -1,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "beta_fast must be > 0, got -1",
+        ),
     ],
 )
 def test_bad_rope_configs_name_the_problem(config: dict[str, object], words: str) -> None:
     with pytest.raises(CheckpointError, match=words):
         RopeSpec.from_hf(config, 2048)
+
+
+def test_rope_spec_checks_its_params_when_built_directly() -> None:
+    with pytest.raises(CheckpointError, match="rope parameter 'factor' must be finite, got nan"):
+        RopeSpec(1e4, "linear", (("factor", math.nan),))
+    with pytest.raises(CheckpointError, match="original_max_position_embeddings must be >= 1"):
+        RopeSpec(1e4, "yarn", (("factor", 2.0), ("original_max_position_embeddings", 0.0)))
 
 
 def test_default_and_linear_frequencies_are_exact() -> None:

@@ -88,6 +88,29 @@ def _entry(
         ({"w": _entry(offs=[0, 16])}, bytes(8), None, "out of bounds"),
         ({"w": _entry(offs=[8, 0])}, bytes(8), None, "out of bounds"),
         ({"w": _entry(shape=[3])}, bytes(8), None, "cannot hold shape"),
+        (b"[" * 200000 + b"]" * 200000, b"", None, "not valid JSON"),
+        (b'{"w": {"shape": [' + b"9" * 5000 + b"]}}", b"", None, "not valid JSON"),
+        ({"__metadata__": "xy"}, b"", None, "__metadata__ must be a JSON object of strings"),
+        ({"__metadata__": [["a", "b"]]}, b"", None, "__metadata__ must be a JSON object"),
+        ({"__metadata__": {"a": 1}}, b"", None, "__metadata__ must be a JSON object of strings"),
+        (
+            {"a": _entry(), "b": _entry()},
+            bytes(8),
+            None,
+            r"tensors 'a' and 'b' overlap \(bytes \[\d+, \d+\)",
+        ),
+        (
+            {"a": _entry(shape=[4], offs=[0, 16]), "b": _entry(offs=[12, 20])},
+            bytes(20),
+            None,
+            "tensors 'a' and 'b' overlap",
+        ),
+        (
+            {"a": _entry(shape=[6], offs=[0, 24]), "c": _entry(offs=[28, 36]), "b": _entry()},
+            bytes(36),
+            None,
+            "tensors 'b' and 'a' overlap",
+        ),
     ],
 )
 def test_structural_faults_are_checkpoint_errors(
@@ -124,3 +147,25 @@ def test_unsupported_dtype_is_refused_on_write(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="complex64"):
         write_safetensors(tmp_path / "c.safetensors", {"c": torch.zeros(2, dtype=torch.complex64)})
     assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_overlap_messages_give_the_shared_bytes(tmp_path: Path) -> None:
+    path = _raw(
+        tmp_path, {"a": _entry(shape=[4], offs=[0, 16]), "b": _entry(offs=[12, 20])}, bytes(20)
+    )
+    base = 8 + len(json.dumps({"a": _entry(shape=[4], offs=[0, 16]), "b": _entry(offs=[12, 20])}))
+    with pytest.raises(CheckpointError, match=rf"bytes \[{base + 12}, {base + 16}\) of the file"):
+        SafetensorsFile(path)
+
+
+def test_adjacent_empty_and_null_metadata_entries_are_accepted(tmp_path: Path) -> None:
+    header = {
+        "__metadata__": None,
+        "a": _entry(offs=[0, 8]),
+        "e": _entry(shape=[0], offs=[4, 4]),  # empty: holds no byte, overlaps nothing
+        "f": _entry(shape=[0], offs=[4, 4]),
+        "b": _entry(offs=[8, 16]),
+    }
+    f = SafetensorsFile(_raw(tmp_path, header, struct.pack("<4f", 1, 2, 3, 4)))
+    assert f.metadata == {} and sorted(f.names()) == ["a", "b", "e", "f"]
+    assert f.read("b").tolist() == [3.0, 4.0] and f.read("e").shape == (0,)

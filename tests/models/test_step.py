@@ -98,9 +98,9 @@ def test_slots_follow_the_block_formula(
     bs: int, reqs: list[tuple[int, int, int]], rnd: object
 ) -> None:
     requests, expect = [], []
-    for start, n, extra in reqs:
+    for i, (start, n, extra) in enumerate(reqs):
         end = start + n
-        blocks = list(range(100))
+        blocks = list(range(100 * i, 100 * (i + 1)))  # disjoint: no two requests write a slot
         rnd.shuffle(blocks)  # type: ignore[attr-defined]
         blocks = blocks[: -(-end // bs) + extra]
         requests.append(StepRequest(list(range(n)), start, blocks))
@@ -113,3 +113,28 @@ def test_slots_follow_the_block_formula(
         sum(n for _, n, _ in reqs[: i + 1]) - 1 for i in range(len(reqs))
     ]
     assert batch.metadata.structure().kv_lens == tuple(ends)
+
+
+def test_a_block_repeated_among_the_written_slots_is_rejected() -> None:
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"request 0 writes slot 4 \(block 1, offset 0\) twice in one step "
+        r"\(positions 0 and 4\)",
+    ):
+        StepBatch.build([StepRequest(list(range(8)), 0, [1, 1])], 4)
+
+
+def test_two_requests_writing_one_block_are_rejected() -> None:
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"requests 0 \(position 2\) and 1 \(position 6\) both write slot 14 "
+        r"\(block 3, offset 2\) in one step",
+    ):
+        StepBatch.build([StepRequest([1], 2, [3]), StepRequest([2], 6, [5, 3])], 4)
+
+
+def test_shared_blocks_that_are_only_read_are_allowed() -> None:
+    # both requests read the shared prefix block 7 (and one repeats it) but write apart
+    batch = StepBatch.build([StepRequest([1, 2], 4, [7, 2]), StepRequest([3], 8, [7, 7, 5])], 4)
+    assert batch.slot_mapping.tolist() == [8, 9, 20]
+    assert batch.metadata.dense().block_table.tolist() == [[7, 2, 0], [7, 7, 5]]

@@ -97,6 +97,15 @@ def test_read_checkpoint_dir_errors(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{oops")
     with pytest.raises(CheckpointError, match="not readable JSON"):
         read_checkpoint_dir(tmp_path)
+    (tmp_path / "config.json").write_text("[" * 200000 + "]" * 200000)  # nested too deep
+    with pytest.raises(CheckpointError, match="not readable JSON"):
+        read_checkpoint_dir(tmp_path)
+    (tmp_path / "config.json").write_bytes(b'{"a": "\xff"}')  # not UTF-8
+    with pytest.raises(CheckpointError, match="not readable JSON"):
+        read_checkpoint_dir(tmp_path)
+    (tmp_path / "config.json").write_text('{"a": ' + "9" * 5000 + "}")  # int beyond the limit
+    with pytest.raises(CheckpointError, match="not readable JSON"):
+        read_checkpoint_dir(tmp_path)
     (tmp_path / "config.json").write_text("[1]")
     with pytest.raises(CheckpointError, match="JSON object"):
         read_checkpoint_dir(tmp_path)

@@ -13,6 +13,9 @@ rope dim; DeepSeek uses 512 and 64, any sizes work):
 - :class:`GQAQuery` ``[T, Hq, D]`` and :class:`GQAKVCache` with K and V pools
   ``[pages, page_size, Hkv, D]`` each (``Hq % Hkv == 0``).
 
+Every query, up-projection and K/V pool has at least one head (``H``, ``Hq``, ``Hkv >= 1``);
+constructors raise :class:`~kvplane.errors.InvalidArgumentError` otherwise.
+
 Nothing here copies a cache; constructors only validate and take views.
 """
 
@@ -39,6 +42,13 @@ def _tensor(name: str, t: object, ndim: int) -> torch.Tensor:
             f"{name} must be contiguous in its last dim, strides {t.stride()}"
         )
     return t
+
+
+def _heads(name: str, t: torch.Tensor, dim: int) -> None:
+    if int(t.shape[dim]) < 1:
+        raise InvalidArgumentError(
+            f"{name} needs >= 1 head (dim {dim}), got shape {tuple(t.shape)}"
+        )
 
 
 def _same_kind(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -76,6 +86,7 @@ class MLAQuery:
     def packed(cls, q: torch.Tensor, nope_dim: int) -> MLAQuery:
         """From ``q [T, H, nope_dim + rope_dim]`` (``nope_dim`` = r absorbed, d_nope otherwise)."""
         _tensor("q", q, 3)
+        _heads("q", q, 1)
         if isinstance(nope_dim, bool) or not isinstance(nope_dim, int):
             raise InvalidArgumentError(f"nope_dim must be an int, got {nope_dim!r}")
         if not 0 < nope_dim < q.shape[-1]:
@@ -92,6 +103,7 @@ class MLAQuery:
             raise InvalidArgumentError(
                 f"q_nope {tuple(q_nope.shape)} and q_pe {tuple(q_pe.shape)} differ in [T, H]"
             )
+        _heads("q_nope", q_nope, 1)
         return cls(q_nope, q_pe, packed_view(q_nope, q_pe))
 
     @property
@@ -137,6 +149,7 @@ class MLAUpProjection:
             raise InvalidArgumentError(
                 f"w_uk {tuple(self.w_uk.shape)} and w_uv {tuple(self.w_uv.shape)} differ in [H, r]"
             )
+        _heads("w_uk", self.w_uk, 0)
 
     @property
     def num_heads(self) -> int:
@@ -217,6 +230,7 @@ class GQAQuery:
 
     def __post_init__(self) -> None:
         _tensor("q", self.q, 3)
+        _heads("q", self.q, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +248,7 @@ class GQAKVCache:
             raise InvalidArgumentError(
                 f"k {tuple(self.k.shape)} and v {tuple(self.v.shape)} must have one shape"
             )
+        _heads("k", self.k, 2)
 
     @property
     def num_pages(self) -> int:

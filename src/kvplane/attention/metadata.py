@@ -215,7 +215,9 @@ class PlanMetadata:
         return self._structure
 
     def _needed_count(self, kv_len: torch.Tensor) -> torch.Tensor:
-        return (kv_len + self.page_size - 1) // self.page_size
+        """``ceil(kv_len / page_size)`` for ``kv_len >= 0``, exact up to the dtype's maximum
+        (no ``kv_len + page_size - 1`` intermediate that could overflow)."""
+        return kv_len // self.page_size + (kv_len % self.page_size != 0).to(kv_len.dtype)
 
     def _validate_csr(
         self, csr: CSRPageTable

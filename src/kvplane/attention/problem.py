@@ -126,7 +126,9 @@ class AttentionProblem:
         return self.shape
 
     def validate_inputs(self, query: object, cache: object) -> None:
-        """Raise ``BackendError`` unless ``query``/``cache`` are what this problem describes."""
+        """Raise ``BackendError`` unless ``query``/``cache`` are what this problem describes:
+        kinds, dims, dtype, device, token count, page size and pool size, and for non-absorbed
+        MLA the cache's ``up_proj`` (heads, ``d_nope``, ``d_v``, dtype, device)."""
         s = self.metadata.structure()
         if isinstance(self.shape, MLAShape):
             if not isinstance(query, MLAQuery) or not isinstance(cache, MLAKVCache):
@@ -138,8 +140,8 @@ class AttentionProblem:
             got = (query.num_heads, query.nope_dim, query.rope_dim, cache.kv_lora_rank)
             want = (self.num_heads, want_nope, self.shape.rope_dim, self.shape.kv_lora_rank)
             tensors = (query.nope, cache.data)
-            if self.kind is AttentionKind.MLA_MHA and cache.up_proj is None:
-                raise BackendError("non-absorbed MLA needs the cache's up_proj weights")
+            if self.kind is AttentionKind.MLA_MHA:
+                self._validate_up_proj(cache.up_proj)
             if self.query_layout is QueryLayout.PACKED and query.packed_data is None:
                 raise BackendError("the plan expects a packed query; this one is split")
         else:
@@ -173,6 +175,23 @@ class AttentionProblem:
                 f"serve page size {s.page_size} and page id {s.max_page}"
             )
 
+    def _validate_up_proj(self, up: MLAUpProjection | None) -> None:
+        """``BackendError`` unless ``up`` is the decompression this MLA_MHA problem planned."""
+        if up is None:
+            raise BackendError("non-absorbed MLA needs the cache's up_proj weights")
+        shape = self.mla_shape()
+        got = (up.num_heads, up.qk_nope_dim, up.v_head_dim)
+        want = (self.num_heads, shape.qk_nope_dim, shape.v_head_dim)
+        if got != want:
+            raise BackendError(
+                f"up_proj (heads, d_nope, d_v) {got} do not match the planned {want}"
+            )
+        if up.w_uk.dtype != self.dtype or up.w_uk.device != self.device:
+            raise BackendError(
+                f"up_proj is {up.w_uk.dtype}@{up.w_uk.device}, planned for "
+                f"{self.dtype}@{self.device}"
+            )
+
 
 def _check_heads(name: str, heads: int, expected: int) -> None:
     if heads != expected:
@@ -193,7 +212,8 @@ def mla_problem(
 
     ``absorbed`` says which; it is required when the shapes cannot tell (``cache.up_proj`` set
     and ``qk_nope_dim == kv_lora_rank``, where both queries are ``[T, H, r + p]``), and when
-    given it must fit the shapes. The kind is never guessed.
+    given it must fit the shapes. The kind is never guessed. A non-absorbed call's ``up_proj``
+    must have the query's heads, dtype and device.
     """
     if query.dtype != cache.data.dtype or query.device != cache.data.device:
         raise InvalidArgumentError(
@@ -207,6 +227,11 @@ def mla_problem(
         shape = MLAShape(query.num_heads, cache.kv_lora_rank, cache.rope_dim)
     else:
         _check_heads("up_proj", up.num_heads, query.num_heads)
+        if up.w_uk.dtype != query.dtype or up.w_uk.device != query.device:
+            raise InvalidArgumentError(
+                f"up_proj is {up.w_uk.dtype}@{up.w_uk.device}, query is "
+                f"{query.dtype}@{query.device}"
+            )
         shape = MLAShape(
             query.num_heads, cache.kv_lora_rank, cache.rope_dim, up.qk_nope_dim, up.v_head_dim
         )

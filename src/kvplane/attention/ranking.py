@@ -2,12 +2,15 @@
 
 A :class:`WorkloadBucket` is what ``measured`` selection keys its timings by: kind, batch size,
 query-length class (and the query length itself unless it is varlen), the power-of-two bucket of
-the longest KV, heads, head dims, page size, dtype, device type and causality. Problems in one
-bucket are expected to rank backends alike, so one timing serves them all.
+the longest KV, heads, head dims, page size, dtype, device type, causality and query layout
+(packed or split: some backends support only one, so the two have different candidates).
+Problems in one bucket are expected to rank backends alike, so one timing serves them all.
 
 :class:`RankingCache` maps a bucket to its ranking (fastest first). With a ``path`` it loads the
 JSON file at start and rewrites it atomically (temp file + rename) after each new ranking; an
-unreadable or foreign file is ignored (and replaced on the next write), never trusted.
+unreadable or foreign file is ignored (and replaced on the next write), never trusted. Keys are
+opaque strings: an entry whose key no bucket produces any more (a file written before a field
+was added to the key) loads but never matches.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvplane.attention.metadata import QueryClass
-from kvplane.attention.problem import AttentionProblem, GQAShape
+from kvplane.attention.problem import AttentionProblem, GQAShape, QueryLayout
 
 FORMAT = "kvplane.attention.rankings/1"
 
@@ -42,6 +45,7 @@ class WorkloadBucket:
     dtype: str
     device: str
     causal: bool
+    layout: str = QueryLayout.PACKED.value
 
     @classmethod
     def of(cls, problem: AttentionProblem) -> WorkloadBucket:
@@ -64,6 +68,7 @@ class WorkloadBucket:
             dtype=str(problem.dtype).removeprefix("torch."),
             device=problem.device.type,
             causal=problem.causal,
+            layout=problem.query_layout.value,
         )
 
     def key(self) -> str:
@@ -73,7 +78,7 @@ class WorkloadBucket:
         return (
             f"{self.kind}|b{self.batch}|{self.query_class}{q}|kv{self.kv_bucket}|"
             f"h{self.heads}|d{dims}|ps{self.page_size}|{self.dtype}|{self.device}|"
-            f"{'causal' if self.causal else 'full'}"
+            f"{'causal' if self.causal else 'full'}|{self.layout}"
         )
 
 

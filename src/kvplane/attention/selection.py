@@ -7,7 +7,11 @@
 - ``measured`` times every Supported, non-oracle candidate on synthetic inputs of the problem's
   structure (:func:`~kvplane.attention.synthetic.twin`), ranks them per
   :class:`~kvplane.attention.ranking.WorkloadBucket`, caches the ranking and picks the fastest
-  Supported one. Only when no non-oracle candidate is Supported does it fall back to an oracle.
+  Supported one. A cached ranking is reused only if it holds every such candidate; otherwise the
+  candidates are timed again and the new times replace theirs, while the bucket's other entries
+  (candidates Unsupported for this problem) keep their earlier times, so a bucket's ranking only
+  grows and a bucket is re-timed at most once per candidate it has not seen. Only when no
+  non-oracle candidate is Supported does it fall back to an oracle.
 
 Every returned plan carries a trace: one :class:`~kvplane.attention.base.TraceEntry` per
 candidate (decision, reason, measured time). A plan is published (counted, cached) only after
@@ -48,6 +52,13 @@ MEASURED = "measured"
 
 def _why(v: Verdict) -> str:
     return "; ".join(v.reasons) if isinstance(v, Unsupported) else "supported"
+
+
+def _merge(timed: Ranking, earlier: Ranking) -> Ranking:
+    """``timed`` plus the entries of ``earlier`` it does not name, fastest first (stable)."""
+    fresh = {c.name for c in timed}
+    kept = [c for c in earlier if c.name not in fresh]
+    return tuple(sorted((*timed, *kept), key=lambda c: c.seconds))
 
 
 class Selector:
@@ -122,8 +133,10 @@ class Selector:
         bucket = WorkloadBucket.of(problem)
         ranking = self.cache.get(bucket)
         names = {b.name for b in viable}
-        if ranking is None or not any(c.name in names for c in ranking):
-            ranking = self._time(problem, viable)
+        if ranking is None or not names <= {c.name for c in ranking}:
+            # _time ranks every viable candidate (or raises), so this bucket is not re-timed
+            # for these candidates again.
+            ranking = _merge(self._time(problem, viable), ranking or ())
             self.cache.put(bucket, ranking)
         ranked = [c for c in ranking if c.name in names]
         chosen = self.registry.get(ranked[0].name)

@@ -10,6 +10,7 @@ unsupported (an unknown architecture lists the supported ones). ``to_hf()`` writ
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,10 +46,17 @@ def _opt_int(d: Mapping[str, Any], key: str) -> int | None:
 
 
 def _float(d: Mapping[str, Any], key: str, default: float) -> float:
+    """``d[key]`` (or ``default``) as a finite float >= 0; ``CheckpointError`` otherwise."""
     value = d.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise CheckpointError(f"config.json {key!r} must be a number >= 0, got {value!r}")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointError(f"config.json {key!r} must be a finite number >= 0, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float range
+        number = math.inf
+    if not math.isfinite(number) or number < 0:
+        raise CheckpointError(f"config.json {key!r} must be a finite number >= 0, got {value!r}")
+    return number
 
 
 def _bool(d: Mapping[str, Any], key: str, default: bool) -> bool:

@@ -45,10 +45,35 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _num(params: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    """``params[key]`` (or ``default``) as a finite float; ``CheckpointError`` otherwise."""
     value = params.get(key, default)
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         raise CheckpointError(f"rope parameter {key!r} must be a number, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise CheckpointError(f"rope parameter {key!r} must be finite, got {value!r}")
+    return number
+
+
+_POSITIVE = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow")
+"""Parameters the frequency formulas divide by or take the log of: must be > 0."""
+
+
+def _check_params(params: Mapping[str, float]) -> None:
+    """Every parameter finite, the divisors > 0, ``original_max_position_embeddings >= 1``."""
+    for key, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(f"rope parameter {key!r} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise CheckpointError(f"rope parameter {key!r} must be finite, got {value!r}")
+        if key in _POSITIVE and value <= 0:
+            raise CheckpointError(f"rope {key} must be > 0, got {value}")
+    old = params.get("original_max_position_embeddings")
+    if old is not None and old < 1:
+        raise CheckpointError(f"rope original_max_position_embeddings must be >= 1, got {old}")
 
 
 def _get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -57,7 +82,9 @@ def _get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 @dataclass(frozen=True, slots=True)
 class RopeSpec:
-    """Frequencies of one model's RoPE. ``params`` keeps the type-specific numbers by name."""
+    """Frequencies of one model's RoPE. ``params`` keeps the type-specific numbers by name:
+    all finite, ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``beta_fast`` and
+    ``beta_slow`` > 0 and ``original_max_position_embeddings >= 1`` (else ``CheckpointError``)."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -81,23 +108,27 @@ class RopeSpec:
         missing = [k for k in needed if k not in have]
         if missing:
             raise CheckpointError(f"rope type {self.rope_type!r} needs parameters {missing}")
-        if "factor" in have and have["factor"] <= 0:
-            raise CheckpointError(f"rope factor must be > 0, got {have['factor']}")
+        _check_params(have)
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], max_position_embeddings: int) -> RopeSpec:
         """From an HF config: ``rope_parameters`` (transformers 5) or ``rope_theta`` +
         ``rope_scaling`` (older files). A yarn ``factor`` of ``None`` means
-        ``max_position_embeddings / original_max_position_embeddings`` (DeepSeek-V3)."""
+        ``max_position_embeddings / original_max_position_embeddings`` (DeepSeek-V3).
+        ``rope_parameters`` / ``rope_scaling`` must be JSON objects (or absent/null); any
+        malformed value is a ``CheckpointError``."""
         raw = config.get("rope_parameters")
         if raw is None:
-            raw = dict(config.get("rope_scaling") or {})
+            scaling = config.get("rope_scaling")
+            if scaling is not None and not isinstance(scaling, Mapping):
+                raise CheckpointError(f"rope_scaling must be an object, got {scaling!r:.80}")
+            raw = dict(scaling or {})
             raw.setdefault("rope_theta", config.get("rope_theta", 10000.0))
         if not isinstance(raw, Mapping):
-            raise CheckpointError(f"rope_parameters must be an object, got {raw!r}")
+            raise CheckpointError(f"rope_parameters must be an object, got {raw!r:.80}")
         rope_type = str(raw.get("rope_type", raw.get("type", "default")))
         theta = _num(raw, "rope_theta", 10000.0)
-        if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        if _num(raw, "partial_rotary_factor", 1.0) != 1.0:
             raise CheckpointError("partial_rotary_factor != 1 is not supported")
         params: dict[str, float] = {}
         for key in (
@@ -108,6 +139,7 @@ class RopeSpec:
                 params[key] = _num(raw, key)
         if "truncate" in raw:
             params["truncate"] = float(bool(raw["truncate"]))
+        _check_params(params)  # before the yarn division below
         if (
             rope_type == "yarn"
             and "factor" not in params

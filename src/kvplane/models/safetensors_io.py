@@ -4,14 +4,17 @@ Format: an 8-byte little-endian header length ``N``, ``N`` bytes of JSON mapping
 name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the byte after
 the header; an optional ``"__metadata__"`` object of strings), then the raw little-endian data.
 Reading needs no third-party package, so ``kvplane generate --model DIR`` works without the
-``hf`` extra. Every structural fault (truncated file, bad JSON, unknown dtype, offsets out of
-bounds or not matching the shape) is a :class:`~kvplane.errors.CheckpointError` naming the
-file and tensor; nothing is read until the header is fully validated. Tensors are read one at a
-time into memory the returned tensor owns (no mmap stays open).
+``hf`` extra. Every structural fault (truncated file, bad or too deeply nested JSON, a
+``__metadata__`` that is not an object of strings, unknown dtype, offsets out of bounds, not
+matching the shape or overlapping another tensor's bytes) is a
+:class:`~kvplane.errors.CheckpointError` naming the file and tensor; nothing is read until the
+header is fully validated. Tensors are read one at a time into memory the returned tensor owns
+(no mmap stays open).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -71,15 +74,37 @@ class SafetensorsFile:
             raise CheckpointError(f"cannot read {self.path}: {exc}") from exc
         try:
             header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # bad JSON/UTF-8, nesting too deep
             raise CheckpointError(f"{self.path}: header is not valid JSON: {exc}") from exc
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: header must be a JSON object")
         base = 8 + n
-        self.metadata: dict[str, str] = dict(header.pop("__metadata__", None) or {})
+        self.metadata: dict[str, str] = self._metadata(header.pop("__metadata__", None))
         self.entries: dict[str, TensorEntry] = {
             name: self._entry(name, spec, base, size) for name, spec in header.items()
         }
+        self._check_disjoint()
+
+    def _metadata(self, raw: object) -> dict[str, str]:
+        if raw is None:
+            return {}
+        if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+            raise CheckpointError(
+                f"{self.path}: __metadata__ must be a JSON object of strings, got {raw!r:.80}"
+            )
+        return dict(raw)
+
+    def _check_disjoint(self) -> None:
+        """No two tensors share a byte (empty tensors hold none); one pass in start order."""
+        spans = sorted(
+            (e.begin, e.end, name) for name, e in self.entries.items() if e.end > e.begin
+        )
+        for (_, end, prev), (begin, stop, name) in itertools.pairwise(spans):
+            if begin < end:
+                raise CheckpointError(
+                    f"{self.path}: tensors {prev!r} and {name!r} overlap (bytes "
+                    f"[{begin}, {min(end, stop)}) of the file are in both)"
+                )
 
     def _entry(self, name: str, spec: object, base: int, size: int) -> TensorEntry:
         where = f"{self.path}: tensor {name!r}"

@@ -10,6 +10,11 @@ of ``[start, end)`` through ``slot_mapping`` and attends with ``q_len = end - st
 over ``kv_len = end`` positions (bottom-right causal), so a prefill is any number of steps of
 any sizes and a decode step is ``q_len = 1``.
 
+The slots one step writes must be distinct: a block repeated among the slots a request writes,
+or two requests writing the same block in one step, is rejected with ``InvalidArgumentError``
+(one write would silently overwrite the other). Blocks that are only read (a shared prefix) may
+appear in any number of requests' tables.
+
 :class:`StepBatch` packs the requests' tokens one after another (``T = sum(q_len)`` rows) and
 carries the paged-attention metadata (a dense block table, CPU int64) and each request's last
 row (where its next-token logits come from). Everything is built with vectorised index
@@ -82,7 +87,8 @@ class StepBatch:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> StepBatch:
-        """Pack ``requests``; ``InvalidArgumentError`` naming the request for bad input."""
+        """Pack ``requests``; ``InvalidArgumentError`` naming the request for bad input,
+        including two tokens of the step (of one request or two) that write the same slot."""
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
         if not requests:
@@ -150,6 +156,7 @@ class StepBatch:
         first_row = torch.cumsum(q_len, 0) - q_len
         positions = starts[row_req] + torch.arange(int(q_len.sum())) - first_row[row_req]
         slots = table[row_req, positions // block_size] * block_size + positions % block_size
+        _check_distinct_slots(slots, row_req, positions, block_size)
         metadata = PlanMetadata.from_dense(block_size, table, kv_len, q_len)
         return cls(
             token_ids=torch.from_numpy(np.concatenate(ids)).to(device),
@@ -159,4 +166,27 @@ class StepBatch:
             metadata=metadata,
             ranges=tuple(ranges),
             block_size=block_size,
+        )
+
+
+def _check_distinct_slots(
+    slots: torch.Tensor, row_req: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> None:
+    """``InvalidArgumentError`` naming the first pair of rows that write one slot (vectorised:
+    one stable sort, no loop per slot)."""
+    order = torch.sort(slots, stable=True).indices
+    ordered = slots[order]
+    dup = (ordered[1:] == ordered[:-1]).nonzero().flatten()
+    if dup.numel():
+        k = int(dup[0])
+        a, b = int(order[k]), int(order[k + 1])
+        slot, ra, rb = int(slots[a]), int(row_req[a]), int(row_req[b])
+        pa, pb = int(positions[a]), int(positions[b])
+        where = f"slot {slot} (block {slot // block_size}, offset {slot % block_size})"
+        if ra == rb:
+            raise InvalidArgumentError(
+                f"request {ra} writes {where} twice in one step (positions {pa} and {pb})"
+            )
+        raise InvalidArgumentError(
+            f"requests {ra} (position {pa}) and {rb} (position {pb}) both write {where} in one step"
         )

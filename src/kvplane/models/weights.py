@@ -141,7 +141,7 @@ def read_checkpoint_dir(path: str | Path) -> tuple[dict[str, Any], list[Safetens
         config = json.loads(cfg_path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(root)!r} has no config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # bad UTF-8/JSON, nesting too deep
         raise CheckpointError(f"{cfg_path} is not readable JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise CheckpointError(f"{cfg_path} must hold a JSON object")
