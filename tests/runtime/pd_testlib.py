@@ -55,6 +55,12 @@ class Cluster:
         self.prefill.close()
         self.decode.close()
 
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def cluster(
     spec: SyntheticSpec = MLA,

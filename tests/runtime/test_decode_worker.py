@@ -20,8 +20,7 @@ from kvplane.runtime.timeline import Mark
 
 
 def test_a_reused_session_id_is_refused_and_the_original_completes() -> None:
-    c = cluster(replace(MLA, compute_s_per_step=0.05))
-    try:
+    with cluster(replace(MLA, compute_s_per_step=0.05)) as c:
         rng = np.random.default_rng(0)
         fut = c.router.submit("orig", prompt(rng, 200), step_size=32)
         wait_for(lambda: bool(c.decode._by_session), what="the decode order")
@@ -34,25 +33,19 @@ def test_a_reused_session_id_is_refused_and_the_original_completes() -> None:
         res = fut.result(timeout=15)
         assert (res.state, res.mismatches) == ("success", 0)
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_a_malformed_pair_address_is_answered() -> None:
-    c = cluster()
-    try:
+    with cluster() as c:
         for addr in ("garbage", "tcp://127.0.0.1:notaport"):
             got = c.router.decode[0].client.call(PairWith(pd_address=addr), timeout_s=3)
             assert isinstance(got, ErrorReply)
             assert got.reason.startswith(f"pairing with {addr!r} failed: Invalid argument")
         assert c.router.generate("after", list(range(20))).state == "success"
-    finally:
-        c.close()
 
 
 def test_kv_of_another_prompt_fails_the_request_and_is_never_cached() -> None:
-    c = cluster()
-    try:
+    with cluster() as c:
         rng = np.random.default_rng(0)
         a, b = tuple(prompt(rng, 48)), tuple(prompt(rng, 48))
         fut = c.router.decode[0].client.call_async(
@@ -69,8 +62,6 @@ def test_kv_of_another_prompt_fails_the_request_and_is_never_cached() -> None:
         legit = c.router.generate("legit", [*b, 7, 8, 9])
         assert (legit.state, legit.prefix_tokens, legit.mismatches) == ("success", 0, 0)
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 class _Corrupt:
@@ -85,8 +76,7 @@ class _Corrupt:
 
 
 def test_blocks_with_counted_mismatches_are_never_cached() -> None:
-    c = cluster()
-    try:
+    with cluster() as c:
         base = list(range(1000, 1048))
         clean = c.decode.decoder
         c.decode.decoder = _Corrupt(clean)  # type: ignore[assignment]
@@ -98,13 +88,10 @@ def test_blocks_with_counted_mismatches_are_never_cached() -> None:
         assert (again.state, again.prefix_tokens, again.mismatches) == ("success", 0, 0)
         assert c.decode.pools.blocks.num_cached_blocks == 3  # now cached: 50 tokens, blocks of 16
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_a_request_cancelled_while_waiting_for_memory_counts_as_finished() -> None:
-    c = cluster(replace(MLA, compute_s_per_step=0.1), decode={"num_blocks": 14})
-    try:
+    with cluster(replace(MLA, compute_s_per_step=0.1), decode={"num_blocks": 14}) as c:
         rng = np.random.default_rng(0)
         big = c.router.submit("big", prompt(rng, 200), step_size=16)  # 13 of 14 decode blocks
         wait_for(lambda: "big" in c.decode._requests and c.decode._requests["big"].opened)
@@ -121,5 +108,3 @@ def test_a_request_cancelled_while_waiting_for_memory_counts_as_finished() -> No
         assert m.value("pd_release_latency_seconds", suffix="_count") == 0  # it held nothing
         marks = [e.mark for e in c.decode.timeline.events("waits")]
         assert Mark.RELEASED.value not in marks and Mark.ORDER.value in marks
-    finally:
-        c.close()

@@ -23,8 +23,7 @@ TERMINAL = {"success", "aborted", "failed"}
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_cancel_mid_transfer_from_either_side(side: str) -> None:
-    c = cluster(SLOW)
-    try:
+    with cluster(SLOW) as c:
         fut = c.router.submit("x", list(range(300)), step_size=16)
         wait_for(
             lambda: c.prefill.metrics.value("pd_slices", {"result": "done"}, "_total") >= 2,
@@ -36,16 +35,13 @@ def test_cancel_mid_transfer_from_either_side(side: str) -> None:
         assert "user gave up" in res.reason or res.reason
         check_balanced(c.router)
         assert c.prefill.metrics.value("pd_release_latency_seconds_count") == 1
-    finally:
-        c.close()
 
 
 def test_a_decode_cancel_before_its_memory_frees_the_prefill_side_at_once() -> None:
     """b waits for decode memory behind a; cancelled there, it never opens its receiver, and
     the prefill session its order opened ends at once (it held b's prefill blocks until the
     8 s deadline before, and requests queued behind it waited as long)."""
-    c = cluster(SLOW, decode={"num_blocks": 6})
-    try:
+    with cluster(SLOW, decode={"num_blocks": 6}) as c:
         a = c.router.submit("a", list(range(90)), step_size=8)  # all 6 decode blocks, 120 ms
         time.sleep(0.02)
         b = c.router.submit("b", list(range(1000, 1040)), step_size=16)
@@ -58,14 +54,11 @@ def test_a_decode_cancel_before_its_memory_frees_the_prefill_side_at_once() -> N
         assert a.result(timeout=20).state == "success"
         check_balanced(c.router)
         assert c.decode.endpoint.participant.counters["abandoned_receivers"] == 1
-    finally:
-        c.close()
 
 
 def test_random_cancels_on_both_sides_leave_every_request_terminal() -> None:
-    c = cluster(SLOW)
     rng = np.random.default_rng(7)
-    try:
+    with cluster(SLOW) as c:
         futs = {}
         for i in range(16):
             rid = f"k{i}"
@@ -79,18 +72,13 @@ def test_random_cancels_on_both_sides_leave_every_request_terminal() -> None:
         assert {r.state for r in results.values()} <= TERMINAL
         assert all(r.mismatches == 0 for r in results.values() if r.state == "success")
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_cancel_of_an_unknown_request_changes_nothing() -> None:
-    c = cluster()
-    try:
+    with cluster() as c:
         assert not c.router.cancel("nope")
         assert c.router.generate("ok", list(range(20))).state == "success"
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def _faulty_cluster(plan: FaultPlan, **prefill: object) -> Cluster:

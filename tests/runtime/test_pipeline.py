@@ -48,13 +48,10 @@ def test_slices_planned_ahead_begin_in_the_call_that_sends_them() -> None:
     """A pipelined request's slices are planned while it computes (50 ms a step, far longer
     than a plan), the first as soon as the receiver's request names the destination; each then
     begins in the same PD-loop call that sends its SubmitSlice (one thread hop, not two)."""
-    c = cluster(replace(MLA, compute_s_per_step=0.05))
-    try:
+    with cluster(replace(MLA, compute_s_per_step=0.05)) as c:
         res = c.router.generate("ahead", prompt(np.random.default_rng(3), 200), step_size=32)
         assert (res.state, res.mismatches) == ("success", 0)
         counters = check_balanced(c.router)["prefill"].counters
-    finally:
-        c.close()
     # 7 slices, all planned ahead: the first once DestinationKnown names the destination
     # (during its 50 ms step), the other 6 while the steps before them compute
     assert counters["driver_sessions_expected"] == 1
@@ -66,13 +63,10 @@ def test_the_only_slice_of_a_short_prompt_is_planned_before_its_step_ends() -> N
     """A one-step request has no earlier step to plan its slice in: the session's
     DestinationKnown hint lets the driver plan it while the step computes, so the slice begins
     in the call that sends its SubmitSlice instead of being planned after the step."""
-    c = cluster(replace(MLA, compute_s_per_step=0.05))
-    try:
+    with cluster(replace(MLA, compute_s_per_step=0.05)) as c:
         res = c.router.generate("short", prompt(np.random.default_rng(4), 20), step_size=32)
         assert (res.state, res.mismatches, res.num_tokens) == ("success", 0, 20)
         counters = check_balanced(c.router)["prefill"].counters
-    finally:
-        c.close()
     assert counters["driver_sessions_expected"] == 1
     assert counters["driver_plans_ready"] == 1 and counters["driver_begun_in_call"] == 1
 
@@ -81,8 +75,7 @@ def test_a_destination_known_before_the_requests_memory_waits_for_it() -> None:
     """Request b waits for prefill memory (a 5-block pool; a holds 4 blocks until its KV has
     moved), so its DestinationKnown comes long before its blocks: the hint waits, and when b is
     admitted its only slice is still planned during its 50 ms step."""
-    c = cluster(replace(MLA, compute_s_per_step=0.05), prefill={"num_blocks": 5})
-    try:
+    with cluster(replace(MLA, compute_s_per_step=0.05), prefill={"num_blocks": 5}) as c:
         rng = np.random.default_rng(5)
         a = c.router.submit("a", prompt(rng, 50), step_size=32)
         time.sleep(0.01)
@@ -90,8 +83,6 @@ def test_a_destination_known_before_the_requests_memory_waits_for_it() -> None:
         for res in (a.result(timeout=30), b.result(timeout=30)):
             assert (res.state, res.mismatches) == ("success", 0)
         counters = check_balanced(c.router)["prefill"].counters
-    finally:
-        c.close()
     assert counters["driver_sessions_expected"] == 2
     assert counters["driver_plans_ready"] == 3 and counters["driver_begun_in_call"] == 3
 
@@ -99,8 +90,7 @@ def test_a_destination_known_before_the_requests_memory_waits_for_it() -> None:
 def test_a_waiting_hint_goes_with_its_session_when_it_ends_without_memory() -> None:
     """A hint waiting for memory the request never gets (cancelled while queued; an order
     the prefill refuses) is dropped when its session ends, not kept for the worker's life."""
-    c = cluster(replace(MLA, compute_s_per_step=0.05), prefill={"num_blocks": 5})
-    try:
+    with cluster(replace(MLA, compute_s_per_step=0.05), prefill={"num_blocks": 5}) as c:
         rng = np.random.default_rng(5)
         driver = c.prefill.driver
         a = c.router.submit("a", prompt(rng, 50), step_size=32)
@@ -113,8 +103,6 @@ def test_a_waiting_hint_goes_with_its_session_when_it_ends_without_memory() -> N
         assert big.result(timeout=30).state != "success"
         check_balanced(c.router)
         wait_for(lambda: not driver._waiting and not driver._sessions, 10, "hints dropped")
-    finally:
-        c.close()
 
 
 def test_first_token_arrives_with_the_final_slice(mla: Cluster) -> None:
@@ -141,8 +129,7 @@ def test_prefix_reuse_moves_only_the_rest(mla: Cluster) -> None:
 
 
 def test_slices_inside_the_receivers_prefix_are_skipped_not_sent() -> None:
-    c = cluster(MLA, prefill={"step_size": 16})
-    try:
+    with cluster(MLA, prefill={"step_size": 16}) as c:
         res = c.router.generate("e", list(range(64)), step_size=16)
         assert (res.state, res.mismatches) == ("success", 0)
         assert c.prefill.metrics.value("pd_slices", {"result": "done"}, "_total") == 4
@@ -151,30 +138,24 @@ def test_slices_inside_the_receivers_prefix_are_skipped_not_sent() -> None:
         assert c.prefill.metrics.value("pd_slices", {"result": "skipped"}, "_total") == 3
         assert c.prefill.metrics.value("pd_slices", {"result": "done"}, "_total") == 5
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_gqa_with_tp_head_ranges_and_layer_ops() -> None:
-    c = cluster(
+    with cluster(
         GQA,
         prefill={"grouping": OpGrouping.LAYER, "block_size": 4},
         decode={"head_range": (1, 3), "block_size": 16},
-    )
-    try:
+    ) as c:
         rng = np.random.default_rng(2)
         for i, n in enumerate([5, 64, 77]):
             res = c.router.generate(f"g{i}", prompt(rng, n))
             assert (res.state, res.mismatches) == ("success", 0)
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_sliding_window_moves_only_the_final_window() -> None:
     spec = SyntheticSpec(kind="gqa", num_layers=2, kv_heads=2, head_dim=8, sliding_window=20)
-    c = cluster(spec)
-    try:
+    with cluster(spec) as c:
         res = c.router.generate("w", list(range(100)))
         assert (res.state, res.mismatches) == ("success", 0)
         layout = c.decode.pools.kv.layout
@@ -184,14 +165,11 @@ def test_sliding_window_moves_only_the_final_window() -> None:
             == 20 * per_token + TAIL_BYTES
         )
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_whole_only_state_travels_in_the_final_slice() -> None:
     spec = SyntheticSpec(kind="mla", num_layers=2, latent_dim=16, rope_dim=8, state_dim=24)
-    c = cluster(spec)
-    try:
+    with cluster(spec) as c:
         res = c.router.generate("s", list(range(50)))
         assert (res.state, res.mismatches) == ("success", 0)
         assert c.prefill.metrics.value("pd_bytes_moved", suffix="_total") == (
@@ -201,8 +179,6 @@ def test_whole_only_state_travels_in_the_final_slice() -> None:
         done = {"transport": "tcp", "state": "done"}
         assert c.prefill.metrics.value("transport_batches", done, "_total") == 2
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_many_concurrent_requests_and_metrics(mla: Cluster) -> None:
@@ -242,15 +218,12 @@ def test_other_transports_when_available(transport: str) -> None:
     reason = available().get(transport)
     if reason is not None:
         pytest.skip(reason)
-    c = cluster(MLA, transport=transport)
-    try:
+    with cluster(MLA, transport=transport) as c:
         rng = np.random.default_rng(7)
         for i, n in enumerate([1, 33, 70]):
             res = c.router.generate(f"m{i}", prompt(rng, n))
             assert (res.state, res.mismatches, res.num_tokens) == ("success", 0, n)
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_slice_done_is_when_the_transport_ended_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -267,8 +240,7 @@ def test_slice_done_is_when_the_transport_ended_it(monkeypatch: pytest.MonkeyPat
         return finish(self, job)
 
     monkeypatch.setattr(SliceDriver, "_finish", late_finish)
-    c = cluster(MLA)
-    try:
+    with cluster(MLA) as c:
         res = c.router.generate("late", prompt(np.random.default_rng(5), 100), step_size=32)
         assert (res.state, res.mismatches) == ("success", 0), res.reason
         done = {
@@ -280,5 +252,3 @@ def test_slice_done_is_when_the_transport_ended_it(monkeypatch: pytest.MonkeyPat
         for slice_id, t in done.items():
             assert t <= reached[slice_id]  # stamped before the driver reached it, not after
         check_balanced(c.router)
-    finally:
-        c.close()

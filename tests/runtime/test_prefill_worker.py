@@ -11,8 +11,7 @@ from kvplane.runtime.messages import Ack, DecodeOrder, ErrorReply, PrefillOrder,
 
 
 def test_a_reused_session_id_is_refused_and_the_original_completes() -> None:
-    c = cluster(replace(MLA, compute_s_per_step=0.05))
-    try:
+    with cluster(replace(MLA, compute_s_per_step=0.05)) as c:
         rng = np.random.default_rng(0)
         fut = c.router.submit("orig", prompt(rng, 200), step_size=32)
         wait_for(lambda: bool(c.prefill._by_session), what="the prefill order")
@@ -26,13 +25,10 @@ def test_a_reused_session_id_is_refused_and_the_original_completes() -> None:
         res = fut.result(timeout=15)
         assert (res.state, res.mismatches) == ("success", 0)
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_an_order_attaches_to_a_session_the_decode_side_opened_first() -> None:
-    c = cluster()
-    try:
+    with cluster() as c:
         tokens = tuple(range(50))
         fut = c.router.decode[0].client.call_async(
             DecodeOrder(request_id="x", session_id="sx", prefill_peer="prefill", token_ids=tokens)
@@ -45,5 +41,3 @@ def test_an_order_attaches_to_a_session_the_decode_side_opened_first() -> None:
         res = fut.result(timeout=20)
         assert isinstance(res, RequestResult) and (res.state, res.mismatches) == ("success", 0)
         check_balanced(c.router)
-    finally:
-        c.close()

@@ -25,19 +25,15 @@ from kvplane.runtime.worker_config import WorkerConfig
 def test_a_refused_order_fails_the_request_and_frees_both_sides() -> None:
     # the prefill side never hears from a receiver, so its session ends at its own deadline
     quick = replace(FAST, deadline_s=0.5, verdict_grace_s=0.3)
-    c = cluster(decode={"num_blocks": 4}, timings=quick)
-    try:
+    with cluster(decode={"num_blocks": 4}, timings=quick) as c:
         res = c.router.generate("big", list(range(200)))  # needs 13 decode blocks of 16
         assert res.state == "failed" and "needs 13 blocks" in res.reason
         assert c.router.generate("small", list(range(20))).state == "success"
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_decode_refuses_an_unpaired_prefill_peer() -> None:
-    c = cluster()
-    try:
+    with cluster() as c:
         got = c.router.decode[0].client.call(
             DecodeOrder(
                 request_id="x",
@@ -48,8 +44,6 @@ def test_decode_refuses_an_unpaired_prefill_peer() -> None:
         )
         assert isinstance(got, ErrorReply) and "'stranger' is not connected" in got.reason
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_router_misuse_is_named() -> None:
@@ -118,8 +112,7 @@ def test_serve_command_is_registered() -> None:
 
 
 def test_a_duplicate_request_id_is_refused_before_anything_is_sent() -> None:
-    c = cluster(replace(MLA, compute_s_per_step=0.05))
-    try:
+    with cluster(replace(MLA, compute_s_per_step=0.05)) as c:
         rng = np.random.default_rng(0)
         first = c.router.submit("req", prompt(rng, 200), step_size=32)
         calls = (c.prefill.rpc.counters["calls"], c.decode.rpc.counters["calls"])
@@ -132,13 +125,10 @@ def test_a_duplicate_request_id_is_refused_before_anything_is_sent() -> None:
         assert (res.state, res.mismatches) == ("success", 0)
         assert c.router.generate("req", list(range(20))).state == "success"  # ended: reusable
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_a_cancel_naming_another_session_never_stops_the_request() -> None:
-    c = cluster(replace(MLA, compute_s_per_step=0.05))
-    try:
+    with cluster(replace(MLA, compute_s_per_step=0.05)) as c:
         fut = c.router.submit("req", list(range(200)), step_size=32)
         wait_for(lambda: "req" in c.prefill._requests and "req" in c.decode._requests)
         stray = CancelOrder(request_id="req", reason="stray", session_id="req/other.0")
@@ -147,8 +137,6 @@ def test_a_cancel_naming_another_session_never_stops_the_request() -> None:
         res = fut.result(timeout=15)
         assert (res.state, res.mismatches) == ("success", 0)
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_a_request_past_its_deadline_fails_and_is_cancelled_on_both_sides() -> None:

@@ -21,8 +21,7 @@ from kvplane.runtime.timeline import Mark
 
 
 def test_an_order_that_fails_unexpectedly_is_answered(monkeypatch: pytest.MonkeyPatch) -> None:
-    c = cluster()
-    try:
+    with cluster() as c:
 
         def boom(*args: object) -> str:
             raise RuntimeError("surprise")
@@ -36,13 +35,10 @@ def test_an_order_that_fails_unexpectedly_is_answered(monkeypatch: pytest.Monkey
             assert got == ErrorReply(reason="internal error: RuntimeError: surprise")
         assert (c.decode.counters["order_errors"], c.prefill.counters["order_errors"]) == (1, 1)
         assert c.decode.counters["loop_errors"] == c.prefill.counters["loop_errors"] == 0
-    finally:
-        c.close()
 
 
 def test_out_of_range_token_ids_are_refused_not_dropped() -> None:
-    c = cluster()
-    try:
+    with cluster() as c:
         big = 1 << 63
         dec = DecodeOrder(request_id="b", session_id="s", prefill_peer="prefill", token_ids=(big,))
         pre = PrefillOrder(request_id="a", session_id="s", decode_peer="decode", token_ids=(big,))
@@ -51,8 +47,6 @@ def test_out_of_range_token_ids_are_refused_not_dropped() -> None:
             assert isinstance(got, ErrorReply) and "token_ids[0]" in got.reason
         assert c.decode.counters["loop_errors"] == c.prefill.counters["loop_errors"] == 0
         check_balanced(c.router)
-    finally:
-        c.close()
 
 
 def test_a_stats_reply_keeps_the_newest_events_that_fit_in_a_frame() -> None:
