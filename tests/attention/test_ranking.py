@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kvplane.attention import QueryLayout, RankingCache, WorkloadBucket
@@ -35,7 +36,7 @@ def test_cache_persists_and_ignores_garbage(tmp_path: Path, mla_inputs) -> None:
     path.write_text('{"format": "other", "rankings": {}}')
     assert len(RankingCache(path)) == 0
     path.write_text(
-        '{"format": "kvplane.attention.rankings/1", '
+        '{"format": "kvplane.attention.rankings/2", '
         '"rankings": {"k": [["a", "x"]], "j": [["b", 2]]}}'
     )
     loaded = RankingCache(path)
@@ -50,9 +51,9 @@ def test_query_layout_is_part_of_the_bucket(mla_inputs) -> None:
     assert split.key() == "mla|b2|single1|kv128|h4|d64x16x0x0|ps4|float32|cpu|causal|split"
 
 
-def test_a_file_with_keys_of_an_older_format_loads_but_never_matches(
-    tmp_path: Path, mla_inputs
-) -> None:
+def test_a_file_of_the_older_key_format_is_ignored_and_replaced(tmp_path: Path, mla_inputs) -> None:
+    """Format /1 keys have no query layout: they can never match, so they are not kept and
+    rewritten on every save."""
     path = tmp_path / "rank.json"
     bucket = WorkloadBucket.of(mla_inputs([1, 1], [5, 100]).problem)
     old_key = "mla|b2|single1|kv128|h4|d64x16x0x0|ps4|float32|cpu|causal"  # no layout
@@ -61,8 +62,9 @@ def test_a_file_with_keys_of_an_older_format_loads_but_never_matches(
         f'"rankings": {{"{old_key}": [["sdpa", 0.5]]}}}}'
     )
     cache = RankingCache(path)
-    assert len(cache) == 1 and cache.get(bucket) is None
+    assert len(cache) == 0 and cache.get(bucket) is None
     new = (RankedCandidate("torch", 1.0),)
     cache.put(bucket, new)
     again = RankingCache(path)
-    assert len(again) == 2 and again.get(bucket) == new
+    assert len(again) == 1 and again.get(bucket) == new
+    assert json.loads(path.read_text())["format"] == "kvplane.attention.rankings/2"

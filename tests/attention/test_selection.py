@@ -137,7 +137,7 @@ def test_measured_ranks_by_time_and_caches(registry, mla_inputs) -> None:
     assert sel.fallbacks == 0
 
 
-def test_measured_falls_to_next_ranked_when_fastest_unsupported(registry, mla_inputs) -> None:
+def test_measured_skips_a_ranked_name_the_registry_no_longer_has(registry, mla_inputs) -> None:
     timer = FakeTimer(TIMES)
     sel = Selector(registry, timer=timer)
     problem = mla_inputs([1], [5]).problem
@@ -180,12 +180,8 @@ def test_measured_retimes_when_a_viable_candidate_is_missing(mla_inputs) -> None
     sel.cache.put(bucket, (RankedCandidate("torch", 0.5), RankedCandidate("gone", 2.0)))
     assert sel.plan(problem, MEASURED).backend == "sdpa"
     assert timer.calls == ["torch", "sdpa"]
-    # the new times replace the old ones; the entry not timed now keeps its time
-    assert sel.cache.get(bucket) == (
-        RankedCandidate("sdpa", 1.0),
-        RankedCandidate("gone", 2.0),
-        RankedCandidate("torch", 3.0),
-    )
+    # the new times replace the old ones; "gone" (no backend of the registry) is dropped
+    assert sel.cache.get(bucket) == (RankedCandidate("sdpa", 1.0), RankedCandidate("torch", 3.0))
     assert sel.plan(problem, MEASURED).backend == "sdpa" and len(timer.calls) == 2
 
 

@@ -294,3 +294,36 @@ def test_check_touch_raises_what_touch_would_and_changes_nothing(snap_pool: Snap
     with pytest.raises(UnknownBlockError):
         pool.check_touch(ids(5))
     assert snap_pool(pool) == before
+
+
+def test_plain_int_and_array_ids_are_checked_with_no_python_step_per_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fence touches and frees every block of every store: plain ints and integer arrays
+    are validated in C; only a batch holding something else is walked id by id."""
+    pool = BlockPool(64, 4)
+    held = pool.allocate(64) or []
+    calls = []
+    real = BlockPool._block_id
+
+    def counted(self: BlockPool, value: object) -> BlockId:
+        calls.append(value)
+        return real(self, value)
+
+    monkeypatch.setattr(BlockPool, "_block_id", counted)
+    arr = np.array(held, dtype=np.int64)
+    pool.check_touch(arr)
+    pool.touch(held)
+    pool.free(arr[::-1])
+    assert calls == []
+    with pytest.raises(UnknownBlockError, match="block 64"):
+        pool.touch(np.array([3, 64]))
+    with pytest.raises(UnknownBlockError, match="True"):
+        pool.touch([3, True])  # type: ignore[list-item]
+    with pytest.raises(UnknownBlockError):
+        pool.touch(np.array([[3]]))
+    with pytest.raises(UnknownBlockError):
+        pool.touch(np.array([3.0]))
+    assert [pool.ref_count(b) for b in held[:4]] == [1, 1, 1, 1]
+    pool.free(held)
+    pool.check_integrity()

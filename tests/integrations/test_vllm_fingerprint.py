@@ -110,3 +110,36 @@ def test_the_config_stamp_follows_what_changes_the_kv_bytes() -> None:
     ]
     assert len({stamp, *(config_stamp(c) for c in changed)}) == 5
     assert config_stamp(object()) == config_stamp(object())  # nothing known: one stamp
+
+
+def _identity_override() -> object:
+    return lambda cfg: cfg  # a fresh function object (a new address) per call
+
+
+def test_the_config_stamp_holds_no_address_of_a_callable_override() -> None:
+    """vLLM accepts a callable ``hf_overrides``; its effect is in the resolved ``hf_config``.
+    Two engines (or one restarted) with the same function must stamp alike, or every restart
+    derives new chunk keys and never hits what the disk and remote tiers hold."""
+    hf = _HFConfig(rope_theta=10000.0)
+    one, two = _identity_override(), _identity_override()
+    assert one is not two
+    stamp = config_stamp(_ModelConfig(hf, hf_overrides=one))
+    assert stamp == config_stamp(_ModelConfig(hf, hf_overrides=two))
+    assert stamp != config_stamp(_ModelConfig(hf, hf_overrides=json.loads))  # another function
+    nested = _ModelConfig(hf, hf_overrides={"fix": one})
+    assert config_stamp(nested) == config_stamp(_ModelConfig(hf, hf_overrides={"fix": two}))
+
+
+class _Opaque:
+    """A value with the default ``object.__repr__`` (an address in every process)."""
+
+
+def test_the_config_stamp_refuses_a_value_without_a_stable_form() -> None:
+    hf = _HFConfig(rope_theta=10000.0)
+    with pytest.raises(InvalidArgumentError, match="memory address"):
+        config_stamp(_ModelConfig(hf, hf_overrides={"x": _Opaque()}))
+    with pytest.raises(InvalidArgumentError, match="memory address"):
+        config_stamp(_ModelConfig(_Opaque()))  # type: ignore[arg-type]
+    assert config_stamp(_ModelConfig(hf, hf_overrides={1: "a", "b": 2})) == config_stamp(
+        _ModelConfig(hf, hf_overrides={"b": 2, 1: "a"})
+    )

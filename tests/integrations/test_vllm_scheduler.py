@@ -195,3 +195,35 @@ def test_reports_must_name_known_jobs(tmp_path: Path) -> None:
     s.build_step([ScheduledRequest(a, 20, [1, 2, 3, 4, 5])])
     with pytest.raises(InvalidArgumentError, match="out of order"):
         s.apply(report((1, "disk", (True, True))))
+
+
+def test_a_chunk_whose_host_copy_is_doomed_is_offered_again_until_stored(tmp_path: Path) -> None:
+    s, _ = side(tmp_path)
+    s.set_index(TierIndex(FP, 128))
+    k = keys_of(TOKENS, 20)
+    host = s.book.host
+    s.book.record_lookup(k[:1])
+    res = s.book.reserve_store(k[:1])
+    assert res is not None
+    s.book.gathered(res.keys, res.writes, [True])
+    for w in res.writes:
+        s.book.written(res.keys, w, [True], [True])
+    host.prepare_load(k[:1])  # two readers of the host copy (two loads)...
+    host.prepare_load(k[:1])
+    host.complete_load(k[:1], ok=False)  # ...one read it back bad: doomed, still pinned
+    a = RequestView("a", TOKENS)
+    assert s.matched_tokens(a, 0) == 0
+    assert s.allocated(a, [1, 2, 3, 4, 5], 0) is None
+    step = ScheduledRequest(a, 20, [1, 2, 3, 4, 5])
+    first = s.build_step([step]).stores
+    assert [op.keys for op in first] == [(k[1],)]  # k0 deferred: its slot is still busy
+    assert s.build_step([step]).stores == ()  # offered again: still busy
+    host.complete_load(k[:1])  # the last reader is done: the bad copy is dropped
+    again = s.build_step([step]).stores
+    assert [(op.keys, op.block_ids) for op in again] == [((k[0],), (1, 2))]
+    assert s.build_step([step]).stores == ()  # stored now: not offered again
+    for op in (*first, *again):
+        s.apply(
+            report((op.job_id, "host", (True,)), *((op.job_id, w.tier, (True,)) for w in op.writes))
+        )
+    s.check_integrity()

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import kvplane.models.rope as rope_module
 from kvplane.errors import CheckpointError
 from kvplane.models.rope import RopeSpec, RopeStyle, apply_rope, rope_tables
 
@@ -212,3 +213,26 @@ def test_yarn_scales_the_tables_and_keeps_the_input_dtype() -> None:
     assert torch.equal(sin, torch.zeros(1, 4))
     x = torch.ones(1, 1, 8, dtype=torch.bfloat16)
     assert apply_rope(x, cos, sin, RopeStyle.NEOX).dtype == torch.bfloat16
+
+
+def test_from_hf_checks_the_parameters_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, float]] = []
+    real = rope_module._check_params
+
+    def counted(params: dict[str, float]) -> None:
+        calls.append(dict(params))
+        real(params)
+
+    monkeypatch.setattr(rope_module, "_check_params", counted)
+    cfg = {"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 64}}
+    spec = RopeSpec.from_hf(cfg, 256)
+    assert spec.param("factor", 0.0) == 4.0 and len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [(2, 2.0), (0.5, 0.5), (True, None), ("1", None), (None, None), (math.inf, None),
+     (math.nan, None), (10**400, None)],
+)  # fmt: skip
+def test_finite_number(value: object, want: float | None) -> None:
+    assert rope_module.finite_number(value) == want

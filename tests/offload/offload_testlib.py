@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 from kvplane.ids import ChunkKey
@@ -31,3 +32,23 @@ def filled_pool(layout: KVLayout, seed: int = 0) -> torch.Tensor:
     """A pool whose every element is distinct (block-dependent), deterministic in ``seed``."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(layout.shape, generator=g).to(layout.dtype)
+
+
+BAD_IDS: list[object] = [
+    # block ids every block-id argument of the offload package refuses (check_block_ids)
+    [0.5, 1.5],
+    [1, True],
+    [True, False],
+    [np.True_],
+    ["a"],
+    None,
+    5,
+    "01",
+    [[0, 1]],
+    [[0], [1, 2]],
+    np.array([1.0, 2.0]),
+    np.array([True]),
+    np.zeros((1, 2), dtype=np.int64),
+    torch.tensor([0.0, 1.0]),
+    torch.tensor([True]),
+]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from offload_testlib import filled_pool, key, keys, tiny_layout
+from offload_testlib import BAD_IDS, filled_pool, key, keys, tiny_layout
 
 from kvplane.blocks import BlockPool
 from kvplane.errors import BlockStateError, InvalidArgumentError, OffloadError
@@ -303,21 +303,7 @@ def test_a_store_refused_by_the_fence_evicts_nothing() -> None:
     c.close()
 
 
-@pytest.mark.parametrize(
-    "bad",
-    [
-        [2.9, 3.9],
-        [True, False],
-        [2, True],
-        ["a", "b"],
-        None,
-        5,
-        np.array([2.0, 3.0]),
-        np.array([[2, 3]]),
-        torch.tensor([2.0, 3.0]),
-    ],
-    ids=repr,
-)
+@pytest.mark.parametrize("bad", BAD_IDS, ids=repr)
 def test_block_ids_must_be_integers(bad: object) -> None:
     c, _pool, _ = make()
     store(c, keys(0), blocks(0))
@@ -362,5 +348,91 @@ def test_a_result_that_raises_does_not_strand_the_others(monkeypatch: pytest.Mon
     assert c.poll() == []
     c.fence.release(j1)  # settle the job whose application failed
     host.complete_store(keys(0), False)
+    c.check_integrity()
+    c.close()
+
+
+class _TwoRounds:
+    """Job results handed over in two rounds: ``first`` by poll, ``second`` by wait."""
+
+    closed = False
+
+    def __init__(self, first: JobResult, second: JobResult) -> None:
+        self.rounds = [[first], [second]]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.rounds)
+
+    def poll(self) -> list[JobResult]:
+        return self.rounds.pop(0) if len(self.rounds) == 2 else []
+
+    def wait(self, timeout: float | None = None) -> list[JobResult]:
+        return self.rounds.pop(0)
+
+
+def test_drain_keeps_the_events_of_earlier_rounds_when_a_later_one_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    c, _pool, _ = make()
+    c.lookup(keys(0, 1))
+    j1, j2 = c.store(keys(0), blocks(0)), c.store(keys(1), blocks(1))
+    assert j1 is not None and j2 is not None
+    got: list[JobResult] = []
+    while len(got) < 2:
+        got += c.jobs.wait(10)
+    r1, r2 = sorted(got, key=lambda r: r.job.job_id)
+    real = c.fence.release
+
+    def release(job_id: JobId) -> None:
+        if job_id == j2:
+            raise OffloadError("boom")
+        real(job_id)
+
+    runner = c.jobs
+    monkeypatch.setattr(c, "jobs", _TwoRounds(r1, r2))  # job 1 applied by poll, job 2 by wait
+    monkeypatch.setattr(c.fence, "release", release)
+    with pytest.raises(OffloadError, match="boom"):
+        c.drain()
+    monkeypatch.undo()
+    assert c.jobs is runner
+    assert c.host_manager.status(key(0)) is SlotStatus.READY  # job 1 was applied...
+    assert c.poll() == [StoreDone(j1, (key(0),), (True,))]  # ...and its event is delivered
+    c.fence.release(j2)  # settle the job whose application failed
+    c.host_manager.complete_store(keys(1), False)
+    c.check_integrity()
+    c.close()
+
+
+def test_lookup_counts_an_access_only_in_the_tier_a_load_reads(tmp_path: Path) -> None:
+    c, _pool, _ = make(lower=[disk(tmp_path)], policy="arc")
+    store(c, keys(0, 1), blocks(0, 1))  # in host and, written down, on disk
+    host, low = c.host_manager, c.lower[0][1]
+    assert isinstance(host.policy, ARCPolicy) and isinstance(low.policy, ARCPolicy)
+    assert c.lookup(keys(0, 1)).where == ("host", "host")
+    assert (host.policy.t1, host.policy.t2) == ([], keys(0, 1))  # a load reads host
+    assert (low.policy.t1, low.policy.t2) == (keys(0, 1), [])  # disk was not used
+    assert c.lookup(keys(2, 0)).hit_run == 0  # a gap first: nothing usable, nothing used
+    assert (host.policy.t2, low.policy.t1) == (keys(0, 1), keys(0, 1))
+    c.check_integrity()
+    c.close()
+
+
+def test_a_deferred_write_down_is_written_once_the_doomed_copy_is_gone(tmp_path: Path) -> None:
+    c, _pool, _ = make(lower=[disk(tmp_path)])
+    store(c, keys(0), blocks(0))  # host and disk
+    host, low = c.host_manager, c.lower[0][1]
+    low.prepare_load(keys(0))  # two readers of the disk copy (as two concurrent loads)...
+    low.prepare_load(keys(0))
+    low.complete_load(keys(0), ok=False)  # ...one found it bad: doomed, the other still reads
+    host.evict(keys(0))
+    c.lookup(keys(0))
+    assert c.store(keys(0), blocks(0)) is not None  # host stores it afresh...
+    events = c.drain()
+    assert [type(e) for e in events] == [StoreDone]  # ...but the doomed disk copy is busy
+    low.complete_load(keys(0))  # the last reader is done: the bad copy is dropped
+    assert low.status(key(0)) is SlotStatus.EMPTY
+    assert [(type(e), e.keys) for e in c.drain()] == [(CascadeDone, (key(0),))]  # written down
+    assert low.status(key(0)) is SlotStatus.READY and low.is_hit(key(0))
     c.check_integrity()
     c.close()

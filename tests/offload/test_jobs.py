@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from offload_testlib import keys
+from offload_testlib import BAD_IDS, keys
 
 from kvplane.blocks import BlockPool
 from kvplane.errors import BlockStateError, InvalidArgumentError, OffloadError, UnknownBlockError
@@ -145,25 +145,6 @@ def test_fence_release_frees_tail_first_like_a_block_table() -> None:
     fence.release(JobId(1))
     assert pool.free_queue_order() == [3, 2, 1, 0]  # the prefix is evicted last
     pool.check_integrity()
-
-
-BAD_IDS = [
-    [0.5, 1.5],
-    [1, True],
-    [True, False],
-    [np.True_],
-    ["a"],
-    None,
-    5,
-    "01",
-    [[0, 1]],
-    [[0], [1, 2]],
-    np.array([1.0, 2.0]),
-    np.array([True]),
-    np.zeros((1, 2), dtype=np.int64),
-    torch.tensor([0.0, 1.0]),
-    torch.tensor([True]),
-]
 
 
 @pytest.mark.parametrize("bad", BAD_IDS, ids=repr)

@@ -20,6 +20,14 @@ def stored(mgr: OffloadManager, *idx: int) -> None:
     mgr.complete_store(plan.keys, True)
 
 
+def doomed(mgr: OffloadManager, i: int) -> None:
+    """Store chunk ``i``, pin it twice and let one reader find it bad: doomed, still pinned."""
+    stored(mgr, i)
+    mgr.prepare_load(keys(i))
+    mgr.prepare_load(keys(i))
+    mgr.complete_load(keys(i), ok=False)
+
+
 def test_lookup_reports_hits_pending_and_the_leading_run() -> None:
     m = MetricsRegistry()
     mgr = OffloadManager("host", 4, metrics=m)
@@ -101,10 +109,7 @@ def test_load_racing_eviction_pins_until_the_last_reader() -> None:
 def test_bad_read_dooms_the_chunk_until_its_last_reader_leaves() -> None:
     m = MetricsRegistry()
     mgr = OffloadManager("disk", 2, metrics=m)
-    stored(mgr, 0)
-    mgr.prepare_load(keys(0))
-    mgr.prepare_load(keys(0))
-    mgr.complete_load(keys(0), ok=False)  # checksum failed for this reader
+    doomed(mgr, 0)  # checksum failed for one reader
     assert mgr.lookup(keys(0)).results == (M,)
     with pytest.raises(IllegalTransitionError, match="doomed"):
         mgr.prepare_load(keys(0))
@@ -167,22 +172,20 @@ def test_lookup_hit_is_an_access() -> None:
 
 def test_lookup_of_a_doomed_chunk_is_no_access() -> None:
     mgr = OffloadManager("disk", 2, "lru")
-    stored(mgr, 0, 1)
-    mgr.prepare_load(keys(0))
-    mgr.prepare_load(keys(0))
-    mgr.complete_load(keys(0), ok=False)  # doomed, one reader left
+    doomed(mgr, 0)  # one reader left
+    stored(mgr, 1)
     order = mgr.policy.order()
     assert mgr.lookup(keys(0)).results == (M,) and mgr.policy.order() == order
     mgr.complete_load(keys(0))
     mgr.check_integrity()
 
 
-def test_a_pin_with_access_false_leaves_the_policy_alone() -> None:
+def test_a_pin_for_a_copy_leaves_the_policy_alone() -> None:
     mgr = OffloadManager("host", 4, "arc")
     arc = mgr.policy
     assert isinstance(arc, ARCPolicy)
     stored(mgr, 0, 1)
-    mgr.prepare_load(keys(0), access=False)  # e.g. the cascade writing 0 down to disk
+    mgr.pin_for_copy(keys(0))  # e.g. the cascade writing 0 down to disk
     assert (arc.t1, arc.t2) == (keys(0, 1), [])  # stored once, never used: still T1
     mgr.prepare_load(keys(1))  # a real load: seen again
     assert (arc.t1, arc.t2) == (keys(0), keys(1))
@@ -192,10 +195,7 @@ def test_a_pin_with_access_false_leaves_the_policy_alone() -> None:
 
 def test_doomed_key_is_deferred_not_skipped_until_its_last_reader_leaves() -> None:
     mgr = OffloadManager("disk", 4)
-    stored(mgr, 0)
-    mgr.prepare_load(keys(0))
-    mgr.prepare_load(keys(0))
-    mgr.complete_load(keys(0), ok=False)  # a bad copy; one reader still pins it
+    doomed(mgr, 0)  # a bad copy; one reader still pins it
     plan = mgr.prepare_store(keys(0))
     assert plan is not None
     assert (plan.keys, plan.skipped, plan.deferred) == ((), (), (key(0),))
@@ -226,4 +226,19 @@ def test_adopt_validates_the_whole_batch_first(found: object, exc: type[Exceptio
     with pytest.raises(exc):
         mgr.adopt(found)  # type: ignore[arg-type]
     assert mgr.table.keys() == keys(9) and mgr.policy.order() == keys(9)
+    mgr.check_integrity()
+
+
+def test_lookup_counts_an_access_only_for_the_usable_leading_hits() -> None:
+    mgr = OffloadManager("host", 4, "arc")
+    arc = mgr.policy
+    assert isinstance(arc, ARCPolicy)
+    stored(mgr, 1, 2)
+    r = mgr.lookup(keys(0, 1))  # 0 misses: nothing of this prefix is usable
+    assert r.results == (M, H) and r.hit_run == 0
+    assert (arc.t1, arc.t2) == (keys(1, 2), [])  # 1 was not used: still seen once
+    assert mgr.lookup(keys(1, 3, 2)).hit_run == 1  # 1 is usable, 2 comes after the gap
+    assert (arc.t1, arc.t2) == (keys(2), keys(1))
+    mgr.lookup(keys(2), access=False)  # asked, not used
+    assert (arc.t1, arc.t2) == (keys(2), keys(1))
     mgr.check_integrity()

@@ -73,7 +73,6 @@ class ManagerMachine(RuleBasedStateMachine):
             e = self.model.get(k)
             if self.hit(k):
                 want.append(ChunkLookup.HIT)
-                self.touch_lru(k)  # a lookup hit is an access
             elif e is not None and e.status is S.STORING:
                 want.append(ChunkLookup.HIT_PENDING)
             else:
@@ -81,6 +80,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert list(r.results) == want
         run = next((i for i, w in enumerate(want) if w is not ChunkLookup.HIT), len(want))
         assert r.hit_run == run
+        for k in ks[:run]:
+            self.touch_lru(k)  # a usable lookup hit is an access; one after the first gap is not
 
     @rule(ks=key_sets)
     def prepare_store(self, ks: list[ChunkKey]) -> None:

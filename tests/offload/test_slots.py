@@ -171,3 +171,19 @@ def test_adopt_batch_is_all_or_nothing() -> None:
     assert (t.slot_of(key(1)), t.slot_of(key(2)), t.status(SlotId(3))) == (3, 1, S.READY)
     assert t.begin_store(keys(4)) == [2]  # the free heap lost exactly the adopted slots
     t.check_integrity()
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_finish_store_moves_only_storing_slots(ok: bool) -> None:
+    """READY is also reached from LOADING (the last unpin) and EMPTY from EVICTING: neither
+    makes a pinned chunk's store "finish" (that would drop its readers' slot or pin)."""
+    t = SlotTable(2)
+    assert t.begin_store(keys(0)) is not None
+    t.finish_store(keys(0), ok=True)
+    t.pin(keys(0))
+    before = snapshot(t)
+    with pytest.raises(IllegalTransitionError, match="loading"):
+        t.finish_store(keys(0), ok=ok)
+    assert snapshot(t) == before
+    t.unpin(keys(0))
+    t.check_integrity()

@@ -186,11 +186,17 @@ class AttentionProblem:
             raise BackendError(
                 f"up_proj (heads, d_nope, d_v) {got} do not match the planned {want}"
             )
-        if up.w_uk.dtype != self.dtype or up.w_uk.device != self.device:
-            raise BackendError(
-                f"up_proj is {up.w_uk.dtype}@{up.w_uk.device}, planned for "
-                f"{self.dtype}@{self.device}"
-            )
+        wrong = _up_proj_placement(up, self.dtype, self.device)
+        if wrong is not None:
+            raise BackendError(f"{wrong}, planned for {self.dtype}@{self.device}")
+
+
+def _up_proj_placement(up: MLAUpProjection, dtype: torch.dtype, device: torch.device) -> str | None:
+    """``None`` when ``up``'s weights have ``dtype`` and ``device``, else what they have (the
+    one check behind building an MLA_MHA problem and running its plan)."""
+    if up.w_uk.dtype == dtype and up.w_uk.device == device:
+        return None
+    return f"up_proj is {up.w_uk.dtype}@{up.w_uk.device}"
 
 
 def _check_heads(name: str, heads: int, expected: int) -> None:
@@ -227,11 +233,9 @@ def mla_problem(
         shape = MLAShape(query.num_heads, cache.kv_lora_rank, cache.rope_dim)
     else:
         _check_heads("up_proj", up.num_heads, query.num_heads)
-        if up.w_uk.dtype != query.dtype or up.w_uk.device != query.device:
-            raise InvalidArgumentError(
-                f"up_proj is {up.w_uk.dtype}@{up.w_uk.device}, query is "
-                f"{query.dtype}@{query.device}"
-            )
+        wrong = _up_proj_placement(up, query.dtype, query.device)
+        if wrong is not None:
+            raise InvalidArgumentError(f"{wrong}, query is {query.dtype}@{query.device}")
         shape = MLAShape(
             query.num_heads, cache.kv_lora_rank, cache.rope_dim, up.qk_nope_dim, up.v_head_dim
         )

@@ -8,9 +8,9 @@ Problems in one bucket are expected to rank backends alike, so one timing serves
 
 :class:`RankingCache` maps a bucket to its ranking (fastest first). With a ``path`` it loads the
 JSON file at start and rewrites it atomically (temp file + rename) after each new ranking; an
-unreadable or foreign file is ignored (and replaced on the next write), never trusted. Keys are
-opaque strings: an entry whose key no bucket produces any more (a file written before a field
-was added to the key) loads but never matches.
+unreadable or foreign file is ignored (and replaced on the next write), never trusted; so is a
+file of another :data:`FORMAT` version, which is bumped whenever the key form changes (a file
+written before a field joined the key holds keys no bucket produces any more).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from pathlib import Path
 from kvplane.attention.metadata import QueryClass
 from kvplane.attention.problem import AttentionProblem, GQAShape, QueryLayout
 
-FORMAT = "kvplane.attention.rankings/1"
+FORMAT = "kvplane.attention.rankings/2"
+"""The file format; bumped whenever :meth:`WorkloadBucket.key` changes (``/2``: the query
+layout joined the key), so a file of older keys is ignored and replaced, not kept forever."""
 
 
 def pow2_bucket(n: int) -> int:

@@ -26,7 +26,7 @@ The timer is injectable (:class:`~kvplane.attention.timing.Timer`: ``timer({name
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from functools import partial
 
 from kvplane.attention.base import (
@@ -54,10 +54,11 @@ def _why(v: Verdict) -> str:
     return "; ".join(v.reasons) if isinstance(v, Unsupported) else "supported"
 
 
-def _merge(timed: Ranking, earlier: Ranking) -> Ranking:
-    """``timed`` plus the entries of ``earlier`` it does not name, fastest first (stable)."""
+def _merge(timed: Ranking, earlier: Ranking, known: Container[str]) -> Ranking:
+    """``timed`` plus the entries of ``earlier`` it does not name and that are still ``known``
+    (backends of the registry: a retired backend's entry is dropped), fastest first (stable)."""
     fresh = {c.name for c in timed}
-    kept = [c for c in earlier if c.name not in fresh]
+    kept = [c for c in earlier if c.name not in fresh and c.name in known]
     return tuple(sorted((*timed, *kept), key=lambda c: c.seconds))
 
 
@@ -136,7 +137,7 @@ class Selector:
         if ranking is None or not names <= {c.name for c in ranking}:
             # _time ranks every viable candidate (or raises), so this bucket is not re-timed
             # for these candidates again.
-            ranking = _merge(self._time(problem, viable), ranking or ())
+            ranking = _merge(self._time(problem, viable), ranking or (), self.registry)
             self.cache.put(bucket, ranking)
         ranked = [c for c in ranking if c.name in names]
         chosen = self.registry.get(ranked[0].name)

@@ -32,6 +32,10 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from collections.abc import Sequence
+from typing import cast
+
+import numpy as np
+import numpy.typing as npt
 
 from kvplane.blocks.free_queue import FreeBlockQueue
 from kvplane.blocks.hashing import check_block_hash
@@ -44,6 +48,12 @@ from kvplane.errors import (
 )
 from kvplane.ids import BlockHash, BlockId
 from kvplane.metrics import MetricsRegistry
+
+_INT = {int}
+
+BlockIdsIn = Sequence[BlockId] | npt.NDArray[np.integer]
+"""Block ids a pool method takes: a sequence of ints or a 1-D integer numpy array (checked in
+C, with no Python loop per block, when the ids are plain ints or such an array)."""
 
 
 class BlockPool:
@@ -147,18 +157,34 @@ class BlockPool:
             )
         return BlockId(idx)
 
-    def _block_ids(self, block_ids: Sequence[BlockId]) -> list[BlockId]:
-        if isinstance(block_ids, (str, bytes, bytearray)):
+    def _block_ids(self, block_ids: BlockIdsIn) -> list[BlockId]:
+        """``block_ids`` as a list of known ids, or :class:`UnknownBlockError` naming the first
+        bad one. A 1-D integer numpy array or a list of plain ints is checked in C (types, then
+        the range by ``min``/``max``), with no Python loop per block; anything else id by id."""
+        items: list[object]
+        if (
+            isinstance(block_ids, np.ndarray)
+            and block_ids.ndim == 1
+            and block_ids.dtype.kind in "iu"
+        ):
+            items = block_ids.tolist()  # plain ints, in C
+        elif isinstance(block_ids, (str, bytes, bytearray)):
             raise InvalidArgumentError(f"block_ids must be a sequence of ints, got {block_ids!r}")
-        try:
-            items = list(block_ids)
-        except TypeError:
-            raise InvalidArgumentError(
-                f"block_ids must be a sequence of ints, got {block_ids!r}"
-            ) from None
+        else:
+            try:
+                items = list(block_ids)
+            except TypeError:
+                raise InvalidArgumentError(
+                    f"block_ids must be a sequence of ints, got {block_ids!r}"
+                ) from None
+        if not items:
+            return []
+        if set(map(type, items)) == _INT:
+            ints = cast(list[BlockId], items)
+            if min(ints) >= 0 and max(ints) < self._num_blocks:
+                return ints
         return [self._block_id(b) for b in items]
 
-    # -- queries ---------------------------------------------------------------------------
     def ref_count(self, block_id: BlockId) -> int:
         return self._ref[self._block_id(block_id)]
 
@@ -222,7 +248,7 @@ class BlockPool:
             self._update_gauges()
         return out
 
-    def free(self, block_ids: Sequence[BlockId]) -> None:
+    def free(self, block_ids: BlockIdsIn) -> None:
         """Drop one reference per listed id (a block listed twice loses two).
 
         Blocks reaching ref count 0 are appended to the free queue's tail in the order they
@@ -245,7 +271,7 @@ class BlockPool:
         if self._metrics is not None:
             self._update_gauges()
 
-    def touch(self, block_ids: Sequence[BlockId]) -> None:
+    def touch(self, block_ids: BlockIdsIn) -> None:
         """Share blocks found by :meth:`lookup` (a prefix-cache hit): ref count += 1 each.
 
         A free block leaves the free queue (it can no longer be evicted). Raises
@@ -261,7 +287,7 @@ class BlockPool:
             self._m_hits.inc(len(ids))
             self._update_gauges()
 
-    def check_touch(self, block_ids: Sequence[BlockId]) -> list[BlockId]:
+    def check_touch(self, block_ids: BlockIdsIn) -> list[BlockId]:
         """Raise what :meth:`touch` would raise for ``block_ids``; changes nothing.
 
         Returns the ids as validated :data:`~kvplane.ids.BlockId` values. Lets a caller check
@@ -269,6 +295,8 @@ class BlockPool:
         """
         ids = self._block_ids(block_ids)
         ref, hashes = self._ref, self._hash
+        if 0 not in map(ref.__getitem__, ids):  # all in use (the common case): scanned in C
+            return ids
         for block in ids:
             if ref[block] == 0 and hashes[block] is None:
                 raise BlockStateError(

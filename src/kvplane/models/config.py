@@ -10,13 +10,12 @@ unsupported (an unknown architecture lists the supported ones). ``to_hf()`` writ
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvplane.errors import CheckpointError
-from kvplane.models.rope import RopeSpec, RopeStyle
+from kvplane.models.rope import RopeSpec, RopeStyle, finite_number
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
 DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
@@ -48,13 +47,8 @@ def _opt_int(d: Mapping[str, Any], key: str) -> int | None:
 def _float(d: Mapping[str, Any], key: str, default: float) -> float:
     """``d[key]`` (or ``default``) as a finite float >= 0; ``CheckpointError`` otherwise."""
     value = d.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise CheckpointError(f"config.json {key!r} must be a finite number >= 0, got {value!r}")
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float range
-        number = math.inf
-    if not math.isfinite(number) or number < 0:
+    number = finite_number(value)
+    if number is None or number < 0:
         raise CheckpointError(f"config.json {key!r} must be a finite number >= 0, got {value!r}")
     return number
 

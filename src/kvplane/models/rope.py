@@ -44,17 +44,27 @@ class RopeStyle(enum.Enum):
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def _num(params: Mapping[str, Any], key: str, default: float | None = None) -> float:
-    """``params[key]`` (or ``default``) as a finite float; ``CheckpointError`` otherwise."""
-    value = params.get(key, default)
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise CheckpointError(f"rope parameter {key!r} must be a number, got {value!r}")
+def finite_number(value: object) -> float | None:
+    """``value`` as a finite float, or ``None`` when it is not a number (``None``, a bool, a
+    string...) or not finite (NaN, an infinity, or an int beyond float range). The one check
+    behind every number read from a ``config.json`` (:mod:`kvplane.models.config` uses it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
     try:
         number = float(value)
     except OverflowError:  # an int beyond float range
-        number = math.inf
-    if not math.isfinite(number):
-        raise CheckpointError(f"rope parameter {key!r} must be finite, got {value!r}")
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _num(params: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    """``params[key]`` (or ``default``) as a finite float; ``CheckpointError`` otherwise."""
+    value = params.get(key, default)
+    number = finite_number(value)
+    if number is None:
+        number_type = not isinstance(value, bool) and isinstance(value, (int, float))
+        what = "finite" if number_type else "a number"
+        raise CheckpointError(f"rope parameter {key!r} must be {what}, got {value!r}")
     return number
 
 
@@ -105,10 +115,10 @@ class RopeSpec:
             "yarn": ("factor", "original_max_position_embeddings"),
         }[self.rope_type]  # fmt: skip
         have = dict(self.params)
+        _check_params(have)  # first: a bad value explains a missing derived one (yarn factor)
         missing = [k for k in needed if k not in have]
         if missing:
             raise CheckpointError(f"rope type {self.rope_type!r} needs parameters {missing}")
-        _check_params(have)
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], max_position_embeddings: int) -> RopeSpec:
@@ -139,14 +149,10 @@ class RopeSpec:
                 params[key] = _num(raw, key)
         if "truncate" in raw:
             params["truncate"] = float(bool(raw["truncate"]))
-        _check_params(params)  # before the yarn division below
-        if (
-            rope_type == "yarn"
-            and "factor" not in params
-            and "original_max_position_embeddings" in params
-        ):
-            params["factor"] = max_position_embeddings / params["original_max_position_embeddings"]
-        return cls(theta, rope_type, tuple(sorted(params.items())))
+        old = params.get("original_max_position_embeddings")
+        if rope_type == "yarn" and "factor" not in params and old is not None and old >= 1:
+            params["factor"] = max_position_embeddings / old  # (old < 1: __post_init__ refuses)
+        return cls(theta, rope_type, tuple(sorted(params.items())))  # checks params once
 
     def to_hf(self) -> dict[str, Any]:
         """The ``rope_parameters`` object of an HF ``config.json``."""

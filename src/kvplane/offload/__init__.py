@@ -2,19 +2,20 @@
 eviction policies, admission, transfer jobs and the device fence."""
 
 from kvplane.offload.admission import AdmissionFilter
-from kvplane.offload.cascade import (
-    CascadeDone,
-    CascadeLookup,
-    LoadDone,
-    LoadTicket,
-    StoreDone,
-    TierCascade,
-    build_cascade,
-)
+from kvplane.offload.cascade import TierCascade, build_cascade
 from kvplane.offload.config import OffloadConfig
 from kvplane.offload.copier import ChunkCopier
+from kvplane.offload.events import CascadeDone, LoadDone, LoadTicket, StoreDone
 from kvplane.offload.jobs import BlockFence, JobResult, JobRunner, TransferJob
-from kvplane.offload.manager import ChunkLookup, LoadPlan, LookupResult, OffloadManager, StorePlan
+from kvplane.offload.manager import (
+    CascadeLookup,
+    ChunkLookup,
+    LoadPlan,
+    LookupResult,
+    OffloadManager,
+    StorePlan,
+    lookup_tiers,
+)
 from kvplane.offload.slots import SlotStatus, SlotTable
 
 __all__ = [
@@ -39,4 +40,5 @@ __all__ = [
     "TierCascade",
     "TransferJob",
     "build_cascade",
+    "lookup_tiers",
 ]

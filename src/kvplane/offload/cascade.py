@@ -9,6 +9,9 @@ Theory of operation
   submits a ``device_to_host`` gather. When it completes the chunks are published in host and
   *cascade*: for each lower tier that admits them, the host copies are pinned (LOADING) and a
   ``host_to_<tier>`` job writes them down; completion publishes them there and unpins host.
+  A chunk whose copy in that tier is doomed (read back bad while other readers pin it; see
+  :class:`~kvplane.offload.manager.StorePlan`'s ``deferred``) is written down by the first
+  :meth:`~TierCascade.poll`/:meth:`~TierCascade.wait` after that copy is dropped.
 - :meth:`~TierCascade.load` takes the longest prefix of the asked keys that some tier holds
   READY. Host hits are pinned first (so nothing below can evict them), then chunks only found
   lower get host slots (promotion, past admission) and a ``<tier>_to_host`` read; each verified
@@ -41,6 +44,7 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.offload.admission import AdmissionFilter
 from kvplane.offload.config import OffloadConfig
 from kvplane.offload.copier import ChunkCopier
+from kvplane.offload.events import CascadeDone, Event, LoadDone, LoadTicket, StoreDone
 from kvplane.offload.jobs import (
     BlockFence,
     BlockIds,
@@ -50,66 +54,11 @@ from kvplane.offload.jobs import (
     Work,
     check_block_ids,
 )
-from kvplane.offload.manager import ChunkLookup, OffloadManager
+from kvplane.offload.manager import CascadeLookup, OffloadManager, lookup_tiers
 from kvplane.offload.slots import SlotStatus, check_chunk_keys
 from kvplane.offload.tiers.base import ReadOutcome, Tier
 from kvplane.offload.tiers.host import HostTier
 from kvplane.offload.tiers.registry import open_lower_tiers
-
-
-@dataclass(frozen=True, slots=True)
-class CascadeLookup:
-    """``where[i]``: the fastest tier holding key ``i`` READY (``None``: miss); ``pending[i]``:
-    a store of it is in flight and no tier has it yet; ``hit_run``: leading hits."""
-
-    where: tuple[str | None, ...]
-    pending: tuple[bool, ...]
-    hit_run: int
-
-
-@dataclass(frozen=True, slots=True)
-class LoadTicket:
-    """A submitted load: ``keys`` (the loadable prefix of the request) and where each is from."""
-
-    ticket_id: int
-    keys: tuple[ChunkKey, ...]
-    sources: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StoreDone:
-    """A ``device_to_host`` job finished; its device blocks are no longer fenced."""
-
-    job_id: JobId
-    keys: tuple[ChunkKey, ...]
-    ok: tuple[bool, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CascadeDone:
-    """A ``host_to_<tier>`` job finished."""
-
-    job_id: JobId
-    tier: str
-    keys: tuple[ChunkKey, ...]
-    ok: tuple[bool, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class LoadDone:
-    """Every chunk of a :class:`LoadTicket` is in its device blocks (``ok``) or failed."""
-
-    ticket_id: int
-    keys: tuple[ChunkKey, ...]
-    ok: tuple[bool, ...]
-
-    @property
-    def usable(self) -> int:
-        """Leading chunks whose KV is in place: a prefix is usable only up to its first gap."""
-        return next((i for i, f in enumerate(self.ok) if not f), len(self.ok))
-
-
-Event = StoreDone | CascadeDone | LoadDone
 
 
 class _Kind(enum.Enum):
@@ -167,6 +116,8 @@ class TierCascade:
         self._pending: dict[JobId, _Pending] = {}
         self._tickets: dict[int, _Ticket] = {}
         self._carried: list[Event] = []  # events of a poll/wait that raised, for the next one
+        # per lower tier, keys whose write-down waits for a doomed copy there to be dropped
+        self._deferred: dict[str, dict[ChunkKey, None]] = {t.name: {} for t, _m in self.lower}
         self._ticket_ids = itertools.count(1)
         self._bpc = copier.blocks_per_chunk
 
@@ -175,19 +126,10 @@ class TierCascade:
         return [self.host_manager, *(mgr for _t, mgr in self.lower)]
 
     def lookup(self, keys: Sequence[ChunkKey]) -> CascadeLookup:
-        """Ask every tier (each counts the lookup toward its admission filter)."""
-        ks = check_chunk_keys(keys)
-        answers = [(mgr.tier, mgr.lookup(ks).results) for mgr in self.managers()]
-        where: list[str | None] = []
-        pending: list[bool] = []
-        for i in range(len(ks)):
-            hit = next((name for name, res in answers if res[i] is ChunkLookup.HIT), None)
-            where.append(hit)
-            pending.append(
-                hit is None and any(res[i] is ChunkLookup.HIT_PENDING for _n, res in answers)
-            )
-        run = next((i for i, w in enumerate(where) if w is None), len(where))
-        return CascadeLookup(tuple(where), tuple(pending), run)
+        """Ask every tier (each counts the lookup toward its admission filter); each key of
+        the leading hit run is an access only in ``where[i]``, the tier a load reads it from
+        (:func:`~kvplane.offload.manager.lookup_tiers`)."""
+        return lookup_tiers(self.managers(), keys)
 
     def _blocks(self, block_ids: BlockIds, n_keys: int) -> npt.NDArray[np.int64]:
         """``block_ids`` as an ``[n_keys, bpc]`` array after checking type (a 1-D integer
@@ -207,10 +149,13 @@ class TierCascade:
         """Offload chunks ``keys`` held in device blocks ``block_ids`` (chunk-major).
 
         Returns the ``device_to_host`` job, or ``None`` when nothing was submitted (all held,
-        not admitted, or no host room even after eviction). The blocks of submitted chunks are
-        fenced until the job's :class:`StoreDone`. Every block of ``block_ids`` must be one the
-        fence accepts (with a pool: in use, or free and cached), checked with the keys and ids
-        before anything changes, so a raising call evicts nothing.
+        not admitted, or no host room even after eviction). A chunk whose host copy is doomed
+        (read back bad while another load still pins it) is not stored now: its bytes are the
+        caller's, so the caller stores it again once the loads reading it have their
+        :class:`LoadDone` (it is a MISS in :meth:`lookup` until then). The blocks of submitted
+        chunks are fenced until the job's :class:`StoreDone`. Every block of ``block_ids`` must
+        be one the fence accepts (with a pool: in use, or free and cached), checked with the
+        keys and ids before anything changes, so a raising call evicts nothing.
         """
         ks = check_chunk_keys(keys)
         ids = self._blocks(block_ids, len(ks))
@@ -236,21 +181,43 @@ class TierCascade:
         return job.job_id
 
     def _cascade(self, keys: Sequence[ChunkKey]) -> None:
-        for tier, mgr in self.lower:
-            plan = mgr.prepare_store(keys) if keys else None
-            if plan is None or not plan.keys:
-                continue
-            # the write-down's own pin is no use of the chunk: ARC must keep it in T1
-            pinned = self.host_manager.prepare_load(plan.keys, access=False)
-            payloads = [self.host.slot(s) for s in pinned.slots]
-            job = self.jobs.new_job(plan.keys, "host", tier.name)
+        if keys:
+            for tier, mgr in self.lower:
+                self._write_down(tier, mgr, keys)
 
-            self._submit(
-                job.job_id,
-                _Pending(_Kind.CASCADE, tier.name, plan.keys),
-                job,
-                _writer(tier, plan.slots, plan.keys, payloads),
-            )
+    def _write_down(self, tier: Tier, mgr: OffloadManager, keys: Sequence[ChunkKey]) -> None:
+        """Write host-resident ``keys`` down to ``tier`` (those it admits and lacks). A key whose
+        copy there is doomed (a bad read that readers still pin) is remembered and written
+        down once that copy is gone (:meth:`_retry_deferred`)."""
+        plan = mgr.prepare_store(keys)
+        if plan is None:
+            return
+        self._deferred[tier.name].update(dict.fromkeys(plan.deferred))
+        if not plan.keys:
+            return
+        pinned = self.host_manager.pin_for_copy(plan.keys)  # no use: ARC keeps it in T1
+        payloads = [self.host.slot(s) for s in pinned.slots]
+        job = self.jobs.new_job(plan.keys, "host", tier.name)
+        self._submit(
+            job.job_id,
+            _Pending(_Kind.CASCADE, tier.name, plan.keys),
+            job,
+            _writer(tier, plan.slots, plan.keys, payloads),
+        )
+
+    def _retry_deferred(self) -> None:
+        """Write down the deferred keys whose doomed lower-tier copy has been dropped (its last
+        reader unpinned) while host still holds a good copy; forget those host lost."""
+        for tier, mgr in self.lower:
+            waiting = self._deferred[tier.name]
+            gone = [k for k in waiting if mgr.status(k) is SlotStatus.EMPTY]
+            if not gone:
+                continue
+            for key in gone:
+                del waiting[key]
+            ready = [k for k in gone if self.host_manager.is_hit(k)]
+            if ready:
+                self._write_down(tier, mgr, ready)
 
     # -- load ------------------------------------------------------------------------------
     def _source(self, key: ChunkKey) -> str | None:
@@ -357,7 +324,7 @@ class TierCascade:
             good = [k for k, f in zip(p.keys, ok, strict=True) if f]
             ticket.ok.update((k, False) for k, f in zip(p.keys, ok, strict=True) if not f)
             if good:  # the load was the access (counted in the lower tier); insert is enough
-                self.host_manager.prepare_load(good, access=False)
+                self.host_manager.pin_for_copy(good)
                 self._to_device(p.ticket, good)
         else:
             self.host_manager.complete_load(p.keys)
@@ -379,6 +346,11 @@ class TierCascade:
             except Exception as exc:  # each result must be applied, whatever the others do
                 if error is None:
                     error = exc
+        try:
+            self._retry_deferred()
+        except Exception as exc:
+            if error is None:
+                error = exc
         if error is not None:
             self._carried = events
             raise error
@@ -403,14 +375,24 @@ class TierCascade:
         return self._apply_all(self.jobs.wait(timeout))
 
     def drain(self, timeout: float = 60.0) -> list[Event]:
-        """Apply results until no job is in flight (follow-up jobs included)."""
+        """Apply results until no job is in flight (follow-up jobs included).
+
+        If applying a result raises (or the timeout passes), the events gathered so far are
+        not lost: they are kept, before those of the raising call, for the next
+        :meth:`poll`/:meth:`wait`/:meth:`drain`, and the error propagates.
+        """
         deadline = time.monotonic() + timeout
-        events = self.poll()  # pending events of an earlier raising call, and finished jobs
-        while self.jobs.in_flight:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise OffloadError(f"{self.jobs.in_flight} offload job(s) still running")
-            events += self.wait(left)
+        events: list[Event] = []
+        try:
+            events += self.poll()  # pending events of an earlier raising call, finished jobs
+            while self.jobs.in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise OffloadError(f"{self.jobs.in_flight} offload job(s) still running")
+                events += self.wait(left)
+        except BaseException:
+            self._carried = events + self._carried
+            raise
         return events
 
     def close(self) -> None:

@@ -33,14 +33,13 @@ import numpy as np
 import numpy.typing as npt
 
 from kvplane.blocks import BlockPool
+from kvplane.blocks.hashing import BOOL_TYPES
 from kvplane.errors import InvalidArgumentError, OffloadError
 from kvplane.ids import BlockId, ChunkKey, JobId
 from kvplane.metrics import COUNT_BUCKETS, MetricsRegistry
 
 BlockIds = Sequence[BlockId] | npt.NDArray[np.int64]
 """Device block ids as a sequence or a 1-D int64 array (the hot paths pass arrays)."""
-
-_BOOLS = frozenset({bool, np.bool_})
 
 
 def check_block_ids(
@@ -52,14 +51,16 @@ def check_block_ids(
     or a CPU torch tensor); refuses floats, bools, strings, ``None``, scalars, nested or
     multi-dimensional input (nothing is truncated or coerced). With ``num_blocks`` every id must
     also lie in ``0..num_blocks-1``. The one check behind every block-id argument of the
-    offload package (cascade, copier, fence); vectorised, no Python loop per block.
+    offload package (cascade, copier, fence); vectorised, no Python loop per block. An array
+    costs a few microseconds; a Python sequence also one C-level pass over its items' types
+    (bools hide among ints otherwise), about 0.25 ms for 8k ids: pass arrays on hot paths.
     """
     if isinstance(block_ids, (str, bytes, bytearray)) or block_ids is None:
         raise InvalidArgumentError(f"{what} must be a 1-D sequence of ints, got {block_ids!r:.80}")
     if isinstance(block_ids, Sequence):  # not an array: look at the items' types
         if not block_ids:
             return np.zeros(0, dtype=np.int64)
-        if not _BOOLS.isdisjoint(map(type, block_ids)):  # [1, True] would become int64 [1, 1]
+        if not BOOL_TYPES.isdisjoint(map(type, block_ids)):  # [1, True] would become int64 [1, 1]
             raise InvalidArgumentError(f"{what} must be ints, not bools: {block_ids!r:.80}")
     try:
         arr = np.asarray(block_ids)
@@ -258,7 +259,7 @@ class BlockFence:
             raise InvalidArgumentError(f"job {job_id} already holds a fence")
         blocks = check_block_ids(block_ids)
         if self.pool is not None:
-            self.pool.touch(blocks.tolist())
+            self.pool.touch(blocks)
         self._held[job_id] = blocks
 
     def check(self, block_ids: BlockIds) -> None:
@@ -266,7 +267,7 @@ class BlockFence:
         or free uncached block); changes nothing. Lets a caller validate before other work."""
         blocks = check_block_ids(block_ids)
         if self.pool is not None:
-            self.pool.check_touch(blocks.tolist())
+            self.pool.check_touch(blocks)
 
     def release(self, job_id: JobId) -> None:
         """Lift ``job_id``'s fence (drop its pool references); ``InvalidArgumentError`` if none.
@@ -279,7 +280,7 @@ class BlockFence:
         if blocks is None:
             raise InvalidArgumentError(f"job {job_id} holds no fence")
         if self.pool is not None:
-            self.pool.free(blocks[::-1].tolist())
+            self.pool.free(blocks[::-1])
         del self._held[job_id]
 
     def fenced_blocks(self) -> frozenset[BlockId]:

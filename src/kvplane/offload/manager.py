@@ -9,7 +9,8 @@ the owner thread reports back. The protocol, per batch of chunk keys:
 - :meth:`~OffloadManager.lookup` -> per key MISS / HIT (READY or LOADING) / HIT_PENDING
   (STORING: a write is in flight), plus the longest consecutive HIT run from the start (a KV
   prefix is usable only up to its first gap). Each lookup counts toward admission, and each
-  HIT is an access for the eviction policy.
+  HIT of that leading run is an access for the eviction policy. :func:`lookup_tiers` asks
+  several tiers at once and counts each key's access only in the tier a load reads it from.
 - :meth:`~OffloadManager.prepare_store` -> a :class:`StorePlan` (keys to write and their slots,
   now STORING) or ``None`` when there is not room even after eviction. Keys already held are
   skipped, keys the admission filter refuses are rejected, doomed keys (below) are deferred.
@@ -18,13 +19,17 @@ the owner thread reports back. The protocol, per batch of chunk keys:
   changes.
 - :meth:`~OffloadManager.complete_store` -> STORING becomes READY (and enters the policy), or,
   for a failed store, EMPTY again: the slot is free and the chunk is a MISS.
-- :meth:`~OffloadManager.prepare_load` pins (READY -> LOADING, one more reader);
-  :meth:`~OffloadManager.complete_load` unpins. A reader that found the bytes bad (checksum,
-  lost server) reports ``ok=False``: the chunk is *doomed* (lookups say MISS, no new reader may
-  pin it) and dropped when its last reader unpins, so it is never served again. Its slot is
-  busy until then, so :meth:`~OffloadManager.prepare_store` cannot store a fresh copy yet: it
-  lists the key in :attr:`StorePlan.deferred` (not ``skipped``: the tier does not hold it in
-  any usable way), and once the last reader is done the key is EMPTY and stores normally.
+- :meth:`~OffloadManager.prepare_load` pins (READY -> LOADING, one more reader) and counts an
+  access; :meth:`~OffloadManager.pin_for_copy` pins without one (a copy to another tier is no
+  use of the chunk); :meth:`~OffloadManager.complete_load` unpins. A reader that found the
+  bytes bad (checksum, lost server) reports ``ok=False``: the chunk is *doomed* (lookups say
+  MISS, no new reader may pin it) and dropped when its last reader unpins, so it is never
+  served again. Its slot is busy until then, so :meth:`~OffloadManager.prepare_store` cannot
+  store a fresh copy yet: it lists the key in :attr:`StorePlan.deferred` (not ``skipped``: the
+  tier does not hold it in any usable way), and once the last reader is done the key is EMPTY
+  and stores normally. Who stores it then is the caller's part: the tier cascade writes a
+  deferred write-down again itself; the vLLM book reports deferred host stores so the
+  scheduler offers them again on the request's next step.
 
 Every method validates its whole batch before changing anything; a raising call changes
 nothing. Not thread-safe: jobs run on worker threads, but only the owner thread calls this.
@@ -63,13 +68,24 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class CascadeLookup:
+    """``where[i]``: the fastest tier holding key ``i`` READY (``None``: miss); ``pending[i]``:
+    a store of it is in flight and no tier has it yet; ``hit_run``: leading hits."""
+
+    where: tuple[str | None, ...]
+    pending: tuple[bool, ...]
+    hit_run: int
+
+
+@dataclass(frozen=True, slots=True)
 class StorePlan:
     """What :meth:`OffloadManager.prepare_store` reserved: write ``keys[i]`` into ``slots[i]``.
 
     ``evicted`` (with ``evicted_slots``) were dropped to make room; ``skipped`` were already
     held (any status but doomed); ``rejected`` were refused by the admission filter;
     ``deferred`` are doomed (a bad copy that readers still pin): not stored now, and storable
-    again as soon as their last reader has unpinned, so the caller should store them later.
+    again as soon as their last reader has unpinned, so the caller must store them again then
+    (:class:`~kvplane.offload.cascade.TierCascade` does so for its write-downs).
     """
 
     keys: tuple[ChunkKey, ...]
@@ -151,27 +167,32 @@ class OffloadManager:
         st = self.table.status_of(key)
         return (st is SlotStatus.READY or st is SlotStatus.LOADING) and key not in self._doomed
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
+    def lookup(self, keys: Sequence[ChunkKey], *, access: bool = True) -> LookupResult:
         """Per-key MISS/HIT/HIT_PENDING and the leading runs; counts toward admission.
 
-        Every HIT is an access for the eviction policy (in input order, like
-        :meth:`prepare_load`), so a chunk found by lookup is recently used.
+        Each key of the leading HIT run (``keys[:hit_run]``: the usable prefix) is an access
+        for the eviction policy, in input order like :meth:`prepare_load`, so a chunk found by
+        lookup is recently used; a HIT after the first gap is not (no load of this prefix can
+        use it). ``access=False`` counts no access: :func:`lookup_tiers` asks every tier so,
+        then touches each key only in the tier a load reads it from.
         """
         ks = check_chunk_keys(keys)
         self.admission.record(ks)
-        table, doomed, access = self.table, self._doomed, self.policy.access
+        table, doomed = self.table, self._doomed
         out: list[ChunkLookup] = []
         for key in ks:
             st = table.status_of(key)
             if st is SlotStatus.READY or (st is SlotStatus.LOADING and key not in doomed):
                 out.append(ChunkLookup.HIT)
-                access(key)
             elif st is SlotStatus.STORING:
                 out.append(ChunkLookup.HIT_PENDING)
             else:
                 out.append(ChunkLookup.MISS)
         hit_run = _leading(out, (ChunkLookup.HIT,))
         pending_run = _leading(out, (ChunkLookup.HIT, ChunkLookup.HIT_PENDING))
+        if access:
+            for key in ks[:hit_run]:
+                self.policy.access(key)
         if self._metrics is not None:
             self._m_queries.inc(len(ks))
             self._m_hits.inc(sum(r is ChunkLookup.HIT for r in out))
@@ -255,16 +276,31 @@ class OffloadManager:
             self._m_usage.set(self.table.num_used / self.table.num_slots)
 
     # -- loads -----------------------------------------------------------------------------
-    def prepare_load(self, keys: Sequence[ChunkKey], *, access: bool = True) -> LoadPlan:
+    def prepare_load(self, keys: Sequence[ChunkKey]) -> LoadPlan:
         """Pin READY/LOADING chunks for reading (one more reader each) and count them as hits.
 
-        ``access=False`` is for a pin that is not a use of the chunk (the cascade copying it
-        to a lower tier, or scattering a chunk just promoted): the policy is not told, so
-        e.g. ARC keeps a chunk stored once in T1. Raises ``UnknownChunkError`` for a key not
-        held, ``IllegalTransitionError`` for one that is STORING (not yet published) or
-        doomed, before changing anything.
+        Each key is an access for the eviction policy, in input order. Raises
+        ``UnknownChunkError`` for a key not held, ``IllegalTransitionError`` for one that is
+        STORING (not yet published) or doomed, before changing anything.
         """
         ks = check_chunk_keys(keys)
+        plan = self._pin(ks)
+        for key in ks:
+            self.policy.access(key)
+        return plan
+
+    def pin_for_copy(self, keys: Sequence[ChunkKey]) -> LoadPlan:
+        """Pin chunks as :meth:`prepare_load` does, but as no use of them: the policy is not
+        told, so e.g. ARC keeps a chunk stored once in T1.
+
+        The one step for a pin that only copies the chunk on (the tier cascade, or the vLLM
+        book, writing it down to a lower tier; a chunk just promoted being scattered): every
+        write-down and promotion pin goes through here. Unpin with :meth:`complete_load`.
+        Raises as :meth:`prepare_load`.
+        """
+        return self._pin(check_chunk_keys(keys))
+
+    def _pin(self, ks: list[ChunkKey]) -> LoadPlan:
         for key in ks:
             st = self.table.status_of(key)
             if self.table.slot_of(key) is None:
@@ -274,11 +310,7 @@ class OffloadManager:
                     f"tier {self.tier!r}: cannot load chunk {key.hex()} while {st.value}"
                     + (" (doomed after a bad read)" if key in self._doomed else "")
                 )
-        slots = self.table.pin(ks)
-        if access:
-            for key in ks:
-                self.policy.access(key)
-        return LoadPlan(tuple(ks), tuple(slots))
+        return LoadPlan(tuple(ks), tuple(self.table.pin(ks)))
 
     def complete_load(self, keys: Sequence[ChunkKey], ok: bool | Sequence[bool] = True) -> None:
         """Unpin; a key read with ``ok`` false is dropped once its last reader is done."""
@@ -356,6 +388,30 @@ class OffloadManager:
         loading = self.table.keys_in(SlotStatus.LOADING)
         if not self._doomed <= loading:
             raise IllegalTransitionError(f"tier {self.tier!r}: a doomed chunk is not pinned")
+
+
+def lookup_tiers(managers: Sequence[OffloadManager], keys: Sequence[ChunkKey]) -> CascadeLookup:
+    """Ask every tier of ``managers`` (fastest first) about ``keys``: each counts the lookup
+    toward its admission filter, and each key of the leading hit run is one access, in the
+    fastest tier holding it (where its load reads it), none in the others. Validates the
+    keys before any tier counts anything."""
+    ks = check_chunk_keys(keys)
+    answers = [(mgr, mgr.lookup(ks, access=False).results) for mgr in managers]
+    where: list[str | None] = []
+    pending: list[bool] = []
+    found: list[OffloadManager | None] = []
+    for i in range(len(ks)):
+        hit = next((mgr for mgr, res in answers if res[i] is ChunkLookup.HIT), None)
+        found.append(hit)
+        where.append(None if hit is None else hit.tier)
+        pending.append(
+            hit is None and any(res[i] is ChunkLookup.HIT_PENDING for _m, res in answers)
+        )
+    run = next((i for i, w in enumerate(where) if w is None), len(where))
+    for key, mgr in zip(ks[:run], found[:run], strict=True):
+        if mgr is not None:
+            mgr.policy.access(key)
+    return CascadeLookup(tuple(where), tuple(pending), run)
 
 
 def _leading(results: Sequence[ChunkLookup], accept: tuple[ChunkLookup, ...]) -> int:

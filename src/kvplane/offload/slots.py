@@ -67,6 +67,8 @@ _SOURCES: dict[SlotStatus, frozenset[SlotStatus]] = {
     to: frozenset(a for a, b in TRANSITIONS if b is to) for to in SlotStatus
 }
 """Per target status, the statuses that may move to it (one set lookup per checked slot)."""
+_STORING = frozenset({S.STORING})
+_LOADING = frozenset({S.LOADING})
 
 
 def check_chunk_key(key: object) -> ChunkKey:
@@ -167,15 +169,27 @@ class SlotTable:
             )
         return slot
 
-    def _held(self, keys: Sequence[ChunkKey], to: SlotStatus) -> list[SlotId]:
-        """Slots of ``keys`` after checking each is held and may move to ``to``."""
+    def _held(
+        self, keys: Sequence[ChunkKey], to: SlotStatus, sources: frozenset[SlotStatus] | None = None
+    ) -> list[SlotId]:
+        """The entry check of every batch move of held keys: no key listed twice
+        (``InvalidArgumentError``), each held (``UnknownChunkError``) and in one of ``sources``
+        (default: the statuses that may move to ``to``; ``IllegalTransitionError``). Returns
+        their slots; changes nothing."""
+        reject_duplicates(keys)
         slots: list[SlotId] = []
-        sources, slot_of, status = _SOURCES[to], self._slot_of, self._status
+        slot_of, status = self._slot_of, self._status
+        allowed = _SOURCES[to] if sources is None else sources
         for key in keys:
             slot = slot_of.get(key)
             if slot is None:
                 raise UnknownChunkError(f"chunk {key.hex()} is not held by tier {self.name!r}")
-            if status[slot] not in sources:
+            if status[slot] not in allowed:
+                if sources is not None:
+                    raise IllegalTransitionError(
+                        f"tier {self.name!r} slot {slot} (chunk {key.hex()}) is "
+                        f"{status[slot].value}, not one of {sorted(s.value for s in sources)}"
+                    )
                 self._check_transition(slot, to)  # raises, naming the slot and the move
             slots.append(slot)
         return slots
@@ -225,9 +239,8 @@ class SlotTable:
 
     def finish_store(self, keys: Sequence[ChunkKey], ok: bool) -> list[SlotId]:
         """STORING -> READY (``ok``) or STORING -> EMPTY (failed store frees the slot)."""
-        reject_duplicates(keys)
         to = S.READY if ok else S.EMPTY
-        slots = self._held(keys, to)
+        slots = self._held(keys, to, _STORING)
         for key, slot in zip(keys, slots, strict=True):
             if ok:
                 self._status[slot] = S.READY
@@ -237,15 +250,7 @@ class SlotTable:
 
     def pin(self, keys: Sequence[ChunkKey]) -> list[SlotId]:
         """READY -> LOADING, or one more reader on a LOADING slot (each key listed once)."""
-        reject_duplicates(keys)
-        slots: list[SlotId] = []
-        for key in keys:
-            slot = self._slot_of.get(key)
-            if slot is None:
-                raise UnknownChunkError(f"chunk {key.hex()} is not held by tier {self.name!r}")
-            if self._status[slot] not in (S.READY, S.LOADING):
-                self._check_transition(slot, S.LOADING)
-            slots.append(slot)
+        slots = self._held(keys, S.LOADING)
         for slot in slots:
             self._status[slot] = S.LOADING
             self._readers[slot] += 1
@@ -256,18 +261,7 @@ class SlotTable:
 
         Each key listed once (``InvalidArgumentError`` otherwise, before any change).
         """
-        reject_duplicates(keys)
-        slots: list[SlotId] = []
-        for key in keys:
-            slot = self._slot_of.get(key)
-            if slot is None:
-                raise UnknownChunkError(f"chunk {key.hex()} is not held by tier {self.name!r}")
-            if self._status[slot] is not S.LOADING:
-                raise IllegalTransitionError(
-                    f"tier {self.name!r} slot {slot} (chunk {key.hex()}) is "
-                    f"{self._status[slot].value}: no reader to unpin"
-                )
-            slots.append(slot)
+        slots = self._held(keys, S.READY, _LOADING)
         for slot in slots:
             self._readers[slot] -= 1
             if self._readers[slot] == 0:
@@ -276,7 +270,6 @@ class SlotTable:
 
     def evict(self, keys: Sequence[ChunkKey]) -> list[SlotId]:
         """READY -> EVICTING -> EMPTY for each key (a pinned or storing chunk cannot go)."""
-        reject_duplicates(keys)
         slots = self._held(keys, S.EVICTING)
         for key, slot in zip(keys, slots, strict=True):
             self._status[slot] = S.EVICTING  # EVICTING -> EMPTY is always legal

@@ -35,17 +35,23 @@ from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.messages import Promotion, TierIndex, TierWrite
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.admission import AdmissionFilter
-from kvplane.offload.manager import OffloadManager
+from kvplane.offload.manager import OffloadManager, lookup_tiers
 from kvplane.offload.slots import SlotStatus, check_chunk_keys
 
 
 @dataclass(frozen=True, slots=True)
 class StoreReservation:
-    """Slots reserved for a store: host ``slots[i]`` for ``keys[i]``, plus lower-tier writes."""
+    """Slots reserved for a store: host ``slots[i]`` for ``keys[i]``, plus lower-tier writes.
+
+    ``deferred``: asked keys whose host copy is doomed (read back bad, other readers still pin
+    it) and so not stored now; they are storable once those readers are done, so the caller
+    should offer them again later (the scheduler does on the request's next step).
+    """
 
     keys: tuple[ChunkKey, ...]
     slots: tuple[int, ...]
     writes: tuple[TierWrite, ...]
+    deferred: tuple[ChunkKey, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,15 +109,17 @@ class TierBook:
 
     # -- admission -----------------------------------------------------------------------------
     def record_lookup(self, keys: Sequence[ChunkKey]) -> None:
-        """Count one lookup of ``keys`` in every tier (admission and hit metrics)."""
-        for mgr in self.managers():
-            mgr.lookup(keys)
+        """Count one lookup of ``keys`` in every tier (admission and hit metrics); each key of
+        the leading hit run is an access only in the fastest tier holding it
+        (:func:`~kvplane.offload.manager.lookup_tiers`, as the cascade counts)."""
+        lookup_tiers(self.managers(), keys)
 
     # -- stores --------------------------------------------------------------------------------
     def reserve_store(self, keys: Sequence[ChunkKey]) -> StoreReservation | None:
         """Reserve host slots for the keys host does not hold yet, and lower-tier slots for
         those each lower tier admits and lacks. ``None`` when host has no room (nothing
-        changed); an empty reservation when host holds or refuses them all."""
+        changed); an empty reservation when host holds or refuses them all. Keys whose host
+        copy is doomed come back as ``deferred`` (see :class:`StoreReservation`)."""
         ks = check_chunk_keys(keys)
         plan = self.host.prepare_store(ks)
         if plan is None:
@@ -125,7 +133,7 @@ class TierBook:
                     writes.append(
                         TierWrite(name, tuple(pos[k] for k in down.keys), tuple(down.slots))
                     )
-        return StoreReservation(tuple(plan.keys), tuple(plan.slots), tuple(writes))
+        return StoreReservation(tuple(plan.keys), tuple(plan.slots), tuple(writes), plan.deferred)
 
     def gathered(
         self, keys: Sequence[ChunkKey], writes: Sequence[TierWrite], ok: Sequence[bool]
@@ -137,8 +145,8 @@ class TierBook:
         self.host.complete_store(ks, list(ok))
         for write in writes:
             good = [ks[i] for i in write.indices if ok[i]]
-            if good:
-                self.host.prepare_load(good)
+            if good:  # the write-through's own pin is no use of the chunk (ARC keeps it in T1)
+                self.host.pin_for_copy(good)
 
     def written(
         self,

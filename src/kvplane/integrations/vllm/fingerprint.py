@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -56,25 +57,69 @@ def config_stamp(model_config: Any) -> str:
     Its ``hf_config`` serialised in full with sorted keys (``to_json_string(use_diff=False)``
     where the object has it, else its ``repr``), ``revision``, ``quantization`` and
     ``hf_overrides``; a missing attribute reads as ``None``. Equal configs give equal stamps in
-    every process (no ids or addresses enter it)."""
+    every process: no ids or addresses enter it. A callable (vLLM accepts a function as
+    ``hf_overrides``; its effect is already in the resolved ``hf_config``) stamps as its
+    ``module.qualname``. Raises ``InvalidArgumentError`` for a value that is neither plain data
+    nor callable and whose ``repr`` names a memory address (``<... at 0x...>``, the default
+    ``object.__repr__``): it would give every process a different stamp, so every restart
+    would derive new chunk keys and never hit a stored chunk.
+    """
     hf = getattr(model_config, "hf_config", None)
     to_json = getattr(hf, "to_json_string", None)
-    hf_text = to_json(use_diff=False) if callable(to_json) else repr(hf)
+    hf_text = to_json(use_diff=False) if callable(to_json) else _stable_repr(hf, "hf_config")
     parts = [
         f"hf_config={hf_text}",
-        f"revision={getattr(model_config, 'revision', None)!r}",
-        f"quantization={getattr(model_config, 'quantization', None)!r}",
+        f"revision={_stable_repr(getattr(model_config, 'revision', None), 'revision')}",
+        f"quantization={_stable_repr(getattr(model_config, 'quantization', None), 'quantization')}",
         f"hf_overrides={_canonical(getattr(model_config, 'hf_overrides', None))}",
     ]
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=12).hexdigest()
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _callable_name(value: object) -> str:
+    kind = type(value)
+    module = getattr(value, "__module__", None) or kind.__module__
+    name = getattr(value, "__qualname__", None) or kind.__qualname__
+    return f"<callable {module}.{name}>"
+
+
+def _stable_repr(value: object, what: str) -> str:
+    """``repr(value)`` when it is the same in every process, else ``InvalidArgumentError``."""
+    if callable(value) and not isinstance(value, type):
+        return _callable_name(value)  # a class's repr holds no address
+    text = repr(value)
+    if _ADDRESS.search(text):
+        raise InvalidArgumentError(
+            f"config stamp: {what} {text:.80} has no stable form (its repr names a memory "
+            "address); give it plain data or a repr without one"
+        )
+    return text
+
+
 def _canonical(value: object) -> str:
-    """``value`` as JSON with sorted keys when it is plain data, else its ``repr``."""
-    try:
-        return json.dumps(value, sort_keys=True, default=repr)
-    except (TypeError, ValueError):
-        return repr(value)
+    """``value`` as JSON of :func:`_plain` data with sorted keys (plain data stamps as before:
+    ``json.dumps(value, sort_keys=True)``)."""
+    return json.dumps(_plain(value), sort_keys=True)
+
+
+def _plain(value: object) -> object:
+    """JSON-ready data of ``value``: scalars as they are, mappings with str keys as dicts and
+    others as ``[key, value]`` pairs sorted by key text (one order whatever the key types or
+    insertion order), sequences as lists, a callable as its name, anything else by a
+    :func:`_stable_repr` (which refuses an address)."""
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: _plain(v) for k, v in value.items()}
+        pairs = [(_canonical(k), _plain(v)) for k, v in value.items()]
+        return [[k, v] for k, v in sorted(pairs, key=lambda kv: kv[0])]
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return _stable_repr(value, "hf_overrides")
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,8 @@ instructions (:meth:`SchedulerSide.build_step`), reports finished requests
   (``num_computed + num_scheduled``, speculative tokens excluded) are reserved and gathered by
   the worker after the forward, then written through to the lower tiers. A chunk is offered for
   storing once per request; no host room means it is skipped (a later miss, never an error).
+  One whose host copy is doomed (read back bad, still pinned by another reader) is offered
+  again on the request's next steps until it can be stored.
 - Free: a finished request with a gather in flight keeps its blocks (``finished`` returns
   True) until the worker reports it finished sending; a preempted one makes the worker flush
   in-flight gathers before the forward that may reuse its blocks.
@@ -247,6 +249,9 @@ class SchedulerSide:
         if got is None:
             self._m_no_room.inc(len(fresh))
             return None
+        if got.deferred:  # a doomed host copy is still read: offer these again next step
+            waiting = set(got.deferred)
+            req.offered = base + next(i for i, k in enumerate(fresh) if k in waiting)
         if not got.keys:
             return None
         bpc = self.spec.blocks_per_chunk
