@@ -183,34 +183,6 @@ def test_an_abandon_that_beats_the_prefill_order_keeps_the_order_from_opening() 
     assert prefill.sessions == {} and decode.counters["abandoned_receivers"] == 1
 
 
-def test_a_request_after_the_sender_gave_up_is_answered_so_the_receiver_frees_at_once() -> None:
-    """The decode waited for memory past the sender's deadline: the sender failed before it
-    knew an epoch, so it had no notice to send. Its tombstone now answers the late request
-    with an Abort of that epoch; the receiver ends FAILED and frees its destination at once
-    instead of retransmitting until its own deadline."""
-    sid = SessionId("late")
-    prefill, decode, nodes, _ = _sender_before_its_request(sid, is_last=True)
-    now = 0.0
-    while prefill.sessions and now < 20:  # the sender's deadline passes, it retires
-        now += 0.25
-        for n in (prefill, decode):
-            pump(nodes, n.tick(now), n.peer_id, now)
-    assert prefill.tombstone(sid) is not None and prefill.tombstone(sid).epoch is None  # type: ignore[union-attr]
-    start = StartTransfer(request_id=RequestId("r"), dst_block_ids=(0,), prefix_tokens=0,
-                          num_tokens=16)  # fmt: skip
-    _, acts = decode.open_receiver(sid, P, start, now)
-    rest = pump(nodes, acts, D, now)
-    assert [(a.role, a.state) for a in rest if isinstance(a, Finished)] == [
-        (Role.RECEIVER, SessionState.FAILED)
-    ]
-    assert [a.role for a in rest if isinstance(a, Release)] == [Role.RECEIVER]
-    assert decode.sessions == {}
-    with pytest.raises(ProtocolError, match="already ended"):  # abandon never buries over it
-        decode.abandon(sid, P, "too late")
-    prefill.check_integrity()
-    decode.check_integrity()
-
-
 def _beat(nodes: dict[PeerId, Participant], now: float) -> list[Action]:
     """Tick both nodes at ``now``, delivering their frames; the other actions."""
     out: list[Action] = []
@@ -231,6 +203,26 @@ def _late_receiver(
                           num_tokens=16)  # fmt: skip
     _, acts = decode.open_receiver(sid, P, start, at)
     return prefill, decode, nodes, pump(nodes, acts, D, at)
+
+
+def test_a_request_after_the_sender_gave_up_is_answered_so_the_receiver_frees_at_once() -> None:
+    """The decode waited for memory past the sender's deadline: the sender failed before it
+    knew an epoch, so it had no notice to send. Its tombstone now answers the late request
+    with an Abort of that epoch; the receiver ends FAILED and frees its destination at once
+    instead of retransmitting until its own deadline."""
+    sid = SessionId("late")
+    prefill, decode, _, rest = _late_receiver(sid, 8.0)  # the sender's deadline is 6 s
+    tomb = prefill.tombstone(sid)
+    assert tomb is not None and tomb.epoch is None  # retired before any request came
+    assert [(a.role, a.state) for a in rest if isinstance(a, Finished)] == [
+        (Role.RECEIVER, SessionState.FAILED)
+    ]
+    assert [a.role for a in rest if isinstance(a, Release)] == [Role.RECEIVER]
+    assert decode.sessions == {}
+    with pytest.raises(ProtocolError, match="already ended"):  # abandon never buries over it
+        decode.abandon(sid, P, "too late")
+    prefill.check_integrity()
+    decode.check_integrity()
 
 
 def test_a_transfer_ending_at_the_senders_first_deadline_ends_the_same_on_both_sides() -> None:
@@ -402,3 +394,11 @@ def test_submittable_tracks_cancellation() -> None:
         Release(SessionId("s"), D, Role.SENDER, 0, Ownership.NOT_SUBMITTED, SessionState.ABORTED)
         in rest
     )
+
+
+def test_no_session_token_is_the_tombstones_token() -> None:
+    """A tombstone's Abort carries TOMB_TOKEN; the participant's tokens start after it."""
+    from kvplane.pd.tombstones import TOMB_TOKEN
+
+    p = node(P)
+    assert [p._token() for _ in range(3)] == [TOMB_TOKEN + 1, TOMB_TOKEN + 2, TOMB_TOKEN + 3]

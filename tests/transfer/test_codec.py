@@ -129,3 +129,23 @@ def test_size_limit() -> None:
     assert decode_plan(data, max_bytes=len(data)).num_descriptors > 0
     with pytest.raises(MalformedMessageError, match="exceeds"):
         decode_plan(data, max_bytes=len(data) - 1)
+
+
+def test_size_limit_counts_bytes_of_a_memoryview_of_any_format() -> None:
+    """A memoryview of 8-byte items has len() = bytes / 8; the limit is on bytes."""
+    data = encode_plan(chunked_plan())
+    padded = data + b"\x00" * (-len(data) % 8)
+    wide = memoryview(padded).cast("Q")
+    assert len(wide) < len(data) <= wide.nbytes
+    with pytest.raises(MalformedMessageError, match=f"plan message of {wide.nbytes} bytes"):
+        decode_plan(wide, max_bytes=len(data))
+
+
+def test_a_memoryview_decodes_like_its_bytes_even_when_not_contiguous() -> None:
+    data = encode_plan(chunked_plan())
+    assert decode_plan(memoryview(data)).equals(decode_plan(data))
+    spread = bytearray(2 * len(data))
+    spread[::2] = data
+    strided = memoryview(spread)[::2]
+    assert not strided.c_contiguous and strided.nbytes == len(data)
+    assert decode_plan(strided, max_bytes=len(data)).equals(decode_plan(data))

@@ -16,11 +16,12 @@ from kvplane.ids import RegionId, TokenRange
 from kvplane.layout import HEAD_MAJOR, KVLayout
 from kvplane.metrics import MetricsRegistry
 from kvplane.transfer.coverage import Coverage, concat_descriptors
-from kvplane.transfer.executor import PlanExecutor
+from kvplane.transfer.executor import PlanExecutor, PlanRunAbortedError
 from kvplane.transfer.plan import TransferPlan, joint_ops
 from kvplane.transfer.planner import plan_transfer
 from kvplane.transfer.progress import OpProgress, OpState, PlanOutcome
 from kvplane.transfer.request import OpGrouping, PlanOptions, PlanSide
+from kvplane.transfer.run import PlanRun
 from kvplane.transports.base import Peer, XferKind, XferState
 from kvplane.transports.local import LocalFabric, LocalTransport
 
@@ -75,13 +76,81 @@ def test_a_raising_progress_callback_cancels_the_run_before_it_propagates(
         raise RuntimeError("bug in the callback")
 
     ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
-    with pytest.raises(RuntimeError, match="bug in the callback"):
+    with pytest.raises(PlanRunAbortedError, match="ended failed") as info:
         ex.execute(
             plan, scripted.connect(b""), local_regions=scripted.lengths(), on_progress=broken
         )
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert str(info.value.__cause__) == "bug in the callback"
     started = sorted(scripted.batches)
     assert started and scripted.cancelled == started
     assert all(b.poll.state is not XferState.PENDING for b in scripted.batches.values())
+    result = info.value.result
+    assert result.outcome is PlanOutcome.FAILED
+    assert {op.state for op in result.ops} <= {OpState.FAILED, OpState.NOT_SUBMITTED}
+
+
+def test_a_raising_callback_over_a_batch_that_ignores_cancel_reports_the_run_in_doubt(
+    scripted, clock, kvref, fault
+) -> None:
+    """The run gives up on a batch still PENDING CANCEL_GRACE_S after the cancel; the caller
+    must learn that (IN_DOUBT: the transport may still write the memory), not just the bug."""
+    plan, _, _, _, _ = build(scripted, kvref, OpGrouping.LAYER)
+    scripted.faults = {i: fault("hang") for i in range(len(plan.ops))}
+
+    def broken(event: OpProgress) -> None:
+        raise RuntimeError("bug in the callback")
+
+    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
+    with pytest.raises(PlanRunAbortedError, match="ended in_doubt") as info:
+        ex.execute(
+            plan, scripted.connect(b""), local_regions=scripted.lengths(), on_progress=broken
+        )
+    assert isinstance(info.value.__cause__, RuntimeError)
+    result = info.value.result
+    assert result.outcome is PlanOutcome.IN_DOUBT
+    hung = [b for b in scripted.batches.values() if b.poll.state is XferState.PENDING]
+    assert hung  # the transport still holds them: exactly what IN_DOUBT tells the caller
+    in_doubt = [op for op in result.ops if op.state is OpState.IN_DOUBT]
+    assert len(in_doubt) == len(hung)
+
+
+def test_an_interrupt_in_the_callback_ends_the_run_and_propagates_unchanged(
+    scripted, clock, kvref, fault
+) -> None:
+    plan, _, _, _, _ = build(scripted, kvref, OpGrouping.LAYER)
+    scripted.faults = {i: fault("stall") for i in range(len(plan.ops))}
+
+    def interrupted(event: OpProgress) -> None:
+        raise KeyboardInterrupt
+
+    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
+    with pytest.raises(KeyboardInterrupt):
+        ex.execute(
+            plan, scripted.connect(b""), local_regions=scripted.lengths(), on_progress=interrupted
+        )
+    assert scripted.batches
+    assert all(b.poll.state is not XferState.PENDING for b in scripted.batches.values())
+
+
+def test_an_error_of_the_run_itself_is_not_reported_as_the_callbacks(
+    scripted, clock, kvref, monkeypatch
+) -> None:
+    """Only the callback is wrapped: a failing step propagates as it is, with no cancel loop
+    that would step the broken run again."""
+    plan, _, _, _, _ = build(scripted, kvref, OpGrouping.LAYER)
+    calls = []
+
+    def broken_step(self: PlanRun) -> list[OpProgress]:
+        calls.append(self)
+        raise RuntimeError("bug in step")
+
+    monkeypatch.setattr(PlanRun, "step", broken_step)
+    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
+    with pytest.raises(RuntimeError, match="bug in step"):
+        ex.execute(plan, scripted.connect(b""), local_regions=scripted.lengths(),
+                   on_progress=lambda event: None)  # fmt: skip
+    assert len(calls) == 1
 
 
 def test_a_region_longer_than_any_descriptor_can_reach_is_no_error(scripted, clock, kvref) -> None:

@@ -82,6 +82,19 @@ def test_an_early_end_is_failed_only_for_a_batch_that_never_started():
     assert running.failure is FailureKind.CANCELLED
 
 
+def test_fail_all_doubts_started_batches_only_when_asked():
+    """Connection loss (default): a started, uncommitted batch FAILED; close passes
+    ``doubt_if_started``: its bytes may still move, so IN_DOUBT; never-started stays FAILED."""
+    table, _, _ = _table()
+    lost, closing, queued = (table.new(PeerId("p"), XferKind.WRITE, 1, 5.0, ()) for _ in "abc")
+    assert table.begin(lost) and table.begin(closing)
+    table.fail_all([lost], FailureKind.REMOTE_DISCONNECT, "gone")
+    table.fail_all([closing, queued], FailureKind.LOCAL_ERROR, "closed", doubt_if_started=True)
+    assert [b.state for b in (lost, closing, queued)] == [
+        XferState.FAILED, XferState.IN_DOUBT, XferState.FAILED
+    ]  # fmt: skip
+
+
 def test_history_is_bounded_and_foreign_handles_refused():
     table, _, _ = _table(history=2)
     batches = [table.new(PeerId("p"), XferKind.WRITE, 1, 5.0, ()) for _ in range(3)]

@@ -384,3 +384,77 @@ def test_close_asks_nixl_again_until_it_lets_go_of_a_running_request(kit):
     assert len(calls) == 4  # released (cancelled) before close deregistered the memory
     assert t.poll(h).state is XferState.IN_DOUBT
     assert not [name for name in kit.kv_threads() if "nixl-shut" in name]
+
+
+def test_a_poster_error_after_the_batch_started_ends_it_in_doubt(kit, monkeypatch):
+    """Once ``begin`` marked the batch started NIXL may be moving its bytes: a bug of ours
+    from then on cannot say FAILED (which would let the caller reuse the memory)."""
+    src_buf = torch.arange(64, dtype=torch.int64).to(torch.uint8)
+    dst_buf = torch.zeros(64, dtype=torch.uint8)
+    t, src, dst, peer, gated = _gated_loopback("nixl-bug-late", src_buf, dst_buf)
+    gated.gate.set()
+    end_batch = t._end
+    calls = []
+
+    def broken_once(batch, state, exc=None):
+        calls.append(state)
+        if len(calls) == 1:
+            assert batch.started  # the error comes after begin (and after NIXL's transfer)
+            raise RuntimeError("a late bug")
+        return end_batch(batch, state, exc)
+
+    monkeypatch.setattr(t, "_end", broken_once)
+    try:
+        bad = t.submit(XferKind.WRITE, kit.one(src, 0, 32), kit.one(dst, 0, 32), peer)
+        got = kit.wait(t, bad)
+        assert (got.state, got.failure) == (XferState.IN_DOUBT, FailureKind.LOCAL_ERROR)
+        assert "a late bug" in got.reason
+        good = t.submit(XferKind.WRITE, kit.one(src, 32, 32), kit.one(dst, 32, 32), peer)
+        assert kit.wait(t, good).state is XferState.DONE  # the poster went on
+        end = time.monotonic() + 10
+        while (t.pinned_regions() or t.live_batches()) and time.monotonic() < end:
+            time.sleep(1e-3)
+        assert t.pinned_regions() == 0 and t.live_batches() == 0
+    finally:
+        t.close()
+
+
+class _StuckTransfer:
+    """An agent ``transfer`` that blocks until ``gate`` and then reports an error without
+    touching NIXL (the memory is deregistered by then)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self, handle: object) -> str:
+        self.entered.set()
+        assert self.gate.wait(30)
+        return "ERR"
+
+
+def test_close_while_the_poster_is_stuck_in_transfer_ends_the_batch_in_doubt(kit, monkeypatch):
+    """close gives up on the poster after CLOSE_JOIN_S; the batch it is posting has started
+    (NIXL may still write its memory), so close must not end it FAILED."""
+    from kvplane.transports import nixl
+
+    monkeypatch.setattr(nixl, "CLOSE_JOIN_S", 0.2)
+    monkeypatch.setattr(nixl, "CLOSE_RELEASE_S", 0.2)
+    ones, zeros = torch.ones(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    t, src, dst, peer, _ = _gated_loopback("nixl-stuck", ones, zeros)
+    stuck = _StuckTransfer()
+    t._agent.transfer = stuck
+    poster = t._poster
+    try:
+        running = t.submit(XferKind.WRITE, kit.one(src, 0, 32), kit.one(dst, 0, 32), peer)
+        queued = t.submit(XferKind.WRITE, kit.one(src, 32, 32), kit.one(dst, 32, 32), peer)
+        assert stuck.entered.wait(10)
+        t.close()
+        assert poster.is_alive()  # close returned while the poster is still inside transfer
+        got = t.poll(running)
+        assert (got.state, got.failure) == (XferState.IN_DOUBT, FailureKind.LOCAL_ERROR)
+        assert t.poll(queued).state is XferState.FAILED  # never started: nothing moved
+    finally:
+        stuck.gate.set()
+        poster.join(10)
+    assert not poster.is_alive()

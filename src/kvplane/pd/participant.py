@@ -60,7 +60,7 @@ from kvplane.pd.sender import SenderSession
 from kvplane.pd.session import Session
 from kvplane.pd.states import OUTCOME_STATE, Ownership, Role
 from kvplane.pd.timers import TimerQueue, Timings
-from kvplane.pd.tombstones import Tombstone, TombstoneTable, answer
+from kvplane.pd.tombstones import TOMB_TOKEN, Tombstone, TombstoneTable, answer
 
 TimerKey = tuple[int, TimerKind, int]
 
@@ -110,7 +110,7 @@ class Participant:
         self._timers: TimerQueue[TimerKey] = TimerQueue()
         self._next_serial = 0
         self._next_epoch = incarnation
-        self._next_token = 0
+        self._next_token = TOMB_TOKEN  # _token() hands out TOMB_TOKEN + 1 on: none is a tomb's
         self.counters: Counter[str] = Counter()
         self._events = (
             None
@@ -339,6 +339,7 @@ class Participant:
         return out
 
     def _token(self) -> int:
+        """A fresh abort token, never :data:`TOMB_TOKEN` (so a tombstone's ack matches none)."""
         self._next_token += 1
         return self._next_token
 

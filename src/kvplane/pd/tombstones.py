@@ -29,7 +29,8 @@ from kvplane.pd.states import STATE_OUTCOME, Role, SessionState
 
 TOMB_TOKEN = 0
 """The token of an Abort a tombstone sends for a session that never had one of ours (a sender
-that ended before its request came): session tokens start at 1, so its ack matches nothing."""
+that ended before its request came): ``Participant`` starts its token counter here and hands
+out ``TOMB_TOKEN + 1`` on, so this token's ack matches nothing."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,10 @@
-"""L4 transfer: the transfer plan (frozen data that proves its own coverage), the pure vectorised
+"""L4 transfer: the transfer plan (frozen data that checks its own coverage), the pure vectorised
 planner that builds it from two layouts and block tables, its wire codec, and the executor that
 runs it over any transport."""
 
 from kvplane.transfer.codec import decode_plan, encode_plan
 from kvplane.transfer.coverage import Coverage
-from kvplane.transfer.executor import PlanExecutor
+from kvplane.transfer.executor import PlanExecutor, PlanRunAbortedError
 from kvplane.transfer.plan import TransferOp, TransferPlan
 from kvplane.transfer.planner import plan_transfer
 from kvplane.transfer.progress import OpProgress, OpState, PlanOutcome, PlanResult, latest_end
@@ -22,6 +22,7 @@ __all__ = [
     "PlanOutcome",
     "PlanResult",
     "PlanRun",
+    "PlanRunAbortedError",
     "PlanSide",
     "PlanStats",
     "TransferOp",

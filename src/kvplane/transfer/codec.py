@@ -87,12 +87,21 @@ def encode_plan(plan: TransferPlan) -> bytes:
     return msgspec.msgpack.encode(wire)
 
 
-def decode_plan(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> TransferPlan:
-    """Rebuild a plan from :func:`encode_plan` output (``MalformedMessageError`` if it is not)."""
+def decode_plan(
+    data: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> TransferPlan:
+    """Rebuild a plan from :func:`encode_plan` output (``MalformedMessageError`` if it is not).
+
+    ``data`` is ``bytes``, a ``bytearray`` or a ``memoryview`` of any item format and layout;
+    ``max_bytes`` bounds its size in bytes (``memoryview.nbytes``, not its item count), checked
+    before anything is decoded or copied."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise MalformedMessageError(f"a plan message is bytes, got {type(data).__name__}")
-    if len(data) > max_bytes:
-        raise MalformedMessageError(f"plan message of {len(data)} bytes exceeds {max_bytes}")
+    size = data.nbytes if isinstance(data, memoryview) else len(data)
+    if size > max_bytes:
+        raise MalformedMessageError(f"plan message of {size} bytes exceeds {max_bytes}")
+    if isinstance(data, memoryview) and not data.c_contiguous:
+        data = data.tobytes()  # msgspec reads contiguous buffers only (bounded: size is checked)
     try:
         wire = msgspec.msgpack.decode(data, type=_WirePlan)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError

@@ -3,29 +3,31 @@
 Theory of operation
 -------------------
 A transfer plan is a mapping from source bytes to destination bytes, written as pairs of
-descriptors ``src[i] → dst[i]`` (equal lengths). ``TransferPlan.validate`` must show that this
-mapping is exactly the one that was requested, without re-running the planner. Three facts
-together do that:
+descriptors ``src[i] → dst[i]`` (equal lengths). ``TransferPlan.validate`` checks this mapping
+against the one that was requested, without re-running the planner. Three facts are checked:
 
 1. no two destination descriptors overlap and no two source descriptors overlap
    (:func:`first_overlap`: sort by ``(region, offset)`` and compare neighbours, vectorised);
-2. the number of bytes moved equals the analytic number of logical bytes requested;
+2. the number of bytes moved equals the analytic number of logical bytes requested (exact);
 3. the *moments* of the mapping agree with the analytic moments of the request: ``Σ s^i d^j``
    over every moved byte (``s``, ``d``: its offsets on each side) for every ``(i, j)`` of
    :data:`MONOMIALS` -- ``Σ s``, ``Σ d``, ``Σ s²``, ``Σ s·d``, ``Σ d²``, ``Σ s²·d``, ``Σ s·d²``.
 
-With (1) and (2) the plan is a bijection between two byte sets of the right size; (3) pins those
-sets and their pairing: a descriptor that is shifted, points at the wrong block, or destinations
-that are permuted change some moment. The first-degree and ``Σ s·d`` moments alone miss
-permutations whose changes cancel (swapping the destinations of blocks 0↔1 and 2↔3 under the
-table ``0,1,3,2`` keeps ``Σ s·d``); the third-degree ones catch those. The moments of a
-descriptor are closed-form (binomial expansions of ``Σ_k (s+k)^i (d+k)^j`` over ``k < n`` in the
-power sums of ``k``), and the moments of a request, whose offsets are sums over its logical axes
-(token, layer, component, head, byte-in-row), are built axis by axis by the same binomial
-expansion, so both sides are a handful of vectorised numpy reductions. Moments are kept modulo
-2**64 (numpy ``uint64`` wraps), which is a ring, so every product and sum agrees exactly on both
-sides. This is a checksum, not a cryptographic proof: it catches every realistic planner or wire
-bug, not an adversary.
+With (1) and (2) the plan is a bijection between two byte sets of the right size. (3) is a
+checksum of those sets and their pairing, not a proof: a fixed set of moments cannot tell every
+pair of mappings apart. What it does catch, and the tests check: a descriptor that is shifted or
+points at the wrong block (that changes ``Σ s`` or ``Σ d``), a single swap of two destinations
+(``Σ s·d``), and permutations whose changes cancel in ``Σ s·d`` such as the double swap of
+blocks 0↔1 and 2↔3 under the table ``0,1,3,2`` (``Σ s·d²``). What it cannot catch: a
+permutation of equal-sized blocks that keeps all seven sums -- four blocks sent to destination
+blocks ``2,0,3,1`` instead of ``1,3,0,2`` have the same ``Σ k·σ(k)``, ``Σ k²·σ(k)`` and
+``Σ k·σ(k)²`` -- so a planner bug that permutes whole blocks that way would pass. The moments
+of a descriptor are closed-form (binomial expansions of ``Σ_k (s+k)^i (d+k)^j`` over ``k < n``
+in the power sums of ``k``), and the moments of a request, whose offsets are sums over its
+logical axes (token, layer, component, head, byte-in-row), are built axis by axis by the same
+binomial expansion, so both sides are a few vectorised numpy reductions. Moments are kept
+modulo 2**64 (numpy ``uint64`` wraps), which is a ring, so every product and sum agrees exactly
+on both sides. It is meant to catch realistic planner and wire bugs, not an adversary.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import comb
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -124,11 +127,6 @@ def _u64(values: Int64Array) -> U64Array:
     return values.astype(np.uint64)
 
 
-def _sum(values: U64Array) -> int:
-    """Wrapping (mod 2**64) sum as a Python int."""
-    return int(np.sum(values, dtype=np.uint64))
-
-
 def _triangular(n: U64Array) -> U64Array:
     """``n(n-1)/2`` mod 2**64, exact: halve the even factor before multiplying."""
     even = n % np.uint64(2) == 0
@@ -153,6 +151,30 @@ def _square_pyramidal(n: U64Array) -> U64Array:
     return a * b * c
 
 
+def _power_sums(n: int) -> tuple[int, int, int, int]:
+    """``Σ_{k<n} k^c`` for ``c = 0..3``, exact."""
+    t1 = n * (n - 1) // 2
+    return n, t1, (n - 1) * n * (2 * n - 1) // 6, t1 * t1
+
+
+_Num = TypeVar("_Num", int, U64Array)
+
+
+def _powers(x: _Num) -> tuple[_Num, _Num]:
+    """``(x, x²)``: the powers a monomial of :data:`MONOMIALS` takes (``x^k`` at ``k - 1``)."""
+    return x, x * x
+
+
+def _monomial(ps: tuple[_Num, _Num], pd: tuple[_Num, _Num], i: int, j: int) -> _Num:
+    """``s^i · d^j`` from :func:`_powers` of ``s`` and ``d`` (``i + j >= 1``; no factor is
+    multiplied in for a zero exponent). Exact for ints, mod 2**64 for uint64 arrays."""
+    if not j:
+        return ps[i - 1]
+    if not i:
+        return pd[j - 1]
+    return ps[i - 1] * pd[j - 1]
+
+
 def _terms(i: int, j: int) -> list[tuple[int, int, int, int]]:
     """``Σ_k (s+k)^i (d+k)^j = Σ coef · s^x · d^y · Σ_k k^c`` as ``(coef, x, y, c)`` terms."""
     return [
@@ -160,43 +182,57 @@ def _terms(i: int, j: int) -> list[tuple[int, int, int, int]]:
     ]
 
 
-_TERMS = {m: _terms(*m) for m in _ALL}
+_BASIS = sorted({(x, y, c) for m in _ALL for _, x, y, c in _terms(*m)})
+"""The ``(x, y, c)`` whose sums ``Σ_desc s^x d^y Σ_{k<n} k^c`` the descriptor moments need."""
+_DESC_TERMS = {m: [(coef, _BASIS.index((x, y, c))) for coef, x, y, c in _terms(*m)] for m in _ALL}
+"""Each moment of :data:`_ALL` as ``(coef, index into _BASIS)`` terms."""
+_PRODUCT_TERMS = {
+    (i, j): [
+        (comb(i, p) * comb(j, q), (p, q), (i - p, j - q))
+        for p in range(i + 1)
+        for q in range(j + 1)
+    ]
+    for i, j in _ALL
+}
+"""``M_{X×Y}[i, j] = Σ coef · M_X[p, q] · M_Y[i-p, j-q]`` as ``(coef, (p, q), (i-p, j-q))``."""
 
-
+DESC_CHUNK = 8192
+"""Descriptors reduced at once: one stacked reduction per chunk, whose products stay in cache
+(a slice's plan is one chunk; a 128k-token plan a few dozen)."""
 SMALL_LIST = 32
-"""Up to this many descriptors, moments are summed as exact Python ints (a slice's plan: 16
-descriptors); numpy's per-call cost would dominate the reductions of the array path."""
+"""Up to this many indices, an axis of :func:`coverage_of_product` is summed as exact Python
+ints; numpy's per-call cost would dominate the reductions of the array path."""
 
 
 def coverage_of_descriptors(src: DescriptorList, dst: DescriptorList) -> Coverage:
-    """Moments of the mapping ``src[i] → dst[i]`` (the lists must be paired, equal lengths)."""
+    """Moments of the mapping ``src[i] → dst[i]`` (the lists must be paired, equal lengths).
+
+    Per :data:`DESC_CHUNK` descriptors, every sum of :data:`_BASIS` is one row of a stacked
+    ``uint64`` table reduced in one call; the moments are combinations of those sums."""
     if not len(src):
         return Coverage.zero()
-    if len(src) <= SMALL_LIST:
-        return _small_coverage(src.lengths.tolist(), src.offsets.tolist(), dst.offsets.tolist())
-    n = _u64(src.lengths)
-    t1 = _triangular(n)
-    power_k = (n, t1, _square_pyramidal(n), t1 * t1)  # Σ_{k<n} k^c, c = 0..3
-    s1, d1 = _u64(src.offsets), _u64(dst.offsets)
-    power_s = (None, s1, s1 * s1)
-    power_d = (None, d1, d1 * d1)
-    basis: dict[tuple[int, int, int], int] = {}
-    sums: dict[tuple[int, int], int] = {}
-    for m in _ALL:
-        total = 0
-        for coef, x, y, c in _TERMS[m]:
-            key = (x, y, c)
-            if key not in basis:
-                prod = power_k[c]
-                if x:
-                    prod = prod * power_s[x]  # type: ignore[operator]
-                if y:
-                    prod = prod * power_d[y]  # type: ignore[operator]
-                basis[key] = _sum(prod)
-            total += coef * basis[key]
-        sums[m] = total
-    sums[(0, 0)] = _exact_total(src.lengths)
-    return Coverage.of(sums)
+    lengths, s_off, d_off = src.lengths, src.offsets, dst.offsets
+    basis = np.zeros(len(_BASIS), dtype=np.uint64)
+    table = np.empty((len(_BASIS), min(DESC_CHUNK, len(lengths))), dtype=np.uint64)
+    for lo in range(0, len(lengths), DESC_CHUNK):
+        n = _u64(lengths[lo : lo + DESC_CHUNK])
+        t1 = _triangular(n)
+        power_k = (n, t1, _square_pyramidal(n), t1 * t1)  # Σ_{k<n} k^c, c = 0..3
+        ps, pd = (
+            _powers(_u64(s_off[lo : lo + DESC_CHUNK])),
+            _powers(_u64(d_off[lo : lo + DESC_CHUNK])),
+        )
+        rows = table[:, : len(n)]
+        for r, (x, y, c) in enumerate(_BASIS):
+            if x or y:
+                np.multiply(_monomial(ps, pd, x, y), power_k[c], out=rows[r])
+            else:
+                rows[r] = power_k[c]
+        basis += rows.sum(axis=1, dtype=np.uint64)
+    sums = basis.tolist()
+    moments = {m: sum(coef * sums[k] for coef, k in _DESC_TERMS[m]) for m in _ALL}
+    moments[(0, 0)] = _exact_total(lengths)
+    return Coverage.of(moments)
 
 
 def _exact_total(lengths: Int64Array) -> int:
@@ -206,66 +242,61 @@ def _exact_total(lengths: Int64Array) -> int:
     return sum(lengths.tolist())
 
 
-def _small_coverage(lengths: list[int], src: list[int], dst: list[int]) -> Coverage:
-    """:func:`coverage_of_descriptors` in exact integer arithmetic, reduced mod 2**64 at the end
-    (the same ring, so the same moments as the array path)."""
-    sums = dict.fromkeys(_ALL, 0)
-    for n, a, b in zip(lengths, src, dst, strict=True):
-        t1 = n * (n - 1) // 2
-        power_k = (n, t1, (n - 1) * n * (2 * n - 1) // 6, t1 * t1)
-        for m in _ALL:
-            sums[m] += sum(coef * a**x * b**y * power_k[c] for coef, x, y, c in _TERMS[m])
-    return Coverage.of(sums)
+Moments = dict[tuple[int, int], int]
 
 
-def _axis_moments(s_raw: Int64Array, d_raw: Int64Array) -> dict[tuple[int, int], int]:
+def _axis_moments(s_raw: Int64Array, d_raw: Int64Array) -> Moments:
     """``Σ_i s[i]^p d[i]^q`` mod 2**64 for every ``(p, q)`` of :data:`_ALL` (exact ints for a
-    short axis, where numpy's per-call cost would dominate)."""
+    short axis, where numpy's per-call cost would dominate; else one stacked reduction)."""
+    own: Moments = {(0, 0): len(s_raw)}
     if len(s_raw) <= SMALL_LIST:
-        pairs = list(zip(s_raw.tolist(), d_raw.tolist(), strict=True))
-        return {(i, j): sum(a**i * b**j for a, b in pairs) % MOD for i, j in _ALL}
-    s, d = _u64(s_raw), _u64(d_raw)
-    ps, pd = (None, s, s * s), (None, d, d * d)
-    own = {(0, 0): len(s)}
-    for i, j in MONOMIALS:
-        if not j:
-            prod = ps[i]
-        elif not i:
-            prod = pd[j]
-        else:
-            prod = ps[i] * pd[j]  # type: ignore[operator]
-        own[(i, j)] = _sum(prod)  # type: ignore[arg-type]
+        sums = dict.fromkeys(MONOMIALS, 0)
+        for a, b in zip(s_raw.tolist(), d_raw.tolist(), strict=True):
+            ps, pd = _powers(a), _powers(b)
+            for m in MONOMIALS:
+                sums[m] += _monomial(ps, pd, *m)
+        own.update((m, v % MOD) for m, v in sums.items())
+        return own
+    ps, pd = _powers(_u64(s_raw)), _powers(_u64(d_raw))
+    table = np.empty((len(MONOMIALS), len(s_raw)), dtype=np.uint64)
+    for r, (i, j) in enumerate(MONOMIALS):
+        table[r] = _monomial(ps, pd, i, j)
+    own.update(zip(MONOMIALS, table.sum(axis=1, dtype=np.uint64).tolist(), strict=True))
     return own
 
 
-def coverage_of_product(axes: Sequence[tuple[Int64Array, Int64Array]]) -> Coverage:
+_UNIT: Moments = {m: int(m == (0, 0)) for m in _ALL}
+"""The moments of an axis of one index with no offset: the product's neutral element."""
+
+
+def _range_moments(r: int) -> Moments:
+    """The moments of the axis ``(k, k)`` for ``k < r``: ``Σ k^(p+q)``, closed-form."""
+    power_k = _power_sums(r)
+    return {(p, q): power_k[p + q] for p, q in _ALL}
+
+
+def coverage_of_product(axes: Sequence[tuple[Int64Array, Int64Array] | int]) -> Coverage:
     """Moments of a request whose byte offsets are separable sums over logical axes.
 
     Each axis ``a`` is a pair of equal-length arrays ``(src_a, dst_a)``: the contribution of its
-    index ``i`` to the source and destination offsets. The byte set is the Cartesian product of
-    the axes; a byte's offsets are ``Σ_a src_a[i_a]`` and ``Σ_a dst_a[i_a]``. The moments of the
-    product of a set ``X`` with one more axis ``Y`` are
-    ``Σ C(i,p) C(j,q) M_X[p, q] M_Y[i-p, j-q]`` (binomial expansion of ``(s_x+s_y)^i (d_x+d_y)^j``).
-    """
-    if any(len(s) == 0 for s, _ in axes):
+    index ``i`` to the source and destination offsets; or an int ``r``, the axis ``(k, k)`` for
+    ``k < r`` (the bytes of a row, the same on both sides), whose moments are closed-form power
+    sums. The byte set is the Cartesian product of the axes; a byte's offsets are
+    ``Σ_a src_a[i_a]`` and ``Σ_a dst_a[i_a]``. The moments of the product of a set ``X`` with
+    one more axis ``Y`` are ``Σ C(i,p) C(j,q) M_X[p, q] M_Y[i-p, j-q]`` (binomial expansion of
+    ``(s_x+s_y)^i (d_x+d_y)^j``, :data:`_PRODUCT_TERMS`)."""
+    if not axes or any((ax if isinstance(ax, int) else len(ax[0])) == 0 for ax in axes):
         return Coverage.zero()
-    acc: dict[tuple[int, int], int] | None = None
-    for s_raw, d_raw in axes:
-        own = _axis_moments(s_raw, d_raw)
-        if acc is None:
-            acc = own
+    first, *rest = [_range_moments(ax) if isinstance(ax, int) else _axis_moments(*ax)
+                    for ax in axes]  # fmt: skip
+    acc = first
+    for own in rest:
+        if own == _UNIT:  # one index contributing 0 to both sides (one head, one component)
             continue
-        count = acc[(0, 0)] * own[(0, 0)]  # exact: the byte count is never reduced
+        prev = acc
         acc = {
-            (i, j): sum(
-                comb(i, p) * comb(j, q) * acc[(p, q)] * own[(i - p, j - q)]
-                for p in range(i + 1)
-                for q in range(j + 1)
-            )
-            % MOD
-            for i, j in _ALL
+            m: sum(coef * prev[a] * own[b] for coef, a, b in _PRODUCT_TERMS[m]) % MOD
+            for m in MONOMIALS
         }
-        acc[(0, 0)] = count
-    if acc is None:
-        return Coverage.zero()
+        acc[(0, 0)] = prev[(0, 0)] * own[(0, 0)]  # exact: the byte count is never reduced
     return Coverage.of(acc)

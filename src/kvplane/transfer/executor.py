@@ -7,6 +7,9 @@ of several pools (a final slice's KV and its whole-only records) then costs one 
 per op position instead of one per plan. :meth:`PlanExecutor.execute` drives a run to its end
 with a short backoff, calling ``on_progress`` for every op change, and returns the typed
 :class:`~kvplane.transfer.progress.PlanResult` — FAILED and IN_DOUBT are results, not exceptions.
+A callback that raises cancels the run; :class:`PlanRunAbortedError` then carries the run's
+result (which may be IN_DOUBT: a batch that ignored the cancel for ``CANCEL_GRACE_S``), so the
+caller still learns whether a transport may be touching the memory.
 """
 
 from __future__ import annotations
@@ -14,13 +17,32 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from kvplane.errors import InvalidArgumentError, PlanError
+from kvplane.errors import InvalidArgumentError, KVPlaneError, PlanError
 from kvplane.ids import RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transfer.plan import TransferPlan, check_disjoint
 from kvplane.transfer.progress import ExecMetrics, OpProgress, PlanResult
 from kvplane.transfer.run import PlanRun
 from kvplane.transports.base import Peer, Transport, XferKind
+
+_MIN_IDLE_S = 1e-5
+"""The first back-off of :meth:`PlanExecutor.execute` after a step that changed nothing."""
+
+
+class PlanRunAbortedError(KVPlaneError):
+    """The ``on_progress`` callback of :meth:`PlanExecutor.execute` raised (the exception is
+    this error's ``__cause__``). The run was cancelled and stepped until it ended; ``result``
+    is how it ended: IN_DOUBT when a batch was still PENDING ``CANCEL_GRACE_S`` after the
+    cancel -- a transport may then still be reading or writing the plan's memory, which must not
+    be reused until that batch is known to have ended -- else FAILED (or DONE, when the callback
+    raised on the events of the step that finished the run)."""
+
+    def __init__(self, result: PlanResult) -> None:
+        super().__init__(
+            f"the progress callback raised; the run was cancelled and ended "
+            f"{result.outcome.value} ({result.reason or 'no reason given'})"
+        )
+        self.result = result
 
 
 class PlanExecutor:
@@ -99,33 +121,42 @@ class PlanExecutor:
     ) -> PlanResult:
         """Run ``plan`` to completion (see :meth:`start`), reporting each op change.
 
-        If ``on_progress`` raises, the run is cancelled and stepped until every batch has ended
-        (so no transfer is left touching the memory), then the exception propagates."""
+        Returns the run's :class:`PlanResult` (DONE, FAILED or IN_DOUBT). If ``on_progress``
+        raises, the run is cancelled and stepped until :class:`PlanRun` ends it -- every batch
+        ended, or recorded IN_DOUBT once it stayed PENDING ``CANCEL_GRACE_S`` past the cancel --
+        and :class:`PlanRunAbortedError` carrying that result is raised from the callback's
+        exception. A ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``...)
+        cancels and ends the run the same way and then propagates unchanged."""
         run = self.start(
             plan, peer, local_regions=local_regions, kind=kind, deadline_s=deadline_s, notify=notify
         )
-        idle = [1e-5]  # the current back-off, shared by the normal and the cancelling loop
-        try:
-            while True:
-                events = self._advance(run, idle)
+        idle = _MIN_IDLE_S
+        while True:
+            events, idle = self._advance(run, idle)
+            try:
                 if on_progress is not None:
                     for event in events:
                         on_progress(event)
-                if run.done:
-                    return run.result()
-        except BaseException:
-            run.cancel("the progress callback raised")
-            while not run.done:
-                self._advance(run, idle)
-            raise
+            except Exception as exc:
+                raise PlanRunAbortedError(self._abort(run, idle)) from exc
+            except BaseException:
+                self._abort(run, idle)
+                raise
+            if run.done:
+                return run.result()
 
-    def _advance(self, run: PlanRun, idle: list[float]) -> list[OpProgress]:
-        """One step of ``run``; when nothing changed, sleeps ``idle[0]`` and doubles it (up to
-        ``max_idle_s``); a change resets it."""
+    def _abort(self, run: PlanRun, idle: float) -> PlanResult:
+        """Cancel ``run`` and step it (with the same back-off) until it has ended."""
+        run.cancel("the progress callback raised")
+        while not run.done:
+            _, idle = self._advance(run, idle)
+        return run.result()
+
+    def _advance(self, run: PlanRun, idle: float) -> tuple[list[OpProgress], float]:
+        """One step of ``run`` and the back-off before the next: when nothing changed, sleeps
+        ``idle`` and returns it doubled (up to ``max_idle_s``); a change resets it."""
         events = run.step()
         if events or run.done:
-            idle[0] = 1e-5
-        else:
-            self._sleep(idle[0])
-            idle[0] = min(idle[0] * 2, self._max_idle_s)
-        return events
+            return events, _MIN_IDLE_S
+        self._sleep(idle)
+        return events, min(idle * 2, self._max_idle_s)

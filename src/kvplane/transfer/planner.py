@@ -190,10 +190,11 @@ def _coverage(req: PlanRequest, fixed: list[_Axis]) -> Coverage:
     if req.tokens.empty:
         return Coverage.zero()
     positions = np.arange(req.tokens.start, req.tokens.end, dtype=np.int64)
-    row = np.arange(_row_bytes(req), dtype=np.int64)
-    axes = [(_token_offsets(req.src, positions), _token_offsets(req.dst, positions))]
+    axes: list[tuple[Int64Array, Int64Array] | int] = [
+        (_token_offsets(req.src, positions), _token_offsets(req.dst, positions))
+    ]
     axes += [(ax.src, ax.dst) for ax in fixed]
-    axes.append((row, row))
+    axes.append(_row_bytes(req))  # the byte-in-row axis (k, k), k < row: closed form
     return coverage_of_product(axes)
 
 

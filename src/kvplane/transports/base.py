@@ -158,5 +158,6 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None:
-        """Release every region, connection and thread; idempotent."""
+        """Release every region, connection and thread; idempotent. Batches still live end
+        FAILED(LOCAL_ERROR) if no byte of theirs had begun to move, else IN_DOUBT."""
         ...

@@ -213,7 +213,16 @@ class BatchTable:
                 b for b in self._live.values() if peer_id is None or b.handle.peer_id == peer_id
             ]
 
-    def fail_all(self, batches: Iterable[Batch], failure: FailureKind, reason: str) -> None:
-        """End pending batches: IN_DOUBT if every byte was handed over, else FAILED."""
+    def fail_all(
+        self,
+        batches: Iterable[Batch],
+        failure: FailureKind,
+        reason: str,
+        *,
+        doubt_if_started: bool = False,
+    ) -> None:
+        """End pending batches: IN_DOUBT if every byte was handed over (or, with
+        ``doubt_if_started``, if any byte may have begun to move), else FAILED."""
         for batch in batches:
-            self.finish(batch, XferState.FAILED, failure, reason, doubt_if_committed=True)
+            self.finish(batch, XferState.FAILED, failure, reason, doubt_if_committed=True,
+                        doubt_if_started=doubt_if_started)  # fmt: skip

@@ -238,7 +238,10 @@ class TransportCore:
         self._close()
         self._copy_workers.close()
         live = self._batches.live()
-        self._batches.fail_all(live, FailureKind.LOCAL_ERROR, "transport closed")
+        # a started batch may still be moving bytes (a thread or engine call that did not stop
+        # in _close): IN_DOUBT, as for cancel, so no caller reuses memory it may still touch
+        self._batches.fail_all(live, FailureKind.LOCAL_ERROR, "transport closed",
+                               doubt_if_started=True)  # fmt: skip
         for batch in live:
             self._batches.quiesce(batch)
         for entry in self._regions.clear():

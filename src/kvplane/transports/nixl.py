@@ -25,7 +25,10 @@ bytes (inside ``transfer`` or after posting), and a queued one FAILED; posting c
 NIXL's request is then released (cancelled) by the poster, which keeps retrying while NIXL
 cannot yet (at ``close`` for at most :data:`CLOSE_RELEASE_S`), and the regions stay pinned
 until it can. NIXL raising its remote-disconnect error maps to REMOTE_DISCONNECT. An unexpected
-error on the poster fails that batch (LOCAL_ERROR, logged) and the poster goes on.
+error on the poster (a bug of ours, not NIXL's error) ends that batch with LOCAL_ERROR, logged:
+FAILED if it had not started, IN_DOUBT once it has (NIXL may already be moving its bytes);
+the poster goes on. ``close`` waits :data:`CLOSE_JOIN_S` for the poster; batches still live
+then end IN_DOUBT if they started (the poster may be stuck inside ``transfer``), FAILED if not.
 
 The agent is driven from several threads (the poster; ``register``, ``connect`` and
 ``notifications`` on the caller's), which NIXL allows only in a thread-sync mode; the agent is
@@ -176,6 +179,8 @@ _STOP = None
 """Queued by ``close``: the poster finishes what it holds and exits."""
 CLOSE_RELEASE_S = 5.0
 """How long ``close`` keeps asking NIXL to let go of a request still active."""
+CLOSE_JOIN_S = 60.0
+"""How long ``close`` waits for the poster thread to stop (it may be inside a NIXL call)."""
 
 
 class NixlTransport(TransportCore):
@@ -273,9 +278,10 @@ class NixlTransport(TransportCore):
     def _close(self) -> None:
         self._stopping = True
         self._jobs.put(_STOP)
-        self._poster.join(60.0)
+        self._poster.join(CLOSE_JOIN_S)
         if self._poster.is_alive():  # stuck inside a NIXL call: its memory may still be used
-            log.error("NIXL poster of %s did not stop within 60 s of close", self.agent)
+            log.error("NIXL poster of %s did not stop within %s s of close", self.agent,
+                      CLOSE_JOIN_S)  # fmt: skip
         with self._lock:
             peers = list(self._bases)
             self._bases.clear()
