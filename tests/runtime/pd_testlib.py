@@ -14,13 +14,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from kvplane.pd.timers import Timings
 from kvplane.runtime.decode_worker import DecodeWorker
-from kvplane.runtime.messages import WorkerStats
+from kvplane.runtime.messages import RequestResult, WorkerStats
 from kvplane.runtime.prefill_worker import PrefillWorker
 from kvplane.runtime.router import Router
 from kvplane.runtime.synthetic_model import SyntheticDecoder, SyntheticProducer, SyntheticSpec
@@ -62,6 +63,21 @@ class Cluster:
         self.close()
 
 
+def base_config(**overrides: object) -> WorkerConfig:
+    """The tests' worker config (a prefill worker named "prefill": 64 blocks of 16 tokens,
+    16 slots, steps of 32, :data:`FAST` timings, 5 s slices, tcp) with ``overrides``."""
+    base = WorkerConfig(
+        name="prefill",
+        num_blocks=64,
+        block_size=16,
+        num_slots=16,
+        step_size=32,
+        timings=FAST,
+        slice_timeout_s=5.0,
+    )
+    return replace(base, **overrides)  # type: ignore[arg-type]
+
+
 def cluster(
     spec: SyntheticSpec = MLA,
     *,
@@ -71,16 +87,7 @@ def cluster(
     decode: dict[str, object] | None = None,
     timings: Timings = FAST,
 ) -> Cluster:
-    base = WorkerConfig(
-        name="prefill",
-        transport=transport,
-        num_blocks=64,
-        block_size=16,
-        num_slots=16,
-        step_size=32,
-        timings=timings,
-        slice_timeout_s=5.0,
-    )
+    base = base_config(transport=transport, timings=timings)
     pcfg = replace(base, **(prefill or {}))  # type: ignore[arg-type]
     dcfg = replace(base, name="decode", **(decode or {}))  # type: ignore[arg-type]
     p = PrefillWorker(pcfg, SyntheticProducer(spec))
@@ -90,6 +97,21 @@ def cluster(
     r = Router([p.address], [d.address], timeout_s=20.0)
     r.connect()
     return Cluster(p, d, r)
+
+
+def start_slow(
+    c: Cluster, request_id: str = "orig", *, on: Sequence[str] = ("prefill", "decode")
+) -> Future[RequestResult]:
+    """Submit a 200-token request in steps of 32 (slow when the cluster's producer computes
+    slowly, e.g. ``compute_s_per_step=0.05``) and wait until every worker role in ``on`` holds
+    it; its future."""
+    fut = c.router.submit(request_id, prompt(np.random.default_rng(0), 200), step_size=32)
+    workers = {"prefill": c.prefill, "decode": c.decode}
+    wait_for(
+        lambda: all(request_id in workers[role]._requests for role in on),
+        what=f"{request_id} on {', '.join(on)}",
+    )
+    return fut
 
 
 def prompt(rng: np.random.Generator, n: int, vocab: int = 30000) -> list[int]:

@@ -1,5 +1,6 @@
-"""Decode worker edge cases: bound session ids, pairing errors, what joins the prefix cache,
-and the metrics of requests that end before their session opens."""
+"""Decode worker edge cases: pairing errors, what joins the prefix cache, who marks the prompt
+computed, and the metrics of requests that end before their session opens (bound session ids
+of either role: ``test_prefill_worker.py``)."""
 
 from __future__ import annotations
 
@@ -17,22 +18,6 @@ from kvplane.runtime.messages import (
 )
 from kvplane.runtime.producer import DecodeJob, DecodeOutput, KVDecoder, PoolTensor
 from kvplane.runtime.timeline import Mark
-
-
-def test_a_reused_session_id_is_refused_and_the_original_completes() -> None:
-    with cluster(replace(MLA, compute_s_per_step=0.05)) as c:
-        rng = np.random.default_rng(0)
-        fut = c.router.submit("orig", prompt(rng, 200), step_size=32)
-        wait_for(lambda: bool(c.decode._by_session), what="the decode order")
-        sid = next(iter(c.decode._by_session))
-        intruder = DecodeOrder(
-            request_id="intruder", session_id=sid, prefill_peer="prefill", token_ids=(1, 2, 3)
-        )
-        got = c.router.decode[0].client.call(intruder, timeout_s=5)
-        assert got == ErrorReply(reason=f"session {sid!r} is already bound to request 'orig'")
-        res = fut.result(timeout=15)
-        assert (res.state, res.mismatches) == ("success", 0)
-        check_balanced(c.router)
 
 
 def test_a_malformed_pair_address_is_answered() -> None:
@@ -66,6 +51,8 @@ def test_kv_of_another_prompt_fails_the_request_and_is_never_cached() -> None:
 
 class _Corrupt:
     """A verifying decoder that always finds one mismatch (KV corrupted on the way)."""
+
+    verifies = True
 
     def __init__(self, inner: KVDecoder) -> None:
         self.inner = inner
@@ -108,3 +95,31 @@ def test_a_request_cancelled_while_waiting_for_memory_counts_as_finished() -> No
         assert m.value("pd_release_latency_seconds", suffix="_count") == 0  # it held nothing
         marks = [e.mark for e in c.decode.timeline.events("waits")]
         assert Mark.RELEASED.value not in marks and Mark.ORDER.value in marks
+
+
+class _Generating:
+    """A generating decoder that grows the table by one token and relies on the worker to have
+    marked the received prompt computed (it never marks the prompt itself)."""
+
+    verifies = False
+
+    def __init__(self, inner: KVDecoder) -> None:
+        self.inner = inner
+        self.seen: list[tuple[int, int]] = []
+
+    def decode(self, job: DecodeJob, kv: PoolTensor, state: PoolTensor | None) -> DecodeOutput:
+        self.seen.append((job.table.num_computed_tokens, job.table.num_tokens))
+        job.table.append_tokens(job.pool, [job.first_token])
+        job.table.mark_computed(job.pool, 1)
+        return DecodeOutput(tokens=(job.first_token, job.first_token))
+
+
+def test_the_worker_marks_the_prompt_computed_before_a_generating_decoder() -> None:
+    with cluster() as c:
+        gen = _Generating(c.decode.decoder)
+        c.decode.decoder = gen  # type: ignore[assignment]
+        res = c.router.generate("gen", list(range(2000, 2048)), max_new_tokens=2)
+        assert (res.state, len(res.tokens)) == ("success", 2), res.reason
+        assert gen.seen == [(48, 48)]  # the whole prompt computed when decode began
+        assert c.decode.pools.blocks.num_cached_blocks == 3  # its 3 full blocks are cached
+        check_balanced(c.router)

@@ -4,10 +4,20 @@ every request ends in exactly one terminal state and every block comes back."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from pd_testlib import FAST, Cluster, check_balanced, cluster, idle, prompt, wait_for
+from pd_testlib import (
+    FAST,
+    Cluster,
+    base_config,
+    check_balanced,
+    cluster,
+    idle,
+    prompt,
+    wait_for,
+)
 
 from kvplane.runtime.chaos import FaultPlan
 from kvplane.runtime.decode_worker import DecodeWorker
@@ -15,7 +25,6 @@ from kvplane.runtime.messages import StatsQuery, WorkerStats
 from kvplane.runtime.prefill_worker import PrefillWorker
 from kvplane.runtime.router import Router
 from kvplane.runtime.synthetic_model import SyntheticDecoder, SyntheticProducer, SyntheticSpec
-from kvplane.runtime.worker_config import WorkerConfig
 
 SLOW = SyntheticSpec(kind="mla", num_layers=2, latent_dim=32, rope_dim=16, compute_s_per_step=0.01)
 TERMINAL = {"success", "aborted", "failed"}
@@ -82,17 +91,7 @@ def test_cancel_of_an_unknown_request_changes_nothing() -> None:
 
 
 def _faulty_cluster(plan: FaultPlan, **prefill: object) -> Cluster:
-    base = WorkerConfig(
-        name="prefill",
-        num_blocks=64,
-        block_size=16,
-        num_slots=8,
-        step_size=32,
-        timings=FAST,
-        slice_timeout_s=5.0,
-    )
-    from dataclasses import replace
-
+    base = base_config(num_slots=8)
     spec = SyntheticSpec(kind="mla", num_layers=2, latent_dim=32, rope_dim=16)
     p = PrefillWorker(replace(base, **prefill), SyntheticProducer(spec), faults=plan)  # type: ignore[arg-type]
     d = DecodeWorker(replace(base, name="decode"), SyntheticDecoder(spec))

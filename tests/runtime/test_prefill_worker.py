@@ -1,27 +1,34 @@
-"""Prefill worker edge cases: a session id binds one request; attaching stays legitimate."""
+"""Worker edge cases: a session id binds one request (either role); attaching stays legitimate."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
-from pd_testlib import MLA, check_balanced, cluster, prompt, wait_for
+import pytest
+from pd_testlib import MLA, check_balanced, cluster, start_slow, wait_for
 
 from kvplane.runtime.messages import Ack, DecodeOrder, ErrorReply, PrefillOrder, RequestResult
 
 
-def test_a_reused_session_id_is_refused_and_the_original_completes() -> None:
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_reused_session_id_is_refused_and_the_original_completes(role: str) -> None:
     with cluster(replace(MLA, compute_s_per_step=0.05)) as c:
-        rng = np.random.default_rng(0)
-        fut = c.router.submit("orig", prompt(rng, 200), step_size=32)
-        wait_for(lambda: bool(c.prefill._by_session), what="the prefill order")
-        sid = next(iter(c.prefill._by_session))
-        intruder = PrefillOrder(
-            request_id="intruder", session_id=sid, decode_peer="decode", token_ids=(1, 2, 3)
+        fut = start_slow(c, "orig", on=(role,))
+        worker = c.prefill if role == "prefill" else c.decode
+        sid = worker._requests["orig"].sid  # type: ignore[attr-defined]
+        intruder: PrefillOrder | DecodeOrder = (
+            PrefillOrder(
+                request_id="intruder", session_id=sid, decode_peer="decode", token_ids=(1, 2, 3)
+            )
+            if role == "prefill"
+            else DecodeOrder(
+                request_id="intruder", session_id=sid, prefill_peer="prefill", token_ids=(1, 2, 3)
+            )
         )
-        got = c.router.prefill[0].client.call(intruder, timeout_s=5)
+        handle = c.router.prefill[0] if role == "prefill" else c.router.decode[0]
+        got = handle.client.call(intruder, timeout_s=5)
         assert got == ErrorReply(reason=f"session {sid!r} is already bound to request 'orig'")
-        assert "intruder" not in c.prefill._requests
+        assert "intruder" not in worker._requests  # type: ignore[attr-defined]
         res = fut.result(timeout=15)
         assert (res.state, res.mismatches) == ("success", 0)
         check_balanced(c.router)

@@ -9,15 +9,43 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from pd_testlib import FAST, MLA, check_balanced, cluster, free_port, prompt, wait_for
+from pd_testlib import (
+    FAST,
+    MLA,
+    base_config,
+    check_balanced,
+    cluster,
+    free_port,
+    prompt,
+    start_slow,
+    wait_for,
+)
 
 from kvplane.cli import build_parser, main
-from kvplane.errors import ConfigError, InvalidArgumentError, ProtocolError
+from kvplane.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    ProtocolError,
+    TransferTimeoutError,
+)
 from kvplane.runtime import serve
 from kvplane.runtime.decode_worker import DecodeWorker
-from kvplane.runtime.messages import Ack, CancelOrder, DecodeOrder, ErrorReply
+from kvplane.runtime.messages import (
+    Ack,
+    AnyMessage,
+    CancelOrder,
+    DecodeOrder,
+    ErrorReply,
+    InfoQuery,
+    PairWith,
+    PrefillOrder,
+    StatsQuery,
+    WorkerInfo,
+    WorkerStats,
+)
 from kvplane.runtime.prefill_worker import PrefillWorker
 from kvplane.runtime.router import Router
+from kvplane.runtime.rpc import Reply, RpcServer
 from kvplane.runtime.synthetic_model import SyntheticDecoder, SyntheticProducer
 from kvplane.runtime.worker_config import WorkerConfig
 
@@ -113,8 +141,8 @@ def test_serve_command_is_registered() -> None:
 
 def test_a_duplicate_request_id_is_refused_before_anything_is_sent() -> None:
     with cluster(replace(MLA, compute_s_per_step=0.05)) as c:
-        rng = np.random.default_rng(0)
-        first = c.router.submit("req", prompt(rng, 200), step_size=32)
+        rng = np.random.default_rng(1)
+        first = start_slow(c, "req")
         calls = (c.prefill.rpc.counters["calls"], c.decode.rpc.counters["calls"])
         with pytest.raises(InvalidArgumentError, match="request 'req' is already in flight"):
             c.router.submit("req", prompt(rng, 50))
@@ -129,8 +157,7 @@ def test_a_duplicate_request_id_is_refused_before_anything_is_sent() -> None:
 
 def test_a_cancel_naming_another_session_never_stops_the_request() -> None:
     with cluster(replace(MLA, compute_s_per_step=0.05)) as c:
-        fut = c.router.submit("req", list(range(200)), step_size=32)
-        wait_for(lambda: "req" in c.prefill._requests and "req" in c.decode._requests)
+        fut = start_slow(c, "req")
         stray = CancelOrder(request_id="req", reason="stray", session_id="req/other.0")
         for w in (c.router.prefill[0], c.router.decode[0]):
             assert w.client.call(stray) == Ack(detail="unknown request")
@@ -153,16 +180,40 @@ def test_a_request_past_its_deadline_fails_and_is_cancelled_on_both_sides() -> N
         )
         assert r.flights_live == 0
         check_balanced(c.router)
+        for w in (c.prefill, c.decode):  # cancelled on both sides, not left to finish
+            ends = [e.detail for e in w.timeline.events("slow") if e.mark == "session_end"]
+            assert ends == ["aborted"], (w.role, ends)
     finally:
         r.close()
         c.close()
 
 
+class SpyDecode(DecodeWorker):
+    """A decode worker that records the request ids of the decode orders it is sent."""
+
+    orders: list[str]
+
+    def _on_order(self, msg: AnyMessage, reply: Reply) -> None:
+        if isinstance(msg, DecodeOrder):
+            self.orders.append(msg.request_id)
+        super()._on_order(msg, reply)
+
+
+class SpyPrefill(PrefillWorker):
+    """A prefill worker that records the cancel orders it is sent: (request id, reason)."""
+
+    cancels: list[tuple[str, str]]
+
+    def _on_order(self, msg: AnyMessage, reply: Reply) -> None:
+        if isinstance(msg, CancelOrder):
+            self.cancels.append((msg.request_id, msg.reason))
+        super()._on_order(msg, reply)
+
+
 def test_an_unreachable_worker_is_marked_down_and_comes_back() -> None:
-    base = WorkerConfig(
-        name="prefill", num_blocks=64, block_size=16, num_slots=16, step_size=32, timings=FAST
-    )
-    p = PrefillWorker(base, SyntheticProducer(MLA))
+    base = base_config()
+    p = SpyPrefill(base, SyntheticProducer(MLA))
+    p.cancels = []
     bind = f"tcp://127.0.0.1:{free_port()}"
     configs = [replace(base, name="d0"), replace(base, name="d1", control_bind=bind)]
     ds = [DecodeWorker(cfg, SyntheticDecoder(MLA)) for cfg in configs]
@@ -179,15 +230,141 @@ def test_an_unreachable_worker_is_marked_down_and_comes_back() -> None:
         assert [g.state for g in got] == ["success", "failed"] * 2
         assert got[1].reason == f"decode worker at {bind} is unreachable"
         assert [r.decode[0].up, r.decode[1].up] == [True, False]
+        gone = f"decode worker at {bind} is unreachable"
+        wait_for(lambda: len(p.cancels) >= 2, what="the cancels of x1 and x3")
+        assert sorted(p.cancels) == [("x1", gone), ("x3", gone)]  # the router cancelled them
         assert [r.generate(f"y{i}", list(range(30))).state for i in range(3)] == ["success"] * 3
-        ds[1] = DecodeWorker(configs[1], SyntheticDecoder(MLA))
+        ds[1] = back = SpyDecode(configs[1], SyntheticDecoder(MLA))
+        back.orders = []
         ds[1].start()
         assert r.refresh() == ["d1"]  # back up (new incarnation): re-paired
         assert [r.generate(f"z{i}", list(range(30))).state for i in range(2)] == ["success"] * 2
         assert ds[1].timeline.events("z0") or ds[1].timeline.events("z1")  # d1 serves again
+        assert "x1" not in back.orders and "x3" not in back.orders  # failed: never delivered
         check_balanced(r)
     finally:
         r.close()
         p.close()
         for d in ds:
             d.close()
+
+
+class FakeWorker:
+    """An order server that answers info queries as ``role`` (but the first ``mute`` ones),
+    stats when ``stats`` is set and pairings when ``pairs`` is, acks prefill orders and leaves
+    everything else unanswered."""
+
+    def __init__(
+        self,
+        role: str,
+        *,
+        stats: bool = False,
+        pairs: bool = True,
+        mute: int = 0,
+        bind: str = "tcp://127.0.0.1:0",
+    ) -> None:
+        self.role, self.stats, self.pairs, self.mute = role, stats, pairs, mute
+        self.seen: list[str] = []
+        self.server = RpcServer(bind, self.handle)
+        self.address = self.server.address
+        self.server.start()
+
+    def handle(self, msg: AnyMessage, reply: Reply) -> None:
+        self.seen.append(type(msg).__name__)
+        if isinstance(msg, InfoQuery) and self.seen.count("InfoQuery") <= self.mute:
+            pass
+        elif isinstance(msg, InfoQuery):
+            reply(
+                WorkerInfo(
+                    role=self.role, peer_id=self.role, pd_address="tcp://127.0.0.1:1",
+                    incarnation=1, transport="tcp",
+                )
+            )  # fmt: skip
+        elif isinstance(msg, StatsQuery) and self.stats:
+            reply(
+                WorkerStats(
+                    peer_id=self.role, counters={}, used_blocks=0, used_slots=0,
+                    sessions_live=0, requests_live=0,
+                )
+            )  # fmt: skip
+        elif isinstance(msg, PrefillOrder) or (isinstance(msg, PairWith) and self.pairs):
+            reply(Ack(detail="accepted"))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_refreshes_keep_one_probe_per_dead_worker() -> None:
+    # a dead worker's unanswered probe is waited for again, never sent again: nothing piles
+    # up for it, and a worker that starts at its address later gets one query, not a backlog
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    alive = FakeWorker("decode")
+    r = Router([addr], [alive.address], timeout_s=1.0, probe_s=0.001)
+    back = None
+    try:
+        for _ in range(200):
+            r.refresh()
+        assert not r.prefill[0].up and r.decode[0].up
+        back = FakeWorker("prefill", bind=addr)
+        wait_for(lambda: r.refresh() == ["prefill"] or r.prefill[0].up, what="prefill back up")
+        time.sleep(0.2)
+        assert back.seen.count("InfoQuery") <= 2, back.seen
+    finally:
+        r.close()
+        alive.close()
+        if back is not None:
+            back.close()
+
+
+def test_a_deadline_is_not_held_up_by_a_pairing() -> None:
+    # the decode worker never answers PairWith: each refresh tries to pair it again
+    p, d = FakeWorker("prefill"), FakeWorker("decode", pairs=False)
+    r = Router([p.address], [d.address], timeout_s=5.0, deadline_s=0.3, refresh_s=0.1, probe_s=0.2)
+    try:
+        with pytest.raises(ProtocolError, match=r"cannot pair: no answer within 0\.2 s"):
+            r.connect()
+        start = time.monotonic()
+        res = r.submit("x", [1, 2, 3]).result(timeout=10)
+        assert time.monotonic() - start < 1.5
+        assert (res.state, res.reason) == (
+            "failed",
+            "no answer within the request deadline (0.3 s)",
+        )
+        assert d.seen.count("PairWith") == 1  # still outstanding: waited for, not resent
+    finally:
+        r.close()
+        p.close()
+        d.close()
+
+
+def test_stats_do_not_wait_for_a_worker_that_is_down() -> None:
+    p, d = FakeWorker("prefill", stats=True), FakeWorker("decode", stats=True)
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    r = Router([p.address], [d.address, dead], timeout_s=3.0, probe_s=0.2)
+    try:
+        r.connect()
+        assert r.worker_counts() == (2, 1)
+        start = time.monotonic()
+        got, missing = r.gather_stats()
+        assert time.monotonic() - start < 1.0
+        assert sorted(got) == ["decode", "prefill"] and missing == [f"{dead} (down)"]
+        with pytest.raises(TransferTimeoutError, match="down"):
+            r.stats()
+    finally:
+        r.close()
+        p.close()
+        d.close()
+
+
+def test_a_probe_a_worker_took_and_never_answered_is_sent_again_after_timeout_s() -> None:
+    p, d = FakeWorker("prefill"), FakeWorker("decode", mute=1)  # as if it died after taking one
+    r = Router([p.address], [d.address], timeout_s=0.5, probe_s=0.05)
+    try:
+        start = time.monotonic()
+        wait_for(lambda: r.refresh() is not None and r.ready(), timeout_s=5, what="decode up")
+        assert 0.4 <= time.monotonic() - start < 3.0
+        assert d.seen.count("InfoQuery") == 2  # the lost one, then one fresh after timeout_s
+    finally:
+        r.close()
+        p.close()
+        d.close()

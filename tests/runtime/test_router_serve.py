@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import ast
+import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
+import msgspec
 import pytest
-from pd_testlib import FAST, MLA, Cluster, check_balanced, cluster, free_port
+from pd_testlib import MLA, Cluster, base_config, check_balanced, cluster, free_port, wait_for
 
+from kvplane.runtime import router as router_module
 from kvplane.runtime.decode_worker import DecodeWorker
 from kvplane.runtime.messages import (
+    REPLY_MARGIN,
     Ack,
+    AnyMessage,
     CancelOrder,
     ErrorReply,
     Generate,
@@ -23,20 +30,20 @@ from kvplane.runtime.messages import (
 )
 from kvplane.runtime.prefill_worker import PrefillWorker
 from kvplane.runtime.router import Router
-from kvplane.runtime.rpc import RpcClient, RpcServer
+from kvplane.runtime.router_serve import RouterService, router_stats
+from kvplane.runtime.rpc import DEFAULT_MAX_FRAME, RpcClient
 from kvplane.runtime.synthetic_model import SyntheticDecoder, SyntheticProducer
-from kvplane.runtime.worker_config import WorkerConfig
 
 
 @pytest.fixture
 def served() -> Iterator[tuple[Cluster, RpcClient]]:
     c = cluster(replace(MLA, compute_s_per_step=0.05))
-    server = RpcServer("tcp://127.0.0.1:0", c.router.handle)
-    server.start()
-    client = RpcClient(server.address, timeout_s=15.0)
+    service = RouterService(c.router, "tcp://127.0.0.1:0")
+    service.start()
+    client = RpcClient(service.address, timeout_s=15.0)
     yield c, client
     client.close()
-    server.close()
+    service.close()
     c.close()
 
 
@@ -79,18 +86,16 @@ def test_stats_are_aggregated_over_the_workers(served: tuple[Cluster, RpcClient]
 
 
 def test_a_generate_while_no_decode_worker_is_up_refreshes_first() -> None:
-    base = WorkerConfig(
-        name="prefill", num_blocks=64, block_size=16, num_slots=16, step_size=32, timings=FAST
-    )
+    base = base_config()
     dcfg = replace(base, name="decode", control_bind=f"tcp://127.0.0.1:{free_port()}")
     p = PrefillWorker(base, SyntheticProducer(MLA))
     d = DecodeWorker(dcfg, SyntheticDecoder(MLA))
     p.start()
     d.start()
     r = Router([p.address], [d.address], timeout_s=5.0, probe_s=0.3)
-    server = RpcServer("tcp://127.0.0.1:0", r.handle)
-    server.start()
-    client = RpcClient(server.address, timeout_s=10.0)
+    service = RouterService(r, "tcp://127.0.0.1:0")
+    service.start()
+    client = RpcClient(service.address, timeout_s=10.0)
     try:
         r.connect()
         d.close()
@@ -103,7 +108,58 @@ def test_a_generate_while_no_decode_worker_is_up_refreshes_first() -> None:
         check_balanced(r)
     finally:
         client.close()
-        server.close()
+        service.close()
         r.close()
         p.close()
         d.close()
+
+
+def test_generates_while_a_role_is_down_share_one_refresh() -> None:
+    dead = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    r = Router(dead[:1], dead[1:], timeout_s=5.0, probe_s=0.5)
+    service = RouterService(r, "tcp://127.0.0.1:0")
+    done: list[tuple[float, AnyMessage]] = []
+    try:
+        start = time.monotonic()
+        for i in range(10):
+            service.handle(
+                Generate(request_id=f"g{i}", token_ids=(1, 2, 3)),
+                lambda m: done.append((time.monotonic() - start, m)),
+            )
+        wait_for(lambda: len(done) == 10, what="ten replies")
+        assert max(t for t, _ in done) < 1.5  # two refreshes of 0.5 s at most (ten in turn: 5 s)
+        assert all(isinstance(m, ErrorReply) and "connect" in m.reason for _, m in done)
+        assert r.refreshes <= 2
+    finally:
+        service.close()
+        r.close()
+
+
+def test_aggregated_stats_fit_the_router_sockets_frame_limit() -> None:
+    with cluster() as c:
+        for i in range(8):
+            assert c.router.generate(f"r{i}", list(range(100))).state == "success"
+        full = router_stats(c.router, 1 << 30, timeline=True)
+        bare = len(msgspec.msgpack.encode(msgspec.structs.replace(full, timeline=())))
+        limit = REPLY_MARGIN + bare + (len(msgspec.msgpack.encode(full)) - bare) // 2
+        assert limit < DEFAULT_MAX_FRAME
+        service = RouterService(c.router, "tcp://127.0.0.1:0", max_frame=limit)
+        service.start()
+        client = RpcClient(service.address, timeout_s=10.0, max_frame=limit)
+        try:
+            got = client.call(StatsQuery(timeline=True))
+            assert isinstance(got, WorkerStats), got  # not an "exceeds the frame" ErrorReply
+            assert got.timeline_truncated > 0 and got.timeline
+        finally:
+            client.close()
+            service.close()
+
+
+def test_the_router_does_not_import_its_server() -> None:
+    # router_serve comes after router in its layer: it imports Router, never the other way
+    tree = ast.parse(Path(router_module.__file__).read_text())
+    names = {
+        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module is not None
+    }
+    assert "kvplane.runtime.router_serve" not in names
+    assert not hasattr(Router, "handle")

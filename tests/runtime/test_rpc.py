@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
+from pd_testlib import free_port
 
-from kvplane.errors import InvalidArgumentError, TransferTimeoutError
+from kvplane.errors import InvalidArgumentError, RemoteDisconnectError, TransferTimeoutError
 from kvplane.runtime.messages import (
     Ack,
     AnyMessage,
@@ -170,3 +171,55 @@ def test_timeout_names_the_call(served: tuple[RpcServer, RpcClient, Echo]) -> No
     with pytest.raises(TransferTimeoutError, match=r"StatsQuery within 0\.1 s"):
         client.call(StatsQuery(), timeout_s=0.1)
     assert client.call(InfoQuery()) == Ack(detail="InfoQuery")
+
+
+def test_a_client_of_a_dead_server_never_blocks_and_can_drop_what_it_queued() -> None:
+    # 1,500 frames is past zmq's send high-water mark (1,000): a blocking send would stick the
+    # loop, and every call after it would wait forever
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    client = RpcClient(addr, timeout_s=0.5)
+    seen: list[str] = []
+    server: RpcServer | None = None
+    fresh: RpcClient | None = None
+    try:
+        futs = [client.call_async(InfoQuery()) for _ in range(1500)]
+        with pytest.raises(TransferTimeoutError, match=r"not sent within 0\.5 s"):
+            futs[-1].result(timeout=3)  # zmq took 1,000: the rest waited, then failed
+        assert client.counters["unsent"] == 500
+        client.close(discard=True)  # at once, and what zmq queued for the address is dropped
+        with pytest.raises(RemoteDisconnectError, match="closed"):
+            futs[0].result(timeout=1)  # taken by zmq, never answered: resolved at the close
+        with pytest.raises(RemoteDisconnectError, match="closed"):
+            client.call_async(InfoQuery()).result(timeout=1)
+
+        def record(msg: AnyMessage, reply: Reply) -> None:
+            seen.append(type(msg).__name__)
+            reply(Ack())
+
+        server = RpcServer(addr, record)
+        server.start()
+        fresh = RpcClient(addr, timeout_s=3.0)
+        assert fresh.call(InfoQuery()) == Ack()
+        time.sleep(0.2)
+        assert seen == ["InfoQuery"]  # only the fresh call: nothing stale arrives
+    finally:
+        client.close()
+        for c in (fresh, server):
+            if c is not None:
+                c.close()
+
+
+def test_a_frame_waits_for_the_connection_to_complete() -> None:
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    client = RpcClient(addr, timeout_s=5.0)
+    server = None
+    try:
+        fut = client.call_async(InfoQuery())  # no server yet: the frame waits in the outbox
+        time.sleep(0.3)
+        server = RpcServer(addr, lambda m, reply: reply(Ack(detail="late")))
+        server.start()
+        assert fut.result(timeout=5) == Ack(detail="late")
+    finally:
+        client.close()
+        if server is not None:
+            server.close()

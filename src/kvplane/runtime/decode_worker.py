@@ -16,9 +16,10 @@ The receiver session decides the outcome (final slice + every slice + exact tili
 ledger decides the memory. On ``Release`` in SUCCESS the destination passes to the request: the
 worker reads the tail record (first token, prompt length and digest). A tail whose length or
 digest is not the order's prompt means the prefill computed other tokens: the request fails and
-nothing is cached. Otherwise the worker runs the :class:`KVDecoder` and, unless it counted
-mismatches, registers the received full blocks in the prefix cache (not for sliding-window
-pools, whose early blocks were never sent), answers the order and frees the table. On any other
+nothing is cached. Otherwise the worker runs the :class:`KVDecoder` and registers the received
+full blocks in the prefix cache (not for sliding-window pools, whose early blocks were never
+sent) — the one place the prompt is marked computed: before a generating decoder runs, after
+a verifying one that counted no mismatches — answers the order and frees the table. On any other
 outcome the answer goes out at ``Finished`` and the blocks are freed at the ledger's
 ``Release`` — which, when the sender's writes may still land (IN_DOUBT), is the fail-closed
 deadline, never earlier. A request that ends before its session opens (cancelled while it waits
@@ -47,6 +48,7 @@ from kvplane.pd.events import Cancel, StartTransfer
 from kvplane.pd.states import Role, SessionState
 from kvplane.runtime.chaos import FaultPlan
 from kvplane.runtime.messages import (
+    NOT_CONNECTED,
     Ack,
     AnyMessage,
     CancelOrder,
@@ -168,7 +170,7 @@ class DecodeWorker(Worker):
             )
         peer = PeerId(order.prefill_peer)
         if not self.endpoint.call(lambda: self.participant.peers.is_live(peer)):
-            raise ProtocolError(f"prefill peer {order.prefill_peer!r} is not connected")
+            raise ProtocolError(f"prefill peer {order.prefill_peer!r} {NOT_CONNECTED}")
         req = _Decode(
             order,
             reply,
@@ -291,6 +293,11 @@ class DecodeWorker(Worker):
             TokenRange(req.prefix_tokens, n),
             req.slot,
         )
+        left = n - req.table.num_computed_tokens
+        cacheable = left > 0 and self.pools.kv.layout.sliding_window is None
+        trusted = not self.decoder.verifies  # the digest matched: its KV is the prompt's
+        if cacheable and trusted:  # before decode, which may grow the table past the prompt
+            req.table.mark_computed(self.pools.blocks, left)
         try:
             out = self.decoder.decode(job, self.pools.kv, self.pools.state)
         except KVPlaneError as exc:  # the request fails; the worker and its memory do not
@@ -300,8 +307,7 @@ class DecodeWorker(Worker):
             return
         self.timeline.record(Mark.DECODE_DONE, rid, detail=str(len(out.tokens)))
         mismatches = out.mismatches
-        left = n - req.table.num_computed_tokens  # a decoder that grew the table marked them
-        if not mismatches and left > 0 and self.pools.kv.layout.sliding_window is None:
+        if cacheable and not trusted and not mismatches:
             req.table.mark_computed(self.pools.blocks, left)  # caches the received blocks
         self._answer(
             req,

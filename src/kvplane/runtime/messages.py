@@ -144,6 +144,13 @@ class WorkerStats(Message, frozen=True, kw_only=True, tag="worker_stats"):
     """Oldest timeline events left out so that the reply fits in one frame (0: none)."""
 
 
+REPLY_MARGIN = 1024
+"""Bytes of a frame kept for the envelope when a stats reply is fitted to a frame limit."""
+NOT_CONNECTED = "is not connected"
+"""The words of a decode worker's refusal of an order naming a prefill peer it has no live
+connection to; the router refreshes (re-pairs) when a refusal contains them."""
+
+
 def fit_timeline(stats: WorkerStats, max_bytes: int) -> WorkerStats:
     """``stats`` with the newest timeline events whose encoded reply fits in ``max_bytes``
     (the rest counted in ``timeline_truncated``); unchanged when it fits already."""

@@ -192,11 +192,13 @@ class ModelProducer(ModelKV):
 class ModelDecoder(ModelKV):
     """:class:`~kvplane.runtime.producer.KVDecoder`: greedy decode from received KV."""
 
+    verifies = False
+
     def decode(self, job: DecodeJob, kv: PoolTensor, state: PoolTensor | None) -> DecodeOutput:
         """``job.max_new_tokens`` tokens (first token included) by one-token steps; grows
-        ``job.table`` through ``job.pool`` (the worker releases it), marking the received prompt
-        computed first (paged, non-sliding pools: its full blocks join the prefix cache).
-        ``InvalidArgumentError`` when the pool runs out of blocks (checked before any step)."""
+        ``job.table`` through ``job.pool`` (the worker marked the received prompt computed and
+        releases the table). ``InvalidArgumentError`` when the pool runs out of blocks (checked
+        before any step)."""
         tokens = [int(job.first_token)]
         if job.max_new_tokens <= 1:
             return DecodeOutput(tokens=tuple(tokens[: job.max_new_tokens]))
@@ -208,9 +210,6 @@ class ModelDecoder(ModelKV):
                 f"request {job.request_id!r}: decoding {job.max_new_tokens} tokens needs {more} "
                 f"more blocks; the decode pool has {job.pool.num_free_blocks} free"
             )
-        left = table.num_tokens - table.num_computed_tokens
-        if kv.layout.sliding_window is None and left > 0:  # the prompt's KV is all here
-            table.mark_computed(job.pool, left)
         cache = self.cache(kv)
         with torch.no_grad():
             while len(tokens) < job.max_new_tokens:

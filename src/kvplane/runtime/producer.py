@@ -71,10 +71,11 @@ class StepOutput:
 class DecodeJob:
     """A request whose KV has arrived: ``table`` (ADMITTED in ``pool``) holds the prompt's
     blocks; ``received`` is the range that moved (``[0, received.start)`` came from the decode
-    pool's prefix cache) and is not yet marked computed: the worker marks it (caching its full
-    blocks) after a decode that counted no mismatches. A decoder that grows ``table`` through
-    ``pool`` (decode tokens) marks the prompt computed first; the worker releases the table
-    afterwards."""
+    pool's prefix cache). The worker alone marks the received prompt computed (caching its full
+    blocks; not in sliding-window pools): before ``decode`` for a decoder that does not verify,
+    so such a decoder finds the whole prompt computed and may grow ``table`` through ``pool``;
+    after a verifying decoder's ``decode`` that counted no mismatches. The worker releases the
+    table afterwards."""
 
     request_id: RequestId
     token_ids: np.ndarray
@@ -128,8 +129,15 @@ class KVProducer(KVModel, Protocol):
 class KVDecoder(KVModel, Protocol):
     """Continues a request from received KV (see the module docstring)."""
 
+    @property
+    def verifies(self) -> bool:
+        """True for a decoder that checks the received KV (its ``mismatches`` decide whether
+        the worker caches the prompt's blocks) rather than generating from it."""
+        ...
+
     def decode(self, job: DecodeJob, kv: PoolTensor, state: PoolTensor | None) -> DecodeOutput:
-        """Generate up to ``job.max_new_tokens`` tokens starting with ``job.first_token``."""
+        """Generate up to ``job.max_new_tokens`` tokens starting with ``job.first_token`` (see
+        :class:`DecodeJob` for what is marked computed when)."""
         ...
 
 

@@ -15,18 +15,21 @@ duplicate is refused before anything is sent), and every follow-up cancel names 
 session id, so it can never stop another request that reuses the id on a worker.
 
 :meth:`Router.refresh` asks every worker who it is (one info query each, answered off the
-worker loop, within ``probe_s``). A worker that does not answer is marked *down*: submit skips
-it and the requests it carries fail at once (the other side is cancelled); it comes back up,
-re-paired, when it answers again. A worker that restarted (new incarnation) is re-paired, and
-the requests its old incarnation carried as decode worker fail. Every request also has a
-deadline (``deadline_s``): one still unanswered then fails with that reason and is cancelled
-on both sides, so no future waits forever. A maintenance thread expires deadlines and, when
-``refresh_s`` is given (``kvplane serve router``), refreshes that often — and at once when a
-decode worker reports a prefill peer "not connected".
+worker loop), then sends every pairing it needs at once, waiting ``probe_s`` for each round.
+A query not answered in time is waited for again by the next refresh, not sent again (one
+outstanding per worker and kind, resent after ``timeout_s``): a dead worker gets no backlog.
+A worker that does not answer is marked *down*: its requests fail at once (the other side is
+cancelled), it gets a new socket (zmq's frames for the old one are dropped, so none reaches
+the next process at its address), submit and stats skip it; it comes back up, re-paired, when
+it answers again. A worker that restarted (new incarnation) is re-paired, and the requests its
+old incarnation carried as decode worker fail. Every request also has a deadline
+(``deadline_s``): one still unanswered then fails and is cancelled on both sides, so no future
+waits forever. One thread expires deadlines every ``TICK_S``, whatever a refresh waits for;
+with ``refresh_s`` (``kvplane serve router``) another refreshes that often, and at once when
+a decode worker reports a prefill peer not connected (``NOT_CONNECTED``).
 
-``kvplane serve router`` wraps a router in an order socket that serves ``Generate``,
-``CancelOrder``, ``InfoQuery`` and ``StatsQuery`` (aggregated over the workers) to clients;
-see :mod:`kvplane.runtime.router_serve`.
+``kvplane serve router`` serves a router on an order socket (``Generate``, ``CancelOrder``,
+``InfoQuery``, aggregated ``StatsQuery``); see :mod:`kvplane.runtime.router_serve`.
 """
 
 from __future__ import annotations
@@ -36,14 +39,16 @@ import operator
 import secrets
 import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Sequence
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
 from kvplane.errors import InvalidArgumentError, KVPlaneError, ProtocolError, TransferTimeoutError
 from kvplane.runtime.messages import (
+    NOT_CONNECTED,
     AnyMessage,
     CancelOrder,
     DecodeOrder,
@@ -57,24 +62,26 @@ from kvplane.runtime.messages import (
     WorkerInfo,
     WorkerStats,
 )
-from kvplane.runtime.router_serve import serve_message
-from kvplane.runtime.rpc import DEFAULT_MAX_FRAME, Reply, RpcClient
+from kvplane.runtime.rpc import RpcClient
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05
-"""How often the maintenance thread looks for expired requests and due refreshes."""
+"""How often the deadline thread looks for expired requests."""
 
 
 @dataclass(slots=True, eq=False)
 class WorkerHandle:
     """A worker as the router sees it: ``up`` while it answers info queries; ``repair`` after a
-    pairing with it failed (tried again at the next refresh)."""
+    pairing with it failed (tried again at the next refresh); ``asked``: the queries sent to it
+    and not answered yet with when they were sent, at most one per message
+    (see :meth:`Router._ask`)."""
 
     address: str
     client: RpcClient
     info: WorkerInfo | None = None
     up: bool = False
     repair: bool = False
+    asked: dict[AnyMessage, tuple[Future[AnyMessage], float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -87,6 +94,7 @@ class _Flight:
     out: Future[RequestResult]
     num_tokens: int
     deadline: float
+    orders: list[tuple[WorkerHandle, Future[AnyMessage]]] = field(default_factory=list)
 
 
 def _positive(name: str, value: object) -> float:
@@ -95,13 +103,20 @@ def _positive(name: str, value: object) -> float:
     return float(value)
 
 
+def _cancel_on(w: WorkerHandle, f: _Flight, reason: str) -> None:
+    """Send ``w`` a cancel of flight ``f``, keyed by its session (never answered to anyone)."""
+    w.client.call_async(
+        CancelOrder(request_id=f.request_id, reason=reason[:4000], session_id=f.session_id)
+    )
+
+
 class Router:
     """Pairs workers and serves requests (see the module docstring). Thread-safe.
 
     ``timeout_s``: per-call wait (and :meth:`generate`'s); ``deadline_s``: a request's whole
     life (default ``max(60, 4 * timeout_s)``); ``refresh_s``: periodic refresh (None: only
-    when called); ``probe_s``: how long a refresh waits for info replies (at most
-    ``timeout_s``). ``max_frame``: the frame limit an aggregated stats reply is fitted to.
+    when called); ``probe_s``: how long a refresh waits for info replies, and then for
+    pairings (at most ``timeout_s``).
     """
 
     def __init__(
@@ -124,7 +139,6 @@ class Router:
         )
         self.refresh_s = None if refresh_s is None else _positive("refresh_s", refresh_s)
         self.probe_s = min(_positive("probe_s", probe_s), self.timeout_s)
-        self.max_frame = DEFAULT_MAX_FRAME
         self.prefill = [WorkerHandle(a, RpcClient(a, timeout_s=timeout_s)) for a in prefill]
         self.decode = [WorkerHandle(a, RpcClient(a, timeout_s=timeout_s)) for a in decode]
         self._tag = secrets.token_hex(4)
@@ -132,22 +146,34 @@ class Router:
         self._flights: dict[str, _Flight] = {}
         self._lock = threading.Lock()
         self._settle_lock = threading.Lock()
+        self._ask_lock = threading.Lock()
         self._refresh_lock = threading.Lock()
+        self._refreshes = 0
         self._refresh_wanted = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._maintain, name="kvplane-router", daemon=True)
-        self._thread.start()
+        loops = [self._expire_loop] + ([self._refresh_loop] if self.refresh_s else [])
+        self._threads = [threading.Thread(target=fn, name="kvplane-router") for fn in loops]
+        for t in self._threads:
+            t.daemon = True
+            t.start()
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10.0)
+        self._refresh_wanted.set()
+        for t in self._threads:
+            if t.is_alive() and threading.current_thread() is not t:
+                t.join(timeout=10.0)
         for w in self.prefill + self.decode:
             w.client.close()
 
     @property
     def workers(self) -> list[WorkerHandle]:
         return self.prefill + self.decode
+
+    @property
+    def refreshes(self) -> int:
+        """Refreshes begun so far (see :meth:`refresh_unless_ready`)."""
+        return self._refreshes
 
     @property
     def flights_live(self) -> int:
@@ -181,25 +207,57 @@ class Router:
         with self._refresh_lock:
             return self._refresh(force)
 
-    def refresh_unless_ready(self) -> None:
-        """Refresh, unless a worker of each role is up (checked once the lock is held)."""
+    def refresh_unless_ready(self, since: int | None = None) -> None:
+        """Refresh, unless a worker of each role is up or, with ``since`` (:attr:`refreshes` as
+        the caller read it), one began (so ended) since; checked under the lock, so callers
+        waiting together share one refresh. ``ProtocolError`` as :meth:`refresh`."""
         with self._refresh_lock:
-            if not self.ready():
+            if not self.ready() and (since is None or self._refreshes <= since):
                 self._refresh(False)
 
-    def _refresh(self, force: bool) -> list[str]:
-        asked = [(w, w.client.call_async(InfoQuery())) for w in self.workers]
-        end = time.monotonic() + self.probe_s
-        changed: list[WorkerHandle] = []
-        for w, fut in asked:
+    def _ask(
+        self, asks: Sequence[tuple[WorkerHandle, AnyMessage]], wait_s: float
+    ) -> list[AnyMessage | None]:
+        """Ask each worker its message, wait ``wait_s`` in all: the replies in order (None: none
+        in time). One not answered yet is waited for again, not resent — unless sent
+        ``timeout_s`` ago or more (a worker that took it and died never answers)."""
+        futs: list[Future[AnyMessage]] = []
+        now = time.monotonic()
+        with self._ask_lock:
+            for w, msg in asks:
+                fut, sent = w.asked.get(msg, (None, now))
+                if fut is not None and not fut.done() and now - sent >= self.timeout_s:
+                    w.client.forget(fut)
+                if fut is None or fut.done():
+                    fut = w.client.call_async(msg)
+                    w.asked[msg] = (fut, now)
+                futs.append(fut)
+        end = time.monotonic() + wait_s
+        out: list[AnyMessage | None] = []
+        for (w, msg), fut in zip(asks, futs, strict=True):
             try:
-                got = fut.result(timeout=max(0.0, end - time.monotonic()))
+                got: AnyMessage | None = fut.result(timeout=max(0.0, end - time.monotonic()))
             except FutureTimeout:
-                w.client.forget(fut)
+                got = None  # still outstanding: the next ask waits for it
+            except (KVPlaneError, CancelledError):  # not sent: asked afresh next time
                 got = None
+            if fut.done():
+                with self._ask_lock:
+                    if w.asked.get(msg, (None, 0.0))[0] is fut:
+                        del w.asked[msg]
+            out.append(got)
+        return out
+
+    def _refresh(self, force: bool) -> list[str]:
+        self._refreshes += 1  # under the refresh lock
+        infos = self._ask([(w, InfoQuery()) for w in self.workers], self.probe_s)
+        changed: list[WorkerHandle] = []
+        gone: list[WorkerHandle] = []
+        for w, got in zip(self.workers, infos, strict=True):
             if not isinstance(got, WorkerInfo):
                 if w.up:
                     log.warning("worker at %s does not answer: marked down", w.address)
+                    gone.append(w)
                 w.up = False
                 continue
             restarted = w.info is None or w.info.incarnation != got.incarnation
@@ -207,28 +265,32 @@ class Router:
                 changed.append(w)
             w.info, w.up, w.repair = got, True, False
         self._fail_orphans()
-        errors: list[str] = []
-        for d in self.decode:
-            for p in self.prefill:
-                if d.up and p.up and (d in changed or p in changed):
-                    errors += [e for e in [self._pair(d, p)] if e]
+        for w in gone:  # a new socket: what zmq still holds for the old one is never delivered
+            old, w.client = w.client, RpcClient(w.address, timeout_s=self.timeout_s)
+            with self._ask_lock:
+                w.asked.clear()
+            old.close(discard=True)
+        errors = self._pair_all(changed)
         if errors:
             raise ProtocolError("; ".join(errors)[:4000])
         return sorted(w.info.peer_id for w in changed if w.info is not None and w.up)
 
-    def _pair(self, d: WorkerHandle, p: WorkerHandle) -> str:
-        """Pair ``d`` with ``p``: "" or what went wrong (``d`` is marked for a re-pair)."""
-        if p.info is None:  # pragma: no cover - refresh fills every info first
-            return f"prefill worker at {p.address} is unknown"
-        try:
-            got = d.client.call(PairWith(pd_address=p.info.pd_address))
-        except TransferTimeoutError as exc:
-            d.repair = True
-            return f"decode worker at {d.address} cannot pair: {exc}"
-        if isinstance(got, ErrorReply):
-            d.repair = True
-            return f"decode worker at {d.address} cannot pair: {got.reason}"
-        return ""
+    def _pair_all(self, changed: list[WorkerHandle]) -> list[str]:
+        """Pair each up decode worker with each up prefill worker, either in ``changed``, all at
+        once within ``probe_s``: what went wrong (a decode worker that failed is re-paired)."""
+        pairs = [
+            (d, PairWith(pd_address=p.info.pd_address))
+            for d in self.decode
+            for p in self.prefill
+            if d.up and p.up and p.info is not None and (d in changed or p in changed)
+        ]
+        errors: list[str] = []
+        for (d, _), got in zip(pairs, self._ask(pairs, self.probe_s), strict=True):
+            if got is None or isinstance(got, ErrorReply):
+                d.repair = True
+                why = f"no answer within {self.probe_s:g} s" if got is None else got.reason
+                errors.append(f"decode worker at {d.address} cannot pair: {why}")
+        return errors
 
     def _fail_orphans(self) -> None:
         """Requests whose decode worker restarted or whose worker is down: fail them now."""
@@ -260,19 +322,18 @@ class Router:
         )
 
     def _abandon(self, f: _Flight, reason: str) -> None:
-        """Fail a flight the router gave up on and cancel it wherever it may still live."""
+        """Fail a flight the router gave up on, forget its orders (one not sent yet never is)
+        and cancel it on its workers that are up. Limit: a worker down is never sent the cancel;
+        if it was only unreachable a while, it runs the request until the PD deadline ends it."""
         self._settle(f.out, self._failed(f, reason))
+        for w, fut in f.orders:
+            w.client.forget(fut)
         for w in (f.prefill, f.decode):
             if w.up:
-                w.client.call_async(
-                    CancelOrder(
-                        request_id=f.request_id, reason=reason[:4000], session_id=f.session_id
-                    )
-                )
+                _cancel_on(w, f, reason)
 
-    def _maintain(self) -> None:
-        """Maintenance thread: expire deadlines; refresh when due or asked (``refresh_s``)."""
-        due = time.monotonic() + (self.refresh_s or 0.0)
+    def _expire_loop(self) -> None:
+        """Deadline thread: fail and cancel the flights past their deadline (waits on nothing)."""
         while not self._stop.wait(TICK_S):
             now = time.monotonic()
             with self._lock:
@@ -280,17 +341,27 @@ class Router:
                 for f in late:
                     del self._flights[f.request_id]
             for f in late:
-                self._abandon(f, f"no answer within the request deadline ({self.deadline_s:g} s)")
-            if self.refresh_s is None or (now < due and not self._refresh_wanted.is_set()):
-                continue
+                try:
+                    self._abandon(
+                        f, f"no answer within the request deadline ({self.deadline_s:g} s)"
+                    )
+                except Exception:  # a bug must not stop the deadline thread
+                    log.exception("router deadline expiry failed")
+
+    def _refresh_loop(self) -> None:
+        """Refresh thread (with ``refresh_s``): refresh that often, and at once when asked."""
+        period = self.refresh_s or TICK_S
+        while not self._stop.is_set():
+            self._refresh_wanted.wait(period)
             self._refresh_wanted.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.refresh()
             except KVPlaneError as exc:
                 log.warning("router refresh: %s", exc)
-            except Exception:  # a bug must not stop the maintenance thread
+            except Exception:  # a bug must not stop the refresh thread
                 log.exception("router refresh failed")
-            due = time.monotonic() + self.refresh_s
 
     # -- requests --------------------------------------------------------------------------------
     def _pick(self, ws: list[WorkerHandle], n: int, role: str) -> tuple[WorkerHandle, WorkerInfo]:
@@ -353,36 +424,34 @@ class Router:
                 max_new_tokens=max_new_tokens,
             )
         )
+        flight.orders += [(p, pre), (d, dec)]
         pre.add_done_callback(lambda f: self._on_prefill(flight, f))
         dec.add_done_callback(lambda f: self._on_decode(flight, f))
         return flight.out
 
     def _on_prefill(self, flight: _Flight, f: Future[AnyMessage]) -> None:
-        got = f.result() if not f.cancelled() else None
+        if f.cancelled():  # forgotten: the router gave up on the request
+            return
+        exc = f.exception()
+        got = f.result() if exc is None else ErrorReply(reason=str(exc)[:4000])
         if isinstance(got, ErrorReply):  # the decode side answers the order when it stops
-            reason = f"prefill refused: {got.reason}"[:4000]
-            flight.decode.client.call_async(
-                CancelOrder(
-                    request_id=flight.request_id, reason=reason, session_id=flight.session_id
-                )
-            )
+            _cancel_on(flight.decode, flight, f"prefill refused: {got.reason}")
 
     def _on_decode(self, flight: _Flight, f: Future[AnyMessage]) -> None:
         with self._lock:
             if self._flights.get(flight.request_id) is flight:
                 del self._flights[flight.request_id]
-        got = f.result() if not f.cancelled() else None
+        if f.cancelled():  # forgotten: whoever gave up on the request settled it
+            return
+        exc = f.exception()
+        got = f.result() if exc is None else ErrorReply(reason=str(exc)[:4000])
         if isinstance(got, RequestResult):
             self._settle(flight.out, got)
             return
         reason = got.reason if isinstance(got, ErrorReply) else f"unexpected reply {got!r}"
-        if "not connected" in reason:  # a pairing was lost: refresh now (with refresh_s)
+        if NOT_CONNECTED in reason:  # a pairing was lost: refresh now (with refresh_s)
             self._refresh_wanted.set()
-        flight.prefill.client.call_async(
-            CancelOrder(
-                request_id=flight.request_id, reason=reason[:4000], session_id=flight.session_id
-            )
-        )
+        _cancel_on(flight.prefill, flight, reason)
         self._settle(flight.out, self._failed(flight, reason))
 
     def generate(
@@ -403,46 +472,29 @@ class Router:
             flight = self._flights.get(request_id)
         if flight is None:
             return False
-        w = flight.decode if side == "decode" else flight.prefill
-        w.client.call_async(
-            CancelOrder(request_id=request_id, reason=reason, session_id=flight.session_id)
-        )
+        _cancel_on(flight.decode if side == "decode" else flight.prefill, flight, reason)
         return True
 
     # -- observation -----------------------------------------------------------------------------
     def gather_stats(self, *, timeline: bool = False) -> tuple[dict[str, WorkerStats], list[str]]:
-        """Stats of every worker not marked down, by peer id, waiting at most ``timeout_s`` in
-        all; and the addresses (with why) of the workers that gave none."""
-        asked = [
-            (w, w.client.call_async(StatsQuery(timeline=timeline)))
-            for w in self.workers
-            if w.up or w.info is None
-        ]
-        end = time.monotonic() + self.timeout_s
+        """Stats of every worker that is up, by peer id, waiting at most ``timeout_s`` in all;
+        and the addresses (with why) of the workers that gave none: the up ones that did not
+        answer, and every worker down (or never heard from), which is not asked or waited for."""
+        up = [w for w in self.workers if w.up]
+        got_all = self._ask([(w, StatsQuery(timeline=timeline)) for w in up], self.timeout_s)
         out: dict[str, WorkerStats] = {}
-        missing: list[str] = []
-        for w, fut in asked:
-            try:
-                got = fut.result(timeout=max(0.0, end - time.monotonic()))
-            except FutureTimeout:
-                w.client.forget(fut)
-                missing.append(f"{w.address} (no reply)")
-                continue
+        missing = [f"{w.address} (down)" for w in self.workers if not w.up]
+        for w, got in zip(up, got_all, strict=True):
             if isinstance(got, WorkerStats):
                 out[got.peer_id] = got
             else:
-                missing.append(f"{w.address} ({got!r})"[:500])
+                missing.append(f"{w.address} ({'no reply' if got is None else repr(got)})"[:500])
         return out, missing
 
     def stats(self, *, timeline: bool = False) -> dict[str, WorkerStats]:
-        """Stats of every worker not marked down; ``TransferTimeoutError`` naming those that
-        gave none within ``timeout_s``."""
+        """Stats of every worker; ``TransferTimeoutError`` naming those that gave none (down,
+        or no reply within ``timeout_s``)."""
         out, missing = self.gather_stats(timeline=timeline)
         if missing:
             raise TransferTimeoutError(f"no stats from {', '.join(missing)}"[:4000])
         return out
-
-    # -- serving clients -------------------------------------------------------------------------
-    def handle(self, msg: AnyMessage, reply: Reply) -> None:
-        """Order-socket handler of ``kvplane serve router`` (see :mod:`router_serve`)."""
-        serve_message(self, msg, reply)

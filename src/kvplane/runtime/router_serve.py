@@ -1,103 +1,124 @@
-"""What a client may ask ``kvplane serve router`` (the router's order-socket handler).
+"""What a client may ask ``kvplane serve router``: :class:`RouterService`, the router's
+order socket.
 
 - ``Generate``: :meth:`Router.submit`; answered with the request's ``RequestResult`` (failed by
   the router's request deadline at the latest), or refused with an ``ErrorReply`` (invalid
   values, a request id already in flight, no worker of a role up). While no worker of a role is
-  up, the router first refreshes once (off the server thread), then submits or refuses.
+  up, the router first refreshes (off the server thread), then submits or refuses. Generates
+  share refreshes: one runs its own only if none began since it arrived
+  (:meth:`Router.refresh_unless_ready`), so a burst costs at most two (the one already running
+  when it came, one after), not one each.
 - ``CancelOrder``: :meth:`Router.cancel` on the decode side; ``Ack`` ("cancelling" or
   "unknown request").
 - ``InfoQuery``: a ``WorkerInfo`` with role and peer id ``router``.
 - ``StatsQuery``: one ``WorkerStats`` aggregated over the workers (peer id ``router``, see
-  :func:`aggregate`), gathered off the server thread.
+  :func:`aggregate`), gathered off the server thread and fitted to the server's frame limit.
 - anything else: ``ErrorReply``.
 
-The handler never blocks the server thread: a refresh and a stats gathering run on a helper
-thread each; every message is answered.
+The handler never blocks the server thread: refreshes and stats gatherings run on one executor
+of at most ``helpers`` threads (more wait their turn); every message is answered.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Protocol
+from concurrent.futures import ThreadPoolExecutor
 
-from kvplane.errors import KVPlaneError
+from kvplane.errors import InvalidArgumentError, KVPlaneError
 from kvplane.runtime.messages import (
+    REPLY_MARGIN,
     Ack,
     AnyMessage,
     CancelOrder,
     ErrorReply,
     Generate,
     InfoQuery,
-    RequestResult,
     StatsQuery,
     WorkerInfo,
     WorkerStats,
     fit_timeline,
 )
-from kvplane.runtime.rpc import Reply
+from kvplane.runtime.router import Router
+from kvplane.runtime.rpc import DEFAULT_MAX_FRAME, Reply, RpcServer
 
 log = logging.getLogger(__name__)
-REPLY_MARGIN = 1024
-"""Bytes of a frame kept for the envelope when the aggregated stats are fitted to it."""
+HELPERS = 4
+"""Default number of helper threads of a :class:`RouterService`."""
 
 
-class Router(Protocol):
-    """What serving needs of a :class:`kvplane.runtime.router.Router`."""
+class RouterService:
+    """``router`` served on an order socket bound at ``bind`` (see the module docstring).
+    :meth:`start` serves, :meth:`close` stops the socket and the helpers (not the router).
+    ``InvalidArgumentError`` for ``helpers`` < 1."""
 
-    max_frame: int
-
-    @property
-    def flights_live(self) -> int: ...
-
-    def ready(self) -> bool: ...
-
-    def refresh_unless_ready(self) -> None: ...
-
-    def worker_counts(self) -> tuple[int, int]:
-        """Workers up, workers down."""
-        ...
-
-    def submit(
+    def __init__(
         self,
-        request_id: str,
-        token_ids: tuple[int, ...] | list[int],
+        router: Router,
+        bind: str,
         *,
-        max_new_tokens: int = 1,
-        step_size: int = 0,
-    ) -> Future[RequestResult]: ...
+        name: str = "kvplane-router",
+        max_frame: int = DEFAULT_MAX_FRAME,
+        helpers: int = HELPERS,
+    ) -> None:
+        if isinstance(helpers, bool) or not isinstance(helpers, int) or helpers < 1:
+            raise InvalidArgumentError(f"helpers must be a positive int, got {helpers!r}")
+        self.router = router
+        self._pool = ThreadPoolExecutor(helpers, thread_name_prefix="kvplane-router-helper")
+        self.server = RpcServer(bind, self.handle, name=name, max_frame=max_frame)
+        self.address = self.server.address
 
-    def cancel(
-        self, request_id: str, *, side: str = "decode", reason: str = "cancelled"
-    ) -> bool: ...
+    def start(self) -> None:
+        self.server.start()
 
-    def gather_stats(
-        self, *, timeline: bool = False
-    ) -> tuple[dict[str, WorkerStats], list[str]]: ...
+    def close(self) -> None:
+        self.server.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-
-def serve_message(router: Router, msg: AnyMessage, reply: Reply) -> None:
-    """Answer one client message (see the module docstring). A ``KVPlaneError`` raised here
-    is answered by the order server with an ``ErrorReply``."""
-    if isinstance(msg, Generate):
-        if router.ready():
-            _submit(router, msg, reply)
+    def handle(self, msg: AnyMessage, reply: Reply) -> None:
+        """Answer one client message (see the module docstring). A ``KVPlaneError`` raised here
+        is answered by the order server with an ``ErrorReply``."""
+        router = self.router
+        if isinstance(msg, Generate):
+            if router.ready():
+                _submit(router, msg, reply)
+            else:
+                since = router.refreshes
+                self._off_thread(lambda: _refresh_then_submit(router, since, msg, reply), reply)
+        elif isinstance(msg, CancelOrder):
+            ok = router.cancel(msg.request_id, reason=msg.reason)
+            reply(Ack(detail="cancelling" if ok else "unknown request"))
+        elif isinstance(msg, InfoQuery):
+            reply(
+                WorkerInfo(
+                    role="router", peer_id="router", pd_address="", incarnation=0, transport=""
+                )
+            )
+        elif isinstance(msg, StatsQuery):
+            limit = self.server.max_frame - REPLY_MARGIN
+            self._off_thread(
+                lambda: reply(router_stats(router, limit, timeline=msg.timeline)), reply
+            )
         else:
-            _off_thread(lambda: _refresh_then_submit(router, msg, reply), reply)
-    elif isinstance(msg, CancelOrder):
-        ok = router.cancel(msg.request_id, reason=msg.reason)
-        reply(Ack(detail="cancelling" if ok else "unknown request"))
-    elif isinstance(msg, InfoQuery):
-        reply(
-            WorkerInfo(role="router", peer_id="router", pd_address="", incarnation=0, transport="")
-        )
-    elif isinstance(msg, StatsQuery):
-        _off_thread(lambda: reply(router_stats(router, timeline=msg.timeline)), reply)
-    else:
-        reply(ErrorReply(reason=f"the router does not take {type(msg).__name__}"))
+            reply(ErrorReply(reason=f"the router does not take {type(msg).__name__}"))
+
+    def _off_thread(self, work: Callable[[], None], reply: Reply) -> None:
+        """Run ``work`` on a helper; whatever it raises is answered as an ``ErrorReply``."""
+
+        def run() -> None:
+            try:
+                work()
+            except KVPlaneError as exc:
+                reply(ErrorReply(reason=str(exc)[:4000]))
+            except Exception as exc:  # a bug: answer it, log it
+                log.exception("router handler error")
+                reply(ErrorReply(reason=f"internal error: {type(exc).__name__}: {exc}"[:4000]))
+
+        try:
+            self._pool.submit(run)
+        except RuntimeError:  # closing: the executor takes no more work
+            reply(ErrorReply(reason="the router is shutting down"))
 
 
 def _submit(router: Router, msg: Generate, reply: Reply) -> None:
@@ -107,31 +128,16 @@ def _submit(router: Router, msg: Generate, reply: Reply) -> None:
     fut.add_done_callback(lambda f: reply(f.result()))
 
 
-def _refresh_then_submit(router: Router, msg: Generate, reply: Reply) -> None:
+def _refresh_then_submit(router: Router, since: int, msg: Generate, reply: Reply) -> None:
     try:
-        router.refresh_unless_ready()
+        router.refresh_unless_ready(since)
     except KVPlaneError as exc:  # some pairing failed: submit to what is up
         log.warning("router refresh: %s", exc)
     _submit(router, msg, reply)
 
 
-def _off_thread(work: Callable[[], None], reply: Reply) -> None:
-    """Run ``work`` on a helper thread; whatever it raises is answered as an ``ErrorReply``."""
-
-    def run() -> None:
-        try:
-            work()
-        except KVPlaneError as exc:
-            reply(ErrorReply(reason=str(exc)[:4000]))
-        except Exception as exc:  # a bug: answer it, log it
-            log.exception("router handler error")
-            reply(ErrorReply(reason=f"internal error: {type(exc).__name__}: {exc}"[:4000]))
-
-    threading.Thread(target=run, name="kvplane-router-helper", daemon=True).start()
-
-
-def router_stats(router: Router, *, timeline: bool = False) -> WorkerStats:
-    """The workers' stats aggregated (:func:`aggregate`), fitted to the router's frame limit."""
+def router_stats(router: Router, max_bytes: int, *, timeline: bool = False) -> WorkerStats:
+    """The workers' stats aggregated (:func:`aggregate`), fitted to ``max_bytes``."""
     got, missing = router.gather_stats(timeline=timeline)
     up, down = router.worker_counts()
     own = {
@@ -141,7 +147,7 @@ def router_stats(router: Router, *, timeline: bool = False) -> WorkerStats:
         "router_workers_missing": len(missing),
     }
     stats = aggregate(list(got.values()), own, requests_live=router.flights_live)
-    return fit_timeline(stats, router.max_frame - REPLY_MARGIN)
+    return fit_timeline(stats, max_bytes)
 
 
 def aggregate(stats: list[WorkerStats], own: dict[str, int], *, requests_live: int) -> WorkerStats:

@@ -13,6 +13,18 @@ server replies ``ErrorReply(reason)`` to that call id, the client resolves that 
 with one. A reply that would not fit in ``max_frame`` bytes is replaced by an ``ErrorReply``
 naming its size (a frame over the peer's limit would be dropped by zmq, with the connection).
 
+Sending never blocks a loop. A frame the socket cannot take now (zmq's send high-water mark
+reached: the peer is gone or not reading) waits in the loop's bounded outbox (at most
+``MAX_HELD`` frames) for at most ``send_wait_s`` (the client's ``timeout_s``); a call whose
+frame is not taken by then, or finds the outbox full, resolves with ``TransferTimeoutError``.
+A call forgotten (:meth:`~RpcClient.forget`) before its frame left is not sent at all. zmq
+keeps the frames it took for a peer that is gone and hands them to the next process at that
+address; a caller that must not deliver them closes the client with ``discard=True`` (they
+are dropped) and connects a new one. (``zmq.IMMEDIATE`` would drop them too, but it also
+drops a reply that arrives just before its server closes the connection.) Closing a client
+resolves every call still waiting with ``RemoteDisconnectError``, and so does a call made
+after it closed.
+
 The server calls ``handler(message, reply)`` on its loop thread; the handler must not block: it
 answers at once or keeps ``reply`` and calls it later from any thread (a decode order is
 answered when the request ends). A handler that raises is answered with an ``ErrorReply``
@@ -28,7 +40,8 @@ import itertools
 import logging
 import queue
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -37,7 +50,12 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from kvplane.errors import InvalidArgumentError, KVPlaneError, TransferTimeoutError
+from kvplane.errors import (
+    InvalidArgumentError,
+    KVPlaneError,
+    RemoteDisconnectError,
+    TransferTimeoutError,
+)
 from kvplane.runtime.messages import RUNTIME_VERSION, AnyMessage, Envelope, ErrorReply
 
 log = logging.getLogger(__name__)
@@ -57,6 +75,19 @@ class _Head(msgspec.Struct, frozen=True, array_like=True):
 
 _head_decoder = msgspec.msgpack.Decoder(_Head)
 _MAX_CALL_ID = 1 << 62
+MAX_HELD = 1024
+"""Most frames a loop keeps waiting for its socket to take them (the outbox bound)."""
+SERVER_SEND_WAIT_S = 10.0
+"""How long a server's reply may wait for its socket (a ROUTER drops rather than waits)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Outgoing:
+    """One multipart frame to send, the call it starts (None: a reply) and when it expires."""
+
+    parts: list[bytes]
+    call_id: int | None
+    expires: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +98,12 @@ class Refused:
     reason: str
 
 
+def _fail(fut: Future[AnyMessage], exc: KVPlaneError) -> None:
+    """Resolve ``fut`` with ``exc`` unless it was cancelled (forgotten) already."""
+    if fut.set_running_or_notify_cancel():
+        fut.set_exception(exc)
+
+
 def encode(call_id: int, body: AnyMessage) -> bytes:
     return _encoder.encode(Envelope(version=RUNTIME_VERSION, call_id=call_id, body=body))
 
@@ -74,10 +111,17 @@ def encode(call_id: int, body: AnyMessage) -> bytes:
 class _Loop:
     """One socket, one loop thread, a queue of outgoing multipart frames and a wake-up socket."""
 
-    def __init__(self, kind: int, name: str, max_frame: int) -> None:
+    def __init__(self, kind: int, name: str, max_frame: int, send_wait_s: float) -> None:
         if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame <= 0:
             raise InvalidArgumentError(f"max_frame must be a positive int, got {max_frame!r}")
+        if (
+            isinstance(send_wait_s, bool)
+            or not isinstance(send_wait_s, int | float)
+            or not send_wait_s > 0
+        ):
+            raise InvalidArgumentError(f"timeout_s must be a positive number, got {send_wait_s!r}")
         self.max_frame = max_frame
+        self.send_wait_s = float(send_wait_s)
         self.counters: Counter[str] = Counter()
         self._ctx = zmq.Context()
         self.sock: zmq.Socket[bytes] = self._ctx.socket(kind)
@@ -90,7 +134,8 @@ class _Loop:
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(wake)
         self._push_lock = threading.Lock()
-        self._out: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
+        self._out: queue.SimpleQueue[_Outgoing] = queue.SimpleQueue()
+        self._held: deque[_Outgoing] = deque()  # the loop thread's own
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
@@ -99,8 +144,8 @@ class _Loop:
         if not self._thread.is_alive():
             self._thread.start()
 
-    def _send_later(self, parts: list[bytes]) -> None:
-        self._out.put(parts)
+    def _send_later(self, parts: list[bytes], call_id: int | None = None) -> None:
+        self._out.put(_Outgoing(parts, call_id, time.monotonic() + self.send_wait_s))
         with self._push_lock, contextlib.suppress(zmq.ZMQError):
             self._push.send(b"", zmq.NOBLOCK)
 
@@ -110,14 +155,15 @@ class _Loop:
         poller.register(self._pull, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                ready = dict(poller.poll(50))
+                waiting = bool(self._held)
+                poller.modify(self.sock, zmq.POLLIN | (zmq.POLLOUT if waiting else 0))
+                ready = dict(poller.poll(10 if waiting else 50))
                 if self._pull in ready:
                     with contextlib.suppress(zmq.Again):
                         while True:
                             self._pull.recv(zmq.NOBLOCK)
-                while not self._out.empty():
-                    self.sock.send_multipart(self._out.get_nowait())
-                if self.sock in ready:
+                self._flush()
+                if int(ready.get(self.sock, 0)) & zmq.POLLIN:
                     with contextlib.suppress(zmq.Again):
                         for _ in range(64):
                             self._on_frames(self.sock.recv_multipart(zmq.NOBLOCK))
@@ -130,8 +176,39 @@ class _Loop:
                 self.counters["loop_errors"] += 1
                 log.exception("rpc loop error (the loop keeps serving)")
         with contextlib.suppress(zmq.ZMQError):  # closing: hand over the last replies
-            while not self._out.empty():
-                self.sock.send_multipart(self._out.get_nowait(), zmq.NOBLOCK)
+            self._flush()
+
+    def _flush(self) -> None:
+        """Hand the socket what it takes now, without blocking; keep the rest in the bounded
+        outbox until it expires (see the module docstring). Loop thread only."""
+        while not self._out.empty():
+            item = self._out.get_nowait()
+            if len(self._held) >= MAX_HELD:
+                self._unsent(item, f"{MAX_HELD} frames already wait to be sent")
+            else:
+                self._held.append(item)
+        while self._held:
+            item = self._held[0]
+            if not self._wanted(item):
+                self._held.popleft()
+                self.counters["unsent_forgotten"] += 1
+                continue
+            try:
+                self.sock.send_multipart(item.parts, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._held.popleft()
+        now = time.monotonic()
+        while self._held and self._held[0].expires <= now:
+            self._unsent(self._held.popleft(), f"not sent within {self.send_wait_s:g} s")
+
+    def _wanted(self, item: _Outgoing) -> bool:
+        """Whether a frame waiting in the outbox should still be sent."""
+        return True
+
+    def _unsent(self, item: _Outgoing, why: str) -> None:
+        """A frame the socket did not take: dropped and counted."""
+        self.counters["unsent"] += 1
 
     def _on_frames(self, parts: list[bytes]) -> None:
         raise NotImplementedError
@@ -165,7 +242,9 @@ class _Loop:
         self.counters[f"refused_{kind}"] += 1
         return Refused(head.call_id, reason[:4000])
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 500) -> None:
+        """Stop the loop and close the socket; frames already handed to zmq may still leave
+        for ``linger_ms`` (bounded)."""
         if self._closed:
             return
         self._closed = True
@@ -175,7 +254,7 @@ class _Loop:
         with self._push_lock:
             self._push.close(linger=0)
         self._pull.close(linger=0)
-        self.sock.close(linger=500)  # bounded: replies already queued may still leave
+        self.sock.close(linger=linger_ms)
         self._ctx.term()
 
 
@@ -190,7 +269,7 @@ class RpcServer(_Loop):
         name: str = "kvplane-rpc",
         max_frame: int = DEFAULT_MAX_FRAME,
     ) -> None:
-        super().__init__(zmq.ROUTER, name, max_frame)
+        super().__init__(zmq.ROUTER, name, max_frame, SERVER_SEND_WAIT_S)
         self._handler = handler
         self.sock.bind(bind)
         self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -231,34 +310,56 @@ class RpcServer(_Loop):
 
 
 class RpcClient(_Loop):
-    """Calls a server at ``address``; thread-safe (any thread may call)."""
+    """Calls a server at ``address``; thread-safe (any thread may call). ``timeout_s``: how
+    long :meth:`call` waits, and how long a frame may wait to be sent (module docstring)."""
 
     def __init__(
         self, address: str, *, timeout_s: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME
     ) -> None:
-        super().__init__(zmq.DEALER, "kvplane-rpc-client", max_frame)
+        super().__init__(zmq.DEALER, "kvplane-rpc-client", max_frame, timeout_s)
         self.address = address
         self.timeout_s = timeout_s
         self.sock.connect(address)
         self._ids = itertools.count(1)
         self._futures: dict[int, Future[AnyMessage]] = {}
         self._lock = threading.Lock()
+        self._client_closed = False
         self.start()
 
+    def close(self, linger_ms: int = 500, *, discard: bool = False) -> None:
+        """Close (``discard``: drop every frame not yet sent, at once) and resolve the calls
+        still waiting with ``RemoteDisconnectError``."""
+        with self._lock:
+            self._client_closed = True
+            waiting = list(self._futures.values())
+            self._futures.clear()
+        super().close(0 if discard else linger_ms)
+        for fut in waiting:
+            _fail(fut, RemoteDisconnectError(f"the client of {self.address} is closed"))
+
     def call_async(self, msg: AnyMessage) -> Future[AnyMessage]:
-        """Send ``msg``; its reply resolves the future (never, if the server is gone)."""
+        """Send ``msg``; its reply resolves the future. It fails with ``TransferTimeoutError``
+        when the frame is not sent in time, with ``RemoteDisconnectError`` when the client is
+        closed (see the module docstring); it never resolves when the server took the frame
+        and died."""
         return self._start(msg)[1]
 
     def _start(self, msg: AnyMessage) -> tuple[int, Future[AnyMessage]]:
         fut: Future[AnyMessage] = Future()
         call_id = next(self._ids)
         with self._lock:
-            self._futures[call_id] = fut
-        self._send_later([encode(call_id, msg)])
+            closed = self._client_closed
+            if not closed:
+                self._futures[call_id] = fut
+        if closed:
+            _fail(fut, RemoteDisconnectError(f"the client of {self.address} is closed"))
+        else:
+            self._send_later([encode(call_id, msg)], call_id)
         return call_id, fut
 
     def forget(self, fut: Future[AnyMessage]) -> None:
-        """Stop waiting for ``fut`` (its late reply is counted and dropped)."""
+        """Stop waiting for ``fut`` (its late reply is counted and dropped); a frame of it that
+        still waits in the outbox is not sent."""
         with self._lock:
             for call_id, known in list(self._futures.items()):
                 if known is fut:
@@ -278,6 +379,17 @@ class RpcClient(_Loop):
             raise TransferTimeoutError(
                 f"no reply from {self.address} to {type(msg).__name__} within {wait} s"
             ) from None
+
+    def _wanted(self, item: _Outgoing) -> bool:
+        with self._lock:
+            return item.call_id is None or item.call_id in self._futures
+
+    def _unsent(self, item: _Outgoing, why: str) -> None:
+        self.counters["unsent"] += 1
+        with self._lock:
+            fut = None if item.call_id is None else self._futures.pop(item.call_id, None)
+        if fut is not None:
+            _fail(fut, TransferTimeoutError(f"no call to {self.address}: {why}"))
 
     def _on_frames(self, parts: list[bytes]) -> None:
         if len(parts) != 1:

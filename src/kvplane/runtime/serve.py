@@ -39,7 +39,7 @@ from kvplane.runtime.model_adapter import DTYPES, ModelDecoder, ModelProducer, M
 from kvplane.runtime.prefill_worker import PrefillWorker
 from kvplane.runtime.prefix_offload import PrefixSettings
 from kvplane.runtime.router import Router
-from kvplane.runtime.rpc import RpcServer
+from kvplane.runtime.router_serve import RouterService
 from kvplane.runtime.synthetic_model import SyntheticDecoder, SyntheticProducer, SyntheticSpec
 from kvplane.runtime.worker import Worker
 from kvplane.runtime.worker_config import LOOPBACK, WorkerConfig
@@ -218,15 +218,15 @@ def run(args: argparse.Namespace) -> int:
             args.prefill, args.decode, timeout_s=args.timeout,
             deadline_s=args.request_deadline, refresh_s=args.refresh,
         )  # fmt: skip
-        server = RpcServer(args.control, router.handle, name="kvplane-router")
+        service = RouterService(router, args.control)
         try:
             router.connect()
-            server.start()
-            _announce(role="router", name="router", control=server.address, pd="",
+            service.start()
+            _announce(role="router", name="router", control=service.address, pd="",
                       incarnation=0)  # fmt: skip
             _wait(threading.Event())
         finally:
-            server.close()
+            service.close()
             router.close()
         return 0
     worker = build_worker(args)

@@ -169,6 +169,8 @@ class SyntheticProducer(SyntheticModel):
 class SyntheticDecoder(SyntheticModel):
     """:class:`~kvplane.runtime.producer.KVDecoder` that verifies instead of generating."""
 
+    verifies = True
+
     def decode(self, job: DecodeJob, kv: PoolTensor, state: PoolTensor | None) -> DecodeOutput:
         n = len(job.token_ids)
         bad = self.kv.mismatches(

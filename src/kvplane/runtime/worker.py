@@ -34,6 +34,7 @@ from kvplane.pd.participant import Participant
 from kvplane.pd.states import SessionState
 from kvplane.runtime.chaos import FaultPlan, FaultyEndpoint, FaultyTransport
 from kvplane.runtime.messages import (
+    REPLY_MARGIN,
     Ack,
     AnyMessage,
     ErrorReply,
@@ -56,8 +57,6 @@ from kvplane.transports.registry import create_transport
 log = logging.getLogger(__name__)
 GAUGE_PERIOD_S = 0.5
 """How often the worker loop refreshes the sessions-by-state and live-request gauges."""
-REPLY_MARGIN = 1024
-"""Bytes of a frame kept for the envelope when a stats reply is fitted to the frame limit."""
 
 
 def make_transport(
