@@ -179,28 +179,32 @@ class _Loop:
             self._flush()
 
     def _flush(self) -> None:
-        """Hand the socket what it takes now, without blocking; keep the rest in the bounded
-        outbox until it expires (see the module docstring). Loop thread only."""
+        """Hand the socket what it takes now, without blocking; keep the rest, in order, in the
+        bounded outbox until it expires (see the module docstring). Loop thread only."""
+        while self._held and self._offer(self._held[0]):
+            self._held.popleft()
         while not self._out.empty():
             item = self._out.get_nowait()
-            if len(self._held) >= MAX_HELD:
-                self._unsent(item, f"{MAX_HELD} frames already wait to be sent")
-            else:
-                self._held.append(item)
-        while self._held:
-            item = self._held[0]
-            if not self._wanted(item):
-                self._held.popleft()
-                self.counters["unsent_forgotten"] += 1
-                continue
-            try:
-                self.sock.send_multipart(item.parts, zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self._held.popleft()
+            if self._held or not self._offer(item):
+                if len(self._held) >= MAX_HELD:
+                    self._unsent(item, f"{MAX_HELD} frames already wait to be sent")
+                else:
+                    self._held.append(item)
         now = time.monotonic()
         while self._held and self._held[0].expires <= now:
             self._unsent(self._held.popleft(), f"not sent within {self.send_wait_s:g} s")
+
+    def _offer(self, item: _Outgoing) -> bool:
+        """Whether ``item`` is done with: sent now, or forgotten (not sent, counted); False if
+        the socket cannot take it now."""
+        if not self._wanted(item):
+            self.counters["unsent_forgotten"] += 1
+            return True
+        try:
+            self.sock.send_multipart(item.parts, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def _wanted(self, item: _Outgoing) -> bool:
         """Whether a frame waiting in the outbox should still be sent."""
