@@ -95,6 +95,13 @@ def test_bad_sources_raise_config_error(kwargs: dict[str, object], match: str) -
         resolve(PoolConfig, "pool", **kwargs)  # type: ignore[arg-type]
 
 
+def test_an_empty_environment_variable_is_unset() -> None:
+    empty = {f"KVPLANE_M_{f.upper()}": "" for f in ("ratio", "enabled", "name", "where", "limit")}
+    cfg, src = resolve(Mixed, "m", env=empty, file={"m": {"name": "from-file"}})
+    assert cfg == Mixed(name="from-file")  # no Path("") (the working directory), no parse error
+    assert src["where"] is Source.DEFAULT and src["name"] is Source.FILE
+
+
 def test_bad_env_enum_and_bool() -> None:
     with pytest.raises(ConfigError, match="not one of red, blue"):
         resolve(Mixed, "m", env={"KVPLANE_M_COLOR": "green"})

@@ -49,6 +49,7 @@ def test_conflicting_redeclaration_and_bad_names() -> None:
 def test_ratios() -> None:
     assert transfer_amplification(150, 100) == 1.5
     assert transfer_amplification(0, 0) == 0.0
+    assert transfer_amplification(4096, 0) == float("inf")  # all waste, not "better than ideal"
     assert overlap_ratio(3.0, 4.0) == 0.75
     assert fallback_ratio(1, 4) == 0.25
     with pytest.raises(InvalidArgumentError, match="exceeds"):

@@ -12,7 +12,9 @@ resolved from four sources with one precedence, highest first::
 (a parsed TOML mapping, an environment mapping and a flags mapping), so nothing reads global
 state behind the caller's back. Strings from the environment are converted to the field's type
 (int, float, bool, str, pathlib.Path, or an enum by value/name); TOML values must already have the
-right type. Unknown keys in a section are an error: a typo never silently falls back to a default.
+right type. An environment variable set to the empty string counts as unset (the usual way a
+launcher or an env file unsets one; ``Path("")`` would otherwise mean the working directory).
+Unknown keys in a section are an error: a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
@@ -166,8 +168,9 @@ def resolve(
 ) -> tuple[C, dict[str, Source]]:
     """Build ``cls`` from flags > env > file[section] > defaults.
 
-    ``flags`` holds only the flags the user actually gave (``None`` values are ignored).
-    Returns the validated instance and, per field, the source its value came from.
+    ``flags`` holds only the flags the user actually gave (``None`` values are ignored); an
+    environment variable whose value is ``""`` is ignored the same way. Returns the validated
+    instance and, per field, the source its value came from.
     Raises ``ConfigError`` for unknown keys, unreadable values or values the dataclass rejects.
     """
     if not dataclasses.is_dataclass(cls):
@@ -190,7 +193,7 @@ def resolve(
         if name in given_flags:
             kwargs[name] = _check_type(given_flags[name], tp, f"flag --{name}")
             sources[name] = Source.FLAG
-        elif var in environ:
+        elif environ.get(var, "") != "":
             kwargs[name] = _parse_str(environ[var], tp, f"environment {var}")
             sources[name] = Source.ENV
         elif name in file_section:

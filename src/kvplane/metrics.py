@@ -11,6 +11,7 @@ that benches, reports and tests compute them the same way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -97,7 +98,11 @@ def _ratio(num: float, den: float, what: str) -> float:
 
 
 def transfer_amplification(bytes_moved: float, logical_bytes: float) -> float:
-    """Bytes moved / logical bytes needed (1.0 is ideal; 0.0 when nothing was needed)."""
+    """Bytes moved / logical bytes needed (1.0 is ideal). Nothing needed: 0.0 when nothing
+    moved either, ``inf`` when bytes moved anyway (every byte was waste, never "better than
+    ideal")."""
+    if logical_bytes == 0 and bytes_moved > 0:
+        return math.inf
     return _ratio(bytes_moved, logical_bytes, "transfer_amplification")
 
 

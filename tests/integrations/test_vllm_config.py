@@ -45,11 +45,24 @@ def test_every_section_from_one_flat_mapping() -> None:
     assert cfg.lower_tiers == ("disk", "remote")
     assert [cfg.tier_slots(t) for t in ("host", "disk", "remote")] == [8, 5, 3]
     assert cfg.metrics_port == 9100
+    assert parse_extra_config({"metrics_port": 65534}, {}).metrics_port == 65534
 
 
-def test_environment_overrides_the_extra_config() -> None:
-    cfg = parse_extra_config({"host_slots": 8}, {"KVPLANE_OFFLOAD_HOST_SLOTS": "32"})
-    assert cfg.offload.host_slots == 32
+def test_the_extra_config_beats_the_environment_which_fills_in_the_rest() -> None:
+    env = {"KVPLANE_OFFLOAD_HOST_SLOTS": "32", "KVPLANE_OFFLOAD_DISK_SLOTS": "9"}
+    cfg = parse_extra_config({"host_slots": 8}, env)
+    assert cfg.offload.host_slots == 8  # the engine's explicit value (flag > env)
+    assert cfg.offload.disk_slots == 9  # not given per engine: the environment's
+    chunk_env = {"KVPLANE_CHUNK_BLOCKS_PER_CHUNK": "2"}
+    assert parse_extra_config({}, chunk_env).blocks_per_chunk == 2
+    assert parse_extra_config({"blocks_per_chunk": 8}, chunk_env).blocks_per_chunk == 8
+
+
+def test_an_empty_environment_variable_is_unset() -> None:
+    cfg = parse_extra_config({}, {"KVPLANE_OFFLOAD_DISK_PATH": ""})
+    assert cfg.offload.disk_path is None and cfg.lower_tiers == ()
+    cfg = parse_extra_config({"disk_path": "/data/kv.bin"}, {"KVPLANE_OFFLOAD_DISK_PATH": ""})
+    assert cfg.offload.disk_path == Path("/data/kv.bin")
 
 
 @pytest.mark.parametrize(
@@ -60,6 +73,7 @@ def test_environment_overrides_the_extra_config() -> None:
         ({"host_slots": -1}, "host_slots"),
         ({"policy": "fifo"}, "fifo"),
         ({"metrics_port": 70000}, "metrics_port"),
+        ({"metrics_port": 65535}, r"0\.\.65534"),  # the scheduler side serves on port + 1
         ({"metrics_port": "x"}, "metrics_port"),
     ],
 )

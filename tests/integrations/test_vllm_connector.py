@@ -121,7 +121,7 @@ def test_a_corrupt_disk_chunk_is_a_load_error_and_vllm_recomputes(
     got = run_harness(spec)
     assert got["tokens"][0] == [baseline[0]]
     sched, worker = got["scheduler_metrics"], got["worker_metrics"]
-    assert sched["kvplane_vllm_hit_tokens_total"] == 256  # offered: the index said valid
+    assert sched["kvplane_vllm_hit_tokens_total"] == 64  # loaded: chunk 0 (256 offered)
     assert sched["kvplane_vllm_load_failed_chunks_total"] == 3  # chunk 1 bad, 2-3 after gap
     assert sched["kvplane_offload_dropped_chunks_total{tier=disk}"] == 1
     assert worker["kvplane_offload_corrupt_chunks_total{reason=checksum,tier=disk}"] == 1

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from kvplane.errors import InvalidArgumentError
-from kvplane.integrations.vllm.fingerprint import EngineFingerprint, config_stamp, weights_stamp
+from kvplane.integrations.vllm.fingerprint import (
+    EngineFingerprint,
+    adapter_stamp,
+    config_stamp,
+    weights_stamp,
+)
 
 BASE = EngineFingerprint(
     vllm_version="0.32.0",
@@ -43,6 +48,7 @@ def test_digest_is_stable_and_16_bytes() -> None:
         {"model": "/n"},
         {"weights": "abd"},
         {"config": "0123"},
+        {"model_dtype": "torch.float16"},
         {"tp_rank": 1, "tp_size": 2},
     ],
 )
@@ -73,6 +79,40 @@ def test_weights_stamp_follows_the_weight_files(tmp_path: Path) -> None:
     empty.mkdir()
     with pytest.raises(InvalidArgumentError, match="no weight files"):
         weights_stamp(empty)
+
+
+def test_a_model_given_as_a_file_stamps_by_its_size_and_mtime(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"Q4 weights" * 100)
+    first = weights_stamp(gguf)
+    assert not first.startswith("name:") and weights_stamp(gguf) == first
+    gguf.write_bytes(b"Q8 other weights" * 999)
+    assert weights_stamp(gguf) != first
+    size = weights_stamp(gguf)
+    os.utime(gguf, ns=(1, 2))
+    assert weights_stamp(gguf) != size
+
+
+def test_weights_in_a_subdirectory_enter_the_stamp(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "sub").mkdir()
+    weights = tmp_path / "sub" / "model.safetensors"
+    weights.write_bytes(b"x" * 10)
+    first = weights_stamp(tmp_path)
+    weights.write_bytes(b"y" * 20)
+    assert weights_stamp(tmp_path) != first
+
+
+def test_adapter_stamp_follows_every_file_of_the_adapter(tmp_path: Path) -> None:
+    (tmp_path / "adapter_config.json").write_text("{}")
+    weights = tmp_path / "adapter_model.safetensors"
+    weights.write_bytes(b"x" * 10)
+    first = adapter_stamp(tmp_path)
+    assert adapter_stamp(tmp_path) == first
+    os.utime(weights, ns=(1, 2))
+    assert adapter_stamp(tmp_path) != first
+    assert adapter_stamp(weights) not in (first, adapter_stamp(tmp_path))
+    assert adapter_stamp("org/adapter") == "name:org/adapter"
 
 
 class _HFConfig:

@@ -7,7 +7,7 @@ import pytest
 from kvplane.blocks.hashing import BlockHasher
 from kvplane.chunks import ChunkSpec
 from kvplane.errors import InvalidArgumentError
-from kvplane.integrations.vllm.keys import RequestKeys, request_extra_keys
+from kvplane.integrations.vllm.keys import LoraIdentity, RequestKeys, request_extra_keys
 
 SPEC = ChunkSpec(block_size=4, blocks_per_chunk=2)
 HASHER = BlockHasher(seed=3, fingerprint=b"engine-a")
@@ -52,7 +52,21 @@ def test_keys_change_with_fingerprint_seed_extra_keys_and_any_earlier_token() ->
 
 def test_extra_keys_are_tagged() -> None:
     assert request_extra_keys(None, None) == ()
-    assert request_extra_keys("adapter", "s") == ("lora", "adapter", "salt", "s")
+    lora = LoraIdentity("adapter", 3, "stamp")
+    assert request_extra_keys(lora, "s") == ("lora", "adapter", 3, "stamp", "salt", "s")
+
+
+def test_adapters_differing_in_id_or_files_derive_different_keys() -> None:
+    def keys_of(lora: LoraIdentity) -> set[bytes]:
+        k = RequestKeys(HASHER, SPEC, request_extra_keys(lora, None))
+        k.extend(TOKENS)
+        return set(k.chunk_keys(len(TOKENS)))
+
+    base = keys_of(LoraIdentity("sql", 1, "a"))
+    for other in (LoraIdentity("sql", 2, "a"), LoraIdentity("sql", 1, "b")):
+        assert keys_of(other).isdisjoint(base)
+    with pytest.raises(InvalidArgumentError, match="int_id"):
+        LoraIdentity("sql", True, "a")
 
 
 def test_bad_calls_raise_before_changing_anything() -> None:

@@ -152,7 +152,11 @@ def test_restart_index_promotes_and_a_bad_read_is_dropped(tmp_path: Path) -> Non
     assert op.promotions == (Promotion(0, "disk", 3), Promotion(1, "disk", 0))
     assert op.host_slots == (0, 1)
     s.build_step([])
+    assert m.value("vllm_hit_tokens", suffix="_total") == 0  # promised, not loaded yet
     s.apply(report((op.job_id, "device", (True, False))))
+    # only chunk 0 reached vLLM: the tokens of chunk 1 are recomputed, not hits
+    assert m.value("vllm_hit_tokens", suffix="_total") == 8
+    assert m.value("vllm_hit_chunks", {"tier": "disk"}, "_total") == 1
     assert s.book.host.status(k[0]) is SlotStatus.READY
     assert s.book.host.status(k[1]) is SlotStatus.EMPTY
     assert s.book.lower["disk"].status(k[1]) is SlotStatus.EMPTY  # dropped after a bad read
@@ -162,6 +166,52 @@ def test_restart_index_promotes_and_a_bad_read_is_dropped(tmp_path: Path) -> Non
     meta = s.build_step([ScheduledRequest(b, 20, [5, 6, 7, 8, 9])])
     assert [op.keys for op in meta.stores] == [(k[1],)]
     assert meta.stores[0].block_ids == (7, 8)
+
+
+def test_lower_tier_hits_are_offered_only_as_far_as_host_can_promote_them(
+    tmp_path: Path,
+) -> None:
+    s, m = side(tmp_path, host_slots=2)
+    k = keys_of(TOKENS, 20)
+    s.set_index(TierIndex(FP, 128, (("disk", ((k[0], 3), (k[1], 0))),)))
+    other = RequestView("a", list(range(100, 120)))
+    s.allocated(other, [1, 2, 3, 4, 5], 0)
+    (store,) = s.build_step([ScheduledRequest(other, 20, [1, 2, 3, 4, 5])]).stores
+    b = RequestView("b", TOKENS)
+    assert s.matched_tokens(b, 0) == 0  # both host slots are STORING: nothing to promote into
+    s.apply(report((store.job_id, "host", (True, True))))
+    assert s.matched_tokens(b, 0) == 0  # still pinned for their write-through to disk
+    s.apply(report((store.job_id, "disk", (True, True))))
+    assert s.matched_tokens(b, 0) == 16  # READY and unpinned: evictable
+    op = s.allocated(b, [6, 7, 8, 9, 10], 16)
+    assert op is not None and op.doomed_from is None and len(op.promotions) == 2
+    s.build_step([])
+    s.apply(report((op.job_id, "device", (True, True))))
+    assert m.value("vllm_load_failed_chunks", suffix="_total") == 0
+    s.check_integrity()
+
+
+def test_a_host_too_small_for_the_promotions_offers_what_fits(tmp_path: Path) -> None:
+    s, _ = side(tmp_path, host_slots=1)
+    k = keys_of(TOKENS, 20)
+    s.set_index(TierIndex(FP, 128, (("disk", ((k[0], 3), (k[1], 0))),)))
+    b = RequestView("b", TOKENS)
+    assert s.matched_tokens(b, 0) == 8  # one chunk fits, and not "ask again"
+    op = s.allocated(b, [6, 7, 8, 9, 10], 8)
+    assert op is not None and op.doomed_from is None and op.promotions == (Promotion(0, "disk", 3),)
+
+
+def test_stored_chunks_count_only_gathers_that_succeeded(tmp_path: Path) -> None:
+    m = MetricsRegistry()
+    s = SchedulerSide(parse_extra_config({"blocks_per_chunk": 2, "host_slots": 4}, {}), 4, m)
+    s.set_index(TierIndex(FP, 128))
+    a = RequestView("a", TOKENS)
+    s.allocated(a, [1, 2, 3, 4, 5], 0)
+    (op,) = s.build_step([ScheduledRequest(a, 20, [1, 2, 3, 4, 5])]).stores
+    assert m.value("vllm_stored_chunks", suffix="_total") == 0  # reserved, not stored yet
+    s.apply(report((op.job_id, "host", (False, True))))
+    assert m.value("vllm_stored_chunks", suffix="_total") == 1
+    s.check_integrity()
 
 
 def test_no_host_room_skips_the_store(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ Blocks "computed" by the test hold a deterministic function of their token prefi
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm_testlib import MiniEngine, block_content
 
+from kvplane.errors import OffloadError
 from kvplane.ids import SlotId
 from kvplane.integrations.vllm.messages import StepMeta
 from kvplane.integrations.vllm.scheduler import RequestView, ScheduledRequest
@@ -109,6 +111,29 @@ def test_finished_sending_only_for_delayed_finished_requests(tmp_path: Path) -> 
     eng.close()
 
 
+def test_a_delayed_finished_request_is_reported_however_long_its_gather_runs(
+    tmp_path: Path,
+) -> None:
+    eng = MiniEngine(extra(tmp_path))
+    gate = threading.Event()
+    gather = eng.worker.copier.gather
+
+    def slow_gather(blocks: object, slots: object) -> None:
+        gate.wait(30.0)
+        gather(blocks, slots)  # type: ignore[arg-type]
+
+    eng.worker.copier.gather = slow_gather  # type: ignore[method-assign]
+    r = eng.run(PROMPT, req_id="slow")  # its gather is still waiting for the gate
+    assert r.held and eng.held == {"slow": r}
+    for _ in range(FINISHED_WINDOW + 4):  # far longer than the window of unclaimed finishes
+        assert eng.idle_step() == set()
+    gate.set()
+    eng.worker.drain()
+    assert eng.idle_step() == {"slow"}  # its blocks go back to vLLM
+    assert eng.held == {} and eng.sched.tracked_requests() == []
+    eng.close()
+
+
 def test_host_slots_are_reused_after_eviction(tmp_path: Path) -> None:
     eng = MiniEngine(extra(tmp_path, host_slots=2, disk_slots=3))
     for base in (100, 200, 300):
@@ -180,6 +205,11 @@ def test_remote_tier_serves_a_restarted_engine(tmp_path: Path) -> None:
         got = two.run(PROMPT)
         assert got.loaded == 16 and got.failed_blocks == set()
         assert two.metrics.value("vllm_hit_chunks", {"tier": "remote"}, "_total") == 2
+        # a second live engine on the same namespace would overwrite two's slots: refused
+        with pytest.raises(
+            OffloadError, match=f"namespace '{ns}' is in use by .*pid {os.getpid()}"
+        ):
+            MiniEngine({**cfg, "remote_lease_s": 0.2})
         two.close()
     finally:
         if server is not None:

@@ -35,6 +35,8 @@ def test_resolve_from_env_file_and_flags() -> None:
         {"remote_url": "http://x"},
         {"remote_namespace": "a:b"},
         {"remote_timeout_s": 0.0},
+        {"remote_lease_s": 0.0},
+        {"remote_lease_s": float("nan")},
         {"disk_sync": "data"},
         {"staging_blocks": True},
     ],

@@ -38,7 +38,11 @@ def _positive_seconds(name: str, value: object) -> None:
 class OffloadConfig:
     """Sizes are in chunk slots; a slot holds one chunk (``blocks_per_chunk`` blocks).
 
-    Every size is a positive int; ``remote_timeout_s`` (the one float field) is finite and > 0.
+    Every size is a positive int; ``remote_timeout_s`` and ``remote_lease_s`` are finite and
+    > 0. ``remote_namespace`` belongs to one engine at a time: the open remote tier holds it by a
+    lease of ``remote_lease_s`` seconds, renewed while open, so a second engine on it is refused
+    (give each engine its own namespace) and a restarted one claims it back, at most
+    ``remote_lease_s`` after a crash, and finds its chunks there again by content hash.
     """
 
     host_slots: int = 64
@@ -53,6 +57,7 @@ class OffloadConfig:
     remote_slots: int = 256
     remote_namespace: str = "kvplane"
     remote_timeout_s: float = 5.0
+    remote_lease_s: float = 10.0
     staging_blocks: int = 256
 
     def __post_init__(self) -> None:
@@ -78,4 +83,5 @@ class OffloadConfig:
                 f"OffloadConfig.remote_namespace must be non-empty without ':' or a glob "
                 f"character (*?[]\\): {self.remote_namespace!r}"
             )
-        _positive_seconds("remote_timeout_s", self.remote_timeout_s)  # the one float field
+        _positive_seconds("remote_timeout_s", self.remote_timeout_s)
+        _positive_seconds("remote_lease_s", self.remote_lease_s)

@@ -4,6 +4,7 @@ re-index, a server that goes away mid-run, and the typed "unsupported" path."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
 import time
 from typing import Any
@@ -51,11 +52,61 @@ def test_round_trip_and_reindex(redis_url: str, redis_namespace: str) -> None:
     tier.close()
     again = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace)  # a restart
     assert again.scan() == {key(0): 3, key(1): 0}
+    again.close()
     small = RemoteTier(redis_url, 2, CHUNK, FP, namespace=redis_namespace)
     assert small.scan() == {key(1): 0}  # slot 3 is beyond a 2-slot tier
-    assert again.clear() == 2 and again.scan() == {}
-    again.close()
+    assert small.clear() == 2 and small.scan() == {}
     small.close()
+
+
+def test_a_namespace_is_held_by_one_open_tier(redis_url: str, redis_namespace: str) -> None:
+    """Two tiers on one namespace would overwrite each other's slots: the second is refused,
+    naming the holder, and gets it once the first closes."""
+    tier = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3)
+    raw = redis.Redis.from_url(redis_url)
+    holder = raw.get(f"{redis_namespace}:owner")
+    assert holder is not None and f"pid {os.getpid()}".encode() in holder
+    with pytest.raises(OffloadError, match=f"{redis_namespace}' is in use by .*pid {os.getpid()}"):
+        RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3)
+    time.sleep(0.5)  # longer than the lease: renewed while open
+    tier.write([SlotId(1)], keys(0), [pattern(0)])
+    tier.close()
+    assert raw.get(f"{redis_namespace}:owner") is None  # released at close
+    again = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3)
+    assert again.scan() == {key(0): 1}
+    again.close()
+    raw.close()
+
+
+def test_an_engine_restarted_after_a_crash_reclaims_its_namespace(
+    redis_url: str, redis_namespace: str
+) -> None:
+    tier = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace)
+    tier.write([SlotId(2)], keys(5), [pattern(5)])
+    tier.close()
+    raw = redis.Redis.from_url(redis_url)
+    raw.set(f"{redis_namespace}:owner", "dead engine", px=400)  # died holding it, unrenewed
+    start = time.monotonic()
+    again = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=2.0)
+    assert time.monotonic() - start < 2.0  # waited for the dead lease, not for its own
+    assert again.scan() == {key(5): 2}  # and re-finds its chunks
+    again.close()
+    raw.close()
+
+
+def test_a_lost_lease_refuses_writes(redis_url: str, redis_namespace: str) -> None:
+    m = MetricsRegistry()
+    tier = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3, metrics=m)
+    raw = redis.Redis.from_url(redis_url)
+    raw.set(f"{redis_namespace}:owner", "another engine")  # taken over (e.g. after a partition)
+    deadline = time.monotonic() + 5.0
+    while tier._lease is not None and not tier._lease.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(OffloadError, match=r"lease .* was lost"):
+        tier.write([SlotId(0)], keys(0), [pattern(0)])
+    tier.close()
+    assert raw.get(f"{redis_namespace}:owner") == b"another engine"  # not ours to delete
+    raw.close()
 
 
 def test_foreign_keys_under_the_prefix_are_skipped_by_the_reindex(
@@ -102,10 +153,10 @@ def test_damage_is_a_miss_and_a_metric(redis_url: str, redis_namespace: str) -> 
     assert tier.read([SlotId(3), SlotId(0)], keys(3, 0), outs[:2]) == [CORRUPT, OK]
     assert corrupt(m, "header") == 2 and torch.equal(outs[1], pattern(0))
     assert key(3) not in tier.scan()  # nor is it adopted by a re-index
+    tier.close()
     other = RemoteTier(redis_url, 4, CHUNK, bytes(16), namespace=redis_namespace, metrics=m)
     assert other.scan() == {}  # another layout: nothing is adopted
     raw.close()
-    tier.close()
     other.close()
 
 

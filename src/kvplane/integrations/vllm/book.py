@@ -103,6 +103,17 @@ class TierBook:
                 return name
         return None
 
+    def promotion_room(self) -> int:
+        """Host slots a load could promote into now: free ones plus READY (unpinned) chunks it
+        may evict. A load's own host hits are pinned before it evicts, so each READY one of
+        them takes one off this room (see :meth:`reserve_load`)."""
+        table = self.host.table
+        return table.num_free + len(table.keys_in(SlotStatus.READY))
+
+    def is_ready_in_host(self, key: ChunkKey) -> bool:
+        """True when host holds ``key`` READY (unpinned)."""
+        return self.host.status(key) is SlotStatus.READY
+
     def pending(self, key: ChunkKey) -> bool:
         """True while a store of ``key`` into host is in flight (a hit soon, not yet)."""
         return self.host.status(key) is SlotStatus.STORING

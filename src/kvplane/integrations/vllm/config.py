@@ -1,8 +1,10 @@
 """The connector's configuration (``kv_connector_extra_config``) and the vLLM version pin.
 
 ``kv_connector_extra_config`` is one flat mapping; each key belongs to one kvplane config
-section and is resolved with :func:`kvplane.config.resolve` (so ``KVPLANE_OFFLOAD_<FIELD>``
-environment variables override it, as everywhere in kvplane):
+section and is resolved with :func:`kvplane.config.resolve` as a flag: it is this engine's
+explicit setting, so it beats the ``KVPLANE_OFFLOAD_<FIELD>`` (``KVPLANE_CHUNK_*``,
+``KVPLANE_HASH_*``) environment variables, which set only what the extra config leaves out
+(precedence flag > env > default; an empty variable is unset):
 
 =========================  ====================================================================
 key                        meaning
@@ -12,7 +14,8 @@ key                        meaning
 ``host_slots`` ...         every :class:`~kvplane.offload.config.OffloadConfig` field: tier
                            sizes in chunks, ``policy``, ``admission_min_lookups``,
                            ``disk_path`` (enables the disk tier), ``remote_url`` (enables Redis)
-``metrics_port``           serve the connector's Prometheus metrics on 127.0.0.1:PORT (0: off)
+``metrics_port``           serve the connector's Prometheus metrics on 127.0.0.1:PORT (worker)
+                           and PORT+1 (scheduler), so 0..65534 (0: off)
 =========================  ====================================================================
 
 An unknown key is a :class:`~kvplane.errors.ConfigError` naming it: a typo never falls back to
@@ -36,6 +39,8 @@ VLLM_VERSION = "0.32.0"
 _CHUNK_KEYS = {"blocks_per_chunk"}
 _HASH_KEYS = {"hash_seed": "seed"}
 _OWN_KEYS = {"metrics_port"}
+MAX_METRICS_PORT = 65534
+"""The highest ``metrics_port``: the scheduler side serves its metrics on ``metrics_port + 1``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +54,11 @@ class ConnectorConfig:
 
     def __post_init__(self) -> None:
         port = self.metrics_port
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ConfigError(f"metrics_port must be an int in 0..65535, got {port!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_METRICS_PORT:
+            raise ConfigError(
+                f"metrics_port must be an int in 0..{MAX_METRICS_PORT} (the scheduler side "
+                f"serves on the next port), got {port!r}"
+            )
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -100,9 +108,9 @@ def parse_extra_config(
     chunk_part = {k: v for k, v in extra.items() if k in _CHUNK_KEYS}
     hash_part = {_HASH_KEYS[k]: v for k, v in extra.items() if k in _HASH_KEYS}
     environ = dict(env or {})
-    offload, _ = resolve(OffloadConfig, "offload", file={"offload": offload_part}, env=environ)
-    chunk, _ = resolve(ChunkConfig, "chunk", file={"chunk": chunk_part}, env=environ)
-    hashing, _ = resolve(HashConfig, "hash", file={"hash": hash_part}, env=environ)
+    offload, _ = resolve(OffloadConfig, "offload", flags=offload_part, env=environ)
+    chunk, _ = resolve(ChunkConfig, "chunk", flags=chunk_part, env=environ)
+    hashing, _ = resolve(HashConfig, "hash", flags=hash_part, env=environ)
     port = extra.get("metrics_port", 0)
     if isinstance(port, str):
         try:

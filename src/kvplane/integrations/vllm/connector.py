@@ -56,10 +56,10 @@ except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
 
 from kvplane.integrations.vllm.config import check_vllm_version, parse_extra_config
 from kvplane.integrations.vllm.fingerprint import EngineFingerprint, config_stamp, weights_stamp
-from kvplane.integrations.vllm.keys import request_extra_keys
 from kvplane.integrations.vllm.messages import StepMeta, TierIndex, WorkerReport
 from kvplane.integrations.vllm.pool import VllmPool
-from kvplane.integrations.vllm.scheduler import RequestView, ScheduledRequest, SchedulerSide
+from kvplane.integrations.vllm.scheduler import ScheduledRequest, SchedulerSide
+from kvplane.integrations.vllm.views import request_view
 from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.layout import dtype_name
 from kvplane.metrics import MetricsRegistry
@@ -91,21 +91,6 @@ class KVPlaneHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
 
     def __init__(self, index: TierIndex) -> None:
         self.index = index
-
-
-def _view(request: Any) -> RequestView:
-    lora = request.lora_request.lora_name if request.lora_request is not None else None
-    eligible = (
-        request.prompt_token_ids is not None
-        and getattr(request, "prompt_is_token_ids", None) is None
-        and not request.mm_features
-    )
-    return RequestView(
-        req_id=request.request_id,
-        token_ids=request.all_token_ids,
-        extra_keys=request_extra_keys(lora, request.cache_salt),
-        eligible=eligible,
-    )
 
 
 def _isa(dtype: torch.dtype, block_size: int, head_dim: int, cache_dtype: str) -> str:
@@ -161,12 +146,12 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._sched().matched_tokens(_view(request), num_computed_tokens), False
+        return self._sched().matched_tokens(request_view(request), num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._requests[request.request_id] = request
         (block_ids,) = blocks.get_block_ids()
-        self._sched().allocated(_view(request), block_ids, num_external_tokens)
+        self._sched().allocated(request_view(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPlaneStepMetadata:
         state = getattr(scheduler_output, "kv_connector_block_state", None)
@@ -182,7 +167,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if ids is None:
                 continue
             end = request.num_computed_tokens + n - len(spec.get(req_id, ()))
-            scheduled.append(ScheduledRequest(_view(request), end, ids[0]))
+            scheduled.append(ScheduledRequest(request_view(request), end, ids[0]))
         preempted = sorted(scheduler_output.preempted_req_ids or ())
         return KVPlaneStepMetadata(self._sched().build_step(scheduled, preempted))
 
@@ -229,6 +214,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             model=str(cfg.model_config.model),
             weights=weights_stamp(cfg.model_config.model),
             config=config_stamp(cfg.model_config),
+            model_dtype=str(cfg.model_config.dtype),
         )
         self.worker = WorkerSide(self.config, pool, fingerprint.digest(), self.metrics)
 

@@ -2,19 +2,22 @@
 
 vLLM's CPU attention kernel keeps an ISA-dependent layout inside each block (K transposed,
 then V), so a block's bytes mean something only to an engine with the same vLLM release, kernel
-ISA, KV dtype, block size, model (architecture, layers, KV heads, head size, weights) and
-tensor-parallel shard. :class:`EngineFingerprint` collects those facts as data; its
+ISA, KV dtype, compute dtype (``--dtype``: with an fp8 KV cache the KV dtype alone does not show
+it), block size, model (architecture, layers, KV heads, head size, weights) and tensor-parallel
+shard. :class:`EngineFingerprint` collects those facts as data; its
 :meth:`~EngineFingerprint.digest` roots the connector's chunk-key hash chains (see
 :mod:`kvplane.integrations.vllm.keys`). Two engines that differ in any field derive different
 keys for the same tokens, so an incompatible store is a miss, never corruption.
 
 The weights enter by a cheap stamp (file names, sizes and modification times of the
-checkpoint's weight files), not by hashing gigabytes; rewriting a checkpoint in place therefore
-changes the stamp. The model's *effective* configuration enters by :func:`config_stamp`: the
-Hugging Face config as the engine resolved it (so ``hf_overrides`` such as a RoPE scaling change,
-which alter every KV byte without touching the weights or the model name, change the key), the
-checkpoint revision and the quantization method. Everything here is plain data: no vLLM
-import.
+checkpoint's weight files, in subdirectories too, or of the one weight file a model given as a
+file, such as a GGUF, is), not by hashing gigabytes; rewriting a checkpoint in place therefore
+changes the stamp. A LoRA adapter's files are stamped the same way by :func:`adapter_stamp`
+(see :mod:`kvplane.integrations.vllm.views`). The model's *effective* configuration enters by
+:func:`config_stamp`: the Hugging Face config as the engine resolved it (so ``hf_overrides``
+such as a RoPE scaling change, which alter every KV byte without touching the weights or the
+model name, change the key), the checkpoint revision and the quantization method. Everything
+here is plain data: no vLLM import.
 """
 
 from __future__ import annotations
@@ -28,27 +31,60 @@ from typing import Any
 
 from kvplane.errors import InvalidArgumentError
 
-_TAG = b"kvplane/vllm-engine-fingerprint/v2"
+_TAG = b"kvplane/vllm-engine-fingerprint/v3"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
-def weights_stamp(model_dir: str | Path) -> str:
+def _stamp(parts: list[str]) -> str:
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=12).hexdigest()
+
+
+def _file_part(path: Path, name: str) -> str:
+    st = path.stat()
+    return f"{name}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def weights_stamp(model: str | Path) -> str:
     """A short digest of a local checkpoint's weight files (name, size, mtime) and config.
 
-    ``model_dir`` that is not a local directory (a hub name) stamps as the name itself: its
-    revision then has to be part of the name for the stamp to change with the weights.
+    A directory stamps by every weight file (``.safetensors``, ``.bin``, ``.pt``, ``.pth``,
+    ``.gguf``) and ``config.json`` in it or its subdirectories, by path relative to it; raises
+    :class:`InvalidArgumentError` when it holds none. A regular file (a GGUF model) stamps by
+    its own size and mtime, so rewriting it in place changes the stamp. Anything else (a hub
+    name) stamps as the name itself: its revision then has to be part of the name for the stamp
+    to change with the weights.
     """
-    root = Path(model_dir)
+    root = Path(model)
+    if root.is_file():
+        return _stamp([_file_part(root, "file")])
     if not root.is_dir():
-        return f"name:{model_dir}"
-    parts: list[str] = []
-    for path in sorted(root.iterdir()):
-        if path.suffix in _WEIGHT_SUFFIXES or path.name == "config.json":
-            st = path.stat()
-            parts.append(f"{path.name}:{st.st_size}:{st.st_mtime_ns}")
+        return f"name:{model}"
+    parts = [
+        _file_part(path, path.relative_to(root).as_posix())
+        for path in sorted(root.rglob("*"))
+        if (path.suffix in _WEIGHT_SUFFIXES or path.name == "config.json") and path.is_file()
+    ]
     if not parts:
         raise InvalidArgumentError(f"model directory {str(root)!r} holds no weight files")
-    return hashlib.blake2b("\n".join(parts).encode(), digest_size=12).hexdigest()
+    return _stamp(parts)
+
+
+def adapter_stamp(path: str | Path) -> str:
+    """A short digest of a LoRA adapter's files: every regular file of a directory (relative
+    path, size, mtime, subdirectories included), or a file's own size and mtime; anything else
+    (a hub name) stamps as ``name:<path>``. A retrained adapter saved under the same path
+    therefore stamps differently."""
+    root = Path(path)
+    if root.is_file():
+        return _stamp([_file_part(root, "file")])
+    if not root.is_dir():
+        return f"name:{path}"
+    parts = [
+        _file_part(p, p.relative_to(root).as_posix())
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    ]
+    return _stamp(parts)
 
 
 def config_stamp(model_config: Any) -> str:
@@ -137,6 +173,9 @@ class EngineFingerprint:
     weights: str
     config: str = ""
     """:func:`config_stamp` of the engine's model config (empty where it is not known)."""
+    model_dtype: str = ""
+    """The model's compute dtype (vLLM's ``model_config.dtype``, ``--dtype``; empty where it is
+    not known): with a quantized KV cache the ``dtype`` field does not show it."""
     tp_rank: int = 0
     tp_size: int = 1
 

@@ -5,7 +5,8 @@ between engine processes. The connector recomputes its own chain instead with kv
 :class:`~kvplane.blocks.hashing.BlockHasher`, rooted in the engine fingerprint digest (see
 :mod:`kvplane.integrations.vllm.fingerprint`) and a configured seed: the same tokens on a
 compatible engine started later give the same keys, so it finds the chunks on disk or in Redis.
-A LoRA adapter name and a cache salt enter every block as extra keys.
+A LoRA adapter (its name, vLLM's integer id and a stamp of its files, see
+:class:`LoraIdentity`) and a cache salt enter every block as extra keys.
 
 :class:`RequestKeys` extends one request's chain incrementally as its tokens grow (prompt, then
 decoded tokens), hashing each full block once; :meth:`RequestKeys.chunk_keys` returns the keys
@@ -15,6 +16,7 @@ of the full chunks within a token count via :meth:`ChunkSpec.chunk_keys`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvplane.blocks.hashing import BlockHasher, ExtraKey
 from kvplane.chunks import ChunkSpec
@@ -73,11 +75,26 @@ class RequestKeys:
         return self.spec.chunk_keys(self._hashes[:blocks])
 
 
-def request_extra_keys(lora_name: str | None, cache_salt: str | None) -> tuple[ExtraKey, ...]:
+@dataclass(frozen=True, slots=True)
+class LoraIdentity:
+    """What names a LoRA adapter's effect on KV: its name, vLLM's ``lora_int_id`` and a stamp
+    of its files (:func:`~.fingerprint.adapter_stamp`), so an adapter retrained under the same
+    name derives other keys."""
+
+    name: str
+    int_id: int
+    stamp: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.int_id, bool) or not isinstance(self.int_id, int):
+            raise InvalidArgumentError(f"LoraIdentity.int_id must be an int: {self.int_id!r}")
+
+
+def request_extra_keys(lora: LoraIdentity | None, cache_salt: str | None) -> tuple[ExtraKey, ...]:
     """The extra hash inputs of a request: its LoRA adapter and cache salt, tagged by kind."""
     extra: list[ExtraKey] = []
-    if lora_name:
-        extra += ["lora", lora_name]
+    if lora is not None:
+        extra += ["lora", lora.name, lora.int_id, lora.stamp]
     if cache_salt:
         extra += ["salt", cache_salt]
     return tuple(extra)

@@ -16,7 +16,12 @@ instructions (:meth:`SchedulerSide.build_step`), reports finished requests
   holds READY. A chunk whose host store is still in flight makes the answer ``None`` ("ask
   again"), so a request right behind another with the same prefix loads it rather than
   recomputing. At most ``num_tokens - 1`` tokens are offered: vLLM must compute the last one.
-  Loads are synchronous (the worker finishes them before the forward's attention reads them).
+  Lower-tier chunks are offered only as far as host has room to promote them now (a promise
+  the load could not keep would come back as load errors), and a request that may not read
+  cached KV (``RequestView.readable``) is offered nothing. Loads are synchronous (the worker
+  finishes them before the forward's attention reads them).
+- Metrics: hit tokens and chunks are counted from the worker's load report (only what reached
+  vLLM intact), stored chunks from its gather report (only gathers that succeeded).
 - Store: each step, every scheduled request's full chunks whose KV this step completes
   (``num_computed + num_scheduled``, speculative tokens excluded) are reserved and gathered by
   the worker after the forward, then written through to the lower tiers. A chunk is offered for
@@ -57,13 +62,17 @@ class RequestView:
 
     ``token_ids`` are the request's known tokens (prompt + output so far); ``eligible`` is
     False for requests whose tokens do not identify their KV (prompt embeddings, multimodal
-    inputs): those are never matched nor stored.
+    inputs): those are never matched nor stored. ``readable`` is False for requests that must
+    compute every token themselves (vLLM's ``skip_reading_prefix_cache``, set for prompt
+    logprobs): they are never matched (0 tokens), but their KV is still stored. Built from a
+    vLLM request by :func:`~.views.request_view`.
     """
 
     req_id: str
     token_ids: Sequence[int]
     extra_keys: tuple[ExtraKey, ...] = ()
     eligible: bool = True
+    readable: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +110,7 @@ class SchedulerSide:
         self._hasher: BlockHasher | None = None
         self._reqs: dict[str, _Req] = {}
         self._jobs: dict[int, StoreOp | LoadOp] = {}
+        self._promised: dict[int, tuple[int, int]] = {}  # load job -> (num_computed, end)
         self._gather_ok: dict[int, tuple[bool, ...]] = {}
         self._writes_left: dict[int, int] = {}
         self._loads: list[LoadOp] = []
@@ -108,7 +118,7 @@ class SchedulerSide:
         self._ids = itertools.count(1)
         m = metrics
         self._m_query = m.counter("vllm_query_tokens", "Tokens asked for beyond local hits")
-        self._m_hit = m.counter("vllm_hit_tokens", "Tokens promised to vLLM from kvplane")
+        self._m_hit = m.counter("vllm_hit_tokens", "Tokens loaded into vLLM from kvplane")
         self._m_hit_chunks = m.counter("vllm_hit_chunks", "Chunks loaded, by source", ("tier",))
         self._m_stored = m.counter("vllm_stored_chunks", "Chunks stored into host")
         self._m_no_room = m.counter("vllm_store_no_room", "Chunks not stored: no host room")
@@ -141,31 +151,53 @@ class SchedulerSide:
         return req
 
     # -- lookups ---------------------------------------------------------------------------------
-    def _loadable(self, view: RequestView, num_computed: int) -> tuple[int, int, list[bytes]]:
-        """``(first chunk, loadable chunks or -1 for 'ask again', keys from first)``."""
+    def _loadable(self, view: RequestView, num_computed: int) -> tuple[int, int | None]:
+        """``(first chunk, loadable chunks from it)``, the count ``None`` for "ask again".
+
+        The run stops at the first chunk no tier holds, and before the first lower-tier chunk
+        that host has no room to promote into now (free slots plus evictable READY chunks,
+        less the run's own READY host hits, which the load pins before it evicts): a promise
+        :meth:`allocated` could not keep would come back as load errors. A host too small for
+        the run is not "ask again": it may never have the room, so the shorter run is final.
+        """
         tpc = self.spec.tokens_per_chunk
         limit = view.num_tokens - 1
         req = self._req(view)
         req.keys.extend(view.token_ids, max(limit, 0))
         keys = req.keys.chunk_keys(max(limit, 0))
         first = num_computed // tpc
-        run = 0
+        book = self.book
+        run = promoted = pinned = 0
+        room: int | None = None
         for key in keys[first:]:
-            if self.book.source(key) is not None:
-                run += 1
-            elif self.book.pending(key):
-                return first, -1, []
-            else:
+            src = book.source(key)
+            if src is None:
+                if book.pending(key):
+                    return first, None
                 break
-        return first, run, list(keys[first : first + run])
+            if src == "host":
+                pinned += int(book.is_ready_in_host(key))
+            else:
+                room = book.promotion_room() if room is None else room
+                promoted += 1
+            if promoted and room is not None and promoted + pinned > room:
+                break
+            run += 1
+        return first, run
 
     def matched_tokens(self, view: RequestView, num_computed: int) -> int | None:
         """Tokens beyond ``num_computed`` (block aligned) that kvplane can load now, or ``None``
-        to be asked again later. Changes no tier state (only memoises the request's hashes)."""
-        if not self.ready or not view.eligible or num_computed % self.spec.block_size:
+        to be asked again later; always 0 for a view that is not ``eligible`` or not
+        ``readable``. Changes no tier state (only memoises the request's hashes)."""
+        if (
+            not self.ready
+            or not view.eligible
+            or not view.readable
+            or num_computed % self.spec.block_size
+        ):
             return 0
-        first, run, _keys = self._loadable(view, num_computed)
-        if run < 0:
+        first, run = self._loadable(view, num_computed)
+        if run is None:
             self._m_retry.inc()
             return None
         tokens = (first + run) * self.spec.tokens_per_chunk - num_computed
@@ -213,11 +245,8 @@ class SchedulerSide:
             first_chunk=first,
         )
         self._jobs[op.job_id] = op
+        self._promised[op.job_id] = (num_computed, end)
         self._loads.append(op)
-        self._m_hit.inc(num_external)
-        for p in got.promotions:
-            self._m_hit_chunks.labels(tier=p.tier).inc()
-        self._m_hit_chunks.labels(tier="host").inc(planned - len(got.promotions))
         return op
 
     # -- steps ----------------------------------------------------------------------------------
@@ -261,7 +290,6 @@ class SchedulerSide:
         self._jobs[op.job_id] = op
         self._writes_left[op.job_id] = len(op.writes)
         req.gathers.add(op.job_id)
-        self._m_stored.inc(len(got.keys))
         return op
 
     def finished(self, req_id: str) -> bool:
@@ -291,15 +319,17 @@ class SchedulerSide:
         if isinstance(op, LoadOp):
             self.book.loaded(op.keys[: op.num_planned], op.promotions, job.ok[: op.num_planned])
             bad = next((i for i, f in enumerate(job.ok) if not f), None)
+            self._count_loaded(op, len(job.ok) if bad is None else bad)
             req = self._reqs.get(op.req_id)
             if bad is not None and req is not None:
                 # vLLM recomputes from the first failed chunk: offer it for storing again.
                 req.offered = min(req.offered, op.first_chunk + bad)
             self._m_failed.inc(0 if bad is None else len(job.ok) - bad)
-            del self._jobs[job.job_id]
+            del self._jobs[job.job_id], self._promised[job.job_id]
             return
         if job.tier == "host":
             self.book.gathered(op.keys, op.writes, job.ok)
+            self._m_stored.inc(sum(1 for f in job.ok if f))
             self._gather_ok[op.job_id] = job.ok
             req = self._reqs.get(op.req_id)
             if req is not None:
@@ -316,6 +346,16 @@ class SchedulerSide:
             self._writes_left[op.job_id] -= 1
         if op.job_id in self._gather_ok and self._writes_left[op.job_id] == 0:
             del self._jobs[op.job_id], self._gather_ok[op.job_id], self._writes_left[op.job_id]
+
+    def _count_loaded(self, op: LoadOp, good: int) -> None:
+        """Hit metrics of a reported load whose first ``good`` chunks arrived intact: vLLM
+        uses its KV up to the first failed chunk and recomputes the rest."""
+        num_computed, end = self._promised[op.job_id]
+        tokens = min(end, (op.first_chunk + good) * self.spec.tokens_per_chunk) - num_computed
+        self._m_hit.inc(max(tokens, 0))
+        promoted = {p.index: p.tier for p in op.promotions}
+        for i in range(good):
+            self._m_hit_chunks.labels(tier=promoted.get(i, "host")).inc()
 
     # -- state ----------------------------------------------------------------------------------
     @property

@@ -17,7 +17,8 @@ start-up; the index goes to the scheduler side as the handshake) and a
 3. :meth:`WorkerSide.submit_stores` (``wait_for_save``, after the forward) submits the gathers;
    a finished gather is followed by its write-through jobs to the lower tiers.
 4. :meth:`WorkerSide.finished_sending` (``get_finished``) harvests results and names the
-   delayed requests whose gathers are all done; :meth:`WorkerSide.take_load_errors` and
+   delayed requests whose gathers are all done (a delayed request seen finished is kept until
+   then, however many steps its gathers take); :meth:`WorkerSide.take_load_errors` and
    :meth:`WorkerSide.take_report` hand vLLM the failed blocks and the scheduler side the
    per-chunk outcomes.
 
@@ -57,7 +58,8 @@ from kvplane.offload.tiers.registry import open_lower_tiers
 _Part = tuple[str, StoreOp | LoadOp, TierWrite | None]
 
 FINISHED_WINDOW = 8
-"""Steps a finished request id waits for the scheduler's delay of it (see finished_sending)."""
+"""Steps a finished request id that no delay claimed yet waits for the scheduler's delay of it
+(see finished_sending); a claimed one is kept until its gathers are done."""
 
 
 class WorkerSide:
@@ -90,8 +92,9 @@ class WorkerSide:
         self._gathers: dict[str, set[int]] = {}  # req_id -> store jobs still gathering
         self._loads: set[JobId] = set()  # this step's load jobs
         self._seen_loads: set[int] = set()
-        self._delayed: set[str] = set()
-        self._finished: deque[set[str]] = deque(maxlen=FINISHED_WINDOW)
+        self._delayed: set[str] = set()  # delayed by the scheduler, not yet seen finished
+        self._closing: set[str] = set()  # delayed and seen finished: reported once gathered
+        self._finished: deque[set[str]] = deque(maxlen=FINISHED_WINDOW)  # unclaimed finishes
         self._reports: list[JobReport] = []
         self._errors: set[int] = set()
         self._failed_reqs: set[str] = set()  # requests with a failed load this step
@@ -143,22 +146,32 @@ class WorkerSide:
                 self._submit_gather(op)
         self._failed_reqs.clear()
         self._delayed.update(meta.delayed)
+        self._claim()
 
     def finished_sending(self, finished_req_ids: Sequence[str]) -> set[str]:
         """Harvest finished jobs; return the delayed finished requests with no gather left.
 
         vLLM names a finished request once; the scheduler's delay of it may arrive a step
         later or earlier, so finished ids that no delay claimed are kept for
-        :data:`FINISHED_WINDOW` steps (bounded memory), delayed ids until they finish.
+        :data:`FINISHED_WINDOW` steps (bounded memory), delayed ids until they finish. A
+        delayed id seen finished is kept until its gathers are done, however long they take,
+        and is then reported exactly once (vLLM frees its blocks only then).
         """
         self._finished.append(set(finished_req_ids))
+        self._claim()
         self._harvest(self.jobs.poll())
-        finished = set().union(*self._finished)
-        done = {r for r in self._delayed & finished if not self._gathers.get(r)}
-        self._delayed -= done
-        for ids in self._finished:
-            ids.difference_update(done)
+        done = {r for r in self._closing if not self._gathers.get(r)}
+        self._closing -= done
         return done
+
+    def _claim(self) -> None:
+        """Move delayed ids that vLLM named finished out of the expiring window."""
+        for ids in self._finished:
+            claimed = ids & self._delayed
+            if claimed:
+                ids.difference_update(claimed)
+                self._delayed -= claimed
+                self._closing |= claimed
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

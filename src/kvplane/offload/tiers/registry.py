@@ -64,6 +64,7 @@ def open_lower_tiers(
                     fingerprint,
                     namespace=config.remote_namespace,
                     timeout_s=config.remote_timeout_s,
+                    lease_s=config.remote_lease_s,
                     metrics=metrics,
                 )
             )

@@ -31,7 +31,11 @@ The ``redis`` client is imported here only; without it :func:`redis_support` say
 constructor raises :class:`~kvplane.errors.UnsupportedError`. Connection loss, timeouts and
 server errors raise :class:`~kvplane.errors.OffloadError` (counted); the failed job's chunks
 become misses. Payloads go out as memoryviews (no copy into a request buffer). A namespace
-belongs to one manager; two processes must not share one. Thread-safe: the client pools its
+belongs to one manager: an open tier holds ``<namespace>:owner`` by a renewed lease
+(:class:`~kvplane.offload.tiers.lease.NamespaceLease`), so a second engine on the same
+namespace is refused with an :class:`~kvplane.errors.OffloadError` naming the holder, while an
+engine restarted after a crash claims it once the dead holder's lease runs out (at most
+``lease_s``) and re-finds its chunks by :meth:`RemoteTier.scan`. Thread-safe: the client pools its
 connections and the tier keeps no buffers, so a store and a load job may overlap (their shared
 helper thread is started on first use and stopped by :meth:`close`).
 """
@@ -62,6 +66,7 @@ from kvplane.offload.tiers.header import (
     ChunkHeader,
     payload_checksum,
 )
+from kvplane.offload.tiers.lease import NamespaceLease
 from kvplane.offload.tiers.resp import ReplyReader
 
 _HEADER = b":h"
@@ -95,9 +100,13 @@ class RemoteTier:
         *,
         namespace: str = "kvplane",
         timeout_s: float = 5.0,
+        lease_s: float = 10.0,
         metrics: MetricsRegistry | None = None,
         name: str = "remote",
     ) -> None:
+        """Connect and claim ``namespace`` (see the module docstring): waits up to
+        ``lease_s`` for another holder's lease to run out, then raises :class:`OffloadError`
+        naming the holder; an unreachable server is an :class:`OffloadError` too."""
         for what, value in (("num_slots", num_slots), ("chunk_bytes", chunk_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"RemoteTier.{what} must be a positive int: {value!r}")
@@ -131,11 +140,16 @@ class RemoteTier:
         self._client: Any = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
+        self._lease: NamespaceLease | None = None
         try:
             self._client.ping()
+            self._lease = NamespaceLease(self._client, namespace, lease_s, self._errors)
         except self._errors as exc:
             self.close()
             raise OffloadError(f"remote tier {url!r} is unreachable: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
 
     def _key(self, slot: int) -> bytes:
         """The payload's key (the header's is this plus ``:h``)."""
@@ -151,6 +165,12 @@ class RemoteTier:
     ) -> None:
         """Per chunk: drop the old header, set the payload, then set the header (module doc)."""
         check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, payloads)
+        if self._lease is None or self._lease.lost:
+            self._counters.error()
+            raise OffloadError(
+                f"remote tier {self.url!r}: write refused, the lease on namespace "
+                f"{self.namespace!r} was lost (another engine may own it now)"
+            )
 
         def send(group: range) -> None:
             names = [self._key(slots[i]) for i in group]
@@ -320,7 +340,11 @@ class RemoteTier:
             raise self._fail("clear", exc) from exc
 
     def close(self) -> None:
-        """Stop the helper threads and close the connection pool; idempotent."""
+        """Release the namespace, stop the helper threads and close the connection pool;
+        idempotent."""
+        lease: NamespaceLease | None = getattr(self, "_lease", None)
+        if lease is not None:
+            lease.release()
         helper: ThreadPoolExecutor | None = getattr(self, "_helper_pool", None)
         if helper is not None:
             helper.shutdown(wait=True)

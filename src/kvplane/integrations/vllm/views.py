@@ -1,0 +1,61 @@
+"""What the connector reads of a vLLM request, as plain functions testable without vLLM.
+
+:func:`request_view` turns a vLLM ``Request`` (read by duck typing: any object with its
+attributes) into the scheduler side's :class:`~.scheduler.RequestView`:
+
+- ``eligible``: token-id prompts without multimodal features; others are never matched nor
+  stored (their tokens do not identify their KV).
+- ``readable``: False when vLLM set ``skip_reading_prefix_cache`` (requests with prompt
+  logprobs, or ``SamplingParams(skip_reading_prefix_cache=True)``): such a request must compute
+  every prompt token itself, so it is offered no external tokens, as vLLM's own offloading
+  connector does; its KV is still stored.
+- ``extra_keys``: the request's LoRA adapter (:func:`lora_identity`) and cache salt.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from kvplane.integrations.vllm.fingerprint import adapter_stamp
+from kvplane.integrations.vllm.keys import LoraIdentity, request_extra_keys
+from kvplane.integrations.vllm.scheduler import RequestView
+
+
+@lru_cache(maxsize=1024)
+def _adapter(name: str, int_id: int, path: str) -> LoraIdentity:
+    return LoraIdentity(name, int_id, adapter_stamp(path) if path else "")
+
+
+def lora_identity(lora_request: Any) -> LoraIdentity | None:
+    """The identity of a vLLM ``LoRARequest`` (``lora_name``, ``lora_int_id``, ``lora_path``),
+    or ``None`` without one.
+
+    The adapter's files are stamped once per process per ``(name, id, path)``: vLLM loads an
+    adapter once per id, so the KV a running engine computes comes from the files as they were
+    then; a restarted engine stamps them afresh.
+    """
+    if lora_request is None:
+        return None
+    path = getattr(lora_request, "lora_path", None)
+    return _adapter(
+        str(lora_request.lora_name),
+        int(lora_request.lora_int_id),
+        "" if path is None else str(path),
+    )
+
+
+def request_view(request: Any) -> RequestView:
+    """The :class:`RequestView` of a vLLM ``Request`` (see the module docstring)."""
+    eligible = (
+        request.prompt_token_ids is not None
+        and getattr(request, "prompt_is_token_ids", None) is None
+        and not request.mm_features
+    )
+    return RequestView(
+        req_id=request.request_id,
+        token_ids=request.all_token_ids,
+        extra_keys=request_extra_keys(lora_identity(request.lora_request), request.cache_salt),
+        eligible=eligible,
+        readable=not getattr(request, "skip_reading_prefix_cache", False),
+    )
