@@ -184,6 +184,28 @@ def test_read_random_batches_equal_reference(pair, kit, seed):
     pair.src.copy_(pattern(SIZE, 7))
 
 
+@pytest.mark.parametrize("kind", [XferKind.WRITE, XferKind.READ])
+def test_a_done_batch_has_released_its_pins(pair, kit, kind):
+    """Whoever sees DONE may deregister at once: the pins go before the terminal transition.
+    Checked at the transition itself (a completion hook runs on the thread that makes it, so a
+    transport that ends first and unpins after is caught every time), then by deregistering
+    right after ``poll`` says DONE, many times."""
+    far = pair.far_zero if kind is XferKind.WRITE else pair.far_seeded
+    for i in range(60):
+        region = pair.t.register(torch.full((4096,), i, dtype=torch.uint8)).region_id
+        mine, theirs = kit.one(region, 0, 4096), kit.one(far, 4096 * (i % 8), 4096)
+        pins_at_done: list[int] = []
+        h = pair.t.submit(kind, *((mine, theirs) if kind is XferKind.WRITE else (theirs, mine)),
+                          pair.peer)  # fmt: skip
+        pair.t.on_done(h, lambda seen=pins_at_done: seen.append(pair.t.pinned_regions()))
+        while (got := pair.t.poll(h)).state is XferState.PENDING:
+            pass
+        assert got.state is XferState.DONE
+        pair.t.deregister(region)  # not "in use by 1 in-flight batch"
+        assert pins_at_done in ([0], [])  # [] only if it ended before on_done was registered
+    _settle_far(pair.far)
+
+
 def test_notify_arrives_only_after_the_bytes(pair, kit):
     """The far side writes into our region; the moment its notify shows, every byte is here."""
     rng = np.random.default_rng(5)

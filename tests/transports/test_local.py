@@ -148,3 +148,29 @@ def test_typed_tensors_and_empty_batch_with_notify():
         t.deregister(rs.region_id)
     t.close()
     t.close()  # idempotent
+
+
+def test_a_copy_that_fails_part_way_ends_in_doubt_not_failed(kit, monkeypatch):
+    """An engine error raised after bytes began to move (here: a copy part failing, as when
+    close() stops the copy helpers mid-batch) must not say FAILED, which lets the caller reuse
+    the destination as if nothing had landed."""
+    from kvplane.transports import local as local_module
+    from kvplane.transports.base import FailureKind
+
+    def half_copy(src_views, dst_views, src, dst, *args, **kwargs):
+        next(iter(dst_views.values()))[:8] = 1  # some bytes landed
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    monkeypatch.setattr(local_module, "copy_pairs", half_copy)
+    fabric = LocalFabric()
+    a, b = LocalTransport(fabric=fabric), LocalTransport(fabric=fabric)
+    try:
+        src = a.register(torch.ones(64, dtype=torch.uint8)).region_id
+        dst = b.register(torch.zeros(64, dtype=torch.uint8)).region_id
+        peer = a.connect(b.metadata())
+        got = a.poll(a.submit(XferKind.WRITE, kit.one(src, 0, 64), kit.one(dst, 0, 64), peer))
+        assert got.state is XferState.IN_DOUBT and got.failure is FailureKind.BACKEND_ERROR
+        assert a.pinned_regions() == 0 and b.pinned_regions() == 0 and a.live_batches() == 0
+    finally:
+        a.close()
+        b.close()

@@ -63,3 +63,32 @@ def test_close_destroys_the_engine_even_when_the_transport_is_kept_alive():
     assert t.notifications() == []
     t.close()  # idempotent
     assert t.pinned_regions() == 0 and t.live_batches() == 0
+
+
+def test_a_region_missing_from_the_peer_table_fails_the_batch_not_a_neighbour(kit):
+    """The engine addresses are looked up in the peer table the worker holds; a region id not
+    in it (a table refreshed between submit's check and the transfer) must fail the batch, not
+    take the base of the next region id (where the bytes used to land)."""
+    from kvplane.transports.base import FailureKind
+    from kvplane.transports.mooncake import MooncakeTransport, _Remote
+
+    a, b = MooncakeTransport(agent="mc-a"), MooncakeTransport(agent="mc-b")
+    try:
+        gone_buf, kept_buf = (
+            torch.zeros(4096, dtype=torch.uint8),
+            torch.zeros(4096, dtype=torch.uint8),
+        )
+        gone, kept = b.register(gone_buf).region_id, b.register(kept_buf).region_id
+        src = a.register(torch.full((4096,), 0xAB, dtype=torch.uint8)).region_id
+        peer = a.connect(b.metadata())
+        old = a._remotes[peer.peer_id]
+        a._remotes[peer.peer_id] = _Remote(old.session, {kept: old.bases[kept]}, old.mailbox)
+        h = a.submit(XferKind.WRITE, kit.one(src, 0, 4096), kit.one(gone, 0, 4096), peer)
+        got = kit.wait(a, h)
+        assert (got.state, got.failure) == (XferState.FAILED, FailureKind.BACKEND_ERROR)
+        assert "no base address" in got.reason
+        assert int(kept_buf.sum()) == 0 and int(gone_buf.sum()) == 0
+        assert a.pinned_regions() == 0 and a.live_batches() == 0
+    finally:
+        a.close()
+        b.close()

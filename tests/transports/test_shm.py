@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import gc
 import os
+import socket
 import threading
 import time
+import weakref
 
+import numpy as np
 import pytest
 import torch
 
-from kvplane.errors import IncompatiblePeerError, InvalidArgumentError, PlanError, TransportError
+from kvplane.errors import (
+    IncompatiblePeerError,
+    InvalidArgumentError,
+    MalformedMessageError,
+    PlanError,
+    TransportError,
+)
 from kvplane.transports import shm as shm_module
-from kvplane.transports.base import XferKind, XferState
+from kvplane.transports.base import FailureKind, XferKind, XferState
 from kvplane.transports.shm import ShmTransport, host_id
-from kvplane.transports.wire import WIRE_VERSION, Metadata, decode_metadata, encode
+from kvplane.transports.wire import WIRE_VERSION, FrameType, Metadata, decode_metadata, encode
 
 
 def test_only_memory_from_allocate_is_exported(kit):
@@ -230,7 +242,8 @@ def test_closing_mid_copy_keeps_the_targets_pin_until_the_copy_has_ended(kit, mo
             time.sleep(1e-3)
         unpinned = time.monotonic()
         assert ended and ended[0] <= unpinned and b.pinned_regions() == 0
-        assert a.poll(h).state.terminal
+        got = a.poll(h)  # close ends it, not the link: started, so in doubt, LOCAL_ERROR
+        assert (got.state, got.failure) == (XferState.IN_DOUBT, FailureKind.LOCAL_ERROR)
         b.deregister(dst)
     finally:
         go.set()
@@ -304,6 +317,143 @@ def test_a_region_registered_while_a_peer_connects_comes_with_its_segment(kit, m
         src = a.register(torch.ones(64, dtype=torch.uint8)).region_id
         h = a.submit(XferKind.WRITE, kit.one(src, 0, 64), kit.one(first, 0, 64), peer)
         assert kit.wait(a, h).state is XferState.DONE
+    finally:
+        a.close()
+        b.close()
+
+
+def test_segments_are_sealed_so_no_one_can_shrink_them():
+    t = ShmTransport(agent="sealed")
+    try:
+        t.allocate(8192)
+        fd = t._segments[1].fd
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+        assert seals & fcntl.F_SEAL_SEAL  # and the seals cannot be taken off
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)  # what a faulty peer would do to make our copies SIGBUS
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("fault", ["unsealed", "short"])
+def test_a_welcome_segment_that_could_fault_our_copies_is_refused(fault):
+    a, b = ShmTransport(agent="a"), ShmTransport(agent="b")
+    try:
+        b.register(b.allocate(1 << 16))
+        seg = b._segments[1]
+        if fault == "unsealed":  # a peer that did not seal: it could truncate it at any time
+            bad = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+            os.ftruncate(bad, 1 << 16)
+        else:  # sealed, but smaller than the WELCOME says
+            bad = os.memfd_create("short", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.ftruncate(bad, 4096)
+            fcntl.fcntl(bad, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        os.close(seg.fd)
+        b._segments[1] = shm_module._Segment(bad, seg.mapping, seg.tensor)
+        with pytest.raises(MalformedMessageError, match="WELCOME segment"):
+            a.connect(b.metadata())
+        assert a.live_batches() == 0 and a._links == {}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_second_pin_for_one_transfer_is_malformed_and_leaks_nothing():
+    """A PIN repeated for one transfer id used to overwrite the first, whose pin then outlived
+    COMMIT and even EOF, so the region could never be deregistered."""
+    from kvplane.transports.channel import Channel, client_handshake
+    from kvplane.transports.wire import pack_header
+
+    t = ShmTransport(agent="target")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        region = t.register(t.allocate(4096)).region_id
+        sock.connect("\0" + t.address)
+        ch = Channel(sock)
+        _, _, fds = client_handshake(ch, "buggy", "shm", None, with_fds=True)
+        for fd in fds:
+            os.close(fd)
+        ids = np.array([int(region)], dtype="<i8").tobytes()
+        for _ in range(2):
+            ch.send(pack_header(FrameType.PIN, 1, 8, 1) + ids)
+        with contextlib.suppress(OSError):  # the target may have dropped us already
+            ch.send_frame(FrameType.COMMIT, 1)
+        end = time.monotonic() + 5
+        while time.monotonic() < end and (t.pinned_regions() or not _closed_by_peer(sock)):
+            time.sleep(0.01)
+        assert t.pinned_regions() == 0
+        t.deregister(region)
+    finally:
+        sock.close()
+        t.close()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer has closed ``sock`` (replies already sent are skipped)."""
+    sock.setblocking(False)
+    try:
+        while True:
+            if not sock.recv(4096):
+                return True
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:  # closed with our frames unread
+        return True
+    finally:
+        sock.setblocking(True)
+
+
+def test_a_pin_refused_without_a_reason_is_still_refused(kit):
+    """PINNED with FLAG_ERROR and an empty body is a refusal: the batch must not copy and end
+    DONE as if the target held the pin."""
+    a, b = ShmTransport(agent="a"), ShmTransport(agent="b")
+    try:
+        pool = b.allocate(4096)
+        dst = b.register(pool).region_id
+        src = a.register(torch.ones(4096, dtype=torch.uint8)).region_id
+        peer = a.connect(b.metadata())
+
+        def refuse(ids, *, exported_only=False):
+            raise TransportError("")
+
+        b._regions.pin = refuse  # the target answers PIN with an error and no reason
+        got = kit.wait(a, a.submit(XferKind.WRITE, kit.one(src, 0, 4096), kit.one(dst, 0, 4096),
+                                   peer))  # fmt: skip
+        assert (got.state, got.failure) == (XferState.FAILED, FailureKind.BACKEND_ERROR)
+        assert "no reason given" in got.reason and int(pool.sum()) == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_peers_segments_are_unmapped_without_reconnecting_or_closing(kit):
+    """Peers restart under new agent names, so nothing reconnects the dead one's link: its
+    segments (here 16 MiB) must be unmapped once its control socket reports EOF."""
+    a, b = ShmTransport(agent="a"), ShmTransport(agent="b-dies")
+    try:
+        b.register(b.allocate(16 << 20))
+        a.connect(b.metadata())
+        state = a._links[b.agent]
+        assert isinstance(state, shm_module._ShmLink)
+        mapped = [weakref.ref(m) for m in state.mappings.values()]
+        assert mapped
+        del state
+        b.close()  # the peer's end of the control socket closes, as when it is killed
+        end = time.monotonic() + 10
+
+        def gone() -> bool:
+            gc.collect()
+            return (
+                b.agent not in a._links
+                and all(r() is None for r in mapped)
+                and not [n for n in kit.kv_threads() if "->b-dies" in n]  # link threads ended
+            )
+
+        while not gone() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert b.agent not in a._links and all(r() is None for r in mapped)
+        assert not [n for n in kit.kv_threads() if "->b-dies" in n]
     finally:
         a.close()
         b.close()

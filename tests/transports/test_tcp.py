@@ -224,3 +224,65 @@ def test_a_target_drops_a_peer_that_goes_silent_while_it_holds_pins(kit, monkeyp
         b.close()
     with pytest.raises(InvalidArgumentError):
         TcpTransport(target_stall_s=0)
+
+
+def test_a_target_drops_a_reader_that_stops_taking_its_reply(kit):
+    """A READ reply is sent while the target holds its pins: a peer that asks for 64 MiB and
+    then reads nothing must not keep them (and the region undeletable) for ever."""
+    from kvplane.transports.base import DescriptorList
+    from kvplane.transports.channel import Channel, client_handshake
+    from kvplane.transports.wire import pack_table
+
+    t = TcpTransport(agent="target", target_stall_s=0.5)
+    sock = None
+    try:
+        region = t.register(torch.zeros(64 << 20, dtype=torch.uint8)).region_id
+        host, _, port = t.address.rpartition(":")
+        sock = socket.create_connection((host, int(port)))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        ch = Channel(sock)
+        client_handshake(ch, "never-reads", "tcp", None)
+        table = DescriptorList.of([(int(region), 0, 64 << 20)])
+        ch.send(pack_header(FrameType.READ_REQ, 1, 0, 1) + pack_table(table))
+        end = time.monotonic() + 10
+        while not t.pinned_regions() and time.monotonic() < end:
+            time.sleep(1e-3)
+        assert t.pinned_regions() == 1  # serving the reply
+        while t.pinned_regions() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert t.pinned_regions() == 0  # the reply stalled for target_stall_s: dropped
+        t.deregister(region)
+    finally:
+        if sock is not None:
+            sock.close()
+        t.close()
+
+
+def test_close_mid_stream_ends_the_batch_in_doubt_by_a_local_error(kit, monkeypatch):
+    """close() while a WRITE's bytes are on the wire: some landed, so not FAILED; and it was
+    our close, not the peer, so not REMOTE_DISCONNECT (the link's own rule)."""
+    import kvplane.transports.tcp as tcp_module
+    from kvplane.transports.base import FailureKind
+
+    real_send, sent = tcp_module.send_payload, threading.Event()
+
+    def send_then_stall(sock, views, descs, stage):
+        real_send(sock, views, descs, stage)
+        sent.set()
+        time.sleep(0.5)  # still "sending" when close() arrives
+
+    monkeypatch.setattr(tcp_module, "send_payload", send_then_stall)
+    a, b = TcpTransport(agent="closing"), TcpTransport(agent="far")
+    try:
+        dst = b.register(torch.zeros(4096, dtype=torch.uint8)).region_id
+        src = a.register(torch.ones(4096, dtype=torch.uint8)).region_id
+        peer = a.connect(b.metadata())
+        h = a.submit(XferKind.WRITE, kit.one(src, 0, 4096), kit.one(dst, 0, 4096), peer)
+        assert sent.wait(10)
+        a.close()
+        got = a.poll(h)
+        assert (got.state, got.failure) == (XferState.IN_DOUBT, FailureKind.LOCAL_ERROR)
+        assert a.pinned_regions() == 0 and a.live_batches() == 0
+    finally:
+        a.close()
+        b.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -95,3 +96,64 @@ def test_copy_runs_with_workers_matches_the_reference(kit, length):
         copy_runs(src, so * length, dst, do * length, lengths, workers=w)
         assert torch.equal(dst, expected)
     w.close()
+
+
+def test_close_between_two_handed_out_parts_waits_and_the_run_covers_everything():
+    """close() landing while run() hands parts out (the pool shut down between two submits)
+    must neither make run() return before a handed-out part ends nor skip a part."""
+    w = CopyWorkers(4)
+    w.run(lambda a, b: None, 4)  # the pool exists
+    pool = w._pool
+    assert pool is not None
+    real, calls, closer = pool.submit, [0], []
+
+    def submit(fn, *args):
+        calls[0] += 1
+        if calls[0] == 2:  # close() arrives between the first and the second part
+            closer.append(threading.Thread(target=w.close))
+            closer[0].start()
+            end = time.monotonic() + 2
+            while not w._closed and time.monotonic() < end:
+                time.sleep(0.001)
+            end = time.monotonic() + 0.2  # the old close shut the pool down at once
+            while not pool._shutdown and time.monotonic() < end:
+                time.sleep(0.001)
+        return real(fn, *args)
+
+    pool.submit = submit
+    seen = np.zeros(4, dtype=np.int64)
+    helper_done = threading.Event()
+
+    def fn(a: int, b: int) -> None:
+        if a == 1:
+            time.sleep(0.3)  # the part handed to a helper before close() is still copying
+            helper_done.set()
+        seen[a:b] += 1
+
+    w.run(fn, 4)
+    assert helper_done.is_set()  # run returned only after the handed-out part ended
+    assert seen.tolist() == [1, 1, 1, 1]
+    closer[0].join(5)
+    assert not closer[0].is_alive() and w._pool is None
+
+
+def test_close_waits_for_a_run_in_progress():
+    w = CopyWorkers(2)
+    inside, go = threading.Event(), threading.Event()
+
+    def fn(a: int, b: int) -> None:
+        if a:
+            inside.set()
+            go.wait(5)
+
+    runner = threading.Thread(target=w.run, args=(fn, 2))
+    runner.start()
+    assert inside.wait(5)
+    closer = threading.Thread(target=w.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # held off by the run
+    go.set()
+    runner.join(5)
+    closer.join(5)
+    assert not closer.is_alive()

@@ -313,6 +313,12 @@ class Link:
             if self._on_recv_exit is not None:
                 self._on_recv_exit(self)
 
+    def join_sender(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the sender thread to end (it does once the link is down
+        and its running job has ended); whether it has. Not from the sender thread."""
+        self._sender.join(timeout)
+        return not self._sender.is_alive()
+
     def close(self, timeout: float = 5.0) -> None:
         self.fail("closed")
         self._sender.join(timeout)

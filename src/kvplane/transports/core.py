@@ -10,11 +10,16 @@ where needed, ``_progress``, ``_abort``, ``_close``, ``_on_register``, ``_on_der
 equal lengths, bounds of the local side against our regions and of the remote side against the
 peer's live region table, no destination byte written twice, and (loopback) no destination range
 overlapping a source range. Only then does it pin the local regions and create the batch; a
-``PlanError`` raised by ``_start`` still leaves nothing behind. ``poll`` advances engine-polled
-batches (``_progress``) and enforces the deadline: a batch that passes it ends FAILED(TIMEOUT),
-or IN_DOUBT(TIMEOUT) if every byte was already handed over. ``cancel`` ends a batch at once
-(FAILED(CANCELLED), or IN_DOUBT if already committed) and asks the implementation to stop.
-In all cases region pins are released only when the batch is quiescent (see ``batches``).
+``PlanError`` raised by ``_start`` still leaves nothing behind. Any other error from ``_start``
+ends the batch FAILED(BACKEND_ERROR), or IN_DOUBT(BACKEND_ERROR) if it had started moving bytes
+(``_start`` returns or raises only once nothing of it still runs, so its pins then go). ``poll``
+advances engine-polled batches (``_progress``) and enforces the deadline: a batch that passes it
+ends FAILED(TIMEOUT), or IN_DOUBT(TIMEOUT) if every byte was already handed over. ``cancel``
+ends a batch at once (FAILED(CANCELLED), or IN_DOUBT if already committed) and asks the
+implementation to stop. In all cases region pins are released only when the batch is quiescent
+(see ``batches``). ``close`` first ends every live batch -- FAILED(LOCAL_ERROR) if it never
+started, else IN_DOUBT(LOCAL_ERROR) -- and only then stops the implementation (``_close``), so a
+link or engine it takes down cannot report a batch of ours as REMOTE_DISCONNECT.
 """
 
 from __future__ import annotations
@@ -183,7 +188,9 @@ class TransportCore:
             self._batches.quiesce(batch)
             raise
         except Exception as exc:  # an engine error is a FAILED result, not an exception
-            self._batches.finish(batch, XferState.FAILED, FailureKind.BACKEND_ERROR, repr(exc))
+            # ... or IN_DOUBT once started: some of its bytes may have landed
+            self._batches.finish(batch, XferState.FAILED, FailureKind.BACKEND_ERROR, repr(exc),
+                                 doubt_if_started=True)  # fmt: skip
             self._batches.quiesce(batch)
         return batch.handle
 
@@ -235,11 +242,14 @@ class TransportCore:
             if self._closed:
                 return
             self._closed = True
+        # first, before _close takes links down (whose own rule would say REMOTE_DISCONNECT):
+        # a started batch may still be moving bytes (a thread or engine call that does not stop
+        # at once): IN_DOUBT, as for cancel, so no caller reuses memory it may still touch
+        self._batches.fail_all(self._batches.live(), FailureKind.LOCAL_ERROR, "transport closed",
+                               doubt_if_started=True)  # fmt: skip
         self._close()
         self._copy_workers.close()
-        live = self._batches.live()
-        # a started batch may still be moving bytes (a thread or engine call that did not stop
-        # in _close): IN_DOUBT, as for cancel, so no caller reuses memory it may still touch
+        live = self._batches.live()  # whatever _close left unreleased is released now
         self._batches.fail_all(live, FailureKind.LOCAL_ERROR, "transport closed",
                                doubt_if_started=True)  # fmt: skip
         for batch in live:

@@ -16,7 +16,15 @@ byte. A failed sub-batch is retried once (a known engine bug fails the first TCP
 an idle period with "lane queue-full"); if it fails again, a refused connection to the peer's
 RPC port classifies it as REMOTE_DISCONNECT, anything else as BACKEND_ERROR. Cancel and deadlines
 are honoured between sub-batches; a running engine call cannot be interrupted, so the batch's
-regions stay pinned until it returns. The engine is imported here only.
+regions stay pinned until it returns; they are unpinned before the batch ends, so whoever sees
+DONE may deregister at once. The engine is imported here only.
+
+Writes and reads are one-sided: the engine addresses the peer's memory by the base addresses of
+its metadata as of our last ``connect`` and the peer never checks them against its live region
+table (tcp and shm targets do). A region id missing from that table fails the batch
+(BACKEND_ERROR), but a peer that deregisters a region and registers other memory over the same
+bytes is not detected: the owner must make its peers ``connect`` again (or stop naming the old
+region) before it reuses deregistered memory.
 """
 
 from __future__ import annotations
@@ -84,9 +92,16 @@ class _Job:
 
 
 def _addresses(bases: dict[RegionId, int], descs: DescriptorList) -> np.ndarray[Any, Any]:
+    """Engine addresses ``base[region] + offset``, vectorised. A region missing from ``bases``
+    (a peer table refreshed between ``submit``'s check and the transfer) is a
+    ``TransportError``, never a neighbour's base."""
     ids = np.array(sorted(bases), dtype=np.int64)
     base = np.array([bases[RegionId(int(i))] for i in ids], dtype=np.int64)
-    return base[np.searchsorted(ids, descs.regions)] + descs.offsets
+    at = np.minimum(np.searchsorted(ids, descs.regions), max(len(ids) - 1, 0))
+    if len(descs) and (not len(ids) or bool(np.any(ids[at] != descs.regions))):
+        unknown = sorted(set(descs.regions.tolist()) - set(ids.tolist()))
+        raise TransportError(f"Mooncake has no base address for region(s) {unknown}")
+    return base[at] + descs.offsets
 
 
 def _peer_alive(session: str) -> bool:
@@ -208,11 +223,13 @@ class MooncakeTransport(TransportCore):
             if self._call(remote, kind, lists, notify if b == n else None) != 0:
                 failure = (FailureKind.BACKEND_ERROR if _peer_alive(remote.session)
                            else FailureKind.REMOTE_DISCONNECT)  # fmt: skip
+                self._batches.quiesce(batch)  # the engine call returned: nothing touches it
                 self._batches.finish(batch, XferState.FAILED, failure,
                                      f"Mooncake transfer to {remote.session} failed")  # fmt: skip
                 return
             if b < n:
                 batch.bytes_done += int(lengths[a:b].sum())
+        self._batches.quiesce(batch)  # unpinned before DONE shows: a caller may deregister then
         self._batches.finish(batch, XferState.DONE)
 
     def _work(self) -> None:

@@ -8,7 +8,11 @@ whose bytes lie inside such a segment is *exported* (metadata lists its region i
 Any other registered tensor is *local only*: it can be the local side of a batch (we copy
 between it and the peer's memory) but a peer cannot name it. Segments have no file-system name:
 their descriptors travel in the handshake's WELCOME over the Unix-domain control socket
-(SCM_RIGHTS), so nothing is left in ``/dev/shm`` when a process dies, even by SIGKILL.
+(SCM_RIGHTS), so nothing is left in ``/dev/shm`` when a process dies, even by SIGKILL. Every
+segment is sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``)
+before it is mapped, and ``connect`` refuses (``MalformedMessageError``) a WELCOME whose segment
+lacks ``F_SEAL_SHRINK`` or is shorter than it claims: a peer that truncated a mapped segment
+would make our next copy into it die of SIGBUS.
 
 A batch on the initiator's sender thread: PIN (the peer's region ids) -> wait for PINNED, so the
 peer cannot deregister that memory under us -> copy with ``copier`` between our memory and the
@@ -17,15 +21,18 @@ sender also sends the PINs of up to :data:`PIN_AHEAD` jobs queued behind (*pins 
 their round trips overlap this batch's copy instead of following it: a backlog of slices then
 starts copying at once. A job pinned ahead that is cancelled before it runs is sent an ABORT
 when the sender reaches it, which releases the pin (the target also releases every pin of a
-connection that closes). On COMMIT the target unpins, queues the notification (after the
-bytes, which were copied before the COMMIT was sent) and ACKs; the ACK makes the batch DONE. The
-control socket's EOF means the peer process is gone: every batch bound to it fails
-REMOTE_DISCONNECT (also while waiting for PINNED, e.g. a stopped peer killed later). Peers must
-share a host (kernel boot id in the metadata).
+connection that closes; a second PIN for one transfer is malformed and closes it). On COMMIT the
+target unpins, queues the notification (after the bytes, which were copied before the COMMIT was
+sent) and ACKs; the ACK makes the batch DONE. The control socket's EOF means the peer process is
+gone: every batch bound to it fails REMOTE_DISCONNECT (also while waiting for PINNED, e.g. a
+stopped peer killed later), and once the link's sender has stopped the link is forgotten and the
+peer's segments unmapped (when the last in-flight view of them goes). Peers must share a host
+(kernel boot id in the metadata).
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
@@ -66,6 +73,9 @@ from kvplane.transports.wire import (
 
 _PIN_POLL_S = 0.05
 """How often a sender waiting for PINNED re-checks for cancel, deadline and link loss."""
+_SENDER_STOP_S = 5.0
+"""How long, past ``link_drain_s``, a dead link's receiver waits for its sender to stop before
+leaving the peer's mappings to ``close``."""
 PIN_AHEAD = 8
 """Most queued jobs whose PINs a sender sends ahead of running them."""
 
@@ -93,6 +103,24 @@ def _map(fd: int, nbytes: int) -> mmap.mmap:
         mapping.close()
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     return mapping
+
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+"""Seals of every segment we create: its size is fixed for good (so no mapping of it can fault)."""
+
+
+def _check_segment(fd: int, length: int) -> None:
+    """``MalformedMessageError`` unless the peer's segment ``fd`` is sealed against shrinking
+    and holds at least ``length`` bytes: only then can no later truncation fault our copies."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        size = os.fstat(fd).st_size
+    except OSError as exc:
+        raise MalformedMessageError(f"a WELCOME segment is not a sealable memfd: {exc}") from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise MalformedMessageError("a WELCOME segment is not sealed against shrinking")
+    if size < length:
+        raise MalformedMessageError(f"a WELCOME segment of {size} bytes claims {length}")
 
 
 def host_id() -> str:
@@ -163,9 +191,11 @@ class ShmTransport(StreamTransport):
                 raise TransportError(f"at most {MAX_FDS} shared segments per transport")
             seg_id = self._next_segment
             self._next_segment += 1
-        fd = os.memfd_create(f"kvplane-{self.agent}-{seg_id}", os.MFD_CLOEXEC)
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        fd = os.memfd_create(f"kvplane-{self.agent}-{seg_id}", flags)
         try:
             os.ftruncate(fd, nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)  # peers check it: see ``_check_segment``
             mapping = _map(fd, nbytes)
         except OSError as exc:
             os.close(fd)
@@ -220,6 +250,8 @@ class ShmTransport(StreamTransport):
         try:
             if agent != meta.agent or len(fds) != len(welcome.segments):
                 raise MalformedMessageError(f"bad WELCOME from {agent!r} (expected {meta.agent!r})")
+            for info, fd in zip(welcome.segments, fds, strict=True):
+                _check_segment(fd, info.length)  # before mapping: a shrunk segment would SIGBUS
             mappings = {s.segment: _map(fd, s.length) for s, fd in
                         zip(welcome.segments, fds, strict=True)}  # fmt: skip
             views = {}  # checked before the link exists: a bad WELCOME installs nothing
@@ -319,8 +351,11 @@ class ShmTransport(StreamTransport):
             batch = self._batches.by_id(h.xfer_id)
             if batch is None or batch.terminal:
                 return  # the sender gave up waiting and sent ABORT
+            refused = ""  # "" is granted, so a refusal always carries a reason
+            if h.flags & FLAG_ERROR:
+                refused = body.decode(errors="replace") or "pin refused, no reason given"
             with state.pin_ready:
-                state.pin_replies[h.xfer_id] = body.decode(errors="replace") if h.flags else ""
+                state.pin_replies[h.xfer_id] = refused
                 state.pin_ready.notify_all()
         elif h.ftype is FrameType.ACK:
             batch = self._batches.by_id(h.xfer_id)
@@ -335,9 +370,21 @@ class ShmTransport(StreamTransport):
             raise MalformedMessageError(f"unexpected {h.ftype.name} frame from the shm target")
 
     def _on_recv_exit(self, state: LinkState) -> None:
+        """The link is down (peer gone, or our close): wake a sender waiting for PINNED; once
+        the sender has stopped, forget the link and drop the peer's mappings. Peers come back
+        under new agent names, so a dead peer's state would otherwise stay (its segments
+        mapped) until ``close``."""
         assert isinstance(state, _ShmLink)
         with state.pin_ready:
             state.pin_ready.notify_all()
+        link = state.link
+        if link is None or not link.join_sender(self.link_drain_s + _SENDER_STOP_S):
+            return  # still copying (or stuck): ``close`` or a reconnect releases it later
+        with self._lock:
+            if self._links.get(state.peer_id) is state:
+                del self._links[state.peer_id]
+        link.ch.close()
+        self._on_link_closed(state)
 
     def _on_link_closed(self, state: LinkState) -> None:
         assert isinstance(state, _ShmLink)
@@ -353,6 +400,8 @@ class ShmTransport(StreamTransport):
                 if h.ftype is FrameType.PIN:
                     if len(body) != 8 * h.count:
                         raise MalformedMessageError(f"PIN of {len(body)} bytes for {h.count} ids")
+                    if h.xfer_id in pins:  # each transfer pins once (else the first leaks)
+                        raise MalformedMessageError(f"second PIN for transfer {h.xfer_id}")
                     ids = np.frombuffer(body, dtype="<i8").tolist()
                     try:
                         pins[h.xfer_id] = self._regions.pin(ids, exported_only=True)

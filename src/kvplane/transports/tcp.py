@@ -10,16 +10,21 @@ it. Per connection the initiator runs a sender and a receiver thread, the target
 WRITE: the sender streams DATA frames -- descriptor table of the *destination* ranges, then the
 bytes (``payload``) -- and a COMMIT with the optional notify. The target checks every table
 against its own regions (never trusting the peer), pins the regions from the first frame to the
-COMMIT, receives straight into them, queues the notification after the last byte and ACKs;
-the ACK makes the batch DONE. READ: the sender registers the batch with the receiver, then sends
-READ_REQ frames (tables of the *peer's* ranges); the target answers each with a DATA frame, which
-the receiver writes into the local destination; after the last one the batch is DONE and a
-COMMIT carries the notify to the target.
+COMMIT, receives straight into them, queues the notification after the last byte and ACKs; the
+ACK makes the batch DONE (its pins went when the last byte was in the socket, before the COMMIT,
+so whoever sees DONE may deregister at once). READ: the sender registers the batch with the
+receiver, then sends READ_REQ frames (tables of the *peer's* ranges); the target answers each
+with a DATA frame, which the receiver writes into the local destination; after the last one the
+batch is unpinned, then DONE, and a COMMIT carries the notify to the target.
 
-Failures: a refused table gives an error ACK (FAILED, BACKEND_ERROR). EOF or a reset fails the
-connection's batches with REMOTE_DISCONNECT (IN_DOUBT if the COMMIT was already sent). A batch
-whose deadline passes while its bytes are on the wire tears the connection down (a stalled
-stream cannot be resynchronised); ``connect`` again to resume.
+Failures: a refused table gives an error ACK (FAILED, BACKEND_ERROR). A target holding pins for
+a peer that sends nothing, or takes none of a READ reply, for ``target_stall_s`` drops the
+connection and the pins. EOF or a reset fails the connection's batches with REMOTE_DISCONNECT
+(IN_DOUBT if the COMMIT was already sent). A batch whose deadline passes while its bytes are on
+the wire tears the connection down (a stalled stream cannot be resynchronised); ``connect``
+again to resume. Frames from the target are not trusted: an ACK of a READ chunk must be a
+refusal (FLAG_ERROR), an ACK of a WRITE must follow its COMMIT; anything else is malformed and
+drops the connection.
 """
 
 from __future__ import annotations
@@ -104,16 +109,19 @@ def _tune(sock: socket.socket) -> None:
 
 
 TARGET_STALL_S = 60.0
-"""How long a target waits for the next byte of a peer while it holds pins for that peer's
-batch; then the connection is dropped and the pins released (a peer gone without a FIN, or
-hung). An idle connection, holding nothing, waits for ever."""
+"""How long a target waits for the next byte of a peer, or for the peer to take the next byte
+of a READ reply, while it holds pins for that peer's batch; then the connection is dropped and
+the pins released (a peer gone without a FIN, hung, or no longer reading). An idle connection,
+holding nothing, waits for ever."""
 
 
-def _receive_timeout(sock: socket.socket, seconds: float) -> None:
-    """``SO_RCVTIMEO`` (0: none): applies to every receive on the socket, ``readv`` too."""
+def _stall_timeout(sock: socket.socket, seconds: float) -> None:
+    """``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` (0: none): a receive, or a send, that makes no
+    progress for ``seconds`` fails (``readv``/``writev`` too), which drops the connection."""
     whole = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                    struct.pack("ll", whole, int((seconds - whole) * 1e6)))  # fmt: skip
+    value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
 class TcpTransport(StreamTransport):
@@ -226,12 +234,13 @@ class TcpTransport(StreamTransport):
             part = sub(dst, a, b)
             ch.send(pack_header(FrameType.DATA, xid, part.total_bytes, b - a) + pack_table(part))
             send_payload(ch.sock, views, sub(src, a, b), state.send_stage)
-        if self._batches.commit(batch):
+        committed = self._batches.commit(batch)
+        self._batches.quiesce(batch)  # every byte is in the socket: unpinned before the ACK
+        if committed:
             flags = 0 if job.notify is None else FLAG_NOTIFY
             ch.send_frame(FrameType.COMMIT, xid, job.notify or b"", flags=flags)
         else:
             ch.send_frame(FrameType.ABORT, xid)
-        self._batches.quiesce(batch)
 
     def _on_frame(self, state: LinkState, h: Header) -> None:
         assert isinstance(state, _TcpLink) and state.link is not None
@@ -239,14 +248,19 @@ class TcpTransport(StreamTransport):
         if h.ftype is FrameType.ACK:
             body = ch.recv_body(h)
             if state.reads and state.reads[0].batch.handle.xfer_id == h.xfer_id:
+                if not h.flags & FLAG_ERROR:  # a READ chunk is answered by DATA or a refusal
+                    raise MalformedMessageError(f"plain ACK for READ chunk of {h.xfer_id}")
                 read = state.reads[0]
-                read.failed = read.failed or body.decode(errors="replace")
+                why = body.decode(errors="replace") or "refused, no reason given"
+                read.failed = read.failed or why
                 read.chunks.popleft()
                 self._maybe_end_read(state)
                 return
             batch = self._batches.by_id(h.xfer_id)
             if batch is None:
                 return  # a late ACK: the batch already ended (deadline, cancel) and retired
+            if batch.kind is not XferKind.WRITE or not batch.committed:  # no COMMIT was sent
+                raise MalformedMessageError(f"ACK for transfer {h.xfer_id}, which sent no COMMIT")
             if h.flags & FLAG_ERROR:
                 self._batches.finish(batch, XferState.FAILED, FailureKind.BACKEND_ERROR,
                                      f"peer refused: {body.decode(errors='replace')}")  # fmt: skip
@@ -277,13 +291,13 @@ class TcpTransport(StreamTransport):
             return
         state.reads.popleft()
         batch = read.batch
+        self._batches.quiesce(batch)  # the last reply has landed: unpinned before DONE shows
         if read.failed:
             self._batches.finish(batch, XferState.FAILED, FailureKind.BACKEND_ERROR,
                                  f"peer refused: {read.failed}")  # fmt: skip
         elif self._batches.finish(batch, XferState.DONE) and read.notify is not None:
             assert state.link is not None
             state.link.put(_Notify(batch.handle.xfer_id, read.notify))
-        self._batches.quiesce(batch)
 
     def _on_recv_exit(self, state: LinkState) -> None:
         assert isinstance(state, _TcpLink) and state.link is not None
@@ -323,10 +337,11 @@ class _Target:
         self._watched = False
 
     def _watch(self) -> None:
-        """Arm the stall timeout while pins are held, disarm it when none are."""
+        """Arm the stall timeouts (receive and send: a READ reply is sent while its pins are
+        held) while pins are held, disarm them when none are."""
         if bool(self.pins) != self._watched:
             self._watched = bool(self.pins)
-            _receive_timeout(self.ch.sock, self.t.target_stall_s if self._watched else 0.0)
+            _stall_timeout(self.ch.sock, self.t.target_stall_s if self._watched else 0.0)
 
     def serve(self) -> None:
         try:

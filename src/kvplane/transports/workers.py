@@ -10,8 +10,12 @@ the caller runs the first part itself while helper threads run the others, and :
 returns once every part is done (re-raising the first error). Parts must touch disjoint bytes.
 
 Helper threads are created on first use (a transport that never copies much starts none) and
-stopped by :meth:`close`; a closed instance runs everything in the calling thread. Instances
-are owned by one transport each (no module-level pool) and are safe to use from many threads.
+stopped by :meth:`close`; a closed instance runs everything in the calling thread. ``close``
+waits for the runs in progress, so it never shuts the helpers down between two parts of one
+run; should handing a part to a helper still fail, the caller runs that part and the rest
+itself. Either way :meth:`run` returns or raises only once no part is running, so the caller
+may release the buffers then. Instances are owned by one transport each (no module-level pool)
+and are safe to use from many threads.
 """
 
 from __future__ import annotations
@@ -38,36 +42,62 @@ class CopyWorkers:
             raise InvalidArgumentError(f"threads must be an int >= 1, got {threads!r}")
         self.threads = threads
         self._name = name
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        self._running = 0
+        """Runs holding the pool (``close`` waits for them before shutting it down)."""
 
-    def _executor(self) -> ThreadPoolExecutor | None:
+    def _acquire(self) -> ThreadPoolExecutor | None:
+        """The pool, counted as in use until :meth:`_release`; None when closed or single."""
         with self._lock:
             if self._closed or self.threads == 1:
                 return None
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=self._name)
+            self._running += 1
             return self._pool
+
+    def _release(self) -> None:
+        with self._lock:
+            self._running -= 1
+            self._lock.notify_all()
 
     def run(self, fn: Callable[[int, int], None], n: int, min_part: int = 1) -> None:
         """Call ``fn(a, b)`` on contiguous parts covering ``[0, n)``, each at least ``min_part``
         long (except when ``n`` is smaller), in parallel; return when all are done."""
         parts = max(1, min(self.threads, n // max(1, min_part)))
-        pool = self._executor() if parts > 1 else None
+        pool = self._acquire() if parts > 1 else None
         if pool is None:
             if n > 0:
                 fn(0, n)
             return
-        bounds = [n * i // parts for i in range(parts + 1)]
-        futures: list[Future[None]] = [
-            pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)
-        ]
-        error: BaseException | None = None
         try:
-            fn(bounds[0], bounds[1])
-        except BaseException as exc:  # still wait: helpers must not outlive the caller's buffers
-            error = exc
+            self._run_parts(pool, fn, [n * i // parts for i in range(parts + 1)])
+        finally:
+            self._release()
+
+    @staticmethod
+    def _run_parts(
+        pool: ThreadPoolExecutor, fn: Callable[[int, int], None], bounds: list[int]
+    ) -> None:
+        """Parts 1.. on helpers (any that cannot be handed over on the caller), part 0 on the
+        caller; returns or raises (the first error) only once every part has ended."""
+        futures: list[Future[None]] = []
+        mine = [0]
+        for i in range(1, len(bounds) - 1):
+            try:
+                futures.append(pool.submit(fn, bounds[i], bounds[i + 1]))
+            except RuntimeError:  # the pool is shutting down: the caller does the rest
+                mine.extend(range(i, len(bounds) - 1))
+                break
+        error: BaseException | None = None
+        for i in mine:
+            try:
+                fn(bounds[i], bounds[i + 1])
+            except BaseException as exc:  # still wait: helpers must not outlive the buffers
+                error = error or exc
+                break
         for fut in futures:
             try:
                 fut.result()
@@ -77,9 +107,12 @@ class CopyWorkers:
             raise error
 
     def close(self) -> None:
-        """Stop the helper threads (after their current part); later runs use the caller only."""
+        """Stop the helper threads once the runs in progress have ended; later runs use the
+        caller only. Must not be called from inside ``fn``."""
         with self._lock:
             self._closed = True
+            while self._running:
+                self._lock.wait()
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
