@@ -434,7 +434,10 @@ class RawNixlWriter:
 
     Registers ``buffer`` with a fresh agent (configured as the adapter's, :func:`make_agent`: a
     raw user would not leave a core spinning either), loads the peer from kvplane metadata, and
-    :meth:`write` posts one NIXL WRITE of the given runs and busy-polls it to completion.
+    :meth:`write` posts one NIXL WRITE of the given runs and polls it to completion with the
+    adapter's poster policy (sleeping ``POLL_MIN_S`` doubling to ``POLL_MAX_S``): a busy-polling
+    limit would take a core from the receiving peer on a small host and measure *less* than
+    the adapter.
     """
 
     def __init__(self, peer_metadata: bytes, buffer: torch.Tensor) -> None:
@@ -459,7 +462,10 @@ class RawNixlWriter:
                                        agent.get_xfer_descs(remote.astype(np.uint64), "DRAM"),
                                        self._peer)  # fmt: skip
         state = agent.transfer(handle)
+        idle = 0
         while state == "PROC":
+            time.sleep(min(POLL_MAX_S, POLL_MIN_S * 2**idle))
+            idle += 1
             state = agent.check_xfer_state(handle)
         agent.release_xfer_handle(handle)
         if state != "DONE":
