@@ -22,7 +22,13 @@ def test_bench_reports_every_key_for_both_modes() -> None:
             "exposed_tail_ms",
             "overlap_ratio",
             "slice_transfer_ms",
+            "slice_submit_to_done_ms",
+            "step_compute_ms",
+            "timeline_truncated",
         }
+        assert row["slice_transfer_ms"] > 0 and row["exposed_tail_ms"] is not None
+        assert row["slice_submit_to_done_ms"] >= row["slice_transfer_ms"]
+        assert row["timeline_truncated"] == 0
         assert row["ttft_ms"] > 0 and 0.0 <= row["overlap_ratio"] <= 1.0
     assert rows[0]["ttft_ratio"] > 0 and rows[1]["per_step_transfer_ms"] >= 0
     assert rows[0]["zero_stretch_ttft_ratio"] > 0
@@ -34,6 +40,11 @@ def test_bench_reports_every_key_for_both_modes() -> None:
         "ttft_le_0.7x_non_pipelined",
         "overlap_ge_0.8",
     }
+    assert set(out["target_definitions"]) == set(targets["tcp"])  # type: ignore[arg-type]
+    calib = out["calibration"]
+    assert isinstance(calib, dict) and isinstance(calib["tcp"]["calibration_ok"], bool)
+    assert calib["tcp"]["slice_transfer_ms"] == rows[0]["slice_transfer_ms"]
+    assert out["memcpy_slice_ms"] > 0 and out["memcpy_slice_scattered_ms"] > 0  # type: ignore[operator]
 
 
 def test_ttft_ratio_pairs_requests_not_medians() -> None:

@@ -48,3 +48,29 @@ def test_timeline_keeps_the_latest_requests() -> None:
     assert t.events("c")[0].as_dict()["mark"] == "order"
     with pytest.raises(InvalidArgumentError, match="max_requests"):
         Timeline("w", max_requests=0)
+
+
+def test_slice_busy_time_excludes_waiting_behind_earlier_slices() -> None:
+    # three slices submitted at once through one ordered queue: each waits for the one before
+    t = Timeline("p")
+    for sid, (sub, done) in enumerate([(0.0, 1.0), (0.0, 3.0), (0.5, 3.5)]):
+        t.record(Mark.SLICE_SUBMIT, "r", slice_id=sid, t=sub)
+        t.record(Mark.SLICE_DONE, "r", slice_id=sid, t=done)
+    t.record(Mark.STEP_START, "r", t=0.0)
+    t.record(Mark.STEP_END, "r", t=0.5)
+    times = request_times(t.events("r"))
+    assert times.slice_transfer_s == (1.0, 3.0, 3.0)  # submit -> done: queueing included
+    assert times.slice_busy_s == (1.0, 2.0, 0.5)  # the slice's own transfer time
+    assert sum(times.slice_busy_s) == times.transfer_s
+    assert times.steps == 1
+
+
+def test_a_lone_slice_is_busy_from_its_submit() -> None:
+    t = Timeline("p")
+    t.record(Mark.SLICE_SUBMIT, "r", slice_id=0, t=2.0)
+    t.record(Mark.SLICE_DONE, "r", slice_id=0, t=2.25)
+    t.record(Mark.SLICE_SUBMIT, "r", slice_id=1, t=5.0)
+    t.record(Mark.SLICE_DONE, "r", slice_id=1, t=5.5)
+    times = request_times(t.events("r"))
+    assert times.slice_busy_s == times.slice_transfer_s == (0.25, 0.5)
+    assert times.steps == 0

@@ -12,7 +12,11 @@ them (bounded, thread-safe).
 :func:`request_times` reads one request's events and derives the seed's metrics
 (ARCHITECTURE.md §4): the *overlap ratio* (transfer time hidden under the request's prefill
 compute / total transfer time, both measured on the union of the slice transfer intervals), and
-the *exposed tail* (last prefill step end → decode ready, when the decode side's events are in).
+the *exposed tail* (last prefill step end → decode ready, when the decode side's events are in),
+and two per-slice times: ``slice_transfer_s`` (submit → done: the slice's latency, queueing
+behind earlier slices of the request included) and ``slice_busy_s`` (the time the slice itself
+spent transferring: from its submit, or the previous slice's end if that was later, to its
+end -- one ordered queue per request, so a slice waits only for the ones before it).
 """
 
 from __future__ import annotations
@@ -118,7 +122,13 @@ class Timeline:
 
 @dataclass(frozen=True, slots=True)
 class RequestTimes:
-    """One request's derived times (seconds); ``None`` where the events are missing."""
+    """One request's derived times (seconds); ``None`` where the events are missing.
+
+    ``slice_transfer_s``: per slice, in order of completion, submit → done (waiting behind
+    earlier slices included). ``slice_busy_s``: per slice, same order, the slice's own
+    transfer time, ``done - max(submit, previous slice's done)`` (never negative; with one
+    ordered queue their sum is ``transfer_s``). ``steps``: prefill steps with both a start
+    and an end event."""
 
     compute_s: float
     transfer_s: float
@@ -128,6 +138,8 @@ class RequestTimes:
     decode_ready: float | None
     exposed_tail_s: float | None
     slice_transfer_s: tuple[float, ...]
+    slice_busy_s: tuple[float, ...] = ()
+    steps: int = 0
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -150,6 +162,16 @@ def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> 
         for c, d in ys:
             total += max(0.0, min(b, d) - max(a, c))
     return total
+
+
+def _busy(transfers: list[tuple[float, float]]) -> tuple[float, ...]:
+    """Per interval in order of end, the time it spent alone past the earlier ones' ends."""
+    out: list[float] = []
+    prev_end = float("-inf")
+    for a, b in sorted(transfers, key=lambda iv: iv[1]):
+        out.append(max(0.0, b - max(a, prev_end)))
+        prev_end = max(prev_end, b)
+    return tuple(out)
 
 
 def request_times(events: Iterable[TimelineEvent]) -> RequestTimes:
@@ -188,5 +210,7 @@ def request_times(events: Iterable[TimelineEvent]) -> RequestTimes:
         prefill_end=prefill_end,
         decode_ready=decode_ready,
         exposed_tail_s=tail,
-        slice_transfer_s=tuple(b - a for a, b in transfers),
+        slice_transfer_s=tuple(b - a for a, b in sorted(transfers, key=lambda iv: iv[1])),
+        slice_busy_s=_busy(transfers),
+        steps=len(compute),
     )

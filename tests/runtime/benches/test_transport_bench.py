@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Callable
 
 import pytest
 
-from kvplane.runtime.benches.transport import UCX_TCP, _environ, _tls
+from kvplane.runtime.benches import transport
+from kvplane.runtime.benches.transport import (
+    BLOCKS,
+    NIXL_TCP,
+    UCX_TCP,
+    _Case,
+    _environ,
+    _measure_cases,
+    _row,
+    _tls,
+    tcp_vs_nixl,
+)
 
 
 def test_environ_sets_then_restores_values_and_absences(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -31,3 +44,65 @@ def test_only_tcp_restricted_nixl_rows_get_a_label() -> None:
     assert _tls({"transport": "nixl", "ucx_tls": "tcp"}) == " (UCX_TLS=tcp)"
     assert _tls({"transport": "nixl", "ucx_tls": "default"}) == ""
     assert _tls({"transport": "tcp"}) == ""
+
+
+def test_each_row_says_whether_it_meets_its_target() -> None:
+    # ratios 0.9 (kvplane 1 s against a 0.9 s limit) and 0.5
+    fast = _row("tcp", 4096, ([1.0, 1.0, 1.0], [0.9, 0.9, 0.9], [], []))
+    slow = _row("nixl", 4096, ([2.0, 2.0, 2.0], [1.0, 1.0, 1.0], [], []))
+    assert (fast["target"], fast["target_met"]) == (0.85, True)
+    assert (slow["target"], slow["target_met"]) == (0.9, False)
+
+
+def test_tcp_vs_nixl_labels_the_tcp_restricted_comparison_as_the_target() -> None:
+    rows = [
+        {"transport": "tcp", "block_bytes": 4096, "gbps": 1.0},
+        {"transport": "nixl", "ucx_tls": "tcp", "block_bytes": 4096, "gbps": 0.8},
+        {"transport": "nixl", "ucx_tls": "default", "block_bytes": 4096, "gbps": 2.0},
+        {"planner": "contiguous_4k", "ops": 1},
+    ]
+    got, target = tcp_vs_nixl(rows)
+    assert len(got) == 2 and len(target) == 1
+    assert NIXL_TCP in target[0] and got[target[0]] is True
+    (info,) = set(got) - set(target)
+    assert got[info] is False and "cma" in info
+    assert "UCX_TLS=tcp" in transport.TCP_VS_NIXL_NOTE
+
+
+def test_result_records_quick_and_repeats_and_the_planner_targets() -> None:
+    args = argparse.Namespace(only=["no-such-transport"])
+    out = transport.run(True, args)
+    assert (out["quick"], out["repeats"]) == (True, transport.REPEATS[True])
+    assert out["tcp_vs_nixl"] == {} and out["tcp_vs_nixl_target"] == []
+    results = out["results"]
+    assert isinstance(results, list)
+    assert [r["planner"] for r in results] == ["deepseek_v3_128k", "contiguous_4k"]
+    assert all(isinstance(r["target_met"], bool) for r in results)
+    assert results[1]["target_met"] is True
+
+
+def test_cases_are_interleaved_repeat_by_repeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport, "SETTLE_S", 0.0)
+    calls: list[str] = []
+
+    def step(what: str) -> Callable[[int], None]:
+        return lambda block: calls.append(f"{what}{block >> 10}")
+
+    cases = [_Case("tcp", step("t"), step("T")), _Case("nixl", step("n"), step("N"))]
+    rows, kv_s = _measure_cases(cases, reps=2)
+    first = BLOCKS[0] >> 10
+    # warm-ups, then each repeat times tcp (kv, limit) and then nixl (kv, limit)
+    assert calls[:12] == [f"{x}{first}" for x in "tTnN" * 3]
+    assert [[r["transport"] for r in case] for case in rows] == [["tcp"] * 2, ["nixl"] * 2]
+    assert [sorted(k) for k in kv_s] == [sorted(BLOCKS)] * 2
+    assert all(len(v) == 2 for k in kv_s for v in k.values())
+
+
+def test_the_target_uses_the_paired_ratio_when_there_is_one() -> None:
+    rows = [
+        {"transport": "tcp", "block_bytes": 4096, "gbps": 1.0},
+        {"transport": "nixl", "ucx_tls": "tcp", "block_bytes": 4096, "gbps": 0.8},
+    ]
+    got, (label,) = tcp_vs_nixl(rows, {4096: 0.95})  # medians say faster, pairs say slower
+    assert got == {label: False}
+    assert tcp_vs_nixl(rows, {4096: 1.2})[0] == {label: True}

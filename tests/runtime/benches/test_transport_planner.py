@@ -7,13 +7,18 @@ from __future__ import annotations
 import numpy as np
 
 from kvplane.ids import RegionId
+from kvplane.runtime.benches import transport_planner as tp
 from kvplane.runtime.benches.transport_planner import LAYERS, deepseek_v3_sides, planner_entry
 from kvplane.transfer.planner import plan_transfer
 
 
 def test_planner_entry() -> None:
     entry = planner_entry(quick=True)
-    assert set(entry) == {"planner", "ms", "ops", "contiguous_runs"}
+    assert set(entry) == {"planner", "ms", "ops", "contiguous_runs", "target_met", "quick",
+                          "repeats"}  # fmt: skip
+    assert (entry["quick"], entry["repeats"]) == (True, 5)
+    assert isinstance(entry["ms"], float)
+    assert entry["target_met"] is (entry["ms"] <= tp.TARGET_MS)  # ops == runs is asserted below
     assert entry["planner"] == "deepseek_v3_128k"
     assert isinstance(entry["ms"], float) and entry["ms"] > 0
     src, dst, _ = deepseek_v3_sides()
@@ -27,3 +32,16 @@ def test_benchmark_plan_validates() -> None:
     plan = plan_transfer(src, dst, tokens)
     plan.validate({RegionId(0): src.pool_end}, {RegionId(1): dst.pool_end})
     assert plan.num_bytes == plan.logical_bytes == 128 * 1024 * 61 * 576 * 2
+
+
+def test_contiguous_4k_blocks_coalesce_into_one_op_per_layer_per_range() -> None:
+    src, dst, tokens, expected = tp.contiguous_4k_sides()
+    plan = plan_transfer(src, dst, tokens)
+    plan.validate({RegionId(0): src.pool_end}, {RegionId(1): dst.pool_end})
+    blocks = len(src.block_ids)
+    assert plan.num_bytes == blocks * tp.SMALL_LAYERS * tp.SMALL_BLOCK_BYTES  # 4 KiB runs
+    assert expected == tp.SMALL_LAYERS * tp.SMALL_RANGES  # the ranges never join
+    assert plan.stats().descriptors == plan.stats().contiguous_runs == expected < blocks
+    entry = tp.contiguous_4k_entry()
+    assert entry["ops"] == entry["contiguous_runs"] == entry["expected_ops"] == expected
+    assert entry["block_bytes"] == 4096 and entry["target_met"] is True

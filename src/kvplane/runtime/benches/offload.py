@@ -14,9 +14,10 @@ What is timed (median of repeats; each repeat times kvplane and its limit back t
   thread, ``O_DIRECT`` when the file system allows) between host slots and the slot file.
   Limit: raw ``pwrite`` / ``preadv`` of the same chunk sizes from the same aligned buffers
   with the same open flags and sync policy.
-- ``remote``: manager bookkeeping + ``RemoteTier`` (``HSET``/``HMGET`` of header and payload,
-  CRC-32) against a real ``redis-server``. Limit: raw client ``SET``/``GET`` of the same sizes,
-  pipelined in the tier's own groups of ``PIPELINE_BYTES`` (one round trip per group).
+- ``remote``: manager bookkeeping + ``RemoteTier`` (``SET`` of payload and header -- the old
+  header's ``DEL`` first -- to store, one ``MGET`` of both to load, CRC-32) against a real
+  ``redis-server``. Limit: raw client ``SET``/``GET`` of the same sizes, pipelined in the
+  tier's own groups of ``PIPELINE_BYTES`` (one round trip per group).
   Without ``--redis-url`` (or ``KVPLANE_OFFLOAD_REMOTE_URL``) the bench starts its own server
   on 127.0.0.1 and stops it.
 
