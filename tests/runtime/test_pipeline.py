@@ -153,6 +153,18 @@ def test_gqa_with_tp_head_ranges_and_layer_ops() -> None:
         check_balanced(c.router)
 
 
+@pytest.mark.parametrize(("ours", "theirs"), [((1, 3), (0, 4)), ((0, 2), (1, 3))])
+def test_a_destination_with_heads_we_lack_fails_instead_of_completing_partly(
+    ours: tuple[int, int], theirs: tuple[int, int]
+) -> None:
+    """One sender per session: heads of the decode rank that this prefill rank does not hold
+    would never arrive (the request used to end "success" with those heads unwritten)."""
+    with cluster(GQA, prefill={"head_range": ours}, decode={"head_range": theirs}) as c:
+        res = c.router.generate("h", prompt(np.random.default_rng(0), 50))
+        assert res.state == "failed" and "not all in our heads" in res.reason
+        check_balanced(c.router)
+
+
 def test_sliding_window_moves_only_the_final_window() -> None:
     spec = SyntheticSpec(kind="gqa", num_layers=2, kv_heads=2, head_dim=8, sliding_window=20)
     with cluster(spec) as c:

@@ -1,13 +1,20 @@
-"""Worker edge cases: a session id binds one request (either role); attaching stays legitimate."""
+"""Worker edge cases: a session id binds one request (either role); attaching stays legitimate;
+a failed prefill step sends nothing."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
-from pd_testlib import MLA, check_balanced, cluster, start_slow, wait_for
+from pd_testlib import MLA, Cluster, base_config, check_balanced, cluster, start_slow, wait_for
 
+from kvplane.errors import InvalidArgumentError
+from kvplane.runtime.decode_worker import DecodeWorker
 from kvplane.runtime.messages import Ack, DecodeOrder, ErrorReply, PrefillOrder, RequestResult
+from kvplane.runtime.prefill_worker import PrefillWorker
+from kvplane.runtime.producer import PoolTensor, ProduceStep, StepOutput
+from kvplane.runtime.router import Router
+from kvplane.runtime.synthetic_model import SyntheticDecoder, SyntheticProducer
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -48,3 +55,27 @@ def test_an_order_attaches_to_a_session_the_decode_side_opened_first() -> None:
         res = fut.result(timeout=20)
         assert isinstance(res, RequestResult) and (res.state, res.mismatches) == ("success", 0)
         check_balanced(c.router)
+
+
+class _FirstStepFails(SyntheticProducer):
+    def produce(self, step: ProduceStep, kv: PoolTensor, state: PoolTensor | None) -> StepOutput:
+        if step.tokens.start == 0:
+            raise InvalidArgumentError("the step cannot run")
+        return super().produce(step, kv, state)
+
+
+def test_a_failed_step_is_never_cut_into_a_slice() -> None:
+    """A step whose compute failed cancels its request; the KV it never wrote must not be
+    submitted as a slice (it was, and only the cancel that overtook it kept it off the wire)."""
+    p = PrefillWorker(base_config(), _FirstStepFails(MLA))
+    d = DecodeWorker(replace(base_config(), name="decode"), SyntheticDecoder(MLA))
+    p.start()
+    d.start()
+    r = Router([p.address], [d.address], timeout_s=20.0)
+    r.connect()
+    with Cluster(p, d, r):
+        res = r.generate("x", list(range(80)), step_size=32)
+        assert res.state == "aborted" and "prefill step failed" in res.reason
+        counters = check_balanced(r)["prefill"].counters
+    assert counters["worker_step_errors"] == 1
+    assert counters.get("worker_slices_after_session_end", 0) == 0

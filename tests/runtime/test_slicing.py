@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplane.errors import InvalidArgumentError, ProtocolError
+from kvplane.errors import InvalidArgumentError, PlanError, ProtocolError
 from kvplane.ids import RegionId, SliceId, TokenRange
 from kvplane.layout import KVLayout
 from kvplane.pd.events import TransferRequest
@@ -163,3 +163,28 @@ def test_plan_slice_refuses_a_destination_of_the_wrong_size() -> None:
     with pytest.raises(ProtocolError, match="destination ids"):
         plan_slice(local, remote, bad, TokenRange(0, 16), slice_id=SliceId(0), is_last=False)
     assert np.array_equal(np.asarray(local[0].block_ids), np.arange(6))
+
+
+def test_plan_slice_refuses_a_destination_with_heads_it_lacks() -> None:
+    def pool(heads: tuple[int, int], bs: int) -> KVLayout:
+        return KVLayout.gqa(
+            num_blocks=8, block_size=bs, num_layers=1, kv_heads=4, head_dim=4,
+            dtype=torch.float16, head_range=heads,
+        )  # fmt: skip
+
+    tail = KVLayout.state(num_slots=4, num_layers=1, state_dim=16, dtype=torch.uint8)
+    for ours, theirs in [((1, 3), (0, 4)), ((0, 2), (1, 3)), ((0, 2), (2, 4))]:
+        local = [LocalPool(pool(ours, 4), RegionId(1), (0, 1, 2, 3, 4, 5)),
+                 LocalPool(tail, RegionId(2), (3,))]  # fmt: skip
+        remote = [RemotePool(pool(theirs, 8), RegionId(7)), RemotePool(tail, RegionId(8))]
+        with pytest.raises(PlanError, match="not all in our heads"):
+            plan_slice(
+                local, remote, _request(21), TokenRange(0, 16), slice_id=SliceId(0), is_last=False
+            )
+    local = [LocalPool(pool((0, 4), 4), RegionId(1), (0, 1, 2, 3, 4, 5)),
+             LocalPool(tail, RegionId(2), (3,))]  # fmt: skip
+    remote = [RemotePool(pool((1, 3), 8), RegionId(7)), RemotePool(tail, RegionId(8))]
+    ok = plan_slice(
+        local, remote, _request(21), TokenRange(0, 16), slice_id=SliceId(0), is_last=False
+    )
+    assert ok.num_bytes == 16 * 2 * 2 * 4 * 2  # K and V of the two heads they hold

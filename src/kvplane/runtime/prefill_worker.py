@@ -341,8 +341,8 @@ class PrefillWorker(Worker):
         is_last = req.next_step == len(req.steps) - 1
         if rng.end <= req.loaded:  # the loaded prefix: already in the blocks
             req.next_step += 1
-        else:
-            self._compute(req, rng, is_last)
+        elif not self._compute(req, rng, is_last):  # failed: its KV must never be sent
+            return
         cut = req.cutter.after_step(rng.end, is_last)
         if cut is None:
             return
@@ -367,12 +367,13 @@ class PrefillWorker(Worker):
         self.counters["slices_after_session_end"] += 1
         self._maybe_free(req)
 
-    def _compute(self, req: _Prefill, rng: TokenRange, is_last: bool) -> None:
+    def _compute(self, req: _Prefill, rng: TokenRange, is_last: bool) -> bool:
         """One prefill step through the producer; the last one writes the tail record and
-        stores the prompt's chunks in the offload tiers."""
+        stores the prompt's chunks in the offload tiers. False: the step failed and its
+        request is cancelled (nothing of it may be cut into a slice)."""
         table = req.table
         if table is None:  # pragma: no cover - computing checks it
-            return
+            return False
         rid = req.order.request_id
         self.timeline.record(Mark.STEP_START, rid, slice_id=req.next_step)
         try:
@@ -385,7 +386,7 @@ class PrefillWorker(Worker):
             self.counters["step_errors"] += 1
             self.timeline.record(Mark.STEP_END, rid, slice_id=req.next_step, detail="failed")
             self._cancel(RequestId(rid), f"prefill step failed: {exc}"[:4000])
-            return
+            return False
         req.next_step += 1
         if is_last:
             if out.first_token is None or req.slot is None:
@@ -398,6 +399,7 @@ class PrefillWorker(Worker):
                 chunks = self.offload.store(RequestId(rid), req.tokens, table.block_ids)
                 if chunks:
                     self.timeline.record(Mark.STORE_START, rid, detail=str(chunks))
+        return True
 
     # -- protocol actions --------------------------------------------------------------------------
     def _on_pd(self, act: object) -> None:

@@ -14,8 +14,9 @@ requires.
 :func:`plan_slice` is pure: the PD session hands the driver the slice's range already clipped
 to what the receiver lacks (``[prefix_tokens, N)``); a sliding-window pool additionally drops
 everything before the final window ``[N - window, N)``; the final slice adds one whole-only plan
-per state pool. Each plan is built by :func:`~kvplane.transfer.planner.plan_transfer` and
-validated by the executor before any byte moves.
+per state pool; our KV pool's TP heads must cover the destination's (a session has one sender).
+Each plan is built by :func:`~kvplane.transfer.planner.plan_transfer` and validated by the
+executor before any byte moves.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvplane.errors import InvalidArgumentError
+from kvplane.errors import InvalidArgumentError, PlanError
 from kvplane.ids import RegionId, SliceId, TokenRange
 from kvplane.layout import KVLayout
 from kvplane.pd.events import TransferRequest
@@ -141,9 +142,17 @@ def plan_slice(
     grouping: OpGrouping = OpGrouping.WHOLE,
 ) -> PlannedSlice:
     """The plans that move one slice (none: nothing to move). Raises ``PlanError`` /
-    ``LayoutError`` / ``ProtocolError`` for a request the pools cannot serve."""
+    ``LayoutError`` / ``ProtocolError`` for a request the pools cannot serve — among them a
+    destination whose TP heads our KV pool does not all hold: a session has one sender, so
+    the heads we lack would never arrive and the receiver would complete with them unwritten."""
     if len(src) != len(dst):
         raise InvalidArgumentError(f"{len(src)} local pools but the peer advertises {len(dst)}")
+    (s_lo, s_hi), (d_lo, d_hi) = src[0].layout.head_range, dst[0].layout.head_range
+    if not s_lo <= d_lo < d_hi <= s_hi:
+        raise PlanError(
+            f"destination heads {(d_lo, d_hi)} are not all in our heads {(s_lo, s_hi)}: "
+            "one sender cannot fill them"
+        )
     dst_ids = split_destination(request.dst_block_ids, dst, request.num_tokens)
     n = request.num_tokens
     kv_src, kv_dst = src[0], dst[0]
