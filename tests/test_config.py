@@ -102,6 +102,12 @@ def test_an_empty_environment_variable_is_unset() -> None:
     assert src["where"] is Source.DEFAULT and src["name"] is Source.FILE
 
 
+def test_an_empty_path_from_a_file_or_a_flag_is_refused() -> None:
+    for given in ({"file": {"m": {"where": ""}}}, {"flags": {"where": "  "}}):
+        with pytest.raises(ConfigError, match="an empty path"):
+            resolve(Mixed, "m", **given)  # type: ignore[arg-type]
+
+
 def test_bad_env_enum_and_bool() -> None:
     with pytest.raises(ConfigError, match="not one of red, blue"):
         resolve(Mixed, "m", env={"KVPLANE_M_COLOR": "green"})

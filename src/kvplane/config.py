@@ -134,6 +134,8 @@ def _parse_str(raw: str, tp: Any, where: str) -> Any:
         if tp is str:
             return raw
         if tp is Path:
+            if not raw.strip():  # Path("") is the working directory: never what was meant
+                raise ValueError("an empty path")
             return Path(raw)
         if isinstance(tp, type) and issubclass(tp, enum.Enum):
             for member in tp:
