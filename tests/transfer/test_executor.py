@@ -4,6 +4,8 @@ over the real LocalTransport (loopback, and between two transports of one fabric
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -65,27 +67,36 @@ def test_invalid_plan_is_refused_before_any_byte_moves(scripted, clock, kvref) -
     assert scripted.batches == {} and torch.equal(dst, before)
 
 
-def test_a_raising_progress_callback_cancels_the_run_before_it_propagates(
-    scripted, clock, kvref, fault
-) -> None:
-    """The caller never gets the run, so execute itself must end every batch it started."""
+def _run_with_a_broken_callback(
+    scripted: Any, clock: Any, kvref: Any, fault: Any, match: str
+) -> PlanRunAbortedError:
+    """Execute a LAYER plan whose every op has ``fault`` and whose progress callback raises:
+    the error ``execute`` raises (matching ``match``), caused by the callback's."""
     plan, _, _, _, _ = build(scripted, kvref, OpGrouping.LAYER)
-    scripted.faults = {i: fault("stall") for i in range(len(plan.ops))}
+    scripted.faults = {i: fault for i in range(len(plan.ops))}
 
     def broken(event: OpProgress) -> None:
         raise RuntimeError("bug in the callback")
 
     ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
-    with pytest.raises(PlanRunAbortedError, match="ended failed") as info:
+    with pytest.raises(PlanRunAbortedError, match=match) as info:
         ex.execute(
             plan, scripted.connect(b""), local_regions=scripted.lengths(), on_progress=broken
         )
     assert isinstance(info.value.__cause__, RuntimeError)
-    assert str(info.value.__cause__) == "bug in the callback"
+    return info.value
+
+
+def test_a_raising_progress_callback_cancels_the_run_before_it_propagates(
+    scripted, clock, kvref, fault
+) -> None:
+    """The caller never gets the run, so execute itself must end every batch it started."""
+    err = _run_with_a_broken_callback(scripted, clock, kvref, fault("stall"), "ended failed")
+    assert str(err.__cause__) == "bug in the callback"
     started = sorted(scripted.batches)
     assert started and scripted.cancelled == started
     assert all(b.poll.state is not XferState.PENDING for b in scripted.batches.values())
-    result = info.value.result
+    result = err.result
     assert result.outcome is PlanOutcome.FAILED
     assert {op.state for op in result.ops} <= {OpState.FAILED, OpState.NOT_SUBMITTED}
 
@@ -95,19 +106,8 @@ def test_a_raising_callback_over_a_batch_that_ignores_cancel_reports_the_run_in_
 ) -> None:
     """The run gives up on a batch still PENDING CANCEL_GRACE_S after the cancel; the caller
     must learn that (IN_DOUBT: the transport may still write the memory), not just the bug."""
-    plan, _, _, _, _ = build(scripted, kvref, OpGrouping.LAYER)
-    scripted.faults = {i: fault("hang") for i in range(len(plan.ops))}
-
-    def broken(event: OpProgress) -> None:
-        raise RuntimeError("bug in the callback")
-
-    ex = PlanExecutor(scripted, clock=clock, sleep=clock.sleep)
-    with pytest.raises(PlanRunAbortedError, match="ended in_doubt") as info:
-        ex.execute(
-            plan, scripted.connect(b""), local_regions=scripted.lengths(), on_progress=broken
-        )
-    assert isinstance(info.value.__cause__, RuntimeError)
-    result = info.value.result
+    err = _run_with_a_broken_callback(scripted, clock, kvref, fault("hang"), "ended in_doubt")
+    result = err.result
     assert result.outcome is PlanOutcome.IN_DOUBT
     hung = [b for b in scripted.batches.values() if b.poll.state is XferState.PENDING]
     assert hung  # the transport still holds them: exactly what IN_DOUBT tells the caller
