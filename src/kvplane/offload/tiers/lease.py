@@ -9,8 +9,11 @@ if it is still ours (compare-and-delete in one Lua script). A namespace held by 
 is refused with an :class:`~kvplane.errors.OffloadError` naming the holder; a holder that died
 without releasing stops renewing, so its lease runs out within ``lease_s`` and the claim (which
 waits that long) succeeds: a restarted engine re-finds its own chunks, which is what the remote
-tier is for. A lease lost while open (the server restarted, or renewals failed for a whole
-lease) makes :attr:`NamespaceLease.lost` true; the tier then refuses to write.
+tier is for. :attr:`NamespaceLease.lost` is true while the lease may have run out: from one
+lease after the last renewal that succeeded was *sent* (renewals failing meanwhile), until a
+renewal succeeds again (the key still holding our token proves nobody held it in between);
+and for good once the key is found gone or another's (the server restarted, or it expired).
+While it is true the tier refuses to write.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ class NamespaceLease:
         self._client = client
         self._errors = errors
         self._stop = threading.Event()
-        self._lost = threading.Event()
+        self._lost = threading.Event()  # for good: the key was found gone or another's
+        self._valid_until = time.monotonic() + lease_s  # before the claim is sent: no later
         self._claim(lease_s)
         self._thread = threading.Thread(
             target=self._renew_loop, name=f"kvplane-lease-{namespace}", daemon=True
@@ -81,8 +85,8 @@ class NamespaceLease:
 
     @property
     def lost(self) -> bool:
-        """True once the lease was found taken over or expired while the tier was open."""
-        return self._lost.is_set()
+        """True while the lease may have run out (see the module docstring)."""
+        return self._lost.is_set() or time.monotonic() > self._valid_until
 
     def _claim(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
@@ -101,18 +105,16 @@ class NamespaceLease:
 
     def _renew_loop(self) -> None:
         period = self.lease_ms / 3000.0
-        last_ok = time.monotonic()
         while not self._stop.wait(period):
+            sent = time.monotonic()
             try:
                 kept = self._client.eval(_RENEW, 1, self.key, self.token, self.lease_ms)
             except self._errors:
-                if time.monotonic() - last_ok > self.lease_ms / 1000.0:
-                    self._lost.set()  # it has expired by now: another claim may succeed
-                continue
+                continue  # ``lost`` turns true by itself one lease after the last success
             if not kept:
                 self._lost.set()
                 return
-            last_ok = time.monotonic()
+            self._valid_until = sent + self.lease_ms / 1000.0
 
     def release(self) -> None:
         """Stop renewing and delete the owner key if it is still ours; idempotent, never
@@ -121,7 +123,5 @@ class NamespaceLease:
             return
         self._stop.set()
         self._thread.join()
-        if self._lost.is_set():
-            return
-        with contextlib.suppress(*self._errors):
+        with contextlib.suppress(*self._errors):  # deletes only a key holding our token
             self._client.eval(_RELEASE, 1, self.key, self.token)
