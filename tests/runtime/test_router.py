@@ -4,6 +4,7 @@ ids are unique in flight; cancels are keyed by session; deadlines; workers going
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 from dataclasses import replace
 
@@ -366,5 +367,23 @@ def test_a_probe_a_worker_took_and_never_answered_is_sent_again_after_timeout_s(
         assert d.seen.count("InfoQuery") == 2  # the lost one, then one fresh after timeout_s
     finally:
         r.close()
+        p.close()
+        d.close()
+
+
+def test_close_waits_for_a_refresh_on_another_thread_and_leaks_no_client() -> None:
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    r = Router([p.address], [d.address], timeout_s=2.0, probe_s=1.0)
+    try:
+        r.connect()
+        p.mute = 10**9  # the prefill worker stops answering: the refresh marks it down
+        t = threading.Thread(target=r.refresh)  # as a RouterService helper runs it
+        t.start()
+        time.sleep(0.2)
+        r.close()
+        t.join()
+        client = r.prefill[0].client
+        assert client._closed and not client._thread.is_alive()
+    finally:
         p.close()
         d.close()

@@ -65,8 +65,7 @@ from kvplane.runtime.messages import (
 from kvplane.runtime.rpc import RpcClient
 
 log = logging.getLogger(__name__)
-TICK_S = 0.05
-"""How often the deadline thread looks for expired requests."""
+TICK_S = 0.05  # how often the deadline thread looks for expired requests
 
 
 @dataclass(slots=True, eq=False)
@@ -163,8 +162,9 @@ class Router:
         for t in self._threads:
             if t.is_alive() and threading.current_thread() is not t:
                 t.join(timeout=10.0)
-        for w in self.prefill + self.decode:
-            w.client.close()
+        with self._refresh_lock:  # a refresh on another thread ends first (bounded by probe_s)
+            for w in self.prefill + self.decode:
+                w.client.close()
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -265,7 +265,7 @@ class Router:
                 changed.append(w)
             w.info, w.up, w.repair = got, True, False
         self._fail_orphans()
-        for w in gone:  # a new socket: what zmq still holds for the old one is never delivered
+        for w in () if self._stop.is_set() else gone:  # new sockets (zmq's old frames dropped)
             old, w.client = w.client, RpcClient(w.address, timeout_s=self.timeout_s)
             with self._ask_lock:
                 w.asked.clear()

@@ -74,7 +74,7 @@ class RouterService:
 
     def close(self) -> None:
         self.server.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)  # a running refresh is bounded
 
     def handle(self, msg: AnyMessage, reply: Reply) -> None:
         """Answer one client message (see the module docstring). A ``KVPlaneError`` raised here
