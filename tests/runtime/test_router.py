@@ -4,6 +4,7 @@ ids are unique in flight; cancels are keyed by session; deadlines; workers going
 from __future__ import annotations
 
 import argparse
+import contextlib
 import threading
 import time
 from dataclasses import replace
@@ -307,7 +308,13 @@ def test_refreshes_keep_one_probe_per_dead_worker() -> None:
             r.refresh()
         assert not r.prefill[0].up and r.decode[0].up
         back = FakeWorker("prefill", bind=addr)
-        wait_for(lambda: r.refresh() == ["prefill"] or r.prefill[0].up, what="prefill back up")
+
+        def back_up() -> bool:
+            with contextlib.suppress(ProtocolError):  # a pairing slower than probe_s: retried
+                r.refresh()
+            return r.prefill[0].up
+
+        wait_for(back_up, what="prefill back up")
         time.sleep(0.2)
         assert back.seen.count("InfoQuery") <= 2, back.seen
     finally:
