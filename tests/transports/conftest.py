@@ -75,6 +75,14 @@ class Kit:
             time.sleep(2e-4)
 
     @staticmethod
+    def settle(t: Transport, timeout_s: float = 20.0) -> None:
+        """Wait until ``t`` holds no pinned region and no live batch, then assert it does not."""
+        end = time.monotonic() + timeout_s
+        while (t.pinned_regions() or t.live_batches()) and time.monotonic() < end:
+            time.sleep(1e-3)
+        assert t.pinned_regions() == 0 and t.live_batches() == 0
+
+    @staticmethod
     def kv_threads() -> list[str]:
         return sorted(t.name for t in threading.enumerate() if t.name.startswith("kvplane-"))
 

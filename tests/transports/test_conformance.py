@@ -264,13 +264,6 @@ def _stalled_write(pair: Pair, kit, deadline_s: float) -> tuple[Any, RegionId, R
     return h, mine, far_big
 
 
-def _settle(t: Transport, timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while (t.pinned_regions() or t.live_batches()) and time.monotonic() < end:
-        time.sleep(0.01)
-    assert t.pinned_regions() == 0 and t.live_batches() == 0
-
-
 def _settle_far(far: Any, timeout_s: float = 20.0) -> None:
     """Wait until the far process holds no pin and no live batch: after a stall it ends the
     batches of a torn-down or finished stream on its own threads, a moment after ours end."""
@@ -293,7 +286,7 @@ def test_deregister_in_flight_refused_then_completes(pair, kit):
     finally:
         pair.far.cont()
     assert kit.wait(pair.t, h).state is XferState.DONE
-    _settle(pair.t)
+    kit.settle(pair.t)
     _settle_far(pair.far)
     pair.t.deregister(mine)
     pair.far.deregister(far_big)
@@ -320,11 +313,11 @@ def test_deadline_and_cancel_end_stalled_batches(pair, kit):
         assert time.monotonic() - start < 5.0
     finally:
         pair.far.cont()
-    _settle(pair.t)
+    kit.settle(pair.t)
     pair.peer = pair.t.connect(pair.far.metadata())  # tcp tore the stalled stream down
     h3 = pair.t.submit(XferKind.WRITE, kit.one(mine, 0, 64), kit.one(far_big, 0, 64), pair.peer)
     assert kit.wait(pair.t, h3).state is XferState.DONE
-    _settle(pair.t)
+    kit.settle(pair.t)
     _settle_far(pair.far)
     pair.t.deregister(mine)
     pair.far.deregister(far_big)
@@ -358,7 +351,7 @@ def test_peer_killed_mid_transfer_fails_within_deadline(name, kit):
         assert got.state is XferState.FAILED
         assert got.failure in (FailureKind.REMOTE_DISCONNECT, FailureKind.TIMEOUT)
         assert time.monotonic() - start < 10.0
-        _settle(t)
+        kit.settle(t)
         t.deregister(mine)
         # the link's threads exit on their own after the EOF; give them a bounded moment
         end = time.monotonic() + 5.0

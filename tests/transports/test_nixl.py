@@ -176,10 +176,7 @@ def test_cancel_while_nixl_copies_ends_at_once_and_unpins_when_nixl_lets_go(kit)
         with pytest.raises(TransportError):  # NIXL still owns the running batch's bytes
             t.deregister(src)
         gated.gate.set()
-        end = time.monotonic() + 10
-        while (t.pinned_regions() or t.live_batches()) and time.monotonic() < end:
-            time.sleep(1e-3)
-        assert t.pinned_regions() == 0 and t.live_batches() == 0
+        kit.settle(t, 10)
         assert gated.threads == ["kvplane-nixl-nixl-cancel-post"]  # the queued one never ran
         assert int(dst_buf[32:].sum()) == 0
         t.deregister(src)
@@ -337,10 +334,7 @@ def test_cancel_after_nixl_has_the_bytes_ends_in_doubt(kit):
         got = t.poll(h)
         assert (got.state, got.failure) == (XferState.IN_DOUBT, FailureKind.CANCELLED)
         hold.clear()
-        end = time.monotonic() + 10
-        while (t.pinned_regions() or t.live_batches()) and time.monotonic() < end:
-            time.sleep(1e-3)
-        assert t.pinned_regions() == 0 and t.live_batches() == 0
+        kit.settle(t, 10)
     finally:
         t.close()
 
@@ -411,10 +405,7 @@ def test_a_poster_error_after_the_batch_started_ends_it_in_doubt(kit, monkeypatc
         assert "a late bug" in got.reason
         good = t.submit(XferKind.WRITE, kit.one(src, 32, 32), kit.one(dst, 32, 32), peer)
         assert kit.wait(t, good).state is XferState.DONE  # the poster went on
-        end = time.monotonic() + 10
-        while (t.pinned_regions() or t.live_batches()) and time.monotonic() < end:
-            time.sleep(1e-3)
-        assert t.pinned_regions() == 0 and t.live_batches() == 0
+        kit.settle(t, 10)
     finally:
         t.close()
 
