@@ -12,6 +12,7 @@ from kvplane.pd.handshake import (
     PeerProfile,
     check_compatible,
     compat_fingerprint,
+    heads_cover,
 )
 
 
@@ -91,6 +92,50 @@ def test_a_claimed_fingerprint_that_lies_is_refused() -> None:
     assert verdict.reasons == (
         "peer's claimed compatibility fingerprint does not match its own profile",
     )
+
+
+@pytest.mark.parametrize(
+    ("held", "needed", "covered"),
+    [
+        ((0, 1), (0, 1), True),  # MLA / state: one head, no split
+        ((0, 8), (2, 4), True),  # GQA, prefill TP 1, decode TP 4
+        ((2, 4), (2, 4), True),  # same TP degree, same rank
+        ((0, 4), (1, 3), True),
+        ((0, 4), (2, 6), False),  # decode straddles two prefill ranks
+        ((1, 3), (0, 4), False),  # decode TP 1, prefill TP 2: one sender holds half
+        ((0, 2), (2, 4), False),  # disjoint
+    ],
+)
+def test_heads_cover_is_a_subset_test(
+    held: tuple[int, int], needed: tuple[int, int], covered: bool
+) -> None:
+    assert heads_cover(held, needed) is covered
+
+
+def test_the_kv_direction_makes_uncovered_heads_incompatible() -> None:
+    def gqa(lo: int, hi: int) -> PeerProfile:
+        return profile("m", layout(kind="gqa", total_heads=8, head_start=lo, head_end=hi),
+                       layout(kind="state", total_heads=1, head_dim=16, rope_dim=0))  # fmt: skip
+
+    prefill, decode = gqa(0, 4), gqa(2, 6)
+    why = (
+        "pool 0 KV heads: the receiver's (2, 6) are not all in the sender's (0, 4): "
+        "one sender cannot fill them"
+    )
+    assert check_compatible(prefill, decode, compat_fingerprint(decode), sends=True).reasons == (
+        why,
+    )
+    assert check_compatible(decode, prefill, compat_fingerprint(prefill), sends=False).reasons == (
+        why,
+    )
+    assert check_compatible(prefill, decode, compat_fingerprint(decode)).compatible  # no role
+    wide, narrow = gqa(0, 8), gqa(2, 4)  # the decode rank's heads a subset of the prefill's
+    assert check_compatible(wide, narrow, compat_fingerprint(narrow), sends=True).compatible
+    assert check_compatible(narrow, wide, compat_fingerprint(wide), sends=False).compatible
+    assert not check_compatible(narrow, wide, compat_fingerprint(wide), sends=True).compatible
+    mla = profile()  # no head split: always covered
+    for sends in (True, False):
+        assert check_compatible(mla, mla, compat_fingerprint(mla), sends=sends).compatible
 
 
 @pytest.mark.parametrize(

@@ -365,6 +365,42 @@ def test_incompatible_peers_are_refused_both_ways() -> None:
     assert prefill.counters["incompatible_peer"] == 1 and not prefill.peers.is_live(D)
 
 
+def _tp(name: PeerId, heads: tuple[int, int], role: Role | None) -> Participant:
+    lay = LayoutInfo(kind="gqa", dtype="float16", layer_ids=(0,), total_heads=4,
+                     head_start=heads[0], head_end=heads[1], head_dim=64)  # fmt: skip
+    prof = PeerProfile(protocol_version=PROTOCOL_VERSION, model_id="x", layouts=(lay,))
+    return Participant(name, prof, incarnation=1, timings=T, kv_role=role)
+
+
+@pytest.mark.parametrize("first", ["decode", "prefill"])
+def test_a_decode_rank_whose_heads_the_prefill_lacks_is_refused_at_the_handshake(
+    first: str,
+) -> None:
+    """Whichever side says Hello first, the pairing is refused with the reason before any
+    session can open (it used to pair, and every request failed at its first slice)."""
+    prefill, decode = _tp(P, (0, 2), Role.SENDER), _tp(D, (1, 3), Role.RECEIVER)
+    server, client = (prefill, decode) if first == "decode" else (decode, prefill)
+    reply, _ = server.on_hello(client.hello(), 0.0)
+    why = (
+        "pool 0 KV heads: the receiver's (1, 3) are not all in the sender's (0, 2): "
+        "one sender cannot fill them"
+    )
+    assert not reply.accepted and reply.reasons == (why,)
+    verdict = client.on_hello_reply(reply, 0.0)
+    assert not verdict.compatible and verdict.reasons == (f"peer refused: {why}",)
+    assert not prefill.peers.is_live(D) and not decode.peers.is_live(P)
+    assert server.counters["incompatible_peer"] == client.counters["incompatible_peer"] == 1
+    with pytest.raises(ProtocolError):
+        decode.open_receiver(SessionId("s"), P, START, 0.0)
+
+
+def test_covered_head_ranges_and_mla_pair() -> None:
+    connect(_tp(P, (0, 4), Role.SENDER), _tp(D, (1, 3), Role.RECEIVER))
+    connect(_tp(D, (2, 4), Role.RECEIVER), _tp(P, (2, 4), Role.SENDER))
+    connect(_tp(P, (0, 2), None), _tp(D, (1, 3), None))  # no role: left to the slice planner
+    connect(node(P, kv_role=Role.SENDER), node(D, 1 << 20, kv_role=Role.RECEIVER))  # MLA
+
+
 def test_timers_arrive_through_tick_and_evidence_for_retired_sessions_is_dropped() -> None:
     prefill, decode = node(P), node(D, 1 << 20)
     connect(prefill, decode)

@@ -1,22 +1,26 @@
-"""Decode worker edge cases: pairing errors, what joins the prefix cache, who marks the prompt
-computed, and the metrics of requests that end before their session opens (bound session ids
-of either role: ``test_prefill_worker.py``)."""
+"""Decode worker edge cases: pairing errors (a prefill rank lacking some of our TP heads is
+refused at pairing), what joins the prefix cache, who marks the prompt computed, and the
+metrics of requests that end before their session opens (bound session ids of either role:
+``test_prefill_worker.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import numpy as np
-from pd_testlib import MLA, check_balanced, cluster, prompt, wait_for
+from pd_testlib import GQA, MLA, base_config, check_balanced, cluster, prompt, wait_for
 
 from kvplane.runtime.messages import (
+    Ack,
     DecodeOrder,
     ErrorReply,
     PairWith,
     PrefillOrder,
     RequestResult,
 )
+from kvplane.runtime.prefill_worker import PrefillWorker
 from kvplane.runtime.producer import DecodeJob, DecodeOutput, KVDecoder, PoolTensor
+from kvplane.runtime.synthetic_model import SyntheticProducer
 from kvplane.runtime.timeline import Mark
 
 
@@ -27,6 +31,43 @@ def test_a_malformed_pair_address_is_answered() -> None:
             assert isinstance(got, ErrorReply)
             assert got.reason.startswith(f"pairing with {addr!r} failed: Invalid argument")
         assert c.router.generate("after", list(range(20))).state == "success"
+
+
+def test_a_prefill_rank_lacking_some_of_our_heads_is_refused_at_pairing() -> None:
+    """The refusal names the heads and comes at pairing: the decode worker then refuses an
+    order naming that prefill before it allocates anything (it used to pair, admit the order,
+    allocate, open the session and fail only at the first slice)."""
+    with cluster(GQA, prefill={"head_range": (0, 4)}, decode={"head_range": (1, 3)}) as c:
+        narrow = PrefillWorker(
+            base_config(name="narrow", head_range=(2, 4)), SyntheticProducer(GQA)
+        )
+        narrow.start()
+        try:
+            got = c.router.decode[0].client.call(
+                PairWith(pd_address=narrow.endpoint.address), timeout_s=5
+            )
+            why = (
+                "peer narrow is incompatible: peer refused: pool 0 KV heads: the receiver's "
+                "(1, 3) are not all in the sender's (2, 4): one sender cannot fill them"
+            )
+            assert isinstance(got, ErrorReply) and got.reason.endswith(why), got
+            assert narrow.endpoint.snapshot()["handshakes_refused"] == 1
+            order = DecodeOrder(
+                request_id="x", session_id="sx", prefill_peer="narrow", token_ids=(1, 2, 3)
+            )
+            refused = c.router.decode[0].client.call(order, timeout_s=5)
+            assert isinstance(refused, ErrorReply) and "is not connected" in refused.reason
+            assert (
+                c.decode.pools.blocks.num_used_blocks == c.decode.pools.slots.num_used_blocks == 0
+            )
+            wide = c.router.decode[0].client.call(
+                PairWith(pd_address=c.prefill.endpoint.address), timeout_s=5
+            )
+            assert isinstance(wide, Ack) and wide.detail == "prefill"  # covered: still pairs
+            assert c.router.generate("ok", prompt(np.random.default_rng(0), 40)).state == "success"
+            check_balanced(c.router)
+        finally:
+            narrow.close()
 
 
 def test_kv_of_another_prompt_fails_the_request_and_is_never_cached() -> None:

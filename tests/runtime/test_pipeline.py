@@ -7,6 +7,7 @@ test ends with both workers' pools empty and every pool and ledger consistent.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -14,10 +15,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pd_testlib import GQA, MLA, Cluster, check_balanced, cluster, prompt, wait_for
+from pd_testlib import GQA, MLA, Cluster, base_config, check_balanced, cluster, prompt, wait_for
 
+from kvplane.errors import ProtocolError
+from kvplane.runtime.decode_worker import DecodeWorker
 from kvplane.runtime.pools import TAIL_BYTES
-from kvplane.runtime.synthetic_model import SyntheticSpec
+from kvplane.runtime.prefill_worker import PrefillWorker
+from kvplane.runtime.router import Router
+from kvplane.runtime.synthetic_model import SyntheticDecoder, SyntheticProducer, SyntheticSpec
 from kvplane.transfer import OpGrouping
 
 
@@ -154,15 +159,33 @@ def test_gqa_with_tp_head_ranges_and_layer_ops() -> None:
 
 
 @pytest.mark.parametrize(("ours", "theirs"), [((1, 3), (0, 4)), ((0, 2), (1, 3))])
-def test_a_destination_with_heads_we_lack_fails_instead_of_completing_partly(
+def test_a_destination_with_heads_we_lack_is_refused_at_pairing(
     ours: tuple[int, int], theirs: tuple[int, int]
 ) -> None:
     """One sender per session: heads of the decode rank that this prefill rank does not hold
-    would never arrive (the request used to end "success" with those heads unwritten)."""
-    with cluster(GQA, prefill={"head_range": ours}, decode={"head_range": theirs}) as c:
-        res = c.router.generate("h", prompt(np.random.default_rng(0), 50))
-        assert res.state == "failed" and "not all in our heads" in res.reason
-        check_balanced(c.router)
+    would never arrive (the request used to end "success" with those heads unwritten, then to
+    fail at its first slice). The pairing is refused, naming both ranges; nothing is held."""
+    p = PrefillWorker(base_config(head_range=ours), SyntheticProducer(GQA))
+    d = DecodeWorker(base_config(name="decode", head_range=theirs), SyntheticDecoder(GQA))
+    p.start()
+    d.start()
+    r = Router([p.address], [d.address], timeout_s=20.0)
+    with Cluster(p, d, r):
+        why = f"the receiver's {theirs} are not all in the sender's {ours}"
+        with pytest.raises(ProtocolError, match=re.escape(why)) as err:
+            r.connect()
+        assert "cannot pair: " in str(err.value) and "peer prefill is incompatible" in str(
+            err.value
+        )
+        for w in (p, d):
+            assert _peers_and_sessions(w) == ([], 0)
+            assert w.pools.blocks.num_used_blocks == w.pools.slots.num_used_blocks == 0
+
+
+def _peers_and_sessions(w: PrefillWorker | DecodeWorker) -> tuple[list[str], int]:
+    """A worker's live PD peers and its number of sessions (read on its PD loop)."""
+    part = w.participant
+    return w.endpoint.call(lambda: ([str(x) for x in part.peers.live_peers()], len(part.sessions)))
 
 
 def test_sliding_window_moves_only_the_final_window() -> None:

@@ -12,6 +12,12 @@ total heads, head and rope dims, sliding window and the L2 *compatibility* finge
 both sides carry one. What may differ, because the transfer planner reconciles it: block size,
 the TP head range a rank holds, memory order, pool size and the L2 *physical* fingerprint.
 
+The TP head ranges may differ but are directional: a session has one sender, so a KV sender's
+range must cover the receiver's (:func:`heads_cover`; GQA across TP degrees: the decode rank's
+range a subset of the prefill rank's; an MLA pool's one latent head is always covered). A peer
+that knows which way its KV flows passes ``sends`` to :func:`check_compatible`, which then
+refuses at the handshake a pairing that could only fail later, at a request's first slice.
+
 :func:`compat_fingerprint` digests exactly the must-match fields, so a peer can compare one
 value first; the check still recomputes it from the fields (a profile whose claimed fingerprint
 disagrees with its own fields is refused) and compares field by field to name the reasons.
@@ -155,8 +161,34 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     reasons: tuple[str, ...] = ()
 
 
-def check_compatible(ours: PeerProfile, theirs: PeerProfile, claimed: bytes) -> Verdict:
+def heads_cover(held: tuple[int, int], needed: tuple[int, int]) -> bool:
+    """True when the half-open TP head range ``held`` (a sender's) contains every head of the
+    non-empty range ``needed`` (a receiver's). The one coverage predicate of the data plane: the
+    handshake (:func:`check_compatible`) and the slice planner (``runtime/slicing.py``) both use
+    it. Pools without a head split (MLA's latent head, state pools: ``(0, 1)`` on both sides)
+    are always covered."""
+    return held[0] <= needed[0] < needed[1] <= held[1]
+
+
+def uncovered_heads(sender: PeerProfile, receiver: PeerProfile) -> list[str]:
+    """One reason per pool whose receiver heads the sender's pool does not all hold (pure)."""
+    reasons = []
+    for i, (s, r) in enumerate(zip(sender.layouts, receiver.layouts, strict=False)):
+        held, needed = (s.head_start, s.head_end), (r.head_start, r.head_end)
+        if not heads_cover(held, needed):
+            reasons.append(
+                f"pool {i} KV heads: the receiver's {needed} are not all in the sender's "
+                f"{held}: one sender cannot fill them"
+            )
+    return reasons
+
+
+def check_compatible(
+    ours: PeerProfile, theirs: PeerProfile, claimed: bytes, *, sends: bool | None = None
+) -> Verdict:
     """Compare two profiles; ``claimed`` is the fingerprint the peer sent with its profile.
+    ``sends``: True when we send KV to this peer (our heads must cover theirs), False when we
+    receive it (theirs must cover ours), None to leave the TP head ranges unchecked.
 
     Pure: no I/O, no state. Every mismatch is named (field, pool index, both values).
     """
@@ -185,4 +217,6 @@ def check_compatible(ours: PeerProfile, theirs: PeerProfile, claimed: bytes) -> 
                 f"pool {i} layout compat fingerprint: ours {a.compat_fingerprint.hex()}, "
                 f"theirs {b.compat_fingerprint.hex()}"
             )
+    if sends is not None:
+        reasons += uncovered_heads(ours, theirs) if sends else uncovered_heads(theirs, ours)
     return Verdict(compatible=not reasons, reasons=tuple(reasons))

@@ -140,8 +140,12 @@ class SessionPair:
         self.evidence = evidence
         self.link = FaultyLink(faults, self.rng)
         profile = sim_profile()
-        self.prefill = Participant(PREFILL, profile, incarnation=1, timings=timings)
-        self.decode = Participant(DECODE, profile, incarnation=1 << 20, timings=timings)
+        self.prefill = Participant(
+            PREFILL, profile, incarnation=1, timings=timings, kv_role=Role.SENDER
+        )
+        self.decode = Participant(
+            DECODE, profile, incarnation=1 << 20, timings=timings, kv_role=Role.RECEIVER
+        )
         self.nodes = {PREFILL: self.prefill, DECODE: self.decode}
         reply, _ = self.prefill.on_hello(self.decode.hello(), 0.0)
         if not self.decode.on_hello_reply(reply, 0.0).compatible:

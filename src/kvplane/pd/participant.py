@@ -20,6 +20,12 @@ unknown session leaves a tombstone, so its ``TransferRequest`` arriving late can
 
 A peer whose lease expires is lost: ``PeerLost`` goes to that peer's sessions and no others.
 Protocol errors caused by a peer's frame are counted and dropped; the control loop continues.
+
+A participant given its ``kv_role`` (a prefill worker: ``SENDER``, a decode worker:
+``RECEIVER``) refuses at the handshake a peer whose TP head ranges one sender cannot serve (the
+receiver's heads not all in the sender's), whichever side shakes hands first; the refusal's
+reasons reach the connecting side (``HelloReply.reasons``). Without one (either role, a
+simulation) head ranges are left to the slice planner.
 """
 
 from __future__ import annotations
@@ -66,7 +72,9 @@ TimerKey = tuple[int, TimerKind, int]
 
 
 class Participant:
-    """All PD sessions of one worker (either role), driven with explicit ``now`` values."""
+    """All PD sessions of one worker (either role), driven with explicit ``now`` values.
+    ``kv_role``: which way this worker's KV flows, so that the handshake also judges the TP
+    head ranges (see the module docstring); None: sessions of either role, no such check."""
 
     def __init__(
         self,
@@ -79,6 +87,7 @@ class Participant:
         tombstone_capacity: int = 65536,
         transport: str = "",
         transport_metadata: bytes = b"",
+        kv_role: Role | None = None,
     ) -> None:
         if (
             isinstance(incarnation, bool)
@@ -92,7 +101,8 @@ class Participant:
         self.peer_id = peer_id
         self.incarnation = incarnation
         self.timings = timings or Timings()
-        self.peers = PeerTable(profile, self.timings.heartbeat_s)
+        sends = None if kv_role is None else kv_role is Role.SENDER
+        self.peers = PeerTable(profile, self.timings.heartbeat_s, sends=sends)
         self._hello = Hello(
             peer_id=peer_id,
             incarnation=incarnation,
@@ -149,13 +159,14 @@ class Participant:
         ), out
 
     def on_hello_reply(self, reply: HelloReply, now: float) -> Verdict:
-        """Complete our handshake: both the peer's verdict and ours must accept."""
+        """Complete our handshake: both the peer's verdict and ours must accept. A reason both
+        sides give (an uncovered head range) is named once, as the peer's refusal."""
         ours, _ = self.peers.judge(reply.hello)
         peer_id = PeerId(reply.hello.peer_id)
-        reasons = tuple(f"peer refused: {r}" for r in reply.reasons) if not reply.accepted else ()
-        verdict = Verdict(
-            compatible=reply.accepted and ours.compatible, reasons=reasons + ours.reasons
-        )
+        theirs = reply.reasons if not reply.accepted else ()
+        reasons = tuple(f"peer refused: {r}" for r in theirs)
+        reasons += tuple(r for r in ours.reasons if r not in theirs)  # e.g. both: heads uncovered
+        verdict = Verdict(compatible=reply.accepted and ours.compatible, reasons=reasons)
         if verdict.compatible:
             self.peers.admit(peer_id, now)
         else:

@@ -11,6 +11,8 @@ peer is sent a ``Heartbeat`` every ``heartbeat_s`` (:meth:`PeerTable.heartbeats_
 Verdicts are cached per peer id together with the fingerprint and incarnation they judged: a
 repeated ``Hello`` with the same ones reuses the verdict; a new incarnation of a live peer means
 the old process is gone (the caller fails its sessions first). Time arrives as ``now``.
+A table that knows which way its KV flows (``sends``) also judges the peers' TP head ranges
+(:func:`~kvplane.pd.handshake.check_compatible`): a pairing one sender cannot fill is refused.
 """
 
 from __future__ import annotations
@@ -37,10 +39,14 @@ class PeerRecord:
 
 
 class PeerTable:
-    """Handshake verdicts and leases of the peers of one participant."""
+    """Handshake verdicts and leases of the peers of one participant. ``sends``: True when it
+    sends KV to its peers, False when it receives KV, None when either (no head range check)."""
 
-    def __init__(self, profile: PeerProfile, heartbeat_s: float) -> None:
+    def __init__(
+        self, profile: PeerProfile, heartbeat_s: float, *, sends: bool | None = None
+    ) -> None:
         self.profile = profile
+        self.sends = sends
         self.fingerprint = compat_fingerprint(profile)
         self.heartbeat_s = heartbeat_s
         self._peers: dict[PeerId, PeerRecord] = {}
@@ -71,7 +77,7 @@ class PeerTable:
         ):
             self.cached_verdicts += 1
             return rec.verdict, False
-        verdict = check_compatible(self.profile, hello.profile, hello.fingerprint)
+        verdict = check_compatible(self.profile, hello.profile, hello.fingerprint, sends=self.sends)
         restarted = rec is not None and rec.live and rec.hello.incarnation != hello.incarnation
         self._peers[peer_id] = PeerRecord(peer_id, hello, verdict)
         return verdict, restarted

@@ -92,6 +92,7 @@ class DecodeWorker(Worker):
     """See the module docstring. ``decoder`` consumes received KV (verifier or a real model)."""
 
     role = "decode"
+    kv_role = Role.RECEIVER
 
     def __init__(
         self,

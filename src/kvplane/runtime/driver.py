@@ -10,10 +10,12 @@ waits for its predecessors'). All runs are stepped on one thread with non-blocki
 :class:`~kvplane.transfer.PlanRun` steps, while the bytes move on the transport's own threads and
 the worker loop computes the next prefill step.
 
-For each slice: plan it (:func:`~kvplane.runtime.slicing.plan_slice`, pure — usually done ahead,
-while the prefill computes the slice: from the first slice on once the session's
-``DestinationKnown`` hint has come, so the only slice of a short prompt does not wait for its
-plan; up to :data:`LOOKAHEAD` slices past the latest begun one), then, on the PD loop thread, check
+For each slice: plan it (:func:`~kvplane.runtime.slicing.plan_slice`, pure, through the
+:class:`~kvplane.runtime.slice_planner.SlicePlanner` — usually done ahead, while the prefill
+computes the slice: from the first slice on once the session's ``DestinationKnown`` hint has
+come, so the only slice of a short prompt does not wait for its plan; up to
+:data:`~kvplane.runtime.slice_planner.LOOKAHEAD` slices past the latest begun one, and only
+while no new slice waits to begin), then, on the PD loop thread, check
 ``Participant.submittable`` (a cancel may have overtaken the ``StartSubmit``) and report
 ``SubmitStarted`` — or ``SubmitSkipped`` when nothing moves. Only then is the slice's run
 started (its plans validated against both sides' regions and run jointly, so the final slice's
@@ -46,7 +48,7 @@ from collections import deque
 from collections.abc import Callable
 
 from kvplane.errors import KVPlaneError, ProtocolError
-from kvplane.ids import PeerId, RegionId, SessionId, SliceId, TokenRange
+from kvplane.ids import RegionId, SessionId
 from kvplane.pd.actions import DestinationKnown, StartSubmit
 from kvplane.pd.endpoint import Endpoint
 from kvplane.pd.events import (
@@ -54,15 +56,12 @@ from kvplane.pd.events import (
     SubmitSkipped,
     SubmitSlice,
     SubmitStarted,
-    TransferRequest,
     TransportDone,
     TransportFailed,
     TransportInDoubt,
 )
-from kvplane.runtime.advert import decode_advert
 from kvplane.runtime.driver_records import (
     Evidence,
-    PeerLink,
     PlannedSession,
     SliceBegin,
     SliceJob,
@@ -70,7 +69,7 @@ from kvplane.runtime.driver_records import (
     WorkerCommand,
 )
 from kvplane.runtime.observe import RuntimeMetrics
-from kvplane.runtime.slicing import PlannedSlice, plan_slice
+from kvplane.runtime.slice_planner import SlicePlanner
 from kvplane.runtime.timeline import Mark, Timeline
 from kvplane.runtime.watcher import BatchWatcher
 from kvplane.transfer import OpGrouping, PlanExecutor, PlanOutcome, latest_end
@@ -86,10 +85,6 @@ end: only deadlines (seconds) and fault-injected delays need it, and each poll i
 (every 5 ms was a third of the driver's turns in ``bench pd``)."""
 IDLE_S = 0.05
 """The longest idle wait (nothing queued, in flight or left to plan)."""
-LOOKAHEAD = 2
-"""How many slices past the latest begun one a session's plans are made ahead."""
-MAX_WAITING = 1024
-"""Most ``DestinationKnown`` hints kept while their request's memory is not admitted yet."""
 
 
 class SliceDriver:
@@ -119,21 +114,20 @@ class SliceDriver:
         self._watcher = BatchWatcher(transport, self._wake)
         self._executor = PlanExecutor(self._watcher.transport, max_inflight=max_inflight_ops)
         self._poll_s = WATCHED_POLL_S if self._watcher.active else POLL_S
-        self._links: dict[PeerId, PeerLink] = {}
-        self._sessions: dict[SessionId, PlannedSession] = {}
         self._flights: dict[SessionId, deque[SliceJob]] = {}
         self._inbox: deque[StartSubmit] = deque()
         self._commands: deque[WorkerCommand] = deque()
         self._hints: list[DestinationKnown] = []
         self._sourced: list[SessionId] = []
         self._ended: list[SessionId] = []
-        self._waiting: dict[SessionId, DestinationKnown] = {}
-        """Hints that came before their request's memory (``source_ready`` retries them)."""
         self._woken = False
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="kvplane-slice-driver", daemon=True)
         self.counters: dict[str, int] = {}
+        self._planner = SlicePlanner(
+            endpoint, transport, sources, grouping=grouping, count=self._count
+        )
 
     # -- any thread --------------------------------------------------------------------------------
     def submit(self, act: StartSubmit) -> None:
@@ -187,6 +181,16 @@ class SliceDriver:
             queued = len(self._inbox) + len(self._commands)
             return queued + sum(map(len, self._flights.values()))
 
+    @property
+    def _waiting(self) -> dict[SessionId, DestinationKnown]:
+        """The planner's hints waiting for memory (tests watch them; driver thread's own)."""
+        return self._planner.waiting
+
+    @property
+    def _sessions(self) -> dict[SessionId, PlannedSession]:
+        """The planner's known sessions (tests watch them; driver thread's own)."""
+        return self._planner.sessions
+
     def _wake(self) -> None:
         """A watched batch ended (watcher thread): step the runs now."""
         with self._cond:
@@ -212,12 +216,11 @@ class SliceDriver:
                 self._woken = False
             try:
                 self._turn(fresh, commands)
-                self._adopt(hints, sourced)
-                for sid in ended:  # after _adopt: its hint came before its end
-                    self._waiting.pop(sid, None)
-                    self._sessions.pop(sid, None)
+                self._planner.adopt(hints, sourced)
+                for sid in ended:  # after adopt: its hint came before its end
+                    self._planner.forget(sid)
                 # plan ahead only when no new slice waits: a begin must not wait for a plan
-                planning = self._plan_ahead() if not self._inbox else True
+                planning = self._planner.plan_ahead() if not self._inbox else True
             except Exception:  # a bug must not stop the driver: count it and keep driving
                 self._count("loop_errors")
                 log.exception("slice driver error (the driver keeps running)")
@@ -271,26 +274,13 @@ class SliceDriver:
     def _take_arrived(self, begins: list[SliceBegin]) -> list[StartSubmit]:
         """On the PD loop, inside a turn's call (the driver thread waits on it): move the
         ``StartSubmit`` s that the turn's commands just produced from the inbox into
-        ``begins`` when their plans were made ahead (no planning or connecting here); the
-        others come back, each session's from its first unready slice on, to keep order."""
+        ``begins`` when their plans were made ahead; the others come back
+        (:meth:`SlicePlanner.ready_begins`)."""
         with self._cond:
             arrived = list(self._inbox)
             self._inbox.clear()
-        late: list[StartSubmit] = []
-        held: set[SessionId] = set()
-        for act in arrived:
-            sid = act.session_id
-            sess, source = self._sessions.get(sid), self._sources(sid)
-            if sid in held or sess is None or source is None:
-                ready = None
-            else:
-                ready = self._ahead(act, source, sess)
-            if ready is None or source is None:
-                held.add(sid)
-                late.append(act)
-            else:
-                self._count("begun_in_call")
-                begins.append(SliceBegin(act, source, ready))
+        ready, late = self._planner.ready_begins(arrived)
+        begins.extend(ready)
         return late
 
     def _harvest(self) -> list[tuple[SessionId, Evidence]]:
@@ -314,96 +304,6 @@ class SliceDriver:
         with contextlib.suppress(ProtocolError):  # the session already ended: nothing to fail
             self._ep.send(act.session_id, Fail(reason=reason))
 
-    def _adopt(self, hints: list[DestinationKnown], sourced: list[SessionId]) -> None:
-        """Know the sessions whose destination the hints name, so :meth:`_plan_ahead` plans
-        their slices from the first on (linking a new peer here, off the critical path). A hint
-        that came before its request's memory waits for ``source_ready`` (the oldest of more
-        than :data:`MAX_WAITING` are dropped: the first slice is then planned when it starts)."""
-        retried = [self._waiting.pop(sid) for sid in sourced if sid in self._waiting]
-        for hint in hints + retried:
-            sid = hint.session_id
-            if sid in self._sessions:
-                continue  # begun already
-            if self._sources(sid) is None:  # its memory is not here yet
-                self._waiting[sid] = hint
-                while len(self._waiting) > MAX_WAITING:
-                    del self._waiting[next(iter(self._waiting))]
-                continue
-            try:
-                link = self._link(hint.peer_id)
-            except KVPlaneError:  # the slice's own StartSubmit fails it, in order
-                continue
-            self._sessions[sid] = PlannedSession(link, hint.request, {})
-            self._count("sessions_expected")
-
-    def _plan_ahead(self) -> bool:
-        """Plan one future slice of a known session while the prefill computes it; True if
-        one was planned (more may follow)."""
-        for sid, sess in list(self._sessions.items()):
-            source = self._sources(sid)
-            if source is None:  # the request's memory is gone: forget the session
-                del self._sessions[sid]
-                continue
-            while sess.next_plan < len(source.schedule) and sess.next_plan in sess.plans:
-                sess.next_plan += 1
-            slice_id = max(sess.next_plan, sess.begun)
-            if slice_id >= len(source.schedule) or slice_id > sess.begun + LOOKAHEAD:
-                continue
-            tokens, is_last = source.schedule[slice_id]
-            sess.next_plan = slice_id + 1
-            try:
-                sess.plans[slice_id] = self._plan(
-                    source, sess.link, sess.request, tokens, slice_id=slice_id, is_last=is_last
-                )
-            except KVPlaneError:
-                sess.next_plan = len(source.schedule)  # plan it (and fail) when it is due
-            self._count("planned_ahead")
-            return True
-        return False
-
-    def _plan(
-        self, source: SliceSource, link: PeerLink, request: TransferRequest, tokens: TokenRange,
-        *, slice_id: int, is_last: bool,
-    ) -> PlannedSlice:  # fmt: skip
-        return plan_slice(
-            list(source.pools), list(link.pools), request, tokens,
-            slice_id=SliceId(slice_id), is_last=is_last, grouping=self._grouping,
-        )  # fmt: skip
-
-    def _planned(self, act: StartSubmit, source: SliceSource) -> PlannedSlice:
-        """The slice's plans: made ahead of time when the schedule predicted this slice."""
-        sid = act.session_id
-        sess = self._sessions.get(sid)
-        if sess is None:  # a session is bound to one peer incarnation: link it once
-            self._waiting.pop(sid, None)
-            sess = PlannedSession(self._link(act.peer_id), act.request, {})
-            self._sessions[sid] = sess
-        ready = self._ahead(act, source, sess)
-        if ready is not None:
-            return ready
-        sess.begun = max(sess.begun, int(act.slice_id) + 1)
-        tokens = TokenRange(act.start, act.end)
-        return self._plan(
-            source, sess.link, act.request, tokens, slice_id=int(act.slice_id), is_last=act.is_last
-        )
-
-    def _ahead(
-        self, act: StartSubmit, source: SliceSource, sess: PlannedSession
-    ) -> PlannedSlice | None:
-        """The plans made ahead for ``act``'s slice if they match what the session asks for
-        (taken: the slice counts as begun), else None (any stale ones are dropped)."""
-        ready = sess.plans.pop(int(act.slice_id), None)
-        if ready is None or int(act.slice_id) >= len(source.schedule):
-            return None
-        n = act.request.num_tokens
-        tokens, is_last = source.schedule[int(act.slice_id)]
-        lo = min(max(tokens.start, act.request.prefix_tokens), n)
-        if (lo, max(lo, min(tokens.end, n)), is_last) != (act.start, act.end, act.is_last):
-            return None
-        sess.begun = max(sess.begun, int(act.slice_id) + 1)
-        self._count("plans_ready")
-        return ready
-
     def _prepare(self, act: StartSubmit) -> SliceBegin | None:
         """Plan a new slice (or fail its session when it cannot be planned)."""
         source = self._sources(act.session_id)
@@ -411,7 +311,7 @@ class SliceDriver:
             self._count("no_source")
             return None
         try:
-            planned = self._planned(act, source)
+            planned = self._planner.planned(act, source)
         except KVPlaneError as exc:
             self._fail(act, f"slice {act.slice_id} cannot be planned: {exc}")
             return None
@@ -427,11 +327,14 @@ class SliceDriver:
         self._metrics.planned(list(zip(planned.plans, planned.dst_block_sizes, strict=True)))
         job = SliceJob(act, source, planned, [], time.monotonic())
         self._flights.setdefault(sid, deque()).append(job)
+        sess = self._planner.session(sid)
         try:  # one run, one batch per op position: the final slice's records ride with its KV
+            if sess is None:  # it ended meanwhile (as the begin check saw, no longer)
+                raise ProtocolError(f"session {sid} is no longer planned")
             job.runs.append(
                 self._executor.start(
                     planned.plans,
-                    self._sessions[sid].link.peer,
+                    sess.link.peer,
                     local_regions=self._regions,
                     deadline_s=self._timeout,
                 )
@@ -454,7 +357,7 @@ class SliceDriver:
     def _finish(self, job: SliceJob) -> Evidence:
         """Record a finished slice; its evidence, to report to the session."""
         if job.act.is_last:
-            self._sessions.pop(job.act.session_id, None)
+            self._planner.forget(job.act.session_id)
         results = [run.result() for run in job.runs]
         slice_id = job.act.slice_id
         rid = job.source.request_id
@@ -478,23 +381,3 @@ class SliceDriver:
             event = TransportFailed(slice_id=slice_id, reason=reason)
         self._timeline.record(Mark.SLICE_FAILED, rid, slice_id=int(slice_id), detail=reason)
         return event
-
-    def _link(self, peer_id: PeerId) -> PeerLink:
-        """The transport peer and pools of ``peer_id``'s current incarnation (connects once)."""
-        rec = self._ep.call(lambda: self._ep.participant.peers.get(peer_id))
-        if rec is None:
-            raise ProtocolError(f"no handshake with peer {peer_id}")
-        hello = rec.hello
-        known = self._links.get(peer_id)
-        if known is not None and known.incarnation == hello.incarnation:
-            return known
-        advert, pools = decode_advert(hello.transport_metadata, hello.profile)
-        if advert.transport != self._transport.name:
-            raise ProtocolError(
-                f"peer {peer_id} speaks transport {advert.transport!r}, we {self._transport.name!r}"
-            )
-        link = PeerLink(
-            hello.incarnation, self._transport.connect(advert.transport_metadata), tuple(pools)
-        )
-        self._links[peer_id] = link
-        return link

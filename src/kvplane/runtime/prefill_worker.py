@@ -106,6 +106,7 @@ class PrefillWorker(Worker):
     """See the module docstring. ``producer`` computes the KV (synthetic or a real model)."""
 
     role = "prefill"
+    kv_role = Role.SENDER
 
     def __init__(
         self,

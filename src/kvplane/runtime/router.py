@@ -14,19 +14,19 @@ request and cancels the other side. A request id is unique among the requests in
 duplicate is refused before anything is sent), and every follow-up cancel names the request's
 session id, so it can never stop another request that reuses the id on a worker.
 
-:meth:`Router.refresh` asks every worker who it is (one info query each, answered off the
-worker loop), then sends every pairing it needs at once, waiting ``probe_s`` for each round.
-A query not answered in time is waited for again by the next refresh, not sent again (one
-outstanding per worker and kind, resent after ``timeout_s``): a dead worker gets no backlog.
-A worker that does not answer is marked *down*: its requests fail at once (the other side is
-cancelled), it gets a new socket (zmq's frames for the old one are dropped, so none reaches
-the next process at its address), submit and stats skip it; it comes back up, re-paired, when
-it answers again. A worker that restarted (new incarnation) is re-paired, and the requests its
-old incarnation carried as decode worker fail. Every request also has a deadline
-(``deadline_s``): one still unanswered then fails and is cancelled on both sides, so no future
-waits forever. One thread expires deadlines every ``TICK_S``, whatever a refresh waits for;
-with ``refresh_s`` (``kvplane serve router``) another refreshes that often, and at once when
-a decode worker reports a prefill peer not connected (``NOT_CONNECTED``).
+:meth:`Router.refresh` takes a census of the workers (one info query each, answered off the
+worker loop; at most one outstanding per worker and kind, and a worker not up never gets a
+backlog: see :mod:`kvplane.runtime.membership`), then sends every pairing it needs at once,
+waiting ``probe_s`` for each round. A worker that does not answer is marked *down*: its
+requests fail at once (the other side is cancelled), then it gets a new socket (zmq's frames
+for the old one are dropped, so none reaches the next process at its address), submit and
+stats skip it; it comes back up, re-paired, when it answers again. A worker that restarted
+(new incarnation) is re-paired, and the requests its old incarnation carried as decode worker
+fail. Every request also has a deadline (``deadline_s``): one still unanswered then fails and
+is cancelled on both sides, so no future waits forever. One thread expires deadlines every
+``TICK_S``, whatever a refresh waits for; with ``refresh_s`` (``kvplane serve router``)
+another refreshes that often, and at once when a decode worker reports a prefill peer not
+connected (``NOT_CONNECTED``).
 
 ``kvplane serve router`` serves a router on an order socket (``Generate``, ``CancelOrder``,
 ``InfoQuery``, aggregated ``StatsQuery``); see :mod:`kvplane.runtime.router_serve`.
@@ -39,14 +39,14 @@ import operator
 import secrets
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import msgspec
 
 from kvplane.errors import InvalidArgumentError, KVPlaneError, ProtocolError, TransferTimeoutError
+from kvplane.runtime.membership import Membership, WorkerHandle
 from kvplane.runtime.messages import (
     NOT_CONNECTED,
     AnyMessage,
@@ -54,11 +54,8 @@ from kvplane.runtime.messages import (
     DecodeOrder,
     ErrorReply,
     Generate,
-    InfoQuery,
-    PairWith,
     PrefillOrder,
     RequestResult,
-    StatsQuery,
     WorkerInfo,
     WorkerStats,
 )
@@ -66,21 +63,6 @@ from kvplane.runtime.rpc import RpcClient
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05  # how often the deadline thread looks for expired requests
-
-
-@dataclass(slots=True, eq=False)
-class WorkerHandle:
-    """A worker as the router sees it: ``up`` while it answers info queries; ``repair`` after a
-    pairing with it failed (tried again at the next refresh); ``asked``: the queries sent to it
-    and not answered yet with when they were sent, at most one per message
-    (see :meth:`Router._ask`)."""
-
-    address: str
-    client: RpcClient
-    info: WorkerInfo | None = None
-    up: bool = False
-    repair: bool = False
-    asked: dict[AnyMessage, tuple[Future[AnyMessage], float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -93,7 +75,8 @@ class _Flight:
     out: Future[RequestResult]
     num_tokens: int
     deadline: float
-    orders: list[tuple[WorkerHandle, Future[AnyMessage]]] = field(default_factory=list)
+    orders: list[tuple[RpcClient, Future[AnyMessage]]] = field(default_factory=list)
+    """Each order's future with the client it went out on (a recycled worker has another)."""
 
 
 def _positive(name: str, value: object) -> float:
@@ -138,18 +121,18 @@ class Router:
         )
         self.refresh_s = None if refresh_s is None else _positive("refresh_s", refresh_s)
         self.probe_s = min(_positive("probe_s", probe_s), self.timeout_s)
-        self.prefill = [WorkerHandle(a, RpcClient(a, timeout_s=timeout_s)) for a in prefill]
-        self.decode = [WorkerHandle(a, RpcClient(a, timeout_s=timeout_s)) for a in decode]
+        self._stop = threading.Event()
+        self._members = Membership(
+            prefill, decode, timeout_s=self.timeout_s, probe_s=self.probe_s, stop=self._stop
+        )
         self._tag = secrets.token_hex(4)
         self._serial = 0
         self._flights: dict[str, _Flight] = {}
         self._lock = threading.Lock()
         self._settle_lock = threading.Lock()
-        self._ask_lock = threading.Lock()
         self._refresh_lock = threading.Lock()
         self._refreshes = 0
         self._refresh_wanted = threading.Event()
-        self._stop = threading.Event()
         loops = [self._expire_loop] + ([self._refresh_loop] if self.refresh_s else [])
         self._threads = [threading.Thread(target=fn, name="kvplane-router") for fn in loops]
         for t in self._threads:
@@ -163,12 +146,21 @@ class Router:
             if t.is_alive() and threading.current_thread() is not t:
                 t.join(timeout=10.0)
         with self._refresh_lock:  # a refresh on another thread ends first (bounded by probe_s)
-            for w in self.prefill + self.decode:
-                w.client.close()
+            self._members.close()
+
+    @property
+    def prefill(self) -> list[WorkerHandle]:
+        """The prefill workers, in the order given (see :class:`WorkerHandle`)."""
+        return self._members.prefill
+
+    @property
+    def decode(self) -> list[WorkerHandle]:
+        """The decode workers, in the order given."""
+        return self._members.decode
 
     @property
     def workers(self) -> list[WorkerHandle]:
-        return self.prefill + self.decode
+        return self._members.workers
 
     @property
     def refreshes(self) -> int:
@@ -188,7 +180,7 @@ class Router:
 
     def ready(self) -> bool:
         """True when at least one prefill and one decode worker is up."""
-        return any(w.up for w in self.prefill) and any(w.up for w in self.decode)
+        return self._members.ready()
 
     # -- pairing ---------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -215,82 +207,16 @@ class Router:
             if not self.ready() and (since is None or self._refreshes <= since):
                 self._refresh(False)
 
-    def _ask(
-        self, asks: Sequence[tuple[WorkerHandle, AnyMessage]], wait_s: float
-    ) -> list[AnyMessage | None]:
-        """Ask each worker its message, wait ``wait_s`` in all: the replies in order (None: none
-        in time). One not answered yet is waited for again, not resent — unless sent
-        ``timeout_s`` ago or more (a worker that took it and died never answers)."""
-        futs: list[Future[AnyMessage]] = []
-        now = time.monotonic()
-        with self._ask_lock:
-            for w, msg in asks:
-                fut, sent = w.asked.get(msg, (None, now))
-                if fut is not None and not fut.done() and now - sent >= self.timeout_s:
-                    w.client.forget(fut)
-                if fut is None or fut.done():
-                    fut = w.client.call_async(msg)
-                    w.asked[msg] = (fut, now)
-                futs.append(fut)
-        end = time.monotonic() + wait_s
-        out: list[AnyMessage | None] = []
-        for (w, msg), fut in zip(asks, futs, strict=True):
-            try:
-                got: AnyMessage | None = fut.result(timeout=max(0.0, end - time.monotonic()))
-            except FutureTimeout:
-                got = None  # still outstanding: the next ask waits for it
-            except (KVPlaneError, CancelledError):  # not sent: asked afresh next time
-                got = None
-            if fut.done():
-                with self._ask_lock:
-                    if w.asked.get(msg, (None, 0.0))[0] is fut:
-                        del w.asked[msg]
-            out.append(got)
-        return out
-
     def _refresh(self, force: bool) -> list[str]:
         self._refreshes += 1  # under the refresh lock
-        infos = self._ask([(w, InfoQuery()) for w in self.workers], self.probe_s)
-        changed: list[WorkerHandle] = []
-        gone: list[WorkerHandle] = []
-        for w, got in zip(self.workers, infos, strict=True):
-            if not isinstance(got, WorkerInfo):
-                if w.up:
-                    log.warning("worker at %s does not answer: marked down", w.address)
-                    gone.append(w)
-                w.up = False
-                continue
-            restarted = w.info is None or w.info.incarnation != got.incarnation
-            if force or restarted or not w.up or w.repair:
-                changed.append(w)
-            w.info, w.up, w.repair = got, True, False
-        self._fail_orphans()
-        for w in () if self._stop.is_set() else gone:  # new sockets (zmq's old frames dropped)
-            old, w.client = w.client, RpcClient(w.address, timeout_s=self.timeout_s)
-            with self._ask_lock:
-                w.asked.clear()
-            old.close(discard=True)
-        errors = self._pair_all(changed)
+        census = self._members.census(force)
+        self._fail_orphans()  # first: their orders are forgotten, not failed by the recycling
+        for w in census.gone:  # new sockets (zmq's old frames dropped)
+            self._members.recycle(w)
+        errors = self._members.pair_all(census.changed)
         if errors:
             raise ProtocolError("; ".join(errors)[:4000])
-        return sorted(w.info.peer_id for w in changed if w.info is not None and w.up)
-
-    def _pair_all(self, changed: list[WorkerHandle]) -> list[str]:
-        """Pair each up decode worker with each up prefill worker, either in ``changed``, all at
-        once within ``probe_s``: what went wrong (a decode worker that failed is re-paired)."""
-        pairs = [
-            (d, PairWith(pd_address=p.info.pd_address))
-            for d in self.decode
-            for p in self.prefill
-            if d.up and p.up and p.info is not None and (d in changed or p in changed)
-        ]
-        errors: list[str] = []
-        for (d, _), got in zip(pairs, self._ask(pairs, self.probe_s), strict=True):
-            if got is None or isinstance(got, ErrorReply):
-                d.repair = True
-                why = f"no answer within {self.probe_s:g} s" if got is None else got.reason
-                errors.append(f"decode worker at {d.address} cannot pair: {why}")
-        return errors
+        return sorted(w.info.peer_id for w in census.changed if w.info is not None and w.up)
 
     def _fail_orphans(self) -> None:
         """Requests whose decode worker restarted or whose worker is down: fail them now."""
@@ -326,8 +252,8 @@ class Router:
         and cancel it on its workers that are up. Limit: a worker down is never sent the cancel;
         if it was only unreachable a while, it runs the request until the PD deadline ends it."""
         self._settle(f.out, self._failed(f, reason))
-        for w, fut in f.orders:
-            w.client.forget(fut)
+        for client, fut in f.orders:
+            client.forget(fut)
         for w in (f.prefill, f.decode):
             if w.up:
                 _cancel_on(w, f, reason)
@@ -406,7 +332,8 @@ class Router:
                 time.monotonic() + self.deadline_s,
             )  # fmt: skip
             self._flights[request_id] = flight
-        pre = p.client.call_async(
+        pc, dc = p.client, d.client  # each order is forgotten on the client it went out on
+        pre = pc.call_async(
             PrefillOrder(
                 request_id=request_id,
                 session_id=sid,
@@ -415,7 +342,7 @@ class Router:
                 step_size=step_size,
             )
         )
-        dec = d.client.call_async(
+        dec = dc.call_async(
             DecodeOrder(
                 request_id=request_id,
                 session_id=sid,
@@ -424,7 +351,7 @@ class Router:
                 max_new_tokens=max_new_tokens,
             )
         )
-        flight.orders += [(p, pre), (d, dec)]
+        flight.orders += [(pc, pre), (dc, dec)]
         pre.add_done_callback(lambda f: self._on_prefill(flight, f))
         dec.add_done_callback(lambda f: self._on_decode(flight, f))
         return flight.out
@@ -480,16 +407,7 @@ class Router:
         """Stats of every worker that is up, by peer id, waiting at most ``timeout_s`` in all;
         and the addresses (with why) of the workers that gave none: the up ones that did not
         answer, and every worker down (or never heard from), which is not asked or waited for."""
-        up = [w for w in self.workers if w.up]
-        got_all = self._ask([(w, StatsQuery(timeline=timeline)) for w in up], self.timeout_s)
-        out: dict[str, WorkerStats] = {}
-        missing = [f"{w.address} (down)" for w in self.workers if not w.up]
-        for w, got in zip(up, got_all, strict=True):
-            if isinstance(got, WorkerStats):
-                out[got.peer_id] = got
-            else:
-                missing.append(f"{w.address} ({'no reply' if got is None else repr(got)})"[:500])
-        return out, missing
+        return self._members.gather_stats(timeline)
 
     def stats(self, *, timeline: bool = False) -> dict[str, WorkerStats]:
         """Stats of every worker; ``TransferTimeoutError`` naming those that gave none (down,

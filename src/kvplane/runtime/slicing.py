@@ -14,7 +14,8 @@ requires.
 :func:`plan_slice` is pure: the PD session hands the driver the slice's range already clipped
 to what the receiver lacks (``[prefix_tokens, N)``); a sliding-window pool additionally drops
 everything before the final window ``[N - window, N)``; the final slice adds one whole-only plan
-per state pool; our KV pool's TP heads must cover the destination's (a session has one sender).
+per state pool; our KV pool's TP heads must cover the destination's (a session has one sender:
+:func:`~kvplane.pd.handshake.heads_cover`, which the workers' handshake already checks).
 Each plan is built by :func:`~kvplane.transfer.planner.plan_transfer` and validated by the
 executor before any byte moves.
 """
@@ -30,6 +31,7 @@ from kvplane.errors import InvalidArgumentError, PlanError
 from kvplane.ids import RegionId, SliceId, TokenRange
 from kvplane.layout import KVLayout
 from kvplane.pd.events import TransferRequest
+from kvplane.pd.handshake import heads_cover
 from kvplane.runtime.advert import RemotePool, split_destination
 from kvplane.transfer import OpGrouping, PlanOptions, PlanSide, TransferPlan, plan_transfer
 from kvplane.transports.base import Int64Array
@@ -147,10 +149,10 @@ def plan_slice(
     the heads we lack would never arrive and the receiver would complete with them unwritten."""
     if len(src) != len(dst):
         raise InvalidArgumentError(f"{len(src)} local pools but the peer advertises {len(dst)}")
-    (s_lo, s_hi), (d_lo, d_hi) = src[0].layout.head_range, dst[0].layout.head_range
-    if not s_lo <= d_lo < d_hi <= s_hi:
+    held, needed = src[0].layout.head_range, dst[0].layout.head_range
+    if not heads_cover(held, needed):  # refused at the handshake already: an invariant here
         raise PlanError(
-            f"destination heads {(d_lo, d_hi)} are not all in our heads {(s_lo, s_hi)}: "
+            f"destination heads {needed} are not all in our heads {held}: "
             "one sender cannot fill them"
         )
     dst_ids = split_destination(request.dst_block_ids, dst, request.num_tokens)

@@ -12,6 +12,8 @@ releases and compute interleave without locks.
 
 Construction order matters and is fixed: transport → pools registered with it → the
 participant (its ``Hello`` carries the pools' advert) → the endpoint → the order server.
+The participant knows which way the worker's KV flows (``kv_role``), so a pairing whose TP
+head ranges one sender cannot serve is refused at the handshake, before any order is taken.
 Nothing listens beyond 127.0.0.1 unless the config says so. :meth:`close` stops accepting
 orders first, then the loop, then the endpoint and the transport.
 """
@@ -31,7 +33,7 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.pd.actions import Action
 from kvplane.pd.endpoint import Endpoint
 from kvplane.pd.participant import Participant
-from kvplane.pd.states import SessionState
+from kvplane.pd.states import Role, SessionState
 from kvplane.runtime.chaos import FaultPlan, FaultyEndpoint, FaultyTransport
 from kvplane.runtime.messages import (
     REPLY_MARGIN,
@@ -83,6 +85,8 @@ class Worker:
     """
 
     role: ClassVar[str] = "worker"
+    kv_role: ClassVar[Role | None] = None
+    """Which way this worker's KV flows (prefill: ``SENDER``; decode: ``RECEIVER``)."""
 
     def __init__(
         self,
@@ -122,6 +126,7 @@ class Worker:
             metrics=self.metrics,
             transport=self.transport.name,
             transport_metadata=self.pools.advert(),
+            kv_role=self.kv_role,
         )
         pd_options: dict[str, Any] = {
             "bind": config.pd_bind, "secret": config.secret, "metrics": self.metrics,

@@ -1,0 +1,227 @@
+"""The router's membership: which workers it knows, which are up, and how it asks them things.
+
+Contract
+--------
+:class:`Membership` holds one :class:`WorkerHandle` per worker address, each with its own
+:class:`~kvplane.runtime.rpc.RpcClient`. :meth:`Membership.ask` sends each worker a message
+and waits a bounded time for all replies; at most one of each message is outstanding per
+worker: one not answered yet is waited for again by the next ask, not sent again. One
+outstanding for ``timeout_s`` or more is sent again (a worker that took it and died never
+answers) — and when that worker is not up (down, or never heard from), on a fresh client
+(:meth:`~Membership.recycle`): its peer is not connected, so zmq still holds the old frame and
+would hand it, and every later one, to the next process at that address. A worker that is up
+answered the last census, so the old frame was delivered: it is forgotten and the message sent
+again on the same client, and the worker's other calls (the requests it carries) are not
+failed for one slow reply (had it died since, the next census marks it down and recycles it).
+
+:meth:`Membership.census` asks every worker who it is (waiting ``probe_s``), marks the silent
+ones down and says which (re-)joined and which just went down; the caller fails the requests
+of the gone ones, then recycles them (their calls still waiting fail with
+``RemoteDisconnectError``, so none is lost silently). :meth:`Membership.pair_all` sends every
+pairing a change needs at once; :meth:`Membership.gather_stats` asks only the workers up.
+Recycling swaps ``w.client`` under the ask lock; a caller that sent a call on a client keeps
+that client to forget the call on. Once ``stop`` is set nothing is recycled, and
+:meth:`Membership.close` closes every worker's client (none is made after it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+from kvplane.errors import KVPlaneError
+from kvplane.runtime.messages import (
+    AnyMessage,
+    ErrorReply,
+    InfoQuery,
+    PairWith,
+    StatsQuery,
+    WorkerInfo,
+    WorkerStats,
+)
+from kvplane.runtime.rpc import RpcClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class WorkerHandle:
+    """A worker as the router sees it: ``up`` while it answers info queries; ``repair`` after a
+    pairing with it failed (tried again at the next refresh); ``asked``: the queries sent to it
+    and not answered yet with when they were sent, at most one per message
+    (see :meth:`Membership.ask`)."""
+
+    address: str
+    client: RpcClient
+    info: WorkerInfo | None = None
+    up: bool = False
+    repair: bool = False
+    asked: dict[AnyMessage, tuple[Future[AnyMessage], float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Census:
+    """One census: the workers to (re-)pair (answered and new, restarted, back up, needing a
+    repair, or all when forced) and the workers it marked down (up until now)."""
+
+    changed: tuple[WorkerHandle, ...]
+    gone: tuple[WorkerHandle, ...]
+
+
+class Membership:
+    """The workers of one router (see the module docstring). Thread-safe for :meth:`ask`,
+    :meth:`recycle` and :meth:`close`; :meth:`census` and :meth:`pair_all` change ``up``,
+    ``info`` and ``repair``, so one caller at a time runs them (the router's refresh lock)."""
+
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        *,
+        timeout_s: float,
+        probe_s: float,
+        stop: threading.Event,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.probe_s = probe_s
+        self._stop = stop
+        self._lock = threading.Lock()  # guards every w.client swap and every w.asked
+        self.prefill = [WorkerHandle(a, RpcClient(a, timeout_s=timeout_s)) for a in prefill]
+        self.decode = [WorkerHandle(a, RpcClient(a, timeout_s=timeout_s)) for a in decode]
+
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return self.prefill + self.decode
+
+    def ready(self) -> bool:
+        """True when at least one prefill and one decode worker is up."""
+        return any(w.up for w in self.prefill) and any(w.up for w in self.decode)
+
+    def close(self) -> None:
+        """Set ``stop`` and close every worker's client (nothing is recycled after this)."""
+        with self._lock:
+            self._stop.set()
+            clients = [w.client for w in self.workers]
+        for c in clients:
+            c.close()
+
+    def recycle(self, w: WorkerHandle) -> None:
+        """Give ``w`` a fresh client and drop the old one with zmq's frames still queued for
+        it (its calls still waiting fail with ``RemoteDisconnectError``); nothing once
+        ``stop`` is set."""
+        with self._lock:
+            old = self._swap(w)
+        if old is not None:
+            old.close(discard=True)
+
+    def _swap(self, w: WorkerHandle) -> RpcClient | None:
+        """Under the lock: put a fresh client in ``w`` and forget what it was asked; the old
+        client, for the caller to close (None, and nothing changed, once ``stop`` is set)."""
+        if self._stop.is_set():
+            return None
+        old, w.client = w.client, RpcClient(w.address, timeout_s=self.timeout_s)
+        w.asked.clear()
+        return old
+
+    def ask(
+        self, asks: Sequence[tuple[WorkerHandle, AnyMessage]], wait_s: float
+    ) -> list[AnyMessage | None]:
+        """Ask each worker its message, wait ``wait_s`` in all: the replies in order (None: none
+        in time, or the call failed). One not answered yet is waited for again, not resent —
+        unless sent ``timeout_s`` ago or more: then sent again, on a fresh client if the worker
+        is not up (see the module docstring)."""
+        futs: list[Future[AnyMessage]] = []
+        now = time.monotonic()
+        olds: list[RpcClient] = []
+        with self._lock:
+            stale = [w for w, msg in asks if self._stale(w, msg, now)]
+            for w in {id(w): w for w in stale if not w.up}.values():
+                old = self._swap(w)
+                if old is not None:
+                    olds.append(old)
+            for w, msg in asks:
+                fut = w.asked.get(msg, (None, now))[0]
+                if fut is not None and self._stale(w, msg, now):  # up (or stopping): resend
+                    w.client.forget(fut)
+                if fut is None or fut.done():
+                    fut = w.client.call_async(msg)
+                    w.asked[msg] = (fut, now)
+                futs.append(fut)
+        for old in olds:  # off the lock: a close joins the client's loop thread
+            old.close(discard=True)
+        end = time.monotonic() + wait_s
+        out: list[AnyMessage | None] = []
+        for (w, msg), fut in zip(asks, futs, strict=True):
+            try:
+                got: AnyMessage | None = fut.result(timeout=max(0.0, end - time.monotonic()))
+            except FutureTimeout:
+                got = None  # still outstanding: the next ask waits for it
+            except (KVPlaneError, CancelledError):  # not sent: asked afresh next time
+                got = None
+            if fut.done():
+                with self._lock:
+                    if w.asked.get(msg, (None, 0.0))[0] is fut:
+                        del w.asked[msg]
+            out.append(got)
+        return out
+
+    def _stale(self, w: WorkerHandle, msg: AnyMessage, now: float) -> bool:
+        """Under the lock: whether ``w``'s outstanding ``msg`` was sent ``timeout_s`` ago."""
+        fut, sent = w.asked.get(msg, (None, now))
+        return fut is not None and not fut.done() and now - sent >= self.timeout_s
+
+    def census(self, force: bool) -> Census:
+        """Ask every worker who it is (waiting ``probe_s``): mark the silent ones down, the
+        others up (see :class:`Census`; ``force``: every one that answered is changed)."""
+        infos = self.ask([(w, InfoQuery()) for w in self.workers], self.probe_s)
+        changed: list[WorkerHandle] = []
+        gone: list[WorkerHandle] = []
+        for w, got in zip(self.workers, infos, strict=True):
+            if not isinstance(got, WorkerInfo):
+                if w.up:
+                    log.warning("worker at %s does not answer: marked down", w.address)
+                    gone.append(w)
+                w.up = False
+                continue
+            restarted = w.info is None or w.info.incarnation != got.incarnation
+            if force or restarted or not w.up or w.repair:
+                changed.append(w)
+            w.info, w.up, w.repair = got, True, False
+        return Census(tuple(changed), tuple(gone))
+
+    def pair_all(self, changed: Sequence[WorkerHandle]) -> list[str]:
+        """Pair each up decode worker with each up prefill worker, either in ``changed``, all at
+        once within ``probe_s``: what went wrong (a decode worker that failed is re-paired)."""
+        pairs = [
+            (d, PairWith(pd_address=p.info.pd_address))
+            for d in self.decode
+            for p in self.prefill
+            if d.up and p.up and p.info is not None and (d in changed or p in changed)
+        ]
+        errors: list[str] = []
+        for (d, _), got in zip(pairs, self.ask(pairs, self.probe_s), strict=True):
+            if got is None or isinstance(got, ErrorReply):
+                d.repair = True
+                why = f"no answer within {self.probe_s:g} s" if got is None else got.reason
+                errors.append(f"decode worker at {d.address} cannot pair: {why}")
+        return errors
+
+    def gather_stats(self, timeline: bool) -> tuple[dict[str, WorkerStats], list[str]]:
+        """Stats of every worker that is up, by peer id, waiting at most ``timeout_s`` in all;
+        and the addresses (with why) of the workers that gave none: the up ones that did not
+        answer, and every worker down (or never heard from), which is not asked or waited for."""
+        up = [w for w in self.workers if w.up]
+        got_all = self.ask([(w, StatsQuery(timeline=timeline)) for w in up], self.timeout_s)
+        out: dict[str, WorkerStats] = {}
+        missing = [f"{w.address} (down)" for w in self.workers if not w.up]
+        for w, got in zip(up, got_all, strict=True):
+            if isinstance(got, WorkerStats):
+                out[got.peer_id] = got
+            else:
+                missing.append(f"{w.address} ({'no reply' if got is None else repr(got)})"[:500])
+        return out, missing
