@@ -15,9 +15,10 @@ from kvplane.config import (
     Source,
     env_name,
     load_toml,
+    require_finite_positive,
     resolve,
 )
-from kvplane.errors import ConfigError
+from kvplane.errors import ConfigError, InvalidArgumentError
 
 
 def test_defaults_and_validation() -> None:
@@ -122,3 +123,17 @@ def test_toml_errors(tmp_path: Path) -> None:
     bad.write_text("[pool\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_toml(bad)
+
+
+@pytest.mark.parametrize("value", [0, -1.5, float("nan"), float("inf"), True, "5", None])
+def test_require_finite_positive_refuses_with_the_callers_error(value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        require_finite_positive("Cfg.wait_s", value)
+    assert str(info.value) == f"Cfg.wait_s must be a finite number > 0, got {value!r}"
+    with pytest.raises(InvalidArgumentError) as plain:
+        require_finite_positive("wait_s", value, InvalidArgumentError)
+    assert type(plain.value) is InvalidArgumentError
+
+
+def test_require_finite_positive_returns_the_value() -> None:
+    assert require_finite_positive("x", 2) == 2 and require_finite_positive("x", 1e-9) == 1e-9

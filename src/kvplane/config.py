@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import sys
 import types
 import typing
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvplane.errors import ConfigError
+from kvplane.errors import ConfigError, InvalidArgumentError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,6 +50,25 @@ class Source(enum.Enum):
     FILE = "file"
     ENV = "env"
     FLAG = "flag"
+
+
+def require_finite_positive(
+    what: str, value: object, error: type[InvalidArgumentError] = ConfigError
+) -> float:
+    """``value`` when it is a finite int or float > 0 (a duration in seconds, a rate), else
+    ``error`` naming ``what`` and the value. Bools, strings, NaN and the infinities are refused.
+
+    The one check of its kind below the components, so a config and the object it configures
+    (which must not import that config) refuse the same values with the same message.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise error(f"{what} must be a finite number > 0, got {value!r}")
+    return value
 
 
 def _require_positive(owner: str, **values: int) -> None:

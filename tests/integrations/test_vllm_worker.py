@@ -209,7 +209,7 @@ def test_remote_tier_serves_a_restarted_engine(tmp_path: Path) -> None:
         with pytest.raises(
             OffloadError, match=f"namespace '{ns}' is in use by .*pid {os.getpid()}"
         ):
-            MiniEngine({**cfg, "remote_lease_s": 0.2})
+            MiniEngine({**cfg, "remote_lease_s": 0.2, "remote_timeout_s": 0.1})
         two.close()
     finally:
         if server is not None:

@@ -58,3 +58,25 @@ def test_remote_timeout_from_the_environment_refuses_nan_and_inf(raw: str) -> No
         resolve(OffloadConfig, "offload", env={"KVPLANE_OFFLOAD_REMOTE_TIMEOUT_S": raw})
     cfg, _ = resolve(OffloadConfig, "offload", env={"KVPLANE_OFFLOAD_REMOTE_TIMEOUT_S": "0.5"})
     assert cfg.remote_timeout_s == 0.5
+
+
+def test_a_lease_shorter_than_two_timeouts_is_refused_naming_both() -> None:
+    """A renewal may take ``remote_timeout_s`` and a write decided on it ``remote_timeout_s``
+    more: a shorter lease could run out while this engine still writes to the namespace."""
+    with pytest.raises(ConfigError) as info:
+        OffloadConfig(remote_lease_s=9.0, remote_timeout_s=5.0)
+    assert type(info.value) is ConfigError
+    assert str(info.value) == (
+        "OffloadConfig.remote_lease_s must be >= 2 * OffloadConfig.remote_timeout_s (a renewal "
+        "may take OffloadConfig.remote_timeout_s and a write OffloadConfig.remote_timeout_s more "
+        "before the lease runs out), got OffloadConfig.remote_lease_s=9.0 and "
+        "OffloadConfig.remote_timeout_s=5.0"
+    )
+    with pytest.raises(ConfigError, match=r"remote_lease_s must be >= 2 \* "):
+        resolve(OffloadConfig, "offload", env={"KVPLANE_OFFLOAD_REMOTE_TIMEOUT_S": "6"})
+
+
+def test_a_lease_of_exactly_two_timeouts_is_allowed() -> None:
+    cfg = OffloadConfig(remote_lease_s=1.0, remote_timeout_s=0.5)
+    assert (cfg.remote_lease_s, cfg.remote_timeout_s) == (1.0, 0.5)
+    assert OffloadConfig().remote_lease_s == 2 * OffloadConfig().remote_timeout_s  # defaults

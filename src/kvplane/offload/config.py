@@ -8,13 +8,13 @@ Tiers below the host are enabled by giving them a place: ``disk_path`` for the d
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvplane.errors import ConfigError
 from kvplane.offload.policies.registry import POLICIES
 from kvplane.offload.tiers.base import SyncPolicy
+from kvplane.offload.tiers.lease import check_lease_timing
 from kvplane.offload.tiers.remote import NAMESPACE_BAD
 
 
@@ -23,26 +23,21 @@ def _positive(name: str, value: object) -> None:
         raise ConfigError(f"OffloadConfig.{name} must be a positive int, got {value!r}")
 
 
-def _positive_seconds(name: str, value: object) -> None:
-    """A duration: a finite int or float > 0 (NaN and infinity are refused)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigError(f"OffloadConfig.{name} must be a finite number > 0, got {value!r}")
-
-
 @dataclass(frozen=True, slots=True)
 class OffloadConfig:
     """Sizes are in chunk slots; a slot holds one chunk (``blocks_per_chunk`` blocks).
 
     Every size is a positive int; ``remote_timeout_s`` and ``remote_lease_s`` are finite and
-    > 0. ``remote_namespace`` belongs to one engine at a time: the open remote tier holds it by a
-    lease of ``remote_lease_s`` seconds, renewed while open, so a second engine on it is refused
-    (give each engine its own namespace) and a restarted one claims it back, at most
-    ``remote_lease_s`` after a crash, and finds its chunks there again by content hash.
+    > 0, and ``remote_lease_s >= 2 * remote_timeout_s``: a renewal of the lease may take up to
+    ``remote_timeout_s`` to come back, and a write decided on it up to ``remote_timeout_s`` more
+    to run, so a shorter lease could run out -- and another engine take the namespace -- while
+    this one still writes to it (derived in :mod:`kvplane.offload.tiers.lease`; the defaults,
+    10 s and 5 s, are the least lease for their timeout). ``remote_namespace`` belongs to one
+    engine at a time: the open remote tier holds it by a lease of ``remote_lease_s`` seconds,
+    renewed while open, so a second engine on it is refused (give each engine its own
+    namespace) and a restarted one claims it back, at most ``remote_lease_s`` after a crash,
+    and finds its chunks there again by content hash. A bad field raises
+    :class:`~kvplane.errors.ConfigError` naming it (both, for the lease relation).
     """
 
     host_slots: int = 64
@@ -83,5 +78,10 @@ class OffloadConfig:
                 f"OffloadConfig.remote_namespace must be non-empty without ':' or a glob "
                 f"character (*?[]\\): {self.remote_namespace!r}"
             )
-        _positive_seconds("remote_timeout_s", self.remote_timeout_s)
-        _positive_seconds("remote_lease_s", self.remote_lease_s)
+        check_lease_timing(
+            self.remote_lease_s,
+            self.remote_timeout_s,
+            lease_name="OffloadConfig.remote_lease_s",
+            timeout_name="OffloadConfig.remote_timeout_s",
+            error=ConfigError,
+        )

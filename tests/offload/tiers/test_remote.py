@@ -25,7 +25,7 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.offload.tiers import ReadOutcome, RemoteTier, Tier
 from kvplane.offload.tiers import remote as remote_module
 from kvplane.offload.tiers import resp as resp_module
-from kvplane.offload.tiers.redis_server import LocalRedisServer
+from kvplane.offload.tiers.redis_server import LocalRedisServer, free_port
 
 FP = bytes(range(16))
 OK, CORRUPT, MISSING = ReadOutcome.OK, ReadOutcome.CORRUPT, ReadOutcome.MISSING
@@ -38,6 +38,91 @@ def pattern(i: int, n: int = CHUNK) -> torch.Tensor:
 
 def corrupt(m: MetricsRegistry, reason: str) -> float:
     return m.value("offload_corrupt_chunks", {"tier": "remote", "reason": reason}, "_total")
+
+
+def test_a_write_is_refused_once_less_than_one_timeout_of_the_lease_is_left(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """A write let through now runs on the server up to ``timeout_s`` later: with the key still
+    ours but less than one timeout of its lease left, a write must be refused (it could land
+    after the key expired and another engine claimed the namespace)."""
+    tier = RemoteTier(
+        redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=1.6, timeout_s=0.8
+    )
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        tier.write([SlotId(0)], keys(0), [pattern(0)])
+        assert tier._lease is not None
+        tier._lease._stop.set()  # renewals stall from here on (like a hung server)
+        tier._lease._thread.join()
+        owner = f"{redis_namespace}:owner"
+        while raw.pttl(owner) > 600:  # 0.6 s of the server's lease left: less than a timeout
+            time.sleep(0.01)
+        assert raw.get(owner) == tier._lease.token.encode()  # still ours on the server
+        with pytest.raises(OffloadError, match=r"lease .* was lost"):
+            tier.write([SlotId(1)], keys(1), [pattern(1)])
+        assert raw.get(f"{redis_namespace}:slot:1") is None  # nothing went out
+    finally:
+        tier.close()
+        raw.close()
+
+
+class LostAfterFirstCommit:
+    """Wraps a tier's lease: ``lost`` once chunk 0's header (its commit record) is written."""
+
+    def __init__(self, real: Any, raw: Any, header: str) -> None:
+        self.real, self.raw, self.header = real, raw, header
+
+    @property
+    def lost(self) -> bool:
+        return bool(self.raw.exists(self.header))
+
+    def release(self) -> None:
+        self.real.release()
+
+
+def test_a_lease_lost_part_way_stops_the_write_before_its_next_round_trip(
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease is asked before every round trip, not once per batch: a batch of several
+    groups whose lease is lost after the first sends nothing more (earlier chunks stay whole)."""
+    monkeypatch.setattr(remote_module, "PIPELINE_BYTES", CHUNK)  # one chunk per group
+    m = MetricsRegistry()
+    tier = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, metrics=m)
+    raw = redis.Redis.from_url(redis_url)
+    real = tier._lease
+    tier._lease = LostAfterFirstCommit(real, raw, f"{redis_namespace}:slot:0:h")  # type: ignore[assignment]
+    try:
+        with pytest.raises(OffloadError, match=r"lease .* was lost"):
+            tier.write([SlotId(0), SlotId(1)], keys(0, 1), [pattern(0), pattern(1)])
+        assert raw.get(f"{redis_namespace}:slot:1") is None  # the second group never went out
+        assert m.value("offload_tier_errors", {"tier": "remote"}, "_total") == 1
+        outs = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in range(2)]
+        assert tier.read([SlotId(0), SlotId(1)], keys(0, 1), outs) == [OK, MISSING]
+    finally:
+        tier.close()
+        raw.close()
+
+
+def test_a_lease_shorter_than_two_timeouts_is_refused_before_connecting() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens: connecting would fail
+    with pytest.raises(InvalidArgumentError) as info:
+        RemoteTier(url, 2, CHUNK, FP, lease_s=1.0, timeout_s=0.6)
+    assert type(info.value) is InvalidArgumentError
+    assert str(info.value) == (
+        "RemoteTier.lease_s must be >= 2 * RemoteTier.timeout_s (a renewal may take "
+        "RemoteTier.timeout_s and a write RemoteTier.timeout_s more before the lease runs out), "
+        "got RemoteTier.lease_s=1.0 and RemoteTier.timeout_s=0.6"
+    )
+
+
+def test_the_default_lease_is_at_least_two_timeouts(redis_url: str, redis_namespace: str) -> None:
+    tier = RemoteTier(redis_url, 2, CHUNK, FP, namespace=redis_namespace)
+    assert tier._lease is not None and tier._lease.lease_ms == 10_000  # DEFAULT_LEASE_S
+    tier.close()
+    slow = RemoteTier(redis_url, 2, CHUNK, FP, namespace=redis_namespace, timeout_s=30.0)
+    assert slow._lease is not None and slow._lease.lease_ms == 60_000  # 2 * timeout_s
+    slow.close()
 
 
 def test_round_trip_and_reindex(redis_url: str, redis_namespace: str) -> None:
@@ -62,17 +147,21 @@ def test_round_trip_and_reindex(redis_url: str, redis_namespace: str) -> None:
 def test_a_namespace_is_held_by_one_open_tier(redis_url: str, redis_namespace: str) -> None:
     """Two tiers on one namespace would overwrite each other's slots: the second is refused,
     naming the holder, and gets it once the first closes."""
-    tier = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3)
+    tier = RemoteTier(
+        redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3, timeout_s=0.1
+    )
     raw = redis.Redis.from_url(redis_url)
     holder = raw.get(f"{redis_namespace}:owner")
     assert holder is not None and f"pid {os.getpid()}".encode() in holder
     with pytest.raises(OffloadError, match=f"{redis_namespace}' is in use by .*pid {os.getpid()}"):
-        RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3)
+        RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3, timeout_s=0.1)
     time.sleep(0.5)  # longer than the lease: renewed while open
     tier.write([SlotId(1)], keys(0), [pattern(0)])
     tier.close()
     assert raw.get(f"{redis_namespace}:owner") is None  # released at close
-    again = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3)
+    again = RemoteTier(
+        redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3, timeout_s=0.1
+    )
     assert again.scan() == {key(0): 1}
     again.close()
     raw.close()
@@ -87,7 +176,9 @@ def test_an_engine_restarted_after_a_crash_reclaims_its_namespace(
     raw = redis.Redis.from_url(redis_url)
     raw.set(f"{redis_namespace}:owner", "dead engine", px=400)  # died holding it, unrenewed
     start = time.monotonic()
-    again = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=2.0)
+    again = RemoteTier(
+        redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=2.0, timeout_s=1.0
+    )
     assert time.monotonic() - start < 2.0  # waited for the dead lease, not for its own
     assert again.scan() == {key(5): 2}  # and re-finds its chunks
     again.close()
@@ -96,7 +187,9 @@ def test_an_engine_restarted_after_a_crash_reclaims_its_namespace(
 
 def test_a_lost_lease_refuses_writes(redis_url: str, redis_namespace: str) -> None:
     m = MetricsRegistry()
-    tier = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3, metrics=m)
+    tier = RemoteTier(
+        redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3, timeout_s=0.1, metrics=m
+    )
     raw = redis.Redis.from_url(redis_url)
     raw.set(f"{redis_namespace}:owner", "another engine")  # taken over (e.g. after a partition)
     deadline = time.monotonic() + 5.0

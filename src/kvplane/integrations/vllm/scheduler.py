@@ -89,6 +89,17 @@ class ScheduledRequest:
     block_ids: Sequence[int]
 
 
+@dataclass(frozen=True, slots=True)
+class _LoadJob:
+    """A load in flight, as the scheduler side keeps it: ``op`` (what the worker is sent) and
+    the tokens ``[num_computed, end)`` promised to vLLM for it, which the worker never needs.
+    One record per job, so the op and its promise cannot disagree or outlive each other."""
+
+    op: LoadOp
+    num_computed: int
+    end: int
+
+
 @dataclass(slots=True)
 class _Req:
     keys: RequestKeys
@@ -109,8 +120,7 @@ class SchedulerSide:
         self.metrics = metrics
         self._hasher: BlockHasher | None = None
         self._reqs: dict[str, _Req] = {}
-        self._jobs: dict[int, StoreOp | LoadOp] = {}
-        self._promised: dict[int, tuple[int, int]] = {}  # load job -> (num_computed, end)
+        self._jobs: dict[int, StoreOp | _LoadJob] = {}
         self._gather_ok: dict[int, tuple[bool, ...]] = {}
         self._writes_left: dict[int, int] = {}
         self._loads: list[LoadOp] = []
@@ -244,8 +254,7 @@ class SchedulerSide:
             doomed_from=None if planned == len(keys) else planned,
             first_chunk=first,
         )
-        self._jobs[op.job_id] = op
-        self._promised[op.job_id] = (num_computed, end)
+        self._jobs[op.job_id] = _LoadJob(op, num_computed, end)
         self._loads.append(op)
         return op
 
@@ -316,16 +325,8 @@ class SchedulerSide:
         op = self._jobs.get(job.job_id)
         if op is None:
             raise InvalidArgumentError(f"worker reported unknown job {job.job_id}")
-        if isinstance(op, LoadOp):
-            self.book.loaded(op.keys[: op.num_planned], op.promotions, job.ok[: op.num_planned])
-            bad = next((i for i, f in enumerate(job.ok) if not f), None)
-            self._count_loaded(op, len(job.ok) if bad is None else bad)
-            req = self._reqs.get(op.req_id)
-            if bad is not None and req is not None:
-                # vLLM recomputes from the first failed chunk: offer it for storing again.
-                req.offered = min(req.offered, op.first_chunk + bad)
-            self._m_failed.inc(0 if bad is None else len(job.ok) - bad)
-            del self._jobs[job.job_id], self._promised[job.job_id]
+        if isinstance(op, _LoadJob):
+            self._apply_load(op, job)
             return
         if job.tier == "host":
             self.book.gathered(op.keys, op.writes, job.ok)
@@ -347,11 +348,24 @@ class SchedulerSide:
         if op.job_id in self._gather_ok and self._writes_left[op.job_id] == 0:
             del self._jobs[op.job_id], self._gather_ok[op.job_id], self._writes_left[op.job_id]
 
-    def _count_loaded(self, op: LoadOp, good: int) -> None:
+    def _apply_load(self, load: _LoadJob, job: JobReport) -> None:
+        op = load.op
+        self.book.loaded(op.keys[: op.num_planned], op.promotions, job.ok[: op.num_planned])
+        bad = next((i for i, f in enumerate(job.ok) if not f), None)
+        self._count_loaded(load, len(job.ok) if bad is None else bad)
+        req = self._reqs.get(op.req_id)
+        if bad is not None and req is not None:
+            # vLLM recomputes from the first failed chunk: offer it for storing again.
+            req.offered = min(req.offered, op.first_chunk + bad)
+        self._m_failed.inc(0 if bad is None else len(job.ok) - bad)
+        del self._jobs[job.job_id]
+
+    def _count_loaded(self, load: _LoadJob, good: int) -> None:
         """Hit metrics of a reported load whose first ``good`` chunks arrived intact: vLLM
         uses its KV up to the first failed chunk and recomputes the rest."""
-        num_computed, end = self._promised[op.job_id]
-        tokens = min(end, (op.first_chunk + good) * self.spec.tokens_per_chunk) - num_computed
+        op = load.op
+        got = (op.first_chunk + good) * self.spec.tokens_per_chunk
+        tokens = min(load.end, got) - load.num_computed
         self._m_hit.inc(max(tokens, 0))
         promoted = {p.index: p.tier for p in op.promotions}
         for i in range(good):

@@ -9,17 +9,33 @@ if it is still ours (compare-and-delete in one Lua script). A namespace held by 
 is refused with an :class:`~kvplane.errors.OffloadError` naming the holder; a holder that died
 without releasing stops renewing, so its lease runs out within ``lease_s`` and the claim (which
 waits that long) succeeds: a restarted engine re-finds its own chunks, which is what the remote
-tier is for. :attr:`NamespaceLease.lost` is true while the lease may have run out: from one
-lease after the last renewal that succeeded was *sent* (renewals failing meanwhile), until a
-renewal succeeds again (the key still holding our token proves nobody held it in between);
-and for good once the key is found gone or another's (the server restarted, or it expired).
-While it is true the tier refuses to write.
+tier is for. :attr:`NamespaceLease.lost` is true while the lease may run out before a command
+sent now reaches the server: from one lease *less one timeout* after the last claim or renewal
+that succeeded was *sent* (renewals failing meanwhile), until a renewal succeeds again (the key
+still holding our token proves nobody held it in between); and for good once the key is found
+gone or another's (the server restarted, or it expired). While it is true the tier refuses to
+write.
+
+Timing
+------
+Model: the client's monotonic clock and the server's expiry clock run at one rate, and a
+command sent at ``t`` runs on the server within ``[t, t + timeout_s]`` or its call raises
+(``timeout_s`` is the client's socket timeout). A ``SET PX``/``PEXPIRE`` that succeeded, sent
+at ``s``, leaves the key ours until ``E >= s + lease_s``, so ``s + lease_s`` is a safe belief.
+But a write is *decided* by reading that belief at ``c`` and *runs* on the server up to
+``timeout_s`` later; it can run after ``E`` -- when another engine may own the key -- exactly
+when ``c > s + lease_s - timeout_s``. Hence ``lost`` turns true ``timeout_s`` before the
+belief ends, and the tier asks again before every round trip. A claim or renewal itself can
+take ``timeout_s``: one returning at ``s + timeout_s`` leaves ``lease_s - 2 * timeout_s`` of
+usable lease, so ``lease_s >= 2 * timeout_s`` (:func:`check_lease_timing`) is the least lease
+with which a slow but successful renewal is not already stale -- a write due -- on arrival;
+below it, such a renewal would let the holder believe in a lease of which less than one round
+trip remains. Renewals are sent every third of the lease, counted from the previous send.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import socket
 import threading
@@ -27,6 +43,7 @@ import time
 import uuid
 from typing import Any
 
+from kvplane.config import require_finite_positive
 from kvplane.errors import InvalidArgumentError, OffloadError
 
 _RENEW = (
@@ -40,18 +57,42 @@ _RELEASE = (
 _POLL_S = 0.05
 
 
+def check_lease_timing(
+    lease_s: object,
+    timeout_s: object,
+    *,
+    lease_name: str = "lease_s",
+    timeout_name: str = "timeout_s",
+    error: type[InvalidArgumentError] = InvalidArgumentError,
+) -> None:
+    """Raise ``error`` naming the field unless both are finite numbers > 0 and
+    ``lease_s >= 2 * timeout_s`` (the module docstring's Timing derives the bound); the
+    names let a config report its own fields. Checks only: changes nothing."""
+    lease = require_finite_positive(lease_name, lease_s, error)
+    timeout = require_finite_positive(timeout_name, timeout_s, error)
+    if lease < 2 * timeout:
+        raise error(
+            f"{lease_name} must be >= 2 * {timeout_name} (a renewal may take {timeout_name} "
+            f"and a write {timeout_name} more before the lease runs out), got "
+            f"{lease_name}={lease_s!r} and {timeout_name}={timeout_s!r}"
+        )
+
+
 def owner_key(namespace: str) -> str:
     """The Redis key that names a namespace's owner (outside the ``:slot:`` keys)."""
     return f"{namespace}:owner"
 
 
 class NamespaceLease:
-    """This process's claim on ``namespace`` through ``client`` (a ``redis.Redis``).
+    """This process's claim on ``namespace`` through ``client`` (a ``redis.Redis`` whose calls
+    end, or raise, within ``timeout_s``).
 
-    ``errors`` are the client's exception types (connection loss, server errors). The
-    constructor claims or raises :class:`OffloadError` naming the holder (after waiting up to
-    ``lease_s`` for a dead holder's lease to run out); renewals run on a daemon thread until
-    :meth:`release`. Thread-safe.
+    ``errors`` are the client's exception types (connection loss, server errors). Bad
+    ``lease_s``/``timeout_s`` (see :func:`check_lease_timing`) raise
+    :class:`InvalidArgumentError` before anything is sent. The constructor claims or raises
+    :class:`OffloadError` naming the holder (after waiting up to ``lease_s`` for a dead
+    holder's lease to run out); renewals run on a daemon thread until :meth:`release`.
+    Thread-safe.
     """
 
     def __init__(
@@ -60,23 +101,20 @@ class NamespaceLease:
         namespace: str,
         lease_s: float,
         errors: tuple[type[BaseException], ...],
+        *,
+        timeout_s: float,
     ) -> None:
-        if (
-            isinstance(lease_s, bool)
-            or not isinstance(lease_s, (int, float))
-            or not math.isfinite(lease_s)
-            or lease_s <= 0
-        ):
-            raise InvalidArgumentError(f"lease_s must be a finite number > 0: {lease_s!r}")
+        check_lease_timing(lease_s, timeout_s)
         self.key = owner_key(namespace)
         self.namespace = namespace
         self.lease_ms = max(1, int(lease_s * 1000))
+        self.timeout_s = float(timeout_s)
         self.token = f"{socket.gethostname()} pid {os.getpid()} ({uuid.uuid4().hex[:12]})"
         self._client = client
         self._errors = errors
         self._stop = threading.Event()
         self._lost = threading.Event()  # for good: the key was found gone or another's
-        self._valid_until = time.monotonic() + lease_s  # before the claim is sent: no later
+        self._valid_until = 0.0  # the claim's send time plus the lease (as the server has it)
         self._claim(lease_s)
         self._thread = threading.Thread(
             target=self._renew_loop, name=f"kvplane-lease-{namespace}", daemon=True
@@ -85,13 +123,16 @@ class NamespaceLease:
 
     @property
     def lost(self) -> bool:
-        """True while the lease may have run out (see the module docstring)."""
-        return self._lost.is_set() or time.monotonic() > self._valid_until
+        """True while the lease may run out before a command sent now has run: less than
+        ``timeout_s`` of it is left, or it was found gone (see the module docstring)."""
+        return self._lost.is_set() or time.monotonic() > self._valid_until - self.timeout_s
 
     def _claim(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
         while True:
+            sent = time.monotonic()  # this attempt's, not the first's: a wait shortens nothing
             if self._client.set(self.key, self.token, nx=True, px=self.lease_ms):
+                self._valid_until = sent + self.lease_ms / 1000.0  # the server's PX, not lease_s
                 return
             holder = self._client.get(self.key)
             if time.monotonic() >= deadline:
@@ -105,12 +146,13 @@ class NamespaceLease:
 
     def _renew_loop(self) -> None:
         period = self.lease_ms / 3000.0
-        while not self._stop.wait(period):
+        sent = self._valid_until - self.lease_ms / 1000.0  # the claim's send
+        while not self._stop.wait(max(0.0, sent + period - time.monotonic())):
             sent = time.monotonic()
             try:
                 kept = self._client.eval(_RENEW, 1, self.key, self.token, self.lease_ms)
             except self._errors:
-                continue  # ``lost`` turns true by itself one lease after the last success
+                continue  # ``lost`` turns true by itself (the lease less one timeout)
             if not kept:
                 self._lost.set()
                 return

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from kvplane.config import require_finite_positive
 from kvplane.errors import (
     InvalidArgumentError,
     MalformedMessageError,
@@ -66,7 +67,7 @@ from kvplane.offload.tiers.header import (
     ChunkHeader,
     payload_checksum,
 )
-from kvplane.offload.tiers.lease import NamespaceLease
+from kvplane.offload.tiers.lease import NamespaceLease, check_lease_timing
 from kvplane.offload.tiers.resp import ReplyReader
 
 _HEADER = b":h"
@@ -76,6 +77,8 @@ NAMESPACE_BAD = re.compile(r"[:*?\[\]\\]")
 ``SCAN MATCH`` patterns of :meth:`RemoteTier.scan` and :meth:`RemoteTier.clear` reach other
 namespaces (``kv*`` cleared ``kvplane``)."""
 """Suffix of a slot's header key."""
+DEFAULT_LEASE_S = 10.0
+"""The namespace lease when none is given and ``2 * timeout_s`` is not longer."""
 PIPELINE_BYTES = 8 << 20
 """Payload bytes per pipelined round trip of a batch (a read has the server hold up to two
 groups of replies: the one being read and the next)."""
@@ -100,13 +103,17 @@ class RemoteTier:
         *,
         namespace: str = "kvplane",
         timeout_s: float = 5.0,
-        lease_s: float = 10.0,
+        lease_s: float | None = None,
         metrics: MetricsRegistry | None = None,
         name: str = "remote",
     ) -> None:
         """Connect and claim ``namespace`` (see the module docstring): waits up to
         ``lease_s`` for another holder's lease to run out, then raises :class:`OffloadError`
-        naming the holder; an unreachable server is an :class:`OffloadError` too."""
+        naming the holder; an unreachable server is an :class:`OffloadError` too. ``lease_s``
+        defaults to :data:`DEFAULT_LEASE_S`, or ``2 * timeout_s`` when that is longer. Bad
+        arguments, among them ``lease_s < 2 * timeout_s`` (``timeout_s`` bounds each Redis
+        call; see :mod:`~kvplane.offload.tiers.lease`), raise :class:`InvalidArgumentError`
+        before anything connects."""
         for what, value in (("num_slots", num_slots), ("chunk_bytes", chunk_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"RemoteTier.{what} must be a positive int: {value!r}")
@@ -119,8 +126,12 @@ class RemoteTier:
                 f"RemoteTier.namespace must be non-empty without ':' or a glob character "
                 f"(*?[]\\): {namespace!r}"
             )
-        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise InvalidArgumentError(f"RemoteTier.timeout_s must be positive: {timeout_s!r}")
+        timeout_s = require_finite_positive("RemoteTier.timeout_s", timeout_s, InvalidArgumentError)
+        if lease_s is None:
+            lease_s = max(DEFAULT_LEASE_S, 2.0 * timeout_s)
+        check_lease_timing(
+            lease_s, timeout_s, lease_name="RemoteTier.lease_s", timeout_name="RemoteTier.timeout_s"
+        )
         reason = redis_support()
         if reason is not None:
             raise UnsupportedError(reason)
@@ -143,7 +154,9 @@ class RemoteTier:
         self._lease: NamespaceLease | None = None
         try:
             self._client.ping()
-            self._lease = NamespaceLease(self._client, namespace, lease_s, self._errors)
+            self._lease = NamespaceLease(
+                self._client, namespace, lease_s, self._errors, timeout_s=timeout_s
+            )
         except self._errors as exc:
             self.close()
             raise OffloadError(f"remote tier {url!r} is unreachable: {exc}") from exc
@@ -163,20 +176,21 @@ class RemoteTier:
     def write(
         self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], payloads: Sequence[torch.Tensor]
     ) -> None:
-        """Per chunk: drop the old header, set the payload, then set the header (module doc)."""
+        """Per chunk: drop the old header, set the payload, then set the header (module doc).
+
+        Each round trip goes out only while the lease is held for at least one more timeout
+        (:attr:`NamespaceLease.lost`), so none can run on the server after another engine
+        claimed the namespace; a lease lost part-way fails the rest of the batch with
+        :class:`OffloadError` (chunks already written are whole: header after payload)."""
         check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, payloads)
-        if self._lease is None or self._lease.lost:
-            self._counters.error()
-            raise OffloadError(
-                f"remote tier {self.url!r}: write refused, the lease on namespace "
-                f"{self.namespace!r} was lost (another engine may own it now)"
-            )
+        self._check_lease()
 
         def send(group: range) -> None:
             names = [self._key(slots[i]) for i in group]
             views = [as_buffer(payloads[i]) for i in group]
             crcs = self._helper().submit(_checksums, views)  # overlaps the payload send
             try:
+                self._check_lease()
                 pipe = self._client.pipeline(transaction=False)
                 for name, view in zip(names, views, strict=True):
                     pipe.delete(name + _HEADER)
@@ -185,6 +199,7 @@ class RemoteTier:
             finally:
                 wait([crcs])  # the helper is done with ``payloads`` even when the send failed
             sums = crcs.result()
+            self._check_lease()
             pipe = self._client.pipeline(transaction=False)
             for i, name, crc in zip(group, names, sums, strict=True):
                 header = ChunkHeader(keys[i], self.fingerprint, self.chunk_bytes, crc)
@@ -196,6 +211,15 @@ class RemoteTier:
                 send(group)
         except self._errors as exc:
             raise self._fail("write", exc) from exc
+
+    def _check_lease(self) -> None:
+        """Raise (counted) unless the lease is held for at least one more round trip."""
+        if self._lease is None or self._lease.lost:
+            self._counters.error()
+            raise OffloadError(
+                f"remote tier {self.url!r}: write refused, the lease on namespace "
+                f"{self.namespace!r} was lost (another engine may own it now)"
+            )
 
     def _groups(self, n: int) -> list[range]:
         """Index ranges of at most :data:`PIPELINE_BYTES` of payload (at least one chunk):
