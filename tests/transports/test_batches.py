@@ -10,7 +10,7 @@ from kvplane.errors import TransportError
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import FailureKind, Handle, Poll, XferKind, XferState
-from kvplane.transports.batches import BatchTable
+from kvplane.transports.batches import Batch, BatchTable
 
 
 def _table(history: int = 100) -> tuple[BatchTable, list[tuple[RegionId, ...]], MetricsRegistry]:
@@ -119,9 +119,66 @@ def test_done_callbacks_run_once_at_the_end_or_at_once_if_it_already_ended():
     assert calls == ["first", "second"]
     assert not table.finish(b, XferState.FAILED, FailureKind.TIMEOUT, "late")  # no second run
     assert calls == ["first", "second"]
-    table.on_done(b.handle, lambda: calls.append("late"))  # ended, still live: runs at once
-    table.quiesce(b)
-    table.on_done(b.handle, lambda: calls.append("history"))  # retired: runs at once
-    assert calls == ["first", "second", "late", "history"]
+    table.on_done(b.handle, lambda: calls.append("retired"))  # DONE is quiescent: retired
+    c = table.new(PeerId("p"), XferKind.WRITE, 8, 10.0, ())
+    assert table.finish(c, XferState.FAILED, FailureKind.TIMEOUT, "late")
+    table.on_done(c.handle, lambda: calls.append("late"))  # ended, still live: runs at once
+    table.quiesce(c)
+    table.on_done(c.handle, lambda: calls.append("history"))  # retired: runs at once
+    assert calls == ["first", "second", "retired", "late", "history"]
     with pytest.raises(TransportError):
         table.on_done(Handle("t", 999, PeerId("p"), 1), lambda: None)
+
+
+def test_done_releases_the_pins_before_anyone_can_see_it():
+    """The DONE transition itself unpins: a transport that ends a batch DONE without quiescing
+    it first still leaves no pin for a poller, ``wait`` or callback to trip over (so a
+    deregister right after DONE succeeds whichever transport made the transition)."""
+    released: list[tuple[RegionId, ...]] = []
+    state_at_release: list[XferState] = []
+    batches: list[Batch] = []
+
+    def release(pins: tuple[RegionId, ...]) -> None:
+        state_at_release.append(batches[0].state)
+        released.append(pins)
+
+    table = BatchTable("t", release, MetricsRegistry())
+    b = table.new(PeerId("p"), XferKind.WRITE, 8, 10.0, (RegionId(1), RegionId(2)))
+    batches.append(b)
+    released_at_done: list[list[tuple[RegionId, ...]]] = []
+    table.on_done(b.handle, lambda: released_at_done.append(list(released)))
+    assert table.finish(b, XferState.DONE)
+    assert state_at_release == [XferState.PENDING]  # released before DONE was visible
+    assert released_at_done == [[(RegionId(1), RegionId(2))]]
+    assert table.live() == [] and table.lookup(b.handle) == Poll(XferState.DONE, 8)
+    table.quiesce(b)  # a transport's own quiesce after DONE is a no-op: released once
+    assert released == [(RegionId(1), RegionId(2))]
+
+
+def test_done_after_quiesce_releases_once_and_doubt_keeps_the_pins():
+    table, released, _ = _table()
+    b = table.new(PeerId("p"), XferKind.READ, 8, 10.0, (RegionId(3),))
+    table.quiesce(b)
+    assert table.finish(b, XferState.DONE)
+    assert released == [(RegionId(3),)]
+    c = table.new(PeerId("p"), XferKind.WRITE, 8, 10.0, (RegionId(4),))
+    assert table.begin(c) and table.commit(c)
+    assert table.finish(c, XferState.DONE, doubt_if_committed=True)  # turned IN_DOUBT
+    assert c.state is XferState.IN_DOUBT and released == [(RegionId(3),)]  # pins held
+
+
+def test_finish_quiescent_unpins_first_whatever_the_outcome():
+    """``quiescent=True``: the caller knows nothing touches the memory, so the pins go before
+    the transition (FAILED too), and also for a completion that lost the race to a timeout."""
+    table, released, _ = _table()
+    b = table.new(PeerId("p"), XferKind.WRITE, 8, 10.0, (RegionId(1),))
+    released_at_end: list[int] = []
+    table.on_done(b.handle, lambda: released_at_end.append(len(released)))
+    assert table.finish(b, XferState.FAILED, FailureKind.BACKEND_ERROR, "x", quiescent=True)
+    assert released_at_end == [1] and table.live() == []
+    late = table.new(PeerId("p"), XferKind.WRITE, 8, 10.0, (RegionId(2),))
+    assert table.finish(late, XferState.FAILED, FailureKind.TIMEOUT, "deadline passed")
+    assert released == [(RegionId(1),)]  # a timeout alone keeps the pins
+    assert not table.finish(late, XferState.DONE, quiescent=True)  # late, but now quiescent
+    assert released == [(RegionId(1),), (RegionId(2),)] and table.live() == []
+    assert late.poll().state is XferState.FAILED  # the first transition stays

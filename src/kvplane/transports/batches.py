@@ -10,6 +10,14 @@ pins released (:meth:`BatchTable.quiesce`, exactly once). The two differ when, s
 passes while an engine still owns the buffers: the caller sees FAILED(TIMEOUT) at once, but the
 regions stay pinned (``deregister`` refuses them) until the engine lets go.
 
+DONE is the exception that needs no separate call: a batch that ends DONE has by definition
+moved every byte, so nothing touches its memory any more, and :meth:`BatchTable.finish` releases
+whatever pins it still holds *before* the DONE state is visible (to ``poll``, to ``wait`` or to a
+callback). Whoever sees DONE may therefore deregister at once, whichever transport made the
+transition. FAILED and IN_DOUBT keep their pins until the transport says the batch is quiescent
+(``quiesce``, or ``finish(..., quiescent=True)`` from a caller that knows it is), or until the
+fail-closed path of ``close``.
+
 Completion callbacks (:meth:`BatchTable.on_done`) run once, right after the terminal
 transition, on whichever thread made it (an I/O thread, or a poller enforcing the deadline);
 one registered after the end runs at once on the caller's thread.
@@ -66,7 +74,11 @@ class Batch:
 
 
 class BatchTable:
-    """The batches of one transport; ``release`` unpins a quiescent batch's regions."""
+    """The batches of one transport; ``release`` unpins a quiescent batch's regions.
+
+    ``release`` is called at most once per batch, sometimes while the table's lock is held (so
+    that a DONE batch is unpinned before its state changes): it must be cheap and must not call
+    back into the table."""
 
     def __init__(
         self,
@@ -162,15 +174,27 @@ class BatchTable:
         *,
         doubt_if_committed: bool = False,
         doubt_if_started: bool = False,
+        quiescent: bool = False,
     ) -> bool:
-        """Make the one terminal transition; False (and no change) if already terminal.
+        """Make the one terminal transition; False (and no state change) if already terminal.
         With ``doubt_if_committed``, a batch whose bytes were all handed over ends IN_DOUBT;
-        with ``doubt_if_started``, one whose bytes may have begun to move does."""
+        with ``doubt_if_started``, one whose bytes may have begun to move does.
+
+        A transition to DONE releases the batch's pins (once: a no-op if it was already
+        quiescent) before the state changes, so no caller, poller or callback ever sees a DONE
+        batch that still pins a region. ``quiescent`` is the caller's word that nothing touches
+        the batch's memory any more: the pins then go before the transition whatever the state,
+        and also when the batch had already ended (a completion after a cancel or timeout).
+        Without it a FAILED or IN_DOUBT batch keeps its pins until :meth:`quiesce`."""
         with self._lock:
             if batch.state.terminal:
+                if quiescent and self._quiesce_locked(batch):
+                    self._retire_locked(batch)
                 return False
             if (doubt_if_committed and batch.committed) or (doubt_if_started and batch.started):
                 state = XferState.IN_DOUBT
+            if quiescent or state is XferState.DONE:
+                self._quiesce_locked(batch)  # unpinned before the state below can be seen
             batch.state = state
             ended = batch.ended_at = time.monotonic()
             batch.failure = failure
@@ -191,13 +215,20 @@ class BatchTable:
         return True
 
     def quiesce(self, batch: Batch) -> None:
-        """No thread or engine touches the batch's memory any more: release its pins once."""
+        """No thread or engine touches the batch's memory any more: release its pins once.
+        The release happens under the table's lock, so a ``finish(DONE)`` racing with it
+        cannot make DONE visible between the mark and the release."""
         with self._lock:
-            if batch.quiescent:
-                return
-            batch.quiescent = True
-            self._retire_locked(batch)
+            if self._quiesce_locked(batch):
+                self._retire_locked(batch)
+
+    def _quiesce_locked(self, batch: Batch) -> bool:
+        """Mark the batch quiescent and release its pins, unless already done; True if now."""
+        if batch.quiescent:
+            return False
+        batch.quiescent = True
         self._release(batch.pins)
+        return True
 
     def _retire_locked(self, batch: Batch) -> None:
         if not (batch.quiescent and batch.state.terminal):

@@ -17,9 +17,11 @@ advances engine-polled batches (``_progress``) and enforces the deadline: a batc
 ends FAILED(TIMEOUT), or IN_DOUBT(TIMEOUT) if every byte was already handed over. ``cancel``
 ends a batch at once (FAILED(CANCELLED), or IN_DOUBT if already committed) and asks the
 implementation to stop. In all cases region pins are released only when the batch is quiescent
-(see ``batches``). ``close`` first ends every live batch -- FAILED(LOCAL_ERROR) if it never
-started, else IN_DOUBT(LOCAL_ERROR) -- and only then stops the implementation (``_close``), so a
-link or engine it takes down cannot report a batch of ours as REMOTE_DISCONNECT.
+(see ``batches``); the batch table itself unpins a batch before it ends DONE, so whoever sees
+DONE may deregister at once, whichever implementation ended it. ``close`` first ends every live
+batch -- FAILED(LOCAL_ERROR) if it never started, else IN_DOUBT(LOCAL_ERROR) -- and only then
+stops the implementation (``_close``), so a link or engine it takes down cannot report a batch of
+ours as REMOTE_DISCONNECT.
 """
 
 from __future__ import annotations

@@ -107,8 +107,7 @@ class LocalTransport(TransportCore):
         batch.committed = True
         if notify is not None:
             target._deliver(self.agent, notify)
-        self._batches.quiesce(batch)  # unpinned before DONE shows (a completion hook sees it)
-        self._batches.finish(batch, XferState.DONE)
+        self._batches.finish(batch, XferState.DONE, quiescent=True)  # unpinned before DONE shows
 
     def _close(self) -> None:
         self._fabric.leave(self)

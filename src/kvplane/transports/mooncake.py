@@ -223,14 +223,15 @@ class MooncakeTransport(TransportCore):
             if self._call(remote, kind, lists, notify if b == n else None) != 0:
                 failure = (FailureKind.BACKEND_ERROR if _peer_alive(remote.session)
                            else FailureKind.REMOTE_DISCONNECT)  # fmt: skip
-                self._batches.quiesce(batch)  # the engine call returned: nothing touches it
+                # the engine call returned: nothing touches it, so unpinned before FAILED shows
                 self._batches.finish(batch, XferState.FAILED, failure,
-                                     f"Mooncake transfer to {remote.session} failed")  # fmt: skip
+                                     f"Mooncake transfer to {remote.session} failed",
+                                     quiescent=True)  # fmt: skip
                 return
             if b < n:
                 batch.bytes_done += int(lengths[a:b].sum())
-        self._batches.quiesce(batch)  # unpinned before DONE shows: a caller may deregister then
-        self._batches.finish(batch, XferState.DONE)
+        # every engine call returned: unpinned before DONE shows, a caller may deregister then
+        self._batches.finish(batch, XferState.DONE, quiescent=True)
 
     def _work(self) -> None:
         while True:

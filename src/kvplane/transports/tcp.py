@@ -291,13 +291,15 @@ class TcpTransport(StreamTransport):
             return
         state.reads.popleft()
         batch = read.batch
-        self._batches.quiesce(batch)  # the last reply has landed: unpinned before DONE shows
+        # the last reply has landed: nothing touches it, so unpinned before the end shows
         if read.failed:
             self._batches.finish(batch, XferState.FAILED, FailureKind.BACKEND_ERROR,
-                                 f"peer refused: {read.failed}")  # fmt: skip
-        elif self._batches.finish(batch, XferState.DONE) and read.notify is not None:
-            assert state.link is not None
-            state.link.put(_Notify(batch.handle.xfer_id, read.notify))
+                                 f"peer refused: {read.failed}", quiescent=True)  # fmt: skip
+        else:
+            done = self._batches.finish(batch, XferState.DONE, quiescent=True)
+            if done and read.notify is not None:
+                assert state.link is not None
+                state.link.put(_Notify(batch.handle.xfer_id, read.notify))
 
     def _on_recv_exit(self, state: LinkState) -> None:
         assert isinstance(state, _TcpLink) and state.link is not None
