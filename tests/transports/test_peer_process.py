@@ -38,13 +38,13 @@ def test_a_sigstopped_child_counts_as_stopped_once_it_is() -> None:
         child.wait()
 
 
-@pytest.mark.parametrize("call_bytes", [8, 40, 1 << 20])
+@pytest.mark.parametrize("call_pieces", [1, 5, 1024])
 def test_the_scattered_raw_sink_lands_each_piece_at_its_offset(
-    call_bytes: int, monkeypatch: pytest.MonkeyPatch
+    call_pieces: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sends cut across pieces (7-byte writes into 8-byte pieces) and calls of one to many
     pieces: every byte lands where its piece's offset says, nothing else is written."""
-    monkeypatch.setattr(peer_process, "SCATTER_CALL_BYTES", call_bytes)
+    monkeypatch.setattr(peer_process, "SCATTER_CALL_PIECES", call_pieces)
     block, n = 8, 50
     offsets = np.random.default_rng(3).permutation(n) * block
     buf = bytearray(n * block + 16)

@@ -11,8 +11,10 @@ the region: no copy in Python); shorter runs are packed (sender) or unpacked (re
 a preallocated staging buffer with the vectorised ``copier.gather`` / ``copier.scatter``, one
 ``sendall``/``recv_into`` per staging fill instead of one system call per small run -- unless
 a fill's runs lie back to back in region memory on this side, which then goes direct too.
-A frame whose runs average ``VECTORED_MEAN`` to ``DIRECT_MIN`` bytes (paged blocks) skips all
-that on a blocking socket: ``readv``/``writev`` (``vectored``) move up to ``IOV_MAX`` runs per
+A frame whose runs all lie back to back in one region on this side (a contiguous source of
+a scattered write, however short its runs) moves in one call. Otherwise a frame whose runs
+average ``VECTORED_MEAN`` to ``DIRECT_MIN`` bytes (paged blocks) skips all that on a blocking
+socket: ``readv``/``writev`` (``vectored``) move up to ``IOV_MAX`` runs per
 system call straight between the socket and region memory -- no staging copy, no call per run.
 """
 
@@ -109,7 +111,13 @@ def send_payload(
     descs: DescriptorList,
     staging: torch.Tensor,
 ) -> None:
-    """Send the bytes of ``descs`` back to back (regions in ``views``, CPU ``uint8``)."""
+    """Send the bytes of ``descs`` back to back (regions in ``views``, CPU ``uint8``): runs that
+    lie back to back in one region (a contiguous source, however many) in one ``sendall``."""
+    whole = _span(descs, 0, len(descs)) if len(descs) > 1 else None
+    if whole is not None:
+        region, off, n = whole
+        sock.sendall(views[RegionId(region)].numpy().data[off : off + n])
+        return
     if _vectored(sock, views, descs):
         vectored.send_runs(sock, vectored.iovecs(views, descs))
         return
@@ -137,7 +145,13 @@ def recv_payload(
     descs: DescriptorList,
     staging: torch.Tensor,
 ) -> None:
-    """Receive the bytes of ``descs`` back to back, straight into region memory where long."""
+    """Receive the bytes of ``descs`` back to back, straight into region memory where long (runs
+    back to back in one region: one receive, however many)."""
+    whole = _span(descs, 0, len(descs)) if len(descs) > 1 else None
+    if whole is not None:
+        region, off, n = whole
+        recv_exact(sock, views[RegionId(region)].numpy().data[off : off + n])
+        return
     if _vectored(sock, views, descs):
         vectored.recv_into_runs(sock, vectored.iovecs(views, descs))
         return

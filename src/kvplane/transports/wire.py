@@ -205,9 +205,11 @@ def parse_table(raw: bytes | bytearray, count: int) -> DescriptorList:
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; ``ConnectionResetError`` if the peer closes first."""
+    """Fill ``view`` from ``sock``; ``ConnectionResetError`` if the peer closes first. Each call
+    asks for all that is left (``MSG_WAITALL``: one system call per fill however the bytes
+    trickle in, not one per arrival); a receive timeout still ends a call that got nothing."""
     while len(view):
-        got = sock.recv_into(view)
+        got = sock.recv_into(view, len(view), socket.MSG_WAITALL)
         if got == 0:
             raise ConnectionResetError("peer closed the connection")
         view = view[got:]

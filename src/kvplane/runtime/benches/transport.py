@@ -238,9 +238,10 @@ def _local(reps: int) -> list[dict[str, Any]]:
 def _tcp_limits(far: PeerProcess, reps: int) -> tuple[Callable[[int], None], Callable[[int], None]]:
     """The raw socket limits of ``tcp``: the same bytes sent by ``sendall`` in 1 MiB pieces to
     a ``recv_into`` loop into one contiguous buffer of the child (the issue's limit, one
-    connection), and to ``recvmsg_into`` straight into the child's blocks at the bench's
-    scattered destination offsets (one connection per block size), so that the kernel pays
-    the scatter into a paged pool that the contiguous loop never pays."""
+    connection), and to ``recvmsg_into`` (``MSG_WAITALL``, 1,024 pieces a call) straight into
+    the child's blocks at the bench's scattered destination offsets (one connection per block
+    size), so that the kernel pays the scatter into a paged pool that the contiguous loop
+    never pays."""
     ports = {0: far.raw_sink(TOTAL, len(BLOCKS) * (reps + 1))}
     for block in BLOCKS:
         ports[block] = far.raw_sink(TOTAL, reps + 1, block, _blocks(block)[1].tolist())
