@@ -223,3 +223,9 @@ def test_a_frame_waits_for_the_connection_to_complete() -> None:
         client.close()
         if server is not None:
             server.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "1"])
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused(bad: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="timeout_s must be a finite number > 0"):
+        RpcClient("tcp://127.0.0.1:1", timeout_s=bad)  # type: ignore[arg-type]

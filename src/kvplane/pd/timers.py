@@ -15,6 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kvplane.config import require_finite_positive
 from kvplane.errors import ConfigError, InvalidArgumentError
 
 KeyT = TypeVar("KeyT", bound=Hashable)
@@ -52,14 +53,7 @@ class Timings:
             "heartbeat_s",
             "lease_s",
         ):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ConfigError(f"Timings.{name} must be a positive finite number, got {value!r}")
+            require_finite_positive(f"Timings.{name}", getattr(self, name))
         if self.lease_s <= self.heartbeat_s:
             raise ConfigError(
                 f"Timings.lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s})"

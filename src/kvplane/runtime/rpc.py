@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from kvplane.config import require_finite_positive
 from kvplane.errors import (
     InvalidArgumentError,
     KVPlaneError,
@@ -114,12 +115,7 @@ class _Loop:
     def __init__(self, kind: int, name: str, max_frame: int, send_wait_s: float) -> None:
         if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame <= 0:
             raise InvalidArgumentError(f"max_frame must be a positive int, got {max_frame!r}")
-        if (
-            isinstance(send_wait_s, bool)
-            or not isinstance(send_wait_s, int | float)
-            or not send_wait_s > 0
-        ):
-            raise InvalidArgumentError(f"timeout_s must be a positive number, got {send_wait_s!r}")
+        require_finite_positive("timeout_s", send_wait_s, InvalidArgumentError)
         self.max_frame = max_frame
         self.send_wait_s = float(send_wait_s)
         self.counters: Counter[str] = Counter()

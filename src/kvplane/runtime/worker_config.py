@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from kvplane.config import require_finite_positive
 from kvplane.errors import ConfigError
 from kvplane.pd.events import check_id
 from kvplane.pd.timers import Timings
@@ -76,9 +76,7 @@ class WorkerConfig:
             raise ConfigError(
                 f"WorkerConfig.head_range must be (start, end), got {self.head_range}"
             )
-        t = self.slice_timeout_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
-            raise ConfigError(f"WorkerConfig.slice_timeout_s must be > 0, got {t!r}")
+        require_finite_positive("WorkerConfig.slice_timeout_s", self.slice_timeout_s)
         if not isinstance(self.timings, Timings):
             raise ConfigError(f"WorkerConfig.timings must be Timings, got {self.timings!r}")
         if self.secret is not None and (not isinstance(self.secret, bytes) or not self.secret):

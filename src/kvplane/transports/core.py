@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
 import os
 import secrets
 import threading
@@ -38,6 +37,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvplane.config import require_finite_positive
 from kvplane.errors import InvalidArgumentError, PlanError, TransportError, UnknownPeerError
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
@@ -303,12 +303,7 @@ class TransportCore:
             raise InvalidArgumentError("src and dst must be DescriptorList values")
         if not isinstance(peer, Peer):
             raise InvalidArgumentError(f"peer must be a Peer, got {type(peer).__name__}")
-        if (
-            isinstance(deadline_s, bool)
-            or not isinstance(deadline_s, int | float)
-            or not (deadline_s > 0 and math.isfinite(deadline_s))
-        ):
-            raise InvalidArgumentError(f"deadline_s must be a positive number, got {deadline_s!r}")
+        require_finite_positive("deadline_s", deadline_s, InvalidArgumentError)
         if notify is not None and (not isinstance(notify, bytes) or len(notify) > MAX_NOTIFY_BYTES):
             raise InvalidArgumentError(
                 f"notify must be None or bytes of at most {MAX_NOTIFY_BYTES} bytes, got "
