@@ -106,7 +106,7 @@ def test_bad_input_is_refused_before_any_byte_moves():
         t.submit(XferKind.WRITE, s, d, Peer(PeerId("nobody")))
     with pytest.raises(InvalidArgumentError, match="kind must be an XferKind"):
         t.submit("write", s, d, peer)  # type: ignore[arg-type]
-    with pytest.raises(InvalidArgumentError, match="deadline_s must be a positive"):
+    with pytest.raises(InvalidArgumentError, match="deadline_s must be a finite number > 0"):
         t.submit(XferKind.WRITE, s, d, peer, deadline_s=0)
     with pytest.raises(InvalidArgumentError, match="notify must be None or bytes"):
         t.submit(XferKind.WRITE, s, d, peer, notify="text")  # type: ignore[arg-type]
