@@ -283,3 +283,34 @@ def test_close_mid_stream_ends_the_batch_in_doubt_by_a_local_error(kit, monkeypa
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("direction", ["receive", "send"])
+def test_a_stalled_peer_is_dropped_within_the_stall_of_its_last_byte(direction: str) -> None:
+    """Calls that wait for all their bytes (``MSG_WAITALL``, ``sendall``) return a part at their
+    timeout and the next call waits again: armed at half the stall, a peer that sends (or
+    takes) a little and then hangs fails the call within ``stall`` of its last byte, not 2x."""
+    from kvplane.transports.tcp import _stall_timeout
+    from kvplane.transports.wire import recv_exact
+
+    stall = 1.0
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        far = socket.create_connection(srv.getsockname())
+        ours, _ = srv.accept()
+    try:
+        _stall_timeout(ours, stall)
+        if direction == "receive":
+            far.sendall(b"x" * 10)  # a few bytes, then silence
+            last = time.monotonic()
+            with pytest.raises(OSError):
+                recv_exact(ours, memoryview(bytearray(100)))
+        else:
+            far.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the peer takes nothing
+            last = time.monotonic()
+            with pytest.raises(OSError):
+                ours.sendall(bytes(64 << 20))
+        since_last = time.monotonic() - last
+        assert stall / 2 - 0.05 <= since_last <= stall + 0.3
+    finally:
+        ours.close()
+        far.close()

@@ -109,17 +109,25 @@ def _tune(sock: socket.socket) -> None:
 
 
 TARGET_STALL_S = 60.0
-"""How long a target waits for the next byte of a peer, or for the peer to take the next byte
-of a READ reply, while it holds pins for that peer's batch; then the connection is dropped and
-the pins released (a peer gone without a FIN, hung, or no longer reading). An idle connection,
-holding nothing, waits for ever."""
+"""How long a target waits at most for the next byte of a peer, or for the peer to take the
+next byte of a READ reply, while it holds pins for that peer's batch; then the connection is
+dropped and the pins released (a peer gone without a FIN, hung, or no longer reading; dropped
+after at least half of this, see :func:`_stall_timeout`). An idle connection, holding
+nothing, waits for ever."""
 
 
 def _stall_timeout(sock: socket.socket, seconds: float) -> None:
-    """``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` (0: none): a receive, or a send, that makes no
-    progress for ``seconds`` fails (``readv``/``writev`` too), which drops the connection."""
-    whole = int(seconds)
-    value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    """``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` (0: none) so that a peer whose bytes stop for
+    ``seconds`` is dropped by then (the call fails, which drops the connection).
+
+    Each is armed at *half* of ``seconds``: the timeout bounds a whole call, and a call that
+    waits for all its bytes (``MSG_WAITALL`` receives, ``sendall``, ``readv``/``writev``)
+    returns the part it got when it ends; the next call then fails one more timeout later. So a
+    peer is dropped between ``seconds / 2`` and ``seconds`` after its last byte (armed at
+    ``seconds``, it was up to twice that)."""
+    half = seconds / 2
+    whole = int(half)
+    value = struct.pack("ll", whole, int((half - whole) * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
