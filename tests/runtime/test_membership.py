@@ -11,7 +11,7 @@ import pytest
 from pd_testlib import free_port, wait_for
 
 from kvplane.errors import ProtocolError, RemoteDisconnectError
-from kvplane.runtime.membership import Membership
+from kvplane.runtime.membership import Membership, serves
 from kvplane.runtime.messages import (
     Ack,
     AnyMessage,
@@ -127,3 +127,29 @@ def test_an_up_worker_is_resent_to_on_its_own_client() -> None:
     finally:
         m.close()
         w0.close()
+
+
+def _info(heads: tuple[tuple[int, int], ...]) -> WorkerInfo:
+    return WorkerInfo(
+        role="w", peer_id="w", pd_address="a", incarnation=1, transport="tcp", head_ranges=heads
+    )
+
+
+@pytest.mark.parametrize(
+    ("held", "needed", "ok"),
+    [
+        (((0, 4), (0, 1)), ((1, 3), (0, 1)), True),  # GQA across TP degrees: a subset
+        (((0, 2), (0, 1)), ((0, 2), (0, 1)), True),
+        (((0, 2), (0, 1)), ((2, 4), (0, 1)), False),
+        (((0, 2), (0, 1)), ((1, 3), (0, 1)), False),  # one sender per session: no split
+        (((1, 3), (0, 1)), ((0, 4), (0, 1)), False),
+        (((0, 1), (0, 1)), ((0, 1), (0, 1)), True),  # MLA's latent head
+        ((), ((2, 4),), True),  # a worker that does not say: the handshake decides
+        (((0, 2),), (), True),
+        (((0, 2),), ((2, 4), (0, 1)), True),  # pools that differ: the handshake refuses
+    ],
+)
+def test_serves_is_heads_cover_in_every_pool(
+    held: tuple[tuple[int, int], ...], needed: tuple[tuple[int, int], ...], ok: bool
+) -> None:
+    assert serves(_info(held), _info(needed)) is ok

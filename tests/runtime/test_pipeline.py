@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from pd_testlib import GQA, MLA, Cluster, base_config, check_balanced, cluster, prompt, wait_for
@@ -158,25 +159,45 @@ def test_gqa_with_tp_head_ranges_and_layer_ops() -> None:
         check_balanced(c.router)
 
 
+@pytest.mark.parametrize("says_heads", [True, False])
 @pytest.mark.parametrize(("ours", "theirs"), [((1, 3), (0, 4)), ((0, 2), (1, 3))])
 def test_a_destination_with_heads_we_lack_is_refused_at_pairing(
-    ours: tuple[int, int], theirs: tuple[int, int]
+    ours: tuple[int, int], theirs: tuple[int, int], says_heads: bool
 ) -> None:
     """One sender per session: heads of the decode rank that this prefill rank does not hold
     would never arrive (the request used to end "success" with those heads unwritten, then to
-    fail at its first slice). The pairing is refused, naming both ranges; nothing is held."""
+    fail at its first slice). The pairing is refused, naming both ranges; nothing is held. With
+    workers that say their heads the router refuses it itself and never asks; with a decode
+    worker that does not (an older one), the decode worker's handshake refuses it."""
     p = PrefillWorker(base_config(head_range=ours), SyntheticProducer(GQA))
     d = DecodeWorker(base_config(name="decode", head_range=theirs), SyntheticDecoder(GQA))
+    if not says_heads:
+        info = d.info
+        d.info = lambda: msgspec.structs.replace(info(), head_ranges=())  # type: ignore[method-assign]
     p.start()
     d.start()
     r = Router([p.address], [d.address], timeout_s=20.0)
     with Cluster(p, d, r):
-        why = f"the receiver's {theirs} are not all in the sender's {ours}"
+        if says_heads:
+            why = (
+                f"decode worker at {d.address} (KV heads per pool ({theirs}, (0, 1))) cannot "
+                "pair: no prefill worker up holds all its KV heads (one sender per session); "
+                f"prefill workers up: {p.address} (KV heads per pool ({ours}, (0, 1)))"
+            )
+        else:
+            why = f"the receiver's {theirs} are not all in the sender's {ours}"
         with pytest.raises(ProtocolError, match=re.escape(why)) as err:
             r.connect()
-        assert "cannot pair: " in str(err.value) and "peer prefill is incompatible" in str(
-            err.value
-        )
+        assert "cannot pair: " in str(err.value)
+        refused = "peer prefill is incompatible" in str(err.value)
+        assert refused is not says_heads
+        assert p.endpoint.snapshot().get("handshakes_refused", 0) == (0 if says_heads else 1)
+        assert r.decode[0].repair is not says_heads  # a refused pairing is tried again
+        if says_heads:  # nothing can serve: refused before any order is sent
+            assert not r.ready()
+            with pytest.raises(ProtocolError, match="no prefill worker up holds all the KV"):
+                r.submit("x", [1, 2, 3])
+            assert r.refresh() == []  # reported once, at connect; nothing to re-pair
         for w in (p, d):
             assert _peers_and_sessions(w) == ([], 0)
             assert w.pools.blocks.num_used_blocks == w.pools.slots.num_used_blocks == 0

@@ -19,6 +19,18 @@ ones down and says which (re-)joined and which just went down; the caller fails 
 of the gone ones, then recycles them (their calls still waiting fail with
 ``RemoteDisconnectError``, so none is lost silently). :meth:`Membership.pair_all` sends every
 pairing a change needs at once; :meth:`Membership.gather_stats` asks only the workers up.
+
+Pairs are TP-aware. One prefill rank sends a session's KV, so a (decode, prefill) pair can serve
+only when the prefill worker's KV heads cover the decode worker's in every pool
+(:func:`serves`, which is :func:`~kvplane.pd.handshake.heads_cover` per pool on the ranges in
+:class:`~kvplane.runtime.messages.WorkerInfo`). Only such pairs are ever asked to pair; a pair
+that cannot serve is not an error and sets no ``repair`` (the decode worker's handshake would
+refuse it anyway; that refusal stays for a peer the router did not vet). A decode worker up
+that no prefill worker up covers (while some prefill worker is up) *is* reported by
+:meth:`~Membership.pair_all`, naming its ranges and those available — when it joins, is forced,
+or first becomes uncovered, not again at every census (``uncovered``), and without ``repair``:
+no re-pairing mends it; a covering prefill worker that comes up is paired as any new one. With
+every worker holding all heads (or MLA), every pair serves and nothing changes.
 Recycling swaps ``w.client`` under the ask lock; a caller that sent a call on a client keeps
 that client to forget the call on. Once ``stop`` is set nothing is recycled, and
 :meth:`Membership.close` closes every worker's client (none is made after it).
@@ -35,6 +47,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from kvplane.errors import KVPlaneError
+from kvplane.pd.handshake import heads_cover
 from kvplane.runtime.messages import (
     AnyMessage,
     ErrorReply,
@@ -52,16 +65,42 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True, eq=False)
 class WorkerHandle:
     """A worker as the router sees it: ``up`` while it answers info queries; ``repair`` after a
-    pairing with it failed (tried again at the next refresh); ``asked``: the queries sent to it
-    and not answered yet with when they were sent, at most one per message
-    (see :meth:`Membership.ask`)."""
+    pairing with it failed (tried again at the next refresh); ``uncovered``: a decode worker
+    reported as having no prefill worker up that covers its KV heads (reported again only once
+    it was covered, or when it rejoins); ``asked``: the queries sent to it and not answered yet
+    with when they were sent, at most one per message (see :meth:`Membership.ask`)."""
 
     address: str
     client: RpcClient
     info: WorkerInfo | None = None
     up: bool = False
     repair: bool = False
+    uncovered: bool = False
     asked: dict[AnyMessage, tuple[Future[AnyMessage], float]] = field(default_factory=dict)
+
+
+def serves(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
+    """True when ``prefill`` can send ``decode`` a session's KV as far as TP heads go: its head
+    range covers the decode worker's in every pool (:func:`~kvplane.pd.handshake.heads_cover`).
+    Also True when either does not say (empty ``head_ranges``) or they count different pools:
+    the PD handshake then decides (and refuses what does not fit). Pure."""
+    held, needed = prefill.head_ranges, decode.head_ranges
+    if not held or not needed or len(held) != len(needed):
+        return True
+    return all(heads_cover(h, n) for h, n in zip(held, needed, strict=True))
+
+
+def covering(prefill: Sequence[WorkerHandle], d: WorkerHandle) -> list[WorkerHandle]:
+    """The prefill workers up (in order) that serve decode worker ``d`` (:func:`serves`)."""
+    if d.info is None:
+        return []
+    return [p for p in prefill if p.up and p.info is not None and serves(p.info, d.info)]
+
+
+def heads_of(w: WorkerHandle) -> str:
+    """``w``'s address and KV head ranges, for a message."""
+    ranges = "unknown" if w.info is None or not w.info.head_ranges else str(w.info.head_ranges)
+    return f"{w.address} (KV heads per pool {ranges})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +138,9 @@ class Membership:
         return self.prefill + self.decode
 
     def ready(self) -> bool:
-        """True when at least one prefill and one decode worker is up."""
-        return any(w.up for w in self.prefill) and any(w.up for w in self.decode)
+        """True when at least one decode worker is up with a prefill worker up that serves it
+        (:func:`serves`; with every worker holding all heads: one of each role up)."""
+        return any(d.up and covering(self.prefill, d) for d in self.decode)
 
     def close(self) -> None:
         """Set ``stop`` and close every worker's client (nothing is recycled after this)."""
@@ -195,13 +235,16 @@ class Membership:
         return Census(tuple(changed), tuple(gone))
 
     def pair_all(self, changed: Sequence[WorkerHandle]) -> list[str]:
-        """Pair each up decode worker with each up prefill worker, either in ``changed``, all at
-        once within ``probe_s``: what went wrong (a decode worker that failed is re-paired)."""
+        """Pair each up decode worker with each up prefill worker that serves it (:func:`serves`;
+        no other pair is asked), either in ``changed``, all at once within ``probe_s``: what went
+        wrong — a pairing that failed (its decode worker is re-paired), and a decode worker up
+        that no prefill worker up serves while some is up (see the module docstring)."""
         pairs = [
             (d, PairWith(pd_address=p.info.pd_address))
             for d in self.decode
-            for p in self.prefill
-            if d.up and p.up and p.info is not None and (d in changed or p in changed)
+            if d.up
+            for p in covering(self.prefill, d)
+            if p.info is not None and (d in changed or p in changed)
         ]
         errors: list[str] = []
         for (d, _), got in zip(pairs, self.ask(pairs, self.probe_s), strict=True):
@@ -209,6 +252,24 @@ class Membership:
                 d.repair = True
                 why = f"no answer within {self.probe_s:g} s" if got is None else got.reason
                 errors.append(f"decode worker at {d.address} cannot pair: {why}")
+        return errors + self._uncovered(changed)
+
+    def _uncovered(self, changed: Sequence[WorkerHandle]) -> list[str]:
+        """Report each decode worker up that no prefill worker up serves, while some prefill
+        worker is up: when it is in ``changed`` or was not reported since it was last covered."""
+        up = [p for p in self.prefill if p.up and p.info is not None]
+        errors: list[str] = []
+        for d in self.decode:
+            if not d.up:
+                continue
+            lost = bool(up) and not covering(up, d)
+            if lost and (d in changed or not d.uncovered):
+                errors.append(
+                    f"decode worker at {heads_of(d)} cannot pair: no prefill worker up holds all "
+                    f"its KV heads (one sender per session); prefill workers up: "
+                    f"{', '.join(heads_of(p) for p in up)}"
+                )
+            d.uncovered = lost
         return errors
 
     def gather_stats(self, timeline: bool) -> tuple[dict[str, WorkerStats], list[str]]:

@@ -14,6 +14,8 @@ from typing import Annotated
 
 import msgspec
 
+from kvplane.errors import InvalidArgumentError
+
 RUNTIME_VERSION = 1
 MAX_TOKENS = 1 << 22
 
@@ -22,6 +24,10 @@ _Text = Annotated[str, msgspec.Meta(max_length=4096)]
 _Token = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 _Tokens = Annotated[tuple[_Token, ...], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
+_Head = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+MAX_POOLS = 64
+"""Most pools a worker may describe in :attr:`WorkerInfo.head_ranges`."""
+_HeadRanges = Annotated[tuple[tuple[_Head, _Head], ...], msgspec.Meta(max_length=MAX_POOLS)]
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -33,7 +39,14 @@ class InfoQuery(Message, frozen=True, kw_only=True, tag="info_query"):
 
 
 class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
-    """A worker's identity: role, PD peer id and endpoint, incarnation, transport."""
+    """A worker's identity: role, PD peer id and endpoint, incarnation, transport, and the TP
+    range of KV heads each of its pools holds.
+
+    ``head_ranges``: per pool, in the worker's pool order (its PD profile's), the half-open
+    range ``(start, end)`` of KV heads this rank holds (MLA's latent head and state pools:
+    ``(0, 1)``); at most :data:`MAX_POOLS`, each with ``start < end`` (a violation fails
+    validation on decode, ``InvalidArgumentError`` when built here). Empty: the worker does
+    not say (an older one), and the router leaves coverage to the PD handshake."""
 
     role: str
     peer_id: _Id
@@ -41,6 +54,13 @@ class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
     incarnation: _Count
     transport: _Text
     metrics_port: _Count = 0
+    head_ranges: _HeadRanges = ()
+
+    def __post_init__(self) -> None:
+        for i, (start, end) in enumerate(self.head_ranges):
+            if not start < end:
+                why = f"head_ranges[{i}] must be a non-empty range (start < end)"
+                raise InvalidArgumentError(f"{why}, got {(start, end)}")
 
 
 class PairWith(Message, frozen=True, kw_only=True, tag="pair_with"):

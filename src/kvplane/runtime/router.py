@@ -4,15 +4,23 @@ Theory of operation
 -------------------
 The router knows workers by their order-socket addresses. :meth:`Router.connect` asks each for
 its :class:`~kvplane.runtime.messages.WorkerInfo` and tells every decode worker to shake hands
-with every prefill worker's PD endpoint (the PD protocol then runs between them directly; the
-router never touches KV). :meth:`Router.submit` picks a pair round-robin among the workers that
-are up, mints a session id that is unique across router restarts, and sends the prefill order
-and the decode order at once — the prefill side starts computing while the decode side
-allocates; whichever PD frame arrives first opens the session. The decode worker answers when
-the request ends; that answer is the request's result. An order a worker refuses fails the
-request and cancels the other side. A request id is unique among the requests in flight (a
-duplicate is refused before anything is sent), and every follow-up cancel names the request's
-session id, so it can never stop another request that reuses the id on a worker.
+with every prefill worker's PD endpoint that can serve it (the PD protocol then runs between
+them directly; the router never touches KV). Serving is TP-aware: one prefill rank sends a
+session's KV, so a prefill worker serves a decode worker only when its KV head range covers the
+decode worker's in every pool (:func:`~kvplane.runtime.membership.serves`; GQA across TP
+degrees). Pairs that cannot serve are never asked to pair and are not errors; a decode worker up
+that no prefill worker up covers is (``connect`` raises naming its ranges and those available).
+:meth:`Router.submit` picks a decode worker round-robin among the ones up that some prefill
+worker up serves, then a prefill worker round-robin among the ones up that serve it (with every
+worker holding all heads, or MLA: two independent round-robins over the workers up; nothing
+to serve it: refused before any order), mints a session id that is unique across router
+restarts, and sends the prefill order and the decode order at once — the prefill side starts
+computing while the decode side allocates; whichever PD frame arrives first opens the
+session. The decode worker answers when the request ends; that answer is the request's result.
+An order a worker refuses fails the request and cancels the other side. A request id is unique
+among the requests in flight (a duplicate is refused before anything is sent), and every
+follow-up cancel names the request's session id, so it can never stop another request that
+reuses the id on a worker.
 
 :meth:`Router.refresh` takes a census of the workers (one info query each, answered off the
 worker loop; at most one outstanding per worker and kind, and a worker not up never gets a
@@ -45,8 +53,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kvplane.config import require_finite_positive
 from kvplane.errors import InvalidArgumentError, KVPlaneError, ProtocolError, TransferTimeoutError
-from kvplane.runtime.membership import Membership, WorkerHandle
+from kvplane.runtime.membership import Membership, WorkerHandle, covering, heads_of
 from kvplane.runtime.messages import (
     NOT_CONNECTED,
     AnyMessage,
@@ -79,12 +88,6 @@ class _Flight:
     """Each order's future with the client it went out on (a recycled worker has another)."""
 
 
-def _positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
 def _cancel_on(w: WorkerHandle, f: _Flight, reason: str) -> None:
     """Send ``w`` a cancel of flight ``f``, keyed by its session (never answered to anyone)."""
     w.client.call_async(
@@ -113,14 +116,20 @@ class Router:
     ) -> None:
         if not prefill or not decode:
             raise InvalidArgumentError("a router needs at least one prefill and one decode worker")
-        self.timeout_s = _positive("timeout_s", timeout_s)
+        self.timeout_s = require_finite_positive("timeout_s", timeout_s, InvalidArgumentError)
         self.deadline_s = (
             max(60.0, 4 * self.timeout_s)
             if deadline_s is None
-            else _positive("deadline_s", deadline_s)
+            else require_finite_positive("deadline_s", deadline_s, InvalidArgumentError)
         )
-        self.refresh_s = None if refresh_s is None else _positive("refresh_s", refresh_s)
-        self.probe_s = min(_positive("probe_s", probe_s), self.timeout_s)
+        self.refresh_s = (
+            None
+            if refresh_s is None
+            else require_finite_positive("refresh_s", refresh_s, InvalidArgumentError)
+        )
+        self.probe_s = min(
+            require_finite_positive("probe_s", probe_s, InvalidArgumentError), self.timeout_s
+        )
         self._stop = threading.Event()
         self._members = Membership(
             prefill, decode, timeout_s=self.timeout_s, probe_s=self.probe_s, stop=self._stop
@@ -179,13 +188,16 @@ class Router:
         return up, len(self.workers) - up
 
     def ready(self) -> bool:
-        """True when at least one prefill and one decode worker is up."""
+        """True when at least one decode worker is up with a prefill worker up that serves it
+        (every worker holding all heads: one worker of each role up)."""
         return self._members.ready()
 
     # -- pairing ---------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Learn every worker and pair every decode worker with every prefill worker.
-        ``ProtocolError`` if a pairing fails or no worker of a role answers."""
+        """Learn every worker and pair every decode worker with every prefill worker that serves
+        it (covers its KV heads). ``ProtocolError`` if a pairing fails, a decode worker up has no
+        prefill worker up that serves it (naming both sides' head ranges), or no worker of a
+        role answers."""
         self.refresh(force=True)
         for role, ws in (("prefill", self.prefill), ("decode", self.decode)):
             if not any(w.up for w in ws):
@@ -193,16 +205,20 @@ class Router:
 
     def refresh(self, *, force: bool = False) -> list[str]:
         """Re-learn workers: mark the silent ones down (failing their requests), re-pair those
-        that restarted, came back up or failed to pair (or all, with ``force``). Returns the
-        peer ids of the workers that were (re-)paired; ``ProtocolError`` after the whole
-        refresh if a pairing failed (that worker is paired again at the next refresh)."""
+        that restarted, came back up or failed to pair (or all, with ``force``), each only with
+        the workers that serve it or it serves. Returns the peer ids of the workers that were
+        (re-)paired; ``ProtocolError`` after the whole refresh if a pairing failed (that worker
+        is paired again at the next refresh) or a decode worker up is newly left with no prefill
+        worker up that serves it (reported once, not re-paired: only a covering prefill worker
+        coming up mends it)."""
         with self._refresh_lock:
             return self._refresh(force)
 
     def refresh_unless_ready(self, since: int | None = None) -> None:
-        """Refresh, unless a worker of each role is up or, with ``since`` (:attr:`refreshes` as
-        the caller read it), one began (so ended) since; checked under the lock, so callers
-        waiting together share one refresh. ``ProtocolError`` as :meth:`refresh`."""
+        """Refresh, unless :meth:`ready` (a covered pair is up) or, with ``since``
+        (:attr:`refreshes` as the caller read it), one began (so ended) since; checked under the
+        lock, so callers waiting together share one refresh. ``ProtocolError`` as
+        :meth:`refresh`."""
         with self._refresh_lock:
             if not self.ready() and (since is None or self._refreshes <= since):
                 self._refresh(False)
@@ -290,14 +306,32 @@ class Router:
                 log.exception("router refresh failed")
 
     # -- requests --------------------------------------------------------------------------------
-    def _pick(self, ws: list[WorkerHandle], n: int, role: str) -> tuple[WorkerHandle, WorkerInfo]:
-        if all(w.info is None for w in ws):
-            raise ProtocolError("call Router.connect() before submitting requests")
-        for k in range(len(ws)):
-            w = ws[(n + k) % len(ws)]
-            if w.up and w.info is not None:
-                return w, w.info
-        raise ProtocolError(f"no {role} worker is up")
+    def _pick(self, n: int) -> tuple[WorkerHandle, WorkerInfo, WorkerHandle, WorkerInfo]:
+        """Prefill and decode worker (with their infos) for request number ``n``: the first decode
+        worker up from ``n`` round-robin that some prefill worker up serves, and the first of
+        those from ``n``. ``ProtocolError`` before :meth:`connect`, while no worker of a role is
+        up, or when no prefill worker up serves any decode worker up (naming the ranges)."""
+        for role, ws in (("prefill", self.prefill), ("decode", self.decode)):
+            if all(w.info is None for w in ws):
+                raise ProtocolError("call Router.connect() before submitting requests")
+            if not any(w.up and w.info is not None for w in ws):
+                raise ProtocolError(f"no {role} worker is up")
+        ps, ds = self.prefill, self.decode
+        for k in range(len(ds)):
+            d = ds[(n + k) % len(ds)]
+            if not d.up or d.info is None:
+                continue
+            serve = {id(p) for p in covering(ps, d)}
+            for j in range(len(ps)):
+                p = ps[(n + j) % len(ps)]
+                if id(p) in serve and p.info is not None:
+                    return p, p.info, d, d.info
+        up = [heads_of(w) for w in ps if w.up]
+        raise ProtocolError(
+            "no prefill worker up holds all the KV heads of a decode worker up (one sender per "
+            f"session): decode {', '.join(heads_of(w) for w in ds if w.up)}; prefill "
+            f"{', '.join(up)}"[:4000]
+        )
 
     def submit(
         self,
@@ -310,7 +344,8 @@ class Router:
         """Start one request; the future resolves to its :class:`RequestResult` (failed by the
         deadline at the latest). Nothing is sent and nothing changes when it raises:
         ``InvalidArgumentError`` for an invalid value or a request id already in flight,
-        ``ProtocolError`` before :meth:`connect` or while no worker of a role is up."""
+        ``ProtocolError`` before :meth:`connect`, while no worker of a role is up, or while no
+        prefill worker up serves (covers the KV heads of) a decode worker up."""
         try:
             tokens = [operator.index(t) for t in token_ids]
             order = msgspec.convert(
@@ -323,8 +358,7 @@ class Router:
         with self._lock:
             if request_id in self._flights:
                 raise InvalidArgumentError(f"request {request_id!r} is already in flight")
-            p, p_info = self._pick(self.prefill, self._serial, "prefill")
-            d, d_info = self._pick(self.decode, self._serial, "decode")
+            p, p_info, d, d_info = self._pick(self._serial)
             sid = f"{request_id}/{self._tag}.{self._serial}"
             self._serial += 1
             flight = _Flight(

@@ -3,9 +3,10 @@ order socket.
 
 - ``Generate``: :meth:`Router.submit`; answered with the request's ``RequestResult`` (failed by
   the router's request deadline at the latest), or refused with an ``ErrorReply`` (invalid
-  values, a request id already in flight, no worker of a role up). While no worker of a role is
-  up, the router first refreshes (off the server thread), then submits or refuses. Generates
-  share refreshes: one runs its own only if none began since it arrived
+  values, a request id already in flight, no worker of a role up, no prefill worker up that
+  covers the KV heads of a decode worker up). While the router is not ready (no such covered
+  pair up: :meth:`Router.ready`), it first refreshes (off the server thread), then submits or
+  refuses. Generates share refreshes: one runs its own only if none began since it arrived
   (:meth:`Router.refresh_unless_ready`), so a burst costs at most two (the one already running
   when it came, one after), not one each.
 - ``CancelOrder``: :meth:`Router.cancel` on the decode side; ``Ack`` ("cancelling" or

@@ -174,6 +174,7 @@ class Worker:
         """Subclass hook: stop helper threads (before the endpoint and transport close)."""
 
     def info(self) -> WorkerInfo:
+        """Who this worker is, with its pools' TP head ranges (the router pairs by them)."""
         return WorkerInfo(
             role=self.role,
             peer_id=self.config.name,
@@ -181,6 +182,7 @@ class Worker:
             incarnation=self.incarnation,
             transport=self.transport.name,
             metrics_port=self.config.metrics_port,
+            head_ranges=tuple(lay.head_range for lay in self.pools.layouts),
         )
 
     # -- threads other than the loop -------------------------------------------------------------
