@@ -314,3 +314,26 @@ def test_a_stalled_peer_is_dropped_within_the_stall_of_its_last_byte(direction: 
     finally:
         ours.close()
         far.close()
+
+
+@pytest.mark.parametrize(
+    ("seconds", "armed"), [(0.0, (0, 0)), (1e-7, None), (1.0, (0, 500_000)), (5.0, (2, 500_000))]
+)
+def test_the_stall_timeout_arms_half_and_never_none_for_a_positive_stall(
+    seconds: float, armed: tuple[int, int] | None
+) -> None:
+    """``armed`` None: anything but (0, 0), which means no timeout (the kernel rounds a tiny
+    one up to a tick)."""
+    import struct
+
+    from kvplane.transports.tcp import _stall_timeout
+
+    a, b = socket.socketpair()
+    try:
+        _stall_timeout(a, seconds)
+        for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            got = struct.unpack("ll", a.getsockopt(socket.SOL_SOCKET, opt, 16))
+            assert got != (0, 0) if armed is None else got == armed
+    finally:
+        a.close()
+        b.close()

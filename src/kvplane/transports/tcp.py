@@ -125,9 +125,8 @@ def _stall_timeout(sock: socket.socket, seconds: float) -> None:
     returns the part it got when it ends; the next call then fails one more timeout later. So a
     peer is dropped between ``seconds / 2`` and ``seconds`` after its last byte (armed at
     ``seconds``, it was up to twice that)."""
-    half = seconds / 2
-    whole = int(half)
-    value = struct.pack("ll", whole, int((half - whole) * 1e6))
+    micros = max(1, round(seconds * 5e5)) if seconds > 0 else 0  # half, never 0 (none) if > 0
+    value = struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
