@@ -80,6 +80,9 @@ class LostAfterFirstCommit:
     def release(self) -> None:
         self.real.release()
 
+    def __getattr__(self, name: str) -> Any:  # key, token, mark_lost
+        return getattr(self.real, name)
+
 
 def test_a_lease_lost_part_way_stops_the_write_before_its_next_round_trip(
     redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
@@ -390,3 +393,71 @@ def test_bad_arguments_and_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     with pytest.raises(UnsupportedError, match="pip install"):
         RemoteTier("redis://127.0.0.1:1/0", 2, CHUNK, FP)
+
+
+def test_a_late_write_after_another_engine_claimed_is_refused_by_the_server(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """A's write passed its client-side lease check, then its lease ran out and B claimed the
+    namespace and wrote slot 1 before A's commands reached the server (a slow link): the
+    server must refuse A's write and leave B's slot whole."""
+    a = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.4, timeout_s=0.2)
+    raw = redis.Redis.from_url(redis_url)
+    b: RemoteTier | None = None
+    try:
+        assert a._lease is not None
+        a._lease._stop.set()  # A's renewals stop (its link is down)
+        a._lease._thread.join()
+        real_check = a._check_lease
+        holder: list[RemoteTier] = []
+
+        def late_check() -> None:  # A passes its check, then B takes over before A's send
+            real_check()
+            if not holder:
+                raw.delete(f"{redis_namespace}:owner")  # A's lease ran out
+                holder.append(
+                    RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=10.0)
+                )
+                holder[0].write([SlotId(1)], keys(9), [pattern(9)])
+
+        a._check_lease = late_check  # type: ignore[method-assign]
+        with pytest.raises(OffloadError, match=r"lease .* was lost"):
+            a.write([SlotId(1), SlotId(2)], keys(1, 2), [pattern(1), pattern(2)])
+        b = holder[0]
+        outs = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in range(2)]
+        assert b.read([SlotId(1), SlotId(2)], [keys(9)[0], keys(2)[0]], outs) == [OK, MISSING]
+        assert torch.equal(outs[0], pattern(9))
+        assert not list(raw.scan_iter(match=f"{redis_namespace}:stage:*"))  # A's staging gone
+        assert a._client.connection_pool.make_connection().retry.get_retries() == 0
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+        raw.close()
+
+
+def test_a_server_that_lost_its_scripts_still_stores_whole_chunks(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """``SCRIPT FLUSH`` (or a restart) between writes: the fenced delete and store answer
+    NOSCRIPT and are loaded again; the chunks are stored whole, the old ones replaced, and no
+    stage key is left behind."""
+    raw = redis.Redis.from_url(redis_url)
+    tier = RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace)
+    try:
+        tier.write([SlotId(0), SlotId(1)], keys(1, 2), [pattern(1), pattern(2)])
+        raw.script_flush()
+        tier.write([SlotId(1), SlotId(3)], keys(5, 6), [pattern(5), pattern(6)])
+        outs = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in range(3)]
+        got = tier.read([SlotId(0), SlotId(1), SlotId(3)], keys(1, 5, 6), outs)
+        assert got == [OK, OK, OK]
+        for out, i in zip(outs, (1, 5, 6), strict=True):
+            assert torch.equal(out, pattern(i))
+        raw.script_flush()
+        assert tier.clear() == 3
+        assert tier.scan() == {}
+        assert not list(raw.scan_iter(match=f"{redis_namespace}:stage:*"))
+        assert raw.exists(f"{redis_namespace}:owner") == 1  # the lease is untouched
+    finally:
+        tier.close()
+        raw.close()

@@ -9,28 +9,35 @@ if it is still ours (compare-and-delete in one Lua script). A namespace held by 
 is refused with an :class:`~kvplane.errors.OffloadError` naming the holder; a holder that died
 without releasing stops renewing, so its lease runs out within ``lease_s`` and the claim (which
 waits that long) succeeds: a restarted engine re-finds its own chunks, which is what the remote
-tier is for. :attr:`NamespaceLease.lost` is true while the lease may run out before a command
-sent now reaches the server: from one lease *less one timeout* after the last claim or renewal
-that succeeded was *sent* (renewals failing meanwhile), until a renewal succeeds again (the key
-still holding our token proves nobody held it in between); and for good once the key is found
-gone or another's (the server restarted, or it expired). While it is true the tier refuses to
-write.
+tier is for. :attr:`NamespaceLease.lost` is true while the lease may run out before a command sent
+now reaches the server: from one lease *less one timeout* after the last claim or renewal that
+succeeded was *sent* (renewals failing meanwhile), until a renewal succeeds again (the key still
+holding our token proves nobody held it in between); and for good once the key is found gone or
+another's (the server restarted, it expired, or the server refused a fenced write:
+:meth:`NamespaceLease.mark_lost`).
+
+Guarantee
+---------
+Safety rests on the server, not on timing: the remote tier runs every change to the
+namespace's slots inside a Lua script that first checks that :attr:`NamespaceLease.key` still
+holds :attr:`NamespaceLease.token`, and changes nothing when it does not (a fenced write; see
+:mod:`~kvplane.offload.tiers.fence`). The server runs a script atomically and a token is
+unique to one claim, so a write from a holder whose lease ran out or was taken is refused
+however long the link delayed it -- a client's ``socket_timeout`` bounds each socket operation,
+not a whole pipeline, so no client-side bound on when a command runs is assumed.
 
 Timing
 ------
-Model: the client's monotonic clock and the server's expiry clock run at one rate, and a
-command sent at ``t`` runs on the server within ``[t, t + timeout_s]`` or its call raises
-(``timeout_s`` is the client's socket timeout). A ``SET PX``/``PEXPIRE`` that succeeded, sent
-at ``s``, leaves the key ours until ``E >= s + lease_s``, so ``s + lease_s`` is a safe belief.
-But a write is *decided* by reading that belief at ``c`` and *runs* on the server up to
-``timeout_s`` later; it can run after ``E`` -- when another engine may own the key -- exactly
-when ``c > s + lease_s - timeout_s``. Hence ``lost`` turns true ``timeout_s`` before the
-belief ends, and the tier asks again before every round trip. A claim or renewal itself can
-take ``timeout_s``: one returning at ``s + timeout_s`` leaves ``lease_s - 2 * timeout_s`` of
-usable lease, so ``lease_s >= 2 * timeout_s`` (:func:`check_lease_timing`) is the least lease
-with which a slow but successful renewal is not already stale -- a write due -- on arrival;
-below it, such a renewal would let the holder believe in a lease of which less than one round
-trip remains. Renewals are sent every third of the lease, counted from the previous send.
+``lost`` is a fast path and a liveness aid: while it is true the tier refuses to write before
+sending anything (the server would refuse the write, or might, soon). It counts from a
+successful ``SET PX``/``PEXPIRE`` sent at ``s``, which leaves the key ours until at least
+``s + lease_s`` (monotonic client clock, server expiry clock at one rate), and turns true
+``timeout_s`` before that, so a write decided now usually runs before the key could expire. A
+claim or renewal itself can take ``timeout_s``: one returning at ``s + timeout_s`` leaves
+``lease_s - 2 * timeout_s`` before ``lost``, so ``lease_s >= 2 * timeout_s``
+(:func:`check_lease_timing`) is the least lease with which a slow but successful renewal does
+not leave the tier refusing writes it could still make. Renewals are sent every third of the
+lease, counted from the previous send.
 """
 
 from __future__ import annotations
@@ -124,7 +131,8 @@ class NamespaceLease:
     @property
     def lost(self) -> bool:
         """True while the lease may run out before a command sent now has run: less than
-        ``timeout_s`` of it is left, or it was found gone (see the module docstring)."""
+        ``timeout_s`` of it is left, or it was found gone (see the module docstring). A fast
+        path only: the server refuses a fenced write of a lost lease anyway."""
         return self._lost.is_set() or time.monotonic() > self._valid_until - self.timeout_s
 
     def _claim(self, wait_s: float) -> None:
@@ -157,6 +165,12 @@ class NamespaceLease:
                 self._lost.set()
                 return
             self._valid_until = sent + self.lease_ms / 1000.0
+
+    def mark_lost(self) -> None:
+        """Record that the lease is gone for good (the server refused a fenced write: the key
+        is gone or another's, and a unique token never comes back); :attr:`lost` stays true
+        and renewals stop at their next try."""
+        self._lost.set()
 
     def release(self) -> None:
         """Stop renewing and delete the owner key if it is still ours; idempotent, never

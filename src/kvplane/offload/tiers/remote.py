@@ -4,40 +4,46 @@ Theory of operation
 -------------------
 Slot ``i`` is two Redis strings: ``<namespace>:slot:<i>``, the payload, and
 ``<namespace>:slot:<i>:h``, its :class:`~kvplane.offload.tiers.header.ChunkHeader` -- the commit
-record, as on the disk tier. A write sends, pipelined, ``DEL`` of the old header and ``SET``
-of the payload -- while the tier's helper thread computes the payloads' CRC-32 -- and then
-``SET`` of the new header (the server runs one connection's commands in order): a client that
-dies part-way leaves no header -- a miss -- never a header vouching for other bytes. Plain
-``SET`` because the server keeps a large ``SET`` argument as the value itself, while ``HSET``
-copies it (measured: ~10% of a 4 MiB store). A read is one ``MGET`` of header and payload (an
-atomic snapshot) per chunk; its reply is read off the connection's socket by
-:class:`~kvplane.offload.tiers.resp.ReplyReader`, the payload straight into the destination
-slot (no reply object, no second copy: the client library's per-payload ``bytes`` cost a page
-fault per 4 KiB once the allocator hands the memory back -- 0.62-0.73 of a raw ``GET`` loop,
-against 1.1-1.25 now, 128 x 256 KiB); then it checks the header (key, layout fingerprint,
-length) and the payload CRC-32 and returns CORRUPT or MISSING rather than bytes it cannot
-vouch for (the destination then holds garbage, as with the disk tier). A batch goes out in
-pipelined groups of about :data:`PIPELINE_BYTES` (one round trip per group, not per chunk); a
-load sends the next group's commands before reading the current group's replies, so the
-server prepares them meanwhile, and checksums a received group on the tier's helper thread
-(the CRC releases the GIL) while the next one arrives; a connection whose reply stream failed
-part-way is dropped, never reused. A store's CRC overlaps its own group's payload send on the
-helper thread, at the cost of a second, small round trip for the headers (3-8% faster in four
-interleaved A/B runs of 64 x 256 KiB and 16 x 4 MiB).
-:meth:`RemoteTier.scan` re-indexes the namespace from headers alone (payloads are verified
-when read).
+record, as on the disk tier. A write sends, pipelined, a fenced delete of each slot's old header
+and payload -- so the server reuses their memory for the new payloads -- then ``SET PX`` of
+each payload to a stage key of its own -- while the tier's helper thread computes the payloads'
+CRC-32 -- and, behind them, the fenced store that moves each stage onto its slot; then a
+fenced ``SET`` of the new headers. Fenced (:mod:`~kvplane.offload.tiers.fence`): the server
+makes each change only while ``<namespace>:owner`` still holds this tier's lease token, so a
+write of a holder whose lease ran out or was taken is refused however late it arrives (an
+:class:`OffloadError`, "lease ... was lost"); the lease's client-side ``lost`` only saves
+sending a batch the server would refuse. A client that dies part-way leaves no header -- a
+miss -- never a header vouching for other bytes. Plain ``SET`` and ``RENAME`` because the server
+keeps a large ``SET`` argument as the value itself and a rename moves it, while ``HSET`` copies
+it (measured: ~10% of a 4 MiB store).
 
-The ``redis`` client is imported here only; without it :func:`redis_support` says why and the
-constructor raises :class:`~kvplane.errors.UnsupportedError`. Connection loss, timeouts and
-server errors raise :class:`~kvplane.errors.OffloadError` (counted); the failed job's chunks
-become misses. Payloads go out as memoryviews (no copy into a request buffer). A namespace
-belongs to one manager: an open tier holds ``<namespace>:owner`` by a renewed lease
-(:class:`~kvplane.offload.tiers.lease.NamespaceLease`), so a second engine on the same
-namespace is refused with an :class:`~kvplane.errors.OffloadError` naming the holder, while an
-engine restarted after a crash claims it once the dead holder's lease runs out (at most
-``lease_s``) and re-finds its chunks by :meth:`RemoteTier.scan`. Thread-safe: the client pools its
-connections and the tier keeps no buffers, so a store and a load job may overlap (their shared
-helper thread is started on first use and stopped by :meth:`close`).
+A read is one ``MGET`` of header and payload (an atomic snapshot) per chunk; its reply is read
+off the connection's socket by :class:`~kvplane.offload.tiers.resp.ReplyReader`, the payload
+straight into the destination slot (no reply object, no second copy: the client library's
+per-payload ``bytes`` cost a page fault per 4 KiB once the allocator hands the memory back --
+0.62-0.73 of a raw ``GET`` loop, against 1.1-1.25 now, 128 x 256 KiB); then it checks the header
+(key, layout fingerprint, length) and the payload CRC-32 and returns CORRUPT or MISSING rather
+than bytes it cannot vouch for (the destination then holds garbage, as with the disk tier). A
+batch goes out in pipelined groups of about :data:`PIPELINE_BYTES` (one round trip per group,
+not per chunk); a load sends the next group's commands before reading the current group's
+replies, so the server prepares them meanwhile, and checksums a received group on the tier's
+helper thread (the CRC releases the GIL) while the next one arrives; a connection whose reply
+stream failed part-way is dropped, never reused. A store's CRC overlaps its own group's payload
+send on the helper thread, at the cost of a second, small round trip for the headers (3-8%
+faster in four interleaved A/B runs of 64 x 256 KiB and 16 x 4 MiB). :meth:`RemoteTier.scan`
+re-indexes the namespace from headers alone (payloads are verified when read).
+
+The ``redis`` client is imported here and in :mod:`~kvplane.offload.tiers.fence` only; without it
+:func:`redis_support` says why and the constructor raises :class:`~kvplane.errors.UnsupportedError`.
+Connection loss, timeouts and server errors raise :class:`~kvplane.errors.OffloadError` (counted);
+the failed job's chunks become misses. Payloads go out as memoryviews (no copy into a request
+buffer). A namespace belongs to one manager: an open tier holds ``<namespace>:owner`` by a renewed
+lease (:class:`~kvplane.offload.tiers.lease.NamespaceLease`; its token fences the writes), so a
+second engine on the same namespace is refused with an :class:`~kvplane.errors.OffloadError` naming
+the holder, while an engine restarted after a crash claims it once the dead holder's lease runs out
+(at most ``lease_s``) and re-finds its chunks by :meth:`RemoteTier.scan`. Thread-safe: the client
+pools its connections and the tier keeps no buffers, so a store and a load job may overlap (their
+shared helper thread is started on first use and stopped by :meth:`close`).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -61,6 +67,7 @@ from kvplane.errors import (
 from kvplane.ids import ChunkKey, SlotId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.tiers.base import ReadOutcome, TierCounters, as_buffer, check_batch
+from kvplane.offload.tiers.fence import STAGE_TTL_S, Fence, StoreOutcome
 from kvplane.offload.tiers.header import (
     FINGERPRINT_BYTES,
     HEADER_BYTES,
@@ -148,15 +155,20 @@ class RemoteTier:
         self._helper_lock = threading.Lock()
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._read_errors = (*self._errors, MalformedMessageError, OffloadError)
+        # Retries stay off (``from_url`` leaves ``retry`` unset: no call is re-sent): a failed
+        # call raises within ``timeout_s``, counted, and its chunks become misses. Safety does
+        # not rest on it: the writes are fenced on the server (module docstring).
         self._client: Any = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
         self._lease: NamespaceLease | None = None
+        self._fence: Fence | None = None
         try:
             self._client.ping()
             self._lease = NamespaceLease(
                 self._client, namespace, lease_s, self._errors, timeout_s=timeout_s
             )
+            self._fence = Fence(self._client, namespace, self._lease.key, self._lease.token)
         except self._errors as exc:
             self.close()
             raise OffloadError(f"remote tier {url!r} is unreachable: {exc}") from exc
@@ -176,35 +188,52 @@ class RemoteTier:
     def write(
         self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], payloads: Sequence[torch.Tensor]
     ) -> None:
-        """Per chunk: drop the old header, set the payload, then set the header (module doc).
+        """Per chunk: stage the payload, then (fenced) drop the old header and move the
+        payload onto its slot, then (fenced) set the header (module doc).
 
-        Each round trip goes out only while the lease is held for at least one more timeout
-        (:attr:`NamespaceLease.lost`), so none can run on the server after another engine
-        claimed the namespace; a lease lost part-way fails the rest of the batch with
-        :class:`OffloadError` (chunks already written are whole: header after payload)."""
+        The server refuses every change to a slot unless the owner key still holds our token
+        when it runs, however late it arrives: a refusal, or a lease already found lost on the
+        client (:attr:`NamespaceLease.lost`, asked before every round trip), fails the rest of
+        the batch with :class:`OffloadError` (chunks already written are whole: header after
+        payload; the refused group's chunks are misses, no slot of the new owner touched)."""
         check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, payloads)
-        self._check_lease()
+        fence = self._fenced()
 
         def send(group: range) -> None:
             names = [self._key(slots[i]) for i in group]
             views = [as_buffer(payloads[i]) for i in group]
+            stages = fence.stage_keys(len(group))
+            store = fence.store_keys(stages, names, [name + _HEADER for name in names])
             crcs = self._helper().submit(_checksums, views)  # overlaps the payload send
             try:
                 self._check_lease()
                 pipe = self._client.pipeline(transaction=False)
-                for name, view in zip(names, views, strict=True):
-                    pipe.delete(name + _HEADER)
-                    pipe.set(name, view)
-                pipe.execute()
+                fence.queue_delete(pipe, [k for name in names for k in (name + _HEADER, name)])
+                fence.queue_stage(pipe, stages, views)
+                fence.queue_store(pipe, store)
+                replies = pipe.execute(raise_on_error=False)
             finally:
                 wait([crcs])  # the helper is done with ``payloads`` even when the send failed
+            for reply in replies[1:-1]:  # a stage SET refused (say, out of memory)
+                if isinstance(reply, BaseException):
+                    raise reply
+            dropped, outcome = fence.deleted(replies[0]), fence.stored(replies[-1], store)
+            if outcome is StoreOutcome.EXPIRED:
+                self._counters.error()
+                raise OffloadError(
+                    f"remote tier {self.url!r}: write failed: a staged payload expired "
+                    f"before its commit (STAGE_TTL_S={STAGE_TTL_S}); nothing was written"
+                )
+            if not dropped or outcome is not StoreOutcome.STORED:
+                self._refused()
             sums = crcs.result()
             self._check_lease()
-            pipe = self._client.pipeline(transaction=False)
-            for i, name, crc in zip(group, names, sums, strict=True):
-                header = ChunkHeader(keys[i], self.fingerprint, self.chunk_bytes, crc)
-                pipe.set(name + _HEADER, header.encode())
-            pipe.execute()
+            headers = [
+                ChunkHeader(keys[i], self.fingerprint, self.chunk_bytes, crc).encode()
+                for i, crc in zip(group, sums, strict=True)
+            ]
+            if not fence.set([name + _HEADER for name in names], headers):
+                self._refused()
 
         try:
             for group in self._groups(len(slots)):
@@ -213,13 +242,28 @@ class RemoteTier:
             raise self._fail("write", exc) from exc
 
     def _check_lease(self) -> None:
-        """Raise (counted) unless the lease is held for at least one more round trip."""
+        """Raise (counted) unless the lease is held for at least one more round trip (the
+        fast path: the server refuses a write of a lost lease anyway)."""
         if self._lease is None or self._lease.lost:
-            self._counters.error()
-            raise OffloadError(
-                f"remote tier {self.url!r}: write refused, the lease on namespace "
-                f"{self.namespace!r} was lost (another engine may own it now)"
-            )
+            self._refused()
+
+    def _fenced(self) -> Fence:
+        """The fence, once the lease is held for at least one more round trip (else raise)."""
+        self._check_lease()
+        if self._fence is None:  # no lease, no fence: _check_lease raised already
+            self._refused()
+        return self._fence
+
+    def _refused(self) -> NoReturn:
+        """Raise the lease-lost :class:`OffloadError` (counted); when the server refused, the
+        lease is marked lost for good (the key is gone or another's)."""
+        if self._lease is not None:
+            self._lease.mark_lost()
+        self._counters.error()
+        raise OffloadError(
+            f"remote tier {self.url!r}: write refused, the lease on namespace "
+            f"{self.namespace!r} was lost (another engine may own it now)"
+        )
 
     def _groups(self, n: int) -> list[range]:
         """Index ranges of at most :data:`PIPELINE_BYTES` of payload (at least one chunk):
@@ -354,11 +398,14 @@ class RemoteTier:
         return found
 
     def clear(self) -> int:
-        """Delete every slot of this namespace (a fresh start); returns how many slots went."""
+        """Delete every slot of this namespace (a fresh start); returns how many slots went.
+        Fenced like a write: a lost lease raises :class:`OffloadError` (slots deleted by an
+        earlier batch of deletes stay deleted)."""
+        fence = self._fenced()
         try:
             names = list(self._client.scan_iter(match=f"{self.namespace}:slot:*", count=1000))
-            if names:
-                self._client.delete(*names)
+            if not fence.delete(names):
+                self._refused()
             return len({n.removesuffix(_HEADER) for n in names})
         except self._errors as exc:
             raise self._fail("clear", exc) from exc
