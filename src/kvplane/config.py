@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import sys
 import types
 import typing
@@ -52,23 +51,37 @@ class Source(enum.Enum):
     FLAG = "flag"
 
 
+MAX_DURATION_S = 1e6
+"""The longest timeout, lease, stall or deadline accepted (about 11.6 days): a longer one means
+"never", and would overflow the clocks and timers it turns into (``threading`` waits, socket
+timeouts, millisecond counts) at some later call instead of being refused up front."""
+
+
 def require_finite_positive(
     what: str, value: object, error: type[InvalidArgumentError] = ConfigError
 ) -> float:
-    """``value`` when it is a finite int or float > 0 (a duration in seconds, a rate), else
-    ``error`` naming ``what`` and the value. Bools, strings, NaN and the infinities are refused.
+    """``float(value)`` when it is an int or float in ``(0, MAX_DURATION_S]`` (a duration in
+    seconds), else ``error`` naming ``what`` and the value. Bools, strings, NaN, the infinities
+    and ints too large for a float are refused.
 
     The one check of its kind below the components, so a config and the object it configures
     (which must not import that config) refuse the same values with the same message.
     """
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise error(f"{what} must be a finite number > 0, got {value!r}")
-    return value
+    fits = (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and 0 < value <= MAX_DURATION_S  # exact for any int: no overflow, NaN compares False
+    )
+    if not fits:
+        shown = (
+            f"an int of {value.bit_length()} bits"
+            if isinstance(value, int) and value.bit_length() > 64  # repr may refuse to print it
+            else repr(value)
+        )
+        raise error(
+            f"{what} must be a finite number > 0 and at most {MAX_DURATION_S:g} s, got {shown}"
+        )
+    return float(value)  # type: ignore[arg-type]
 
 
 def _require_positive(owner: str, **values: int) -> None:

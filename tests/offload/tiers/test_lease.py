@@ -133,10 +133,10 @@ def test_a_claim_that_waited_counts_its_lease_from_the_attempt_that_succeeded() 
     [
         (0.3, 0.2, "lease_s must be >= 2 * timeout_s (a renewal may take timeout_s and a write "
          "timeout_s more before the lease runs out), got lease_s=0.3 and timeout_s=0.2"),
-        (float("nan"), 0.1, "lease_s must be a finite number > 0, got nan"),
-        (1.0, True, "timeout_s must be a finite number > 0, got True"),
-        (1.0, float("inf"), "timeout_s must be a finite number > 0, got inf"),
-        (0, 0.1, "lease_s must be a finite number > 0, got 0"),
+        (float("nan"), 0.1, "lease_s must be a finite number > 0 and at most 1e+06 s, got nan"),
+        (1.0, True, "timeout_s must be a finite number > 0 and at most 1e+06 s, got True"),
+        (1.0, float("inf"), "timeout_s must be a finite number > 0 and at most 1e+06 s, got inf"),
+        (0, 0.1, "lease_s must be a finite number > 0 and at most 1e+06 s, got 0"),
     ],
 )  # fmt: skip
 def test_a_lease_refuses_bad_timing_before_sending_anything(
