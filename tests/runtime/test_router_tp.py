@@ -1,6 +1,7 @@
 """A TP-aware router: decode ranks are paired with, and served by, only the prefill ranks whose
 KV heads cover theirs (GQA across TP degrees); a decode rank no prefill rank covers is reported,
-not re-paired, and gets no request; a request nothing can serve is refused before any order."""
+not re-paired, and gets no request; each decode rank's requests are spread evenly over the
+prefill ranks covering it; a request nothing can serve is refused before any order."""
 
 from __future__ import annotations
 
@@ -93,6 +94,30 @@ def test_a_2x2_tp_cluster_pairs_only_covering_ranks_and_serves_every_request(
     assert r.refresh() == []  # nothing changed: nothing re-paired, nothing reported
 
 
+def test_each_decode_rank_spreads_its_requests_over_every_prefill_rank_covering_it(
+    stack: ExitStack,
+) -> None:
+    # p0 holds every head, p1 only d0's: d0 is served by both, d1 by p0 alone; the prefill rank
+    # follows each decode rank's own round-robin (it used to follow the request number, so p0
+    # took every request)
+    p0, p1 = _prefill("p0", (0, 4)), _prefill("p1", (0, 2))
+    d0, d1 = _decode("d0", (0, 2)), _decode("d1", (2, 4))
+    for w in (p0, p1, d0, d1):
+        stack.callback(w.close)
+    r = Router([p0.address, p1.address], [d0.address, d1.address], timeout_s=20.0)
+    stack.callback(r.close)
+    r.connect()
+    assert (_peers(d0), _peers(d1)) == (["p0", "p1"], ["p0"])
+    rng = np.random.default_rng(7)
+    for i in range(8):  # d0: p0, p1, p0, p1; d1: p0 x4
+        res = r.generate(f"q{i}", prompt(rng, 20 + 5 * i))
+        assert (res.state, res.mismatches) == ("success", 0), res.reason
+    stats = check_balanced(r)
+    assert [_served(stats, n, "receiver") for n in ("d0", "d1")] == [4, 4]
+    assert [_served(stats, n, "sender") for n in ("p0", "p1")] == [6, 2]
+    assert r.flights_live == 0
+
+
 def test_a_decode_rank_no_prefill_covers_is_reported_once_skipped_and_mended(
     stack: ExitStack,
 ) -> None:
@@ -166,6 +191,6 @@ def test_full_head_and_mla_workers_pair_all_with_all_as_before(stack: ExitStack)
         for i in range(4):
             assert r.generate(f"{spec.kind}{i}", list(range(30))).state == "success"
         stats = check_balanced(r)
-        # two independent round-robins, as before: request n on prefill n % 2, decode n % 2
+        # request n on decode n % 2, then that decode worker's own round-robin: every pair once
         assert [_served(stats, p.config.name, "sender") for p in ps] == [2, 2]
         assert [_served(stats, d.config.name, "receiver") for d in ds] == [2, 2]

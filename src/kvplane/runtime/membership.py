@@ -31,6 +31,15 @@ that no prefill worker up covers (while some prefill worker is up) *is* reported
 or first becomes uncovered, not again at every census (``uncovered``), and without ``repair``:
 no re-pairing mends it; a covering prefill worker that comes up is paired as any new one. With
 every worker holding all heads (or MLA), every pair serves and nothing changes.
+
+A pair carries requests only once vetted: :meth:`~Membership.pair_all` records, per (decode,
+prefill) pair and for both workers' incarnations, how the decode worker answered its pairing —
+*accepted* (an ``Ack``), *refused* (anything else) or *pending* (no answer yet) — each answer
+replacing the last; a worker that goes down or restarts has its records forgotten (a restart
+also outdates them). :meth:`~Membership.serving` and :meth:`~Membership.ready` use only those:
+a refused pair, one never asked for these incarnations, or one whose pool counts differ never
+serves; a pending one only while its decode worker accepted none (its handshake may still be
+finishing; the worker is re-paired at the next refresh, which collects the answer).
 Recycling swaps ``w.client`` under the ask lock; a caller that sent a call on a client keeps
 that client to forget the call on. Once ``stop`` is set nothing is recycled, and
 :meth:`Membership.close` closes every worker's client (none is made after it).
@@ -38,6 +47,7 @@ that client to forget the call on. Once ``stop`` is set nothing is recycled, and
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -49,6 +59,7 @@ from dataclasses import dataclass, field
 from kvplane.errors import KVPlaneError
 from kvplane.pd.handshake import heads_cover
 from kvplane.runtime.messages import (
+    Ack,
     AnyMessage,
     ErrorReply,
     InfoQuery,
@@ -60,6 +71,14 @@ from kvplane.runtime.messages import (
 from kvplane.runtime.rpc import RpcClient
 
 log = logging.getLogger(__name__)
+
+
+class Pairing(enum.Enum):
+    """How a decode worker answered a pairing (see the module docstring)."""
+
+    ACCEPTED = "accepted"
+    PENDING = "pending"  # no answer yet
+    REFUSED = "refused"
 
 
 @dataclass(slots=True, eq=False)
@@ -97,10 +116,26 @@ def covering(prefill: Sequence[WorkerHandle], d: WorkerHandle) -> list[WorkerHan
     return [p for p in prefill if p.up and p.info is not None and serves(p.info, d.info)]
 
 
+def same_pools(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
+    """False when both say their head ranges and count different pools (the PD handshake
+    refuses such a pair: it never serves), else True. Pure."""
+    held, needed = prefill.head_ranges, decode.head_ranges
+    return not held or not needed or len(held) == len(needed)
+
+
 def heads_of(w: WorkerHandle) -> str:
     """``w``'s address and KV head ranges, for a message."""
     ranges = "unknown" if w.info is None or not w.info.head_ranges else str(w.info.head_ranges)
     return f"{w.address} (KV heads per pool {ranges})"
+
+
+_Served = tuple[WorkerHandle, WorkerInfo]
+
+
+def _late_answer(fut: Future[AnyMessage], msg: AnyMessage) -> bool:
+    """Whether done ``fut`` holds a late answer to census query ``msg`` worth using (see
+    :meth:`Membership.ask`): a reply, not a failure or a cancellation."""
+    return isinstance(msg, InfoQuery) and not fut.cancelled() and fut.exception() is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,9 +164,11 @@ class Membership:
         self.timeout_s = timeout_s
         self.probe_s = probe_s
         self._stop = stop
-        self._lock = threading.Lock()  # guards every w.client swap and every w.asked
+        self._lock = threading.Lock()  # guards every w.client swap, w.asked and _pairings
         self.prefill = [WorkerHandle(a, RpcClient(a, timeout_s=timeout_s)) for a in prefill]
         self.decode = [WorkerHandle(a, RpcClient(a, timeout_s=timeout_s)) for a in decode]
+        self._pairings: dict[tuple[WorkerHandle, WorkerHandle], tuple[int, int, Pairing]] = {}
+        """(decode, prefill) -> (their incarnations, the decode worker's latest answer)."""
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -139,8 +176,47 @@ class Membership:
 
     def ready(self) -> bool:
         """True when at least one decode worker is up with a prefill worker up that serves it
-        (:func:`serves`; with every worker holding all heads: one of each role up)."""
-        return any(d.up and covering(self.prefill, d) for d in self.decode)
+        (:func:`serves`, :func:`same_pools`) and whose pairing it accepted."""
+        return any(self._vetted(d)[0] for d in self.decode)
+
+    def serving(self, d: WorkerHandle) -> list[tuple[WorkerHandle, WorkerInfo]]:
+        """The prefill workers up (in order, with their infos) that may carry decode worker
+        ``d``'s requests: those that serve it (:func:`serves`, :func:`same_pools`) and whose
+        latest pairing with it, for both workers' incarnations now, it accepted — or, only
+        while it accepted none, those it has not answered yet; empty while ``d`` is not up."""
+        accepted, pending = self._vetted(d)
+        return accepted or pending
+
+    def _vetted(self, d: WorkerHandle) -> tuple[list[_Served], list[_Served]]:
+        """The prefill workers up serving ``d`` whose pairing it accepted, and those pending."""
+        d_info = d.info
+        if not d.up or d_info is None:
+            return [], []
+        cands = [
+            (p, p_info)
+            for p in covering(self.prefill, d)
+            if (p_info := p.info) is not None and same_pools(p_info, d_info)
+        ]
+        with self._lock:
+            states = [self._pairing(d, p) for p, _ in cands]
+        return (
+            [c for c, s in zip(cands, states, strict=True) if s is Pairing.ACCEPTED],
+            [c for c, s in zip(cands, states, strict=True) if s is Pairing.PENDING],
+        )
+
+    def _pairing(self, d: WorkerHandle, p: WorkerHandle) -> Pairing | None:
+        """Under the lock: ``d``'s latest answer to pairing with ``p`` if it was for both
+        workers' current incarnations, else None."""
+        rec = self._pairings.get((d, p))
+        if rec is None or d.info is None or p.info is None:
+            return None
+        return rec[2] if rec[:2] == (d.info.incarnation, p.info.incarnation) else None
+
+    def _forget(self, w: WorkerHandle) -> None:
+        """Forget every pairing record of ``w`` (it went down or restarted)."""
+        with self._lock:
+            for key in [k for k in self._pairings if w in k]:
+                del self._pairings[key]
 
     def close(self) -> None:
         """Set ``stop`` and close every worker's client (nothing is recycled after this)."""
@@ -174,7 +250,10 @@ class Membership:
         """Ask each worker its message, wait ``wait_s`` in all: the replies in order (None: none
         in time, or the call failed). One not answered yet is waited for again, not resent —
         unless sent ``timeout_s`` ago or more: then sent again, on a fresh client if the worker
-        is not up (see the module docstring)."""
+        is not up (see the module docstring). An ``InfoQuery`` answered after the last ask
+        waited for it is that answer (resending it would throw the answer away, and with
+        replies slower than ``wait_s`` no census would ever hear the worker); other answers are
+        not reused (a pairing's may come from a process since restarted)."""
         futs: list[Future[AnyMessage]] = []
         now = time.monotonic()
         olds: list[RpcClient] = []
@@ -188,7 +267,7 @@ class Membership:
                 fut = w.asked.get(msg, (None, now))[0]
                 if fut is not None and self._stale(w, msg, now):  # up (or stopping): resend
                     w.client.forget(fut)
-                if fut is None or fut.done():
+                if fut is None or (fut.done() and not _late_answer(fut, msg)):
                     fut = w.client.call_async(msg)
                     w.asked[msg] = (fut, now)
                 futs.append(fut)
@@ -226,9 +305,12 @@ class Membership:
                 if w.up:
                     log.warning("worker at %s does not answer: marked down", w.address)
                     gone.append(w)
+                    self._forget(w)
                 w.up = False
                 continue
             restarted = w.info is None or w.info.incarnation != got.incarnation
+            if restarted:
+                self._forget(w)
             if force or restarted or not w.up or w.repair:
                 changed.append(w)
             w.info, w.up, w.repair = got, True, False
@@ -236,21 +318,33 @@ class Membership:
 
     def pair_all(self, changed: Sequence[WorkerHandle]) -> list[str]:
         """Pair each up decode worker with each up prefill worker that serves it (:func:`serves`;
-        no other pair is asked), either in ``changed``, all at once within ``probe_s``: what went
-        wrong — a pairing that failed (its decode worker is re-paired), and a decode worker up
-        that no prefill worker up serves while some is up (see the module docstring)."""
-        pairs = [
-            (d, PairWith(pd_address=p.info.pd_address))
-            for d in self.decode
-            if d.up
-            for p in covering(self.prefill, d)
-            if p.info is not None and (d in changed or p in changed)
-        ]
+        no other pair is asked), either in ``changed``, all at once within ``probe_s``, and
+        record each answer (see the module docstring): what went wrong — a pairing refused or
+        not answered (its decode worker is re-paired), and a decode worker up that no prefill
+        worker up serves while some is up."""
+        pairs: list[tuple[WorkerHandle, WorkerHandle, tuple[int, int]]] = []
+        asks: list[tuple[WorkerHandle, AnyMessage]] = []
+        for d in self.decode:
+            for p in covering(self.prefill, d) if d.up and d.info is not None else []:
+                if d.info is not None and p.info is not None and (d in changed or p in changed):
+                    pairs.append((d, p, (d.info.incarnation, p.info.incarnation)))
+                    asks.append((d, PairWith(pd_address=p.info.pd_address)))
         errors: list[str] = []
-        for (d, _), got in zip(pairs, self.ask(pairs, self.probe_s), strict=True):
-            if got is None or isinstance(got, ErrorReply):
+        for (d, p, incs), got in zip(pairs, self.ask(asks, self.probe_s), strict=True):
+            state = (
+                Pairing.ACCEPTED if isinstance(got, Ack)
+                else Pairing.PENDING if got is None
+                else Pairing.REFUSED
+            )  # fmt: skip
+            with self._lock:
+                self._pairings[(d, p)] = (*incs, state)
+            if state is not Pairing.ACCEPTED:
                 d.repair = True
-                why = f"no answer within {self.probe_s:g} s" if got is None else got.reason
+                why = (
+                    f"no answer within {self.probe_s:g} s" if got is None
+                    else got.reason if isinstance(got, ErrorReply)
+                    else f"unexpected reply {got!r}"[:500]
+                )  # fmt: skip
                 errors.append(f"decode worker at {d.address} cannot pair: {why}")
         return errors + self._uncovered(changed)
 

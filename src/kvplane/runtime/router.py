@@ -10,12 +10,16 @@ session's KV, so a prefill worker serves a decode worker only when its KV head r
 decode worker's in every pool (:func:`~kvplane.runtime.membership.serves`; GQA across TP
 degrees). Pairs that cannot serve are never asked to pair and are not errors; a decode worker up
 that no prefill worker up covers is (``connect`` raises naming its ranges and those available).
-:meth:`Router.submit` picks a decode worker round-robin among the ones up that some prefill
-worker up serves, then a prefill worker round-robin among the ones up that serve it (with every
-worker holding all heads, or MLA: two independent round-robins over the workers up; nothing
-to serve it: refused before any order), mints a session id that is unique across router
-restarts, and sends the prefill order and the decode order at once — the prefill side starts
-computing while the decode side allocates; whichever PD frame arrives first opens the
+Only vetted pairs carry requests: those whose pairing the decode worker accepted, for both
+workers' current incarnations (one it has not answered yet only while it accepted none; see
+:meth:`~kvplane.runtime.membership.Membership.serving`). :meth:`Router.submit` picks request
+``n``'s decode worker as ``eligible[n % len(eligible)]`` of the decode workers up that such a
+prefill worker serves, then the prefill worker by that decode worker's own round-robin cursor
+over those — so every serving prefill worker gets an even share of each decode worker's
+requests, and the share of a decode worker nothing serves is spread evenly over the others
+(nothing serves any: refused before any order). It mints a session id that is unique across
+router restarts, and sends the prefill order and the decode order at once — the prefill side
+starts computing while the decode side allocates; whichever PD frame arrives first opens the
 session. The decode worker answers when the request ends; that answer is the request's result.
 An order a worker refuses fails the request and cancels the other side. A request id is unique
 among the requests in flight (a duplicate is refused before anything is sent), and every
@@ -137,6 +141,7 @@ class Router:
         self._tag = secrets.token_hex(4)
         self._serial = 0
         self._flights: dict[str, _Flight] = {}
+        self._turns: dict[WorkerHandle, int] = {}  # per decode worker: requests picked for it
         self._lock = threading.Lock()
         self._settle_lock = threading.Lock()
         self._refresh_lock = threading.Lock()
@@ -189,7 +194,7 @@ class Router:
 
     def ready(self) -> bool:
         """True when at least one decode worker is up with a prefill worker up that serves it
-        (every worker holding all heads: one worker of each role up)."""
+        and whose pairing it accepted (:meth:`Membership.ready`)."""
         return self._members.ready()
 
     # -- pairing ---------------------------------------------------------------------------------
@@ -307,31 +312,42 @@ class Router:
 
     # -- requests --------------------------------------------------------------------------------
     def _pick(self, n: int) -> tuple[WorkerHandle, WorkerInfo, WorkerHandle, WorkerInfo]:
-        """Prefill and decode worker (with their infos) for request number ``n``: the first decode
-        worker up from ``n`` round-robin that some prefill worker up serves, and the first of
-        those from ``n``. ``ProtocolError`` before :meth:`connect`, while no worker of a role is
-        up, or when no prefill worker up serves any decode worker up (naming the ranges)."""
+        """Prefill and decode worker (with their infos) for request number ``n``, under the lock:
+        decode ``eligible[n % len(eligible)]`` of the decode workers up that a prefill worker
+        serves (:meth:`Membership.serving`: covers its heads, pairing vetted), then the next of
+        those by that decode worker's cursor, which advances. ``ProtocolError``, nothing changed,
+        before :meth:`connect`, while no worker of a role is up, or while no prefill worker up
+        serves a decode worker up (naming the ranges; the same error whether none covers its
+        heads or every pairing of one that does was refused)."""
         for role, ws in (("prefill", self.prefill), ("decode", self.decode)):
             if all(w.info is None for w in ws):
                 raise ProtocolError("call Router.connect() before submitting requests")
             if not any(w.up and w.info is not None for w in ws):
                 raise ProtocolError(f"no {role} worker is up")
-        ps, ds = self.prefill, self.decode
-        for k in range(len(ds)):
-            d = ds[(n + k) % len(ds)]
-            if not d.up or d.info is None:
-                continue
-            serve = {id(p) for p in covering(ps, d)}
-            for j in range(len(ps)):
-                p = ps[(n + j) % len(ps)]
-                if id(p) in serve and p.info is not None:
-                    return p, p.info, d, d.info
-        up = [heads_of(w) for w in ps if w.up]
-        raise ProtocolError(
-            "no prefill worker up holds all the KV heads of a decode worker up (one sender per "
-            f"session): decode {', '.join(heads_of(w) for w in ds if w.up)}; prefill "
-            f"{', '.join(up)}"[:4000]
-        )
+        eligible = [
+            (d, d_info, ps)
+            for d in self.decode
+            if (d_info := d.info) is not None and (ps := self._members.serving(d))
+        ]
+        if not eligible:
+            raise ProtocolError(self._nothing_serves())
+        d, d_info, ps = eligible[n % len(eligible)]
+        turn = self._turns.get(d, 0)
+        p, p_info = ps[turn % len(ps)]
+        self._turns[d] = turn + 1
+        return p, p_info, d, d_info
+
+    def _nothing_serves(self) -> str:
+        """Why no request can be served now, naming the head ranges of the workers up."""
+        ps, ds = [w for w in self.prefill if w.up], [w for w in self.decode if w.up]
+        why = "no prefill worker up holds all the KV heads of a decode worker up"
+        if any(covering(ps, d) for d in ds):
+            why = "no decode worker up has a vetted pairing with a prefill worker up holding all "
+            why += "its KV heads (refused or not made yet; re-paired at the next refresh)"
+        return (
+            f"{why} (one sender per session): decode {', '.join(heads_of(w) for w in ds)}; "
+            f"prefill {', '.join(heads_of(w) for w in ps)}"
+        )[:4000]
 
     def submit(
         self,
@@ -345,7 +361,8 @@ class Router:
         deadline at the latest). Nothing is sent and nothing changes when it raises:
         ``InvalidArgumentError`` for an invalid value or a request id already in flight,
         ``ProtocolError`` before :meth:`connect`, while no worker of a role is up, or while no
-        prefill worker up serves (covers the KV heads of) a decode worker up."""
+        prefill worker up serves (covers the KV heads of, and has a vetted pairing with) a
+        decode worker up."""
         try:
             tokens = [operator.index(t) for t in token_ids]
             order = msgspec.convert(
