@@ -146,7 +146,7 @@ def _info(heads: tuple[tuple[int, int], ...]) -> WorkerInfo:
         (((0, 1), (0, 1)), ((0, 1), (0, 1)), True),  # MLA's latent head
         ((), ((2, 4),), True),  # a worker that does not say: the handshake decides
         (((0, 2),), (), True),
-        (((0, 2),), ((2, 4), (0, 1)), True),  # pools that differ: the handshake refuses
+        (((0, 2),), ((0, 2), (0, 1)), False),  # pools that differ: never served
     ],
 )
 def test_serves_is_heads_cover_in_every_pool(

@@ -36,6 +36,15 @@ def _decode(name: str, heads: Heads, spec: SyntheticSpec = GQA) -> DecodeWorker:
     return w
 
 
+def _router(stack: ExitStack, prefill: list[PrefillWorker], decode: list[DecodeWorker]) -> Router:
+    """A router over ``prefill`` and ``decode``; every one of them and it closed by ``stack``."""
+    for w in (*prefill, *decode):
+        stack.callback(w.close)
+    r = Router([w.address for w in prefill], [w.address for w in decode], timeout_s=20.0)
+    stack.callback(r.close)
+    return r
+
+
 def _peers(w: PrefillWorker | DecodeWorker) -> list[str]:
     """A worker's live PD peers (read on its PD loop)."""
     part = w.participant
@@ -69,10 +78,7 @@ def test_a_2x2_tp_cluster_pairs_only_covering_ranks_and_serves_every_request(
 ) -> None:
     p0, p1 = _prefill("p0", (0, 2)), _prefill("p1", (2, 4))
     d0, d1 = _decode("d0", (0, 2)), _decode("d1", (2, 4))
-    for w in (p0, p1, d0, d1):
-        stack.callback(w.close)
-    r = Router([p0.address, p1.address], [d0.address, d1.address], timeout_s=20.0)
-    stack.callback(r.close)
+    r = _router(stack, [p0, p1], [d0, d1])
     r.connect()  # the mismatched pairs are never asked: not errors
     assert not any(w.repair for w in r.workers) and r.ready()
     assert (_peers(d0), _peers(d1)) == (["p0"], ["p1"])
@@ -102,10 +108,7 @@ def test_each_decode_rank_spreads_its_requests_over_every_prefill_rank_covering_
     # took every request)
     p0, p1 = _prefill("p0", (0, 4)), _prefill("p1", (0, 2))
     d0, d1 = _decode("d0", (0, 2)), _decode("d1", (2, 4))
-    for w in (p0, p1, d0, d1):
-        stack.callback(w.close)
-    r = Router([p0.address, p1.address], [d0.address, d1.address], timeout_s=20.0)
-    stack.callback(r.close)
+    r = _router(stack, [p0, p1], [d0, d1])
     r.connect()
     assert (_peers(d0), _peers(d1)) == (["p0", "p1"], ["p0"])
     rng = np.random.default_rng(7)
@@ -160,10 +163,7 @@ def test_a_decode_rank_no_prefill_covers_is_reported_once_skipped_and_mended(
 
 def test_a_request_nothing_can_serve_is_refused_before_any_order(stack: ExitStack) -> None:
     p, d = _prefill("p", (0, 2)), _decode("d", (1, 3))
-    for w in (p, d):
-        stack.callback(w.close)
-    r = Router([p.address], [d.address], timeout_s=20.0)
-    stack.callback(r.close)
+    r = _router(stack, [p], [d])
     with pytest.raises(ProtocolError, match=re.escape("(1, 3)")):
         r.connect()
     assert not r.ready() and not r.decode[0].repair
@@ -182,10 +182,7 @@ def test_full_head_and_mla_workers_pair_all_with_all_as_before(stack: ExitStack)
     for spec, heads in ((GQA, (0, 4)), (MLA, (0, 1))):
         ps = [_prefill(f"p{i}{spec.kind}", heads, spec) for i in range(2)]
         ds = [_decode(f"d{i}{spec.kind}", heads, spec) for i in range(2)]
-        for w in ps + ds:
-            stack.callback(w.close)
-        r = Router([w.address for w in ps], [w.address for w in ds], timeout_s=20.0)
-        stack.callback(r.close)
+        r = _router(stack, ps, ds)
         r.connect()
         assert [_peers(d) for d in ds] == [sorted(p.config.name for p in ps)] * 2
         for i in range(4):

@@ -101,11 +101,13 @@ class WorkerHandle:
 def serves(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
     """True when ``prefill`` can send ``decode`` a session's KV as far as TP heads go: its head
     range covers the decode worker's in every pool (:func:`~kvplane.pd.handshake.heads_cover`).
-    Also True when either does not say (empty ``head_ranges``) or they count different pools:
-    the PD handshake then decides (and refuses what does not fit). Pure."""
+    Also True when either does not say (empty ``head_ranges``): the PD handshake then decides.
+    False when both say and count different pools: the handshake refuses such a pair. Pure."""
     held, needed = prefill.head_ranges, decode.head_ranges
-    if not held or not needed or len(held) != len(needed):
+    if not held or not needed:
         return True
+    if len(held) != len(needed):
+        return False
     return all(heads_cover(h, n) for h, n in zip(held, needed, strict=True))
 
 
@@ -114,13 +116,6 @@ def covering(prefill: Sequence[WorkerHandle], d: WorkerHandle) -> list[WorkerHan
     if d.info is None:
         return []
     return [p for p in prefill if p.up and p.info is not None and serves(p.info, d.info)]
-
-
-def same_pools(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
-    """False when both say their head ranges and count different pools (the PD handshake
-    refuses such a pair: it never serves), else True. Pure."""
-    held, needed = prefill.head_ranges, decode.head_ranges
-    return not held or not needed or len(held) == len(needed)
 
 
 def heads_of(w: WorkerHandle) -> str:
@@ -176,12 +171,12 @@ class Membership:
 
     def ready(self) -> bool:
         """True when at least one decode worker is up with a prefill worker up that serves it
-        (:func:`serves`, :func:`same_pools`) and whose pairing it accepted."""
+        (:func:`serves`) and whose pairing it accepted."""
         return any(self._vetted(d)[0] for d in self.decode)
 
     def serving(self, d: WorkerHandle) -> list[tuple[WorkerHandle, WorkerInfo]]:
         """The prefill workers up (in order, with their infos) that may carry decode worker
-        ``d``'s requests: those that serve it (:func:`serves`, :func:`same_pools`) and whose
+        ``d``'s requests: those that serve it (:func:`serves`) and whose
         latest pairing with it, for both workers' incarnations now, it accepted — or, only
         while it accepted none, those it has not answered yet; empty while ``d`` is not up."""
         accepted, pending = self._vetted(d)
@@ -189,14 +184,9 @@ class Membership:
 
     def _vetted(self, d: WorkerHandle) -> tuple[list[_Served], list[_Served]]:
         """The prefill workers up serving ``d`` whose pairing it accepted, and those pending."""
-        d_info = d.info
-        if not d.up or d_info is None:
+        if not d.up or d.info is None:
             return [], []
-        cands = [
-            (p, p_info)
-            for p in covering(self.prefill, d)
-            if (p_info := p.info) is not None and same_pools(p_info, d_info)
-        ]
+        cands = [(p, p_info) for p in covering(self.prefill, d) if (p_info := p.info) is not None]
         with self._lock:
             states = [self._pairing(d, p) for p, _ in cands]
         return (
