@@ -106,3 +106,37 @@ def test_the_target_uses_the_paired_ratio_when_there_is_one() -> None:
     got, (label,) = tcp_vs_nixl(rows, {4096: 0.95})  # medians say faster, pairs say slower
     assert got == {label: False}
     assert tcp_vs_nixl(rows, {4096: 1.2})[0] == {label: True}
+
+
+def test_tcp_rows_come_from_its_own_run_and_the_nixl_pairing_from_the_interleaved_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+
+    def row(name: str, tag: str, **extra: object) -> list[dict[str, object]]:
+        return [{"transport": name, "block_bytes": b, "gbps": 1.0, "limit_gbps": 1.0,
+                 "ratio": 1.0, "tag": tag, **extra} for b in BLOCKS]  # fmt: skip
+
+    def cross(name: str, reps: int) -> list[dict[str, object]]:
+        calls.append(f"alone {name}")
+        return row(name, "alone")
+
+    def with_nixl(
+        reps: int,
+    ) -> tuple[list[dict[str, object]], list[dict[str, object]], dict[int, float]]:
+        calls.append("interleaved")
+        return row("tcp", "beside nixl"), row("nixl", "paired", ucx_tls="tcp"), {4096: 1.5}
+
+    monkeypatch.setattr(transport, "available", lambda: {"tcp": None, "nixl": None})
+    monkeypatch.setattr(transport, "_cross", cross)
+    monkeypatch.setattr(transport, "_tcp_with_nixl", with_nixl)
+    monkeypatch.setattr(transport, "_planner", lambda quick: [])
+    got = transport.run(True, argparse.Namespace(only=None))
+    # tcp alone first (no UCX thread alive), then tcp with NIXL over TCP, then NIXL's default
+    assert calls == ["alone tcp", "interleaved", "alone nixl"]
+    results = got["results"]
+    assert isinstance(results, list)
+    assert [(r["transport"], r.get("ucx_tls"), r["tag"]) for r in results][::2] == [
+        ("tcp", None, "alone"), ("nixl", "default", "alone"), ("nixl", "tcp", "paired"),
+    ]  # fmt: skip
+    assert got["tcp_vs_nixl_paired_ratio"] == {"4 KiB": 1.5}
