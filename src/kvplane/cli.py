@@ -1,4 +1,4 @@
-"""The ``kvplane`` command line: one subcommand per module in ``kvplane.runtime``.
+"""The ``kvplane`` command line: one subcommand per module in ``kvplane.apps``.
 
 Each command module exposes ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``;
 this file only wires them into argparse, so commands stay independent of one another.
@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from kvplane import __version__
+from kvplane.apps import demo, generate, report, serve
+from kvplane.apps.bench import command as bench
 from kvplane.errors import KVPlaneError
-from kvplane.runtime import bench, demo, generate, report, serve
 
 
 def _commands() -> list[ModuleType]:

@@ -1,7 +1,8 @@
 """Build and load the C kernels that ship inside the package.
 
 A kernel's source lives next to the module that uses it (``attention/backends/native/``,
-``transports/native/``, ``runtime/native/``). The first process that needs it compiles it with
+``transports/native/``, ``serving/producers/native/``). The first process that needs it
+compiles it with
 the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache directory
 (``$KVPLANE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvplane`` or ``~/.cache/kvplane``), under a
 name keyed by a hash of the source, the compiler and the flags; later processes only

@@ -20,7 +20,7 @@ from kvplane.ids import SlotId
 from kvplane.integrations.vllm.messages import StepMeta
 from kvplane.integrations.vllm.scheduler import RequestView, ScheduledRequest
 from kvplane.integrations.vllm.worker import FINISHED_WINDOW
-from kvplane.offload.tiers.redis_server import LocalRedisServer, redis_server_support
+from kvplane.testing.redis_server import LocalRedisServer, redis_server_support
 
 PROMPT = list(range(1, 22))  # 21 tokens: blocks of 4, chunks of 2 blocks -> 2 chunks offered
 

@@ -26,7 +26,7 @@ from kvplane.offload import (
 from kvplane.offload.jobs import JobResult
 from kvplane.offload.policies.arc import ARCPolicy
 from kvplane.offload.tiers import DiskTier, RemoteTier, Tier
-from kvplane.offload.tiers.redis_server import LocalRedisServer
+from kvplane.testing.redis_server import LocalRedisServer
 
 BPC = 2
 LAYOUT = tiny_layout(num_blocks=32)

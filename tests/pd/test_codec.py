@@ -35,7 +35,7 @@ from kvplane.pd.events import (
     WireEvent,
 )
 from kvplane.pd.handshake import compat_fingerprint
-from kvplane.pd.pair import sim_profile
+from kvplane.testing.session_pair import sim_profile
 
 SECRET = b"0123456789abcdef-secret"
 PROFILE = sim_profile()

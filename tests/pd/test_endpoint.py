@@ -35,10 +35,10 @@ from kvplane.pd.events import (
     TransportDone,
 )
 from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile
-from kvplane.pd.pair import sim_profile
 from kvplane.pd.participant import Participant
 from kvplane.pd.states import SessionState
 from kvplane.pd.timers import Timings
+from kvplane.testing.session_pair import sim_profile
 
 MAX_FRAME = 4096
 SECRET = b"endpoint-test-secret!"

@@ -26,10 +26,10 @@ from kvplane.pd.events import (
     TransportDone,
 )
 from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile
-from kvplane.pd.pair import sim_profile
 from kvplane.pd.participant import Participant
 from kvplane.pd.states import Ownership, Role, SessionState
 from kvplane.pd.timers import Timings
+from kvplane.testing.session_pair import sim_profile
 
 T = Timings(deadline_s=5.0, verdict_grace_s=1.0, retransmit_s=0.5, heartbeat_s=1.0, lease_s=3.0)
 P, D, D2 = PeerId("prefill"), PeerId("decode"), PeerId("decode2")

@@ -127,7 +127,7 @@ def test_classify_distinguishes_outcomes_and_statuses() -> None:
 
 
 def test_classify_refuses_peer_level_events() -> None:
-    from kvplane.pd.pair import sim_profile
+    from kvplane.testing.session_pair import sim_profile
 
     hello = Hello(peer_id="p", incarnation=1, profile=sim_profile(), fingerprint=b"")
     with pytest.raises(ProtocolError, match="not a session event"):

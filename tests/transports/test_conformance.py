@@ -19,6 +19,7 @@ import torch
 
 from kvplane.errors import PlanError, TransportError, UnknownPeerError
 from kvplane.ids import PeerId, RegionId
+from kvplane.testing.peer_process import PeerProcess, pattern
 from kvplane.transports.base import (
     DescriptorList,
     FailureKind,
@@ -28,7 +29,6 @@ from kvplane.transports.base import (
     XferState,
 )
 from kvplane.transports.local import LocalFabric, LocalTransport
-from kvplane.transports.peer_process import PeerProcess, pattern
 from kvplane.transports.registry import CROSS_PROCESS, available, create_transport
 
 NAMES = ["local", "shm", "tcp", "nixl", "mooncake"]

@@ -156,7 +156,7 @@ def test_a_batch_timing_out_behind_a_cancelled_stalled_stream_tears_it_down(kit)
     that the caller then cancels. A later batch that times out queued behind it tears the
     stream down, so the blocked sender, its pins and the link are freed (before: the link
     stayed up, every later batch timed out and the pins piled up until close)."""
-    from kvplane.transports.peer_process import PeerProcess
+    from kvplane.testing.peer_process import PeerProcess
 
     n = 256 << 20
     a = TcpTransport(agent="wedge")

@@ -5,6 +5,6 @@
 ``timers``, ``actions``, ``session`` / ``sender`` / ``receiver`` (the sans-IO sessions),
 ``peers`` (handshake verdicts, leases), ``tombstones`` (retired sessions), ``participant``
 (one worker's sessions, epochs, timers), ``codec`` (frames), ``endpoint`` (the only module that
-touches sockets), ``link`` / ``pair`` (fault-injecting simulation) and ``diagram`` (Mermaid
+touches sockets) and ``diagram`` (Mermaid
 from the tables).
 """

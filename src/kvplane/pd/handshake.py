@@ -164,7 +164,7 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 def heads_cover(held: tuple[int, int], needed: tuple[int, int]) -> bool:
     """True when the half-open TP head range ``held`` (a sender's) contains every head of the
     non-empty range ``needed`` (a receiver's). The one coverage predicate of the data plane: the
-    handshake (:func:`check_compatible`) and the slice planner (``runtime/slicing.py``) both use
+    handshake (:func:`check_compatible`) and the slice planner (``pipeline/slicing.py``) both use
     it. Pools without a head split (MLA's latent head, state pools: ``(0, 1)`` on both sides)
     are always covered."""
     return held[0] <= needed[0] < needed[1] <= held[1]

@@ -9,8 +9,8 @@ import pytest
 from kvplane.errors import ConfigError, OffloadError
 from kvplane.offload.config import OffloadConfig
 from kvplane.offload.tiers import DiskTier, RemoteTier
-from kvplane.offload.tiers.redis_server import free_port
 from kvplane.offload.tiers.registry import TIER_KINDS, open_lower_tiers, tier_support
+from kvplane.testing.redis_server import free_port
 
 FP = bytes(range(16))
 

@@ -25,7 +25,7 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.offload.tiers import ReadOutcome, RemoteTier, Tier
 from kvplane.offload.tiers import remote as remote_module
 from kvplane.offload.tiers import resp as resp_module
-from kvplane.offload.tiers.redis_server import LocalRedisServer, free_port
+from kvplane.testing.redis_server import LocalRedisServer, free_port
 
 FP = bytes(range(16))
 OK, CORRUPT, MISSING = ReadOutcome.OK, ReadOutcome.CORRUPT, ReadOutcome.MISSING

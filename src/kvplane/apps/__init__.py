@@ -1,0 +1,1 @@
+"""Commands (L8): serve, demo, generate, report and ``bench/``; wiring only."""

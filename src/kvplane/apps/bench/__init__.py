@@ -1,0 +1,1 @@
+"""``kvplane bench``: one module per bench, the shared estimators in ``common``."""

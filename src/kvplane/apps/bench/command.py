@@ -1,0 +1,65 @@
+"""``kvplane bench NAME [--quick] [--json]``: run one benchmark module of ``apps/bench``.
+
+A bench module exposes ``NAME``, ``HELP``, ``add_arguments(parser)`` (optional extra flags) and
+``run(quick: bool, args) -> dict[str, object]``. Every bench measures kvplane against the physical
+limit (memcpy, raw socket, raw file I/O, the raw third-party engine) in the same run and reports
+ratios; ``--quick`` finishes in under 60 s; ``--json`` prints the result dict as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from types import ModuleType
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+NAME = "bench"
+HELP = "Run a benchmark (ratios against the physical limit measured in the same run)."
+
+BENCHES: tuple[str, ...] = ("attention", "offload", "protocol", "transport", "pd", "vllm")
+"""Module names under ``kvplane.apps.bench.common``; each engineer appends their bench here."""
+
+
+def _load(name: str) -> ModuleType:
+    return importlib.import_module(f"kvplane.apps.bench.{name}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH")
+    for name in BENCHES:
+        module = _load(name)
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        p.add_argument("--quick", action="store_true", help="small sizes, under 60 s")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        extra = getattr(module, "add_arguments", None)
+        if extra is not None:
+            extra(p)
+        p.set_defaults(_bench=module)
+
+
+def _print_table(name: str, result: dict[str, Any]) -> None:
+    table = Table(title=f"kvplane bench {name}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else json.dumps(value, default=str)
+        table.add_row(key, shown if len(shown) < 120 else shown[:117] + "...")
+    Console().print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    module: ModuleType | None = getattr(args, "_bench", None)
+    if module is None:
+        names = ", ".join(BENCHES) or "(none yet)"
+        print(f"usage: kvplane bench BENCH [--quick] [--json]; benches: {names}")
+        return 2
+    result: dict[str, Any] = module.run(args.quick, args)
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        _print_table(module.NAME, result)
+    return 0

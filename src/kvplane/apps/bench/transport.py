@@ -1,0 +1,429 @@
+"""``kvplane bench transport``: each transport against the physical limit of its path.
+
+What is timed: 64 MiB moved as 256 KiB blocks and as 4 KiB blocks (the small-transfer regime)
+in one ``submit`` (no notify), from submit to DONE (busy polling). kvplane's descriptor lists
+are built before the clock starts; the raw engines' offset arrays are too, but turning them into
+each engine's own block list (NIXL descriptors, Mooncake's Python lists) happens inside the
+timed write, as the adapter's own conversion does inside its timed submit. The source blocks
+are in order, the destination blocks are a seeded random permutation -- the scatter into a
+paged pool -- so nothing coalesces and every block is its own descriptor.
+``local`` copies inside this process; ``shm``, ``tcp``, ``nixl`` and ``mooncake`` write into a
+child process (:class:`~kvplane.testing.peer_process.PeerProcess`).
+
+The limit of each path is measured in the same run, interleaved repeat by repeat with kvplane
+(the machine is shared and noisy): torch ``copy_`` of 64 MiB for ``local`` and ``shm``; a raw
+Python ``sendall`` (1 MiB pieces) into a ``recv_into`` loop in the child for ``tcp``; the raw
+NIXL / Mooncake API writing the same blocks into the same child memory for the adapters.
+Every timed run starts after a short settle pause (:data:`SETTLE_S`), so neither side
+inherits the other's spinning threads. ``gbps`` and ``limit_gbps`` are medians; ``ratio`` is
+the median of the per-repeat ratios (``paired_ratio``: each repeat's two runs shared the
+machine's load of the moment, which drifts between repeats). Targets: local and shm >= 0.8,
+tcp >= 0.85 (and >= the NIXL adapter), adapters >= 0.9; each row says ``target`` and
+``target_met`` (``ratio >= target``). ``local`` and ``shm`` rows also carry
+``stream_limit_gbps`` and ``stream_ratio``: the same bytes copied by one streaming-store
+``memcpy`` (``stream_memcpy``), a stronger limit than torch ``copy_`` on this project's VMs.
+``tcp`` rows also carry ``scatter_limit_gbps`` and ``scatter_ratio``: the same raw ``sendall``
+received by ``recvmsg_into`` straight into the bench's scattered destination blocks -- the raw
+socket paying the scatter into a paged pool that the contiguous ``recv_into`` limit never
+pays (a few per cent at 256 KiB, about a fifth at 4 KiB on this project's VMs).
+The result's ``results`` list also carries the planner entries of ``transport_planner`` (a
+128k-token DeepSeek-V3 MLA plan, and a plan over contiguous 4 KiB blocks: the issue's "4 KiB
+blocks coalesced where contiguous", judged on the plan's op count), each with ``target_met``.
+The result records ``quick`` and ``repeats``.
+
+``tcp`` against NIXL on one path: with its default transports UCX moves bytes between two
+processes of one host by cross-memory attach (``cma``: one kernel copy straight between the two
+address spaces), not through the TCP stack -- measured here, 256 KiB blocks at ~2 GB/s by
+default and with ``UCX_TLS=tcp,cma``, ~0.8-1.2 GB/s with ``UCX_TLS=tcp`` or ``tcp,posix,sysv``
+-- which a NIXL peer on another host cannot do. So NIXL runs twice: rows with
+``"ucx_tls": "default"`` (its adapter-vs-raw ratio) and rows with ``"ucx_tls": "tcp"`` (UCX
+restricted to TCP in both processes: the path our ``tcp`` transport takes). ``tcp_vs_nixl``
+compares ``tcp`` with the latter -- the target, its labels listed in ``tcp_vs_nixl_target`` --
+and also with cma, for information; ``tcp_vs_nixl_note`` says so in the JSON. ``tcp`` and
+NIXL over TCP are measured together, interleaved repeat by repeat, and the target compares
+them by ``tcp_vs_nixl_paired_ratio`` (tcp / NIXL throughput, the median of per-repeat ratios);
+the cma comparison is of medians of separate runs. ``tcp``'s own rows (its ratio against the
+raw socket) come from a run of its own first, with no NIXL agent alive: UCX's progress threads
+wake every :data:`~kvplane.transports.nixl.PROGRESS_DELAY_US` even when idle, and beside them
+tcp's ratio read ~5-10% lower on this project's 2-core VMs (the raw socket, one process,
+paid less of it) -- a cost of the bench's set-up, not of tcp's path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvplane.apps.bench.common import (
+    SETTLE_S,
+    limit_fields,
+    paired_ratio,
+    stream_fields,
+    stream_memcpy,
+)
+from kvplane.errors import KVPlaneError
+from kvplane.testing.peer_process import PeerProcess, pattern
+from kvplane.transports.base import DescriptorList, XferKind
+from kvplane.transports.core import TransportCore
+from kvplane.transports.local import LocalTransport
+from kvplane.transports.registry import available, create_transport
+
+NAME = "transport"
+HELP = "Transport throughput (64 MiB as 256 KiB and 4 KiB blocks) against each path's limit."
+
+TOTAL = 64 << 20
+BLOCKS = (256 << 10, 4 << 10)
+REPEATS = {True: 3, False: 9}
+TARGETS = {"local": 0.8, "shm": 0.8, "tcp": 0.85, "nixl": 0.9, "mooncake": 0.9}
+LIMITS = {
+    "local": "torch copy_ of 64 MiB",
+    "shm": "torch copy_ of 64 MiB",
+    "tcp": "raw sendall/recv_into loop (1 MiB pieces) to the child",
+    "nixl": "raw NIXL WRITE of the same blocks to the child",
+    "mooncake": "raw Mooncake batch_transfer_sync_write of the same blocks to the child",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", nargs="*", default=None, help="transports to run (default all)")
+
+
+def _blocks(block: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    n = TOTAL // block
+    perm = np.random.default_rng(block).permutation(n)
+    return np.arange(n, dtype=np.int64) * block, perm.astype(np.int64) * block, np.full(n, block)
+
+
+def _descriptors(
+    src_region: int, dst_region: int
+) -> dict[int, tuple[DescriptorList, DescriptorList]]:
+    """Per block size, the (source, destination) descriptor lists of one bench write, built
+    before timing starts (the timed span is submit to DONE, not building the plan)."""
+    out = {}
+    for block in BLOCKS:
+        so, do, ln = _blocks(block)
+        out[block] = (DescriptorList(np.full(len(so), src_region), so, ln),
+                      DescriptorList(np.full(len(so), dst_region), do, ln))  # fmt: skip
+    return out
+
+
+UCX_TCP = {"UCX_TLS": "tcp"}
+"""UCX restricted to its TCP transport (and nothing shared-memory) -- the same path as ``tcp``."""
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """``extra`` set in this process's environment (inherited by children started meanwhile;
+    UCX reads it when an agent creates its context), the previous values restored after."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _kv_write(t: TransportCore, peer: Any, src: DescriptorList, dst: DescriptorList) -> None:
+    got = t.wait(t.submit(XferKind.WRITE, src, dst, peer, deadline_s=300.0))
+    if got.bytes_done != TOTAL:
+        raise KVPlaneError(f"bench write on {t.name} ended {got}")
+
+
+def _row(name: str, block: int, times: tuple[list[float], ...]) -> dict[str, Any]:
+    """One row from the seconds per repeat of kvplane, the limit, the streaming memcpy and
+    the scattered raw limit (the last two empty when not timed)."""
+    kv, limit, stream, scatter = times
+    gbps = TOTAL / statistics.median(kv) / 1e9
+    limit_gbps = TOTAL / statistics.median(limit) / 1e9
+    ratio = paired_ratio(kv, limit)
+    target = TARGETS[name]
+    return {"transport": name, "block_bytes": block, "total_bytes": TOTAL, "gbps": round(gbps, 3),
+            "limit_gbps": round(limit_gbps, 3), "ratio": round(ratio, 3), "target": target,
+            "target_met": ratio >= target,
+            **stream_fields(TOTAL, kv, stream),
+            **limit_fields("scatter", TOTAL, kv, scatter)}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class _Case:
+    """What one transport's repeat times: kvplane's write and its limit per block size, and
+    (when not None) the streaming memcpy and the scattered raw limit. ``buffers`` keeps the
+    memory they use alive for as long as the case is (a raw engine holds only an address of
+    its registered buffer: freeing it mid-run once broke the raw NIXL write)."""
+
+    name: str
+    kv: Callable[[int], None]
+    limit: Callable[[int], None]
+    stream: Callable[[], None] | None = None
+    scatter: Callable[[int], None] | None = None
+    buffers: tuple[torch.Tensor, ...] = ()
+
+
+def _measure_cases(
+    cases: Sequence[_Case], reps: int
+) -> tuple[list[list[dict[str, Any]]], list[dict[int, list[float]]]]:
+    """Rows per case and block size, and per case kvplane's seconds per repeat by block size.
+    The cases are interleaved: each repeat times every case in turn -- kvplane, then the
+    limit, then (when given) the streaming memcpy and the scattered raw limit, each after a
+    settle pause -- so repeat ``i`` of two cases shared the machine's load of the moment."""
+    rows: list[list[dict[str, Any]]] = [[] for _ in cases]
+    kv_s: list[dict[int, list[float]]] = [{} for _ in cases]
+    for block in BLOCKS:
+        for c in cases:
+            c.kv(block)  # warm-up: first touch, connection set-up
+            c.limit(block)
+            if c.scatter is not None:
+                c.scatter(block)
+        times: list[tuple[list[float], ...]] = [([], [], [], []) for _ in cases]
+        for _ in range(reps):
+            for c, got in zip(cases, times, strict=True):
+                time.sleep(SETTLE_S)
+                got[0].append(_timed(lambda: c.kv(block)))  # noqa: B023
+                time.sleep(SETTLE_S)
+                got[1].append(_timed(lambda: c.limit(block)))  # noqa: B023
+                if c.stream is not None:
+                    time.sleep(SETTLE_S)
+                    got[2].append(_timed(c.stream))
+                scatter = c.scatter
+                if scatter is not None:
+                    time.sleep(SETTLE_S)
+                    got[3].append(_timed(lambda: scatter(block)))  # noqa: B023
+        for i, (c, got) in enumerate(zip(cases, times, strict=True)):
+            rows[i].append(_row(c.name, block, got))
+            kv_s[i][block] = got[0]
+    return rows, kv_s
+
+
+def _measure(case: _Case, reps: int) -> list[dict[str, Any]]:
+    """Rows per block size of one case (:func:`_measure_cases`)."""
+    return _measure_cases([case], reps)[0][0]
+
+
+def _local(reps: int) -> list[dict[str, Any]]:
+    t = LocalTransport()
+    src, dst = pattern(TOTAL, 1), torch.zeros(TOTAL, dtype=torch.uint8)
+    rs, rd = t.register(src).region_id, t.register(dst).region_id
+    peer = t.connect(t.metadata())
+
+    descs = _descriptors(rs, rd)
+
+    def kv(block: int) -> None:
+        _kv_write(t, peer, *descs[block])
+
+    def memcpy(block: int) -> None:
+        dst.copy_(src)
+
+    try:
+        return _measure(_Case("local", kv, memcpy, stream=stream_memcpy(src, dst)), reps)
+    finally:
+        t.close()
+
+
+def _tcp_limits(far: PeerProcess, reps: int) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    """The raw socket limits of ``tcp``: the same bytes sent by ``sendall`` in 1 MiB pieces to
+    a ``recv_into`` loop into one contiguous buffer of the child (the issue's limit, one
+    connection), and to ``recvmsg_into`` (``MSG_WAITALL``, 1,024 pieces a call) straight into
+    the child's blocks at the bench's scattered destination offsets (one connection per block
+    size), so that the kernel pays the scatter into a paged pool that the contiguous loop
+    never pays."""
+    ports = {0: far.raw_sink(TOTAL, len(BLOCKS) * (reps + 1))}
+    for block in BLOCKS:
+        ports[block] = far.raw_sink(TOTAL, reps + 1, block, _blocks(block)[1].tolist())
+    socks = {key: socket.create_connection(("127.0.0.1", port)) for key, port in ports.items()}
+    for sock in socks.values():
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    data = pattern(TOTAL, 2).numpy().data
+
+    def send(sock: socket.socket) -> None:
+        for i in range(0, TOTAL, 1 << 20):
+            sock.sendall(data[i : i + (1 << 20)])
+        sock.recv(1)
+
+    return lambda block: send(socks[0]), lambda block: send(socks[block])
+
+
+def _cross_case(name: str, reps: int, stack: contextlib.ExitStack) -> _Case:
+    """Set up ``name`` writing into a child process, and its limit; ``stack`` closes them
+    (the raw engine, then the transport, then the child)."""
+    far = stack.enter_context(PeerProcess(name))
+    region = far.alloc(TOTAL)
+    t = create_transport(name)
+    assert isinstance(t, TransportCore)
+    stack.callback(t.close)
+    allocate = getattr(t, "allocate", None)
+    src = allocate(TOTAL) if allocate is not None else torch.empty(TOTAL, dtype=torch.uint8)
+    src.copy_(pattern(TOTAL, 1))
+    mine = t.register(src).region_id
+    meta = far.metadata()
+    peer = t.connect(meta)
+    scratch = torch.zeros(TOTAL, dtype=torch.uint8)
+    scatter = None
+    if name == "tcp":
+        limit, scatter = _tcp_limits(far, reps)
+    elif name == "shm":
+
+        def limit(block: int) -> None:
+            scratch.copy_(src)
+
+    else:
+        from kvplane.transports.mooncake import RawMooncakeWriter
+        from kvplane.transports.nixl import RawNixlWriter
+
+        raw = (RawNixlWriter if name == "nixl" else RawMooncakeWriter)(meta, scratch)
+        stack.callback(raw.close)
+        layout = {block: _blocks(block) for block in BLOCKS}
+
+        def limit(block: int) -> None:
+            so, do, ln = layout[block]
+            raw.write(so, int(region), do, ln)
+
+    descs = _descriptors(int(mine), int(region))
+
+    def kv(block: int) -> None:
+        _kv_write(t, peer, *descs[block])
+
+    stream = stream_memcpy(src, scratch) if name == "shm" else None
+    return _Case(name, kv, limit, stream=stream, scatter=scatter, buffers=(src, scratch))
+
+
+def _cross(name: str, reps: int) -> list[dict[str, Any]]:
+    with contextlib.ExitStack() as stack:
+        return _measure(_cross_case(name, reps, stack), reps)
+
+
+def _tcp_with_nixl(
+    reps: int,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, float]]:
+    """``tcp``'s rows and the NIXL-over-UCX-TCP rows, measured interleaved repeat by repeat
+    (NIXL's child and agents created with :data:`UCX_TCP` set), and per block size the paired
+    ratio tcp / NIXL throughput (the median of per-repeat ratios: >= 1 means tcp is faster)."""
+    with contextlib.ExitStack() as stack:
+        tcp = _cross_case("tcp", reps, stack)
+        with _environ(UCX_TCP):
+            nixl = _cross_case("nixl", reps, stack)
+        (tcp_rows, nixl_rows), (tcp_s, nixl_s) = _measure_cases([tcp, nixl], reps)
+    paired = {b: round(paired_ratio(tcp_s[b], nixl_s[b]), 3) for b in BLOCKS}
+    return tcp_rows, [dict(r, ucx_tls="tcp") for r in nixl_rows], paired
+
+
+def _tls(row: dict[str, Any]) -> str:
+    """`` (UCX_TLS=tcp)`` for NIXL rows restricted to TCP, else nothing."""
+    return " (UCX_TLS=tcp)" if row.get("ucx_tls") == "tcp" else ""
+
+
+def _said(row: dict[str, Any]) -> str:
+    """A row in words: throughput against the limit and target, then the second limits."""
+    out = (f"{row['gbps']:.2f} / {row['limit_gbps']:.2f} GB/s = {row['ratio']:.2f} "
+           f"(target {TARGETS[row['transport']]})")  # fmt: skip
+    if "stream_ratio" in row:
+        out += f"; {row['stream_ratio']:.2f} of a streaming memcpy"
+    if "scatter_ratio" in row:
+        out += f"; {row['scatter_ratio']:.2f} of the raw socket into the same blocks"
+    return out
+
+
+def _planner(quick: bool) -> list[dict[str, Any]] | None:
+    try:
+        from kvplane.apps.bench.transport_planner import contiguous_4k_entry, planner_entry
+    except ImportError:
+        return None
+    return [dict(planner_entry(quick)), dict(contiguous_4k_entry())]
+
+
+NIXL_TCP = "nixl (UCX_TLS=tcp)"
+TCP_VS_NIXL_NOTE = (
+    "target: tcp's throughput >= the NIXL adapter's over UCX restricted to TCP (UCX_TLS=tcp in "
+    "both processes), the same path; the 'nixl' labels compare with UCX's default cma "
+    "(one host only), for information. When both ran, tcp and NIXL over TCP are timed "
+    "interleaved repeat by repeat and the target is their paired throughput ratio "
+    "(tcp_vs_nixl_paired_ratio, tcp / NIXL) >= 1; the cma comparison is of medians of "
+    "separate runs"
+)
+
+
+def tcp_vs_nixl(
+    results: list[dict[str, Any]], paired: dict[int, float] | None = None
+) -> tuple[dict[str, bool], list[str]]:
+    """tcp against the NIXL adapter, per block size where both ran: ``{label: tcp >= nixl}``,
+    and the labels that are the issue's target (NIXL restricted to TCP, :data:`NIXL_TCP`).
+    A target label uses ``paired[block]`` (tcp / NIXL throughput, paired repeat by repeat)
+    where given, else the two medians; the others compare with NIXL's default cma path by
+    medians."""
+    by = {(r["transport"] + _tls(r), r["block_bytes"]): r for r in results if "transport" in r}
+    out: dict[str, bool] = {}
+    target: list[str] = []
+    for b in BLOCKS:
+        for key, what in ((NIXL_TCP, "same path"), ("nixl", "UCX cma, one host only")):
+            if ("tcp", b) in by and (key, b) in by:
+                label = f"tcp >= {key} at {b >> 10} KiB ({what})"
+                if key == NIXL_TCP and paired is not None and b in paired:
+                    out[label] = paired[b] >= 1.0
+                else:
+                    out[label] = by[("tcp", b)]["gbps"] >= by[(key, b)]["gbps"]
+                if key == NIXL_TCP:
+                    target.append(label)
+    return out, target
+
+
+def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
+    reps = REPEATS[quick]
+    only = getattr(args, "only", None)
+    skipped: dict[str, str] = {}
+    names = []
+    for name, reason in available().items():
+        if only and name not in only:
+            continue
+        if reason is not None:
+            skipped[name] = reason
+        else:
+            names.append(name)
+    interleave = "tcp" in names and "nixl" in names
+    rows: dict[str, list[dict[str, Any]]] = {}
+    paired: dict[int, float] | None = None
+    for name in names:
+        if name == "local":
+            rows[name] = _local(reps)
+        elif name == "tcp" and interleave:
+            rows[name] = _cross(name, reps)  # its ratio with no other engine's threads alive
+            _, rows[NIXL_TCP], paired = _tcp_with_nixl(reps)
+        elif name == "nixl":
+            rows[name] = [dict(r, ucx_tls="default") for r in _cross(name, reps)]
+            if not interleave:
+                with _environ(UCX_TCP):
+                    rows[NIXL_TCP] = [dict(r, ucx_tls="tcp") for r in _cross(name, reps)]
+        else:
+            rows[name] = _cross(name, reps)
+    results = [r for name in names for key in (name, NIXL_TCP * (name == "nixl"))
+               for r in rows.get(key, ())]  # fmt: skip
+    summary = {f"{r['transport']}{_tls(r)} {r['block_bytes'] >> 10} KiB": _said(r) for r in results}
+    versus, target = tcp_vs_nixl(results, paired)
+    planner = _planner(quick)
+    if planner is not None:
+        results += planner
+    else:
+        skipped["planner"] = "kvplane.apps.bench.transport_planner is not available"
+    paired_by_label = {} if paired is None else {f"{b >> 10} KiB": r for b, r in paired.items()}
+    return {"results": results, "summary": summary, "tcp_vs_nixl": versus,
+            "tcp_vs_nixl_target": target, "tcp_vs_nixl_paired_ratio": paired_by_label,
+            "tcp_vs_nixl_note": TCP_VS_NIXL_NOTE, "limits": LIMITS, "targets": TARGETS,
+            "quick": quick, "repeats": reps, "skipped": skipped}  # fmt: skip

@@ -1,0 +1,187 @@
+"""Pipelined slices: step ranges, where each slice is cut, and the plans that move one slice.
+
+Theory of operation
+-------------------
+Chunked prefill computes ``[0, N)`` in steps of ``step_size`` tokens (:func:`step_ranges`).
+After each step the :class:`SliceCutter` decides what the step's slice is: everything since the
+previous slice up to the last position aligned to *both* sides' block sizes — a partial block
+that the next step will keep filling is deferred to the next slice — or nothing if no aligned
+boundary was crossed. The final step always yields a slice, ``[sent, N)``, even an empty one:
+it carries the end signal and the whole-only pools (recurrent state, and the tail record with
+the first token). Slices therefore tile ``[0, N)`` with ids 0, 1, 2, ... as the PD protocol
+requires.
+
+:func:`plan_slice` is pure: the PD session hands the driver the slice's range already clipped
+to what the receiver lacks (``[prefix_tokens, N)``); a sliding-window pool additionally drops
+everything before the final window ``[N - window, N)``; the final slice adds one whole-only plan
+per state pool; our KV pool's TP heads must cover the destination's (a session has one sender:
+:func:`~kvplane.pd.handshake.heads_cover`, which the workers' handshake already checks).
+Each plan is built by :func:`~kvplane.transfer.planner.plan_transfer` and validated by the
+executor before any byte moves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvplane.errors import InvalidArgumentError, PlanError
+from kvplane.ids import RegionId, SliceId, TokenRange
+from kvplane.layout import KVLayout
+from kvplane.pd.events import TransferRequest
+from kvplane.pd.handshake import heads_cover
+from kvplane.pipeline.advert import RemotePool, split_destination
+from kvplane.transfer import OpGrouping, PlanOptions, PlanSide, TransferPlan, plan_transfer
+from kvplane.transports.base import Int64Array
+
+
+def step_ranges(num_tokens: int, step_size: int) -> list[TokenRange]:
+    """``[0, N)`` in consecutive steps of ``step_size`` tokens (the last may be shorter)."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+        raise InvalidArgumentError(f"num_tokens must be a positive int, got {num_tokens!r}")
+    if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size <= 0:
+        raise InvalidArgumentError(f"step_size must be a positive int, got {step_size!r}")
+    return [TokenRange(s, min(s + step_size, num_tokens)) for s in range(0, num_tokens, step_size)]
+
+
+class SliceCutter:
+    """Slices of one request (see the module docstring); ``align`` is the block alignment.
+    ``pipelined=False`` sends everything in the final slice, after the prefill ends (the
+    baseline the pipelined mode is measured against)."""
+
+    def __init__(self, num_tokens: int, align: int, *, pipelined: bool = True) -> None:
+        if isinstance(align, bool) or not isinstance(align, int) or align <= 0:
+            raise InvalidArgumentError(f"align must be a positive int, got {align!r}")
+        self.num_tokens = num_tokens
+        self.align = align
+        self.pipelined = pipelined
+        self.sent = 0
+        self.next_id = 0
+        self.done = False
+
+    @staticmethod
+    def alignment(*block_sizes: int) -> int:
+        """Alignment that keeps a slice boundary on a block boundary of every side."""
+        return math.lcm(*block_sizes)
+
+    def after_step(self, step_end: int, is_last: bool) -> tuple[SliceId, TokenRange] | None:
+        """The slice a step ending at ``step_end`` emits, or None (all of it deferred)."""
+        if self.done:
+            raise InvalidArgumentError("the final slice was already cut")
+        if not self.sent <= step_end <= self.num_tokens:
+            raise InvalidArgumentError(
+                f"step end {step_end} outside [{self.sent}, {self.num_tokens}]"
+            )
+        if is_last:
+            if step_end != self.num_tokens:
+                raise InvalidArgumentError(
+                    f"the last step ends at {step_end}, not {self.num_tokens}"
+                )
+            cut = self.num_tokens
+            self.done = True
+        else:
+            cut = (step_end // self.align) * self.align if self.pipelined else 0
+            if cut <= self.sent:
+                return None
+        out = (SliceId(self.next_id), TokenRange(self.sent, cut))
+        self.sent = cut
+        self.next_id += 1
+        return out
+
+
+def _ids(block_ids: tuple[int, ...]) -> Int64Array:
+    return np.asarray(block_ids, dtype=np.int64)
+
+
+def slice_schedule(
+    num_tokens: int, steps: list[TokenRange], align: int, *, pipelined: bool = True
+) -> tuple[tuple[TokenRange, bool], ...]:
+    """The ``(range, is_last)`` of every slice the steps will produce, in slice-id order."""
+    cutter = SliceCutter(num_tokens, align, pipelined=pipelined)
+    out = []
+    for i, step in enumerate(steps):
+        cut = cutter.after_step(step.end, i == len(steps) - 1)
+        if cut is not None:
+            out.append((cut[1], cutter.done))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPool:
+    """One of our pools as a plan source: layout, region, and the request's block ids in it."""
+
+    layout: KVLayout
+    region: RegionId
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedSlice:
+    """The plans of one slice, each with its destination pool's block size (1: whole-only)."""
+
+    plans: tuple[TransferPlan, ...]
+    dst_block_sizes: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.num_bytes for p in self.plans)
+
+    @property
+    def empty(self) -> bool:
+        return not self.plans
+
+
+def plan_slice(
+    src: list[LocalPool],
+    dst: list[RemotePool],
+    request: TransferRequest,
+    tokens: TokenRange,
+    *,
+    slice_id: SliceId,
+    is_last: bool,
+    grouping: OpGrouping = OpGrouping.WHOLE,
+) -> PlannedSlice:
+    """The plans that move one slice (none: nothing to move). Raises ``PlanError`` /
+    ``LayoutError`` / ``ProtocolError`` for a request the pools cannot serve — among them a
+    destination whose TP heads our KV pool does not all hold: a session has one sender, so
+    the heads we lack would never arrive and the receiver would complete with them unwritten."""
+    if len(src) != len(dst):
+        raise InvalidArgumentError(f"{len(src)} local pools but the peer advertises {len(dst)}")
+    held, needed = src[0].layout.head_range, dst[0].layout.head_range
+    if not heads_cover(held, needed):  # refused at the handshake already: an invariant here
+        raise PlanError(
+            f"destination heads {needed} are not all in our heads {held}: "
+            "one sender cannot fill them"
+        )
+    dst_ids = split_destination(request.dst_block_ids, dst, request.num_tokens)
+    n = request.num_tokens
+    kv_src, kv_dst = src[0], dst[0]
+    lo = max(tokens.start, request.prefix_tokens)
+    window = kv_src.layout.sliding_window
+    if window is not None:
+        lo = max(lo, n - window)
+    plans: list[tuple[TransferPlan, int]] = []
+    if lo < tokens.end:
+        options = PlanOptions(
+            prefix_tokens=request.prefix_tokens, grouping=grouping, slice_id=slice_id
+        )
+        plan = plan_transfer(
+            PlanSide(kv_src.layout, _ids(kv_src.block_ids), kv_src.region),
+            PlanSide(kv_dst.layout, _ids(dst_ids[0]), kv_dst.region),
+            TokenRange(lo, tokens.end),
+            options=options,
+        )
+        plans.append((plan, kv_dst.layout.block_size))
+    if is_last:
+        for local, remote, ids in zip(src[1:], dst[1:], dst_ids[1:], strict=True):
+            plan = plan_transfer(
+                PlanSide(local.layout, _ids(local.block_ids), local.region),
+                PlanSide(remote.layout, _ids(ids), remote.region),
+                None,
+                options=PlanOptions(slice_id=slice_id),
+            )
+            plans.append((plan, remote.layout.block_size))
+    kept = [(p, bs) for p, bs in plans if not p.empty]
+    return PlannedSlice(tuple(p for p, _ in kept), tuple(bs for _, bs in kept))

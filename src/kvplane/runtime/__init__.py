@@ -1,1 +1,0 @@
-"""Runtime (L7): workers, router, demo, bench and report commands."""

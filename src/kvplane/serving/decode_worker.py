@@ -1,0 +1,370 @@
+"""The decode worker: pre-allocates, receives a request's KV, then decodes from it.
+
+Theory of operation
+-------------------
+A :class:`~kvplane.serving.messages.DecodeOrder` names the request, its PD session, the prefill
+peer and the prompt. The worker admits the prompt into its pool through a
+:class:`~kvplane.blocks.BlockTable` — prefix reuse: full blocks already in the pool's prefix
+cache are shared and only ``[prefix_tokens, N)`` will move — and takes one whole-only slot (the
+state and tail records). It then opens the receiver session with one ``StartTransfer`` naming
+every destination block (KV blocks, then one slot per whole-only pool; see
+``pipeline/advert.py``): one receive posted per request. An order waits in FIFO when memory is
+short, and is answered only when the request ends. An order whose request id or session id is
+already bound on this worker is refused (``ErrorReply``) and changes nothing.
+
+The receiver session decides the outcome (final slice + every slice + exact tiling), and the
+ledger decides the memory. On ``Release`` in SUCCESS the destination passes to the request: the
+worker reads the tail record (first token, prompt length and digest). A tail whose length or
+digest is not the order's prompt means the prefill computed other tokens: the request fails and
+nothing is cached. Otherwise the worker runs the :class:`KVDecoder` and registers the received
+full blocks in the prefix cache (not for sliding-window pools, whose early blocks were never
+sent) — the one place the prompt is marked computed: before a generating decoder runs, after
+a verifying one that counted no mismatches — answers the order and frees the table. On any other
+outcome the answer goes out at ``Finished`` and the blocks are freed at the ledger's
+``Release`` — which, when the sender's writes may still land (IN_DOUBT), is the fail-closed
+deadline, never earlier. A request that ends before its session opens (cancelled while it waits
+for memory, refused by the endpoint) is answered and counted as finished at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import zmq
+
+from kvplane.blocks import BlockTable
+from kvplane.errors import ConfigError, InvalidArgumentError, KVPlaneError, ProtocolError
+from kvplane.ids import PeerId, RequestId, SessionId, TokenRange
+from kvplane.metrics import MetricsRegistry
+from kvplane.pd.actions import Finished, Release
+from kvplane.pd.events import Cancel, StartTransfer
+from kvplane.pd.states import Role, SessionState
+from kvplane.pipeline.timeline import Mark
+from kvplane.serving.messages import (
+    NOT_CONNECTED,
+    Ack,
+    AnyMessage,
+    CancelOrder,
+    DecodeOrder,
+    ErrorReply,
+    PairWith,
+    RequestResult,
+    WorkerStats,
+)
+from kvplane.serving.pools import prompt_digest
+from kvplane.serving.prefill_worker import report_counters
+from kvplane.serving.producers.base import DecodeJob, KVDecoder
+from kvplane.serving.producers.model import PromptChecker
+from kvplane.serving.rpc import Reply
+from kvplane.serving.worker import Worker, WorkerHooks
+from kvplane.serving.worker_config import WorkerConfig
+from kvplane.transports.base import Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Decode:
+    order: DecodeOrder
+    reply: Reply
+    sid: SessionId
+    peer: PeerId
+    tokens: np.ndarray
+    table: BlockTable | None = None
+    slot: int | None = None
+    prefix_tokens: int = 0
+    opened: bool = False
+    cancelled: str = ""
+    outcome: SessionState | None = None
+    replied: bool = False
+    failed_at: float | None = None
+
+
+class DecodeWorker(Worker):
+    """See the module docstring. ``decoder`` consumes received KV (verifier or a real model)."""
+
+    role = "decode"
+    kv_role = Role.RECEIVER
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        decoder: KVDecoder,
+        *,
+        metrics: MetricsRegistry | None = None,
+        transport: Transport | None = None,
+        hooks: WorkerHooks | None = None,
+    ) -> None:
+        super().__init__(config, decoder, metrics=metrics, transport=transport, hooks=hooks)
+        self.decoder = decoder
+        self._requests: dict[RequestId, _Decode] = {}
+        self._by_session: dict[SessionId, _Decode] = {}
+        self._waiting: deque[_Decode] = deque()
+
+    def _requests_live(self) -> int:
+        return len(self._requests)
+
+    # -- orders ----------------------------------------------------------------------------------
+    def _on_order(self, msg: AnyMessage, reply: Reply) -> None:
+        if isinstance(msg, DecodeOrder):
+            self._accept(msg, reply)
+        elif isinstance(msg, CancelOrder):
+            detail = self._cancel(RequestId(msg.request_id), msg.reason, msg.session_id)
+            reply(Ack(detail=detail))
+        else:
+            super()._on_order(msg, reply)
+
+    def pair(self, pd_address: str, timeout_s: float = 5.0) -> PeerId:
+        """Shake hands with a prefill worker's PD endpoint (any thread but the PD loop)."""
+        return self.endpoint.connect(pd_address, timeout_s=timeout_s)
+
+    def _on_message(self, msg: AnyMessage, reply: Reply) -> None:
+        if isinstance(msg, PairWith):  # a handshake waits on the network: not on this thread
+            threading.Thread(
+                target=self._pair_and_reply,
+                args=(msg.pd_address, reply),
+                name="kvplane-pair",
+                daemon=True,
+            ).start()
+        else:
+            super()._on_message(msg, reply)
+
+    def _pair_and_reply(self, address: str, reply: Reply) -> None:
+        """Pair and answer, whatever happens (a malformed address is a zmq error)."""
+        try:
+            reply(Ack(detail=self.pair(address)))
+        except (KVPlaneError, zmq.ZMQError) as exc:
+            reply(ErrorReply(reason=f"pairing with {address!r} failed: {exc}"[:4000]))
+        except Exception as exc:  # a bug: answer, log, keep serving
+            self.counters["pair_errors"] += 1
+            log.exception("pairing with %r failed", address)
+            reply(ErrorReply(reason=f"pairing with {address!r} failed: {exc!r}"[:4000]))
+
+    def _accept(self, order: DecodeOrder, reply: Reply) -> None:
+        rid = RequestId(order.request_id)
+        if rid in self._requests:
+            raise InvalidArgumentError(f"request {rid!r} is already on this worker")
+        bound = self._by_session.get(SessionId(order.session_id))
+        if bound is not None:
+            other = bound.order.request_id
+            raise InvalidArgumentError(
+                f"session {order.session_id!r} is already bound to request {other!r}"
+            )
+        n, bs = len(order.token_ids), self.config.block_size
+        need = -(-n // bs)
+        if isinstance(self.decoder, PromptChecker):
+            self.decoder.check_prompt(
+                np.asarray(order.token_ids, dtype=np.int64), order.max_new_tokens
+            )
+            need = -(-(n + max(order.max_new_tokens - 1, 0)) // bs)
+        if need > self.config.num_blocks:
+            raise ConfigError(
+                f"request {rid!r} needs {need} blocks; the pool has {self.config.num_blocks}"
+            )
+        peer = PeerId(order.prefill_peer)
+        if not self.endpoint.call(lambda: self.participant.peers.is_live(peer)):
+            raise ProtocolError(f"prefill peer {order.prefill_peer!r} {NOT_CONNECTED}")
+        req = _Decode(
+            order,
+            reply,
+            SessionId(order.session_id),
+            PeerId(order.prefill_peer),
+            np.asarray(order.token_ids, dtype=np.int64),
+        )
+        self._requests[rid] = req
+        self._by_session[req.sid] = req
+        self.timeline.record(Mark.ORDER, rid)
+        self._waiting.append(req)
+        self._admit_waiting()
+
+    def _cancel(self, rid: RequestId, reason: str, sid: str | None = None) -> str:
+        """Cancel request ``rid`` (only while it is bound to session ``sid``, when given)."""
+        req = self._requests.get(rid)
+        if req is None or (sid is not None and req.sid != sid):
+            return "unknown request"
+        if req.failed_at is None:
+            req.failed_at = time.monotonic()
+        if not req.opened:
+            req.cancelled = reason
+            self._end(req, SessionState.ABORTED, reason)
+            with contextlib.suppress(ProtocolError):  # peer gone: its sessions end anyway
+                self.endpoint.abandon(req.sid, req.peer, reason)  # the prefill frees it now
+            return "cancelled before the transfer started"
+        try:
+            self.endpoint.send(req.sid, Cancel(reason=reason))
+        except ProtocolError:
+            return "session already ended"
+        return "cancelling"
+
+    def _admit_waiting(self) -> None:
+        while self._waiting:
+            req = self._waiting[0]
+            if req.outcome is not None:
+                self._waiting.popleft()
+                continue
+            rid = RequestId(req.order.request_id)
+            table = BlockTable(rid, self.config.block_size, self.pools.hasher)
+            if self.pools.slots.num_free_blocks == 0:
+                return
+            admitted = table.admit(self.pools.blocks, req.tokens)
+            if admitted is None:
+                return
+            slot = self.pools.take_slot()
+            if slot is None:  # pragma: no cover - checked above; only this thread allocates
+                table.release(self.pools.blocks)
+                return
+            self._waiting.popleft()
+            req.table, req.slot = table, slot
+            req.prefix_tokens = table.num_cached_tokens
+            whole = len(self.pools.layouts) - 1
+            start = StartTransfer(
+                request_id=rid,
+                dst_block_ids=tuple(int(b) for b in table.block_ids) + (slot,) * whole,
+                prefix_tokens=req.prefix_tokens,
+                num_tokens=len(req.tokens),
+            )
+            try:
+                self.endpoint.open_receiver(req.sid, req.peer, start)
+            except ProtocolError as exc:  # peer lost or session id reused: fail, free at once
+                self._end(req, SessionState.FAILED, str(exc))
+                continue
+            req.opened = True
+
+    # -- protocol actions --------------------------------------------------------------------------
+    def _on_pd(self, act: object) -> None:
+        if isinstance(act, Release) and act.role is Role.RECEIVER:
+            req = self._by_session.get(act.session_id)
+            if req is None:
+                self.counters["release_unknown_session"] += 1
+            elif act.state is SessionState.SUCCESS:
+                self._deliver(req)
+            else:
+                self._release(req)
+        elif isinstance(act, Finished) and act.role is Role.RECEIVER:
+            self.rmetrics.finished(act.state.value, act.reason)
+            req = self._by_session.get(act.session_id)
+            if req is None:
+                return
+            req.outcome = act.state
+            self.timeline.record(Mark.SESSION_END, req.order.request_id, detail=act.state.value)
+            if act.state is not SessionState.SUCCESS:
+                if req.failed_at is None:
+                    req.failed_at = time.monotonic()
+                self._answer(req, self._result(req, act.state, act.reason))
+            self._maybe_forget(req)
+
+    def _result(self, req: _Decode, state: SessionState, reason: str) -> RequestResult:
+        return RequestResult(
+            request_id=req.order.request_id,
+            state=state.value,
+            reason=reason,
+            num_tokens=len(req.tokens),
+            prefix_tokens=req.prefix_tokens,
+        )
+
+    def _deliver(self, req: _Decode) -> None:
+        """The KV is ours: check the tail, decode, cache the received blocks, answer, free."""
+        if req.table is None or req.slot is None:  # pragma: no cover - opened implies both
+            return
+        rid = RequestId(req.order.request_id)
+        ready = self.timeline.record(Mark.DECODE_READY, rid)
+        tail = self.pools.read_tail(req.slot)
+        n = len(req.tokens)
+        if tail.num_tokens != n or tail.digest != prompt_digest(req.tokens):
+            self.counters["prompt_mismatches"] += 1  # other tokens' KV: never cache it
+            why = f"the prefill computed another prompt ({tail.num_tokens} tokens, other digest)"
+            self._answer(req, self._result(req, SessionState.FAILED, why))
+            self._release(req)
+            return
+        job = DecodeJob(
+            rid,
+            req.tokens,
+            req.table,
+            self.pools.blocks,
+            tail.first_token,
+            req.order.max_new_tokens,
+            TokenRange(req.prefix_tokens, n),
+            req.slot,
+        )
+        left = n - req.table.num_computed_tokens
+        cacheable = left > 0 and self.pools.kv.layout.sliding_window is None
+        trusted = not self.decoder.verifies  # the digest matched: its KV is the prompt's
+        if cacheable and trusted:  # before decode, which may grow the table past the prompt
+            req.table.mark_computed(self.pools.blocks, left)
+        try:
+            out = self.decoder.decode(job, self.pools.kv, self.pools.state)
+        except KVPlaneError as exc:  # the request fails; the worker and its memory do not
+            self.counters["decode_errors"] += 1
+            self._answer(req, self._result(req, SessionState.FAILED, f"decode failed: {exc}"))
+            self._release(req)
+            return
+        self.timeline.record(Mark.DECODE_DONE, rid, detail=str(len(out.tokens)))
+        mismatches = out.mismatches
+        if cacheable and not trusted and not mismatches:
+            req.table.mark_computed(self.pools.blocks, left)  # caches the received blocks
+        self._answer(
+            req,
+            RequestResult(
+                request_id=rid,
+                state=SessionState.SUCCESS.value,
+                tokens=out.tokens,
+                num_tokens=n,
+                prefix_tokens=req.prefix_tokens,
+                mismatches=mismatches,
+                ready_at=ready.t,
+            ),
+        )
+        self._release(req)
+
+    def _end(self, req: _Decode, state: SessionState, reason: str) -> None:
+        """A request that never reached a session (or no longer can): answer and free now; one
+        whose session never opened is counted as finished here (no ``Finished`` will come)."""
+        if req.outcome is None and not req.opened:
+            self.rmetrics.finished(state.value, reason or req.cancelled)
+        req.outcome = req.outcome or state
+        self._answer(req, self._result(req, req.outcome, reason or req.cancelled))
+        self._release(req)
+
+    def _answer(self, req: _Decode, result: RequestResult) -> None:
+        if not req.replied:
+            req.replied = True
+            req.reply(result)
+
+    def _release(self, req: _Decode) -> None:
+        """The ledger released the destination (or it never was the session's): free it. The
+        ``RELEASED`` mark and the release latency are recorded only when memory was held."""
+        held = req.table is not None or req.slot is not None
+        if req.table is not None:
+            req.table.release(self.pools.blocks)
+            req.table = None
+        if req.slot is not None:
+            self.pools.free_slot(req.slot)
+            req.slot = None
+        if held:
+            self.timeline.record(Mark.RELEASED, req.order.request_id)
+            if req.failed_at is not None:
+                self.rmetrics.release_latency.observe(time.monotonic() - req.failed_at)
+        self._maybe_forget(req)
+        self._admit_waiting()
+
+    def _maybe_forget(self, req: _Decode) -> None:
+        """Drop the request once it is answered, its memory freed and its session over."""
+        if req.replied and req.table is None and req.outcome is not None:
+            rid = RequestId(req.order.request_id)
+            if self._requests.get(rid) is req:  # never another request's entry
+                del self._requests[rid]
+            if self._by_session.get(req.sid) is req:
+                del self._by_session[req.sid]
+
+    def stats(self, *, timeline: bool = False) -> WorkerStats:
+        """The base stats plus the model's attention plans and fallbacks."""
+        base = super().stats(timeline=timeline)
+        extra = report_counters(self.metrics, self.decoder)
+        return msgspec.structs.replace(base, counters={**base.counters, **extra})

@@ -1,0 +1,174 @@
+"""One worker's KV memory: the paged KV pool, the whole-only pools, their regions and allocators.
+
+Theory of operation
+-------------------
+A worker holds up to three pool tensors, each registered as one transport region:
+
+- the paged KV pool (``model.kv_layout``), whose blocks a :class:`~kvplane.blocks.BlockPool`
+  hands out through per-request :class:`~kvplane.blocks.BlockTable` s (the decode side uses
+  its prefix cache; the prefill side never caches, so it never matches);
+- the model's whole-only state pool (``model.state_layout``), if it has one;
+- the *tail* pool: a 32-byte whole-only record per request (first token, prompt length, digest
+  of the prompt tokens) that the final slice writes, so the first token arrives with the end
+  signal, in the same memory transfer, instead of through another channel — and the receiver
+  can check that the KV it got was computed from the prompt it holds before it caches it.
+
+Whole-only pools share one slot allocator (a request's state slot and tail slot are the same
+index). When the transport can allocate peer-visible memory (``shm`` has ``allocate``), the
+pools live there; otherwise in ordinary tensors. Not thread-safe: the worker loop owns it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+import torch
+
+from kvplane.blocks import BlockHasher, BlockPool
+from kvplane.errors import BlockStateError, LayoutError
+from kvplane.ids import BlockId, RegionId
+from kvplane.layout import KVLayout
+from kvplane.metrics import MetricsRegistry
+from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile
+from kvplane.pipeline.advert import encode_advert
+from kvplane.serving.producers.base import KVModel, PoolTensor, kv_fingerprint
+from kvplane.transports.base import Transport
+
+TAIL_BYTES = 32
+"""A tail record: first token (int64 LE), prompt length (int64 LE), :func:`prompt_digest`."""
+DIGEST_BYTES = 16
+
+
+def prompt_digest(token_ids: np.ndarray) -> bytes:
+    """16-byte BLAKE2b digest of a prompt's token ids (as int64 LE): what the tail carries."""
+    data = np.ascontiguousarray(token_ids, dtype="<i8").tobytes()
+    return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class TailRecord:
+    """What a tail record says (all zeros: never written)."""
+
+    first_token: int
+    num_tokens: int
+    digest: bytes
+
+
+def _allocate(transport: Transport, layout: KVLayout) -> torch.Tensor:
+    """A zeroed pool tensor, in transport memory when the transport allocates (``shm``), with
+    every page touched now: a first touch in the middle of a transfer costs a page fault."""
+    alloc = cast(Callable[[int], torch.Tensor] | None, getattr(transport, "allocate", None))
+    if alloc is None:
+        tensor = layout.allocate()
+    else:
+        tensor = alloc(layout.pool_bytes).view(layout.dtype).view(layout.shape)
+    tensor.view(torch.uint8).fill_(0)
+    return tensor
+
+
+class WorkerPools:
+    """The pools of one worker (see the module docstring). ``num_slots`` bounds the number of
+    requests in flight; ``head_range`` is the rank's TP range of KV heads (default all)."""
+
+    def __init__(
+        self,
+        model: KVModel,
+        transport: Transport,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        head_range: tuple[int, int] | None = None,
+        hash_seed: int = 0,
+        metrics: MetricsRegistry | None = None,
+        name: str = "worker",
+    ) -> None:
+        self.model_id = model.model_id
+        kv_layout = model.kv_layout(num_blocks, block_size, head_range)
+        if kv_layout.whole_only:
+            raise LayoutError("the KV pool of a worker must be paged, not whole-only")
+        state_layout = model.state_layout(num_slots)
+        tail_layout = KVLayout.state(
+            num_slots=num_slots, num_layers=1, state_dim=TAIL_BYTES, dtype=torch.uint8
+        )
+        layouts = [kv_layout] + ([state_layout] if state_layout is not None else [])
+        layouts.append(tail_layout)
+        self.tensors = [_allocate(transport, lay) for lay in layouts]
+        self.regions = [transport.register(t).region_id for t in self.tensors]
+        self.layouts = layouts
+        self.kv = PoolTensor(kv_layout, self.tensors[0])
+        self.state = PoolTensor(layouts[1], self.tensors[1]) if state_layout is not None else None
+        self.tail = PoolTensor(tail_layout, self.tensors[-1])
+        self.blocks = BlockPool(num_blocks, block_size, metrics, name=f"{name}_kv")
+        self.slots = BlockPool(num_slots, 1, metrics, name=f"{name}_slots")
+        self.hasher = BlockHasher(
+            seed=hash_seed, fingerprint=kv_fingerprint(self.model_id, kv_layout)
+        )
+        self.transport_name = transport.name
+        self._transport = transport
+
+    # -- what peers learn ------------------------------------------------------------------------
+    def profile(self) -> PeerProfile:
+        infos = tuple(
+            LayoutInfo.from_description(
+                lay.describe(),
+                compat_fingerprint=lay.compat_fingerprint(),
+                fingerprint=lay.fingerprint(),
+            )
+            for lay in self.layouts
+        )
+        return PeerProfile(protocol_version=PROTOCOL_VERSION, model_id=self.model_id, layouts=infos)
+
+    def advert(self) -> bytes:
+        """The ``Hello.transport_metadata`` blob (call after every pool is registered)."""
+        pools = list(zip(self.layouts, self.regions, strict=True))
+        return encode_advert(self.transport_name, self._transport.metadata(), pools)
+
+    def local_regions(self) -> dict[RegionId, int]:
+        return {
+            r: t.numel() * t.element_size() for r, t in zip(self.regions, self.tensors, strict=True)
+        }
+
+    # -- slots and tail records ------------------------------------------------------------------
+    def take_slot(self) -> int | None:
+        """A free whole-only slot (zeroed in every whole-only pool), or None when all are taken."""
+        got = self.slots.allocate(1)
+        if got is None:
+            return None
+        slot = int(got[0])
+        for lay, t in zip(self.layouts[1:], self.tensors[1:], strict=True):
+            lay.canonical_view(t)[slot].zero_()
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        self.slots.free([BlockId(slot)])
+
+    def write_tail(self, slot: int, first_token: int, token_ids: np.ndarray) -> None:
+        """The tail record of a prompt (``token_ids``) whose first sampled token is given."""
+        words = np.array([first_token, len(token_ids)], dtype="<i8").view(np.uint8)
+        digest = np.frombuffer(prompt_digest(token_ids), dtype=np.uint8)
+        self._tail_row(slot).copy_(torch.from_numpy(np.concatenate([words, digest])))
+
+    def read_tail(self, slot: int) -> TailRecord:
+        raw = self._tail_row(slot).numpy().copy()
+        words = raw[:16].view("<i8")
+        return TailRecord(int(words[0]), int(words[1]), raw[16:].tobytes())
+
+    def _tail_row(self, slot: int) -> torch.Tensor:
+        return self.tail.layout.canonical_view(self.tail.tensor)[slot, 0, 0, 0, 0, :]
+
+    # -- integrity -------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.blocks.check_integrity()
+        self.slots.check_integrity()
+
+    def check_idle(self) -> None:
+        """Integrity plus: no block and no slot is held by any request."""
+        self.check_integrity()
+        used = (self.blocks.num_used_blocks, self.slots.num_used_blocks)
+        if used != (0, 0):
+            raise BlockStateError(f"pools still hold {used[0]} KV blocks and {used[1]} slots")

@@ -1,0 +1,494 @@
+"""The prefill worker: chunked prefill with a pipelined, ledger-owned transfer of every slice.
+
+Theory of operation
+-------------------
+A :class:`~kvplane.serving.messages.PrefillOrder` names the request, its PD session, the decode
+peer and the prompt. The worker opens (or attaches to) the sender session at once — a decode
+side that already gave up leaves a tombstone and the order is dropped; a session id already
+bound to another request on this worker is refused (attaching is only for a session the decode
+side opened first, before any order named it) — then admits the prompt
+into its pool (a block table plus one whole-only slot; an order waits in FIFO when memory is
+short). The worker loop then runs one prefill step at a time, round-robin over its requests:
+:meth:`KVProducer.produce` computes ``[start, end)``, the :class:`SliceCutter` turns the step
+into a slice (or defers it to the next aligned boundary), and ``SubmitSlice`` goes to the
+session through the :class:`SliceDriver` (the loop does not wait for the PD loop thread: the
+slice counts as admitted until the session refuses it); the session's ``StartSubmit`` reaches
+the driver, which moves the bytes while the loop computes the next step. The last step writes
+the tail record (first token, prompt digest) before the final slice is submitted.
+
+Prefix offload (optional, :class:`~kvplane.serving.prefix_offload.PrefixOffload`): at admission
+the prompt's chunk keys are looked up in the tier cascade and the leading hits are loaded into
+the request's own blocks; the request waits (its blocks untouched by anything else) until the
+load ends, then its first "step" is the loaded range ``[0, loaded)`` — no compute, just the
+slice — and real steps compute only the rest. After the last step the prompt's full chunks
+are stored (device blocks fenced until copied) and cascade down to the lower tiers.
+
+Ownership apart from phase: compute ends long before the bytes are read, and a session can end
+(abort from either side, peer loss) while slices are in flight. The request's blocks are freed
+only when the session has finished *and* the ledger has released every slice the session
+admitted (``Release`` via BACKEND_DONE, NOT_SUBMITTED or EXPIRED) — never on the phase alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from kvplane.blocks import BlockTable
+from kvplane.errors import ConfigError, InvalidArgumentError, KVPlaneError, ProtocolError
+from kvplane.ids import PeerId, RegionId, RequestId, SessionId, TokenRange
+from kvplane.metrics import MetricsRegistry
+from kvplane.pd.actions import Action, DestinationKnown, Finished, Release, StartSubmit
+from kvplane.pd.events import Cancel, SubmitSlice
+from kvplane.pd.states import Role, SessionState
+from kvplane.pipeline.driver import SliceDriver
+from kvplane.pipeline.driver_records import SliceSource
+from kvplane.pipeline.slicing import LocalPool, SliceCutter, slice_schedule, step_ranges
+from kvplane.pipeline.timeline import Mark, request_times
+from kvplane.serving.messages import Ack, AnyMessage, CancelOrder, PrefillOrder, WorkerStats
+from kvplane.serving.prefix_offload import Finished as OffloadFinished
+from kvplane.serving.prefix_offload import PrefixOffload, PrefixSettings, StoreFinished
+from kvplane.serving.producers.base import KVProducer, ProduceStep, kv_fingerprint
+from kvplane.serving.producers.model import ModelKV, PromptChecker
+from kvplane.serving.rpc import Reply
+from kvplane.serving.worker import Worker, WorkerHooks
+from kvplane.serving.worker_config import WorkerConfig
+from kvplane.transports.base import Transport
+
+
+@dataclass(frozen=True, slots=True)
+class _Admission:
+    """The session's answer to one of a request's ``SubmitSlice`` commands (driver thread →
+    worker loop)."""
+
+    session_id: SessionId
+    accepted: bool
+
+
+@dataclass(slots=True, eq=False)
+class _Prefill:
+    order: PrefillOrder
+    sid: SessionId
+    peer: PeerId
+    tokens: np.ndarray
+    steps: list[TokenRange]
+    table: BlockTable | None = None
+    slot: int | None = None
+    cutter: SliceCutter | None = None
+    next_step: int = 0
+    admitted: int = 0
+    released: int = 0
+    outcome: SessionState | None = None
+    stopped: bool = False
+    failed_at: float | None = None
+    finished_at: float | None = None
+    prefill_end: float | None = None
+    loading: bool = False
+    loaded: int = 0
+
+    @property
+    def computing(self) -> bool:
+        return (
+            self.table is not None
+            and self.cutter is not None
+            and not self.stopped
+            and self.next_step < len(self.steps)
+        )
+
+
+class PrefillWorker(Worker):
+    """See the module docstring. ``producer`` computes the KV (synthetic or a real model)."""
+
+    role = "prefill"
+    kv_role = Role.SENDER
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        producer: KVProducer,
+        *,
+        metrics: MetricsRegistry | None = None,
+        transport: Transport | None = None,
+        hooks: WorkerHooks | None = None,
+        offload: PrefixSettings | None = None,
+    ) -> None:
+        super().__init__(config, producer, metrics=metrics, transport=transport, hooks=hooks)
+        self.producer = producer
+        self.offload: PrefixOffload | None = None
+        if offload is not None:
+            kv = self.pools.kv
+            self.offload = PrefixOffload(
+                offload,
+                kv,
+                self.pools.blocks,
+                kv_fingerprint(producer.model_id, kv.layout),
+                hash_seed=config.hash_seed,
+                metrics=self.metrics,
+            )
+        self._requests: dict[RequestId, _Prefill] = {}
+        self._by_session: dict[SessionId, _Prefill] = {}
+        self._waiting: deque[_Prefill] = deque()
+        self._running: deque[_Prefill] = deque()
+        self._sources: dict[SessionId, SliceSource] = {}
+        self._sources_lock = threading.Lock()
+        self.driver = SliceDriver(
+            self.endpoint,
+            self.transport,
+            self._source,
+            local_regions=self.pools.local_regions(),
+            slice_timeout_s=config.slice_timeout_s,
+            metrics=self.rmetrics,
+            timeline=self.timeline,
+            grouping=config.grouping,
+            max_inflight_ops=config.max_inflight_ops,
+        )
+
+    def start(self) -> None:
+        self.driver.start()
+        super().start()
+
+    def _close_parts(self) -> None:
+        self.driver.close()
+        if self.offload is not None:
+            self.offload.close()
+
+    def _source(self, sid: SessionId) -> SliceSource | None:
+        with self._sources_lock:
+            return self._sources.get(sid)
+
+    def _on_action(self, act: Action) -> None:
+        if isinstance(act, StartSubmit):
+            self.driver.submit(act)  # straight to the driver: no hop through the worker loop
+        elif isinstance(act, DestinationKnown):
+            self.driver.expect(act)  # plans ahead from the first slice on
+        else:
+            if isinstance(act, Finished) and act.role is Role.SENDER:
+                self.driver.forget(act.session_id)  # a hint may wait for memory it never got
+            super()._on_action(act)
+
+    def _requests_live(self) -> int:
+        return len(self._requests)
+
+    # -- orders ----------------------------------------------------------------------------------
+    def _on_order(self, msg: AnyMessage, reply: Reply) -> None:
+        if isinstance(msg, PrefillOrder):
+            reply(Ack(detail=self._accept(msg)))
+        elif isinstance(msg, CancelOrder):
+            detail = self._cancel(RequestId(msg.request_id), msg.reason, msg.session_id)
+            reply(Ack(detail=detail))
+        else:
+            super()._on_order(msg, reply)
+
+    def _accept(self, order: PrefillOrder) -> str:
+        rid = RequestId(order.request_id)
+        if rid in self._requests:
+            raise InvalidArgumentError(f"request {rid!r} is already on this worker")
+        sid, peer = SessionId(order.session_id), PeerId(order.decode_peer)
+        if sid in self._by_session:
+            other = self._by_session[sid].order.request_id
+            raise InvalidArgumentError(f"session {sid!r} is already bound to request {other!r}")
+        n = len(order.token_ids)
+        need = -(-n // self.config.block_size)
+        if need > self.config.num_blocks:
+            raise ConfigError(
+                f"request {rid!r} needs {need} blocks; the pool has {self.config.num_blocks}"
+            )
+        if isinstance(self.producer, PromptChecker):
+            self.producer.check_prompt(np.asarray(order.token_ids, dtype=np.int64))
+        step = order.step_size or self.config.step_size
+        if not self.endpoint.open_sender(sid, peer):
+            self.counters["orders_for_ended_sessions"] += 1
+            return "session already ended"
+        req = _Prefill(
+            order, sid, peer, np.asarray(order.token_ids, dtype=np.int64), step_ranges(n, step)
+        )
+        self._requests[rid] = req
+        self._by_session[sid] = req
+        self.timeline.record(Mark.ORDER, rid)
+        self._waiting.append(req)
+        self._admit_waiting()
+        return "accepted"
+
+    def _cancel(self, rid: RequestId, reason: str, sid: str | None = None) -> str:
+        """Stop request ``rid`` (only while it is bound to session ``sid``, when given)."""
+        req = self._requests.get(rid)
+        if req is None or (sid is not None and req.sid != sid):
+            return "unknown request"
+        if req.failed_at is None:
+            req.failed_at = time.monotonic()
+        req.stopped = True
+        try:
+            self.endpoint.send(req.sid, Cancel(reason=reason))
+        except ProtocolError:
+            return "session already ended"
+        finally:
+            self._maybe_free(req)  # everything admitted may already be released
+        return "cancelling"
+
+    def _admit_waiting(self) -> None:
+        while self._waiting:
+            req = self._waiting[0]
+            if req.outcome is not None or req.stopped:
+                self._waiting.popleft()
+                self._maybe_free(req)
+                continue
+            table = BlockTable(
+                RequestId(req.order.request_id), self.config.block_size, self.pools.hasher
+            )
+            if (
+                self.pools.slots.num_free_blocks == 0
+                or table.admit(self.pools.blocks, req.tokens) is None
+            ):
+                return
+            slot = self.pools.take_slot()
+            if slot is None:  # pragma: no cover - checked above; only this thread allocates
+                table.release(self.pools.blocks)
+                return
+            self._waiting.popleft()
+            req.table, req.slot = table, slot
+            if self.offload is not None:
+                load = self.offload.begin_load(
+                    RequestId(req.order.request_id), req.tokens, table.block_ids
+                )
+                if load is not None:
+                    req.loading = True
+                    self.timeline.record(
+                        Mark.LOAD_START,
+                        req.order.request_id,
+                        detail=",".join(load.sources),
+                    )
+                    continue
+            self._start(req)
+
+    def _start(self, req: _Prefill) -> None:
+        """Cut, schedule and run an admitted request (its prefix, if any, is loaded)."""
+        table, slot = req.table, req.slot
+        if table is None or slot is None:  # pragma: no cover - admitted requests hold both
+            return
+        n = len(req.tokens)
+        if req.loaded:  # the loaded prefix is "step" 0: no compute, just its slice
+            step = req.order.step_size or self.config.step_size
+            rest = range(req.loaded, n, step)
+            req.steps = [TokenRange(0, req.loaded)]
+            req.steps += [TokenRange(s, min(s + step, n)) for s in rest]
+        align = self._alignment(req.peer)
+        req.cutter = SliceCutter(n, align, pipelined=self.config.pipelined)
+        schedule = slice_schedule(n, req.steps, align, pipelined=self.config.pipelined)
+        pools = [LocalPool(self.pools.kv.layout, self.pools.regions[0], table.block_ids)]
+        pools += [
+            LocalPool(lay, RegionId(r), (slot,))
+            for lay, r in zip(self.pools.layouts[1:], self.pools.regions[1:], strict=True)
+        ]
+        with self._sources_lock:
+            self._sources[req.sid] = SliceSource(req.order.request_id, tuple(pools), schedule)
+        self.driver.source_ready(req.sid)  # a DestinationKnown that came first can plan now
+        self._running.append(req)
+
+    def _on_offload(self, events: list[OffloadFinished]) -> None:
+        """Loads that ended start their requests (or free them, if stopped meanwhile)."""
+        for ev in events:
+            if isinstance(ev, StoreFinished):
+                if ev.request_id:
+                    self.timeline.record(Mark.STORE_DONE, ev.request_id, detail=str(ev.stored))
+                continue
+            req = self._requests.get(ev.request_id)
+            self.timeline.record(
+                Mark.LOAD_DONE, ev.request_id, nbytes=ev.tokens, detail=f"{ev.chunks} chunks"
+            )
+            if req is None or not req.loading:  # pragma: no cover - a loading request stays
+                continue
+            req.loading = False
+            if req.stopped or req.outcome is not None:
+                self._maybe_free(req)
+                continue
+            req.loaded = ev.tokens
+            self._start(req)
+
+    def _alignment(self, peer: PeerId) -> int:
+        rec = self.endpoint.call(lambda: self.participant.peers.get(peer))
+        sizes = [self.config.block_size]
+        if rec is not None:
+            sizes.append(rec.hello.profile.layouts[0].block_size)
+        return SliceCutter.alignment(*sizes)
+
+    # -- compute ---------------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        if self.offload is not None and self.offload.busy:
+            self._on_offload(self.offload.poll())
+            if self.offload.loading:
+                return True
+        return any(r.computing for r in self._running)
+
+    def _work(self) -> None:
+        for _ in range(len(self._running)):
+            req = self._running[0]
+            self._running.rotate(-1)
+            if req.computing:
+                self._step(req)
+                return
+        if self.offload is not None and self.offload.loading:  # nothing else to do: wait a bit
+            self._on_offload(self.offload.wait(0.005))
+
+    def _step(self, req: _Prefill) -> None:
+        if req.table is None or req.cutter is None:  # pragma: no cover - computing checks it
+            return
+        rng = req.steps[req.next_step]
+        is_last = req.next_step == len(req.steps) - 1
+        if rng.end <= req.loaded:  # the loaded prefix: already in the blocks
+            req.next_step += 1
+        elif not self._compute(req, rng, is_last):  # failed: its KV must never be sent
+            return
+        cut = req.cutter.after_step(rng.end, is_last)
+        if cut is None:
+            return
+        slice_id, tokens = cut
+        # counted admitted until the session says otherwise: memory waits for the answer
+        req.admitted += 1
+        command = SubmitSlice(
+            slice_id=slice_id, is_last=is_last, start=tokens.start, end=tokens.end
+        )
+        inbox, sid = self._inbox, req.sid
+        self.driver.admit(sid, command, lambda ok: inbox.put(_Admission(sid, ok)))
+
+    def _on_admission(self, ev: _Admission) -> None:
+        """A slice the session refused (it is gone, retired): nothing more to send."""
+        req = self._by_session.get(ev.session_id)
+        if ev.accepted or req is None:
+            return
+        req.admitted -= 1
+        req.stopped = True
+        if req.failed_at is None:
+            req.failed_at = time.monotonic()
+        self.counters["slices_after_session_end"] += 1
+        self._maybe_free(req)
+
+    def _compute(self, req: _Prefill, rng: TokenRange, is_last: bool) -> bool:
+        """One prefill step through the producer; the last one writes the tail record and
+        stores the prompt's chunks in the offload tiers. False: the step failed and its
+        request is cancelled (nothing of it may be cut into a slice)."""
+        table = req.table
+        if table is None:  # pragma: no cover - computing checks it
+            return False
+        rid = req.order.request_id
+        self.timeline.record(Mark.STEP_START, rid, slice_id=req.next_step)
+        try:
+            out = self.producer.produce(
+                ProduceStep(RequestId(rid), req.tokens, table.block_ids, rng, is_last, req.slot),
+                self.pools.kv,
+                self.pools.state,
+            )
+        except KVPlaneError as exc:  # a step that cannot run fails its request, not the worker
+            self.counters["step_errors"] += 1
+            self.timeline.record(Mark.STEP_END, rid, slice_id=req.next_step, detail="failed")
+            self._cancel(RequestId(rid), f"prefill step failed: {exc}"[:4000])
+            return False
+        req.next_step += 1
+        if is_last:
+            if out.first_token is None or req.slot is None:
+                raise InvalidArgumentError(f"producer gave no first token for request {rid!r}")
+            self.pools.write_tail(req.slot, out.first_token, req.tokens)
+        ev = self.timeline.record(Mark.STEP_END, rid, slice_id=req.next_step - 1)
+        if is_last:
+            req.prefill_end = ev.t
+            if self.offload is not None:
+                chunks = self.offload.store(RequestId(rid), req.tokens, table.block_ids)
+                if chunks:
+                    self.timeline.record(Mark.STORE_START, rid, detail=str(chunks))
+        return True
+
+    # -- protocol actions --------------------------------------------------------------------------
+    def _on_pd(self, act: object) -> None:
+        if isinstance(act, _Admission):
+            self._on_admission(act)
+        elif isinstance(act, Release) and act.role is Role.SENDER:
+            req = self._by_session.get(act.session_id)
+            if req is not None:
+                req.released += 1
+                self._maybe_free(req)
+        elif isinstance(act, Finished) and act.role is Role.SENDER:
+            self._on_finished(act)
+
+    def _on_finished(self, act: Finished) -> None:
+        req = self._by_session.get(act.session_id)
+        if req is None:
+            self.counters["finished_unknown_session"] += 1
+            return
+        now = time.monotonic()
+        req.outcome = act.state
+        req.finished_at = now
+        req.stopped = True
+        self.rmetrics.finished(act.state.value, act.reason)
+        self.timeline.record(Mark.SESSION_END, req.order.request_id, detail=act.state.value)
+        if act.state is not SessionState.SUCCESS and req.failed_at is None:
+            req.failed_at = now
+        self._maybe_free(req)
+
+    def _maybe_free(self, req: _Prefill) -> None:
+        """Free the request's memory once nothing more will be submitted (session ended or
+        stopped locally) and the ledger released every slice the session admitted; forget the
+        request once its session has ended too."""
+        if (req.outcome is None and not req.stopped) or req.released < req.admitted:
+            return
+        if req in self._waiting or req.loading:
+            return  # dropped by _admit_waiting / freed when its load ends
+        rid = RequestId(req.order.request_id)
+        if req.table is not None or req.slot is not None:
+            with self._sources_lock:
+                self._sources.pop(req.sid, None)
+            if req.table is not None:
+                req.table.release(self.pools.blocks)
+                req.table = None
+            if req.slot is not None:
+                self.pools.free_slot(req.slot)
+                req.slot = None
+            self._running = deque(r for r in self._running if r is not req)
+            self.timeline.record(Mark.RELEASED, rid)
+            if req.failed_at is not None:
+                self.rmetrics.release_latency.observe(time.monotonic() - req.failed_at)
+            self._admit_waiting()
+        if req.outcome is None:
+            return
+        if self._requests.get(rid) is req:
+            del self._requests[rid]
+        if self._by_session.get(req.sid) is req:
+            del self._by_session[req.sid]
+        if req.outcome is SessionState.SUCCESS and req.failed_at is None:
+            times = request_times(self.timeline.events(rid))
+            self.rmetrics.overlap.observe(times.overlap_ratio)
+            if req.prefill_end is not None and req.finished_at is not None:
+                self.rmetrics.tail.observe(max(0.0, req.finished_at - req.prefill_end))
+
+    # -- observation -------------------------------------------------------------------------------
+    def stats(self, *, timeline: bool = False) -> WorkerStats:
+        """The base stats plus offload hits per tier, transfer amplification inputs, blocks per
+        op and the model's attention plans/fallbacks; offload integrity joins the verdict."""
+        base = super().stats(timeline=timeline)
+        extra = report_counters(self.metrics, self.producer)
+        extra.update({f"driver_{k}": v for k, v in dict(self.driver.counters).items()})
+        problem = base.integrity
+        if self.offload is not None:
+            extra.update(self.offload.snapshot())
+            try:
+                self.offload.check_integrity()
+            except KVPlaneError as exc:
+                problem = problem or f"offload: {exc}"[:4000]
+        return msgspec.structs.replace(base, counters={**base.counters, **extra}, integrity=problem)
+
+
+def report_counters(metrics: MetricsRegistry, model: object) -> dict[str, int]:
+    """Integer counters a report derives the seed's metrics from (``WorkerStats.counters``)."""
+    out = {
+        "pd_bytes_moved": int(metrics.value("pd_bytes_moved", suffix="_total")),
+        "pd_logical_bytes": int(metrics.value("pd_logical_bytes", suffix="_total")),
+        "pd_blocks_per_op_sum": int(metrics.value("pd_blocks_per_op", suffix="_sum")),
+        "pd_blocks_per_op_count": int(metrics.value("pd_blocks_per_op", suffix="_count")),
+    }
+    if isinstance(model, ModelKV):
+        plans, fallbacks = model.fallback_counts
+        out.update(attention_plans=plans, attention_fallbacks=fallbacks)
+    return out

@@ -1,0 +1,220 @@
+"""Prefix offload for a prefill worker: finished prompts' chunks go device → host → disk, and a
+new prompt's cached prefix comes back from the tiers instead of being computed.
+
+Theory of operation
+-------------------
+A prompt's full blocks get chained block hashes from a :class:`~kvplane.blocks.BlockHasher`
+seeded by the worker's hash seed and fingerprinted with the model identity and the pool layout
+(:func:`~kvplane.serving.producers.base.kv_fingerprint`), so a chunk stored by another model,
+another seed or another layout can never be a hit. :class:`~kvplane.chunks.ChunkSpec` groups
+``blocks_per_chunk`` blocks into a chunk whose key is its last block's hash (it commits to the
+whole prefix).
+
+- :meth:`PrefixOffload.begin_load` (at admission, before any step): looks every full chunk of
+  the prompt up in the :class:`~kvplane.offload.TierCascade` and loads the leading run of hits
+  into the request's own device blocks. Only chunks ending before the prompt's last token are
+  loadable — the last token is always computed, since its logits give the first token.
+- :meth:`PrefixOffload.store` (after the last prefill step): stores every full chunk; the
+  cascade fences the device blocks until the host copy is taken, then writes the chunks down
+  to the lower tiers (write-through), whose small host tier evicts older chunks first.
+- :meth:`PrefixOffload.poll` / :meth:`wait` turn the cascade's job results into
+  :class:`LoadFinished` / :class:`StoreFinished` for the worker, counting loaded chunks per tier.
+
+The caller (the worker loop, the only thread that touches this object) must leave a loading
+request's blocks untouched until its :class:`LoadFinished`. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvplane.blocks import BlockHasher, BlockPool
+from kvplane.chunks import ChunkSpec
+from kvplane.errors import InvalidArgumentError
+from kvplane.ids import ChunkKey, JobId, RequestId
+from kvplane.metrics import MetricsRegistry
+from kvplane.offload import LoadDone, OffloadConfig, StoreDone, TierCascade, build_cascade
+from kvplane.serving.producers.base import PoolTensor
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSettings:
+    """How a prefill worker offloads: the tiers (``offload``) and the chunk size in blocks."""
+
+    offload: OffloadConfig
+    blocks_per_chunk: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload, OffloadConfig):
+            raise InvalidArgumentError(f"offload must be an OffloadConfig, got {self.offload!r}")
+        b = self.blocks_per_chunk
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+            raise InvalidArgumentError(f"blocks_per_chunk must be a positive int, got {b!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStarted:
+    """A submitted prefix load: how many chunks and from which tier each comes."""
+
+    ticket_id: int
+    chunks: int
+    sources: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFinished:
+    """A request's prefix load ended: ``tokens`` leading tokens are now in its device blocks."""
+
+    request_id: RequestId
+    tokens: int
+    chunks: int
+    failed: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreFinished:
+    """A request's chunks left the device (``stored`` of them reached the host tier)."""
+
+    request_id: RequestId
+    stored: int
+
+
+Finished = LoadFinished | StoreFinished
+
+
+class PrefixOffload:
+    """One prefill pool's prefix offload (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: PrefixSettings,
+        kv: PoolTensor,
+        block_pool: BlockPool,
+        fingerprint: bytes,
+        *,
+        hash_seed: int = 0,
+        metrics: MetricsRegistry | None = None,
+    ) -> None:
+        self.spec = ChunkSpec(kv.layout.block_size, settings.blocks_per_chunk)
+        self.hasher = BlockHasher(seed=hash_seed, fingerprint=fingerprint)
+        self.cascade: TierCascade = build_cascade(
+            settings.offload,
+            kv.layout,
+            settings.blocks_per_chunk,
+            kv.tensor,
+            metrics=metrics,
+            block_pool=block_pool,
+        )
+        self.tiers = ("host", *(tier.name for tier, _m in self.cascade.lower))
+        self.hits: Counter[str] = Counter()
+        """Chunks loaded into the device pool, by the tier they came from."""
+        self.counts: Counter[str] = Counter()
+        self._loads: dict[int, tuple[RequestId, tuple[str, ...]]] = {}
+        self._stores: dict[JobId, RequestId] = {}
+        registry = metrics if metrics is not None else MetricsRegistry()
+        self._m_hits = registry.counter(
+            "prefill_prefix_chunks", "Prefix chunks loaded instead of computed, by tier", ["tier"]
+        )
+        self._m_tokens = registry.counter(
+            "prefill_prefix_tokens", "Prompt tokens loaded from the offload tiers"
+        )
+
+    # -- keys ------------------------------------------------------------------------------------
+    def chunk_keys(self, token_ids: np.ndarray) -> list[ChunkKey]:
+        """Keys of the prompt's full chunks, in order."""
+        hashes = self.hasher.hash_blocks(token_ids, self.spec.block_size)
+        return self.spec.chunk_keys(hashes)
+
+    def _chunk_blocks(self, block_ids: tuple[int, ...], chunks: int) -> npt.NDArray[np.int64]:
+        return np.asarray(block_ids[: chunks * self.spec.blocks_per_chunk], dtype=np.int64)
+
+    @property
+    def loading(self) -> int:
+        """Loads in flight."""
+        return len(self._loads)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.cascade.jobs.in_flight)
+
+    # -- load and store --------------------------------------------------------------------------
+    def begin_load(
+        self, request_id: RequestId, token_ids: np.ndarray, block_ids: tuple[int, ...]
+    ) -> LoadStarted | None:
+        """Look the prompt's chunks up and load the leading hits into ``block_ids`` (the
+        request's blocks from position 0). ``None``: nothing to load (compute everything)."""
+        keys = self.chunk_keys(token_ids)
+        if not keys:
+            return None
+        self.counts["lookups"] += 1
+        found = self.cascade.lookup(keys)
+        loadable = min(found.hit_run, (len(token_ids) - 1) // self.spec.tokens_per_chunk)
+        if loadable == 0:
+            return None
+        ticket = self.cascade.load(keys[:loadable], self._chunk_blocks(block_ids, loadable))
+        if ticket is None:
+            return None
+        self._loads[ticket.ticket_id] = (request_id, ticket.sources)
+        return LoadStarted(ticket.ticket_id, len(ticket.keys), ticket.sources)
+
+    def store(
+        self, request_id: RequestId, token_ids: np.ndarray, block_ids: tuple[int, ...]
+    ) -> int:
+        """Offload the prompt's full chunks from ``block_ids``; returns how many chunks the
+        store job carries (0: all already held, not admitted or no room)."""
+        keys = self.chunk_keys(token_ids)
+        if not keys:
+            return 0
+        job = self.cascade.store(keys, self._chunk_blocks(block_ids, len(keys)))
+        if job is None:
+            return 0
+        self._stores[job] = request_id
+        self.counts["store_jobs"] += 1
+        return len(keys)
+
+    # -- completion ------------------------------------------------------------------------------
+    def poll(self) -> list[Finished]:
+        """Apply finished jobs without blocking."""
+        return self._events(self.cascade.poll())
+
+    def wait(self, timeout_s: float) -> list[Finished]:
+        """Block up to ``timeout_s`` for a finished job, then apply all finished."""
+        return self._events(self.cascade.wait(timeout_s))
+
+    def _events(self, events: Sequence[object]) -> list[Finished]:
+        out: list[Finished] = []
+        for ev in events:
+            if isinstance(ev, LoadDone):
+                rid, sources = self._loads.pop(ev.ticket_id)
+                usable = ev.usable
+                for tier in sources[:usable]:
+                    self.hits[tier] += 1
+                    self._m_hits.labels(tier).inc()
+                tokens = usable * self.spec.tokens_per_chunk
+                self._m_tokens.inc(tokens)
+                out.append(LoadFinished(rid, tokens, usable, len(ev.keys) - usable))
+            elif isinstance(ev, StoreDone):
+                rid = self._stores.pop(ev.job_id, RequestId(""))
+                stored = sum(ev.ok)
+                self.counts["chunks_stored"] += stored
+                out.append(StoreFinished(rid, stored))
+        return out
+
+    def close(self) -> None:
+        """Drain in-flight jobs, stop the job threads and close the lower tiers."""
+        self.cascade.close()
+
+    def check_integrity(self) -> None:
+        """The cascade's invariants (no pins, fences or tickets left once idle)."""
+        self.cascade.check_integrity()
+
+    def snapshot(self) -> dict[str, int]:
+        """Counters for :class:`~kvplane.serving.messages.WorkerStats`."""
+        out = {f"offload_hit_chunks_{t}": int(self.hits.get(t, 0)) for t in self.tiers}
+        out.update({f"offload_{k}": int(v) for k, v in self.counts.items()})
+        return out

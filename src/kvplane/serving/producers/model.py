@@ -1,0 +1,227 @@
+"""Real models behind the PD workers: a :class:`KVProducer` and a :class:`KVDecoder` over a
+:class:`~kvplane.models.CausalLM`.
+
+Theory of operation
+-------------------
+The runtime describes a pool as ``kv_layout(num_blocks, block_size, head_range)``; a model as
+``kv_layout(num_blocks, block_size, order)``. :class:`ModelKV` adapts one to the other (the
+models hold every KV head, so a TP ``head_range`` other than "all" is refused) and wraps a
+worker's :class:`PoolTensor` as a :class:`~kvplane.models.PagedKVCache` view — no copy, the
+transport keeps the registered memory.
+
+:class:`ModelProducer` computes one chunked-prefill step per :meth:`produce` call: a one-request
+:class:`~kvplane.models.StepBatch` over ``[start, end)`` of the prompt at the request's blocks
+(KV of ``[0, start)`` is already in the pool: an earlier step or a prefix loaded from the offload
+tiers wrote it); the last step's logits give the greedy first token. :class:`ModelDecoder`
+continues from received KV: one-token decode steps, each appending the previous token to the
+request's block table, for ``max_new_tokens`` tokens in all (the first one included) — exactly
+what :meth:`~kvplane.models.PagedDecoder.generate` does in one process, which is the parity
+reference.
+
+Both sides build the model from the same :class:`ModelSpec` (embedded name + seed, or a
+checkpoint directory), so their weights are bit-identical; :attr:`ModelKV.model_id` names the
+weights (name + seed, or the checkpoint's content hash) and goes into the PD handshake and into
+the offload chunk keys (:func:`~kvplane.serving.producers.base.kv_fingerprint`). One model object
+serves one thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Self, runtime_checkable
+
+import numpy as np
+import torch
+
+from kvplane.errors import CheckpointError, ConfigError, InvalidArgumentError
+from kvplane.layout import KVLayout
+from kvplane.metrics import MetricsRegistry
+from kvplane.models import (
+    TINY_MODELS,
+    PagedDecoder,
+    PagedKVCache,
+    StepBatch,
+    StepRequest,
+    greedy_token,
+    load_model,
+)
+from kvplane.serving.producers.base import (
+    DecodeJob,
+    DecodeOutput,
+    PoolTensor,
+    ProduceStep,
+    StepOutput,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@runtime_checkable
+class PromptChecker(Protocol):
+    """Optional: a producer/decoder that can refuse a prompt before any memory is taken."""
+
+    def check_prompt(self, token_ids: np.ndarray, max_new_tokens: int = 0) -> None:
+        """``InvalidArgumentError`` naming the first bad value; changes nothing."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Which model a worker serves: an embedded name (``tiny-llama``, ``tiny-deepseek``) with the
+    weights ``seed``, or a checkpoint directory; ``dtype`` of weights, activations and KV."""
+
+    source: str
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source:
+            raise ConfigError(f"ModelSpec.source must name a model, got {self.source!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"ModelSpec.seed must be an int >= 0, got {self.seed!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(
+                f"ModelSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"
+            )
+
+    @property
+    def embedded(self) -> bool:
+        return self.source in TINY_MODELS
+
+    def identity(self) -> str:
+        """What the weights are: ``name-seedS`` for an embedded model, else the directory's
+        ``config.json`` + ``*.safetensors`` content hash (so a moved copy has the same id)."""
+        if self.embedded:
+            return f"{self.source}-seed{self.seed}-{self.dtype}"
+        root = Path(self.source)
+        if not root.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.source!r} does not exist")
+        digest = hashlib.blake2b(digest_size=12)
+        for path in sorted([root / "config.json", *root.glob("*.safetensors")]):
+            if not path.is_file():
+                raise CheckpointError(f"checkpoint {self.source!r} has no {path.name}")
+            digest.update(path.name.encode() + b"\0")
+            with path.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+        return f"ckpt-{digest.hexdigest()}-{self.dtype}"
+
+    def load(self, metrics: MetricsRegistry | None = None) -> PagedDecoder:
+        """Build the model (``CheckpointError`` for a bad or unsupported checkpoint)."""
+        return load_model(self.source, dtype=DTYPES[self.dtype], seed=self.seed, metrics=metrics)
+
+
+class ModelKV:
+    """The :class:`~kvplane.serving.producers.base.KVModel` face of a model (module docstring)."""
+
+    def __init__(self, model: PagedDecoder, model_id: str) -> None:
+        self.model = model
+        self._model_id = model_id
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, metrics: MetricsRegistry | None = None) -> Self:
+        return cls(spec.load(metrics), spec.identity())
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    def kv_layout(
+        self, num_blocks: int, block_size: int, head_range: tuple[int, int] | None = None
+    ) -> KVLayout:
+        layout = self.model.kv_layout(num_blocks, block_size)
+        if head_range is not None and tuple(head_range) != (0, layout.total_heads):
+            raise ConfigError(
+                f"model {self._model_id} serves every KV head; a TP head range {head_range} "
+                f"is not supported (the layout has {layout.total_heads} heads)"
+            )
+        return layout
+
+    def state_layout(self, num_slots: int) -> KVLayout | None:
+        return None
+
+    def check_prompt(self, token_ids: np.ndarray, max_new_tokens: int = 0) -> None:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise InvalidArgumentError(f"a prompt must be a non-empty 1-D id list, got {ids.shape}")
+        vocab = self.model.vocab_size
+        bad = ((ids < 0) | (ids >= vocab)).nonzero()[0]
+        if bad.size:
+            raise InvalidArgumentError(
+                f"prompt token id {int(ids[bad[0]])} at position {int(bad[0])} is outside the "
+                f"vocabulary [0, {vocab}) of {self._model_id}"
+            )
+        limit = self.model.config.max_position_embeddings
+        if ids.size + max_new_tokens > limit:
+            raise InvalidArgumentError(
+                f"{ids.size} prompt + {max_new_tokens} new tokens exceed the model's "
+                f"{limit} positions"
+            )
+
+    @staticmethod
+    def cache(kv: PoolTensor) -> PagedKVCache:
+        """The worker pool as a model KV cache (a view of the same memory)."""
+        return PagedKVCache(kv.layout, kv.tensor)
+
+    @property
+    def fallback_counts(self) -> tuple[int, int]:
+        """``(plans, plans on a fallback backend)`` of the model's attention selector."""
+        sel = self.model.selector
+        return int(sel.plans), int(sel.fallbacks)
+
+
+class ModelProducer(ModelKV):
+    """:class:`~kvplane.serving.producers.base.KVProducer`: chunked prefill with the real model."""
+
+    def produce(self, step: ProduceStep, kv: PoolTensor, state: PoolTensor | None) -> StepOutput:
+        """Compute ``step.tokens`` into ``kv`` at ``step.block_ids`` (mutates only those slots);
+        the last step returns the greedy first token."""
+        rng = step.tokens
+        ids = np.asarray(step.token_ids[rng.start : rng.end], dtype=np.int64)
+        batch = StepBatch.build(
+            [StepRequest(ids, rng.start, step.block_ids)], kv.layout.block_size, self.model.device
+        )
+        logits = self.model.forward_step(batch, self.cache(kv))
+        if not step.is_last:
+            return StepOutput()
+        return StepOutput(first_token=greedy_token(logits)[0])
+
+
+class ModelDecoder(ModelKV):
+    """:class:`~kvplane.serving.producers.base.KVDecoder`: greedy decode from received KV."""
+
+    verifies = False
+
+    def decode(self, job: DecodeJob, kv: PoolTensor, state: PoolTensor | None) -> DecodeOutput:
+        """``job.max_new_tokens`` tokens (first token included) by one-token steps; grows
+        ``job.table`` through ``job.pool`` (the worker marked the received prompt computed and
+        releases the table). ``InvalidArgumentError`` when the pool runs out of blocks (checked
+        before any step)."""
+        tokens = [int(job.first_token)]
+        if job.max_new_tokens <= 1:
+            return DecodeOutput(tokens=tuple(tokens[: job.max_new_tokens]))
+        table = job.table
+        bs = table.block_size
+        more = -(-(table.num_tokens + job.max_new_tokens - 1) // bs) - len(table.block_ids)
+        if more > job.pool.num_free_blocks:
+            raise InvalidArgumentError(
+                f"request {job.request_id!r}: decoding {job.max_new_tokens} tokens needs {more} "
+                f"more blocks; the decode pool has {job.pool.num_free_blocks} free"
+            )
+        cache = self.cache(kv)
+        with torch.no_grad():
+            while len(tokens) < job.max_new_tokens:
+                if not table.append_tokens(job.pool, [tokens[-1]]):  # pragma: no cover - checked
+                    raise InvalidArgumentError("the decode pool ran out of blocks while decoding")
+                n = table.num_tokens
+                batch = StepBatch.build(
+                    [StepRequest(np.array([tokens[-1]], dtype=np.int64), n - 1, table.block_ids)],
+                    bs,
+                    self.model.device,
+                )
+                logits = self.model.forward_step(batch, cache)
+                table.mark_computed(job.pool, 1)
+                tokens.append(greedy_token(logits)[0])
+        return DecodeOutput(tokens=tuple(tokens))

@@ -1,0 +1,1 @@
+"""The router: membership of workers, pairing, request routing and its client service."""

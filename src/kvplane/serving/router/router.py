@@ -1,0 +1,469 @@
+"""The router: pairs prefill and decode workers and carries each request to both.
+
+Theory of operation
+-------------------
+The router knows workers by their order-socket addresses. :meth:`Router.connect` asks each for
+its :class:`~kvplane.serving.messages.WorkerInfo` and tells every decode worker to shake hands
+with every prefill worker's PD endpoint that can serve it (the PD protocol then runs between
+them directly; the router never touches KV). Serving is TP-aware: one prefill rank sends a
+session's KV, so a prefill worker serves a decode worker only when its KV head range covers the
+decode worker's in every pool (:func:`~kvplane.serving.router.membership.serves`; GQA across TP
+degrees). Pairs that cannot serve are never asked to pair and are not errors; a decode worker up
+that no prefill worker up covers is (``connect`` raises naming its ranges and those available).
+Only vetted pairs carry requests: those whose pairing the decode worker accepted, for both
+workers' current incarnations (one it has not answered yet only while it accepted none; see
+:meth:`~kvplane.serving.router.membership.Membership.serving`). :meth:`Router.submit` picks request
+``n``'s decode worker as ``eligible[n % len(eligible)]`` of the decode workers up that such a
+prefill worker serves, then the prefill worker by that decode worker's own round-robin cursor
+over those — so every serving prefill worker gets an even share of each decode worker's
+requests, and the share of a decode worker nothing serves is spread evenly over the others
+(nothing serves any: refused before any order). It mints a session id that is unique across
+router restarts, and sends the prefill order and the decode order at once — the prefill side
+starts computing while the decode side allocates; whichever PD frame arrives first opens the
+session. The decode worker answers when the request ends; that answer is the request's result.
+An order a worker refuses fails the request and cancels the other side. A request id is unique
+among the requests in flight (a duplicate is refused before anything is sent), and every
+follow-up cancel names the request's session id, so it can never stop another request that
+reuses the id on a worker.
+
+:meth:`Router.refresh` takes a census of the workers (one info query each, answered off the
+worker loop; at most one outstanding per worker and kind, and a worker not up never gets a
+backlog: see :mod:`kvplane.serving.router.membership`), then sends every pairing it needs at once,
+waiting ``probe_s`` for each round. A worker that does not answer is marked *down*: its
+requests fail at once (the other side is cancelled), then it gets a new socket (zmq's frames
+for the old one are dropped, so none reaches the next process at its address), submit and
+stats skip it; it comes back up, re-paired, when it answers again. A worker that restarted
+(new incarnation) is re-paired, and the requests its old incarnation carried as decode worker
+fail. Every request also has a deadline (``deadline_s``): one still unanswered then fails and
+is cancelled on both sides, so no future waits forever. One thread expires deadlines every
+``TICK_S``, whatever a refresh waits for; with ``refresh_s`` (``kvplane serve router``)
+another refreshes that often, and at once when a decode worker reports a prefill peer not
+connected (``NOT_CONNECTED``).
+
+``kvplane serve router`` serves a router on an order socket (``Generate``, ``CancelOrder``,
+``InfoQuery``, aggregated ``StatsQuery``); see :mod:`kvplane.serving.router.service`.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvplane.config import require_finite_positive
+from kvplane.errors import InvalidArgumentError, KVPlaneError, ProtocolError, TransferTimeoutError
+from kvplane.serving.messages import (
+    NOT_CONNECTED,
+    AnyMessage,
+    CancelOrder,
+    DecodeOrder,
+    ErrorReply,
+    Generate,
+    PrefillOrder,
+    RequestResult,
+    WorkerInfo,
+    WorkerStats,
+)
+from kvplane.serving.router.membership import Membership, WorkerHandle, covering, heads_of
+from kvplane.serving.rpc import RpcClient
+
+log = logging.getLogger(__name__)
+TICK_S = 0.05  # how often the deadline thread looks for expired requests
+
+
+@dataclass(slots=True, eq=False)
+class _Flight:
+    request_id: str
+    session_id: str
+    prefill: WorkerHandle
+    decode: WorkerHandle
+    decode_incarnation: int
+    out: Future[RequestResult]
+    num_tokens: int
+    deadline: float
+    orders: list[tuple[RpcClient, Future[AnyMessage]]] = field(default_factory=list)
+    """Each order's future with the client it went out on (a recycled worker has another)."""
+
+
+def _cancel_on(w: WorkerHandle, f: _Flight, reason: str) -> None:
+    """Send ``w`` a cancel of flight ``f``, keyed by its session (never answered to anyone)."""
+    w.client.call_async(
+        CancelOrder(request_id=f.request_id, reason=reason[:4000], session_id=f.session_id)
+    )
+
+
+class Router:
+    """Pairs workers and serves requests (see the module docstring). Thread-safe.
+
+    ``timeout_s``: per-call wait (and :meth:`generate`'s); ``deadline_s``: a request's whole
+    life (default ``max(60, 4 * timeout_s)``); ``refresh_s``: periodic refresh (None: only
+    when called); ``probe_s``: how long a refresh waits for info replies, and then for
+    pairings (at most ``timeout_s``).
+    """
+
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        *,
+        timeout_s: float = 10.0,
+        deadline_s: float | None = None,
+        refresh_s: float | None = None,
+        probe_s: float = 2.0,
+    ) -> None:
+        if not prefill or not decode:
+            raise InvalidArgumentError("a router needs at least one prefill and one decode worker")
+        self.timeout_s = require_finite_positive("timeout_s", timeout_s, InvalidArgumentError)
+        self.deadline_s = (
+            max(60.0, 4 * self.timeout_s)
+            if deadline_s is None
+            else require_finite_positive("deadline_s", deadline_s, InvalidArgumentError)
+        )
+        self.refresh_s = (
+            None
+            if refresh_s is None
+            else require_finite_positive("refresh_s", refresh_s, InvalidArgumentError)
+        )
+        self.probe_s = min(
+            require_finite_positive("probe_s", probe_s, InvalidArgumentError), self.timeout_s
+        )
+        self._stop = threading.Event()
+        self._members = Membership(
+            prefill, decode, timeout_s=self.timeout_s, probe_s=self.probe_s, stop=self._stop
+        )
+        self._tag = secrets.token_hex(4)
+        self._serial = 0
+        self._flights: dict[str, _Flight] = {}
+        self._turns: dict[WorkerHandle, int] = {}  # per decode worker: requests picked for it
+        self._lock = threading.Lock()
+        self._settle_lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        self._refreshes = 0
+        self._refresh_wanted = threading.Event()
+        loops = [self._expire_loop] + ([self._refresh_loop] if self.refresh_s else [])
+        self._threads = [threading.Thread(target=fn, name="kvplane-router") for fn in loops]
+        for t in self._threads:
+            t.daemon = True
+            t.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._refresh_wanted.set()
+        for t in self._threads:
+            if t.is_alive() and threading.current_thread() is not t:
+                t.join(timeout=10.0)
+        with self._refresh_lock:  # a refresh on another thread ends first (bounded by probe_s)
+            self._members.close()
+
+    @property
+    def prefill(self) -> list[WorkerHandle]:
+        """The prefill workers, in the order given (see :class:`WorkerHandle`)."""
+        return self._members.prefill
+
+    @property
+    def decode(self) -> list[WorkerHandle]:
+        """The decode workers, in the order given."""
+        return self._members.decode
+
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return self._members.workers
+
+    @property
+    def refreshes(self) -> int:
+        """Refreshes begun so far (see :meth:`refresh_unless_ready`)."""
+        return self._refreshes
+
+    @property
+    def flights_live(self) -> int:
+        """Requests submitted and not yet settled."""
+        with self._lock:
+            return len(self._flights)
+
+    def worker_counts(self) -> tuple[int, int]:
+        """Workers up, workers down (never answered counts as down)."""
+        up = sum(w.up for w in self.workers)
+        return up, len(self.workers) - up
+
+    def ready(self) -> bool:
+        """True when at least one decode worker is up with a prefill worker up that serves it
+        and whose pairing it accepted (:meth:`Membership.ready`)."""
+        return self._members.ready()
+
+    # -- pairing ---------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Learn every worker and pair every decode worker with every prefill worker that serves
+        it (covers its KV heads). ``ProtocolError`` if a pairing fails, a decode worker up has no
+        prefill worker up that serves it (naming both sides' head ranges), or no worker of a
+        role answers."""
+        self.refresh(force=True)
+        for role, ws in (("prefill", self.prefill), ("decode", self.decode)):
+            if not any(w.up for w in ws):
+                raise ProtocolError(f"no {role} worker answered: {[w.address for w in ws]}")
+
+    def refresh(self, *, force: bool = False) -> list[str]:
+        """Re-learn workers: mark the silent ones down (failing their requests), re-pair those
+        that restarted, came back up or failed to pair (or all, with ``force``), each only with
+        the workers that serve it or it serves. Returns the peer ids of the workers that were
+        (re-)paired; ``ProtocolError`` after the whole refresh if a pairing failed (that worker
+        is paired again at the next refresh) or a decode worker up is newly left with no prefill
+        worker up that serves it (reported once, not re-paired: only a covering prefill worker
+        coming up mends it)."""
+        with self._refresh_lock:
+            return self._refresh(force)
+
+    def refresh_unless_ready(self, since: int | None = None) -> None:
+        """Refresh, unless :meth:`ready` (a covered pair is up) or, with ``since``
+        (:attr:`refreshes` as the caller read it), one began (so ended) since; checked under the
+        lock, so callers waiting together share one refresh. ``ProtocolError`` as
+        :meth:`refresh`."""
+        with self._refresh_lock:
+            if not self.ready() and (since is None or self._refreshes <= since):
+                self._refresh(False)
+
+    def _refresh(self, force: bool) -> list[str]:
+        self._refreshes += 1  # under the refresh lock
+        census = self._members.census(force)
+        self._fail_orphans()  # first: their orders are forgotten, not failed by the recycling
+        for w in census.gone:  # new sockets (zmq's old frames dropped)
+            self._members.recycle(w)
+        errors = self._members.pair_all(census.changed)
+        if errors:
+            raise ProtocolError("; ".join(errors)[:4000])
+        return sorted(w.info.peer_id for w in census.changed if w.info is not None and w.up)
+
+    def _fail_orphans(self) -> None:
+        """Requests whose decode worker restarted or whose worker is down: fail them now."""
+        lost: list[tuple[_Flight, str]] = []
+        with self._lock:
+            for f in self._flights.values():
+                d = f.decode
+                if not d.up:
+                    lost.append((f, f"decode worker at {d.address} is unreachable"))
+                elif d.info is not None and d.info.incarnation != f.decode_incarnation:
+                    lost.append((f, "decode worker restarted"))
+                elif not f.prefill.up:
+                    lost.append((f, f"prefill worker at {f.prefill.address} is unreachable"))
+            for f, _ in lost:
+                del self._flights[f.request_id]
+        for f, reason in lost:
+            self._abandon(f, reason)
+
+    # -- settling --------------------------------------------------------------------------------
+    def _settle(self, out: Future[RequestResult], result: RequestResult) -> None:
+        """Resolve ``out`` once (a restart, a deadline and a late answer may race)."""
+        with self._settle_lock:
+            if not out.done():
+                out.set_result(result)
+
+    def _failed(self, f: _Flight, reason: str) -> RequestResult:
+        return RequestResult(
+            request_id=f.request_id, state="failed", reason=reason[:4000], num_tokens=f.num_tokens
+        )
+
+    def _abandon(self, f: _Flight, reason: str) -> None:
+        """Fail a flight the router gave up on, forget its orders (one not sent yet never is)
+        and cancel it on its workers that are up. Limit: a worker down is never sent the cancel;
+        if it was only unreachable a while, it runs the request until the PD deadline ends it."""
+        self._settle(f.out, self._failed(f, reason))
+        for client, fut in f.orders:
+            client.forget(fut)
+        for w in (f.prefill, f.decode):
+            if w.up:
+                _cancel_on(w, f, reason)
+
+    def _expire_loop(self) -> None:
+        """Deadline thread: fail and cancel the flights past their deadline (waits on nothing)."""
+        while not self._stop.wait(TICK_S):
+            now = time.monotonic()
+            with self._lock:
+                late = [f for f in self._flights.values() if f.deadline <= now]
+                for f in late:
+                    del self._flights[f.request_id]
+            for f in late:
+                try:
+                    self._abandon(
+                        f, f"no answer within the request deadline ({self.deadline_s:g} s)"
+                    )
+                except Exception:  # a bug must not stop the deadline thread
+                    log.exception("router deadline expiry failed")
+
+    def _refresh_loop(self) -> None:
+        """Refresh thread (with ``refresh_s``): refresh that often, and at once when asked."""
+        period = self.refresh_s or TICK_S
+        while not self._stop.is_set():
+            self._refresh_wanted.wait(period)
+            self._refresh_wanted.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.refresh()
+            except KVPlaneError as exc:
+                log.warning("router refresh: %s", exc)
+            except Exception:  # a bug must not stop the refresh thread
+                log.exception("router refresh failed")
+
+    # -- requests --------------------------------------------------------------------------------
+    def _pick(self, n: int) -> tuple[WorkerHandle, WorkerInfo, WorkerHandle, WorkerInfo]:
+        """Prefill and decode worker (with their infos) for request number ``n``, under the lock:
+        decode ``eligible[n % len(eligible)]`` of the decode workers up that a prefill worker
+        serves (:meth:`Membership.serving`: covers its heads, pairing vetted), then the next of
+        those by that decode worker's cursor, which advances. ``ProtocolError``, nothing changed,
+        before :meth:`connect`, while no worker of a role is up, or while no prefill worker up
+        serves a decode worker up (naming the ranges; the same error whether none covers its
+        heads or every pairing of one that does was refused)."""
+        for role, ws in (("prefill", self.prefill), ("decode", self.decode)):
+            if all(w.info is None for w in ws):
+                raise ProtocolError("call Router.connect() before submitting requests")
+            if not any(w.up and w.info is not None for w in ws):
+                raise ProtocolError(f"no {role} worker is up")
+        eligible = [
+            (d, d_info, ps)
+            for d in self.decode
+            if (d_info := d.info) is not None and (ps := self._members.serving(d))
+        ]
+        if not eligible:
+            raise ProtocolError(self._nothing_serves())
+        d, d_info, ps = eligible[n % len(eligible)]
+        turn = self._turns.get(d, 0)
+        p, p_info = ps[turn % len(ps)]
+        self._turns[d] = turn + 1
+        return p, p_info, d, d_info
+
+    def _nothing_serves(self) -> str:
+        """Why no request can be served now, naming the head ranges of the workers up."""
+        ps, ds = [w for w in self.prefill if w.up], [w for w in self.decode if w.up]
+        why = "no prefill worker up holds all the KV heads of a decode worker up"
+        if any(covering(ps, d) for d in ds):
+            why = "no decode worker up has a vetted pairing with a prefill worker up holding all "
+            why += "its KV heads (refused or not made yet; re-paired at the next refresh)"
+        return (
+            f"{why} (one sender per session): decode {', '.join(heads_of(w) for w in ds)}; "
+            f"prefill {', '.join(heads_of(w) for w in ps)}"
+        )[:4000]
+
+    def submit(
+        self,
+        request_id: str,
+        token_ids: tuple[int, ...] | list[int],
+        *,
+        max_new_tokens: int = 1,
+        step_size: int = 0,
+    ) -> Future[RequestResult]:
+        """Start one request; the future resolves to its :class:`RequestResult` (failed by the
+        deadline at the latest). Nothing is sent and nothing changes when it raises:
+        ``InvalidArgumentError`` for an invalid value or a request id already in flight,
+        ``ProtocolError`` before :meth:`connect`, while no worker of a role is up, or while no
+        prefill worker up serves (covers the KV heads of, and has a vetted pairing with) a
+        decode worker up."""
+        try:
+            tokens = [operator.index(t) for t in token_ids]
+            order = msgspec.convert(
+                {"request_id": request_id, "token_ids": tokens,
+                 "max_new_tokens": max_new_tokens, "step_size": step_size},
+                Generate,
+            )  # fmt: skip
+        except (TypeError, msgspec.ValidationError) as exc:
+            raise InvalidArgumentError(f"request {request_id!r}: {exc}") from None
+        with self._lock:
+            if request_id in self._flights:
+                raise InvalidArgumentError(f"request {request_id!r} is already in flight")
+            p, p_info, d, d_info = self._pick(self._serial)
+            sid = f"{request_id}/{self._tag}.{self._serial}"
+            self._serial += 1
+            flight = _Flight(
+                request_id, sid, p, d, d_info.incarnation, Future(), len(tokens),
+                time.monotonic() + self.deadline_s,
+            )  # fmt: skip
+            self._flights[request_id] = flight
+        pc, dc = p.client, d.client  # each order is forgotten on the client it went out on
+        pre = pc.call_async(
+            PrefillOrder(
+                request_id=request_id,
+                session_id=sid,
+                decode_peer=d_info.peer_id,
+                token_ids=order.token_ids,
+                step_size=step_size,
+            )
+        )
+        dec = dc.call_async(
+            DecodeOrder(
+                request_id=request_id,
+                session_id=sid,
+                prefill_peer=p_info.peer_id,
+                token_ids=order.token_ids,
+                max_new_tokens=max_new_tokens,
+            )
+        )
+        flight.orders += [(pc, pre), (dc, dec)]
+        pre.add_done_callback(lambda f: self._on_prefill(flight, f))
+        dec.add_done_callback(lambda f: self._on_decode(flight, f))
+        return flight.out
+
+    def _on_prefill(self, flight: _Flight, f: Future[AnyMessage]) -> None:
+        if f.cancelled():  # forgotten: the router gave up on the request
+            return
+        exc = f.exception()
+        got = f.result() if exc is None else ErrorReply(reason=str(exc)[:4000])
+        if isinstance(got, ErrorReply):  # the decode side answers the order when it stops
+            _cancel_on(flight.decode, flight, f"prefill refused: {got.reason}")
+
+    def _on_decode(self, flight: _Flight, f: Future[AnyMessage]) -> None:
+        with self._lock:
+            if self._flights.get(flight.request_id) is flight:
+                del self._flights[flight.request_id]
+        if f.cancelled():  # forgotten: whoever gave up on the request settled it
+            return
+        exc = f.exception()
+        got = f.result() if exc is None else ErrorReply(reason=str(exc)[:4000])
+        if isinstance(got, RequestResult):
+            self._settle(flight.out, got)
+            return
+        reason = got.reason if isinstance(got, ErrorReply) else f"unexpected reply {got!r}"
+        if NOT_CONNECTED in reason:  # a pairing was lost: refresh now (with refresh_s)
+            self._refresh_wanted.set()
+        _cancel_on(flight.prefill, flight, reason)
+        self._settle(flight.out, self._failed(flight, reason))
+
+    def generate(
+        self, request_id: str, token_ids: tuple[int, ...] | list[int], **kw: int
+    ) -> RequestResult:
+        """:meth:`submit` and wait (``TransferTimeoutError`` after ``timeout_s``)."""
+        fut = self.submit(request_id, token_ids, **kw)
+        try:
+            return fut.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise TransferTimeoutError(f"request {request_id!r} did not end in time") from None
+
+    def cancel(self, request_id: str, *, side: str = "decode", reason: str = "cancelled") -> bool:
+        """Cancel a request on its decode or prefill worker; False if it is not in flight."""
+        if side not in ("decode", "prefill"):
+            raise InvalidArgumentError(f"side must be 'decode' or 'prefill', got {side!r}")
+        with self._lock:
+            flight = self._flights.get(request_id)
+        if flight is None:
+            return False
+        _cancel_on(flight.decode if side == "decode" else flight.prefill, flight, reason)
+        return True
+
+    # -- observation -----------------------------------------------------------------------------
+    def gather_stats(self, *, timeline: bool = False) -> tuple[dict[str, WorkerStats], list[str]]:
+        """Stats of every worker that is up, by peer id, waiting at most ``timeout_s`` in all;
+        and the addresses (with why) of the workers that gave none: the up ones that did not
+        answer, and every worker down (or never heard from), which is not asked or waited for."""
+        return self._members.gather_stats(timeline)
+
+    def stats(self, *, timeline: bool = False) -> dict[str, WorkerStats]:
+        """Stats of every worker; ``TransferTimeoutError`` naming those that gave none (down,
+        or no reply within ``timeout_s``)."""
+        out, missing = self.gather_stats(timeline=timeline)
+        if missing:
+            raise TransferTimeoutError(f"no stats from {', '.join(missing)}"[:4000])
+        return out

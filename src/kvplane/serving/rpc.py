@@ -1,0 +1,407 @@
+"""Request/reply over zmq for the runtime's control messages (127.0.0.1 unless told otherwise).
+
+Theory of operation
+-------------------
+An :class:`RpcServer` binds one ROUTER; a :class:`RpcClient` connects one DEALER. Each side runs
+one loop thread that alone touches its socket; other threads hand it frames through a queue
+and an inproc wake-up socket. Every frame is one :class:`~kvplane.serving.messages.Envelope`
+(version, call id, message), msgpack-encoded and at most ``max_frame`` bytes. A frame that is
+oversized or undecodable is dropped and counted, and the loop keeps serving; a frame whose
+envelope head ``[version, call_id]`` is readable but whose version differs or whose message
+fails validation (unknown tag, empty prompt, out-of-range value) is counted and answered: the
+server replies ``ErrorReply(reason)`` to that call id, the client resolves that call's future
+with one. A reply that would not fit in ``max_frame`` bytes is replaced by an ``ErrorReply``
+naming its size (a frame over the peer's limit would be dropped by zmq, with the connection).
+
+Sending never blocks a loop. A frame the socket cannot take now (zmq's send high-water mark
+reached: the peer is gone or not reading) waits in the loop's bounded outbox (at most
+``MAX_HELD`` frames) for at most ``send_wait_s`` (the client's ``timeout_s``); a call whose
+frame is not taken by then, or finds the outbox full, resolves with ``TransferTimeoutError``.
+A call forgotten (:meth:`~RpcClient.forget`) before its frame left is not sent at all. zmq
+keeps the frames it took for a peer that is gone and hands them to the next process at that
+address; a caller that must not deliver them closes the client with ``discard=True`` (they
+are dropped) and connects a new one. (``zmq.IMMEDIATE`` would drop them too, but it also
+drops a reply that arrives just before its server closes the connection.) Closing a client
+resolves every call still waiting with ``RemoteDisconnectError``, and so does a call made
+after it closed.
+
+The server calls ``handler(message, reply)`` on its loop thread; the handler must not block: it
+answers at once or keeps ``reply`` and calls it later from any thread (a decode order is
+answered when the request ends). A handler that raises is answered with an ``ErrorReply``
+naming the error (anything but a ``KVPlaneError`` is logged as a bug, too). The client matches
+replies to futures by call id; :meth:`RpcClient.call` waits with a timeout
+(``TransferTimeoutError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from kvplane.config import require_finite_positive
+from kvplane.errors import (
+    InvalidArgumentError,
+    KVPlaneError,
+    RemoteDisconnectError,
+    TransferTimeoutError,
+)
+from kvplane.serving.messages import RUNTIME_VERSION, AnyMessage, Envelope, ErrorReply
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_FRAME = 64 << 20
+Reply = Callable[[AnyMessage], None]
+Handler = Callable[[AnyMessage, Reply], None]
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+class _Head(msgspec.Struct, frozen=True, array_like=True):
+    """The envelope's leading fields, read leniently when the whole envelope does not decode."""
+
+    version: int
+    call_id: int
+
+
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+_MAX_CALL_ID = 1 << 62
+MAX_HELD = 1024
+"""Most frames a loop keeps waiting for its socket to take them (the outbox bound)."""
+SERVER_SEND_WAIT_S = 10.0
+"""How long a server's reply may wait for its socket (a ROUTER drops rather than waits)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Outgoing:
+    """One multipart frame to send, the call it starts (None: a reply) and when it expires."""
+
+    parts: list[bytes]
+    call_id: int | None
+    expires: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A frame whose call id is readable but whose version or message is not acceptable."""
+
+    call_id: int
+    reason: str
+
+
+def _fail(fut: Future[AnyMessage], exc: KVPlaneError) -> None:
+    """Resolve ``fut`` with ``exc`` unless it was cancelled (forgotten) already."""
+    if fut.set_running_or_notify_cancel():
+        fut.set_exception(exc)
+
+
+def encode(call_id: int, body: AnyMessage) -> bytes:
+    return _encoder.encode(Envelope(version=RUNTIME_VERSION, call_id=call_id, body=body))
+
+
+class _Loop:
+    """One socket, one loop thread, a queue of outgoing multipart frames and a wake-up socket."""
+
+    def __init__(self, kind: int, name: str, max_frame: int, send_wait_s: float) -> None:
+        if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame <= 0:
+            raise InvalidArgumentError(f"max_frame must be a positive int, got {max_frame!r}")
+        require_finite_positive("timeout_s", send_wait_s, InvalidArgumentError)
+        self.max_frame = max_frame
+        self.send_wait_s = float(send_wait_s)
+        self.counters: Counter[str] = Counter()
+        self._ctx = zmq.Context()
+        self.sock: zmq.Socket[bytes] = self._ctx.socket(kind)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame + 4096)
+        wake = f"inproc://rpc-wake-{id(self)}"
+        self._pull: zmq.Socket[bytes] = self._ctx.socket(zmq.PULL)
+        self._pull.bind(wake)
+        self._push: zmq.Socket[bytes] = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(wake)
+        self._push_lock = threading.Lock()
+        self._out: queue.SimpleQueue[_Outgoing] = queue.SimpleQueue()
+        self._held: deque[_Outgoing] = deque()  # the loop thread's own
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._closed = False
+
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def _send_later(self, parts: list[bytes], call_id: int | None = None) -> None:
+        self._out.put(_Outgoing(parts, call_id, time.monotonic() + self.send_wait_s))
+        with self._push_lock, contextlib.suppress(zmq.ZMQError):
+            self._push.send(b"", zmq.NOBLOCK)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                waiting = bool(self._held)
+                poller.modify(self.sock, zmq.POLLIN | (zmq.POLLOUT if waiting else 0))
+                ready = dict(poller.poll(10 if waiting else 50))
+                if self._pull in ready:
+                    with contextlib.suppress(zmq.Again):
+                        while True:
+                            self._pull.recv(zmq.NOBLOCK)
+                self._flush()
+                if int(ready.get(self.sock, 0)) & zmq.POLLIN:
+                    with contextlib.suppress(zmq.Again):
+                        for _ in range(64):
+                            self._on_frames(self.sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                self.counters["socket_errors"] += 1
+                log.exception("rpc loop socket error (the loop keeps serving)")
+            except Exception:
+                self.counters["loop_errors"] += 1
+                log.exception("rpc loop error (the loop keeps serving)")
+        with contextlib.suppress(zmq.ZMQError):  # closing: hand over the last replies
+            self._flush()
+
+    def _flush(self) -> None:
+        """Hand the socket what it takes now, without blocking; keep the rest, in order, in the
+        bounded outbox until it expires (see the module docstring). Loop thread only."""
+        while self._held and self._offer(self._held[0]):
+            self._held.popleft()
+        while not self._out.empty():
+            item = self._out.get_nowait()
+            if self._held or not self._offer(item):
+                if len(self._held) >= MAX_HELD:
+                    self._unsent(item, f"{MAX_HELD} frames already wait to be sent")
+                else:
+                    self._held.append(item)
+        now = time.monotonic()
+        while self._held and self._held[0].expires <= now:
+            self._unsent(self._held.popleft(), f"not sent within {self.send_wait_s:g} s")
+
+    def _offer(self, item: _Outgoing) -> bool:
+        """Whether ``item`` is done with: sent now, or forgotten (not sent, counted); False if
+        the socket cannot take it now."""
+        if not self._wanted(item):
+            self.counters["unsent_forgotten"] += 1
+            return True
+        try:
+            self.sock.send_multipart(item.parts, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def _wanted(self, item: _Outgoing) -> bool:
+        """Whether a frame waiting in the outbox should still be sent."""
+        return True
+
+    def _unsent(self, item: _Outgoing, why: str) -> None:
+        """A frame the socket did not take: dropped and counted."""
+        self.counters["unsent"] += 1
+
+    def _on_frames(self, parts: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def _decode(self, payload: bytes) -> Envelope | Refused | None:
+        """The envelope; a :class:`Refused` when only its head is readable; None to drop."""
+        if len(payload) > self.max_frame:
+            self.counters["dropped_oversized"] += 1
+            return None
+        try:
+            env = _decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            return self._refused(payload, f"invalid message: {exc}")
+        if env.version != RUNTIME_VERSION:
+            return self._refused(
+                payload, f"runtime version {env.version} is not {RUNTIME_VERSION}", "version"
+            )
+        return env
+
+    def _refused(self, payload: bytes, reason: str, kind: str = "malformed") -> Refused | None:
+        try:
+            head = _head_decoder.decode(payload)
+        except msgspec.DecodeError:
+            self.counters[f"dropped_{kind}"] += 1
+            return None
+        if head.version != RUNTIME_VERSION:
+            kind, reason = "version", f"runtime version {head.version} is not {RUNTIME_VERSION}"
+        if not 0 <= head.call_id <= _MAX_CALL_ID:
+            self.counters[f"dropped_{kind}"] += 1
+            return None
+        self.counters[f"refused_{kind}"] += 1
+        return Refused(head.call_id, reason[:4000])
+
+    def close(self, linger_ms: int = 500) -> None:
+        """Stop the loop and close the socket; frames already handed to zmq may still leave
+        for ``linger_ms`` (bounded)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        with self._push_lock:
+            self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self.sock.close(linger=linger_ms)
+        self._ctx.term()
+
+
+class RpcServer(_Loop):
+    """Serves one handler on a ROUTER bound at ``bind`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        bind: str,
+        handler: Handler,
+        *,
+        name: str = "kvplane-rpc",
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        super().__init__(zmq.ROUTER, name, max_frame, SERVER_SEND_WAIT_S)
+        self._handler = handler
+        self.sock.bind(bind)
+        self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _on_frames(self, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            self.counters["dropped_bad_parts"] += 1
+            return
+        identity, payload = parts
+        env = self._decode(payload)
+        if env is None:
+            return
+
+        def reply(msg: AnyMessage, call_id: int = env.call_id) -> None:
+            frame = encode(call_id, msg)
+            if len(frame) > self.max_frame:
+                self.counters["replies_oversized"] += 1
+                reason = (
+                    f"the {type(msg).__name__} reply ({len(frame)} bytes) exceeds the "
+                    f"{self.max_frame}-byte frame limit"
+                )
+                frame = encode(call_id, ErrorReply(reason=reason))
+            self._send_later([identity, frame])
+
+        if isinstance(env, Refused):
+            reply(ErrorReply(reason=env.reason))
+            return
+        self.counters["calls"] += 1
+        try:
+            self._handler(env.body, reply)
+        except KVPlaneError as exc:
+            self.counters["handler_errors"] += 1
+            reply(ErrorReply(reason=str(exc)[:4000]))
+        except Exception as exc:  # a bug in a handler: answer it, log it, keep serving
+            self.counters["handler_errors"] += 1
+            log.exception("rpc handler error")
+            reply(ErrorReply(reason=f"internal error: {type(exc).__name__}: {exc}"[:4000]))
+
+
+class RpcClient(_Loop):
+    """Calls a server at ``address``; thread-safe (any thread may call). ``timeout_s``: how
+    long :meth:`call` waits, and how long a frame may wait to be sent (module docstring)."""
+
+    def __init__(
+        self, address: str, *, timeout_s: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME
+    ) -> None:
+        super().__init__(zmq.DEALER, "kvplane-rpc-client", max_frame, timeout_s)
+        self.address = address
+        self.timeout_s = timeout_s
+        self.sock.connect(address)
+        self._ids = itertools.count(1)
+        self._futures: dict[int, Future[AnyMessage]] = {}
+        self._lock = threading.Lock()
+        self._client_closed = False
+        self.start()
+
+    def close(self, linger_ms: int = 500, *, discard: bool = False) -> None:
+        """Close (``discard``: drop every frame not yet sent, at once) and resolve the calls
+        still waiting with ``RemoteDisconnectError``."""
+        with self._lock:
+            self._client_closed = True
+            waiting = list(self._futures.values())
+            self._futures.clear()
+        super().close(0 if discard else linger_ms)
+        for fut in waiting:
+            _fail(fut, RemoteDisconnectError(f"the client of {self.address} is closed"))
+
+    def call_async(self, msg: AnyMessage) -> Future[AnyMessage]:
+        """Send ``msg``; its reply resolves the future. It fails with ``TransferTimeoutError``
+        when the frame is not sent in time, with ``RemoteDisconnectError`` when the client is
+        closed (see the module docstring); it never resolves when the server took the frame
+        and died."""
+        return self._start(msg)[1]
+
+    def _start(self, msg: AnyMessage) -> tuple[int, Future[AnyMessage]]:
+        fut: Future[AnyMessage] = Future()
+        call_id = next(self._ids)
+        with self._lock:
+            closed = self._client_closed
+            if not closed:
+                self._futures[call_id] = fut
+        if closed:
+            _fail(fut, RemoteDisconnectError(f"the client of {self.address} is closed"))
+        else:
+            self._send_later([encode(call_id, msg)], call_id)
+        return call_id, fut
+
+    def forget(self, fut: Future[AnyMessage]) -> None:
+        """Stop waiting for ``fut`` (its late reply is counted and dropped); a frame of it that
+        still waits in the outbox is not sent."""
+        with self._lock:
+            for call_id, known in list(self._futures.items()):
+                if known is fut:
+                    del self._futures[call_id]
+        fut.cancel()
+
+    def call(self, msg: AnyMessage, timeout_s: float | None = None) -> AnyMessage:
+        """Send ``msg`` and wait for its reply (``TransferTimeoutError`` after the timeout)."""
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        call_id, fut = self._start(msg)
+        try:
+            return fut.result(timeout=wait)
+        except FutureTimeout:
+            with self._lock:
+                self._futures.pop(call_id, None)
+            fut.cancel()
+            raise TransferTimeoutError(
+                f"no reply from {self.address} to {type(msg).__name__} within {wait} s"
+            ) from None
+
+    def _wanted(self, item: _Outgoing) -> bool:
+        with self._lock:
+            return item.call_id is None or item.call_id in self._futures
+
+    def _unsent(self, item: _Outgoing, why: str) -> None:
+        self.counters["unsent"] += 1
+        with self._lock:
+            fut = None if item.call_id is None else self._futures.pop(item.call_id, None)
+        if fut is not None:
+            _fail(fut, TransferTimeoutError(f"no call to {self.address}: {why}"))
+
+    def _on_frames(self, parts: list[bytes]) -> None:
+        if len(parts) != 1:
+            self.counters["dropped_bad_parts"] += 1
+            return
+        env = self._decode(parts[0])
+        if env is None:
+            return
+        with self._lock:
+            fut = self._futures.pop(env.call_id, None)
+        body = env.body if isinstance(env, Envelope) else ErrorReply(reason=env.reason)
+        if fut is None:
+            self.counters["late_replies"] += 1
+        elif not fut.cancelled():
+            fut.set_result(body)

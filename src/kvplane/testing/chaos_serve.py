@@ -1,0 +1,54 @@
+"""``python -m kvplane.testing.chaos_serve ROLE ...``: ``kvplane serve`` with seeded faults.
+
+Takes every flag of ``kvplane serve prefill|decode`` plus ``--chaos-seed`` and one probability
+per fault (``--chaos-submit-error``, ``--chaos-fail``, ``--chaos-in-doubt``, ``--chaos-delay``,
+``--chaos-drop``, ``--chaos-duplicate``, ``--chaos-reorder``), and serves through the worker's
+hooks. A test harness: production ``kvplane serve`` has no fault flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvplane.apps import serve
+from kvplane.testing.chaos import FaultPlan
+
+FAULTS = ("submit-error", "fail", "in-doubt", "delay", "drop", "duplicate", "reorder")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kvplane.testing.chaos_serve")
+    serve.add_arguments(parser)
+    for role_parser in _role_parsers(parser):
+        c = role_parser.add_argument_group("chaos (seeded fault injection)")
+        c.add_argument("--chaos-seed", type=int, default=0)
+        for fault in FAULTS:
+            c.add_argument(f"--chaos-{fault}", type=float, default=0.0, help="probability")
+    return parser
+
+
+def _role_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [p for role, p in sub.choices.items() if role in ("prefill", "decode")]
+
+
+def fault_plan(args: argparse.Namespace) -> FaultPlan:
+    """The plan the ``--chaos-*`` flags name."""
+    probs = {f.replace("-", "_"): getattr(args, "chaos_" + f.replace("-", "_")) for f in FAULTS}
+    return FaultPlan(seed=args.chaos_seed, **probs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "role", None) not in ("prefill", "decode"):
+        print(
+            "usage: python -m kvplane.testing.chaos_serve {prefill,decode} [flags]", file=sys.stderr
+        )
+        return 2
+    return serve.run(args, hooks=fault_plan(args).hooks())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

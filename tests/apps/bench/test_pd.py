@@ -1,0 +1,70 @@
+"""``kvplane bench pd`` at a toy size: the JSON keys of the issue, one row per mode."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvplane.apps.bench import pd
+
+
+def test_bench_reports_every_key_for_both_modes() -> None:
+    args = argparse.Namespace(transports="tcp,nope", requests=1, tokens=64, step=16, layers=1)
+    out = pd.run(True, args)
+    rows = out["rows"]
+    assert isinstance(rows, list)
+    modes = [r["mode"] for r in rows if r["transport"] == "tcp"]
+    assert modes == ["pipelined", "non_pipelined"]
+    for row in rows[:2]:
+        assert set(row) >= {
+            "transport",
+            "mode",
+            "ttft_ms",
+            "exposed_tail_ms",
+            "overlap_ratio",
+            "slice_transfer_ms",
+            "slice_submit_to_done_ms",
+            "step_compute_ms",
+            "timeline_truncated",
+        }
+        assert row["slice_transfer_ms"] > 0 and row["exposed_tail_ms"] is not None
+        assert row["slice_submit_to_done_ms"] >= row["slice_transfer_ms"]
+        assert row["timeline_truncated"] == 0
+        assert row["ttft_ms"] > 0 and 0.0 <= row["overlap_ratio"] <= 1.0
+    assert rows[0]["ttft_ratio"] > 0 and rows[1]["per_step_transfer_ms"] >= 0
+    assert rows[0]["zero_stretch_ttft_ratio"] > 0
+    assert rows[1]["overlap_ratio"] == 0.0  # nothing overlaps when sending after the prefill
+    assert rows[2] == {"transport": "nope", "skipped": "unknown transport"}
+    targets = out["targets"]
+    assert isinstance(targets, dict) and set(targets["tcp"]) == {
+        "exposed_tail_le_1.5x_slice",
+        "ttft_le_0.7x_non_pipelined",
+        "overlap_ge_0.8",
+    }
+    assert set(out["target_definitions"]) == set(targets["tcp"])  # type: ignore[arg-type]
+    calib = out["calibration"]
+    assert isinstance(calib, dict) and isinstance(calib["tcp"]["calibration_ok"], bool)
+    assert calib["tcp"]["slice_transfer_ms"] == rows[0]["slice_transfer_ms"]
+    assert out["memcpy_slice_ms"] > 0 and out["memcpy_slice_scattered_ms"] > 0  # type: ignore[operator]
+
+
+def test_ttft_ratio_pairs_requests_not_medians() -> None:
+    # two pairs at half; load hit the third pair's non-pipelined run less than its pipelined
+    pipelined = [10.0, 60.0, 70.0]
+    non_pipelined = [20.0, 120.0, 65.0]
+    assert pd.ttft_ratio(pipelined, non_pipelined) == 0.5  # the medians' ratio: 60 / 65
+
+
+def test_zero_stretch_ratio() -> None:
+    # 8 steps of 4 ms + a 4 ms lone slice = 36 ms, against 8 x 4 + 8 x 2 ms of bulk = 48 ms
+    assert pd.zero_stretch_ratio(8, 4.0, 2.0) == 0.75
+    # a bulk transfer no cheaper per step than a lone slice: (N + 1) / 2N
+    assert pd.zero_stretch_ratio(8, 4.0, 4.0) == 9 / 16
+
+
+def test_prompts_share_no_first_block() -> None:
+    """The warm-up and every request start differently, so none hits another's prefix."""
+    firsts = {tuple(pd.prompt(i, 16)) for i in range(-1, 2_000)}
+    assert len(firsts) == 2_001
+    assert pd.prompt(0, 4) == [7919, 7920, 7921, 7922]
+    assert pd.prompt(-1, 3) == [29_999, 0, 1]  # wraps inside the vocabulary
+    assert max(max(pd.prompt(i, 4_096)) for i in (-1, 0, 5)) < pd.VOCAB

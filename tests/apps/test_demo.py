@@ -1,0 +1,81 @@
+"""``kvplane demo`` as a user runs it: three worker processes, parity, offload hits from host and
+disk, trace and picture, ``kvplane report`` redrawing them; a killed worker is reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvplane.apps.demo import demo_prompts
+from kvplane.cli import main
+from kvplane.models import save_checkpoint, tiny_config
+
+
+def kvplane(*args: str, timeout: float = 150.0) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "kvplane", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_demo_json_parity_offload_trace_and_report(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = kvplane("demo", "--json", "--out", str(out), "--max-new-tokens", "8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1  # exactly one JSON object on stdout; progress went to stderr
+    got = json.loads(lines[0])
+    assert got["parity"] is True
+    assert got["requests"] == len(demo_prompts(1024))
+    m = got["metrics"]
+    assert (m["chunk_hits_host"], m["chunk_hits_disk"]) == (5.0, 3.0)
+    assert got["offload_hit_chunks"] == 8
+    assert m["transfer_amplification"] == 1.0
+    assert m["fallback_ratio"] == 0.0 and m["attention_plans"] > 0
+    assert 0.0 <= m["overlap_ratio_mean"] <= 1.0
+    assert got["integrity"] == {"prefill": "", "decode": ""}
+    trace = json.loads((out / "trace.json").read_text())
+    names = {r["cat"] for r in trace["traceEvents"] if r["ph"] == "X"}
+    assert names >= {"prefill step", "slice transfer", "offload load", "offload store", "decode"}
+    assert trace["otherData"]["metrics"] == m
+    png = out / "timeline.png"
+    png.unlink()
+    assert main(["report", str(out)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_reports_a_killed_worker_instead_of_hanging(tmp_path: Path) -> None:
+    started = time.monotonic()
+    done = kvplane("demo", "--json", "--chaos-kill", "prefill", "--chaos-kill-after", "1")
+    assert time.monotonic() - started < 60
+    assert done.returncode == 3
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["parity"] is False
+    assert "the prefill worker" in got["error"]
+    assert "exited with code -9 while serving request r1" in got["error"]
+
+
+def test_demo_refuses_unsupported_checkpoint_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(tiny_config("tiny-llama"), ckpt)
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["architectures"] = ["MambaForCausalLM"]
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    assert main(["demo", "--model", str(ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert "MambaForCausalLM" in err and "LlamaForCausalLM" in err
+    assert main(["demo", "--max-new-tokens", "0"]) == 1
+    assert "--max-new-tokens must be positive, got 0" in capsys.readouterr().err

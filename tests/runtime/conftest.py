@@ -1,9 +1,0 @@
-"""Shared set-up of the PD runtime tests: helpers live in ``pd_testlib.py`` beside this file."""
-
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-# importlib mode puts no test directory on sys.path; this one is, for the runtime tests only.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
