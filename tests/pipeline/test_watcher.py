@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvplane.pipeline.watcher import BatchWatcher
-from kvplane.testing.chaos import FaultPlan, FaultyTransport
+from kvplane.testing.chaos import FaultyTransport
+from kvplane.testing.faults import TransferFaults
 from kvplane.transports.base import DescriptorList, XferKind, XferState
 from kvplane.transports.local import LocalFabric, LocalTransport
 
@@ -63,7 +64,7 @@ def test_a_submitted_batch_wakes_the_owner_once_it_has_landed(wait_only: bool) -
 
 def test_the_wake_up_is_a_hint_and_the_wrapped_poll_still_decides() -> None:
     a, b, _, s, d = _setup()
-    faulty = FaultyTransport(a, FaultPlan(fail=1.0))
+    faulty = FaultyTransport(a, TransferFaults(fail=1.0))
     woken = threading.Event()
     w = BatchWatcher(faulty, woken.set)  # type: ignore[arg-type]
     w.start()

@@ -68,7 +68,7 @@ TRANSPORT = [
     "0.01",
     "--chaos-in-doubt",
     "0.005",
-    "--chaos-delay",
+    "--chaos-late",
     "0.01",
 ]
 SLACK_S = 0.3

@@ -14,7 +14,7 @@ from kvplane.serving.messages import StatsQuery, WorkerStats
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.producers.synthetic import SyntheticDecoder, SyntheticProducer, SyntheticSpec
 from kvplane.serving.router.router import Router
-from kvplane.testing.chaos import FaultPlan
+from kvplane.testing.chaos import worker_hooks
 from kvplane.testing.cluster import (
     FAST,
     Cluster,
@@ -25,6 +25,7 @@ from kvplane.testing.cluster import (
     prompt,
     wait_for,
 )
+from kvplane.testing.faults import FaultPlan, TransferFaults
 
 SLOW = SyntheticSpec(kind="mla", num_layers=2, latent_dim=32, rope_dim=16, compute_s_per_step=0.01)
 TERMINAL = {"success", "aborted", "failed"}
@@ -93,7 +94,7 @@ def test_cancel_of_an_unknown_request_changes_nothing() -> None:
 def _faulty_cluster(plan: FaultPlan, **prefill: object) -> Cluster:
     base = base_config(num_slots=8)
     spec = SyntheticSpec(kind="mla", num_layers=2, latent_dim=32, rope_dim=16)
-    p = PrefillWorker(replace(base, **prefill), SyntheticProducer(spec), hooks=plan.hooks())  # type: ignore[arg-type]
+    p = PrefillWorker(replace(base, **prefill), SyntheticProducer(spec), hooks=worker_hooks(plan))  # type: ignore[arg-type]
     d = DecodeWorker(replace(base, name="decode"), SyntheticDecoder(spec))
     p.start()
     d.start()
@@ -103,7 +104,7 @@ def _faulty_cluster(plan: FaultPlan, **prefill: object) -> Cluster:
 
 
 def test_a_failed_slice_fails_the_request_and_releases_everything() -> None:
-    c = _faulty_cluster(FaultPlan(seed=1, fail=1.0))
+    c = _faulty_cluster(FaultPlan(seed=1, transfers=TransferFaults(fail=1.0)))
     try:
         res = c.router.generate("f", list(range(100)))
         assert res.state == "failed"
@@ -114,7 +115,9 @@ def test_a_failed_slice_fails_the_request_and_releases_everything() -> None:
 
 
 def test_a_slice_past_its_timeout_ends_in_doubt_and_is_released_at_the_deadline() -> None:
-    c = _faulty_cluster(FaultPlan(seed=2, delay=1.0, delay_s=3.0), slice_timeout_s=0.1)
+    c = _faulty_cluster(
+        FaultPlan(seed=2, transfers=TransferFaults(late=1.0, late_s=3.0)), slice_timeout_s=0.1
+    )
     try:
         t0 = time.monotonic()
         res = c.router.generate("t", list(range(40)))

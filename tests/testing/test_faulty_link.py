@@ -6,12 +6,15 @@ import random
 
 import pytest
 
-from kvplane.errors import InvalidArgumentError
-from kvplane.testing.faulty_link import Faults, FaultyLink
+from kvplane.errors import ConfigError
+from kvplane.testing.faults import FrameFaults
+from kvplane.testing.faulty_link import FaultyLink
 
 
-def deliveries(seed: int, faults: Faults, n: int = 200) -> tuple[list[bytes], dict[str, int]]:
-    link = FaultyLink(faults, random.Random(seed))
+def deliveries(
+    seed: int, faults: FrameFaults, n: int = 200, latency_s: tuple[float, float] = (0.0005, 0.002)
+) -> tuple[list[bytes], dict[str, int]]:
+    link = FaultyLink(faults, random.Random(seed), latency_s=latency_s)
     for i in range(n):
         link.send(i * 0.001, "a", "b", i.to_bytes(4, "big"))
     got = [d.frame for d in link.due(10.0)]
@@ -19,13 +22,13 @@ def deliveries(seed: int, faults: Faults, n: int = 200) -> tuple[list[bytes], di
 
 
 def test_a_clean_link_delivers_everything_in_order_of_arrival() -> None:
-    got, stats = deliveries(1, Faults(min_delay_s=0.0, max_delay_s=0.0))
+    got, stats = deliveries(1, FrameFaults(), latency_s=(0.0, 0.0))
     assert got == [i.to_bytes(4, "big") for i in range(200)]
     assert stats == {"sent": 200, "delivered": 200}
 
 
 def test_faults_are_reproducible_from_the_seed_and_counted() -> None:
-    faults = Faults(drop=0.1, duplicate=0.1, reorder=0.3, corrupt=0.1, reorder_delay_s=0.05)
+    faults = FrameFaults(drop=0.1, duplicate=0.1, reorder=0.3, corrupt=0.1, reorder_s=0.05)
     a, stats = deliveries(7, faults)
     assert (a, stats) == deliveries(7, faults)
     assert a != deliveries(8, faults)[0]
@@ -38,7 +41,7 @@ def test_faults_are_reproducible_from_the_seed_and_counted() -> None:
 
 
 def test_partition_drops_both_directions_until_healed() -> None:
-    link = FaultyLink(Faults(), random.Random(0))
+    link = FaultyLink(FrameFaults(), random.Random(0))
     link.partition("a", "b")
     link.send(0.0, "a", "b", b"1")
     link.send(0.0, "b", "a", b"2")
@@ -50,8 +53,21 @@ def test_partition_drops_both_directions_until_healed() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"drop": 1.0}, {"corrupt": -0.1}, {"min_delay_s": 0.5, "max_delay_s": 0.1}]
+    ("kwargs", "message"),
+    [
+        ({"drop": 1.5}, "FrameFaults.drop must be a probability in [0, 1], got 1.5"),
+        ({"corrupt": -0.1}, "FrameFaults.corrupt must be a probability in [0, 1], got -0.1"),
+        ({"drop": True}, "FrameFaults.drop must be a probability in [0, 1], got True"),
+        ({"drop": 0.6, "reorder": 0.5}, "FrameFaults: the probabilities of its exclusive faults"),
+        ({"reorder_s": -1.0}, "FrameFaults.reorder_s must be >= 0 seconds, got -1.0"),
+    ],
 )
-def test_bad_faults(kwargs: dict[str, float]) -> None:
-    with pytest.raises(InvalidArgumentError):
-        Faults(**kwargs)
+def test_bad_faults(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        FrameFaults(**kwargs)
+    assert str(err.value).startswith(message)
+
+
+def test_a_link_latency_needs_lo_le_hi() -> None:
+    with pytest.raises(ConfigError, match="latency_s needs 0 <= lo <= hi"):
+        FaultyLink(FrameFaults(), random.Random(0), latency_s=(0.5, 0.1))

@@ -11,18 +11,17 @@ import pytest
 
 from kvplane.ids import SessionId
 from kvplane.pd.states import Ownership, Role, SessionState
-from kvplane.testing.faulty_link import Faults
+from kvplane.testing.faults import FrameFaults, TransferFaults
 from kvplane.testing.session_pair import (
     DECODE,
     PREFILL,
     SIM_TIMINGS,
-    EvidenceFaults,
     SessionPair,
     SessionPlan,
 )
 
-FAULTS = Faults(drop=0.05, duplicate=0.05, reorder=0.1, corrupt=0.02)
-EVIDENCE = EvidenceFaults(submit_raises=0.02, fail=0.03, in_doubt=0.02, hang=0.02)
+FRAMES = FrameFaults(drop=0.05, duplicate=0.05, reorder=0.1, corrupt=0.02)
+TRANSFERS = TransferFaults(submit_error=0.02, fail=0.03, in_doubt=0.02, late=0.02, hang=0.02)
 
 
 def random_runs(
@@ -32,7 +31,7 @@ def random_runs(
     via: Counter[tuple[Role, Ownership]] = Counter()
     link: Counter[str] = Counter()
     for seed in seeds:
-        pair = SessionPair.random_run(seed, faults=FAULTS, evidence=EVIDENCE)
+        pair = SessionPair.random_run(seed, frames=FRAMES, transfers=TRANSFERS)
         assert pair.violations() == [], f"seed {seed}"
         states.update(pair.final_state(pair.decode, p.session_id) for p in pair.plans)  # type: ignore[misc]
         via.update(pair.release_via)
@@ -64,7 +63,7 @@ def test_5000_random_runs() -> None:
 
 
 def test_the_checker_sees_broken_guarantees() -> None:
-    pair = SessionPair.random_run(3, faults=FAULTS, evidence=EVIDENCE)
+    pair = SessionPair.random_run(3, frames=FRAMES, transfers=TRANSFERS)
     assert pair.violations() == []
     key = next(iter(pair.released))
     pair.released[key] += 1
@@ -77,7 +76,7 @@ def test_the_checker_sees_broken_guarantees() -> None:
 
 
 def test_peer_loss_fails_both_sides_and_releases_within_lease_plus_doubt() -> None:
-    pair = SessionPair(seed=1, faults=Faults(), evidence=EvidenceFaults(hang=0.99))
+    pair = SessionPair(seed=1, frames=FrameFaults(), transfers=TransferFaults(hang=0.99))
     plan = SessionPlan(
         session_id=SessionId("lost"), num_tokens=64, prefix_tokens=0, step_tokens=32,
         step_s=0.01, sender_opens_at=0.0, receiver_opens_at=0.0,

@@ -1,9 +1,9 @@
 """``python -m kvplane.testing.chaos_serve ROLE ...``: ``kvplane serve`` with seeded faults.
 
 Takes every flag of ``kvplane serve prefill|decode`` plus ``--chaos-seed`` and one probability
-per fault (``--chaos-submit-error``, ``--chaos-fail``, ``--chaos-in-doubt``, ``--chaos-delay``,
-``--chaos-drop``, ``--chaos-duplicate``, ``--chaos-reorder``), and serves through the worker's
-hooks. A test harness: production ``kvplane serve`` has no fault flags.
+per fault of :class:`~kvplane.testing.faults.TransferFaults` and
+:class:`~kvplane.testing.faults.FrameFaults` (``--chaos-fail``, ``--chaos-drop``, ...), and
+serves through the worker's hooks. A test harness: ``kvplane serve`` has no fault flags.
 """
 
 from __future__ import annotations
@@ -13,9 +13,13 @@ import sys
 from collections.abc import Sequence
 
 from kvplane.apps import serve
-from kvplane.testing.chaos import FaultPlan
+from kvplane.testing.chaos import worker_hooks
+from kvplane.testing.faults import FaultPlan, FrameFaults, TransferFaults
 
-FAULTS = ("submit-error", "fail", "in-doubt", "delay", "drop", "duplicate", "reorder")
+TRANSFER = ("submit_error", "fail", "in_doubt", "late", "hang")
+FRAME = ("drop", "duplicate", "reorder")
+REORDER_S = 0.05
+"""How long a reordered frame is held back at most (seconds)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     for role_parser in _role_parsers(parser):
         c = role_parser.add_argument_group("chaos (seeded fault injection)")
         c.add_argument("--chaos-seed", type=int, default=0)
-        for fault in FAULTS:
-            c.add_argument(f"--chaos-{fault}", type=float, default=0.0, help="probability")
+        for fault in TRANSFER + FRAME:
+            flag = "--chaos-" + fault.replace("_", "-")
+            c.add_argument(flag, type=float, default=0.0, help="probability")
     return parser
 
 
@@ -36,8 +41,9 @@ def _role_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentPars
 
 def fault_plan(args: argparse.Namespace) -> FaultPlan:
     """The plan the ``--chaos-*`` flags name."""
-    probs = {f.replace("-", "_"): getattr(args, "chaos_" + f.replace("-", "_")) for f in FAULTS}
-    return FaultPlan(seed=args.chaos_seed, **probs)
+    transfers = TransferFaults(**{f: getattr(args, "chaos_" + f) for f in TRANSFER})
+    frames = FrameFaults(**{f: getattr(args, "chaos_" + f) for f in FRAME}, reorder_s=REORDER_S)
+    return FaultPlan(seed=args.chaos_seed, frames=frames, transfers=transfers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "usage: python -m kvplane.testing.chaos_serve {prefill,decode} [flags]", file=sys.stderr
         )
         return 2
-    return serve.run(args, hooks=fault_plan(args).hooks())
+    return serve.run(args, hooks=worker_hooks(fault_plan(args)))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,9 @@
 """A fault-injecting in-memory link for encoded control frames, on a simulated clock.
 
-:class:`FaultyLink` carries *encoded* frames (bytes from :class:`~kvplane.pd.codec.Codec`)
-between named nodes, so corruption is caught exactly where it would be on a real wire: by the
-codec's tag. Every fault is drawn from one seeded ``random.Random``, so a run is reproducible
-from its seed. Faults per frame, in order: drop; corrupt (flip 1-3 random bytes); delay (a
-base latency, plus ``reorder_delay_s`` with probability ``reorder`` so later frames overtake);
-duplicate (a second copy with its own delay). :meth:`FaultyLink.partition` drops everything
-between two nodes until :meth:`FaultyLink.heal` (to simulate peer loss).
-
-The link reads no clock: :meth:`FaultyLink.send` takes ``now`` and frames come out of
-:meth:`FaultyLink.due` when the caller's ``now`` reaches their arrival time.
+:class:`FaultyLink` carries encoded frames between named nodes, applying one seeded
+:class:`~kvplane.testing.faults.FrameFaults` fate per frame (corruption is caught where a real
+wire would catch it: by the codec's tag). It reads no clock: :meth:`FaultyLink.send` takes
+``now`` and :meth:`FaultyLink.due` returns the frames that have arrived by the caller's ``now``.
 """
 
 from __future__ import annotations
@@ -19,33 +13,8 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from kvplane.errors import InvalidArgumentError
-
-
-@dataclass(frozen=True, slots=True)
-class Faults:
-    """Per-frame fault probabilities and delays (seconds) of a :class:`FaultyLink`."""
-
-    drop: float = 0.0
-    duplicate: float = 0.0
-    reorder: float = 0.0
-    corrupt: float = 0.0
-    min_delay_s: float = 0.0005
-    max_delay_s: float = 0.002
-    reorder_delay_s: float = 0.01
-
-    def __post_init__(self) -> None:
-        for name in ("drop", "duplicate", "reorder", "corrupt"):
-            p = getattr(self, name)
-            if not 0.0 <= p < 1.0:
-                raise InvalidArgumentError(
-                    f"Faults.{name} must be a probability in [0, 1), got {p}"
-                )
-        if not 0.0 <= self.min_delay_s <= self.max_delay_s or self.reorder_delay_s < 0:
-            raise InvalidArgumentError(
-                f"Faults delays need 0 <= min ({self.min_delay_s}) <= max ({self.max_delay_s}) "
-                f"and reorder_delay_s >= 0 ({self.reorder_delay_s})"
-            )
+from kvplane.errors import ConfigError
+from kvplane.testing.faults import FrameFaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +30,20 @@ class Delivery:
 class FaultyLink:
     """Frames in flight between nodes, with seeded drop/duplicate/reorder/delay/corrupt."""
 
-    def __init__(self, faults: Faults, rng: random.Random) -> None:
+    def __init__(
+        self,
+        faults: FrameFaults,
+        rng: random.Random,
+        *,
+        latency_s: tuple[float, float] = (0.0005, 0.002),
+    ) -> None:
+        """``latency_s``: every frame's base delay is uniform in ``[lo, hi]`` seconds."""
+        lo, hi = latency_s
+        if not 0.0 <= lo <= hi:
+            raise ConfigError(f"FaultyLink latency_s needs 0 <= lo <= hi, got {latency_s}")
         self.faults = faults
         self.rng = rng
+        self.latency_s = (float(lo), float(hi))
         self.stats: Counter[str] = Counter()
         self._heap: list[tuple[float, int, Delivery]] = []
         self._seq = 0
@@ -79,12 +59,10 @@ class FaultyLink:
     def heal(self, a: str, b: str) -> None:
         self._cut.discard(frozenset((a, b)))
 
-    def _push(self, now: float, src: str, dst: str, frame: bytes) -> None:
-        f = self.faults
-        delay = self.rng.uniform(f.min_delay_s, f.max_delay_s)
-        if f.reorder and self.rng.random() < f.reorder:
-            delay += self.rng.uniform(0.0, f.reorder_delay_s)
-            self.stats["reordered"] += 1
+    def _push(self, now: float, src: str, dst: str, frame: bytes, *, held: bool = False) -> None:
+        delay = self.rng.uniform(*self.latency_s)
+        if held:
+            delay += self.rng.uniform(0.0, self.faults.reorder_s)
         self._seq += 1
         at = now + delay
         heapq.heappush(self._heap, (at, self._seq, Delivery(at, src, dst, frame)))
@@ -92,21 +70,23 @@ class FaultyLink:
     def send(self, now: float, src: str, dst: str, frame: bytes) -> None:
         """Put ``frame`` on the wire from ``src`` to ``dst`` at time ``now`` (faults applied)."""
         self.stats["sent"] += 1
-        f = self.faults
         if frozenset((src, dst)) in self._cut:
             self.stats["partitioned"] += 1
             return
-        if f.drop and self.rng.random() < f.drop:
+        fate = self.faults.pick(self.rng)
+        if fate == "drop":
             self.stats["dropped"] += 1
             return
-        if f.corrupt and frame and self.rng.random() < f.corrupt:
+        if fate == "corrupt" and frame:
             buf = bytearray(frame)
             for _ in range(self.rng.randint(1, 3)):
                 buf[self.rng.randrange(len(buf))] ^= self.rng.randint(1, 255)
             frame = bytes(buf)
             self.stats["corrupted"] += 1
-        self._push(now, src, dst, frame)
-        if f.duplicate and self.rng.random() < f.duplicate:
+        elif fate == "reorder":
+            self.stats["reordered"] += 1
+        self._push(now, src, dst, frame, held=fate == "reorder")
+        if fate == "duplicate":
             self.stats["duplicated"] += 1
             self._push(now, src, dst, frame)
 

@@ -1,21 +1,10 @@
-"""``SessionPair``: a prefill and a decode participant over a fault-injecting link, simulated.
+"""``SessionPair``: a prefill and a decode participant over a faulty link, simulated.
 
-Theory of operation
--------------------
-Deterministic discrete-event simulation of the whole control plane between one sender
-participant (``prefill``) and one receiver participant (``decode``): frames are encoded by the
-real :class:`~kvplane.pd.codec.Codec` and carried by a
-:class:`~kvplane.testing.faulty_link.FaultyLink`
-(drop, duplicate, reorder, delay, corrupt); the transport's *completion evidence* is injected by
-:class:`EvidenceFaults` (done after a delay, failed, in doubt, a submit that raises, or no
-answer at all); the applications follow a :class:`SessionPlan` each (when each side opens, slice
-sizes and pacing, a cancel or failure on either side at some moment, a prefill that stalls).
-Everything is drawn from one seed, so any failing run is replayed from its seed.
-
-:meth:`SessionPair.violations` states the protocol's guarantees after a run: every session
-reached exactly one terminal state on each side, both sides agree, every ledger unit that was
-admitted was released exactly once (and nothing else was released), nothing is left live, and
-both participants pass their integrity checks.
+A deterministic discrete-event run of the whole control plane: frames go through the real codec
+and a :class:`~kvplane.testing.faulty_link.FaultyLink`, a simulated backend answers each submit
+by :class:`~kvplane.testing.faults.TransferFaults`, and each application follows a
+:class:`SessionPlan`; all from one seed. :meth:`SessionPair.violations` lists the protocol
+guarantees a run broke (docs/pd.md, "Simulated pairs").
 """
 
 from __future__ import annotations
@@ -48,7 +37,8 @@ from kvplane.pd.ledger import DESTINATION
 from kvplane.pd.participant import Participant
 from kvplane.pd.states import RELEASING, Ownership, Role, SessionState
 from kvplane.pd.timers import Timings
-from kvplane.testing.faulty_link import Faults, FaultyLink
+from kvplane.testing.faults import Fate, FrameFaults, TransferFaults
+from kvplane.testing.faulty_link import FaultyLink
 
 PREFILL = PeerId("prefill")
 DECODE = PeerId("decode")
@@ -71,18 +61,6 @@ def sim_profile() -> PeerProfile:
         head_end=1, head_dim=32, rope_dim=16, block_size=16,
     )  # fmt: skip
     return PeerProfile(protocol_version=PROTOCOL_VERSION, model_id="tiny-mla", layouts=(lay,))
-
-
-@dataclass(frozen=True, slots=True)
-class EvidenceFaults:
-    """How the simulated backend answers a submitted slice (probabilities; the rest is DONE)."""
-
-    submit_raises: float = 0.0
-    fail: float = 0.0
-    in_doubt: float = 0.0
-    hang: float = 0.0
-    min_s: float = 0.001
-    max_s: float = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,15 +109,18 @@ class SessionPair:
         self,
         *,
         seed: int,
-        faults: Faults,
-        evidence: EvidenceFaults,
+        frames: FrameFaults,
+        transfers: TransferFaults,
         timings: Timings = SIM_TIMINGS,
         secret: bytes | None = None,
+        backend_s: tuple[float, float] = (0.001, 0.01),
     ) -> None:
+        """``backend_s``: a simulated transfer takes uniform ``[lo, hi]`` seconds to end."""
         self.rng = random.Random(seed)
         self.codec = Codec(secret=secret)
-        self.evidence = evidence
-        self.link = FaultyLink(faults, self.rng)
+        self.transfers = transfers
+        self.backend_s = backend_s
+        self.link = FaultyLink(frames, self.rng)
         profile = sim_profile()
         self.prefill = Participant(
             PREFILL, profile, incarnation=1, timings=timings, kv_role=Role.SENDER
@@ -253,7 +234,7 @@ class SessionPair:
 
     # -- the simulated backend -------------------------------------------------------------------
     def _backend(self, act: StartSubmit) -> None:
-        sid, k, ev, rng = act.session_id, act.slice_id, self.evidence, self.rng
+        sid, k, rng = act.session_id, act.slice_id, self.rng
         local = self.prefill.receive_local
         if not self.prefill.submittable(sid, k):
             self.skipped_submits += 1  # overtaken by a cancel: the slice was released unsubmitted
@@ -262,21 +243,22 @@ class SessionPair:
             self._route(self.prefill, local(sid, SubmitSkipped(slice_id=k), self.now))
             return
         self._route(self.prefill, local(sid, SubmitStarted(slice_id=k), self.now))
-        if rng.random() < ev.submit_raises:
+        fate = self.transfers.pick(rng)
+        if fate is Fate.SUBMIT_ERROR:
             fact = TransportInDoubt(slice_id=k, reason="submit raised")
             self._route(self.prefill, local(sid, fact, self.now))
             return
         self._route(self.prefill, local(sid, SubmitAccepted(slice_id=k), self.now))
-        x = rng.random()
-        if x < ev.hang:
+        if fate is Fate.HANG:
             return
-        x -= ev.hang
         evidence: object = TransportDone(slice_id=k)
-        if x < ev.fail:
+        if fate is Fate.FAIL:
             evidence = TransportFailed(slice_id=k, reason="injected")
-        elif x < ev.fail + ev.in_doubt:
+        elif fate is Fate.IN_DOUBT:
             evidence = TransportInDoubt(slice_id=k, reason="injected")
-        when = self.now + rng.uniform(ev.min_s, ev.max_s)
+        when = self.now + rng.uniform(*self.backend_s)
+        if fate is Fate.LATE:
+            when += self.transfers.late_s
         self.at(when, lambda: self._route(self.prefill, local(sid, evidence, self.now)))
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -343,13 +325,13 @@ class SessionPair:
         cls,
         seed: int,
         *,
-        faults: Faults,
-        evidence: EvidenceFaults,
+        frames: FrameFaults,
+        transfers: TransferFaults,
         sessions: int = 3,
         secret: bytes | None = None,
     ) -> SessionPair:
         """A run of ``sessions`` random plans from ``seed``, simulated to completion."""
-        pair = cls(seed=seed, faults=faults, evidence=evidence, secret=secret)
+        pair = cls(seed=seed, frames=frames, transfers=transfers, secret=secret)
         for i in range(sessions):
             pair.add(SessionPlan.random(pair.rng, f"s{seed}-{i}"))
         pair.run(until=60.0)

@@ -1,0 +1,122 @@
+"""The fault plans of every harness: what goes wrong on a control wire and in a transfer.
+
+:class:`FrameFaults` is used by the simulated link (:mod:`~kvplane.testing.faulty_link`) and the
+real faulty PD endpoint (:mod:`~kvplane.testing.chaos`); :class:`TransferFaults` by the faulty
+transport (real batches) and the simulated backend of :mod:`~kvplane.testing.session_pair`.
+:class:`FaultPlan` joins both with a seed for a chaos worker. Values only: no RNG, no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from dataclasses import dataclass, field
+
+from kvplane.errors import ConfigError
+
+
+def _check(owner: object, probabilities: tuple[str, ...], seconds: tuple[str, ...]) -> None:
+    name = type(owner).__name__
+    for attr in probabilities:
+        p = getattr(owner, attr)
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
+            raise ConfigError(f"{name}.{attr} must be a probability in [0, 1], got {p!r}")
+    if sum(getattr(owner, attr) for attr in probabilities) > 1.0 + 1e-12:
+        raise ConfigError(f"{name}: the probabilities of its exclusive faults sum past 1")
+    for attr in seconds:
+        s = getattr(owner, attr)
+        if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) or s < 0:
+            raise ConfigError(f"{name}.{attr} must be >= 0 seconds, got {s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FrameFaults:
+    """Per-frame probabilities on a control wire; exclusive, drawn once per frame in this order.
+
+    ``drop``: never arrives. ``duplicate``: arrives twice. ``reorder``: held up to
+    ``reorder_s`` more, so later frames overtake it. ``corrupt``: 1-3 bytes flipped (only where
+    frames are bytes: the simulated link).
+    """
+
+    drop: float = 0.0
+    duplicate: float = 0.0
+    reorder: float = 0.0
+    corrupt: float = 0.0
+    reorder_s: float = 0.01
+
+    def __post_init__(self) -> None:
+        _check(self, ("drop", "duplicate", "reorder", "corrupt"), ("reorder_s",))
+
+    @property
+    def any(self) -> bool:
+        return bool(self.drop or self.duplicate or self.reorder or self.corrupt)
+
+    def pick(self, rng: random.Random) -> str:
+        """One frame's fate, one draw: a field name (``"drop"``, ...) or ``"ok"``."""
+        roll = rng.random()
+        for fate in ("drop", "duplicate", "reorder", "corrupt"):
+            prob: float = getattr(self, fate)
+            if roll < prob:
+                return fate
+            roll -= prob
+        return "ok"
+
+
+class Fate(enum.Enum):
+    """What a transfer's report says, whatever its bytes did."""
+
+    OK = "ok"
+    SUBMIT_ERROR = "submit_error"  # submit raises
+    FAIL = "fail"  # reported FAILED
+    IN_DOUBT = "in_doubt"  # reported IN_DOUBT
+    LATE = "late"  # the true end, reported ``late_s`` after it
+    HANG = "hang"  # no end is reported until the transfer is cancelled
+
+
+@dataclass(frozen=True, slots=True)
+class TransferFaults:
+    """Per-transfer probabilities of each :class:`Fate` (exclusive); the rest report the truth.
+
+    A FAILED, IN_DOUBT or late report is made only after the real transfer ended, so no byte
+    lands after its report.
+    """
+
+    submit_error: float = 0.0
+    fail: float = 0.0
+    in_doubt: float = 0.0
+    late: float = 0.0
+    hang: float = 0.0
+    late_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check(self, ("submit_error", "fail", "in_doubt", "late", "hang"), ("late_s",))
+
+    @property
+    def any(self) -> bool:
+        return bool(self.submit_error or self.fail or self.in_doubt or self.late or self.hang)
+
+    def pick(self, rng: random.Random) -> Fate:
+        """One transfer's fate, one draw of ``rng``."""
+        roll = rng.random()
+        for fate in (Fate.SUBMIT_ERROR, Fate.FAIL, Fate.IN_DOUBT, Fate.LATE, Fate.HANG):
+            prob: float = getattr(self, fate.value)
+            if roll < prob:
+                return fate
+            roll -= prob
+        return Fate.OK
+
+
+@dataclass(frozen=True, slots=True)
+class FaultPlan:
+    """A chaos worker's faults: its transfers', its outgoing session frames', and the seed."""
+
+    seed: int = 0
+    frames: FrameFaults = field(default_factory=FrameFaults)
+    transfers: TransferFaults = field(default_factory=TransferFaults)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"FaultPlan.seed must be an int, got {self.seed!r}")
+        if self.frames.corrupt:
+            raise ConfigError("FaultPlan.frames.corrupt: a real endpoint sends events, not bytes")
