@@ -1,0 +1,25 @@
+"""``python -m kvplane.testing.chaos_serve``: serve's flags plus the fault flags, and their plan."""
+
+from __future__ import annotations
+
+from kvplane.testing.chaos_serve import REORDER_S, build_parser, fault_plan, main
+from kvplane.testing.faults import FaultPlan, FrameFaults, TransferFaults
+
+
+def test_the_chaos_flags_name_one_plan_and_serve_flags_still_parse() -> None:
+    args = build_parser().parse_args(
+        ["prefill", "--block-size", "8", "--chaos-seed", "5", "--chaos-fail", "0.25",
+         "--chaos-late", "0.5", "--chaos-drop", "0.1", "--chaos-reorder", "0.2"]
+    )  # fmt: skip
+    assert args.block_size == 8
+    assert fault_plan(args) == FaultPlan(
+        seed=5,
+        frames=FrameFaults(drop=0.1, reorder=0.2, reorder_s=REORDER_S),
+        transfers=TransferFaults(fail=0.25, late=0.5),
+    )
+    clean = fault_plan(build_parser().parse_args(["decode"]))
+    assert not clean.frames.any and not clean.transfers.any
+
+
+def test_the_router_is_not_a_chaos_role() -> None:
+    assert main(["router"]) == 2
