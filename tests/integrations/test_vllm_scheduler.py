@@ -252,8 +252,8 @@ def test_a_chunk_whose_host_copy_is_doomed_is_offered_again_until_stored(tmp_pat
     s.set_index(TierIndex(FP, 128))
     k = keys_of(TOKENS, 20)
     host = s.book.host
-    s.book.record_lookup(k[:1])
-    res = s.book.reserve_store(k[:1])
+    s.book.lookup(k[:1])
+    res = s.book.reserve_store(k[:1], write_through=True)
     assert res is not None
     s.book.gathered(res.keys, res.writes, [True])
     for w in res.writes:

@@ -1,7 +1,17 @@
 """L3 offload: chunk-granular tiered KV storage (host memory, disk, Redis) with slot status,
-eviction policies, admission, transfer jobs and the device fence."""
+eviction policies, admission, the tier book (every cascade decision, tensor-free), transfer
+jobs, the device fence and the cascade that executes the book in one process."""
 
 from kvplane.offload.admission import AdmissionFilter
+from kvplane.offload.book import TierBook
+from kvplane.offload.book_types import (
+    LoadReservation,
+    Promotion,
+    StoreReservation,
+    TierIndex,
+    TierWrite,
+    WriteDown,
+)
 from kvplane.offload.cascade import TierCascade, build_cascade
 from kvplane.offload.config import OffloadConfig
 from kvplane.offload.copier import ChunkCopier
@@ -29,16 +39,23 @@ __all__ = [
     "JobRunner",
     "LoadDone",
     "LoadPlan",
+    "LoadReservation",
     "LoadTicket",
     "LookupResult",
     "OffloadConfig",
     "OffloadManager",
+    "Promotion",
     "SlotStatus",
     "SlotTable",
     "StoreDone",
     "StorePlan",
+    "StoreReservation",
+    "TierBook",
     "TierCascade",
+    "TierIndex",
+    "TierWrite",
     "TransferJob",
+    "WriteDown",
     "build_cascade",
     "lookup_tiers",
 ]

@@ -1,27 +1,11 @@
-"""The tier cascade: stores flow device -> host -> disk/remote, loads promote back up.
+"""The tier cascade: the executor of a :class:`~kvplane.offload.book.TierBook` in one process.
 
-Theory of operation
--------------------
-:class:`TierCascade` ties one device pool to a host tier and any lower tiers, each with its own
-:class:`~kvplane.offload.manager.OffloadManager`, and drives them with jobs:
-
-- :meth:`~TierCascade.store` reserves host slots (STORING), fences the device blocks and
-  submits a ``device_to_host`` gather. When it completes the chunks are published in host and
-  *cascade*: for each lower tier that admits them, the host copies are pinned (LOADING) and a
-  ``host_to_<tier>`` job writes them down; completion publishes them there and unpins host.
-  A chunk whose copy in that tier is doomed (read back bad while other readers pin it; see
-  :class:`~kvplane.offload.manager.StorePlan`'s ``deferred``) is written down by the first
-  :meth:`~TierCascade.poll`/:meth:`~TierCascade.wait` after that copy is dropped.
-- :meth:`~TierCascade.load` takes the longest prefix of the asked keys that some tier holds
-  READY. Host hits are pinned first (so nothing below can evict them), then chunks only found
-  lower get host slots (promotion, past admission) and a ``<tier>_to_host`` read; each verified
-  chunk is published in host and joins the ``host_to_device`` scatter. A chunk that fails
-  verification is dropped from its tier and reported not ok; only a fully ok prefix is usable.
-
-All bookkeeping happens on the owner thread in :meth:`~TierCascade.poll` /
-:meth:`~TierCascade.wait` / :meth:`~TierCascade.drain`, which turn job results into
-:class:`StoreDone`, :class:`CascadeDone` and :class:`LoadDone` events. The caller must keep a
+:class:`TierCascade` owns the host and lower tiers, the copier, the job runner and the device
+fence. It turns the book's reservations into jobs (gather, write-down, promotion, scatter) and
+the jobs' results back into book calls and :class:`StoreDone` / :class:`CascadeDone` /
+:class:`LoadDone` events, on the owner thread; it decides nothing itself. The caller keeps a
 load's destination blocks untouched until its :class:`LoadDone`; store sources are fenced.
+Details: ``docs/offload.md`` ("The tier cascade").
 """
 
 from __future__ import annotations
@@ -41,7 +25,8 @@ from kvplane.errors import IllegalTransitionError, InvalidArgumentError, Offload
 from kvplane.ids import ChunkKey, JobId, SlotId
 from kvplane.layout import KVLayout
 from kvplane.metrics import MetricsRegistry
-from kvplane.offload.admission import AdmissionFilter
+from kvplane.offload.book import TierBook, tier_manager
+from kvplane.offload.book_types import LoadReservation, Promotion, TierWrite, WriteDown
 from kvplane.offload.config import OffloadConfig
 from kvplane.offload.copier import ChunkCopier
 from kvplane.offload.events import CascadeDone, Event, LoadDone, LoadTicket, StoreDone
@@ -54,8 +39,8 @@ from kvplane.offload.jobs import (
     Work,
     check_block_ids,
 )
-from kvplane.offload.manager import CascadeLookup, OffloadManager, lookup_tiers
-from kvplane.offload.slots import SlotStatus, check_chunk_keys
+from kvplane.offload.manager import CascadeLookup, OffloadManager
+from kvplane.offload.slots import check_chunk_keys
 from kvplane.offload.tiers.base import ReadOutcome, Tier
 from kvplane.offload.tiers.host import HostTier
 from kvplane.offload.tiers.registry import open_lower_tiers
@@ -76,6 +61,7 @@ class _Pending:
     tier: str
     keys: tuple[ChunkKey, ...]
     ticket: int = 0
+    down: WriteDown | None = None  # CASCADE: the write-down whose ``writes[0]`` this job is
 
 
 @dataclass(slots=True)
@@ -88,8 +74,10 @@ class _Ticket:
 class TierCascade:
     """Stores, cascades, promotes and loads chunks of one device pool (see module docstring).
 
-    Lower tiers are re-indexed on construction: valid chunks they already hold (a restart)
-    become READY in their managers. Not thread-safe: one owner thread calls every method.
+    ``host_manager`` and the managers of ``lower`` (one per tier, named as it) become the
+    :attr:`book`. Lower tiers are re-indexed on construction: valid chunks they already hold
+    (a restart) become READY in their managers. Not thread-safe: one owner thread calls every
+    method.
     """
 
     def __init__(
@@ -102,34 +90,35 @@ class TierCascade:
     ) -> None:
         self.copier = copier
         self.host: HostTier = copier.host
-        self.host_manager = host_manager
         if host_manager.num_slots != self.host.num_slots:
             raise InvalidArgumentError("the host manager and the host tier differ in slot count")
         self.lower = tuple(lower)
         for tier, mgr in self.lower:
             if tier.chunk_bytes != self.host.chunk_bytes or mgr.num_slots != tier.num_slots:
                 raise InvalidArgumentError(f"tier {tier.name!r} does not match the host chunks")
-            mgr.adopt(tier.scan())
-        self._by_name = {tier.name: (tier, mgr) for tier, mgr in self.lower}
+            if mgr.tier != tier.name:
+                raise InvalidArgumentError(f"tier {tier.name!r} has the manager of {mgr.tier!r}")
+        self.book = TierBook(host_manager, [mgr for _t, mgr in self.lower])
+        self.host_manager = host_manager
+        for tier, _mgr in self.lower:
+            self.book.adopt(tier.name, tier.scan())
+        self._by_name = {tier.name: tier for tier, _m in self.lower}
         self.jobs = jobs if jobs is not None else JobRunner()
         self.fence = fence if fence is not None else BlockFence()
         self._pending: dict[JobId, _Pending] = {}
         self._tickets: dict[int, _Ticket] = {}
         self._carried: list[Event] = []  # events of a poll/wait that raised, for the next one
-        # per lower tier, keys whose write-down waits for a doomed copy there to be dropped
-        self._deferred: dict[str, dict[ChunkKey, None]] = {t.name: {} for t, _m in self.lower}
         self._ticket_ids = itertools.count(1)
         self._bpc = copier.blocks_per_chunk
 
     # -- queries ---------------------------------------------------------------------------
     def managers(self) -> list[OffloadManager]:
-        return [self.host_manager, *(mgr for _t, mgr in self.lower)]
+        return self.book.managers()
 
     def lookup(self, keys: Sequence[ChunkKey]) -> CascadeLookup:
-        """Ask every tier (each counts the lookup toward its admission filter); each key of
-        the leading hit run is an access only in ``where[i]``, the tier a load reads it from
-        (:func:`~kvplane.offload.manager.lookup_tiers`)."""
-        return lookup_tiers(self.managers(), keys)
+        """The book's :meth:`~kvplane.offload.book.TierBook.lookup` (counts admission and
+        one access per key of the leading hit run, in the tier a load reads it from)."""
+        return self.book.lookup(keys)
 
     def _blocks(self, block_ids: BlockIds, n_keys: int) -> npt.NDArray[np.int64]:
         """``block_ids`` as an ``[n_keys, bpc]`` array after checking type (a 1-D integer
@@ -160,78 +149,37 @@ class TierCascade:
         ks = check_chunk_keys(keys)
         ids = self._blocks(block_ids, len(ks))
         self.fence.check(ids.reshape(-1))
-        plan = self.host_manager.prepare_store(ks)
-        if plan is None or not plan.keys:
+        res = self.book.reserve_store(ks, write_through=False)
+        if res is None or not res.keys:
             return None
         pos = {k: i for i, k in enumerate(ks)}
-        blocks = ids[[pos[k] for k in plan.keys]].reshape(-1)
-        job = self.jobs.new_job(plan.keys, "device", "host")
+        blocks = ids[[pos[k] for k in res.keys]].reshape(-1)
+        job = self.jobs.new_job(res.keys, "device", "host")
         try:
             self.fence.hold(job.job_id, blocks)
         except BaseException:
-            self.host_manager.complete_store(plan.keys, False)
+            self.book.gathered(res.keys, (), [False] * len(res.keys))
             raise
-        slots, copier = plan.slots, self.copier
+        slots, copier = list(res.slots), self.copier
 
         def work() -> list[bool]:
             copier.gather(blocks, slots)
             return [True] * len(slots)
 
-        self._submit(job.job_id, _Pending(_Kind.STORE, "host", plan.keys), job, work)
+        self._submit(job.job_id, _Pending(_Kind.STORE, "host", res.keys), job, work)
         return job.job_id
 
-    def _cascade(self, keys: Sequence[ChunkKey]) -> None:
-        if keys:
-            for tier, mgr in self.lower:
-                self._write_down(tier, mgr, keys)
-
-    def _write_down(self, tier: Tier, mgr: OffloadManager, keys: Sequence[ChunkKey]) -> None:
-        """Write host-resident ``keys`` down to ``tier`` (those it admits and lacks). A key whose
-        copy there is doomed (a bad read that readers still pin) is remembered and written
-        down once that copy is gone (:meth:`_retry_deferred`)."""
-        plan = mgr.prepare_store(keys)
-        if plan is None:
-            return
-        self._deferred[tier.name].update(dict.fromkeys(plan.deferred))
-        if not plan.keys:
-            return
-        pinned = self.host_manager.pin_for_copy(plan.keys)  # no use: ARC keeps it in T1
-        payloads = [self.host.slot(s) for s in pinned.slots]
-        job = self.jobs.new_job(plan.keys, "host", tier.name)
-        self._submit(
-            job.job_id,
-            _Pending(_Kind.CASCADE, tier.name, plan.keys),
-            job,
-            _writer(tier, plan.slots, plan.keys, payloads),
-        )
-
-    def _retry_deferred(self) -> None:
-        """Write down the deferred keys whose doomed lower-tier copy has been dropped (its last
-        reader unpinned) while host still holds a good copy; forget those host lost."""
-        for tier, mgr in self.lower:
-            waiting = self._deferred[tier.name]
-            gone = [k for k in waiting if mgr.status(k) is SlotStatus.EMPTY]
-            if not gone:
-                continue
-            for key in gone:
-                del waiting[key]
-            ready = [k for k in gone if self.host_manager.is_hit(k)]
-            if ready:
-                self._write_down(tier, mgr, ready)
+    def _write_down(self, down: WriteDown) -> None:
+        """Submit one ``host_to_<tier>`` job per write of ``down`` (host copies pinned)."""
+        for write in down.writes:
+            tier = self._by_name[write.tier]
+            keys = tuple(down.keys[i] for i in write.indices)
+            payloads = [self.host.slot(self.book.host_slot(k)) for k in keys]
+            job = self.jobs.new_job(keys, "host", tier.name)
+            pending = _Pending(_Kind.CASCADE, tier.name, keys, down=WriteDown(down.keys, (write,)))
+            self._submit(job.job_id, pending, job, _writer(tier, write, keys, payloads))
 
     # -- load ------------------------------------------------------------------------------
-    def _source(self, key: ChunkKey) -> str | None:
-        host = self.host_manager
-        st = host.status(key)
-        if st in (SlotStatus.READY, SlotStatus.LOADING):
-            return "host" if host.is_hit(key) else None
-        if st is not SlotStatus.EMPTY:
-            return None  # a host store is in flight: not loadable yet
-        for tier, mgr in self.lower:
-            if mgr.is_hit(key):
-                return tier.name
-        return None
-
     def load(self, keys: Sequence[ChunkKey], block_ids: BlockIds) -> LoadTicket | None:
         """Load the longest loadable prefix of ``keys`` into ``block_ids`` (chunk-major).
 
@@ -240,50 +188,40 @@ class TierCascade:
         """
         ks = check_chunk_keys(keys)
         ids = self._blocks(block_ids, len(ks))
-        sources: list[str] = []
-        for key in ks:
-            src = self._source(key)
-            if src is None:
-                break
-            sources.append(src)
-        run = ks[: len(sources)]
-        host_keys = [k for k, s in zip(run, sources, strict=True) if s == "host"]
-        self.host_manager.prepare_load(host_keys)
-        promote = [k for k, s in zip(run, sources, strict=True) if s != "host"]
-        if promote and self.host_manager.prepare_store(promote, bypass_admission=True) is None:
-            # No host room to promote into: load only the host-resident part before the first
-            # chunk that needed promotion, and unpin the host chunks after it.
-            cut = next(i for i, s in enumerate(sources) if s != "host")
-            after = set(run[cut:])
-            self.host_manager.complete_load([k for k in host_keys if k in after])
-            run, sources, host_keys = run[:cut], sources[:cut], run[:cut]
-        if not run:
+        res = self.book.reserve_load(ks)
+        if not res.keys:
             return None
         ticket_id = next(self._ticket_ids)
-        self._tickets[ticket_id] = _Ticket(tuple(run), {k: ids[i] for i, k in enumerate(run)}, {})
-        for tier, mgr in self.lower:
-            mine = tuple(k for k, s in zip(run, sources, strict=True) if s == tier.name)
+        self._tickets[ticket_id] = _Ticket(
+            res.keys, {k: ids[i] for i, k in enumerate(res.keys)}, {}
+        )
+        for tier, _mgr in self.lower:
+            mine = [p for p in res.promotions if p.tier == tier.name]
             if mine:
-                self._promote(ticket_id, tier, mgr, mine)
+                self._promote(ticket_id, tier, res, mine)
+        sources = res.sources
+        host_keys = [k for k, s in zip(res.keys, sources, strict=True) if s == "host"]
         if host_keys:
             self._to_device(ticket_id, host_keys)
-        return LoadTicket(ticket_id, tuple(run), tuple(sources))
+        return LoadTicket(ticket_id, res.keys, sources)
 
     def _promote(
-        self, ticket: int, tier: Tier, mgr: OffloadManager, keys: tuple[ChunkKey, ...]
+        self, ticket: int, tier: Tier, res: LoadReservation, mine: Sequence[Promotion]
     ) -> None:
-        src = mgr.prepare_load(keys)
-        outs = [self.host.slot(self._host_slot(k)) for k in keys]
+        """Read the promotions ``mine`` (all from ``tier``) into their reserved host slots."""
+        keys = tuple(res.keys[p.index] for p in mine)
+        src = [SlotId(p.tier_slot) for p in mine]
+        outs = [self.host.slot(res.host_slots[p.index]) for p in mine]
         job = self.jobs.new_job(keys, tier.name, "host")
 
         def work() -> list[bool]:
-            return [o is ReadOutcome.OK for o in tier.read(src.slots, keys, outs)]
+            return [o is ReadOutcome.OK for o in tier.read(src, keys, outs)]
 
         self._submit(job.job_id, _Pending(_Kind.PROMOTE, tier.name, keys, ticket), job, work)
 
     def _to_device(self, ticket: int, keys: Sequence[ChunkKey]) -> None:
         """Scatter host-resident, already pinned ``keys`` into the ticket's blocks."""
-        host_slots = [self._host_slot(k) for k in keys]
+        host_slots = [self.book.host_slot(k) for k in keys]
         blocks = np.concatenate([self._tickets[ticket].blocks[k] for k in keys])
         job = self.jobs.new_job(keys, "host", "device")
         copier = self.copier
@@ -294,40 +232,36 @@ class TierCascade:
 
         self._submit(job.job_id, _Pending(_Kind.LOAD, "host", tuple(keys), ticket), job, work)
 
-    def _host_slot(self, key: ChunkKey) -> SlotId:
-        slot = self.host_manager.table.slot_of(key)
-        if slot is None:  # pragma: no cover - callers pin or reserve the key first
-            raise IllegalTransitionError(f"chunk {key.hex()} holds no host slot")
-        return slot
-
     # -- completion ------------------------------------------------------------------------
     def _submit(self, job_id: JobId, pending: _Pending, job: TransferJob, work: Work) -> None:
         self._pending[job_id] = pending
         self.jobs.submit(job, work, self.host.chunk_bytes)
 
     def _apply(self, result: JobResult) -> list[Event]:
-        p = self._pending.pop(result.job.job_id)
+        """Tell the book how job ``result`` went and submit the follow-up jobs it decides."""
+        job_id = result.job.job_id
+        p = self._pending.pop(job_id)
         ok = result.ok
         if p.kind is _Kind.STORE:
-            self.fence.release(result.job.job_id)
-            self.host_manager.complete_store(p.keys, ok)
-            self._cascade([k for k, f in zip(p.keys, ok, strict=True) if f])
-            return [StoreDone(result.job.job_id, p.keys, ok)]
+            self.fence.release(job_id)
+            self.book.gathered(p.keys, (), ok)
+            good = [k for k, f in zip(p.keys, ok, strict=True) if f]
+            if good:
+                self._write_down(self.book.write_down(good))
+            return [StoreDone(job_id, p.keys, ok)]
         if p.kind is _Kind.CASCADE:
-            self._by_name[p.tier][1].complete_store(p.keys, ok)
-            self.host_manager.complete_load(p.keys)
-            return [CascadeDone(result.job.job_id, p.tier, p.keys, ok)]
+            if p.down is None:  # pragma: no cover - _write_down always sets it
+                raise IllegalTransitionError(f"write-down job {job_id} lost its reservation")
+            self.book.written(p.down.keys, p.down.writes[0], [True] * len(p.down.keys), ok)
+            return [CascadeDone(job_id, p.tier, p.keys, ok)]
         ticket = self._tickets[p.ticket]
         if p.kind is _Kind.PROMOTE:
-            self._by_name[p.tier][1].complete_load(p.keys, ok)
-            self.host_manager.complete_store(p.keys, ok)
-            good = [k for k, f in zip(p.keys, ok, strict=True) if f]
+            promoted = self.book.promoted(p.tier, p.keys, ok, pin=True)
             ticket.ok.update((k, False) for k, f in zip(p.keys, ok, strict=True) if not f)
-            if good:  # the load was the access (counted in the lower tier); insert is enough
-                self.host_manager.pin_for_copy(good)
-                self._to_device(p.ticket, good)
+            if promoted:
+                self._to_device(p.ticket, promoted)
         else:
-            self.host_manager.complete_load(p.keys)
+            self.book.scattered(p.keys)
             ticket.ok.update(zip(p.keys, ok, strict=True))
         if len(ticket.ok) < len(ticket.keys):
             return []
@@ -347,7 +281,8 @@ class TierCascade:
                 if error is None:
                     error = exc
         try:
-            self._retry_deferred()
+            for down in self.book.retry_deferred():
+                self._write_down(down)
         except Exception as exc:
             if error is None:
                 error = exc
@@ -406,24 +341,18 @@ class TierCascade:
                 tier.close()
 
     def check_integrity(self) -> None:
-        """Every manager's invariants; when idle, no pins, stores, fences or tickets remain."""
-        for mgr in self.managers():
-            mgr.check_integrity()
-        if self.jobs.in_flight:
-            return
-        for mgr in self.managers():
-            busy = mgr.table.keys_in(SlotStatus.STORING, SlotStatus.LOADING)
-            if busy:
-                raise IllegalTransitionError(
-                    f"tier {mgr.tier!r}: {len(busy)} chunks busy while idle"
-                )
-        if len(self.fence) or self._tickets or self._pending:
+        """The book's invariants; when idle, no pins, stores, fences or tickets remain."""
+        idle = not self.jobs.in_flight
+        self.book.check_integrity(idle)
+        if idle and (len(self.fence) or self._tickets or self._pending):
             raise IllegalTransitionError("idle cascade still holds fences, tickets or jobs")
 
 
 def _writer(
-    tier: Tier, slots: Sequence[SlotId], keys: Sequence[ChunkKey], payloads: list[torch.Tensor]
+    tier: Tier, write: TierWrite, keys: Sequence[ChunkKey], payloads: list[torch.Tensor]
 ) -> Work:
+    slots = [SlotId(s) for s in write.tier_slots]
+
     def work() -> list[bool]:
         tier.write(slots, keys, payloads)
         return [True] * len(keys)
@@ -452,10 +381,6 @@ def build_cascade(
     host = HostTier(config.host_slots, chunk_bytes, pin_memory=config.pin_memory)
     copier = ChunkCopier(layout, device_pool, host, blocks_per_chunk, config.staging_blocks)
 
-    def manager(name: str, slots: int) -> OffloadManager:
-        admission = AdmissionFilter(config.admission_min_lookups)
-        return OffloadManager(name, slots, config.policy, admission, metrics)
-
     tiers = (
         list(lower)
         if lower is not None
@@ -464,8 +389,8 @@ def build_cascade(
     try:
         return TierCascade(
             copier,
-            manager("host", config.host_slots),
-            [(t, manager(t.name, t.num_slots)) for t in tiers],
+            tier_manager(config, "host", config.host_slots, metrics),
+            [(t, tier_manager(config, t.name, t.num_slots, metrics)) for t in tiers],
             JobRunner(metrics),
             BlockFence(block_pool),
         )

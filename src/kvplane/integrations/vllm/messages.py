@@ -4,8 +4,10 @@ vLLM runs the scheduler-side connector and the worker-side connector as two obje
 two processes; they talk only through per-step metadata (scheduler -> worker), per-step worker
 output (worker -> scheduler) and one handshake at start-up (worker -> scheduler). These frozen
 dataclasses are those messages; the vLLM-typed wrappers in ``connector.py`` only carry them.
-Every field is an int, str, bytes, bool or tuple of them, so the messages pickle across
-processes and compare by value in tests.
+The parts the tier book decides (:class:`TierWrite`, :class:`Promotion`, the :class:`TierIndex`
+handshake) live in :mod:`kvplane.offload.book_types` and are re-exported here. Every field is
+an int, str, bytes, bool or tuple of them, so the messages pickle across processes and compare
+by value in tests.
 
 Job ids are assigned by the scheduler side, unique per connector, increasing from 1.
 Block ids are chunk-major: chunk ``i`` of an op owns ``block_ids[i*bpc:(i+1)*bpc]``.
@@ -13,19 +15,21 @@ Block ids are chunk-major: chunk ``i`` of an op owns ``block_ids[i*bpc:(i+1)*bpc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvplane.ids import ChunkKey
+from kvplane.offload.book_types import Promotion, TierIndex, TierWrite
 
-
-@dataclass(frozen=True, slots=True)
-class TierWrite:
-    """After its gather, chunks ``indices`` of a store go on to tier ``tier``'s ``tier_slots``
-    (reserved STORING there by the scheduler when it planned the store)."""
-
-    tier: str
-    indices: tuple[int, ...]
-    tier_slots: tuple[int, ...]
+__all__ = [
+    "JobReport",
+    "LoadOp",
+    "Promotion",
+    "StepMeta",
+    "StoreOp",
+    "TierIndex",
+    "TierWrite",
+    "WorkerReport",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,15 +47,6 @@ class StoreOp:
     host_slots: tuple[int, ...]
     block_ids: tuple[int, ...]
     writes: tuple[TierWrite, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Promotion:
-    """Chunk ``index`` of a load is read from ``tier`` slot ``tier_slot`` into its host slot."""
-
-    index: int
-    tier: str
-    tier_slot: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,20 +125,3 @@ class WorkerReport:
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Both reports' jobs (one worker per connector: no job appears twice)."""
         return WorkerReport(self.jobs + other.jobs)
-
-
-@dataclass(frozen=True, slots=True)
-class TierIndex:
-    """The worker's start-up handshake: the engine fingerprint digest that roots the chunk keys,
-    the chunk size, and per lower tier the valid chunks it already holds (a restart)."""
-
-    fingerprint: bytes
-    chunk_bytes: int
-    tiers: tuple[tuple[str, tuple[tuple[ChunkKey, int], ...]], ...] = field(default=())
-
-    def found(self, tier: str) -> dict[ChunkKey, int]:
-        """``{key: slot}`` held by ``tier`` (empty for a tier the worker did not open)."""
-        for name, items in self.tiers:
-            if name == tier:
-                return dict(items)
-        return {}

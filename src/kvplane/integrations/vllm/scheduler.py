@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from kvplane.blocks.hashing import BlockHasher, ExtraKey
 from kvplane.chunks import ChunkSpec
 from kvplane.errors import InvalidArgumentError
-from kvplane.integrations.vllm.book import TierBook
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.keys import RequestKeys
 from kvplane.integrations.vllm.messages import (
@@ -54,6 +53,7 @@ from kvplane.integrations.vllm.messages import (
     WorkerReport,
 )
 from kvplane.metrics import MetricsRegistry
+from kvplane.offload.book import TierBook
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +116,8 @@ class SchedulerSide:
     def __init__(self, config: ConnectorConfig, block_size: int, metrics: MetricsRegistry) -> None:
         self.config = config
         self.spec = ChunkSpec(block_size, config.blocks_per_chunk)
-        self.book = TierBook(config, metrics)
+        lower = [(name, config.tier_slots(name)) for name in config.lower_tiers]
+        self.book = TierBook.build(config.offload, lower, metrics)
         self.metrics = metrics
         self._hasher: BlockHasher | None = None
         self._reqs: dict[str, _Req] = {}
@@ -148,7 +149,7 @@ class SchedulerSide:
         """Adopt the worker's handshake: the key root and the chunks lower tiers already hold."""
         if self.ready:
             raise InvalidArgumentError("the worker handshake was already applied")
-        self.book.adopt(index)
+        self.book.adopt_index(index)
         self._hasher = BlockHasher(self.config.hashing.seed, index.fingerprint)
 
     def _req(self, view: RequestView) -> _Req:
@@ -162,38 +163,16 @@ class SchedulerSide:
 
     # -- lookups ---------------------------------------------------------------------------------
     def _loadable(self, view: RequestView, num_computed: int) -> tuple[int, int | None]:
-        """``(first chunk, loadable chunks from it)``, the count ``None`` for "ask again".
-
-        The run stops at the first chunk no tier holds, and before the first lower-tier chunk
-        that host has no room to promote into now (free slots plus evictable READY chunks,
-        less the run's own READY host hits, which the load pins before it evicts): a promise
-        :meth:`allocated` could not keep would come back as load errors. A host too small for
-        the run is not "ask again": it may never have the room, so the shorter run is final.
-        """
+        """``(first chunk, loadable chunks from it)``, the count ``None`` for "ask again"
+        (:meth:`~kvplane.offload.book.TierBook.loadable`: only as far as host can promote now,
+        so :meth:`allocated` keeps the promise)."""
         tpc = self.spec.tokens_per_chunk
         limit = view.num_tokens - 1
         req = self._req(view)
         req.keys.extend(view.token_ids, max(limit, 0))
         keys = req.keys.chunk_keys(max(limit, 0))
         first = num_computed // tpc
-        book = self.book
-        run = promoted = pinned = 0
-        room: int | None = None
-        for key in keys[first:]:
-            src = book.source(key)
-            if src is None:
-                if book.pending(key):
-                    return first, None
-                break
-            if src == "host":
-                pinned += int(book.is_ready_in_host(key))
-            else:
-                room = book.promotion_room() if room is None else room
-                promoted += 1
-            if promoted and room is not None and promoted + pinned > room:
-                break
-            run += 1
-        return first, run
+        return first, self.book.loadable(keys[first:])
 
     def matched_tokens(self, view: RequestView, num_computed: int) -> int | None:
         """Tokens beyond ``num_computed`` (block aligned) that kvplane can load now, or ``None``
@@ -224,7 +203,7 @@ class SchedulerSide:
         req = self._req(view)
         if not req.looked_up:
             req.keys.extend(view.token_ids)
-            self.book.record_lookup(req.keys.chunk_keys(view.num_tokens))
+            self.book.lookup(req.keys.chunk_keys(view.num_tokens))
             req.looked_up = True
             self._m_query.inc(max(view.num_tokens - req.match[0], 0))
         if num_external <= 0:
@@ -283,7 +262,7 @@ class SchedulerSide:
             return None
         base = req.offered
         req.offered = len(keys)
-        got = self.book.reserve_store(fresh)
+        got = self.book.reserve_store(fresh, write_through=True)
         if got is None:
             self._m_no_room.inc(len(fresh))
             return None
