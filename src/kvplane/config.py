@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvplane.errors import ConfigError, InvalidArgumentError
+from kvplane.errors import ConfigError
+from kvplane.validators import MAX_DURATION_S as MAX_DURATION_S  # noqa: PLC0414 (re-export)
+from kvplane.validators import require_finite_positive as require_finite_positive  # noqa: PLC0414
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,39 +51,6 @@ class Source(enum.Enum):
     FILE = "file"
     ENV = "env"
     FLAG = "flag"
-
-
-MAX_DURATION_S = 1e6
-"""The longest timeout, lease, stall or deadline accepted (about 11.6 days): a longer one means
-"never", and would overflow the clocks and timers it turns into (``threading`` waits, socket
-timeouts, millisecond counts) at some later call instead of being refused up front."""
-
-
-def require_finite_positive(
-    what: str, value: object, error: type[InvalidArgumentError] = ConfigError
-) -> float:
-    """``float(value)`` when it is an int or float in ``(0, MAX_DURATION_S]`` (a duration in
-    seconds), else ``error`` naming ``what`` and the value. Bools, strings, NaN, the infinities
-    and ints too large for a float are refused.
-
-    The one check of its kind below the components, so a config and the object it configures
-    (which must not import that config) refuse the same values with the same message.
-    """
-    fits = (
-        not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and 0 < value <= MAX_DURATION_S  # exact for any int: no overflow, NaN compares False
-    )
-    if not fits:
-        shown = (
-            f"an int of {value.bit_length()} bits"
-            if isinstance(value, int) and value.bit_length() > 64  # repr may refuse to print it
-            else repr(value)
-        )
-        raise error(
-            f"{what} must be a finite number > 0 and at most {MAX_DURATION_S:g} s, got {shown}"
-        )
-    return float(value)  # type: ignore[arg-type]
 
 
 def _require_positive(owner: str, **values: int) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import NewType
 
 from kvplane.errors import InvalidArgumentError
+from kvplane.validators import require_int
 
 BlockId = NewType("BlockId", int)
 """Index of a block inside one block pool."""
@@ -43,10 +44,8 @@ class TokenRange:
     end: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.start, bool) or not isinstance(self.start, int):
-            raise InvalidArgumentError(f"TokenRange.start must be an int, got {self.start!r}")
-        if isinstance(self.end, bool) or not isinstance(self.end, int):
-            raise InvalidArgumentError(f"TokenRange.end must be an int, got {self.end!r}")
+        require_int("TokenRange.start", self.start)
+        require_int("TokenRange.end", self.end)
         if self.start < 0 or self.end < self.start:
             raise InvalidArgumentError(
                 f"TokenRange needs 0 <= start <= end, got [{self.start}, {self.end})"

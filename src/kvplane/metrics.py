@@ -1,12 +1,7 @@
 """Metrics: a registry over prometheus-client, injected where used, and the seed's ratios.
 
-A :class:`MetricsRegistry` owns its own ``CollectorRegistry`` (never prometheus-client's global
-one), prefixes every name with ``kvplane_`` and returns the same collector when asked twice for
-the same name, so components can declare what they use without coordinating. Components take a
-registry argument; tests and embedders create one per worker.
-
-The derived ratios of ARCHITECTURE.md section 4 are defined here once, as pure functions, so
-that benches, reports and tests compute them the same way.
+:class:`MetricsRegistry` owns its own collector registry (never the global one) and prefixes
+``kvplane_``; the derived ratios are defined here once. See docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Build and load the C kernels that ship inside the package.
 
-A kernel's source lives next to the module that uses it (``attention/backends/native/``,
-``transports/native/``, ``serving/producers/native/``). The first process that needs it
-compiles it with
-the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache directory
-(``$KVPLANE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvplane`` or ``~/.cache/kvplane``), under a
-name keyed by a hash of the source, the compiler and the flags; later processes only
-``dlopen`` it. The build writes a private temporary file and renames it into place, so
-concurrent first uses never load a half-written library. On x86-64 machines whose CPU has
-AVX2 and FMA the kernel is built for them; elsewhere it is built portably. ``load_kernel``
-also types the functions its caller names (``ctypes`` argument and result types), so a
-library without one of them is a failed build, not an error at the first call.
-
-A missing compiler or a failed build is not an exception: :func:`load_kernel` returns a
-:class:`KernelBuild` whose ``reason`` its user reports (a backend as Unsupported; the run
-copier by leaving the move to its NumPy and torch paths).
+Compiles a kernel once per machine into a hash-keyed cache and types its functions; a missing
+compiler is a ``reason`` in the returned :class:`KernelBuild`, never an exception. See
+docs/transports.md.
 """
 
 from __future__ import annotations

@@ -227,12 +227,3 @@ def test_from_hf_checks_the_parameters_once(monkeypatch: pytest.MonkeyPatch) -> 
     cfg = {"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 64}}
     spec = RopeSpec.from_hf(cfg, 256)
     assert spec.param("factor", 0.0) == 4.0 and len(calls) == 1
-
-
-@pytest.mark.parametrize(
-    ("value", "want"),
-    [(2, 2.0), (0.5, 0.5), (True, None), ("1", None), (None, None), (math.inf, None),
-     (math.nan, None), (10**400, None)],
-)  # fmt: skip
-def test_finite_number(value: object, want: float | None) -> None:
-    assert rope_module.finite_number(value) == want

@@ -1,21 +1,8 @@
 """``kvplane demo``: a real model served across processes, checked token by token.
 
-Theory of operation
--------------------
-The demo starts three processes of this interpreter — ``kvplane serve prefill`` (the model's
-chunked prefill, with prefix offload to a small host tier over a disk tier), ``kvplane serve
-decode`` and ``kvplane serve router`` — on 127.0.0.1, then sends the :func:`demo_prompts`
-one at a time through the router: a shared-prefix prompt, other prompts whose stores push most
-of that prefix out of the host tier (down to disk only), then the shared prefix twice more, so
-its chunks come back first from host *and* disk, then from host. Every request's tokens are
-compared with ``model.generate`` of the same model in this process (parity). At the end the
-workers' counters and timelines give the seed's metrics (:mod:`kvplane.apps.report`), and
-with ``--out DIR`` a Chrome/Perfetto ``trace.json`` and a ``timeline.png``.
-
-Nothing waits without a deadline: a worker that exits is reported (with its log's tail) as soon
-as it is noticed, and every child is stopped on the way out. The exit code is 0 only when every
-request succeeded with parity and every pool, ledger and offload slot is balanced at the end.
-``--json`` prints exactly one JSON object on stdout (progress goes to stderr).
+Starts prefill, decode and router processes with prefix offload, sends the demo prompts through
+the router, compares every request's tokens with one-process ``generate`` and prints the seed's
+metrics. Exit 0 only with parity and balanced pools, ledgers and slots. See docs/serving.md.
 """
 
 from __future__ import annotations

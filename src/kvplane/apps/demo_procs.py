@@ -1,15 +1,8 @@
-"""Worker processes of the demo: start, announce, watch, stop — every wait has a deadline.
+"""The demo's worker processes: start, announce, watch, stop; every wait has a deadline.
 
-Theory of operation
--------------------
-:class:`Child` runs ``python -m kvplane serve ROLE ...`` (the same interpreter) with its stderr
-in a log file, and reads its stdout on a daemon thread: the first line is the worker's JSON
-announce (addresses), which :meth:`Child.announce` waits for up to a deadline while checking
-that the process still lives. :class:`ProcessGroup` holds the children of one run: any caller
-waiting on the cluster calls :meth:`ProcessGroup.check` between short waits, which raises
-:class:`WorkerDiedError` (naming the worker, its exit code and its last log lines) as soon as one
-exits; :meth:`ProcessGroup.stop` terminates every child and kills those that do not exit in
-time. Nothing here listens on a socket; the workers bind 127.0.0.1.
+:class:`Child` is one ``kvplane serve`` subprocess; :class:`ProcessGroup` raises
+:class:`WorkerDiedError` as soon as one exits, and stops them all. Nothing here listens on a
+socket. See docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """``kvplane generate``: greedy generation with one model in one process.
 
-``kvplane generate --model DIR|tiny-llama|tiny-deepseek --prompt-ids 1,2,3 --max-new-tokens N
-[--step-size K] [--block-size B] [--seed S] [--dtype float32|bfloat16] [--json]`` prints the new
-tokens; with ``--json`` exactly one object ``{"tokens": [...]}``. ``--step-size`` runs the prompt
-as a chunked prefill of ``K``-token steps (the tokens do not change). Bad input (an unknown
-model, a checkpoint of an unsupported architecture or with missing tensors, prompt ids that are
-not integers or lie outside the vocabulary) is reported as ``kvplane: error: ...`` with exit 1.
+Prints the new tokens (``--json``: one object ``{"tokens": [...]}``); bad input is
+``kvplane: error: ...`` with exit 1. Flags: docs/serving.md.
 """
 
 from __future__ import annotations

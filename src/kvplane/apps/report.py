@@ -1,12 +1,7 @@
-"""The seed's metrics of a PD run, as a table and a timeline picture; ``kvplane report DIR``.
+"""The seed's metrics of a PD run as a table and a timeline picture; ``kvplane report DIR``.
 
-:func:`summarize` turns the workers' counters (``WorkerStats.counters``) and their merged
-timeline into the seed's metrics (ARCHITECTURE.md §4): overlap ratio and exposed tail per
-request (mean and max), transfer amplification, blocks per transfer op, offload chunk hits per
-tier and the attention selector's fallback ratio. :func:`metrics_table` renders them (rich);
-:func:`draw_timeline` draws prefill steps against slice transfers, offload loads/stores and
-decode per request (matplotlib, headless). ``kvplane report DIR`` reads ``DIR/trace.json``
-(written by ``kvplane demo --out DIR``), prints the table and redraws ``DIR/timeline.png``.
+:func:`summarize` reads worker counters and merged timelines; :func:`metrics_table` and
+:func:`draw_timeline` render them from ``DIR/trace.json``. See docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """``kvplane serve prefill|decode|router``: the PD workers and the router as processes.
 
-Each worker binds its order socket (``--control``) and its PD endpoint (``--pd``) on 127.0.0.1
-unless told otherwise, picks its transport (``--transport``), sizes its pool and serves
-``/metrics`` when ``--metrics-port`` is given. Once listening it prints one JSON line
-(``{"role", "name", "control", "pd", "incarnation"}``) on stdout, so a supervisor (or a test)
-learns the addresses, then serves until SIGTERM/SIGINT or a ``Shutdown`` order. The router
-re-learns its workers every ``--refresh`` seconds (a restarted worker is re-paired, a silent
-one skipped until it answers again) and fails a request still unanswered after
-``--request-deadline`` seconds. The synthetic
-model is the KV producer; its shape flags (``--layout``, ``--layers``, ...) must agree between a
-prefill and a decode worker (the PD handshake refuses them otherwise), while ``--block-size``
-and ``--head-range`` may differ. A shared secret, if any, is read from ``KVPLANE_SECRET`` (never
-from the command line).
-
-``--model tiny-llama|tiny-deepseek|DIR`` serves a real model instead (weights seeded by
-``--seed``, dtype ``--model-dtype``): chunked prefill on the prefill worker, greedy decode of
-the order's ``max_new_tokens`` on the decode worker; both must name the same model and seed.
-A prefill worker offloads prompt prefixes with ``--offload-host-slots N`` (chunks of
-``--blocks-per-chunk`` blocks; ``--offload-disk DIR`` adds a disk tier below the host).
+Wiring only: flags to a :class:`~kvplane.serving.worker_config.WorkerConfig` and a producer,
+one JSON announce line on stdout, serve until SIGTERM/SIGINT or ``Shutdown``. Binds 127.0.0.1
+unless told otherwise; a secret comes from ``KVPLANE_SECRET`` only. See docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """L5 attention: typed paged-KV inputs, a negotiated backend contract, and selection.
 
-Typical use::
-
-    meta = PlanMetadata.from_dense(page_size, block_table, kv_len, q_len)
-    problem = mla_problem(MLAQuery.packed(q, r), MLAKVCache(pool, r), meta,
-                          sm_scale=(qk_nope + qk_rope) ** -0.5, causal=True)
-    selector = Selector(default_registry(), metrics=registry)
-    plan = selector.plan(problem, "auto")            # or "measured", or a backend name
-    result = selector.registry.get(plan.backend).run(plan, query, cache)
+Describe a call as an :class:`AttentionProblem`, plan it with a :class:`Selector` (a backend
+name, ``auto`` or ``measured``), run the plan on the chosen backend. Usage and mechanisms:
+docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """The attention backend contract: capabilities as data, check, plan, run; and the registry.
 
-A backend is negotiated with, never probed:
-
-- ``capabilities`` is plain data (kinds, devices, dtypes, head counts, page sizes, query-length
-  classes, causal modes, query layouts, LSE base). :meth:`Capabilities.reasons` turns a mismatch
-  with a problem into human-readable reasons.
-- ``check(problem)`` returns :class:`Supported` or :class:`Unsupported` (capability reasons plus
-  anything environmental: no GPU, package missing, with an install hint). It never raises for
-  an unsupported problem and never touches data.
-- ``plan(problem)`` works from structural facts only (lengths, page ids; never query or KV
-  data) and returns a new :class:`Plan`; a failing plan raises and publishes nothing.
-- ``run(plan, query, cache)`` executes exactly that plan: no selection, no probing, no copy of the
-  paged cache (it reads the pages it needs). It returns an
-  :class:`~kvplane.attention.problem.AttentionResult`.
-
-The :class:`BackendRegistry` keeps backends in registration order, which is the ``auto`` order.
+``check`` never raises for an unsupported problem, ``plan`` reads structure only, ``run``
+executes exactly its plan. :class:`BackendRegistry` order is the ``auto`` order. See
+docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Typed attention inputs: MLA queries and latent caches, GQA queries and K/V pools.
 
-Shapes (``T`` = query tokens of the batch, ``H`` = query heads, ``r`` = ``kv_lora_rank``, ``p`` =
-rope dim; DeepSeek uses 512 and 64, any sizes work):
-
-- :class:`MLAQuery`: packed ``[T, H, r + p]`` or split ``q_nope [T, H, r]`` + ``q_pe [T, H, p]``.
-  A packed query always exposes its split halves as zero-copy views; split halves that are views
-  of one packed buffer (adjacent, same strides) expose the packed view again, also without a
-  copy. Only genuinely separate split tensors have no packed view (``layout`` is then ``SPLIT``).
-- :class:`MLAKVCache`: the paged latent pool, packed ``[pages, page_size, r + p]`` (``c_kv`` then
-  ``k_pe``), with zero-copy ``ckv`` / ``kpe`` views; an optional :class:`MLAUpProjection` says how
-  to decompress it for the non-absorbed (MHA) path.
-- :class:`GQAQuery` ``[T, Hq, D]`` and :class:`GQAKVCache` with K and V pools
-  ``[pages, page_size, Hkv, D]`` each (``Hq % Hkv == 0``).
-
-Every query, up-projection and K/V pool has at least one head (``H``, ``Hq``, ``Hkv >= 1``);
-constructors raise :class:`~kvplane.errors.InvalidArgumentError` otherwise.
-
-Nothing here copies a cache; constructors only validate and take views.
+Constructors validate shapes and take zero-copy views; nothing here copies a cache. Shapes:
+docs/attention.md.
 """
 
 from __future__ import annotations
@@ -26,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvplane.errors import InvalidArgumentError
+from kvplane.validators import is_int, require_int
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -87,8 +73,7 @@ class MLAQuery:
         """From ``q [T, H, nope_dim + rope_dim]`` (``nope_dim`` = r absorbed, d_nope otherwise)."""
         _tensor("q", q, 3)
         _heads("q", q, 1)
-        if isinstance(nope_dim, bool) or not isinstance(nope_dim, int):
-            raise InvalidArgumentError(f"nope_dim must be an int, got {nope_dim!r}")
+        require_int("nope_dim", nope_dim)
         if not 0 < nope_dim < q.shape[-1]:
             raise InvalidArgumentError(f"nope_dim must be in (0, {q.shape[-1]}), got {nope_dim}")
         return cls(q[..., :nope_dim], q[..., nope_dim:], q)
@@ -187,7 +172,7 @@ class MLAKVCache:
     def __post_init__(self) -> None:
         _tensor("cache", self.data, 3)
         r = self.kv_lora_rank
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 < r < self.data.shape[-1]:
+        if not is_int(r) or not 0 < r < self.data.shape[-1]:
             raise InvalidArgumentError(
                 f"kv_lora_rank must be an int in (0, {self.data.shape[-1]}), got {r!r}"
             )

@@ -1,27 +1,7 @@
 """Paged-KV plan metadata: one object, CSR or dense block-table form, converted lazily.
 
-Theory of operation
--------------------
-A batch of ``B`` requests attends over a paged KV pool of ``page_size`` tokens per page.
-Request ``b`` has ``q_len[b]`` query tokens (packed one after another into ``T = sum(q_len)``
-rows) and ``kv_len[b]`` KV tokens stored in the pages its page list names, in order: KV position
-``j`` of request ``b`` lives in page ``pages_b[j // page_size]`` at offset ``j % page_size``.
-Only the first ``ceil(kv_len / page_size)`` pages of a request are *needed*; entries past them
-are padding and are never read. The query tokens are the *last* ``q_len`` positions of the
-sequence, so with ``causal`` query ``i`` sees KV positions ``j <= kv_len - q_len + i``
-(bottom-right alignment; rows that see nothing produce a zero output and ``lse = -inf``).
-
-Two equivalent encodings exist (FlashInfer's and vLLM's):
-
-- :class:`CSRPageTable`: ``qo_indptr [B+1]``, ``kv_indptr [B+1]`` (page offsets into
-  ``kv_indices``), ``kv_indices [>= kv_indptr[-1]]`` and ``kv_len [B]``;
-- :class:`DensePageTable`: ``block_table [B, max_pages]``, ``kv_len [B]`` and ``q_len [B]``.
-
-:class:`PlanMetadata` holds one or both. It is validated and converted *lazily*, at plan time:
-:meth:`PlanMetadata.structure` reads the small per-request arrays to the host once (memoized),
-checks every invariant, and, when both forms were given, that they describe the same batch.
-Conversions are vectorised index arithmetic (no loop per page). The caller must not mutate the
-index tensors after handing them over.
+:class:`PlanMetadata` is validated and converted at plan time; the caller must not mutate its
+index tensors afterwards. Encodings and invariants: docs/attention.md.
 """
 
 from __future__ import annotations
@@ -32,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvplane.errors import InvalidArgumentError
+from kvplane.validators import require_int
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -158,8 +139,7 @@ class PlanMetadata:
         csr: CSRPageTable | None = None,
         dense: DensePageTable | None = None,
     ) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise InvalidArgumentError(f"page_size must be a positive int, got {page_size!r}")
+        require_int("page_size", page_size, min=1)
         if csr is None and dense is None:
             raise InvalidArgumentError("PlanMetadata needs a CSR form, a dense form or both")
         if csr is not None and dense is not None and csr.batch_size != dense.batch_size:

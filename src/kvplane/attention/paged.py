@@ -1,25 +1,8 @@
-"""Vectorised paged-batch machinery shared by the torch backends.
+"""Vectorised padded-batch machinery shared by the torch backends.
 
-Theory of operation
--------------------
-A ragged batch is processed as a padded one: queries ``[T, H, D]`` become ``[B, t_max, H, D]``
-(a free view when every request has the same query length, an index gather otherwise) and the
-KV of request ``b`` is gathered page by page (``index_select`` of whole pages, one contiguous
-row each) into ``[B, pages * page_size, ...]``. Which keys a padded query row may see is one
-number per row, its *limit*: ``kv_len`` without causality, ``kv_len - q_len + i + 1`` (clamped to
-``[0, kv_len]``) with bottom-right causality, ``0`` for padding rows. Everything is built once per
-plan in a :class:`BatchIndex` (index tensors only, no data).
-
-Gathered positions past ``kv_len`` (the tail of the last page, padding pages) may hold anything,
-NaN included: :func:`zero_invalid` zeroes them before they are multiplied, and the softmax
-masks them, so nothing past ``kv_len`` can leak. Rows that see no key get ``out = 0`` and
-``lse = -inf``. :func:`merge_states` combines two partial attention states by their LSE (the
-split-KV / flash-decoding reduction), :func:`merge_splits` any number of them at once.
-
-A padded batch is processed in :class:`BatchGroup` s of consecutive requests sized so that one
-group's gathered KV fits a byte budget (:func:`batch_groups`): memory is bounded by the budget
-(or one request) instead of ``B x max kv_len``, the gather target is a reused buffer that stays
-warm in cache, and each group is only as wide as its own longest request.
+Page gathers, byte-budgeted request groups (:func:`batch_groups`), bottom-right visibility
+limits, NaN-safe masked softmax and LSE merges (:func:`merge_states`, :func:`merge_splits`).
+Plans hold index tensors only. See docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The attention problem a backend is asked about, and the result it returns.
 
-An :class:`AttentionProblem` is the structural description of one batched attention call: kind
-(absorbed MLA in latent space, non-absorbed MLA as MHA, or GQA), head shape, dtype, device,
-``sm_scale``, causality, query layout and the :class:`~kvplane.attention.metadata.PlanMetadata`.
-It holds no query or KV data, so backends can check and plan from it; build it from real inputs
-with :func:`mla_problem` / :func:`gqa_problem`, which cross-check every shape.
-
-``sm_scale`` is required, never defaulted: for MLA it is ``(qk_nope_dim + qk_rope_dim) ** -0.5``
-(the head dim *before* absorption) times any rope-scaling factor (DeepSeek's YaRN ``mscale**2``).
+:class:`AttentionProblem` holds no data; build it with :func:`mla_problem` (explicit
+``absorbed=``) or :func:`gqa_problem`. ``sm_scale`` is required, never defaulted. See
+docs/attention.md.
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ import torch
 from kvplane.attention.inputs import GQAKVCache, GQAQuery, MLAKVCache, MLAQuery, MLAUpProjection
 from kvplane.attention.metadata import PlanMetadata
 from kvplane.errors import BackendError, InvalidArgumentError
+from kvplane.validators import require_bool, require_number
 
 
 class AttentionKind(enum.Enum):
@@ -100,12 +96,8 @@ class AttentionProblem:
     query_layout: QueryLayout = QueryLayout.PACKED
 
     def __post_init__(self) -> None:
-        if isinstance(self.sm_scale, bool) or not isinstance(self.sm_scale, (int, float)):
-            raise InvalidArgumentError(f"sm_scale must be a float, got {self.sm_scale!r}")
-        if not math.isfinite(self.sm_scale) or self.sm_scale <= 0:
-            raise InvalidArgumentError(f"sm_scale must be finite and > 0, got {self.sm_scale!r}")
-        if not isinstance(self.causal, bool):
-            raise InvalidArgumentError(f"causal must be a bool, got {self.causal!r}")
+        require_number("sm_scale", self.sm_scale, above=0)
+        require_bool("causal", self.causal)
 
     @property
     def kind(self) -> AttentionKind:

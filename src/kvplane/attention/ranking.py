@@ -1,16 +1,7 @@
 """Workload buckets and the cache of measured backend rankings (in memory, optionally on disk).
 
-A :class:`WorkloadBucket` is what ``measured`` selection keys its timings by: kind, batch size,
-query-length class (and the query length itself unless it is varlen), the power-of-two bucket of
-the longest KV, heads, head dims, page size, dtype, device type, causality and query layout
-(packed or split: some backends support only one, so the two have different candidates).
-Problems in one bucket are expected to rank backends alike, so one timing serves them all.
-
-:class:`RankingCache` maps a bucket to its ranking (fastest first). With a ``path`` it loads the
-JSON file at start and rewrites it atomically (temp file + rename) after each new ranking; an
-unreadable or foreign file is ignored (and replaced on the next write), never trusted; so is a
-file of another :data:`FORMAT` version, which is bumped whenever the key form changes (a file
-written before a field joined the key holds keys no bucket produces any more).
+An unreadable file, or one of another :data:`FORMAT` version, is ignored, never trusted. See
+docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
 """Backend selection: explicit, ``auto`` and ``measured``, each plan carrying its trace.
 
-- An explicit backend name never substitutes: if that backend reports Unsupported, selection
-  raises :class:`~kvplane.errors.UnsupportedError` with its reasons.
-- ``auto`` walks the registry's candidates for the problem's kind in order and takes the first
-  Supported one; it falls through only on Unsupported (a backend that fails to plan raises).
-- ``measured`` times every Supported, non-oracle candidate on synthetic inputs of the problem's
-  structure (:func:`~kvplane.attention.synthetic.twin`), ranks them per
-  :class:`~kvplane.attention.ranking.WorkloadBucket`, caches the ranking and picks the fastest
-  Supported one. A cached ranking is reused only if it holds every such candidate; otherwise the
-  candidates are timed again and the new times replace theirs, while the bucket's other entries
-  (candidates Unsupported for this problem) keep their earlier times, so a bucket's ranking only
-  grows and a bucket is re-timed at most once per candidate it has not seen. Only when no
-  non-oracle candidate is Supported does it fall back to an oracle.
-
-Every returned plan carries a trace: one :class:`~kvplane.attention.base.TraceEntry` per
-candidate (decision, reason, measured time). A plan is published (counted, cached) only after
-the chosen backend's ``plan`` succeeded. Metrics, on the injected registry:
-``kvplane_attention_plans_total{backend,mode}``, ``kvplane_attention_fallback_plans_total`` and
-the gauge ``kvplane_attention_fallback_ratio`` (plans resolved to a non-first candidate / plans).
-The timer is injectable (:class:`~kvplane.attention.timing.Timer`: ``timer({name: thunk}) ->
-{name: seconds}``, all candidates of one bucket timed together); the default is an interleaved
-:class:`~kvplane.attention.timing.PerfCounterTimer` that takes more rounds for cheap problems.
+An explicit name never substitutes; ``auto`` falls through only on Unsupported; ``measured``
+times and caches rankings. Owns the selection and fallback metrics. See docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Synthetic paged attention inputs: for ``measured`` timing, benches and tests.
+"""Synthetic paged attention inputs for ``measured`` timing, benches and tests.
 
-:func:`synthetic_metadata` lays requests out in a fresh pool (page 0 reserved and never used,
-like vLLM's null block; pages optionally shuffled). :func:`make_mla_inputs` /
-:func:`make_gqa_inputs` fill a pool of exactly the needed pages with seeded random data, and
-:func:`twin` builds, for any problem, a problem of the same structure (lengths, heads, dims,
-dtype, device, causality, layout; pages shuffled) over synthetic data, ready to time without
-touching the caller's tensors.
+:func:`twin` builds a problem of the same structure over seeded data, never touching the
+caller's tensors. See docs/attention.md.
 """
 
 from __future__ import annotations

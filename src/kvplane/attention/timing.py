@@ -1,20 +1,7 @@
 """Timing candidates against each other on a noisy machine: interleaved rounds, best of each.
 
-A :class:`Timer` times a set of named candidates together (``timer({name: thunk}) -> {name:
-seconds}``), so that a ranking is judged from measurements taken under the same conditions.
-:class:`PerfCounterTimer` does it the robust way for a shared CPU:
-
-- ``warmup`` untimed runs of every candidate first (first-touch page faults, lazy kernels,
-  allocator growth);
-- then *rounds*: each round runs every candidate once, in an order rotated by one each round, so
-  a burst of load from another process lands on all candidates alike and none always runs first
-  (or right after a cache-trashing neighbour);
-- at least ``rounds`` rounds, and more (up to ``max_rounds``) while the timed rounds have taken
-  less than ``min_seconds``, so cheap problems get many samples for the price of one slow one;
-- each candidate's time is the *minimum* of its samples: on a shared machine noise only ever
-  adds time, so the minimum is the estimate least disturbed by it.
-
-On CUDA every sample is bracketed by ``torch.cuda.synchronize()``.
+:class:`Timer` is the injectable protocol; :class:`PerfCounterTimer` warms up, rotates the
+order each round and takes each candidate's minimum. See docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
-"""The intrusive LRU free queue of a block pool.
+"""The intrusive LRU free queue of a block pool: O(1), no object per block.
 
-Theory of operation
--------------------
-The queue is a circular doubly linked list threaded through two integer arrays indexed by block
-id, ``prev`` and ``next``, with one extra *sentinel* node at index ``num_blocks``. The sentinel's
-``next`` is the head (the least recently freed block, evicted first) and its ``prev`` is the tail
-(the most recently freed). An empty queue is the sentinel linked to itself. Because every node is
-an array slot, ``append``, ``remove`` and ``popleft`` are O(1) and allocate nothing; there is no
-"-1 = none" convention: a block is in the queue exactly when ``linked[block]`` is true, and an
-unlinked block's pointers are parked on itself.
-
-The pool keeps every block with ref count 0 here, cached or not: the head is the next block to
-hand out, and a cached block that reaches the head loses its hash when it is handed out.
+A circular doubly linked list on ``prev``/``next`` int arrays with one sentinel node, and no
+``-1`` convention. Owned by one :class:`~kvplane.blocks.pool.BlockPool`. See docs/offload.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from kvplane.errors import BlockStateError, InvalidArgumentError
+from kvplane.errors import BlockStateError
 from kvplane.ids import BlockId
+from kvplane.validators import require_int
 
 
 class FreeBlockQueue:
@@ -33,9 +24,7 @@ class FreeBlockQueue:
     __slots__ = ("_len", "_linked", "_next", "_num_blocks", "_prev", "_sentinel")
 
     def __init__(self, num_blocks: int) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise InvalidArgumentError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        n = num_blocks
+        n = require_int("num_blocks", num_blocks, min=1)
         self._num_blocks = n
         self._sentinel = n
         # Node i links to i-1 and i+1; the sentinel n closes the ring (n+1 nodes in all).

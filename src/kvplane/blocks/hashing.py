@@ -1,27 +1,8 @@
-"""Deterministic chained block hashing.
+"""Deterministic chained block hashes: ``H(parent, token_ids, extra_keys)`` in BLAKE2b.
 
-Theory of operation
--------------------
-A *block hash* names the KV content of one full block. KV at a position depends on every token
-before it, so the hash is chained: ``H(parent, token_ids, extra_keys)`` where ``parent`` is the
-hash of the previous block of the sequence, or the hasher's :attr:`BlockHasher.root` for the
-first block. Two blocks with equal hashes hold interchangeable KV, which is what makes prefix
-caching, chunk keys (the hash of a chunk's last block) and cross-machine transfer safe.
-
-The root commits to a seed and a model/layout *fingerprint*, so hashes from different models,
-layouts or deployments never collide by construction. Extra keys (a LoRA name, a multimodal input
-hash, a cache salt) are mixed into every block they are passed for.
-
-Hashes are BLAKE2b (32-byte digests) over *canonical bytes*, never Python ``hash()``, so they are
-identical across processes, machines and ``PYTHONHASHSEED`` values:
-
-- every hashed message starts with a versioned domain tag (root and block tags differ);
-- integers are little-endian; token ids are int64 (``numpy.astype('<i8')``) after a length prefix;
-- the seed and the fingerprint are length-prefixed; each extra key is a one-byte type tag
-  (``s`` str as UTF-8, ``i`` int as minimal two's complement, ``b`` bytes) plus a length prefix,
-  so no two different key tuples serialise to the same bytes.
-
-Changing any of this changes every hash; the golden-digest test in ``tests/blocks`` guards it.
+Seeded and fingerprinted at the root, over canonical bytes (never Python ``hash()``), so equal
+across processes and machines. Changing the encoding changes every hash; the golden-digest test
+in ``tests/blocks`` guards it. See docs/offload.md.
 """
 
 from __future__ import annotations
@@ -38,6 +19,7 @@ import torch
 from kvplane.config import HashConfig
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import BlockHash
+from kvplane.validators import require_int
 
 ExtraKey: TypeAlias = str | int | bytes
 """One extra hash input of a block: a LoRA name, a multimodal content hash, a cache salt..."""
@@ -189,10 +171,7 @@ class BlockHasher:
     _root: BlockHash = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise InvalidArgumentError(
-                f"BlockHasher.seed must be a non-negative int, got {self.seed!r}"
-            )
+        require_int("BlockHasher.seed", self.seed, min=0)
         if not isinstance(self.fingerprint, bytes):
             raise InvalidArgumentError(
                 f"BlockHasher.fingerprint must be bytes, got {self.fingerprint!r}"
@@ -243,8 +222,7 @@ class BlockHasher:
         is no full block. Raises :class:`InvalidArgumentError` for a non-positive block size or
         malformed input, before hashing anything.
         """
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+        require_int("block_size", block_size, min=1)
         par = self._root if parent is None else check_block_hash(parent, "parent")
         tokens = canonical_token_ids(token_ids)
         extra = encode_extra_keys(extra_keys)

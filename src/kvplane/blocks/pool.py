@@ -1,30 +1,7 @@
-"""The block pool: ref counts, an LRU free queue and the prefix-cache hash map of one KV pool.
+"""The block pool: ref counts, the LRU free queue and the prefix-cache hash map of one KV pool.
 
-Theory of operation
--------------------
-Every block is in exactly one of two states: *used* (``ref_count > 0``, held by one or more
-block tables) or *free* (``ref_count == 0``, linked in the :class:`FreeBlockQueue`). A block may
-additionally be *cached*: registered under its :data:`~kvplane.ids.BlockHash` in the hash map,
-so a later request with the same prefix finds it with :meth:`BlockPool.lookup` and shares it
-with :meth:`BlockPool.touch`. Caching is orthogonal to use: a freed cached block keeps its hash
-and stays matchable until :meth:`BlockPool.allocate` hands it out again, at which point it is
-*evicted* (hash dropped). Because freed blocks go to the queue's tail and allocation pops its
-head, eviction is least-recently-freed first.
-
-Several blocks may hold the same content (two requests with one prompt computed it
-concurrently). The map keeps, per hash, an insertion-ordered set of the blocks registered under
-it: :meth:`BlockPool.lookup` returns the first one IN USE (sharing it costs no free block), or
-the first one when all are free; the others stand by. When a holder is evicted the others carry
-on, so a prefix stays findable as long as any block holding it lives (a request still decoding
-keeps its prompt matchable after the first copy was reused).
-
-Invariants (:meth:`BlockPool.check_integrity`): free + used == num_blocks; ref counts >= 0; the
-free queue is consistent and holds exactly the ref-0 blocks; ``b in hash_map[h]`` exactly when
-``block_hash(b) == h``, and no set is empty; only full, computed blocks are ever cached (the
-caller's promise).
-
-Every public method validates all of its arguments before touching any state, so a call that
-raises leaves the pool exactly as it was.
+Every method validates before it changes anything; :meth:`BlockPool.check_integrity` checks
+the invariants. Eviction and shared holders: docs/offload.md.
 """
 
 from __future__ import annotations
@@ -48,6 +25,7 @@ from kvplane.errors import (
 )
 from kvplane.ids import BlockHash, BlockId
 from kvplane.metrics import MetricsRegistry
+from kvplane.validators import require_int
 
 _INT = {int}
 
@@ -76,11 +54,8 @@ class BlockPool:
         *,
         name: str = "default",
     ) -> None:
-        for what, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidArgumentError(
-                    f"BlockPool.{what} must be a positive int, got {value!r}"
-                )
+        require_int("BlockPool.num_blocks", num_blocks, min=1)
+        require_int("BlockPool.block_size", block_size, min=1)
         self._num_blocks = num_blocks
         self._block_size = block_size
         self._ref: list[int] = [0] * num_blocks
@@ -224,8 +199,7 @@ class BlockPool:
         free. A handed-out block that was cached is evicted: its hash leaves the map. ``n == 0``
         returns ``[]``. Raises :class:`InvalidArgumentError` for a negative or non-int ``n``.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise InvalidArgumentError(f"allocate needs a non-negative int, got {n!r}")
+        require_int("allocate's n", n, min=0)
         if n > len(self._free):
             if self._metrics is not None:
                 self._m_fail.inc()

@@ -1,14 +1,8 @@
 """L5 models: tiny Llama and DeepSeek-V2/V3 decoders over paged KV and kvplane's attention
 backends, HF checkpoint loading, chunked-prefill forward steps and greedy generation.
 
-Typical use::
-
-    model = load_model("tiny-llama")                       # or "tiny-deepseek", or an HF dir
-    result = model.generate([1, 2, 3], max_new_tokens=8, step_size=2)
-
-A serving loop drives :meth:`CausalLM.forward_step` directly: admit a request to a
-``BlockPool`` through a ``BlockTable``, build a :class:`StepBatch` for each prefill chunk or
-decode step, and keep KV in a :class:`PagedKVCache` of ``model.kv_layout(...)``.
+Start with :func:`load_model`; a serving loop drives :meth:`CausalLM.forward_step`. See
+docs/attention.md.
 """
 
 from kvplane.models.base import CausalLM

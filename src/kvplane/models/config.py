@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvplane.errors import CheckpointError
-from kvplane.models.rope import RopeSpec, RopeStyle, finite_number
+from kvplane.models.rope import RopeSpec, RopeStyle
+from kvplane.validators import require_bool, require_int, require_number
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
 DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
@@ -35,9 +36,7 @@ def _int(d: Mapping[str, Any], key: str, default: Any = _MISSING, minimum: int =
         value = default  # JSON null means "unset"
     if value is _MISSING or value is None:
         raise CheckpointError(f"config.json has no {key!r}")
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise CheckpointError(f"config.json {key!r} must be an int >= {minimum}, got {value!r}")
-    return value
+    return require_int(f"config.json {key!r}", value, min=minimum, error=CheckpointError)
 
 
 def _opt_int(d: Mapping[str, Any], key: str) -> int | None:
@@ -47,19 +46,14 @@ def _opt_int(d: Mapping[str, Any], key: str) -> int | None:
 def _float(d: Mapping[str, Any], key: str, default: float) -> float:
     """``d[key]`` (or ``default``) as a finite float >= 0; ``CheckpointError`` otherwise."""
     value = d.get(key, default)
-    number = finite_number(value)
-    if number is None or number < 0:
-        raise CheckpointError(f"config.json {key!r} must be a finite number >= 0, got {value!r}")
-    return number
+    return require_number(f"config.json {key!r}", value, min=0, error=CheckpointError)
 
 
 def _bool(d: Mapping[str, Any], key: str, default: bool) -> bool:
     value = d.get(key, default)
     if value is None:
         return default
-    if not isinstance(value, bool):
-        raise CheckpointError(f"config.json {key!r} must be true or false, got {value!r}")
-    return value
+    return require_bool(f"config.json {key!r}", value, error=CheckpointError)
 
 
 def _silu(d: Mapping[str, Any]) -> None:

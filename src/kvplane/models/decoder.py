@@ -1,11 +1,8 @@
-"""What every paged decoder shares: input checks, embedding, the final norm and logits, per-step
-attention planning, and greedy generation.
+"""What every paged decoder shares: input checks, embedding, final norm and logits, per-step
+attention planning and greedy generation.
 
-A subclass supplies :meth:`PagedDecoder.kv_layout` and :meth:`PagedDecoder._run_layers` (the
-decoder layers of one step). :class:`StepAttention` plans each attention kind once per step
-through the injected :class:`~kvplane.attention.Selector` (``auto`` by default) and runs that
-plan for every layer, so selection and page-table work is not repeated per layer; every plan
-carries its selection trace.
+:class:`StepAttention` plans each attention kind once per step through the injected selector.
+See docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
-"""The DeepSeek-V2/V3 decoder (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``) over a
-paged MLA latent cache.
+"""The DeepSeek-V2/V3 decoder over a paged MLA latent cache.
 
-Theory of operation
--------------------
-Multi-head latent attention caches, per token and layer, one compressed vector
-``c_kv = norm(kv_a(x)[:r])`` (``r = kv_lora_rank``) and one shared rope key
-``k_pe = rope(kv_a(x)[r:])``, packed as ``[c_kv ‖ k_pe]`` in the pool (an MLA ``KVLayout``).
-Per head, keys and values are up-projections of the latent (``kv_b_proj`` split into
-``w_uk [H, r, d_nope]`` and ``w_uv [H, r, d_v]``); queries come from ``q_proj`` or the q LoRA
-``q_b(norm(q_a(x)))`` and split into ``q_nope`` and a rope part. Logits are
-``q_nope · k_nope + q_pe · k_pe`` times ``sm_scale = (d_nope + d_rope) ** -0.5`` (times yarn's
-``mscale ** 2``). Two equivalent ways to compute them (:class:`MLAPath`):
-
-- *absorbed* (decode): ``q_nope @ w_uk`` moves the query into latent space, attention runs on
-  the latent cache directly (``[T, H, r + p]`` queries, output ``[T, H, r]``), and ``w_uv`` maps
-  the output back to ``[T, H, d_v]``; nothing is decompressed;
-- *decompressed* (prefill): the ``mha`` backends decompress the gathered latent per head and run
-  plain attention with ``[T, H, d_nope + p]`` queries.
-
-``AUTO`` uses the absorbed path for decode steps (one token per request) and the decompressed one
-otherwise. The path is passed to ``mla_problem`` explicitly (``absorbed=``), so it holds even
-when ``d_nope == r`` and both queries are ``[T, H, r + p]``. The step's latent is written
-before attention, so prefix KV and the step's own tokens are read alike, causally. MLP: dense
-SwiGLU for the first ``first_k_dense_replace`` layers, a :class:`~kvplane.models.moe.MoE` after
-them when the config has routed experts.
+Absorbed attention for decode, decompressed (``mha``) for prefill, chosen by :class:`MLAPath`
+and passed to ``mla_problem`` explicitly; dense or MoE MLP. The MLA math: docs/attention.md.
 """
 
 from __future__ import annotations

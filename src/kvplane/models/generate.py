@@ -1,21 +1,7 @@
 """Greedy generation of one request in one process, over a private paged pool.
 
-Theory of operation
--------------------
-The prompt is admitted to a fresh :class:`~kvplane.blocks.BlockPool` through a
-:class:`~kvplane.blocks.BlockTable`, then prefilled in steps (:func:`prefill_ranges`: one step
-for the whole prompt, or chunks of ``step_size`` tokens, each step attending over the KV the
-earlier ones wrote). The prompt's last logits give the first new token; each further token is
-appended to the table and computed by a one-token decode step. After every step the computed
-tokens are marked (full blocks enter the pool's prefix cache, as a serving engine would); with
-a caller-owned :class:`PagedContext`, a later request sharing a prefix starts its prefill after
-the cached blocks.
-
-Greedy means ``argmax`` with ties going to the lowest token id, so the same model, prompt and
-weights give the same tokens whatever the step sizes — the property a PD-disaggregated run is
-checked against. A private pool is sized to exactly the request unless ``num_blocks`` is given; a
-request that does not fit is rejected before any forward step, and the table is released on
-every exit path.
+Ties go to the lowest token id, so the tokens do not depend on step sizes: the parity reference
+for PD runs. The table is released on every exit path. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -31,6 +17,7 @@ from kvplane.ids import RequestId, TokenRange
 from kvplane.models.base import CausalLM
 from kvplane.models.kv import PagedKVCache
 from kvplane.models.step import StepBatch
+from kvplane.validators import require_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,21 +35,14 @@ class GenerationResult:
         return sum(1 for r in self.steps if r.end <= self.prompt_len)
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def prefill_ranges(
     num_tokens: int, step_size: int | None = None, start: int = 0
 ) -> list[TokenRange]:
     """The step ranges of a chunked prefill of ``[start, num_tokens)``: one range when
     ``step_size`` is ``None``, else consecutive ranges of ``step_size`` (the last may be short)."""
-    _positive("num_tokens", num_tokens)
-    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < num_tokens:
-        raise InvalidArgumentError(f"start must be in [0, {num_tokens}), got {start!r}")
-    step = num_tokens - start if step_size is None else _positive("step_size", step_size)
+    require_int("num_tokens", num_tokens, min=1)
+    require_int("start", start, min=0, max=num_tokens - 1)
+    step = num_tokens - start if step_size is None else require_int("step_size", step_size, min=1)
     return [TokenRange(s, min(s + step, num_tokens)) for s in range(start, num_tokens, step)]
 
 
@@ -134,22 +114,17 @@ def greedy_generate(
             f"prompt token id {int(prompt[bad[0]])} at position {int(bad[0])} is outside the "
             f"vocabulary [0, {vocab})"
         )
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 0
-    ):
-        raise InvalidArgumentError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    require_int("max_new_tokens", max_new_tokens, min=0)
     n = int(prompt.size)
     prefill_ranges(n, step_size)  # validates step_size
     if context is not None:
         if num_blocks is not None:
             raise InvalidArgumentError("give num_blocks or a context, not both")
         block_size = context.pool.block_size
-    _positive("block_size", block_size)
+    require_int("block_size", block_size, min=1)
     need = blocks_needed(n, max_new_tokens, block_size)
     total = context.pool.num_blocks if context is not None else num_blocks or need
-    _positive("num_blocks", total)
+    require_int("num_blocks", total, min=1)
     if need > total:
         raise InvalidArgumentError(
             f"a prompt of {n} tokens plus {max_new_tokens} new tokens needs {need} blocks of "

@@ -1,12 +1,7 @@
 """The paged KV cache a model reads and writes: one pool tensor described by a ``KVLayout``.
 
-Llama-family models use a GQA layout (K and V per KV head, ``kv_views`` give
-``[blocks, block_size, kv_heads, head_dim]`` per layer); DeepSeek models use an MLA layout (the
-packed latent ``c_kv ‖ k_pe``, ``mla_view`` gives ``[pages, page_size, kv_lora_rank + rope]``).
-Token ``t`` of a request lives at *slot* ``block_id * block_size + t % block_size`` (see
-``BlockTable.slot_mapping``); writes scatter by slot in one vectorised ``index_put_`` per layer,
-reads are the attention backends' page gathers. The pool may be any layout memory order and may
-be owned by someone else (a transport that registered it): this class only takes views.
+Slot-mapped vectorised writes and zero-copy backend views; the pool may belong to someone else
+(a transport), so this class only takes views. See docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The Llama-family decoder (``LlamaForCausalLM``) over a paged GQA KV cache.
 
-Per layer: ``x += o(attn(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))))`` then
-``x += down(silu(gate(n2(x))) * up(n2(x)))`` with RMSNorms ``n1``/``n2``, NEOX-style RoPE,
-``num_heads`` query heads over ``num_kv_heads`` KV heads (query head ``h`` reads KV head
-``h // (num_heads / num_kv_heads)``) and ``sm_scale = head_dim ** -0.5``. The step's K/V are
-written into the pool at the step's slots *before* attention, which then reads ``[0, end)`` of
-each request through its page table (prefix KV and the step's own tokens alike), causally.
-Weights use the HF names (``model.layers.{i}.self_attn.q_proj.weight`` ...).
+RMSNorm, NEOX RoPE, GQA over the ``gqa_*`` backends, SwiGLU; HF weight names. See
+docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Building models: from an HF checkpoint directory or an embedded tiny config, and back.
+"""Building models: ``load_model(DIR | "tiny-llama" | "tiny-deepseek")``, and back.
 
-``load_model("tiny-llama" | "tiny-deepseek" | DIR)`` is the one entry point. The tiny names
-are embedded configs with seeded random weights (:class:`~kvplane.models.weights.RandomTensors`,
-``seed`` selects the weights), so nothing is downloaded and every process that loads the same
-name and seed holds bit-identical weights. A directory must hold ``config.json`` of a supported
-architecture and its ``*.safetensors``; the family registry maps the config to its model class.
-:func:`save_checkpoint` writes a model's config and weights in the HF format (what transformers
-and :func:`load_model` read), e.g. to hand a tiny model to other processes by path.
+The family registry, the embedded tiny configs with seeded weights (nothing downloaded), and
+:func:`save_checkpoint` in the HF format. See docs/attention.md.
 """
 
 from __future__ import annotations

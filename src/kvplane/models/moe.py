@@ -1,20 +1,7 @@
 """DeepSeek's mixture of experts: a top-k router, routed SwiGLU experts and shared experts.
 
-Theory of operation
--------------------
-The router scores every token against every expert in float32 (``softmax`` for V2, ``sigmoid``
-plus a per-expert correction bias for V3), restricts the choice to the best ``topk_groups`` of
-``num_groups`` expert groups when asked, and keeps ``experts_per_token`` experts per token with
-their weights (optionally renormalised, then scaled by ``routed_scaling_factor``). The routed
-experts then run grouped by expert: the ``(token, slot)`` pairs are sorted by expert once, and
-each expert that received tokens runs one batched SwiGLU over exactly its tokens, its weighted
-output accumulated with ``index_add_``. The loop is over experts hit in this step (at most
-``num_experts``), never over tokens or blocks. Shared experts see every token.
-
-Weights: ``mlp.gate.weight [E, hidden]`` (+ V3 ``mlp.gate.e_score_correction_bias [E]``), the
-experts either per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``, the original
-checkpoint format) or fused (``mlp.experts.gate_up_proj [E, 2I, hidden]`` and
-``mlp.experts.down_proj [E, hidden, I]``), and ``mlp.shared_experts.*``.
+Experts run grouped by expert, one batched SwiGLU each; no loop per token. Routing rules and
+weight names: docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """Rotary position embeddings: the scaling variants of HF configs and the three pair layouts.
 
-Theory of operation
--------------------
-RoPE rotates pairs of query/key channels by ``position * inv_freq[i]``. Two things vary:
-
-- *which frequencies* (:class:`RopeSpec`, parsed from a config's ``rope_parameters`` or legacy
-  ``rope_theta`` + ``rope_scaling``): ``default``, ``linear`` (frequencies divided by ``factor``),
-  ``llama3`` (low frequencies divided, a smooth band in between) and ``yarn`` (DeepSeek: a ramp
-  between interpolated and extrapolated frequencies plus an attention factor on cos/sin and an
-  ``mscale`` on the softmax scale);
-- *which channels pair up* (:class:`RopeStyle`): ``NEOX`` pairs channel ``i`` with ``i + d/2``
-  (Llama's ``rotate_half``), ``INTERLEAVED`` pairs ``(2i, 2i + 1)`` and keeps them in place
-  (DeepSeek-V2's complex multiplication) and ``INTERLEAVED_SPLIT`` pairs ``(2i, 2i + 1)`` but
-  writes the rotated evens, then the rotated odds (DeepSeek-V3 with ``rope_interleave``).
-
-Queries and keys always go through the same style, so attention scores do not depend on it,
-but the KV cache's bytes do: the style is part of a model's identity. All arithmetic runs in
-float32 and is cast back to the input dtype; tables are computed per call from positions (no
-cached state), so any position works.
+:class:`RopeSpec` (default, linear, llama3, yarn) and :class:`RopeStyle` (NEOX, INTERLEAVED,
+INTERLEAVED_SPLIT); the style is part of a model's identity. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -31,6 +15,7 @@ from typing import Any
 import torch
 
 from kvplane.errors import CheckpointError
+from kvplane.validators import finite_number, is_number
 
 
 class RopeStyle(enum.Enum):
@@ -44,26 +29,12 @@ class RopeStyle(enum.Enum):
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def finite_number(value: object) -> float | None:
-    """``value`` as a finite float, or ``None`` when it is not a number (``None``, a bool, a
-    string...) or not finite (NaN, an infinity, or an int beyond float range). The one check
-    behind every number read from a ``config.json`` (:mod:`kvplane.models.config` uses it)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float range
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _num(params: Mapping[str, Any], key: str, default: float | None = None) -> float:
     """``params[key]`` (or ``default``) as a finite float; ``CheckpointError`` otherwise."""
     value = params.get(key, default)
     number = finite_number(value)
     if number is None:
-        number_type = not isinstance(value, bool) and isinstance(value, (int, float))
-        what = "finite" if number_type else "a number"
+        what = "finite" if is_number(value) else "a number"
         raise CheckpointError(f"rope parameter {key!r} must be {what}, got {value!r}")
     return number
 
@@ -75,7 +46,7 @@ _POSITIVE = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta
 def _check_params(params: Mapping[str, float]) -> None:
     """Every parameter finite, the divisors > 0, ``original_max_position_embeddings >= 1``."""
     for key, value in params.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise CheckpointError(f"rope parameter {key!r} must be a number, got {value!r}")
         if not math.isfinite(value):
             raise CheckpointError(f"rope parameter {key!r} must be finite, got {value!r}")

@@ -1,15 +1,7 @@
-"""A small, validating reader and writer of the ``safetensors`` file format (stdlib + torch).
+"""A small, validating reader and writer of ``.safetensors`` files (stdlib + torch).
 
-Format: an 8-byte little-endian header length ``N``, ``N`` bytes of JSON mapping each tensor
-name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the byte after
-the header; an optional ``"__metadata__"`` object of strings), then the raw little-endian data.
-Reading needs no third-party package, so ``kvplane generate --model DIR`` works without the
-``hf`` extra. Every structural fault (truncated file, bad or too deeply nested JSON, a
-``__metadata__`` that is not an object of strings, unknown dtype, offsets out of bounds, not
-matching the shape or overlapping another tensor's bytes) is a
-:class:`~kvplane.errors.CheckpointError` naming the file and tensor; nothing is read until the
-header is fully validated. Tensors are read one at a time into memory the returned tensor owns
-(no mmap stays open).
+Every structural fault is a :class:`~kvplane.errors.CheckpointError` naming file and tensor;
+nothing is read before the header validates. Format: docs/attention.md.
 """
 
 from __future__ import annotations
@@ -25,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvplane.errors import CheckpointError
+from kvplane.validators import is_int
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -114,14 +107,12 @@ class SafetensorsFile:
         if dtype is None:
             raise CheckpointError(f"{where}: unsupported dtype {spec.get('dtype')!r}")
         shape, offs = spec.get("shape"), spec.get("data_offsets")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
             raise CheckpointError(f"{where}: bad shape {shape!r}")
         if (
             not isinstance(offs, list)
             or len(offs) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            or not all(is_int(o) for o in offs)
             or not 0 <= offs[0] <= offs[1]
             or base + offs[1] > size
         ):

@@ -1,24 +1,7 @@
 """One forward step's inputs: packed new tokens of one or more requests over paged KV.
 
-Theory of operation
--------------------
-A step computes the tokens ``[start, end)`` of each request in its batch. KV for ``[0, start)``
-must already be in the pool (an earlier step wrote it, a prefix-cache hit shared it, or a PD
-transfer delivered it): that is the caller's promise, which is what makes chunked prefill,
-decode and prefill-on-one-worker/decode-on-another the same operation. The step writes the KV
-of ``[start, end)`` through ``slot_mapping`` and attends with ``q_len = end - start`` queries
-over ``kv_len = end`` positions (bottom-right causal), so a prefill is any number of steps of
-any sizes and a decode step is ``q_len = 1``.
-
-The slots one step writes must be distinct: a block repeated among the slots a request writes,
-or two requests writing the same block in one step, is rejected with ``InvalidArgumentError``
-(one write would silently overwrite the other). Blocks that are only read (a shared prefix) may
-appear in any number of requests' tables.
-
-:class:`StepBatch` packs the requests' tokens one after another (``T = sum(q_len)`` rows) and
-carries the paged-attention metadata (a dense block table, CPU int64) and each request's last
-row (where its next-token logits come from). Everything is built with vectorised index
-arithmetic; per-request Python work is limited to padding the block lists.
+KV for ``[0, start)`` is the caller's promise, so chunked prefill, decode and decode after a
+transfer are one operation; the slots one step writes must be distinct. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -34,6 +17,7 @@ from kvplane.blocks import BlockTable, canonical_token_ids
 from kvplane.blocks.hashing import TokenIds
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import BlockId, TokenRange
+from kvplane.validators import require_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +73,7 @@ class StepBatch:
     ) -> StepBatch:
         """Pack ``requests``; ``InvalidArgumentError`` naming the request for bad input,
         including two tokens of the step (of one request or two) that write the same slot."""
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+        require_int("block_size", block_size, min=1)
         if not requests:
             raise InvalidArgumentError("a step needs at least one request")
         ids, ranges, tables = [], [], []
@@ -100,8 +83,7 @@ class StepBatch:
             tokens = canonical_token_ids(req.token_ids)
             if tokens.size == 0:
                 raise InvalidArgumentError(f"request {i} computes no tokens")
-            if isinstance(req.start, bool) or not isinstance(req.start, int) or req.start < 0:
-                raise InvalidArgumentError(f"request {i} start must be an int >= 0: {req.start!r}")
+            require_int(f"request {i} start", req.start, min=0)
             end = req.start + int(tokens.size)
             blocks = [int(b) for b in req.block_ids]
             if len(blocks) * block_size < end or any(b < 0 for b in blocks):

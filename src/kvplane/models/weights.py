@@ -1,13 +1,7 @@
 """Where model weights come from: an HF checkpoint directory or a seeded random generator.
 
-A model's constructor asks a :class:`TensorSource` for every tensor by its HF name and expected
-shape (``take``), so loading a checkpoint and building the tiny random default run the same
-code. :class:`CheckpointTensors` serves ``config.json`` + ``*.safetensors`` (sharded or not),
-raises :class:`~kvplane.errors.CheckpointError` for a missing or mis-shaped tensor, and
-``finish()`` rejects tensors nobody asked for (a checkpoint that does not match its config),
-except layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer) and
-rotary ``inv_freq`` buffers. :class:`RandomTensors` draws each tensor from a generator seeded by
-``(seed, name)``, so a weight never depends on the order tensors are asked for.
+:class:`TensorSource` serves tensors by HF name and shape; :class:`CheckpointTensors` rejects
+missing, mis-shaped and unused tensors. See docs/attention.md.
 """
 
 from __future__ import annotations

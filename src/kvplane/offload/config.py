@@ -16,11 +16,7 @@ from kvplane.offload.policies.registry import POLICIES
 from kvplane.offload.tiers.base import SyncPolicy
 from kvplane.offload.tiers.lease import check_lease_timing
 from kvplane.offload.tiers.remote import NAMESPACE_BAD
-
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"OffloadConfig.{name} must be a positive int, got {value!r}")
+from kvplane.validators import require_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,14 +53,13 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         for name in ("host_slots", "disk_slots", "remote_slots", "staging_blocks"):
-            _positive(name, getattr(self, name))
+            require_int(f"OffloadConfig.{name}", getattr(self, name), min=1, error=ConfigError)
         if self.policy not in POLICIES:
             raise ConfigError(
                 f"OffloadConfig.policy {self.policy!r} is not one of {sorted(POLICIES)}"
             )
         m = self.admission_min_lookups
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise ConfigError(f"OffloadConfig.admission_min_lookups must be >= 0, got {m!r}")
+        require_int("OffloadConfig.admission_min_lookups", m, min=0, error=ConfigError)
         if not isinstance(self.disk_sync, SyncPolicy):
             raise ConfigError(
                 f"OffloadConfig.disk_sync must be a SyncPolicy, got {self.disk_sync!r}"

@@ -1,22 +1,8 @@
-"""Transfer jobs: worker threads that move chunk bytes, FIFO per path, and the device fence.
+"""Transfer jobs (worker threads that move chunk bytes, FIFO per path) and the device fence.
 
-Theory of operation
--------------------
-A :class:`TransferJob` names *what* moves (its chunk keys, from tier ``src`` to tier ``dst``);
-the caller hands :meth:`JobRunner.submit` the job and a ``work`` callable that moves the bytes
-and returns one ok flag per chunk. Each path (``device_to_host``, ``host_to_disk``, ...) has one
-worker thread and one queue, so jobs of a path run in submission order (FIFO per direction) and
-different paths overlap. A worker never touches bookkeeping: it only runs ``work`` and queues a
-:class:`JobResult`. The owner thread harvests results with :meth:`JobRunner.poll` /
-:meth:`JobRunner.wait` and applies them to its managers, so managers stay single-threaded.
-A ``work`` that raises fails its whole job (every flag false, ``error`` set); the worker lives on.
-
-The fence (:class:`BlockFence`): a store job reads device blocks after the request that owned
-them may have finished. The owner calls :meth:`BlockFence.hold` when it submits the job and
-:meth:`BlockFence.release` when it harvests the result. With a
-:class:`~kvplane.blocks.BlockPool` the fence holds one reference per block (``touch`` /
-``free``), so the pool cannot hand a fenced block out again whatever the request does
-meanwhile; without one, :meth:`BlockFence.fenced_blocks` is the set an allocator must skip.
+Workers never touch bookkeeping: the owner thread harvests :class:`JobResult` s.
+:class:`BlockFence` keeps device blocks of in-flight stores out of reuse;
+:func:`check_block_ids` is the package's block-id validator. See docs/offload.md.
 """
 
 from __future__ import annotations

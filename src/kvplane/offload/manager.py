@@ -1,38 +1,7 @@
 """The offload manager: chunk bookkeeping for one tier, with no tensors and no I/O.
 
-Theory of operation
--------------------
-An :class:`OffloadManager` answers "is this chunk here, and where" for one tier and reserves
-slots for the bytes a job will move; the job (see :mod:`kvplane.offload.jobs`) moves them, and
-the owner thread reports back. The protocol, per batch of chunk keys:
-
-- :meth:`~OffloadManager.lookup` -> per key MISS / HIT (READY or LOADING) / HIT_PENDING
-  (STORING: a write is in flight), plus the longest consecutive HIT run from the start (a KV
-  prefix is usable only up to its first gap). Each lookup counts toward admission, and each
-  HIT of that leading run is an access for the eviction policy. :func:`lookup_tiers` asks
-  several tiers at once and counts each key's access only in the tier a load reads it from.
-- :meth:`~OffloadManager.prepare_store` -> a :class:`StorePlan` (keys to write and their slots,
-  now STORING) or ``None`` when there is not room even after eviction. Keys already held are
-  skipped, keys the admission filter refuses are rejected, doomed keys (below) are deferred.
-  Eviction is atomic: the policy first *selects* every victim it needs among READY chunks that
-  are not inputs of this call, and only if it found enough are they evicted; otherwise nothing
-  changes.
-- :meth:`~OffloadManager.complete_store` -> STORING becomes READY (and enters the policy), or,
-  for a failed store, EMPTY again: the slot is free and the chunk is a MISS.
-- :meth:`~OffloadManager.prepare_load` pins (READY -> LOADING, one more reader) and counts an
-  access; :meth:`~OffloadManager.pin_for_copy` pins without one (a copy to another tier is no
-  use of the chunk); :meth:`~OffloadManager.complete_load` unpins. A reader that found the
-  bytes bad (checksum, lost server) reports ``ok=False``: the chunk is *doomed* (lookups say
-  MISS, no new reader may pin it) and dropped when its last reader unpins, so it is never
-  served again. Its slot is busy until then, so :meth:`~OffloadManager.prepare_store` cannot
-  store a fresh copy yet: it lists the key in :attr:`StorePlan.deferred` (not ``skipped``: the
-  tier does not hold it in any usable way), and once the last reader is done the key is EMPTY
-  and stores normally. Who stores it then is the caller's part: the tier cascade writes a
-  deferred write-down again itself; the vLLM book reports deferred host stores so the
-  scheduler offers them again on the request's next step.
-
-Every method validates its whole batch before changing anything; a raising call changes
-nothing. Not thread-safe: jobs run on worker threads, but only the owner thread calls this.
+Lookup, store and load reservations with atomic eviction and doomed chunks. Every method
+validates its whole batch first; only the owner thread calls it. See docs/offload.md.
 """
 
 from __future__ import annotations
@@ -85,7 +54,7 @@ class StorePlan:
     held (any status but doomed); ``rejected`` were refused by the admission filter;
     ``deferred`` are doomed (a bad copy that readers still pin): not stored now, and storable
     again as soon as their last reader has unpinned, so the caller must store them again then
-    (:class:`~kvplane.offload.cascade.TierCascade` does so for its write-downs).
+    (:class:`~kvplane.offload.book.TierBook` does so for its write-downs).
     """
 
     keys: tuple[ChunkKey, ...]
@@ -293,10 +262,9 @@ class OffloadManager:
         """Pin chunks as :meth:`prepare_load` does, but as no use of them: the policy is not
         told, so e.g. ARC keeps a chunk stored once in T1.
 
-        The one step for a pin that only copies the chunk on (the tier cascade, or the vLLM
-        book, writing it down to a lower tier; a chunk just promoted being scattered): every
-        write-down and promotion pin goes through here. Unpin with :meth:`complete_load`.
-        Raises as :meth:`prepare_load`.
+        The one step for a pin that only copies the chunk on (the tier book writing it down to
+        a lower tier; a chunk just promoted being scattered): every write-down and promotion
+        pin goes through here. Unpin with :meth:`complete_load`. Raises as :meth:`prepare_load`.
         """
         return self._pin(check_chunk_keys(keys))
 

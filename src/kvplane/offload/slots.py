@@ -1,24 +1,7 @@
-"""Chunk slot status: the per-tier table of which chunk occupies which slot, and in what state.
+"""Chunk slot status: which chunk occupies which slot of a tier, and in what state.
 
-Theory of operation
--------------------
-A tier holds ``num_slots`` slots of one chunk each. Every slot moves through one table of legal
-transitions (:data:`TRANSITIONS`)::
-
-    EMPTY --begin_store--> STORING --finish_store(ok)--> READY <--pin/unpin--> LOADING(n readers)
-      ^                      |                             |
-      +--finish_store(fail)--+                             +--evict--> EVICTING --> EMPTY
-
-A chunk is readable only while READY or LOADING (publish after complete): a STORING slot's bytes
-are still being written and an EVICTING slot's bytes are about to be reused. A LOADING slot
-counts its readers; it returns to READY when the last one unpins, and cannot be evicted before.
-
-Every batch method validates its whole batch (known keys, no duplicates, each transition legal)
-before it changes anything, so a call that raises leaves the table as it was. Free slots are
-handed out lowest id first (a heap), so a fresh tier gives consecutive slots that the copier
-coalesces into one operation.
-
-Not thread-safe: one owner thread (the :class:`~kvplane.offload.manager.OffloadManager`'s).
+One transition table (:data:`TRANSITIONS`), atomic batches, lowest-free slot allocation and an
+integrity check. Not thread-safe. See docs/offload.md.
 """
 
 from __future__ import annotations
@@ -30,6 +13,7 @@ from typing import cast
 
 from kvplane.errors import IllegalTransitionError, InvalidArgumentError, UnknownChunkError
 from kvplane.ids import ChunkKey, SlotId
+from kvplane.validators import require_index, require_int
 
 MAX_KEY_BYTES = 64
 """Longest chunk key a tier stores (a block hash is 32 bytes); it must fit the chunk header."""
@@ -108,9 +92,9 @@ class SlotTable:
     """Slot status of one tier (``name``) with ``num_slots`` slots; see the module docstring."""
 
     def __init__(self, num_slots: int, name: str = "tier") -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
-            raise InvalidArgumentError(f"SlotTable.num_slots must be a positive int: {num_slots!r}")
+        require_int("SlotTable.num_slots", num_slots, min=1)
         self.name = name
+        self._slot_what = f"a slot of tier {name!r}"  # built once: slots are checked often
         self._n = num_slots
         self._status: list[SlotStatus] = [S.EMPTY] * num_slots
         self._key: list[ChunkKey | None] = [None] * num_slots
@@ -163,11 +147,7 @@ class SlotTable:
 
     # -- validation ------------------------------------------------------------------------
     def _check_slot(self, slot: object) -> int:
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self._n:
-            raise InvalidArgumentError(
-                f"slot {slot!r} is not in tier {self.name!r} (0..{self._n - 1})"
-            )
-        return slot
+        return require_index(self._slot_what, slot, self._n)
 
     def _held(
         self, keys: Sequence[ChunkKey], to: SlotStatus, sources: frozenset[SlotStatus] | None = None

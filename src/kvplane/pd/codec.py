@@ -1,16 +1,7 @@
 """Wire frames: a versioned msgspec envelope around the tagged union of wire events.
 
-Frame layout::
-
-    body = msgpack([version, event])        event: one member of events.WIRE_EVENTS (tagged)
-    frame = body + tag                      tag: HMAC-SHA256(secret, body)[:16] with a secret,
-                                                 else CRC-32 of body (4 bytes, little endian)
-
-No pickle, no eval: msgspec decodes into the declared structs only, and every struct validates
-itself. :meth:`Codec.decode` never raises: a frame that is oversized, fails its tag, is not a
-valid envelope, or carries another protocol version becomes a :class:`MalformedMessage` naming
-the :class:`DropReason`, which the control loop counts before serving the next frame. The size
-check comes first, so an oversized frame costs nothing to reject.
+A CRC-32 or HMAC tag, no pickle. :meth:`Codec.decode` never raises: a bad frame is a
+:class:`MalformedMessage` naming its :class:`DropReason`. See docs/pd.md.
 """
 
 from __future__ import annotations
@@ -26,6 +17,7 @@ import msgspec
 from kvplane.errors import InvalidArgumentError
 from kvplane.pd.events import AnyWireEvent
 from kvplane.pd.handshake import PROTOCOL_VERSION
+from kvplane.validators import require_size
 
 DEFAULT_MAX_FRAME = 1 << 20
 MAC_BYTES = 16
@@ -74,8 +66,7 @@ class Codec:
             raise InvalidArgumentError(
                 f"shared secret must be at least 16 bytes, got {len(secret)}"
             )
-        if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame < 64:
-            raise InvalidArgumentError(f"max_frame must be an int >= 64, got {max_frame!r}")
+        require_size("max_frame", max_frame, min=64)
         self.secret = secret
         self.max_frame = max_frame
         self.version = version

@@ -1,12 +1,7 @@
 """Mermaid state diagrams generated from the transition tables (the docs never drift).
 
-``docs/pd-states.md`` is exactly :func:`document`; a test compares the two. Regenerate with::
-
-    .venv/bin/python -m kvplane.pd.diagram > docs/pd-states.md
-
-Edges between different states carry the event kinds that take them; the kinds a state accepts
-without moving (self-loops) are listed in a note on that state, so the diagram shows the whole
-table and nothing else.
+``docs/pd-states.md`` is exactly :func:`document`; regenerate it with
+``.venv/bin/python -m kvplane.pd.diagram > docs/pd-states.md``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """The PD protocol's only I/O: zmq ROUTER/DEALER over tcp (127.0.0.1 unless told otherwise).
 
-Theory of operation
--------------------
-An :class:`Endpoint` wraps one :class:`~kvplane.pd.participant.Participant` and one ROUTER
-socket, bound to 127.0.0.1 by default. DEALER clients (:class:`ControlClient`: probes, tools,
-fuzzers) and other endpoints connect to it; an endpoint dials a peer from the same ROUTER
-(ROUTER-to-ROUTER, with a routing alias set before ``connect`` so the peer is addressable at
-once). Both directions of a connection carry frames, and the loop waits on a single socket: one
-blocking ``recv`` per wake-up, measured cheaper than polling several sockets. Everything is
-built in ``__init__``; the control loop (:meth:`step`, run by :meth:`start` on a thread) starts
-only afterwards and is the only code that touches the socket and the participant. Other threads
-reach it through :meth:`call` (a command queue plus an inproc wake-up frame); actions the
-participant emits other than ``Transmit`` go to ``on_action`` (called on the loop thread; by
-default appended to :attr:`outbox`).
-
-Each frame is decoded by the :class:`~kvplane.pd.codec.Codec`; oversized, unauthenticated,
-malformed and unknown-version frames, wrong multipart shapes and frames from peers without an
-accepted handshake are dropped and counted in :attr:`counters`, and the loop serves the next
-frame. A ``Probe`` is answered with the counters even before a handshake (a health probe). A
-``Hello`` is judged by the participant (verdict cached per peer); an incompatible one is
-refused loudly: logged, counted, answered with the reasons, and :meth:`connect` on the other
-side raises :class:`~kvplane.errors.IncompatiblePeerError`.
+:class:`Endpoint` runs one participant on one control-loop thread, the only code that touches
+the socket and the participant; bad frames are dropped and counted. :class:`ControlClient` is
+for probes and fuzzers. See docs/pd.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """Every event of the PD control protocol: frozen, keyword-only msgspec structs.
 
-Theory of operation
--------------------
-Two families. *Wire events* (subclasses of :class:`WireEvent`) cross the link between peers;
-they form the tagged union :data:`WIRE_EVENTS` that ``codec`` encodes, and they validate
-themselves on construction *and* on decode (``__post_init__`` raises
-:class:`~kvplane.errors.InvalidArgumentError`, which msgspec turns into a decode error). Session
-wire events carry ``(session_id, epoch)``: the epoch is chosen by the receiver when it opens the
-session and lets a participant tell a new incarnation of a session id from stale work.
-
-*Local events* never leave the process: commands from the application (``StartTransfer``,
-``SubmitSlice``, ``Cancel``, ``Fail``), facts from the transport driver (``SubmitStarted``,
-``SubmitAccepted``, ``SubmitSkipped``, ``TransportDone/Failed/InDoubt``) and facts from the
-clock and lease keeper (``Timeout``, ``PeerLost``). The protocol core never reads a clock:
-time reaches it only as ``Timeout`` events.
-
-Token ranges are half-open ``[start, end)``; slice ids count 0, 1, 2, ... per session.
+Wire events (the tagged union :data:`WIRE_EVENTS`, validated on construction and on decode) and
+local events (commands, transport evidence, ``Timeout``, ``PeerLost``). See docs/pd.md.
 """
 
 from __future__ import annotations
@@ -28,6 +14,7 @@ import msgspec
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import PeerId, RequestId, SessionId, SliceId, TokenRange
 from kvplane.pd.handshake import PeerProfile
+from kvplane.validators import is_int, require_id, require_int
 
 MAX_BLOCKS_PER_REQUEST = 1 << 20
 MAX_TEXT = 512
@@ -77,21 +64,14 @@ def wire_text(text: str) -> str:
 
 
 def check_id(owner: str, name: str, value: str) -> None:
-    """Ids travel in frames: non-empty strings of at most 256 characters."""
-    if not isinstance(value, str) or not 1 <= len(value) <= 256:
-        raise InvalidArgumentError(
-            f"{owner}.{name} must be a 1-256 character string, got {value!r}"
-        )
-
-
-def _check_nonneg(owner: str, **values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidArgumentError(f"{owner}.{name} must be an int >= 0, got {value!r}")
+    """``require_id(f"{owner}.{name}", value)``: kept for ``serving/worker_config`` until it
+    calls :func:`kvplane.validators.require_id` itself."""
+    require_id(f"{owner}.{name}", value)
 
 
 def _check_range(owner: str, start: int, end: int) -> None:
-    _check_nonneg(owner, start=start, end=end)
+    require_int(f"{owner}.start", start, min=0)
+    require_int(f"{owner}.end", end, min=0)
     if end < start:
         raise InvalidArgumentError(f"{owner} token range [{start}, {end}) has end < start")
 
@@ -278,13 +258,13 @@ class StartTransfer(LocalEvent, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         _check_range("StartTransfer", self.prefix_tokens, self.num_tokens)
-        check_id("StartTransfer", "request_id", self.request_id)
+        require_id("StartTransfer.request_id", self.request_id)
         if len(self.dst_block_ids) > MAX_BLOCKS_PER_REQUEST:
             raise InvalidArgumentError(
                 f"StartTransfer: {len(self.dst_block_ids)} destination blocks, "
                 f"over {MAX_BLOCKS_PER_REQUEST}"
             )
-        if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in self.dst_block_ids):
+        if any(not is_int(b) or b < 0 for b in self.dst_block_ids):
             raise InvalidArgumentError(
                 f"StartTransfer.dst_block_ids must be ints >= 0, got {self.dst_block_ids!r}"
             )
@@ -299,7 +279,7 @@ class SubmitSlice(LocalEvent, frozen=True, kw_only=True):
     end: int
 
     def __post_init__(self) -> None:
-        _check_nonneg("SubmitSlice", slice_id=self.slice_id)
+        require_int("SubmitSlice.slice_id", self.slice_id, min=0)
         _check_range("SubmitSlice", self.start, self.end)
 
 
@@ -321,7 +301,7 @@ class SliceFact(LocalEvent, frozen=True, kw_only=True):
     slice_id: SliceId
 
     def __post_init__(self) -> None:
-        _check_nonneg(type(self).__name__, slice_id=self.slice_id)
+        require_int(f"{type(self).__name__}.slice_id", self.slice_id, min=0)
 
 
 class SubmitStarted(SliceFact, frozen=True, kw_only=True):

@@ -1,11 +1,7 @@
 """The ownership ledger of one session with one peer: who may touch each unit of memory.
 
-A *unit* is what the session hands to a backend as a whole: on the sender, one slice's source
-pages (unit = slice id); on the receiver, the request's destination blocks (unit
-:data:`DESTINATION`). Every entry moves only along ``states.LEDGER_TABLE``; entering a
-releasing state returns True exactly once, which is when the session emits a ``Release``. The
-ledger is pure bookkeeping: it holds no memory and reads no clock (the IN_DOUBT deadline is a
-timer the session arms once when an entry enters IN_DOUBT).
+Entries move only along ``states.LEDGER_TABLE``, and each is released exactly once. Holds no
+memory, reads no clock. See docs/pd.md.
 """
 
 from __future__ import annotations

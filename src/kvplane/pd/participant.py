@@ -1,31 +1,7 @@
 """One worker's side of the PD protocol: many sessions, epochs, tombstones, timers and leases.
 
-Theory of operation
--------------------
-A :class:`Participant` is still sans-IO: the endpoint (or a simulation) hands it decoded wire
-events from authenticated peers, local commands and evidence, and the current time ``now``; it
-returns the actions to perform (``Transmit``, ``StartSubmit``, ``Release``, ``Finished``).
-``ArmTimer`` actions never leave it: they go into its :class:`~kvplane.pd.timers.TimerQueue`
-and come back as ``Timeout`` events from :meth:`Participant.tick`.
-
-Stale work never recreates state. Sessions are keyed by id; each incarnation has an epoch,
-chosen by the receiver from a counter that starts at the participant's ``incarnation`` (a
-restarted process must pass a larger one, e.g. its start time in microseconds). A frame for a
-live session with another epoch is dropped. A session that is terminal, fully released and
-owes nothing is *retired* to a tombstone that answers late frames idempotently (repeats the
-verdict, re-acknowledges aborts) and never becomes a session again; only a frame with a *newer*
-epoch may open a new incarnation. Tombstones are bounded (LRU); evicting one raises that peer's
-epoch floor, below which frames for unknown sessions are dropped as stale. An ``Abort`` for an
-unknown session leaves a tombstone, so its ``TransferRequest`` arriving late cannot open it.
-
-A peer whose lease expires is lost: ``PeerLost`` goes to that peer's sessions and no others.
-Protocol errors caused by a peer's frame are counted and dropped; the control loop continues.
-
-A participant given its ``kv_role`` (a prefill worker: ``SENDER``, a decode worker:
-``RECEIVER``) refuses at the handshake a peer whose TP head ranges one sender cannot serve (the
-receiver's heads not all in the sender's), whichever side shakes hands first; the refusal's
-reasons reach the connecting side (``HelloReply.reasons``). Without one (either role, a
-simulation) head ranges are left to the slice planner.
+Still sans-IO (``now`` is an argument): stale work never recreates state, and peer loss fails
+only that peer's sessions. See docs/pd.md.
 """
 
 from __future__ import annotations
@@ -34,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable
 from functools import partial
 
-from kvplane.errors import InvalidArgumentError, ProtocolError
+from kvplane.errors import ProtocolError
 from kvplane.ids import PeerId, SessionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.pd.actions import Action, ArmTimer, Finished, Transmit
@@ -56,7 +32,6 @@ from kvplane.pd.events import (
     Timeout,
     TimerKind,
     TransferRequest,
-    check_id,
     wire_text,
 )
 from kvplane.pd.handshake import PeerProfile, Verdict
@@ -67,6 +42,7 @@ from kvplane.pd.session import Session
 from kvplane.pd.states import OUTCOME_STATE, Ownership, Role
 from kvplane.pd.timers import TimerQueue, Timings
 from kvplane.pd.tombstones import TOMB_TOKEN, Tombstone, TombstoneTable, answer
+from kvplane.validators import require_id, require_int
 
 TimerKey = tuple[int, TimerKind, int]
 
@@ -89,15 +65,8 @@ class Participant:
         transport_metadata: bytes = b"",
         kv_role: Role | None = None,
     ) -> None:
-        if (
-            isinstance(incarnation, bool)
-            or not isinstance(incarnation, int)
-            or not 0 <= incarnation < 1 << 62
-        ):
-            raise InvalidArgumentError(
-                f"incarnation must be an int in [0, 2**62), got {incarnation!r}"
-            )
-        check_id("Participant", "peer_id", peer_id)
+        require_int("incarnation", incarnation, min=0, max=(1 << 62) - 1)
+        require_id("Participant.peer_id", peer_id)
         self.peer_id = peer_id
         self.incarnation = incarnation
         self.timings = timings or Timings()

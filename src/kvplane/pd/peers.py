@@ -1,18 +1,6 @@
 """Peers of one participant: handshake verdicts (cached per peer) and leases.
 
-Theory of operation
--------------------
-A peer becomes *live* when a handshake is accepted (our check of its ``Hello`` passes, and for an
-outgoing handshake its check of ours). Every frame from a live peer renews its lease until
-``now + lease`` (the lease the peer announced); :meth:`PeerTable.expired` returns the peers whose
-lease ran out, which the participant turns into ``PeerLost`` for their sessions only. A live
-peer is sent a ``Heartbeat`` every ``heartbeat_s`` (:meth:`PeerTable.heartbeats_due`).
-
-Verdicts are cached per peer id together with the fingerprint and incarnation they judged: a
-repeated ``Hello`` with the same ones reuses the verdict; a new incarnation of a live peer means
-the old process is gone (the caller fails its sessions first). Time arrives as ``now``.
-A table that knows which way its KV flows (``sends``) also judges the peers' TP head ranges
-(:func:`~kvplane.pd.handshake.check_compatible`): a pairing one sender cannot fill is refused.
+Time arrives as ``now``. See docs/pd.md.
 """
 
 from __future__ import annotations

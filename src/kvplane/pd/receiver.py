@@ -1,22 +1,6 @@
 """The receiver (decode) side of a PD session: it allocates, waits, and commits the outcome.
 
-Theory of operation
--------------------
-The decode worker allocates destination blocks first (the ledger's single unit
-:data:`~kvplane.pd.ledger.DESTINATION`, ADMITTED), then sends ``StartTransfer``: the
-``TransferRequest`` goes on the wire (unit SUBMITTING) and is resent every ``retransmit_s``
-until the first ``SliceReady`` proves the sender has it (SUBMITTED). Each slice is recorded by
-id: a duplicate is answered DUPLICATE and changes nothing, slices may arrive in any order, and
-the session commits SUCCESS only when the final slice and every slice before it are in *and*
-their (clipped) token ranges tile ``[prefix_tokens, num_tokens)``; then the destination passes
-to the request (BACKEND_DONE) and COMMITTED is sent (again for every later duplicate).
-
-The receiver is the only side that decides. Its own cancel, failure or deadline commits at once
-and sends ``Abort``, resent until the sender's ``AbortAck``; because the sender acknowledges only
-after draining its writes, the destination is released on a clean ack, or held IN_DOUBT until
-its fail-closed deadline on an unclean ack, on no ack within ``2 * drain_s``, or on peer loss.
-A sender's ``Abort`` (a request, sent after it drained) is granted while undecided and answered
-with COMMITTED once SUCCESS is committed, so both sides always end in the same state.
+The receiver decides every outcome. See docs/pd.md.
 """
 
 from __future__ import annotations

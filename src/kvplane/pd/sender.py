@@ -1,27 +1,7 @@
 """The sender (prefill) side of a PD session.
 
-Theory of operation
--------------------
-The prefill worker submits slices in order (``SubmitSlice``: ids 0, 1, 2, ... whose token ranges
-tile ``[0, num_tokens)``; the last has ``is_last``). Each slice becomes a ledger unit, ADMITTED.
-Once the receiver's ``TransferRequest`` names the destination (it may arrive before or after the
-first slices), the driver is told so once (``DestinationKnown``: it may plan ahead) and every
-admitted slice is handed to it with ``StartSubmit``; the driver reports ``SubmitStarted`` /
-``SubmitAccepted`` and then the transport's evidence. On
-``TransportDone`` the unit is released (BACKEND_DONE) and the slice is announced with
-``SliceReady``, resent every ``retransmit_s`` until the receiver acknowledges it; once every
-slice is acknowledged, the last one is resent until the receiver's COMMITTED verdict.
-
-The receiver decides every outcome. A local ``Cancel``/``Fail`` or a failed transfer is a
-*request*: admitted slices are cancelled (NOT_SUBMITTED), in-flight ones are drained (evidence,
-or IN_DOUBT after ``drain_s``), and only then is ``Abort(outcome, drained)`` sent; the state
-changes on the receiver's answer (``AbortAck`` with the outcome it committed, or COMMITTED if it
-had already finished). A receiver's ``Abort`` is obeyed at once (state ABORTED/FAILED) and
-acknowledged only after the drain. Only the sender's own deadline and peer loss end it
-unilaterally, as FAILED. That deadline (the receiver's plus a grace) runs twice: from the open
-(the prefill order) until the receiver's request arrives, then afresh from that arrival
-(``VERDICT``). The receiver opened before it sent the request, so its deadline always fires
-first and a transfer finishing near it cannot end SUCCESS on one side and FAILED on the other.
+Slices are admitted in order, submitted once the destination is known and announced after
+transport DONE; its own cancel or failure is a request to the receiver. See docs/pd.md.
 """
 
 from __future__ import annotations

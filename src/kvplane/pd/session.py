@@ -1,27 +1,7 @@
 """The sans-IO PD session: events in, actions out, transitions only through the role's table.
 
-Theory of operation
--------------------
-A :class:`Session` is one request's transfer between one sender and one receiver. It does no
-I/O and reads no clock (like h11): the application calls :meth:`Session.send` with commands
-(``StartTransfer``, ``SubmitSlice``, ``Cancel``, ``Fail``) and :meth:`Session.receive` with
-everything else (the peer's wire events, transport evidence, ``Timeout``, ``PeerLost``); both
-return the :mod:`~kvplane.pd.actions` to perform, in order.
-
-Every event is classified into an :class:`~kvplane.pd.states.EventKind` and looked up in the
-role's table *before anything changes*. An absent ``(state, kind)`` pair raises
-:class:`~kvplane.errors.ProtocolError` and leaves the session exactly as it was; so does a
-handler that finds the event's content unacceptable (handlers validate, then mutate). The
-handler for a legal pair updates the session's data and ledger and emits actions; then the
-state becomes the table's target. The state is never assigned anywhere else, so the table is
-the whole truth about transitions; a handler that needs a follow-up transition (the receiver's
-COMMIT once the final and all slices are in) queues an internal event that goes through the
-same table.
-
-Terminal states are sticky: late events (a transport completion after an abort, a duplicate
-frame) are accepted by self-loop rows, may release memory through the ledger, and never change
-the logical outcome. Timers are armed by ``ArmTimer`` actions and come back as ``Timeout``
-events; a timeout for a timer that is not armed (cancelled, or already fired) is ignored.
+An illegal event raises :class:`~kvplane.errors.ProtocolError` and changes nothing; the state
+is assigned nowhere else. See docs/pd.md.
 """
 
 from __future__ import annotations
@@ -42,7 +22,6 @@ from kvplane.pd.events import (
     SubmitSlice,
     Timeout,
     TimerKind,
-    check_id,
 )
 from kvplane.pd.ledger import OwnershipLedger
 from kvplane.pd.states import (
@@ -57,6 +36,7 @@ from kvplane.pd.states import (
 )
 from kvplane.pd.timers import Timings
 from kvplane.pd.tombstones import Tombstone
+from kvplane.validators import require_id
 
 COMMANDS = (StartTransfer, SubmitSlice, Cancel, Fail)
 """Event types the local application passes to :meth:`Session.send`."""
@@ -81,8 +61,8 @@ class Session:
         token: int,
         timings: Timings,
     ) -> None:
-        check_id("Session", "session_id", session_id)
-        check_id("Session", "peer_id", peer_id)
+        require_id("Session.session_id", session_id)
+        require_id("Session.peer_id", peer_id)
         self.session_id = session_id
         self.peer_id = peer_id
         self.epoch = epoch

@@ -15,8 +15,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from kvplane.config import require_finite_positive
 from kvplane.errors import ConfigError, InvalidArgumentError
+from kvplane.validators import require_finite_positive
 
 KeyT = TypeVar("KeyT", bound=Hashable)
 

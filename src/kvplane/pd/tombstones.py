@@ -1,11 +1,6 @@
 """Tombstones: what remains of retired sessions, so late frames are answered, never revived.
 
-A participant retires a session once it is terminal, fully released and owes nothing; its
-:class:`Tombstone` keeps just enough to answer late frames of the same epoch idempotently
-(:func:`answer`): the receiver's COMMITTED verdict or its abort, the sender's re-acknowledgement
-of an abort. The :class:`TombstoneTable` is bounded (LRU); evicting a tombstone raises that
-peer's *epoch floor*, below which frames for unknown sessions are stale (epochs are issued in
-increasing order by each receiver), so eviction never lets old work recreate a session.
+Bounded LRU; an eviction raises that peer's epoch floor. See docs/pd.md.
 """
 
 from __future__ import annotations
@@ -13,7 +8,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvplane.errors import InvalidArgumentError
 from kvplane.ids import PeerId, SessionId
 from kvplane.pd.actions import Action, Transmit
 from kvplane.pd.events import (
@@ -26,6 +20,7 @@ from kvplane.pd.events import (
     TransferRequest,
 )
 from kvplane.pd.states import STATE_OUTCOME, Role, SessionState
+from kvplane.validators import require_int
 
 TOMB_TOKEN = 0
 """The token of an Abort a tombstone sends for a session that never had one of ours (a sender
@@ -79,9 +74,7 @@ class TombstoneTable:
     """Tombstones by session id, least recently buried evicted first, with per-peer floors."""
 
     def __init__(self, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise InvalidArgumentError(f"tombstone capacity must be an int >= 1, got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = require_int("tombstone capacity", capacity, min=1)
         self._tombs: OrderedDict[SessionId, Tombstone] = OrderedDict()
         self._floor: dict[PeerId, int] = {}
 

@@ -1,22 +1,8 @@
 """What a worker tells its PD peers about its memory: pools, their layouts and regions.
 
-Theory of operation
--------------------
-The PD handshake (``Hello``) carries a compatibility profile (``PeerProfile``: what must match)
-and an opaque ``transport_metadata`` blob. The runtime puts a :class:`PoolAdvert` in that blob:
-the transport's own metadata (what ``Transport.connect`` needs) and, per pool, the *full*
-physical layout (block size, TP head range, memory order and pool size — what the profile
-leaves out because the planner reconciles it) and the transport region holding it. With it the
-prefill side can plan writes straight into the decode side's blocks.
-
-Pools are listed in a fixed order — the KV pool, then any whole-only pools (the recurrent state
-pool if the model has one, then the tail pool that carries the first token) — and a
-``TransferRequest``'s ``dst_block_ids`` follow the same order: ``ceil(num_tokens / block_size)``
-KV blocks, then one slot per whole-only pool (:func:`split_destination`).
-
-Decoding is strict: versioned msgspec, size-limited by the handshake field, every layout rebuilt
-through ``KVLayout`` (which validates it) and checked against the profile's physical
-fingerprint, so a forged or stale advert is an error naming the pool, never a wrong plan.
+:class:`PoolAdvert` rides in ``Hello.transport_metadata``; decoding rebuilds every layout and
+checks it against the profile. :func:`split_destination` is the ``dst_block_ids`` convention.
+See docs/pipeline.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The PD runtime's Prometheus metrics (``kvplane_pd_*``), in an injected registry.
+"""The PD pipeline's Prometheus metrics (``kvplane_pd_*``), in an injected registry.
 
-One :class:`RuntimeMetrics` per worker. Besides counts (requests by outcome, slices by result,
-bytes, failures by reason) it records the seed's derived metrics (ARCHITECTURE.md §4) as
-histograms: overlap ratio and exposed tail per request, transfer amplification per slice,
-blocks per transfer op, and release latency after a failure (peer loss, abort or timeout → all
-of the request's memory released). Pool usage comes from the pools' own ``BlockPool`` gauges;
-sessions by state and live requests are gauges the worker refreshes.
+One :class:`RuntimeMetrics` per worker. See docs/pipeline.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
-"""The runtime timeline: what happened when, per request, as plain data — and what it implies.
+"""The request timeline: what happened when, per request, as plain data, and what it implies.
 
-Theory of operation
--------------------
-Workers record :class:`TimelineEvent` s (step start/end, slice submit/done/fail, session end,
-memory release, decode ready/done, offload load/store start/done) with ``time.monotonic()``
-stamps — one system-wide clock on a host, so the prefill and decode processes' timelines
-merge. Events are plain frozen values (``as_dict`` gives JSON-ready dicts) that a report can
-turn into a Chrome/Perfetto trace; the :class:`Timeline` keeps the latest ``capacity`` of
-them (bounded, thread-safe).
-
-:func:`request_times` reads one request's events and derives the seed's metrics
-(ARCHITECTURE.md §4): the *overlap ratio* (transfer time hidden under the request's prefill
-compute / total transfer time, both measured on the union of the slice transfer intervals), and
-the *exposed tail* (last prefill step end → decode ready, when the decode side's events are in),
-and two per-slice times: ``slice_transfer_s`` (submit → done: the slice's latency, queueing
-behind earlier slices of the request included) and ``slice_busy_s`` (the time the slice itself
-spent transferring: from its submit, or the previous slice's end if that was later, to its
-end -- one ordered queue per request, so a slice waits only for the ones before it).
+:class:`Timeline` (bounded, thread-safe) and :func:`request_times` (overlap ratio, exposed
+tail, slice times). See docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -28,8 +13,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from kvplane.errors import InvalidArgumentError
 from kvplane.metrics import overlap_ratio
+from kvplane.validators import require_int
 
 
 class Mark(enum.Enum):
@@ -72,10 +57,8 @@ class Timeline:
     (the events of the latest ``max_requests`` requests are kept)."""
 
     def __init__(self, worker: str, max_requests: int = 20_000) -> None:
-        if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests <= 0:
-            raise InvalidArgumentError(f"max_requests must be a positive int, got {max_requests!r}")
         self.worker = worker
-        self._max = max_requests
+        self._max = require_int("max_requests", max_requests, min=1)
         self._requests: OrderedDict[str, list[TimelineEvent]] = OrderedDict()
         self._lock = threading.Lock()
 

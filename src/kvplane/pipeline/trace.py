@@ -1,15 +1,7 @@
-"""Chrome/Perfetto trace export of the workers' timelines.
+"""Chrome/Perfetto trace export of the workers' timelines, and its reader.
 
-Theory of operation
--------------------
-Each worker's :class:`~kvplane.pipeline.timeline.Timeline` holds monotonic-clock events (one
-clock for every process on a host). :func:`chrome_trace` pairs start and end events of one
-request into complete (``ph: "X"``) spans — prefill step, slice transfer, offload load, offload
-store, decode — and keeps the rest (order, session end, release, a span end without its start)
-as instant (``ph: "i"``) events. Each worker is a ``pid`` (named by ``M`` metadata events),
-each request a ``tid``; times are microseconds since the earliest event. The trace object
-carries the run's summary under ``otherData`` (the Trace Event Format's free-form field), so a
-saved ``trace.json`` is all :func:`read_trace` (and ``kvplane report``) needs.
+Spans per step, slice, load, store and decode; a pid per worker, a tid per request. See
+docs/pipeline.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
 """Completion wake-ups for the slice driver: a transport tap and, where needed, a watcher thread.
 
-Theory of operation
--------------------
-The transport protocol reports progress only through ``poll``. A driver that polls in a loop
-while slices are in flight wakes thousands of times a second, and every wake-up takes a core and
-the GIL from the threads that matter — the transport's I/O threads and the prefill compute.
-:class:`BatchWatcher` removes the loop: :attr:`BatchWatcher.transport` is the driver's transport
-with every call delegated unchanged, except that each handle ``submit`` returns is watched, and
-``wake()`` is called as soon as its batch ends. Two ways, best first:
-
-* the transport has a completion hook ``on_done(handle, fn)`` (those built on
-  ``TransportCore``): ``wake`` runs on the thread that ends the batch — no thread of ours and no
-  extra hand-off between threads, each of which costs a GIL acquisition on a busy worker;
-* it has only ``wait(handle, timeout)``: one watcher thread blocks in it, handle after handle
-  in submission order (each at most :data:`WATCH_S` per call, so :meth:`BatchWatcher.close`
-  returns promptly), and calls ``wake`` when each ends.
-
-The driver then polls as usual, so a wake-up is only a hint: every state still comes from
-``poll`` (fault-injecting wrappers included), and a missed or early hint costs latency, never
-correctness. A transport with neither is not watched (:attr:`BatchWatcher.active` is False): the
-driver then polls on a short period.
+A wake-up is only a hint: every state still comes from ``poll``. See docs/pipeline.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
 """The decode worker: pre-allocates, receives a request's KV, then decodes from it.
 
-Theory of operation
--------------------
-A :class:`~kvplane.serving.messages.DecodeOrder` names the request, its PD session, the prefill
-peer and the prompt. The worker admits the prompt into its pool through a
-:class:`~kvplane.blocks.BlockTable` — prefix reuse: full blocks already in the pool's prefix
-cache are shared and only ``[prefix_tokens, N)`` will move — and takes one whole-only slot (the
-state and tail records). It then opens the receiver session with one ``StartTransfer`` naming
-every destination block (KV blocks, then one slot per whole-only pool; see
-``pipeline/advert.py``): one receive posted per request. An order waits in FIFO when memory is
-short, and is answered only when the request ends. An order whose request id or session id is
-already bound on this worker is refused (``ErrorReply``) and changes nothing.
-
-The receiver session decides the outcome (final slice + every slice + exact tiling), and the
-ledger decides the memory. On ``Release`` in SUCCESS the destination passes to the request: the
-worker reads the tail record (first token, prompt length and digest). A tail whose length or
-digest is not the order's prompt means the prefill computed other tokens: the request fails and
-nothing is cached. Otherwise the worker runs the :class:`KVDecoder` and registers the received
-full blocks in the prefix cache (not for sliding-window pools, whose early blocks were never
-sent) — the one place the prompt is marked computed: before a generating decoder runs, after
-a verifying one that counted no mismatches — answers the order and frees the table. On any other
-outcome the answer goes out at ``Finished`` and the blocks are freed at the ledger's
-``Release`` — which, when the sender's writes may still land (IN_DOUBT), is the fail-closed
-deadline, never earlier. A request that ends before its session opens (cancelled while it waits
-for memory, refused by the endpoint) is answered and counted as finished at once.
+The receiver session decides the outcome and the ledger decides the memory; the received prompt
+is marked computed in one place. See docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The runtime's control messages (router ↔ workers ↔ clients): typed, versioned, size-limited.
+"""The control messages between router, workers and clients: typed, versioned, size-limited.
 
-These are *orders and reports*, not the PD protocol: the router tells a decode worker to
-receive a request from a prefill peer and a prefill worker to compute it; the PD protocol
-(``kvplane.pd``) then runs the transfer between the two workers directly. Every message is a
-frozen msgspec struct in one tagged union (no pickle), validated on decode; ids travel as
-strings of at most 256 characters and token ids as int64s (a value outside
-``[-2**63, 2**63)`` fails validation, like any other malformed field).
+Orders and reports, not the PD protocol; no pickle. See docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
 """The prefill worker: chunked prefill with a pipelined, ledger-owned transfer of every slice.
 
-Theory of operation
--------------------
-A :class:`~kvplane.serving.messages.PrefillOrder` names the request, its PD session, the decode
-peer and the prompt. The worker opens (or attaches to) the sender session at once — a decode
-side that already gave up leaves a tombstone and the order is dropped; a session id already
-bound to another request on this worker is refused (attaching is only for a session the decode
-side opened first, before any order named it) — then admits the prompt
-into its pool (a block table plus one whole-only slot; an order waits in FIFO when memory is
-short). The worker loop then runs one prefill step at a time, round-robin over its requests:
-:meth:`KVProducer.produce` computes ``[start, end)``, the :class:`SliceCutter` turns the step
-into a slice (or defers it to the next aligned boundary), and ``SubmitSlice`` goes to the
-session through the :class:`SliceDriver` (the loop does not wait for the PD loop thread: the
-slice counts as admitted until the session refuses it); the session's ``StartSubmit`` reaches
-the driver, which moves the bytes while the loop computes the next step. The last step writes
-the tail record (first token, prompt digest) before the final slice is submitted.
-
-Prefix offload (optional, :class:`~kvplane.serving.prefix_offload.PrefixOffload`): at admission
-the prompt's chunk keys are looked up in the tier cascade and the leading hits are loaded into
-the request's own blocks; the request waits (its blocks untouched by anything else) until the
-load ends, then its first "step" is the loaded range ``[0, loaded)`` — no compute, just the
-slice — and real steps compute only the rest. After the last step the prompt's full chunks
-are stored (device blocks fenced until copied) and cascade down to the lower tiers.
-
-Ownership apart from phase: compute ends long before the bytes are read, and a session can end
-(abort from either side, peer loss) while slices are in flight. The request's blocks are freed
-only when the session has finished *and* the ledger has released every slice the session
-admitted (``Release`` via BACKEND_DONE, NOT_SUBMITTED or EXPIRED) — never on the phase alone.
+A request's blocks are freed only when its session finished and the ledger released every
+slice, never on the phase alone. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -53,7 +28,7 @@ from kvplane.pipeline.timeline import Mark, request_times
 from kvplane.serving.messages import Ack, AnyMessage, CancelOrder, PrefillOrder, WorkerStats
 from kvplane.serving.prefix_offload import Finished as OffloadFinished
 from kvplane.serving.prefix_offload import PrefixOffload, PrefixSettings, StoreFinished
-from kvplane.serving.producers.base import KVProducer, ProduceStep, kv_fingerprint
+from kvplane.serving.producers.base import KVProducer, ProduceStep
 from kvplane.serving.producers.model import ModelKV, PromptChecker
 from kvplane.serving.rpc import Reply
 from kvplane.serving.worker import Worker, WorkerHooks
@@ -122,14 +97,7 @@ class PrefillWorker(Worker):
         self.offload: PrefixOffload | None = None
         if offload is not None:
             kv = self.pools.kv
-            self.offload = PrefixOffload(
-                offload,
-                kv,
-                self.pools.blocks,
-                kv_fingerprint(producer.model_id, kv.layout),
-                hash_seed=config.hash_seed,
-                metrics=self.metrics,
-            )
+            self.offload = PrefixOffload(offload, kv, self.pools.blocks, metrics=self.metrics)
         self._requests: dict[RequestId, _Prefill] = {}
         self._by_session: dict[SessionId, _Prefill] = {}
         self._waiting: deque[_Prefill] = deque()
@@ -252,9 +220,7 @@ class PrefillWorker(Worker):
             self._waiting.popleft()
             req.table, req.slot = table, slot
             if self.offload is not None:
-                load = self.offload.begin_load(
-                    RequestId(req.order.request_id), req.tokens, table.block_ids
-                )
+                load = self.offload.begin_load(RequestId(req.order.request_id), table)
                 if load is not None:
                     req.loading = True
                     self.timeline.record(
@@ -396,7 +362,7 @@ class PrefillWorker(Worker):
         if is_last:
             req.prefill_end = ev.t
             if self.offload is not None:
-                chunks = self.offload.store(RequestId(rid), req.tokens, table.block_ids)
+                chunks = self.offload.store(RequestId(rid), table)
                 if chunks:
                     self.timeline.record(Mark.STORE_START, rid, detail=str(chunks))
         return True

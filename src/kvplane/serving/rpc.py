@@ -1,36 +1,7 @@
-"""Request/reply over zmq for the runtime's control messages (127.0.0.1 unless told otherwise).
+"""Request/reply over zmq for the control messages (127.0.0.1 unless told otherwise).
 
-Theory of operation
--------------------
-An :class:`RpcServer` binds one ROUTER; a :class:`RpcClient` connects one DEALER. Each side runs
-one loop thread that alone touches its socket; other threads hand it frames through a queue
-and an inproc wake-up socket. Every frame is one :class:`~kvplane.serving.messages.Envelope`
-(version, call id, message), msgpack-encoded and at most ``max_frame`` bytes. A frame that is
-oversized or undecodable is dropped and counted, and the loop keeps serving; a frame whose
-envelope head ``[version, call_id]`` is readable but whose version differs or whose message
-fails validation (unknown tag, empty prompt, out-of-range value) is counted and answered: the
-server replies ``ErrorReply(reason)`` to that call id, the client resolves that call's future
-with one. A reply that would not fit in ``max_frame`` bytes is replaced by an ``ErrorReply``
-naming its size (a frame over the peer's limit would be dropped by zmq, with the connection).
-
-Sending never blocks a loop. A frame the socket cannot take now (zmq's send high-water mark
-reached: the peer is gone or not reading) waits in the loop's bounded outbox (at most
-``MAX_HELD`` frames) for at most ``send_wait_s`` (the client's ``timeout_s``); a call whose
-frame is not taken by then, or finds the outbox full, resolves with ``TransferTimeoutError``.
-A call forgotten (:meth:`~RpcClient.forget`) before its frame left is not sent at all. zmq
-keeps the frames it took for a peer that is gone and hands them to the next process at that
-address; a caller that must not deliver them closes the client with ``discard=True`` (they
-are dropped) and connects a new one. (``zmq.IMMEDIATE`` would drop them too, but it also
-drops a reply that arrives just before its server closes the connection.) Closing a client
-resolves every call still waiting with ``RemoteDisconnectError``, and so does a call made
-after it closed.
-
-The server calls ``handler(message, reply)`` on its loop thread; the handler must not block: it
-answers at once or keeps ``reply`` and calls it later from any thread (a decode order is
-answered when the request ends). A handler that raises is answered with an ``ErrorReply``
-naming the error (anything but a ``KVPlaneError`` is logged as a bug, too). The client matches
-replies to futures by call id; :meth:`RpcClient.call` waits with a timeout
-(``TransferTimeoutError``).
+One loop thread per side touches its socket; sends never block; bad frames are dropped or
+answered with an ``ErrorReply``. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -50,7 +21,6 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from kvplane.config import require_finite_positive
 from kvplane.errors import (
     InvalidArgumentError,
     KVPlaneError,
@@ -58,6 +28,7 @@ from kvplane.errors import (
     TransferTimeoutError,
 )
 from kvplane.serving.messages import RUNTIME_VERSION, AnyMessage, Envelope, ErrorReply
+from kvplane.validators import require_finite_positive, require_size
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_FRAME = 64 << 20
@@ -113,11 +84,8 @@ class _Loop:
     """One socket, one loop thread, a queue of outgoing multipart frames and a wake-up socket."""
 
     def __init__(self, kind: int, name: str, max_frame: int, send_wait_s: float) -> None:
-        if isinstance(max_frame, bool) or not isinstance(max_frame, int) or max_frame <= 0:
-            raise InvalidArgumentError(f"max_frame must be a positive int, got {max_frame!r}")
-        require_finite_positive("timeout_s", send_wait_s, InvalidArgumentError)
-        self.max_frame = max_frame
-        self.send_wait_s = float(send_wait_s)
+        self.max_frame = require_size("max_frame", max_frame, min=1)
+        self.send_wait_s = require_finite_positive("timeout_s", send_wait_s, InvalidArgumentError)
         self.counters: Counter[str] = Counter()
         self._ctx = zmq.Context()
         self.sock: zmq.Socket[bytes] = self._ctx.socket(kind)

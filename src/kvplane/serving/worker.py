@@ -1,21 +1,7 @@
 """What prefill and decode workers share: memory, PD endpoint, order socket and the worker loop.
 
-Theory of operation
--------------------
-A worker is a handful of threads around one owner. The *worker loop* (one thread) owns the
-pools, the block tables and every request's bookkeeping: it alone mutates them. The other
-threads only hand it work through one inbox: the PD endpoint's loop thread posts the protocol's
-actions (``Release``, ``Finished``; the prefill worker routes ``StartSubmit`` straight to its
-slice driver), the order server posts orders with their reply callbacks. Between inbox items
-the loop does one unit of its own work (:meth:`Worker._work`: a prefill step), so orders,
-releases and compute interleave without locks.
-
-Construction order matters and is fixed: transport → pools registered with it → the
-participant (its ``Hello`` carries the pools' advert) → the endpoint → the order server.
-The participant knows which way the worker's KV flows (``kv_role``), so a pairing whose TP
-head ranges one sender cannot serve is refused at the handshake, before any order is taken.
-Nothing listens beyond 127.0.0.1 unless the config says so. :meth:`close` stops accepting
-orders first, then the loop, then the endpoint and the transport.
+The worker loop alone mutates pools, tables and request state; other threads post to its inbox.
+See docs/serving.md.
 """
 
 from __future__ import annotations

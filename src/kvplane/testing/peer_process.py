@@ -1,12 +1,7 @@
 """A transport served by a child process: the far side of cross-process tests and benches.
 
-:class:`PeerProcess` starts a fresh interpreter (``python -m kvplane.testing.peer_process``;
-never fork, which is unsafe once transports run threads) that creates one transport through the
-registry and executes requests sent over a socket pair: allocate and register a region filled
-from a seed, hand out metadata, connect, submit and wait, read bytes back, drain notifications,
-report its integrity counters. Requests and replies are length-prefixed msgspec msgpack (no
-pickle). A request that fails in the child raises the same ``kvplane.errors`` class in the
-parent. ``stop``/``cont``/``kill`` send SIGSTOP/SIGCONT/SIGKILL for failure tests.
+A fresh interpreter (never fork) runs requests from a socket pair; a failure comes back as the
+same ``kvplane.errors`` class. See docs/transports.md.
 """
 
 from __future__ import annotations

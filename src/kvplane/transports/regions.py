@@ -1,11 +1,6 @@
 """The local region table every transport keeps: registration, overlap refusal, pins.
 
-A region is a registered contiguous tensor, exposed as a flat ``uint8`` view of its bytes. Ids
-are handed out by a per-table counter and never reused, so a stale id can never alias new memory.
-A *pin* is a count held while some batch (ours, or a peer's on our memory) may touch a region's
-bytes; :meth:`RegionTable.remove` refuses a pinned region, which is how "a region freed while a
-transfer is in flight" becomes a typed error instead of a use-after-free. All methods are
-thread-safe (one lock); every refusal happens before any state changes.
+Ids are never reused; a pinned region cannot be removed. Thread-safe. See docs/transports.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """Vectored socket I/O: one ``readv``/``writev`` system call moves many descriptor runs.
 
-Theory of operation
--------------------
-Streaming a batch of small runs (4 KiB paged blocks scattered over a pool) through a socket one
-``recv_into`` per run costs a system call and a GIL round trip per run; packing them through a
-staging buffer costs an extra copy of every byte. ``readv``/``writev`` instead take an array of
-``struct iovec {void *base; size_t len}`` and let the kernel copy between the socket and every
-run directly. The iovec array is built with NumPy (region base address + offset, length: an
-``(n, 2)`` ``uint64`` array, no Python object per run) and passed to libc through ``ctypes``,
-which releases the GIL for the call. At most ``IOV_MAX`` entries go per call. Receiving is
-``recvmsg`` with ``MSG_WAITALL`` (a ``readv`` that waits for all its entries: plain ``readv``
-returns whatever has arrived, so a slow sender cost a system call and a loop turn per arrival;
-measured 64 MiB into 4 KiB blocks over loopback: +3, +11 and +20% in three runs). A partial
-transfer (a signal, or EOF) advances the array in place (``searchsorted`` over the running byte
-count) and the loop continues.
-
-Only blocking sockets (``gettimeout() is None``) and CPU memory qualify (:func:`usable`); the
-callers fall back to ``recv_into``/``sendall`` otherwise, or where libc cannot be loaded. The
-caller guarantees the memory stays valid (its regions are pinned) for the duration of a call.
+Only blocking sockets and CPU memory qualify (:func:`usable`); the caller keeps the regions
+pinned. See docs/transports.md.
 """
 
 from __future__ import annotations

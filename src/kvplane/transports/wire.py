@@ -1,17 +1,7 @@
 """What transports put on the wire: typed metadata, handshake bodies and the binary frame header.
 
-Theory of operation
--------------------
-Two kinds of bytes leave a transport. *Metadata* (``Transport.metadata()``) and handshake bodies
-are msgspec msgpack structs: typed, versioned (``WIRE_VERSION``), size-limited
-(``MAX_CONTROL_BYTES``) and validated on decode, never pickled. *Frames* carry the stream
-protocols of ``tcp`` and ``shm``: a fixed 28-byte little-endian header (magic, version, frame
-type, flags, descriptor count, transfer id, body length) followed by ``body length`` bytes. A
-``DATA`` frame's body is a descriptor table (``count`` x (region, offset, length) as three int64
-columns) and then exactly ``sum(lengths)`` payload bytes; every other frame's body is at most
-``MAX_CONTROL_BYTES``. :func:`parse_header` refuses a bad magic, version, type, count or length
-with :class:`~kvplane.errors.MalformedMessageError` before a single body byte is read, so a peer
-cannot make us allocate or write out of bounds.
+No pickle; :func:`parse_header` refuses a bad header before any body byte is read. See
+docs/transports.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
 """``kvplane bench attention``: MLA backends over a workload grid, against memcpy bandwidth.
 
-For each grid point (batch, q_len, kv_len, heads; DeepSeek dims r=512, p=64; pages shuffled in
-the pool) every viable non-oracle backend is timed on the same synthetic inputs; effective
-bandwidth is KV bytes read / time, compared with ``torch`` memcpy bandwidth measured in the
-same run. ``auto`` and ``measured`` (with its own timing on its own synthetic twin and its own
-ranking cache) each pick a backend, and the point records whether ``measured``'s pick is within
-10% of the fastest backend's time. Every time, the table's, ``measured``'s and memcpy's, is
-judged the same way: a :class:`~kvplane.attention.timing.PerfCounterTimer` (warmup, interleaved
-rotated rounds, more rounds for cheap points, best of each).
-
-MLA decode is compute-heavy per KV byte (``2 x H x (2r + p)`` flops per token, 15 flop/byte at
-16 heads in float32), so on a small CPU the bandwidth ratio is bounded by matmul throughput, not
-memory: the result also reports the matmul GFLOP/s measured in the same run, each point's
-achieved GFLOP/s, and ``decode_roofline_ratio``, the ratio the decode point would reach if its
-flops ran at that matmul rate with no memory traffic at all.
-
-JSON: ``{"grid": [...], "measured_within_10pct": fraction, "best_decode_gbps_ratio": x, ...}``
-where the ratio is taken at batch 32, q_len 1, kv_len 8192 (the largest decode point present).
-At that point a memcpy of the same number of bytes is timed in the same timer call as the
-backends -- interleaved round by round, as many rounds, best of each -- and the ratio divides by
-it (``decode_memcpy_gbps``): on a shared machine bandwidth drifts by tens of percent within
-minutes, and a limit measured once at the start, or with more rounds than the backends got,
-would judge the backends under other conditions. ``memcpy_gbps`` (measured at the start) is
-kept for the other points' context.
+Times every viable non-oracle backend, ``auto`` and ``measured`` at each grid point with one
+interleaved timer, and reports bandwidth, GFLOP/s and the decode roofline. Limits and
+estimator: docs/benches.md.
 """
 
 from __future__ import annotations

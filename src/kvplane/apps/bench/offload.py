@@ -1,32 +1,9 @@
 """``kvplane bench offload``: store/load throughput per tier against its limit, and the
 ``blocks_per_chunk`` sweep.
 
-What is timed (median of repeats; each repeat times kvplane and its limit back to back):
-
-- ``host``: the real cascade path. Store = ``TierCascade.store`` + drain (manager bookkeeping,
-  job thread, fence, one gather per run of slots) from a device pool into host slots; load =
-  ``TierCascade.load`` + drain back into other pool blocks. The pool is a CPU tensor here (on a
-  GPU host it would be the GPU pool). Limit: memcpy bandwidth -- one ``torch`` ``copy_`` of all
-  the chunks' bytes, same direction; rows also carry ``stream_limit_gbps`` and
-  ``stream_ratio`` against one streaming-store ``memcpy`` of them (``stream_memcpy``), which
-  beats torch's ``copy_`` here and is the stricter limit.
-- ``disk``: manager bookkeeping + ``DiskTier.write`` / ``read`` (header, CRC-32 on a helper
-  thread, ``O_DIRECT`` when the file system allows) between host slots and the slot file.
-  Limit: raw ``pwrite`` / ``preadv`` of the same chunk sizes from the same aligned buffers
-  with the same open flags and sync policy.
-- ``remote``: manager bookkeeping + ``RemoteTier`` (``SET`` of payload and header -- the old
-  header's ``DEL`` first -- to store, one ``MGET`` of both to load, CRC-32) against a real
-  ``redis-server``. Limit: raw client ``SET``/``GET`` of the same sizes, pipelined in the
-  tier's own groups of ``PIPELINE_BYTES`` (one round trip per group).
-  Without ``--redis-url`` (or ``KVPLANE_OFFLOAD_REMOTE_URL``) the bench starts its own server
-  on 127.0.0.1 and stops it.
-
-Chunks are 256 KiB and 4 MiB of 16 KiB blocks. The sweep stores 16 KiB blocks as chunks of
-1, 4, 16 and 64 blocks through the host path, one store op (one job) per chunk, and reports
-microseconds per block: the per-op cost (slot status, policy, job, fence) amortised over the
-blocks of a chunk. ``us_per_block_one_call`` stores the same chunks in one call, where the
-cascade batches them into one job and one copy per run. Targets (medians): host
->= 0.8, disk >= 0.7, remote >= 0.8 of their limits; ``us_per_block`` at 16 <= 1/5 of that at 1.
+Host against memcpy (and a streaming memcpy), disk against raw ``pwrite``/``preadv``, remote
+against raw pipelined ``SET``/``GET``; each repeat times both back to back. Starts its own
+``redis-server`` when none is given. Limits, estimator and targets: docs/benches.md.
 """
 
 from __future__ import annotations

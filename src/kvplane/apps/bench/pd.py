@@ -1,41 +1,8 @@
 """``kvplane bench pd``: pipelined vs non-pipelined prefill→decode transfer, per transport.
 
-One workload (default 8 requests × 4,096 tokens, DeepSeek-V3's MLA layout -- 61 layers of 512
-+ 64 bf16 -- steps of 512 tokens, so a slice is 36 MB; ``--quick``: 4 × 2,048 with steps of
-256) runs through a real prefill worker process and decode worker process (``kvplane serve``,
-real sockets, the named transport; a router in this process), once *pipelined* (a slice after
-every step) and once *non-pipelined* (everything after the prefill ends). Separate processes,
-as deployed: in one interpreter the two workers' threads would queue on one GIL. Workers run
-with one torch thread each (two share this host), so their transports copy on one thread too;
-``--copy-threads`` would change that (measured on 2 cores: a lone shm slice 7.5 -> 6.7 ms, but
-tcp's pipelined TTFT ratio 0.62 -> 0.74, its copies then fighting the socket's).
-
-Calibration first measures one step's transfer time (the median of nine one-step requests on a
-pair without compute); the two measured pairs then spend that long per step
-(``--compute-ms-per-step``), so per-step compute ≈ per-step transfer — the regime where
-pipelining matters most. Requests run one at a time, the two modes interleaved (load changes on
-a shared machine hit both alike); rows report medians.
-
-Per (transport, mode) row, all from the workers' timelines (:mod:`.pd_metrics`):
-``ttft_ms`` (submit → first token ready on the decode side), ``exposed_tail_ms`` (last prefill
-step end → decode ready), ``overlap_ratio`` (transfer time hidden under prefill compute /
-transfer time), ``slice_transfer_ms`` (a slice's own, busy transfer time: queueing behind
-earlier slices excluded), ``slice_submit_to_done_ms`` (a slice's submit → done, queueing
-included), ``step_compute_ms`` (prefill compute per step) and ``timeline_truncated`` (events
-the workers left out; when not 0 every timeline field is null). A field is null, never 0, when
-the events it needs are missing. Beside the rows: ``memcpy_slice_ms`` and
-``memcpy_slice_scattered_ms``, the physical limit (one slice's bytes copied in memory from
-written pages on one torch thread, contiguous and as its paged blocks; medians). The pipelined
-row adds ``ttft_ratio``, pipelined / non-pipelined TTFT paired request by request
-(:func:`ttft_ratio`); the non-pipelined row adds ``per_step_transfer_ms``, its one slice's
-busy transfer divided by the steps it holds -- one step's share of a bulk transfer, against
-the calibrated step (a lone slice, fixed costs included), the two numbers that bound the
-ratio: ``zero_stretch_ttft_ratio`` (:func:`zero_stretch_ratio`) is the least ``ttft_ratio``
-they allow, if no step stretched and no slice waited. ``calibration`` checks the measured
-pipelined run against the calibration (``calibration_ok``: step compute within ±25% of a
-slice's busy transfer); ``targets`` holds the issue's targets as booleans and
-``target_definitions`` says what each compares (the exposed tail against the busy
-``slice_transfer_ms``; the TTFT target meaningful only where ``calibration_ok``).
+Runs real ``kvplane serve`` worker processes on a calibrated DeepSeek-V3-deep workload and
+reports TTFT, exposed tail and overlap from their timelines, the TTFT ratio paired request by
+request. Workload, calibration, limit and verdicts: docs/benches.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """What ``kvplane bench pd`` derives from the workers' timelines, and the verdicts it reports.
 
-Not a bench module of its own (it is not in ``BENCHES``): pure functions over
-:class:`~kvplane.pipeline.timeline.RequestTimes` and the bench's rows, so that what is compared
-with what can be tested on made-up numbers, and the physical limit (:func:`memcpy_slice_ms`).
-
-Per request (:func:`request_fields`, milliseconds): ``exposed_tail_ms``, ``overlap_ratio``,
-``slice_transfer_ms`` -- a slice's *own* transfer time, the mean of ``slice_busy_s`` (from its
-submit, or the previous slice's end if later, to its end: no waiting behind earlier slices) --
-``slice_submit_to_done_ms`` (the mean submit → done, queueing included: a slice's latency, not
-its transfer time) and ``step_compute_ms`` (prefill compute / steps). A field is ``None`` when
-the events it needs are missing: no slice, no step, no decode-ready event, or the timeline was
-truncated (a worker left out its oldest events). A row's field is the median over requests,
-``None`` if any request's is (missing data is never read as 0).
+Pure functions over :class:`~kvplane.pipeline.timeline.RequestTimes` and the bench's rows (a
+field is ``None``, never 0, when its events are missing), and the memcpy limit
+(:func:`memcpy_slice_ms`). Not a bench of its own. See docs/benches.md.
 """
 
 from __future__ import annotations

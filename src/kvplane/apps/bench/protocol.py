@@ -1,22 +1,8 @@
-"""``kvplane bench protocol``: PD control round trips and session setup over zmq tcp loopback.
+"""``kvplane bench protocol``: PD control round trips and session setup over zmq on 127.0.0.1.
 
-Measured in one run, on 127.0.0.1, server loops on threads of this process:
-
-- ``rtt_us``: median per-round-trip time of a control round trip through a started PD
-  :class:`~kvplane.pd.endpoint.Endpoint`: a handshaken client sends an encoded ``Heartbeat``
-  (CRC-tagged frame) and waits for the ``LeaseRenew`` the endpoint's control loop sends back
-  after decoding, validating, renewing the lease and encoding. ``raw_rtt_us``: a raw zmq REQ/REP
-  ping-pong of a payload of the same size, echoed by a thread; as for the endpoint and its
-  client, server and client each own a zmq context (one I/O thread each, as two processes
-  would). The two are measured in alternating batches and each reported as the median of its
-  batch means, so machine noise hits both alike; ``ratio`` = rtt / raw (target <= 1.5).
-- ``setup_ms``: median time from ``open_receiver`` to the receiver's ``Finished(SUCCESS)`` for a
-  minimal session (the sender already open with one empty final slice): the TransferRequest,
-  the SliceReady and the COMMITTED verdict, between two endpoints.
-- ``sessions_per_s``: ``concurrent_sessions`` (1,000; 200 with ``--quick``) sessions opened on
-  both sides and held at once (the prefill side waits until all of them are live), then completed;
-  sessions divided by the wall time from the first open to the last ``Finished``.
-  ``session_errors`` counts sessions that did not end in SUCCESS plus dropped frames (target 0).
+Reports the endpoint's round trip against a raw zmq REQ/REP ping-pong (alternating batches),
+the setup time of a minimal session and the rate of 1,000 concurrent sessions. See
+docs/benches.md.
 """
 
 from __future__ import annotations

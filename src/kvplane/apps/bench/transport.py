@@ -1,52 +1,9 @@
 """``kvplane bench transport``: each transport against the physical limit of its path.
 
-What is timed: 64 MiB moved as 256 KiB blocks and as 4 KiB blocks (the small-transfer regime)
-in one ``submit`` (no notify), from submit to DONE (busy polling). kvplane's descriptor lists
-are built before the clock starts; the raw engines' offset arrays are too, but turning them into
-each engine's own block list (NIXL descriptors, Mooncake's Python lists) happens inside the
-timed write, as the adapter's own conversion does inside its timed submit. The source blocks
-are in order, the destination blocks are a seeded random permutation -- the scatter into a
-paged pool -- so nothing coalesces and every block is its own descriptor.
-``local`` copies inside this process; ``shm``, ``tcp``, ``nixl`` and ``mooncake`` write into a
-child process (:class:`~kvplane.testing.peer_process.PeerProcess`).
-
-The limit of each path is measured in the same run, interleaved repeat by repeat with kvplane
-(the machine is shared and noisy): torch ``copy_`` of 64 MiB for ``local`` and ``shm``; a raw
-Python ``sendall`` (1 MiB pieces) into a ``recv_into`` loop in the child for ``tcp``; the raw
-NIXL / Mooncake API writing the same blocks into the same child memory for the adapters.
-Every timed run starts after a short settle pause (:data:`SETTLE_S`), so neither side
-inherits the other's spinning threads. ``gbps`` and ``limit_gbps`` are medians; ``ratio`` is
-the median of the per-repeat ratios (``paired_ratio``: each repeat's two runs shared the
-machine's load of the moment, which drifts between repeats). Targets: local and shm >= 0.8,
-tcp >= 0.85 (and >= the NIXL adapter), adapters >= 0.9; each row says ``target`` and
-``target_met`` (``ratio >= target``). ``local`` and ``shm`` rows also carry
-``stream_limit_gbps`` and ``stream_ratio``: the same bytes copied by one streaming-store
-``memcpy`` (``stream_memcpy``), a stronger limit than torch ``copy_`` on this project's VMs.
-``tcp`` rows also carry ``scatter_limit_gbps`` and ``scatter_ratio``: the same raw ``sendall``
-received by ``recvmsg_into`` straight into the bench's scattered destination blocks -- the raw
-socket paying the scatter into a paged pool that the contiguous ``recv_into`` limit never
-pays (a few per cent at 256 KiB, about a fifth at 4 KiB on this project's VMs).
-The result's ``results`` list also carries the planner entries of ``transport_planner`` (a
-128k-token DeepSeek-V3 MLA plan, and a plan over contiguous 4 KiB blocks: the issue's "4 KiB
-blocks coalesced where contiguous", judged on the plan's op count), each with ``target_met``.
-The result records ``quick`` and ``repeats``.
-
-``tcp`` against NIXL on one path: with its default transports UCX moves bytes between two
-processes of one host by cross-memory attach (``cma``: one kernel copy straight between the two
-address spaces), not through the TCP stack -- measured here, 256 KiB blocks at ~2 GB/s by
-default and with ``UCX_TLS=tcp,cma``, ~0.8-1.2 GB/s with ``UCX_TLS=tcp`` or ``tcp,posix,sysv``
--- which a NIXL peer on another host cannot do. So NIXL runs twice: rows with
-``"ucx_tls": "default"`` (its adapter-vs-raw ratio) and rows with ``"ucx_tls": "tcp"`` (UCX
-restricted to TCP in both processes: the path our ``tcp`` transport takes). ``tcp_vs_nixl``
-compares ``tcp`` with the latter -- the target, its labels listed in ``tcp_vs_nixl_target`` --
-and also with cma, for information; ``tcp_vs_nixl_note`` says so in the JSON. ``tcp`` and
-NIXL over TCP are measured together, interleaved repeat by repeat, and the target compares
-them by ``tcp_vs_nixl_paired_ratio`` (tcp / NIXL throughput, the median of per-repeat ratios);
-the cma comparison is of medians of separate runs. ``tcp``'s own rows (its ratio against the
-raw socket) come from a run of its own first, with no NIXL agent alive: UCX's progress threads
-wake every :data:`~kvplane.transports.nixl.PROGRESS_DELAY_US` even when idle, and beside them
-tcp's ratio read ~5-10% lower on this project's 2-core VMs (the raw socket, one process,
-paid less of it) -- a cost of the bench's set-up, not of tcp's path.
+64 MiB as scattered 256 KiB and 4 KiB blocks per transport, against memcpy, a raw socket or the
+raw engine, interleaved repeat by repeat and judged by the paired ratio; plus the planner entries
+of :mod:`~kvplane.apps.bench.transport_planner`. Limits, tcp against NIXL, and why tcp runs alone
+first: docs/benches.md.
 """
 
 from __future__ import annotations

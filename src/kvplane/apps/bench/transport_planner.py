@@ -1,25 +1,8 @@
-"""The planner entry of ``kvplane bench transport``: plan a DeepSeek-V3 128k-token MLA transfer.
+"""The planner entries of ``kvplane bench transport``: plans judged, no bytes moved.
 
-Not a bench module of its own (it is not in ``BENCHES``): the transport bench appends
-:func:`planner_entry` to its results. The workload: 131,072 tokens of a 61-layer MLA pool
-(``kv_lora_rank`` 512 + rope 64 = 576 bf16 elements per token per layer, block size 64, so 2,048
-blocks and 9.2 GB of KV) between two pools in the per-layer (layer-major) order vLLM and SGLang
-use, each side's block table a random sample of a 4,096-block pool. Every (block, layer) pair is
-then its own contiguous run on both sides unless two consecutive blocks happen to be consecutive
-on both sides, so the plan has ~125k descriptors: the planner's worst realistic case.
-
-``ms`` is the median wall time of :func:`kvplane.transfer.planner.plan_transfer` (after a warm-up
-call); ``ops`` the descriptor pairs (byte-range moves) in the plan; ``contiguous_runs`` the fewest
-descriptors that could express the same mapping (``TransferPlan.stats``), computed from the
-descriptors independently of the planner. Target: ``ms <= 50`` and ``ops == contiguous_runs``,
-reported as ``target_met``; ``quick`` and ``repeats`` say how many timed calls the median took.
-
-:func:`contiguous_4k_entry` is the issue's "4 KiB blocks coalesced where contiguous", judged on
-the plan (no bytes move): a layer-major MLA pool whose (block, layer) run is 4 KiB, block tables
-made of contiguous ranges of blocks in shuffled order; ``target_met`` when the plan's ``ops``
-equal its ``contiguous_runs`` and the count derived from the tables (one descriptor per layer
-per range that is contiguous on both sides), so every contiguous stretch of 4 KiB blocks is one
-descriptor.
+:func:`planner_entry` times a 128k-token DeepSeek-V3 MLA plan between shuffled block tables
+(target: 50 ms, ops == contiguous runs); :func:`contiguous_4k_entry` checks that contiguous
+4 KiB blocks coalesce. Not a bench of its own. See docs/benches.md.
 """
 
 from __future__ import annotations

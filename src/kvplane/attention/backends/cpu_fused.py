@@ -1,25 +1,8 @@
 """``cpu_fused``: absorbed MLA by a fused flash-decoding C kernel that reads pages in place.
 
-Theory of operation
--------------------
-The torch backends are bounded by the small matrix products of decode (16 query rows against
-thousands of keys run at half the CPU's arithmetic peak) and by reading the KV twice (scores,
-then values) through a gathered copy. This backend hands the whole batch to one C kernel
-(``native/mla_decode.c``, built on first use by :mod:`kvplane.native`): per work item
-``(request, key range)`` it walks the range in blocks of 64 keys straight from their pages,
-computes the scores of all query rows in register tiles, applies each row's visibility limit,
-folds the block into an online softmax and adds the values while the block is still in cache.
-The cache is read from memory once and never copied, and keys at or past ``kv_len`` are never
-touched.
-
-Work items are shared by ``torch.get_num_threads()`` threads. When the batch is smaller than
-twice that, each request's keys are cut into up to that many ranges (of at least
-``MIN_SPLIT_TOKENS``) and the ranges' normalised outputs are merged by their LSE
-(:func:`~kvplane.attention.paged.merge_splits`). Otherwise each request is one item and the
-kernel's output is the result.
-
-Float32 and bfloat16 caches are read as they are (bf16 widened on load); queries and the
-arithmetic are float32. CPU only; Unsupported where no C compiler is available.
+The kernel (``native/mla_decode.c``) reads the cache once and never copies it; a short batch is
+split by key range and merged by LSE. Float32 and bf16 caches; CPU only; Unsupported without a
+C compiler. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -32,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvplane.attention.backends.common import MLABackend, positive_int
+from kvplane.attention.backends.common import MLABackend
 from kvplane.attention.backends.torch_mla import padded_query
 from kvplane.attention.base import Capabilities, Plan
 from kvplane.attention.inputs import MLAKVCache, MLAQuery
@@ -41,6 +24,7 @@ from kvplane.attention.paged import BatchIndex, build_batch_index, merge_splits,
 from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
 from kvplane.errors import BackendError, UnsupportedError
 from kvplane.native import KernelBuild, load_kernel
+from kvplane.validators import require_int
 
 NAME = "cpu_fused"
 SOURCE = Path(__file__).parent / "native" / "mla_decode.c"
@@ -83,8 +67,8 @@ class CPUFusedBackend(MLABackend[FusedPlan]):
         self, *, threads: int | None = None, min_split_tokens: int = MIN_SPLIT_TOKENS
     ) -> None:
         if threads is not None:
-            positive_int("threads", threads)
-        positive_int("min_split_tokens", min_split_tokens)
+            require_int("threads", threads, min=1)
+        require_int("min_split_tokens", min_split_tokens, min=1)
         self._threads, self._min_split = threads, min_split_tokens
         caps = Capabilities(
             kinds=frozenset({AttentionKind.MLA}), devices=frozenset({"cpu"}), dtypes=DTYPES,

@@ -1,19 +1,7 @@
 """``flashinfer``: an adapter over FlashInfer's ``BatchMLAPagedAttentionWrapper`` (CUDA only).
 
-FlashInfer's planned Batch-MLA API maps one to one onto this contract:
-
-- ``plan``: the metadata's CSR form (``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_len``,
-  int32 on the device) goes to ``wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr,
-  num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
-  kv_data_type)``. Each plan owns a fresh wrapper (FlashInfer keeps plan state in the wrapper),
-  all sharing one float workspace per device, so plans of one backend must run on one stream.
-- ``run``: ``wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=True)`` with the query's
-  split views and the cache's ``ckv``/``kpe`` views of the packed pool (no copy).
-  FlashInfer's LSE is base 2; the result says so.
-
-``flashinfer`` is imported here only, inside ``plan``; without a GPU or the package ``check``
-reports Unsupported with an install hint. Requests with ``kv_len == 0`` are declared
-unsupported (left to the CPU backends) rather than relying on kernel behaviour for them.
+One wrapper per plan over a shared per-device workspace; LSE base 2. ``flashinfer`` is imported
+only inside ``plan``. See docs/attention.md.
 """
 
 from __future__ import annotations

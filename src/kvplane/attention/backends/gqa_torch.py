@@ -1,11 +1,7 @@
 """``gqa_torch``: vectorised GQA/MHA paged attention for prefill and decode.
 
-Serves varlen queries, bottom-right causality and prefix KV alike (the model writes the new
-tokens' K/V into their pages first, then attends with ``q_len`` new tokens over
-``kv_len = prefix + new`` positions). Requests are processed in groups as in the ``torch`` MLA
-backend, each group's pages gathered into reused scratch buffers, and query heads are grouped
-per KV head (head ``h`` reads KV head ``h // (Hq / Hkv)``), so K/V are never repeated per query
-head.
+Request groups gathered into reused scratch; query heads grouped per KV head, so K/V are never
+repeated per query head. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ from kvplane.attention.backends.common import (
     compute_dtype,
     group_kv,
     grouped_batch,
-    positive_int,
     torch_capabilities,
 )
 from kvplane.attention.base import Plan
@@ -33,6 +28,7 @@ from kvplane.attention.paged import (
     visible,
 )
 from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult
+from kvplane.validators import require_int
 
 NAME = "gqa_torch"
 
@@ -42,7 +38,7 @@ class GQATorchBackend(GQABackend[GroupedBatch]):
 
     def __init__(self, group_bytes: int = GROUP_BYTES) -> None:
         super().__init__(NAME, torch_capabilities(AttentionKind.GQA), GroupedBatch)
-        self.group_bytes = positive_int("group_bytes", group_bytes)
+        self.group_bytes = require_int("group_bytes", group_bytes, min=1)
 
     def prepare(self, problem: AttentionProblem, structure: PagedStructure) -> GroupedBatch:
         shape = problem.gqa_shape()

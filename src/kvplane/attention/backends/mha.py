@@ -1,12 +1,6 @@
 """``mha``: non-absorbed MLA for prefill: decompress the latent KV per head, then plain MHA.
 
-For prefill, queries are many and the context is mostly the new tokens, so decompressing
-``k_nope = c_kv @ w_uk`` and ``v = c_kv @ w_uv`` per head (``d_nope``/``d_v`` wide instead of
-``r``) is cheaper than absorbing every query into the latent space. Requests are processed in
-groups as in the ``torch`` backend; each group's gathered latent ``[n, S, r + p]`` is
-decompressed in the compute dtype; logits are ``q_nope . k_nope + q_pe . k_pe`` (``k_pe``
-shared by all heads). Output ``[T, H, d_v]``; its LSE equals the absorbed path's because the
-logits are mathematically identical.
+Its LSE equals the absorbed path's. See docs/attention.md.
 """
 
 from __future__ import annotations

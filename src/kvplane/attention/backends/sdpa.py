@@ -1,27 +1,7 @@
 """``sdpa``: absorbed MLA through torch's fused CPU flash-attention kernel on gathered KV.
 
-The public ``scaled_dot_product_attention`` returns no LSE, so this backend calls the CPU
-flash kernel behind it (``aten::_scaled_dot_product_flash_attention_for_cpu``), which returns
-``(out, logsumexp)``. That kernel needs one head dim for Q, K and V, so the gathered latent KV
-``[n, S, r + p]`` is passed as both K and V and the output's first ``r`` columns are the latent
-output.
-
-All MLA heads share that one latent KV head, so the heads are folded into the kernel's query
-rows (as FlashMLA does): the kernel sees ``[n, t, H, r + p]`` queries, its "heads" being the
-``t`` query positions and its "rows" the ``H`` heads, with K/V expanded (no copy) over the ``t``
-positions. Each kernel block is then an ``H``-row matrix product over the KV instead of ``H``
-single-row ones, and the KV block is read once for all heads. Bottom-right causality and
-``kv_len`` are an additive ``-inf`` mask ``[n, t, 1, S]`` (one row per position, broadcast over
-the heads), built only for groups that need one.
-
-Requests are processed in groups as in the ``torch`` backend. The kernel's work items are
-(request, position) pairs, so a group of fewer requests than torch has threads (one long
-decode) would leave threads idle: its KV is then cut into equal page-aligned splits of at least
-``min_split_tokens``, each a work item of its own, and the splits' states are merged by their
-LSE (flash-decoding) in float32. The kernel returns ``0`` for a row that sees no key of a split;
-such rows get ``lse = -inf`` before the merge, so rows that see nothing end at ``0`` / ``-inf``.
-Needs a packed query (split inputs fall through to another backend). A torch build without the
-kernel makes ``check`` report Unsupported.
+Heads are folded into the kernel's query rows; a short batch's KV is split and merged by LSE.
+Needs a packed query. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -34,7 +14,6 @@ from kvplane.attention.backends.common import (
     GROUP_BYTES,
     GroupedMLABackend,
     group_kv,
-    positive_int,
 )
 from kvplane.attention.base import Capabilities, Plan
 from kvplane.attention.inputs import MLAKVCache, MLAQuery
@@ -54,6 +33,7 @@ from kvplane.attention.problem import (
     QueryLayout,
 )
 from kvplane.errors import BackendError
+from kvplane.validators import require_int
 
 NAME = "sdpa"
 _OP = "_scaled_dot_product_flash_attention_for_cpu"
@@ -123,8 +103,10 @@ class SDPABackend(GroupedMLABackend):
             query_layouts=frozenset({QueryLayout.PACKED}),
         )
         super().__init__(NAME, caps, group_bytes)
-        self.min_split_tokens = positive_int("min_split_tokens", min_split_tokens)
-        self.work_items = None if work_items is None else positive_int("work_items", work_items)
+        self.min_split_tokens = require_int("min_split_tokens", min_split_tokens, min=1)
+        self.work_items = (
+            None if work_items is None else require_int("work_items", work_items, min=1)
+        )
 
     def environment_reasons(self, problem: AttentionProblem) -> Sequence[str]:
         if hasattr(torch.ops.aten, _OP):

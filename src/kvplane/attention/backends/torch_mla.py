@@ -1,12 +1,7 @@
 """``torch``: absorbed MLA in latent space on any torch device (gather pages, matmul, softmax).
 
-The padded batch is processed in groups of requests (:func:`~kvplane.attention.paged.
-batch_groups`) whose gathered KV ``[n, pages * page_size, r + p]`` fits :data:`GROUP_BYTES`,
-gathered into the backend's reused scratch buffer; scores are one batched matmul of the packed
-query against the whole latent row, the output one against its ``c_kv`` part. Memory is about
-one group, not ``B x max kv_len``; ``torch_splitkv`` also bounds a single long request.
-Low-precision inputs are computed in float32; the output is cast back to the query dtype, the
-LSE is float32 base e.
+Request groups bounded by :data:`GROUP_BYTES`; float32 arithmetic, base-e LSE. See
+docs/attention.md.
 """
 
 from __future__ import annotations

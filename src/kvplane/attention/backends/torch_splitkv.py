@@ -1,19 +1,7 @@
 """``torch_splitkv``: split-KV (flash-decoding) absorbed MLA for long contexts.
 
-Theory of operation
--------------------
-The KV axis is cut into splits of ``split_tokens`` positions (a multiple of the page size, sized
-at plan time so one split of the whole batch is a few MiB and stays in cache). Each split is
-gathered into one reused workspace and folded into a running *unnormalised* state with the
-online softmax: per query row a running maximum ``m``, a running sum ``l`` and an accumulator
-``acc = sum_j e^(s_j - m) v_j``. A split with scores ``s`` raises the maximum to ``m'``, rescales
-``l`` and ``acc`` by ``e^(m - m')`` in place and adds its own ``e^(s - m')`` (one ``baddbmm``
-into ``acc``); ``out = acc / l`` and ``lse = m + log l`` are formed once at the end. Nothing of
-the size of the output is allocated per split, the query is scaled once, and the visibility
-mask is applied only to splits where some active row sees fewer keys than the split holds
-(decided at plan time). Requests are sorted by ``kv_len`` descending at plan time, so the
-requests still active in split ``s`` are a prefix of the batch: a split never gathers pages of
-requests that have ended. Memory is ``O(B x split)``, not ``O(B x kv_len)``.
+An in-place online softmax over cache-sized splits, masked only where a split needs it; memory
+``O(B x split)``. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -25,7 +13,6 @@ import torch
 from kvplane.attention.backends.common import (
     MLABackend,
     compute_dtype,
-    positive_int,
     torch_capabilities,
 )
 from kvplane.attention.backends.torch_mla import padded_query
@@ -41,6 +28,7 @@ from kvplane.attention.paged import (
     zero_invalid,
 )
 from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult
+from kvplane.validators import require_int
 
 NAME = "torch_splitkv"
 TARGET_SPLIT_BYTES = 8 << 20
@@ -103,7 +91,7 @@ class TorchSplitKVBackend(MLABackend[SplitPlan]):
 
     def __init__(self, split_tokens: int | None = None) -> None:
         if split_tokens is not None:
-            positive_int("split_tokens", split_tokens)
+            require_int("split_tokens", split_tokens, min=1)
         super().__init__(NAME, torch_capabilities(AttentionKind.MLA), SplitPlan)
         self._split_tokens = split_tokens
 

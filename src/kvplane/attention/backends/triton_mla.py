@@ -1,11 +1,7 @@
 """``triton``: absorbed MLA over the paged latent cache in one Triton kernel (CUDA only).
 
-Triton is imported only here (lazily, through
-:mod:`kvplane.attention.backends.triton_mla_kernel`), after ``check`` has confirmed a CUDA
-device and the package; without either, ``check`` reports Unsupported with an install hint and
-``import kvplane`` never fails. The plan builds the per-token request and visible-key-count
-vectors and the dense block table on the device; ``run`` launches one program per (token,
-head block) and reads pages straight from the packed cache.
+Triton is imported only through :mod:`~kvplane.attention.backends.triton_mla_kernel`, after
+``check`` found a CUDA device and the package. See docs/attention.md.
 """
 
 from __future__ import annotations

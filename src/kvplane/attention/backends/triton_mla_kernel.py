@@ -1,16 +1,8 @@
 """The Triton kernel of the ``triton`` backend: absorbed MLA over a paged latent cache.
 
-Imported only by :mod:`kvplane.attention.backends.triton_mla`, and only after it has checked that
-Triton and a CUDA device are present (this module imports Triton at the top, as Triton needs
-its kernels defined at module level; no ``from __future__ import annotations`` either,
-so Triton sees real ``tl.constexpr`` annotations).
-
-One program handles one query token and ``block_h`` heads. It walks the token's visible KV
-positions ``[0, limit)`` in ``block_n`` steps, reading each position's page from the dense block
-table and the ``c_kv``/``k_pe`` halves straight from the packed cache (never copied), and keeps
-an online softmax (running max ``m``, sum ``l`` and float32 accumulator). Masked lanes load
-zeros, so nothing past ``limit`` (NaN included) is read into the result. ``limit == 0`` gives
-``out = 0`` and ``lse = -inf``. LSE is base e.
+Imported only by :mod:`kvplane.attention.backends.triton_mla`, after its checks. Triton is
+imported at the top and there is no ``from __future__ import annotations``: Triton needs
+module-level kernels and real ``tl.constexpr`` annotations. See docs/attention.md.
 """
 
 import triton

@@ -2,7 +2,7 @@
 
 Point vLLM at ``kvplane.integrations.vllm.connector.KVPlaneConnector`` (see that module for the
 ``KVTransferConfig``). Only ``connector.py`` (and the harness's functions) import vLLM; the
-connector's logic (``scheduler``, ``book``, ``worker``, ``pool``, ``keys``) is plain kvplane and
+connector's logic (``scheduler``, ``worker``, ``pool``, ``keys``) is plain kvplane and
 is tested without vLLM. The connector is pinned to :data:`VLLM_VERSION`.
 """
 

@@ -1,18 +1,6 @@
 """ARC eviction (Megiddo & Modha): recency and frequency lists that tune their own balance.
 
-Theory of operation
--------------------
-Resident chunks live in ``T1`` (seen once since they became resident) or ``T2`` (hit again).
-Evicted chunks leave a *ghost* key (no data) in ``B1`` or ``B2``. ``p`` is the adaptive target
-size of ``T1``: when a chunk evicted from ``T1`` comes back (a ``B1`` ghost is re-inserted) the
-cache was too small for recency, so ``p`` grows by ``max(|B2|/|B1|, 1)``; a ``B2`` ghost coming
-back shrinks it by ``max(|B1|/|B2|, 1)``. A returning ghost goes straight to ``T2``.
-
-Victims follow ARC's REPLACE rule: take the LRU end of ``T1`` while ``|T1| > p`` (or when ``T2``
-has nothing evictable), else the LRU end of ``T2``; chunks the caller marks unevictable (pinned)
-are skipped in place. ``p`` adapts at :meth:`ARCPolicy.insert`, i.e. when a store completes,
-which is when the tier learns the chunk was worth storing again. Ghost lists are trimmed so
-``|T1| + |B1| <= capacity`` and all four lists together stay within ``2 * capacity``.
+T1/T2 with B1/B2 ghost lists and an adaptive target ``p``. See docs/offload.md.
 """
 
 from __future__ import annotations
@@ -22,6 +10,7 @@ from collections.abc import Callable, Iterator, Set
 
 from kvplane.errors import IllegalTransitionError, InvalidArgumentError
 from kvplane.ids import ChunkKey
+from kvplane.validators import require_int
 
 
 class ARCPolicy:
@@ -30,9 +19,7 @@ class ARCPolicy:
     name = "arc"
 
     def __init__(self, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-            raise InvalidArgumentError(f"ARCPolicy.capacity must be a positive int: {capacity!r}")
-        self.capacity = capacity
+        self.capacity = require_int("ARCPolicy.capacity", capacity, min=1)
         self.p = 0.0
         self._t1: OrderedDict[ChunkKey, None] = OrderedDict()
         self._t2: OrderedDict[ChunkKey, None] = OrderedDict()

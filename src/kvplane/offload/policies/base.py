@@ -1,20 +1,7 @@
 """The eviction policy plug-in point: which READY chunks of a tier to give up first.
 
-A policy tracks the *resident* chunks of one tier (READY or LOADING in its slot table) and
-orders them for eviction. The :class:`~kvplane.offload.manager.OffloadManager` calls it as
-follows, and never otherwise:
-
-- :meth:`EvictionPolicy.insert` when a store completes (the chunk became READY);
-- :meth:`EvictionPolicy.access` on a hit (lookup, load or touch of a resident chunk);
-- :meth:`EvictionPolicy.select_victims` to *choose* ``n`` victims among resident chunks that
-  ``evictable`` accepts (not pinned, not an input of the store asking). It must not change
-  anything, so a store that cannot find enough victims leaves the policy as it was;
-- :meth:`EvictionPolicy.evict` for each chosen victim (a policy with history, like ARC, keeps
-  a ghost entry), and :meth:`EvictionPolicy.remove` when a chunk leaves for another reason
-  (failed or corrupt), which forgets it.
-
-Unknown keys in ``access`` are ignored (a hit on a chunk of another tier); ``insert`` of a
-resident key, ``evict``/``remove`` of a non-resident key raise ``InvalidArgumentError``.
+:meth:`EvictionPolicy.select_victims` changes nothing, so eviction is all or nothing. How the
+manager calls a policy: docs/offload.md.
 """
 
 from __future__ import annotations

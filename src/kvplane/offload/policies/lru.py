@@ -7,6 +7,7 @@ from collections.abc import Callable, Set
 
 from kvplane.errors import IllegalTransitionError, InvalidArgumentError
 from kvplane.ids import ChunkKey
+from kvplane.validators import require_int
 
 
 class LRUPolicy:
@@ -15,9 +16,7 @@ class LRUPolicy:
     name = "lru"
 
     def __init__(self, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-            raise InvalidArgumentError(f"LRUPolicy.capacity must be a positive int: {capacity!r}")
-        self.capacity = capacity
+        self.capacity = require_int("LRUPolicy.capacity", capacity, min=1)
         self._order: OrderedDict[ChunkKey, None] = OrderedDict()
 
     def insert(self, key: ChunkKey) -> None:

@@ -1,17 +1,7 @@
 """The tier plug-in point: a store of fixed-size chunk payloads addressed by slot.
 
-A :class:`Tier` moves bytes; it never decides which chunk goes where. Its
-:class:`~kvplane.offload.manager.OffloadManager` assigns slots, and the caller guarantees the
-slot protocol: a slot is written only while STORING and read only while READY or LOADING, so a
-tier needs no locking of its own against readers of the slot being written.
-
-Payloads are 1-D ``torch.uint8`` CPU tensors of exactly ``chunk_bytes`` bytes. A tier that
-keeps bytes outside the process (disk, remote) frames each with a
-:class:`~kvplane.offload.tiers.header.ChunkHeader` (key, layout fingerprint, length, checksum)
-and publishes it only after the payload is complete; a read whose header or checksum does not
-match returns :attr:`ReadOutcome.CORRUPT` and counts it (``kvplane_offload_corrupt_chunks``),
-never wrong bytes. Whole-tier failures (disk error, server gone) raise
-:class:`~kvplane.errors.OffloadError`; the job that called fails and its chunks become misses.
+A tier moves bytes and never decides which chunk goes where; a bad read is
+:attr:`ReadOutcome.CORRUPT`, never wrong bytes. See docs/offload.md.
 """
 
 from __future__ import annotations
@@ -26,6 +16,7 @@ from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey, SlotId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.slots import check_chunk_key
+from kvplane.validators import require_index
 
 
 class ReadOutcome(enum.Enum):
@@ -84,9 +75,7 @@ def as_buffer(t: torch.Tensor) -> memoryview:
 
 def check_slot(tier: str, num_slots: int, slot: object) -> int:
     """``slot`` as an int in ``0..num_slots-1``, else ``InvalidArgumentError`` naming it."""
-    if type(slot) is bool or not isinstance(slot, int) or not 0 <= slot < num_slots:
-        raise InvalidArgumentError(f"tier {tier!r}: slot {slot!r} not in 0..{num_slots - 1}")
-    return slot
+    return require_index(f"a slot of tier {tier!r}", slot, num_slots)
 
 
 def check_batch(  # noqa: PLR0917 - one argument per thing that must line up

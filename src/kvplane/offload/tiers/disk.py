@@ -1,29 +1,7 @@
 """The disk tier: one slot file of fixed-size slots, each a payload followed by its header.
 
-Theory of operation
--------------------
-The file holds ``num_slots`` slots of ``slot_stride`` bytes: the payload (padded to
-:data:`~kvplane.offload.tiers.host.ALIGN`) then one ``ALIGN`` block holding the
-:class:`~kvplane.offload.tiers.header.ChunkHeader`. A store writes the payload first and the
-header last; the header is the commit record (publish after complete). With
-``SyncPolicy.DATA`` an ``fdatasync`` separates the two writes and follows the header, so the
-order also holds across power loss; with ``SyncPolicy.NONE`` both go in one ``pwritev``, header
-last, which a process death can cut short but not reorder. Overwriting a slot needs no separate
-invalidation: until the new header lands the old header's checksum no longer matches the partly
-new payload, so the slot reads CORRUPT, never as either chunk.
-
-Every read checks the header (magic, version, own CRC, key, layout fingerprint, length) and the
-payload CRC-32; any mismatch is :attr:`ReadOutcome.CORRUPT` plus a metric, and the caller gets
-no bytes it may use. :meth:`DiskTier.scan` re-indexes after a restart: it adopts exactly the
-slots whose header and payload verify (the first slot wins if a key appears twice), so a store
-killed mid-write leaves no READY torn chunk.
-
-I/O is ``O_DIRECT`` when asked for and the file system allows it (the host tier already caches
-chunks in memory; the page cache would hold them twice); the file is opened without it
-otherwise. Direct I/O needs aligned buffers: host slots are, other buffers go through an
-aligned bounce buffer. An exclusive ``flock`` keeps a second process
-from opening the same file. Calls are serialised by a lock (the store and the load job threads
-of a cascade share one tier and its buffers).
+The header is the commit record; reads verify header and CRC; :meth:`DiskTier.scan` re-indexes.
+``O_DIRECT`` where allowed; an exclusive ``flock``. See docs/offload.md.
 """
 
 from __future__ import annotations
@@ -50,6 +28,7 @@ from kvplane.offload.tiers.header import (
     payload_checksum,
 )
 from kvplane.offload.tiers.host import ALIGN, round_up
+from kvplane.validators import require_int, require_size
 
 
 class DiskTier:
@@ -67,9 +46,8 @@ class DiskTier:
         metrics: MetricsRegistry | None = None,
         name: str = "disk",
     ) -> None:
-        for what, value in (("num_slots", num_slots), ("chunk_bytes", chunk_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidArgumentError(f"DiskTier.{what} must be a positive int: {value!r}")
+        require_int("DiskTier.num_slots", num_slots, min=1)
+        require_size("DiskTier.chunk_bytes", chunk_bytes, min=1)
         if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
             raise InvalidArgumentError(f"DiskTier.fingerprint must be {FINGERPRINT_BYTES} bytes")
         if not isinstance(sync, SyncPolicy):

@@ -1,22 +1,7 @@
-"""Fenced writes to a Redis namespace: changes that the server makes only while the
-namespace's owner key still holds our lease token.
+"""Fenced writes to a Redis namespace: Lua scripts that change keys only while the owner key
+holds our lease token.
 
-Theory of operation
--------------------
-Every change runs inside a Lua script whose first command is ``GET <owner key>``; when that is
-not our token the script changes nothing (but delete our own stage keys) and answers a
-refusal. Redis runs a script atomically and a token is unique to one claim
-(:class:`~kvplane.offload.tiers.lease.NamespaceLease`), so a change sent by a holder whose lease
-ran out, or was taken, is refused by the server however late it arrives: no bound on when a
-command runs is assumed. Large payloads are not script arguments (a script copies them:
-measured 4-7x slower, 32 x 256 KiB): they go by plain ``SET PX`` to *stage* keys of this
-writer's own (``<namespace>:stage:<writer>:<n>``, read by nobody), which the store script
-checks and ``RENAME``-s onto their targets (a rename moves the value, no copy). A stage key of a
-writer that died part-way expires after :data:`STAGE_TTL_S`.
-
-Scripts go by ``EVALSHA``; a server that lost them (restarted, ``SCRIPT FLUSH``) answers
-NOSCRIPT, and the call is made once more by ``EVAL``-and-cache. Thread-safe: the only state is
-the stage-key counter (``itertools.count``, whose ``next`` is atomic).
+Payloads go to per-writer stage keys and are renamed onto their slots. See docs/offload.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""The stored-chunk header: what a chunk outside the process carries to prove what it is.
+"""The stored-chunk header: key, layout fingerprint, length and CRC-32 of a chunk kept outside
+the process.
 
-Layout (little-endian, :data:`HEADER_BYTES` = 128 bytes, zero padded)::
-
-    magic    8s  b"KVPCHUNK"          version  H   (1)
-    key_len  H                        flags    I   (0)
-    length   Q   payload bytes        checksum I   zlib.crc32 of the payload
-    layout  16s  KVLayout.fingerprint()
-    key     64s  chunk key, zero padded to MAX_KEY_BYTES
-    hcrc     I   zlib.crc32 of every byte above
-
-A header is written only after its payload (publish after complete), so a valid header whose
-checksum matches the payload proves the chunk is whole; a header that fails to decode, names
-another key, layout or length, or whose checksum disagrees with the payload makes the chunk a
-miss. CRC-32 detects every burst error up to 32 bits and any odd number of bit flips; it is a
-corruption check, not an authenticity check (stored chunks are trusted storage). The payload
-CRC uses ISA-L when the optional ``isal`` package is installed (same polynomial as zlib).
+:data:`HEADER_BYTES` = 128, written after its payload. Byte layout: docs/offload.md.
 """
 
 from __future__ import annotations
@@ -27,6 +14,7 @@ from dataclasses import dataclass
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey
 from kvplane.offload.slots import MAX_KEY_BYTES, check_chunk_key
+from kvplane.validators import require_int, require_size
 
 MAGIC = b"KVPCHUNK"
 VERSION = 1
@@ -70,10 +58,8 @@ class ChunkHeader:
             raise InvalidArgumentError(
                 f"a layout fingerprint is {FINGERPRINT_BYTES} bytes, got {self.fingerprint!r}"
             )
-        if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 0:
-            raise InvalidArgumentError(f"chunk length must be a non-negative int: {self.length!r}")
-        if not isinstance(self.checksum, int) or not 0 <= self.checksum < 1 << 32:
-            raise InvalidArgumentError(f"checksum must be a u32, got {self.checksum!r}")
+        require_size("chunk length", self.length)
+        require_int("checksum", self.checksum, min=0, max=(1 << 32) - 1)
 
     def encode(self) -> bytes:
         """The :data:`HEADER_BYTES` bytes that go after (or beside) the payload."""

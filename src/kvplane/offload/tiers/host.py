@@ -1,16 +1,8 @@
-"""The host tier: one preallocated buffer of chunk slots in (pinned, where possible) CPU memory.
+"""The host tier: one preallocated, aligned buffer of chunk slots in (pinned, where possible)
+CPU memory.
 
-The buffer is allocated once, aligned to :data:`ALIGN` bytes, with every slot starting on an
-``ALIGN`` boundary (``slot_stride = round_up(chunk_bytes, ALIGN)``), so slots double as the
-staging buffers of every other path: device <-> host copies gather/scatter straight into them
-(:mod:`kvplane.offload.copier`), and the disk tier does direct I/O from and into them without a
-bounce copy. When ``chunk_bytes`` is a multiple of ``ALIGN`` consecutive slots are contiguous and
-a run of them is one tensor (:meth:`HostTier.run`), which lets the copier move a run of chunks in
-one operation.
-
-Memory is pinned (page-locked, for asynchronous DMA to a GPU) when ``pin_memory`` is requested
-and the platform has CUDA; otherwise it is plain pageable memory. Host memory does not survive
-the process, so :meth:`HostTier.scan` finds nothing, and bytes in it are trusted (no checksum).
+Slots double as staging buffers for the copier and the disk tier's direct I/O. Bytes are
+trusted; nothing survives the process. See docs/offload.md.
 """
 
 from __future__ import annotations
@@ -22,6 +14,7 @@ import torch
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey, SlotId
 from kvplane.offload.tiers.base import ReadOutcome, check_batch, check_slot
+from kvplane.validators import require_int, require_size
 
 ALIGN = 4096
 """Slot alignment in bytes: a page, and the strictest direct-I/O alignment we meet."""
@@ -42,9 +35,8 @@ class HostTier:
         pin_memory: bool = True,
         name: str = "host",
     ) -> None:
-        for what, value in (("num_slots", num_slots), ("chunk_bytes", chunk_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidArgumentError(f"HostTier.{what} must be a positive int: {value!r}")
+        require_int("HostTier.num_slots", num_slots, min=1)
+        require_size("HostTier.chunk_bytes", chunk_bytes, min=1)
         self.name = name
         self.num_slots = num_slots
         self.chunk_bytes = chunk_bytes

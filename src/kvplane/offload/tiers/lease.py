@@ -1,43 +1,7 @@
-"""The remote tier's namespace claim: one open tier per Redis namespace, by a lease.
+"""The remote tier's namespace claim: one open tier per Redis namespace, by a renewed lease.
 
-Slots are numbered by the one manager that owns a namespace, so two engines writing one
-namespace overwrite each other's slots (their hits would read back as misses and load errors).
-:class:`NamespaceLease` makes the ownership explicit: opening a tier sets
-``<namespace>:owner`` to a token naming this process (``SET NX PX``), a helper thread renews it
-every third of the lease while the tier is open, and :meth:`NamespaceLease.release` deletes it
-if it is still ours (compare-and-delete in one Lua script). A namespace held by a live engine
-is refused with an :class:`~kvplane.errors.OffloadError` naming the holder; a holder that died
-without releasing stops renewing, so its lease runs out within ``lease_s`` and the claim (which
-waits that long) succeeds: a restarted engine re-finds its own chunks, which is what the remote
-tier is for. :attr:`NamespaceLease.lost` is true while the lease may run out before a command sent
-now reaches the server: from one lease *less one timeout* after the last claim or renewal that
-succeeded was *sent* (renewals failing meanwhile), until a renewal succeeds again (the key still
-holding our token proves nobody held it in between); and for good once the key is found gone or
-another's (the server restarted, it expired, or the server refused a fenced write:
-:meth:`NamespaceLease.mark_lost`).
-
-Guarantee
----------
-Safety rests on the server, not on timing: the remote tier runs every change to the
-namespace's slots inside a Lua script that first checks that :attr:`NamespaceLease.key` still
-holds :attr:`NamespaceLease.token`, and changes nothing when it does not (a fenced write; see
-:mod:`~kvplane.offload.tiers.fence`). The server runs a script atomically and a token is
-unique to one claim, so a write from a holder whose lease ran out or was taken is refused
-however long the link delayed it -- a client's ``socket_timeout`` bounds each socket operation,
-not a whole pipeline, so no client-side bound on when a command runs is assumed.
-
-Timing
-------
-``lost`` is a fast path and a liveness aid: while it is true the tier refuses to write before
-sending anything (the server would refuse the write, or might, soon). It counts from a
-successful ``SET PX``/``PEXPIRE`` sent at ``s``, which leaves the key ours until at least
-``s + lease_s`` (monotonic client clock, server expiry clock at one rate), and turns true
-``timeout_s`` before that, so a write decided now usually runs before the key could expire. A
-claim or renewal itself can take ``timeout_s``: one returning at ``s + timeout_s`` leaves
-``lease_s - 2 * timeout_s`` before ``lost``, so ``lease_s >= 2 * timeout_s``
-(:func:`check_lease_timing`) is the least lease with which a slow but successful renewal does
-not leave the tier refusing writes it could still make. Renewals are sent every third of the
-lease, counted from the previous send.
+Safety rests on the server (fenced writes), not on timing; ``lost`` is a fast path, and
+``lease_s >= 2 * timeout_s`` (:func:`check_lease_timing`). See docs/offload.md.
 """
 
 from __future__ import annotations
@@ -50,8 +14,8 @@ import time
 import uuid
 from typing import Any
 
-from kvplane.config import require_finite_positive
 from kvplane.errors import InvalidArgumentError, OffloadError
+from kvplane.validators import require_finite_positive
 
 _RENEW = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then "

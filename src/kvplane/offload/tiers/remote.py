@@ -1,49 +1,8 @@
 """The remote tier: chunk slots in a Redis server (Valkey speaks the same protocol).
 
-Theory of operation
--------------------
-Slot ``i`` is two Redis strings: ``<namespace>:slot:<i>``, the payload, and
-``<namespace>:slot:<i>:h``, its :class:`~kvplane.offload.tiers.header.ChunkHeader` -- the commit
-record, as on the disk tier. A write sends, pipelined, a fenced delete of each slot's old header
-and payload -- so the server reuses their memory for the new payloads -- then ``SET PX`` of
-each payload to a stage key of its own -- while the tier's helper thread computes the payloads'
-CRC-32 -- and, behind them, the fenced store that moves each stage onto its slot; then a
-fenced ``SET`` of the new headers. Fenced (:mod:`~kvplane.offload.tiers.fence`): the server
-makes each change only while ``<namespace>:owner`` still holds this tier's lease token, so a
-write of a holder whose lease ran out or was taken is refused however late it arrives (an
-:class:`OffloadError`, "lease ... was lost"); the lease's client-side ``lost`` only saves
-sending a batch the server would refuse. A client that dies part-way leaves no header -- a
-miss -- never a header vouching for other bytes. Plain ``SET`` and ``RENAME`` because the server
-keeps a large ``SET`` argument as the value itself and a rename moves it, while ``HSET`` copies
-it (measured: ~10% of a 4 MiB store).
-
-A read is one ``MGET`` of header and payload (an atomic snapshot) per chunk; its reply is read
-off the connection's socket by :class:`~kvplane.offload.tiers.resp.ReplyReader`, the payload
-straight into the destination slot (no reply object, no second copy: the client library's
-per-payload ``bytes`` cost a page fault per 4 KiB once the allocator hands the memory back --
-0.62-0.73 of a raw ``GET`` loop, against 1.1-1.25 now, 128 x 256 KiB); then it checks the header
-(key, layout fingerprint, length) and the payload CRC-32 and returns CORRUPT or MISSING rather
-than bytes it cannot vouch for (the destination then holds garbage, as with the disk tier). A
-batch goes out in pipelined groups of about :data:`PIPELINE_BYTES` (one round trip per group,
-not per chunk); a load sends the next group's commands before reading the current group's
-replies, so the server prepares them meanwhile, and checksums a received group on the tier's
-helper thread (the CRC releases the GIL) while the next one arrives; a connection whose reply
-stream failed part-way is dropped, never reused. A store's CRC overlaps its own group's payload
-send on the helper thread, at the cost of a second, small round trip for the headers (3-8%
-faster in four interleaved A/B runs of 64 x 256 KiB and 16 x 4 MiB). :meth:`RemoteTier.scan`
-re-indexes the namespace from headers alone (payloads are verified when read).
-
-The ``redis`` client is imported here and in :mod:`~kvplane.offload.tiers.fence` only; without it
-:func:`redis_support` says why and the constructor raises :class:`~kvplane.errors.UnsupportedError`.
-Connection loss, timeouts and server errors raise :class:`~kvplane.errors.OffloadError` (counted);
-the failed job's chunks become misses. Payloads go out as memoryviews (no copy into a request
-buffer). A namespace belongs to one manager: an open tier holds ``<namespace>:owner`` by a renewed
-lease (:class:`~kvplane.offload.tiers.lease.NamespaceLease`; its token fences the writes), so a
-second engine on the same namespace is refused with an :class:`~kvplane.errors.OffloadError` naming
-the holder, while an engine restarted after a crash claims it once the dead holder's lease runs out
-(at most ``lease_s``) and re-finds its chunks by :meth:`RemoteTier.scan`. Thread-safe: the client
-pools its connections and the tier keeps no buffers, so a store and a load job may overlap (their
-shared helper thread is started on first use and stopped by :meth:`close`).
+Payload and header strings per slot, fenced writes under the namespace lease, pipelined groups,
+replies read straight into host slots. The ``redis`` client is imported only here and in
+:mod:`~kvplane.offload.tiers.fence`. See docs/offload.md.
 """
 
 from __future__ import annotations
@@ -57,7 +16,6 @@ from typing import Any, NoReturn
 
 import torch
 
-from kvplane.config import require_finite_positive
 from kvplane.errors import (
     InvalidArgumentError,
     MalformedMessageError,
@@ -76,6 +34,7 @@ from kvplane.offload.tiers.header import (
 )
 from kvplane.offload.tiers.lease import NamespaceLease, check_lease_timing
 from kvplane.offload.tiers.resp import ReplyReader
+from kvplane.validators import require_finite_positive, require_int, require_size
 
 _HEADER = b":h"
 _SLOT = re.compile(rb"[0-9]+")
@@ -121,9 +80,8 @@ class RemoteTier:
         arguments, among them ``lease_s < 2 * timeout_s`` (``timeout_s`` bounds each Redis
         call; see :mod:`~kvplane.offload.tiers.lease`), raise :class:`InvalidArgumentError`
         before anything connects."""
-        for what, value in (("num_slots", num_slots), ("chunk_bytes", chunk_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidArgumentError(f"RemoteTier.{what} must be a positive int: {value!r}")
+        require_int("RemoteTier.num_slots", num_slots, min=1)
+        require_size("RemoteTier.chunk_bytes", chunk_bytes, min=1)
         if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
             raise InvalidArgumentError(f"RemoteTier.fingerprint must be {FINGERPRINT_BYTES} bytes")
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):

@@ -1,22 +1,7 @@
 """Reading Redis (RESP) replies off a socket, with bulk payloads landing in the caller's memory.
 
-Theory of operation
--------------------
-A client library parses every bulk reply into a new ``bytes`` object, which the remote tier
-then copies into a host slot. For a chunk of hundreds of KiB that object is a fresh heap
-allocation whose pages the allocator returns to the kernel and takes back (measured, 128 chunks
-of 256 KiB loaded in groups of 8 MiB: 6,100 page faults per load against 2,080 for one raw
-``GET`` loop, and 0.62-0.73 of its speed). :class:`ReplyReader` instead reads the reply's
-header lines through a small buffer and ``recv_into``\\ s a payload of the expected length
-straight into the destination view: no allocation, no second copy.
-
-It understands what the tier asks for: arrays (``*n``), bulk strings (``$n``), nil (RESP2
-``$-1``/``*-1``, RESP3 ``_``) and error replies (``-...``, RESP3 ``!...``). Anything else, a
-length over :data:`MAX_BULK`, or a missing CRLF is a
-:class:`~kvplane.errors.MalformedMessageError`; an error reply is an
-:class:`~kvplane.errors.OffloadError`; the peer closing the socket is a ``ConnectionError``.
-After any of these the connection's position in the reply stream is unknown, so its owner must
-drop it. Socket timeouts are the socket's own (``OSError``).
+After any error the connection's position is unknown: its owner must drop it. See
+docs/offload.md.
 """
 
 from __future__ import annotations

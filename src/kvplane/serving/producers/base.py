@@ -1,22 +1,7 @@
 """The plug-in points of the PD workers: what computes KV (prefill) and what consumes it (decode).
 
-Theory of operation
--------------------
-A prefill worker owns a paged KV pool; a :class:`KVProducer` fills it. The worker admits a
-request into a block table, then calls :meth:`KVProducer.produce` once per chunked-prefill step
-with a :class:`ProduceStep`: compute the KV of tokens ``[start, end)`` into the pool tensor at
-the request's blocks; KV of ``[0, start)`` is already there (earlier steps). The last step also
-returns the first sampled token (and fills the request's whole-only state slot, if the
-producer declares a state pool). Between two calls the worker plans and submits the slice the
-step produced, so the transfer of step *k* overlaps the compute of step *k + 1*.
-
-A decode worker receives the KV into its own pool (other block size, TP head range or memory
-order are fine: the transfer planner reconciles them) and hands the request to a
-:class:`KVDecoder` once the session committed: the decoder continues generation from the
-received KV and the first token (a real model), or proves the bytes are right (the synthetic
-one). Both sides describe their pools with the same three methods (:class:`KVModel`), so a
-model is plugged in by implementing them; the tiny Llama/DeepSeek models of ``kvplane.models``
-fit the same shape (``kv_layout`` / ``forward_step`` over a ``PagedKVCache``).
+:class:`KVProducer`, :class:`KVDecoder`, their inputs and :func:`kv_fingerprint`. See
+docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
-"""Real models behind the PD workers: a :class:`KVProducer` and a :class:`KVDecoder` over a
+"""Real models behind the PD workers: a ``KVProducer`` and a ``KVDecoder`` over a
 :class:`~kvplane.models.CausalLM`.
 
-Theory of operation
--------------------
-The runtime describes a pool as ``kv_layout(num_blocks, block_size, head_range)``; a model as
-``kv_layout(num_blocks, block_size, order)``. :class:`ModelKV` adapts one to the other (the
-models hold every KV head, so a TP ``head_range`` other than "all" is refused) and wraps a
-worker's :class:`PoolTensor` as a :class:`~kvplane.models.PagedKVCache` view — no copy, the
-transport keeps the registered memory.
-
-:class:`ModelProducer` computes one chunked-prefill step per :meth:`produce` call: a one-request
-:class:`~kvplane.models.StepBatch` over ``[start, end)`` of the prompt at the request's blocks
-(KV of ``[0, start)`` is already in the pool: an earlier step or a prefix loaded from the offload
-tiers wrote it); the last step's logits give the greedy first token. :class:`ModelDecoder`
-continues from received KV: one-token decode steps, each appending the previous token to the
-request's block table, for ``max_new_tokens`` tokens in all (the first one included) — exactly
-what :meth:`~kvplane.models.PagedDecoder.generate` does in one process, which is the parity
-reference.
-
-Both sides build the model from the same :class:`ModelSpec` (embedded name + seed, or a
-checkpoint directory), so their weights are bit-identical; :attr:`ModelKV.model_id` names the
-weights (name + seed, or the checkpoint's content hash) and goes into the PD handshake and into
-the offload chunk keys (:func:`~kvplane.serving.producers.base.kv_fingerprint`). One model object
-serves one thread.
+Both sides build the model from one :class:`ModelSpec`, so their weights are bit-identical. See
+docs/serving.md.
 """
 
 from __future__ import annotations
@@ -54,6 +34,7 @@ from kvplane.serving.producers.base import (
     ProduceStep,
     StepOutput,
 )
+from kvplane.validators import require_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,8 +60,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
             raise ConfigError(f"ModelSpec.source must name a model, got {self.source!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"ModelSpec.seed must be an int >= 0, got {self.seed!r}")
+        require_int("ModelSpec.seed", self.seed, min=0, error=ConfigError)
         if self.dtype not in DTYPES:
             raise ConfigError(
                 f"ModelSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"

@@ -1,12 +1,6 @@
-"""The synthetic model: a deterministic :class:`KVProducer` and a verifying :class:`KVDecoder`.
+"""The synthetic model: a deterministic ``KVProducer`` and a verifying ``KVDecoder``.
 
-The producer writes :class:`~kvplane.serving.producers.synthetic_kv.SyntheticKV` bytes (a
-function of token,
-position, layer, component, head and dim) and sleeps ``compute_s_per_token`` per token plus
-``compute_s_per_step`` per step to stand in for model compute (sleeping releases the GIL, so
-transfers run meanwhile, as they would beside a GPU kernel). Its first token and whole-only
-state are functions of the whole prompt. The decoder proves every received byte: the KV of the
-prompt (only the final window for a sliding-window layout), the state and the first token.
+Compute is a sleep; the decoder proves every received byte. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -28,6 +22,7 @@ from kvplane.serving.producers.base import (
     StepOutput,
 )
 from kvplane.serving.producers.synthetic_kv import SyntheticKV
+from kvplane.validators import require_int, require_number
 
 KINDS = ("gqa", "mla")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -65,21 +60,12 @@ class SyntheticSpec:
         if self.order not in ("block", "layer"):
             raise ConfigError(f"SyntheticSpec.order must be 'block' or 'layer', got {self.order!r}")
         for name in ("num_layers", "kv_heads", "head_dim", "latent_dim", "rope_dim", "vocab_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"SyntheticSpec.{name} must be a positive int, got {value!r}")
-        if (
-            isinstance(self.state_dim, bool)
-            or not isinstance(self.state_dim, int)
-            or (self.state_dim < 0)
-        ):
-            raise ConfigError(f"SyntheticSpec.state_dim must be an int >= 0, got {self.state_dim}")
+            require_int(f"SyntheticSpec.{name}", getattr(self, name), min=1, error=ConfigError)
+        require_int("SyntheticSpec.state_dim", self.state_dim, min=0, error=ConfigError)
         if self.sliding_window is not None and self.kind != "gqa":
             raise ConfigError("SyntheticSpec.sliding_window is a gqa option")
         for name in ("compute_s_per_token", "compute_s_per_step"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"SyntheticSpec.{name} must be a number >= 0, got {value!r}")
+            require_number(f"SyntheticSpec.{name}", getattr(self, name), min=0, error=ConfigError)
 
     @property
     def model_id(self) -> str:

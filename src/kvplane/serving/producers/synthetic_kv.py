@@ -1,22 +1,7 @@
-"""Synthetic KV: bytes that are a pure function of (token, position, layer, component, head, dim).
+"""Synthetic KV: bytes that are a pure function of token, position, layer, component, head, dim.
 
-Theory of operation
--------------------
-Tests and benches need KV whose every byte proves where it came from, so a misplaced, stale or
-missing byte is caught. :class:`SyntheticKV` derives each element's bits as ``row ^ column``: a
-64-bit mix of its token id and sequence position (plus a seed), XOR a 64-bit mix of its *global*
-layer id, component (K/V), *global* head index and element index along DIM — both cut to the
-element's width. Two elements agree only by a chance of 2**-bits each, so a misplaced token,
-layer, head or dim shows up in nearly every element it touches, and the grid costs one XOR
-pass. Because heads and layers are global, a prefill rank and a decode rank with different TP
-head ranges, block sizes or memory orders produce the same bytes for the same logical element,
-and a comparison is exact (bytes are compared as integers, never as floats, so NaN bit
-patterns are harmless).
-
-Writing and reading are vectorised: the two factors are mixed once per call (``[T]`` token rows,
-a ``[L, C, H, D]`` column grid); whole blocks are their broadcast XOR written straight into the
-pool per run of consecutive block ids and compared run by run, partial blocks go through one
-indexed put or gather. No Python loop per token, block or layer.
+Written and checked bit-exactly on any layout, vectorised per run of block ids. See
+docs/serving.md.
 """
 
 from __future__ import annotations
@@ -31,6 +16,7 @@ from kvplane.errors import InvalidArgumentError
 from kvplane.ids import TokenRange
 from kvplane.layout import KVLayout
 from kvplane.serving.producers.synthetic_native import xor_blocks
+from kvplane.validators import require_int
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_SIZE = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -150,9 +136,7 @@ class SyntheticKV:
     """The synthetic value function for pools of one layout family (any block size/order/TP)."""
 
     def __init__(self, seed: int = 0) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise InvalidArgumentError(f"seed must be a non-negative int, got {seed!r}")
-        self.seed = seed
+        self.seed = require_int("seed", seed, min=0)
 
     def _parts(
         self, layout: KVLayout, token_ids: np.ndarray, positions: np.ndarray

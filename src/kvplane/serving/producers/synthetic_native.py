@@ -1,21 +1,7 @@
-"""The synthetic producer's whole-block write by a small C kernel (``native/synthetic_kv.c``).
+"""The synthetic producer's whole-block write by a C kernel (``native/synthetic_kv.c``).
 
-Theory of operation
--------------------
-:class:`~kvplane.serving.producers.synthetic_kv.SyntheticKV` stands in for model compute, which
-on a real
-deployment runs on an accelerator and leaves the host's cores and memory bandwidth to the KV
-transfer. On a CPU-only host its write of a step's KV competes with the transfer's copy of the
-previous slice for the same memory bandwidth: torch's broadcast XOR stores through the caches,
-so every destination line is read before it is written (measured, 36 MB step of 61 MLA layers,
-one thread: 2.2-2.5 ms alone, 2.9-3.7 ms beside a 36 MB copy, which itself slowed from 2.3 to
-4.6-5.1 ms). :func:`xor_blocks` writes the same words with non-temporal stores (1.5 ms alone,
-2.0 ms beside the copy, the copy 3.7 ms): the values are read later by the transfer, never by
-the writing thread, so nothing is lost by bypassing the caches.
-
-The kernel is built once per machine by :mod:`kvplane.native`; where it cannot be (no C
-compiler), or the tensors are not contiguous CPU int64 words, :func:`xor_blocks` returns False
-and the caller's torch path writes the values.
+Streaming stores leave memory bandwidth to the transfer beside it; :func:`xor_blocks` returns
+False where the kernel cannot run. See docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,48 +1,7 @@
 """The router's membership: which workers it knows, which are up, and how it asks them things.
 
-Contract
---------
-:class:`Membership` holds one :class:`WorkerHandle` per worker address, each with its own
-:class:`~kvplane.serving.rpc.RpcClient`. :meth:`Membership.ask` sends each worker a message
-and waits a bounded time for all replies; at most one of each message is outstanding per
-worker: one not answered yet is waited for again by the next ask, not sent again. One
-outstanding for ``timeout_s`` or more is sent again (a worker that took it and died never
-answers) — and when that worker is not up (down, or never heard from), on a fresh client
-(:meth:`~Membership.recycle`): its peer is not connected, so zmq still holds the old frame and
-would hand it, and every later one, to the next process at that address. A worker that is up
-answered the last census, so the old frame was delivered: it is forgotten and the message sent
-again on the same client, and the worker's other calls (the requests it carries) are not
-failed for one slow reply (had it died since, the next census marks it down and recycles it).
-
-:meth:`Membership.census` asks every worker who it is (waiting ``probe_s``), marks the silent
-ones down and says which (re-)joined and which just went down; the caller fails the requests
-of the gone ones, then recycles them (their calls still waiting fail with
-``RemoteDisconnectError``, so none is lost silently). :meth:`Membership.pair_all` sends every
-pairing a change needs at once; :meth:`Membership.gather_stats` asks only the workers up.
-
-Pairs are TP-aware. One prefill rank sends a session's KV, so a (decode, prefill) pair can serve
-only when the prefill worker's KV heads cover the decode worker's in every pool
-(:func:`serves`, which is :func:`~kvplane.pd.handshake.heads_cover` per pool on the ranges in
-:class:`~kvplane.serving.messages.WorkerInfo`). Only such pairs are ever asked to pair; a pair
-that cannot serve is not an error and sets no ``repair`` (the decode worker's handshake would
-refuse it anyway; that refusal stays for a peer the router did not vet). A decode worker up
-that no prefill worker up covers (while some prefill worker is up) *is* reported by
-:meth:`~Membership.pair_all`, naming its ranges and those available — when it joins, is forced,
-or first becomes uncovered, not again at every census (``uncovered``), and without ``repair``:
-no re-pairing mends it; a covering prefill worker that comes up is paired as any new one. With
-every worker holding all heads (or MLA), every pair serves and nothing changes.
-
-A pair carries requests only once vetted: :meth:`~Membership.pair_all` records, per (decode,
-prefill) pair and for both workers' incarnations, how the decode worker answered its pairing —
-*accepted* (an ``Ack``), *refused* (anything else) or *pending* (no answer yet) — each answer
-replacing the last; a worker that goes down or restarts has its records forgotten (a restart
-also outdates them). :meth:`~Membership.serving` and :meth:`~Membership.ready` use only those:
-a refused pair, one never asked for these incarnations, or one whose pool counts differ never
-serves; a pending one only while its decode worker accepted none (its handshake may still be
-finishing; the worker is re-paired at the next refresh, which collects the answer).
-Recycling swaps ``w.client`` under the ask lock; a caller that sent a call on a client keeps
-that client to forget the call on. Once ``stop`` is set nothing is recycled, and
-:meth:`Membership.close` closes every worker's client (none is made after it).
+At most one query outstanding per worker and kind; a census marks silent workers down; only
+vetted, TP-covering pairs serve. See docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,47 +1,7 @@
 """The router: pairs prefill and decode workers and carries each request to both.
 
-Theory of operation
--------------------
-The router knows workers by their order-socket addresses. :meth:`Router.connect` asks each for
-its :class:`~kvplane.serving.messages.WorkerInfo` and tells every decode worker to shake hands
-with every prefill worker's PD endpoint that can serve it (the PD protocol then runs between
-them directly; the router never touches KV). Serving is TP-aware: one prefill rank sends a
-session's KV, so a prefill worker serves a decode worker only when its KV head range covers the
-decode worker's in every pool (:func:`~kvplane.serving.router.membership.serves`; GQA across TP
-degrees). Pairs that cannot serve are never asked to pair and are not errors; a decode worker up
-that no prefill worker up covers is (``connect`` raises naming its ranges and those available).
-Only vetted pairs carry requests: those whose pairing the decode worker accepted, for both
-workers' current incarnations (one it has not answered yet only while it accepted none; see
-:meth:`~kvplane.serving.router.membership.Membership.serving`). :meth:`Router.submit` picks request
-``n``'s decode worker as ``eligible[n % len(eligible)]`` of the decode workers up that such a
-prefill worker serves, then the prefill worker by that decode worker's own round-robin cursor
-over those — so every serving prefill worker gets an even share of each decode worker's
-requests, and the share of a decode worker nothing serves is spread evenly over the others
-(nothing serves any: refused before any order). It mints a session id that is unique across
-router restarts, and sends the prefill order and the decode order at once — the prefill side
-starts computing while the decode side allocates; whichever PD frame arrives first opens the
-session. The decode worker answers when the request ends; that answer is the request's result.
-An order a worker refuses fails the request and cancels the other side. A request id is unique
-among the requests in flight (a duplicate is refused before anything is sent), and every
-follow-up cancel names the request's session id, so it can never stop another request that
-reuses the id on a worker.
-
-:meth:`Router.refresh` takes a census of the workers (one info query each, answered off the
-worker loop; at most one outstanding per worker and kind, and a worker not up never gets a
-backlog: see :mod:`kvplane.serving.router.membership`), then sends every pairing it needs at once,
-waiting ``probe_s`` for each round. A worker that does not answer is marked *down*: its
-requests fail at once (the other side is cancelled), then it gets a new socket (zmq's frames
-for the old one are dropped, so none reaches the next process at its address), submit and
-stats skip it; it comes back up, re-paired, when it answers again. A worker that restarted
-(new incarnation) is re-paired, and the requests its old incarnation carried as decode worker
-fail. Every request also has a deadline (``deadline_s``): one still unanswered then fails and
-is cancelled on both sides, so no future waits forever. One thread expires deadlines every
-``TICK_S``, whatever a refresh waits for; with ``refresh_s`` (``kvplane serve router``)
-another refreshes that often, and at once when a decode worker reports a prefill peer not
-connected (``NOT_CONNECTED``).
-
-``kvplane serve router`` serves a router on an order socket (``Generate``, ``CancelOrder``,
-``InfoQuery``, aggregated ``StatsQuery``); see :mod:`kvplane.serving.router.service`.
+It never touches KV. Fair picks over vetted pairs, session ids unique across restarts, a
+deadline for every request. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -57,7 +17,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvplane.config import require_finite_positive
 from kvplane.errors import InvalidArgumentError, KVPlaneError, ProtocolError, TransferTimeoutError
 from kvplane.serving.messages import (
     NOT_CONNECTED,
@@ -73,6 +32,7 @@ from kvplane.serving.messages import (
 )
 from kvplane.serving.router.membership import Membership, WorkerHandle, covering, heads_of
 from kvplane.serving.rpc import RpcClient
+from kvplane.validators import require_finite_positive
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05  # how often the deadline thread looks for expired requests

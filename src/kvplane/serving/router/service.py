@@ -1,23 +1,7 @@
-"""What a client may ask ``kvplane serve router``: :class:`RouterService`, the router's
-order socket.
+""":class:`RouterService`: the order socket of ``kvplane serve router``.
 
-- ``Generate``: :meth:`Router.submit`; answered with the request's ``RequestResult`` (failed by
-  the router's request deadline at the latest), or refused with an ``ErrorReply`` (invalid
-  values, a request id already in flight, no worker of a role up, no prefill worker up that
-  covers the KV heads of a decode worker up). While the router is not ready (no such covered
-  pair up: :meth:`Router.ready`), it first refreshes (off the server thread), then submits or
-  refuses. Generates share refreshes: one runs its own only if none began since it arrived
-  (:meth:`Router.refresh_unless_ready`), so a burst costs at most two (the one already running
-  when it came, one after), not one each.
-- ``CancelOrder``: :meth:`Router.cancel` on the decode side; ``Ack`` ("cancelling" or
-  "unknown request").
-- ``InfoQuery``: a ``WorkerInfo`` with role and peer id ``router``.
-- ``StatsQuery``: one ``WorkerStats`` aggregated over the workers (peer id ``router``, see
-  :func:`aggregate`), gathered off the server thread and fitted to the server's frame limit.
-- anything else: ``ErrorReply``.
-
-The handler never blocks the server thread: refreshes and stats gatherings run on one executor
-of at most ``helpers`` threads (more wait their turn); every message is answered.
+``Generate``, ``CancelOrder``, ``InfoQuery`` and ``StatsQuery``; the server thread never
+blocks. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -27,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kvplane.errors import InvalidArgumentError, KVPlaneError
+from kvplane.errors import KVPlaneError
 from kvplane.serving.messages import (
     REPLY_MARGIN,
     Ack,
@@ -43,6 +27,7 @@ from kvplane.serving.messages import (
 )
 from kvplane.serving.router.router import Router
 from kvplane.serving.rpc import DEFAULT_MAX_FRAME, Reply, RpcServer
+from kvplane.validators import require_int
 
 log = logging.getLogger(__name__)
 HELPERS = 4
@@ -63,8 +48,7 @@ class RouterService:
         max_frame: int = DEFAULT_MAX_FRAME,
         helpers: int = HELPERS,
     ) -> None:
-        if isinstance(helpers, bool) or not isinstance(helpers, int) or helpers < 1:
-            raise InvalidArgumentError(f"helpers must be a positive int, got {helpers!r}")
+        require_int("helpers", helpers, min=1)
         self.router = router
         self._pool = ThreadPoolExecutor(helpers, thread_name_prefix="kvplane-router-helper")
         self.server = RpcServer(bind, self.handle, name=name, max_frame=max_frame)
