@@ -131,3 +131,28 @@ def test_the_duration_check_is_re_exported_from_validators() -> None:
     """Its tests live in tests/test_validators.py; importers of ``kvplane.config`` keep working."""
     assert require_finite_positive is validators.require_finite_positive
     assert MAX_DURATION_S == validators.MAX_DURATION_S == 1e6
+
+
+@pytest.mark.parametrize(
+    ("make", "want"),
+    [
+        (lambda: PoolConfig(num_blocks=0), "PoolConfig.num_blocks must be a positive int, got 0"),
+        (
+            lambda: PoolConfig(block_size=True),
+            "PoolConfig.block_size must be a positive int, got True",
+        ),
+        (
+            lambda: ChunkConfig(blocks_per_chunk=2.0),
+            "ChunkConfig.blocks_per_chunk must be a positive int, got 2.0",
+        ),
+        (lambda: HashConfig(seed=-3), "HashConfig.seed must be an int >= 0, got -3"),
+        (lambda: HashConfig(seed=False), "HashConfig.seed must be an int >= 0, got False"),
+    ],
+)
+def test_the_shared_validators_word_every_refusal(make: object, want: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        make()  # type: ignore[operator]
+    assert str(err.value) == want
+    assert HashConfig(seed=0).seed == 0 and PoolConfig(1, 1) == PoolConfig(
+        num_blocks=1, block_size=1
+    )

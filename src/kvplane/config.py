@@ -1,20 +1,10 @@
 """Frozen, validated per-component configuration and the one way to resolve it.
 
-Theory of operation
--------------------
-Each component declares a frozen dataclass (e.g. :class:`PoolConfig`) whose ``__post_init__``
-validates every field and raises :class:`~kvplane.errors.ConfigError` naming it. A value is
-resolved from four sources with one precedence, highest first::
-
-    CLI flag  >  KVPLANE_<SECTION>_<FIELD> environment variable  >  TOML file [section]  >  default
-
-:func:`resolve` takes the dataclass type, its section name and the three explicit sources
-(a parsed TOML mapping, an environment mapping and a flags mapping), so nothing reads global
-state behind the caller's back. Strings from the environment are converted to the field's type
-(int, float, bool, str, pathlib.Path, or an enum by value/name); TOML values must already have the
-right type. An environment variable set to the empty string counts as unset (the usual way a
-launcher or an env file unsets one; ``Path("")`` would otherwise mean the working directory).
-Unknown keys in a section are an error: a typo never silently falls back to a default.
+Owns the L0 config dataclasses (:class:`PoolConfig`, :class:`HashConfig`, :class:`ChunkConfig`),
+TOML loading, and :func:`resolve`: flag > ``KVPLANE_<SECTION>_<FIELD>`` env > TOML file >
+default, from explicit sources only (it never reads ``os.environ`` itself). Scalar checks live
+in :mod:`kvplane.validators`; how values resolve is told in ``docs/serving.md``
+("Configuration"). Must not import anything above L0.
 """
 
 from __future__ import annotations
@@ -31,6 +21,7 @@ from typing import Any, TypeVar
 
 from kvplane.errors import ConfigError
 from kvplane.validators import MAX_DURATION_S as MAX_DURATION_S  # noqa: PLC0414 (re-export)
+from kvplane.validators import is_int, require_int
 from kvplane.validators import require_finite_positive as require_finite_positive  # noqa: PLC0414
 
 if sys.version_info >= (3, 11):
@@ -53,12 +44,6 @@ class Source(enum.Enum):
     FLAG = "flag"
 
 
-def _require_positive(owner: str, **values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{owner}.{name} must be a positive int, got {value!r}")
-
-
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     """A paged KV pool: ``num_blocks`` blocks of ``block_size`` tokens each."""
@@ -67,7 +52,8 @@ class PoolConfig:
     block_size: int = 16
 
     def __post_init__(self) -> None:
-        _require_positive("PoolConfig", num_blocks=self.num_blocks, block_size=self.block_size)
+        require_int("PoolConfig.num_blocks", self.num_blocks, min=1, error=ConfigError)
+        require_int("PoolConfig.block_size", self.block_size, min=1, error=ConfigError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +63,7 @@ class HashConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"HashConfig.seed must be a non-negative int, got {self.seed!r}")
+        require_int("HashConfig.seed", self.seed, min=0, error=ConfigError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +73,7 @@ class ChunkConfig:
     blocks_per_chunk: int = 4
 
     def __post_init__(self) -> None:
-        _require_positive("ChunkConfig", blocks_per_chunk=self.blocks_per_chunk)
+        require_int("ChunkConfig.blocks_per_chunk", self.blocks_per_chunk, min=1, error=ConfigError)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -155,7 +140,7 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
     """Values from TOML or typed flags must already have the field's type (ints widen to float)."""
     if isinstance(value, str) and tp is not str:
         return _parse_str(value, tp, where)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    if tp is float and is_int(value):
         return float(value)
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")

@@ -73,7 +73,7 @@ def test_an_empty_environment_variable_is_unset() -> None:
         ({"host_slots": -1}, "host_slots"),
         ({"policy": "fifo"}, "fifo"),
         ({"metrics_port": 70000}, "metrics_port"),
-        ({"metrics_port": 65535}, r"0\.\.65534"),  # the scheduler side serves on port + 1
+        ({"metrics_port": 65535}, r"\[0, 65534\]"),  # the scheduler side serves on port + 1
         ({"metrics_port": "x"}, "metrics_port"),
     ],
 )
@@ -106,3 +106,19 @@ def test_the_connector_module_without_vllm_is_a_typed_unsupported_error() -> Non
         pytest.skip("vLLM is installed in this environment")
     with pytest.raises(UnsupportedError, match=r"scripts/vllm-venv\.sh"):
         importlib.import_module("kvplane.integrations.vllm.connector")
+
+
+@pytest.mark.parametrize("port", [True, 1.0, -1, 65535, "x", "9100.0", None])
+def test_a_bad_metrics_port_is_worded_once(port: object) -> None:
+    shown = "'x'" if port == "x" else repr(port)
+    with pytest.raises(ConfigError) as err:
+        parse_extra_config({"metrics_port": port}, {})
+    assert str(err.value) == (
+        "metrics_port (the scheduler side serves on the next port) must be an int in "
+        f"[0, 65534], got {shown}"
+    )
+
+
+def test_a_metrics_port_string_is_read_as_an_int() -> None:
+    assert parse_extra_config({"metrics_port": "0"}, {}).metrics_port == 0
+    assert parse_extra_config({"metrics_port": " 65534 "}, {}).metrics_port == 65534

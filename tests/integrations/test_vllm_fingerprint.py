@@ -183,3 +183,25 @@ def test_the_config_stamp_refuses_a_value_without_a_stable_form() -> None:
     assert config_stamp(_ModelConfig(hf, hf_overrides={1: "a", "b": 2})) == config_stamp(
         _ModelConfig(hf, hf_overrides={"b": 2, 1: "a"})
     )
+
+
+@pytest.mark.parametrize(
+    ("change", "want"),
+    [
+        ({"block_size": 0}, "EngineFingerprint.block_size must be a positive int, got 0"),
+        ({"num_layers": True}, "EngineFingerprint.num_layers must be a positive int, got True"),
+        ({"tp_size": 2.0}, "EngineFingerprint.tp_size must be a positive int, got 2.0"),
+        ({"tp_rank": 2, "tp_size": 2}, "EngineFingerprint.tp_rank must be an int in [0, 1], got 2"),
+        (
+            {"tp_rank": True, "tp_size": 2},
+            "EngineFingerprint.tp_rank must be an int in [0, 1], got True",
+        ),
+        ({"block_shape": (2, True, 64)}, "EngineFingerprint.block_shape (2, True, 64)"),
+        ({"block_shape": ()}, "EngineFingerprint.block_shape ()"),
+    ],
+)
+def test_bad_fields_are_worded_exactly(change: dict[str, object], want: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        dataclasses.replace(BASE, **change)  # type: ignore[arg-type]
+    assert str(err.value) == want
+    assert dataclasses.replace(BASE, tp_rank=1, tp_size=2).tp_rank == 1

@@ -76,3 +76,18 @@ def test_bad_calls_raise_before_changing_anything() -> None:
     with pytest.raises(InvalidArgumentError, match="extend"):
         keys.chunk_keys(8)
     assert keys.num_hashed_blocks == 0
+
+
+def test_refusals_are_worded_exactly() -> None:
+    keys = RequestKeys(HASHER, SPEC)
+    for bad in (31, -1, True, 3.0):
+        with pytest.raises(InvalidArgumentError) as err:
+            keys.extend(TOKENS, bad)  # type: ignore[arg-type]
+        assert str(err.value) == (
+            f"num_tokens (at most the known tokens) must be an int in [0, 30], got {bad!r}"
+        )
+    with pytest.raises(InvalidArgumentError) as err:
+        LoraIdentity("sql", True, "a")
+    assert str(err.value) == "LoraIdentity.int_id must be an int, got True"
+    keys.extend(TOKENS, 0)
+    assert keys.num_hashed_blocks == 0

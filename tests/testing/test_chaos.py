@@ -79,7 +79,9 @@ def test_submit_errors_and_delays() -> None:
 
 
 def test_plan_validation() -> None:
-    with pytest.raises(ConfigError, match=r"TransferFaults\.late_s must be >= 0 seconds, got -1"):
+    with pytest.raises(
+        ConfigError, match=r"TransferFaults\.late_s must be a finite number >= 0, got -1"
+    ):
         TransferFaults(late_s=-1)
     with pytest.raises(ConfigError, match="a real endpoint sends events, not bytes"):
         FaultPlan(frames=FrameFaults(corrupt=0.1))

@@ -59,7 +59,7 @@ def test_partition_drops_both_directions_until_healed() -> None:
         ({"corrupt": -0.1}, "FrameFaults.corrupt must be a probability in [0, 1], got -0.1"),
         ({"drop": True}, "FrameFaults.drop must be a probability in [0, 1], got True"),
         ({"drop": 0.6, "reorder": 0.5}, "FrameFaults: the probabilities of its exclusive faults"),
-        ({"reorder_s": -1.0}, "FrameFaults.reorder_s must be >= 0 seconds, got -1.0"),
+        ({"reorder_s": -1.0}, "FrameFaults.reorder_s must be a finite number >= 0, got -1.0"),
     ],
 )
 def test_bad_faults(kwargs: dict[str, float], message: str) -> None:
@@ -71,3 +71,37 @@ def test_bad_faults(kwargs: dict[str, float], message: str) -> None:
 def test_a_link_latency_needs_lo_le_hi() -> None:
     with pytest.raises(ConfigError, match="latency_s needs 0 <= lo <= hi"):
         FaultyLink(FrameFaults(), random.Random(0), latency_s=(0.5, 0.1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"reorder_s": float("nan")},
+            "FrameFaults.reorder_s must be a finite number >= 0, got nan",
+        ),
+        (
+            {"reorder_s": float("inf")},
+            "FrameFaults.reorder_s must be a finite number >= 0, got inf",
+        ),
+        ({"reorder_s": True}, "FrameFaults.reorder_s must be a finite number >= 0, got True"),
+        ({"duplicate": "0.1"}, "FrameFaults.duplicate must be a probability in [0, 1], got '0.1'"),
+        ({"reorder": float("nan")}, "FrameFaults.reorder must be a probability in [0, 1], got nan"),
+    ],
+)
+def test_every_refusal_is_worded_exactly(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        FrameFaults(**kwargs)  # type: ignore[arg-type]
+    assert str(err.value) == message
+    assert FrameFaults(drop=1, reorder_s=0).drop == 1
+
+
+@pytest.mark.parametrize(
+    "latency_s", [(0.5, 0.1), (-0.1, 0.1), (0.0, float("inf")), (float("nan"), 1.0)]
+)
+def test_a_link_latency_must_be_finite(latency_s: tuple[float, float]) -> None:
+    with pytest.raises(ConfigError) as err:
+        FaultyLink(FrameFaults(), random.Random(0), latency_s=latency_s)
+    assert str(err.value) == f"FaultyLink latency_s needs 0 <= lo <= hi, got {latency_s}"
+    link = FaultyLink(FrameFaults(), random.Random(0), latency_s=(0, 1))
+    assert link.latency_s == (0.0, 1.0) and type(link.latency_s[0]) is float

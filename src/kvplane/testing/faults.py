@@ -9,25 +9,23 @@ transport (real batches) and the simulated backend of :mod:`~kvplane.testing.ses
 from __future__ import annotations
 
 import enum
-import math
 import random
 from dataclasses import dataclass, field
 
 from kvplane.errors import ConfigError
+from kvplane.validators import require_int, require_number, require_probability
 
 
 def _check(owner: object, probabilities: tuple[str, ...], seconds: tuple[str, ...]) -> None:
     name = type(owner).__name__
-    for attr in probabilities:
-        p = getattr(owner, attr)
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
-            raise ConfigError(f"{name}.{attr} must be a probability in [0, 1], got {p!r}")
-    if sum(getattr(owner, attr) for attr in probabilities) > 1.0 + 1e-12:
+    total = sum(
+        require_probability(f"{name}.{attr}", getattr(owner, attr), error=ConfigError)
+        for attr in probabilities
+    )
+    if total > 1.0 + 1e-12:
         raise ConfigError(f"{name}: the probabilities of its exclusive faults sum past 1")
     for attr in seconds:
-        s = getattr(owner, attr)
-        if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) or s < 0:
-            raise ConfigError(f"{name}.{attr} must be >= 0 seconds, got {s!r}")
+        require_number(f"{name}.{attr}", getattr(owner, attr), min=0, error=ConfigError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +114,6 @@ class FaultPlan:
     transfers: TransferFaults = field(default_factory=TransferFaults)
 
     def __post_init__(self) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"FaultPlan.seed must be an int, got {self.seed!r}")
+        require_int("FaultPlan.seed", self.seed, error=ConfigError)
         if self.frames.corrupt:
             raise ConfigError("FaultPlan.frames.corrupt: a real endpoint sends events, not bytes")

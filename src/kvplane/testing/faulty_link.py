@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kvplane.errors import ConfigError
 from kvplane.testing.faults import FrameFaults
+from kvplane.validators import finite_number
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,13 +38,13 @@ class FaultyLink:
         *,
         latency_s: tuple[float, float] = (0.0005, 0.002),
     ) -> None:
-        """``latency_s``: every frame's base delay is uniform in ``[lo, hi]`` seconds."""
-        lo, hi = latency_s
-        if not 0.0 <= lo <= hi:
+        """``latency_s``: every frame's base delay is uniform in ``[lo, hi]`` finite seconds."""
+        lo, hi = (finite_number(x) for x in latency_s)
+        if lo is None or hi is None or not 0.0 <= lo <= hi:
             raise ConfigError(f"FaultyLink latency_s needs 0 <= lo <= hi, got {latency_s}")
         self.faults = faults
         self.rng = rng
-        self.latency_s = (float(lo), float(hi))
+        self.latency_s = (lo, hi)
         self.stats: Counter[str] = Counter()
         self._heap: list[tuple[float, int, Delivery]] = []
         self._seq = 0

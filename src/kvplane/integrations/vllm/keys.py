@@ -1,16 +1,9 @@
 """Chunk keys of a vLLM request, derived deterministically from its tokens.
 
-vLLM's own block hashes are seeded from ``PYTHONHASHSEED`` (random when unset), so they differ
-between engine processes. The connector recomputes its own chain instead with kvplane's
-:class:`~kvplane.blocks.hashing.BlockHasher`, rooted in the engine fingerprint digest (see
-:mod:`kvplane.integrations.vllm.fingerprint`) and a configured seed: the same tokens on a
-compatible engine started later give the same keys, so it finds the chunks on disk or in Redis.
-A LoRA adapter (its name, vLLM's integer id and a stamp of its files, see
-:class:`LoraIdentity`) and a cache salt enter every block as extra keys.
-
-:class:`RequestKeys` extends one request's chain incrementally as its tokens grow (prompt, then
-decoded tokens), hashing each full block once; :meth:`RequestKeys.chunk_keys` returns the keys
-of the full chunks within a token count via :meth:`ChunkSpec.chunk_keys`.
+Owns :class:`RequestKeys` (one request's block-hash chain, extended incrementally, and its chunk
+keys), :class:`LoraIdentity` and the request's extra hash inputs (LoRA adapter, cache salt). The
+chain is rooted in the engine fingerprint digest and a seed, never in vLLM's own hashes. Pure
+computation: no tier, no vLLM import. Why, in ``docs/vllm.md`` ("Chunk keys").
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ from kvplane.blocks.hashing import BlockHasher, ExtraKey
 from kvplane.chunks import ChunkSpec
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import BlockHash, ChunkKey
+from kvplane.validators import require_int
 
 
 class RequestKeys:
@@ -50,10 +44,7 @@ class RequestKeys:
         :class:`InvalidArgumentError` for ``num_tokens`` beyond the list.
         """
         n = len(token_ids) if num_tokens is None else num_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(token_ids):
-            raise InvalidArgumentError(
-                f"num_tokens {num_tokens!r} must be in 0..{len(token_ids)} (the known tokens)"
-            )
+        n = require_int("num_tokens (at most the known tokens)", n, min=0, max=len(token_ids))
         bs = self.spec.block_size
         have = len(self._hashes)
         full = n // bs
@@ -86,8 +77,7 @@ class LoraIdentity:
     stamp: str
 
     def __post_init__(self) -> None:
-        if isinstance(self.int_id, bool) or not isinstance(self.int_id, int):
-            raise InvalidArgumentError(f"LoraIdentity.int_id must be an int: {self.int_id!r}")
+        require_int("LoraIdentity.int_id", self.int_id)
 
 
 def request_extra_keys(lora: LoraIdentity | None, cache_salt: str | None) -> tuple[ExtraKey, ...]:

@@ -1,16 +1,10 @@
 """What the connector's scheduler side and worker side tell each other, as plain data.
 
-vLLM runs the scheduler-side connector and the worker-side connector as two objects, possibly in
-two processes; they talk only through per-step metadata (scheduler -> worker), per-step worker
-output (worker -> scheduler) and one handshake at start-up (worker -> scheduler). These frozen
-dataclasses are those messages; the vLLM-typed wrappers in ``connector.py`` only carry them.
-The parts the tier book decides (:class:`TierWrite`, :class:`Promotion`, the :class:`TierIndex`
-handshake) live in :mod:`kvplane.offload.book_types` and are re-exported here. Every field is
-an int, str, bytes, bool or tuple of them, so the messages pickle across processes and compare
-by value in tests.
-
-Job ids are assigned by the scheduler side, unique per connector, increasing from 1.
-Block ids are chunk-major: chunk ``i`` of an op owns ``block_ids[i*bpc:(i+1)*bpc]``.
+Owns the per-step messages (:class:`StepMeta` of :class:`StoreOp` and :class:`LoadOp`;
+:class:`WorkerReport` of :class:`JobReport`); the tier book's parts (:class:`TierWrite`,
+:class:`Promotion`, the :class:`TierIndex` handshake) are re-exported from
+:mod:`kvplane.offload.book_types`. Frozen values of ints, strs, bytes, bools and tuples: no
+logic, no vLLM types. Conventions (job ids, chunk-major block ids): ``docs/vllm.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """vLLM's paged KV tensors seen as one kvplane pool whose blocks are copied whole.
 
-vLLM hands the worker one tensor per attention layer, ``[num_blocks, kv_heads, block_size,
-2 * head_dim]`` on the CPU backend, all views of one buffer (layer-major: layer ``l`` starts
-``l * num_blocks`` blocks into it; block 0 is vLLM's reserved null block). Inside a block the
-CPU attention kernel keeps its own ISA-dependent order (K transposed, then V), so a block's
-bytes are copied whole by block id and never reinterpreted.
-
-:meth:`VllmPool.from_kv_caches` checks that picture and wraps the buffer as one contiguous pool
-tensor with a :class:`~kvplane.layout.KVLayout` whose order keeps each (layer, block) slab one
-contiguous run: ``[layers, blocks, 2, block_size, kv_heads, head_dim]`` in memory. The axis
-*labels* inside a block are nominal (the kernel's real order differs); only their product, the
-block's byte size, and the LAYER/BLOCK strides are relied on, which is exactly what the
-:class:`~kvplane.offload.copier.ChunkCopier` needs to move whole blocks. The physical truth
-(vLLM release, ISA, layout name) goes into the engine fingerprint instead.
-
-:meth:`VllmPool.scatter_partial` writes some blocks of one host chunk (a load that starts or
-ends inside a chunk); the copier only moves whole chunks.
+Owns :class:`VllmPool`: the check that vLLM's per-layer CPU KV tensors are equally spaced views
+of one layer-major buffer, its wrapping as one pool tensor with a :class:`~kvplane.layout.KVLayout`,
+and :meth:`VllmPool.scatter_partial` for loads that start or end inside a chunk. Never
+reinterprets the bytes inside a block (their order is the kernel's). Why the axis labels are
+nominal: ``docs/vllm.md`` ("vLLM's KV as one pool").
 """
 
 from __future__ import annotations

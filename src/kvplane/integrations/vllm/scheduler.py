@@ -1,36 +1,10 @@
 """The connector's scheduler side: which tokens load from kvplane, what to store, when to free.
 
-Theory of operation
--------------------
-vLLM asks the scheduler side, per waiting request, how many tokens beyond its local prefix-cache
-hit the connector can supply (:meth:`SchedulerSide.matched_tokens`, side-effect free), tells it
-which blocks it allocated (:meth:`SchedulerSide.allocated`), asks once per step for the worker's
-instructions (:meth:`SchedulerSide.build_step`), reports finished requests
-(:meth:`SchedulerSide.finished`) and hands back what the worker finished
-(:meth:`SchedulerSide.apply`). The rules:
-
-- Keys: a request's chunk keys come from its tokens (:class:`~.keys.RequestKeys`), rooted in
-  the engine fingerprint the worker sent at start-up (:meth:`SchedulerSide.set_index`); until
-  then nothing matches and nothing is stored.
-- Match: the run of chunks, from the one holding the first uncomputed token, that some tier
-  holds READY. A chunk whose host store is still in flight makes the answer ``None`` ("ask
-  again"), so a request right behind another with the same prefix loads it rather than
-  recomputing. At most ``num_tokens - 1`` tokens are offered: vLLM must compute the last one.
-  Lower-tier chunks are offered only as far as host has room to promote them now (a promise
-  the load could not keep would come back as load errors), and a request that may not read
-  cached KV (``RequestView.readable``) is offered nothing. Loads are synchronous (the worker
-  finishes them before the forward's attention reads them).
-- Metrics: hit tokens and chunks are counted from the worker's load report (only what reached
-  vLLM intact), stored chunks from its gather report (only gathers that succeeded).
-- Store: each step, every scheduled request's full chunks whose KV this step completes
-  (``num_computed + num_scheduled``, speculative tokens excluded) are reserved and gathered by
-  the worker after the forward, then written through to the lower tiers. A chunk is offered for
-  storing once per request; no host room means it is skipped (a later miss, never an error).
-  One whose host copy is doomed (read back bad, still pinned by another reader) is offered
-  again on the request's next steps until it can be stored.
-- Free: a finished request with a gather in flight keeps its blocks (``finished`` returns
-  True) until the worker reports it finished sending; a preempted one makes the worker flush
-  in-flight gathers before the forward that may reuse its blocks.
+Owns :class:`SchedulerSide` (per-request key chains, side-effect-free matches, load and store
+plans, delayed frees, hit metrics) over the :class:`~kvplane.offload.book.TierBook`, and the
+:class:`RequestView` it reads. Plain data in, :class:`~.messages.StepMeta` out: no tensors, no
+tier I/O, no vLLM import. The rules (keys, match, store, free): ``docs/vllm.md`` ("The
+scheduler side").
 """
 
 from __future__ import annotations

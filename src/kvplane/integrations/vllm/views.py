@@ -1,15 +1,9 @@
 """What the connector reads of a vLLM request, as plain functions testable without vLLM.
 
-:func:`request_view` turns a vLLM ``Request`` (read by duck typing: any object with its
-attributes) into the scheduler side's :class:`~.scheduler.RequestView`:
-
-- ``eligible``: token-id prompts without multimodal features; others are never matched nor
-  stored (their tokens do not identify their KV).
-- ``readable``: False when vLLM set ``skip_reading_prefix_cache`` (requests with prompt
-  logprobs, or ``SamplingParams(skip_reading_prefix_cache=True)``): such a request must compute
-  every prompt token itself, so it is offered no external tokens, as vLLM's own offloading
-  connector does; its KV is still stored.
-- ``extra_keys``: the request's LoRA adapter (:func:`lora_identity`) and cache salt.
+Owns :func:`request_view` (a vLLM ``Request``, read by duck typing, as the scheduler side's
+:class:`~.scheduler.RequestView`: eligible, readable, extra keys) and :func:`lora_identity`
+(stamps an adapter once per process). Reads requests, never changes them; no vLLM import. The
+rules: ``docs/vllm.md`` ("Request views").
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """The connector's worker side: moves chunk bytes exactly as the scheduler side planned.
 
-Theory of operation
--------------------
-The worker owns the bytes: the host tier, a :class:`~kvplane.offload.copier.ChunkCopier` over
-vLLM's KV buffer (:class:`~.pool.VllmPool`), the lower tiers (opened and re-indexed at
-start-up; the index goes to the scheduler side as the handshake) and a
-:class:`~kvplane.offload.jobs.JobRunner` (one thread and FIFO per path). Per engine step:
-
-1. :meth:`WorkerSide.begin_step` (``handle_preemptions``): if the step flushes, every in-flight
-   gather finishes first, since a preempted request's blocks may be reused by this forward.
-2. :meth:`WorkerSide.start_loads` (``start_load_kv``) submits the step's loads: promotions
-   read lower-tier chunks into their host slots (verified: a corrupt chunk fails), then the
-   valid leading chunks are scattered into vLLM's blocks. :meth:`WorkerSide.wait_loads`
-   (``wait_for_layer_load``) blocks until they are all done: loads are synchronous, the
-   attention of this forward reads them.
-3. :meth:`WorkerSide.submit_stores` (``wait_for_save``, after the forward) submits the gathers;
-   a finished gather is followed by its write-through jobs to the lower tiers.
-4. :meth:`WorkerSide.finished_sending` (``get_finished``) harvests results and names the
-   delayed requests whose gathers are all done (a delayed request seen finished is kept until
-   then, however many steps its gathers take); :meth:`WorkerSide.take_load_errors` and
-   :meth:`WorkerSide.take_report` hand vLLM the failed blocks and the scheduler side the
-   per-chunk outcomes.
-
-A failed load chunk fails its blocks and every block after it in the same load (a KV prefix is
-usable only up to its first gap); vLLM then recomputes from the first failed block.
+Owns the bytes: the host tier, a :class:`~kvplane.offload.copier.ChunkCopier` over
+:class:`~.pool.VllmPool`, the lower tiers (re-indexed at start-up into the handshake) and a
+:class:`~kvplane.offload.jobs.JobRunner`; reports per-chunk outcomes and failed blocks. Decides
+nothing (no matching, no slot choice) and imports no vLLM. The per-step sequence and the
+load-failure rule: ``docs/vllm.md`` ("The worker side").
 """
 
 from __future__ import annotations
