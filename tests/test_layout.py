@@ -17,6 +17,8 @@ from kvplane.layout import (
     LayoutKind,
     dtype_from_name,
     dtype_name,
+    heads_cover,
+    shared_heads,
 )
 
 ORDERS = [BLOCK_MAJOR, LAYER_MAJOR, HEAD_MAJOR]
@@ -103,6 +105,19 @@ def test_tp_head_range_shrinks_the_pool() -> None:
     assert half.local_heads == 4 and half.pool_bytes * 2 == full.pool_bytes
     assert half.compat_fingerprint() == full.compat_fingerprint()
     assert half.fingerprint() != full.fingerprint()
+
+
+def test_window_start_keeps_the_last_window_of_a_sequence() -> None:
+    windowed = gqa(sliding_window=6)
+    assert [windowed.window_start(n) for n in (0, 4, 6, 7, 21)] == [0, 0, 0, 1, 15]
+    assert gqa().window_start(21) == 0
+
+
+def test_head_rules_cover_and_share() -> None:
+    assert heads_cover((0, 4), (1, 3)) and heads_cover((0, 1), (0, 1))
+    assert not heads_cover((1, 3), (0, 4)) and not heads_cover((0, 2), (1, 3))
+    assert shared_heads((0, 2), (1, 3)) == (1, 2) and shared_heads((2, 6), (0, 8)) == (2, 6)
+    assert shared_heads((0, 2), (2, 4)) is None
 
 
 def test_fingerprints_are_stable_and_discriminating() -> None:

@@ -103,6 +103,21 @@ MAX_POOL_BYTES = 1 << 62
 every ``offset + length`` of a descriptor, stays well inside int64."""
 
 
+def heads_cover(held: tuple[int, int], needed: tuple[int, int]) -> bool:
+    """True when the half-open TP head range ``held`` (a sender's) contains every head of the
+    non-empty range ``needed`` (a receiver's). The one coverage predicate of the data plane
+    (the PD handshake, the router and the slice planner use it). Pools without a head split
+    (MLA's latent head, state pools: ``(0, 1)`` on both sides) are always covered."""
+    return held[0] <= needed[0] < needed[1] <= held[1]
+
+
+def shared_heads(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    """The global heads both half-open TP head ranges hold, or None when they are disjoint: what
+    a transfer between two ranks can move (the planner's head range)."""
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
 def _int_tuple(what: str, value: object, size: int | None = None) -> tuple[int, ...]:
     """``value`` as a tuple of non-bool ints (``LayoutError`` otherwise), of ``size`` if given."""
     if not isinstance(value, tuple | list):
@@ -293,6 +308,13 @@ class KVLayout:
     @property
     def local_heads(self) -> int:
         return self.head_range[1] - self.head_range[0]
+
+    def window_start(self, num_tokens: int) -> int:
+        """First position a pool keeps of a sequence of ``num_tokens`` tokens: with a sliding
+        window only the last ``sliding_window`` ``[num_tokens - window, num_tokens)``, else all
+        (0). The one home of window clipping (the planner and the slice planner use it)."""
+        window = self.sliding_window
+        return 0 if window is None else max(0, num_tokens - window)
 
     @property
     def latent_dim(self) -> int:

@@ -1,4 +1,4 @@
-"""Coverage moments against brute force over every byte; overlap search; concatenation."""
+"""Coverage moments against brute force over every byte."""
 
 from __future__ import annotations
 
@@ -17,10 +17,8 @@ from kvplane.transfer.coverage import (
     MONOMIALS,
     SMALL_LIST,
     Coverage,
-    concat_descriptors,
     coverage_of_descriptors,
     coverage_of_product,
-    first_overlap,
 )
 from kvplane.transports.base import DescriptorList
 
@@ -221,26 +219,3 @@ def test_coverage_fields_are_checked() -> None:
         Coverage(0, zeros[:4])
     with pytest.raises(PlanError, match="tuple of 7"):
         Coverage(0, list(zeros))  # type: ignore[arg-type]
-
-
-def test_first_overlap() -> None:
-    touching = DescriptorList.of([(0, 10, 5), (0, 0, 10), (0, 15, 1)])
-    assert first_overlap(touching) is None
-    other_region = DescriptorList.of([(0, 0, 10), (1, 5, 10)])
-    assert first_overlap(other_region) is None
-    clash = DescriptorList.of([(0, 30, 4), (1, 0, 8), (0, 0, 10), (0, 9, 2)])
-    assert first_overlap(clash) == (2, 3)
-    inside = DescriptorList.of([(0, 0, 100), (0, 40, 1)])
-    assert first_overlap(inside) == (0, 1)
-    assert first_overlap(DescriptorList.of([(0, 0, 1)])) is None
-
-
-def test_concat_descriptors() -> None:
-    a = DescriptorList.of([(0, 0, 4)])
-    b = DescriptorList.of([(1, 8, 2), (1, 20, 3)])
-    both = concat_descriptors([a, b])
-    assert both.regions.tolist() == [0, 1, 1]
-    assert both.offsets.tolist() == [0, 8, 20]
-    assert both.lengths.tolist() == [4, 2, 3]
-    assert concat_descriptors([a]) is a
-    assert len(concat_descriptors([])) == 0

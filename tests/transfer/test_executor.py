@@ -17,7 +17,7 @@ from kvplane.errors import InvalidArgumentError, PlanError
 from kvplane.ids import RegionId, TokenRange
 from kvplane.layout import HEAD_MAJOR, KVLayout
 from kvplane.metrics import MetricsRegistry
-from kvplane.transfer.coverage import Coverage, concat_descriptors
+from kvplane.transfer.coverage import Coverage
 from kvplane.transfer.executor import PlanExecutor, PlanRunAbortedError
 from kvplane.transfer.plan import TransferPlan, joint_ops
 from kvplane.transfer.planner import plan_transfer
@@ -25,6 +25,7 @@ from kvplane.transfer.progress import OpProgress, OpState, PlanOutcome
 from kvplane.transfer.request import OpGrouping, PlanOptions, PlanSide
 from kvplane.transfer.run import PlanRun
 from kvplane.transports.base import Peer, XferKind, XferState
+from kvplane.transports.descriptors import concat_descriptors
 from kvplane.transports.local import LocalFabric, LocalTransport
 
 SRC_LAYOUT = KVLayout.gqa(

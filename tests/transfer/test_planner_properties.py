@@ -24,10 +24,10 @@ from hypothesis.stateful import (
 from kvplane.chunks import ChunkSpec
 from kvplane.ids import ChunkKey, RegionId, SliceId, TokenRange
 from kvplane.layout import Axis, KVLayout, LayoutKind
-from kvplane.transfer.coverage import concat_descriptors, first_overlap
 from kvplane.transfer.planner import plan_transfer
 from kvplane.transfer.request import OpGrouping, PlanOptions, PlanSide
 from kvplane.transfer.stats import contiguous_runs
+from kvplane.transports.descriptors import concat_descriptors
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8, torch.float8_e4m3fn]
 ORDERS = [(*perm, Axis.DIM) for perm in itertools.permutations(list(Axis)[:5])]
@@ -230,7 +230,7 @@ class PipelinedSlices(RuleBasedStateMachine):
         )  # fmt: skip
         assert torch.equal(self.regions[RegionId(1)], expected)
         # slices never write the same destination byte twice
-        assert first_overlap(concat_descriptors(self.dst_written)) is None
+        assert concat_descriptors(self.dst_written).facts.overlap is None
 
 
 def test_pipelined_slices_compose(kvref) -> None:

@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 
 from kvplane.errors import PlanError
 from kvplane.ids import RegionId
-from kvplane.transports.descriptors import DescriptorList, check_pairing, row_map
+from kvplane.transports.descriptors import (
+    DescriptorList,
+    check_pairing,
+    concat_descriptors,
+    row_map,
+)
 from kvplane.transports.rows import copy_rows_numpy, copy_rows_torch
 from kvplane.transports.workers import CopyWorkers
 
@@ -45,6 +50,33 @@ def test_facts_match_brute_force(triples):
     if f.overlap is not None:  # the pair found really shares a byte
         (ra, oa, na), (rb, ob, nb) = triples[f.overlap[0]], triples[f.overlap[1]]
         assert f.overlap[0] < f.overlap[1] and ra == rb and oa < ob + nb and ob < oa + na
+
+
+def test_overlap_names_the_first_neighbours_in_address_order() -> None:
+    """The one overlap search (``plan.validate`` and ``submit`` both use it), across regions and
+    past the 1 TiB that byte keys reach."""
+    touching = DescriptorList.of([(0, 10, 5), (0, 0, 10), (0, 15, 1)])
+    assert touching.facts.overlap is None
+    other_region = DescriptorList.of([(0, 0, 10), (1, 5, 10)])
+    assert other_region.facts.overlap is None
+    clash = DescriptorList.of([(0, 30, 4), (1, 0, 8), (0, 0, 10), (0, 9, 2)])
+    assert clash.facts.overlap == (2, 3)
+    inside = DescriptorList.of([(0, 0, 100), (0, 40, 1)])
+    assert inside.facts.overlap == (0, 1)
+    assert DescriptorList.of([(0, 0, 1)]).facts.overlap is None
+    far = 1 << 50
+    assert DescriptorList.of([(2, far + 8, 8), (1, far, 16), (2, far, 9)]).facts.overlap == (0, 2)
+
+
+def test_concat_descriptors() -> None:
+    a = DescriptorList.of([(0, 0, 4)])
+    b = DescriptorList.of([(1, 8, 2), (1, 20, 3)])
+    both = concat_descriptors([a, b])
+    assert both.regions.tolist() == [0, 1, 1]
+    assert both.offsets.tolist() == [0, 8, 20]
+    assert both.lengths.tolist() == [4, 2, 3]
+    assert concat_descriptors([a]) is a
+    assert len(concat_descriptors([])) == 0
 
 
 def test_facts_are_computed_once_and_kept():

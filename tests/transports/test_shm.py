@@ -91,7 +91,8 @@ def test_mapping_a_segment_in_use_keeps_its_bytes_and_shares_writes(monkeypatch,
 def test_refusals():
     t = ShmTransport(agent="r")
     try:
-        with pytest.raises(InvalidArgumentError, match="nbytes must be a positive int"):
+        bad = r"nbytes must be a byte count in \[1, 2\*\*62\], got 0"
+        with pytest.raises(InvalidArgumentError, match=bad):
             t.allocate(0)
         other_host = encode(Metadata(WIRE_VERSION, "shm", "far", "kvplane-shm-x", "another-boot"))
         with pytest.raises(IncompatiblePeerError, match="runs on another host"):

@@ -13,16 +13,17 @@ both sides carry one. What may differ, because the transfer planner reconciles i
 the TP head range a rank holds, memory order, pool size and the L2 *physical* fingerprint.
 
 The TP head ranges may differ but are directional: a session has one sender, so a KV sender's
-range must cover the receiver's (:func:`heads_cover`; GQA across TP degrees: the decode rank's
-range a subset of the prefill rank's; an MLA pool's one latent head is always covered). A peer
+range must cover the receiver's (:func:`~kvplane.layout.heads_cover`, the one home of that rule;
+GQA across TP degrees: the decode rank's range a subset of the prefill rank's; an MLA pool's one
+latent head is always covered). A peer
 that knows which way its KV flows passes ``sends`` to :func:`check_compatible`, which then
 refuses at the handshake a pairing that could only fail later, at a request's first slice.
 
 :func:`compat_fingerprint` digests exactly the must-match fields, so a peer can compare one
 value first; the check still recomputes it from the fields (a profile whose claimed fingerprint
 disagrees with its own fields is refused) and compares field by field to name the reasons.
-This module does no I/O and imports nothing above L0; the layout arrives as plain data (e.g.
-``KVLayout.describe()`` through :meth:`LayoutInfo.from_description`).
+This module does no I/O and imports only L0 and the head rule of ``kvplane.layout``; the layout
+arrives as plain data (e.g. ``KVLayout.describe()`` through :meth:`LayoutInfo.from_description`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ from typing import Annotated, Any
 import msgspec
 
 from kvplane.errors import InvalidArgumentError
+from kvplane.layout import heads_cover
+
+__all__ = [  # heads_cover: the one head-coverage rule lives with the layout (L2)
+    "LAYOUT_KINDS", "PROTOCOL_VERSION", "LayoutInfo", "PeerProfile", "Verdict",
+    "check_compatible", "compat_fingerprint", "heads_cover", "uncovered_heads",
+]  # fmt: skip
 
 PROTOCOL_VERSION = 1
 """Version of the PD control protocol; frames of any other version are dropped and counted."""
@@ -159,15 +166,6 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
     compatible: bool
     reasons: tuple[str, ...] = ()
-
-
-def heads_cover(held: tuple[int, int], needed: tuple[int, int]) -> bool:
-    """True when the half-open TP head range ``held`` (a sender's) contains every head of the
-    non-empty range ``needed`` (a receiver's). The one coverage predicate of the data plane: the
-    handshake (:func:`check_compatible`) and the slice planner (``pipeline/slicing.py``) both use
-    it. Pools without a head split (MLA's latent head, state pools: ``(0, 1)`` on both sides)
-    are always covered."""
-    return held[0] <= needed[0] < needed[1] <= held[1]
 
 
 def uncovered_heads(sender: PeerProfile, receiver: PeerProfile) -> list[str]:

@@ -1,41 +1,7 @@
 """The prefill side's transfer driver: turns ``StartSubmit`` actions into plan runs and evidence.
 
-Theory of operation
--------------------
-The PD session decides *when* a slice may move (``StartSubmit``); this driver decides nothing
-else. Slices of one session form one ordered queue: they are begun in slice order as soon as
-their ``StartSubmit`` arrives — several may be in flight, queued in order on the transport's
-link behind one another — and their evidence is reported in the same order (a slice's evidence
-waits for its predecessors'). All runs are stepped on one thread with non-blocking
-:class:`~kvplane.transfer.PlanRun` steps, while the bytes move on the transport's own threads and
-the worker loop computes the next prefill step.
-
-For each slice: plan it (:func:`~kvplane.pipeline.slicing.plan_slice`, pure, through the
-:class:`~kvplane.pipeline.slice_planner.SlicePlanner` — usually done ahead, while the prefill
-computes the slice: from the first slice on once the session's ``DestinationKnown`` hint has
-come, so the only slice of a short prompt does not wait for its plan; up to
-:data:`~kvplane.pipeline.slice_planner.LOOKAHEAD` slices past the latest begun one, and only
-while no new slice waits to begin), then, on the PD loop thread, check
-``Participant.submittable`` (a cancel may have overtaken the ``StartSubmit``) and report
-``SubmitStarted`` — or ``SubmitSkipped`` when nothing moves. Only then is the slice's run
-started (its plans validated against both sides' regions and run jointly, so the final slice's
-whole-only records share its KV's batch; deadline = the per-slice timeout) and its first ops
-handed to the transport. When every run of the slice is terminal the evidence goes back:
-``TransportDone``, ``TransportFailed`` or ``TransportInDoubt`` (any op whose fate is unknown);
-a done slice is timed to when its transport saw the last batch end, not to when this thread got
-to it (on a busy host most of a millisecond later). A slice that cannot even be planned (peer
-unreachable, request the pools cannot serve) fails its session with ``Fail``; its memory is
-then released by the ledger (NOT_SUBMITTED), never by the driver.
-
-Latency: every hop to the PD loop thread costs a thread handoff, so one driver turn makes at
-most one: the evidence of every finished slice, the worker's queued ``SubmitSlice`` commands
-(:meth:`SliceDriver.admit`: the worker loop hands them over and goes on computing, the result
-comes back through a callback) and the begin check of every new slice go in one call — including
-the slices those very commands let start, when their plans were made ahead (the session emits
-their ``StartSubmit`` inside the call, and the same call reports ``SubmitStarted``). The
-thread sleeps on a condition that a new ``StartSubmit``, a command, or the end of a watched
-transport batch (:class:`~kvplane.pipeline.watcher.BatchWatcher`) signals at once; it polls on a
-timer only as a fallback (:data:`WATCHED_POLL_S`; :data:`POLL_S` when it cannot be watched).
+One ordered queue per session, plans made ahead, one PD-loop hop per turn. It decides nothing
+about memory: the ledger releases it. See docs/pipeline.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """The slice driver's planner: each session's decode peer, and its slices' plans made ahead.
 
-Contract
---------
-:class:`SlicePlanner` knows a session once its ``DestinationKnown`` hint has come and its
-request's memory is in ``sources`` (:meth:`~SlicePlanner.adopt`; a hint that comes first
-waits, at most :data:`MAX_WAITING` of them), or at the latest when its first slice begins
-(:meth:`~SlicePlanner.planned`). A session is bound to one incarnation of its decode peer,
-linked (transport connected, pools decoded from the handshake's advert) once per incarnation.
-:meth:`~SlicePlanner.plan_ahead` plans one future slice of a known session — from the first on,
-up to :data:`LOOKAHEAD` past the latest begun one — with
-:func:`~kvplane.pipeline.slicing.plan_slice`
-(pure), following the slice schedule the prefill announced. A slice's plans made ahead are used
-only when they match what its ``StartSubmit`` asks for (:meth:`~SlicePlanner.ahead`); otherwise
-it is planned when it begins. Planning errors are ``KVPlaneError`` s: a plan made ahead that
-fails is made again (and fails its session) when the slice is due.
-
-Not thread-safe: the driver thread owns it, and the PD loop uses it only inside a driver turn's
-call, while that thread waits (:meth:`~SlicePlanner.ready_begins`).
+A plan made ahead is used only when it matches the ``StartSubmit``. Owned by the driver
+thread; not thread-safe. See docs/pipeline.md.
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ requires.
 
 :func:`plan_slice` is pure: the PD session hands the driver the slice's range already clipped
 to what the receiver lacks (``[prefix_tokens, N)``); a sliding-window pool additionally drops
-everything before the final window ``[N - window, N)``; the final slice adds one whole-only plan
-per state pool; our KV pool's TP heads must cover the destination's (a session has one sender:
-:func:`~kvplane.pd.handshake.heads_cover`, which the workers' handshake already checks).
+everything before the final window (:meth:`~kvplane.layout.KVLayout.window_start` of ``N``);
+the final slice adds one whole-only plan per state pool; our KV pool's TP heads must cover the
+destination's (a session has one sender: :func:`~kvplane.layout.heads_cover`, which the
+workers' handshake already checks).
 Each plan is built by :func:`~kvplane.transfer.planner.plan_transfer` and validated by the
 executor before any byte moves.
 """
@@ -29,9 +30,8 @@ import numpy as np
 
 from kvplane.errors import InvalidArgumentError, PlanError
 from kvplane.ids import RegionId, SliceId, TokenRange
-from kvplane.layout import KVLayout
+from kvplane.layout import KVLayout, heads_cover
 from kvplane.pd.events import TransferRequest
-from kvplane.pd.handshake import heads_cover
 from kvplane.pipeline.advert import RemotePool, split_destination
 from kvplane.transfer import OpGrouping, PlanOptions, PlanSide, TransferPlan, plan_transfer
 from kvplane.transports.base import Int64Array
@@ -158,10 +158,7 @@ def plan_slice(
     dst_ids = split_destination(request.dst_block_ids, dst, request.num_tokens)
     n = request.num_tokens
     kv_src, kv_dst = src[0], dst[0]
-    lo = max(tokens.start, request.prefix_tokens)
-    window = kv_src.layout.sliding_window
-    if window is not None:
-        lo = max(lo, n - window)
+    lo = max(tokens.start, request.prefix_tokens, kv_src.layout.window_start(n))
     plans: list[tuple[TransferPlan, int]] = []
     if lo < tokens.end:
         options = PlanOptions(

@@ -17,7 +17,8 @@ import numpy as np
 from kvplane.errors import KVPlaneError, MalformedMessageError
 from kvplane.ids import ChunkKey, RegionId, SliceId, TokenRange
 from kvplane.transfer.coverage import Coverage
-from kvplane.transfer.plan import TransferOp, TransferPlan
+from kvplane.transfer.op import TransferOp
+from kvplane.transfer.plan import TransferPlan
 from kvplane.transports.base import DescriptorList, Int64Array
 
 WIRE_VERSION = 2

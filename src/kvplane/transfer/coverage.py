@@ -1,4 +1,4 @@
-"""Byte-set arithmetic over descriptor lists: concatenation, overlap search and coverage moments.
+"""Coverage moments of descriptor lists and of requests: the checksum of a plan's byte mapping.
 
 Theory of operation
 -------------------
@@ -7,7 +7,8 @@ descriptors ``src[i] → dst[i]`` (equal lengths). ``TransferPlan.validate`` che
 against the one that was requested, without re-running the planner. Three facts are checked:
 
 1. no two destination descriptors overlap and no two source descriptors overlap
-   (:func:`first_overlap`: sort by ``(region, offset)`` and compare neighbours, vectorised);
+   (``DescriptorFacts.overlap``, the one overlap search, through
+   :func:`~kvplane.transports.checks.check_batch`);
 2. the number of bytes moved equals the analytic number of logical bytes requested (exact);
 3. the *moments* of the mapping agree with the analytic moments of the request: ``Σ s^i d^j``
    over every moved byte (``s``, ``d``: its offsets on each side) for every ``(i, j)`` of
@@ -89,38 +90,6 @@ class Coverage:
         parts = [f"bytes={self.num_bytes}"]
         parts += [f"Σs^{i}d^{j}={v}" for (i, j), v in zip(MONOMIALS, self.moments, strict=True)]
         return "(" + ", ".join(parts) + ")"
-
-
-def concat_descriptors(lists: Sequence[DescriptorList]) -> DescriptorList:
-    """One descriptor list holding every element of ``lists`` in order."""
-    if not lists:
-        return DescriptorList.empty()
-    if len(lists) == 1:
-        return lists[0]
-    return DescriptorList(
-        np.concatenate([d.regions for d in lists]),
-        np.concatenate([d.offsets for d in lists]),
-        np.concatenate([d.lengths for d in lists]),
-    )
-
-
-def first_overlap(descs: DescriptorList) -> tuple[int, int] | None:
-    """Indices of two descriptors that share a byte (the first found in address order), or None.
-
-    Sorts by ``(region, offset)``; ranges ``[offset, offset + length)`` overlap iff a neighbour
-    starts before the previous one ends. O(n log n), no Python loop.
-    """
-    if len(descs) < 2:
-        return None
-    order = np.lexsort((descs.offsets, descs.regions))
-    regions = descs.regions[order]
-    starts = descs.offsets[order]
-    ends = starts + descs.lengths[order]
-    clash = np.flatnonzero((regions[1:] == regions[:-1]) & (starts[1:] < ends[:-1]))
-    if not len(clash):
-        return None
-    i = int(clash[0])
-    return int(order[i]), int(order[i + 1])
 
 
 def _u64(values: Int64Array) -> U64Array:

@@ -1,11 +1,13 @@
-"""The executor: validates a plan, then runs it over any transport, reporting per-op progress.
+"""The executor: runs a validated plan over any transport, reporting per-op progress.
 
-:meth:`PlanExecutor.start` validates the plan against the local regions and the peer's regions
-(``PlanError`` before any byte moves) and returns a :class:`~kvplane.transfer.run.PlanRun` that
-has submitted nothing. Given several plans it runs them as one: a transfer unit built from plans
-of several pools (a final slice's KV and its whole-only records) then costs one transport batch
-per op position instead of one per plan. :meth:`PlanExecutor.execute` drives a run to its end
-with a short backoff, calling ``on_progress`` for every op change, and returns the typed
+:meth:`PlanExecutor.start` takes a :class:`~kvplane.transfer.plan.ValidatedPlan` as it is, or
+validates plain plans once against the local regions and the peer's regions (``PlanError``
+before any byte moves), and returns a :class:`~kvplane.transfer.run.PlanRun` that has submitted
+nothing; neither it nor the run checks the plan again. Given several plans it runs them as one:
+a transfer unit built from plans of several pools (a final slice's KV and its whole-only
+records) then costs one transport batch per op position instead of one per plan.
+:meth:`PlanExecutor.execute` drives a run to its end with a short backoff, calling
+``on_progress`` for every op change, and returns the typed
 :class:`~kvplane.transfer.progress.PlanResult` — FAILED and IN_DOUBT are results, not exceptions.
 A callback that raises cancels the run; :class:`PlanRunAbortedError` then carries the run's
 result (which may be IN_DOUBT: a batch that ignored the cancel for ``CANCEL_GRACE_S``), so the
@@ -20,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from kvplane.errors import InvalidArgumentError, KVPlaneError, PlanError
 from kvplane.ids import RegionId
 from kvplane.metrics import MetricsRegistry
-from kvplane.transfer.plan import TransferPlan, check_disjoint
+from kvplane.transfer.plan import TransferPlan, ValidatedPlan
 from kvplane.transfer.progress import ExecMetrics, OpProgress, PlanResult
 from kvplane.transfer.run import PlanRun
 from kvplane.transports.base import Peer, Transport, XferKind
@@ -70,22 +72,23 @@ class PlanExecutor:
 
     def start(
         self,
-        plans: TransferPlan | Sequence[TransferPlan],
+        plans: TransferPlan | Sequence[TransferPlan] | ValidatedPlan,
         peer: Peer,
         *,
-        local_regions: Mapping[RegionId, int],
+        local_regions: Mapping[RegionId, int] | None = None,
         kind: XferKind = XferKind.WRITE,
         deadline_s: float = 30.0,
         notify: bytes | None = None,
     ) -> PlanRun:
-        """Validate a plan (WRITE: sources local, destinations the peer's; READ: the reverse)
-        and return a run that has submitted nothing yet; ``PlanError`` if the plan is invalid.
-        Several plans run as one: batch ``k`` moves op ``k`` of every plan
-        (:func:`~kvplane.transfer.plan.joint_ops`), one result for all; each plan is validated,
-        and no two may write the same destination byte or read the same source byte."""
-        plans = (plans,) if isinstance(plans, TransferPlan) else tuple(plans)
-        if not plans or any(not isinstance(p, TransferPlan) for p in plans):
-            raise InvalidArgumentError("start needs a TransferPlan or a sequence of them")
+        """A run of ``plans`` that has submitted nothing yet.
+
+        A :class:`~kvplane.transfer.plan.ValidatedPlan` runs as it is (``local_regions`` is
+        not needed): it was validated once and nothing checks it again. Plain plans are
+        validated here first (WRITE: sources against ``local_regions``, destinations against
+        the peer's regions; READ: the reverse), ``PlanError`` if one is invalid. Several plans
+        run as one (:meth:`~kvplane.transfer.plan.ValidatedPlan.join`): batch ``k`` moves op
+        ``k`` of every plan, one result for all; no two may write the same destination byte or
+        read the same source byte."""
         if not isinstance(kind, XferKind):
             raise InvalidArgumentError(f"kind must be an XferKind, got {kind!r}")
         if (
@@ -94,26 +97,41 @@ class PlanExecutor:
             or not deadline_s > 0
         ):
             raise InvalidArgumentError(f"deadline_s must be a positive number, got {deadline_s!r}")
-        if notify is not None and all(p.empty for p in plans):
+        if isinstance(plans, ValidatedPlan):
+            validated = plans
+        else:
+            validated = self._validate(plans, peer, local_regions, kind)
+        if notify is not None and validated.empty:
             raise PlanError("an empty plan has no op to carry the notification")
-        for plan in plans:
-            if kind is XferKind.WRITE:
-                plan.validate(local_regions, peer.regions)
-            else:
-                plan.validate(peer.regions, local_regions)
-        check_disjoint(plans)
         return PlanRun(
-            self.transport, plans, peer,
+            self.transport, validated, peer,
             kind=kind, deadline_s=float(deadline_s), max_inflight=self._max_inflight,
             notify=notify, clock=self._clock, metrics=self._metrics,
         )  # fmt: skip
 
+    @staticmethod
+    def _validate(
+        plans: TransferPlan | Sequence[TransferPlan],
+        peer: Peer,
+        local_regions: Mapping[RegionId, int] | None,
+        kind: XferKind,
+    ) -> ValidatedPlan:
+        """``plans`` validated for a run of ``kind`` and joined (see :meth:`start`)."""
+        plans = (plans,) if isinstance(plans, TransferPlan) else tuple(plans)
+        if not plans or any(not isinstance(p, TransferPlan) for p in plans):
+            raise InvalidArgumentError("start needs a TransferPlan or a sequence of them")
+        if local_regions is None:
+            raise InvalidArgumentError("plans not validated yet need local_regions")
+        sides = (local_regions, peer.regions)
+        src, dst = sides if kind is XferKind.WRITE else sides[::-1]
+        return ValidatedPlan.join([plan.validate(src, dst) for plan in plans])
+
     def execute(
         self,
-        plan: TransferPlan,
+        plan: TransferPlan | ValidatedPlan,
         peer: Peer,
         *,
-        local_regions: Mapping[RegionId, int],
+        local_regions: Mapping[RegionId, int] | None = None,
         kind: XferKind = XferKind.WRITE,
         deadline_s: float = 30.0,
         notify: bytes | None = None,

@@ -1,14 +1,13 @@
-"""The transfer plan: frozen, inspectable, validated data that any transport executes.
+"""The transfer plan: frozen, inspectable data that any transport executes, and its validated form.
 
-A :class:`TransferPlan` is a tuple of :class:`TransferOp` s. Each op is one batch for
-``Transport.submit``: two aligned columnar descriptor lists (``src[i]`` moves to ``dst[i]``,
-equal lengths) plus what the op serves — its token range, its layers, the chunk keys it
-contributes to and the pipelined slice it belongs to. The plan also carries the analytic
-:class:`~kvplane.transfer.coverage.Coverage` of the request it was built for, so that
-:meth:`TransferPlan.validate` can check, from the descriptors alone and before any byte moves,
-that the plan stays inside its regions, moves each byte at most once and the requested number
-of bytes, and -- by moments, a checksum that catches realistic planner and wire bugs but not
-every permutation of blocks -- that they are the requested bytes, paired as requested.
+A :class:`TransferPlan` is a tuple of :class:`~kvplane.transfer.op.TransferOp` s (one transport
+batch each) plus the analytic :class:`~kvplane.transfer.coverage.Coverage` of the request it
+was built for, so that :meth:`TransferPlan.validate` can check, from the descriptors alone and
+before any byte moves, that the plan stays inside its regions, moves each byte at most once and
+the requested number of bytes, and -- by moments, a checksum that catches realistic planner
+and wire bugs but not every permutation of blocks -- that they are the requested bytes, paired
+as requested. Validation happens once: it returns a :class:`ValidatedPlan`, which the executor
+runs and the transports accept without checking again what it proved.
 
 Plans are built by :func:`kvplane.transfer.planner.plan_transfer` (a pure function), sent with
 :mod:`kvplane.transfer.codec` and run by :class:`kvplane.transfer.executor.PlanExecutor`.
@@ -17,83 +16,22 @@ Plans are built by :func:`kvplane.transfer.planner.plan_transfer` (a pure functi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvplane.errors import PlanError
-from kvplane.ids import ChunkKey, RegionId, SliceId, TokenRange
-from kvplane.transfer.coverage import (
-    Coverage,
-    concat_descriptors,
-    coverage_of_descriptors,
-    first_overlap,
-)
+from kvplane.errors import InvalidArgumentError, PlanError
+from kvplane.ids import RegionId, TokenRange
+from kvplane.transfer.coverage import Coverage, coverage_of_descriptors
+from kvplane.transfer.op import TransferOp, check_layers, is_index
 from kvplane.transfer.stats import PlanStats, compute_stats
-from kvplane.transports.base import DescriptorList, check_pairing
+from kvplane.transports.base import DescriptorList
+from kvplane.transports.checks import CheckedBatch, check_batch, join_batches
+from kvplane.transports.descriptors import concat_descriptors
 
-
-def _is_index(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _check_layers(layers: tuple[int, ...], where: str) -> None:
-    # element checks in C (a plan names every layer: 61 for DeepSeek-V3, per slice)
-    if layers and not (set(map(type, layers)) == {int} and min(layers) >= 0):
-        raise PlanError(f"{where}.layers must be non-negative ints, got {layers!r}")
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class TransferOp:
-    """One batch of paired descriptors and what it serves.
-
-    ``tokens``: the sequence positions whose KV this op moves (for whole-only STATE pools, the
-    block indices). ``layers``: global layer ids. ``chunk_keys``: keys of the chunks whose token
-    range intersects ``tokens`` (empty when the caller gave none). ``slice_id``: the pipelined
-    slice this op belongs to, if any. Construction checks the pairing (``PlanError``).
-    """
-
-    src: DescriptorList
-    dst: DescriptorList
-    tokens: TokenRange
-    layers: tuple[int, ...]
-    chunk_keys: tuple[ChunkKey, ...] = ()
-    slice_id: SliceId | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.src, DescriptorList) or not isinstance(self.dst, DescriptorList):
-            raise PlanError("TransferOp.src and .dst must be DescriptorLists")
-        check_pairing(self.src, self.dst)
-        if not isinstance(self.tokens, TokenRange):
-            raise PlanError(f"TransferOp.tokens must be a TokenRange, got {self.tokens!r}")
-        object.__setattr__(self, "layers", tuple(self.layers))
-        _check_layers(self.layers, "TransferOp")
-        object.__setattr__(self, "chunk_keys", tuple(self.chunk_keys))
-        if any(not isinstance(k, bytes) for k in self.chunk_keys):
-            raise PlanError(f"TransferOp.chunk_keys must be bytes, got {self.chunk_keys!r}")
-        if self.slice_id is not None and not _is_index(self.slice_id):
-            raise PlanError(
-                f"TransferOp.slice_id must be None or an int >= 0, got {self.slice_id!r}"
-            )
-
-    @property
-    def num_bytes(self) -> int:
-        return self.src.total_bytes
-
-    @property
-    def num_descriptors(self) -> int:
-        return len(self.src)
-
-    def equals(self, other: TransferOp) -> bool:
-        """Value equality (descriptor lists compare by content)."""
-        return (
-            self.src.equals(other.src)
-            and self.dst.equals(other.dst)
-            and self.tokens == other.tokens
-            and self.layers == other.layers
-            and self.chunk_keys == other.chunk_keys
-            and self.slice_id == other.slice_id
-        )
+__all__ = [  # TransferOp: re-exported from its own module
+    "TransferOp", "TransferPlan", "ValidatedPlan", "joint_ops",
+]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -125,11 +63,11 @@ class TransferPlan:
         if not isinstance(self.tokens, TokenRange):
             raise PlanError(f"TransferPlan.tokens must be a TokenRange, got {self.tokens!r}")
         object.__setattr__(self, "layers", tuple(self.layers))
-        _check_layers(self.layers, "TransferPlan")
+        check_layers(self.layers, "TransferPlan")
         if not isinstance(self.coverage, Coverage):
             raise PlanError(f"TransferPlan.coverage must be a Coverage, got {self.coverage!r}")
         for name in ("src_region", "dst_region"):
-            if not _is_index(getattr(self, name)):
+            if not is_index(getattr(self, name)):
                 raise PlanError(
                     f"TransferPlan.{name} must be an int >= 0, got {getattr(self, name)!r}"
                 )
@@ -166,46 +104,40 @@ class TransferPlan:
         self,
         src_region_lengths: Mapping[RegionId, int],
         dst_region_lengths: Mapping[RegionId, int],
-    ) -> None:
-        """Raise ``PlanError`` unless the plan is safe and exact; mutates nothing.
+    ) -> ValidatedPlan:
+        """The plan as a :class:`ValidatedPlan`, or ``PlanError`` if it is unsafe or inexact;
+        mutates nothing but the descriptor lists' cached facts.
 
-        Proves: every op's descriptors pair up with equal lengths; every descriptor names its
-        side's region (``src_region``/``dst_region``), which is known, and lies inside it; no
-        destination byte is written twice and no source byte is read twice (across all ops);
-        the bytes moved equal the logical bytes requested. Checks, as a checksum rather than a
-        proof, that the moments of the byte mapping (:data:`MONOMIALS` of
-        :mod:`~kvplane.transfer.coverage`) equal the request's analytic moments: that catches
-        shifted descriptors, wrong blocks, swapped destinations and the permutations the tests
-        name, but some permutations of equal-sized blocks keep every moment and pass (see the
-        module docstring of :mod:`~kvplane.transfer.coverage`).
+        Proves, by :func:`~kvplane.transports.checks.check_batch` (the one check of pairing,
+        bounds and overlap) over every op's descriptors at once: they pair up with equal
+        lengths; every descriptor names its side's region (``src_region``/``dst_region``),
+        which is in the given table, and lies inside it; no destination byte is written twice
+        and no source byte is read twice (across all ops); the bytes moved equal the logical
+        bytes requested. Checks, as a checksum rather than a proof, that the moments of the
+        byte mapping (:data:`MONOMIALS` of :mod:`~kvplane.transfer.coverage`) equal the
+        request's analytic moments: that catches shifted descriptors, wrong blocks, swapped
+        destinations and the permutations the tests name, but some permutations of equal-sized
+        blocks keep every moment and pass (see the module docstring of
+        :mod:`~kvplane.transfer.coverage`). Every op's lists are vouched for the transports.
         """
-        for i, op in enumerate(self.ops):
-            try:
-                check_pairing(op.src, op.dst)
-            except PlanError as exc:
-                raise PlanError(f"op {i}: {exc}") from None
+        for i, op in enumerate(self.ops):  # O(ops); their lengths are compared concatenated
+            if len(op.src) != len(op.dst):
+                raise PlanError(
+                    f"op {i}: {len(op.src)} source descriptors but {len(op.dst)} destination "
+                    "descriptors"
+                )
         src = self.src_descriptors()
         dst = self.dst_descriptors()
         for side, descs, region in (("source", src, self.src_region),
                                     ("destination", dst, self.dst_region)):  # fmt: skip
-            ids = descs.facts.region_ids  # cached, and shared with check_bounds below
+            ids = descs.facts.region_ids  # cached, and shared with the bounds check below
             if len(ids) > 1 or (len(ids) == 1 and int(ids[0]) != region):
                 i = int(np.flatnonzero(descs.regions != region)[0])  # only to name it
                 raise PlanError(
                     f"{side} descriptor {i} names region {int(descs.regions[i])}, but the plan "
                     f"was built for region {region}"
                 )
-        src.check_bounds(dict(src_region_lengths), "source")
-        dst.check_bounds(dict(dst_region_lengths), "destination")
-        for side, descs in (("destination", dst), ("source", src)):
-            clash = first_overlap(descs)
-            if clash is not None:
-                i, j = clash
-                raise PlanError(
-                    f"{side} descriptors {i} and {j} overlap: region {int(descs.regions[i])} "
-                    f"[{int(descs.offsets[i])}, +{int(descs.lengths[i])}) and "
-                    f"[{int(descs.offsets[j])}, +{int(descs.lengths[j])})"
-                )
+        whole = check_batch(src, dst, src_region_lengths, dst_region_lengths, sources_disjoint=True)
         got = coverage_of_descriptors(src, dst)
         if got.num_bytes != self.coverage.num_bytes:
             raise PlanError(
@@ -217,6 +149,13 @@ class TransferPlan:
                 "plan descriptors do not cover the requested bytes: moments "
                 f"{got.describe()} != requested {self.coverage.describe()}"
             )
+        batches = (
+            (whole,) if len(self.ops) == 1 else tuple(whole.part(op.src, op.dst) for op in self.ops)
+        )
+        return ValidatedPlan(
+            (self,), batches, whole, _named(src, src_region_lengths),
+            _named(dst, dst_region_lengths), _key=_KEY,
+        )  # fmt: skip
 
     def stats(self) -> PlanStats:
         """Bytes, op count, descriptors per op, transfer amplification and contiguous runs."""
@@ -259,6 +198,88 @@ class TransferPlan:
         ]
 
 
+_KEY = object()
+"""Held only by this module: a :class:`ValidatedPlan` comes from :meth:`TransferPlan.validate`
+or :meth:`ValidatedPlan.join`, never from a caller's constructor call."""
+
+
+def _named(
+    descs: DescriptorList, lengths: Mapping[RegionId, int]
+) -> tuple[tuple[RegionId, int], ...]:
+    """``(region, length)`` of every region ``descs`` names, from the table checked against."""
+    return tuple((RegionId(r), lengths[RegionId(r)]) for r in descs.facts.region_ids.tolist())
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ValidatedPlan:
+    """Plans that validation proved safe and exact against the region tables it was given, with
+    the facts it proved, so that nothing downstream checks them again: the executor runs it as
+    it is, and a transport finds each batch vouched and checks only that its regions are still
+    registered and long enough (O(regions)).
+
+    ``plans``: one (:meth:`TransferPlan.validate`) or several run jointly (:meth:`join`).
+    ``batches``: the transport batches, batch ``k`` holding op ``k`` of every plan (see
+    :func:`joint_ops`), each proved paired and free of bytes written or read twice; ``whole``:
+    every pair of every batch at once. ``src_regions``/``dst_regions``: ``(region, length)`` of
+    every region the sources/destinations name, from the tables validation checked bounds
+    against. Only this module builds one (``InvalidArgumentError`` otherwise).
+    """
+
+    plans: tuple[TransferPlan, ...]
+    batches: tuple[CheckedBatch, ...]
+    whole: CheckedBatch
+    src_regions: tuple[tuple[RegionId, int], ...]
+    dst_regions: tuple[tuple[RegionId, int], ...]
+    _key: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self._key is not _KEY:
+            raise InvalidArgumentError(
+                "a ValidatedPlan comes from TransferPlan.validate or ValidatedPlan.join"
+            )
+
+    @property
+    def plan(self) -> TransferPlan:
+        """The validated plan (``InvalidArgumentError`` for several run jointly)."""
+        if len(self.plans) != 1:
+            raise InvalidArgumentError(f"this ValidatedPlan joins {len(self.plans)} plans")
+        return self.plans[0]
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the batches move."""
+        return self.whole.num_bytes
+
+    @property
+    def logical_bytes(self) -> int:
+        """Bytes the plans' requests need (equal to :attr:`num_bytes`: validation proved it)."""
+        return sum(p.logical_bytes for p in self.plans)
+
+    @property
+    def empty(self) -> bool:
+        return not self.batches
+
+    @classmethod
+    def join(cls, validated: Sequence[ValidatedPlan]) -> ValidatedPlan:
+        """``validated`` run as one (batch ``k``: op ``k`` of every plan, :func:`joint_ops`),
+        so a transfer unit of several pools costs one transport batch per op position.
+        ``PlanError`` if two of them write the same destination byte or read the same source
+        byte (each one's own ops were checked when it was validated); one is handed back."""
+        if not validated or any(not isinstance(v, ValidatedPlan) for v in validated):
+            raise InvalidArgumentError("join needs one or more ValidatedPlans")
+        if len(validated) == 1:
+            return validated[0]
+        whole = join_batches([v.whole for v in validated], "plans run jointly")
+        plans = tuple(p for v in validated for p in v.plans)
+        batches = tuple(whole.part(src, dst) for src, dst in joint_ops(plans))
+        src_regions = dict(r for v in validated for r in v.src_regions)
+        dst_regions = dict(r for v in validated for r in v.dst_regions)
+        return cls(
+            plans, batches, whole, tuple(sorted(src_regions.items())),
+            tuple(sorted(dst_regions.items())), _key=_KEY,
+        )  # fmt: skip
+
+
 def joint_ops(plans: Sequence[TransferPlan]) -> tuple[tuple[DescriptorList, DescriptorList], ...]:
     """The batches of running ``plans`` jointly: batch ``k`` moves op ``k`` of every plan that
     has one (their descriptors concatenated in plan order), so a transfer unit made of several
@@ -272,21 +293,3 @@ def joint_ops(plans: Sequence[TransferPlan]) -> tuple[tuple[DescriptorList, Desc
             (concat_descriptors([o.src for o in ops]), concat_descriptors([o.dst for o in ops]))
         )
     return tuple(out)
-
-
-def check_disjoint(plans: Sequence[TransferPlan]) -> None:
-    """``PlanError`` if two of ``plans`` write the same destination byte or read the same source
-    byte (each plan's own ops are checked by :meth:`TransferPlan.validate`); mutates nothing."""
-    if len(plans) < 2:
-        return
-    for side, descs in (
-        ("destination", concat_descriptors([p.dst_descriptors() for p in plans])),
-        ("source", concat_descriptors([p.src_descriptors() for p in plans])),
-    ):
-        clash = first_overlap(descs)
-        if clash is not None:
-            i = clash[0]
-            raise PlanError(
-                f"plans run jointly share {side} bytes: region {int(descs.regions[i])} "
-                f"[{int(descs.offsets[i])}, +{int(descs.lengths[i])})"
-            )

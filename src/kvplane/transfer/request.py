@@ -23,7 +23,7 @@ import numpy as np
 from kvplane.chunks import ChunkSpec
 from kvplane.errors import LayoutError, PlanError
 from kvplane.ids import ChunkKey, RegionId, SliceId, TokenRange
-from kvplane.layout import KVLayout
+from kvplane.layout import KVLayout, shared_heads
 from kvplane.transports.base import Int64Array
 from kvplane.transports.descriptors import MAX_END
 
@@ -194,10 +194,7 @@ def _effective_tokens(
         return whole
     if not isinstance(tokens, TokenRange):
         raise PlanError(f"a KV plan needs a TokenRange, got {tokens!r}")
-    start = max(tokens.start, options.prefix_tokens)
-    window = src.layout.sliding_window
-    if window is not None:
-        start = max(start, tokens.end - window)
+    start = max(tokens.start, options.prefix_tokens, src.layout.window_start(tokens.end))
     return TokenRange(min(start, tokens.end), tokens.end)
 
 
@@ -239,9 +236,8 @@ def resolve(
     chosen = _resolve_layers(src.layout, layers)
     src_layers = _layer_indices(src.layout, chosen, "source")
     dst_layers = _layer_indices(dst.layout, chosen, "destination")
-    lo = max(src.layout.head_range[0], dst.layout.head_range[0])
-    hi = min(src.layout.head_range[1], dst.layout.head_range[1])
-    if lo >= hi:
+    heads = shared_heads(src.layout.head_range, dst.layout.head_range)
+    if heads is None:
         raise PlanError(
             f"source heads {src.layout.head_range} and destination heads "
             f"{dst.layout.head_range} do not intersect: nothing to move"
@@ -249,4 +245,4 @@ def resolve(
     effective = _effective_tokens(src, dst, tokens, options)
     _check_blocks(src, effective, "source")
     _check_blocks(dst, effective, "destination")
-    return PlanRequest(src, dst, effective, chosen, src_layers, dst_layers, (lo, hi), options)
+    return PlanRequest(src, dst, effective, chosen, src_layers, dst_layers, heads, options)

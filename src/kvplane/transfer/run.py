@@ -19,7 +19,7 @@ hears of the plan only after all of its bytes have landed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from kvplane.errors import (
     InvalidArgumentError,
@@ -27,7 +27,7 @@ from kvplane.errors import (
     RemoteDisconnectError,
     TransferTimeoutError,
 )
-from kvplane.transfer.plan import TransferPlan, joint_ops
+from kvplane.transfer.plan import ValidatedPlan
 from kvplane.transfer.progress import (
     ExecMetrics,
     OpProgress,
@@ -54,15 +54,16 @@ def _failure_of(exc: KVPlaneError) -> FailureKind:
 
 
 class PlanRun:
-    """One plan -- or several run jointly, op ``k`` of each in one batch (:func:`joint_ops`) --
-    executing on one transport. Created by :meth:`PlanExecutor.start`; advance it with
+    """One validated plan -- or several run jointly, op ``k`` of each in one batch -- executing
+    on one transport; it trusts the plan and submits its vouched batches as they are. Created
+    by :meth:`PlanExecutor.start`; advance it with
     :meth:`step` until :attr:`done`, then read :meth:`result`, whose ``ops`` are the run's
     batches. Not thread-safe."""
 
     def __init__(
         self,
         transport: Transport,
-        plans: Sequence[TransferPlan],
+        validated: ValidatedPlan,
         peer: Peer,
         *,
         kind: XferKind,
@@ -73,8 +74,8 @@ class PlanRun:
         metrics: ExecMetrics | None,
     ) -> None:
         self._transport, self._peer, self._kind = transport, peer, kind
-        self._ops = joint_ops(plans)
-        self._num_bytes = sum(p.num_bytes for p in plans)
+        self._ops = tuple((b.src, b.dst) for b in validated.batches)  # vouched: not re-checked
+        self._num_bytes = validated.num_bytes
         self._notify, self._clock, self._metrics = notify, clock, metrics
         self._max_inflight = max_inflight
         self._started = clock()

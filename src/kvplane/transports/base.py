@@ -11,7 +11,9 @@ peer's; for ``READ`` the reverse. Descriptor lists are columnar (three int64 num
 plan of a hundred thousand runs costs three arrays, not a hundred thousand objects.
 
 ``submit`` validates every descriptor against the registered regions before any byte moves
-(``PlanError``), then returns a :class:`Handle`. ``poll`` reports a :class:`Poll`: PENDING until
+(``PlanError``), then returns a :class:`Handle`; lists already proved by
+:mod:`~kvplane.transports.checks` (a validated plan's ops) are checked only for their regions
+still being registered. ``poll`` reports a :class:`Poll`: PENDING until
 the batch ends in DONE, FAILED(reason) or IN_DOUBT (the transport cannot tell whether the bytes
 landed, e.g. the connection broke after the last send). Every batch has a deadline; passing it
 turns the handle FAILED with ``FailureKind.TIMEOUT`` — or IN_DOUBT (failure TIMEOUT) when every

@@ -1,29 +1,6 @@
 """Batches in flight on one transport: sticky terminal states, deadlines and quiescence.
 
-Theory of operation
--------------------
-A :class:`Batch` is one ``submit``. Its *state* is what ``poll`` reports: PENDING, then exactly
-one terminal transition (DONE, FAILED or IN_DOUBT) made by :meth:`BatchTable.finish`; later
-attempts are ignored, so a late engine completion cannot overwrite a timeout. Separately, a batch
-is *quiescent* once no thread or engine can touch its memory any more; only then are its region
-pins released (:meth:`BatchTable.quiesce`, exactly once). The two differ when, say, a deadline
-passes while an engine still owns the buffers: the caller sees FAILED(TIMEOUT) at once, but the
-regions stay pinned (``deregister`` refuses them) until the engine lets go.
-
-DONE is the exception that needs no separate call: a batch that ends DONE has by definition
-moved every byte, so nothing touches its memory any more, and :meth:`BatchTable.finish` releases
-whatever pins it still holds *before* the DONE state is visible (to ``poll``, to ``wait`` or to a
-callback). Whoever sees DONE may therefore deregister at once, whichever transport made the
-transition. FAILED and IN_DOUBT keep their pins until the transport says the batch is quiescent
-(``quiesce``, or ``finish(..., quiescent=True)`` from a caller that knows it is), or until the
-fail-closed path of ``close``.
-
-Completion callbacks (:meth:`BatchTable.on_done`) run once, right after the terminal
-transition, on whichever thread made it (an I/O thread, or a poller enforcing the deadline);
-one registered after the end runs at once on the caller's thread.
-
-Terminal, quiescent batches move to a bounded history (oldest dropped first) so that polling a
-finished handle keeps answering the same result without the table growing without bound.
+Pins go only at quiescence; DONE releases them before it is visible. See docs/transports.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """Socket plumbing shared by the ``tcp`` and ``shm`` transports: channels, handshake, threads.
 
-Theory of operation
--------------------
-A connection has two ends. The *initiator* (the side that called ``connect``) owns a
-:class:`Link` with two threads: a *sender* that runs queued jobs (one per submitted batch) and
-never reads, and a *receiver* that reads frames and never writes. The *target* (the side whose
-:class:`Listener` accepted) runs one handler thread per connection that reads a request and
-answers it. Because the initiator's receiver never blocks on a send, the target's answers always
-drain and the two directions cannot deadlock.
-
-Every connection starts with the same handshake (frames of ``wire``): HELLO (version, agent,
-transport) -> CHALLENGE (target agent, random nonce) -> AUTH (HMAC-SHA256 of the nonce under the
-shared secret, empty without one) -> WELCOME (the target's live region table) or REJECT (reason,
-then close). With a secret configured, a peer that cannot prove it is refused before it can touch
-memory. A link goes *down* once (EOF, error, or ``close``): its socket is shut down, which wakes
-both threads, and ``on_down`` lets the transport fail the batches bound to it.
+:class:`Link` (a sender that never reads, a receiver that never writes) and :class:`Listener`;
+with a secret, an unproven peer is refused before it touches memory. See docs/transports.md.
 """
 
 from __future__ import annotations

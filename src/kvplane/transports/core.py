@@ -6,10 +6,13 @@ Theory of operation
 bookkeeping once; an implementation fills in a handful of hooks (``_connect``, ``_start`` and,
 where needed, ``_progress``, ``_abort``, ``_close``, ``_on_register``, ``_on_deregister``).
 
-``submit`` checks everything before any state changes: argument types, a known peer, pairing and
-equal lengths, bounds of the local side against our regions and of the remote side against the
-peer's live region table, no destination byte written twice, and (loopback) no destination range
-overlapping a source range. Only then does it pin the local regions and create the batch; a
+``submit`` checks everything before any state changes: argument types, a known peer, then the
+batch by :func:`~kvplane.transports.checks.check_batch` (pairing and equal lengths, bounds of the
+local side against our regions and of the remote side against the peer's region table, no
+destination byte written twice) -- or, for lists it vouches for (a validated plan's ops, lists
+checked before), only that their regions are still registered and long enough -- and (loopback)
+no destination range overlapping a source range. Only then does it pin the local regions and
+create the batch; a
 ``PlanError`` raised by ``_start`` still leaves nothing behind. Any other error from ``_start``
 ends the batch FAILED(BACKEND_ERROR), or IN_DOUBT(BACKEND_ERROR) if it had started moving bytes
 (``_start`` returns or raises only once nothing of it still runs, so its pins then go). ``poll``
@@ -50,10 +53,10 @@ from kvplane.transports.base import (
     Region,
     XferKind,
     XferState,
-    check_pairing,
 )
 from kvplane.transports.batches import Batch, BatchTable
-from kvplane.transports.copier import check_disjoint, check_no_cross_overlap
+from kvplane.transports.checks import check_batch, vouched
+from kvplane.transports.copier import check_no_cross_overlap
 from kvplane.transports.regions import RegionEntry, RegionTable, byte_view
 from kvplane.transports.wire import MAX_NOTIFY_BYTES
 from kvplane.transports.workers import CopyWorkers
@@ -297,6 +300,11 @@ class TransportCore:
         self, kind: XferKind, src: DescriptorList, dst: DescriptorList, peer: Peer, *,
         notify: bytes | None, deadline_s: float,
     ) -> Peer:  # fmt: skip
+        """The connected peer, once the arguments are sane and the batch is safe: lists vouched
+        by :mod:`~kvplane.transports.checks` (a validated plan's ops, or lists checked before)
+        pay only for their regions still being registered and long enough, O(regions); raw
+        lists go through :func:`~kvplane.transports.checks.check_batch`. Loopback also refuses
+        a destination byte inside a source range (one memory: not a fact of the lists)."""
         if not isinstance(kind, XferKind):
             raise InvalidArgumentError(f"kind must be an XferKind, got {kind!r}")
         if not isinstance(src, DescriptorList) or not isinstance(dst, DescriptorList):
@@ -313,11 +321,17 @@ class TransportCore:
             known = self._peers.get(peer.peer_id)
         if known is None:
             raise UnknownPeerError(f"peer {peer.peer_id!r} is not connected to {self.agent!r}")
-        check_pairing(src, dst)
-        local, remote = (src, dst) if kind is XferKind.WRITE else (dst, src)
-        local.check_bounds(self._regions.lengths(), "local")
-        remote.check_bounds(known.regions, f"peer {known.peer_id!r}")
-        check_disjoint(dst, "destination")
+        ours, theirs = self._regions.lengths(), known.regions
+        far = f"peer {known.peer_id!r}"
+        if kind is XferKind.WRITE:
+            lengths, tables = (ours, theirs), ("local", far)
+        else:
+            lengths, tables = (theirs, ours), (far, "local")
+        proof = vouched(src, dst)
+        if proof is None:
+            check_batch(src, dst, *lengths, tables=tables)
+        else:  # proved before: only its regions may have changed since
+            proof.check_regions(*lengths, tables=tables)
         if known.peer_id == self.agent:
             check_no_cross_overlap(src, dst)
         return known

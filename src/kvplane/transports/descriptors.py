@@ -7,15 +7,16 @@ costs three arrays, not a hundred thousand objects. Because the arrays can never
 structural fact about a list — its distinct regions and the highest byte it reaches in each,
 whether all runs share one length, whether they sit on rows of that length (paged blocks) and
 in which order, whether two runs share a byte — is computed once, on first use, and kept
-with the list (:attr:`DescriptorList.facts`). A list built once and submitted many times (a
-NIXL-style prepared list, a transfer plan validated at planning time and executed later)
-pays for its checks once; each submit still compares the cached per-region extents with the
-live region table, which is O(regions), not O(runs).
+with the list (:attr:`DescriptorList.facts`), beside the proof that
+:mod:`~kvplane.transports.checks` leaves on a checked pair. A list built once and submitted
+many times (a NIXL-style prepared list, a transfer plan validated at planning time and executed
+later) pays for its checks once; each submit still compares the cached per-region extents with
+the live region table, which is O(regions), not O(runs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -30,7 +31,8 @@ from kvplane.layout import MAX_POOL_BYTES
 Int64Array = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 OFFSET_BITS = 40
-"""Offsets below 1 TiB; overlap checks key each byte as ``region << OFFSET_BITS | offset``."""
+"""Offsets below 1 TiB; :meth:`DescriptorFacts.byte_keys` keys each byte as
+``region << OFFSET_BITS | offset`` (for checks across two lists)."""
 
 
 def _frozen_int64(values: npt.ArrayLike, what: str) -> Int64Array:
@@ -92,6 +94,9 @@ class DescriptorFacts:
 
     def __init__(self, regions: Int64Array, offsets: Int64Array, lengths: Int64Array) -> None:
         self._regions, self._offsets, self._lengths = regions, offsets, lengths
+        self.proof: object = None
+        """The latest pair proof naming this list as its source, kept and read only by
+        :mod:`kvplane.transports.checks` (opaque here)."""
 
     @cached_property
     def single_region(self) -> bool:
@@ -148,19 +153,31 @@ class DescriptorFacts:
 
     @cached_property
     def overlap(self) -> tuple[int, int] | None:
-        """Two runs that share a byte (lower index first), or None if all are disjoint."""
+        """Two runs that share a byte (lower index first), or None if all are disjoint: the
+        first such neighbours in ``(region, offset)`` order. The one overlap search of kvplane.
+
+        Paged blocks (one length, each row at most once) are disjoint by counting, no sort;
+        otherwise one sort by ``(region, offset)`` and a neighbour compare: O(n log n), no
+        Python loop, any offset below :data:`MAX_END`."""
         n = len(self._offsets)
         if n < 2:
             return None
         rows = self.rows
         if rows is not None and int(np.bincount(rows.index).max()) <= 1:
-            return None  # paged blocks, each row at most once: counting, no sort
-        start, end = self.byte_keys()
-        order = np.argsort(start, kind="stable")
-        bad = np.flatnonzero(end[order][:-1] > start[order][1:])
-        if not len(bad):
             return None
-        i, j = sorted((int(order[bad[0]]), int(order[bad[0] + 1])))
+        if self.single_region:
+            order = np.argsort(self._offsets, kind="stable")
+        else:
+            order = np.lexsort((self._offsets, self._regions))
+        starts = self._offsets[order]
+        bad = starts[:-1] + self._lengths[order][:-1] > starts[1:]
+        if not self.single_region:
+            regions = self._regions[order]
+            bad &= regions[:-1] == regions[1:]
+        found = np.flatnonzero(bad)
+        if not len(found):
+            return None
+        i, j = sorted((int(order[found[0]]), int(order[found[0] + 1])))
         return i, j
 
 
@@ -227,7 +244,7 @@ class DescriptorList:
             and np.array_equal(self.lengths, other.lengths)
         )
 
-    def check_bounds(self, region_lengths: dict[RegionId, int], side: str) -> None:
+    def check_bounds(self, region_lengths: Mapping[RegionId, int], side: str) -> None:
         """Raise ``PlanError`` if a descriptor names an unknown region or runs past its end.
         O(distinct regions) once the list's extents are known."""
         if not len(self):
@@ -248,6 +265,20 @@ class DescriptorList:
             f"{int(self.offsets[i])}, length {int(self.lengths[i])}) runs past the region "
             f"end {int(per_desc[i])}"
         )
+
+
+def concat_descriptors(lists: Sequence[DescriptorList]) -> DescriptorList:
+    """One descriptor list holding every element of ``lists`` in order (a lone list is handed
+    back unchanged, so its cached facts and proofs stay with it)."""
+    if not lists:
+        return DescriptorList.empty()
+    if len(lists) == 1:
+        return lists[0]
+    return DescriptorList(
+        np.concatenate([d.regions for d in lists]),
+        np.concatenate([d.offsets for d in lists]),
+        np.concatenate([d.lengths for d in lists]),
+    )
 
 
 def check_pairing(src: DescriptorList, dst: DescriptorList) -> None:

@@ -1,30 +1,7 @@
 """``mooncake``: adapter over the Mooncake Transfer Engine (tcp protocol, P2P handshake).
 
-Install: ``pip install mooncake-transfer-engine-non-cuda`` and Debian ``libibverbs1``.
-
-Theory of operation
--------------------
-One engine per transport, initialised with ``P2PHANDSHAKE`` (no metadata server): its session
-name ``host:rpc_port`` is the address in our metadata, next to our region table (ids, lengths,
-base addresses) and the address of a 64-byte *mailbox* every transport registers. The engine's
-Python API offers notifications only on its blocking calls (and its asynchronous status call
-frees the batch it reports on), so batches run on one worker thread per transport: coalesced
-pairs are turned into address lists (vectorised) and sent in sub-batches of ``SUB_BATCH``
-descriptors (much larger batches overflow the engine's TCP lanes); the last sub-batch carries
-the notify, which the engine delivers after the data. A notify-only batch moves one mailbox
-byte. A failed sub-batch is retried once (a known engine bug fails the first TCP transfer after
-an idle period with "lane queue-full"); if it fails again, a refused connection to the peer's
-RPC port classifies it as REMOTE_DISCONNECT, anything else as BACKEND_ERROR. Cancel and deadlines
-are honoured between sub-batches; a running engine call cannot be interrupted, so the batch's
-regions stay pinned until it returns; they are unpinned before the batch ends, so whoever sees
-DONE may deregister at once. The engine is imported here only.
-
-Writes and reads are one-sided: the engine addresses the peer's memory by the base addresses of
-its metadata as of our last ``connect`` and the peer never checks them against its live region
-table (tcp and shm targets do). A region id missing from that table fails the batch
-(BACKEND_ERROR), but a peer that deregisters a region and registers other memory over the same
-bytes is not detected: the owner must make its peers ``connect`` again (or stop naming the old
-region) before it reuses deregistered memory.
+The engine is imported only here. One-sided: peers must reconnect before deregistered memory is
+reused. See docs/transports.md.
 """
 
 from __future__ import annotations

@@ -1,42 +1,7 @@
 """``nixl``: adapter over NVIDIA NIXL (``pip install nixl``; UCX backend, DRAM here).
 
-Theory of operation
--------------------
-One NIXL agent per transport, named after our agent. ``register`` registers the tensor's bytes
-with the agent; ``metadata`` wraps the agent's own metadata blob together with our region table
-(ids, lengths, base addresses); ``connect`` loads the peer's blob (``add_remote_agent``, which
-also refreshes it) and keeps the peer's base addresses.
-
-``submit`` only queues the batch: one *poster* thread per transport takes batches in submission
-order, coalesces the pairs, turns them into two ``(address, length, device)`` arrays --
-vectorised, no loop per descriptor -- and posts one NIXL transfer whose notification (tagged, so
-it is told apart from foreign ones) NIXL delivers to the peer after the data. The thread is
-needed because NIXL may move the bytes inside ``transfer`` itself (UCX's cross-memory-attach
-path on one host copies a whole 18 MB batch in the call, with the GIL released): done on the
-caller's thread, that blocked the slice driver for every copy and serialised its slices. The
-poster also polls its running requests (backing off from 50 us to 1 ms while nothing changes,
-woken at once by a new batch), ends each one, enforces deadlines, and releases NIXL requests.
-A batch is ended DONE only after its NIXL request is released and its regions unpinned, so
-whoever sees DONE sees a quiescent batch. A batch posts with the peer's address table it was
-checked against at ``submit`` (a later ``connect`` may refresh the table), and an address for a
-region the table lacks is an error, never a neighbour's base. Cancel or a passed deadline
-(judged after NIXL's own state) ends a started batch IN_DOUBT, since NIXL may still move its
-bytes (inside ``transfer`` or after posting), and a queued one FAILED; posting commits a batch.
-NIXL's request is then released (cancelled) by the poster, which keeps retrying while NIXL
-cannot yet (at ``close`` for at most :data:`CLOSE_RELEASE_S`), and the regions stay pinned
-until it can. NIXL raising its remote-disconnect error maps to REMOTE_DISCONNECT. An unexpected
-error on the poster (a bug of ours, not NIXL's error) ends that batch with LOCAL_ERROR, logged:
-FAILED if it had not started, IN_DOUBT once it has (NIXL may already be moving its bytes);
-the poster goes on. ``close`` waits :data:`CLOSE_JOIN_S` for the poster; batches still live
-then end IN_DOUBT if they started (the poster may be stuck inside ``transfer``), FAILED if not.
-
-The agent is driven from several threads (the poster; ``register``, ``connect`` and
-``notifications`` on the caller's), which NIXL allows only in a thread-sync mode; the agent is
-created with ``NIXL_THREAD_SYNC_RW`` (metadata calls exclusive, transfer calls shared), or
-``STRICT`` where a NIXL build lacks it, and with a progress thread that waits for events between
-rounds instead of spinning on a core (:data:`PROGRESS_DELAY_US`; a target's progress thread is
-what completes writes into it). NIXL is imported here only; without it the constructor raises
-``UnsupportedError`` with the install hint.
+Batches are posted and polled on one poster thread, so ``submit`` never waits for a copy. NIXL
+is imported only here. See docs/transports.md.
 """
 
 from __future__ import annotations

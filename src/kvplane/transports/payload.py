@@ -1,21 +1,7 @@
 """Streaming descriptor bytes through a socket: frames out of a batch, payload in and out.
 
-Theory of operation
--------------------
-A batch's descriptor pairs are first coalesced and cut (``copier``) and then grouped into frames
-(:func:`frames`) of at most ``FRAME_BYTES`` payload and ``FRAME_DESCRIPTORS`` descriptors, so
-deadlines and cancels are honoured between frames and a frame's table stays small. Within a
-frame the payload is the descriptors' bytes back to back. Runs of at least ``DIRECT_MIN`` bytes
-go straight between the socket and region memory (``sendall`` / ``recv_into`` on a memoryview of
-the region: no copy in Python); shorter runs are packed (sender) or unpacked (receiver) through
-a preallocated staging buffer with the vectorised ``copier.gather`` / ``copier.scatter``, one
-``sendall``/``recv_into`` per staging fill instead of one system call per small run -- unless
-a fill's runs lie back to back in region memory on this side, which then goes direct too.
-A frame whose runs all lie back to back in one region on this side (a contiguous source of
-a scattered write, however short its runs) moves in one call. Otherwise a frame whose runs
-average ``VECTORED_MEAN`` to ``DIRECT_MIN`` bytes (paged blocks) skips all that on a blocking
-socket: ``readv``/``writev`` (``vectored``) move up to ``IOV_MAX`` runs per
-system call straight between the socket and region memory -- no staging copy, no call per run.
+Each run goes direct, vectored or through a staging buffer, by its length. See
+docs/transports.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,7 @@
-"""``shm``: processes on one host move bytes by copying straight into each other's memory.
+"""``shm``: processes on one host copy straight into each other's memory.
 
-Theory of operation
--------------------
-Memory a peer may address lives in shared segments: :meth:`ShmTransport.allocate` creates an
-anonymous ``memfd`` segment, maps it and returns a ``uint8`` tensor over it; a registered tensor
-whose bytes lie inside such a segment is *exported* (metadata lists its region id and length).
-Any other registered tensor is *local only*: it can be the local side of a batch (we copy
-between it and the peer's memory) but a peer cannot name it. Segments have no file-system name:
-their descriptors travel in the handshake's WELCOME over the Unix-domain control socket
-(SCM_RIGHTS), so nothing is left in ``/dev/shm`` when a process dies, even by SIGKILL. Every
-segment is sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``)
-before it is mapped, and ``connect`` refuses (``MalformedMessageError``) a WELCOME whose segment
-lacks ``F_SEAL_SHRINK`` or is shorter than it claims: a peer that truncated a mapped segment
-would make our next copy into it die of SIGBUS.
-
-A batch on the initiator's sender thread: PIN (the peer's region ids) -> wait for PINNED, so the
-peer cannot deregister that memory under us -> copy with ``copier`` between our memory and the
-peer's mapping (this is the only data movement) -> COMMIT with the notify. Before it waits, the
-sender also sends the PINs of up to :data:`PIN_AHEAD` jobs queued behind (*pins ahead*), so
-their round trips overlap this batch's copy instead of following it: a backlog of slices then
-starts copying at once. A job pinned ahead that is cancelled before it runs is sent an ABORT
-when the sender reaches it, which releases the pin (the target also releases every pin of a
-connection that closes; a second PIN for one transfer is malformed and closes it). On COMMIT the
-target unpins, queues the notification (after the bytes, which were copied before the COMMIT was
-sent) and ACKs; the ACK makes the batch DONE. The control socket's EOF means the peer process is
-gone: every batch bound to it fails REMOTE_DISCONNECT (also while waiting for PINNED, e.g. a
-stopped peer killed later), and once the link's sender has stopped the link is forgotten and the
-peer's segments unmapped (when the last in-flight view of them goes). Peers must share a host
-(kernel boot id in the metadata).
+Sealed memfd segments passed by SCM_RIGHTS; PIN, copy, COMMIT per batch. See
+docs/transports.md.
 """
 
 from __future__ import annotations
@@ -46,7 +20,6 @@ import torch
 
 from kvplane.errors import (
     IncompatiblePeerError,
-    InvalidArgumentError,
     KVPlaneError,
     MalformedMessageError,
     TransportError,
@@ -70,6 +43,7 @@ from kvplane.transports.wire import (
     encode,
     pack_header,
 )
+from kvplane.validators import require_size
 
 _PIN_POLL_S = 0.05
 """How often a sender waiting for PINNED re-checks for cancel, deadline and link loss."""
@@ -184,8 +158,7 @@ class ShmTransport(StreamTransport):
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A zeroed ``uint8`` tensor of ``nbytes`` in a new shared segment (register to export)."""
         self._check_open()
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
+        require_size("nbytes", nbytes, min=1)
         with self._lock:
             if len(self._segments) >= MAX_FDS:
                 raise TransportError(f"at most {MAX_FDS} shared segments per transport")

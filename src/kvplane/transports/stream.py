@@ -1,13 +1,7 @@
 """The connection-oriented half shared by ``tcp`` and ``shm``: links per peer, jobs, teardown.
 
-A :class:`StreamTransport` keeps one :class:`~kvplane.transports.channel.Link` per connected
-peer and one :class:`~kvplane.transports.channel.Listener` for peers connecting to it.
-``submit`` turns a validated batch into a :class:`Job` on the peer's link; the link's sender
-thread runs it (``_run``), its receiver thread feeds frames to ``_on_frame``. When a link goes
-down every batch bound to it fails (REMOTE_DISCONNECT, or IN_DOUBT once committed) and jobs
-still queued are dropped and released. Connecting to a peer whose link is up only refreshes
-its region table (the handshake's WELCOME) and keeps the link. Subclasses provide the dialing,
-the per-job protocol and the target side.
+Subclasses provide the dialing, the per-job protocol and the target side. See
+docs/transports.md.
 """
 
 from __future__ import annotations
@@ -23,6 +17,7 @@ from kvplane.transports.batches import Batch
 from kvplane.transports.channel import Channel, Link, Listener, server_handshake
 from kvplane.transports.core import TransportCore
 from kvplane.transports.wire import Header, RegionInfo, Welcome
+from kvplane.validators import require_finite_positive
 
 
 @dataclass(slots=True)
@@ -64,15 +59,12 @@ class StreamTransport(TransportCore):
     ) -> None:
         if secret is not None and (not isinstance(secret, bytes) or not secret):
             raise InvalidArgumentError("secret must be non-empty bytes or None")
-        if (
-            isinstance(connect_timeout_s, bool)
-            or not isinstance(connect_timeout_s, int | float)
-            or not connect_timeout_s > 0
-        ):
-            raise InvalidArgumentError(f"connect_timeout_s must be > 0, got {connect_timeout_s!r}")
+        timeout = require_finite_positive(
+            "connect_timeout_s", connect_timeout_s, InvalidArgumentError
+        )
         super().__init__(agent=agent, metrics=metrics, history=history, copy_threads=copy_threads)
         self._secret = secret
-        self._connect_timeout = float(connect_timeout_s)
+        self._connect_timeout = timeout
         self._links: dict[PeerId, LinkState] = {}
         self._listener: Listener | None = None
 

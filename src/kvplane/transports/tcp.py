@@ -1,30 +1,7 @@
 """``tcp``: kvplane's own stream transport between processes and hosts (127.0.0.1 by default).
 
-Theory of operation
--------------------
-Every transport listens on ``host:port`` (its metadata carries the address and agent name).
-``connect`` opens one connection per peer and authenticates it (``channel`` handshake, optional
-shared secret); the WELCOME carries the peer's live region table, so connecting again refreshes
-it. Per connection the initiator runs a sender and a receiver thread, the target one handler.
-
-WRITE: the sender streams DATA frames -- descriptor table of the *destination* ranges, then the
-bytes (``payload``) -- and a COMMIT with the optional notify. The target checks every table
-against its own regions (never trusting the peer), pins the regions from the first frame to the
-COMMIT, receives straight into them, queues the notification after the last byte and ACKs; the
-ACK makes the batch DONE (its pins went when the last byte was in the socket, before the COMMIT,
-so whoever sees DONE may deregister at once). READ: the sender registers the batch with the
-receiver, then sends READ_REQ frames (tables of the *peer's* ranges); the target answers each
-with a DATA frame, which the receiver writes into the local destination; after the last one the
-batch is unpinned, then DONE, and a COMMIT carries the notify to the target.
-
-Failures: a refused table gives an error ACK (FAILED, BACKEND_ERROR). A target holding pins for
-a peer that sends nothing, or takes none of a READ reply, for ``target_stall_s`` drops the
-connection and the pins. EOF or a reset fails the connection's batches with REMOTE_DISCONNECT
-(IN_DOUBT if the COMMIT was already sent). A batch whose deadline passes while its bytes are on
-the wire tears the connection down (a stalled stream cannot be resynchronised); ``connect``
-again to resume. Frames from the target are not trusted: an ACK of a READ chunk must be a
-refusal (FLAG_ERROR), an ACK of a WRITE must follow its COMMIT; anything else is malformed and
-drops the connection.
+A target checks every table against its own regions and drops a stalled peer; frames from a
+target are not trusted either. See docs/transports.md.
 """
 
 from __future__ import annotations
@@ -75,6 +52,7 @@ from kvplane.transports.wire import (
     pack_table,
     parse_table,
 )
+from kvplane.validators import require_finite_positive, require_int
 
 log = logging.getLogger(__name__)
 
@@ -159,17 +137,10 @@ class TcpTransport(StreamTransport):
     ) -> None:
         if not isinstance(host, str) or not host:
             raise InvalidArgumentError(f"host must be a non-empty string, got {host!r}")
-        if (
-            isinstance(target_stall_s, bool)
-            or not isinstance(target_stall_s, int | float)
-            or not 0 < target_stall_s < 1e6
-        ):
-            raise InvalidArgumentError(
-                f"target_stall_s must be a number in (0, 1e6), got {target_stall_s!r}"
-            )
-        self.target_stall_s = float(target_stall_s)
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise InvalidArgumentError(f"port must be an int in [0, 65535], got {port!r}")
+        self.target_stall_s = require_finite_positive(
+            "target_stall_s", target_stall_s, InvalidArgumentError
+        )
+        require_int("port", port, min=0, max=65535)
         super().__init__(
             secret=secret, connect_timeout_s=connect_timeout_s, agent=agent, metrics=metrics,
             history=history, copy_threads=copy_threads,
