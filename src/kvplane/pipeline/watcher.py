@@ -12,19 +12,16 @@ from collections.abc import Callable
 from functools import partial
 from typing import Protocol, cast
 
-import torch
-
 from kvplane.errors import KVPlaneError
-from kvplane.ids import PeerId, RegionId
 from kvplane.transports.base import (
     DescriptorList,
     Handle,
     Peer,
     Poll,
-    Region,
     Transport,
     XferKind,
 )
+from kvplane.transports.proxy import TransportProxy
 
 WATCH_S = 0.05
 """The longest single blocking wait on one batch (the watcher re-checks for close between)."""
@@ -40,25 +37,12 @@ class _Hooked(Protocol):
     def on_done(self, handle: Handle, fn: Callable[[], None]) -> None: ...
 
 
-class _Tap:
+class _Tap(TransportProxy):
     """The watched transport: the real one's calls, plus each new handle sent to the watcher."""
 
     def __init__(self, inner: Transport, watch: Callable[[Handle], None]) -> None:
-        self.inner = inner
-        self.name = inner.name
+        super().__init__(inner)
         self._watch = watch
-
-    def register(self, buffer: torch.Tensor) -> Region:
-        return self.inner.register(buffer)
-
-    def deregister(self, region_id: RegionId) -> None:
-        self.inner.deregister(region_id)
-
-    def metadata(self) -> bytes:
-        return self.inner.metadata()
-
-    def connect(self, peer_metadata: bytes) -> Peer:
-        return self.inner.connect(peer_metadata)
 
     def submit(
         self,
@@ -73,15 +57,6 @@ class _Tap:
         handle = self.inner.submit(kind, src, dst, peer, notify=notify, deadline_s=deadline_s)
         self._watch(handle)
         return handle
-
-    def poll(self, handle: Handle) -> Poll:
-        return self.inner.poll(handle)
-
-    def cancel(self, handle: Handle) -> None:
-        self.inner.cancel(handle)
-
-    def notifications(self) -> list[tuple[PeerId, bytes]]:
-        return self.inner.notifications()
 
     def close(self) -> None:
         """Not the tap's to close: the worker owns the transport."""

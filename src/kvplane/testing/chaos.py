@@ -15,10 +15,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from kvplane.errors import TransportError
-from kvplane.ids import PeerId, RegionId
 from kvplane.pd.endpoint import Endpoint
 from kvplane.pd.events import AnyWireEvent, SessionEvent
 from kvplane.serving.worker import WorkerHooks
@@ -29,19 +26,18 @@ from kvplane.transports.base import (
     Handle,
     Peer,
     Poll,
-    Region,
     Transport,
     XferKind,
     XferState,
 )
+from kvplane.transports.proxy import TransportProxy
 
 
-class FaultyTransport:
+class FaultyTransport(TransportProxy):
     """A transport whose batches sometimes fail (see the module docstring); thread-safe."""
 
     def __init__(self, inner: Transport, faults: TransferFaults, seed: int = 0) -> None:
-        self.inner = inner
-        self.name = inner.name
+        super().__init__(inner)
         self.faults = faults
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -51,18 +47,6 @@ class FaultyTransport:
 
     def __getattr__(self, attr: str) -> Any:  # allocate, agent, ... of the real transport
         return getattr(self.inner, attr)
-
-    def register(self, buffer: torch.Tensor) -> Region:
-        return self.inner.register(buffer)
-
-    def deregister(self, region_id: RegionId) -> None:
-        self.inner.deregister(region_id)
-
-    def metadata(self) -> bytes:
-        return self.inner.metadata()
-
-    def connect(self, peer_metadata: bytes) -> Peer:
-        return self.inner.connect(peer_metadata)
 
     def submit(
         self,
@@ -108,12 +92,6 @@ class FaultyTransport:
         with self._lock:
             self._cancelled.add(handle.xfer_id)
         self.inner.cancel(handle)
-
-    def notifications(self) -> list[tuple[PeerId, bytes]]:
-        return self.inner.notifications()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class FaultyEndpoint(Endpoint):

@@ -136,11 +136,6 @@ class SyntheticModel:
         nbytes = layout.num_layers * layout.head_dim
         return self.kv.state_bytes(token_ids, nbytes).view(layout.num_layers, layout.head_dim)
 
-    def checked_range(self, num_tokens: int) -> TokenRange:
-        """What a decode pool must hold for a prompt: all of it, or the final window."""
-        window = self.spec.sliding_window
-        return TokenRange(0 if window is None else max(0, num_tokens - window), num_tokens)
-
 
 class SyntheticProducer(SyntheticModel):
     """:class:`~kvplane.serving.producers.base.KVProducer` writing synthetic KV (see module doc)."""
@@ -167,7 +162,11 @@ class SyntheticDecoder(SyntheticModel):
     def decode(self, job: DecodeJob, kv: PoolTensor, state: PoolTensor | None) -> DecodeOutput:
         n = len(job.token_ids)
         bad = self.kv.mismatches(
-            kv.layout, kv.tensor, job.token_ids, job.table.block_ids, self.checked_range(n)
+            kv.layout,
+            kv.tensor,
+            job.token_ids,
+            job.table.block_ids,
+            TokenRange(kv.layout.window_start(n), n),  # what the pool must hold
         )
         if state is not None and job.state_slot is not None:
             got = state.layout.canonical_view(state.tensor)[job.state_slot, :, 0, 0, 0, :]

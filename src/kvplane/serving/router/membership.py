@@ -16,7 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from kvplane.errors import KVPlaneError
-from kvplane.pd.handshake import heads_cover
+from kvplane.layout import heads_cover
 from kvplane.serving.messages import (
     Ack,
     AnyMessage,
@@ -59,7 +59,7 @@ class WorkerHandle:
 
 def serves(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
     """True when ``prefill`` can send ``decode`` a session's KV as far as TP heads go: its head
-    range covers the decode worker's in every pool (:func:`~kvplane.pd.handshake.heads_cover`).
+    range covers the decode worker's in every pool (:func:`~kvplane.layout.heads_cover`).
     Also True when either does not say (empty ``head_ranges``): the PD handshake then decides.
     False when both say and count different pools: the handshake refuses such a pair. Pure."""
     held, needed = prefill.head_ranges, decode.head_ranges

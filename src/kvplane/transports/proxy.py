@@ -1,0 +1,64 @@
+"""``TransportProxy``: a :class:`~kvplane.transports.base.Transport` that forwards every call.
+
+The base of transport wrappers (the slice driver's completion tap, fault injection): a subclass
+overrides only the calls it changes. It owns no memory, regions or batches of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvplane.ids import PeerId, RegionId
+from kvplane.transports.base import (
+    DescriptorList,
+    Handle,
+    Peer,
+    Poll,
+    Region,
+    Transport,
+    XferKind,
+)
+
+
+class TransportProxy:
+    """Every :class:`~kvplane.transports.base.Transport` call, forwarded to ``inner``."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def register(self, buffer: torch.Tensor) -> Region:
+        return self.inner.register(buffer)
+
+    def deregister(self, region_id: RegionId) -> None:
+        self.inner.deregister(region_id)
+
+    def metadata(self) -> bytes:
+        return self.inner.metadata()
+
+    def connect(self, peer_metadata: bytes) -> Peer:
+        return self.inner.connect(peer_metadata)
+
+    def submit(
+        self,
+        kind: XferKind,
+        src: DescriptorList,
+        dst: DescriptorList,
+        peer: Peer,
+        *,
+        notify: bytes | None = None,
+        deadline_s: float = 30.0,
+    ) -> Handle:
+        return self.inner.submit(kind, src, dst, peer, notify=notify, deadline_s=deadline_s)
+
+    def poll(self, handle: Handle) -> Poll:
+        return self.inner.poll(handle)
+
+    def cancel(self, handle: Handle) -> None:
+        self.inner.cancel(handle)
+
+    def notifications(self) -> list[tuple[PeerId, bytes]]:
+        return self.inner.notifications()
+
+    def close(self) -> None:
+        self.inner.close()
