@@ -91,6 +91,19 @@ def byte_views(views: Mapping[RegionId, torch.Tensor]) -> dict[RegionId, memoryv
     return {rid: t.numpy().data for rid, t in views.items()}
 
 
+def _runs(descs: DescriptorList) -> Iterator[tuple[int, int, int] | DescriptorList]:
+    """``descs`` as the pieces one call moves: a ``(region, offset, length)`` span (one run,
+    or runs back to back in one region) or a sub-list of short runs to stage."""
+    regions, offsets, lengths = (
+        descs.regions.tolist(),
+        descs.offsets.tolist(),
+        descs.lengths.tolist(),
+    )
+    for a, b, direct in _pieces(descs.lengths):
+        span = (regions[a], offsets[a], lengths[a]) if direct else _span(descs, a, b)
+        yield span if span is not None else sub(descs, a, b)
+
+
 def send_payload(
     sock: socket.socket,
     views: Mapping[RegionId, torch.Tensor],
@@ -109,20 +122,13 @@ def send_payload(
         return
     mvs = byte_views(views)
     stage = staging.numpy().data
-    regions, offsets, lengths = (
-        descs.regions.tolist(),
-        descs.offsets.tolist(),
-        descs.lengths.tolist(),
-    )
-    for a, b, direct in _pieces(descs.lengths):
-        span = (regions[a], offsets[a], lengths[a]) if direct else _span(descs, a, b)
-        if span is not None:  # one run, or short runs back to back in memory: no staging
-            region, off, n = span
+    for piece in _runs(descs):
+        if isinstance(piece, tuple):  # no staging
+            region, off, n = piece
             sock.sendall(mvs[RegionId(region)][off : off + n])
         else:
-            part = sub(descs, a, b)
-            gather(views, part, staging)
-            sock.sendall(stage[: part.total_bytes])
+            gather(views, piece, staging)
+            sock.sendall(stage[: piece.total_bytes])
 
 
 def recv_payload(
@@ -143,21 +149,14 @@ def recv_payload(
         return
     mvs = byte_views(views)
     stage = staging.numpy().data
-    regions, offsets, lengths = (
-        descs.regions.tolist(),
-        descs.offsets.tolist(),
-        descs.lengths.tolist(),
-    )
-    for a, b, direct in _pieces(descs.lengths):
-        span = (regions[a], offsets[a], lengths[a]) if direct else _span(descs, a, b)
-        if span is not None:
-            region, off, n = span
+    for piece in _runs(descs):
+        if isinstance(piece, tuple):
+            region, off, n = piece
             recv_exact(sock, mvs[RegionId(region)][off : off + n])
         else:
-            part = sub(descs, a, b)
-            total = part.total_bytes
+            total = piece.total_bytes
             recv_exact(sock, stage[:total])
-            scatter(views, part, staging[:total])
+            scatter(views, piece, staging[:total])
 
 
 def discard(sock: socket.socket, nbytes: int, staging: torch.Tensor) -> None:
