@@ -26,12 +26,9 @@ THEORY = {
 
 # pending: edited by the data-plane work
 PENDING = {
-    "blocks/table.py",
-    "chunks.py",
     "layout.py",
     "pd/handshake.py",
     "pipeline/slicing.py",
-    "serving/pools.py",
     "transfer/coverage.py",
     "transfer/executor.py",
     "transfer/plan.py",

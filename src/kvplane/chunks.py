@@ -1,16 +1,10 @@
 """Chunks: the transfer and storage unit, several consecutive full blocks of one sequence.
 
-Theory of operation
--------------------
-A sequence of ``n`` tokens splits into ``n // block_size`` full blocks and a partial tail block.
-Full blocks group into chunks of ``blocks_per_chunk``; the leftover full blocks that do not fill a
-chunk, and the partial block, form the *tail*, which is never stored or keyed (its content is
-still growing or it is too small to be a unit). A chunk's key is the block hash of its last block,
-and since block hashes are chained, the key commits to the whole prefix up to the chunk's end: two
-sequences share a chunk key only if they share every token before it.
-
-All index arithmetic is integer math on ranges, or vectorised over numpy/torch arrays for
-per-token work; nothing here loops per token.
+:class:`ChunkSpec` maps between token ranges, blocks and chunks (full chunks, and a tail of
+leftover full blocks and the partial block that is never stored or keyed). A chunk's key is
+the hash of its last block, which commits to the whole prefix; keys are read from a
+sequence's block hashes, never computed from tokens here. Integer range arithmetic, vectorised
+where it is per token. See docs/offload.md.
 """
 
 from __future__ import annotations

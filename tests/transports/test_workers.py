@@ -76,7 +76,7 @@ def test_closed_workers_run_on_the_caller_and_bad_thread_counts_are_refused():
     w.run(lambda a, b: idents.append((threading.get_ident(), a, b)), 10)
     assert idents == [(threading.get_ident(), 0, 10)]
     for bad in (0, -1, True, 2.0):
-        with pytest.raises(InvalidArgumentError, match="threads must be an int >= 1"):
+        with pytest.raises(InvalidArgumentError, match="threads must be a positive int"):
             CopyWorkers(bad)  # type: ignore[arg-type]
 
 

@@ -1,25 +1,12 @@
 """The block table of one request: its tokens, its blocks and which token ranges are cached.
 
-Theory of operation
--------------------
-A table partitions the request's tokens ``[0, num_tokens)`` into three consecutive ranges:
-
-- ``cached_range  = [0, num_cached_tokens)``: found in the pool's prefix cache at admission
-  (whole blocks, shared with other requests through :meth:`BlockPool.touch`);
-- ``computed_range = [num_cached_tokens, num_computed_tokens)``: KV written by this run;
-- ``new_range = [num_computed_tokens, num_tokens)``: still to compute.
-
-Block ``i`` holds tokens ``[i*block_size, (i+1)*block_size)``; the table always holds exactly
-``ceil(num_tokens / block_size)`` blocks. The hashes of all FULL blocks are kept (chained from
-the hasher's root with the table's extra keys). When :meth:`BlockTable.mark_computed` makes a
-full block computed, it is registered with :meth:`BlockPool.cache_block` so later requests can
-share it. Admission never caches the last token: the prefix hit is capped at
-``(num_tokens - 1) // block_size`` blocks because the engine needs that token's logits, so a
-written block is always one this table allocated, never a shared one.
-
-Lifecycle: ``NEW --admit--> ADMITTED --release--> RELEASED``. The first successful
-:meth:`admit` binds the table to its pool; every later call must pass the same pool. A call that
-returns ``None``/``False`` or raises changes neither the table nor the pool.
+A table splits the request's tokens into the cached prefix (shared through the pool's prefix
+cache at admission), the range computed by this run and the range still to compute; block ``i``
+holds tokens ``[i*block_size, (i+1)*block_size)``. It holds the chained hashes of every full
+block, each computed once (at admission, then for newly full blocks as tokens are appended),
+and is the one place other parts read them from. Lifecycle ``NEW -> ADMITTED -> RELEASED``; a
+call that returns ``None``/``False`` or raises changes neither the table nor the pool. See
+docs/offload.md.
 """
 
 from __future__ import annotations
@@ -247,9 +234,11 @@ class BlockTable:
     def append_tokens(self, pool: BlockPool, token_ids: TokenIds) -> bool:
         """Grow the request by ``token_ids`` (e.g. decoded tokens), allocating blocks as needed.
 
-        The new tokens join ``new_range``; newly full blocks are hashed. Returns ``False`` with
-        nothing changed when the pool is short of blocks. Raises :class:`BlockStateError` unless
-        ADMITTED, :class:`InvalidArgumentError` for bad tokens or another pool.
+        The new tokens join ``new_range``; only the newly full blocks are hashed, chained on
+        the last hash (every block of a request is hashed once). Returns ``False`` with nothing
+        changed, and nothing hashed, when the pool is short of blocks. Raises
+        :class:`BlockStateError` unless ADMITTED, :class:`InvalidArgumentError` for bad tokens
+        or another pool.
         """
         self._require(TableState.ADMITTED, "append to")
         self._check_pool(pool)
@@ -266,13 +255,16 @@ class BlockTable:
         else:
             candidate = self._tokens
         candidate[n:total] = tokens  # past the valid prefix: invisible until committed below
+        need = _ceil_div(total, bs) - len(self._block_ids)
+        if pool.num_free_blocks < need:  # before hashing: a refused append hashes nothing
+            return False
         done = len(self._hashes)
         parent = self._hashes[-1] if self._hashes else None
-        new_hashes = self._hasher.hash_blocks(
+        new_hashes = self._hasher.hash_blocks(  # only the newly full blocks, chained on
             candidate[done * bs : (total // bs) * bs], bs, self._extra_keys, parent
         )
-        fresh = pool.allocate(_ceil_div(total, bs) - len(self._block_ids))
-        if fresh is None:
+        fresh = pool.allocate(need)
+        if fresh is None:  # pragma: no cover - availability was checked just above
             return False
         self._tokens = candidate
         self._num_tokens = total

@@ -1,4 +1,4 @@
-"""L3 offload: chunk-granular tiered KV storage (host memory, disk, Redis) with slot status,
+"""L4 offload: chunk-granular tiered KV storage (host memory, disk, Redis) with slot status,
 eviction policies, admission, the tier book (every cascade decision, tensor-free), transfer
 jobs, the device fence and the cascade that executes the book in one process."""
 

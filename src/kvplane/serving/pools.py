@@ -1,21 +1,10 @@
 """One worker's KV memory: the paged KV pool, the whole-only pools, their regions and allocators.
 
-Theory of operation
--------------------
-A worker holds up to three pool tensors, each registered as one transport region:
-
-- the paged KV pool (``model.kv_layout``), whose blocks a :class:`~kvplane.blocks.BlockPool`
-  hands out through per-request :class:`~kvplane.blocks.BlockTable` s (the decode side uses
-  its prefix cache; the prefill side never caches, so it never matches);
-- the model's whole-only state pool (``model.state_layout``), if it has one;
-- the *tail* pool: a 32-byte whole-only record per request (first token, prompt length, digest
-  of the prompt tokens) that the final slice writes, so the first token arrives with the end
-  signal, in the same memory transfer, instead of through another channel — and the receiver
-  can check that the KV it got was computed from the prompt it holds before it caches it.
-
-Whole-only pools share one slot allocator (a request's state slot and tail slot are the same
-index). When the transport can allocate peer-visible memory (``shm`` has ``allocate``), the
-pools live there; otherwise in ordinary tensors. Not thread-safe: the worker loop owns it.
+Up to three pool tensors, each one registered transport region: the paged KV pool (blocks
+handed out through per-request block tables), the model's whole-only state pool if it has one,
+and the tail pool (a 32-byte record per request: first token, prompt length, prompt digest).
+Whole-only pools share one slot allocator. Holds the worker's one block hasher. Not
+thread-safe: the worker loop owns it. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -108,6 +97,8 @@ class WorkerPools:
         self.hasher = BlockHasher(
             seed=hash_seed, fingerprint=kv_fingerprint(self.model_id, kv_layout)
         )
+        """The worker's one block hasher: every request's :class:`~kvplane.blocks.BlockTable`
+        hashes its blocks once with it, and prefix offload's chunk keys are those hashes."""
         self.transport_name = transport.name
         self._transport = transport
 

@@ -1,27 +1,12 @@
-"""Prefix offload for a prefill worker: finished prompts' chunks go device → host → disk, and a
+"""Prefix offload for a prefill worker: finished prompts' chunks go device -> host -> disk, and a
 new prompt's cached prefix comes back from the tiers instead of being computed.
 
-Theory of operation
--------------------
-A prompt's full blocks get chained block hashes from a :class:`~kvplane.blocks.BlockHasher`
-seeded by the worker's hash seed and fingerprinted with the model identity and the pool layout
-(:func:`~kvplane.serving.producers.base.kv_fingerprint`), so a chunk stored by another model,
-another seed or another layout can never be a hit. :class:`~kvplane.chunks.ChunkSpec` groups
-``blocks_per_chunk`` blocks into a chunk whose key is its last block's hash (it commits to the
-whole prefix).
-
-- :meth:`PrefixOffload.begin_load` (at admission, before any step): looks every full chunk of
-  the prompt up in the :class:`~kvplane.offload.TierCascade` and loads the leading run of hits
-  into the request's own device blocks. Only chunks ending before the prompt's last token are
-  loadable — the last token is always computed, since its logits give the first token.
-- :meth:`PrefixOffload.store` (after the last prefill step): stores every full chunk; the
-  cascade fences the device blocks until the host copy is taken, then writes the chunks down
-  to the lower tiers (write-through), whose small host tier evicts older chunks first.
-- :meth:`PrefixOffload.poll` / :meth:`wait` turn the cascade's job results into
-  :class:`LoadFinished` / :class:`StoreFinished` for the worker, counting loaded chunks per tier.
-
-The caller (the worker loop, the only thread that touches this object) must leave a loading
-request's blocks untouched until its :class:`LoadFinished`. Not thread-safe.
+Chunk keys are the request's own block hashes at chunk ends (:meth:`ChunkSpec.chunk_keys` over
+:attr:`BlockTable.block_hashes`, hashed once by the worker's one hasher), so nothing here hashes
+tokens. :meth:`PrefixOffload.begin_load` loads the leading run of hits (never the chunk holding
+the last token, whose logits give the first token) into the request's blocks, which the caller
+leaves untouched until :class:`LoadFinished`; :meth:`PrefixOffload.store` stores every full
+chunk after the last prefill step. Not thread-safe: the worker loop owns it.
 """
 
 from __future__ import annotations
@@ -33,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvplane.blocks import BlockHasher, BlockPool
+from kvplane.blocks import BlockPool, BlockTable
 from kvplane.chunks import ChunkSpec
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey, JobId, RequestId
@@ -95,13 +80,10 @@ class PrefixOffload:
         settings: PrefixSettings,
         kv: PoolTensor,
         block_pool: BlockPool,
-        fingerprint: bytes,
         *,
-        hash_seed: int = 0,
         metrics: MetricsRegistry | None = None,
     ) -> None:
         self.spec = ChunkSpec(kv.layout.block_size, settings.blocks_per_chunk)
-        self.hasher = BlockHasher(seed=hash_seed, fingerprint=fingerprint)
         self.cascade: TierCascade = build_cascade(
             settings.offload,
             kv.layout,
@@ -125,10 +107,10 @@ class PrefixOffload:
         )
 
     # -- keys ------------------------------------------------------------------------------------
-    def chunk_keys(self, token_ids: np.ndarray) -> list[ChunkKey]:
-        """Keys of the prompt's full chunks, in order."""
-        hashes = self.hasher.hash_blocks(token_ids, self.spec.block_size)
-        return self.spec.chunk_keys(hashes)
+    def chunk_keys(self, table: BlockTable) -> list[ChunkKey]:
+        """Keys of the full chunks of ``table``'s tokens, in order: its block hashes at chunk
+        ends (no hashing)."""
+        return self.spec.chunk_keys(table.block_hashes)
 
     def _chunk_blocks(self, block_ids: tuple[int, ...], chunks: int) -> npt.NDArray[np.int64]:
         return np.asarray(block_ids[: chunks * self.spec.blocks_per_chunk], dtype=np.int64)
@@ -143,34 +125,32 @@ class PrefixOffload:
         return bool(self.cascade.jobs.in_flight)
 
     # -- load and store --------------------------------------------------------------------------
-    def begin_load(
-        self, request_id: RequestId, token_ids: np.ndarray, block_ids: tuple[int, ...]
-    ) -> LoadStarted | None:
-        """Look the prompt's chunks up and load the leading hits into ``block_ids`` (the
-        request's blocks from position 0). ``None``: nothing to load (compute everything)."""
-        keys = self.chunk_keys(token_ids)
+    def begin_load(self, request_id: RequestId, table: BlockTable) -> LoadStarted | None:
+        """Look the chunks of ``table`` (the request's admitted table: its prompt, blocks and
+        block hashes) up and load the leading hits into its blocks. ``None``: nothing to load
+        (compute everything)."""
+        keys = self.chunk_keys(table)
         if not keys:
             return None
         self.counts["lookups"] += 1
         found = self.cascade.lookup(keys)
-        loadable = min(found.hit_run, (len(token_ids) - 1) // self.spec.tokens_per_chunk)
+        loadable = min(found.hit_run, (table.num_tokens - 1) // self.spec.tokens_per_chunk)
         if loadable == 0:
             return None
-        ticket = self.cascade.load(keys[:loadable], self._chunk_blocks(block_ids, loadable))
+        blocks = self._chunk_blocks(table.block_ids, loadable)
+        ticket = self.cascade.load(keys[:loadable], blocks)
         if ticket is None:
             return None
         self._loads[ticket.ticket_id] = (request_id, ticket.sources)
         return LoadStarted(ticket.ticket_id, len(ticket.keys), ticket.sources)
 
-    def store(
-        self, request_id: RequestId, token_ids: np.ndarray, block_ids: tuple[int, ...]
-    ) -> int:
-        """Offload the prompt's full chunks from ``block_ids``; returns how many chunks the
-        store job carries (0: all already held, not admitted or no room)."""
-        keys = self.chunk_keys(token_ids)
+    def store(self, request_id: RequestId, table: BlockTable) -> int:
+        """Offload the full chunks of ``table`` (its tokens computed) from its blocks; returns
+        how many chunks the store job carries (0: all already held, not admitted or no room)."""
+        keys = self.chunk_keys(table)
         if not keys:
             return 0
-        job = self.cascade.store(keys, self._chunk_blocks(block_ids, len(keys)))
+        job = self.cascade.store(keys, self._chunk_blocks(table.block_ids, len(keys)))
         if job is None:
             return 0
         self._stores[job] = request_id

@@ -91,6 +91,8 @@ class WorkerConfig:
             )
         if not isinstance(self.pipelined, bool):
             raise ConfigError(f"WorkerConfig.pipelined must be a bool, got {self.pipelined!r}")
+        # CHUNK grouping is the offload copier's (one op per stored chunk): a PD slice ends
+        # where a prefill step ends, not on a chunk boundary, and is planned with no chunk spec
         if not isinstance(self.grouping, OpGrouping) or self.grouping is OpGrouping.CHUNK:
             raise ConfigError(
                 f"WorkerConfig.grouping must be WHOLE or LAYER, got {self.grouping!r}"

@@ -186,13 +186,26 @@ def _row_bytes(req: PlanRequest) -> int:
 
 def _coverage(req: PlanRequest, fixed: list[_Axis]) -> Coverage:
     """Analytic moments of the request, per token from the block tables (independent of the
-    segment/fold/coalesce path)."""
+    segment/fold/coalesce path). When both sides share one block size and the range is whole
+    blocks, the token axis is the product of a block axis and a token-in-block axis (the same
+    byte set, so the same moments, from ``block_size`` times fewer offsets)."""
     if req.tokens.empty:
         return Coverage.zero()
-    positions = np.arange(req.tokens.start, req.tokens.end, dtype=np.int64)
-    axes: list[tuple[Int64Array, Int64Array] | int] = [
-        (_token_offsets(req.src, positions), _token_offsets(req.dst, positions))
-    ]
+    a, b = req.tokens.start, req.tokens.end
+    bs = req.src.layout.block_size
+    axes: list[tuple[Int64Array, Int64Array] | int]
+    if bs == req.dst.layout.block_size and a % bs == 0 and b % bs == 0:
+        starts = np.arange(a, b, bs, dtype=np.int64)
+        tok = np.arange(bs, dtype=np.int64)
+        s_tok = req.src.layout.strides_bytes()[Axis.TOKEN]
+        d_tok = req.dst.layout.strides_bytes()[Axis.TOKEN]
+        axes = [
+            (_token_offsets(req.src, starts), _token_offsets(req.dst, starts)),
+            (tok * s_tok, tok * d_tok),
+        ]
+    else:
+        positions = np.arange(a, b, dtype=np.int64)
+        axes = [(_token_offsets(req.src, positions), _token_offsets(req.dst, positions))]
     axes += [(ax.src, ax.dst) for ax in fixed]
     axes.append(_row_bytes(req))  # the byte-in-row axis (k, k), k < row: closed form
     return coverage_of_product(axes)
@@ -292,18 +305,16 @@ def _split(req: PlanRequest, specs: list[_OpSpec], elements: _Elements) -> tuple
     """One op per spec from the op-sorted elements."""
     s, d, n, op = elements
     bounds = np.searchsorted(op, np.arange(len(specs) + 1, dtype=np.int64)).tolist()
+    s_reg = np.full(len(s), req.src.region, dtype=np.int64)
+    d_reg = s_reg if req.dst.region == req.src.region else np.full_like(s_reg, req.dst.region)
     ops = []
     for k, spec in enumerate(specs):
         lo, hi = bounds[k], bounds[k + 1]
-        count = hi - lo
+        lengths = n[lo:hi]  # one array for both sides: the pairing check sees it at once
         ops.append(
             TransferOp(
-                src=DescriptorList(
-                    np.full(count, req.src.region, dtype=np.int64), s[lo:hi], n[lo:hi]
-                ),
-                dst=DescriptorList(
-                    np.full(count, req.dst.region, dtype=np.int64), d[lo:hi], n[lo:hi]
-                ),
+                src=DescriptorList(s_reg[lo:hi], s[lo:hi], lengths),
+                dst=DescriptorList(d_reg[lo:hi], d[lo:hi], lengths),
                 tokens=spec.tokens,
                 layers=spec.layers,
                 chunk_keys=spec.chunk_keys,

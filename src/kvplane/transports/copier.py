@@ -1,35 +1,7 @@
 """Vectorised byte moves between flat ``uint8`` views, and descriptor-list arithmetic.
 
-Theory of operation
--------------------
-Every CPU-side move in kvplane's own transports (``local`` copies, ``shm`` copies into a mapped
-peer segment, ``tcp`` gather-before-send and scatter-after-receive) comes down to
-:func:`copy_runs`: ``n`` byte runs from one buffer to another. Where the C run copier is built
-(:mod:`kvplane.transports.native_copy`) it does every move but a few short runs; the paths
-below are the rest, and the whole move where no C compiler is found. A run's cost is a memcpy
-plus, if issued from Python, a few microseconds of overhead, so the strategy depends on the runs:
-
-* few runs: one copy each -- ``narrow().copy_()`` on the application's thread
-  (``torch_pool``, below), a NumPy slice copy split among the copy workers on a transport's
-  thread;
-* runs of one length ``L`` that sit a multiple of ``L`` apart on both sides (paged blocks):
-  one index op over ``[rows, L]`` row views (:mod:`kvplane.transports.rows`), on torch's pool
-  from the application's thread (``torch_pool``), by NumPy on a transport's thread;
-* other runs of one length ``L`` shorter than ``LONG_RUN``: NumPy fancy indexing over a
-  ``V{L}`` (opaque ``L``-byte) view whose stride is one byte, so a run may start at any byte
-  offset -- one pass when one side is back to back, else through cache-sized chunks
-  (``CHUNK_BYTES``). NumPy releases the GIL while it copies, so the index range is split among
-  the transport's :class:`~kvplane.transports.workers.CopyWorkers` (as many threads as torch's
-  own ``copy_`` uses);
-* other runs of at least ``LONG_RUN`` bytes (e.g. blocks scattered on both sides): one NumPy
-  slice copy each (the call overhead is amortised; cheaper than two staged passes), else
-  NumPy fancy indexing. No Python loop per short run.
-
-:func:`coalesce` merges consecutive pairs that continue each other on both sides, :func:`split`
-cuts runs longer than a limit, :func:`check_disjoint` and :func:`check_no_cross_overlap` refuse
-ranges that overlap (``PlanError``) -- all vectorised, and all reading the lists' cached facts
-(:mod:`kvplane.transports.descriptors`) where a whole list is involved, so a list submitted
-again costs no second analysis.
+:func:`copy_runs` picks the C run copier, per-run copies, row indexing or fancy indexing by the
+shape of the runs; no Python loop per short run. See docs/transports.md.
 """
 
 from __future__ import annotations
@@ -53,6 +25,7 @@ from kvplane.transports.rows import (
     copy_rows_numpy,
     copy_rows_torch,
 )
+from kvplane.transports.staging import copy_runs_staged
 from kvplane.transports.workers import CopyWorkers
 
 LOOP_MAX = 16
@@ -60,6 +33,8 @@ LOOP_MAX = 16
 NATIVE_MIN = 64 << 10
 """Up to :data:`LOOP_MAX` runs moving fewer bytes than this are copied one call each, not by
 the C run copier (whose checks and set-up cost ~20 us, against ~9 us for one short run)."""
+STAGE_BYTES = 64 << 20
+"""Default device staging per step of a move between a GPU buffer and host memory."""
 
 
 def _loop(
@@ -169,12 +144,15 @@ def _copy_rows(
 def copy_runs(
     src: torch.Tensor, src_offsets: Int64Array, dst: torch.Tensor, dst_offsets: Int64Array,
     lengths: Int64Array, *, workers: CopyWorkers | None = None, torch_pool: bool = False,
-    maps: tuple[RowMap | None, RowMap | None] | None = None,
+    maps: tuple[RowMap | None, RowMap | None] | None = None, stage_bytes: int = STAGE_BYTES,
 ) -> None:  # fmt: skip
     """Copy ``lengths[i]`` bytes from ``src[src_offsets[i]:]`` to ``dst[dst_offsets[i]:]``.
 
     ``src`` and ``dst`` are flat ``uint8`` tensors; the caller has checked bounds and that no two
-    destination runs overlap. Mutates ``dst`` only. Non-CPU tensors use per-run torch copies.
+    destination runs overlap. Mutates ``dst`` only. A move between a device (GPU) tensor and
+    host memory goes through device staging of up to ``stage_bytes`` per step
+    (:mod:`kvplane.transports.staging`) where its runs sit on rows; other non-CPU moves use
+    per-run torch copies.
     ``workers`` (optional) share the NumPy copies with the calling thread. ``torch_pool``: the
     caller is the application's own thread, so torch's intra-op pool (the one its compute
     uses) may run row copies; a transport's background thread leaves it False, because a torch
@@ -185,8 +163,12 @@ def copy_runs(
     n = len(lengths)
     if n == 0:
         return
-    if src.device.type != "cpu" or dst.device.type != "cpu":
-        _loop(src, src_offsets, dst, dst_offsets, lengths)
+    on_cpu = (src.device.type == "cpu", dst.device.type == "cpu")
+    if not all(on_cpu):
+        if not any(on_cpu) or not copy_runs_staged(
+            src, src_offsets, dst, dst_offsets, lengths, stage_bytes=stage_bytes
+        ):
+            _loop(src, src_offsets, dst, dst_offsets, lengths)
         return
     sn, dn = src.numpy(), dst.numpy()
 
@@ -247,15 +229,19 @@ def copy_pairs(
     workers: CopyWorkers | None = None,
     *,
     torch_pool: bool = False,
+    stage_bytes: int = STAGE_BYTES,
 ) -> None:
     """Move ``src[i]`` to ``dst[i]`` for every i (validated, equal lengths); mutates dst views.
-    ``workers`` and ``torch_pool`` as in :func:`copy_runs`."""
+    ``workers``, ``torch_pool`` and ``stage_bytes`` as in :func:`copy_runs`."""
+    given = src
     src, dst = coalesce(src, dst)
     if src.facts.single_region and dst.facts.single_region:  # common: no grouping, facts known
+        # row maps of lists merged just now are left to copy_runs (needed only off its C path)
+        maps = (src.facts.rows, dst.facts.rows) if src is given else None
         copy_runs(
             src_views[RegionId(int(src.regions[0]))], src.offsets,
             dst_views[RegionId(int(dst.regions[0]))], dst.offsets, src.lengths,
-            workers=workers, torch_pool=torch_pool, maps=(src.facts.rows, dst.facts.rows),
+            workers=workers, torch_pool=torch_pool, maps=maps, stage_bytes=stage_bytes,
         )  # fmt: skip
         return
     for idx in _groups(src.regions, dst.regions):
@@ -263,7 +249,7 @@ def copy_pairs(
         copy_runs(
             src_views[RegionId(int(src.regions[i0]))], src.offsets[idx],
             dst_views[RegionId(int(dst.regions[i0]))], dst.offsets[idx], src.lengths[idx],
-            workers=workers, torch_pool=torch_pool,
+            workers=workers, torch_pool=torch_pool, stage_bytes=stage_bytes,
         )  # fmt: skip
 
 

@@ -6,8 +6,9 @@ to each constructor (no module-level registry). ``submit`` copies synchronously 
 thread, so every handle is terminal when ``submit`` returns: DONE, or FAILED if the peer left
 the fabric or a peer region vanished. While copying, the regions of both sides are pinned, so a
 concurrent ``deregister`` on either transport is refused rather than racing the copy. ``notify``
-is queued on the peer after the last byte is copied. Tensors on other devices (CUDA) are
-supported through per-descriptor torch copies.
+is queued on the peer after the last byte is copied. A move between a GPU tensor and host
+memory goes through device staging of up to ``stage_bytes`` per step; the transport's copy
+threads (``stop_copy_threads``) share its large CPU copies with the calling thread.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import threading
 import weakref
 
 from kvplane.errors import TransportError
-from kvplane.ids import PeerId
+from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferKind, XferState
 from kvplane.transports.batches import Batch
-from kvplane.transports.copier import copy_pairs
+from kvplane.transports.copier import STAGE_BYTES, copy_pairs
 from kvplane.transports.core import TransportCore
 from kvplane.transports.wire import WIRE_VERSION, Metadata, RegionInfo, decode_metadata, encode
+from kvplane.validators import require_int
 
 
 class LocalFabric:
@@ -63,10 +65,19 @@ class LocalTransport(TransportCore):
         agent: str | None = None,
         metrics: MetricsRegistry | None = None,
         history: int = 100_000,
+        copy_threads: int | None = None,
+        stage_bytes: int = STAGE_BYTES,
     ) -> None:
-        super().__init__(agent=agent, metrics=metrics, history=history)
+        stage = require_int("stage_bytes", stage_bytes, min=1)
+        super().__init__(agent=agent, metrics=metrics, history=history, copy_threads=copy_threads)
+        self._stage_bytes = stage
         self._fabric = fabric if fabric is not None else LocalFabric()
         self._fabric.join(self)
+
+    def stop_copy_threads(self) -> None:
+        """Stop the copy helper threads once the copies in progress end; the transport stays
+        open and later copies run on the submitting thread alone."""
+        self._copy_workers.close()
 
     def metadata(self) -> bytes:
         self._check_open()
@@ -92,16 +103,19 @@ class LocalTransport(TransportCore):
             self._batches.quiesce(batch)
             return
         local, remote = (src, dst) if batch.kind is XferKind.WRITE else (dst, src)
-        remote.check_bounds(target._regions.lengths(), f"peer {peer.peer_id!r} (live)")
-        remote_pins = target._regions.pin(remote.facts.region_ids.tolist())
+        remote_pins: tuple[RegionId, ...] = ()
+        if target is not self:  # loopback: submit already pinned and checked both sides
+            remote.check_bounds(target._regions.lengths(), f"peer {peer.peer_id!r} (live)")
+            remote_pins = target._regions.pin(remote.facts.region_ids.tolist())
         try:
             local_views = self._regions.views(local.facts.region_ids.tolist())
-            remote_views = target._regions.views(remote_pins)
+            remote_views = target._regions.views(remote.facts.region_ids.tolist())
             batch.started = True
-            if batch.kind is XferKind.WRITE:
-                copy_pairs(local_views, remote_views, src, dst, self._copy_workers, torch_pool=True)
-            else:
-                copy_pairs(remote_views, local_views, src, dst, self._copy_workers, torch_pool=True)
+            views = (local_views, remote_views)
+            if batch.kind is XferKind.READ:
+                views = (remote_views, local_views)
+            copy_pairs(*views, src, dst, self._copy_workers, torch_pool=True,
+                       stage_bytes=self._stage_bytes)  # fmt: skip
         finally:
             target._regions.unpin(remote_pins)
         batch.committed = True

@@ -1,27 +1,7 @@
 """Byte-run copies by a small C kernel (``native/run_copy.c``) that releases the GIL.
 
-Theory of operation
--------------------
-A move of ``n`` byte runs between two flat ``uint8`` buffers is, at the machine's limit, one
-``memcpy`` per run with no interpreter in between. :func:`copy_runs_native` hands the whole run
-list (offset arrays, and lengths as one value or as end offsets) to the kernel; the bytes of the
-runs laid end to end are cut into one window per thread of the transport's
-:class:`~kvplane.transports.workers.CopyWorkers`, and each thread copies its window in one
-``ctypes`` call (ctypes releases the GIL, so the windows run in parallel, and no OpenMP team is
-started on a transport's thread).
-
-Moves of at least :data:`STREAM_MIN` bytes use non-temporal stores: the destination of a large
-KV move is read later by another step or process, so writing it around the caches saves the
-read-for-ownership of every destination line (one read and one write per byte instead of two
-reads and a write) and leaves the caller's working set in cache. Measured on this project's
-2-core VM, 64 MiB of 256 KiB runs: torch ``copy_`` of the contiguous 64 MiB 11.3 GB/s, torch
-``index_select`` of the rows 9.5, per-run glibc ``memcpy`` on two threads 8.1, streaming on two
-threads 12.0 (medians of 11). Smaller moves, whose destination may still be read from cache,
-use plain ``memcpy``.
-
-The kernel is built once per machine by :mod:`kvplane.native`; where it cannot be (no C
-compiler), :func:`copy_runs_native` returns False and the caller's NumPy and torch paths
-(:mod:`kvplane.transports.copier`) do the move.
+One window per copy thread, streaming stores for large moves; False where the kernel cannot be
+built. See docs/transports.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
-"""Copies of paged blocks: equal runs that sit on rows of their length, by one index op.
+"""Copies of paged blocks: equal runs on rows of their length, moved by one index op.
 
-Theory of operation
--------------------
-Runs of one length ``L`` whose offsets are all multiples of ``L`` from the lowest one (a pool of
-paged blocks) are rows of a ``[rows, L]`` byte view (:class:`~kvplane.transports.descriptors.
-RowMap`). Moving them is then an index op over rows instead of one copy per run. Which threads
-run it depends on the caller:
-
-* the application's own thread (``torch_pool=True``, the ``local`` transport): torch index ops
-  on torch's intra-op pool -- the pool the application's compute and ``copy_`` use, so nothing
-  else fights it for cores. One gather pass of byte rows when the destination rows tile their
-  span (a permutation included); one scatter pass of 8- or 4-byte-integer rows when the sources
-  are back to back (torch scatters byte rows element by element); else two passes through a
-  cache-sized stage.
-* a transport's background thread (``shm``, ``tcp``): a torch parallel op there would start a
-  second OpenMP team, whose spinning threads and the first team's slow both to a fraction of
-  memcpy. NumPy row indexing (which releases the GIL) runs them instead (the copier sends it
-  rows of at least ``NUMPY_MIN`` bytes), split among the transport's
-  :class:`~kvplane.transports.workers.CopyWorkers`, when one pass does it (a back-to-back
-  source or a destination that tiles its rows); the rest is left to the caller.
-
-Rows scattered on both sides need two passes through a stage; at ``LONG_RUN`` bytes and more
-one copy call per run is cheaper, so those are left to the caller too.
-
-Row maps of a whole descriptor list come from its cached facts (computed once per list); maps
-of a sub-selection are computed here.
+Torch on the application's thread, NumPy among copy workers on a transport's thread (never a
+second OpenMP team). See docs/transports.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """Helper threads that share one large copy with the calling thread.
 
-Theory of operation
--------------------
-``torch.Tensor.copy_`` -- the physical limit the benches compare against -- runs on all of
-torch's intra-op threads. A scatter of many small runs issued from Python (NumPy fancy
-assignment, which releases the GIL while it copies) runs on one thread unless we split it, so a
-:class:`CopyWorkers` splits an index range ``[0, n)`` into up to ``threads`` contiguous parts:
-the caller runs the first part itself while helper threads run the others, and :meth:`run`
-returns once every part is done (re-raising the first error). Parts must touch disjoint bytes.
-
-Helper threads are created on first use (a transport that never copies much starts none) and
-stopped by :meth:`close`; a closed instance runs everything in the calling thread. ``close``
-waits for the runs in progress, so it never shuts the helpers down between two parts of one
-run; should handing a part to a helper still fail, the caller runs that part and the rest
-itself. Either way :meth:`run` returns or raises only once no part is running, so the caller
-may release the buffers then. Instances are owned by one transport each (no module-level pool)
-and are safe to use from many threads.
+:meth:`CopyWorkers.run` returns only once no part runs; each transport owns its instance. See
+docs/transports.md.
 """
 
 from __future__ import annotations
@@ -26,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvplane.errors import InvalidArgumentError
+from kvplane.validators import require_int
 
 
 class CopyWorkers:
@@ -38,9 +24,7 @@ class CopyWorkers:
     def __init__(self, threads: int | None = None, *, name: str = "kvplane-copy") -> None:
         if threads is None:
             threads = max(1, torch.get_num_threads())
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise InvalidArgumentError(f"threads must be an int >= 1, got {threads!r}")
-        self.threads = threads
+        self.threads = require_int("threads", threads, min=1)
         self._name = name
         self._lock = threading.Condition()
         self._pool: ThreadPoolExecutor | None = None

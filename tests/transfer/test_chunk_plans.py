@@ -1,0 +1,154 @@
+"""ChunkPlans: a gather or scatter between a pool and chunk slots is a validated plan with one
+op per chunk carrying its key, byte-exact against the canonical reference (every memory order,
+padded slots, a windowed layout), cached per move; bad moves are refused before any plan."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvplane.errors import InvalidArgumentError
+from kvplane.ids import ChunkKey, RegionId, TokenRange
+from kvplane.layout import HEAD_MAJOR, LAYER_MAJOR, KVLayout
+from kvplane.transfer.chunk_plans import ChunkMove, ChunkPlans, SlotBuffer
+from kvplane.transfer.plan import ValidatedPlan
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(hashlib.blake2b(i.to_bytes(4, "little"), digest_size=32).digest())
+
+
+def _gqa(order: tuple, **kw: object) -> KVLayout:
+    return KVLayout.gqa(num_blocks=32, block_size=4, num_layers=2, kv_heads=2, head_dim=8,
+                        dtype=torch.float32, order=order, **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+LAYOUTS = {
+    "block-major": _gqa(KVLayout.gqa.__kwdefaults__["order"]),
+    "layer-major": _gqa(LAYER_MAJOR),
+    "head-major-tp": _gqa(HEAD_MAJOR, head_range=(1, 2)),
+    "windowed": _gqa(LAYER_MAJOR, sliding_window=3),
+    "mla-bf16": KVLayout.mla(num_blocks=32, block_size=2, num_layers=2, latent_dim=8, rope_dim=4),
+}
+POOL, SLOTS = RegionId(1), RegionId(2)
+BPC, NUM_SLOTS = 2, 6
+IDS = [7, 3, 4, 5, 0, 31, 10, 11]
+TARGET = [5, 0, 2, 3]  # two runs of slots, out of order
+KEYS = [key(i) for i in range(4)]
+
+
+def _setup(
+    layout: KVLayout, padded: bool, kvref: Any = None
+) -> tuple[ChunkPlans, dict[RegionId, torch.Tensor], torch.Tensor, int]:
+    chunk = BPC * layout.bytes_per_block
+    stride = chunk + (40 if padded else 0)
+    region = torch.zeros(layout.pool_bytes, dtype=torch.uint8)
+    pool = region.view(layout.dtype).view(layout.shape)
+    if kvref is not None:
+        region, pool = kvref.region_with_pool(layout, 0, seed=3, slack=0)
+    host = torch.randint(0, 256, (NUM_SLOTS * stride,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(4))  # fmt: skip
+    plans = ChunkPlans(layout, POOL, SlotBuffer(SLOTS, NUM_SLOTS, stride), BPC)
+    return plans, {POOL: region, SLOTS: host}, pool, stride
+
+
+def _run(move: ChunkMove, regions: dict[RegionId, torch.Tensor], kvref: Any) -> None:
+    """The reference executor (every descriptor copied on its own) over each plan."""
+    for plan in move.plan.plans:
+        kvref.memcpy(plan, regions)
+
+
+def _b(t: torch.Tensor) -> torch.Tensor:
+    """Bytes of ``t`` (random bytes read as floats hold NaNs, which never compare equal)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _chunk(layout: KVLayout, pool: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """The stored form of a chunk: its blocks in canonical order, as bytes."""
+    return layout.canonical_view(pool)[ids].contiguous().view(torch.uint8).flatten()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "padded"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_gather_and_scatter_are_one_op_per_chunk_and_byte_exact(
+    name: str, padded: bool, kvref: Any
+) -> None:
+    layout = LAYOUTS[name]
+    plans, regions, pool, stride = _setup(layout, padded, kvref)
+    original, host_before = pool.clone(), regions[SLOTS].clone()
+    move = plans.gather(np.array(IDS), np.array(TARGET), KEYS)
+    validated = move.plan
+    ops = [op for plan in validated.plans for op in plan.ops]
+    assert isinstance(validated, ValidatedPlan) and len(validated.plans) == (4 if padded else 1)
+    assert [op.chunk_keys for op in ops] == [(k,) for k in KEYS]
+    tpc = BPC * layout.block_size
+    want_tokens = (
+        [TokenRange(0, tpc)] * 4
+        if padded
+        else [TokenRange(i * tpc, (i + 1) * tpc) for i in range(4)]
+    )
+    assert [op.tokens for op in ops] == want_tokens
+    assert validated.num_bytes == validated.logical_bytes == 4 * BPC * layout.bytes_per_block
+    assert move.src.total_bytes == validated.num_bytes  # the one batch moves exactly those
+    _run(move, regions, kvref)
+    host, chunk = regions[SLOTS], BPC * layout.bytes_per_block
+    for i, s in enumerate(TARGET):
+        got = host[s * stride : s * stride + chunk]
+        assert torch.equal(got, _chunk(layout, original, IDS[2 * i : 2 * i + 2]))
+    untouched = torch.ones(len(host), dtype=torch.bool)
+    for s in TARGET:
+        untouched[s * stride : s * stride + chunk] = False
+    assert torch.equal(host[untouched], host_before[untouched])  # padding and other slots
+    assert torch.equal(_b(pool), _b(original))  # a gather only reads the pool
+    pool.zero_()
+    back = [12, 13, 14, 15, 20, 21, 1, 2]
+    _run(plans.scatter(np.array(TARGET), np.array(back), KEYS), regions, kvref)
+    canon, orig = layout.canonical_view(pool), layout.canonical_view(original)
+    assert torch.equal(_b(canon[back]), _b(orig[IDS]))
+    rest = sorted(set(range(32)) - set(back))
+    assert not canon[rest].view(torch.uint8).any()
+
+
+def test_a_move_planned_again_is_the_cached_plan() -> None:
+    plans, _, _, _ = _setup(LAYOUTS["block-major"], False)
+    ids, slots = np.array(IDS), np.array(TARGET)
+    first = plans.gather(ids, slots, KEYS)
+    assert plans.gather(ids.copy(), slots.copy(), list(KEYS)) is first
+    assert plans.gather(ids, slots) is not first  # other keys: another plan
+    assert plans.gather(ids, slots).plan.plan.ops[0].chunk_keys == ()
+    assert plans.scatter(slots, ids, KEYS) is not first  # the other direction
+    layout = LAYOUTS["block-major"]
+    buffer = SlotBuffer(SLOTS, NUM_SLOTS, BPC * layout.bytes_per_block)
+    small = ChunkPlans(layout, POOL, buffer, BPC, cache_descriptors=6)
+    a = small.gather(ids, slots)
+    assert len(a.plan.whole.src) == 6  # a run per block, but 4, 5 and 10, 11 one run each
+    b = small.gather(ids[:2], slots[:1])  # 6 + 2 descriptors > 6: the oldest goes
+    assert small.gather(ids[:2], slots[:1]) is b and small.gather(ids, slots) is not a
+
+
+def test_bad_moves_are_refused_before_any_plan() -> None:
+    layout = LAYOUTS["block-major"]
+    plans, _, _, _ = _setup(layout, False)
+    with pytest.raises(InvalidArgumentError, match="need 4 block ids"):
+        plans.gather(np.array([0, 1, 2]), np.array([0, 1]))
+    with pytest.raises(InvalidArgumentError, match="2 keys"):
+        plans.gather(np.array([0, 1, 2, 3]), np.array([0, 1]), KEYS[:1])
+    with pytest.raises(InvalidArgumentError, match="block ids repeat 3"):
+        plans.gather(np.array([3, 4, 5, 3]), np.array([0, 1]))
+    with pytest.raises(InvalidArgumentError, match="slots repeat 1"):
+        plans.scatter(np.array([1, 1]), np.array([0, 1, 2, 3]))
+    with pytest.raises(InvalidArgumentError, match="cannot hold chunks"):
+        ChunkPlans(layout, POOL, SlotBuffer(SLOTS, 4, BPC * layout.bytes_per_block - 1), BPC)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "padded"])
+def test_no_chunk_is_an_empty_validated_plan(padded: bool) -> None:
+    plans, _, _, _ = _setup(LAYOUTS["mla-bf16"], padded)
+    none = np.zeros(0, dtype=np.int64)
+    move = plans.gather(none, none)
+    assert move.plan.empty and move.plan.num_bytes == 0 and len(move.src) == 0
+    assert plans.scatter(none, none).plan.empty
