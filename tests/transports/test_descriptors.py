@@ -191,3 +191,16 @@ def test_a_descriptor_whose_end_would_wrap_int64_is_refused():
         with pytest.raises(PlanError, match="ends past"):
             DescriptorList.of([(1, 0, 16), (1, offset, length)])
     assert len(DescriptorList.of([(1, MAX_END - 16, 16)])) == 1
+
+
+def test_parts_are_unchecked_views_and_can_share_lengths() -> None:
+    src = DescriptorList.of([(1, 0, 8), (1, 16, 8), (1, 64, 4), (2, 0, 4)])
+    dst = DescriptorList(np.full(4, 3), np.array([0, 8, 16, 20]), src.lengths)
+    s_parts = src.parts([0, 1, 1, 4])
+    d_parts = dst.parts([0, 1, 1, 4], lengths_of=s_parts)
+    assert [p.offsets.tolist() for p in s_parts] == [[0], [], [16, 64, 0]]
+    assert [p.regions.tolist() for p in s_parts] == [[1], [], [1, 1, 2]]
+    assert all(d.lengths is s.lengths for s, d in zip(s_parts, d_parts, strict=True))
+    assert [p.total_bytes for p in d_parts] == [8, 0, 16]
+    assert s_parts[2].offsets.base is not None  # a view of the checked list, not a copy
+    assert not s_parts[2].offsets.flags.writeable

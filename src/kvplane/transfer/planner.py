@@ -307,18 +307,20 @@ def _split(req: PlanRequest, specs: list[_OpSpec], elements: _Elements) -> tuple
     bounds = np.searchsorted(op, np.arange(len(specs) + 1, dtype=np.int64)).tolist()
     s_reg = np.full(len(s), req.src.region, dtype=np.int64)
     d_reg = s_reg if req.dst.region == req.src.region else np.full_like(s_reg, req.dst.region)
-    ops = []
-    for k, spec in enumerate(specs):
-        lo, hi = bounds[k], bounds[k + 1]
-        lengths = n[lo:hi]  # one array for both sides: the pairing check sees it at once
-        ops.append(
-            TransferOp(
-                src=DescriptorList(s_reg[lo:hi], s[lo:hi], lengths),
-                dst=DescriptorList(d_reg[lo:hi], d[lo:hi], lengths),
-                tokens=spec.tokens,
-                layers=spec.layers,
-                chunk_keys=spec.chunk_keys,
-                slice_id=req.options.slice_id,
-            )
+    # both sides checked once, whole; each op gets views (one lengths array for both sides:
+    # the pairing check sees it at once)
+    whole_src = DescriptorList(s_reg, s, n)
+    whole_dst = DescriptorList(d_reg, d, whole_src.lengths)
+    src_parts = whole_src.parts(bounds)
+    dst_parts = whole_dst.parts(bounds, lengths_of=src_parts)
+    return tuple(
+        TransferOp(
+            src=src,
+            dst=dst,
+            tokens=spec.tokens,
+            layers=spec.layers,
+            chunk_keys=spec.chunk_keys,
+            slice_id=req.options.slice_id,
         )
-    return tuple(ops)
+        for spec, src, dst in zip(specs, src_parts, dst_parts, strict=True)
+    )

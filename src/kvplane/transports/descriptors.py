@@ -16,6 +16,7 @@ the live region table, which is O(regions), not O(runs).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -222,6 +223,25 @@ class DescriptorList:
 
     def __len__(self) -> int:
         return len(self.offsets)
+
+    def parts(
+        self, bounds: Sequence[int], *, lengths_of: Sequence[DescriptorList] = ()
+    ) -> list[DescriptorList]:
+        """The sub-lists ``[bounds[k], bounds[k + 1])`` (``bounds`` non-decreasing, within
+        ``[0, len]``): read-only views of this list, which was checked when it was built, so
+        they are not checked again (one check for a plan's ops instead of one per op).
+        ``lengths_of``: parts of a list with these very lengths whose length arrays to share
+        (so pairing them is an identity test)."""
+        out = []
+        for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+            part = object.__new__(DescriptorList)
+            object.__setattr__(part, "regions", self.regions[lo:hi])
+            object.__setattr__(part, "offsets", self.offsets[lo:hi])
+            shared = lengths_of[k].lengths if lengths_of else self.lengths[lo:hi]
+            object.__setattr__(part, "lengths", shared)
+            object.__setattr__(part, "_facts", None)
+            out.append(part)
+        return out
 
     @property
     def facts(self) -> DescriptorFacts:
