@@ -87,6 +87,34 @@ def test_host_round_trip_gives_identical_bytes() -> None:
     c.close()
 
 
+def test_chunk_moves_are_plans_with_one_op_per_chunk_carrying_its_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    c, pool, _ = make()
+    moves: list[tuple[str, object]] = []
+    for name in ("gather", "scatter"):
+        real = getattr(c.copier.plans, name)
+
+        def spy(*args: object, _real: object = real, _name: str = name) -> object:
+            move = _real(*args)  # type: ignore[operator]
+            moves.append((_name, move))
+            return move
+
+        monkeypatch.setattr(c.copier.plans, name, spy)
+    store(c, keys(0, 1, 2), blocks(0, 1, 2))
+    load_ok(c, pool, keys(1, 2), blocks(10, 11))
+    got = [
+        (n, [op.chunk_keys for p in m.plan.plans for op in p.ops])  # type: ignore[attr-defined]
+        for n, m in moves
+    ]
+    assert got == [
+        ("gather", [(k,) for k in keys(0, 1, 2)]),
+        ("scatter", [(k,) for k in keys(1, 2)]),
+    ]
+    c.check_integrity()
+    c.close()
+
+
 def test_cascade_down_and_promotion_up_through_disk_and_remote(
     tmp_path: Path, redis_url: str, redis_namespace: str
 ) -> None:

@@ -163,7 +163,7 @@ class TierCascade:
         slots, copier = list(res.slots), self.copier
 
         def work() -> list[bool]:
-            copier.gather(blocks, slots)
+            copier.gather(blocks, slots, res.keys)
             return [True] * len(slots)
 
         self._submit(job.job_id, _Pending(_Kind.STORE, "host", res.keys), job, work)
@@ -227,7 +227,7 @@ class TierCascade:
         copier = self.copier
 
         def work() -> list[bool]:
-            copier.scatter(host_slots, blocks)
+            copier.scatter(host_slots, blocks, keys)
             return [True] * len(host_slots)
 
         self._submit(job.job_id, _Pending(_Kind.LOAD, "host", tuple(keys), ticket), job, work)

@@ -172,7 +172,7 @@ class WorkerSide:
         copier = self.copier
 
         def work() -> list[bool]:
-            copier.gather(blocks, slots)
+            copier.gather(blocks, slots, op.keys)
             return [True] * len(slots)
 
         self._parts[job.job_id] = ("gather", op, None)
@@ -226,7 +226,9 @@ class WorkerSide:
         if whole:
             ids = np.asarray(op.block_ids, dtype=np.int64)
             blocks = np.concatenate([ids[starts[i] : starts[i] + bpc] for i in whole])
-            self.copier.scatter([SlotId(op.host_slots[i]) for i in whole], blocks)
+            self.copier.scatter(
+                [SlotId(op.host_slots[i]) for i in whole], blocks, [op.keys[i] for i in whole]
+            )
         for i in range(good):
             lo, hi = spans[i]
             if (lo, hi) != (0, bpc):
