@@ -14,12 +14,9 @@ from typing import Protocol, cast
 
 from kvplane.errors import KVPlaneError
 from kvplane.transports.base import (
-    DescriptorList,
     Handle,
-    Peer,
     Poll,
     Transport,
-    XferKind,
 )
 from kvplane.transports.proxy import TransportProxy
 
@@ -44,19 +41,8 @@ class _Tap(TransportProxy):
         super().__init__(inner)
         self._watch = watch
 
-    def submit(
-        self,
-        kind: XferKind,
-        src: DescriptorList,
-        dst: DescriptorList,
-        peer: Peer,
-        *,
-        notify: bytes | None = None,
-        deadline_s: float = 30.0,
-    ) -> Handle:
-        handle = self.inner.submit(kind, src, dst, peer, notify=notify, deadline_s=deadline_s)
+    def _submitted(self, handle: Handle, token: object) -> None:
         self._watch(handle)
-        return handle
 
     def close(self) -> None:
         """Not the tap's to close: the worker owns the transport."""

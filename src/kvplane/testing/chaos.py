@@ -13,7 +13,7 @@ import random
 import threading
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from kvplane.errors import TransportError
 from kvplane.pd.endpoint import Endpoint
@@ -21,13 +21,10 @@ from kvplane.pd.events import AnyWireEvent, SessionEvent
 from kvplane.serving.worker import WorkerHooks
 from kvplane.testing.faults import Fate, FaultPlan, FrameFaults, TransferFaults
 from kvplane.transports.base import (
-    DescriptorList,
     FailureKind,
     Handle,
-    Peer,
     Poll,
     Transport,
-    XferKind,
     XferState,
 )
 from kvplane.transports.proxy import TransportProxy
@@ -48,25 +45,17 @@ class FaultyTransport(TransportProxy):
     def __getattr__(self, attr: str) -> Any:  # allocate, agent, ... of the real transport
         return getattr(self.inner, attr)
 
-    def submit(
-        self,
-        kind: XferKind,
-        src: DescriptorList,
-        dst: DescriptorList,
-        peer: Peer,
-        *,
-        notify: bytes | None = None,
-        deadline_s: float = 30.0,
-    ) -> Handle:
+    def _before_submit(self) -> object:
         with self._lock:
             fate = self.faults.pick(self._rng)
             self.injected[fate.value] = self.injected.get(fate.value, 0) + 1
         if fate is Fate.SUBMIT_ERROR:
             raise TransportError("injected: submit refused")
-        handle = self.inner.submit(kind, src, dst, peer, notify=notify, deadline_s=deadline_s)
+        return fate
+
+    def _submitted(self, handle: Handle, token: object) -> None:
         with self._lock:
-            self._fates[handle.xfer_id] = (fate, 0.0)
-        return handle
+            self._fates[handle.xfer_id] = (cast(Fate, token), 0.0)
 
     def poll(self, handle: Handle) -> Poll:
         got = self.inner.poll(handle)

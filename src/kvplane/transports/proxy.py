@@ -1,7 +1,8 @@
 """``TransportProxy``: a :class:`~kvplane.transports.base.Transport` that forwards every call.
 
 The base of transport wrappers (the slice driver's completion tap, fault injection): a subclass
-overrides only the calls it changes. It owns no memory, regions or batches of its own.
+overrides only the calls it changes, and around ``submit`` the two hooks :meth:`_before_submit`
+and :meth:`_submitted`. It owns no memory, regions or batches of its own.
 """
 
 from __future__ import annotations
@@ -49,7 +50,18 @@ class TransportProxy:
         notify: bytes | None = None,
         deadline_s: float = 30.0,
     ) -> Handle:
-        return self.inner.submit(kind, src, dst, peer, notify=notify, deadline_s=deadline_s)
+        token = self._before_submit()
+        handle = self.inner.submit(kind, src, dst, peer, notify=notify, deadline_s=deadline_s)
+        self._submitted(handle, token)
+        return handle
+
+    def _before_submit(self) -> object:
+        """Runs before each submit reaches ``inner`` (it may raise to refuse it); what it
+        returns is handed to :meth:`_submitted`."""
+        return None
+
+    def _submitted(self, handle: Handle, token: object) -> None:
+        """Runs once ``inner`` accepted a batch, with :meth:`_before_submit`'s ``token``."""
 
     def poll(self, handle: Handle) -> Poll:
         return self.inner.poll(handle)
