@@ -11,9 +11,12 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvplane.errors import ConfigError
 from kvplane.validators import require_int, require_number, require_probability
+
+T = TypeVar("T")
 
 
 def _check(owner: object, probabilities: tuple[str, ...], seconds: tuple[str, ...]) -> None:
@@ -26,6 +29,17 @@ def _check(owner: object, probabilities: tuple[str, ...], seconds: tuple[str, ..
         raise ConfigError(f"{name}: the probabilities of its exclusive faults sum past 1")
     for attr in seconds:
         require_number(f"{name}.{attr}", getattr(owner, attr), min=0, error=ConfigError)
+
+
+def _draw(rng: random.Random, fates: list[tuple[T, float]], default: T) -> T:
+    """One draw of ``rng`` among exclusive ``(fate, probability)`` pairs; ``default`` for the
+    rest of the unit interval."""
+    roll = rng.random()
+    for fate, prob in fates:
+        if roll < prob:
+            return fate
+        roll -= prob
+    return default
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +66,9 @@ class FrameFaults:
 
     def pick(self, rng: random.Random) -> str:
         """One frame's fate, one draw: a field name (``"drop"``, ...) or ``"ok"``."""
-        roll = rng.random()
-        for fate in ("drop", "duplicate", "reorder", "corrupt"):
-            prob: float = getattr(self, fate)
-            if roll < prob:
-                return fate
-            roll -= prob
-        return "ok"
+        return _draw(
+            rng, [(f, getattr(self, f)) for f in ("drop", "duplicate", "reorder", "corrupt")], "ok"
+        )
 
 
 class Fate(enum.Enum):
@@ -96,13 +106,8 @@ class TransferFaults:
 
     def pick(self, rng: random.Random) -> Fate:
         """One transfer's fate, one draw of ``rng``."""
-        roll = rng.random()
-        for fate in (Fate.SUBMIT_ERROR, Fate.FAIL, Fate.IN_DOUBT, Fate.LATE, Fate.HANG):
-            prob: float = getattr(self, fate.value)
-            if roll < prob:
-                return fate
-            roll -= prob
-        return Fate.OK
+        fates = (Fate.SUBMIT_ERROR, Fate.FAIL, Fate.IN_DOUBT, Fate.LATE, Fate.HANG)
+        return _draw(rng, [(f, getattr(self, f.value)) for f in fates], Fate.OK)
 
 
 @dataclass(frozen=True, slots=True)
