@@ -1,32 +1,9 @@
 """KV layouts: the physical description of one paged pool, as data.
 
-Theory of operation
--------------------
-Every pool kind is described on the same six logical axes, so one piece of stride arithmetic
-serves MHA/GQA, MLA and whole-only state alike:
-
-====== ============================================================================
-axis   meaning
-====== ============================================================================
-BLOCK  block id inside the pool (``num_blocks``)
-LAYER  index into ``layer_ids`` (the global layers this pool holds)
-COMP   component: MHA/GQA K=0, V=1; MLA has one packed component; STATE one
-TOKEN  token offset inside a block (``block_size``; 1 for STATE)
-HEAD   head index *local to this rank* (``head_range`` of ``total_heads``; 1 for MLA)
-DIM    elements per head (MHA/GQA ``head_dim``; MLA ``latent_dim + rope_dim``)
-====== ============================================================================
-
-``order`` is the memory order of the pool tensor: a permutation of the six axes with DIM last
-(innermost, contiguous). The pool is one contiguous tensor of shape ``shape`` (the axis sizes in
-``order``); :meth:`KVLayout.strides_bytes` gives the byte stride of each axis, so the byte offset
-of any element is ``sum(index[a] * stride[a])`` — the planner does this with numpy broadcasting.
-``canonical_view`` permutes the pool (zero-copy) to ``[BLOCK, LAYER, COMP, TOKEN, HEAD, DIM]``;
-the per-layer K/V, latent/rope and state views are slices of that.
-
-Two fingerprints: :meth:`compat_fingerprint` covers what two PD peers must agree on (kind, dtype,
-layers, heads, dims, window) and excludes what the planner reconciles (block size, TP head range,
-memory order, pool size); :meth:`fingerprint` is the physical identity (everything but the pool
-size) and goes into block hashes and stored-chunk headers.
+:class:`KVLayout` owns a pool's six logical axes, memory order, byte strides, zero-copy views and
+two fingerprints; the window and TP head rules live here once (:meth:`KVLayout.window_start`,
+:func:`heads_cover`, :func:`shared_heads`). Pure data: no I/O, no regions, no plans. See
+docs/transports.md ("Layouts").
 """
 
 from __future__ import annotations

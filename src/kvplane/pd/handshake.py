@@ -1,29 +1,10 @@
 """Handshake data: the layout as wire data and the pure compatibility check.
 
-Theory of operation
--------------------
-Two PD peers exchange a :class:`PeerProfile` (protocol version, model id and one
-:class:`LayoutInfo` per KV pool) when they connect. :func:`check_compatible` is a pure function
-over two profiles: it lists every reason they cannot exchange KV, or none.
-
-What must match (a mismatch would put wrong bytes in the receiver's cache): the protocol
-version, the model id, the number of pools and, per pool, the layout kind, dtype, layer ids,
-total heads, head and rope dims, sliding window and the L2 *compatibility* fingerprint when
-both sides carry one. What may differ, because the transfer planner reconciles it: block size,
-the TP head range a rank holds, memory order, pool size and the L2 *physical* fingerprint.
-
-The TP head ranges may differ but are directional: a session has one sender, so a KV sender's
-range must cover the receiver's (:func:`~kvplane.layout.heads_cover`, the one home of that rule;
-GQA across TP degrees: the decode rank's range a subset of the prefill rank's; an MLA pool's one
-latent head is always covered). A peer
-that knows which way its KV flows passes ``sends`` to :func:`check_compatible`, which then
-refuses at the handshake a pairing that could only fail later, at a request's first slice.
-
-:func:`compat_fingerprint` digests exactly the must-match fields, so a peer can compare one
-value first; the check still recomputes it from the fields (a profile whose claimed fingerprint
-disagrees with its own fields is refused) and compares field by field to name the reasons.
-This module does no I/O and imports only L0 and the head rule of ``kvplane.layout``; the layout
-arrives as plain data (e.g. ``KVLayout.describe()`` through :meth:`LayoutInfo.from_description`).
+:class:`PeerProfile` (protocol version, model id, one :class:`LayoutInfo` per pool) is what two
+PD peers exchange; :func:`check_compatible` lists every reason two profiles cannot exchange KV
+(the must-match fields, TP heads by :func:`~kvplane.layout.heads_cover`) and
+:func:`compat_fingerprint` digests the must-match fields. No I/O; imports only L0 and the head
+rule of ``kvplane.layout``. See docs/pd.md ("Handshake and compatibility").
 """
 
 from __future__ import annotations

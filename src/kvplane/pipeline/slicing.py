@@ -1,24 +1,10 @@
 """Pipelined slices: step ranges, where each slice is cut, and the plans that move one slice.
 
-Theory of operation
--------------------
-Chunked prefill computes ``[0, N)`` in steps of ``step_size`` tokens (:func:`step_ranges`).
-After each step the :class:`SliceCutter` decides what the step's slice is: everything since the
-previous slice up to the last position aligned to *both* sides' block sizes — a partial block
-that the next step will keep filling is deferred to the next slice — or nothing if no aligned
-boundary was crossed. The final step always yields a slice, ``[sent, N)``, even an empty one:
-it carries the end signal and the whole-only pools (recurrent state, and the tail record with
-the first token). Slices therefore tile ``[0, N)`` with ids 0, 1, 2, ... as the PD protocol
-requires.
-
-:func:`plan_slice` is pure: the PD session hands the driver the slice's range already clipped
-to what the receiver lacks (``[prefix_tokens, N)``); a sliding-window pool additionally drops
-everything before the final window (:meth:`~kvplane.layout.KVLayout.window_start` of ``N``);
-the final slice adds one whole-only plan per state pool; our KV pool's TP heads must cover the
-destination's (a session has one sender: :func:`~kvplane.layout.heads_cover`, which the
-workers' handshake already checks).
-Each plan is built by :func:`~kvplane.transfer.planner.plan_transfer` and validated by the
-executor before any byte moves.
+:func:`step_ranges` splits a chunked prefill into steps; :class:`SliceCutter` cuts each step's
+slice at both sides' block boundaries (a partial block deferred, the final slice always cut);
+the pure :func:`plan_slice` builds one slice's plans with
+:func:`~kvplane.transfer.planner.plan_transfer`. It moves no byte and holds no session state.
+See docs/pipeline.md ("Slicing").
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """Coverage moments of descriptor lists and of requests: the checksum of a plan's byte mapping.
 
-Theory of operation
--------------------
-A transfer plan is a mapping from source bytes to destination bytes, written as pairs of
-descriptors ``src[i] → dst[i]`` (equal lengths). ``TransferPlan.validate`` checks this mapping
-against the one that was requested, without re-running the planner. Three facts are checked:
-
-1. no two destination descriptors overlap and no two source descriptors overlap
-   (``DescriptorFacts.overlap``, the one overlap search, through
-   :func:`~kvplane.transports.checks.check_batch`);
-2. the number of bytes moved equals the analytic number of logical bytes requested (exact);
-3. the *moments* of the mapping agree with the analytic moments of the request: ``Σ s^i d^j``
-   over every moved byte (``s``, ``d``: its offsets on each side) for every ``(i, j)`` of
-   :data:`MONOMIALS` -- ``Σ s``, ``Σ d``, ``Σ s²``, ``Σ s·d``, ``Σ d²``, ``Σ s²·d``, ``Σ s·d²``.
-
-With (1) and (2) the plan is a bijection between two byte sets of the right size. (3) is a
-checksum of those sets and their pairing, not a proof: a fixed set of moments cannot tell every
-pair of mappings apart. What it does catch, and the tests check: a descriptor that is shifted or
-points at the wrong block (that changes ``Σ s`` or ``Σ d``), a single swap of two destinations
-(``Σ s·d``), and permutations whose changes cancel in ``Σ s·d`` such as the double swap of
-blocks 0↔1 and 2↔3 under the table ``0,1,3,2`` (``Σ s·d²``). What it cannot catch: a
-permutation of equal-sized blocks that keeps all seven sums -- four blocks sent to destination
-blocks ``2,0,3,1`` instead of ``1,3,0,2`` have the same ``Σ k·σ(k)``, ``Σ k²·σ(k)`` and
-``Σ k·σ(k)²`` -- so a planner bug that permutes whole blocks that way would pass. The moments
-of a descriptor are closed-form (binomial expansions of ``Σ_k (s+k)^i (d+k)^j`` over ``k < n``
-in the power sums of ``k``), and the moments of a request, whose offsets are sums over its
-logical axes (token, layer, component, head, byte-in-row), are built axis by axis by the same
-binomial expansion, so both sides are a few vectorised numpy reductions. Moments are kept
-modulo 2**64 (numpy ``uint64`` wraps), which is a ring, so every product and sum agrees exactly
-on both sides. It is meant to catch realistic planner and wire bugs, not an adversary.
+:class:`Coverage` holds a mapping's byte count and its moments ``Σ s^i d^j`` (:data:`MONOMIALS`,
+mod 2**64), in closed form from a plan's descriptors (:func:`coverage_of_descriptors`) and axis
+by axis from a request (:func:`coverage_of_product`), so ``TransferPlan.validate`` compares the
+two without re-running the planner. A checksum, not a proof: what it catches and what it cannot
+is in docs/transports.md ("Coverage"). Pure numpy: no regions, no transport.
 """
 
 from __future__ import annotations

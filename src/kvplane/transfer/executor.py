@@ -1,17 +1,10 @@
 """The executor: runs a validated plan over any transport, reporting per-op progress.
 
-:meth:`PlanExecutor.start` takes a :class:`~kvplane.transfer.plan.ValidatedPlan` as it is, or
-validates plain plans once against the local regions and the peer's regions (``PlanError``
-before any byte moves), and returns a :class:`~kvplane.transfer.run.PlanRun` that has submitted
-nothing; neither it nor the run checks the plan again. Given several plans it runs them as one:
-a transfer unit built from plans of several pools (a final slice's KV and its whole-only
-records) then costs one transport batch per op position instead of one per plan.
-:meth:`PlanExecutor.execute` drives a run to its end with a short backoff, calling
-``on_progress`` for every op change, and returns the typed
-:class:`~kvplane.transfer.progress.PlanResult` — FAILED and IN_DOUBT are results, not exceptions.
-A callback that raises cancels the run; :class:`PlanRunAbortedError` then carries the run's
-result (which may be IN_DOUBT: a batch that ignored the cancel for ``CANCEL_GRACE_S``), so the
-caller still learns whether a transport may be touching the memory.
+:class:`PlanExecutor` validates plain plans once against both sides' regions (a
+:class:`~kvplane.transfer.plan.ValidatedPlan` runs as it is), starts a
+:class:`~kvplane.transfer.run.PlanRun` and drives it to a typed ``PlanResult``: FAILED and
+IN_DOUBT are results, not exceptions (:class:`PlanRunAbortedError` when a progress callback
+raises). It decides nothing about what moves. See docs/transports.md ("Running a plan").
 """
 
 from __future__ import annotations

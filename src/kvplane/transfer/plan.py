@@ -1,16 +1,10 @@
 """The transfer plan: frozen, inspectable data that any transport executes, and its validated form.
 
-A :class:`TransferPlan` is a tuple of :class:`~kvplane.transfer.op.TransferOp` s (one transport
-batch each) plus the analytic :class:`~kvplane.transfer.coverage.Coverage` of the request it
-was built for, so that :meth:`TransferPlan.validate` can check, from the descriptors alone and
-before any byte moves, that the plan stays inside its regions, moves each byte at most once and
-the requested number of bytes, and -- by moments, a checksum that catches realistic planner
-and wire bugs but not every permutation of blocks -- that they are the requested bytes, paired
-as requested. Validation happens once: it returns a :class:`ValidatedPlan`, which the executor
-runs and the transports accept without checking again what it proved.
-
-Plans are built by :func:`kvplane.transfer.planner.plan_transfer` (a pure function), sent with
-:mod:`kvplane.transfer.codec` and run by :class:`kvplane.transfer.executor.PlanExecutor`.
+A :class:`TransferPlan` is a tuple of :class:`~kvplane.transfer.op.TransferOp` s plus the
+:class:`~kvplane.transfer.coverage.Coverage` of its request; :meth:`TransferPlan.validate` checks
+it once, from the descriptors alone and before any byte moves, and returns the
+:class:`ValidatedPlan` that the executor runs and transports trust. It builds, sends and runs
+nothing (``planner``, ``codec``, ``executor`` do). See docs/transports.md ("Transfer plans").
 """
 
 from __future__ import annotations

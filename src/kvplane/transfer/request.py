@@ -1,15 +1,9 @@
 """What a caller asks the planner for, checked and normalised before any arithmetic.
 
-A request names two *sides* (:class:`PlanSide`: a layout, the sequence's block table in that pool,
-the region that holds the pool and the pool's byte offset in it), a token range, the layers to
-move and :class:`PlanOptions` (prefix reuse, op grouping, chunk/slice annotations).
-:func:`resolve` turns it into a :class:`PlanRequest`: the effective token range (prefix reuse and
-sliding window applied), the layer indices on each side, the global head range both sides hold,
-and the op boundaries. Every bad input raises here — ``LayoutError`` when the two layouts cannot
-exchange KV at all, ``PlanError`` for everything about the request — naming the value.
-
-Whole-only pools (``LayoutKind.STATE``) move whole blocks: the token range must be omitted or be
-exactly ``[0, len(block_ids))``; a prefix, a chunk grouping or any other range is a ``PlanError``.
+:class:`PlanSide` and :class:`PlanOptions` name a request; :func:`resolve` turns it into a
+:class:`PlanRequest` (effective token range, layer indices, shared TP heads, op boundaries) or
+raises ``LayoutError``/``PlanError`` naming the bad value. It builds no descriptors and touches
+no region. See docs/transports.md ("Transfer requests").
 """
 
 from __future__ import annotations

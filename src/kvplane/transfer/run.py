@@ -1,19 +1,9 @@
 """A plan run: one plan executing on one transport, advanced by non-blocking steps.
 
-Theory of operation
--------------------
-:meth:`PlanRun.step` submits ops in order (each op is one transport batch) while fewer than
-``max_inflight`` are in flight, polls every in-flight batch once and returns the
-:class:`OpProgress` events that changed; it never blocks, so an event loop can drive it, and
-:class:`~kvplane.transfer.executor.PlanExecutor` drives it with a short backoff.
-
-The first op that ends FAILED or IN_DOUBT — or a ``submit`` or ``poll`` that raises, or the
-plan deadline, or :meth:`PlanRun.cancel` — stops the run: nothing more is submitted (those ops end
-NOT_SUBMITTED), in-flight batches are cancelled and polled until the transport reports them
-terminal; one still PENDING :data:`CANCEL_GRACE_S` after the stop (or the deadline, if earlier)
-is recorded IN_DOUBT (the run cannot tell whether its bytes landed). With ``notify``, the last
-op carries the notification and is submitted only after every other op is DONE, so the peer
-hears of the plan only after all of its bytes have landed.
+:class:`PlanRun` owns the run's op states: :meth:`PlanRun.step` submits ops in order up to
+``max_inflight``, polls each in-flight batch once and never blocks; the first failure, the
+deadline or :meth:`PlanRun.cancel` stops it (a batch still pending :data:`CANCEL_GRACE_S` later
+is IN_DOUBT). It never checks the plan again. See docs/transports.md ("Running a plan").
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """The transport contract: name memory, move bytes, report progress — never decide what moves.
 
-Theory of operation
--------------------
-A transport exposes local memory as *regions* (``register``), publishes opaque ``metadata()``
-bytes that a peer passes to ``connect`` to obtain a :class:`Peer` (which lists the peer's
-regions and their lengths), and executes batches of byte moves described by two aligned
-:class:`DescriptorList` s: element ``i`` of ``src`` moves to element ``i`` of ``dst`` and both have
-the same length. For ``XferKind.WRITE`` the sources are local and the destinations are the
-peer's; for ``READ`` the reverse. Descriptor lists are columnar (three int64 numpy arrays), so a
-plan of a hundred thousand runs costs three arrays, not a hundred thousand objects.
-
-``submit`` validates every descriptor against the registered regions before any byte moves
-(``PlanError``), then returns a :class:`Handle`; lists already proved by
-:mod:`~kvplane.transports.checks` (a validated plan's ops) are checked only for their regions
-still being registered. ``poll`` reports a :class:`Poll`: PENDING until
-the batch ends in DONE, FAILED(reason) or IN_DOUBT (the transport cannot tell whether the bytes
-landed, e.g. the connection broke after the last send). Every batch has a deadline; passing it
-turns the handle FAILED with ``FailureKind.TIMEOUT`` — or IN_DOUBT (failure TIMEOUT) when every
-byte was already handed over but the peer never acknowledged, since they may have landed. A
-peer that dies surfaces as FAILED with ``FailureKind.REMOTE_DISCONNECT``, never a hang.
-``notify`` bytes, when given, are delivered to the peer's ``notifications()`` after (and only
-after) all of the batch's bytes have landed there.
+:class:`Region`, :class:`Peer`, :class:`Poll`, :class:`Handle`, the transfer enums and the
+:class:`Transport` protocol: ``register``/``connect`` name memory, ``submit`` moves paired
+descriptor lists (checked before any byte moves), ``poll`` reports PENDING until DONE, FAILED or
+IN_DOUBT, and ``notify`` arrives only after the batch's bytes. No implementation lives here
+(``core`` shares one). See docs/transports.md ("The transport contract").
 """
 
 from __future__ import annotations

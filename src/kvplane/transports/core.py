@@ -1,30 +1,10 @@
 """What every kvplane transport shares: validation, the region and batch tables, poll semantics.
 
-Theory of operation
--------------------
 :class:`TransportCore` implements the :class:`~kvplane.transports.base.Transport` protocol's
-bookkeeping once; an implementation fills in a handful of hooks (``_connect``, ``_start`` and,
-where needed, ``_progress``, ``_abort``, ``_close``, ``_on_register``, ``_on_deregister``).
-
-``submit`` checks everything before any state changes: argument types, a known peer, then the
-batch by :func:`~kvplane.transports.checks.check_batch` (pairing and equal lengths, bounds of the
-local side against our regions and of the remote side against the peer's region table, no
-destination byte written twice) -- or, for lists it vouches for (a validated plan's ops, lists
-checked before), only that their regions are still registered and long enough -- and (loopback)
-no destination range overlapping a source range. Only then does it pin the local regions and
-create the batch; a
-``PlanError`` raised by ``_start`` still leaves nothing behind. Any other error from ``_start``
-ends the batch FAILED(BACKEND_ERROR), or IN_DOUBT(BACKEND_ERROR) if it had started moving bytes
-(``_start`` returns or raises only once nothing of it still runs, so its pins then go). ``poll``
-advances engine-polled batches (``_progress``) and enforces the deadline: a batch that passes it
-ends FAILED(TIMEOUT), or IN_DOUBT(TIMEOUT) if every byte was already handed over. ``cancel``
-ends a batch at once (FAILED(CANCELLED), or IN_DOUBT if already committed) and asks the
-implementation to stop. In all cases region pins are released only when the batch is quiescent
-(see ``batches``); the batch table itself unpins a batch before it ends DONE, so whoever sees
-DONE may deregister at once, whichever implementation ended it. ``close`` first ends every live
-batch -- FAILED(LOCAL_ERROR) if it never started, else IN_DOUBT(LOCAL_ERROR) -- and only then
-stops the implementation (``_close``), so a link or engine it takes down cannot report a batch of
-ours as REMOTE_DISCONNECT.
+bookkeeping once: submit checks before any state changes, pins, deadlines, cancel, a fail-closed
+``close`` and a blocking ``wait``. An implementation fills in only hooks (``_connect``,
+``_start`` and, where needed, ``_progress``, ``_abort``, ``_close``, ``_on_register``,
+``_on_deregister``); the core moves no byte itself. See docs/transports.md ("Shared bookkeeping").
 """
 
 from __future__ import annotations

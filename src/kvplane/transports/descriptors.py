@@ -1,17 +1,10 @@
 """Descriptor lists — columnar ``(region, offset, length)`` byte ranges — and their cached facts.
 
-Theory of operation
--------------------
-A :class:`DescriptorList` is three read-only int64 arrays, so a plan of a hundred thousand runs
-costs three arrays, not a hundred thousand objects. Because the arrays can never change, every
-structural fact about a list — its distinct regions and the highest byte it reaches in each,
-whether all runs share one length, whether they sit on rows of that length (paged blocks) and
-in which order, whether two runs share a byte — is computed once, on first use, and kept
-with the list (:attr:`DescriptorList.facts`), beside the proof that
-:mod:`~kvplane.transports.checks` leaves on a checked pair. A list built once and submitted
-many times (a NIXL-style prepared list, a transfer plan validated at planning time and executed
-later) pays for its checks once; each submit still compares the cached per-region extents with
-the live region table, which is O(regions), not O(runs).
+A :class:`DescriptorList` is three read-only int64 arrays; its structural facts
+(:class:`DescriptorFacts`: regions and extents, one run length, row maps, overlap, continuations)
+are computed once, on first use, and kept with the list, so a list submitted many times is
+analysed once. It knows no live region table (``checks`` compares against one). See
+docs/transports.md ("Descriptor lists").
 """
 
 from __future__ import annotations
