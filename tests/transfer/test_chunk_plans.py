@@ -10,12 +10,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey, RegionId, TokenRange
 from kvplane.layout import HEAD_MAJOR, LAYER_MAJOR, KVLayout
 from kvplane.transfer.chunk_plans import ChunkMove, ChunkPlans, SlotBuffer
 from kvplane.transfer.plan import ValidatedPlan
+from kvplane.transports.base import DescriptorList
 
 
 def key(i: int) -> ChunkKey:
@@ -152,3 +155,40 @@ def test_no_chunk_is_an_empty_validated_plan(padded: bool) -> None:
     move = plans.gather(none, none)
     assert move.plan.empty and move.plan.num_bytes == 0 and len(move.src) == 0
     assert plans.scatter(none, none).plan.empty
+
+
+def _byte_map(src: DescriptorList, dst: DescriptorList) -> np.ndarray:
+    """Every byte a batch moves as (source key, destination key) rows, sorted: equal for two
+    batches exactly when they move the same bytes to the same places."""
+    within = np.arange(int(src.lengths.sum())) - np.repeat(
+        np.cumsum(src.lengths) - src.lengths, src.lengths
+    )
+    s = np.repeat(src.regions << 40 | src.offsets, src.lengths) + within
+    d = np.repeat(dst.regions << 40 | dst.offsets, dst.lengths) + within
+    rows = np.stack([s, d], axis=1)
+    return rows[np.lexsort((rows[:, 1], rows[:, 0]))]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(sorted(LAYOUTS)),
+    padded=st.booleans(),
+    to_slots=st.booleans(),
+    picks=st.data(),
+)
+def test_the_batch_moves_exactly_the_bytes_of_its_chunk_plan(
+    name: str, padded: bool, to_slots: bool, picks: st.DataObject
+) -> None:
+    """The batch a move runs (the one-block template shifted) and the planner's CHUNK plan of
+    the same move map every byte identically, for any distinct blocks and slots."""
+    layout = LAYOUTS[name]
+    plans, _, _, _ = _setup(layout, padded)
+    n = picks.draw(st.integers(0, NUM_SLOTS))
+    slots = picks.draw(st.permutations(range(NUM_SLOTS)))[:n]
+    ids = picks.draw(st.permutations(range(layout.num_blocks)))[: n * BPC]
+    keys = [key(i) for i in range(n)]
+    args = (np.array(ids, dtype=np.int64), np.array(slots, dtype=np.int64), keys)
+    move = plans.gather(*args) if to_slots else plans.scatter(args[1], args[0], keys)
+    whole = move.plan.whole
+    assert np.array_equal(_byte_map(move.src, move.dst), _byte_map(whole.src, whole.dst))
+    assert [op.chunk_keys for p in move.plan.plans for op in p.ops] == [(k,) for k in keys]

@@ -94,7 +94,7 @@ def test_validate_returns_the_facts_it_proved(kvref, local) -> None:
     assert (len(v.src_regions), len(v.dst_regions)) == (1, 1)
     assert (s_id, d_id) == p.ids and (s_len, d_len) == (len(p.src), len(p.dst))
     with pytest.raises(InvalidArgumentError, match=r"comes from TransferPlan\.validate"):
-        ValidatedPlan(v.plans, v.batches, v.whole, v.src_regions, v.dst_regions)
+        ValidatedPlan(v.plans, v.whole, v.src_regions, v.dst_regions)
     other = Pools(kvref, local, seed=7)
     with pytest.raises(InvalidArgumentError, match="joins 2 plans"):
         _ = ValidatedPlan.join([v, other.plan.validate(*other.lengths)]).plan
@@ -129,7 +129,7 @@ def test_a_raw_submit_beside_a_validated_plan_is_still_checked(kvref, local, mon
     peer = local.connect(local.metadata())
     v = p.plan.validate(*p.lengths)
     op = p.plan.ops[0]
-    assert vouched(op.src, op.dst) == v.batches[0]
+    assert v.batches[0] == vouched(op.src, op.dst)  # batches (built on first use) vouch
     copy = DescriptorList(op.dst.regions.copy(), op.dst.offsets.copy(), op.dst.lengths.copy())
     assert local.wait(local.submit(XferKind.WRITE, op.src, copy, peer)).bytes_done == op.num_bytes
     assert calls == ["validate", "submit"]  # equal content, but not the list validated

@@ -4,8 +4,9 @@
 each chunk stored block-major in the layout's canonical order) as a layout and builds the
 validated :class:`~kvplane.transfer.plan.TransferPlan` s of gathers (pool -> slots) and scatters
 (slots -> pool) with :func:`~kvplane.transfer.planner.plan_transfer`'s CHUNK grouping, the one
-place a chunk becomes byte runs. Validated plans are cached per (block ids, slots, keys). It
-plans only: it holds no tensor and moves no byte.
+place a chunk becomes byte runs. A move's one transport batch is the planner's validated
+one-block template shifted by whole blocks and slots, proved by ``check_batch``; its CHUNK plan
+is built when asked for. It plans only: it holds no tensor and moves no byte.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,11 +22,12 @@ import numpy as np
 from kvplane.chunks import ChunkSpec
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey, RegionId, TokenRange
-from kvplane.layout import BLOCK_MAJOR, KVLayout
+from kvplane.layout import BLOCK_MAJOR, Axis, KVLayout
 from kvplane.transfer.plan import ValidatedPlan
 from kvplane.transfer.planner import plan_transfer
 from kvplane.transfer.request import OpGrouping, PlanOptions, PlanSide
 from kvplane.transports.base import DescriptorList, Int64Array
+from kvplane.transports.checks import check_batch
 from kvplane.transports.copier import coalesce
 
 CACHE_DESCRIPTORS = 1 << 18
@@ -44,15 +46,28 @@ class SlotBuffer:
     slot_stride: int
 
 
-@dataclass(frozen=True, slots=True, eq=False)
 class ChunkMove:
-    """One gather or scatter: its validated plans and the one transport batch that runs them,
-    every op's pairs in op order with the runs that continue each other merged (built once,
-    so a move submitted again is neither merged nor checked again)."""
+    """One gather or scatter: the one transport batch that runs it (``src``/``dst``: every
+    chunk's runs in chunk order, continuing runs merged, vouched by ``check_batch``, so a
+    move submitted again is not checked again) and, built on first use, its validated
+    CHUNK-grouped :attr:`plan`, which moves exactly the batch's bytes."""
 
-    plan: ValidatedPlan
-    src: DescriptorList
-    dst: DescriptorList
+    __slots__ = ("_build", "_plan", "dst", "src")
+
+    def __init__(
+        self, src: DescriptorList, dst: DescriptorList, build: Callable[[], ValidatedPlan]
+    ) -> None:
+        self.src, self.dst = src, dst
+        self._build = build
+        self._plan: ValidatedPlan | None = None
+
+    @property
+    def plan(self) -> ValidatedPlan:
+        """The planner's CHUNK-grouped plan of this move (one op per chunk, with its key),
+        validated; built once, on first use."""
+        if self._plan is None:
+            self._plan = self._build()
+        return self._plan
 
 
 class ChunkPlans:
@@ -86,6 +101,7 @@ class ChunkPlans:
             pool_region: self.pool.pool_bytes,
             slots.region: slots.num_slots * slots.slot_stride,
         }
+        self._template = self._one_block()
         self._cache_descriptors = cache_descriptors
         self._cache: OrderedDict[tuple[bool, bytes, bytes, tuple[ChunkKey, ...]], ChunkMove]
         self._cache = OrderedDict()
@@ -127,16 +143,54 @@ class ChunkPlans:
             uniq, counts = np.unique(values, return_counts=True)
             if len(uniq) != len(values):
                 raise InvalidArgumentError(f"{what} repeat {int(uniq[counts > 1][0])}")
-        plan = ValidatedPlan.join(self._plans(to_slots, ids, slots, keys))
-        move = ChunkMove(plan, *coalesce(plan.whole.src, plan.whole.dst))
+        move = self._shifted(to_slots, ids, slots, keys)
         with self._lock:
             if key not in self._cache:
                 self._cache[key] = move
-                self._cached += len(plan.whole.src)
+                self._cached += len(move.src)
             while self._cached > self._cache_descriptors and len(self._cache) > 1:
                 _, old = self._cache.popitem(last=False)
-                self._cached -= len(old.plan.whole.src)
+                self._cached -= len(old.src)
         return move
+
+    def _one_block(self) -> tuple[Int64Array, Int64Array, Int64Array]:
+        """The runs moving pool block 0 into slot 0's block 0 (pool offsets, slot offsets,
+        lengths): the planner's plan, validated. Block ``b`` of the pool is these bytes
+        ``b * stride(BLOCK)`` further on (a strided layout), block ``j`` of slot ``s``
+        ``s * slot_stride + j * bytes_per_block`` further (the slots are block-major)."""
+        one = np.zeros(1, dtype=np.int64)
+        plan = plan_transfer(
+            PlanSide(self.pool, one, self.pool_region),
+            PlanSide(self.slot_layout, one, self.slots.region),
+            TokenRange(0, self.spec.block_size),
+        ).validate(self._lengths, self._lengths)
+        src, dst = plan.whole.src, plan.whole.dst
+        return src.offsets, dst.offsets, src.lengths
+
+    def _shifted(
+        self, to_slots: bool, ids: Int64Array, slots: Int64Array, keys: tuple[ChunkKey, ...]
+    ) -> ChunkMove:
+        """The move's batch: the one-block template shifted to each (block, slot block),
+        chunk by chunk, merged where runs continue, then proved by ``check_batch`` (pairing,
+        bounds, nothing written or read twice) -- the cheap part of validation; the planner's
+        byte checksum was paid once, for the template."""
+        t_pool, t_slot, t_len = self._template
+        bpc, bpb = self.spec.blocks_per_chunk, self.pool.bytes_per_block
+        pool_base = ids * self.pool.strides_bytes()[Axis.BLOCK]
+        slot_base = (slots[:, None] * self.slots.slot_stride + np.arange(bpc) * bpb).ravel()
+        pool = (pool_base[:, None] + t_pool[None, :]).ravel()
+        slot = (slot_base[:, None] + t_slot[None, :]).ravel()
+        lengths = np.tile(t_len, len(ids))
+        p_regions = np.full(len(pool), self.pool_region, dtype=np.int64)
+        s_regions = np.full(len(slot), self.slots.region, dtype=np.int64)
+        pool_list = DescriptorList(p_regions, pool, lengths)
+        slot_list = DescriptorList(s_regions, slot, pool_list.lengths)
+        src, dst = (pool_list, slot_list) if to_slots else (slot_list, pool_list)
+        src, dst = coalesce(src, dst)
+        check_batch(src, dst, self._lengths, self._lengths, sources_disjoint=True)
+        return ChunkMove(
+            src, dst, lambda: ValidatedPlan.join(self._plans(to_slots, ids, slots, keys))
+        )
 
     def _plans(
         self, to_slots: bool, ids: Int64Array, slots: Int64Array, keys: tuple[ChunkKey, ...]

@@ -60,6 +60,25 @@ class TransferOp:
                 f"TransferOp.slice_id must be None or an int >= 0, got {self.slice_id!r}"
             )
 
+    @classmethod
+    def planned(
+        cls,
+        src: DescriptorList,
+        dst: DescriptorList,
+        tokens: TokenRange,
+        layers: tuple[int, ...],
+        chunk_keys: tuple[ChunkKey, ...],
+        slice_id: SliceId | None,
+    ) -> TransferOp:
+        """An op the planner built from checked pieces (paired views of checked lists sharing
+        one lengths array, a ``TokenRange``, int layers, bytes keys): its fields are not
+        checked one by one again; the plan's ``validate`` proves its bytes."""
+        op = object.__new__(cls)
+        for name, value in (("src", src), ("dst", dst), ("tokens", tokens), ("layers", layers),
+                            ("chunk_keys", chunk_keys), ("slice_id", slice_id)):  # fmt: skip
+            object.__setattr__(op, name, value)
+        return op
+
     @property
     def num_bytes(self) -> int:
         return self.src.total_bytes

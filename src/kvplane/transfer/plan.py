@@ -112,7 +112,8 @@ class TransferPlan:
         request's analytic moments: that catches shifted descriptors, wrong blocks, swapped
         destinations and the permutations the tests name, but some permutations of equal-sized
         blocks keep every moment and pass (see the module docstring of
-        :mod:`~kvplane.transfer.coverage`). Every op's lists are vouched for the transports.
+        :mod:`~kvplane.transfer.coverage`). Each op's lists are vouched for the transports
+        when :attr:`ValidatedPlan.batches` is first used.
         """
         for i, op in enumerate(self.ops):  # O(ops); their lengths are compared concatenated
             if len(op.src) != len(op.dst):
@@ -143,11 +144,8 @@ class TransferPlan:
                 "plan descriptors do not cover the requested bytes: moments "
                 f"{got.describe()} != requested {self.coverage.describe()}"
             )
-        batches = (
-            (whole,) if len(self.ops) == 1 else tuple(whole.part(op.src, op.dst) for op in self.ops)
-        )
         return ValidatedPlan(
-            (self,), batches, whole, _named(src, src_region_lengths),
+            (self,), whole, _named(src, src_region_lengths),
             _named(dst, dst_region_lengths), _key=_KEY,
         )  # fmt: skip
 
@@ -212,19 +210,18 @@ class ValidatedPlan:
     registered and long enough (O(regions)).
 
     ``plans``: one (:meth:`TransferPlan.validate`) or several run jointly (:meth:`join`).
-    ``batches``: the transport batches, batch ``k`` holding op ``k`` of every plan (see
-    :func:`joint_ops`), each proved paired and free of bytes written or read twice; ``whole``:
-    every pair of every batch at once. ``src_regions``/``dst_regions``: ``(region, length)`` of
+    ``whole``: every pair of every op at once, proved paired and free of bytes written or read
+    twice; :attr:`batches` are its parts, one transport batch per op position. ``src_regions``/``dst_regions``: ``(region, length)`` of
     every region the sources/destinations name, from the tables validation checked bounds
     against. Only this module builds one (``InvalidArgumentError`` otherwise).
     """
 
     plans: tuple[TransferPlan, ...]
-    batches: tuple[CheckedBatch, ...]
     whole: CheckedBatch
     src_regions: tuple[tuple[RegionId, int], ...]
     dst_regions: tuple[tuple[RegionId, int], ...]
     _key: object = field(default=None, repr=False)
+    _batches: tuple[CheckedBatch, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self._key is not _KEY:
@@ -250,8 +247,20 @@ class ValidatedPlan:
         return sum(p.logical_bytes for p in self.plans)
 
     @property
+    def batches(self) -> tuple[CheckedBatch, ...]:
+        """The transport batches: batch ``k`` holds op ``k`` of every plan (:func:`joint_ops`),
+        each a part of :attr:`whole` (vouched, not checked again). Built on first use: a caller
+        that runs :attr:`whole` as one batch never pays for one proof per op."""
+        found = self._batches
+        if found is None:
+            ops = joint_ops(self.plans)
+            found = (self.whole,) if len(ops) == 1 else tuple(self.whole.part(*o) for o in ops)
+            object.__setattr__(self, "_batches", found)  # a racing build finds the same
+        return found
+
+    @property
     def empty(self) -> bool:
-        return not self.batches
+        return not any(p.ops for p in self.plans)
 
     @classmethod
     def join(cls, validated: Sequence[ValidatedPlan]) -> ValidatedPlan:
@@ -265,11 +274,10 @@ class ValidatedPlan:
             return validated[0]
         whole = join_batches([v.whole for v in validated], "plans run jointly")
         plans = tuple(p for v in validated for p in v.plans)
-        batches = tuple(whole.part(src, dst) for src, dst in joint_ops(plans))
         src_regions = dict(r for v in validated for r in v.src_regions)
         dst_regions = dict(r for v in validated for r in v.dst_regions)
         return cls(
-            plans, batches, whole, tuple(sorted(src_regions.items())),
+            plans, whole, tuple(sorted(src_regions.items())),
             tuple(sorted(dst_regions.items())), _key=_KEY,
         )  # fmt: skip
 

@@ -7,7 +7,7 @@ shape of the runs; no Python loop per short run. See docs/transports.md.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -141,10 +141,14 @@ def _copy_rows(
     return copy_rows_numpy(src.numpy(), s, dst.numpy(), d, workers=workers)
 
 
+RowMaps = tuple[RowMap | None, RowMap | None]
+"""The row maps of a batch's source and destination offsets (``None`` where they have none)."""
+
+
 def copy_runs(
     src: torch.Tensor, src_offsets: Int64Array, dst: torch.Tensor, dst_offsets: Int64Array,
     lengths: Int64Array, *, workers: CopyWorkers | None = None, torch_pool: bool = False,
-    maps: tuple[RowMap | None, RowMap | None] | None = None, stage_bytes: int = STAGE_BYTES,
+    maps: Callable[[], RowMaps] | None = None, stage_bytes: int = STAGE_BYTES,
 ) -> None:  # fmt: skip
     """Copy ``lengths[i]`` bytes from ``src[src_offsets[i]:]`` to ``dst[dst_offsets[i]:]``.
 
@@ -158,7 +162,8 @@ def copy_runs(
     uses) may run row copies; a transport's background thread leaves it False, because a torch
     parallel op there starts a second OpenMP team that fights the first for the cores (measured:
     both teams' copies fall to a fraction of memcpy). ``maps``: when all runs share one length,
-    the row maps of both offset arrays, if known (from the lists' cached facts).
+    gives the row maps of both offset arrays (from the lists' cached facts); called only off
+    the C path, which needs none.
     """
     n = len(lengths)
     if n == 0:
@@ -197,7 +202,7 @@ def copy_runs(
         so, do = (src_offsets, dst_offsets) if idx is None else (src_offsets[idx], dst_offsets[idx])
         if len(so) <= LOOP_MAX:
             each(so, do, np.full(len(so), length))
-        elif _copy_rows(src, so, dst, do, length, maps=maps, workers=workers,
+        elif _copy_rows(src, so, dst, do, length, maps=maps() if maps else None, workers=workers,
                         torch_pool=torch_pool):  # fmt: skip
             continue
         elif length < LONG_RUN:
@@ -236,8 +241,9 @@ def copy_pairs(
     given = src
     src, dst = coalesce(src, dst)
     if src.facts.single_region and dst.facts.single_region:  # common: no grouping, facts known
-        # row maps of lists merged just now are left to copy_runs (needed only off its C path)
-        maps = (src.facts.rows, dst.facts.rows) if src is given else None
+        # the lists' own row maps, when not merged just now (needed only off the C path)
+        facts = (src.facts, dst.facts)
+        maps = (lambda: (facts[0].rows, facts[1].rows)) if src is given else None
         copy_runs(
             src_views[RegionId(int(src.regions[0]))], src.offsets,
             dst_views[RegionId(int(dst.regions[0]))], dst.offsets, src.lengths,
