@@ -66,6 +66,7 @@ class TransferOp:
         src: DescriptorList,
         dst: DescriptorList,
         tokens: TokenRange,
+        *,
         layers: tuple[int, ...],
         chunk_keys: tuple[ChunkKey, ...],
         slice_id: SliceId | None,

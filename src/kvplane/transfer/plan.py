@@ -211,9 +211,10 @@ class ValidatedPlan:
 
     ``plans``: one (:meth:`TransferPlan.validate`) or several run jointly (:meth:`join`).
     ``whole``: every pair of every op at once, proved paired and free of bytes written or read
-    twice; :attr:`batches` are its parts, one transport batch per op position. ``src_regions``/``dst_regions``: ``(region, length)`` of
-    every region the sources/destinations name, from the tables validation checked bounds
-    against. Only this module builds one (``InvalidArgumentError`` otherwise).
+    twice; :attr:`batches` are its parts, one transport batch per op position.
+    ``src_regions``/``dst_regions``: ``(region, length)`` of every region the
+    sources/destinations name, from the tables validation checked bounds against. Only this
+    module builds one (``InvalidArgumentError`` otherwise).
     """
 
     plans: tuple[TransferPlan, ...]

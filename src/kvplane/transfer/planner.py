@@ -315,6 +315,8 @@ def _split(req: PlanRequest, specs: list[_OpSpec], elements: _Elements) -> tuple
     dst_parts = whole_dst.parts(bounds, lengths_of=src_parts)
     slice_id = req.options.slice_id
     return tuple(
-        TransferOp.planned(src, dst, spec.tokens, spec.layers, spec.chunk_keys, slice_id)
+        TransferOp.planned(
+            src, dst, spec.tokens, layers=spec.layers, chunk_keys=spec.chunk_keys, slice_id=slice_id
+        )
         for spec, src, dst in zip(specs, src_parts, dst_parts, strict=True)
     )
