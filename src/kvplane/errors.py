@@ -124,6 +124,11 @@ class UnknownPeerError(TransportError, KeyError):
         return str(self.args[0]) if self.args else "unknown peer"
 
 
+class HandshakeError(TransportError):
+    """A stream connection's handshake failed: a peer did not prove the shared secret for this
+    connection, was not the one meant, or closed unanswered."""
+
+
 # -- integrations (appended) ------------------------------------------------------------------
 class IntegrationError(KVPlaneError):
     """A run of a third-party engine with kvplane inside it (e.g. vLLM) failed."""

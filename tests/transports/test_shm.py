@@ -363,7 +363,8 @@ def test_a_welcome_segment_that_could_fault_our_copies_is_refused(fault):
 def test_a_second_pin_for_one_transfer_is_malformed_and_leaks_nothing():
     """A PIN repeated for one transfer id used to overwrite the first, whose pin then outlived
     COMMIT and even EOF, so the region could never be deregistered."""
-    from kvplane.transports.channel import Channel, client_handshake
+    from kvplane.transports.channel import Channel
+    from kvplane.transports.handshake import client_handshake
     from kvplane.transports.wire import pack_header
 
     t = ShmTransport(agent="target")

@@ -12,7 +12,8 @@ import torch
 
 import kvplane.transports.tcp as tcp_module
 from kvplane.transports.base import DescriptorList, FailureKind, XferKind, XferState
-from kvplane.transports.channel import Channel, server_handshake
+from kvplane.transports.channel import Channel
+from kvplane.transports.handshake import server_handshake
 from kvplane.transports.tcp import TcpTransport
 from kvplane.transports.wire import (
     FLAG_ERROR,

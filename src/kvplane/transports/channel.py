@@ -1,32 +1,23 @@
-"""Socket plumbing shared by the ``tcp`` and ``shm`` transports: channels, handshake, threads.
+"""Socket plumbing shared by the ``tcp`` and ``shm`` transports: channels and their threads.
 
-:class:`Link` (a sender that never reads, a receiver that never writes) and :class:`Listener`;
-with a secret, an unproven peer is refused before it touches memory. See docs/transports.md.
+:class:`Link` (a sender that never reads, a receiver that never writes; keep-alives when idle)
+and :class:`Listener` (a thread per admitted connection, none past the caps of ``bounds``).
+The handshake lives in ``handshake``. See docs/transports.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import queue
-import secrets
 import socket
 import threading
 from collections.abc import Callable
 
-from kvplane.errors import IncompatiblePeerError, MalformedMessageError, TransportError
+from kvplane.transports.bounds import Admission
 from kvplane.transports.wire import (
     HEADER,
-    WIRE_VERSION,
-    Auth,
-    Challenge,
     FrameType,
     Header,
-    Hello,
-    Welcome,
-    decode,
-    encode,
     pack_header,
     parse_header,
     recv_bytes,
@@ -72,85 +63,19 @@ class Channel:
         self.sock.close()
 
 
-def _mac(secret: bytes | None, nonce: bytes) -> bytes:
-    return b"" if secret is None else hmac.new(secret, nonce, hashlib.sha256).digest()
-
-
-def _expect(ch: Channel, ftype: FrameType, fds: list[int] | None = None) -> bytes:
-    if fds is None:
-        raw = recv_bytes(ch.sock, HEADER.size)
-    else:  # the WELCOME of shm carries descriptors on its first byte
-        data, got, _flags, _addr = socket.recv_fds(ch.sock, HEADER.size, MAX_FDS)
-        fds.extend(got)
-        if not data:
-            raise ConnectionResetError("peer closed the connection during the handshake")
-        raw = data + recv_bytes(ch.sock, HEADER.size - len(data))
-    header = parse_header(raw)
-    body = ch.recv_body(header)
-    if header.ftype is FrameType.REJECT:
-        raise TransportError(f"peer refused the connection: {body.decode(errors='replace')}")
-    if header.ftype is not ftype:
-        raise MalformedMessageError(
-            f"expected {ftype.name} during handshake, got {header.ftype.name}"
-        )
-    return body
-
-
-def client_handshake(
-    ch: Channel, agent: str, transport: str, secret: bytes | None, *, with_fds: bool = False
-) -> tuple[str, Welcome, list[int]]:
-    """Initiator side: returns the target's agent, its region table and any passed fds."""
-    ch.send_frame(FrameType.HELLO, 0, encode(Hello(WIRE_VERSION, agent, transport)))
-    challenge = decode(_expect(ch, FrameType.CHALLENGE), Challenge)
-    ch.send_frame(FrameType.AUTH, 0, encode(Auth(_mac(secret, challenge.nonce))))
-    fds: list[int] = []
-    try:
-        welcome = decode(_expect(ch, FrameType.WELCOME, fds if with_fds else None), Welcome)
-    except BaseException:
-        for fd in fds:
-            socket.close(fd)
-        raise
-    return challenge.agent, welcome, fds
-
-
-def server_handshake(
-    ch: Channel,
-    agent: str,
-    transport: str,
-    secret: bytes | None,
-    welcome: Callable[[], tuple[Welcome, list[int]]],
-) -> str:
-    """Target side: authenticates the initiator, sends WELCOME; returns the initiator's agent."""
-    hello = decode(_expect(ch, FrameType.HELLO), Hello)
-    reason = ""
-    if hello.version != WIRE_VERSION or hello.transport != transport:
-        reason = f"expected {transport} v{WIRE_VERSION}, got {hello.transport} v{hello.version}"
-    nonce = secrets.token_bytes(32)
-    ch.send_frame(FrameType.CHALLENGE, 0, encode(Challenge(agent, nonce)))
-    auth = decode(_expect(ch, FrameType.AUTH), Auth)
-    if not reason and not hmac.compare_digest(auth.mac, _mac(secret, nonce)):
-        reason = "authentication failed (shared secret mismatch)"
-    if reason:
-        ch.send_frame(FrameType.REJECT, 0, reason.encode())
-        raise IncompatiblePeerError(f"refused {hello.agent!r}: {reason}")
-    table, fds = welcome()
-    body = encode(table)
-    frame = pack_header(FrameType.WELCOME, 0, len(body)) + body
-    if fds:
-        sent = socket.send_fds(ch.sock, [frame], fds)
-        ch.send(frame[sent:])
-    else:
-        ch.send(frame)
-    return hello.agent
-
-
 class Listener:
-    """Accepts connections on ``sock`` and runs ``serve(channel)`` in a thread per connection."""
+    """Accepts connections on ``sock`` and runs ``serve(channel)`` in a thread per connection
+    that ``admission`` admits; any other is closed at once, unanswered. ``serve`` settles the
+    admitted connection's slot (``Admission.opened``/``release``)."""
 
-    def __init__(self, sock: socket.socket, name: str, serve: Callable[[Channel], None]) -> None:
+    def __init__(
+        self, sock: socket.socket, name: str, serve: Callable[[Channel], None],
+        admission: Admission,
+    ) -> None:  # fmt: skip
         self.sock = sock
         self._name = name
         self._serve = serve
+        self._admission = admission
         self._lock = threading.Lock()
         self._channels: set[Channel] = set()
         self._threads: set[threading.Thread] = set()
@@ -165,9 +90,13 @@ class Listener:
             except OSError:
                 return
             ch = Channel(conn)
+            if not self._admission.admit():
+                ch.close()  # past a cap: no thread, no byte
+                continue
             with self._lock:
                 if self._closed:
                     ch.close()
+                    self._admission.release(was_open=False)
                     return
                 thread = threading.Thread(target=self._run, args=(ch,), name=f"{self._name}-serve",
                                           daemon=True)  # fmt: skip
@@ -215,8 +144,12 @@ class Link:
         on_down: Callable[[Link, str], None],
         on_recv_exit: Callable[[Link], None] | None = None,
         drain_s: float = 0.0,
+        keepalive_s: float = 0.0,
     ) -> None:
         self.ch = ch
+        self._keepalive_s = keepalive_s or None
+        """A sender idle this long sends a PING (None: never), so the target's idle bound
+        (``bounds.ConnectionLimits.idle_timeout_s``) spares a quiet but live link."""
         self._drain_s = drain_s
         """How long :meth:`fail` lets a running job end before it shuts the socket (0: at
         once, which unblocks a sender stuck in ``sendall``; shm's target drops its pins at EOF,
@@ -266,7 +199,11 @@ class Link:
 
     def _send_loop(self) -> None:
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=self._keepalive_s)
+            except queue.Empty:
+                self._ping()
+                continue
             if job is _STOP:
                 break
             self._idle.clear()  # before reading ``down``: a fail() from now on waits for us
@@ -289,6 +226,12 @@ class Link:
                 return
             if job is not _STOP:
                 self._drop_job(job)
+
+    def _ping(self) -> None:
+        try:
+            self.ch.send_frame(FrameType.PING, 0)
+        except OSError as exc:
+            self.fail(f"keep-alive failed: {exc!r}")
 
     def _recv_loop(self) -> None:
         try:

@@ -27,7 +27,8 @@ from kvplane.errors import (
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import FailureKind, Peer, XferKind, XferState
-from kvplane.transports.channel import MAX_FDS, Channel, Link, Listener, client_handshake
+from kvplane.transports.bounds import ConnectionLimits, arm_silence
+from kvplane.transports.channel import MAX_FDS, Channel, Link
 from kvplane.transports.copier import copy_pairs
 from kvplane.transports.stream import Job, LinkState, StreamTransport
 from kvplane.transports.wire import (
@@ -141,10 +142,11 @@ class ShmTransport(StreamTransport):
         metrics: MetricsRegistry | None = None,
         history: int = 100_000,
         copy_threads: int | None = None,
+        limits: ConnectionLimits | None = None,
     ) -> None:
         super().__init__(
             secret=secret, connect_timeout_s=connect_timeout_s, agent=agent, metrics=metrics,
-            history=history, copy_threads=copy_threads,
+            history=history, copy_threads=copy_threads, limits=limits,
         )  # fmt: skip
         self._segments: dict[int, _Segment] = {}
         self._next_segment = 1
@@ -152,7 +154,7 @@ class ShmTransport(StreamTransport):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind("\0" + self.address)  # abstract namespace: nothing on the file system
         sock.listen()
-        self._listener = Listener(sock, f"kvplane-shm-{self.agent}", self._serve)
+        self._listen(sock)
 
     # -- memory ----------------------------------------------------------------------------------
     def allocate(self, nbytes: int) -> torch.Tensor:
@@ -195,7 +197,7 @@ class ShmTransport(StreamTransport):
         with self._lock:
             segs = dict(self._segments)
         infos = [SegmentInfo(i, s.tensor.numel()) for i, s in segs.items()]
-        return Welcome(regions, infos), [s.fd for s in segs.values()]
+        return Welcome(regions, infos, self._idle_ms()), [s.fd for s in segs.values()]
 
     def metadata(self) -> bytes:
         self._check_open()
@@ -212,8 +214,7 @@ class ShmTransport(StreamTransport):
         ch = Channel(sock)
         try:
             sock.connect("\0" + meta.address)
-            agent, welcome, fds = client_handshake(ch, self.agent, self.name, self._secret,
-                                                   with_fds=True)  # fmt: skip
+            agent, welcome, fds = self._handshake(ch, meta.agent, with_fds=True)
         except OSError as exc:
             ch.close()
             raise TransportError(f"cannot reach shm peer {meta.agent!r}: {exc}") from None
@@ -365,6 +366,7 @@ class ShmTransport(StreamTransport):
 
     # -- target ----------------------------------------------------------------------------------
     def _serve_target(self, ch: Channel, peer: PeerId) -> None:
+        """Idle-bounded while it holds no pin; a peer holding pins copies at its own pace."""
         pins: dict[int, tuple[RegionId, ...]] = {}
         try:
             while True:
@@ -378,21 +380,26 @@ class ShmTransport(StreamTransport):
                     ids = np.frombuffer(body, dtype="<i8").tolist()
                     try:
                         pins[h.xfer_id] = self._regions.pin(ids, exported_only=True)
+                        if len(pins) == 1:
+                            arm_silence(ch.sock, 0.0)
                         ch.send_frame(FrameType.PINNED, h.xfer_id)
                     except TransportError as exc:
                         ch.send_frame(
                             FrameType.PINNED, h.xfer_id, str(exc).encode(), flags=FLAG_ERROR
                         )
                 elif h.ftype in (FrameType.COMMIT, FrameType.ABORT):
-                    self._regions.unpin(pins.pop(h.xfer_id, ()))
+                    held = pins.pop(h.xfer_id, None)
+                    self._regions.unpin(held or ())
+                    if held is not None and not pins:
+                        self._idle(ch)
                     if h.ftype is FrameType.COMMIT:
                         if h.flags & FLAG_NOTIFY:
                             self._deliver(peer, body)
                         ch.send_frame(FrameType.ACK, h.xfer_id)
-                else:
+                elif h.ftype is not FrameType.PING or body:
                     raise MalformedMessageError(f"unexpected {h.ftype.name} frame on shm")
-        except (OSError, KVPlaneError):
-            pass
+        except (OSError, KVPlaneError) as exc:
+            self._ended(exc, holding=bool(pins))
         finally:
             for held in pins.values():
                 self._regions.unpin(held)

@@ -1,11 +1,13 @@
 """The connection-oriented half shared by ``tcp`` and ``shm``: links per peer, jobs, teardown.
 
+Also the target side's admission, handshake and idle bound of each accepted connection.
 Subclasses provide the dialing, the per-job protocol and the target side. See
 docs/transports.md.
 """
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -14,8 +16,17 @@ from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferState
 from kvplane.transports.batches import Batch
-from kvplane.transports.channel import Channel, Link, Listener, server_handshake
+from kvplane.transports.bounds import (
+    Admission,
+    ConnectionLimits,
+    Drop,
+    arm_silence,
+    keepalive_s,
+    timed_out,
+)
+from kvplane.transports.channel import Channel, Link, Listener
 from kvplane.transports.core import TransportCore
+from kvplane.transports.handshake import client_handshake, server_handshake
 from kvplane.transports.wire import Header, RegionInfo, Welcome
 from kvplane.validators import require_finite_positive
 
@@ -56,15 +67,21 @@ class StreamTransport(TransportCore):
         metrics: MetricsRegistry | None,
         history: int,
         copy_threads: int | None = None,
+        limits: ConnectionLimits | None = None,
     ) -> None:
         if secret is not None and (not isinstance(secret, bytes) or not secret):
             raise InvalidArgumentError("secret must be non-empty bytes or None")
         timeout = require_finite_positive(
             "connect_timeout_s", connect_timeout_s, InvalidArgumentError
         )
+        limits = ConnectionLimits() if limits is None else limits
+        if not isinstance(limits, ConnectionLimits):
+            raise InvalidArgumentError(f"limits must be ConnectionLimits, got {limits!r}")
         super().__init__(agent=agent, metrics=metrics, history=history, copy_threads=copy_threads)
         self._secret = secret
         self._connect_timeout = timeout
+        self.limits = limits
+        self._admission = Admission(limits, self.name, self.metrics)
         self._links: dict[PeerId, LinkState] = {}
         self._listener: Listener | None = None
 
@@ -85,7 +102,7 @@ class StreamTransport(TransportCore):
         """The link's threads have stopped (release per-peer resources)."""
 
     def _welcome(self) -> tuple[Welcome, list[int]]:
-        return Welcome(self._region_infos()), []
+        return Welcome(self._region_infos(), idle_ms=self._idle_ms()), []
 
     def _serve_target(self, ch: Channel, peer: PeerId) -> None:
         raise NotImplementedError
@@ -98,6 +115,21 @@ class StreamTransport(TransportCore):
     @staticmethod
     def _location(extra: object) -> tuple[int, int]:
         return extra if isinstance(extra, tuple) else (0, 0)
+
+    def _idle_ms(self) -> int:
+        return max(1, round(self.limits.idle_timeout_s * 1e3))
+
+    def _listen(self, sock: socket.socket) -> None:
+        """Serve the connections accepted on the listening ``sock``."""
+        self._listener = Listener(sock, f"kvplane-{self.name}-{self.agent}", self._serve,
+                                  self._admission)  # fmt: skip
+
+    def _handshake(
+        self, ch: Channel, expect: str, *, with_fds: bool = False
+    ) -> tuple[str, Welcome, list[int]]:
+        """Initiator side of the handshake on a connected ``ch`` (within ``connect_timeout_s``)."""
+        return client_handshake(ch, self.agent, self.name, self._secret, expect=expect,
+                                with_fds=with_fds, timeout_s=self._connect_timeout)  # fmt: skip
 
     def _install(self, peer_id: PeerId, ch: Channel, welcome: Welcome) -> tuple[Peer, LinkState]:
         """Adopt a handshaken channel as the peer's link, or only refresh a live link's table."""
@@ -116,6 +148,7 @@ class StreamTransport(TransportCore):
                 on_down=self._on_down,
                 on_recv_exit=lambda link: self._on_recv_exit(state),
                 drain_s=self.link_drain_s,
+                keepalive_s=keepalive_s(welcome.idle_ms / 1e3) if welcome.idle_ms > 0 else 0.0,
             )  # fmt: skip
             self._links[peer_id] = state
         if current is not None and current.link is not None:
@@ -146,14 +179,34 @@ class StreamTransport(TransportCore):
         self._batches.fail_all(mine, FailureKind.REMOTE_DISCONNECT, why)
 
     def _serve(self, ch: Channel) -> None:
-        """Target side of one accepted connection: handshake, then the subclass's loop."""
+        """Target side of one admitted connection: the handshake by its deadline (any failure
+        closes unanswered, counted), then the subclass's loop, idle-bounded."""
+        opened = False
         try:
-            ch.sock.settimeout(self._connect_timeout)
-            agent = server_handshake(ch, self.agent, self.name, self._secret, self._welcome)
-            ch.sock.settimeout(None)
-        except (OSError, KVPlaneError):
-            return
-        self._serve_target(ch, PeerId(agent))
+            try:
+                agent = server_handshake(ch, self.agent, self.name, self._secret, self._welcome,
+                                         timeout_s=self.limits.handshake_timeout_s)  # fmt: skip
+                ch.sock.settimeout(None)
+                self._idle(ch)
+            except (OSError, KVPlaneError) as exc:
+                late = isinstance(exc, TimeoutError)
+                self._admission.dropped(Drop.HANDSHAKE_TIMEOUT if late else Drop.HANDSHAKE_FAILED)
+                return
+            self._admission.opened()
+            opened = True
+            self._serve_target(ch, PeerId(agent))
+        finally:
+            self._admission.release(was_open=opened)
+
+    def _idle(self, ch: Channel) -> None:
+        """Arm ``ch`` with the idle bound: the target holds nothing for the peer."""
+        arm_silence(ch.sock, self.limits.idle_timeout_s)
+
+    def _ended(self, exc: BaseException, holding: bool) -> None:
+        """A target loop ended by ``exc``: count a triggered bound (stall if it ``holding``
+        pins, else idle)."""
+        if timed_out(exc):
+            self._admission.dropped(Drop.STALL if holding else Drop.IDLE)
 
     def _close(self) -> None:
         if self._listener is not None:

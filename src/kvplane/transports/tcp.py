@@ -9,13 +9,11 @@ from __future__ import annotations
 import collections
 import logging
 import socket
-import struct
 from dataclasses import dataclass, field
 
 import torch
 
 from kvplane.errors import (
-    IncompatiblePeerError,
     InvalidArgumentError,
     KVPlaneError,
     MalformedMessageError,
@@ -26,7 +24,8 @@ from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferKind, XferState
 from kvplane.transports.batches import Batch
-from kvplane.transports.channel import Channel, Link, Listener, client_handshake
+from kvplane.transports.bounds import ConnectionLimits, arm_silence
+from kvplane.transports.channel import Channel, Link
 from kvplane.transports.copier import coalesce, split
 from kvplane.transports.payload import (
     FRAME_BYTES,
@@ -89,32 +88,9 @@ def _tune(sock: socket.socket) -> None:
 TARGET_STALL_S = 60.0
 """How long a target waits at most for the next byte of a peer, or for the peer to take the
 next byte of a READ reply, while it holds pins for that peer's batch; then the connection is
-dropped and the pins released (a peer gone without a FIN, hung, or no longer reading; dropped
-after at least a third of this, see :func:`_stall_timeout`). An idle connection, holding
-nothing, waits for ever."""
-
-
-def _timeval(seconds: float, share: int) -> bytes:
-    """``struct timeval`` of ``seconds / share``; never (0, 0) (none) for ``seconds > 0``."""
-    micros = max(1, round(seconds * 1e6 / share)) if seconds > 0 else 0
-    return struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
-
-
-def _stall_timeout(sock: socket.socket, seconds: float) -> None:
-    """``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` (0: none) so that a peer whose bytes stop for
-    ``seconds`` is dropped by then (the call fails, which drops the connection).
-
-    The timeout bounds a whole call, and a call that waits for all its bytes (``MSG_WAITALL``
-    receives, ``sendall``) returns the part it got when it ends; the next call then fails one
-    more timeout later. So the receive timeout is armed at *half* of ``seconds``: a peer is
-    dropped between ``seconds / 2`` and ``seconds`` after its last byte. The send timeout is
-    armed at a *third*: besides the peer taking bytes, our own kernel frees a little send
-    buffer once the peer's zero window is probed (the probe's ACK); that space is too small to
-    wake the waiting call, so the next call takes it at once and waits a whole timeout again
-    (measured: armed at half, a peer that took nothing after the first instant was dropped
-    after 1.53 s for a 1 s stall; at a third, 1.06 s)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds, 2))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds, 3))
+dropped and the pins released (a peer gone without a FIN, hung, or no longer reading). Met
+with slack: see :func:`~kvplane.transports.bounds.arm_silence`. A connection holding nothing
+is bounded by ``ConnectionLimits.idle_timeout_s`` instead."""
 
 
 class TcpTransport(StreamTransport):
@@ -134,6 +110,7 @@ class TcpTransport(StreamTransport):
         history: int = 100_000,
         copy_threads: int | None = None,
         target_stall_s: float = TARGET_STALL_S,
+        limits: ConnectionLimits | None = None,
     ) -> None:
         if not isinstance(host, str) or not host:
             raise InvalidArgumentError(f"host must be a non-empty string, got {host!r}")
@@ -143,14 +120,14 @@ class TcpTransport(StreamTransport):
         require_int("port", port, min=0, max=65535)
         super().__init__(
             secret=secret, connect_timeout_s=connect_timeout_s, agent=agent, metrics=metrics,
-            history=history, copy_threads=copy_threads,
+            history=history, copy_threads=copy_threads, limits=limits,
         )  # fmt: skip
         try:
             sock = socket.create_server((host, port))
         except OSError as exc:
             raise TransportError(f"cannot listen on {host}:{port}: {exc}") from None
         self.address = f"{host}:{sock.getsockname()[1]}"
-        self._listener = Listener(sock, f"kvplane-tcp-{self.agent}", self._serve)
+        self._listen(sock)
 
     # -- metadata and connections --------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -167,9 +144,7 @@ class TcpTransport(StreamTransport):
         _tune(sock)
         ch = Channel(sock)
         try:
-            agent, welcome, _ = client_handshake(ch, self.agent, self.name, self._secret)
-            if agent != meta.agent:
-                raise IncompatiblePeerError(f"{meta.address} is {agent!r}, not {meta.agent!r}")
+            _, welcome, _ = self._handshake(ch, meta.agent)
         except OSError as exc:
             ch.close()
             raise TransportError(f"handshake with {meta.agent!r} failed: {exc}") from None
@@ -325,18 +300,21 @@ class _Target:
         self._watched = False
 
     def _watch(self) -> None:
-        """Arm the stall timeouts (receive and send: a READ reply is sent while its pins are
-        held) while pins are held, disarm them when none are."""
+        """Bound silence by the stall (receive and send: a READ reply is sent while its pins
+        are held) while pins are held, by the idle timeout when none are."""
         if bool(self.pins) != self._watched:
             self._watched = bool(self.pins)
-            _stall_timeout(self.ch.sock, self.t.target_stall_s if self._watched else 0.0)
+            if self._watched:
+                arm_silence(self.ch.sock, self.t.target_stall_s)
+            else:
+                self.t._idle(self.ch)
 
     def serve(self) -> None:
         try:
             while True:
                 self.handle(self.ch.recv_header())
-        except (OSError, KVPlaneError):
-            pass
+        except (OSError, KVPlaneError) as exc:
+            self.t._ended(exc, holding=bool(self.pins))
         except Exception:  # a bug must end only this connection (its pins released below)
             log.exception("tcp target connection from %s failed", self.peer)
         finally:
@@ -396,5 +374,7 @@ class _Target:
             finally:
                 t._regions.unpin(self.pins.pop(xid, ()))
                 self._watch()
+        elif h.ftype is FrameType.PING and not h.length:
+            return  # a keep-alive: its bytes already reset the idle bound
         else:
             raise MalformedMessageError(f"unexpected {h.ftype.name} frame from the initiator")

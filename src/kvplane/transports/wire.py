@@ -18,8 +18,9 @@ import numpy as np
 from kvplane.errors import IncompatiblePeerError, MalformedMessageError
 from kvplane.transports.base import DescriptorList
 
-WIRE_VERSION = 1
-"""Version of metadata, handshake and frame formats; peers must match exactly."""
+WIRE_VERSION = 2
+"""Version of metadata, handshake and frame formats; peers must match exactly (2: the mutual
+handshake with both nonces, and PING)."""
 MAGIC = b"KVPT"
 MAX_CONTROL_BYTES = 1 << 20
 """Largest metadata blob, handshake body or control frame body."""
@@ -36,10 +37,10 @@ HEADER = struct.Struct("<4sBBHIQQ")
 
 class FrameType(enum.IntEnum):
     HELLO = 1  # initiator -> target: Hello
-    CHALLENGE = 2  # target -> initiator: Challenge
-    AUTH = 3  # initiator -> target: Auth
+    CHALLENGE = 2  # target -> initiator: Challenge (its nonce and proof)
+    AUTH = 3  # initiator -> target: Auth (its proof)
     WELCOME = 4  # target -> initiator: Welcome (shm: segment fds ride along)
-    REJECT = 5  # target -> initiator: utf-8 reason, then close
+    REJECT = 5  # unused since version 2: a refused handshake is closed unanswered
     DATA = 6  # bytes for a write (to target) or a read response (to initiator)
     COMMIT = 7  # initiator -> target: every byte of the batch was sent/copied; body = notify
     ABORT = 8  # initiator -> target: forget the batch (release its pins)
@@ -47,6 +48,7 @@ class FrameType(enum.IntEnum):
     READ_REQ = 10  # initiator -> target: descriptor table of target bytes to send back
     PIN = 11  # shm initiator -> target: pin these region ids (int64 body) for the batch
     PINNED = 12  # shm target -> initiator: pin outcome (FLAG_ERROR + reason on failure)
+    PING = 13  # initiator -> target: keep-alive of an idle connection, empty body
 
 
 FLAG_ERROR = 1
@@ -87,17 +89,26 @@ class Metadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Initiator's opening: who it is, what for, who it means to reach ("": anyone), a nonce."""
+
     version: int
     agent: str
     transport: str
-
-
-class Challenge(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    agent: str
+    target: str
     nonce: bytes
 
 
+class Challenge(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Target's answer: who it is, its nonce, its proof over both (empty without a secret)."""
+
+    agent: str
+    nonce: bytes
+    mac: bytes
+
+
 class Auth(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Initiator's proof over both nonces (empty without a secret)."""
+
     mac: bytes
 
 
@@ -111,6 +122,8 @@ class Welcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     regions: list[RegionInfo]
     segments: list[SegmentInfo] = []
+    idle_ms: int = 0
+    """The target drops a connection idle this long (0: never); the initiator pings before."""
 
 
 def encode(msg: msgspec.Struct) -> bytes:

@@ -1,0 +1,199 @@
+"""The mutual handshake that opens every ``tcp``/``shm`` connection, bound to that connection.
+
+HELLO (initiator: identity, purpose, nonce) → CHALLENGE (target: identity, nonce, proof) →
+AUTH (initiator: proof) → WELCOME (region table). Each proof is an HMAC over both nonces, both
+identities, the transport and the socket's endpoints. Owns the proofs and the handshake
+deadline; a failure raises and the caller closes, never answering. See docs/transports.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from kvplane.errors import HandshakeError, MalformedMessageError
+from kvplane.transports.channel import MAX_FDS, Channel
+from kvplane.transports.wire import (
+    HEADER,
+    WIRE_VERSION,
+    Auth,
+    Challenge,
+    FrameType,
+    Hello,
+    Welcome,
+    decode,
+    encode,
+    pack_header,
+    parse_header,
+)
+
+NONCE_BYTES = 32
+_KEY_LABEL = b"kvplane stream handshake v2"
+"""The proofs' key is HMAC(secret, this): the PD codec's MACs under the same secret never
+verify here, nor ours there."""
+_INITIATOR, _TARGET = b"initiator", b"target"
+
+
+def binding(sock: socket.socket, initiator: bool) -> bytes:
+    """What both ends of ``sock`` see alike and a relay cannot: ``initiator>target`` endpoint
+    addresses (TCP) or process ids and the socket name (Unix; pids from ``SO_PEERCRED``)."""
+    if sock.family == socket.AF_UNIX:
+        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = struct.unpack("3i", cred)[0]
+        ends = (os.getpid(), pid) if initiator else (pid, os.getpid())
+        name = sock.getpeername() if initiator else sock.getsockname()
+        return f"unix:{ends[0]}>{ends[1]}@{name!r}".encode()
+    ours, theirs = _endpoint(sock.getsockname()), _endpoint(sock.getpeername())
+    first, second = (ours, theirs) if initiator else (theirs, ours)
+    return f"ip:{first}>{second}".encode()
+
+
+def _endpoint(addr: tuple[object, ...]) -> str:
+    host = str(addr[0]).removeprefix("::ffff:")  # a dual-stack socket's view of an IPv4 peer
+    return f"[{host}]:{addr[1]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """What both proofs of one connection cover: the HELLO, the target's agent and nonce, and
+    the connection's :func:`binding`."""
+
+    hello: Hello
+    target: str
+    nonce: bytes
+    bound: bytes
+
+    def proof(self, secret: bytes | None, role: bytes) -> bytes:
+        """``role``'s HMAC-SHA256 over the whole exchange (empty without a secret)."""
+        if secret is None:
+            return b""
+        key = hmac.new(secret, _KEY_LABEL, hashlib.sha256).digest()
+        h = self.hello
+        transcript = msgspec.msgpack.encode(
+            (role, WIRE_VERSION, h.transport, h.agent, h.target, h.nonce, self.target,
+             self.nonce, self.bound)
+        )  # fmt: skip
+        return hmac.new(key, transcript, hashlib.sha256).digest()
+
+
+def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes by ``deadline`` (``TimeoutError`` after), however slowly they trickle."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while view:
+        _arm(sock, deadline)
+        got = sock.recv_into(view)
+        if got == 0:
+            raise ConnectionResetError("peer closed the connection during the handshake")
+        view = view[got:]
+    return bytes(buf)
+
+
+def _arm(sock: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the handshake passed its deadline")
+    sock.settimeout(left)
+
+
+def _expect(ch: Channel, ftype: FrameType, deadline: float, fds: list[int] | None = None) -> bytes:
+    if fds is None:
+        raw = _recv(ch.sock, HEADER.size, deadline)
+    else:  # the WELCOME of shm carries descriptors on its first byte
+        _arm(ch.sock, deadline)
+        data, got, _flags, _addr = socket.recv_fds(ch.sock, HEADER.size, MAX_FDS)
+        fds.extend(got)
+        if not data:
+            raise ConnectionResetError("peer closed the connection during the handshake")
+        raw = data + _recv(ch.sock, HEADER.size - len(data), deadline)
+    header = parse_header(raw)
+    if header.ftype is not ftype:
+        raise MalformedMessageError(
+            f"expected {ftype.name} during handshake, got {header.ftype.name}"
+        )
+    return _recv(ch.sock, header.length, deadline)
+
+
+def client_handshake(
+    ch: Channel, agent: str, transport: str, secret: bytes | None, *, expect: str = "",
+    with_fds: bool = False, timeout_s: float = 10.0,
+) -> tuple[str, Welcome, list[int]]:  # fmt: skip
+    """Initiator side, over by ``timeout_s``: returns the target's agent, its region table and
+    any passed fds. ``expect``: the agent we mean to reach ("" any). ``HandshakeError`` if the
+    target fails to prove the secret, is someone else, or closes unanswered."""
+    deadline = time.monotonic() + timeout_s
+    hello = Hello(WIRE_VERSION, agent, transport, expect, secrets.token_bytes(NONCE_BYTES))
+    ch.sock.settimeout(timeout_s)
+    ch.send_frame(FrameType.HELLO, 0, encode(hello))
+    try:
+        challenge = decode(_expect(ch, FrameType.CHALLENGE, deadline), Challenge)
+    except ConnectionError:
+        raise HandshakeError(
+            "the target closed the connection unanswered (another secret, wire version or "
+            "transport, not the agent we expected, or past its connection caps)"
+        ) from None
+    if expect and challenge.agent != expect:
+        raise HandshakeError(f"reached {challenge.agent!r}, not {expect!r}")
+    exchange = Exchange(hello, challenge.agent, challenge.nonce, binding(ch.sock, initiator=True))
+    want = exchange.proof(secret, _TARGET)
+    if len(challenge.nonce) != NONCE_BYTES or not hmac.compare_digest(challenge.mac, want):
+        raise HandshakeError(f"authentication failed: {challenge.agent!r} did not prove the "
+                             "shared secret for this connection")  # fmt: skip
+    ch.send_frame(FrameType.AUTH, 0, encode(Auth(exchange.proof(secret, _INITIATOR))))
+    fds: list[int] = []
+    try:
+        welcome = decode(_expect(ch, FrameType.WELCOME, deadline, fds if with_fds else None),
+                         Welcome)  # fmt: skip
+    except ConnectionError:
+        for fd in fds:
+            socket.close(fd)
+        raise HandshakeError(f"authentication failed: {challenge.agent!r} refused our proof "
+                             "(another shared secret?)") from None  # fmt: skip
+    except BaseException:
+        for fd in fds:
+            socket.close(fd)
+        raise
+    return challenge.agent, welcome, fds
+
+
+def server_handshake(
+    ch: Channel, agent: str, transport: str, secret: bytes | None,
+    welcome: Callable[[], tuple[Welcome, list[int]]], *, timeout_s: float = 10.0,
+) -> str:  # fmt: skip
+    """Target side, over by ``timeout_s``: checks the initiator's purpose and proof, sends
+    WELCOME; returns the initiator's agent. Raises (``HandshakeError``, ``TimeoutError``,
+    ``MalformedMessageError``, ``OSError``) without answering: the caller closes."""
+    deadline = time.monotonic() + timeout_s
+    hello = decode(_expect(ch, FrameType.HELLO, deadline), Hello)
+    if (hello.version, hello.transport) != (WIRE_VERSION, transport):
+        raise HandshakeError(f"refused {hello.agent!r}: {hello.transport} v{hello.version}, "
+                             f"not {transport} v{WIRE_VERSION}")  # fmt: skip
+    if hello.target not in ("", agent) or len(hello.nonce) != NONCE_BYTES or not hello.agent:
+        raise HandshakeError(f"refused {hello.agent!r}: a malformed or misdirected HELLO")
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    exchange = Exchange(hello, agent, nonce, binding(ch.sock, initiator=False))
+    _arm(ch.sock, deadline)
+    ch.send_frame(FrameType.CHALLENGE, 0,
+                  encode(Challenge(agent, nonce, exchange.proof(secret, _TARGET))))  # fmt: skip
+    auth = decode(_expect(ch, FrameType.AUTH, deadline), Auth)
+    if not hmac.compare_digest(auth.mac, exchange.proof(secret, _INITIATOR)):
+        raise HandshakeError(f"refused {hello.agent!r}: authentication failed")
+    table, fds = welcome()
+    body = encode(table)
+    frame = pack_header(FrameType.WELCOME, 0, len(body)) + body
+    _arm(ch.sock, deadline)
+    if fds:
+        sent = socket.send_fds(ch.sock, [frame], fds)
+        ch.send(frame[sent:])
+    else:
+        ch.send(frame)
+    return hello.agent
