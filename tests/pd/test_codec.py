@@ -23,6 +23,7 @@ from kvplane.pd.events import (
     AnyWireEvent,
     Heartbeat,
     Hello,
+    HelloConfirm,
     HelloReply,
     LeaseRenew,
     Outcome,
@@ -34,7 +35,7 @@ from kvplane.pd.events import (
     TransferRequest,
     WireEvent,
 )
-from kvplane.pd.handshake import compat_fingerprint
+from kvplane.pd.handshake import PROTOCOL_VERSION, compat_fingerprint
 from kvplane.testing.session_pair import sim_profile
 
 SECRET = b"0123456789abcdef-secret"
@@ -45,7 +46,9 @@ HELLO = Hello(
 )  # fmt: skip
 CORPUS: list[AnyWireEvent] = [
     HELLO,
-    HelloReply(hello=HELLO, accepted=False, reasons=("model_id: ours 'a', theirs 'b'",)),
+    HelloReply(hello=None, accepted=False, echo=b"n" * 16, reasons=("model_id: ours 'a'",)),
+    HelloReply(hello=HELLO, accepted=True, echo=b"n" * 16),
+    HelloConfirm(echo=b"r" * 16),
     Heartbeat(peer_id="p", seq=7),
     LeaseRenew(peer_id="p", seq=7, lease_ms=5000),
     Probe(nonce=1),
@@ -82,7 +85,8 @@ def test_corpus_covers_every_wire_event() -> None:
 def test_round_trip(event: AnyWireEvent, secret: bytes | None) -> None:
     codec = Codec(secret=secret)
     frame = codec.encode(event)
-    assert len(frame) - len(msgspec.msgpack.encode([1, event])) == codec.tag_bytes
+    body = msgspec.msgpack.encode([PROTOCOL_VERSION, 0, event])
+    assert len(frame) - len(body) == codec.tag_bytes
     assert codec.decode(frame) == event
 
 
@@ -95,13 +99,16 @@ def test_every_drop_reason() -> None:
     assert codec.decode(flipped) == MalformedMessage(
         DropReason.MALFORMED, "tag mismatch", len(frame)
     )
-    other = codec.seal(msgspec.msgpack.encode([2, Probe(nonce=1)]))
+    other = codec.seal(msgspec.msgpack.encode([9, 0, Probe(nonce=1)]))
     assert codec.decode(other) == MalformedMessage(
-        DropReason.UNKNOWN_VERSION, "version 2", len(other)
+        DropReason.UNKNOWN_VERSION, "version 9", len(other)
     )
+    old = codec.seal(msgspec.msgpack.encode([1, Probe(nonce=1)]))  # version 1: no sequence
+    assert codec.decode(old) == MalformedMessage(DropReason.UNKNOWN_VERSION, "version 1", len(old))
     junk = codec.decode(codec.seal(b"\xc1junk"))
     assert isinstance(junk, MalformedMessage) and junk.reason is DropReason.MALFORMED
-    invalid = codec.seal(msgspec.msgpack.encode([1, ["slice_ready", "s", 1, 0, False, 9, 3]]))
+    event = ["slice_ready", "s", 1, 0, False, 9, 3]
+    invalid = codec.seal(msgspec.msgpack.encode([PROTOCOL_VERSION, 0, event]))
     bad = codec.decode(invalid)  # end < start: the struct's own validation rejects it
     assert isinstance(bad, MalformedMessage) and "end < start" in bad.detail
 
@@ -152,7 +159,8 @@ def mutated_frame(draw: st.DrawFn) -> tuple[str, bytes]:
     body = base[: -CODEC.tag_bytes]
     if how == "version":
         event = CODEC.decode(base)
-        return how, CODEC.seal(msgspec.msgpack.encode([draw(st.integers(2, 1 << 40)), event]))
+        version = draw(st.integers(0, 1 << 40).filter(lambda v: v != PROTOCOL_VERSION))
+        return how, CODEC.seal(msgspec.msgpack.encode([version, 0, event]))
     if how == "sealed_valid":
         return how, base
     pos = draw(st.integers(0, len(body) - 1))  # a mutated body with a valid tag reaches the decoder

@@ -108,29 +108,30 @@ def test_binds_loopback_and_runs_a_session_end_to_end(pd: tuple[Worker, Worker])
     assert not any(k.startswith("dropped_") for k in snap)
 
 
-def test_an_incompatible_peer_is_refused_loudly(caplog: pytest.LogCaptureFixture) -> None:
-    lay = LayoutInfo(
-        kind="gqa",
-        dtype="float16",
-        layer_ids=(0, 1),
-        total_heads=8,
-        head_start=0,
-        head_end=8,
-        head_dim=128,
-    )
-    other = PeerProfile(protocol_version=PROTOCOL_VERSION, model_id="llama", layouts=(lay,))
+def _llama() -> PeerProfile:
+    lay = LayoutInfo(kind="gqa", dtype="float16", layer_ids=(0, 1), total_heads=8,
+                     head_start=0, head_end=8, head_dim=128)  # fmt: skip
+    return PeerProfile(protocol_version=PROTOCOL_VERSION, model_id="llama", layouts=(lay,))
+
+
+@pytest.mark.parametrize("secret", [SECRET, None])
+def test_an_incompatible_peer_is_refused_loudly(
+    caplog: pytest.LogCaptureFixture, secret: bytes | None
+) -> None:
+    """The reasons (they name our layout) go only to a peer that proved the secret."""
     with (
-        Endpoint(participant("prefill", 1)) as server,
-        Endpoint(participant("decode", 2, other)) as client,
+        Endpoint(participant("prefill", 1), secret=secret) as server,
+        Endpoint(participant("decode", 2, _llama()), secret=secret) as client,
     ):
         server.start()
+        why = "peer refused: model_id: ours 'tiny-mla', theirs 'llama'" if secret else "secret"
         with (
             caplog.at_level(logging.WARNING, logger="kvplane.pd.endpoint"),
-            pytest.raises(IncompatiblePeerError, match="model_id: ours 'llama', theirs 'tiny-mla'"),
+            pytest.raises(IncompatiblePeerError, match=why),
         ):
             client.connect(server.address)  # no loop thread on the client: connect pumps step()
         assert server.snapshot()["handshakes_refused"] == 1
-        assert "refused incompatible peer decode" in caplog.text
+        assert "refused peer 'decode': model_id: ours 'tiny-mla', theirs 'llama'" in caplog.text
 
 
 def test_probe_answers_before_any_handshake_and_without_a_loop_thread() -> None:

@@ -26,7 +26,7 @@ from kvplane.pd.events import (
     TransportDone,
 )
 from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile
-from kvplane.pd.participant import Participant
+from kvplane.pd.participant import WITHHELD, Participant
 from kvplane.pd.states import Ownership, Role, SessionState
 from kvplane.pd.timers import Timings
 from kvplane.testing.session_pair import sim_profile
@@ -42,7 +42,7 @@ def node(name: PeerId, incarnation: int = 1, **kw: object) -> Participant:
 
 def connect(server: Participant, client: Participant, now: float = 0.0) -> None:
     reply, _ = server.on_hello(client.hello(), now)
-    assert client.on_hello_reply(reply, now).compatible
+    assert client.on_hello_reply(reply, now)[0].compatible
 
 
 def pump(
@@ -335,7 +335,7 @@ def test_a_restarted_peer_fails_its_old_sessions_and_verdicts_are_cached() -> No
     prefill, decode = node(P), node(D, 1 << 20)
     connect(prefill, decode)
     connect(prefill, decode)
-    assert prefill.peers.cached_verdicts == 1
+    assert prefill.peers.cached_verdicts == 2  # judged at the Hello and again to admit
     prefill.open_sender(SessionId("old"), D, 0.0)
     reborn = node(D, 1 << 21)
     _, out = prefill.on_hello(reborn.hello(), 1.0)
@@ -360,9 +360,71 @@ def test_incompatible_peers_are_refused_both_ways() -> None:
     prefill = node(P)
     reply, _ = prefill.on_hello(other.hello(), 0.0)
     assert not reply.accepted and "model_id: ours 'tiny-mla', theirs 'x'" in reply.reasons
-    verdict = other.on_hello_reply(reply, 0.0)
+    assert reply.hello is None and reply.peer_id == "prefill"  # nothing of our profile
+    verdict, _ = other.on_hello_reply(reply, 0.0)
     assert not verdict.compatible and verdict.reasons[0].startswith("peer refused: ")
     assert prefill.counters["incompatible_peer"] == 1 and not prefill.peers.is_live(D)
+    assert D not in prefill.peers  # an incompatible peer leaves no record
+
+
+def test_an_older_incarnation_is_stale_and_never_a_restart() -> None:
+    """An older (or replayed) incarnation used to count as a restart (``!=``): it failed the
+    live peer's sessions and replaced its record. It is refused and counted; nothing changes."""
+    prefill, decode = node(P), node(D, 1 << 20)
+    connect(prefill, decode)
+    prefill.open_sender(SessionId("live"), D, 0.0)
+    for older in (1 << 19, 0):
+        reply, out = prefill.on_hello(node(D, older).hello(), 1.0)
+        assert not reply.accepted and reply.hello is None and out == []
+        assert "older than" in reply.reasons[0]
+    assert prefill.counters["stale_incarnation"] == 2
+    assert prefill.session(SessionId("live")).state is SessionState.BOOTSTRAPPING  # type: ignore[union-attr]
+    rec = prefill.peers.get(D)
+    assert rec is not None and rec.live and rec.hello.incarnation == 1 << 20
+    _, out = prefill.on_hello(node(D, (1 << 20) + 1).hello(), 2.0)  # newer: a real restart
+    assert [a.state for a in out if isinstance(a, Finished)] == [SessionState.FAILED]
+    assert prefill.counters["peer_restarted"] == 1
+
+
+def test_a_refusal_withholds_its_reasons_from_a_peer_without_the_secret() -> None:
+    lay = LayoutInfo(kind="gqa", dtype="float16", layer_ids=(0,), total_heads=4,
+                     head_start=0, head_end=4, head_dim=64)  # fmt: skip
+    other = Participant(D, PeerProfile(protocol_version=PROTOCOL_VERSION, model_id="x",
+                                       layouts=(lay,)), incarnation=1)  # fmt: skip
+    reply, verdict = node(P).answer(other.hello(b"n" * 16), nonce=b"m" * 16, disclose=False)
+    assert reply.reasons == (WITHHELD,) and reply.peer_id == "" and reply.hello is None
+    assert reply.echo == b"n" * 16 and "tiny-mla" in "; ".join(verdict.reasons)
+    assert "tiny-mla" not in repr(reply)
+
+
+def test_a_reply_to_another_hello_is_refused() -> None:
+    prefill, decode = node(P), node(D, 1 << 20)
+    reply, _ = prefill.answer(decode.hello(b"a" * 16), nonce=b"b" * 16)
+    assert reply.accepted
+    verdict, _ = decode.on_hello_reply(reply, 0.0, nonce=b"c" * 16)
+    assert not verdict.compatible and decode.counters["stale_reply"] == 1
+    assert not decode.peers.is_live(P) and P not in prefill.peers  # answer() admits no one
+
+
+def test_the_peer_table_is_capped_and_dead_peers_are_pruned() -> None:
+    prefill = node(P, peer_capacity=2)
+    d1, d2, d3 = node(D, 5), node(D2, 5), node(PeerId("decode3"), 5)
+    connect(prefill, d1, 0.0)
+    connect(prefill, d2, 0.0)
+    reply, _ = prefill.on_hello(d3.hello(), 0.0)  # both live: refused, counted, not stored
+    assert not reply.accepted and "peer table full" in reply.reasons[0]
+    assert prefill.counters["peer_table_full"] == 1 and len(prefill.peers) == 2
+    prefill.on_event(D2, Heartbeat(peer_id="decode2", seq=1), 2.5)
+    prefill.tick(3.0)  # d1's lease ran out: dead, so the next new peer evicts it
+    connect(prefill, d3, 3.0)
+    assert sorted(map(str, prefill.peers.live_peers())) == ["decode2", "decode3"]
+    assert len(prefill.peers) == 2 and prefill.peers.pruned == 1
+    reply, _ = prefill.on_hello(node(D, 4).hello(), 3.5)  # pruned, its incarnation is a floor
+    assert not reply.accepted and prefill.counters["stale_incarnation"] == 1
+    assert D not in prefill.peers
+    prefill.tick(100.0)  # every lease expired; dead for retain_s: pruned
+    prefill.tick(100.0 + prefill.peers.retain_s)
+    assert len(prefill.peers) == 0 and prefill.peers.pruned == 3
 
 
 def _tp(name: PeerId, heads: tuple[int, int], role: Role | None) -> Participant:
@@ -386,10 +448,10 @@ def test_a_decode_rank_whose_heads_the_prefill_lacks_is_refused_at_the_handshake
         "one sender cannot fill them"
     )
     assert not reply.accepted and reply.reasons == (why,)
-    verdict = client.on_hello_reply(reply, 0.0)
+    verdict, _ = client.on_hello_reply(reply, 0.0)
     assert not verdict.compatible and verdict.reasons == (f"peer refused: {why}",)
     assert not prefill.peers.is_live(D) and not decode.peers.is_live(P)
-    assert server.counters["incompatible_peer"] == client.counters["incompatible_peer"] == 1
+    assert server.counters["incompatible_peer"] == client.counters["refused_by_peer"] == 1
     with pytest.raises(ProtocolError):
         decode.open_receiver(SessionId("s"), P, START, 0.0)
 

@@ -1,7 +1,9 @@
-"""Wire frames: a versioned msgspec envelope around the tagged union of wire events.
+"""Wire frames: a versioned, sequenced msgspec envelope around the tagged union of wire events.
 
-A CRC-32 or HMAC tag, no pickle. :meth:`Codec.decode` never raises: a bad frame is a
-:class:`MalformedMessage` naming its :class:`DropReason`. See docs/pd.md.
+A CRC-32 or HMAC tag, no pickle. Handshake frames (sequence 0) are tagged with the shared secret;
+every later frame with its :class:`~kvplane.pd.association.Association`'s key, numbered and
+accepted once. :meth:`Codec.decode` never raises: a bad frame is a :class:`MalformedMessage`
+naming its :class:`DropReason`. See docs/pd.md.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvplane.errors import InvalidArgumentError
+from kvplane.pd.association import Association
 from kvplane.pd.events import AnyWireEvent
 from kvplane.pd.handshake import PROTOCOL_VERSION
 from kvplane.validators import require_size
@@ -31,6 +34,8 @@ class DropReason(enum.Enum):
     UNAUTHENTICATED = "unauthenticated"
     MALFORMED = "malformed"
     UNKNOWN_VERSION = "unknown_version"
+    REPLAYED = "replayed"
+    """Authentic, but its sequence number was seen already or is too old (a replay)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,16 +49,17 @@ class MalformedMessage:
 
 class _Envelope(msgspec.Struct, array_like=True):
     version: int
+    seq: int
     event: AnyWireEvent
 
 
-class _RawEnvelope(msgspec.Struct, array_like=True):
-    version: int
-    event: msgspec.Raw
-
-
 class Codec:
-    """Encode/decode frames; ``secret`` (>= 16 bytes) turns on HMAC authentication."""
+    """Encode/decode frames; ``secret`` (>= 16 bytes) turns on HMAC authentication.
+
+    ``assoc`` (encode and decode): the connection's association, or None for a handshake frame
+    (sequence 0, tagged with the secret itself). Decoding on an association advances its
+    replay window; encoding, its send counter.
+    """
 
     def __init__(
         self,
@@ -73,21 +79,22 @@ class Codec:
         self.tag_bytes = MAC_BYTES if secret is not None else CRC_BYTES
         self._encoder = msgspec.msgpack.Encoder()
         self._current = msgspec.msgpack.Decoder(_Envelope)
-        self._envelope = msgspec.msgpack.Decoder(_RawEnvelope)
-        self._event = msgspec.msgpack.Decoder(AnyWireEvent)
+        self._parts = msgspec.msgpack.Decoder(list[msgspec.Raw])
+        self._int = msgspec.msgpack.Decoder(int)
 
-    def _tag(self, body: bytes) -> bytes:
+    def _tag(self, body: bytes, key: bytes | None) -> bytes:
+        """``key``: an association's direction key, None for the handshake (the secret)."""
         if self.secret is not None:
-            return hmac.new(self.secret, body, hashlib.sha256).digest()[:MAC_BYTES]
-        return zlib.crc32(body).to_bytes(CRC_BYTES, "little")
+            mac = hmac.new(self.secret if key is None else key, body, hashlib.sha256)
+            return mac.digest()[:MAC_BYTES]
+        seed = 0 if key is None else int.from_bytes(key, "little")
+        return zlib.crc32(body, seed).to_bytes(CRC_BYTES, "little")
 
-    def encode(self, event: AnyWireEvent) -> bytes:
+    def encode(self, event: AnyWireEvent, assoc: Association | None = None) -> bytes:
         """The frame for ``event``; ``InvalidArgumentError`` if it would exceed ``max_frame``."""
-        body = self._encoder.encode(_Envelope(self.version, event))
-        if self.secret is None:
-            frame = body + zlib.crc32(body).to_bytes(CRC_BYTES, "little")
-        else:
-            frame = body + self._tag(body)
+        seq, key = (0, None) if assoc is None else (assoc.next_seq(), assoc.send_key)
+        body = self._encoder.encode(_Envelope(self.version, seq, event))
+        frame = body + self._tag(body, key)
         if len(frame) > self.max_frame:
             raise InvalidArgumentError(
                 f"{type(event).__name__} frame is {len(frame)} bytes, "
@@ -96,10 +103,12 @@ class Codec:
         return frame
 
     def seal(self, body: bytes) -> bytes:
-        """Append a valid tag to arbitrary ``body`` bytes (for tests and fuzzers)."""
-        return body + self._tag(body)
+        """Append a valid handshake tag to arbitrary ``body`` bytes (for tests and fuzzers)."""
+        return body + self._tag(body, None)
 
-    def decode(self, frame: bytes) -> AnyWireEvent | MalformedMessage:
+    def decode(
+        self, frame: bytes, assoc: Association | None = None
+    ) -> AnyWireEvent | MalformedMessage:
         """The event in ``frame`` or a :class:`MalformedMessage`; never raises."""
         size = len(frame)
         if size > self.max_frame:
@@ -108,27 +117,29 @@ class Codec:
             return MalformedMessage(DropReason.MALFORMED, "shorter than its tag", size)
         cut = size - self.tag_bytes
         body = frame[:cut]
-        if self.secret is not None:
-            ok = hmac.compare_digest(frame[cut:], self._tag(body))
-        else:
-            ok = int.from_bytes(frame[cut:], "little") == zlib.crc32(body)
-        if not ok:
+        key = None if assoc is None else assoc.recv_key
+        if not hmac.compare_digest(frame[cut:], self._tag(body, key)):
             reason = DropReason.UNAUTHENTICATED if self.secret is not None else DropReason.MALFORMED
             return MalformedMessage(reason, "tag mismatch", size)
         try:  # the common case: this version, one decode
             env: _Envelope = self._current.decode(body)
-            if env.version == self.version:
-                return env.event
-        except Exception:  # a trust boundary: classify below
-            pass
+        except Exception as exc:  # a trust boundary: classify the failure
+            return self._classify(body, size, exc)
+        if env.version != self.version:
+            return MalformedMessage(DropReason.UNKNOWN_VERSION, f"version {env.version}", size)
+        if assoc is None:
+            if env.seq != 0:
+                return MalformedMessage(DropReason.MALFORMED, "sequenced, no association", size)
+        elif not assoc.window.accept(env.seq):
+            return MalformedMessage(DropReason.REPLAYED, f"sequence {env.seq}", size)
+        return env.event
+
+    def _classify(self, body: bytes, size: int, exc: Exception) -> MalformedMessage:
+        """Why an authentic body failed to decode: another version, or malformed."""
         try:
-            raw = self._envelope.decode(body)
-        except Exception as exc:
+            version = self._int.decode(self._parts.decode(body)[0])
+        except Exception:
             return MalformedMessage(DropReason.MALFORMED, f"envelope: {exc}", size)
-        if raw.version != self.version:
-            return MalformedMessage(DropReason.UNKNOWN_VERSION, f"version {raw.version}", size)
-        try:
-            event: AnyWireEvent = self._event.decode(raw.event)
-            return event  # pragma: no cover - the fast path decoded this frame already
-        except Exception as exc:  # validation errors from the structs' __post_init__ included
-            return MalformedMessage(DropReason.MALFORMED, f"event: {exc}", size)
+        if version != self.version:
+            return MalformedMessage(DropReason.UNKNOWN_VERSION, f"version {version}", size)
+        return MalformedMessage(DropReason.MALFORMED, f"event: {exc}", size)

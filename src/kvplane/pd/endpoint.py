@@ -1,8 +1,9 @@
 """The PD protocol's only I/O: zmq ROUTER/DEALER over tcp (127.0.0.1 unless told otherwise).
 
 :class:`Endpoint` runs one participant on one control-loop thread, the only code that touches
-the socket and the participant; bad frames are dropped and counted. :class:`ControlClient` is
-for probes and fuzzers. See docs/pd.md.
+the socket and the participant; bad frames are dropped and counted. It runs the four-frame
+handshake (nonces, associations) and admits a peer only once it is complete; a refusal carries
+nothing of ours. See docs/pd.md.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import contextlib
 import logging
 import math
 import queue
+import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -24,20 +26,28 @@ from kvplane.errors import IncompatiblePeerError, InvalidArgumentError, Transfer
 from kvplane.ids import PeerId, SessionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.pd.actions import Action, Transmit
+from kvplane.pd.association import NONCE_BYTES, Association, associate
 from kvplane.pd.codec import DEFAULT_MAX_FRAME, Codec, MalformedMessage
+from kvplane.pd.control_client import ControlClient
 from kvplane.pd.events import (
     AnyWireEvent,
     Cancel,
     Fail,
     Hello,
+    HelloConfirm,
     HelloReply,
     Probe,
     ProbeReply,
     StartTransfer,
     SubmitSlice,
 )
+from kvplane.pd.greetings import Dial, Greeting, Greetings
+from kvplane.pd.handshake import Verdict
+from kvplane.pd.log_budget import LogBudget
 from kvplane.pd.participant import Participant
 
+__all__ = ["DEFAULT_BIND", "MAX_WAIT_MS", "WAKE_ID", "ControlClient", "Endpoint"]
+# ControlClient lives in pd/control_client; it is named here too for callers of the endpoint
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 DEFAULT_BIND = "tcp://127.0.0.1:0"
@@ -49,7 +59,7 @@ deadline that moved without it (none does today)."""
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
-_PEER_LEVEL = frozenset({Probe, ProbeReply, Hello, HelloReply})
+_PEER_LEVEL = frozenset({Probe, ProbeReply, Hello, HelloReply, HelloConfirm})
 """Frame types the endpoint answers itself (the rest go to the participant)."""
 WAKE_ID = b"\x7fpd-wake"
 """Routing id of the in-process socket that wakes the loop (user ids may not start with 0)."""
@@ -99,7 +109,11 @@ class Endpoint:
         self._wake_lock = threading.Lock()
         self._routes: dict[PeerId, bytes] = {}
         self._identities: dict[bytes, PeerId] = {}
-        self._pending: dict[bytes, tuple[str, Future[PeerId]]] = {}
+        self._assocs: dict[bytes, Association] = {}
+        self._greetings = Greetings()
+        self._pending: dict[bytes, Dial] = {}
+        self._pruned_seen = 0
+        self.log_budget = LogBudget(clock=clock)
         self._aliases = 0
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue()
@@ -178,11 +192,11 @@ class Endpoint:
             ) from exc
 
     def _abandon_connect(self, fut: Future[PeerId]) -> None:
-        for alias, (address, pending) in list(self._pending.items()):
-            if pending is fut:
+        for alias, dial in list(self._pending.items()):
+            if dial.future is fut:
                 del self._pending[alias]
                 with contextlib.suppress(zmq.ZMQError):
-                    self._router.disconnect(address)
+                    self._router.disconnect(dial.address)
 
     def open_receiver(self, session_id: SessionId, peer_id: PeerId, start: StartTransfer) -> None:
         def run() -> None:
@@ -261,6 +275,9 @@ class Endpoint:
         nxt = self.participant.next_deadline()
         if nxt is not None and now >= nxt:
             self._dispatch(self.participant.tick(now))
+            if self.participant.peers.pruned != self._pruned_seen:
+                self._pruned_seen = self.participant.peers.pruned
+                self._unroute(p for p in self._routes if p not in self.participant.peers)
 
     def _next_deadline(self) -> float | None:
         """When the loop must next run without a frame or a command."""
@@ -281,7 +298,11 @@ class Endpoint:
         if identity == WAKE_ID:
             return
         counters["frames_in"] += 1
-        event = self.codec.decode(payload)
+        assoc = self._assocs.get(identity)
+        if assoc is not None:  # the hot path: an established peer
+            event = self.codec.decode(payload, assoc)
+        else:
+            event = self._decode_unbound(identity, payload)
         if type(event) is MalformedMessage:
             self._drop(event.reason.value)
             return
@@ -294,6 +315,18 @@ class Endpoint:
         else:
             self._on_peer_level(identity, peer, event)  # type: ignore[arg-type]
 
+    def _decode_unbound(self, identity: bytes, payload: bytes) -> AnyWireEvent | MalformedMessage:
+        """A frame from a connection without an established association: on the provisional
+        one of its handshake if it has one, else a handshake frame."""
+        shake = self._greetings.get(identity) or self._pending.get(identity)
+        if shake is None or shake.assoc is None:
+            return self.codec.decode(payload)
+        event = self.codec.decode(payload, shake.assoc)
+        if type(event) is not MalformedMessage:
+            return event
+        plain = self.codec.decode(payload)  # a new handshake on the same connection
+        return event if type(plain) is MalformedMessage else plain
+
     def _on_peer_level(self, identity: bytes, peer: PeerId | None, event: AnyWireEvent) -> None:
         now = self.clock()
         if isinstance(event, Probe):
@@ -302,57 +335,125 @@ class Endpoint:
             self._send(
                 identity, ProbeReply(nonce=event.nonce, peer_id=me, counters=self._snapshot())
             )
-        elif isinstance(event, Hello):
-            reply, actions = self.participant.on_hello(event, now)
-            self._send(identity, reply)
-            peer_id = PeerId(event.peer_id)
-            if reply.accepted:
-                self.counters["handshakes_accepted"] += 1
-                self._bind(peer_id, identity)
-            else:
-                self.counters["handshakes_refused"] += 1
-                log.warning("refused incompatible peer %s: %s", peer_id, "; ".join(reply.reasons))
-            self._dispatch(actions)
-        elif isinstance(event, HelloReply) and identity in self._pending:
-            self._finish_connect(identity, event, now)
+        elif isinstance(event, Hello) and peer is None:
+            self._on_hello(identity, event, now)
+        elif isinstance(event, HelloConfirm) and (greeting := self._greetings.pop(identity)):
+            self._on_confirm(identity, greeting, event, now)
+        elif isinstance(event, HelloReply | HelloConfirm) and identity in self._pending:
+            self._on_dial_answer(identity, self._pending[identity], event, now)
         elif peer is None:
             self._drop("unknown_peer")
         else:
             self._drop("unexpected")
 
-    def _bind(self, peer_id: PeerId, identity: bytes) -> None:
-        old = self._routes.get(peer_id)
-        if old is not None:
-            self._identities.pop(old, None)
-        self._identities[identity] = peer_id
-        self._routes[peer_id] = identity
+    # -- the handshake, responder side -------------------------------------------------------------
+    def _on_hello(self, identity: bytes, hello: Hello, now: float) -> None:
+        """Answer a ``Hello``; an accepted one waits (bounded) for its ``HelloConfirm``."""
+        self._greetings.pop(identity)
+        if len(hello.nonce) != NONCE_BYTES:
+            why = f"a Hello needs a fresh {NONCE_BYTES}-byte nonce"
+            reply = HelloReply(hello=None, accepted=False, echo=hello.nonce, reasons=(why,))
+            verdict = Verdict(compatible=False, reasons=(why,))
+        else:
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            disclose = self.codec.secret is not None
+            reply, verdict = self.participant.answer(hello, nonce=nonce, disclose=disclose)
+        self._send(identity, reply)
+        if reply.hello is None:
+            self._refused(f"refused peer {hello.peer_id!r}", verdict)
+            return
+        assoc = associate(self.codec.secret, hello, reply.hello, we_initiated=False)
+        self._greetings.add(identity, hello, reply.hello.nonce, assoc, now)
 
+    def _on_confirm(
+        self, identity: bytes, greeting: Greeting, confirm: HelloConfirm, now: float
+    ) -> None:
+        """The initiator proved it saw our nonce: admit it, and acknowledge (or refuse)."""
+        if confirm.echo != greeting.nonce:
+            self._drop("stale_confirm")
+            return
+        verdict, actions = self.participant.accept(greeting.hello, now)
+        theirs = greeting.hello.nonce
+        if verdict.compatible:
+            self.counters["handshakes_accepted"] += 1
+            self._bind(PeerId(greeting.hello.peer_id), identity, greeting.assoc)
+            self._send(identity, HelloConfirm(echo=theirs))
+        else:  # the table changed since our reply (a newer incarnation, or it filled up)
+            refusal = HelloReply(hello=None, accepted=False, echo=theirs, reasons=verdict.reasons)
+            self._send_on(identity, refusal, greeting.assoc)
+            self._refused(f"refused peer {greeting.hello.peer_id!r}", verdict)
+        self._dispatch(actions)
+
+    def _refused(self, who: str, verdict: Verdict) -> None:
+        self.counters["handshakes_refused"] += 1
+        why = "; ".join(verdict.reasons)
+        self.log_budget.log(log, logging.WARNING, "%s: %s", who[:300], why[:600])
+
+    # -- the handshake, initiator side -------------------------------------------------------------
     def _begin_connect(self, address: str) -> Future[PeerId]:
         self._aliases += 1
         alias = b"\x7fpd-out-%d" % self._aliases
         self._router.setsockopt(zmq.CONNECT_ROUTING_ID, alias)
         self._router.connect(address)
         fut: Future[PeerId] = Future()
-        self._pending[alias] = (address, fut)
-        self._send(alias, self.participant.hello())
+        hello = self.participant.hello(secrets.token_bytes(NONCE_BYTES))
+        self._pending[alias] = Dial(address, fut, hello)
+        self._send(alias, hello)
         return fut
 
-    def _finish_connect(self, alias: bytes, reply: HelloReply, now: float) -> None:
-        address, fut = self._pending.pop(alias)
-        verdict = self.participant.on_hello_reply(reply, now)
-        peer_id = PeerId(reply.hello.peer_id)
-        if verdict.compatible:
-            self.counters["handshakes_completed"] += 1
-            self._bind(peer_id, alias)
-            fut.set_result(peer_id)
+    def _on_dial_answer(
+        self, alias: bytes, dial: Dial, event: HelloReply | HelloConfirm, now: float
+    ) -> None:
+        """The peer's reply (then: confirm ours), or its ack (then: admit it)."""
+        if isinstance(event, HelloReply):
+            if dial.assoc is not None and event.accepted:
+                self._drop("unexpected")
+                return
+            verdict = self.participant.check_reply(event, nonce=dial.hello.nonce)
+            if not verdict.compatible or event.hello is None:
+                self._fail_dial(alias, dial, verdict, event.peer_id)
+                return
+            dial.peer = event.hello
+            dial.assoc = associate(self.codec.secret, dial.hello, event.hello, we_initiated=True)
+            self._send_on(alias, HelloConfirm(echo=event.hello.nonce), dial.assoc)
             return
-        self.counters["handshakes_refused"] += 1
-        log.warning("peer %s is incompatible: %s", peer_id, "; ".join(verdict.reasons))
+        if dial.assoc is None or dial.peer is None or event.echo != dial.hello.nonce:
+            self._drop("stale_confirm")
+            return
+        verdict, actions = self.participant.accept(dial.peer, now)
+        if not verdict.compatible:
+            self._fail_dial(alias, dial, verdict)
+        else:
+            del self._pending[alias]
+            self.counters["handshakes_completed"] += 1
+            peer_id = PeerId(dial.peer.peer_id)
+            self._bind(peer_id, alias, dial.assoc)
+            dial.future.set_result(peer_id)
+        self._dispatch(actions)
+
+    def _fail_dial(self, alias: bytes, dial: Dial, verdict: Verdict, refuser: str = "") -> None:
+        del self._pending[alias]
+        self._refused(f"handshake with {dial.address} refused", verdict)
         with contextlib.suppress(zmq.ZMQError):
-            self._router.disconnect(address)
-        fut.set_exception(
-            IncompatiblePeerError(f"peer {peer_id} is incompatible: {'; '.join(verdict.reasons)}")
-        )
+            self._router.disconnect(dial.address)
+        reasons = "; ".join(verdict.reasons)
+        who = (dial.peer and dial.peer.peer_id) or refuser or dial.address
+        dial.future.set_exception(IncompatiblePeerError(f"peer {who} is incompatible: {reasons}"))
+
+    def _bind(self, peer_id: PeerId, identity: bytes, assoc: Association) -> None:
+        old = self._routes.get(peer_id)
+        if old is not None and old != identity:
+            self._unroute([peer_id])
+        self._identities[identity] = peer_id
+        self._routes[peer_id] = identity
+        self._assocs[identity] = assoc
+
+    def _unroute(self, peer_ids: Iterable[PeerId]) -> None:
+        """Forget the connections of ``peer_ids`` (replaced, or their records pruned)."""
+        for peer_id in list(peer_ids):
+            identity = self._routes.pop(peer_id)
+            self._identities.pop(identity, None)
+            self._assocs.pop(identity, None)
 
     def _dispatch(self, actions: list[Action]) -> None:
         for act in actions:
@@ -366,8 +467,11 @@ class Endpoint:
                 self.on_action(act)
 
     def _send(self, identity: bytes, event: AnyWireEvent) -> None:
+        self._send_on(identity, event, self._assocs.get(identity))
+
+    def _send_on(self, identity: bytes, event: AnyWireEvent, assoc: Association | None) -> None:
         try:
-            frame = self.codec.encode(event)
+            frame = self.codec.encode(event, assoc)
         except InvalidArgumentError:  # over max_frame: refused here rather than by the peer
             self._drop("unencodable")
             log.exception("cannot send %s", type(event).__name__)
@@ -382,55 +486,12 @@ class Endpoint:
     def _snapshot(self) -> dict[str, int]:
         out = dict(self.counters)
         out["handshake_cached_verdicts"] = self.participant.peers.cached_verdicts
+        out["handshakes_pending"] = len(self._greetings)
+        out["handshakes_expired"] = self._greetings.expired
+        out["handshakes_evicted"] = self._greetings.evicted
+        out["peers_stored"] = len(self.participant.peers)
+        out["log_lines_suppressed"] = self.log_budget.suppressed_total
         out["sessions_live"] = len(self.participant.sessions)
         for key, value in self.participant.counters.items():
             out[f"session_{key}"] = value
         return out
-
-
-class ControlClient:
-    """A blocking DEALER that speaks frames to an endpoint: health probes, benches, fuzzers."""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        secret: bytes | None = None,
-        max_frame: int = DEFAULT_MAX_FRAME,
-        timeout_s: float = 5.0,
-    ) -> None:
-        self.codec = Codec(secret=secret, max_frame=max_frame)
-        self.timeout_ms = int(timeout_s * 1000)
-        self._ctx = zmq.Context()
-        self.sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
-        self.sock.connect(address)
-
-    def send_raw(self, *parts: bytes) -> None:
-        self.sock.send_multipart(list(parts))
-
-    def send(self, event: AnyWireEvent) -> None:
-        self.sock.send(self.codec.encode(event))
-
-    def recv(self) -> AnyWireEvent | MalformedMessage:
-        try:
-            return self.codec.decode(self.sock.recv())
-        except zmq.Again as exc:
-            raise TransferTimeoutError(f"no reply within {self.timeout_ms} ms") from exc
-
-    def request(self, event: AnyWireEvent) -> AnyWireEvent | MalformedMessage:
-        self.send(event)
-        return self.recv()
-
-    def probe(self, nonce: int = 1) -> ProbeReply:
-        """Ask for health; skips unrelated frames; ``TransferTimeoutError`` if none comes."""
-        self.send(Probe(nonce=nonce))
-        while True:
-            got = self.recv()
-            if isinstance(got, ProbeReply) and got.nonce == nonce:
-                return got
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self._ctx.term()

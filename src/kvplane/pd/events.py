@@ -23,6 +23,7 @@ _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 _U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 _Epoch = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
 _Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+_Nonce = Annotated[bytes, msgspec.Meta(max_length=32)]
 
 
 class Outcome(enum.Enum):
@@ -82,7 +83,8 @@ class WireEvent(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
 
 class Hello(WireEvent, frozen=True, kw_only=True, tag="hello"):
-    """Handshake: who I am, what KV I hold, how my transport is reached, my lease."""
+    """Handshake: who I am, what KV I hold, how my transport is reached, my lease, and a fresh
+    ``nonce`` (16 random bytes per handshake; empty only in in-memory simulations)."""
 
     peer_id: _Id
     incarnation: _U64
@@ -91,14 +93,30 @@ class Hello(WireEvent, frozen=True, kw_only=True, tag="hello"):
     transport: Annotated[str, msgspec.Meta(max_length=64)] = ""
     transport_metadata: Annotated[bytes, msgspec.Meta(max_length=1 << 16)] = b""
     lease_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 10_000
+    nonce: _Nonce = b""
 
 
 class HelloReply(WireEvent, frozen=True, kw_only=True, tag="hello_reply"):
-    """The verdict on a ``Hello`` plus the responder's own ``Hello`` (checked by the initiator)."""
+    """The verdict on a ``Hello`` (``echo``: its nonce). An acceptance carries the responder's
+    own ``Hello`` (checked by the initiator); a refusal carries none, only ``reasons``."""
 
-    hello: Hello
+    hello: Hello | None
     accepted: bool
+    echo: _Nonce = b""
     reasons: Annotated[tuple[_Text, ...], msgspec.Meta(max_length=64)] = ()
+    peer_id: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    """Who refused (a refusal to a peer that proved the shared secret); else empty."""
+
+    def __post_init__(self) -> None:
+        if self.accepted != (self.hello is not None):
+            raise InvalidArgumentError("HelloReply carries a Hello exactly when it accepts")
+
+
+class HelloConfirm(WireEvent, frozen=True, kw_only=True, tag="hello_confirm"):
+    """Initiator → responder, the first frame of the association: ``echo`` is the responder's
+    nonce, so the responder knows the handshake is live and not a replayed ``Hello``."""
+
+    echo: _Nonce
 
 
 class Heartbeat(WireEvent, frozen=True, kw_only=True, tag="heartbeat"):
@@ -216,6 +234,7 @@ class AbortAck(SessionEvent, frozen=True, kw_only=True, tag="abort_ack"):
 WIRE_EVENTS = (
     Hello,
     HelloReply,
+    HelloConfirm,
     Heartbeat,
     LeaseRenew,
     Probe,
@@ -231,6 +250,7 @@ WIRE_EVENTS = (
 AnyWireEvent = (
     Hello
     | HelloReply
+    | HelloConfirm
     | Heartbeat
     | LeaseRenew
     | Probe

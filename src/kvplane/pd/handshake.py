@@ -23,8 +23,9 @@ __all__ = [  # heads_cover: the one head-coverage rule lives with the layout (L2
     "check_compatible", "compat_fingerprint", "heads_cover", "uncovered_heads",
 ]  # fmt: skip
 
-PROTOCOL_VERSION = 1
-"""Version of the PD control protocol; frames of any other version are dropped and counted."""
+PROTOCOL_VERSION = 2
+"""Version of the PD control protocol; frames of any other version are dropped and counted.
+2: sequenced frames, nonces in the handshake and per-connection associations."""
 
 LAYOUT_KINDS = ("mha", "gqa", "mla", "state")
 

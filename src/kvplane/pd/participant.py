@@ -10,6 +10,8 @@ from collections import Counter
 from collections.abc import Callable
 from functools import partial
 
+import msgspec
+
 from kvplane.errors import ProtocolError
 from kvplane.ids import PeerId, SessionId
 from kvplane.metrics import MetricsRegistry
@@ -35,7 +37,7 @@ from kvplane.pd.events import (
     wire_text,
 )
 from kvplane.pd.handshake import PeerProfile, Verdict
-from kvplane.pd.peers import PeerTable
+from kvplane.pd.peers import DEFAULT_CAPACITY, PeerTable, Standing
 from kvplane.pd.receiver import ReceiverSession
 from kvplane.pd.sender import SenderSession
 from kvplane.pd.session import Session
@@ -45,6 +47,13 @@ from kvplane.pd.tombstones import TOMB_TOKEN, Tombstone, TombstoneTable, answer
 from kvplane.validators import require_id, require_int
 
 TimerKey = tuple[int, TimerKind, int]
+WITHHELD = "incompatible (reasons are sent only to a peer that holds the shared secret)"
+"""The one reason a refusal carries when its reasons may not be disclosed."""
+_REFUSAL_COUNTER = {
+    Standing.INCOMPATIBLE: "incompatible_peer",
+    Standing.STALE: "stale_incarnation",
+    Standing.FULL: "peer_table_full",
+}
 
 
 class Participant:
@@ -64,6 +73,7 @@ class Participant:
         transport: str = "",
         transport_metadata: bytes = b"",
         kv_role: Role | None = None,
+        peer_capacity: int = DEFAULT_CAPACITY,
     ) -> None:
         require_int("incarnation", incarnation, min=0, max=(1 << 62) - 1)
         require_id("Participant.peer_id", peer_id)
@@ -71,7 +81,9 @@ class Participant:
         self.incarnation = incarnation
         self.timings = timings or Timings()
         sends = None if kv_role is None else kv_role is Role.SENDER
-        self.peers = PeerTable(profile, self.timings.heartbeat_s, sends=sends)
+        self.peers = PeerTable(
+            profile, self.timings.heartbeat_s, sends=sends, capacity=peer_capacity
+        )
         self._hello = Hello(
             peer_id=peer_id,
             incarnation=incarnation,
@@ -109,39 +121,76 @@ class Participant:
         )
 
     # -- handshake -------------------------------------------------------------------------------
-    def hello(self) -> Hello:
-        return self._hello
+    def hello(self, nonce: bytes = b"") -> Hello:
+        """Our ``Hello``, carrying ``nonce`` (the endpoint draws a fresh one per handshake)."""
+        return self._hello if not nonce else msgspec.structs.replace(self._hello, nonce=nonce)
+
+    def answer(
+        self, hello: Hello, *, nonce: bytes = b"", disclose: bool = True
+    ) -> tuple[HelloReply, Verdict]:
+        """Our reply to ``hello`` and the verdict behind it; admits no one. An acceptance
+        carries our ``Hello`` with ``nonce``; a refusal (incompatible, stale incarnation, full
+        table) carries none of our profile or transport, and its reasons only when
+        ``disclose`` (the peer proved the shared secret), since they name our layout."""
+        judgment = self.peers.judge(hello)
+        if judgment.admissible:
+            reply = HelloReply(hello=self.hello(nonce), accepted=True, echo=hello.nonce)
+            return reply, judgment.verdict
+        self._count(_REFUSAL_COUNTER[judgment.standing])
+        reasons = judgment.verdict.reasons if disclose else (WITHHELD,)
+        refusal = HelloReply(
+            hello=None,
+            accepted=False,
+            echo=hello.nonce,
+            reasons=tuple(wire_text(r) for r in reasons[:64]),
+            peer_id=self.peer_id if disclose else "",
+        )
+        return refusal, judgment.verdict
+
+    def check_reply(self, reply: HelloReply, *, nonce: bytes = b"") -> Verdict:
+        """Our verdict on the answer to our ``Hello`` of ``nonce``; admits no one. It must echo
+        that nonce and accept, and we must accept the peer's ``Hello`` it carries."""
+        if reply.echo != nonce:
+            self._count("stale_reply")
+            return Verdict(compatible=False, reasons=("the reply answers another Hello",))
+        if reply.hello is None:
+            self._count("refused_by_peer")
+            reasons = tuple(f"peer refused: {r}" for r in reply.reasons)
+            return Verdict(compatible=False, reasons=reasons or ("peer refused",))
+        judgment = self.peers.judge(reply.hello)
+        if not judgment.admissible:
+            self._count(_REFUSAL_COUNTER[judgment.standing])
+        return judgment.verdict
+
+    def accept(self, hello: Hello, now: float) -> tuple[Verdict, list[Action]]:
+        """Admit the peer of a completed handshake, judged again (the table may have changed
+        since :meth:`answer`). A newer incarnation of a live peer fails its old sessions (the
+        actions); an older one is stale: refused and counted, nothing changes."""
+        judgment = self.peers.judge(hello)
+        if not judgment.admissible:
+            self._count(_REFUSAL_COUNTER[judgment.standing])
+            return judgment.verdict, []
+        out: list[Action] = []
+        if judgment.standing is Standing.RESTARTED:
+            self._count("peer_restarted")
+            out = self._lose(PeerId(hello.peer_id), now, "peer restarted")
+        self.peers.admit(hello, judgment, now)
+        return judgment.verdict, out
 
     def on_hello(self, hello: Hello, now: float) -> tuple[HelloReply, list[Action]]:
-        """Judge a peer's ``Hello`` (cached per peer); a restarted peer's old sessions fail."""
-        verdict, restarted = self.peers.judge(hello)
-        peer_id = PeerId(hello.peer_id)
-        out = self._lose(peer_id, now, "peer restarted") if restarted else []
-        if verdict.compatible:
-            self.peers.admit(peer_id, now)
-        else:
-            self._count("incompatible_peer")
-        return HelloReply(
-            hello=self._hello,
-            accepted=verdict.compatible,
-            reasons=tuple(wire_text(r) for r in verdict.reasons[:64]),
-        ), out
+        """:meth:`answer` and :meth:`accept` at once, for a link that cannot replay frames (an
+        in-memory simulation); an endpoint admits only once the handshake is confirmed."""
+        reply, _ = self.answer(hello)
+        return reply, (self.accept(hello, now)[1] if reply.accepted else [])
 
-    def on_hello_reply(self, reply: HelloReply, now: float) -> Verdict:
-        """Complete our handshake: both the peer's verdict and ours must accept. A reason both
-        sides give (an uncovered head range) is named once, as the peer's refusal."""
-        ours, _ = self.peers.judge(reply.hello)
-        peer_id = PeerId(reply.hello.peer_id)
-        theirs = reply.reasons if not reply.accepted else ()
-        reasons = tuple(f"peer refused: {r}" for r in theirs)
-        reasons += tuple(r for r in ours.reasons if r not in theirs)  # e.g. both: heads uncovered
-        verdict = Verdict(compatible=reply.accepted and ours.compatible, reasons=reasons)
-        if verdict.compatible:
-            self.peers.admit(peer_id, now)
-        else:
-            self.peers.refuse(peer_id, verdict)
-            self._count("incompatible_peer")
-        return verdict
+    def on_hello_reply(
+        self, reply: HelloReply, now: float, *, nonce: bytes = b""
+    ) -> tuple[Verdict, list[Action]]:
+        """:meth:`check_reply` and :meth:`accept` at once (see :meth:`on_hello`)."""
+        verdict = self.check_reply(reply, nonce=nonce)
+        if not verdict.compatible or reply.hello is None:
+            return verdict, []
+        return self.accept(reply.hello, now)
 
     # -- sessions ----------------------------------------------------------------------------------
     def open_receiver(
@@ -306,7 +355,7 @@ class Participant:
 
     def lose_peer(self, peer_id: PeerId, now: float, reason: str) -> list[Action]:
         """Declare ``peer_id`` dead now (e.g. the transport saw the connection reset)."""
-        self.peers.lose(peer_id)
+        self.peers.lose(peer_id, now)
         return self._lose(peer_id, now, reason)
 
     # -- internals -------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ class SessionPair:
         )
         self.nodes = {PREFILL: self.prefill, DECODE: self.decode}
         reply, _ = self.prefill.on_hello(self.decode.hello(), 0.0)
-        if not self.decode.on_hello_reply(reply, 0.0).compatible:
+        if not self.decode.on_hello_reply(reply, 0.0)[0].compatible:
             raise ProtocolError("simulated peers refused each other")
         self.now = 0.0
         self.plans: list[SessionPlan] = []

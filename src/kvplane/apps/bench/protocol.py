@@ -18,7 +18,8 @@ import zmq
 from kvplane.errors import IncompatiblePeerError
 from kvplane.ids import PeerId, RequestId, SessionId, SliceId
 from kvplane.pd.actions import Action, Finished, StartSubmit
-from kvplane.pd.endpoint import ControlClient, Endpoint
+from kvplane.pd.control_client import ControlClient
+from kvplane.pd.endpoint import Endpoint
 from kvplane.pd.events import (
     Heartbeat,
     HelloReply,
@@ -90,7 +91,7 @@ def _round_trips(quick: bool) -> dict[str, Any]:
     thread = threading.Thread(target=echo, daemon=True)
     thread.start()
     try:
-        reply = client.request(_participant("bench-client", 2).hello())
+        reply = client.handshake(_participant("bench-client", 2).hello())
         if not isinstance(reply, HelloReply) or not reply.accepted:
             raise IncompatiblePeerError(f"bench handshake refused: {reply!r}")
         payload = b"x" * len(client.codec.encode(Heartbeat(peer_id="bench-client", seq=1)))
