@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,37 @@ def test_toml_errors(tmp_path: Path) -> None:
     bad.write_text("[pool\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_toml(bad)
+
+
+def test_unreadable_toml_files_are_one_line_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_toml(tmp_path)
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b"[pool]\nnum_blocks = 4 # caf\xe9\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_toml(latin)
+
+
+@pytest.mark.parametrize("text", ["pool = 3\n", 'pool = "x"\n', "pool = [1, 2]\n"])
+def test_a_section_that_is_not_a_table_is_refused(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"section \[pool\] must be a table"):
+        resolve(PoolConfig, "pool", file=load_toml(path))
+
+
+@dataclass(frozen=True)
+class Listed:
+    names: list[str] = dataclasses.field(default_factory=list)
+
+
+def test_a_list_of_strings_from_env_file_or_flag() -> None:
+    env = {"KVPLANE_L_NAMES": "a, b,,c"}
+    assert resolve(Listed, "l", env=env)[0].names == ["a", "b", "c"]
+    assert resolve(Listed, "l", file={"l": {"names": ["x"]}})[0].names == ["x"]
+    assert resolve(Listed, "l", env=env, flags={"names": ["f"]})[0].names == ["f"]
+    with pytest.raises(ConfigError, match=r"\[l\]\.names: expected a list of strings"):
+        resolve(Listed, "l", file={"l": {"names": [1]}})
 
 
 def test_the_duration_check_is_re_exported_from_validators() -> None:

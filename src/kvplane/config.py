@@ -77,15 +77,22 @@ class ChunkConfig:
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Parse a TOML config file; a missing file or bad syntax is a ``ConfigError``."""
+    """Parse a TOML config file. ``ConfigError`` when it is missing, not a regular file,
+    unreadable, not UTF-8 or not valid TOML."""
     p = Path(path)
     try:
         with p.open("rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError as exc:
         raise ConfigError(f"config file {str(p)!r} does not exist") from exc
+    except IsADirectoryError as exc:
+        raise ConfigError(f"config file {str(p)!r} is a directory") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text: {exc.reason}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {exc.strerror}") from exc
 
 
 def env_name(section: str, field: str) -> str:
@@ -104,8 +111,15 @@ def _field_type(cls: type[Any], name: str) -> Any:
     return tp
 
 
+def _is_str_list(tp: Any) -> bool:
+    return typing.get_origin(tp) is list and typing.get_args(tp) == (str,)
+
+
 def _parse_str(raw: str, tp: Any, where: str) -> Any:
-    """Convert an environment/flag string to ``tp``; raise ``ConfigError`` naming ``where``."""
+    """Convert an environment/flag string to ``tp`` (a ``list[str]`` from comma-separated
+    items); raise ``ConfigError`` naming ``where``."""
+    if _is_str_list(tp):
+        return [item.strip() for item in raw.split(",") if item.strip()]
     try:
         if tp is bool:
             low = raw.strip().lower()
@@ -138,6 +152,10 @@ def _parse_str(raw: str, tp: Any, where: str) -> Any:
 
 def _check_type(value: Any, tp: Any, where: str) -> Any:
     """Values from TOML or typed flags must already have the field's type (ints widen to float)."""
+    if _is_str_list(tp):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+        return list(value)
     if isinstance(value, str) and tp is not str:
         return _parse_str(value, tp, where)
     if tp is float and is_int(value):
@@ -165,7 +183,10 @@ def resolve(
     if not dataclasses.is_dataclass(cls):
         raise ConfigError(f"{cls!r} is not a config dataclass")
     names = [f.name for f in dataclasses.fields(cls)]
-    file_section = dict((file or {}).get(section, {}))
+    raw_section = (file or {}).get(section, {})
+    if not isinstance(raw_section, Mapping):
+        raise ConfigError(f"config section [{section}] must be a table, got {raw_section!r}")
+    file_section = dict(raw_section)
     unknown = sorted(set(file_section) - set(names))
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in config section [{section}]; known: {names}")

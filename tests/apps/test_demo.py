@@ -79,3 +79,10 @@ def test_demo_refuses_unsupported_checkpoint_before_starting(
     assert "MambaForCausalLM" in err and "LlamaForCausalLM" in err
     assert main(["demo", "--max-new-tokens", "0"]) == 1
     assert "--max-new-tokens must be positive, got 0" in capsys.readouterr().err
+
+
+def test_demo_refuses_a_data_plane_that_cannot_authenticate_unless_insecure(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--transport", "nixl"]) == 1
+    assert "transport 'nixl' cannot authenticate its data plane" in capsys.readouterr().err

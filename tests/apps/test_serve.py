@@ -20,7 +20,15 @@ from kvplane.serving.messages import (
 )
 from kvplane.serving.router.router import Router
 from kvplane.serving.rpc import RpcClient
-from kvplane.testing.cluster import Proc, check_balanced, free_port, idle, prompt, wait_for
+from kvplane.testing.cluster import (
+    TEST_SECRET,
+    Proc,
+    check_balanced,
+    free_port,
+    idle,
+    prompt,
+    wait_for,
+)
 
 TIMING = [
     "--heartbeat",
@@ -88,7 +96,7 @@ def test_processes_serve_requests_through_a_router_process(procs: list[Proc]) ->
         ],
     )
     procs.append(router)
-    client = RpcClient(router.control, timeout_s=20)
+    client = RpcClient(router.control, timeout_s=20, secret=TEST_SECRET)
     try:
         rng = np.random.default_rng(5)
         for i, n in enumerate([3, 50, 129]):
@@ -103,7 +111,7 @@ def test_processes_serve_requests_through_a_router_process(procs: list[Proc]) ->
         assert "kvplane_pd_bytes_moved_total" in text and "kvplane_pd_slices_total" in text
         assert "kvplane_block_pool_usage" in text
         for w in (pre, dec):
-            wc = RpcClient(w.control, timeout_s=10)
+            wc = RpcClient(w.control, timeout_s=10, secret=TEST_SECRET)
             try:
                 stats = wc.call(StatsQuery())
                 assert isinstance(stats, WorkerStats) and stats.integrity == "" and idle(stats)
@@ -124,7 +132,7 @@ def test_sigkill_mid_transfer_then_restart(procs: list[Proc]) -> None:
     procs.append(pre)
     dec = Proc("decode", worker_args("decode", dc, dp))
     procs.append(dec)
-    router = Router([pre.control], [dec.control], timeout_s=20)
+    router = Router([pre.control], [dec.control], timeout_s=20, secret=TEST_SECRET)
     try:
         router.connect()
         assert router.generate("warm", list(range(40))).state == "success"
@@ -161,7 +169,7 @@ def test_the_router_process_survives_a_decode_restart(procs: list[Proc]) -> None
     flags = ["--timeout", "5", "--refresh", "0.2", "--request-deadline", "20"]
     rt = Proc("router", ["--prefill", pre.control, "--decode", dec.control, *flags])
     procs.append(rt)
-    client = RpcClient(rt.control, timeout_s=15)
+    client = RpcClient(rt.control, timeout_s=15, secret=TEST_SECRET)
     try:
         before = client.call(Generate(request_id="a", token_ids=tuple(range(40))))
         assert isinstance(before, RequestResult) and before.state == "success"

@@ -26,6 +26,7 @@ from kvplane.serving.router.router import Router
 from kvplane.testing.cluster import (
     GQA,
     MLA,
+    TEST_SECRET,
     Cluster,
     base_config,
     check_balanced,
@@ -185,7 +186,7 @@ def test_a_destination_with_heads_we_lack_is_refused_at_pairing(
         d.info = lambda: msgspec.structs.replace(info(), head_ranges=())  # type: ignore[method-assign]
     p.start()
     d.start()
-    r = Router([p.address], [d.address], timeout_s=20.0)
+    r = Router([p.address], [d.address], timeout_s=20.0, secret=TEST_SECRET)
     with Cluster(p, d, r):
         if says_heads:
             why = (
@@ -283,7 +284,8 @@ def test_other_transports_when_available(transport: str) -> None:
     reason = available().get(transport)
     if reason is not None:
         pytest.skip(reason)
-    with cluster(MLA, transport=transport) as c:
+    # nixl and mooncake cannot authenticate their data plane: insecure, explicitly
+    with cluster(MLA, transport=transport, insecure=transport != "shm") as c:
         rng = np.random.default_rng(7)
         for i, n in enumerate([1, 33, 70]):
             res = c.router.generate(f"m{i}", prompt(rng, n))

@@ -26,7 +26,8 @@ import pytest
 
 from kvplane.serving.messages import RequestResult
 from kvplane.serving.router.router import Router
-from kvplane.testing.cluster import Proc, check_balanced, free_port, prompt
+from kvplane.serving.worker_config import SECRET_TRANSPORTS
+from kvplane.testing.cluster import TEST_SECRET, Proc, check_balanced, free_port, prompt
 from kvplane.transports.registry import available
 
 LEASE, HEARTBEAT, IN_DOUBT = 0.6, 0.15, 0.15
@@ -106,7 +107,10 @@ class Deployment:
             "--chaos-seed",
             str(len(self.procs) + 11),
         ]
-        proc = Proc(role, args, entry=("kvplane.testing.chaos_serve",))
+        secure = self.transport in SECRET_TRANSPORTS  # nixl, mooncake: say --insecure
+        args += [] if secure else ["--insecure"]
+        secret = TEST_SECRET if secure else None
+        proc = Proc(role, args, entry=("kvplane.testing.chaos_serve",), secret=secret)
         self.procs.append(proc)
         return proc
 
@@ -129,7 +133,8 @@ def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
 
 def run_chaos(dep: Deployment, num_requests: int, kills: list[tuple[int, str]], seed: int) -> None:
     rng = np.random.default_rng(seed)
-    router = Router([dep.prefill.control], [dep.decode.control], timeout_s=30)
+    secret = TEST_SECRET if dep.transport in SECRET_TRANSPORTS else None
+    router = Router([dep.prefill.control], [dep.decode.control], timeout_s=30, secret=secret)
     router.connect()
     futs: dict[str, Future[RequestResult]] = {}
     kill_times: list[tuple[str, float, set[str]]] = []

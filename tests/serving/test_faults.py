@@ -17,6 +17,7 @@ from kvplane.serving.router.router import Router
 from kvplane.testing.chaos import worker_hooks
 from kvplane.testing.cluster import (
     FAST,
+    TEST_SECRET,
     Cluster,
     base_config,
     check_balanced,
@@ -98,7 +99,7 @@ def _faulty_cluster(plan: FaultPlan, **prefill: object) -> Cluster:
     d = DecodeWorker(replace(base, name="decode"), SyntheticDecoder(spec))
     p.start()
     d.start()
-    r = Router([p.address], [d.address], timeout_s=20.0)
+    r = Router([p.address], [d.address], timeout_s=20.0, secret=TEST_SECRET)
     r.connect()
     return Cluster(p, d, r)
 

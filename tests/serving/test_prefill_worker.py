@@ -16,6 +16,7 @@ from kvplane.serving.producers.synthetic import SyntheticDecoder, SyntheticProdu
 from kvplane.serving.router.router import Router
 from kvplane.testing.cluster import (
     MLA,
+    TEST_SECRET,
     Cluster,
     base_config,
     check_balanced,
@@ -79,7 +80,7 @@ def test_a_failed_step_is_never_cut_into_a_slice() -> None:
     d = DecodeWorker(replace(base_config(), name="decode"), SyntheticDecoder(MLA))
     p.start()
     d.start()
-    r = Router([p.address], [d.address], timeout_s=20.0)
+    r = Router([p.address], [d.address], timeout_s=20.0, secret=TEST_SECRET)
     r.connect()
     with Cluster(p, d, r):
         res = r.generate("x", list(range(80)), step_size=32)

@@ -17,7 +17,7 @@ from kvplane.serving.messages import (
     WorkerStats,
 )
 from kvplane.serving.rpc import RpcClient
-from kvplane.testing.cluster import check_balanced, cluster
+from kvplane.testing.cluster import TEST_SECRET, check_balanced, cluster
 
 
 def test_an_order_that_fails_unexpectedly_is_answered(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,7 +52,7 @@ def test_out_of_range_token_ids_are_refused_not_dropped() -> None:
 def test_a_stats_reply_keeps_the_newest_events_that_fit_in_a_frame() -> None:
     c = cluster()
     limit = 256 << 10
-    client = RpcClient(c.decode.address, timeout_s=3.0, max_frame=limit)
+    client = RpcClient(c.decode.address, timeout_s=3.0, max_frame=limit, secret=TEST_SECRET)
     try:
         c.decode.rpc.max_frame = limit  # the worker fits its replies to its frame limit
         for i in range(4000):  # ~150 bytes each: well over the limit in all

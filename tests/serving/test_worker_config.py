@@ -1,4 +1,6 @@
-"""WorkerConfig: copy threads are validated and reach the transport `kvplane serve` builds."""
+"""WorkerConfig: copy threads are validated and reach the transport `kvplane serve` builds; a
+secret is required unless insecure mode is explicit; a data plane that cannot prove the secret
+is refused with one; addresses and ports are in range."""
 
 from __future__ import annotations
 
@@ -11,17 +13,19 @@ from kvplane.errors import ConfigError
 from kvplane.serving.worker import make_transport
 from kvplane.serving.worker_config import WorkerConfig
 
+KEY = b"k" * 32
+
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5])
 def test_copy_threads_must_be_a_positive_int(bad: object) -> None:
     with pytest.raises(ConfigError, match="copy_threads must be a positive int"):
-        WorkerConfig(name="w", copy_threads=bad)  # type: ignore[arg-type]
+        WorkerConfig(name="w", copy_threads=bad, secret=KEY)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_serve_flag_sets_the_transports_copy_threads(transport: str) -> None:
     args = build_parser().parse_args(
-        ["serve", "prefill", "--transport", transport, "--copy-threads", "3"]
+        ["serve", "prefill", "--transport", transport, "--copy-threads", "3", "--insecure"]
     )
     config = config_of(args)
     assert config.copy_threads == 3
@@ -33,10 +37,54 @@ def test_serve_flag_sets_the_transports_copy_threads(transport: str) -> None:
 
 
 def test_default_copy_threads_follow_torch() -> None:
-    config = config_of(build_parser().parse_args(["serve", "decode", "--transport", "tcp"]))
+    args = ["serve", "decode", "--transport", "tcp", "--insecure"]
+    config = config_of(build_parser().parse_args(args))
     assert config.copy_threads is None
     t = make_transport(config, "w")
     try:
         assert t._copy_workers.threads == max(1, torch.get_num_threads())  # type: ignore[attr-defined]
     finally:
         t.close()
+
+
+def test_a_secret_is_required_unless_insecure_is_explicit() -> None:
+    with pytest.raises(ConfigError, match=r"secret is required .*insecure=True"):
+        WorkerConfig(name="w")
+    assert WorkerConfig(name="w", insecure=True).secret is None
+    assert WorkerConfig(name="w", secret=KEY).insecure is False
+    with pytest.raises(ConfigError, match="contradicts a secret"):
+        WorkerConfig(name="w", secret=KEY, insecure=True)
+    with pytest.raises(ConfigError, match="insecure must be a bool"):
+        WorkerConfig(name="w", insecure=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transport", ["nixl", "mooncake"])
+def test_a_data_plane_that_cannot_authenticate_is_refused_with_a_secret(transport: str) -> None:
+    with pytest.raises(ConfigError, match=f"transport '{transport}' cannot authenticate"):
+        WorkerConfig(name="w", transport=transport, secret=KEY)
+    assert WorkerConfig(name="w", transport=transport, insecure=True).transport == transport
+
+
+def test_the_secret_reaches_the_tcp_data_plane() -> None:
+    t = make_transport(WorkerConfig(name="w", secret=KEY), "w")
+    try:
+        assert t._secret == KEY  # type: ignore[attr-defined]
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("pd_bind", "tcp://127.0.0.1:99999", r"pd_bind's port must be an int in \[0, 65535\]"),
+        ("control_bind", "tcp://127.0.0.1:-1", "control_bind must be tcp://HOST:PORT"),
+        ("control_bind", "tcp://:5", "control_bind must be tcp://HOST:PORT"),
+        ("control_bind", "udp://127.0.0.1:5", "must be a tcp://, ipc:// or inproc://"),
+        ("metrics_port", 65536, r"metrics_port must be an int in \[0, 65535\]"),
+    ],
+)
+def test_addresses_and_ports_out_of_range_are_refused(
+    field: str, value: object, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        WorkerConfig(name="w", secret=KEY, **{field: value})  # type: ignore[arg-type]

@@ -1,8 +1,9 @@
 """``kvplane demo``: a real model served across processes, checked token by token.
 
-Starts prefill, decode and router processes with prefix offload, sends the demo prompts through
-the router, compares every request's tokens with one-process ``generate`` and prints the seed's
-metrics. Exit 0 only with parity and balanced pools, ledgers and slots. See docs/serving.md.
+Starts prefill, decode and router processes with prefix offload (sharing a secret generated
+for the run, unless ``--insecure``), sends the demo prompts through the router, compares every
+request's tokens with one-process ``generate`` and prints the seed's metrics. Exit 0 only with
+parity and balanced pools, ledgers and slots. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from kvplane.apps.demo_procs import ProcessGroup
+from kvplane.apps.demo_procs import ProcessGroup, new_secret
 from kvplane.apps.report import draw_timeline, metrics_table, summarize
 from kvplane.errors import InvalidArgumentError, TransferTimeoutError, WorkerDiedError
 from kvplane.models import TINY_MODELS
@@ -29,6 +30,7 @@ from kvplane.pipeline.trace import chrome_trace, events_from_dicts, spans, write
 from kvplane.serving.messages import AnyMessage, Generate, RequestResult, StatsQuery, WorkerStats
 from kvplane.serving.producers.model import ModelSpec
 from kvplane.serving.rpc import RpcClient
+from kvplane.serving.worker_config import check_transport_secret
 
 NAME = "demo"
 HELP = "Serve a tiny model across prefill/decode processes with offload; check token parity."
@@ -48,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-size", type=int, default=32, help="prefill step (tokens)")
     parser.add_argument("--host-slots", type=int, default=6, help="host tier chunks")
     parser.add_argument("--timeout", type=float, default=120.0, help="whole-demo deadline (s)")
+    parser.add_argument(
+        "--insecure", action="store_true",
+        help="run the processes without a secret (needed by nixl and mooncake, which cannot "
+        "authenticate their data plane); by default each run generates one",
+    )  # fmt: skip
     c = parser.add_argument_group("chaos (tests)")
     c.add_argument("--chaos-kill", choices=("prefill", "decode"), default=None)
     c.add_argument("--chaos-kill-after", type=int, default=2, help="requests before the kill")
@@ -113,7 +120,7 @@ def _serve_args(args: argparse.Namespace, role: str, disk: Path) -> list[str]:
         "--name", role, "--model", args.model, "--seed", str(args.seed),
         "--transport", args.transport, "--block-size", str(BLOCK_SIZE), "--num-blocks", "256",
         "--num-slots", "16", "--step-size", str(args.step_size), "--heartbeat", "0.2",
-        "--lease", "2.0", "--deadline", "20",
+        "--lease", "2.0", "--deadline", "20", *(["--insecure"] if args.insecure else []),
     ]  # fmt: skip
     if role == "prefill":
         common += [
@@ -139,30 +146,32 @@ def run_demo(args: argparse.Namespace, console: Console, work: Path) -> DemoResu
         value = getattr(args, name)
         if value <= 0:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    check_transport_secret(args.transport, not args.insecure)
     started = time.monotonic()
     deadline = started + args.timeout
     spec = ModelSpec(args.model, args.seed)
     model = spec.load()  # also validates the checkpoint before any process starts
     prompts = demo_prompts(model.vocab_size, args.seed)
     result = DemoResult()
-    group = ProcessGroup(work)
+    group = ProcessGroup(work, None if args.insecure else new_secret())
     clients: list[RpcClient] = []
     try:
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("starting workers", total=len(prompts) + 3)
-            disk = work / "prefill-chunks.disk"  # the disk tier's slot file
+            disk = work / "disk"  # the disk tier's directory
             pre = group.start("prefill", _serve_args(args, "prefill", disk), deadline)
             bar.advance(task)
             dec = group.start("decode", _serve_args(args, "decode", disk), deadline)
             bar.advance(task)
             rtr = group.start(
                 "router",
-                ["--prefill", pre["control"], "--decode", dec["control"], "--timeout", "30"],
+                ["--prefill", pre["control"], "--decode", dec["control"], "--timeout", "30"]
+                + (["--insecure"] if args.insecure else []),
                 deadline,
             )
             bar.advance(task)
             result.timings["startup_s"] = round(time.monotonic() - started, 3)
-            router = RpcClient(str(rtr["control"]), timeout_s=30.0)
+            router = RpcClient(str(rtr["control"]), timeout_s=30.0, secret=group.secret)
             clients.append(router)
             t_req = time.monotonic()
             threads = torch.get_num_threads()
@@ -218,7 +227,7 @@ def _settled_stats(
     workers: list[dict[str, Any]], group: ProcessGroup, clients: list[RpcClient], deadline: float
 ) -> list[WorkerStats]:
     """Both workers' stats (with timelines) once idle (offload jobs done), or at the deadline."""
-    conns = [RpcClient(str(w["control"]), timeout_s=10.0) for w in workers]
+    conns = [RpcClient(str(w["control"]), timeout_s=10.0, secret=group.secret) for w in workers]
     clients.extend(conns)
     end = min(deadline, time.monotonic() + 10.0)
     while True:

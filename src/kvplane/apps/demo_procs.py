@@ -1,7 +1,8 @@
 """The demo's worker processes: start, announce, watch, stop; every wait has a deadline.
 
 :class:`Child` is one ``kvplane serve`` subprocess; :class:`ProcessGroup` raises
-:class:`WorkerDiedError` as soon as one exits, and stops them all. Nothing here listens on a
+:class:`WorkerDiedError` as soon as one exits, and stops them all, and hands its children the
+group's secret by environment (:func:`new_secret`: one per group). Nothing here listens on a
 socket. See docs/serving.md.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import secrets
 import subprocess
 import sys
 import threading
@@ -17,16 +19,28 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from kvplane.apps.startup import SECRET_ENV
 from kvplane.errors import TransferTimeoutError, WorkerDiedError
 
 
-class Child:
-    """One ``kvplane serve`` subprocess (see the module docstring)."""
+def new_secret() -> bytes:
+    """A fresh random shared secret for one cluster (64 hex characters)."""
+    return secrets.token_hex(32).encode()
 
-    def __init__(self, role: str, args: list[str], log_dir: Path) -> None:
+
+class Child:
+    """One ``kvplane serve`` subprocess (see the module docstring); ``secret`` goes to it in
+    ``KVPLANE_SECRET`` (``None``: none, and ``args`` must say ``--insecure``)."""
+
+    def __init__(
+        self, role: str, args: list[str], log_dir: Path, secret: bytes | None = None
+    ) -> None:
         self.role = role
         self.log_path = log_dir / f"{role}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env.pop(SECRET_ENV, None)
+        if secret is not None:
+            env[SECRET_ENV] = secret.decode()
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvplane", "serve", role, *args],
@@ -112,14 +126,15 @@ def _pump(stream: IO[str] | None, out: queue.SimpleQueue[str]) -> None:
 
 
 class ProcessGroup:
-    """The children of one demo run."""
+    """The children of one demo run, sharing ``secret`` (``None``: insecure children)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, secret: bytes | None = None) -> None:
         self.log_dir = log_dir
+        self.secret = secret
         self.children: dict[str, Child] = {}
 
     def start(self, role: str, args: list[str], deadline: float) -> dict[str, Any]:
-        child = Child(role, args, self.log_dir)
+        child = Child(role, args, self.log_dir, self.secret)
         self.children[role] = child
         return child.announce(deadline)
 

@@ -1,90 +1,138 @@
 """``kvplane serve prefill|decode|router``: the PD workers and the router as processes.
 
-Wiring only: flags to a :class:`~kvplane.serving.worker_config.WorkerConfig` and a producer,
-one JSON announce line on stdout, serve until SIGTERM/SIGINT or ``Shutdown``. Binds 127.0.0.1
-unless told otherwise; a secret comes from ``KVPLANE_SECRET`` only. See docs/serving.md.
+Wiring only: flags (or ``--config``/``KVPLANE_*``, :mod:`~kvplane.apps.serve_config`) to a
+:class:`~kvplane.serving.worker_config.WorkerConfig` and a producer, checked before anything
+starts (:mod:`~kvplane.apps.startup`); one JSON announce line on stdout, serve until
+SIGTERM/SIGINT or ``Shutdown``. Binds 127.0.0.1 unless told otherwise; refuses to start without
+a secret (``KVPLANE_SECRET`` or ``--secret-file``) unless ``--insecure``. See docs/serving.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
+import zmq
+
+from kvplane.apps.serve_config import sectioned, settle
+from kvplane.apps.startup import (
+    SECRET_ENV,
+    check_connect_address,
+    check_pool_memory,
+    probe_bind,
+    probe_port,
+    read_secret,
+)
 from kvplane.errors import ConfigError
 from kvplane.offload import OffloadConfig
 from kvplane.pd.timers import Timings
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.prefix_offload import PrefixSettings
+from kvplane.serving.producers.base import KVModel
 from kvplane.serving.producers.model import DTYPES, ModelDecoder, ModelProducer, ModelSpec
 from kvplane.serving.producers.synthetic import SyntheticDecoder, SyntheticProducer, SyntheticSpec
 from kvplane.serving.router.router import Router
 from kvplane.serving.router.service import RouterService
-from kvplane.serving.worker import Worker, WorkerHooks
+from kvplane.serving.worker import INSECURE_HELP, Worker, WorkerHooks
 from kvplane.serving.worker_config import LOOPBACK, WorkerConfig
 from kvplane.transfer import OpGrouping
 
 NAME = "serve"
 HELP = "Run a PD prefill worker, decode worker or router as a process."
+DISK_SLOT_FILE = "kvplane-chunks.disk"
+"""The disk tier's slot file, inside the ``--offload-disk`` directory."""
+log = logging.getLogger(__name__)
+
+
+def _config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", default=None, metavar="FILE",
+        help="TOML file of [section] keys; precedence: flag > KVPLANE_<SECTION>_<FIELD> > file",
+    )  # fmt: skip
+    s = p.add_argument_group("security (flags only)")
+    s.add_argument(
+        "--secret-file", default=None, metavar="FILE",
+        help=f"file holding the shared secret (else ${SECRET_ENV}; never on the command line)",
+    )  # fmt: skip
+    s.add_argument(
+        "--insecure", action="store_true",
+        help="run without a secret: any local process can send orders and read or write KV",
+    )  # fmt: skip
 
 
 def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
-    p.add_argument("--name", default=role, help="PD peer id (unique per deployment)")
-    p.add_argument("--control", default=LOOPBACK, help="order socket address (zmq)")
-    p.add_argument("--pd", default=LOOPBACK, help="PD control endpoint address (zmq)")
-    p.add_argument("--transport", default="tcp", help="tcp, shm, ... (see transports)")
-    p.add_argument("--transport-host", default="127.0.0.1", help="tcp transport listen host")
-    p.add_argument(
+    _config_flags(p)
+    w = p.add_argument_group("worker", "the process ([worker], KVPLANE_WORKER_*)")
+    w.add_argument("--name", default=role, help="PD peer id (unique per deployment)")
+    w.add_argument("--control", default=LOOPBACK, help="order socket address (zmq)")
+    w.add_argument("--pd", default=LOOPBACK, help="PD control endpoint address (zmq)")
+    w.add_argument("--transport", default="tcp", help="tcp, shm, ... (see transports)")
+    w.add_argument("--transport-host", default="127.0.0.1", help="tcp transport listen host")
+    w.add_argument(
         "--copy-threads", type=int, default=None,
         help="threads the tcp/shm transport copies bytes with (default: torch's thread count)",
     )  # fmt: skip
-    p.add_argument("--layout", default="mla", choices=("mla", "gqa"))
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--latent-dim", type=int, default=64)
-    p.add_argument("--rope-dim", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--sliding-window", type=int, default=None)
-    p.add_argument("--state-dim", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0, help="synthetic KV seed / model weights seed")
-    p.add_argument("--model", default=None, help="tiny-llama, tiny-deepseek or an HF directory")
-    p.add_argument("--model-dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--hash-seed", type=int, default=0, help="block hash seed")
-    o = p.add_argument_group("prefix offload (prefill workers)")
+    w.add_argument("--num-slots", type=int, default=64)
+    w.add_argument("--head-range", default=None, help="TP KV-head range START:END")
+    w.add_argument("--step-size", type=int, default=256, help="prefill step (tokens)")
+    w.add_argument("--slice-timeout", type=float, default=10.0, help="seconds per slice")
+    w.add_argument("--layer-ops", action="store_true", help="one transfer op per layer")
+    w.add_argument("--no-pipeline", action="store_true", help="send KV after prefill ends")
+    w.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
+    m = p.add_argument_group("model", "a real model ([model], KVPLANE_MODEL_*)")
+    m.add_argument("--model", default=None, help="tiny-llama, tiny-deepseek or an HF directory")
+    m.add_argument("--model-dtype", default="float32", choices=sorted(DTYPES))
+    m.add_argument("--seed", type=int, default=0, help="synthetic KV seed / model weights seed")
+    y = p.add_argument_group("synthetic", "the synthetic producer ([synthetic], ...)")
+    y.add_argument("--layout", default="mla", choices=("mla", "gqa"))
+    y.add_argument("--layers", type=int, default=2)
+    y.add_argument("--kv-heads", type=int, default=4)
+    y.add_argument("--head-dim", type=int, default=32)
+    y.add_argument("--latent-dim", type=int, default=64)
+    y.add_argument("--rope-dim", type=int, default=16)
+    y.add_argument("--dtype", default="bfloat16")
+    y.add_argument("--sliding-window", type=int, default=None)
+    y.add_argument("--state-dim", type=int, default=0)
+    y.add_argument("--compute-us-per-token", type=float, default=0.0)
+    y.add_argument("--compute-ms-per-step", type=float, default=0.0)
+    h = p.add_argument_group("hash", "block hashing ([hash], KVPLANE_HASH_*)")
+    h.add_argument("--hash-seed", type=int, default=0, help="block hash seed")
+    o = p.add_argument_group("offload", "prefix offload of prefill workers ([offload], ...)")
     o.add_argument("--offload-host-slots", type=int, default=0, help="host tier chunks (0: off)")
-    o.add_argument("--offload-disk", default=None, help="disk tier directory")
+    o.add_argument(
+        "--offload-disk", default=None, metavar="DIR",
+        help=f"disk tier directory (created; its slot file is DIR/{DISK_SLOT_FILE})",
+    )  # fmt: skip
     o.add_argument("--offload-disk-slots", type=int, default=256)
-    o.add_argument("--blocks-per-chunk", type=int, default=2)
-    p.add_argument("--num-blocks", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-slots", type=int, default=64)
-    p.add_argument("--head-range", default=None, help="TP KV-head range START:END")
-    p.add_argument("--step-size", type=int, default=256, help="prefill step (tokens)")
-    p.add_argument("--compute-us-per-token", type=float, default=0.0)
-    p.add_argument("--compute-ms-per-step", type=float, default=0.0)
-    p.add_argument("--slice-timeout", type=float, default=10.0, help="seconds per slice")
-    p.add_argument("--layer-ops", action="store_true", help="one transfer op per layer")
-    p.add_argument("--no-pipeline", action="store_true", help="send KV after prefill ends")
-    p.add_argument("--metrics-port", type=int, default=0)
-    p.add_argument("--deadline", type=float, default=30.0, help="PD session deadline (s)")
-    p.add_argument("--heartbeat", type=float, default=1.0, help="PD heartbeat (s)")
-    p.add_argument("--lease", type=float, default=5.0, help="PD lease (s)")
-    p.add_argument("--drain", type=float, default=5.0, help="PD drain bound (s)")
-    p.add_argument("--in-doubt", type=float, default=1.0, help="IN_DOUBT release deadline (s)")
-    p.add_argument("--retransmit", type=float, default=0.2, help="PD retransmit period (s)")
+    c = p.add_argument_group("chunk", "offload chunks ([chunk], KVPLANE_CHUNK_*)")
+    c.add_argument("--blocks-per-chunk", type=int, default=2)
+    b = p.add_argument_group("pool", "the KV pool ([pool], KVPLANE_POOL_*)")
+    b.add_argument("--num-blocks", type=int, default=512)
+    b.add_argument("--block-size", type=int, default=16)
+    t = p.add_argument_group("pd", "PD protocol timings, seconds ([pd], KVPLANE_PD_*)")
+    t.add_argument("--deadline", type=float, default=30.0, help="PD session deadline (s)")
+    t.add_argument("--heartbeat", type=float, default=1.0, help="PD heartbeat (s)")
+    t.add_argument("--lease", type=float, default=5.0, help="PD lease (s)")
+    t.add_argument("--drain", type=float, default=5.0, help="PD drain bound (s)")
+    t.add_argument("--in-doubt", type=float, default=1.0, help="IN_DOUBT release deadline (s)")
+    t.add_argument("--retransmit", type=float, default=0.2, help="PD retransmit period (s)")
+    sectioned(p)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="role", metavar="ROLE")
     for role in ("prefill", "decode"):
         _worker_flags(sub.add_parser(role, help=f"a {role} worker"), role)
-    r = sub.add_parser("router", help="pair workers and serve Generate requests")
+    rp = sub.add_parser("router", help="pair workers and serve Generate requests")
+    _config_flags(rp)
+    r = rp.add_argument_group("router", "the router ([router], KVPLANE_ROUTER_*)")
     r.add_argument("--control", default=LOOPBACK, help="client order socket address (zmq)")
     r.add_argument("--prefill", action="append", default=[], help="prefill order address")
     r.add_argument("--decode", action="append", default=[], help="decode order address")
@@ -97,6 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--refresh", type=float, default=1.0,
         help="re-learn workers this often: mark silent ones down, re-pair restarted ones (s)",
     )  # fmt: skip
+    r.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
+    sectioned(rp)
 
 
 def _head_range(text: str | None) -> tuple[int, int] | None:
@@ -110,6 +160,7 @@ def _head_range(text: str | None) -> tuple[int, int] | None:
 
 
 def spec_of(args: argparse.Namespace) -> SyntheticSpec:
+    settle(args)
     return SyntheticSpec(
         kind=args.layout, num_layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
         latent_dim=args.latent_dim, rope_dim=args.rope_dim, dtype=args.dtype,
@@ -119,8 +170,22 @@ def spec_of(args: argparse.Namespace) -> SyntheticSpec:
     )  # fmt: skip
 
 
+def secret_of(args: argparse.Namespace) -> bytes | None:
+    """The secret ``args`` and the environment name; ``ConfigError`` when there is none and
+    ``--insecure`` was not given, or when both were."""
+    secret = read_secret(args.secret_file, os.environ)
+    if secret is None and not args.insecure:
+        raise ConfigError(
+            f"no secret: set {SECRET_ENV} or --secret-file FILE (e.g. `openssl rand -hex 32`), "
+            "or pass --insecure to accept unauthenticated peers"
+        )
+    if secret is not None and args.insecure:
+        raise ConfigError(f"--insecure contradicts the secret given ({SECRET_ENV}/--secret-file)")
+    return secret
+
+
 def config_of(args: argparse.Namespace) -> WorkerConfig:
-    secret = os.environ.get("KVPLANE_SECRET")
+    settle(args)
     timings = Timings(
         deadline_s=args.deadline, retransmit_s=args.retransmit, drain_s=args.drain,
         in_doubt_s=args.in_doubt, heartbeat_s=args.heartbeat, lease_s=args.lease,
@@ -130,18 +195,34 @@ def config_of(args: argparse.Namespace) -> WorkerConfig:
         transport_host=args.transport_host, num_blocks=args.num_blocks,
         block_size=args.block_size, num_slots=args.num_slots,
         head_range=_head_range(args.head_range), step_size=args.step_size,
-        slice_timeout_s=args.slice_timeout, timings=timings,
-        secret=secret.encode() if secret else None, metrics_port=args.metrics_port,
+        slice_timeout_s=args.slice_timeout, timings=timings, secret=secret_of(args),
+        insecure=args.insecure, metrics_port=args.metrics_port,
         grouping=OpGrouping.LAYER if args.layer_ops else OpGrouping.WHOLE,
         pipelined=not args.no_pipeline, hash_seed=args.hash_seed, copy_threads=args.copy_threads,
     )  # fmt: skip
 
 
+def disk_slot_file(directory: str) -> Path:
+    """The disk tier's slot file inside ``directory`` (created); ``ConfigError`` when the path
+    is not a directory or cannot be made one."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--offload-disk must be a directory, got the file {directory!r}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"--offload-disk {directory!r} cannot be created: {exc.strerror}"
+        ) from None
+    return path / DISK_SLOT_FILE
+
+
 def offload_of(args: argparse.Namespace) -> PrefixSettings | None:
     """The prefill worker's prefix offload, or None (``--offload-host-slots 0``)."""
+    settle(args)
     if not args.offload_host_slots:
         return None
-    disk = Path(args.offload_disk) if args.offload_disk else None
+    disk = disk_slot_file(args.offload_disk) if args.offload_disk else None
     config = OffloadConfig(
         host_slots=args.offload_host_slots, disk_path=disk, disk_slots=args.offload_disk_slots,
         disk_direct_io=False, pin_memory=False,
@@ -149,19 +230,39 @@ def offload_of(args: argparse.Namespace) -> PrefixSettings | None:
     return PrefixSettings(config, args.blocks_per_chunk)
 
 
+def _check_memory(config: WorkerConfig, model: KVModel) -> None:
+    """Refuse pools this host cannot hold, before any is allocated."""
+    kv = model.kv_layout(config.num_blocks, config.block_size, config.head_range)
+    state = model.state_layout(config.num_slots)
+    total = kv.pool_bytes + (state.pool_bytes if state is not None else 0)
+    check_pool_memory(f"--num-blocks {config.num_blocks} --num-slots {config.num_slots}", total)
+
+
 def build_worker(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> Worker:
-    """The worker ``args`` describe; ``hooks`` (a harness's seams) go to its constructor."""
+    """The worker ``args`` describe; ``hooks`` (a harness's seams) go to its constructor.
+    Every value is checked (``ConfigError``) before a socket opens or memory is allocated."""
     config = config_of(args)
+    probe_bind("--control", config.control_bind)
+    probe_bind("--pd", config.pd_bind)
+    probe_port("--metrics-port", config.metrics_port)
+    offload = offload_of(args) if args.role == "prefill" else None
     if args.model is not None:
         model = ModelSpec(args.model, args.seed, args.model_dtype)
         if args.role == "prefill":
             producer = ModelProducer.from_spec(model)
-            return PrefillWorker(config, producer, hooks=hooks, offload=offload_of(args))
-        return DecodeWorker(config, ModelDecoder.from_spec(model), hooks=hooks)
+            _check_memory(config, producer)
+            return PrefillWorker(config, producer, hooks=hooks, offload=offload)
+        decoder = ModelDecoder.from_spec(model)
+        _check_memory(config, decoder)
+        return DecodeWorker(config, decoder, hooks=hooks)
     spec = spec_of(args)
     if args.role == "prefill":
-        return PrefillWorker(config, SyntheticProducer(spec), hooks=hooks, offload=offload_of(args))
-    return DecodeWorker(config, SyntheticDecoder(spec), hooks=hooks)
+        synthetic = SyntheticProducer(spec)
+        _check_memory(config, synthetic)
+        return PrefillWorker(config, synthetic, hooks=hooks, offload=offload)
+    receiver = SyntheticDecoder(spec)
+    _check_memory(config, receiver)
+    return DecodeWorker(config, receiver, hooks=hooks)
 
 
 def _wait(stop: threading.Event) -> None:
@@ -178,30 +279,65 @@ def _announce(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def _warn_if_insecure(args: argparse.Namespace) -> None:
+    if args.insecure:
+        log.warning(
+            "kvplane serve %s: --insecure: no secret; any local process can send orders to "
+            "this process and read or write its KV (kvplane_insecure 1 in /metrics)",
+            args.role,
+        )
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    settle(args)
+    secret = secret_of(args)
+    for i, address in enumerate([*args.prefill, *args.decode]):
+        check_connect_address("--prefill" if i < len(args.prefill) else "--decode", address)
+    probe_bind("--control", args.control)
+    probe_port("--metrics-port", args.metrics_port)
+    router = Router(
+        args.prefill, args.decode, timeout_s=args.timeout,
+        deadline_s=args.request_deadline, refresh_s=args.refresh, secret=secret,
+    )  # fmt: skip
+    router.metrics.gauge("insecure", INSECURE_HELP).set(0 if secret is not None else 1)
+    _warn_if_insecure(args)
+    service: RouterService | None = None
+    try:
+        try:  # what the probes could not foresee (a port taken since) is still one line
+            service = RouterService(router, args.control, metrics_port=args.metrics_port)
+            router.connect()
+            service.start()
+        except (OSError, zmq.ZMQError) as exc:
+            raise ConfigError(f"kvplane serve router cannot start: {exc}") from None
+        _announce(role="router", name="router", control=service.address, pd="",
+                  incarnation=0)  # fmt: skip
+        _wait(threading.Event())
+    finally:
+        if service is not None:
+            service.close()
+        router.close()
+    return 0
+
+
 def run(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> int:
+    """Serve ``args.role`` until told to stop; 2 without a role. Bad values and addresses
+    raise ``ConfigError`` before anything starts (``kvplane: error: ...``, exit 1)."""
     role = getattr(args, "role", None)
     if role is None:
         print("usage: kvplane serve {prefill,decode,router} [flags]", file=sys.stderr)
         return 2
     if role == "router":
-        router = Router(
-            args.prefill, args.decode, timeout_s=args.timeout,
-            deadline_s=args.request_deadline, refresh_s=args.refresh,
-        )  # fmt: skip
-        service = RouterService(router, args.control)
-        try:
-            router.connect()
-            service.start()
-            _announce(role="router", name="router", control=service.address, pd="",
-                      incarnation=0)  # fmt: skip
-            _wait(threading.Event())
-        finally:
-            service.close()
-            router.close()
-        return 0
-    worker = build_worker(args, hooks)
+        return _run_router(args)
     try:
-        worker.start()
+        worker = build_worker(args, hooks)
+    except (OSError, zmq.ZMQError, MemoryError) as exc:  # what the probes could not foresee
+        raise ConfigError(f"kvplane serve {role} cannot start: {exc}") from None
+    _warn_if_insecure(args)
+    try:
+        try:
+            worker.start()
+        except (OSError, zmq.ZMQError) as exc:
+            raise ConfigError(f"kvplane serve {role} cannot start: {exc}") from None
         info = worker.info()
         _announce(role=role, name=info.peer_id, control=worker.address, pd=info.pd_address,
                   incarnation=info.incarnation)  # fmt: skip

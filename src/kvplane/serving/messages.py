@@ -23,6 +23,9 @@ _Head = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 MAX_POOLS = 64
 """Most pools a worker may describe in :attr:`WorkerInfo.head_ranges`."""
 _HeadRanges = Annotated[tuple[tuple[_Head, _Head], ...], msgspec.Meta(max_length=MAX_POOLS)]
+MAX_PEERS = 1024
+"""Most PD peers a worker lists in :attr:`WorkerInfo.peers` (with more it does not say)."""
+_Peers = Annotated[tuple[_Id, ...], msgspec.Meta(max_length=MAX_PEERS)]
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -34,14 +37,19 @@ class InfoQuery(Message, frozen=True, kw_only=True, tag="info_query"):
 
 
 class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
-    """A worker's identity: role, PD peer id and endpoint, incarnation, transport, and the TP
-    range of KV heads each of its pools holds.
+    """A worker's identity: role, PD peer id and endpoint, incarnation, transport, the TP
+    range of KV heads each of its pools holds, and the PD peers it is connected with.
 
     ``head_ranges``: per pool, in the worker's pool order (its PD profile's), the half-open
     range ``(start, end)`` of KV heads this rank holds (MLA's latent head and state pools:
     ``(0, 1)``); at most :data:`MAX_POOLS`, each with ``start < end`` (a violation fails
     validation on decode, ``InvalidArgumentError`` when built here). Empty: the worker does
-    not say (an older one), and the router leaves coverage to the PD handshake."""
+    not say (an older one), and the router leaves coverage to the PD handshake.
+
+    ``peers``: the PD peer ids this worker holds a live connection with (accepted handshake,
+    lease current) when it answered, sorted, at most :data:`MAX_PEERS`. None: it does not say
+    (an older worker, more peers than that, or a PD loop that did not answer in time); the
+    router then re-pairs by the other side's report only."""
 
     role: str
     peer_id: _Id
@@ -50,6 +58,7 @@ class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
     transport: _Text
     metrics_port: _Count = 0
     head_ranges: _HeadRanges = ()
+    peers: _Peers | None = None
 
     def __post_init__(self) -> None:
         for i, (start, end) in enumerate(self.head_ranges):

@@ -6,11 +6,14 @@ Chunk keys are the request's own block hashes at chunk ends (:meth:`ChunkSpec.ch
 tokens. :meth:`PrefixOffload.begin_load` loads the leading run of hits (never the chunk holding
 the last token, whose logits give the first token) into the request's blocks, which the caller
 leaves untouched until :class:`LoadFinished`; :meth:`PrefixOffload.store` stores every full
-chunk after the last prefill step. Not thread-safe: the worker loop owns it.
+chunk after the last prefill step (only the leading chunks that fit when the prompt has more
+than the host tier has slots: the rest are counted and logged once). Not thread-safe: the
+worker loop owns it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +28,8 @@ from kvplane.ids import ChunkKey, JobId, RequestId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload import LoadDone, OffloadConfig, StoreDone, TierCascade, build_cascade
 from kvplane.serving.producers.base import PoolTensor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +89,8 @@ class PrefixOffload:
         metrics: MetricsRegistry | None = None,
     ) -> None:
         self.spec = ChunkSpec(kv.layout.block_size, settings.blocks_per_chunk)
+        self.host_slots = settings.offload.host_slots
+        """The most chunks one store can hold: the host tier's slots (stores pass through it)."""
         self.cascade: TierCascade = build_cascade(
             settings.offload,
             kv.layout,
@@ -105,6 +112,11 @@ class PrefixOffload:
         self._m_tokens = registry.counter(
             "prefill_prefix_tokens", "Prompt tokens loaded from the offload tiers"
         )
+        self._m_unstored = registry.counter(
+            "prefill_prefix_chunks_unstored",
+            "Prompt chunks not offloaded: the prompt has more chunks than the host tier slots",
+        )
+        self._told_unstored = False
 
     # -- keys ------------------------------------------------------------------------------------
     def chunk_keys(self, table: BlockTable) -> list[ChunkKey]:
@@ -148,6 +160,9 @@ class PrefixOffload:
         """Offload the full chunks of ``table`` (its tokens computed) from its blocks; returns
         how many chunks the store job carries (0: all already held, not admitted or no room)."""
         keys = self.chunk_keys(table)
+        if len(keys) > self.host_slots:
+            self._unstored(len(keys))
+            keys = keys[: self.host_slots]
         if not keys:
             return 0
         job = self.cascade.store(keys, self._chunk_blocks(table.block_ids, len(keys)))
@@ -156,6 +171,20 @@ class PrefixOffload:
         self._stores[job] = request_id
         self.counts["store_jobs"] += 1
         return len(keys)
+
+    def _unstored(self, chunks: int) -> None:
+        """Count the chunks of a ``chunks``-chunk prompt that no tier will hold; log once."""
+        over = chunks - self.host_slots
+        self.counts["chunks_unstored"] += over
+        self._m_unstored.inc(over)
+        if not self._told_unstored:
+            self._told_unstored = True
+            log.warning(
+                "prefix offload: a prompt of %d chunks exceeds the host tier's %d slots; only its "
+                "first %d chunks are stored (raise --offload-host-slots; counted in "
+                "kvplane_prefill_prefix_chunks_unstored_total, logged once)",
+                chunks, self.host_slots, self.host_slots,
+            )  # fmt: skip
 
     # -- completion ------------------------------------------------------------------------------
     def poll(self) -> list[Finished]:

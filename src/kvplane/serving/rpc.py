@@ -1,7 +1,8 @@
 """Request/reply over zmq for the control messages (127.0.0.1 unless told otherwise).
 
-One loop thread per side touches its socket; sends never block; bad frames are dropped or
-answered with an ``ErrorReply``. See docs/serving.md.
+One loop thread per side touches its socket; sends never block; bad frames (``rpc_codec``) are
+dropped or answered with an ``ErrorReply``; with a secret both sides authenticate (CURVE,
+``rpc_auth``) and a server bounds the calls it holds (``rpc_admission``). See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 
 from kvplane.errors import (
@@ -27,30 +27,26 @@ from kvplane.errors import (
     RemoteDisconnectError,
     TransferTimeoutError,
 )
-from kvplane.serving.messages import RUNTIME_VERSION, AnyMessage, Envelope, ErrorReply
+from kvplane.metrics import MetricsRegistry
+from kvplane.serving.messages import AnyMessage, Envelope, ErrorReply, StatsQuery
+from kvplane.serving.rpc_admission import MAX_PENDING, MAX_PENDING_PER_PEER, Admission
+from kvplane.serving.rpc_auth import HANDSHAKE_FAILED, OrderKeys, ZapGate, order_keys, secure_client
+from kvplane.serving.rpc_codec import Dropped, Refused, decode, encode
 from kvplane.validators import require_finite_positive, require_size
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_FRAME = 64 << 20
 Reply = Callable[[AnyMessage], None]
 Handler = Callable[[AnyMessage, Reply], None]
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Envelope)
-
-
-class _Head(msgspec.Struct, frozen=True, array_like=True):
-    """The envelope's leading fields, read leniently when the whole envelope does not decode."""
-
-    version: int
-    call_id: int
-
-
-_head_decoder = msgspec.msgpack.Decoder(_Head)
-_MAX_CALL_ID = 1 << 62
 MAX_HELD = 1024
 """Most frames a loop keeps waiting for its socket to take them (the outbox bound)."""
 SERVER_SEND_WAIT_S = 10.0
 """How long a server's reply may wait for its socket (a ROUTER drops rather than waits)."""
+SHARED_ANSWERS: tuple[type, ...] = (StatsQuery,)
+"""Queries answered from the server's state alone: identical ones waiting together get one
+answer (one computation however many arrive)."""
+DROPPED, REFUSED = "dropped_", "refused_"
+"""Counter prefixes of the frames not served: dropped unanswered, or refused with an answer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,35 +58,39 @@ class _Outgoing:
     expires: float
 
 
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """A frame whose call id is readable but whose version or message is not acceptable."""
-
-    call_id: int
-    reason: str
-
-
 def _fail(fut: Future[AnyMessage], exc: KVPlaneError) -> None:
     """Resolve ``fut`` with ``exc`` unless it was cancelled (forgotten) already."""
     if fut.set_running_or_notify_cancel():
         fut.set_exception(exc)
 
 
-def encode(call_id: int, body: AnyMessage) -> bytes:
-    return _encoder.encode(Envelope(version=RUNTIME_VERSION, call_id=call_id, body=body))
-
-
 class _Loop:
     """One socket, one loop thread, a queue of outgoing multipart frames and a wake-up socket."""
 
-    def __init__(self, kind: int, name: str, max_frame: int, send_wait_s: float) -> None:
+    def __init__(
+        self,
+        kind: int,
+        name: str,
+        max_frame: int,
+        send_wait_s: float,
+        *,
+        secret: bytes | None,
+        metrics: MetricsRegistry | None = None,
+    ) -> None:
         self.max_frame = require_size("max_frame", max_frame, min=1)
         self.send_wait_s = require_finite_positive("timeout_s", send_wait_s, InvalidArgumentError)
+        self.keys: OrderKeys | None = None if secret is None else order_keys(secret)
         self.counters: Counter[str] = Counter()
+        self._count_lock = threading.Lock()
+        self._drops = None if metrics is None else metrics.counter(
+            "order_socket_drops", "Order-socket frames dropped or refused, by reason", ["reason"]
+        )  # fmt: skip
         self._ctx = zmq.Context()
         self.sock: zmq.Socket[bytes] = self._ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame + 4096)
+        self._gate: ZapGate | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
         wake = f"inproc://rpc-wake-{id(self)}"
         self._pull: zmq.Socket[bytes] = self._ctx.socket(zmq.PULL)
         self._pull.bind(wake)
@@ -103,6 +103,24 @@ class _Loop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
+
+    def _watch_handshakes(self) -> None:
+        """Count every handshake refused (``refused_unauthenticated``), from the socket's
+        monitor; call before the socket binds or connects."""
+        self._monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED)
+
+    def count(self, key: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``key`` (any thread); a drop or refusal also goes to the
+        ``order_socket_drops`` metric, labelled with the reason (the key less its prefix)."""
+        with self._count_lock:
+            self.counters[key] += n
+        if self._drops is not None and key.startswith((DROPPED, REFUSED)):
+            self._drops.labels(key.split("_", 1)[1]).inc(n)
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of the counters (any thread)."""
+        with self._count_lock:
+            return dict(self.counters)
 
     def start(self) -> None:
         if not self._thread.is_alive():
@@ -117,6 +135,9 @@ class _Loop:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
+        for side in (self._gate.sock if self._gate else None, self._monitor):
+            if side is not None:
+                poller.register(side, zmq.POLLIN)
         while not self._stop.is_set():
             try:
                 waiting = bool(self._held)
@@ -127,6 +148,10 @@ class _Loop:
                         while True:
                             self._pull.recv(zmq.NOBLOCK)
                 self._flush()
+                if self._gate is not None and self._gate.sock in ready:
+                    self._gate.serve()
+                if self._monitor is not None and self._monitor in ready:
+                    self._refused_handshakes(self._monitor)
                 if int(ready.get(self.sock, 0)) & zmq.POLLIN:
                     with contextlib.suppress(zmq.Again):
                         for _ in range(64):
@@ -134,13 +159,23 @@ class _Loop:
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
-                self.counters["socket_errors"] += 1
+                self.count("socket_errors")
                 log.exception("rpc loop socket error (the loop keeps serving)")
             except Exception:
-                self.counters["loop_errors"] += 1
+                self.count("loop_errors")
                 log.exception("rpc loop error (the loop keeps serving)")
         with contextlib.suppress(zmq.ZMQError):  # closing: hand over the last replies
             self._flush()
+
+    def _refused_handshakes(self, monitor: zmq.Socket[bytes]) -> None:
+        """Count the handshake failures ``monitor`` reported (loop thread)."""
+        n = 0
+        with contextlib.suppress(zmq.Again):
+            while True:
+                monitor.recv_multipart(zmq.NOBLOCK)
+                n += 1
+        if n:
+            self.count(REFUSED + "unauthenticated", n)
 
     def _flush(self) -> None:
         """Hand the socket what it takes now, without blocking; keep the rest, in order, in the
@@ -162,7 +197,7 @@ class _Loop:
         """Whether ``item`` is done with: sent now, or forgotten (not sent, counted); False if
         the socket cannot take it now."""
         if not self._wanted(item):
-            self.counters["unsent_forgotten"] += 1
+            self.count("unsent_forgotten")
             return True
         try:
             self.sock.send_multipart(item.parts, zmq.NOBLOCK)
@@ -176,39 +211,20 @@ class _Loop:
 
     def _unsent(self, item: _Outgoing, why: str) -> None:
         """A frame the socket did not take: dropped and counted."""
-        self.counters["unsent"] += 1
+        self.count("unsent")
 
     def _on_frames(self, parts: list[bytes]) -> None:
         raise NotImplementedError
 
     def _decode(self, payload: bytes) -> Envelope | Refused | None:
-        """The envelope; a :class:`Refused` when only its head is readable; None to drop."""
-        if len(payload) > self.max_frame:
-            self.counters["dropped_oversized"] += 1
+        """The envelope; a :class:`Refused` (counted) to answer; None (counted) to drop."""
+        got = decode(payload, self.max_frame)
+        if isinstance(got, Dropped):
+            self.count(DROPPED + got.kind)
             return None
-        try:
-            env = _decoder.decode(payload)
-        except msgspec.DecodeError as exc:
-            return self._refused(payload, f"invalid message: {exc}")
-        if env.version != RUNTIME_VERSION:
-            return self._refused(
-                payload, f"runtime version {env.version} is not {RUNTIME_VERSION}", "version"
-            )
-        return env
-
-    def _refused(self, payload: bytes, reason: str, kind: str = "malformed") -> Refused | None:
-        try:
-            head = _head_decoder.decode(payload)
-        except msgspec.DecodeError:
-            self.counters[f"dropped_{kind}"] += 1
-            return None
-        if head.version != RUNTIME_VERSION:
-            kind, reason = "version", f"runtime version {head.version} is not {RUNTIME_VERSION}"
-        if not 0 <= head.call_id <= _MAX_CALL_ID:
-            self.counters[f"dropped_{kind}"] += 1
-            return None
-        self.counters[f"refused_{kind}"] += 1
-        return Refused(head.call_id, reason[:4000])
+        if isinstance(got, Refused):
+            self.count(REFUSED + got.kind)
+        return got
 
     def close(self, linger_ms: int = 500) -> None:
         """Stop the loop and close the socket; frames already handed to zmq may still leave
@@ -222,12 +238,25 @@ class _Loop:
         with self._push_lock:
             self._push.close(linger=0)
         self._pull.close(linger=0)
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+        if self._gate is not None:
+            self._gate.close()
         self.sock.close(linger=linger_ms)
         self._ctx.term()
 
 
 class RpcServer(_Loop):
-    """Serves one handler on a ROUTER bound at ``bind`` (see the module docstring)."""
+    """Serves one handler on a ROUTER bound at ``bind`` (see the module docstring).
+
+    ``secret``: the cluster secret; only clients holding it are served (CURVE), None serves
+    anyone (explicit insecure mode). ``metrics``: where drops are counted
+    (``order_socket_drops``). ``max_pending``, ``max_pending_per_peer``: the most calls held
+    unanswered in all and per connection; beyond, a call is refused with an ``ErrorReply``
+    (:class:`~kvplane.serving.rpc_admission.Admission`).
+    """
 
     def __init__(
         self,
@@ -236,62 +265,120 @@ class RpcServer(_Loop):
         *,
         name: str = "kvplane-rpc",
         max_frame: int = DEFAULT_MAX_FRAME,
+        secret: bytes | None = None,
+        metrics: MetricsRegistry | None = None,
+        max_pending: int = MAX_PENDING,
+        max_pending_per_peer: int = MAX_PENDING_PER_PEER,
     ) -> None:
-        super().__init__(zmq.ROUTER, name, max_frame, SERVER_SEND_WAIT_S)
+        self.admission = Admission(
+            max_pending=max_pending, max_pending_per_peer=max_pending_per_peer,
+            shared=SHARED_ANSWERS,
+        )  # fmt: skip
+        super().__init__(
+            zmq.ROUTER, name, max_frame, SERVER_SEND_WAIT_S, secret=secret, metrics=metrics
+        )
         self._handler = handler
-        self.sock.bind(bind)
+        try:
+            if self.keys is not None:
+                self._gate = ZapGate(self._ctx, self.keys)
+                self._gate.secure(self.sock)
+                self._watch_handshakes()
+            self.sock.bind(bind)
+        except zmq.ZMQError:
+            self.close(0)  # nothing left open (an address in use, a bad address)
+            raise
         self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _answer(self, identity: bytes, call_id: int, msg: AnyMessage) -> None:
+        """Send ``msg`` as the answer to call ``call_id`` of connection ``identity`` (any
+        thread); one too large for a frame is replaced by an ``ErrorReply`` naming its size."""
+        frame = encode(call_id, msg)
+        if len(frame) > self.max_frame:
+            self.count("replies_oversized")
+            reason = (
+                f"the {type(msg).__name__} reply ({len(frame)} bytes) exceeds the "
+                f"{self.max_frame}-byte frame limit"
+            )
+            frame = encode(call_id, ErrorReply(reason=reason))
+        self._send_later([identity, frame])
+
+    def _reply_once(self, identity: bytes, call_id: int) -> Reply:
+        """The reply of an admitted call: the first answer goes out and gives its slot back;
+        any later one is dropped (counted in ``replies_repeated``)."""
+        answered = False
+
+        def reply(msg: AnyMessage) -> None:
+            nonlocal answered
+            with self._count_lock:  # one answer wins, even from two threads
+                first, answered = not answered, True
+            if not first:
+                self.count("replies_repeated")
+                return
+            self.admission.release(identity)
+            self._answer(identity, call_id, msg)
+
+        return reply
 
     def _on_frames(self, parts: list[bytes]) -> None:
         if len(parts) != 2:
-            self.counters["dropped_bad_parts"] += 1
+            self.count(DROPPED + "bad_parts")
             return
         identity, payload = parts
         env = self._decode(payload)
         if env is None:
             return
-
-        def reply(msg: AnyMessage, call_id: int = env.call_id) -> None:
-            frame = encode(call_id, msg)
-            if len(frame) > self.max_frame:
-                self.counters["replies_oversized"] += 1
-                reason = (
-                    f"the {type(msg).__name__} reply ({len(frame)} bytes) exceeds the "
-                    f"{self.max_frame}-byte frame limit"
-                )
-                frame = encode(call_id, ErrorReply(reason=reason))
-            self._send_later([identity, frame])
-
         if isinstance(env, Refused):
-            reply(ErrorReply(reason=env.reason))
+            self._answer(identity, env.call_id, ErrorReply(reason=env.reason))
             return
-        self.counters["calls"] += 1
+        busy = self.admission.admit(identity)
+        if busy is not None:
+            self.count(REFUSED + "over_bound")
+            self._answer(identity, env.call_id, ErrorReply(reason=busy))
+            return
+        self.count("calls")
+        reply = self.admission.join(env.body, self._reply_once(identity, env.call_id))
+        if reply is None:  # an identical query already waits: its answer is this one's
+            self.count("calls_shared")
+            return
         try:
             self._handler(env.body, reply)
         except KVPlaneError as exc:
-            self.counters["handler_errors"] += 1
+            self.count("handler_errors")
             reply(ErrorReply(reason=str(exc)[:4000]))
         except Exception as exc:  # a bug in a handler: answer it, log it, keep serving
-            self.counters["handler_errors"] += 1
+            self.count("handler_errors")
             log.exception("rpc handler error")
             reply(ErrorReply(reason=f"internal error: {type(exc).__name__}: {exc}"[:4000]))
 
 
 class RpcClient(_Loop):
     """Calls a server at ``address``; thread-safe (any thread may call). ``timeout_s``: how
-    long :meth:`call` waits, and how long a frame may wait to be sent (module docstring)."""
+    long :meth:`call` waits, and how long a frame may wait to be sent (module docstring).
+    ``secret``: the cluster secret (CURVE: the server must hold it too); None: plain."""
 
     def __init__(
-        self, address: str, *, timeout_s: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME
+        self,
+        address: str,
+        *,
+        timeout_s: float = 10.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        secret: bytes | None = None,
     ) -> None:
-        super().__init__(zmq.DEALER, "kvplane-rpc-client", max_frame, timeout_s)
+        super().__init__(zmq.DEALER, "kvplane-rpc-client", max_frame, timeout_s, secret=secret)
         self.address = address
         self.timeout_s = timeout_s
-        self.sock.connect(address)
         self._ids = itertools.count(1)
         self._futures: dict[int, Future[AnyMessage]] = {}
         self._lock = threading.Lock()
         self._client_closed = False
+        try:
+            if self.keys is not None:
+                secure_client(self.sock, self.keys)
+                self._watch_handshakes()
+            self.sock.connect(address)
+        except zmq.ZMQError:
+            self.close(0)  # nothing left open (a bad address)
+            raise
         self.start()
 
     def close(self, linger_ms: int = 500, *, discard: bool = False) -> None:
@@ -353,7 +440,7 @@ class RpcClient(_Loop):
             return item.call_id is None or item.call_id in self._futures
 
     def _unsent(self, item: _Outgoing, why: str) -> None:
-        self.counters["unsent"] += 1
+        self.count("unsent")
         with self._lock:
             fut = None if item.call_id is None else self._futures.pop(item.call_id, None)
         if fut is not None:
@@ -361,7 +448,7 @@ class RpcClient(_Loop):
 
     def _on_frames(self, parts: list[bytes]) -> None:
         if len(parts) != 1:
-            self.counters["dropped_bad_parts"] += 1
+            self.count(DROPPED + "bad_parts")
             return
         env = self._decode(parts[0])
         if env is None:
@@ -370,6 +457,6 @@ class RpcClient(_Loop):
             fut = self._futures.pop(env.call_id, None)
         body = env.body if isinstance(env, Envelope) else ErrorReply(reason=env.reason)
         if fut is None:
-            self.counters["late_replies"] += 1
+            self.count("late_replies")
         elif not fut.cancelled():
             fut.set_result(body)

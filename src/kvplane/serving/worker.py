@@ -25,6 +25,7 @@ from kvplane.pd.states import Role, SessionState
 from kvplane.pipeline.observe import RuntimeMetrics
 from kvplane.pipeline.timeline import Timeline
 from kvplane.serving.messages import (
+    MAX_PEERS,
     REPLY_MARGIN,
     Ack,
     AnyMessage,
@@ -39,13 +40,17 @@ from kvplane.serving.messages import (
 from kvplane.serving.pools import WorkerPools
 from kvplane.serving.producers.base import KVModel
 from kvplane.serving.rpc import Reply, RpcServer
-from kvplane.serving.worker_config import WorkerConfig
+from kvplane.serving.worker_config import SECRET_TRANSPORTS, WorkerConfig
 from kvplane.transports.base import Transport
 from kvplane.transports.registry import create_transport
 
 log = logging.getLogger(__name__)
+INSECURE_HELP = "1: this process runs without a secret (unauthenticated peers accepted)"
+"""The ``kvplane_insecure`` gauge's help (workers and the router alike)."""
 GAUGE_PERIOD_S = 0.5
 """How often the worker loop refreshes the sessions-by-state and live-request gauges."""
+PEERS_WAIT_S = 1.0
+"""Longest wait of an info query's answer for the PD loop's list of live peers."""
 
 
 def make_transport(
@@ -56,7 +61,7 @@ def make_transport(
     options: dict[str, object] = {"agent": agent, "metrics": metrics}
     if config.transport == "tcp":
         options["host"] = config.transport_host
-    if config.transport in ("tcp", "shm") and config.secret is not None:
+    if config.transport in SECRET_TRANSPORTS and config.secret is not None:
         options["secret"] = config.secret
     if config.transport in ("tcp", "shm") and config.copy_threads is not None:
         options["copy_threads"] = config.copy_threads
@@ -98,6 +103,7 @@ class Worker:
         self.config = config
         self.metrics = metrics if metrics is not None else MetricsRegistry()
         self.rmetrics = RuntimeMetrics(self.metrics, self.role)
+        self.metrics.gauge("insecure", INSECURE_HELP).set(0 if config.secret is not None else 1)
         self.timeline = Timeline(config.name)
         self.incarnation = config.incarnation or time.time_ns() // 1000
         self.transport = transport or make_transport(
@@ -134,8 +140,9 @@ class Worker:
         make_endpoint = hooks.make_endpoint or Endpoint
         self.endpoint: Endpoint = make_endpoint(self.participant, **pd_options)
         self.rpc = RpcServer(
-            config.control_bind, self._on_message, name=f"kvplane-rpc-{config.name}"
-        )
+            config.control_bind, self._on_message, name=f"kvplane-rpc-{config.name}",
+            secret=config.secret, metrics=self.metrics,
+        )  # fmt: skip
         self.counters: Counter[str] = Counter()
         self.exit_requested = threading.Event()
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -171,7 +178,9 @@ class Worker:
         """Subclass hook: stop helper threads (before the endpoint and transport close)."""
 
     def info(self) -> WorkerInfo:
-        """Who this worker is, with its pools' TP head ranges (the router pairs by them)."""
+        """Who this worker is, with its pools' TP head ranges (the router pairs by them) and
+        the PD peers it is connected with now (the router re-pairs by them). Any thread; waits
+        on the PD loop at most :data:`PEERS_WAIT_S`."""
         return WorkerInfo(
             role=self.role,
             peer_id=self.config.name,
@@ -180,7 +189,17 @@ class Worker:
             transport=self.transport.name,
             metrics_port=self.config.metrics_port,
             head_ranges=tuple(lay.head_range for lay in self.pools.layouts),
+            peers=self._live_peers(),
         )
+
+    def _live_peers(self) -> tuple[str, ...] | None:
+        """The PD peers with a live connection (accepted handshake, lease current), sorted;
+        None (does not say) when more than ``MAX_PEERS`` or the PD loop is not answering."""
+        try:
+            live = self.endpoint.call(self.participant.peers.live_peers, PEERS_WAIT_S)
+        except TimeoutError:
+            return None
+        return tuple(live) if len(live) <= MAX_PEERS else None
 
     # -- threads other than the loop -------------------------------------------------------------
     def _on_action(self, act: Action) -> None:
@@ -276,6 +295,7 @@ class Worker:
         (``timeline_truncated`` counts the others)."""
         snap = self.endpoint.snapshot()
         snap.update({f"worker_{k}": v for k, v in self.counters.items()})
+        snap.update({f"rpc_{k}": v for k, v in self.rpc.snapshot().items()})
         by_state = self._refresh_gauges()
         problem = ""
         try:

@@ -1,4 +1,8 @@
-"""``WorkerConfig``: everything a prefill or decode worker is started with (CLI flags map 1:1)."""
+"""``WorkerConfig``: everything a prefill or decode worker is started with (CLI flags map 1:1).
+
+Owns the rules a worker's start-up values obey: a secret unless ``insecure`` is explicit, a
+data plane that can prove that secret, zmq addresses with ports in range. Must not open sockets.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,52 @@ from kvplane.errors import ConfigError
 from kvplane.pd.events import check_id
 from kvplane.pd.timers import Timings
 from kvplane.transfer import OpGrouping
+from kvplane.transports.registry import CROSS_PROCESS
+from kvplane.validators import require_int
 
 LOOPBACK = "tcp://127.0.0.1:0"
+SECRET_TRANSPORTS: frozenset[str] = frozenset({"tcp", "shm"})
+"""Data planes that take the shared secret and prove it on every connection; of the other
+cross-process ones (nixl, mooncake) none can authenticate its peers."""
+MAX_PORT = 65535
+
+
+def check_transport_secret(transport: str, has_secret: bool) -> None:
+    """Refuse (``ConfigError``) a secret with a data plane that cannot authenticate: it would
+    run open while the operator believes it is closed."""
+    if has_secret and transport in CROSS_PROCESS - SECRET_TRANSPORTS:
+        raise ConfigError(
+            f"transport {transport!r} cannot authenticate its data plane; run with --insecure "
+            "(WorkerConfig.insecure=True, no secret) to accept that"
+        )
+
+
+def check_port(what: str, value: object) -> int:
+    """``value`` as a TCP port: an int in [1, 65535], or 0 (any free port to bind, or a
+    listener that is off); else ``ConfigError`` naming ``what``."""
+    return require_int(what, value, min=0, max=MAX_PORT, error=ConfigError)
+
+
+def split_address(what: str, address: object) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``tcp://HOST:PORT`` zmq address (``*`` and port ``0`` allowed: any
+    interface, any free port); ``None`` for another scheme (``ipc://``, ``inproc://``).
+    ``ConfigError`` naming ``what`` for anything else, or a port outside [0, 65535]."""
+    if not isinstance(address, str) or "://" not in address:
+        raise ConfigError(
+            f"{what} must be a zmq address like tcp://127.0.0.1:5555, got {address!r}"
+        )
+    scheme, _, rest = address.partition("://")
+    if scheme != "tcp":
+        if scheme in ("ipc", "inproc") and rest:
+            return None
+        raise ConfigError(f"{what} must be a tcp://, ipc:// or inproc:// address, got {address!r}")
+    host, sep, port = rest.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not (port.isascii() and port.isdigit()):
+        raise ConfigError(f"{what} must be tcp://HOST:PORT, got {address!r}")
+    if len(port) > 5:  # also spares int() a number of thousands of digits
+        raise ConfigError(f"{what}'s port must be an int in [0, {MAX_PORT}], got {port[:20]!r}")
+    return host, check_port(f"{what}'s port", int(port))
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -30,7 +78,8 @@ class WorkerConfig:
     ``incarnation`` 0 derives one from the clock (a restarted worker must use a larger one).
     ``pipelined`` False sends a request's KV only after its prefill ends (the baseline).
     ``copy_threads`` is how many threads a ``tcp``/``shm`` transport copies bytes with (None:
-    torch's thread count)."""
+    torch's thread count). ``secret`` authenticates the PD endpoint, the order socket and the
+    data plane; without one, ``insecure`` must say so explicitly (and is refused with one)."""
 
     name: str
     control_bind: str = LOOPBACK
@@ -52,6 +101,7 @@ class WorkerConfig:
     max_inflight_ops: int = 8
     pipelined: bool = True
     copy_threads: int | None = None
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -63,9 +113,7 @@ class WorkerConfig:
         if self.copy_threads is not None:
             _positive_int("copy_threads", self.copy_threads)
         for name in ("control_bind", "pd_bind"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or "://" not in value:
-                raise ConfigError(f"WorkerConfig.{name} must be a zmq address, got {value!r}")
+            split_address(f"WorkerConfig.{name}", getattr(self, name))
         if not isinstance(self.transport, str) or not self.transport:
             raise ConfigError(
                 f"WorkerConfig.transport must name a transport, got {self.transport!r}"
@@ -85,10 +133,7 @@ class WorkerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"WorkerConfig.{name} must be an int >= 0, got {value!r}")
-        if self.metrics_port > 65535:
-            raise ConfigError(
-                f"WorkerConfig.metrics_port must be <= 65535, got {self.metrics_port}"
-            )
+        check_port("WorkerConfig.metrics_port", self.metrics_port)
         if not isinstance(self.pipelined, bool):
             raise ConfigError(f"WorkerConfig.pipelined must be a bool, got {self.pipelined!r}")
         # CHUNK grouping is the offload copier's (one op per stored chunk): a PD slice ends
@@ -97,3 +142,19 @@ class WorkerConfig:
             raise ConfigError(
                 f"WorkerConfig.grouping must be WHOLE or LAYER, got {self.grouping!r}"
             )
+        self._check_security()
+
+    def _check_security(self) -> None:
+        """A secret, or ``insecure`` said explicitly; never both; a data plane that proves it."""
+        if not isinstance(self.insecure, bool):
+            raise ConfigError(f"WorkerConfig.insecure must be a bool, got {self.insecure!r}")
+        if self.secret is None and not self.insecure:
+            raise ConfigError(
+                "WorkerConfig.secret is required (KVPLANE_SECRET or --secret-file); "
+                "set insecure=True (--insecure) to run unauthenticated"
+            )
+        if self.secret is not None and self.insecure:
+            raise ConfigError(
+                "WorkerConfig.insecure=True contradicts a secret: give one or the other"
+            )
+        check_transport_secret(self.transport, self.secret is not None)

@@ -3,12 +3,14 @@
 An in-process :class:`Cluster` runs the real worker classes on threads (fast); :class:`Proc`
 runs ``python -m kvplane serve ...`` as a subprocess and reads its announce line. Both end with
 :func:`check_balanced`: pools hold nothing, every pool and ledger passes its integrity check.
+Both are authenticated with :data:`TEST_SECRET` unless a test asks for insecure mode.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kvplane.apps.startup import SECRET_ENV
 from kvplane.pd.timers import Timings
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.messages import RequestResult, WorkerStats
@@ -37,6 +40,10 @@ FAST = Timings(
     lease_s=0.6,
 )
 """Short protocol timings for tests (lease + heartbeat well under a second)."""
+
+TEST_SECRET = secrets.token_hex(32).encode()
+"""The shared secret of every cluster this test process starts (in-process workers and
+:class:`Proc` children alike): generated at import, never written down."""
 
 MLA = SyntheticSpec(kind="mla", num_layers=2, latent_dim=32, rope_dim=16)
 GQA = SyntheticSpec(kind="gqa", num_layers=2, kv_heads=4, head_dim=16, dtype="float16")
@@ -65,17 +72,19 @@ class Cluster:
 
 def base_config(**overrides: object) -> WorkerConfig:
     """The tests' worker config (a prefill worker named "prefill": 64 blocks of 16 tokens,
-    16 slots, steps of 32, :data:`FAST` timings, 5 s slices, tcp) with ``overrides``."""
-    base = WorkerConfig(
-        name="prefill",
-        num_blocks=64,
-        block_size=16,
-        num_slots=16,
-        step_size=32,
-        timings=FAST,
-        slice_timeout_s=5.0,
-    )
-    return replace(base, **overrides)  # type: ignore[arg-type]
+    16 slots, steps of 32, :data:`FAST` timings, 5 s slices, tcp, :data:`TEST_SECRET`) with
+    ``overrides`` (``secret=None, insecure=True``: unauthenticated)."""
+    fields: dict[str, object] = {
+        "name": "prefill", "num_blocks": 64, "block_size": 16, "num_slots": 16,
+        "step_size": 32, "timings": FAST, "slice_timeout_s": 5.0, "secret": TEST_SECRET,
+    }  # fmt: skip
+    fields.update(overrides)
+    return WorkerConfig(**fields)  # type: ignore[arg-type]
+
+
+INSECURE: dict[str, object] = {"secret": None, "insecure": True}
+"""``base_config``/``cluster`` overrides of a test about insecure mode (or a transport that
+cannot authenticate: nixl, mooncake)."""
 
 
 def cluster(
@@ -86,15 +95,17 @@ def cluster(
     prefill: dict[str, object] | None = None,
     decode: dict[str, object] | None = None,
     timings: Timings = FAST,
+    insecure: bool = False,
 ) -> Cluster:
-    base = base_config(transport=transport, timings=timings)
+    """A started :class:`Cluster`; ``insecure`` runs it without a secret (:data:`INSECURE`)."""
+    base = base_config(transport=transport, timings=timings, **(INSECURE if insecure else {}))
     pcfg = replace(base, **(prefill or {}))  # type: ignore[arg-type]
     dcfg = replace(base, name="decode", **(decode or {}))  # type: ignore[arg-type]
     p = PrefillWorker(pcfg, SyntheticProducer(spec))
     d = DecodeWorker(dcfg, SyntheticDecoder(decode_spec or spec))
     p.start()
     d.start()
-    r = Router([p.address], [d.address], timeout_s=20.0)
+    r = Router([p.address], [d.address], timeout_s=20.0, secret=pcfg.secret)
     r.connect()
     return Cluster(p, d, r)
 
@@ -155,10 +166,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def child_env(secret: bytes | None = TEST_SECRET) -> dict[str, str]:
+    """This process's environment for a ``kvplane serve`` child: unbuffered, one thread, and
+    ``KVPLANE_SECRET`` set to ``secret`` (removed when ``None``)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop(SECRET_ENV, None)
+    if secret is not None:
+        env[SECRET_ENV] = secret.decode()
+    return env
+
+
 class Proc:
     """``python -m ENTRY ROLE ...`` as a subprocess; ``info`` is its announce line.
 
     ``entry`` is ``kvplane serve`` by default; chaos runs use ``kvplane.testing.chaos_serve``.
+    The child gets ``secret`` in ``KVPLANE_SECRET`` (``None``: no secret; the test then says
+    ``--insecure`` in ``args``) and ``env`` on top of this process's environment.
     """
 
     def __init__(
@@ -167,8 +190,11 @@ class Proc:
         args: Sequence[str],
         timeout_s: float = 30.0,
         entry: Sequence[str] = ("kvplane", "serve"),
+        *,
+        secret: bytes | None = TEST_SECRET,
+        env: dict[str, str] | None = None,
     ) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env = {**child_env(secret), **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", *entry, role, *args],
             stdout=subprocess.PIPE,

@@ -25,7 +25,7 @@ from kvplane.serving.prefix_offload import PrefixSettings
 from kvplane.serving.producers.model import ModelDecoder, ModelProducer, ModelSpec
 from kvplane.serving.router.router import Router
 from kvplane.serving.worker_config import WorkerConfig
-from kvplane.testing.cluster import FAST, check_balanced, wait_for
+from kvplane.testing.cluster import FAST, TEST_SECRET, check_balanced, wait_for
 
 STEP = 16
 NEW = 6
@@ -51,7 +51,7 @@ def model_cluster(name: str, disk: Path, *, host_slots: int = 3) -> ModelCluster
     spec = ModelSpec(name, seed=3)
     base = WorkerConfig(
         name="prefill", num_blocks=48, block_size=16, num_slots=8, step_size=STEP,
-        timings=FAST, slice_timeout_s=5.0,
+        timings=FAST, slice_timeout_s=5.0, secret=TEST_SECRET,
     )  # fmt: skip
     offload = OffloadConfig(
         host_slots=host_slots, disk_path=disk, disk_slots=16, disk_direct_io=False,
@@ -61,13 +61,13 @@ def model_cluster(name: str, disk: Path, *, host_slots: int = 3) -> ModelCluster
     d = DecodeWorker(
         WorkerConfig(
             name="decode", num_blocks=48, block_size=8, num_slots=8, timings=FAST,
-            slice_timeout_s=5.0,
+            slice_timeout_s=5.0, secret=TEST_SECRET,
         ),
         ModelDecoder.from_spec(spec),
     )  # fmt: skip
     p.start()
     d.start()
-    r = Router([p.address], [d.address], timeout_s=30.0)
+    r = Router([p.address], [d.address], timeout_s=30.0, secret=TEST_SECRET)
     r.connect()
     return ModelCluster(p, d, r, spec.load())
 

@@ -123,7 +123,9 @@ def test_an_up_worker_is_resent_to_on_its_own_client() -> None:
         time.sleep(0.05)
         m.gather_stats(False)  # outstanding for more than timeout_s: sent again
         assert w.client is client and not other.done()
-        assert w0.seen.count("StatsQuery") == 3, w0.seen
+        # 3 stats queries reached the server; identical ones waiting share the first's answer
+        shared = w0.server.snapshot().get("calls_shared", 0)
+        assert w0.seen.count("StatsQuery") + shared == 3, (w0.seen, shared)
     finally:
         m.close()
         w0.close()

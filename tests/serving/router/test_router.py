@@ -42,6 +42,7 @@ from kvplane.serving.worker_config import WorkerConfig
 from kvplane.testing.cluster import (
     FAST,
     MLA,
+    TEST_SECRET,
     base_config,
     check_balanced,
     cluster,
@@ -127,6 +128,7 @@ def test_serve_command_is_registered() -> None:
             "gqa",
             "--sliding-window",
             "64",
+            "--insecure",
         ]
     )
     config = serve.config_of(args)
@@ -170,7 +172,10 @@ def test_a_cancel_naming_another_session_never_stops_the_request() -> None:
 
 def test_a_request_past_its_deadline_fails_and_is_cancelled_on_both_sides() -> None:
     c = cluster(replace(MLA, compute_s_per_step=0.2))  # 13 steps: ~2.6 s of prefill
-    r = Router([c.prefill.address], [c.decode.address], timeout_s=5.0, deadline_s=0.5)
+    r = Router(
+        [c.prefill.address], [c.decode.address], timeout_s=5.0, deadline_s=0.5,
+        secret=TEST_SECRET,
+    )  # fmt: skip
     try:
         r.connect()
         start = time.monotonic()
@@ -221,7 +226,7 @@ def test_an_unreachable_worker_is_marked_down_and_comes_back() -> None:
     ds = [DecodeWorker(cfg, SyntheticDecoder(MLA)) for cfg in configs]
     for w in (p, *ds):
         w.start()
-    r = Router([p.address], [d.address for d in ds], timeout_s=3.0, probe_s=0.3)
+    r = Router([p.address], [d.address for d in ds], timeout_s=3.0, probe_s=0.3, secret=TEST_SECRET)
     try:
         r.connect()
         assert [r.generate(f"w{i}", list(range(30))).state for i in range(2)] == ["success"] * 2

@@ -34,6 +34,7 @@ from kvplane.serving.router.service import RouterService, router_stats
 from kvplane.serving.rpc import DEFAULT_MAX_FRAME, RpcClient
 from kvplane.testing.cluster import (
     MLA,
+    TEST_SECRET,
     Cluster,
     base_config,
     check_balanced,
@@ -48,7 +49,7 @@ def served() -> Iterator[tuple[Cluster, RpcClient]]:
     c = cluster(replace(MLA, compute_s_per_step=0.05))
     service = RouterService(c.router, "tcp://127.0.0.1:0")
     service.start()
-    client = RpcClient(service.address, timeout_s=15.0)
+    client = RpcClient(service.address, timeout_s=15.0, secret=TEST_SECRET)
     yield c, client
     client.close()
     service.close()
@@ -100,10 +101,10 @@ def test_a_generate_while_no_decode_worker_is_up_refreshes_first() -> None:
     d = DecodeWorker(dcfg, SyntheticDecoder(MLA))
     p.start()
     d.start()
-    r = Router([p.address], [d.address], timeout_s=5.0, probe_s=0.3)
+    r = Router([p.address], [d.address], timeout_s=5.0, probe_s=0.3, secret=TEST_SECRET)
     service = RouterService(r, "tcp://127.0.0.1:0")
     service.start()
-    client = RpcClient(service.address, timeout_s=10.0)
+    client = RpcClient(service.address, timeout_s=10.0, secret=TEST_SECRET)
     try:
         r.connect()
         d.close()
@@ -153,7 +154,7 @@ def test_aggregated_stats_fit_the_router_sockets_frame_limit() -> None:
         assert limit < DEFAULT_MAX_FRAME
         service = RouterService(c.router, "tcp://127.0.0.1:0", max_frame=limit)
         service.start()
-        client = RpcClient(service.address, timeout_s=10.0, max_frame=limit)
+        client = RpcClient(service.address, timeout_s=10.0, max_frame=limit, secret=TEST_SECRET)
         try:
             got = client.call(StatsQuery(timeline=True))
             assert isinstance(got, WorkerStats), got  # not an "exceeds the frame" ErrorReply

@@ -19,7 +19,16 @@ from kvplane.serving.messages import WorkerStats
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.producers.synthetic import SyntheticDecoder, SyntheticProducer, SyntheticSpec
 from kvplane.serving.router.router import Router
-from kvplane.testing.cluster import GQA, MLA, base_config, check_balanced, free_port, idle, prompt
+from kvplane.testing.cluster import (
+    GQA,
+    MLA,
+    TEST_SECRET,
+    base_config,
+    check_balanced,
+    free_port,
+    idle,
+    prompt,
+)
 
 Heads = tuple[int, int]
 
@@ -40,7 +49,10 @@ def _router(stack: ExitStack, prefill: list[PrefillWorker], decode: list[DecodeW
     """A router over ``prefill`` and ``decode``; every one of them and it closed by ``stack``."""
     for w in (*prefill, *decode):
         stack.callback(w.close)
-    r = Router([w.address for w in prefill], [w.address for w in decode], timeout_s=20.0)
+    r = Router(
+        [w.address for w in prefill], [w.address for w in decode], timeout_s=20.0,
+        secret=TEST_SECRET,
+    )  # fmt: skip
     stack.callback(r.close)
     return r
 
@@ -129,7 +141,10 @@ def test_a_decode_rank_no_prefill_covers_is_reported_once_skipped_and_mended(
     d0, d1 = _decode("d0", (0, 2)), _decode("d1", (2, 4))
     for w in (wide, d0, d1):
         stack.callback(w.close)
-    r = Router([wide.address, p_late], [d0.address, d1.address], timeout_s=20.0, probe_s=0.5)
+    r = Router(
+        [wide.address, p_late], [d0.address, d1.address], timeout_s=20.0, probe_s=0.5,
+        secret=TEST_SECRET,
+    )  # fmt: skip
     stack.callback(r.close)
     why = (
         f"decode worker at {d1.address} (KV heads per pool ((2, 4), (0, 1))) cannot pair: no "

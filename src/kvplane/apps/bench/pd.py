@@ -25,11 +25,12 @@ from kvplane.apps.bench.pd_metrics import (
     request_fields,
     targets,
 )
-from kvplane.apps.demo_procs import ProcessGroup
+from kvplane.apps.demo_procs import ProcessGroup, new_secret
 from kvplane.errors import KVPlaneError
 from kvplane.pipeline.timeline import request_times
 from kvplane.pipeline.trace import events_from_dicts
 from kvplane.serving.router.router import Router
+from kvplane.serving.worker_config import SECRET_TRANSPORTS
 from kvplane.transports.registry import available
 
 NAME = "pd"
@@ -67,13 +68,16 @@ class _Pair:
 
     def __init__(self, work: Path, spec: _Spec, compute_ms: float, *, pipelined: bool) -> None:
         work.mkdir(parents=True, exist_ok=True)
-        self.group = ProcessGroup(work)
+        # nixl and mooncake cannot authenticate their data plane: run them --insecure, saying so
+        secure = spec.transport in SECRET_TRANSPORTS
+        self.group = ProcessGroup(work, new_secret() if secure else None)
         common = [
             "--transport", spec.transport, "--layout", "mla", "--layers", str(spec.layers),
             "--latent-dim", "512", "--rope-dim", "64", "--block-size", "16",
             "--num-blocks", str(2 * -(-spec.tokens // 16) + 8), "--num-slots", "4",
             "--step-size", str(spec.step), "--compute-ms-per-step", f"{compute_ms:.4f}",
             "--slice-timeout", "60", "--deadline", "120", "--heartbeat", "1", "--lease", "10",
+            *([] if secure else ["--insecure"]),
         ]  # fmt: skip
         if not pipelined:
             common.append("--no-pipeline")
@@ -81,7 +85,10 @@ class _Pair:
         try:
             pre = self.group.start("prefill", ["--name", "prefill", *common], deadline)
             dec = self.group.start("decode", ["--name", "decode", *common], deadline)
-            self.router = Router([str(pre["control"])], [str(dec["control"])], timeout_s=120.0)
+            self.router = Router(
+                [str(pre["control"])], [str(dec["control"])], timeout_s=120.0,
+                secret=self.group.secret,
+            )  # fmt: skip
             self.router.connect()
         except BaseException:
             self.group.stop()

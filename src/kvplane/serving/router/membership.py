@@ -1,7 +1,8 @@
 """The router's membership: which workers it knows, which are up, and how it asks them things.
 
 At most one query outstanding per worker and kind; a census marks silent workers down; only
-vetted, TP-covering pairs serve. See docs/serving.md.
+vetted, TP-covering pairs serve; a pair either side reports unpaired is re-paired, with backoff
+(:mod:`~kvplane.serving.router.healing`). See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvplane.errors import KVPlaneError
 from kvplane.layout import heads_cover
@@ -27,6 +28,7 @@ from kvplane.serving.messages import (
     WorkerInfo,
     WorkerStats,
 )
+from kvplane.serving.router.healing import RepairBackoff, lacks, says_paired
 from kvplane.serving.rpc import RpcClient
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,17 @@ class Pairing(enum.Enum):
     ACCEPTED = "accepted"
     PENDING = "pending"  # no answer yet
     REFUSED = "refused"
+    LOST = "lost"  # accepted, then reported unpaired by either side: to be re-paired
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """A decode worker's latest answer to one pairing: for which incarnations (decode,
+    prefill), what (``state``), and when it was recorded (``at``, monotonic)."""
+
+    incarnations: tuple[int, int]
+    state: Pairing
+    at: float
 
 
 @dataclass(slots=True, eq=False)
@@ -46,11 +59,13 @@ class WorkerHandle:
     pairing with it failed (tried again at the next refresh); ``uncovered``: a decode worker
     reported as having no prefill worker up that covers its KV heads (reported again only once
     it was covered, or when it rejoins); ``asked``: the queries sent to it and not answered yet
-    with when they were sent, at most one per message (see :meth:`Membership.ask`)."""
+    with when they were sent, at most one per message (see :meth:`Membership.ask`);
+    ``heard_at``: when the info query ``info`` answers was sent (monotonic)."""
 
     address: str
     client: RpcClient
     info: WorkerInfo | None = None
+    heard_at: float = 0.0
     up: bool = False
     repair: bool = False
     uncovered: bool = False
@@ -114,15 +129,23 @@ class Membership:
         timeout_s: float,
         probe_s: float,
         stop: threading.Event,
+        secret: bytes | None = None,
     ) -> None:
         self.timeout_s = timeout_s
+        self.secret = secret  # the order sockets' (CURVE; None: plain)
         self.probe_s = probe_s
         self._stop = stop
-        self._lock = threading.Lock()  # guards every w.client swap, w.asked and _pairings
-        self.prefill = [WorkerHandle(a, RpcClient(a, timeout_s=timeout_s)) for a in prefill]
-        self.decode = [WorkerHandle(a, RpcClient(a, timeout_s=timeout_s)) for a in decode]
-        self._pairings: dict[tuple[WorkerHandle, WorkerHandle], tuple[int, int, Pairing]] = {}
-        """(decode, prefill) -> (their incarnations, the decode worker's latest answer)."""
+        self._lock = threading.Lock()  # guards w.client swaps, w.asked, _pairings, _backoff
+        self.prefill = [WorkerHandle(a, self._client(a)) for a in prefill]
+        self.decode = [WorkerHandle(a, self._client(a)) for a in decode]
+        self._pairings: dict[tuple[WorkerHandle, WorkerHandle], _Record] = {}
+        """(decode, prefill) -> the decode worker's latest answer to their pairing."""
+        self._backoff: RepairBackoff[tuple[WorkerHandle, WorkerHandle]] = RepairBackoff()
+        """(decode, prefill) -> re-pairs of a pair reported unpaired since it was seen paired."""
+
+    def _client(self, address: str) -> RpcClient:
+        """A new order client of the worker at ``address``."""
+        return RpcClient(address, timeout_s=self.timeout_s, secret=self.secret)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -156,16 +179,37 @@ class Membership:
     def _pairing(self, d: WorkerHandle, p: WorkerHandle) -> Pairing | None:
         """Under the lock: ``d``'s latest answer to pairing with ``p`` if it was for both
         workers' current incarnations, else None."""
+        rec = self._record(d, p)
+        return None if rec is None else rec.state
+
+    def _record(self, d: WorkerHandle, p: WorkerHandle) -> _Record | None:
+        """Under the lock: the record of pair (``d``, ``p``) if it is for both workers' current
+        incarnations, else None."""
         rec = self._pairings.get((d, p))
         if rec is None or d.info is None or p.info is None:
             return None
-        return rec[2] if rec[:2] == (d.info.incarnation, p.info.incarnation) else None
+        return rec if rec.incarnations == (d.info.incarnation, p.info.incarnation) else None
 
     def _forget(self, w: WorkerHandle) -> None:
-        """Forget every pairing record of ``w`` (it went down or restarted)."""
+        """Forget every pairing record and re-pair count of ``w`` (it went down or restarted)."""
         with self._lock:
             for key in [k for k in self._pairings if w in k]:
                 del self._pairings[key]
+            self._backoff.drop(lambda k: w in k)
+
+    def lost(self, d: WorkerHandle, p: WorkerHandle, incarnation: int, why: str) -> bool:
+        """Mark pair (``d``, ``p``) LOST (re-paired at the next refresh, see :meth:`pair_all`)
+        because a request's worker reported it not connected (``why``), if ``d`` is still
+        incarnation ``incarnation`` and the pairing was accepted; else False, nothing changed."""
+        with self._lock:
+            rec = self._record(d, p)
+            if rec is None or rec.state is not Pairing.ACCEPTED or d.info is None:
+                return False
+            if d.info.incarnation != incarnation:
+                return False
+            self._pairings[(d, p)] = replace(rec, state=Pairing.LOST, at=time.monotonic())
+        log.warning("PD pair %s / %s is not connected (%s): re-pairing", d.address, p.address, why)
+        return True
 
     def close(self) -> None:
         """Set ``stop`` and close every worker's client (nothing is recycled after this)."""
@@ -189,7 +233,7 @@ class Membership:
         client, for the caller to close (None, and nothing changed, once ``stop`` is set)."""
         if self._stop.is_set():
             return None
-        old, w.client = w.client, RpcClient(w.address, timeout_s=self.timeout_s)
+        old, w.client = w.client, self._client(w.address)
         w.asked.clear()
         return old
 
@@ -203,7 +247,13 @@ class Membership:
         waited for it is that answer (resending it would throw the answer away, and with
         replies slower than ``wait_s`` no census would ever hear the worker); other answers are
         not reused (a pairing's may come from a process since restarted)."""
-        futs: list[Future[AnyMessage]] = []
+        return [got for got, _ in self._ask_sent(asks, wait_s)]
+
+    def _ask_sent(
+        self, asks: Sequence[tuple[WorkerHandle, AnyMessage]], wait_s: float
+    ) -> list[tuple[AnyMessage | None, float]]:
+        """:meth:`ask`, with when each message whose answer it is was sent (monotonic)."""
+        futs: list[tuple[Future[AnyMessage], float]] = []
         now = time.monotonic()
         olds: list[RpcClient] = []
         with self._lock:
@@ -213,18 +263,18 @@ class Membership:
                 if old is not None:
                     olds.append(old)
             for w, msg in asks:
-                fut = w.asked.get(msg, (None, now))[0]
+                fut, sent = w.asked.get(msg, (None, now))
                 if fut is not None and self._stale(w, msg, now):  # up (or stopping): resend
                     w.client.forget(fut)
                 if fut is None or (fut.done() and not _late_answer(fut, msg)):
-                    fut = w.client.call_async(msg)
+                    fut, sent = w.client.call_async(msg), now
                     w.asked[msg] = (fut, now)
-                futs.append(fut)
+                futs.append((fut, sent))
         for old in olds:  # off the lock: a close joins the client's loop thread
             old.close(discard=True)
         end = time.monotonic() + wait_s
-        out: list[AnyMessage | None] = []
-        for (w, msg), fut in zip(asks, futs, strict=True):
+        out: list[tuple[AnyMessage | None, float]] = []
+        for (w, msg), (fut, sent) in zip(asks, futs, strict=True):
             try:
                 got: AnyMessage | None = fut.result(timeout=max(0.0, end - time.monotonic()))
             except FutureTimeout:
@@ -235,7 +285,7 @@ class Membership:
                 with self._lock:
                     if w.asked.get(msg, (None, 0.0))[0] is fut:
                         del w.asked[msg]
-            out.append(got)
+            out.append((got, sent))
         return out
 
     def _stale(self, w: WorkerHandle, msg: AnyMessage, now: float) -> bool:
@@ -245,11 +295,12 @@ class Membership:
 
     def census(self, force: bool) -> Census:
         """Ask every worker who it is (waiting ``probe_s``): mark the silent ones down, the
-        others up (see :class:`Census`; ``force``: every one that answered is changed)."""
-        infos = self.ask([(w, InfoQuery()) for w in self.workers], self.probe_s)
+        others up (see :class:`Census`; ``force``: every one that answered is changed), and
+        mark LOST each accepted pair that either worker reports unpaired (:meth:`_heal`)."""
+        infos = self._ask_sent([(w, InfoQuery()) for w in self.workers], self.probe_s)
         changed: list[WorkerHandle] = []
         gone: list[WorkerHandle] = []
-        for w, got in zip(self.workers, infos, strict=True):
+        for w, (got, sent) in zip(self.workers, infos, strict=True):
             if not isinstance(got, WorkerInfo):
                 if w.up:
                     log.warning("worker at %s does not answer: marked down", w.address)
@@ -262,31 +313,80 @@ class Membership:
                 self._forget(w)
             if force or restarted or not w.up or w.repair:
                 changed.append(w)
-            w.info, w.up, w.repair = got, True, False
+            w.info, w.heard_at, w.up, w.repair = got, sent, True, False
+        self._heal()
         return Census(tuple(changed), tuple(gone))
+
+    def _heal(self) -> None:
+        """Judge each accepted or LOST pair by the workers' info answers to queries sent after
+        its record (an older answer may predate it: not used). Either reports it unpaired: an
+        accepted pair becomes LOST (re-paired by :meth:`pair_all`). Neither does and one reports
+        it paired: a LOST pair is accepted again, and its next break is re-paired at once
+        (:class:`RepairBackoff`)."""
+        now = time.monotonic()
+        for d in self.decode:
+            for p in covering(self.prefill, d) if d.up else []:
+                d_info, p_info = d.info, p.info
+                if d_info is None or p_info is None:
+                    continue
+                with self._lock:
+                    rec = self._record(d, p)
+                    if rec is None or rec.state not in (Pairing.ACCEPTED, Pairing.LOST):
+                        continue
+                    fresh = [
+                        (w.address, mine, other)
+                        for w, mine, other in ((d, d_info, p_info), (p, p_info, d_info))
+                        if w.heard_at >= rec.at
+                    ]
+                    why = [
+                        f"{addr} has no live PD connection to {other.peer_id!r}"
+                        for addr, mine, other in fresh
+                        if lacks(mine, other)
+                    ]
+                    if not why and any(says_paired(mine, other) for _, mine, other in fresh):
+                        self._backoff.healed((d, p))
+                        self._pairings[(d, p)] = replace(rec, state=Pairing.ACCEPTED)
+                    if not why or rec.state is Pairing.LOST:
+                        continue
+                    self._pairings[(d, p)] = replace(rec, state=Pairing.LOST, at=now)
+                log.warning("PD pair reported unpaired (%s): re-pairing", "; ".join(why))
+
+    def _heal_due(self, d: WorkerHandle, p: WorkerHandle, now: float) -> bool:
+        """Whether LOST pair (``d``, ``p``) is re-paired now (its backoff allows it: counted)."""
+        with self._lock:
+            if self._pairing(d, p) is not Pairing.LOST or not self._backoff.due((d, p), now):
+                return False
+            self._backoff.tried((d, p), now)
+            return True
 
     def pair_all(self, changed: Sequence[WorkerHandle]) -> list[str]:
         """Pair each up decode worker with each up prefill worker that serves it (:func:`serves`;
-        no other pair is asked), either in ``changed``, all at once within ``probe_s``, and
-        record each answer (see the module docstring): what went wrong — a pairing refused or
-        not answered (its decode worker is re-paired), and a decode worker up that no prefill
-        worker up serves while some is up."""
+        no other pair is asked), either in ``changed`` or the pair LOST and due
+        (:class:`RepairBackoff`), all at once within ``probe_s``, and record each answer (see
+        the module docstring): what went wrong — a pairing refused or not answered (its decode
+        worker is re-paired), and a decode worker up that no prefill worker up serves while
+        some is up. At most one pairing per pair is outstanding (:meth:`ask`)."""
         pairs: list[tuple[WorkerHandle, WorkerHandle, tuple[int, int]]] = []
         asks: list[tuple[WorkerHandle, AnyMessage]] = []
+        now = time.monotonic()
         for d in self.decode:
             for p in covering(self.prefill, d) if d.up and d.info is not None else []:
-                if d.info is not None and p.info is not None and (d in changed or p in changed):
+                if d.info is None or p.info is None:
+                    continue
+                if d in changed or p in changed or self._heal_due(d, p, now):
                     pairs.append((d, p, (d.info.incarnation, p.info.incarnation)))
                     asks.append((d, PairWith(pd_address=p.info.pd_address)))
         errors: list[str] = []
-        for (d, p, incs), got in zip(pairs, self.ask(asks, self.probe_s), strict=True):
+        answers = self.ask(asks, self.probe_s) if asks else []
+        at = time.monotonic()  # after every answer: an info query sent later sees the pairing
+        for (d, p, incs), got in zip(pairs, answers, strict=True):
             state = (
                 Pairing.ACCEPTED if isinstance(got, Ack)
                 else Pairing.PENDING if got is None
                 else Pairing.REFUSED
             )  # fmt: skip
             with self._lock:
-                self._pairings[(d, p)] = (*incs, state)
+                self._pairings[(d, p)] = _Record(incs, state, at)
             if state is not Pairing.ACCEPTED:
                 d.repair = True
                 why = (

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvplane.errors import InvalidArgumentError, KVPlaneError, ProtocolError, TransferTimeoutError
+from kvplane.metrics import MetricsRegistry
 from kvplane.serving.messages import (
     NOT_CONNECTED,
     AnyMessage,
@@ -31,6 +32,7 @@ from kvplane.serving.messages import (
     WorkerStats,
 )
 from kvplane.serving.router.membership import Membership, WorkerHandle, covering, heads_of
+from kvplane.serving.router.observe import RouterMetrics
 from kvplane.serving.rpc import RpcClient
 from kvplane.validators import require_finite_positive
 
@@ -65,7 +67,9 @@ class Router:
     ``timeout_s``: per-call wait (and :meth:`generate`'s); ``deadline_s``: a request's whole
     life (default ``max(60, 4 * timeout_s)``); ``refresh_s``: periodic refresh (None: only
     when called); ``probe_s``: how long a refresh waits for info replies, and then for
-    pairings (at most ``timeout_s``).
+    pairings (at most ``timeout_s``); ``secret``: the cluster secret its order clients
+    authenticate with (CURVE; None: plain, explicit insecure mode); ``metrics``: its registry
+    (:class:`RouterMetrics`; a fresh one by default).
     """
 
     def __init__(
@@ -77,6 +81,8 @@ class Router:
         deadline_s: float | None = None,
         refresh_s: float | None = None,
         probe_s: float = 2.0,
+        secret: bytes | None = None,
+        metrics: MetricsRegistry | None = None,
     ) -> None:
         if not prefill or not decode:
             raise InvalidArgumentError("a router needs at least one prefill and one decode worker")
@@ -95,8 +101,14 @@ class Router:
             require_finite_positive("probe_s", probe_s, InvalidArgumentError), self.timeout_s
         )
         self._stop = threading.Event()
+        self.secret = secret
         self._members = Membership(
-            prefill, decode, timeout_s=self.timeout_s, probe_s=self.probe_s, stop=self._stop
+            prefill, decode, timeout_s=self.timeout_s, probe_s=self.probe_s, stop=self._stop,
+            secret=secret,
+        )  # fmt: skip
+        self.metrics = metrics if metrics is not None else MetricsRegistry()
+        self.observe = RouterMetrics(
+            self.metrics, flights=lambda: self.flights_live, workers=self.worker_counts
         )
         self._tag = secrets.token_hex(4)
         self._serial = 0
@@ -171,7 +183,8 @@ class Router:
     def refresh(self, *, force: bool = False) -> list[str]:
         """Re-learn workers: mark the silent ones down (failing their requests), re-pair those
         that restarted, came back up or failed to pair (or all, with ``force``), each only with
-        the workers that serve it or it serves. Returns the peer ids of the workers that were
+        the workers that serve it or it serves, and every pair either side reports unpaired
+        (with backoff: :meth:`Membership.pair_all`). Returns the peer ids of the workers that were
         (re-)paired; ``ProtocolError`` after the whole refresh if a pairing failed (that worker
         is paired again at the next refresh) or a decode worker up is newly left with no prefill
         worker up that serves it (reported once, not re-paired: only a covering prefill worker
@@ -196,8 +209,11 @@ class Router:
             self._members.recycle(w)
         errors = self._members.pair_all(census.changed)
         if errors:
+            self.observe.pairing_errors.inc()
             raise ProtocolError("; ".join(errors)[:4000])
-        return sorted(w.info.peer_id for w in census.changed if w.info is not None and w.up)
+        paired = sorted(w.info.peer_id for w in census.changed if w.info is not None and w.up)
+        self.observe.pairings.inc(len(paired))
+        return paired
 
     def _fail_orphans(self) -> None:
         """Requests whose decode worker restarted or whose worker is down: fail them now."""
@@ -222,6 +238,7 @@ class Router:
         with self._settle_lock:
             if not out.done():
                 out.set_result(result)
+                self.observe.ended(result.state)
 
     def _failed(self, f: _Flight, reason: str) -> RequestResult:
         return RequestResult(
@@ -303,7 +320,7 @@ class Router:
         why = "no prefill worker up holds all the KV heads of a decode worker up"
         if any(covering(ps, d) for d in ds):
             why = "no decode worker up has a vetted pairing with a prefill worker up holding all "
-            why += "its KV heads (refused or not made yet; re-paired at the next refresh)"
+            why += "its KV heads (refused, lost or not made yet; re-paired at the next refresh)"
         return (
             f"{why} (one sender per session): decode {', '.join(heads_of(w) for w in ds)}; "
             f"prefill {', '.join(heads_of(w) for w in ps)}"
@@ -343,6 +360,7 @@ class Router:
                 time.monotonic() + self.deadline_s,
             )  # fmt: skip
             self._flights[request_id] = flight
+        self.observe.requests.inc()
         pc, dc = p.client, d.client  # each order is forgotten on the client it went out on
         pre = pc.call_async(
             PrefillOrder(
@@ -373,6 +391,7 @@ class Router:
         exc = f.exception()
         got = f.result() if exc is None else ErrorReply(reason=str(exc)[:4000])
         if isinstance(got, ErrorReply):  # the decode side answers the order when it stops
+            self._check_pair(flight, got.reason)
             _cancel_on(flight.decode, flight, f"prefill refused: {got.reason}")
 
     def _on_decode(self, flight: _Flight, f: Future[AnyMessage]) -> None:
@@ -384,13 +403,25 @@ class Router:
         exc = f.exception()
         got = f.result() if exc is None else ErrorReply(reason=str(exc)[:4000])
         if isinstance(got, RequestResult):
+            if got.state != "success":
+                self._check_pair(flight, got.reason)
             self._settle(flight.out, got)
             return
         reason = got.reason if isinstance(got, ErrorReply) else f"unexpected reply {got!r}"
-        if NOT_CONNECTED in reason:  # a pairing was lost: refresh now (with refresh_s)
-            self._refresh_wanted.set()
+        reason = self._check_pair(flight, reason)
         _cancel_on(flight.prefill, flight, reason)
         self._settle(flight.out, self._failed(flight, reason))
+
+    def _check_pair(self, flight: _Flight, reason: str) -> str:
+        """When a worker's ``reason`` says its PD peer is not connected (``NOT_CONNECTED``):
+        mark the flight's pair lost (:meth:`Membership.lost`) and refresh now (with
+        ``refresh_s``), which re-pairs it. ``reason``, saying so when it did."""
+        if NOT_CONNECTED not in reason:
+            return reason
+        d, p = flight.decode, flight.prefill
+        self._members.lost(d, p, flight.decode_incarnation, reason[:200])
+        self._refresh_wanted.set()
+        return f"{reason} (the router re-pairs {d.address} with {p.address})"
 
     def generate(
         self, request_id: str, token_ids: tuple[int, ...] | list[int], **kw: int

@@ -1,7 +1,8 @@
 """:class:`RouterService`: the order socket of ``kvplane serve router``.
 
 ``Generate``, ``CancelOrder``, ``InfoQuery`` and ``StatsQuery``; the server thread never
-blocks. See docs/serving.md.
+blocks. The socket authenticates with the router's secret; ``/metrics`` serves the router's
+registry. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ HELPERS = 4
 class RouterService:
     """``router`` served on an order socket bound at ``bind`` (see the module docstring).
     :meth:`start` serves, :meth:`close` stops the socket and the helpers (not the router).
-    ``InvalidArgumentError`` for ``helpers`` < 1."""
+    Only clients holding ``router.secret`` are served (CURVE; None: anyone). ``metrics_port``
+    (0: none): :meth:`start` serves ``router.metrics`` there (127.0.0.1), the order socket's
+    drops included. ``InvalidArgumentError`` for ``helpers`` < 1 or a port outside 0..65535."""
 
     def __init__(
         self,
@@ -47,14 +50,22 @@ class RouterService:
         name: str = "kvplane-router",
         max_frame: int = DEFAULT_MAX_FRAME,
         helpers: int = HELPERS,
+        metrics_port: int = 0,
     ) -> None:
         require_int("helpers", helpers, min=1)
+        self.metrics_port = require_int("metrics_port", metrics_port, min=0, max=65535)
         self.router = router
         self._pool = ThreadPoolExecutor(helpers, thread_name_prefix="kvplane-router-helper")
-        self.server = RpcServer(bind, self.handle, name=name, max_frame=max_frame)
+        self.server = RpcServer(
+            bind, self.handle, name=name, max_frame=max_frame, secret=router.secret,
+            metrics=router.metrics,
+        )  # fmt: skip
         self.address = self.server.address
 
     def start(self) -> None:
+        """Serve orders, and ``/metrics`` with ``metrics_port`` (``OSError`` if it is taken)."""
+        if self.metrics_port:
+            self.router.metrics.serve(self.metrics_port)
         self.server.start()
 
     def close(self) -> None:

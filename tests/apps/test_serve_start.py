@@ -1,0 +1,208 @@
+"""``kvplane serve`` start-up as a user runs it: secure by default, config as documented, and
+bad input refused in one line (exit 1) before anything starts -- against real processes."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvplane.apps.serve import DISK_SLOT_FILE, offload_of
+from kvplane.apps.serve_config import settle
+from kvplane.cli import build_parser
+from kvplane.errors import ConfigError
+from kvplane.serving.messages import Generate, RequestResult
+from kvplane.serving.router.router import Router
+from kvplane.serving.rpc import RpcClient
+from kvplane.testing.cluster import TEST_SECRET, Proc, child_env, free_port, wait_for
+
+SMALL = ["--layers", "1", "--latent-dim", "16", "--rope-dim", "8"]
+
+
+def _metrics(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        if p.proc.poll() is None:
+            p.stop()
+
+
+def test_insecure_mode_is_explicit_and_says_so_in_the_log_and_metrics(procs: list[Proc]) -> None:
+    port = free_port()
+    p = Proc("decode", [*SMALL, "--insecure", "--metrics-port", str(port)], secret=None)
+    procs.append(p)
+    assert p.proc.stderr is not None
+    warning = p.proc.stderr.readline()
+    assert "--insecure" in warning and "any local process" in warning
+    assert "kvplane_insecure 1.0" in _metrics(port)
+
+
+def test_an_insecure_router_says_so_in_its_metrics(procs: list[Proc]) -> None:
+    workers = [Proc(role, [*SMALL, "--insecure"], secret=None) for role in ("prefill", "decode")]
+    procs.extend(workers)
+    port = free_port()
+    flags = ["--prefill", workers[0].control, "--decode", workers[1].control, "--insecure"]
+    router = Proc("router", [*flags, "--metrics-port", str(port)], secret=None)
+    procs.append(router)
+    client = RpcClient(router.control, timeout_s=20)  # no secret: the router runs insecure
+    try:
+        got = client.call(Generate(request_id="r", token_ids=tuple(range(40))))
+        assert isinstance(got, RequestResult) and got.state == "success"
+    finally:
+        client.close()
+    assert "kvplane_insecure 1.0" in _metrics(port)
+
+
+def test_a_prompt_larger_than_the_host_tier_is_counted_and_logged(procs: list[Proc]) -> None:
+    port = free_port()
+    offload = ["--offload-host-slots", "1", "--blocks-per-chunk", "1", "--metrics-port", str(port)]
+    pre = Proc("prefill", [*SMALL, *offload])
+    procs.append(pre)
+    dec = Proc("decode", SMALL)
+    procs.append(dec)
+    router = Router([pre.control], [dec.control], timeout_s=20, secret=TEST_SECRET)
+    try:
+        router.connect()
+        for i in range(2):  # 70 tokens: 4 full chunks of one 16-token block, one host slot
+            assert router.generate(f"r{i}", list(range(i, 70 + i))).state == "success"
+        counter = "kvplane_prefill_prefix_chunks_unstored_total 6.0"
+        wait_for(lambda: counter in _metrics(port), what="the unstored chunks counted")
+    finally:
+        router.close()
+    pre.stop()
+    assert pre.proc.stderr is not None
+    told = [line for line in pre.proc.stderr.read().splitlines() if "exceeds the host" in line]
+    assert len(told) == 1  # logged once
+
+
+def test_a_secret_file_and_a_config_file_with_env_over_file(
+    procs: list[Proc], tmp_path: Path
+) -> None:
+    key = tmp_path / "kvplane.key"
+    key.write_text(TEST_SECRET.decode() + "\n")
+    port = free_port()
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f'[worker]\nname = "from-file"\nmetrics_port = {port}\n[pool]\nblock_size = 8\n'
+    )
+    p = Proc(
+        "decode", [*SMALL, "--secret-file", str(key), "--config", str(config)], secret=None,
+        env={"KVPLANE_WORKER_NAME": "from-env"},
+    )  # fmt: skip
+    procs.append(p)
+    assert p.info["name"] == "from-env"  # environment over file
+    assert "kvplane_insecure 0.0" in _metrics(port)  # the file's metrics port, a secret
+
+
+def test_bad_input_is_one_line_and_exit_1_before_anything_starts(tmp_path: Path) -> None:
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    short = tmp_path / "short.key"
+    short.write_text("abc")
+    ok = "tcp://127.0.0.1:5"
+    cases: list[tuple[list[str], dict[str, str], bytes | None, str]] = [
+        (["decode", "--num-blocks", "1000000000000"], {}, TEST_SECRET, "KV pool of"),
+        (["decode", "--control", "tcp://192.0.2.1:5555"], {}, TEST_SECRET, "cannot be bound"),
+        (["decode", "--metrics-port", str(busy.getsockname()[1])], {}, TEST_SECRET, "in use"),
+        (["router", "--prefill", "garbage", "--decode", ok], {}, TEST_SECRET, "--prefill must"),
+        (["prefill", "--compute-ms-per-step", "inf"], {}, TEST_SECRET, "compute_s_per_step"),
+        (["prefill", "--compute-ms-per-step", "nan"], {}, TEST_SECRET, "compute_s_per_step"),
+        (["decode", "--pd", "tcp://127.0.0.1:99999"], {}, TEST_SECRET, "pd_bind's port"),
+        (["decode", "--metrics-port", "70000"], {}, TEST_SECRET, "metrics_port"),
+        (["decode"], {"KVPLANE_POOL_NUM_BLOCKS": "-3"}, TEST_SECRET, "num_blocks"),
+        (["decode"], {"KVPLANE_POOL_BLOCK_SIZE": "x"}, TEST_SECRET, "KVPLANE_POOL_BLOCK_SIZE"),
+        (["decode", "--config", str(tmp_path)], {}, TEST_SECRET, "is a directory"),
+        (["decode"], {}, None, "no secret"),
+        (["router", "--prefill", ok, "--decode", ok], {}, None, "no secret"),
+        (["decode", "--secret-file", str(short)], {}, None, "at least 16 bytes"),
+        (["decode", "--transport", "nixl"], {}, TEST_SECRET, "cannot authenticate"),
+        (["prefill", "--offload-host-slots", "2", "--offload-disk", str(a_file)], {},
+         TEST_SECRET, "must be a directory"),
+    ]  # fmt: skip
+    try:
+        with ThreadPoolExecutor(4) as pool:  # a few at a time: each imports torch
+            results = list(pool.map(_refusal, cases))
+    finally:
+        busy.close()
+    for (argv, _env, _secret, want), (code, out, err) in zip(cases, results, strict=True):
+        lines = err.strip().splitlines()
+        assert (code, out) == (1, ""), f"{argv}: {code} {err[-2000:]}"
+        assert len(lines) == 1 and lines[0].startswith("kvplane: error: "), (argv, err)
+        assert want in lines[0], (argv, lines[0])
+
+
+def _refusal(case: tuple[list[str], dict[str, str], bytes | None, str]) -> tuple[int, str, str]:
+    """Run ``kvplane serve`` with ``case``'s flags, environment and secret; its exit code,
+    stdout and stderr (-1 when it was still running after 120 s: it started instead)."""
+    argv, env, secret, _want = case
+    small = [] if argv[0] == "router" else SMALL
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvplane", "serve", argv[0], *small, *argv[1:]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**child_env(secret), **env},
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        return -1, out, err
+    return proc.returncode, out, err
+
+
+def _args(*argv: str) -> object:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[pool]\nnum_blocks = 64\nblock_size = 32\n[pd]\nlease = 9.0\n")
+    env = {"KVPLANE_POOL_NUM_BLOCKS": "48", "KVPLANE_PD_HEARTBEAT": "2"}
+    args = settle(_args("decode", "--config", str(path), "--num-blocks", "16"), env)  # type: ignore[arg-type]
+    assert (args.num_blocks, args.block_size, args.lease, args.heartbeat) == (16, 32, 9.0, 2.0)
+    args = settle(_args("decode", "--config", str(path)), env)  # type: ignore[arg-type]
+    assert (args.num_blocks, args.block_size) == (48, 32)
+    args = settle(_args("decode"), {})  # type: ignore[arg-type]
+    assert (args.num_blocks, args.block_size, args.lease, args.layer_ops) == (512, 16, 5.0, False)
+    args = settle(_args("router"), {"KVPLANE_ROUTER_PREFILL": "tcp://a:1, tcp://b:2"})  # type: ignore[arg-type]
+    assert args.prefill == ["tcp://a:1", "tcp://b:2"] and args.decode == []
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "match"),
+    [
+        ("[pool]\nnum_block = 3\n", {}, r"unknown key\(s\) \['num_block'\]"),
+        ("[poool]\n", {}, r"unknown section\(s\) \['poool'\]"),
+        ("", {"KVPLANE_SYNTHETIC_LAYOUT": "xyz"}, r"\[synthetic\] layout must be one of"),
+        ("[pool]\nnum_blocks = 1.5\n", {}, r"\[pool\]\.num_blocks: expected int"),
+    ],
+)
+def test_bad_config_values_name_the_field(
+    tmp_path: Path, text: str, env: dict[str, str], match: str
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        settle(_args("prefill", "--config", str(path)), env)  # type: ignore[arg-type]
+
+
+def test_offload_disk_is_a_directory_holding_the_slot_file(tmp_path: Path) -> None:
+    where = tmp_path / "tiers" / "disk"
+    args = _args("prefill", "--offload-host-slots", "2", "--offload-disk", str(where))
+    settings = offload_of(args)  # type: ignore[arg-type]
+    assert settings is not None and settings.offload.disk_path == where / DISK_SLOT_FILE
+    assert where.is_dir()
