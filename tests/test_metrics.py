@@ -56,3 +56,35 @@ def test_ratios() -> None:
         overlap_ratio(5.0, 4.0)
     with pytest.raises(InvalidArgumentError, match="negative"):
         transfer_amplification(-1, 3)
+
+
+def test_metrics_server_bounds_idle_and_half_sent_clients() -> None:
+    """Idle or half-sent ``/metrics`` connections cannot pile up threads: at most
+    HTTP_MAX_CLIENTS are served at once, each dropped after HTTP_TIMEOUT_S of silence, and a
+    scrape still works while they hang."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from kvplane import metrics as m
+
+    reg = MetricsRegistry()
+    reg.counter("scrapes_test", "a counter").inc()
+    server = reg.serve(0)
+    port = server.server_address[1]
+    before = threading.active_count()
+    socks = []
+    for _ in range(3 * m.HTTP_MAX_CLIENTS):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"GET /metr")  # half a request line, then silence
+        socks.append(s)
+    time.sleep(0.5)
+    assert threading.active_count() - before <= m.HTTP_MAX_CLIENTS
+    for s in socks:
+        s.close()
+    time.sleep(0.3)  # closed clients end their threads
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    assert b"kvplane_scrapes_test_total 1.0" in body
+    server.shutdown()
+    server.server_close()

@@ -7,8 +7,11 @@
 from __future__ import annotations
 
 import math
+import socketserver
+import threading
 from collections.abc import Sequence
 from typing import Any, TypeVar
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,7 +19,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
-    start_http_server,
+    make_wsgi_app,
 )
 
 from kvplane.errors import InvalidArgumentError
@@ -81,9 +84,51 @@ class MetricsRegistry:
         """The Prometheus text exposition of every metric in this registry."""
         return bytes(generate_latest(self.registry))
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        """Expose ``/metrics`` over HTTP on ``addr:port`` (loopback unless told otherwise)."""
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "127.0.0.1") -> MetricsServer:
+        """Expose ``/metrics`` over HTTP on ``addr:port`` (loopback unless told otherwise) on
+        a daemon thread; ``OSError`` if the port is taken. See :class:`MetricsServer`."""
+        server = make_server(
+            addr, port, make_wsgi_app(self.registry), MetricsServer, handler_class=_Quiet
+        )
+        threading.Thread(target=server.serve_forever, name="kvplane-metrics", daemon=True).start()
+        return server
+
+
+HTTP_TIMEOUT_S = 5.0
+"""A ``/metrics`` client silent this long (mid-request or idle) is dropped."""
+HTTP_MAX_CLIENTS = 16
+"""Connections a ``/metrics`` server serves at once; more are closed unanswered."""
+
+
+class _Quiet(WSGIRequestHandler):
+    timeout = HTTP_TIMEOUT_S  # socket timeout per connection: no client holds a thread forever
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """No access log (a scraper every few seconds is not news)."""
+
+
+class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
+    """The ``/metrics`` HTTP server: a thread per connection, at most
+    :data:`HTTP_MAX_CLIENTS` of them, each dropped after :data:`HTTP_TIMEOUT_S` of silence,
+    so idle or half-sent connections cannot pile up threads."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(HTTP_MAX_CLIENTS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):  # over the cap: closed unanswered
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def _ratio(num: float, den: float, what: str) -> float:
