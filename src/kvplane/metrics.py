@@ -118,6 +118,11 @@ class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
         self._slots = threading.BoundedSemaphore(HTTP_MAX_CLIENTS)
         super().__init__(*args, **kwargs)
 
+    def stop(self) -> None:
+        """Stop serving and close the listening socket (its thread ends); idempotent."""
+        self.shutdown()
+        self.server_close()
+
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):  # over the cap: closed unanswered
             self.shutdown_request(request)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from kvplane.errors import KVPlaneError, ProtocolError
 from kvplane.ids import PeerId
-from kvplane.metrics import MetricsRegistry
+from kvplane.metrics import MetricsRegistry, MetricsServer
 from kvplane.pd.actions import Action
 from kvplane.pd.endpoint import Endpoint
 from kvplane.pd.participant import Participant
@@ -149,6 +149,7 @@ class Worker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"kvplane-{self.role}", daemon=True)
         self._started = False
+        self._metrics_server: MetricsServer | None = None
         self._next_gauges = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -163,9 +164,12 @@ class Worker:
         self._thread.start()
         self.rpc.start()
         if self.config.metrics_port:
-            self.metrics.serve(self.config.metrics_port)
+            self._metrics_server = self.metrics.serve(self.config.metrics_port)
 
     def close(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+            self._metrics_server = None
         self.rpc.close()
         self._stop.set()
         if self._thread.is_alive():

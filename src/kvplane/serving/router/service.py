@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvplane.errors import KVPlaneError
+from kvplane.metrics import MetricsServer
 from kvplane.serving.messages import (
     REPLY_MARGIN,
     Ack,
@@ -61,14 +62,18 @@ class RouterService:
             metrics=router.metrics,
         )  # fmt: skip
         self.address = self.server.address
+        self._metrics_server: MetricsServer | None = None
 
     def start(self) -> None:
         """Serve orders, and ``/metrics`` with ``metrics_port`` (``OSError`` if it is taken)."""
         if self.metrics_port:
-            self.router.metrics.serve(self.metrics_port)
+            self._metrics_server = self.router.metrics.serve(self.metrics_port)
         self.server.start()
 
     def close(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+            self._metrics_server = None
         self.server.close()
         self._pool.shutdown(wait=True, cancel_futures=True)  # a running refresh is bounded
 
