@@ -152,18 +152,19 @@ def test_a_replayed_target_handshake_does_not_fool_an_initiator(kit):
             {
                 "version": WIRE_VERSION,
                 "agent": "x",
-                "transport": "tcp",
-                "target": "someone-else",
+                "transport": "shm",
+                "target": "",
                 "nonce": bytes(32),
             }
         ),
         b"\xc1 not msgpack",
     ],
-    ids=["old-version", "misdirected", "garbage"],
+    ids=["old-version", "other-transport", "garbage"],
 )
 def test_a_refused_hello_gets_not_one_byte_back(body: bytes) -> None:
     """Before, any HELLO was answered with the target's agent and a challenge, and a refusal
-    with a REJECT naming what the target expected."""
+    with a REJECT naming what the target expected. (A HELLO meant for another agent gets a
+    decoy CHALLENGE: see the next test.)"""
     t = TcpTransport(secret=SECRET, agent="target")
     host, _, port = t.address.rpartition(":")
     try:
@@ -175,6 +176,62 @@ def test_a_refused_hello_gets_not_one_byte_back(body: bytes) -> None:
                     got += data
         assert got == b""
         assert _eventually(lambda: _dropped(t, "handshake_failed") == 1)
+    finally:
+        t.close()
+
+
+def _challenge(t: TcpTransport, target: str) -> tuple[bytes, dict[str, object], bytes]:
+    """A stranger's HELLO meant for ``target``: every byte the target sent, the CHALLENGE body
+    decoded as plain msgpack, and what came after our (bogus) AUTH."""
+    from kvplane.transports.wire import HEADER, parse_header
+
+    fields = {"version": WIRE_VERSION, "agent": "stranger", "transport": "tcp"}
+    hello = msgspec.msgpack.encode({**fields, "target": target, "nonce": bytes(32)})
+    host, _, port = t.address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(pack_header(FrameType.HELLO, 0, len(hello)) + hello)
+        got = b""
+        while (
+            len(got) < HEADER.size
+            or len(got) < HEADER.size + parse_header(got[: HEADER.size]).length
+        ):
+            data = s.recv(4096)
+            assert data, f"closed unanswered after {len(got)} bytes"
+            got += data
+        header = parse_header(got[: HEADER.size])
+        assert header.ftype is FrameType.CHALLENGE
+        body = msgspec.msgpack.decode(got[HEADER.size :])
+        auth = msgspec.msgpack.encode({"mac": bytes(32)})
+        s.sendall(pack_header(FrameType.AUTH, 0, len(auth)) + auth)
+        after = b""
+        with contextlib.suppress(ConnectionResetError):
+            while data := s.recv(4096):
+                after += data
+    return got, body, after
+
+
+def test_a_stranger_reading_the_challenge_learns_a_nonce_and_nothing_of_who_it_is() -> None:
+    """Before, the CHALLENGE named the target's agent to anyone who sent a HELLO, and a HELLO
+    meant for another agent was closed unanswered (so names could be probed one by one). Now
+    a CHALLENGE holds a fresh nonce and a proof, alike whoever the HELLO meant (a misdirected
+    one gets a random proof); the agent comes in the WELCOME, to a peer that proved itself."""
+    name = "prefill-7f3a-secret-name"
+    t = TcpTransport(secret=SECRET, agent=name)
+    try:
+        seen = [_challenge(t, target) for target in ("", name, "a-guess")]
+        for got, body, after in seen:
+            assert sorted(body) == ["mac", "nonce"]  # a dict: a struct's fields by name
+            assert len(body["nonce"]) == 32 and len(body["mac"]) == 32  # type: ignore[arg-type]
+            assert name.encode() not in got and after == b""
+        assert len({bytes(b["nonce"]) for _, b, _ in seen}) == 3  # type: ignore[arg-type]
+        assert _eventually(lambda: _dropped(t, "handshake_failed") == 3)
+        friend = TcpTransport(secret=SECRET, agent="friend")
+        try:
+            with pytest.raises(TransportError, match="authentication failed"):
+                friend.connect(_meta_at("a-guess", t.address))  # not who we meant: refused
+            assert friend.connect(t.metadata()).peer_id == name  # named in the WELCOME
+        finally:
+            friend.close()
     finally:
         t.close()
 
@@ -219,17 +276,20 @@ def test_a_proof_covers_role_nonces_agents_and_the_connection() -> None:
     from kvplane.transports.wire import Hello
 
     hello = Hello(WIRE_VERSION, "a", "tcp", "b", bytes(32))
-    base = Exchange(hello, "b", b"\x01" * 32, b"ip:[127.0.0.1]:1>[127.0.0.1]:2")
+    base = Exchange(hello, b"\x01" * 32, b"ip:[127.0.0.1]:1>[127.0.0.1]:2")
     shm_hello = Hello(WIRE_VERSION, "a", "shm", "b", bytes(32))
+    meant_c = Hello(WIRE_VERSION, "a", "tcp", "c", bytes(32))
+    other_nonce = Hello(WIRE_VERSION, "a", "tcp", "b", b"\x03" * 32)
     relayed = b"ip:[127.0.0.1]:3>[127.0.0.1]:2"
     proofs = {
         base.proof(SECRET, b"target"),
         base.proof(SECRET, b"initiator"),
-        Exchange(hello, "b", b"\x02" * 32, base.bound).proof(SECRET, b"target"),
-        Exchange(hello, "c", base.nonce, base.bound).proof(SECRET, b"target"),
-        Exchange(hello, "b", base.nonce, relayed).proof(SECRET, b"target"),
-        Exchange(shm_hello, "b", base.nonce, base.bound).proof(SECRET, b"target"),
+        Exchange(hello, b"\x02" * 32, base.bound).proof(SECRET, b"target"),
+        Exchange(meant_c, base.nonce, base.bound).proof(SECRET, b"target"),
+        Exchange(other_nonce, base.nonce, base.bound).proof(SECRET, b"target"),
+        Exchange(hello, base.nonce, relayed).proof(SECRET, b"target"),
+        Exchange(shm_hello, base.nonce, base.bound).proof(SECRET, b"target"),
         base.proof(b"another secret", b"target"),
     }
-    assert len(proofs) == 7 and all(len(p) == 32 for p in proofs)
+    assert len(proofs) == 8 and all(len(p) == 32 for p in proofs)
     assert base.proof(None, b"target") == b""

@@ -459,3 +459,54 @@ def test_a_dead_peers_segments_are_unmapped_without_reconnecting_or_closing(kit)
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("holding", [True, False])
+def test_a_peer_silent_while_it_holds_pins_is_dropped_by_the_stall_bound(holding: bool) -> None:
+    """Before, a PIN disarmed every bound: a peer that pinned a region and went silent (hung,
+    or hostile) kept the pin, the region undeletable and a thread for ever. Now a target
+    holding pins drops a peer silent for ``target_stall_s`` (0.6 s here; by 1.2 of it after
+    its last byte), releases the pins and counts a ``stall``; a peer holding nothing stays
+    under the idle bound (10 s here), so is still connected then."""
+    from kvplane.transports.bounds import ConnectionLimits
+    from kvplane.transports.channel import Channel
+    from kvplane.transports.handshake import client_handshake
+    from kvplane.transports.wire import pack_header
+
+    stall = 0.6
+    t = ShmTransport(agent="target", target_stall_s=stall,
+                     limits=ConnectionLimits(idle_timeout_s=10.0))  # fmt: skip
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        region = t.register(t.allocate(4096)).region_id
+        sock.connect("\0" + t.address)
+        ch = Channel(sock)
+        _, _, fds = client_handshake(ch, "hangs", "shm", None, with_fds=True)
+        for fd in fds:
+            os.close(fd)
+        ids = np.array([int(region)], dtype="<i8").tobytes()
+        ch.send(pack_header(FrameType.PIN, 1, 8, 1) + ids)
+        last = time.monotonic()
+        assert ch.recv_header().ftype is FrameType.PINNED and t.pinned_regions() == 1
+        if not holding:
+            ch.send_frame(FrameType.ABORT, 1)
+            last = time.monotonic()
+        labels = {"transport": "shm", "reason": "stall"}
+        if holding:
+            sock.settimeout(5)
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1) == b""  # the target closed
+            assert time.monotonic() - last <= 1.2 * stall
+            assert t.metrics.value("stream_connections_dropped", labels, "_total") == 1
+            end = time.monotonic() + 5
+            while t.pinned_regions() and time.monotonic() < end:
+                time.sleep(0.005)
+            assert t.pinned_regions() == 0
+            t.deregister(region)
+        else:  # the idle bound (10 s) drops by a third of it at the earliest: not yet
+            time.sleep(2 * stall)
+            assert not _closed_by_peer(sock) and t.pinned_regions() == 0
+            assert t.metrics.value("stream_connections_dropped", labels, "_total") == 0
+    finally:
+        sock.close()
+        t.close()

@@ -93,3 +93,37 @@ def test_a_half_sent_frame_is_dropped_within_the_stall_bound(kit, monkeypatch):
         go.set()
         a.close()
         b.close()
+
+
+def test_a_read_reply_the_peer_stops_taking_is_dropped_within_the_stall_bound():
+    """The send side of the same bound: a peer that asks for 64 MiB and takes none of it (a
+    4 KiB receive buffer, never read) while the target pins the region. The send timeout is
+    armed at a quarter of ``target_stall_s`` (zero-window probes free a little buffer that
+    restarts a send), and the drop must come by 1.2 of it after the request."""
+    from kvplane.transports.base import DescriptorList
+    from kvplane.transports.channel import Channel
+    from kvplane.transports.handshake import client_handshake
+    from kvplane.transports.wire import FrameType, pack_header, pack_table
+
+    stall = 0.6
+    t = TcpTransport(agent="target", target_stall_s=stall)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        region = t.register(torch.zeros(64 << 20, dtype=torch.uint8)).region_id
+        host, _, port = t.address.rpartition(":")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        ch = Channel(sock)
+        client_handshake(ch, "never-reads", "tcp", None)
+        table = DescriptorList.of([(int(region), 0, 64 << 20)])
+        ch.send(pack_header(FrameType.READ_REQ, 1, 0, 1) + pack_table(table))
+        asked = time.monotonic()
+        assert _eventually(lambda: t.pinned_regions() == 1)
+        assert _eventually(lambda: t.pinned_regions() == 0, 10)
+        assert time.monotonic() - asked <= 1.2 * stall
+        labels = {"transport": "tcp", "reason": "stall"}
+        assert t.metrics.value("stream_connections_dropped", labels, "_total") == 1
+        t.deregister(region)
+    finally:
+        sock.close()
+        t.close()

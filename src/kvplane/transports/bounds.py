@@ -1,12 +1,14 @@
 """Connection bounds of the stream transports: caps, timeouts and the counters of their drops.
 
 Owns :class:`ConnectionLimits` (the configuration), :class:`Admission` (how many accepted
-connections are handshaking or open, refusing past the caps) and the socket timeouts that bound
-a silent peer. Sockets are armed here, never read or written. See docs/transports.md.
+connections are handshaking or open; past a cap it evicts the oldest handshaking one, never an
+authenticated one) and the socket timeouts that bound a silent peer. Sockets are armed or shut
+here, never read or written. See docs/transports.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import socket
@@ -22,6 +24,10 @@ RECV_SHARE = 3
 """A receive timeout is armed at ``1 / RECV_SHARE`` of a silence bound (see :func:`arm_silence`)."""
 SEND_SHARE = 4
 """A send timeout is armed at ``1 / SEND_SHARE`` of a silence bound (see :func:`arm_silence`)."""
+TARGET_STALL_S = 60.0
+"""Default stall bound of a target holding pins for a peer (``target_stall_s`` of ``tcp`` and
+``shm``): silent (or, on tcp, taking none of a READ reply) this long, the peer is dropped and
+its pins released. Met with slack: see :func:`arm_silence`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,22 +35,26 @@ class ConnectionLimits:
     """Caps and timeouts of the connections one stream transport accepts.
 
     ``max_pending``: accepted connections still in their handshake; ``max_connections``: all
-    accepted connections (handshaking or open). A connection past either cap is closed at
-    once, unanswered. ``handshake_timeout_s``: the whole handshake must end by then (a
-    deadline, not a per-read timeout, so trickled bytes do not extend it). ``idle_timeout_s``:
-    an open connection that holds nothing and sends no byte for this long is dropped (our own
-    initiators send keep-alives, see ``keepalive_s``).
+    accepted connections (handshaking or open). A connection that would pass either cap
+    evicts the oldest handshaking one (closed unanswered); with none handshaking it is itself
+    closed at once, unanswered: authenticated connections are never evicted.
+    ``first_byte_timeout_s``: an accepted connection that sends no byte by then is dropped.
+    ``handshake_timeout_s``: the whole handshake must end by then (a deadline, not a per-read
+    timeout, so trickled bytes do not extend it). ``idle_timeout_s``: an open connection that
+    holds nothing and sends no byte for this long is dropped (our own initiators send
+    keep-alives, see ``keepalive_s``).
     """
 
     max_pending: int = 64
     max_connections: int = 512
     handshake_timeout_s: float = 10.0
     idle_timeout_s: float = 300.0
+    first_byte_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         require_int("max_pending", self.max_pending, min=1)
         require_int("max_connections", self.max_connections, min=1)
-        for what in ("handshake_timeout_s", "idle_timeout_s"):
+        for what in ("handshake_timeout_s", "idle_timeout_s", "first_byte_timeout_s"):
             require_finite_positive(what, getattr(self, what), InvalidArgumentError)
         if self.max_pending > self.max_connections:
             raise InvalidArgumentError(
@@ -60,32 +70,55 @@ def keepalive_s(idle_timeout_s: float) -> float:
 
 
 class Refusal(enum.Enum):
-    """Why an accepted connection was closed before its handshake ran."""
+    """Why an accepted connection was closed before its handshake ran: every admitted one is
+    authenticated, so there is none to evict for it."""
 
-    PENDING_CAP = "pending_cap"
     TOTAL_CAP = "total_cap"
 
 
 class Drop(enum.Enum):
-    """Why a connection was ended by us: a bound triggered, or its handshake failed."""
+    """Why a connection was ended by us: a bound triggered, its handshake failed, or a newer
+    connection took its handshake slot."""
 
+    EVICTED = "evicted"
+    FIRST_BYTE_TIMEOUT = "first_byte_timeout"
     HANDSHAKE_TIMEOUT = "handshake_timeout"
     HANDSHAKE_FAILED = "handshake_failed"
     IDLE = "idle"
     STALL = "stall"
 
 
-class Admission:
-    """Counts one listener's connections by phase; refuses past :class:`ConnectionLimits`.
+class Phase(enum.Enum):
+    """Where an admitted connection's slot stands."""
 
-    ``admit`` (accept thread) → ``opened`` (after the handshake) → ``release`` (at close).
-    Thread-safe; every refusal and drop is counted in ``metrics``.
+    PENDING = "pending"
+    OPEN = "open"
+    EVICTED = "evicted"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One admitted connection's slot in :class:`Admission` (compared by identity)."""
+
+    sock: socket.socket
+    phase: Phase = Phase.PENDING
+
+
+class Admission:
+    """Counts one listener's connections by phase; evicts or refuses past :class:`ConnectionLimits`.
+
+    ``admit`` (accept thread) → ``opened`` (once the peer proved itself) → ``release`` (at
+    close). Handshaking connections queue by age; the oldest is evicted (its socket shut, so
+    its thread ends) for a newcomer when a cap is reached. Thread-safe; every refusal,
+    eviction and drop is counted in ``metrics``.
     """
 
     def __init__(self, limits: ConnectionLimits, transport: str, metrics: MetricsRegistry) -> None:
         self.limits = limits
         self._lock = threading.Lock()
-        self.pending = 0
+        self._queue: dict[Ticket, None] = {}
+        """Handshaking tickets, oldest first (a dict keeps insertion order)."""
         self.open = 0
         self._labels = {"transport": transport}
         self._m_refused = metrics.counter(
@@ -93,42 +126,64 @@ class Admission:
             ["transport", "reason"],
         )  # fmt: skip
         self._m_dropped = metrics.counter(
-            "stream_connections_dropped", "connections we ended: a bound or the handshake",
+            "stream_connections_dropped",
+            "connections we ended: a bound, the handshake or an eviction",
             ["transport", "reason"],
         )  # fmt: skip
         self._m_live = metrics.gauge(
             "stream_connections", "accepted connections by phase", ["transport", "phase"]
         )
 
-    def admit(self) -> bool:
-        """Take a pending slot for a just-accepted connection; False (counted) past a cap."""
-        with self._lock:
-            why = None
-            if self.pending + self.open >= self.limits.max_connections:
-                why = Refusal.TOTAL_CAP
-            elif self.pending >= self.limits.max_pending:
-                why = Refusal.PENDING_CAP
-            else:
-                self.pending += 1
-                self._gauges()
-        if why is not None:
-            self._m_refused.labels(reason=why.value, **self._labels).inc()
-        return why is None
+    @property
+    def pending(self) -> int:
+        """Connections admitted and still handshaking."""
+        return len(self._queue)
 
-    def opened(self) -> None:
-        """A pending connection finished its handshake."""
+    def admit(self, sock: socket.socket) -> Ticket | None:
+        """A pending slot for the just-accepted ``sock``. At a cap the oldest handshaking
+        connection is evicted (shut down and counted) and its slot handed over; with none
+        handshaking, None (counted): ``sock`` is the caller's to close."""
+        limits = self.limits
         with self._lock:
-            self.pending -= 1
+            full = self.pending >= limits.max_pending
+            full = full or self.pending + self.open >= limits.max_connections
+            if full and not self._queue:
+                self._m_refused.labels(reason=Refusal.TOTAL_CAP.value, **self._labels).inc()
+                return None
+            if full:
+                victim = next(iter(self._queue))
+                del self._queue[victim]
+                victim.phase = Phase.EVICTED
+                # under the lock: its thread closes the socket only after ``release``
+                with contextlib.suppress(OSError):
+                    victim.sock.shutdown(socket.SHUT_RDWR)
+                self.dropped(Drop.EVICTED)
+            ticket = Ticket(sock)
+            self._queue[ticket] = None
+            self._gauges()
+        return ticket
+
+    def opened(self, ticket: Ticket) -> bool:
+        """``ticket``'s peer proved itself: it is open from now on and never evicted. False if
+        it was evicted first (the caller ends it without a reply)."""
+        with self._lock:
+            if ticket.phase is not Phase.PENDING:
+                return False
+            del self._queue[ticket]
+            ticket.phase = Phase.OPEN
             self.open += 1
             self._gauges()
+            return True
 
-    def release(self, was_open: bool) -> None:
-        """A connection admitted by :meth:`admit` closed (``was_open``: after ``opened``)."""
+    def release(self, ticket: Ticket) -> None:
+        """``ticket``'s connection is ending (before its socket is closed); its slot is free
+        unless an eviction already handed it over. Idempotent."""
         with self._lock:
-            if was_open:
+            if ticket.phase is Phase.PENDING:
+                del self._queue[ticket]
+            elif ticket.phase is Phase.OPEN:
                 self.open -= 1
-            else:
-                self.pending -= 1
+            ticket.phase = Phase.CLOSED
             self._gauges()
 
     def dropped(self, why: Drop) -> None:

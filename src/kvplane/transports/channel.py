@@ -1,7 +1,8 @@
 """Socket plumbing shared by the ``tcp`` and ``shm`` transports: channels and their threads.
 
 :class:`Link` (a sender that never reads, a receiver that never writes; keep-alives when idle)
-and :class:`Listener` (a thread per admitted connection, none past the caps of ``bounds``).
+and :class:`Listener` (a thread per admitted connection; past the caps of ``bounds`` the
+oldest handshaking one is evicted, or the newcomer closed).
 The handshake lives in ``handshake``. See docs/transports.md.
 """
 
@@ -13,7 +14,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from kvplane.transports.bounds import Admission
+from kvplane.transports.bounds import Admission, Ticket
 from kvplane.transports.wire import (
     HEADER,
     FrameType,
@@ -64,12 +65,13 @@ class Channel:
 
 
 class Listener:
-    """Accepts connections on ``sock`` and runs ``serve(channel)`` in a thread per connection
-    that ``admission`` admits; any other is closed at once, unanswered. ``serve`` settles the
-    admitted connection's slot (``Admission.opened``/``release``)."""
+    """Accepts connections on ``sock`` and runs ``serve(channel, ticket)`` in a thread per
+    connection that ``admission`` admits; any other is closed at once, unanswered. ``serve``
+    settles the admitted connection's slot (``Admission.opened``/``release``) before it
+    returns; the channel is closed after."""
 
     def __init__(
-        self, sock: socket.socket, name: str, serve: Callable[[Channel], None],
+        self, sock: socket.socket, name: str, serve: Callable[[Channel, Ticket], None],
         admission: Admission,
     ) -> None:  # fmt: skip
         self.sock = sock
@@ -90,24 +92,26 @@ class Listener:
             except OSError:
                 return
             ch = Channel(conn)
-            if not self._admission.admit():
-                ch.close()  # past a cap: no thread, no byte
+            ticket = self._admission.admit(conn)
+            if ticket is None:
+                ch.close()  # past a cap with nothing to evict: no thread, no byte
                 continue
             with self._lock:
                 if self._closed:
+                    self._admission.release(ticket)
                     ch.close()
-                    self._admission.release(was_open=False)
                     return
-                thread = threading.Thread(target=self._run, args=(ch,), name=f"{self._name}-serve",
-                                          daemon=True)  # fmt: skip
+                thread = threading.Thread(target=self._run, args=(ch, ticket),
+                                          name=f"{self._name}-serve", daemon=True)  # fmt: skip
                 self._channels.add(ch)
                 self._threads.add(thread)
             thread.start()
 
-    def _run(self, ch: Channel) -> None:
+    def _run(self, ch: Channel, ticket: Ticket) -> None:
         try:
-            self._serve(ch)
+            self._serve(ch, ticket)
         finally:
+            self._admission.release(ticket)  # before the close: an eviction may still shut it
             ch.close()
             with self._lock:
                 self._channels.discard(ch)

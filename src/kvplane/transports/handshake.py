@@ -1,9 +1,10 @@
 """The mutual handshake that opens every ``tcp``/``shm`` connection, bound to that connection.
 
-HELLO (initiator: identity, purpose, nonce) → CHALLENGE (target: identity, nonce, proof) →
-AUTH (initiator: proof) → WELCOME (region table). Each proof is an HMAC over both nonces, both
-identities, the transport and the socket's endpoints. Owns the proofs and the handshake
-deadline; a failure raises and the caller closes, never answering. See docs/transports.md.
+HELLO (initiator: identity, purpose, nonce) → CHALLENGE (target: nonce, proof; nothing about
+who it is) → AUTH (initiator: proof) → WELCOME (target's identity, region table). Each proof is
+an HMAC over both nonces, the initiator's identity, the agent it means, the transport and the
+socket's endpoints. Owns the proofs, the first-byte wait and the handshake deadline; a failure
+raises and the caller closes, never answering. See docs/transports.md.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from kvplane.transports.wire import (
 )
 
 NONCE_BYTES = 32
-_KEY_LABEL = b"kvplane stream handshake v2"
+_KEY_LABEL = b"kvplane stream handshake v3"
 """The proofs' key is HMAC(secret, this): the PD codec's MACs under the same secret never
 verify here, nor ours there."""
 _INITIATOR, _TARGET = b"initiator", b"target"
@@ -64,11 +65,11 @@ def _endpoint(addr: tuple[object, ...]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Exchange:
-    """What both proofs of one connection cover: the HELLO, the target's agent and nonce, and
-    the connection's :func:`binding`."""
+    """What both proofs of one connection cover: the HELLO (with the agent the initiator means,
+    "" for any), the target's nonce and the connection's :func:`binding`. Not the target's own
+    agent: a target names itself only in the WELCOME, to a peer that proved the secret."""
 
     hello: Hello
-    target: str
     nonce: bytes
     bound: bytes
 
@@ -79,8 +80,7 @@ class Exchange:
         key = hmac.new(secret, _KEY_LABEL, hashlib.sha256).digest()
         h = self.hello
         transcript = msgspec.msgpack.encode(
-            (role, WIRE_VERSION, h.transport, h.agent, h.target, h.nonce, self.target,
-             self.nonce, self.bound)
+            (role, WIRE_VERSION, h.transport, h.agent, h.target, h.nonce, self.nonce, self.bound)
         )  # fmt: skip
         return hmac.new(key, transcript, hashlib.sha256).digest()
 
@@ -105,6 +105,14 @@ def _arm(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(left)
 
 
+def await_first_byte(sock: socket.socket, seconds: float) -> None:
+    """Wait up to ``seconds`` for the peer's first byte (peeked, left in the socket):
+    ``TimeoutError`` after, ``ConnectionResetError`` if the peer closes first."""
+    sock.settimeout(seconds)
+    if not sock.recv(1, socket.MSG_PEEK):
+        raise ConnectionResetError("peer closed the connection before its first byte")
+
+
 def _expect(ch: Channel, ftype: FrameType, deadline: float, fds: list[int] | None = None) -> bytes:
     if fds is None:
         raw = _recv(ch.sock, HEADER.size, deadline)
@@ -127,9 +135,10 @@ def client_handshake(
     ch: Channel, agent: str, transport: str, secret: bytes | None, *, expect: str = "",
     with_fds: bool = False, timeout_s: float = 10.0,
 ) -> tuple[str, Welcome, list[int]]:  # fmt: skip
-    """Initiator side, over by ``timeout_s``: returns the target's agent, its region table and
-    any passed fds. ``expect``: the agent we mean to reach ("" any). ``HandshakeError`` if the
-    target fails to prove the secret, is someone else, or closes unanswered."""
+    """Initiator side, over by ``timeout_s``: returns the target's agent (from its WELCOME),
+    its region table and any passed fds. ``expect``: the agent we mean to reach ("" any).
+    ``HandshakeError`` if the target fails to prove the secret, is someone else, or closes
+    unanswered."""
     deadline = time.monotonic() + timeout_s
     hello = Hello(WIRE_VERSION, agent, transport, expect, secrets.token_bytes(NONCE_BYTES))
     ch.sock.settimeout(timeout_s)
@@ -141,13 +150,13 @@ def client_handshake(
             "the target closed the connection unanswered (another secret, wire version or "
             "transport, not the agent we expected, or past its connection caps)"
         ) from None
-    if expect and challenge.agent != expect:
-        raise HandshakeError(f"reached {challenge.agent!r}, not {expect!r}")
-    exchange = Exchange(hello, challenge.agent, challenge.nonce, binding(ch.sock, initiator=True))
+    who = repr(expect) if expect else "the target"
+    also = " (or it is another agent)" if expect else ""
+    exchange = Exchange(hello, challenge.nonce, binding(ch.sock, initiator=True))
     want = exchange.proof(secret, _TARGET)
     if len(challenge.nonce) != NONCE_BYTES or not hmac.compare_digest(challenge.mac, want):
-        raise HandshakeError(f"authentication failed: {challenge.agent!r} did not prove the "
-                             "shared secret for this connection")  # fmt: skip
+        raise HandshakeError(f"authentication failed: {who} did not prove the shared secret "
+                             f"for this connection{also}")  # fmt: skip
     ch.send_frame(FrameType.AUTH, 0, encode(Auth(exchange.proof(secret, _INITIATOR))))
     fds: list[int] = []
     try:
@@ -156,39 +165,51 @@ def client_handshake(
     except ConnectionError:
         for fd in fds:
             socket.close(fd)
-        raise HandshakeError(f"authentication failed: {challenge.agent!r} refused our proof "
-                             "(another shared secret?)") from None  # fmt: skip
+        raise HandshakeError(f"authentication failed: {who} refused our proof (another "
+                             "shared secret, or not the agent we meant?)") from None  # fmt: skip
     except BaseException:
         for fd in fds:
             socket.close(fd)
         raise
-    return challenge.agent, welcome, fds
+    if not welcome.agent or (expect and welcome.agent != expect):
+        for fd in fds:
+            socket.close(fd)
+        raise HandshakeError(f"reached {welcome.agent!r}, not {expect!r}")
+    return welcome.agent, welcome, fds
 
 
 def server_handshake(
     ch: Channel, agent: str, transport: str, secret: bytes | None,
     welcome: Callable[[], tuple[Welcome, list[int]]], *, timeout_s: float = 10.0,
 ) -> str:  # fmt: skip
-    """Target side, over by ``timeout_s``: checks the initiator's purpose and proof, sends
-    WELCOME; returns the initiator's agent. Raises (``HandshakeError``, ``TimeoutError``,
-    ``MalformedMessageError``, ``OSError``) without answering: the caller closes."""
+    """Target side, over by ``timeout_s``: checks the initiator's purpose and proof, then
+    calls ``welcome`` (which may raise to refuse) and sends its table with our agent; returns
+    the initiator's agent. Before the initiator's proof nothing tells who we are: a HELLO meant
+    for another agent gets a decoy CHALLENGE (a random proof), then is refused like a bad
+    proof. Raises (``HandshakeError``, ``TimeoutError``, ``MalformedMessageError``,
+    ``OSError``) without answering: the caller closes."""
     deadline = time.monotonic() + timeout_s
     hello = decode(_expect(ch, FrameType.HELLO, deadline), Hello)
     if (hello.version, hello.transport) != (WIRE_VERSION, transport):
         raise HandshakeError(f"refused {hello.agent!r}: {hello.transport} v{hello.version}, "
                              f"not {transport} v{WIRE_VERSION}")  # fmt: skip
-    if hello.target not in ("", agent) or len(hello.nonce) != NONCE_BYTES or not hello.agent:
-        raise HandshakeError(f"refused {hello.agent!r}: a malformed or misdirected HELLO")
+    if len(hello.nonce) != NONCE_BYTES or not hello.agent:
+        raise HandshakeError(f"refused {hello.agent!r}: a malformed HELLO")
+    misdirected = hello.target not in ("", agent)
     nonce = secrets.token_bytes(NONCE_BYTES)
-    exchange = Exchange(hello, agent, nonce, binding(ch.sock, initiator=False))
+    exchange = Exchange(hello, nonce, binding(ch.sock, initiator=False))
+    proof = exchange.proof(secret, _TARGET)
+    if misdirected:  # the same shape as a real proof, and never one
+        proof = secrets.token_bytes(len(proof)) if proof else b""
     _arm(ch.sock, deadline)
-    ch.send_frame(FrameType.CHALLENGE, 0,
-                  encode(Challenge(agent, nonce, exchange.proof(secret, _TARGET))))  # fmt: skip
+    ch.send_frame(FrameType.CHALLENGE, 0, encode(Challenge(nonce, proof)))
     auth = decode(_expect(ch, FrameType.AUTH, deadline), Auth)
+    if misdirected:
+        raise HandshakeError(f"refused {hello.agent!r}: its HELLO meant {hello.target!r}")
     if not hmac.compare_digest(auth.mac, exchange.proof(secret, _INITIATOR)):
         raise HandshakeError(f"refused {hello.agent!r}: authentication failed")
     table, fds = welcome()
-    body = encode(table)
+    body = encode(msgspec.structs.replace(table, agent=agent))
     frame = pack_header(FrameType.WELCOME, 0, len(body)) + body
     _arm(ch.sock, deadline)
     if fds:

@@ -27,7 +27,7 @@ from kvplane.errors import (
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import FailureKind, Peer, XferKind, XferState
-from kvplane.transports.bounds import ConnectionLimits, arm_silence
+from kvplane.transports.bounds import TARGET_STALL_S, ConnectionLimits
 from kvplane.transports.channel import MAX_FDS, Channel, Link
 from kvplane.transports.copier import copy_pairs
 from kvplane.transports.stream import Job, LinkState, StreamTransport
@@ -126,7 +126,11 @@ class _ShmLink(LinkState):
 
 
 class ShmTransport(StreamTransport):
-    """Same-host transport over shared memory; allocate peer-visible memory with ``allocate``."""
+    """Same-host transport over shared memory; allocate peer-visible memory with ``allocate``.
+
+    ``target_stall_s``: a peer that holds pins on our regions and sends no frame for this long
+    (no COMMIT, ABORT, next PIN) is dropped and its pins released, as on ``tcp``. Its copies
+    send nothing, so it also bounds one batch's copy (60 s: hundreds of GB at memcpy speed)."""
 
     name = "shm"
     link_drain_s = 5.0
@@ -143,10 +147,12 @@ class ShmTransport(StreamTransport):
         history: int = 100_000,
         copy_threads: int | None = None,
         limits: ConnectionLimits | None = None,
+        target_stall_s: float = TARGET_STALL_S,
     ) -> None:
         super().__init__(
             secret=secret, connect_timeout_s=connect_timeout_s, agent=agent, metrics=metrics,
             history=history, copy_threads=copy_threads, limits=limits,
+            target_stall_s=target_stall_s,
         )  # fmt: skip
         self._segments: dict[int, _Segment] = {}
         self._next_segment = 1
@@ -366,7 +372,8 @@ class ShmTransport(StreamTransport):
 
     # -- target ----------------------------------------------------------------------------------
     def _serve_target(self, ch: Channel, peer: PeerId) -> None:
-        """Idle-bounded while it holds no pin; a peer holding pins copies at its own pace."""
+        """Idle-bounded while it holds no pin, stall-bounded while it holds one (then the
+        connection is dropped, counted, and its pins released)."""
         pins: dict[int, tuple[RegionId, ...]] = {}
         try:
             while True:
@@ -381,7 +388,7 @@ class ShmTransport(StreamTransport):
                     try:
                         pins[h.xfer_id] = self._regions.pin(ids, exported_only=True)
                         if len(pins) == 1:
-                            arm_silence(ch.sock, 0.0)
+                            self._holding(ch)
                         ch.send_frame(FrameType.PINNED, h.xfer_id)
                     except TransportError as exc:
                         ch.send_frame(

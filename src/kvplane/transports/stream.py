@@ -1,6 +1,7 @@
 """The connection-oriented half shared by ``tcp`` and ``shm``: links per peer, jobs, teardown.
 
-Also the target side's admission, handshake and idle bound of each accepted connection.
+Also the target side's admission, first-byte wait, handshake, and the idle and stall bounds
+of each accepted connection.
 Subclasses provide the dialing, the per-job protocol and the target side. See
 docs/transports.md.
 """
@@ -8,25 +9,29 @@ docs/transports.md.
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvplane.errors import InvalidArgumentError, KVPlaneError
+from kvplane.errors import HandshakeError, InvalidArgumentError, KVPlaneError
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferState
 from kvplane.transports.batches import Batch
 from kvplane.transports.bounds import (
+    TARGET_STALL_S,
     Admission,
     ConnectionLimits,
     Drop,
+    Phase,
+    Ticket,
     arm_silence,
     keepalive_s,
     timed_out,
 )
 from kvplane.transports.channel import Channel, Link, Listener
 from kvplane.transports.core import TransportCore
-from kvplane.transports.handshake import client_handshake, server_handshake
+from kvplane.transports.handshake import await_first_byte, client_handshake, server_handshake
 from kvplane.transports.wire import Header, RegionInfo, Welcome
 from kvplane.validators import require_finite_positive
 
@@ -68,12 +73,17 @@ class StreamTransport(TransportCore):
         history: int,
         copy_threads: int | None = None,
         limits: ConnectionLimits | None = None,
+        target_stall_s: float = TARGET_STALL_S,
     ) -> None:
         if secret is not None and (not isinstance(secret, bytes) or not secret):
             raise InvalidArgumentError("secret must be non-empty bytes or None")
         timeout = require_finite_positive(
             "connect_timeout_s", connect_timeout_s, InvalidArgumentError
         )
+        self.target_stall_s = require_finite_positive(
+            "target_stall_s", target_stall_s, InvalidArgumentError
+        )
+        """A target holding pins for a peer silent this long drops it (see ``bounds``)."""
         limits = ConnectionLimits() if limits is None else limits
         if not isinstance(limits, ConnectionLimits):
             raise InvalidArgumentError(f"limits must be ConnectionLimits, got {limits!r}")
@@ -178,29 +188,43 @@ class StreamTransport(TransportCore):
         mine = [b for b in self._batches.live() if b.job is link]
         self._batches.fail_all(mine, FailureKind.REMOTE_DISCONNECT, why)
 
-    def _serve(self, ch: Channel) -> None:
-        """Target side of one admitted connection: the handshake by its deadline (any failure
-        closes unanswered, counted), then the subclass's loop, idle-bounded."""
-        opened = False
+    def _serve(self, ch: Channel, ticket: Ticket) -> None:
+        """Target side of one admitted connection (its slot released by the ``Listener``):
+        a first byte by ``first_byte_timeout_s``, the handshake by its deadline (any failure
+        closes unanswered, counted unless evicted), then the subclass's loop, idle-bounded.
+        The slot turns open once the peer proved itself, before the WELCOME."""
+        limits = self.limits
+        start = time.monotonic()
+
+        def welcome() -> tuple[Welcome, list[int]]:
+            if not self._admission.opened(ticket):
+                raise HandshakeError("evicted by a newer connection during the handshake")
+            return self._welcome()
+
+        first = limits.first_byte_timeout_s < limits.handshake_timeout_s
+        late = Drop.FIRST_BYTE_TIMEOUT if first else Drop.HANDSHAKE_TIMEOUT
         try:
-            try:
-                agent = server_handshake(ch, self.agent, self.name, self._secret, self._welcome,
-                                         timeout_s=self.limits.handshake_timeout_s)  # fmt: skip
-                ch.sock.settimeout(None)
-                self._idle(ch)
-            except (OSError, KVPlaneError) as exc:
-                late = isinstance(exc, TimeoutError)
-                self._admission.dropped(Drop.HANDSHAKE_TIMEOUT if late else Drop.HANDSHAKE_FAILED)
-                return
-            self._admission.opened()
-            opened = True
-            self._serve_target(ch, PeerId(agent))
-        finally:
-            self._admission.release(was_open=opened)
+            await_first_byte(ch.sock, min(limits.first_byte_timeout_s, limits.handshake_timeout_s))
+            late = Drop.HANDSHAKE_TIMEOUT
+            left = limits.handshake_timeout_s - (time.monotonic() - start)
+            agent = server_handshake(ch, self.agent, self.name, self._secret, welcome,
+                                     timeout_s=left)  # fmt: skip
+            ch.sock.settimeout(None)
+            self._idle(ch)
+        except (OSError, KVPlaneError) as exc:
+            if ticket.phase is not Phase.EVICTED:  # an eviction was counted when it happened
+                timeout = isinstance(exc, TimeoutError)
+                self._admission.dropped(late if timeout else Drop.HANDSHAKE_FAILED)
+            return
+        self._serve_target(ch, PeerId(agent))
 
     def _idle(self, ch: Channel) -> None:
         """Arm ``ch`` with the idle bound: the target holds nothing for the peer."""
         arm_silence(ch.sock, self.limits.idle_timeout_s)
+
+    def _holding(self, ch: Channel) -> None:
+        """Arm ``ch`` with the stall bound: the target holds pins for the peer."""
+        arm_silence(ch.sock, self.target_stall_s)
 
     def _ended(self, exc: BaseException, holding: bool) -> None:
         """A target loop ended by ``exc``: count a triggered bound (stall if it ``holding``

@@ -24,7 +24,7 @@ from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferKind, XferState
 from kvplane.transports.batches import Batch
-from kvplane.transports.bounds import ConnectionLimits, arm_silence
+from kvplane.transports.bounds import TARGET_STALL_S, ConnectionLimits
 from kvplane.transports.channel import Channel, Link
 from kvplane.transports.copier import coalesce, split
 from kvplane.transports.payload import (
@@ -51,7 +51,7 @@ from kvplane.transports.wire import (
     pack_table,
     parse_table,
 )
-from kvplane.validators import require_finite_positive, require_int
+from kvplane.validators import require_int
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +85,14 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-TARGET_STALL_S = 60.0
-"""How long a target waits at most for the next byte of a peer, or for the peer to take the
-next byte of a READ reply, while it holds pins for that peer's batch; then the connection is
-dropped and the pins released (a peer gone without a FIN, hung, or no longer reading). Met
-with slack: see :func:`~kvplane.transports.bounds.arm_silence`. A connection holding nothing
-is bounded by ``ConnectionLimits.idle_timeout_s`` instead."""
-
-
 class TcpTransport(StreamTransport):
-    """Stream transport over TCP; ``secret`` (bytes) makes peers prove they share it."""
+    """Stream transport over TCP; ``secret`` (bytes) makes peers prove they share it.
+
+    ``target_stall_s``: how long our target side waits at most for the next byte of a peer, or
+    for the peer to take the next byte of a READ reply, while it holds pins for that peer's
+    batch; then the connection is dropped and the pins released (a peer gone without a FIN,
+    hung, or no longer reading). A connection holding nothing is bounded by
+    ``ConnectionLimits.idle_timeout_s`` instead."""
 
     name = "tcp"
 
@@ -114,13 +112,11 @@ class TcpTransport(StreamTransport):
     ) -> None:
         if not isinstance(host, str) or not host:
             raise InvalidArgumentError(f"host must be a non-empty string, got {host!r}")
-        self.target_stall_s = require_finite_positive(
-            "target_stall_s", target_stall_s, InvalidArgumentError
-        )
         require_int("port", port, min=0, max=65535)
         super().__init__(
             secret=secret, connect_timeout_s=connect_timeout_s, agent=agent, metrics=metrics,
             history=history, copy_threads=copy_threads, limits=limits,
+            target_stall_s=target_stall_s,
         )  # fmt: skip
         try:
             sock = socket.create_server((host, port))
@@ -305,7 +301,7 @@ class _Target:
         if bool(self.pins) != self._watched:
             self._watched = bool(self.pins)
             if self._watched:
-                arm_silence(self.ch.sock, self.t.target_stall_s)
+                self.t._holding(self.ch)
             else:
                 self.t._idle(self.ch)
 
@@ -367,13 +363,11 @@ class _Target:
             if why:
                 ch.send_frame(FrameType.ACK, xid, why.encode(), flags=FLAG_ERROR)
                 return
-            try:
-                views = t._regions.views(table.facts.region_ids.tolist())
-                ch.send(pack_header(FrameType.DATA, xid, table.total_bytes))
-                send_payload(ch.sock, views, table, self.stage)
-            finally:
-                t._regions.unpin(self.pins.pop(xid, ()))
-                self._watch()
+            views = t._regions.views(table.facts.region_ids.tolist())
+            ch.send(pack_header(FrameType.DATA, xid, table.total_bytes))
+            send_payload(ch.sock, views, table, self.stage)  # a failure ends the connection,
+            t._regions.unpin(self.pins.pop(xid, ()))  # counted as holding; ``serve`` unpins
+            self._watch()
         elif h.ftype is FrameType.PING and not h.length:
             return  # a keep-alive: its bytes already reset the idle bound
         else:

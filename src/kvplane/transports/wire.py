@@ -18,9 +18,9 @@ import numpy as np
 from kvplane.errors import IncompatiblePeerError, MalformedMessageError
 from kvplane.transports.base import DescriptorList
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """Version of metadata, handshake and frame formats; peers must match exactly (2: the mutual
-handshake with both nonces, and PING)."""
+handshake with both nonces, and PING; 3: the target names itself in WELCOME, not CHALLENGE)."""
 MAGIC = b"KVPT"
 MAX_CONTROL_BYTES = 1 << 20
 """Largest metadata blob, handshake body or control frame body."""
@@ -37,9 +37,9 @@ HEADER = struct.Struct("<4sBBHIQQ")
 
 class FrameType(enum.IntEnum):
     HELLO = 1  # initiator -> target: Hello
-    CHALLENGE = 2  # target -> initiator: Challenge (its nonce and proof)
+    CHALLENGE = 2  # target -> initiator: Challenge (its nonce and proof, not its name)
     AUTH = 3  # initiator -> target: Auth (its proof)
-    WELCOME = 4  # target -> initiator: Welcome (shm: segment fds ride along)
+    WELCOME = 4  # target -> initiator: Welcome (its name, regions; shm: segment fds ride along)
     REJECT = 5  # unused since version 2: a refused handshake is closed unanswered
     DATA = 6  # bytes for a write (to target) or a read response (to initiator)
     COMMIT = 7  # initiator -> target: every byte of the batch was sent/copied; body = notify
@@ -99,9 +99,9 @@ class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Challenge(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Target's answer: who it is, its nonce, its proof over both (empty without a secret)."""
+    """Target's answer: its nonce and its proof over both (empty without a secret); nothing
+    about who it is, which the initiator has not yet earned."""
 
-    agent: str
     nonce: bytes
     mac: bytes
 
@@ -124,6 +124,8 @@ class Welcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     segments: list[SegmentInfo] = []
     idle_ms: int = 0
     """The target drops a connection idle this long (0: never); the initiator pings before."""
+    agent: str = ""
+    """The target's agent, told only after the initiator's proof (the handshake fills it in)."""
 
 
 def encode(msg: msgspec.Struct) -> bytes:
