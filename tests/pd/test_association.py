@@ -22,7 +22,7 @@ def hello(name: str, nonce: bytes, incarnation: int = 1) -> Hello:
                  fingerprint=compat_fingerprint(PROFILE), nonce=nonce)  # fmt: skip
 
 
-HI, HR = hello("decode", b"i" * 16), hello("prefill", b"r" * 16)
+HI, HR = hello("decode", b"i" * 16), b"r" * 16
 
 
 def test_the_window_accepts_each_number_once_and_tolerates_reordering() -> None:
@@ -41,8 +41,10 @@ def test_both_sides_derive_matching_keys_from_both_nonces() -> None:
         assert i.send_key != i.recv_key  # a reflected frame fails its tag
         other = associate(secret, hello("decode", b"j" * 16), HR, we_initiated=True)
         assert other.send_key != i.send_key  # a fresh nonce: a fresh key
-    with pytest.raises(InvalidArgumentError, match="nonce is 0 bytes"):
+    with pytest.raises(InvalidArgumentError, match="initiator nonce is 0 bytes"):
         transcript(hello("decode", b""), HR)
+    with pytest.raises(InvalidArgumentError, match="responder nonce is 8 bytes"):
+        transcript(HI, b"r" * 8)
 
 
 @pytest.mark.parametrize("secret", [SECRET, None])

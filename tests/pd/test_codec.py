@@ -46,9 +46,10 @@ HELLO = Hello(
 )  # fmt: skip
 CORPUS: list[AnyWireEvent] = [
     HELLO,
-    HelloReply(hello=None, accepted=False, echo=b"n" * 16, reasons=("model_id: ours 'a'",)),
-    HelloReply(hello=HELLO, accepted=True, echo=b"n" * 16),
+    HelloReply(accepted=False, echo=b"n" * 16, reasons=("model_id: ours 'a'",)),
+    HelloReply(accepted=True, echo=b"n" * 16, nonce=b"m" * 16),
     HelloConfirm(echo=b"r" * 16),
+    HelloConfirm(echo=b"r" * 16, hello=HELLO),
     Heartbeat(peer_id="p", seq=7),
     LeaseRenew(peer_id="p", seq=7, lease_ms=5000),
     Probe(nonce=1),

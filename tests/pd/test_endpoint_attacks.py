@@ -4,6 +4,7 @@ nothing, a flood of ``Hello`` s that stores no peer and logs a few lines, replay
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -18,9 +19,12 @@ import msgspec
 import pytest
 import zmq
 
+from kvplane.curve_auth import secure_client
+from kvplane.errors import IncompatiblePeerError
 from kvplane.ids import PeerId, RequestId, SessionId, SliceId
 from kvplane.pd.actions import Action, Finished, StartSubmit
 from kvplane.pd.codec import Codec
+from kvplane.pd.door import pd_keys
 from kvplane.pd.endpoint import ControlClient, Endpoint
 from kvplane.pd.events import (
     AnyWireEvent,
@@ -28,6 +32,8 @@ from kvplane.pd.events import (
     Hello,
     HelloReply,
     LeaseRenew,
+    Probe,
+    ProbeReply,
     StartTransfer,
     SubmitAccepted,
     SubmitSlice,
@@ -59,11 +65,15 @@ def _fresh(hello: Hello, **changes: object) -> Hello:
 class Raw:
     """A DEALER that speaks handshake frames to an endpoint, as a hostile process would."""
 
-    def __init__(self, address: str, secret: bytes | None) -> None:
+    def __init__(self, address: str, secret: bytes | None, curve: bytes | None = None) -> None:
+        """``curve``: the secret its CURVE keys are derived from (default: ``secret``)."""
         self.codec = Codec(secret=secret)
         self.ctx = zmq.Context()
         self.sock: zmq.Socket[bytes] = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, 5000)  # a refused DEALER has no pipe to queue into
+        if (curve or secret) is not None:
+            secure_client(self.sock, pd_keys(curve or secret))  # type: ignore[arg-type]
         self.sock.connect(address)
 
     def send(self, event: AnyWireEvent) -> None:
@@ -91,20 +101,25 @@ def test_an_incompatible_hello_is_answered_with_nothing_of_ours(secret: bytes | 
             frame = raw.recv_frame()
             assert frame is not None
             reply = raw.codec.decode(frame)
-            assert isinstance(reply, HelloReply) and not reply.accepted
-            assert reply.hello is None and ADVERT not in frame
+            assert isinstance(reply, HelloReply) and not reply.accepted and ADVERT not in frame
             if secret is None:  # not even the reasons, which name our layout
                 assert sim_profile().model_id.encode() not in frame
                 assert b"prefill" not in frame
-            stranger = Raw(ep.address, b"not-the-cluster-secret")  # unauthenticated: silence
-            stranger.send(_fresh(Participant(PeerId("x"), sim_profile(), incarnation=1).hello()))
-            assert secret is None or stranger.recv_frame(0.5) is None
+            stranger = Raw(ep.address, b"not-the-cluster-secret")  # refused by CURVE: silence
+            with contextlib.suppress(zmq.Again):
+                stranger.send(
+                    _fresh(Participant(PeerId("x"), sim_profile(), incarnation=1).hello())
+                )
+            assert stranger.recv_frame(0.5) is None
+            deadline = time.monotonic() + 5.0  # the door counts the refusal on its own thread
+            while not ep.snapshot().get("refused_handshakes") and time.monotonic() < deadline:
+                time.sleep(0.01)
             stranger.close()
         finally:
             raw.close()
         snap = ep.snapshot()
         assert snap["handshakes_refused"] == 1
-        assert snap.get("dropped_unauthenticated", 0) == (1 if secret else 0)
+        assert snap["refused_handshakes"] >= 1 and snap.get("dropped_unauthenticated", 0) == 0
 
 
 class Worker:
@@ -257,8 +272,8 @@ def test_a_serve_process_refuses_with_nothing_of_ours_and_logs_a_few_lines() -> 
                 frame = raw.recv_frame(10.0)
                 assert frame is not None
                 reply = raw.codec.decode(frame)
-                assert isinstance(reply, HelloReply) and reply.hello is None
-                assert not reply.accepted and str(info["pd"]).encode() not in frame
+                assert isinstance(reply, HelloReply) and not reply.accepted
+                assert str(info["pd"]).encode() not in frame
         finally:
             raw.close()
         probe = ControlClient(str(info["pd"]), secret=secret)
@@ -276,3 +291,168 @@ def test_a_serve_process_refuses_with_nothing_of_ours_and_logs_a_few_lines() -> 
             _, err = proc.communicate(timeout=10)
     refusals = [ln for ln in err.splitlines() if "intruder-" in ln]
     assert 1 <= len(refusals) <= 6, refusals[:8]
+
+
+# -- replayed handshake frames and probes (protocol 3) -------------------------------------------
+def _advertiser(name: str = "prefill") -> Participant:
+    return Participant(PeerId(name), sim_profile(), incarnation=7, transport="tcp",
+                       transport_metadata=ADVERT)  # fmt: skip
+
+
+@pytest.mark.parametrize("secret", [SECRET, None])
+def test_a_replayed_hello_is_answered_once_and_without_our_advert(secret: bytes | None) -> None:
+    """A captured Hello replayed 100 times used to get 100 full replies, each carrying our
+    Hello: layouts, regions, transport address. Now the first copy gets our nonce alone and
+    the other 99 nothing (``dropped_replayed_hello``)."""
+    captured = Raw.__new__(Raw)
+    captured.codec = Codec(secret=secret)
+    hello = Participant(PeerId("decode"), sim_profile(), incarnation=1).hello(os.urandom(16))
+    frame = captured.codec.encode(hello)
+    with Endpoint(_advertiser(), secret=secret) as ep:
+        ep.start()
+        raw = Raw(ep.address, secret)
+        try:
+            for _ in range(100):
+                raw.sock.send(frame)
+            replies = []
+            while (got := raw.recv_frame(1.0)) is not None:
+                replies.append(got)
+        finally:
+            raw.close()
+        snap = ep.snapshot()
+    assert len(replies) == 1 and snap["dropped_replayed_hello"] == 99
+    reply = raw.codec.decode(replies[0])
+    assert isinstance(reply, HelloReply) and reply.accepted and len(reply.nonce) == 16
+    assert ADVERT not in replies[0] and sim_profile().model_id.encode() not in replies[0]
+    assert snap["handshakes_pending"] == 1 and snap["peers_stored"] == 0
+
+
+@pytest.mark.parametrize("secret", [SECRET, None])
+def test_replayed_hellos_never_evict_a_genuine_handshake_in_progress(secret: bytes | None) -> None:
+    """Between a genuine peer's Hello and its confirm, captured Hellos of 40 other peer ids
+    arrive on 40 connections. Before, the 32nd evicted the genuine greeting (32 slots, oldest
+    dropped first): its confirm was dropped and the handshake failed. Now each peer id (and
+    connection) has one slot, newcomers are turned away when all are taken, and the genuine
+    handshake completes; only then does the endpoint's Hello (with its advert) go out,
+    sealed on the association."""
+    captures = Codec(secret=secret)
+    frames = [
+        captures.encode(
+            Participant(PeerId(f"ghost-{i}"), sim_profile(), incarnation=1).hello(os.urandom(16))
+        )
+        for i in range(40)
+    ]
+    with Endpoint(_advertiser(), secret=secret) as ep:
+        ep.start()
+        genuine = ControlClient(ep.address, secret=secret)
+        raws = [Raw(ep.address, secret) for _ in frames]
+        try:
+            me = Participant(PeerId("decode"), sim_profile(), incarnation=1)
+            ours, reply = genuine.greet(me.hello())
+            assert reply.accepted
+            for raw, frame in zip(raws, frames, strict=True):
+                raw.sock.send(frame)
+            answers = [raw.recv_frame(5.0) for raw in raws]
+            assert all(a is not None and ADVERT not in a for a in answers)
+            theirs = genuine.confirm(ours, reply)
+            assert theirs.transport_metadata == ADVERT and theirs.peer_id == "prefill"
+        finally:
+            for raw in raws:
+                raw.close()
+            genuine.close()
+        snap = ep.snapshot()
+        live = ep.call(ep.participant.peers.live_peers)
+    assert live == ["decode"] and snap["handshakes_accepted"] == 1
+    assert snap["handshakes_busy"] == 9 and snap["handshakes_pending"] == 31  # 32 slots
+
+
+def test_a_captured_probe_replayed_without_keys_gets_nothing() -> None:
+    """Probes are handshake frames (sequence 0): a captured one replays. It used to be
+    answered to anyone who replayed it (peer id and every counter); now a peer without the
+    cluster's CURVE keys is refused before its frame is read. A replayed ProbeReply changes
+    nothing (a frame from no peer: dropped and counted)."""
+    codec = Codec(secret=SECRET)
+    probe = codec.encode(Probe(nonce=42))
+    with Endpoint(_advertiser(), secret=SECRET) as ep:
+        ep.start()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        thief = ctx.socket(zmq.DEALER)
+        thief.setsockopt(zmq.LINGER, 0)
+        thief.setsockopt(zmq.SNDTIMEO, 1000)
+        thief.connect(ep.address)
+        member = Raw(ep.address, SECRET)
+        try:
+            with contextlib.suppress(zmq.Again):  # refused already: nowhere to send
+                thief.send(probe)
+            assert thief.poll(1000) == 0
+            member.sock.send(probe)  # a member may probe, even with a captured frame
+            answer = member.recv_frame()
+            assert answer is not None and isinstance(codec.decode(answer), ProbeReply)
+            member.sock.send(answer)  # the reply replayed to the endpoint
+            member.sock.send(probe)
+            assert member.recv_frame() is not None  # served after it
+        finally:
+            thief.close(linger=0)
+            ctx.term()
+            member.close()
+        snap = ep.snapshot()
+    assert snap["probes"] == 2 and snap["dropped_unknown_peer"] == 1
+    assert snap["refused_handshakes"] >= 1 and snap["peers_stored"] == 0
+    assert snap["sessions_live"] == 0 and snap["handshakes_pending"] == 0
+
+
+def test_a_hello_flood_leaves_a_live_pair_alone(pair: tuple[Worker, Worker]) -> None:
+    """300 Hellos of distinct peer ids and 50 fresh copies of the decode worker's own Hello,
+    sent to the prefill endpoint while the pair is live: no eviction, no restart, no route
+    change, no peer lost (nothing for the router to re-pair), and the session completes."""
+    prefill, decode = pair
+    peer = decode.ep.connect(prefill.ep.address)
+    sid = SessionId("s1")
+    assert prefill.ep.open_sender(sid, PeerId("decode"))
+    prefill.ep.send(sid, SubmitSlice(slice_id=SliceId(0), is_last=False, start=0, end=32))
+    route = prefill.ep.call(lambda: dict(prefill.ep._routes))
+    raw = Raw(prefill.ep.address, SECRET)
+    try:
+        ghost = Participant(PeerId("g"), sim_profile(), incarnation=1).hello()
+        for i in range(300):
+            raw.send(_fresh(ghost, peer_id=f"ghost-{i}"))
+        for _ in range(50):
+            raw.send(_fresh(decode.ep.participant.hello()))
+        assert all(raw.recv_frame() is not None for _ in range(350))
+        start = StartTransfer(
+            request_id=RequestId("r"), dst_block_ids=(3, 4), prefix_tokens=0, num_tokens=64
+        )
+        decode.ep.open_receiver(sid, peer, start)
+        prefill.ep.send(sid, SubmitSlice(slice_id=SliceId(1), is_last=True, start=32, end=64))
+        assert decode.finished.wait(5.0) and prefill.finished.wait(5.0)
+    finally:
+        raw.close()
+    snap = prefill.ep.snapshot()
+    assert prefill.ep.call(lambda: dict(prefill.ep._routes)) == route
+    assert snap["handshakes_accepted"] == 1 and snap.get("session_peer_restarted", 0) == 0
+    assert snap.get("session_peer_lost", 0) == 0 and snap["handshakes_pending"] <= 32
+    assert prefill.ep.call(prefill.ep.participant.peers.live_peers) == ["decode"]
+    assert decode.ep.call(decode.ep.participant.peers.live_peers) == ["prefill"]
+
+
+def test_an_initiator_that_refuses_our_hello_after_we_admitted_it_is_dropped() -> None:
+    """The responder admits at the confirm; the initiator judges the responder's Hello only in
+    the acknowledgement. If it refuses then (here: its peer table is full), it says so on the
+    association, and the responder forgets it instead of keeping a peer that never comes."""
+    full = Participant(PeerId("decode"), sim_profile(), incarnation=1, peer_capacity=1)
+    with (
+        Endpoint(full, secret=SECRET) as decode,
+        Endpoint(_advertiser("prefill-a"), secret=SECRET) as first,
+        Endpoint(_advertiser("prefill-b"), secret=SECRET) as second,
+    ):
+        for ep in (decode, first, second):
+            ep.start()
+        assert decode.connect(first.address) == "prefill-a"
+        with pytest.raises(IncompatiblePeerError, match="peer table full"):
+            decode.connect(second.address)
+        deadline = time.monotonic() + 5.0
+        while second.snapshot().get("handshakes_revoked", 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        snap = second.snapshot()
+        live = second.call(second.participant.peers.live_peers)
+    assert snap["handshakes_accepted"] == 1 and snap["handshakes_revoked"] == 1 and live == []

@@ -13,6 +13,8 @@ from kvplane.pd.events import (
     AbortAck,
     Cancel,
     Heartbeat,
+    HelloConfirm,
+    HelloReply,
     LeaseRenew,
     Outcome,
     SliceReady,
@@ -359,8 +361,9 @@ def test_incompatible_peers_are_refused_both_ways() -> None:
     )
     prefill = node(P)
     reply, _ = prefill.on_hello(other.hello(), 0.0)
-    assert not reply.accepted and "model_id: ours 'tiny-mla', theirs 'x'" in reply.reasons
-    assert reply.hello is None and reply.peer_id == "prefill"  # nothing of our profile
+    assert isinstance(reply, HelloReply) and not reply.accepted  # a refusal: no Hello of ours
+    assert "model_id: ours 'tiny-mla', theirs 'x'" in reply.reasons
+    assert reply.peer_id == "prefill" and reply.nonce == b""
     verdict, _ = other.on_hello_reply(reply, 0.0)
     assert not verdict.compatible and verdict.reasons[0].startswith("peer refused: ")
     assert prefill.counters["incompatible_peer"] == 1 and not prefill.peers.is_live(D)
@@ -375,7 +378,7 @@ def test_an_older_incarnation_is_stale_and_never_a_restart() -> None:
     prefill.open_sender(SessionId("live"), D, 0.0)
     for older in (1 << 19, 0):
         reply, out = prefill.on_hello(node(D, older).hello(), 1.0)
-        assert not reply.accepted and reply.hello is None and out == []
+        assert isinstance(reply, HelloReply) and not reply.accepted and out == []
         assert "older than" in reply.reasons[0]
     assert prefill.counters["stale_incarnation"] == 2
     assert prefill.session(SessionId("live")).state is SessionState.BOOTSTRAPPING  # type: ignore[union-attr]
@@ -392,9 +395,29 @@ def test_a_refusal_withholds_its_reasons_from_a_peer_without_the_secret() -> Non
     other = Participant(D, PeerProfile(protocol_version=PROTOCOL_VERSION, model_id="x",
                                        layouts=(lay,)), incarnation=1)  # fmt: skip
     reply, verdict = node(P).answer(other.hello(b"n" * 16), nonce=b"m" * 16, disclose=False)
-    assert reply.reasons == (WITHHELD,) and reply.peer_id == "" and reply.hello is None
+    assert reply.reasons == (WITHHELD,) and reply.peer_id == "" and not reply.accepted
     assert reply.echo == b"n" * 16 and "tiny-mla" in "; ".join(verdict.reasons)
     assert "tiny-mla" not in repr(reply)
+
+
+def test_an_acceptance_carries_our_nonce_and_only_the_acknowledgement_our_hello() -> None:
+    """Protocol 3: the reply to an unconfirmed Hello carried our whole Hello (profile,
+    transport advert); now only our nonce. Our Hello goes out in ``welcome``, once confirmed."""
+    prefill = Participant(P, sim_profile(), incarnation=1, timings=T, transport="tcp",
+                          transport_metadata=b"\x00ADVERT")  # fmt: skip
+    decode = node(D, 1 << 20)
+    reply, verdict = prefill.answer(decode.hello(b"a" * 16), nonce=b"b" * 16)
+    assert verdict.compatible and reply == HelloReply(
+        accepted=True, echo=b"a" * 16, nonce=b"b" * 16
+    )
+    assert decode.check_reply(reply, nonce=b"a" * 16).compatible and P not in prefill.peers
+    ack = prefill.welcome(decode.hello(b"a" * 16), b"b" * 16)
+    assert ack == HelloConfirm(echo=b"a" * 16, hello=prefill.hello(b"b" * 16))
+    assert ack.hello is not None and ack.hello.transport_metadata == b"\x00ADVERT"
+    verdict, _ = decode.on_hello_reply(reply, 0.0, nonce=b"a" * 16)  # no Hello: nobody admitted
+    assert not verdict.compatible and not decode.peers.is_live(P)
+    verdict, _ = decode.on_hello_reply(ack, 0.0, nonce=b"a" * 16)
+    assert verdict.compatible and decode.peers.is_live(P)
 
 
 def test_a_reply_to_another_hello_is_refused() -> None:

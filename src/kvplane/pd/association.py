@@ -1,10 +1,11 @@
 """Associations: the per-connection keys and sequence numbers that make PD frames fresh.
 
 A handshake (``Hello`` with the initiator's nonce, ``HelloReply`` with the responder's, then
-``HelloConfirm``) binds both ``Hello`` s into one transcript; :func:`associate` derives one key
-per direction from it and the shared secret. An :class:`Association` numbers the frames it seals
-and accepts each number once (:class:`ReplayWindow`). No I/O and no clock: the caller draws the
-nonces. See docs/pd.md ("Freshness").
+``HelloConfirm``) binds the initiator's ``Hello`` and both nonces into one transcript;
+:func:`associate` derives one key per direction from it and the shared secret. An
+:class:`Association` numbers the frames it seals and accepts each number once
+(:class:`ReplayWindow`). No I/O and no clock: the caller draws the nonces. See docs/pd.md
+("Freshness").
 """
 
 from __future__ import annotations
@@ -73,16 +74,16 @@ class Association:
         return self.sent
 
 
-def transcript(initiator: Hello, responder: Hello) -> bytes:
-    """32-byte digest of both ``Hello`` s (nonces included); ``InvalidArgumentError`` when a
-    nonce is not :data:`NONCE_BYTES` long (an association needs both sides' fresh nonces)."""
-    for who, hello in (("initiator", initiator), ("responder", responder)):
-        if len(hello.nonce) != NONCE_BYTES:
-            raise InvalidArgumentError(
-                f"{who} Hello nonce is {len(hello.nonce)} bytes, need {NONCE_BYTES}"
-            )
-    body = msgspec.msgpack.encode([initiator, responder])
-    return hashlib.blake2b(b"kvplane-pd-transcript\0" + body, digest_size=32).digest()
+def transcript(initiator: Hello, responder_nonce: bytes) -> bytes:
+    """32-byte digest of the initiator's ``Hello`` (its nonce included) and the responder's
+    nonce; ``InvalidArgumentError`` when a nonce is not :data:`NONCE_BYTES` long (an
+    association needs both sides' fresh nonces). The responder's ``Hello`` is not in it: it
+    travels later, sealed on the association this transcript keys."""
+    for who, nonce in (("initiator", initiator.nonce), ("responder", responder_nonce)):
+        if len(nonce) != NONCE_BYTES:
+            raise InvalidArgumentError(f"{who} nonce is {len(nonce)} bytes, need {NONCE_BYTES}")
+    body = msgspec.msgpack.encode([initiator, responder_nonce])
+    return hashlib.blake2b(b"kvplane-pd-transcript-3\0" + body, digest_size=32).digest()
 
 
 def _direction_key(secret: bytes | None, binding: bytes, direction: bytes) -> bytes:
@@ -92,10 +93,10 @@ def _direction_key(secret: bytes | None, binding: bytes, direction: bytes) -> by
 
 
 def associate(
-    secret: bytes | None, initiator: Hello, responder: Hello, *, we_initiated: bool
+    secret: bytes | None, initiator: Hello, responder_nonce: bytes, *, we_initiated: bool
 ) -> Association:
     """The association of one handshake, from our side (pure; see :func:`transcript`)."""
-    binding = transcript(initiator, responder)
+    binding = transcript(initiator, responder_nonce)
     i2r = _direction_key(secret, binding, b"i>r")
     r2i = _direction_key(secret, binding, b"r>i")
     send, recv = (i2r, r2i) if we_initiated else (r2i, i2r)

@@ -1,7 +1,9 @@
 """A blocking DEALER that speaks PD frames to an endpoint: health probes, benches, fuzzers.
 
-It can shake hands like an endpoint (:meth:`ControlClient.handshake`), after which its frames
-travel on the association. It holds no participant and keeps no peer state. See docs/pd.md.
+With a secret it is a CURVE client of the PD endpoints (keys derived from the secret). It can
+shake hands like an endpoint (:meth:`ControlClient.handshake`, or its two halves), after which
+its frames travel on the association. It holds no participant and keeps no peer state. See
+docs/pd.md.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import secrets
 import msgspec
 import zmq
 
+from kvplane.curve_auth import secure_client
 from kvplane.errors import IncompatiblePeerError, TransferTimeoutError
 from kvplane.pd.association import NONCE_BYTES, Association, associate
 from kvplane.pd.codec import DEFAULT_MAX_FRAME, Codec, MalformedMessage
+from kvplane.pd.door import pd_keys
 from kvplane.pd.events import AnyWireEvent, Hello, HelloConfirm, HelloReply, Probe, ProbeReply
 
 
@@ -33,10 +37,14 @@ class ControlClient:
         self.timeout_ms = int(timeout_s * 1000)
         self.assoc: Association | None = None
         """The association once :meth:`handshake` succeeded (every frame then travels on it)."""
+        self.peer: Hello | None = None
+        """The endpoint's ``Hello``, from its acknowledgement of our handshake."""
         self._ctx = zmq.Context()
         self.sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+        if secret is not None:
+            secure_client(self.sock, pd_keys(secret))
         self.sock.connect(address)
 
     def send_raw(self, *parts: bytes) -> None:
@@ -57,22 +65,40 @@ class ControlClient:
 
     def handshake(self, hello: Hello) -> HelloReply:
         """Shake hands as the peer that ``hello`` describes (a fresh nonce replaces its own):
-        the endpoint's reply, after the confirm round trip when it accepted;
-        ``IncompatiblePeerError`` if the endpoint accepted but then never acknowledged."""
+        the endpoint's reply; when it accepted, the confirm round trip is done too and
+        :attr:`peer` holds the endpoint's ``Hello``. ``IncompatiblePeerError`` if the endpoint
+        accepted but then never acknowledged."""
+        ours, reply = self.greet(hello)
+        if reply.accepted:
+            self.confirm(ours, reply)
+        return reply
+
+    def greet(self, hello: Hello) -> tuple[Hello, HelloReply]:
+        """The first half of :meth:`handshake`: send ``hello`` with a fresh nonce; that
+        ``Hello`` and the endpoint's reply to it (frames answering others are skipped)."""
         ours = msgspec.structs.replace(hello, nonce=secrets.token_bytes(NONCE_BYTES))
         self.send(ours)
         while True:
             reply = self.recv()
             if isinstance(reply, HelloReply) and reply.echo == ours.nonce:
-                break
-        if reply.hello is None:
-            return reply
-        self.assoc = associate(self.codec.secret, ours, reply.hello, we_initiated=True)
-        self.send(HelloConfirm(echo=reply.hello.nonce))
+                return ours, reply
+
+    def confirm(self, ours: Hello, reply: HelloReply) -> Hello:
+        """The second half: confirm the accepting ``reply`` to ``ours`` on the new association
+        and return the endpoint's ``Hello`` from its acknowledgement (also :attr:`peer`);
+        ``IncompatiblePeerError`` for anything else."""
+        self.assoc = associate(self.codec.secret, ours, reply.nonce, we_initiated=True)
+        self.send(HelloConfirm(echo=reply.nonce))
         ack = self.recv()
-        if not (isinstance(ack, HelloConfirm) and ack.echo == ours.nonce):
+        if not (
+            isinstance(ack, HelloConfirm)
+            and ack.echo == ours.nonce
+            and ack.hello is not None
+            and ack.hello.nonce == reply.nonce
+        ):
             raise IncompatiblePeerError(f"the endpoint did not acknowledge our handshake: {ack!r}")
-        return reply
+        self.peer = ack.hello
+        return ack.hello
 
     def probe(self, nonce: int = 1) -> ProbeReply:
         """Ask for health; skips unrelated frames; ``TransferTimeoutError`` if none comes."""

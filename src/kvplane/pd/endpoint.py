@@ -1,9 +1,9 @@
 """The PD protocol's only I/O: zmq ROUTER/DEALER over tcp (127.0.0.1 unless told otherwise).
 
 :class:`Endpoint` runs one participant on one control-loop thread, the only code that touches
-the socket and the participant; bad frames are dropped and counted. It runs the four-frame
-handshake (nonces, associations) and admits a peer only once it is complete; a refusal carries
-nothing of ours. See docs/pd.md.
+the socket and the participant; bad frames are dropped and counted. Its ``Door`` authenticates
+connections (CURVE with a secret) and bounds them; its ``Greeter`` runs the four-frame
+handshake and admits a peer only once it is complete. See docs/pd.md.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import contextlib
 import logging
 import math
 import queue
-import secrets
 import threading
 import time
 from collections import Counter
@@ -22,13 +21,14 @@ from typing import Any, TypeVar
 
 import zmq
 
-from kvplane.errors import IncompatiblePeerError, InvalidArgumentError, TransferTimeoutError
+from kvplane.errors import InvalidArgumentError, TransferTimeoutError
 from kvplane.ids import PeerId, SessionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.pd.actions import Action, Transmit
-from kvplane.pd.association import NONCE_BYTES, Association, associate
+from kvplane.pd.association import Association
 from kvplane.pd.codec import DEFAULT_MAX_FRAME, Codec, MalformedMessage
 from kvplane.pd.control_client import ControlClient
+from kvplane.pd.door import MAX_CONNECTIONS, Door
 from kvplane.pd.events import (
     AnyWireEvent,
     Cancel,
@@ -41,8 +41,7 @@ from kvplane.pd.events import (
     StartTransfer,
     SubmitSlice,
 )
-from kvplane.pd.greetings import Dial, Greeting, Greetings
-from kvplane.pd.handshake import Verdict
+from kvplane.pd.greeter import Greeter, Link
 from kvplane.pd.log_budget import LogBudget
 from kvplane.pd.participant import Participant
 
@@ -84,6 +83,7 @@ class Endpoint:
         metrics: MetricsRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_action: Callable[[Action], None] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.participant = participant
         self.codec = Codec(secret=secret, max_frame=max_frame)
@@ -97,11 +97,23 @@ class Endpoint:
         self._ctx = zmq.Context()
         self._router: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, 4 * max_frame)  # far beyond: the peer is cut off
-        self._router.bind(bind)
-        self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         wake = f"inproc://pd-wake-{id(self)}"
-        self._router.bind(wake)
+        self._router.bind(wake)  # before the door's options: they are for tcp peers
+        door: Door | None = None
+        try:  # a bad address or option: nothing is left open
+            door = Door(self._ctx, secret=secret, max_frame=max_frame,
+                        max_connections=max_connections)  # fmt: skip
+            door.guard(self._router)
+            self._router.bind(bind)
+        except BaseException:
+            if door is not None:
+                door.close()
+            self._router.close(linger=0)
+            self._ctx.term()
+            raise
+        self.door = door
+        self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.door.start(self.address)
         self._waker: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
         self._waker.setsockopt(zmq.LINGER, 0)
         self._waker.setsockopt(zmq.ROUTING_ID, WAKE_ID)
@@ -110,10 +122,11 @@ class Endpoint:
         self._routes: dict[PeerId, bytes] = {}
         self._identities: dict[bytes, PeerId] = {}
         self._assocs: dict[bytes, Association] = {}
-        self._greetings = Greetings()
-        self._pending: dict[bytes, Dial] = {}
         self._pruned_seen = 0
         self.log_budget = LogBudget(clock=clock)
+        link = Link(self._send_on, self._bind, self._unroute, self._dispatch, self._drop,
+                    self._hang_up)  # fmt: skip
+        self.greeter = Greeter(participant, secret, link, self.log_budget)
         self._aliases = 0
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue()
@@ -154,6 +167,7 @@ class Endpoint:
         with self._wake_lock:
             self._waker.close(linger=0)
         self._router.close(linger=0)
+        self.door.close()
         self._ctx.term()
 
     def __enter__(self) -> Endpoint:
@@ -186,17 +200,28 @@ class Endpoint:
         try:
             return fut.result(timeout=max(0.0, deadline - time.monotonic()))
         except TimeoutError as exc:
-            self.call(lambda: self._abandon_connect(fut))
+            self.call(lambda: self.greeter.abandon(fut))
             raise TransferTimeoutError(
                 f"handshake with {address} timed out after {timeout_s}s"
             ) from exc
 
-    def _abandon_connect(self, fut: Future[PeerId]) -> None:
-        for alias, dial in list(self._pending.items()):
-            if dial.future is fut:
-                del self._pending[alias]
-                with contextlib.suppress(zmq.ZMQError):
-                    self._router.disconnect(dial.address)
+    def _begin_connect(self, address: str) -> Future[PeerId]:
+        self._aliases += 1
+        alias = b"\x7fpd-out-%d" % self._aliases
+        self._router.setsockopt(zmq.CONNECT_ROUTING_ID, alias)
+        self.door.dialing(self._router)
+        self._router.connect(address)
+        return self.greeter.dial(alias, address)
+
+    def disconnect(self, address: str) -> None:
+        """Close the connection(s) this side dialled to ``address`` (none dialled: nothing);
+        a re-pair then dials afresh. Any thread."""
+
+        def run() -> None:
+            with contextlib.suppress(zmq.ZMQError):  # ENOENT: never dialled, or closed
+                self._router.disconnect(address)
+
+        self.call(run)
 
     def open_receiver(self, session_id: SessionId, peer_id: PeerId, start: StartTransfer) -> None:
         def run() -> None:
@@ -318,10 +343,10 @@ class Endpoint:
     def _decode_unbound(self, identity: bytes, payload: bytes) -> AnyWireEvent | MalformedMessage:
         """A frame from a connection without an established association: on the provisional
         one of its handshake if it has one, else a handshake frame."""
-        shake = self._greetings.get(identity) or self._pending.get(identity)
-        if shake is None or shake.assoc is None:
+        assoc = self.greeter.assoc_of(identity)
+        if assoc is None:
             return self.codec.decode(payload)
-        event = self.codec.decode(payload, shake.assoc)
+        event = self.codec.decode(payload, assoc)
         if type(event) is not MalformedMessage:
             return event
         plain = self.codec.decode(payload)  # a new handshake on the same connection
@@ -335,110 +360,12 @@ class Endpoint:
             self._send(
                 identity, ProbeReply(nonce=event.nonce, peer_id=me, counters=self._snapshot())
             )
-        elif isinstance(event, Hello) and peer is None:
-            self._on_hello(identity, event, now)
-        elif isinstance(event, HelloConfirm) and (greeting := self._greetings.pop(identity)):
-            self._on_confirm(identity, greeting, event, now)
-        elif isinstance(event, HelloReply | HelloConfirm) and identity in self._pending:
-            self._on_dial_answer(identity, self._pending[identity], event, now)
-        elif peer is None:
-            self._drop("unknown_peer")
-        else:
-            self._drop("unexpected")
+        elif not self.greeter.on_frame(identity, peer, event, now):
+            self._drop("unknown_peer" if peer is None else "unexpected")
 
-    # -- the handshake, responder side -------------------------------------------------------------
-    def _on_hello(self, identity: bytes, hello: Hello, now: float) -> None:
-        """Answer a ``Hello``; an accepted one waits (bounded) for its ``HelloConfirm``."""
-        self._greetings.pop(identity)
-        if len(hello.nonce) != NONCE_BYTES:
-            why = f"a Hello needs a fresh {NONCE_BYTES}-byte nonce"
-            reply = HelloReply(hello=None, accepted=False, echo=hello.nonce, reasons=(why,))
-            verdict = Verdict(compatible=False, reasons=(why,))
-        else:
-            nonce = secrets.token_bytes(NONCE_BYTES)
-            disclose = self.codec.secret is not None
-            reply, verdict = self.participant.answer(hello, nonce=nonce, disclose=disclose)
-        self._send(identity, reply)
-        if reply.hello is None:
-            self._refused(f"refused peer {hello.peer_id!r}", verdict)
-            return
-        assoc = associate(self.codec.secret, hello, reply.hello, we_initiated=False)
-        self._greetings.add(identity, hello, reply.hello.nonce, assoc, now)
-
-    def _on_confirm(
-        self, identity: bytes, greeting: Greeting, confirm: HelloConfirm, now: float
-    ) -> None:
-        """The initiator proved it saw our nonce: admit it, and acknowledge (or refuse)."""
-        if confirm.echo != greeting.nonce:
-            self._drop("stale_confirm")
-            return
-        verdict, actions = self.participant.accept(greeting.hello, now)
-        theirs = greeting.hello.nonce
-        if verdict.compatible:
-            self.counters["handshakes_accepted"] += 1
-            self._bind(PeerId(greeting.hello.peer_id), identity, greeting.assoc)
-            self._send(identity, HelloConfirm(echo=theirs))
-        else:  # the table changed since our reply (a newer incarnation, or it filled up)
-            refusal = HelloReply(hello=None, accepted=False, echo=theirs, reasons=verdict.reasons)
-            self._send_on(identity, refusal, greeting.assoc)
-            self._refused(f"refused peer {greeting.hello.peer_id!r}", verdict)
-        self._dispatch(actions)
-
-    def _refused(self, who: str, verdict: Verdict) -> None:
-        self.counters["handshakes_refused"] += 1
-        why = "; ".join(verdict.reasons)
-        self.log_budget.log(log, logging.WARNING, "%s: %s", who[:300], why[:600])
-
-    # -- the handshake, initiator side -------------------------------------------------------------
-    def _begin_connect(self, address: str) -> Future[PeerId]:
-        self._aliases += 1
-        alias = b"\x7fpd-out-%d" % self._aliases
-        self._router.setsockopt(zmq.CONNECT_ROUTING_ID, alias)
-        self._router.connect(address)
-        fut: Future[PeerId] = Future()
-        hello = self.participant.hello(secrets.token_bytes(NONCE_BYTES))
-        self._pending[alias] = Dial(address, fut, hello)
-        self._send(alias, hello)
-        return fut
-
-    def _on_dial_answer(
-        self, alias: bytes, dial: Dial, event: HelloReply | HelloConfirm, now: float
-    ) -> None:
-        """The peer's reply (then: confirm ours), or its ack (then: admit it)."""
-        if isinstance(event, HelloReply):
-            if dial.assoc is not None and event.accepted:
-                self._drop("unexpected")
-                return
-            verdict = self.participant.check_reply(event, nonce=dial.hello.nonce)
-            if not verdict.compatible or event.hello is None:
-                self._fail_dial(alias, dial, verdict, event.peer_id)
-                return
-            dial.peer = event.hello
-            dial.assoc = associate(self.codec.secret, dial.hello, event.hello, we_initiated=True)
-            self._send_on(alias, HelloConfirm(echo=event.hello.nonce), dial.assoc)
-            return
-        if dial.assoc is None or dial.peer is None or event.echo != dial.hello.nonce:
-            self._drop("stale_confirm")
-            return
-        verdict, actions = self.participant.accept(dial.peer, now)
-        if not verdict.compatible:
-            self._fail_dial(alias, dial, verdict)
-        else:
-            del self._pending[alias]
-            self.counters["handshakes_completed"] += 1
-            peer_id = PeerId(dial.peer.peer_id)
-            self._bind(peer_id, alias, dial.assoc)
-            dial.future.set_result(peer_id)
-        self._dispatch(actions)
-
-    def _fail_dial(self, alias: bytes, dial: Dial, verdict: Verdict, refuser: str = "") -> None:
-        del self._pending[alias]
-        self._refused(f"handshake with {dial.address} refused", verdict)
+    def _hang_up(self, address: str) -> None:
         with contextlib.suppress(zmq.ZMQError):
-            self._router.disconnect(dial.address)
-        reasons = "; ".join(verdict.reasons)
-        who = (dial.peer and dial.peer.peer_id) or refuser or dial.address
-        dial.future.set_exception(IncompatiblePeerError(f"peer {who} is incompatible: {reasons}"))
+            self._router.disconnect(address)
 
     def _bind(self, peer_id: PeerId, identity: bytes, assoc: Association) -> None:
         old = self._routes.get(peer_id)
@@ -486,11 +413,15 @@ class Endpoint:
     def _snapshot(self) -> dict[str, int]:
         out = dict(self.counters)
         out["handshake_cached_verdicts"] = self.participant.peers.cached_verdicts
-        out["handshakes_pending"] = len(self._greetings)
-        out["handshakes_expired"] = self._greetings.expired
-        out["handshakes_evicted"] = self._greetings.evicted
+        greetings = self.greeter.greetings
+        out.update(self.greeter.counters)
+        out["handshakes_pending"] = len(greetings)
+        out["handshakes_expired"] = greetings.expired
+        out["handshakes_turned_away"] = greetings.turned_away
+        out["handshakes_replaced"] = greetings.replaced
         out["peers_stored"] = len(self.participant.peers)
         out["log_lines_suppressed"] = self.log_budget.suppressed_total
+        out.update(self.door.snapshot())
         out["sessions_live"] = len(self.participant.sessions)
         for key, value in self.participant.counters.items():
             out[f"session_{key}"] = value

@@ -97,26 +97,32 @@ class Hello(WireEvent, frozen=True, kw_only=True, tag="hello"):
 
 
 class HelloReply(WireEvent, frozen=True, kw_only=True, tag="hello_reply"):
-    """The verdict on a ``Hello`` (``echo``: its nonce). An acceptance carries the responder's
-    own ``Hello`` (checked by the initiator); a refusal carries none, only ``reasons``."""
+    """The verdict on a ``Hello`` (``echo``: its nonce). It never carries our ``Hello``: an
+    acceptance carries only the responder's fresh ``nonce`` (the frame's tag, made with the
+    shared secret, is the proof); the responder's ``Hello`` follows in its ``HelloConfirm``,
+    sealed on the association. A refusal carries no nonce, only ``reasons``."""
 
-    hello: Hello | None
     accepted: bool
     echo: _Nonce = b""
+    nonce: _Nonce = b""
     reasons: Annotated[tuple[_Text, ...], msgspec.Meta(max_length=64)] = ()
     peer_id: Annotated[str, msgspec.Meta(max_length=256)] = ""
     """Who refused (a refusal to a peer that proved the shared secret); else empty."""
 
     def __post_init__(self) -> None:
-        if self.accepted != (self.hello is not None):
-            raise InvalidArgumentError("HelloReply carries a Hello exactly when it accepts")
+        if self.nonce and not self.accepted:
+            raise InvalidArgumentError("a refusing HelloReply carries no nonce")
 
 
 class HelloConfirm(WireEvent, frozen=True, kw_only=True, tag="hello_confirm"):
-    """Initiator → responder, the first frame of the association: ``echo`` is the responder's
-    nonce, so the responder knows the handshake is live and not a replayed ``Hello``."""
+    """The two frames on the new association. Initiator → responder: ``echo`` is the
+    responder's nonce, so the responder knows the handshake is live and not a replayed
+    ``Hello``; no ``hello``. Responder → initiator (the acknowledgement): ``echo`` is the
+    initiator's nonce and ``hello`` the responder's own ``Hello`` (its nonce the one of the
+    reply), disclosed only now that the initiator proved it is live."""
 
     echo: _Nonce
+    hello: Hello | None = None
 
 
 class Heartbeat(WireEvent, frozen=True, kw_only=True, tag="heartbeat"):

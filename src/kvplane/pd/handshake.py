@@ -23,9 +23,10 @@ __all__ = [  # heads_cover: the one head-coverage rule lives with the layout (L2
     "check_compatible", "compat_fingerprint", "heads_cover", "uncovered_heads",
 ]  # fmt: skip
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Version of the PD control protocol; frames of any other version are dropped and counted.
-2: sequenced frames, nonces in the handshake and per-connection associations."""
+2: sequenced frames, nonces in the handshake and per-connection associations. 3: the
+responder's ``Hello`` moves from its ``HelloReply`` to its ``HelloConfirm`` (after freshness)."""
 
 LAYOUT_KINDS = ("mha", "gqa", "mla", "state")
 

@@ -24,6 +24,7 @@ from kvplane.pd.events import (
     Fail,
     Heartbeat,
     Hello,
+    HelloConfirm,
     HelloReply,
     LeaseRenew,
     Outcome,
@@ -128,42 +129,52 @@ class Participant:
     def answer(
         self, hello: Hello, *, nonce: bytes = b"", disclose: bool = True
     ) -> tuple[HelloReply, Verdict]:
-        """Our reply to ``hello`` and the verdict behind it; admits no one. An acceptance
-        carries our ``Hello`` with ``nonce``; a refusal (incompatible, stale incarnation, full
-        table) carries none of our profile or transport, and its reasons only when
-        ``disclose`` (the peer proved the shared secret), since they name our layout."""
+        """Our reply to ``hello`` and the verdict behind it; admits no one. Neither an
+        acceptance (``hello``'s nonce echoed, our fresh ``nonce``) nor a refusal (incompatible,
+        stale incarnation, full table) carries our ``Hello``: it goes out only in
+        :meth:`welcome`, once the handshake is confirmed. A refusal's reasons name our layout,
+        so it carries them only when ``disclose`` (the peer proved the shared secret)."""
         judgment = self.peers.judge(hello)
         if judgment.admissible:
-            reply = HelloReply(hello=self.hello(nonce), accepted=True, echo=hello.nonce)
+            reply = HelloReply(accepted=True, echo=hello.nonce, nonce=nonce)
             return reply, judgment.verdict
         self._count(_REFUSAL_COUNTER[judgment.standing])
-        reasons = judgment.verdict.reasons if disclose else (WITHHELD,)
-        refusal = HelloReply(
-            hello=None,
+        verdict = judgment.verdict
+        return self.refusal(hello.nonce, verdict.reasons, disclose=disclose), verdict
+
+    def refusal(
+        self, echo: bytes, reasons: tuple[str, ...], *, disclose: bool = True
+    ) -> HelloReply:
+        """A refusal answering the ``Hello`` (or acknowledgement) of nonce ``echo``; its
+        ``reasons`` and our peer id only when ``disclose``, else :data:`WITHHELD`."""
+        shown = reasons if disclose else (WITHHELD,)
+        return HelloReply(
             accepted=False,
-            echo=hello.nonce,
-            reasons=tuple(wire_text(r) for r in reasons[:64]),
+            echo=echo,
+            reasons=tuple(wire_text(r) for r in shown[:64]),
             peer_id=self.peer_id if disclose else "",
         )
-        return refusal, judgment.verdict
+
+    def welcome(self, hello: Hello, nonce: bytes = b"") -> HelloConfirm:
+        """The acknowledgement of a confirmed handshake with ``hello``'s peer: its nonce echoed
+        and our ``Hello`` carrying ``nonce`` (the one our reply sent)."""
+        return HelloConfirm(echo=hello.nonce, hello=self.hello(nonce))
 
     def check_reply(self, reply: HelloReply, *, nonce: bytes = b"") -> Verdict:
         """Our verdict on the answer to our ``Hello`` of ``nonce``; admits no one. It must echo
-        that nonce and accept, and we must accept the peer's ``Hello`` it carries."""
+        that nonce and accept; the peer's ``Hello`` is judged when its acknowledgement brings
+        it (:meth:`accept`)."""
         if reply.echo != nonce:
             self._count("stale_reply")
             return Verdict(compatible=False, reasons=("the reply answers another Hello",))
-        if reply.hello is None:
+        if not reply.accepted:
             self._count("refused_by_peer")
             reasons = tuple(f"peer refused: {r}" for r in reply.reasons)
             return Verdict(compatible=False, reasons=reasons or ("peer refused",))
-        judgment = self.peers.judge(reply.hello)
-        if not judgment.admissible:
-            self._count(_REFUSAL_COUNTER[judgment.standing])
-        return judgment.verdict
+        return Verdict(compatible=True)
 
     def accept(self, hello: Hello, now: float) -> tuple[Verdict, list[Action]]:
-        """Admit the peer of a completed handshake, judged again (the table may have changed
+        """Admit the peer of a completed handshake, judged now (the table may have changed
         since :meth:`answer`). A newer incarnation of a live peer fails its old sessions (the
         actions); an older one is stale: refused and counted, nothing changes."""
         judgment = self.peers.judge(hello)
@@ -177,19 +188,33 @@ class Participant:
         self.peers.admit(hello, judgment, now)
         return judgment.verdict, out
 
-    def on_hello(self, hello: Hello, now: float) -> tuple[HelloReply, list[Action]]:
-        """:meth:`answer` and :meth:`accept` at once, for a link that cannot replay frames (an
-        in-memory simulation); an endpoint admits only once the handshake is confirmed."""
-        reply, _ = self.answer(hello)
-        return reply, (self.accept(hello, now)[1] if reply.accepted else [])
+    def on_hello(self, hello: Hello, now: float) -> tuple[HelloConfirm | HelloReply, list[Action]]:
+        """:meth:`answer`, :meth:`accept` and :meth:`welcome` at once, for a link that cannot
+        replay frames (an in-memory simulation): our acknowledgement carrying our ``Hello``,
+        or a refusal. An endpoint admits only once the handshake is confirmed."""
+        reply, verdict = self.answer(hello)
+        if not reply.accepted:
+            return reply, []
+        verdict, actions = self.accept(hello, now)
+        if not verdict.compatible:
+            return self.refusal(hello.nonce, verdict.reasons), actions
+        return self.welcome(hello), actions
 
     def on_hello_reply(
-        self, reply: HelloReply, now: float, *, nonce: bytes = b""
+        self, reply: HelloConfirm | HelloReply, now: float, *, nonce: bytes = b""
     ) -> tuple[Verdict, list[Action]]:
-        """:meth:`check_reply` and :meth:`accept` at once (see :meth:`on_hello`)."""
-        verdict = self.check_reply(reply, nonce=nonce)
-        if not verdict.compatible or reply.hello is None:
+        """The initiator's side of :meth:`on_hello`: a refusal's verdict, or the peer's
+        acknowledgement checked (it echoes ``nonce``) and its ``Hello`` admitted. An
+        acceptance without the peer's ``Hello`` (an endpoint's first reply) admits no one."""
+        if isinstance(reply, HelloReply):
+            verdict = self.check_reply(reply, nonce=nonce)
+            if verdict.compatible:
+                why = "the peer's Hello comes with its HelloConfirm, not its HelloReply"
+                return Verdict(compatible=False, reasons=(why,)), []
             return verdict, []
+        if reply.echo != nonce or reply.hello is None:
+            self._count("stale_reply")
+            return Verdict(compatible=False, reasons=("the reply answers another Hello",)), []
         return self.accept(reply.hello, now)
 
     # -- sessions ----------------------------------------------------------------------------------
