@@ -116,21 +116,43 @@ def test_gather_and_scatter_are_one_op_per_chunk_and_byte_exact(
     assert not canon[rest].view(torch.uint8).any()
 
 
-def test_a_move_planned_again_is_the_cached_plan() -> None:
+def test_a_move_of_the_same_blocks_and_slots_reuses_the_cached_batch() -> None:
+    """The batch is cached per (direction, blocks, slots), whatever the keys (fresh in every
+    store): the keys annotate only the move's plan."""
     plans, _, _, _ = _setup(LAYOUTS["block-major"], False)
     ids, slots = np.array(IDS), np.array(TARGET)
     first = plans.gather(ids, slots, KEYS)
-    assert plans.gather(ids.copy(), slots.copy(), list(KEYS)) is first
-    assert plans.gather(ids, slots) is not first  # other keys: another plan
+    again = plans.gather(ids.copy(), slots.copy(), [key(9), key(8), key(7), key(6)])
+    assert (again.src, again.dst) == (first.src, first.dst)  # the same lists: vouched once
+    assert [op.chunk_keys for op in again.plan.plan.ops] == [(key(i),) for i in (9, 8, 7, 6)]
+    assert [op.chunk_keys for op in first.plan.plan.ops] == [(k,) for k in KEYS]
     assert plans.gather(ids, slots).plan.plan.ops[0].chunk_keys == ()
-    assert plans.scatter(slots, ids, KEYS) is not first  # the other direction
+    assert plans.scatter(slots, ids, KEYS).src is not first.src  # the other direction
     layout = LAYOUTS["block-major"]
     buffer = SlotBuffer(SLOTS, NUM_SLOTS, BPC * layout.bytes_per_block)
     small = ChunkPlans(layout, POOL, buffer, BPC, cache_descriptors=6)
     a = small.gather(ids, slots)
-    assert len(a.plan.whole.src) == 6  # a run per block, but 4, 5 and 10, 11 one run each
-    b = small.gather(ids[:2], slots[:1])  # 6 + 2 descriptors > 6: the oldest goes
-    assert small.gather(ids[:2], slots[:1]) is b and small.gather(ids, slots) is not a
+    assert len(a.src) == 8  # a run per block (merging 4, 5 and 10, 11 would not halve them)
+    b = small.gather(ids[:2], slots[:1])  # 8 + 2 descriptors > 6: the oldest goes
+    assert small.gather(ids[:2], slots[:1]).src is b.src
+    assert small.gather(ids, slots).src is not a.src
+
+
+def test_a_move_keeps_its_own_copy_of_the_callers_arrays() -> None:
+    """Changing the caller's ids, slots or keys after a move was made (its plan not built
+    yet) changes neither the move's batch nor its plan."""
+    plans, _, _, _ = _setup(LAYOUTS["layer-major"], True)
+    ids, slots, keys = np.array(IDS), np.array(TARGET), list(KEYS)
+    move = plans.gather(ids, slots, keys)
+    want = plans.gather(np.array(IDS), np.array(TARGET), KEYS).plan
+    ids[:] = np.arange(8) + 20
+    slots[:] = [1, 4, 3, 2]
+    keys.reverse()
+    got = move.plan
+    assert np.array_equal(_byte_map(got.whole.src, got.whole.dst),
+                          _byte_map(want.whole.src, want.whole.dst))  # fmt: skip
+    assert np.array_equal(_byte_map(move.src, move.dst), _byte_map(got.whole.src, got.whole.dst))
+    assert [op.chunk_keys for p in got.plans for op in p.ops] == [(k,) for k in KEYS]
 
 
 def test_bad_moves_are_refused_before_any_plan() -> None:

@@ -182,3 +182,21 @@ def test_finish_quiescent_unpins_first_whatever_the_outcome():
     assert not table.finish(late, XferState.DONE, quiescent=True)  # late, but now quiescent
     assert released == [(RegionId(1),), (RegionId(2),)] and table.live() == []
     assert late.poll().state is XferState.FAILED  # the first transition stays
+
+
+def test_the_done_event_is_made_on_first_need_and_set_by_the_end():
+    """No event is made per batch unless someone waits: one asked for before the end is set
+    by ``finish``, one asked for after it is made already set."""
+    table, _, metrics = _table()
+    early = table.new(PeerId("p"), XferKind.WRITE, 4, 5.0, ())
+    late = table.new(PeerId("p"), XferKind.READ, 6, 5.0, ())
+    assert early.done_event is None and late.done_event is None
+    waiting = table.done_event(early)
+    assert not waiting.is_set() and table.done_event(early) is waiting
+    table.finish(early, XferState.DONE)
+    table.finish(late, XferState.DONE)
+    assert waiting.is_set() and late.done_event is None
+    assert table.done_event(late).is_set()
+    bytes_done = [metrics.value("transport_bytes", {"transport": "t", "kind": k}, "_total")
+                  for k in ("write", "read")]  # fmt: skip
+    assert bytes_done == [4, 6]  # the counters looked up once per (state, kind) count each

@@ -14,7 +14,7 @@ from runs_testlib import RUN_SLACK, disjoint_runs, reference_runs
 from kvplane.errors import InvalidArgumentError
 from kvplane.native import KernelBuild
 from kvplane.transports import native_copy
-from kvplane.transports.native_copy import STREAM_MIN, copy_runs_native, kernel
+from kvplane.transports.native_copy import SPLIT_MIN, STREAM_MIN, copy_runs_native, kernel
 from kvplane.transports.workers import CopyWorkers
 
 pytestmark = pytest.mark.skipif(
@@ -60,8 +60,8 @@ def test_windows_of_any_cut_add_up_to_the_whole_move(*, seed, count, max_len, eq
 def test_a_streamed_move_on_several_threads_is_exact(threads, equal):
     """Over :data:`STREAM_MIN` bytes (streaming stores), odd offsets and lengths, windows cut
     inside runs; every byte outside the runs keeps its value."""
-    _, src, so, dst, do, ln = _case(7, 300, 12_345, equal)
-    assert int(ln.sum()) >= STREAM_MIN
+    _, src, so, dst, do, ln = _case(7, 700, 12_345, equal)
+    assert int(ln.sum()) >= max(STREAM_MIN, 2 * SPLIT_MIN)  # streamed, and split in windows
     want = reference_runs(src, so, dst, do, ln)
     workers = None if threads is None else CopyWorkers(threads)
     try:

@@ -5,8 +5,9 @@ each chunk stored block-major in the layout's canonical order) as a layout and b
 validated :class:`~kvplane.transfer.plan.TransferPlan` s of gathers (pool -> slots) and scatters
 (slots -> pool) with :func:`~kvplane.transfer.planner.plan_transfer`'s CHUNK grouping, the one
 place a chunk becomes byte runs. A move's one transport batch is the planner's validated
-one-block template shifted by whole blocks and slots, proved by ``check_batch``; its CHUNK plan
-is built when asked for. It plans only: it holds no tensor and moves no byte.
+one-block template copied to whole blocks and slots, which ``check_tiles`` proved safe once for
+any distinct ones; its CHUNK plan is built when asked for. It plans only: it holds no tensor
+and moves no byte.
 """
 
 from __future__ import annotations
@@ -27,13 +28,11 @@ from kvplane.transfer.plan import ValidatedPlan
 from kvplane.transfer.planner import plan_transfer
 from kvplane.transfer.request import OpGrouping, PlanOptions, PlanSide
 from kvplane.transports.base import DescriptorList, Int64Array
-from kvplane.transports.checks import check_batch
-from kvplane.transports.copier import coalesce
+from kvplane.transports.checks import Lattice, Tiles, check_batch, check_tiles
 
 CACHE_DESCRIPTORS = 1 << 18
-"""Descriptors of the moves remembered (~100 bytes each with their proof and facts), least
-recently used first out: a move planned again costs a lookup; a new one ~30-60 us per chunk
-for its op objects, plus ~1 ms of planning and validation."""
+"""Descriptors of the batches remembered (~100 bytes each with their proof and facts), least
+recently used first out: a move of the same blocks and slots again costs a lookup."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +47,11 @@ class SlotBuffer:
 
 class ChunkMove:
     """One gather or scatter: the one transport batch that runs it (``src``/``dst``: every
-    chunk's runs in chunk order, continuing runs merged, vouched by ``check_batch``, so a
-    move submitted again is not checked again) and, built on first use, its validated
-    CHUNK-grouped :attr:`plan`, which moves exactly the batch's bytes."""
+    chunk's runs in chunk order, continuing runs merged, vouched by ``checks``, so the
+    transport does not check them again) and, built on first use, its validated
+    CHUNK-grouped :attr:`plan`, which moves exactly the batch's bytes. The plan is built from
+    the block ids, slots and keys the move was made of, copied when it was made: changing the
+    caller's arrays afterwards changes neither."""
 
     __slots__ = ("_build", "_plan", "dst", "src")
 
@@ -101,12 +102,12 @@ class ChunkPlans:
             pool_region: self.pool.pool_bytes,
             slots.region: slots.num_slots * slots.slot_stride,
         }
-        self._template = self._one_block()
+        self._tiles = self._one_block()
         self._cache_descriptors = cache_descriptors
-        self._cache: OrderedDict[tuple[bool, bytes, bytes, tuple[ChunkKey, ...]], ChunkMove]
+        self._cache: OrderedDict[tuple[bool, bytes, bytes], tuple[DescriptorList, DescriptorList]]
         self._cache = OrderedDict()
         self._cached = 0
-        """Descriptors the cached moves hold."""
+        """Descriptors the cached batches hold."""
         self._lock = threading.Lock()
 
     def gather(
@@ -124,73 +125,76 @@ class ChunkPlans:
     def _move(
         self, to_slots: bool, ids: Int64Array, slots: Int64Array, keys: tuple[ChunkKey, ...]
     ) -> ChunkMove:
-        """The cached move, or a new one: ``ids``/``slots`` int64, in range (the caller's
-        check); ``keys`` one per chunk, or none. ``InvalidArgumentError`` for a repeated id or
-        slot (a move reads and writes every byte once)."""
+        """The move: its batch cached per (direction, ids, slots), else built. ``ids`` and
+        ``slots`` 1-D int64 arrays; ``keys`` one per chunk, or none. ``InvalidArgumentError``
+        for a wrong count, an id or slot out of range or repeated (a move reads and writes
+        every byte once)."""
         bpc = self.spec.blocks_per_chunk
         if ids.size != slots.size * bpc or (keys and len(keys) != slots.size):
             raise InvalidArgumentError(
                 f"{slots.size} chunks need {slots.size * bpc} block ids and no or "
                 f"{slots.size} keys, got {ids.size} and {len(keys)}"
             )
-        key = (to_slots, ids.tobytes(), slots.tobytes(), keys)
+        ids, slots = _frozen_copy(ids), _frozen_copy(slots)  # the plan, built later, uses these
+        key = (to_slots, ids.tobytes(), slots.tobytes())
         with self._lock:
             found = self._cache.get(key)
             if found is not None:
                 self._cache.move_to_end(key)
-                return found
-        for what, values in (("block ids", ids), ("slots", slots)):  # a new move: check it
-            uniq, counts = np.unique(values, return_counts=True)
-            if len(uniq) != len(values):
-                raise InvalidArgumentError(f"{what} repeat {int(uniq[counts > 1][0])}")
-        move = self._shifted(to_slots, ids, slots, keys)
+        if found is None:
+            found = self._batch(to_slots, ids, slots)
+            self._remember(key, found)
+        return ChunkMove(
+            *found, lambda: ValidatedPlan.join(self._plans(to_slots, ids, slots, keys))
+        )
+
+    def _remember(
+        self, key: tuple[bool, bytes, bytes], batch: tuple[DescriptorList, DescriptorList]
+    ) -> None:
         with self._lock:
             if key not in self._cache:
-                self._cache[key] = move
-                self._cached += len(move.src)
+                self._cache[key] = batch
+                self._cached += len(batch[0])
             while self._cached > self._cache_descriptors and len(self._cache) > 1:
                 _, old = self._cache.popitem(last=False)
-                self._cached -= len(old.src)
-        return move
+                self._cached -= len(old[0])
 
-    def _one_block(self) -> tuple[Int64Array, Int64Array, Int64Array]:
-        """The runs moving pool block 0 into slot 0's block 0 (pool offsets, slot offsets,
-        lengths): the planner's plan, validated. Block ``b`` of the pool is these bytes
-        ``b * stride(BLOCK)`` further on (a strided layout), block ``j`` of slot ``s``
-        ``s * slot_stride + j * bytes_per_block`` further (the slots are block-major)."""
+    def _one_block(self) -> dict[bool, Tiles]:
+        """Per direction (True: to the slots), the planner's validated runs moving pool block
+        0 into slot 0's block 0, proved to tile: block ``b`` of the pool is those bytes ``b *
+        stride(BLOCK)`` further on (a strided layout), block ``j`` of slot ``s`` ``s *
+        slot_stride + j * bytes_per_block`` further (the slots are block-major)."""
         one = np.zeros(1, dtype=np.int64)
         plan = plan_transfer(
             PlanSide(self.pool, one, self.pool_region),
             PlanSide(self.slot_layout, one, self.slots.region),
             TokenRange(0, self.spec.block_size),
         ).validate(self._lengths, self._lengths)
-        src, dst = plan.whole.src, plan.whole.dst
-        return src.offsets, dst.offsets, src.lengths
+        pool = [Lattice(self.pool.strides_bytes()[Axis.BLOCK], self.pool.num_blocks)]
+        slot = [
+            Lattice(self.pool.bytes_per_block, self.spec.blocks_per_chunk),
+            Lattice(self.slots.slot_stride, self.slots.num_slots),
+        ]
+        whole, lengths = plan.whole, self._lengths
+        back = check_batch(whole.dst, whole.src, lengths, lengths, sources_disjoint=True)
+        return {
+            True: check_tiles(whole, pool, slot, lengths, lengths),
+            False: check_tiles(back, slot, pool, lengths, lengths),
+        }
 
-    def _shifted(
-        self, to_slots: bool, ids: Int64Array, slots: Int64Array, keys: tuple[ChunkKey, ...]
-    ) -> ChunkMove:
-        """The move's batch: the one-block template shifted to each (block, slot block),
-        chunk by chunk, merged where runs continue, then proved by ``check_batch`` (pairing,
-        bounds, nothing written or read twice) -- the cheap part of validation; the planner's
-        byte checksum was paid once, for the template."""
-        t_pool, t_slot, t_len = self._template
-        bpc, bpb = self.spec.blocks_per_chunk, self.pool.bytes_per_block
-        pool_base = ids * self.pool.strides_bytes()[Axis.BLOCK]
-        slot_base = (slots[:, None] * self.slots.slot_stride + np.arange(bpc) * bpb).ravel()
-        pool = (pool_base[:, None] + t_pool[None, :]).ravel()
-        slot = (slot_base[:, None] + t_slot[None, :]).ravel()
-        lengths = np.tile(t_len, len(ids))
-        p_regions = np.full(len(pool), self.pool_region, dtype=np.int64)
-        s_regions = np.full(len(slot), self.slots.region, dtype=np.int64)
-        pool_list = DescriptorList(p_regions, pool, lengths)
-        slot_list = DescriptorList(s_regions, slot, pool_list.lengths)
-        src, dst = (pool_list, slot_list) if to_slots else (slot_list, pool_list)
-        src, dst = coalesce(src, dst)
-        check_batch(src, dst, self._lengths, self._lengths, sources_disjoint=True)
-        return ChunkMove(
-            src, dst, lambda: ValidatedPlan.join(self._plans(to_slots, ids, slots, keys))
-        )
+    def _batch(
+        self, to_slots: bool, ids: Int64Array, slots: Int64Array
+    ) -> tuple[DescriptorList, DescriptorList]:
+        """The move's batch: the one-block template copied to each (block, slot block), chunk
+        by chunk, continuing runs merged, vouched by
+        :meth:`~kvplane.transports.checks.Tiles.batch` (the template was validated once, and
+        copies at distinct blocks and slots proved disjoint and in bounds with it)."""
+        tiles = self._tiles[to_slots]
+        if to_slots:
+            batch = tiles.batch(ids, slots, ("block ids", "slots"))
+        else:
+            batch = tiles.batch(slots, ids, ("slots", "block ids"))
+        return batch.src, batch.dst
 
     def _plans(
         self, to_slots: bool, ids: Int64Array, slots: Int64Array, keys: tuple[ChunkKey, ...]
@@ -229,3 +233,10 @@ class ChunkPlans:
         return plan.validate(
             {src.region: self._lengths[src.region]}, {dst.region: self._lengths[dst.region]}
         )
+
+
+def _frozen_copy(values: Int64Array) -> Int64Array:
+    """A read-only int64 copy of ``values`` (a few hundred nanoseconds for a move's ids)."""
+    out = np.array(values, dtype=np.int64, copy=True)
+    out.setflags(write=False)
+    return out

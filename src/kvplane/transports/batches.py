@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvplane.errors import TransportError
 from kvplane.ids import PeerId, RegionId
@@ -39,7 +40,8 @@ class Batch:
     quiescent: bool = False
     job: object = None
     ended_at: float | None = None
-    done_event: threading.Event = field(default_factory=threading.Event)
+    done_event: threading.Event | None = None
+    """Set when the batch ends; made on first need (:meth:`BatchTable.done_event`)."""
     callbacks: list[Callable[[], None]] = field(default_factory=list)
 
     @property
@@ -79,7 +81,9 @@ class BatchTable:
         )
         self._m_seconds = metrics.histogram(
             "transport_batch_seconds", "Submit-to-terminal time of batches", ("transport",)
-        )
+        ).labels(transport)
+        self._m_children: dict[tuple[XferState, XferKind], tuple[Any, Any]] = {}
+        """Per (state, kind): the labelled batch counter and byte counter (looked up once)."""
 
     def new(
         self,
@@ -112,6 +116,15 @@ class BatchTable:
     def by_id(self, xfer_id: int) -> Batch | None:
         with self._lock:
             return self._live.get(xfer_id)
+
+    def done_event(self, batch: Batch) -> threading.Event:
+        """The event set when ``batch`` ends (already set if it has)."""
+        with self._lock:
+            if batch.done_event is None:
+                batch.done_event = threading.Event()
+                if batch.state.terminal:
+                    batch.done_event.set()
+            return batch.done_event
 
     def on_done(self, handle: Handle, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once when the batch of ``handle`` ends (at once if it has ended).
@@ -182,14 +195,26 @@ class BatchTable:
                 batch.bytes_done = batch.handle.num_bytes
             self._retire_locked(batch)
             callbacks, batch.callbacks = batch.callbacks, []
-        batch.done_event.set()
+            event = batch.done_event
+        if event is not None:
+            event.set()
         for fn in callbacks:
             fn()
-        self._m_batches.labels(self._name, state.value).inc()
-        self._m_seconds.labels(self._name).observe(ended - batch.started_at)
+        ended_count, moved = self._counters(state, batch.kind)
+        ended_count.inc()
+        self._m_seconds.observe(ended - batch.started_at)
         if state is XferState.DONE:
-            self._m_bytes.labels(self._name, batch.kind.value).inc(batch.handle.num_bytes)
+            moved.inc(batch.handle.num_bytes)
         return True
+
+    def _counters(self, state: XferState, kind: XferKind) -> tuple[Any, Any]:
+        found = self._m_children.get((state, kind))
+        if found is None:  # two threads may both look up: the same children
+            found = (self._m_batches.labels(self._name, state.value), None)
+            if state is XferState.DONE:
+                found = (found[0], self._m_bytes.labels(self._name, kind.value))
+            self._m_children[(state, kind)] = found
+        return found
 
     def quiesce(self, batch: Batch) -> None:
         """No thread or engine touches the batch's memory any more: release its pins once.

@@ -201,7 +201,8 @@ class TransportCore:
                 return got
             found = self._batches.lookup(handle)
             if isinstance(found, Batch) and not self._spin_wait:
-                found.done_event.wait(0.005 if end is None else min(0.005, end - now))
+                event = self._batches.done_event(found)
+                event.wait(0.005 if end is None else min(0.005, end - now))
 
     def on_done(self, handle: Handle, fn: Callable[[], None]) -> None:
         """Call ``fn()`` once when the batch ends, on the thread that ends it (at once if it

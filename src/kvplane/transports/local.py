@@ -96,7 +96,7 @@ class LocalTransport(TransportCore):
         self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
         notify: bytes | None,
     ) -> None:  # fmt: skip
-        target = self._fabric.get(peer.peer_id)
+        target = self if peer.peer_id == self.agent else self._fabric.get(peer.peer_id)
         if target is None or target.closed:
             self._batches.finish(batch, XferState.FAILED, FailureKind.REMOTE_DISCONNECT,
                                  f"local peer {peer.peer_id!r} is gone")  # fmt: skip
