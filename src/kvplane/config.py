@@ -215,3 +215,33 @@ def resolve(
         return cls(**kwargs), sources
     except TypeError as exc:  # pragma: no cover - guarded by the unknown-key checks above
         raise ConfigError(f"[{section}]: {exc}") from exc
+
+
+SECRET_ENV = "KVPLANE_SECRET"
+MIN_SECRET_BYTES = 16
+"""A shorter secret is refused: it could be guessed (``openssl rand -hex 32`` gives 64)."""
+
+
+def read_secret(
+    secret_file: str | None, env: Mapping[str, str], *, flag: str = "--secret-file"
+) -> bytes | None:
+    """The shared secret: the contents of ``secret_file`` (trailing whitespace stripped) when
+    given (``flag`` names it in errors), else ``env[KVPLANE_SECRET]``, else ``None``.
+    ``ConfigError`` for an unreadable or empty file, or a secret shorter than
+    :data:`MIN_SECRET_BYTES`."""
+    if secret_file is not None:
+        try:
+            secret = Path(secret_file).read_bytes().rstrip()
+        except OSError as exc:
+            raise ConfigError(f"{flag} {secret_file!r} cannot be read: {exc.strerror}") from None
+        where = f"{flag} {secret_file!r}"
+    else:
+        text = env.get(SECRET_ENV, "")
+        if not text:
+            return None
+        secret, where = text.encode(), SECRET_ENV
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"{where} must hold a secret of at least {MIN_SECRET_BYTES} bytes, got {len(secret)}"
+        )
+    return secret

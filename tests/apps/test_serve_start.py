@@ -17,7 +17,7 @@ from kvplane.apps.serve import DISK_SLOT_FILE, offload_of
 from kvplane.apps.serve_config import settle
 from kvplane.cli import build_parser
 from kvplane.errors import ConfigError
-from kvplane.serving.messages import Generate, RequestResult
+from kvplane.serving.messages import Generate, InfoQuery, RequestResult, WorkerInfo
 from kvplane.serving.router.router import Router
 from kvplane.serving.rpc import RpcClient
 from kvplane.testing.cluster import TEST_SECRET, Proc, child_env, free_port, wait_for
@@ -84,6 +84,23 @@ def test_a_prompt_larger_than_the_host_tier_is_counted_and_logged(procs: list[Pr
     assert pre.proc.stderr is not None
     told = [line for line in pre.proc.stderr.read().splitlines() if "exceeds the host" in line]
     assert len(told) == 1  # logged once
+
+
+def test_a_secret_from_the_environment_leaves_it_with_a_warning(procs: list[Proc]) -> None:
+    """Issue 27 leftover: ``KVPLANE_SECRET`` stayed readable in ``/proc/PID/environ`` by any
+    process of the same user, and was inherited by every child, with nothing said."""
+    p = Proc("decode", SMALL)  # the secret comes in KVPLANE_SECRET
+    procs.append(p)
+    environ = Path(f"/proc/{p.proc.pid}/environ").read_bytes()
+    assert TEST_SECRET not in environ
+    assert p.proc.stderr is not None
+    warning = p.proc.stderr.readline()
+    assert "$KVPLANE_SECRET" in warning and "prefer --secret-file" in warning
+    client = RpcClient(p.control, timeout_s=20, secret=TEST_SECRET)  # it still holds it
+    try:
+        assert isinstance(client.call(InfoQuery()), WorkerInfo)
+    finally:
+        client.close()
 
 
 def test_a_secret_file_and_a_config_file_with_env_over_file(

@@ -2,7 +2,7 @@
 
 :class:`Child` is one ``kvplane serve`` subprocess; :class:`ProcessGroup` raises
 :class:`WorkerDiedError` as soon as one exits, and stops them all, and hands its children the
-group's secret by environment (:func:`new_secret`: one per group). Nothing here listens on a
+group's secret in a 0600 file (:func:`new_secret`: one per group). Nothing here listens on a
 socket. See docs/serving.md.
 """
 
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from kvplane.apps.startup import SECRET_ENV
+from kvplane.config import SECRET_ENV
 from kvplane.errors import TransferTimeoutError, WorkerDiedError
 
 
@@ -28,9 +28,19 @@ def new_secret() -> bytes:
     return secrets.token_hex(32).encode()
 
 
+def secret_file(log_dir: Path, secret: bytes) -> Path:
+    """``secret`` in ``log_dir/secret``, readable by this user only (0600): what children get
+    through ``--secret-file`` (an environment variable is readable in ``/proc/PID/environ``)."""
+    path = log_dir / "secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(secret)
+    return path
+
+
 class Child:
-    """One ``kvplane serve`` subprocess (see the module docstring); ``secret`` goes to it in
-    ``KVPLANE_SECRET`` (``None``: none, and ``args`` must say ``--insecure``)."""
+    """One ``kvplane serve`` subprocess (see the module docstring); ``secret`` goes to it in a
+    0600 file named by ``--secret-file`` (``None``: none, and ``args`` must say ``--insecure``)."""
 
     def __init__(
         self, role: str, args: list[str], log_dir: Path, secret: bytes | None = None
@@ -40,7 +50,7 @@ class Child:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env.pop(SECRET_ENV, None)
         if secret is not None:
-            env[SECRET_ENV] = secret.decode()
+            args = [*args, "--secret-file", str(secret_file(log_dir, secret))]
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvplane", "serve", role, *args],

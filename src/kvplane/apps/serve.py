@@ -1,4 +1,5 @@
-"""``kvplane serve prefill|decode|router``: the PD workers and the router as processes.
+"""``kvplane serve prefill|decode|router|proxy``: the PD workers, the router and the vLLM PD
+proxy (:mod:`~kvplane.apps.proxy_command`) as processes.
 
 Wiring only: flags (or ``--config``/``KVPLANE_*``, :mod:`~kvplane.apps.serve_config`) to a
 :class:`~kvplane.serving.worker_config.WorkerConfig` and a producer, checked before anything
@@ -20,15 +21,17 @@ from pathlib import Path
 
 import zmq
 
+from kvplane.apps.proxy_command import HELP as PROXY_HELP
+from kvplane.apps.proxy_command import proxy_flags, run_proxy
 from kvplane.apps.serve_config import sectioned, settle
 from kvplane.apps.startup import (
-    SECRET_ENV,
     check_connect_address,
     check_pool_memory,
     probe_bind,
     probe_port,
-    read_secret,
+    scrub_secret_env,
 )
+from kvplane.config import SECRET_ENV, read_secret
 from kvplane.errors import ConfigError
 from kvplane.offload import OffloadConfig
 from kvplane.pd.timers import Timings
@@ -49,6 +52,9 @@ HELP = "Run a PD prefill worker, decode worker or router as a process."
 DISK_SLOT_FILE = "kvplane-chunks.disk"
 """The disk tier's slot file, inside the ``--offload-disk`` directory."""
 log = logging.getLogger(__name__)
+_SECRET = "_serve_secret"
+"""The attribute of a parsed namespace holding (the secret, whether from ``KVPLANE_SECRET``)
+once read: the variable leaves the environment when read, so a second read would find none."""
 
 
 def _config_flags(p: argparse.ArgumentParser) -> None:
@@ -147,6 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     r.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
     sectioned(rp)
+    proxy_flags(sub.add_parser("proxy", help=PROXY_HELP))
 
 
 def _head_range(text: str | None) -> tuple[int, int] | None:
@@ -172,8 +179,15 @@ def spec_of(args: argparse.Namespace) -> SyntheticSpec:
 
 def secret_of(args: argparse.Namespace) -> bytes | None:
     """The secret ``args`` and the environment name; ``ConfigError`` when there is none and
-    ``--insecure`` was not given, or when both were."""
-    secret = read_secret(args.secret_file, os.environ)
+    ``--insecure`` was not given, or when both were. ``KVPLANE_SECRET`` is removed from the
+    environment once read (:func:`~kvplane.apps.startup.scrub_secret_env`: no child inherits
+    it); the secret, and whether it came from there (:func:`_warn_at_start` says so), stay in
+    ``args`` for the next call."""
+    if not hasattr(args, _SECRET):
+        read = read_secret(args.secret_file, os.environ)
+        from_env = scrub_secret_env(os.environ) and args.secret_file is None and read is not None
+        setattr(args, _SECRET, (read, from_env))
+    secret: bytes | None = getattr(args, _SECRET)[0]
     if secret is None and not args.insecure:
         raise ConfigError(
             f"no secret: set {SECRET_ENV} or --secret-file FILE (e.g. `openssl rand -hex 32`), "
@@ -279,13 +293,21 @@ def _announce(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def _warn_if_insecure(args: argparse.Namespace) -> None:
+def _warn_at_start(args: argparse.Namespace) -> None:
+    """One line on stderr once the checks passed: insecure mode, or a secret taken from
+    ``KVPLANE_SECRET`` (same-user processes could read it in ``/proc/PID/environ``)."""
     if args.insecure:
         log.warning(
             "kvplane serve %s: --insecure: no secret; any local process can send orders to "
             "this process and read or write its KV (kvplane_insecure 1 in /metrics)",
             args.role,
         )
+    elif getattr(args, _SECRET, (None, False))[1]:
+        log.warning(
+            "kvplane serve %s: the secret came from $%s, which this user's other processes "
+            "may read; prefer --secret-file FILE (mode 0600). Removed from the environment.",
+            args.role, SECRET_ENV,
+        )  # fmt: skip
 
 
 def _run_router(args: argparse.Namespace) -> int:
@@ -300,7 +322,7 @@ def _run_router(args: argparse.Namespace) -> int:
         deadline_s=args.request_deadline, refresh_s=args.refresh, secret=secret,
     )  # fmt: skip
     router.metrics.gauge("insecure", INSECURE_HELP).set(0 if secret is not None else 1)
-    _warn_if_insecure(args)
+    _warn_at_start(args)
     service: RouterService | None = None
     try:
         try:  # what the probes could not foresee (a port taken since) is still one line
@@ -324,15 +346,17 @@ def run(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> int:
     raise ``ConfigError`` before anything starts (``kvplane: error: ...``, exit 1)."""
     role = getattr(args, "role", None)
     if role is None:
-        print("usage: kvplane serve {prefill,decode,router} [flags]", file=sys.stderr)
+        print("usage: kvplane serve {prefill,decode,router,proxy} [flags]", file=sys.stderr)
         return 2
     if role == "router":
         return _run_router(args)
+    if role == "proxy":
+        return run_proxy(args)
     try:
         worker = build_worker(args, hooks)
     except (OSError, zmq.ZMQError, MemoryError) as exc:  # what the probes could not foresee
         raise ConfigError(f"kvplane serve {role} cannot start: {exc}") from None
-    _warn_if_insecure(args)
+    _warn_at_start(args)
     try:
         try:
             worker.start()

@@ -25,6 +25,7 @@ from kvplane.pd.actions import Finished, Release
 from kvplane.pd.events import Cancel, StartTransfer
 from kvplane.pd.states import Role, SessionState
 from kvplane.pipeline.timeline import Mark
+from kvplane.serving.dials import Dials
 from kvplane.serving.messages import (
     NOT_CONNECTED,
     Ack,
@@ -82,6 +83,7 @@ class DecodeWorker(Worker):
     ) -> None:
         super().__init__(config, decoder, metrics=metrics, transport=transport, hooks=hooks)
         self.decoder = decoder
+        self.dials = Dials(lambda a, t: self.endpoint.connect(a, timeout_s=t), self._close_dials)
         self._requests: dict[RequestId, _Decode] = {}
         self._by_session: dict[SessionId, _Decode] = {}
         self._waiting: deque[_Decode] = deque()
@@ -100,8 +102,14 @@ class DecodeWorker(Worker):
             super()._on_order(msg, reply)
 
     def pair(self, pd_address: str, timeout_s: float = 5.0) -> PeerId:
-        """Shake hands with a prefill worker's PD endpoint (any thread but the PD loop)."""
-        return self.endpoint.connect(pd_address, timeout_s=timeout_s)
+        """Shake hands with a prefill worker's PD endpoint (any thread but the PD loop), on a
+        new connection: the previous one to that address, and those to another address that
+        reached the same peer, are closed (:class:`~kvplane.serving.dials.Dials`)."""
+        return self.dials.pair(pd_address, timeout_s)
+
+    def _close_dials(self, address: str) -> None:
+        """Close every PD connection this worker dialled to ``address`` (none: nothing)."""
+        self.endpoint.disconnect(address)
 
     def _on_message(self, msg: AnyMessage, reply: Reply) -> None:
         if isinstance(msg, PairWith):  # a handshake waits on the network: not on this thread
@@ -342,7 +350,9 @@ class DecodeWorker(Worker):
                 del self._by_session[req.sid]
 
     def stats(self, *, timeline: bool = False) -> WorkerStats:
-        """The base stats plus the model's attention plans and fallbacks."""
+        """The base stats plus the model's attention plans and fallbacks, and the PD
+        connections closed for a pairing (``pairing_connections_closed``)."""
         base = super().stats(timeline=timeline)
         extra = report_counters(self.metrics, self.decoder)
+        extra["pairing_connections_closed"] = self.dials.closed
         return msgspec.structs.replace(base, counters={**base.counters, **extra})

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import msgspec
+
 from kvplane.errors import KVPlaneError, ProtocolError
 from kvplane.ids import PeerId
 from kvplane.metrics import MetricsRegistry, MetricsServer
@@ -24,6 +26,7 @@ from kvplane.pd.participant import Participant
 from kvplane.pd.states import Role, SessionState
 from kvplane.pipeline.observe import RuntimeMetrics
 from kvplane.pipeline.timeline import Timeline
+from kvplane.serving.live_peers import LivePeers
 from kvplane.serving.messages import (
     MAX_PEERS,
     REPLY_MARGIN,
@@ -50,7 +53,8 @@ INSECURE_HELP = "1: this process runs without a secret (unauthenticated peers ac
 GAUGE_PERIOD_S = 0.5
 """How often the worker loop refreshes the sessions-by-state and live-request gauges."""
 PEERS_WAIT_S = 1.0
-"""Longest wait of an info query's answer for the PD loop's list of live peers."""
+"""Longest wait of an info query's answer for the PD loop's list of live peers (the order
+thread never waits for it: :class:`~kvplane.serving.live_peers.LivePeers`)."""
 
 
 def make_transport(
@@ -143,6 +147,10 @@ class Worker:
             config.control_bind, self._on_message, name=f"kvplane-rpc-{config.name}",
             secret=config.secret, metrics=self.metrics,
         )  # fmt: skip
+        self.live_peers = LivePeers(
+            self._read_peers, wait_s=PEERS_WAIT_S, max_peers=MAX_PEERS,
+            name=f"kvplane-peers-{config.name}",
+        )  # fmt: skip
         self.counters: Counter[str] = Counter()
         self.exit_requested = threading.Event()
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -171,6 +179,7 @@ class Worker:
             self._metrics_server.stop()
             self._metrics_server = None
         self.rpc.close()
+        self.live_peers.close()
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10.0)
@@ -182,9 +191,9 @@ class Worker:
         """Subclass hook: stop helper threads (before the endpoint and transport close)."""
 
     def info(self) -> WorkerInfo:
-        """Who this worker is, with its pools' TP head ranges (the router pairs by them) and
-        the PD peers it is connected with now (the router re-pairs by them). Any thread; waits
-        on the PD loop at most :data:`PEERS_WAIT_S`."""
+        """Who this worker is, with its pools' TP head ranges (the router pairs by them); its
+        ``peers`` is None (does not say): only the answer to an ``InfoQuery`` lists them
+        (:meth:`_answer_info`). Any thread; never waits."""
         return WorkerInfo(
             role=self.role,
             peer_id=self.config.name,
@@ -193,17 +202,19 @@ class Worker:
             transport=self.transport.name,
             metrics_port=self.config.metrics_port,
             head_ranges=tuple(lay.head_range for lay in self.pools.layouts),
-            peers=self._live_peers(),
         )
 
-    def _live_peers(self) -> tuple[str, ...] | None:
-        """The PD peers with a live connection (accepted handshake, lease current), sorted;
-        None (does not say) when more than ``MAX_PEERS`` or the PD loop is not answering."""
-        try:
-            live = self.endpoint.call(self.participant.peers.live_peers, PEERS_WAIT_S)
-        except TimeoutError:
-            return None
-        return tuple(live) if len(live) <= MAX_PEERS else None
+    def _read_peers(self, timeout_s: float) -> list[str]:
+        """The PD peers with a live connection (accepted handshake, lease current), sorted,
+        read on the PD loop; ``TimeoutError`` when it does not answer within ``timeout_s``."""
+        return [str(p) for p in self.endpoint.call(self.participant.peers.live_peers, timeout_s)]
+
+    def _answer_info(self, reply: Reply) -> None:
+        """Answer an ``InfoQuery`` with :meth:`info` and the PD peers live when it arrived or
+        later (the router re-pairs by them), read off the calling thread: the order thread
+        never waits on the PD loop (None after :data:`PEERS_WAIT_S`, or beyond ``MAX_PEERS``)."""
+        info = self.info()
+        self.live_peers.ask(lambda peers: reply(msgspec.structs.replace(info, peers=peers)))
 
     # -- threads other than the loop -------------------------------------------------------------
     def _on_action(self, act: Action) -> None:
@@ -213,7 +224,7 @@ class Worker:
     def _on_message(self, msg: AnyMessage, reply: Reply) -> None:
         """Order-server thread: answer what needs no state, queue the rest."""
         if isinstance(msg, InfoQuery):
-            reply(self.info())
+            self._answer_info(reply)
         elif isinstance(msg, Shutdown):
             reply(Ack(detail="exiting"))
             self.exit_requested.set()

@@ -3,7 +3,8 @@
 Takes every flag of ``kvplane serve prefill|decode`` plus ``--chaos-seed`` and one probability
 per fault of :class:`~kvplane.testing.faults.TransferFaults` and
 :class:`~kvplane.testing.faults.FrameFaults` (``--chaos-fail``, ``--chaos-drop``, ...), and
-serves through the worker's hooks. A test harness: ``kvplane serve`` has no fault flags.
+serves through the worker's hooks; bad flags are one line on stderr and exit status 1, as for
+``kvplane serve``. A test harness: ``kvplane serve`` has no fault flags.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from kvplane.apps import serve
+from kvplane.errors import KVPlaneError
 from kvplane.testing.chaos import worker_hooks
 from kvplane.testing.faults import FaultPlan, FrameFaults, TransferFaults
 
@@ -47,13 +49,19 @@ def fault_plan(args: argparse.Namespace) -> FaultPlan:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Serve the worker ``argv`` names with its faults until told to stop: 0; 2 without a
+    worker role; 1 for a ``KVPlaneError`` (a bad value, a busy address: one line)."""
     args = build_parser().parse_args(argv)
     if getattr(args, "role", None) not in ("prefill", "decode"):
         print(
             "usage: python -m kvplane.testing.chaos_serve {prefill,decode} [flags]", file=sys.stderr
         )
         return 2
-    return serve.run(args, hooks=worker_hooks(fault_plan(args)))
+    try:
+        return serve.run(args, hooks=worker_hooks(fault_plan(args)))
+    except KVPlaneError as exc:  # bad flags or addresses: one line, as `kvplane serve` says it
+        print(f"chaos_serve: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

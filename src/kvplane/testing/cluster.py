@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kvplane.apps.startup import SECRET_ENV
+from kvplane.config import SECRET_ENV
 from kvplane.pd.timers import Timings
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.messages import RequestResult, WorkerStats

@@ -19,8 +19,9 @@ from kvplane.serving.messages import (
     StatsQuery,
     WorkerInfo,
 )
-from kvplane.serving.router.membership import Membership, serves
+from kvplane.serving.router.membership import Membership
 from kvplane.serving.router.router import Router
+from kvplane.serving.router.workers import serves
 from kvplane.serving.rpc import Reply, RpcClient, RpcServer
 from kvplane.testing.cluster import free_port, wait_for
 

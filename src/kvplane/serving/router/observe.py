@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics: requests, their ends, pairings, workers and flights.
+"""The router's Prometheus metrics: requests, their ends, pairings, re-pairs, workers, flights.
 
 :class:`RouterMetrics` owns their names and documentation, in the router's registry (the one
 ``RouterService`` serves on ``/metrics``, with its order socket's drops). It only counts: it
@@ -9,15 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvplane.errors import InvalidArgumentError
 from kvplane.metrics import MetricsRegistry
 from kvplane.pd.states import SessionState
 
 _ENDS = frozenset(s.value for s in SessionState)
+_CAUSES = ("lost", "refused")
+"""Why a pair is paired again (``Pairing`` values of ``serving/router/pairings``)."""
 
 
 class RouterMetrics:
     """The router's metrics in ``registry``. ``flights``: requests in flight now; ``workers``:
-    (up, down) now; both are read at each scrape."""
+    (up, down) now; ``waiting``: pairs waiting out a re-pair backoff now; all read at each
+    scrape."""
 
     def __init__(
         self,
@@ -25,6 +29,7 @@ class RouterMetrics:
         *,
         flights: Callable[[], int],
         workers: Callable[[], tuple[int, int]],
+        waiting: Callable[[], int] = lambda: 0,
     ) -> None:
         self.requests = registry.counter("router_requests", "Requests the router sent orders for")
         self._results = registry.counter(
@@ -36,10 +41,27 @@ class RouterMetrics:
         self.pairing_errors = registry.counter(
             "router_pairing_errors", "Refreshes in which a pairing failed"
         )
+        self._retries = registry.counter(
+            "router_repairs",
+            "Pairings sent again after a backoff, by cause (lost: reported unpaired; refused)",
+            ["cause"],
+        )
+        for cause in _CAUSES:
+            self._retries.labels(cause)  # shown at 0 from the start
+        registry.gauge(
+            "router_pairs_backing_off", "Lost or refused pairs waiting out their re-pair backoff"
+        ).set_function(waiting)
         registry.gauge("router_flights", "Requests in flight").set_function(flights)
         up = registry.gauge("router_workers", "Workers the router knows, by state", ["state"])
         up.labels("up").set_function(lambda: workers()[0])
         up.labels("down").set_function(lambda: workers()[1])
+
+    def retried(self, cause: str) -> None:
+        """Count one pairing sent again after its backoff, for ``cause`` (``lost`` or
+        ``refused``; anything else is a bug: ``InvalidArgumentError``)."""
+        if cause not in _CAUSES:
+            raise InvalidArgumentError(f"re-pair cause must be one of {_CAUSES}, got {cause!r}")
+        self._retries.labels(cause).inc()
 
     def ended(self, state: str) -> None:
         """Count one request ended in ``state`` (a session state; anything else: ``other``)."""

@@ -31,8 +31,9 @@ from kvplane.serving.messages import (
     WorkerInfo,
     WorkerStats,
 )
-from kvplane.serving.router.membership import Membership, WorkerHandle, covering, heads_of
+from kvplane.serving.router.membership import Membership
 from kvplane.serving.router.observe import RouterMetrics
+from kvplane.serving.router.workers import WorkerHandle, covering, heads_of
 from kvplane.serving.rpc import RpcClient
 from kvplane.validators import require_finite_positive
 
@@ -108,8 +109,9 @@ class Router:
         )  # fmt: skip
         self.metrics = metrics if metrics is not None else MetricsRegistry()
         self.observe = RouterMetrics(
-            self.metrics, flights=lambda: self.flights_live, workers=self.worker_counts
-        )
+            self.metrics, flights=lambda: self.flights_live, workers=self.worker_counts,
+            waiting=lambda: self._members.pairs.waiting(time.monotonic()),
+        )  # fmt: skip
         self._tag = secrets.token_hex(4)
         self._serial = 0
         self._flights: dict[str, _Flight] = {}
@@ -182,13 +184,14 @@ class Router:
 
     def refresh(self, *, force: bool = False) -> list[str]:
         """Re-learn workers: mark the silent ones down (failing their requests), re-pair those
-        that restarted, came back up or failed to pair (or all, with ``force``), each only with
-        the workers that serve it or it serves, and every pair either side reports unpaired
-        (with backoff: :meth:`Membership.pair_all`). Returns the peer ids of the workers that were
-        (re-)paired; ``ProtocolError`` after the whole refresh if a pairing failed (that worker
-        is paired again at the next refresh) or a decode worker up is newly left with no prefill
-        worker up that serves it (reported once, not re-paired: only a covering prefill worker
-        coming up mends it)."""
+        that restarted or came back up (or all, with ``force``), each only with the workers
+        that serve it or it serves, and every pair either side reports unpaired or whose
+        pairing was refused (with backoff: :meth:`Membership.pair_all`). Returns the peer ids
+        of the workers that were (re-)paired (a pair paired again: its decode worker);
+        ``ProtocolError`` after the whole refresh if a pairing failed (that pair is paired
+        again, after its backoff) or a decode worker up is newly left with no prefill worker up
+        that serves it (reported once, not re-paired: only a covering prefill worker coming up
+        mends it)."""
         with self._refresh_lock:
             return self._refresh(force)
 
@@ -207,13 +210,16 @@ class Router:
         self._fail_orphans()  # first: their orders are forgotten, not failed by the recycling
         for w in census.gone:  # new sockets (zmq's old frames dropped)
             self._members.recycle(w)
-        errors = self._members.pair_all(census.changed)
-        if errors:
+        done = self._members.pair_all(census.changed)
+        for cause in done.retried:
+            self.observe.retried(cause)
+        if done.errors:
             self.observe.pairing_errors.inc()
-            raise ProtocolError("; ".join(errors)[:4000])
-        paired = sorted(w.info.peer_id for w in census.changed if w.info is not None and w.up)
+            raise ProtocolError("; ".join(done.errors)[:4000])
+        paired = {w.info.peer_id for w in census.changed if w.info is not None and w.up}
+        paired |= {d.info.peer_id for d in done.repaired if d.info is not None}
         self.observe.pairings.inc(len(paired))
-        return paired
+        return sorted(paired)
 
     def _fail_orphans(self) -> None:
         """Requests whose decode worker restarted or whose worker is down: fail them now."""

@@ -1,0 +1,62 @@
+"""Workers as the router sees them, and which prefill worker can serve which decode worker.
+
+:class:`WorkerHandle` is one worker's address, order client and latest answers; :func:`serves`
+and :func:`covering` decide by TP head ranges alone (pure: no queries, no pairing records,
+which live in :mod:`~kvplane.serving.router.pairings`). See docs/serving.md (Membership).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from kvplane.layout import heads_cover
+from kvplane.serving.messages import AnyMessage, WorkerInfo
+from kvplane.serving.rpc import RpcClient
+
+
+@dataclass(slots=True, eq=False)
+class WorkerHandle:
+    """A worker as the router sees it: ``up`` while it answers info queries; ``repair``: a
+    decode worker one of whose pairings was refused or not answered at its last try (that
+    pair is tried again, with backoff); ``uncovered``: a decode worker reported as having no
+    prefill worker up that covers its KV heads (reported again only once it was covered, or
+    when it rejoins); ``asked``: the queries sent to it and not answered yet with when they
+    were sent, at most one per message (see :meth:`Membership.ask`); ``heard_at``: when the
+    info query ``info`` answers was sent (monotonic)."""
+
+    address: str
+    client: RpcClient
+    info: WorkerInfo | None = None
+    heard_at: float = 0.0
+    up: bool = False
+    repair: bool = False
+    uncovered: bool = False
+    asked: dict[AnyMessage, tuple[Future[AnyMessage], float]] = field(default_factory=dict)
+
+
+def serves(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
+    """True when ``prefill`` can send ``decode`` a session's KV as far as TP heads go: its head
+    range covers the decode worker's in every pool (:func:`~kvplane.layout.heads_cover`).
+    Also True when either does not say (empty ``head_ranges``): the PD handshake then decides.
+    False when both say and count different pools: the handshake refuses such a pair. Pure."""
+    held, needed = prefill.head_ranges, decode.head_ranges
+    if not held or not needed:
+        return True
+    if len(held) != len(needed):
+        return False
+    return all(heads_cover(h, n) for h, n in zip(held, needed, strict=True))
+
+
+def covering(prefill: Sequence[WorkerHandle], d: WorkerHandle) -> list[WorkerHandle]:
+    """The prefill workers up (in order) that serve decode worker ``d`` (:func:`serves`)."""
+    if d.info is None:
+        return []
+    return [p for p in prefill if p.up and p.info is not None and serves(p.info, d.info)]
+
+
+def heads_of(w: WorkerHandle) -> str:
+    """``w``'s address and KV head ranges, for a message."""
+    ranges = "unknown" if w.info is None or not w.info.head_ranges else str(w.info.head_ranges)
+    return f"{w.address} (KV heads per pool {ranges})"
