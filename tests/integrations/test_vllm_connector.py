@@ -12,16 +12,16 @@ Without ``.venv-vllm`` these tests skip, saying why; with ``KVPLANE_REQUIRE_VLLM
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_testlib import require_vllm
 
 from kvplane.integrations.vllm.config import VLLM_VERSION
-from kvplane.integrations.vllm.env import run_harness, save_tiny_llama, vllm_support
+from kvplane.integrations.vllm.env import run_harness, save_tiny_llama
 
 SHAPE = {"vocab": 512, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256}
 _rng = random.Random(9)
@@ -31,18 +31,9 @@ OTHER = [_rng.randrange(1, 512) for _ in range(90)]  # 1 chunk, nothing shared
 MAX_TOKENS = 8
 
 
-def _require_vllm() -> None:
-    reason = vllm_support()
-    if reason is None:
-        return
-    if os.environ.get("KVPLANE_REQUIRE_VLLM") == "1":
-        pytest.fail(f"KVPLANE_REQUIRE_VLLM=1 but {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    _require_vllm()
+    require_vllm()
     root = tmp_path_factory.mktemp("vllm")
     save_tiny_llama(root / "model", SHAPE)
     return root

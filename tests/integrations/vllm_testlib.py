@@ -10,12 +10,15 @@ token prefix ending in that block. Loaded blocks must hold exactly that content.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvplane.integrations.vllm.config import ConnectorConfig, parse_extra_config
+from kvplane.integrations.vllm.env import vllm_support
 from kvplane.integrations.vllm.messages import StepMeta
 from kvplane.integrations.vllm.pool import VllmPool
 from kvplane.integrations.vllm.scheduler import RequestView, ScheduledRequest, SchedulerSide
@@ -23,6 +26,16 @@ from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.metrics import MetricsRegistry
 
 FINGERPRINT = bytes(range(16))
+
+
+def require_vllm() -> None:
+    """Skip (saying why) without the vLLM environment; fail with ``KVPLANE_REQUIRE_VLLM=1``."""
+    reason = vllm_support()
+    if reason is None:
+        return
+    if os.environ.get("KVPLANE_REQUIRE_VLLM") == "1":
+        pytest.fail(f"KVPLANE_REQUIRE_VLLM=1 but {reason}")
+    pytest.skip(reason)
 
 
 def vllm_kv_caches(

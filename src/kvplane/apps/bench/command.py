@@ -20,7 +20,9 @@ from rich.table import Table
 NAME = "bench"
 HELP = "Run a benchmark (ratios against the physical limit measured in the same run)."
 
-BENCHES: tuple[str, ...] = ("attention", "offload", "protocol", "transport", "pd", "vllm")
+BENCHES: tuple[str, ...] = (
+    "attention", "offload", "protocol", "transport", "pd", "vllm", "vllm_pd",
+)  # fmt: skip
 """Module names under ``kvplane.apps.bench.common``; each engineer appends their bench here."""
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvplane.config import ChunkConfig, HashConfig, resolve
 from kvplane.errors import ConfigError, UnsupportedError
+from kvplane.integrations.vllm.pd_config import PDConfig, pd_config
 from kvplane.offload.config import OffloadConfig
 from kvplane.validators import require_int
 
@@ -37,6 +38,7 @@ class ConnectorConfig:
     chunk: ChunkConfig
     hashing: HashConfig
     metrics_port: int = 0
+    pd: PDConfig = dataclasses.field(default_factory=PDConfig)
 
     def __post_init__(self) -> None:
         what = "metrics_port (the scheduler side serves on the next port)"
@@ -80,7 +82,8 @@ def parse_extra_config(
     if not isinstance(extra, Mapping):
         raise ConfigError(f"kv_connector_extra_config must be a mapping, got {extra!r}")
     offload_fields = {f.name for f in dataclasses.fields(OffloadConfig)}
-    known = offload_fields | _CHUNK_KEYS | set(_HASH_KEYS) | _OWN_KEYS
+    pd_keys = {f"pd_{f.name}" for f in dataclasses.fields(PDConfig)}
+    known = offload_fields | _CHUNK_KEYS | set(_HASH_KEYS) | _OWN_KEYS | pd_keys
     unknown = sorted(str(k) for k in extra if k not in known)
     if unknown:
         raise ConfigError(
@@ -97,7 +100,8 @@ def parse_extra_config(
     if isinstance(port, str):
         with contextlib.suppress(ValueError):  # not an int: ConnectorConfig refuses it as given
             port = int(port)
-    return ConnectorConfig(offload=offload, chunk=chunk, hashing=hashing, metrics_port=port)
+    pd = pd_config({k: v for k, v in extra.items() if k in pd_keys}, environ)
+    return ConnectorConfig(offload=offload, chunk=chunk, hashing=hashing, metrics_port=port, pd=pd)
 
 
 def check_vllm_version(version: str) -> None:

@@ -9,6 +9,7 @@ of their messages; it decides nothing and moves no bytes itself. Usage and the h
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
@@ -36,9 +37,13 @@ except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
 from kvplane.integrations.vllm.config import check_vllm_version, parse_extra_config
 from kvplane.integrations.vllm.fingerprint import EngineFingerprint, config_stamp, weights_stamp
 from kvplane.integrations.vllm.messages import StepMeta, TierIndex, WorkerReport
-from kvplane.integrations.vllm.pool import VllmPool
+from kvplane.integrations.vllm.pd_config import PDSettings, pd_settings
+from kvplane.integrations.vllm.pd_params import RecvParams
+from kvplane.integrations.vllm.pd_scheduler import PDScheduler
+from kvplane.integrations.vllm.pd_worker import PDWorkerSide, make_pd_transport
+from kvplane.integrations.vllm.pool import VllmPool, relocate
 from kvplane.integrations.vllm.scheduler import ScheduledRequest, SchedulerSide
-from kvplane.integrations.vllm.views import request_view
+from kvplane.integrations.vllm.views import pd_request, request_view
 from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.layout import dtype_name
 from kvplane.metrics import MetricsRegistry
@@ -66,10 +71,13 @@ class KVPlaneWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
 
 
 class KVPlaneHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
-    """The worker's start-up :class:`TierIndex` (fingerprint, lower-tier re-index)."""
+    """The worker's start-up :class:`TierIndex` (fingerprint, lower-tier re-index) and its PD
+    endpoint's address and peer id (empty without PD)."""
 
-    def __init__(self, index: TierIndex) -> None:
+    def __init__(self, index: TierIndex, pd_address: str = "", pd_engine: str = "") -> None:
         self.index = index
+        self.pd_address = pd_address
+        self.pd_engine = pd_engine
 
 
 def _isa(dtype: torch.dtype, block_size: int, head_dim: int, cache_dtype: str) -> str:
@@ -81,7 +89,8 @@ def _isa(dtype: torch.dtype, block_size: int, head_dim: int, cache_dtype: str) -
 
 
 class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """kvplane's chunk-granular offload (host, disk, Redis) as a vLLM KV connector."""
+    """kvplane's chunk-granular offload (host, disk, Redis) and PD transfer as a vLLM KV
+    connector."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         check_vllm_version(vllm.__version__)
@@ -103,10 +112,18 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.block_size = int(vllm_config.cache_config.block_size)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self.pd_settings: PDSettings | None = pd_settings(self.config.pd, os.environ)
+        self.pd_scheduler: PDScheduler | None = None
+        self.pd_worker: PDWorkerSide | None = None
+        self._holders: dict[str, set[str]] = {}  # finished request -> sides still holding it
         self._requests: dict[str, Any] = {}
         port = self.config.metrics_port
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.config, self.block_size, self.metrics)
+            if self.pd_settings is not None:
+                self.pd_scheduler = PDScheduler(
+                    self.block_size, self.metrics, check_prompt=self.pd_settings.check_prompt
+                )
             if port:
                 self.metrics.serve(port + 1)
         elif port:
@@ -116,20 +133,37 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped store is a later miss
 
+    def has_pending_push_work(self) -> bool:
+        return self.pd_scheduler is not None and self.pd_scheduler.pending_push_work
+
     # -- scheduler side ----------------------------------------------------------------------------
     def _sched(self) -> SchedulerSide:
         if self.scheduler is None:
             raise UnsupportedError("scheduler hook called on the worker-side connector")
         return self.scheduler
 
+    def _pd_recv(self, request: Any) -> Any:
+        """The request's PD part when this engine receives its prompt's KV, else None."""
+        if self.pd_scheduler is None:
+            return None
+        pd = pd_request(request)
+        return pd if pd is not None and isinstance(pd.params, RecvParams) else None
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        pd = self._pd_recv(request)
+        if pd is not None and self.pd_scheduler is not None:
+            return self.pd_scheduler.matched(pd, num_computed_tokens)
         return self._sched().matched_tokens(request_view(request), num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._requests[request.request_id] = request
         (block_ids,) = blocks.get_block_ids()
+        pd = self._pd_recv(request)
+        if pd is not None and self.pd_scheduler is not None:
+            self.pd_scheduler.allocated(pd, block_ids, num_external_tokens)
+            return
+        self._requests[request.request_id] = request
         self._sched().allocated(request_view(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPlaneStepMetadata:
@@ -147,23 +181,48 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             end = request.num_computed_tokens + n - len(spec.get(req_id, ()))
             scheduled.append(ScheduledRequest(request_view(request), end, ids[0]))
+            pd = pd_request(request) if self.pd_scheduler is not None else None
+            if pd is not None and self.pd_scheduler is not None:
+                self.pd_scheduler.scheduled(pd, end, ids[0])
         preempted = sorted(scheduler_output.preempted_req_ids or ())
-        return KVPlaneStepMetadata(self._sched().build_step(scheduled, preempted))
+        step = self._sched().build_step(scheduled, preempted)
+        if self.pd_scheduler is not None:
+            self.pd_scheduler.preempted(preempted)
+            pd_step = self.pd_scheduler.build()
+            step = dataclasses.replace(
+                step,
+                sends=tuple(pd_step.sends),
+                recvs=tuple(pd_step.recvs),
+                ends=tuple(pd_step.ends),
+                pd_delayed=tuple(pd_step.delayed),
+            )
+        return KVPlaneStepMetadata(step)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
-        self._requests.pop(request.request_id, None)
-        return self._sched().finished(request.request_id), None
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._requests.pop(request.request_id, None) is not None
+        delay = self._sched().finished(request.request_id) if tracked else False
+        params: dict[str, Any] | None = None
+        if self.pd_scheduler is not None:
+            pd_delay, params = self.pd_scheduler.finished(pd_request(request), request.request_id)
+            delay = delay or pd_delay
+        return delay, params
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVPlaneWorkerMetadata):
             self._sched().apply(meta.report)
+            if self.pd_scheduler is not None:
+                self.pd_scheduler.apply(meta.report.pd)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         got = [m for m in metadata.values() if isinstance(m, KVPlaneHandshake)]
         if len(got) != 1:
             raise UnsupportedError(f"expected one kvplane worker handshake, got {len(got)}")
         self._sched().set_index(got[0].index)
+        if self.pd_scheduler is not None:
+            self.pd_scheduler.set_endpoint(got[0].pd_address, got[0].pd_engine)
 
     # -- worker side -------------------------------------------------------------------------------
     def _work(self) -> WorkerSide:
@@ -178,6 +237,10 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return meta.step
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        transport = None if self.pd_settings is None else make_pd_transport(self.pd_settings)
+        allocate = getattr(transport, "allocate", None)
+        if allocate is not None:  # shm: a peer can write only into memory it can map
+            relocate(kv_caches, allocate)
         pool = VllmPool.from_kv_caches(kv_caches)
         cfg = self._vllm_config
         layout = pool.layout
@@ -196,13 +259,22 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             model_dtype=str(cfg.model_config.dtype),
         )
         self.worker = WorkerSide(self.config, pool, fingerprint.digest(), self.metrics)
+        if self.pd_settings is not None and transport is not None:
+            self.pd_worker = PDWorkerSide(
+                self.pd_settings, pool, fingerprint.digest().hex(), self.metrics, transport
+            )
 
     def get_handshake_metadata(self) -> KVPlaneHandshake:
-        return KVPlaneHandshake(self._work().index)
+        pd = self.pd_worker
+        if pd is None:
+            return KVPlaneHandshake(self._work().index)
+        return KVPlaneHandshake(self._work().index, pd.address, pd.engine_id)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         if isinstance(kv_connector_metadata, KVPlaneStepMetadata):
             self._work().begin_step(kv_connector_metadata.step)
+            if self.pd_worker is not None:
+                self.pd_worker.begin_step(kv_connector_metadata.step)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._work().start_loads(self._step())
@@ -216,21 +288,50 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return None  # whole blocks are gathered across layers in wait_for_save
 
     def wait_for_save(self) -> None:
-        self._work().submit_stores(self._step())
+        step = self._step()
+        for rid in step.delayed:
+            self._holders.setdefault(rid, set()).add("offload")
+        for rid in step.pd_delayed:
+            self._holders.setdefault(rid, set()).add("pd")
+        self._work().submit_stores(step)
+        if self.pd_worker is not None:
+            self.pd_worker.after_forward(step)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        done = self._work().finished_sending(sorted(finished_req_ids))
-        return (done or None), None
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """A request delayed by both offload and PD is reported once both let it go."""
+        ids = sorted(finished_req_ids)
+        released = {("offload", rid) for rid in self._work().finished_sending(ids)}
+        recving: set[str] = set()
+        if self.pd_worker is not None:
+            sent, recving = self.pd_worker.finished(ids)
+            released |= {("pd", rid) for rid in sent}
+        done: set[str] = set()
+        for side, rid in released:
+            held = self._holders.get(rid)
+            if held is None:
+                continue
+            held.discard(side)
+            if not held:
+                del self._holders[rid]
+                done.add(rid)
+        return (done or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._work().take_load_errors()
+        errors = self._work().take_load_errors()
+        if self.pd_worker is not None:
+            errors |= self.pd_worker.take_load_errors()
+        return errors
 
     def build_connector_worker_meta(self) -> KVPlaneWorkerMetadata | None:
         if self.worker is None:
             return None
         report = self.worker.take_report()
+        if self.pd_worker is not None:
+            report = dataclasses.replace(report, pd=tuple(self.pd_worker.take_results()))
         return None if report.empty else KVPlaneWorkerMetadata(report)
 
     def shutdown(self) -> None:
+        if self.pd_worker is not None:
+            self.pd_worker.close()
         if self.worker is not None:
             self.worker.close()

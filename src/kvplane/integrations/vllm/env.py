@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvplane.errors import IntegrationError, UnsupportedError
+from kvplane.errors import ConfigError, IntegrationError, UnsupportedError
 
 ENV_PYTHON = "KVPLANE_VLLM_PYTHON"
 """Environment variable naming the vLLM environment's interpreter (overrides the default)."""
@@ -44,6 +46,25 @@ def vllm_support(env: Mapping[str, str] | None = None) -> str | None:
             f"no vLLM environment: run scripts/vllm-venv.sh (creates {repo_root() / '.venv-vllm'})"
             f" or set {ENV_PYTHON} to its python"
         )
+    return None
+
+
+def nixl_support(timeout: float = 120.0) -> str | None:
+    """``None`` when vLLM's ``NixlConnector`` can load NIXL in the vLLM environment, else why
+    not (no environment, or the import's error)."""
+    python = vllm_python()
+    if python is None:
+        return vllm_support()
+    probe = "from nixl._api import nixl_agent, nixl_agent_config"
+    try:
+        proc = subprocess.run(
+            [str(python), "-c", probe], capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return f"importing nixl in {python} took over {timeout:.0f} s"
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return f"nixl does not import in {python} (scripts/vllm-venv.sh installs it): {last}"
     return None
 
 
@@ -93,3 +114,93 @@ def run_harness(spec: Mapping[str, Any], timeout: float = 600.0) -> dict[str, An
         _run(python, [str(spec_path), str(out_path)], timeout, "vLLM harness")
         result: dict[str, Any] = json.loads(out_path.read_text())
     return result
+
+
+PD_HARNESS = "kvplane.integrations.vllm.pd_harness"
+
+
+def pinned(cpus: Sequence[int] | None) -> list[str]:
+    """The command prefix starting a process on ``cpus`` (``taskset -c``; every thread it
+    starts inherits them); nothing for None. :class:`UnsupportedError` without ``taskset``,
+    :class:`ConfigError` for an empty list or a core this process may not use."""
+    if cpus is None:
+        return []
+    allowed = os.sched_getaffinity(0)
+    if not cpus or any(int(c) not in allowed for c in cpus):
+        raise ConfigError(f"cpus {list(cpus)} not a non-empty subset of {sorted(allowed)}")
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        raise UnsupportedError("pinning an engine to cores needs taskset (util-linux)")
+    return [taskset, "-c", ",".join(str(int(c)) for c in cpus)]
+
+
+def run_pd_pair(
+    prefill: Mapping[str, Any],
+    decode: Mapping[str, Any],
+    timeout: float = 600.0,
+    env: Mapping[str, str] | None = None,
+    kill_decode_on: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Run a prefill and a decode engine (:mod:`.pd_harness` specs, ``role`` and
+    ``rendezvous`` filled in here) as two concurrent vLLM-environment processes; their results.
+
+    ``env`` adds variables to both (a secret, say). A spec's ``cpus`` (a list of core ids)
+    starts its engine under ``taskset -c`` (see :func:`pinned`). ``kill_decode_on`` names a
+    rendezvous file: once it appears the decode engine is SIGKILLed (its result is then None)
+    and ``killed`` is written with the kill's ``time.monotonic()``. :class:`IntegrationError`
+    with the outputs' tails when a process fails or times out.
+    """
+    python = _python()
+    with tempfile.TemporaryDirectory(prefix="kvplane-vllm-pd-") as tmp:
+        root = Path(tmp)
+        (root / "meet").mkdir()
+        child = dict(os.environ)
+        child.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        child.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        child.update(env or {})
+        procs = []
+        for role, spec in (("prefill", prefill), ("decode", decode)):
+            full = {**spec, "role": role, "rendezvous": str(root / "meet")}
+            (root / f"{role}.json").write_text(json.dumps(full))
+            log = (root / f"{role}.log").open("w")
+            cmd = [
+                *pinned(spec.get("cpus")),
+                str(python),
+                "-m",
+                PD_HARNESS,
+                str(root / f"{role}.json"),
+                str(root / f"{role}.out"),
+            ]
+            procs.append(
+                (role, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child))
+            )
+        deadline = time.monotonic() + timeout
+        killed = False
+        while any(p.poll() is None for _r, p in procs) and time.monotonic() < deadline:
+            if kill_decode_on and not killed and (root / "meet" / kill_decode_on).exists():
+                procs[1][1].kill()
+                procs[1][1].wait()
+                (root / "meet" / "killed").write_text(f"{time.monotonic()}\n")
+                killed = True
+            elif any(p.poll() not in (None, 0) for _r, p in procs) and not killed:
+                break  # one failed: the other would wait for it until its own timeout
+            time.sleep(0.01)
+        why_killed = {}
+        for role, proc in procs:
+            if proc.poll() is None:
+                late = time.monotonic() >= deadline
+                why_killed[role] = f"no result within {timeout:.0f} s" if late else "other failed"
+                proc.kill()
+            proc.wait()
+        failed = [
+            f"{role} exited with {p.returncode}"
+            + (f" (killed here: {why_killed[role]})" if role in why_killed else "")
+            + f":\n{(root / f'{role}.log').read_text()[-3000:]}"
+            for role, p in procs
+            if p.returncode != 0 and not (killed and role == "decode")
+        ]
+        if failed:
+            raise IntegrationError("PD pair failed: " + "\n".join(failed))
+        first = json.loads((root / "prefill.out").read_text())
+        second = None if killed else json.loads((root / "decode.out").read_text())
+    return first, second

@@ -20,7 +20,7 @@ from typing import Any
 from kvplane.errors import ConfigError
 
 
-def _metric_samples(registry: Any) -> dict[str, float]:
+def metric_samples(registry: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in registry.registry.collect():
         for sample in family.samples:
@@ -31,7 +31,7 @@ def _metric_samples(registry: Any) -> dict[str, float]:
     return out
 
 
-def _connectors(llm: Any) -> tuple[Any, Any]:
+def engine_connectors(llm: Any) -> tuple[Any, Any]:
     """(scheduler-side, worker-side) connector objects of an in-process engine."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
@@ -61,8 +61,10 @@ def _build(spec: dict[str, Any]) -> Any:
         skip_tokenizer_init=True,
         enforce_eager=True,
         max_model_len=int(spec.get("max_model_len", 1024)),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens"),
         block_size=int(spec.get("block_size", 32)),
         enable_prefix_caching=bool(spec.get("prefix_caching", True)),
+        dtype=str(spec.get("dtype", "auto")),
         seed=0,
         **kwargs,
     )
@@ -132,7 +134,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     sched: Any = None
     worker: Any = None
     if spec.get("connector") is not None:
-        sched, worker = _connectors(llm)
+        sched, worker = engine_connectors(llm)
     if spec.get("corrupt_disk_slots"):
         _corrupt(worker, [int(s) for s in spec["corrupt_disk_slots"]])
     result: dict[str, Any] = {"vllm_version": vllm.__version__, "engine_start_s": started}
@@ -152,8 +154,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         sched.scheduler.check_integrity()
         result["integrity"] = "ok"
         llm.llm_engine.engine_core.shutdown()
-        result["scheduler_metrics"] = _metric_samples(sched.metrics)
-        result["worker_metrics"] = _metric_samples(worker.metrics)
+        result["scheduler_metrics"] = metric_samples(sched.metrics)
+        result["worker_metrics"] = metric_samples(worker.metrics)
         result["jobs_in_flight"] = sched.scheduler.jobs_in_flight
         result["tracked_requests"] = sched.scheduler.tracked_requests()
     else:

@@ -15,9 +15,13 @@ from kvplane.ids import ChunkKey
 from kvplane.offload.book_types import Promotion, TierIndex, TierWrite
 
 __all__ = [
+    "EndOp",
     "JobReport",
     "LoadOp",
+    "PDResult",
     "Promotion",
+    "RecvOp",
+    "SendOp",
     "StepMeta",
     "StoreOp",
     "TierIndex",
@@ -72,6 +76,51 @@ class LoadOp:
 
 
 @dataclass(frozen=True, slots=True)
+class SendOp:
+    """PD, prefill side: request ``req_id``'s KV of tokens ``[0, computed_end)`` exists after
+    this step in ``block_ids`` (its whole table so far); ``last`` once its prefill is complete.
+
+    ``num_tokens`` is what the session moves (the prompt less its last token) and ``prompt`` the
+    prompt's key (:func:`~.pd_params.prompt_key`), checked against the decode side's request.
+    """
+
+    req_id: str
+    session_id: str
+    prompt: str
+    num_tokens: int
+    computed_end: int
+    block_ids: tuple[int, ...]
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RecvOp:
+    """PD, decode side: receive tokens ``[prefix_tokens, num_tokens)`` of request ``req_id``
+    from the prefill engine at ``address`` (session ``session_id``) into ``block_ids``, the
+    request's first ``ceil(num_tokens / block_size)`` blocks. With ``abandon`` set nothing is
+    received: the prefill engine is told (the reason) that this decode will never ask, so its
+    session's blocks are freed now instead of at its timeout."""
+
+    req_id: str
+    session_id: str
+    address: str
+    prompt: str
+    num_tokens: int
+    prefix_tokens: int
+    block_ids: tuple[int, ...]
+    abandon: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EndOp:
+    """PD: request ``req_id`` ended in vLLM before its session did (aborted, stopped early):
+    cancel the session; its blocks stay held until the session released them."""
+
+    req_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class StepMeta:
     """One engine step's work for the worker side.
 
@@ -85,10 +134,17 @@ class StepMeta:
     stores: tuple[StoreOp, ...] = ()
     delayed: tuple[str, ...] = ()
     flush: bool = False
+    sends: tuple[SendOp, ...] = ()
+    recvs: tuple[RecvOp, ...] = ()
+    ends: tuple[EndOp, ...] = ()
+    pd_delayed: tuple[str, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not (self.loads or self.stores or self.delayed or self.flush)
+        return not (
+            self.loads or self.stores or self.delayed or self.flush
+            or self.sends or self.recvs or self.ends or self.pd_delayed
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,15 +163,27 @@ class JobReport:
 
 
 @dataclass(frozen=True, slots=True)
+class PDResult:
+    """A PD session of request ``req_id`` ended and its memory is released: ``role`` is
+    ``"send"`` or ``"recv"``, ``ok`` whether its KV arrived whole, ``reason`` why not."""
+
+    req_id: str
+    role: str
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerReport:
     """What the worker side finished since its last report."""
 
     jobs: tuple[JobReport, ...] = ()
+    pd: tuple[PDResult, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not self.jobs
+        return not (self.jobs or self.pd)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Both reports' jobs (one worker per connector: no job appears twice)."""
-        return WorkerReport(self.jobs + other.jobs)
+        return WorkerReport(self.jobs + other.jobs, self.pd + other.pd)

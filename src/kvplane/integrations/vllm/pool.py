@@ -2,14 +2,15 @@
 
 Owns :class:`VllmPool`: the check that vLLM's per-layer CPU KV tensors are equally spaced views
 of one layer-major buffer, its wrapping as one pool tensor with a :class:`~kvplane.layout.KVLayout`,
-and :meth:`VllmPool.scatter_partial` for loads that start or end inside a chunk. Never
+:meth:`VllmPool.scatter_partial` for loads that start or end inside a chunk, and :func:`relocate`
+(the buffer moved into memory a transport can export). Never
 reinterprets the bytes inside a block (their order is the kernel's). Why the axis labels are
 nominal: ``docs/vllm.md`` ("vLLM's KV as one pool").
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,3 +98,29 @@ class VllmPool:
         src = blocks[first_block : first_block + len(block_ids)]
         idx = torch.tensor(list(block_ids), dtype=torch.int64, device=canon.device)
         canon.index_copy_(0, idx, src.to(canon.device))
+
+
+def relocate(
+    kv_caches: Mapping[str, torch.Tensor], allocate: Callable[[int], torch.Tensor]
+) -> None:
+    """Move vLLM's KV buffer into memory ``allocate(nbytes)`` gives (a ``uint8`` tensor, e.g.
+    a shared segment a peer can map), in place and before any forward.
+
+    Every layer tensor keeps its identity, dtype, shape and strides (vLLM's attention layers
+    hold these very objects) and now views the new memory at the same offset; the bytes are
+    copied. Mutates the tensors of ``kv_caches``; the old buffer is freed once unreferenced.
+    """
+    items = list(kv_caches.values())
+    if not items:
+        raise UnsupportedError("vLLM registered no KV cache tensors")
+    old = items[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != old.data_ptr() for t in items):
+        raise UnsupportedError("vLLM's KV tensors are not views of one buffer")
+    seg = allocate(old.nbytes())
+    seg.copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (old.nbytes(),), (1,)))
+    base = seg.storage_offset()  # bytes: the segment tensor is uint8
+    for t in items:
+        size = t.element_size()
+        if base % size:
+            raise UnsupportedError(f"the new KV memory is not aligned for {t.dtype}")
+        t.set_(seg.untyped_storage(), base // size + t.storage_offset(), t.shape, t.stride())

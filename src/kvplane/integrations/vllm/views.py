@@ -1,19 +1,25 @@
 """What the connector reads of a vLLM request, as plain functions testable without vLLM.
 
 Owns :func:`request_view` (a vLLM ``Request``, read by duck typing, as the scheduler side's
-:class:`~.scheduler.RequestView`: eligible, readable, extra keys) and :func:`lora_identity`
-(stamps an adapter once per process). Reads requests, never changes them; no vLLM import. The
-rules: ``docs/vllm.md`` ("Request views").
+:class:`~.scheduler.RequestView`: eligible, readable, extra keys), :func:`pd_request` (its PD
+params) and :func:`lora_identity` (stamps an adapter once per process). Reads requests, never
+changes them; no vLLM import. The rules: ``docs/vllm.md`` ("Request views").
 """
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 from typing import Any
 
+from kvplane.errors import InvalidArgumentError
 from kvplane.integrations.vllm.fingerprint import adapter_stamp
 from kvplane.integrations.vllm.keys import LoraIdentity, request_extra_keys
+from kvplane.integrations.vllm.pd_params import parse_params
+from kvplane.integrations.vllm.pd_scheduler import PDRequest
 from kvplane.integrations.vllm.scheduler import RequestView
+
+log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=1024)
@@ -53,3 +59,16 @@ def request_view(request: Any) -> RequestView:
         eligible=eligible,
         readable=not getattr(request, "skip_reading_prefix_cache", False),
     )
+
+
+def pd_request(request: Any) -> PDRequest | None:
+    """The request's PD part (its ``kv_transfer_params``), or None: served locally. Params
+    that are not valid are logged and served locally too: a bad proxy never stops the engine."""
+    try:
+        params = parse_params(getattr(request, "kv_transfer_params", None))
+    except InvalidArgumentError as exc:
+        log.warning("kvplane: request %s is served locally: %s", request.request_id, exc)
+        return None
+    if params is None or request.prompt_token_ids is None:
+        return None
+    return PDRequest(request.request_id, request.prompt_token_ids, params)

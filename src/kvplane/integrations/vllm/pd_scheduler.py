@@ -1,0 +1,241 @@
+"""The connector's PD decisions on vLLM's scheduler side: what to send, receive, hold and return.
+
+Owns :class:`PDScheduler`: per-request PD state of a prefill engine (which steps' KV to send,
+which finished requests keep their blocks until sent) and of a decode engine (how many prompt
+tokens arrive asynchronously, into which blocks), plus the ``kv_transfer_params`` a finished
+prefill returns. Plain data in, :class:`~.messages.SendOp` / :class:`~.messages.RecvOp` /
+:class:`~.messages.EndOp` out: no tensors, no sockets, no vLLM import. See docs/vllm.md ("PD").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvplane.errors import UnsupportedError
+from kvplane.integrations.vllm.messages import EndOp, PDResult, RecvOp, SendOp
+from kvplane.integrations.vllm.pd_params import (
+    RecvParams,
+    SendParams,
+    decode_params,
+    prompt_key,
+    transferred_tokens,
+)
+from kvplane.metrics import MetricsRegistry
+
+
+@dataclass(frozen=True, slots=True)
+class PDRequest:
+    """What the PD decisions read of a vLLM request: its id, prompt and parsed params."""
+
+    req_id: str
+    prompt: Sequence[int]
+    params: SendParams | RecvParams
+
+
+@dataclass(slots=True)
+class _Send:
+    session_id: str
+    prompt: str
+    num_tokens: int
+    last_sent: bool = False
+    ops: int = 0
+    done: bool = False  # the worker reported the session over while vLLM still ran it
+    preempted: bool = False  # ended by a preemption: the request's next run sends afresh
+
+
+@dataclass(slots=True)
+class _Recv:
+    params: RecvParams
+    num_computed: int
+    tokens: int
+    opened: bool = False
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class PDStep:
+    """One step's PD part of the worker's instructions."""
+
+    sends: list[SendOp] = field(default_factory=list)
+    recvs: list[RecvOp] = field(default_factory=list)
+    ends: list[EndOp] = field(default_factory=list)
+    delayed: list[str] = field(default_factory=list)
+
+
+class PDScheduler:
+    """See the module docstring. ``block_size`` is vLLM's; metrics go to ``metrics``."""
+
+    def __init__(
+        self, block_size: int, metrics: MetricsRegistry, *, check_prompt: bool = True
+    ) -> None:
+        self.block_size = block_size
+        self.check_prompt = check_prompt
+        self.address: str | None = None
+        self.engine_id = ""
+        self._sends: dict[str, _Send] = {}
+        self._held: set[str] = set()  # finished, blocks kept until the worker reports the send
+        self._recvs: dict[str, _Recv] = {}
+        self._ended: set[str] = set()  # receives that ended, until vLLM finishes the request
+        self._pending = PDStep()
+        self._requests = metrics.counter(
+            "vllm_pd_requests", "PD requests by role and outcome", ["role", "outcome"]
+        )
+        self._tokens = metrics.counter("vllm_pd_tokens", "prompt tokens moved by PD", ["role"])
+
+    def set_endpoint(self, address: str, engine_id: str) -> None:
+        """The worker's PD endpoint (from its start-up handshake): what finished prefills name."""
+        self.address, self.engine_id = address, engine_id
+
+    # -- decode side -----------------------------------------------------------------------------
+    def matched(self, req: PDRequest, num_computed: int) -> tuple[int, bool]:
+        """Prompt tokens beyond ``num_computed`` that arrive asynchronously from the prefill
+        engine, and whether any do. A request whose prompt is not the one the prefill engine
+        computed (key or length differ) gets 0: it is computed here."""
+        p = req.params
+        if not isinstance(p, RecvParams) or req.req_id in self._recvs or req.req_id in self._ended:
+            return 0, False  # asked once: after the receive (or its failure) vLLM computes
+        n = len(req.prompt)
+        if (p.num_prompt_tokens is not None and p.num_prompt_tokens != n) or (
+            self.check_prompt and p.prompt is not None and p.prompt != prompt_key(req.prompt)
+        ):
+            self._requests.labels(role="recv", outcome="prompt_mismatch").inc()
+            self._ended.add(req.req_id)
+            why = "the decode request's prompt differs from the prefill's"
+            key = prompt_key(req.prompt)
+            self._pending.recvs.append(
+                RecvOp(req.req_id, p.session_id, p.address, key, 0, 0, (), why)
+            )
+            return 0, False
+        left = n - 1 - num_computed  # vLLM is told of prompt tokens; the last is recomputed
+        if left <= 0:
+            return 0, False
+        self._recvs[req.req_id] = _Recv(p, num_computed, left)
+        return left, True
+
+    def allocated(self, req: PDRequest, block_ids: Sequence[int], num_external: int) -> None:
+        """vLLM allocated the request's blocks: receive into them (next step)."""
+        rec = self._recvs.get(req.req_id)
+        if rec is None or rec.opened or num_external == 0:
+            return
+        num = transferred_tokens(len(req.prompt), self.block_size)
+        need = num // self.block_size
+        if len(block_ids) < need:  # pragma: no cover - vLLM allocates num_computed + external
+            raise UnsupportedError(f"request {req.req_id!r}: {len(block_ids)} blocks for {num}")
+        rec.opened = True
+        self._pending.recvs.append(
+            RecvOp(
+                req.req_id,
+                rec.params.session_id,
+                rec.params.address,
+                prompt_key(req.prompt),
+                num,
+                rec.num_computed,
+                tuple(int(b) for b in block_ids[:need]),
+            )
+        )
+
+    # -- prefill side ----------------------------------------------------------------------------
+    def scheduled(self, req: PDRequest, computed_end: int, block_ids: Sequence[int]) -> None:
+        """A step computes the request's KV up to ``computed_end``: send what exists after it."""
+        if not isinstance(req.params, SendParams):
+            return
+        send = self._sends.get(req.req_id)
+        if send is None:
+            num = transferred_tokens(len(req.prompt), self.block_size)
+            if num == 0:
+                return
+            sid = req.params.session_id or req.req_id
+            send = self._sends[req.req_id] = _Send(sid, prompt_key(req.prompt), num)
+        if send.last_sent:
+            return
+        last = computed_end >= len(req.prompt)
+        send.last_sent = last
+        send.ops += 1
+        self._pending.sends.append(
+            SendOp(
+                req.req_id,
+                send.session_id,
+                send.prompt,
+                send.num_tokens,
+                send.num_tokens if last else min(computed_end, send.num_tokens),
+                tuple(int(b) for b in block_ids),
+                last,
+            )
+        )
+
+    def preempted(self, req_ids: Sequence[str]) -> None:
+        """Preempted requests lose their blocks this step: their sends stop (the worker drains
+        them before the forward) and the decode side computes what it lacks."""
+        for rid in req_ids:
+            send = self._sends.get(rid)
+            if send is not None and not send.last_sent:
+                send.last_sent = send.preempted = True
+                self._pending.ends.append(EndOp(rid, "preempted on the prefill engine"))
+
+    # -- both ------------------------------------------------------------------------------------
+    def finished(self, req: PDRequest | None, req_id: str) -> tuple[bool, dict[str, object] | None]:
+        """vLLM finished ``req_id``: (keep its blocks until the worker reports it, params).
+
+        A prefill whose slices went out keeps its blocks until its session released them and
+        returns the decode request's ``kv_transfer_params``; one stopped early ends its session.
+        A decode request still receiving ends its session (vLLM itself keeps its blocks until
+        the worker reports the receive finished)."""
+        self._ended.discard(req_id)
+        rec = self._recvs.get(req_id)
+        if rec is not None and rec.opened:
+            rec.finished = True
+            self._pending.ends.append(EndOp(req_id, "request finished in vLLM while receiving"))
+        send = self._sends.get(req_id)
+        if send is None:
+            if rec is not None and not rec.opened:
+                del self._recvs[req_id]
+            return False, None
+        self._pending.delayed.append(req_id)  # the worker reports it once, even if done
+        if send.done:
+            del self._sends[req_id]
+        else:
+            self._held.add(req_id)
+        if not send.last_sent:
+            send.last_sent = True
+            self._pending.ends.append(EndOp(req_id, "prefill request ended before its prompt"))
+            return True, None
+        if self.address is None or req is None:  # pragma: no cover - set at start-up
+            raise UnsupportedError("the PD endpoint's address is unknown: no worker handshake")
+        return True, decode_params(send.session_id, self.address, req.prompt, self.engine_id)
+
+    def build(self) -> PDStep:
+        """This step's PD instructions (and a fresh, empty set for the next)."""
+        out, self._pending = self._pending, PDStep()
+        return out
+
+    def apply(self, results: Sequence[PDResult]) -> None:
+        """The worker's finished sessions (memory released): forget them, count them."""
+        for r in results:
+            self._requests.labels(role=r.role, outcome="ok" if r.ok else "failed").inc()
+            if r.role == "send":
+                send = self._sends.get(r.req_id)
+                if r.req_id in self._held or (send is not None and send.preempted):
+                    self._sends.pop(r.req_id, None)
+                    self._held.discard(r.req_id)
+                elif send is not None:  # vLLM still runs it (more than one token)
+                    send.done = True
+            else:
+                rec = self._recvs.pop(r.req_id, None)
+                if rec is not None and not rec.finished:
+                    self._ended.add(r.req_id)
+                if rec is not None and r.ok:
+                    self._tokens.labels(role="recv").inc(rec.tokens)
+
+    @property
+    def pending_push_work(self) -> bool:
+        """True while a finished prefill's blocks wait for its session (vLLM keeps stepping)."""
+        return bool(self._held)
+
+    def check_integrity(self) -> None:
+        """Nothing held, sent or received any more (between workloads)."""
+        if self._held or self._sends or any(r.opened for r in self._recvs.values()):
+            raise UnsupportedError(
+                f"PD state left: held {sorted(self._held)}, sends {sorted(self._sends)}, "
+                f"recvs {sorted(self._recvs)}"
+            )

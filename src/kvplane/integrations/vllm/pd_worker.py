@@ -1,0 +1,437 @@
+"""The connector's PD side in vLLM's worker: sessions, slices and transfers over vLLM's KV buffer.
+
+Owns :class:`PDWorkerSide`: a PD participant and endpoint, a kvplane transport with vLLM's KV
+buffer registered as one region, and the slice driver that plans and runs every slice. A prefill
+engine cuts each step's KV into slices (block-aligned) and hands them to the session the decode
+engine's ``TransferRequest`` opens (before or after the prefill: pipelined or pull); a decode
+engine opens receiver sessions into the blocks vLLM allocated. Memory is handed back to vLLM only
+on the ledger's release. Decides nothing about which requests move: :mod:`.pd_scheduler` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvplane.errors import KVPlaneError, ProtocolError
+from kvplane.ids import PeerId, RegionId, RequestId, SessionId
+from kvplane.integrations.vllm.messages import EndOp, PDResult, RecvOp, SendOp, StepMeta
+from kvplane.integrations.vllm.pd_config import PDSettings
+from kvplane.integrations.vllm.pool import VllmPool
+from kvplane.metrics import MetricsRegistry
+from kvplane.pd.actions import Action, DestinationKnown, Finished, Release, StartSubmit
+from kvplane.pd.endpoint import Endpoint
+from kvplane.pd.events import Cancel, Fail, StartTransfer, SubmitSlice
+from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile
+from kvplane.pd.participant import Participant
+from kvplane.pd.states import Role, SessionState
+from kvplane.pipeline.advert import encode_advert
+from kvplane.pipeline.driver import SliceDriver
+from kvplane.pipeline.driver_records import SliceSource
+from kvplane.pipeline.observe import RuntimeMetrics
+from kvplane.pipeline.slicing import LocalPool, SliceCutter
+from kvplane.pipeline.timeline import Timeline
+from kvplane.transports.base import Transport
+from kvplane.transports.registry import create_transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Send:
+    """One prefill request's send: its cutter, the slices cut before its session existed, and
+    the ledger count (admitted vs released) that decides when vLLM may free its blocks."""
+
+    op: SendOp
+    cutter: SliceCutter
+    parked: list[SubmitSlice] = field(default_factory=list)
+    bound: bool = False
+    admitted: int = 0
+    released: int = 0
+    outcome: SessionState | None = None
+    reason: str = ""
+    stopped: bool = False
+    last_at: float | None = None
+
+    @property
+    def drained(self) -> bool:
+        """Every slice handed to the session was released (none may still be read)."""
+        return self.released >= self.admitted
+
+
+@dataclass(slots=True, eq=False)
+class _Recv:
+    op: RecvOp
+    opened: bool = False
+
+
+class PDWorkerSide:
+    """See the module docstring. ``model_id`` is the engine fingerprint's digest (hex): peers
+    with another one are refused at the handshake."""
+
+    def __init__(
+        self,
+        settings: PDSettings,
+        pool: VllmPool,
+        model_id: str,
+        metrics: MetricsRegistry,
+        transport: Transport,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.block_size = pool.layout.block_size
+        name = settings.name
+        incarnation = time.time_ns() // 1000
+        self.transport = transport
+        self.region = self.transport.register(pool.tensor).region_id
+        layout = pool.layout
+        info = LayoutInfo.from_description(
+            layout.describe(),
+            compat_fingerprint=layout.compat_fingerprint(),
+            fingerprint=layout.fingerprint(),
+        )
+        profile = PeerProfile(protocol_version=PROTOCOL_VERSION, model_id=model_id, layouts=(info,))
+        pools = [(layout, self.region)]
+        advert = encode_advert(self.transport.name, self.transport.metadata(), pools)
+        self.participant = Participant(
+            PeerId(name),
+            profile,
+            incarnation=incarnation,
+            timings=settings.timings,
+            metrics=metrics,
+            transport=self.transport.name,
+            transport_metadata=advert,
+        )
+        self.endpoint = Endpoint(
+            self.participant,
+            bind=settings.bind,
+            secret=settings.secret,
+            metrics=metrics,
+            on_action=self._on_action,
+        )
+        self.timeline = Timeline(name)
+        self.driver = SliceDriver(
+            self.endpoint,
+            self.transport,
+            self._source,
+            local_regions={self.region: pool.tensor.numel() * pool.tensor.element_size()},
+            slice_timeout_s=settings.slice_timeout_s,
+            metrics=RuntimeMetrics(metrics, "vllm"),
+            timeline=self.timeline,
+        )
+        self._lock = threading.Lock()
+        self._sends: dict[SessionId, _Send] = {}
+        self._send_of: dict[str, SessionId] = {}
+        self._known: dict[SessionId, DestinationKnown] = {}
+        self._recvs: dict[SessionId, _Recv] = {}
+        self._peers: dict[str, PeerId] = {}
+        self._dials: queue.SimpleQueue[RecvOp | None] = queue.SimpleQueue()
+        self._results: list[PDResult] = []
+        self._sent_done: set[str] = set()
+        self._recv_done: set[str] = set()
+        self._delayed: set[str] = set()
+        self._finished: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._failing: list[tuple[SessionId, str]] = []
+        self.driver.start()
+        self.endpoint.start()
+        self._dialer = threading.Thread(target=self._dial_loop, name="kvplane-pd-dial", daemon=True)
+        self._dialer.start()
+
+    @property
+    def address(self) -> str:
+        """The PD endpoint's address, as a finished prefill names it to the decode engine."""
+        return self.endpoint.address
+
+    @property
+    def engine_id(self) -> str:
+        return str(self.participant.peer_id)
+
+    # -- one engine step (model runner thread) ---------------------------------------------------
+    def begin_step(self, meta: StepMeta) -> None:
+        """Before the forward: end sessions vLLM dropped (a preempted prefill's in-flight slices
+        drain first: its blocks may be reused by this very forward) and open receives."""
+        self._pump()
+        for end in meta.ends:
+            self._end(end)
+        drain = [self._send_of[e.req_id] for e in meta.ends if e.req_id in self._send_of]
+        self._drain(drain)
+        for op in meta.recvs:
+            self._dials.put(op)
+
+    def after_forward(self, meta: StepMeta) -> None:
+        """After the forward: the step's KV exists; cut and hand over each request's slices."""
+        for op in meta.sends:
+            self._cut(op)
+        with self._lock:
+            self._delayed.update(meta.pd_delayed)
+
+    def finished(self, finished_req_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        """(requests whose sends are done and blocks vLLM may free, requests whose receives
+        ended), each reported once; a send is reported only once vLLM delayed it."""
+        self._pump()
+        with self._lock:
+            self._finished.update(finished_req_ids)
+            sent = self._sent_done & self._delayed & self._finished
+            self._sent_done -= sent
+            self._delayed -= sent
+            self._finished -= sent
+            got, self._recv_done = self._recv_done, set()
+        return sent, got
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    def take_results(self) -> list[PDResult]:
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    # -- prefill side ----------------------------------------------------------------------------
+    def _source(self, sid: SessionId) -> SliceSource | None:
+        with self._lock:
+            send = self._sends.get(sid)
+            if send is None:
+                return None
+            pool = LocalPool(self.pool.layout, RegionId(self.region), send.op.block_ids)
+            return SliceSource(send.op.req_id, (pool,))
+
+    def _cut(self, op: SendOp) -> None:
+        sid = SessionId(op.session_id)
+        with self._lock:
+            send = self._sends.get(sid)
+            if send is None:
+                cutter = SliceCutter(op.num_tokens, self.block_size)
+                send = self._sends[sid] = _Send(op, cutter)
+                self._send_of[op.req_id] = sid
+                self._sent_done.discard(op.req_id)  # an earlier, ended send of a preempted run
+            else:
+                send.op = op  # the table grew: later slices read the new blocks
+            if send.stopped:
+                return
+            cut = send.cutter.after_step(op.computed_end, op.last)
+            hint = self._known.pop(sid, None)
+        self.driver.source_ready(sid)
+        if hint is not None:
+            self._bind(send, hint)
+        if cut is None:
+            return
+        slice_id, rng = cut
+        command = SubmitSlice(slice_id=slice_id, is_last=op.last, start=rng.start, end=rng.end)
+        with self._lock:
+            if op.last:
+                send.last_at = time.monotonic()
+            if not send.bound:
+                send.parked.append(command)
+                return
+            send.admitted += 1
+        self.driver.admit(sid, command, lambda ok: self._on_admitted(sid, ok))
+
+    def _bind(self, send: _Send, hint: DestinationKnown) -> None:
+        """The decode side's request arrived: check it names our prompt, then release every
+        slice parked before it (pull mode: all of them)."""
+        sid = hint.session_id
+        req = hint.request
+        other = self.settings.check_prompt and str(req.request_id) != send.op.prompt
+        if other or req.num_tokens != send.op.num_tokens:
+            with self._lock:
+                self._failing.append((sid, "the decode engine asked for another prompt's KV"))
+            return
+        with self._lock:
+            send.bound = True
+            parked, send.parked = send.parked, []
+            send.admitted += len(parked)
+        for command in parked:
+            self.driver.admit(sid, command, lambda ok: self._on_admitted(sid, ok))
+
+    def _on_admitted(self, sid: SessionId, ok: bool) -> None:
+        if ok:
+            return
+        with self._lock:
+            send = self._sends.get(sid)
+            if send is not None:
+                send.admitted -= 1
+                send.stopped = True
+        self._settle(sid)
+
+    def _end(self, end: EndOp) -> None:
+        sid = self._send_of.get(end.req_id)
+        if sid is not None:
+            with self._lock:
+                send = self._sends[sid]
+                send.stopped = True
+                send.parked.clear()
+                bound = send.bound
+            if bound:
+                self._command(sid, Cancel(reason=end.reason))
+            self._settle(sid)
+            return
+        for rsid, rec in list(self._recvs.items()):
+            if rec.op.req_id == end.req_id and rec.opened:
+                self._command(rsid, Cancel(reason=end.reason))
+
+    def _drain(self, sids: list[SessionId]) -> None:
+        """Wait until every slice of ``sids`` the transport may still read was released."""
+        deadline = time.monotonic() + self.settings.slice_timeout_s
+        while sids and time.monotonic() < deadline:
+            with self._lock:
+                busy = [s for s in sids if s in self._sends and not self._sends[s].drained]
+            if not busy:
+                return
+            time.sleep(0.001)
+        if sids:
+            log.warning("kvplane PD: preempted sessions %s did not drain in time", sids)
+
+    # -- decode side -----------------------------------------------------------------------------
+    def _dial_loop(self) -> None:
+        """Pair with prefill engines and open receives, off the model runner's thread."""
+        while True:
+            op = self._dials.get()
+            if op is None:
+                return
+            try:
+                peer = self._peers.get(op.address)
+                if peer is None or not self._live(peer):
+                    peer = self._peers[op.address] = self.endpoint.connect(op.address)
+                if op.abandon:
+                    self.endpoint.abandon(SessionId(op.session_id), peer, op.abandon)
+                    continue
+                start = StartTransfer(
+                    request_id=RequestId(op.prompt),
+                    dst_block_ids=op.block_ids,
+                    prefix_tokens=op.prefix_tokens,
+                    num_tokens=op.num_tokens,
+                )
+                sid = SessionId(op.session_id)
+                with self._lock:
+                    self._recvs[sid] = _Recv(op, opened=True)
+                self.endpoint.open_receiver(sid, peer, start)
+            except (KVPlaneError, OSError) as exc:
+                log.warning("kvplane PD: receive of %s failed: %s", op.req_id, exc)
+                if op.abandon:
+                    continue  # the prefill's own timeout frees it
+                with self._lock:
+                    self._recvs.pop(SessionId(op.session_id), None)
+                self._recv_ended(op, False, f"cannot open the receive: {exc}")
+
+    def _live(self, peer: PeerId) -> bool:
+        return bool(self.endpoint.call(lambda: self.participant.peers.is_live(peer)))
+
+    def _recv_ended(self, op: RecvOp, ok: bool, reason: str) -> None:
+        with self._lock:
+            if not ok:
+                first = op.prefix_tokens // self.block_size
+                self._load_errors.update(op.block_ids[first:])
+            self._recv_done.add(op.req_id)
+            self._results.append(PDResult(op.req_id, "recv", ok, reason))
+
+    # -- protocol actions (PD loop thread) -------------------------------------------------------
+    def _on_action(self, act: Action) -> None:
+        if isinstance(act, StartSubmit):
+            self.driver.submit(act)
+        elif isinstance(act, DestinationKnown):
+            self.driver.expect(act)
+            with self._lock:
+                send = self._sends.get(act.session_id)
+                if send is None:
+                    self._known[act.session_id] = act  # pipelined: the prefill is not here yet
+            if send is not None:
+                self._bind(send, act)
+        elif isinstance(act, Release) and act.role is Role.SENDER:
+            with self._lock:
+                send = self._sends.get(act.session_id)
+                if send is not None:
+                    send.released += 1
+            self._settle(act.session_id)
+        elif isinstance(act, Finished) and act.role is Role.SENDER:
+            self.driver.forget(act.session_id)
+            with self._lock:
+                self._known.pop(act.session_id, None)
+                send = self._sends.get(act.session_id)
+                if send is not None:
+                    send.outcome, send.reason = act.state, act.reason
+                    send.stopped = True
+            self._settle(act.session_id)
+        elif isinstance(act, Release) and act.role is Role.RECEIVER:
+            with self._lock:
+                rec = self._recvs.pop(act.session_id, None)
+            if rec is not None:
+                self._recv_ended(rec.op, act.state is SessionState.SUCCESS, act.state.value)
+
+    def _settle(self, sid: SessionId) -> None:
+        """Report a send done once nothing more will be admitted and everything admitted is
+        released (the session ended, or it never bound and was stopped)."""
+        with self._lock:
+            send = self._sends.get(sid)
+            if send is None or not send.stopped or not send.drained:
+                return
+            if send.bound and send.outcome is None:
+                return  # a cancel is on its way: the session's end settles it
+            del self._sends[sid]
+            self._send_of.pop(send.op.req_id, None)
+            ok = send.outcome is SessionState.SUCCESS
+            self._sent_done.add(send.op.req_id)
+            self._results.append(PDResult(send.op.req_id, "send", ok, send.reason))
+
+    def _command(self, sid: SessionId, command: Cancel | Fail) -> None:
+        with contextlib.suppress(ProtocolError):  # already ended: its Finished settles it
+            self.endpoint.send(sid, command)
+
+    def _pump(self) -> None:
+        """Deferred work: fail sessions whose request was refused, expire unclaimed sends."""
+        with self._lock:
+            failing, self._failing = self._failing, []
+            now = time.monotonic()
+            unbound = [sid for sid, s in self._sends.items() if not s.bound and not s.stopped]
+            expired = [
+                sid for sid in unbound
+                if (at := self._sends[sid].last_at) is not None
+                and now - at > self.settings.pull_timeout_s
+            ]  # fmt: skip
+            for sid in expired:
+                self._sends[sid].stopped = True
+                self._sends[sid].reason = "no decode engine asked for it in time"
+        abandoned = [sid for sid in unbound if sid not in expired and self._abandoned(sid)]
+        with self._lock:
+            for sid in abandoned:
+                if sid in self._sends:
+                    self._sends[sid].stopped = True
+                    self._sends[sid].reason = "the decode engine will not ask for it"
+        expired += abandoned
+        for sid, why in failing:
+            self._command(sid, Fail(reason=why))
+        for sid in expired:
+            self._settle(sid)
+
+    def _abandoned(self, sid: SessionId) -> bool:
+        """The decode side ended the session before asking (its abort left a tombstone)."""
+        return self.endpoint.call(lambda: self.participant.tombstone(sid)) is not None
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._sends or self._recvs)
+
+    def close(self) -> None:
+        self._dials.put(None)
+        self.driver.close()
+        self.endpoint.close()
+        self.transport.close()
+
+
+def make_pd_transport(settings: PDSettings) -> Transport:
+    """The configured PD transport (``tcp`` listens on ``settings.host``), secret applied."""
+    options: dict[str, object] = {"agent": f"{settings.name}.{os.getpid()}"}
+    if settings.transport == "tcp":
+        options["host"] = settings.host
+    if settings.secret is not None:
+        options["secret"] = settings.secret
+    return create_transport(settings.transport, **options)
