@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvplane.apps.bench.vllm import MODEL_SHAPE
 from kvplane.apps.bench.vllm_pd_rows import (
     EXPOSED_TAIL_DEFINITION,
     TARGET_DEFINITIONS,
@@ -33,14 +34,6 @@ from kvplane.integrations.vllm.env import nixl_support, run_harness, run_pd_pair
 NAME = "vllm-pd"
 HELP = "vLLM PD: kvplane (pull, pipelined) vs vLLM's NixlConnector (pull, push), same engines."
 
-MODEL_SHAPE = {
-    "vocab": 1024,
-    "hidden": 512,
-    "layers": 4,
-    "heads": 8,
-    "kv_heads": 4,
-    "intermediate": 1408,
-}
 SIZES = {True: (4, 512, 1024), False: (8, 1024, 4096)}
 """Per ``--quick``: requests per round, shortest and longest prompt (tokens, evenly spaced)."""
 ROUNDS = {True: 1, False: 2}
