@@ -55,7 +55,7 @@ def _setup(
         region, pool = kvref.region_with_pool(layout, 0, seed=3, slack=0)
     host = torch.randint(0, 256, (NUM_SLOTS * stride,), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(4))  # fmt: skip
-    plans = ChunkPlans(layout, POOL, SlotBuffer(SLOTS, NUM_SLOTS, stride), BPC)
+    plans = ChunkPlans(layout, POOL, SLOTS, SlotBuffer(NUM_SLOTS, chunk, stride), BPC)
     return plans, {POOL: region, SLOTS: host}, pool, stride
 
 
@@ -129,8 +129,8 @@ def test_a_move_of_the_same_blocks_and_slots_reuses_the_cached_batch() -> None:
     assert plans.gather(ids, slots).plan.plan.ops[0].chunk_keys == ()
     assert plans.scatter(slots, ids, KEYS).src is not first.src  # the other direction
     layout = LAYOUTS["block-major"]
-    buffer = SlotBuffer(SLOTS, NUM_SLOTS, BPC * layout.bytes_per_block)
-    small = ChunkPlans(layout, POOL, buffer, BPC, cache_descriptors=6)
+    buffer = SlotBuffer(NUM_SLOTS, BPC * layout.bytes_per_block, BPC * layout.bytes_per_block)
+    small = ChunkPlans(layout, POOL, SLOTS, buffer, BPC, cache_descriptors=6)
     a = small.gather(ids, slots)
     assert len(a.src) == 8  # a run per block (merging 4, 5 and 10, 11 would not halve them)
     b = small.gather(ids[:2], slots[:1])  # 8 + 2 descriptors > 6: the oldest goes
@@ -166,8 +166,45 @@ def test_bad_moves_are_refused_before_any_plan() -> None:
         plans.gather(np.array([3, 4, 5, 3]), np.array([0, 1]))
     with pytest.raises(InvalidArgumentError, match="slots repeat 1"):
         plans.scatter(np.array([1, 1]), np.array([0, 1, 2, 3]))
-    with pytest.raises(InvalidArgumentError, match="cannot hold chunks"):
-        ChunkPlans(layout, POOL, SlotBuffer(SLOTS, 4, BPC * layout.bytes_per_block - 1), BPC)
+    chunk = BPC * layout.bytes_per_block
+    with pytest.raises(InvalidArgumentError, match=f"hold {chunk - 1} bytes but a chunk of 2"):
+        ChunkPlans(layout, POOL, SLOTS, SlotBuffer(4, chunk - 1, chunk), BPC)
+
+
+def test_a_slot_buffer_names_each_slots_one_run_and_refuses_bad_geometry() -> None:
+    buffer = SlotBuffer(3, 1000, 4096)
+    assert (buffer.padded, buffer.nbytes) == (True, 3 * 4096)
+    assert [buffer.run(s) for s in (0, np.int64(2))] == [(0, 1000), (8192, 1000)]
+    assert not SlotBuffer(2, 64, 64).padded
+    with pytest.raises(InvalidArgumentError, match=r"a slot must be an int in \[0, 3\), got 3"):
+        buffer.run(3)
+    with pytest.raises(InvalidArgumentError, match="a slot must be"):
+        buffer.run(True)
+    with pytest.raises(InvalidArgumentError, match=r"slot_stride must be a byte count in \[64,"):
+        SlotBuffer(2, 64, 63)
+    with pytest.raises(InvalidArgumentError, match="num_slots must be a positive int"):
+        SlotBuffer(0, 64, 64)
+    with pytest.raises(InvalidArgumentError, match="chunk_bytes must be a byte count"):
+        SlotBuffer(2, 0, 64)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "padded"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_chunks_slot_side_runs_tile_its_slots_one_run(name: str, padded: bool) -> None:
+    """What the disk and remote tiers take as a chunk's bytes (the host slot view,
+    :meth:`SlotBuffer.run`) is exactly what the chunk's op of the CHUNK plan writes: its
+    slot-side runs, sorted, follow on from the slot's offset to its chunk's end."""
+    plans, _, _, _ = _setup(LAYOUTS[name], padded)
+    move = plans.gather(np.array(IDS), np.array(TARGET), KEYS)
+    ops = [op for plan in move.plan.plans for op in plan.ops]
+    for op, slot in zip(ops, TARGET, strict=True):
+        dst = op.dst
+        assert set(dst.regions.tolist()) == {int(SLOTS)}
+        order = np.argsort(dst.offsets)
+        starts, ends = dst.offsets[order], dst.offsets[order] + dst.lengths[order]
+        assert np.array_equal(starts[1:], ends[:-1])  # no gap, no overlap
+        offset, length = plans.slots.run(slot)
+        assert (int(starts[0]), int(ends[-1] - starts[0])) == (offset, length)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "padded"])

@@ -21,14 +21,15 @@ from kvplane.ids import ChunkKey, SlotId
 from kvplane.layout import KVLayout
 from kvplane.offload.jobs import BlockIds, check_block_ids
 from kvplane.offload.tiers.host import HostTier
-from kvplane.transfer.chunk_plans import ChunkMove, ChunkPlans, SlotBuffer
+from kvplane.transfer.chunk_plans import ChunkMove, ChunkPlans
 from kvplane.transports.base import XferKind, XferState
 from kvplane.transports.local import LocalTransport
 
 
 class ChunkCopier:
     """Moves chunks of ``blocks_per_chunk`` blocks between ``pool`` (laid out as ``layout``)
-    and the slots of ``host``. Not thread-safe per direction; gather and scatter may overlap.
+    and the slots of ``host`` (``InvalidArgumentError`` unless a slot holds one chunk, or for a
+    STATE pool). Not thread-safe per direction; gather and scatter may overlap.
     ``staging_blocks``: device staging per copy step of a GPU pool. :meth:`close` stops its
     copy helper threads (started on first use)."""
 
@@ -43,11 +44,6 @@ class ChunkCopier:
         layout.check_pool(pool)
         if layout.whole_only:
             raise InvalidArgumentError("a STATE pool moves whole, not in chunks of blocks")
-        if host.chunk_bytes != blocks_per_chunk * layout.bytes_per_block:
-            raise InvalidArgumentError(
-                f"host slots hold {host.chunk_bytes} bytes but a chunk of {blocks_per_chunk} "
-                f"blocks is {blocks_per_chunk * layout.bytes_per_block}"
-            )
         self.layout = layout
         self.host = host
         self.blocks_per_chunk = blocks_per_chunk
@@ -57,11 +53,9 @@ class ChunkCopier:
             stage_bytes=max(1, staging_blocks) * layout.bytes_per_block,
         )
         pool_region = self.transport.register(pool).region_id
-        slots = SlotBuffer(
-            self.transport.register(host.buffer).region_id, host.num_slots, host.slot_stride
-        )
+        slots_region = self.transport.register(host.buffer).region_id
         self._peer = self.transport.connect(self.transport.metadata())  # loopback
-        self.plans = ChunkPlans(layout, pool_region, slots, blocks_per_chunk)
+        self.plans = ChunkPlans(layout, pool_region, slots_region, host.slots, blocks_per_chunk)
 
     def _check(
         self, block_ids: BlockIds, slots: Sequence[SlotId]

@@ -28,6 +28,7 @@ from kvplane.ids import ChunkKey, JobId, RequestId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload import LoadDone, OffloadConfig, StoreDone, TierCascade, build_cascade
 from kvplane.serving.producers.base import PoolTensor
+from kvplane.validators import require_int
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,7 @@ class PrefixSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.offload, OffloadConfig):
             raise InvalidArgumentError(f"offload must be an OffloadConfig, got {self.offload!r}")
-        b = self.blocks_per_chunk
-        if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
-            raise InvalidArgumentError(f"blocks_per_chunk must be a positive int, got {b!r}")
+        require_int("PrefixSettings.blocks_per_chunk", self.blocks_per_chunk, min=1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """Chunk moves as plans: pool blocks <-> the chunk slots of a slot buffer, one op per chunk.
 
-:class:`ChunkPlans` describes a buffer of chunk slots (:class:`SlotBuffer`: a host tier's slots,
-each chunk stored block-major in the layout's canonical order) as a layout and builds the
+:class:`SlotBuffer` is the one home of slot addressing (a host tier's slots, each chunk stored
+block-major in the layout's canonical order, so one contiguous run per slot).
+:class:`ChunkPlans` describes such a buffer as a layout and builds the
 validated :class:`~kvplane.transfer.plan.TransferPlan` s of gathers (pool -> slots) and scatters
 (slots -> pool) with :func:`~kvplane.transfer.planner.plan_transfer`'s CHUNK grouping, the one
 place a chunk becomes byte runs. A move's one transport batch is the planner's validated
@@ -29,6 +30,7 @@ from kvplane.transfer.planner import plan_transfer
 from kvplane.transfer.request import OpGrouping, PlanOptions, PlanSide
 from kvplane.transports.base import DescriptorList, Int64Array
 from kvplane.transports.checks import Lattice, Tiles, check_batch, check_tiles
+from kvplane.validators import require_index, require_int, require_size
 
 CACHE_DESCRIPTORS = 1 << 18
 """Descriptors of the batches remembered (~100 bytes each with their proof and facts), least
@@ -37,12 +39,36 @@ recently used first out: a move of the same blocks and slots again costs a looku
 
 @dataclass(frozen=True, slots=True)
 class SlotBuffer:
-    """``num_slots`` chunk slots in region ``region``, slot ``s`` at byte ``s * slot_stride``
-    (``slot_stride`` >= one chunk's bytes; more when slots are padded)."""
+    """``num_slots`` slots of ``chunk_bytes`` bytes in one buffer, slot ``s`` at byte ``s *
+    slot_stride`` (``slot_stride >= chunk_bytes``; more when slots are padded).
 
-    region: RegionId
+    A chunk is stored block-major, so the slot-side runs of its op in a CHUNK plan tile one
+    run, :meth:`run`: the bytes a host slot view holds and a disk or remote tier writes and
+    reads. ``InvalidArgumentError`` for a bad count, size or a stride shorter than a chunk."""
+
     num_slots: int
+    chunk_bytes: int
     slot_stride: int
+
+    def __post_init__(self) -> None:
+        require_int("SlotBuffer.num_slots", self.num_slots, min=1)
+        require_size("SlotBuffer.chunk_bytes", self.chunk_bytes, min=1)
+        require_size("SlotBuffer.slot_stride", self.slot_stride, min=self.chunk_bytes)
+
+    @property
+    def padded(self) -> bool:
+        """True when a slot has bytes past its chunk (slot ``s + 1`` does not follow on)."""
+        return self.slot_stride != self.chunk_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """The buffer's length: ``num_slots * slot_stride``."""
+        return self.num_slots * self.slot_stride
+
+    def run(self, slot: object) -> tuple[int, int]:
+        """``(offset, length)`` of slot ``slot``'s chunk in the buffer; ``InvalidArgumentError``
+        unless ``slot`` is an index in ``[0, num_slots)``."""
+        return require_index("a slot", slot, self.num_slots) * self.slot_stride, self.chunk_bytes
 
 
 class ChunkMove:
@@ -73,35 +99,32 @@ class ChunkMove:
 
 class ChunkPlans:
     """Plans moving chunks of ``blocks_per_chunk`` blocks between a pool laid out as ``layout``
-    (at offset 0 of region ``pool_region``) and ``slots``. Thread-safe."""
+    (at offset 0 of region ``pool_region``) and ``slots`` (all of region ``slots_region``).
+    ``InvalidArgumentError`` unless a slot holds exactly one chunk. Thread-safe."""
 
     def __init__(
         self,
         layout: KVLayout,
         pool_region: RegionId,
+        slots_region: RegionId,
         slots: SlotBuffer,
         blocks_per_chunk: int,
         *,
         cache_descriptors: int = CACHE_DESCRIPTORS,
     ) -> None:
         self.spec = ChunkSpec(layout.block_size, blocks_per_chunk)
-        chunk = blocks_per_chunk * layout.bytes_per_block
-        if slots.slot_stride < chunk:
+        if slots.chunk_bytes != blocks_per_chunk * layout.bytes_per_block:
             raise InvalidArgumentError(
-                f"slots {slots.slot_stride} bytes apart cannot hold chunks of {chunk} bytes"
+                f"slots hold {slots.chunk_bytes} bytes but a chunk of {blocks_per_chunk} "
+                f"blocks is {blocks_per_chunk * layout.bytes_per_block}"
             )
         # whole blocks move: a sliding window (a property of a sequence) has no say here
         self.pool = dataclasses.replace(layout, sliding_window=None)
-        self.pool_region = pool_region
-        self.slots = slots
-        self._padded = slots.slot_stride != chunk
-        host_blocks = blocks_per_chunk if self._padded else slots.num_slots * blocks_per_chunk
+        self.pool_region, self.slots_region, self.slots = pool_region, slots_region, slots
+        host_blocks = blocks_per_chunk if slots.padded else slots.num_slots * blocks_per_chunk
         self.slot_layout = dataclasses.replace(self.pool, num_blocks=host_blocks, order=BLOCK_MAJOR)
         """The slot buffer seen as a pool: one slot (padded slots) or all of them."""
-        self._lengths = {
-            pool_region: self.pool.pool_bytes,
-            slots.region: slots.num_slots * slots.slot_stride,
-        }
+        self._lengths = {pool_region: self.pool.pool_bytes, slots_region: slots.nbytes}
         self._tiles = self._one_block()
         self._cache_descriptors = cache_descriptors
         self._cache: OrderedDict[tuple[bool, bytes, bytes], tuple[DescriptorList, DescriptorList]]
@@ -167,7 +190,7 @@ class ChunkPlans:
         one = np.zeros(1, dtype=np.int64)
         plan = plan_transfer(
             PlanSide(self.pool, one, self.pool_region),
-            PlanSide(self.slot_layout, one, self.slots.region),
+            PlanSide(self.slot_layout, one, self.slots_region),
             TokenRange(0, self.spec.block_size),
         ).validate(self._lengths, self._lengths)
         pool = [Lattice(self.pool.strides_bytes()[Axis.BLOCK], self.pool.num_blocks)]
@@ -200,19 +223,17 @@ class ChunkPlans:
         self, to_slots: bool, ids: Int64Array, slots: Int64Array, keys: tuple[ChunkKey, ...]
     ) -> list[ValidatedPlan]:
         """One plan over the whole slot buffer; with padded slots one per chunk (a slot's
-        padding is no block of any layout), each slot a one-chunk pool at its own offset."""
-        bpc = self.spec.blocks_per_chunk
-        if not self._padded or not slots.size:  # (no chunk: one empty plan)
+        padding is no block of any layout), each slot a one-chunk pool at its :meth:`run`."""
+        bpc, region = self.spec.blocks_per_chunk, self.slots_region
+        if not self.slots.padded or not slots.size:  # (no chunk: one empty plan)
             host = (slots[:, None] * bpc + np.arange(bpc, dtype=np.int64)[None, :]).ravel()
-            side = PlanSide(self.slot_layout, host, self.slots.region)
-            return [self._plan(to_slots, ids, side, keys)]
+            return [self._plan(to_slots, ids, PlanSide(self.slot_layout, host, region), keys)]
         local = np.arange(bpc, dtype=np.int64)
-        stride = self.slots.slot_stride
         return [
             self._plan(
                 to_slots,
                 ids[i * bpc : (i + 1) * bpc],
-                PlanSide(self.slot_layout, local, self.slots.region, int(s) * stride),
+                PlanSide(self.slot_layout, local, region, self.slots.run(s)[0]),
                 keys[i : i + 1],
             )
             for i, s in enumerate(slots.tolist())

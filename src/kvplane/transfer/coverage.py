@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from kvplane.errors import PlanError
 from kvplane.transports.base import DescriptorList, Int64Array
+from kvplane.validators import require_int
 
 MOD = 1 << 64
 U64Array = npt.NDArray[np.uint64]
@@ -37,19 +38,16 @@ class Coverage:
     moments: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        n = self.num_bytes
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < MOD:
-            raise PlanError(f"Coverage.num_bytes must be an int in [0, 2**64), got {n!r}")
+        require_int("Coverage.num_bytes", self.num_bytes, min=0, max=MOD - 1, error=PlanError)
         moments = self.moments
         if not isinstance(moments, tuple) or len(moments) != len(MONOMIALS):
             raise PlanError(
                 f"Coverage.moments must be a tuple of {len(MONOMIALS)} ints, got {moments!r}"
             )
         for (i, j), value in zip(MONOMIALS, moments, strict=True):
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MOD:
-                raise PlanError(
-                    f"Coverage moment Σ s^{i} d^{j} must be an int in [0, 2**64), got {value!r}"
-                )
+            require_int(
+                f"Coverage moment Σ s^{i} d^{j}", value, min=0, max=MOD - 1, error=PlanError
+            )
 
     @classmethod
     def zero(cls) -> Coverage:

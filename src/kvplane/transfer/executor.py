@@ -19,6 +19,7 @@ from kvplane.transfer.plan import TransferPlan, ValidatedPlan
 from kvplane.transfer.progress import ExecMetrics, OpProgress, PlanResult
 from kvplane.transfer.run import PlanRun
 from kvplane.transports.base import Peer, Transport, XferKind
+from kvplane.validators import require_int, require_number
 
 _MIN_IDLE_S = 1e-5
 """The first back-off of :meth:`PlanExecutor.execute` after a step that changed nothing."""
@@ -54,10 +55,8 @@ class PlanExecutor:
         sleep: Callable[[float], None] = time.sleep,
         max_idle_s: float = 1e-3,
     ) -> None:
-        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
-            raise InvalidArgumentError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
-        if not max_idle_s > 0:
-            raise InvalidArgumentError(f"max_idle_s must be > 0, got {max_idle_s!r}")
+        require_int("max_inflight", max_inflight, min=1)
+        require_number("max_idle_s", max_idle_s, above=0)
         self.transport = transport
         self._metrics = ExecMetrics(metrics, transport.name) if metrics is not None else None
         self._max_inflight = max_inflight

@@ -20,12 +20,7 @@ from kvplane.ids import ChunkKey, RegionId, SliceId, TokenRange
 from kvplane.layout import KVLayout, shared_heads
 from kvplane.transports.base import Int64Array
 from kvplane.transports.descriptors import MAX_END
-
-
-def _non_negative_int(what: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise PlanError(f"{what} must be a non-negative int, got {value!r}")
-    return value
+from kvplane.validators import is_int, require_int
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -59,8 +54,8 @@ class PlanSide:
             )
         ids.setflags(write=False)
         object.__setattr__(self, "block_ids", ids)
-        _non_negative_int("PlanSide.region", self.region)
-        _non_negative_int("PlanSide.offset", self.offset)
+        require_int("PlanSide.region", self.region, min=0, error=PlanError)
+        require_int("PlanSide.offset", self.offset, min=0, error=PlanError)
         if self.offset > MAX_END - self.layout.pool_bytes:
             raise PlanError(
                 f"PlanSide: a pool of {self.layout.pool_bytes} bytes at offset {self.offset} "
@@ -97,7 +92,7 @@ class PlanOptions:
     slice_id: SliceId | None = None
 
     def __post_init__(self) -> None:
-        _non_negative_int("PlanOptions.prefix_tokens", self.prefix_tokens)
+        require_int("PlanOptions.prefix_tokens", self.prefix_tokens, min=0, error=PlanError)
         if not isinstance(self.grouping, OpGrouping):
             raise PlanError(f"PlanOptions.grouping must be an OpGrouping, got {self.grouping!r}")
         if self.chunk_spec is not None and not isinstance(self.chunk_spec, ChunkSpec):
@@ -110,7 +105,7 @@ class PlanOptions:
         if self.chunk_spec is None and (self.chunk_keys or self.grouping is OpGrouping.CHUNK):
             raise PlanError("chunk keys and CHUNK grouping need PlanOptions.chunk_spec")
         if self.slice_id is not None:
-            _non_negative_int("PlanOptions.slice_id", self.slice_id)
+            require_int("PlanOptions.slice_id", self.slice_id, min=0, error=PlanError)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -158,7 +153,7 @@ def _resolve_layers(src: KVLayout, layers: Sequence[int] | None) -> tuple[int, .
         raise PlanError(f"layers must be a sequence of ints, got {layers!r}") from None
     if not chosen:
         raise PlanError("a plan needs at least one layer")
-    if any(isinstance(i, bool) or not isinstance(i, int) for i in chosen):
+    if not all(is_int(i) for i in chosen):
         raise PlanError(f"layers must be ints, got {chosen!r}")
     if len(set(chosen)) != len(chosen):
         raise PlanError(f"layers has duplicates: {chosen}")

@@ -6,7 +6,13 @@ import pytest
 from offload_testlib import key
 
 from kvplane.errors import InvalidArgumentError
-from kvplane.offload.tiers.header import HEADER_BYTES, ChunkHeader, is_blank, payload_checksum
+from kvplane.offload.tiers.header import (
+    HEADER_BYTES,
+    ChunkHeader,
+    check_fingerprint,
+    is_blank,
+    payload_checksum,
+)
 
 FP = bytes(range(16))
 
@@ -44,6 +50,19 @@ def test_blank_truncated_and_invalid() -> None:
         ChunkHeader(key(3), FP, 1, 1 << 32)
     with pytest.raises(InvalidArgumentError):
         ChunkHeader(b"", FP, 1, 1)  # type: ignore[arg-type]
+
+
+def test_a_headers_fault_names_the_first_field_that_disagrees() -> None:
+    h = ChunkHeader(key(1), FP, 64, 0)
+    other = bytes(16)
+    assert [h.fault(key(1), FP, 64), h.fault(None, FP, 64)] == [None, None]
+    assert h.fault(key(2), other, 65) == "key"  # key first, then layout, then length
+    assert h.fault(None, other, 65) == "layout"
+    assert h.fault(key(1), FP, 65) == "length"
+    assert check_fingerprint("fp", FP) is FP
+    for bad in (FP[:15], bytearray(FP), None):
+        with pytest.raises(InvalidArgumentError, match="fp must be a layout fingerprint of 16"):
+            check_fingerprint("fp", bad)
 
 
 def test_payload_checksum_is_zlib_crc32_whatever_the_engine() -> None:

@@ -1,4 +1,4 @@
-"""HostTier: aligned slots, contiguous runs, Tier protocol round trip, bad input."""
+"""HostTier: aligned slots addressed by its SlotBuffer, Tier protocol round trip, bad input."""
 
 from __future__ import annotations
 
@@ -11,25 +11,25 @@ from kvplane.ids import SlotId
 from kvplane.offload.tiers import ALIGN, HostTier, ReadOutcome, Tier
 
 
-def test_slots_are_aligned_and_runs_are_views() -> None:
+def test_slots_are_aligned_views_at_their_slot_buffer_runs() -> None:
     host = HostTier(4, 8192)
     assert isinstance(host, Tier)
-    assert host.buffer.data_ptr() % ALIGN == 0 and host.contiguous_slots
+    assert host.buffer.data_ptr() % ALIGN == 0 and not host.slots.padded
     assert host.pinned == torch.cuda.is_available()
     host.buffer.zero_()
-    host.run(SlotId(1), 2).fill_(7)
+    host.buffer[8192 : 3 * 8192].fill_(7)  # slots 1 and 2 follow on
     sums = [int(host.slot(SlotId(i)).sum()) for i in range(4)]
     assert sums == [0, 7 * 8192, 7 * 8192, 0]
-    with pytest.raises(InvalidArgumentError):
-        host.run(SlotId(3), 2)
+    with pytest.raises(InvalidArgumentError, match="a slot must be an int in"):
+        host.slot(SlotId(4))
 
 
-def test_padded_slots_are_not_runs() -> None:
+def test_padded_slots_start_on_alignment() -> None:
     host = HostTier(3, 1000)
-    assert host.slot_stride == ALIGN and not host.contiguous_slots
+    assert host.slot_stride == ALIGN and host.slots.padded
+    assert host.slots.run(2) == (2 * ALIGN, 1000)
     assert host.slot(SlotId(2)).data_ptr() - host.slot(SlotId(0)).data_ptr() == 2 * ALIGN
-    with pytest.raises(InvalidArgumentError, match="padded"):
-        host.run(SlotId(0), 2)
+    assert host.slot(SlotId(2)).numel() == 1000
 
 
 def test_write_read_round_trip_and_bad_input() -> None:

@@ -21,9 +21,9 @@ from kvplane.ids import ChunkKey, SlotId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.tiers.base import ReadOutcome, SyncPolicy, TierCounters, as_buffer, check_batch
 from kvplane.offload.tiers.header import (
-    FINGERPRINT_BYTES,
     HEADER_BYTES,
     ChunkHeader,
+    check_fingerprint,
     is_blank,
     payload_checksum,
 )
@@ -48,8 +48,7 @@ class DiskTier:
     ) -> None:
         require_int("DiskTier.num_slots", num_slots, min=1)
         require_size("DiskTier.chunk_bytes", chunk_bytes, min=1)
-        if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
-            raise InvalidArgumentError(f"DiskTier.fingerprint must be {FINGERPRINT_BYTES} bytes")
+        check_fingerprint("DiskTier.fingerprint", fingerprint)
         if not isinstance(sync, SyncPolicy):
             raise InvalidArgumentError(f"DiskTier.sync must be a SyncPolicy, got {sync!r}")
         self.name = name
@@ -214,12 +213,8 @@ class DiskTier:
             return ReadOutcome.MISSING, None
         header = ChunkHeader.decode(raw)
         reason = (
-            "header" if header is None
-            else "key" if key is not None and header.key != key
-            else "layout" if header.fingerprint != self.fingerprint
-            else "length" if header.length != self.chunk_bytes
-            else None
-        )  # fmt: skip
+            "header" if header is None else header.fault(key, self.fingerprint, self.chunk_bytes)
+        )
         if reason is not None:
             self._counters.corrupt(reason)
             return ReadOutcome.CORRUPT, None

@@ -54,12 +54,19 @@ class ChunkHeader:
 
     def __post_init__(self) -> None:
         check_chunk_key(self.key)
-        if not isinstance(self.fingerprint, bytes) or len(self.fingerprint) != FINGERPRINT_BYTES:
-            raise InvalidArgumentError(
-                f"a layout fingerprint is {FINGERPRINT_BYTES} bytes, got {self.fingerprint!r}"
-            )
+        check_fingerprint("ChunkHeader.fingerprint", self.fingerprint)
         require_size("chunk length", self.length)
         require_int("checksum", self.checksum, min=0, max=(1 << 32) - 1)
+
+    def fault(self, key: ChunkKey | None, fingerprint: bytes, length: int) -> str | None:
+        """Why this header read back is not that of chunk ``key`` (``None``: any key) of
+        ``length`` bytes under layout ``fingerprint``: the corrupt-chunk reason ``"key"``,
+        ``"layout"`` or ``"length"``; ``None`` when it is."""
+        if key is not None and self.key != key:
+            return "key"
+        if self.fingerprint != fingerprint:
+            return "layout"
+        return "length" if self.length != length else None
 
     def encode(self) -> bytes:
         """The :data:`HEADER_BYTES` bytes that go after (or beside) the payload."""
@@ -85,6 +92,16 @@ class ChunkHeader:
         if magic != MAGIC or version != VERSION or not 0 < key_len <= MAX_KEY_BYTES:
             return None
         return cls(ChunkKey(key[:key_len]), fp, length, checksum)
+
+
+def check_fingerprint(what: str, value: object) -> bytes:
+    """``value`` when it is a layout fingerprint (:data:`FINGERPRINT_BYTES` bytes), else
+    ``InvalidArgumentError`` naming ``what``."""
+    if not isinstance(value, bytes) or len(value) != FINGERPRINT_BYTES:
+        raise InvalidArgumentError(
+            f"{what} must be a layout fingerprint of {FINGERPRINT_BYTES} bytes, got {value!r}"
+        )
+    return value
 
 
 def is_blank(raw: bytes | memoryview) -> bool:

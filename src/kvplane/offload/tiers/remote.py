@@ -27,9 +27,9 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.offload.tiers.base import ReadOutcome, TierCounters, as_buffer, check_batch
 from kvplane.offload.tiers.fence import STAGE_TTL_S, Fence, StoreOutcome
 from kvplane.offload.tiers.header import (
-    FINGERPRINT_BYTES,
     HEADER_BYTES,
     ChunkHeader,
+    check_fingerprint,
     payload_checksum,
 )
 from kvplane.offload.tiers.lease import NamespaceLease, check_lease_timing
@@ -82,8 +82,7 @@ class RemoteTier:
         before anything connects."""
         require_int("RemoteTier.num_slots", num_slots, min=1)
         require_size("RemoteTier.chunk_bytes", chunk_bytes, min=1)
-        if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
-            raise InvalidArgumentError(f"RemoteTier.fingerprint must be {FINGERPRINT_BYTES} bytes")
+        check_fingerprint("RemoteTier.fingerprint", fingerprint)
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise InvalidArgumentError(f"RemoteTier.url must be a redis:// URL, got {url!r}")
         if not isinstance(namespace, str) or not namespace or NAMESPACE_BAD.search(namespace):
@@ -324,13 +323,10 @@ class RemoteTier:
             return None
         header = ChunkHeader.decode(raw_header) if len(raw_header) == HEADER_BYTES else None
         reason = (
-            "header" if header is None
-            else "key" if key is not None and header.key != key
-            else "layout" if header.fingerprint != self.fingerprint
-            else "length" if header.length != self.chunk_bytes
-            or (payload_length is not None and payload_length != self.chunk_bytes)
-            else None
-        )  # fmt: skip
+            "header" if header is None else header.fault(key, self.fingerprint, self.chunk_bytes)
+        )
+        if reason is None and payload_length not in (None, self.chunk_bytes):
+            reason = "length"  # a header of the right length over a payload of another
         if reason is not None:
             self._counters.corrupt(reason)
             return None
