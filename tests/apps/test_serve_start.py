@@ -142,6 +142,8 @@ def test_bad_input_is_one_line_and_exit_1_before_anything_starts(tmp_path: Path)
         (["decode", "--metrics-port", "70000"], {}, TEST_SECRET, "metrics_port"),
         (["decode"], {"KVPLANE_POOL_NUM_BLOCKS": "-3"}, TEST_SECRET, "num_blocks"),
         (["decode"], {"KVPLANE_POOL_BLOCK_SIZE": "x"}, TEST_SECRET, "KVPLANE_POOL_BLOCK_SIZE"),
+        (["decode"], {"KVPLANE_WORKER_FIRST_BYTE_TIMEOUT": "nan"}, TEST_SECRET,
+         "first_byte_timeout_s"),
         (["decode", "--config", str(tmp_path)], {}, TEST_SECRET, "is a directory"),
         (["decode"], {}, None, "no secret"),
         (["router", "--prefill", ok, "--decode", ok], {}, None, "no secret"),

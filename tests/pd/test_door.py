@@ -206,23 +206,59 @@ def test_frames_stalled_half_way_hold_bounded_memory(secret: bytes | None) -> No
     assert snap.get("frames_in", 0) == 0
 
 
-def test_connections_beyond_the_cap_are_cut_and_the_door_reopens() -> None:
+def test_past_the_cap_a_newcomer_evicts_the_oldest_unproven_connection() -> None:
+    """Before, connections past the cap were cut and the first ones held their slots until
+    their zmq handshake timed out (5 s), so whoever connected first, junk or not, kept a new
+    peer out; now each newcomer evicts the oldest connection that has not proven it holds
+    the key, and a keyed peer gets in at once."""
     ep = endpoint(SECRET, max_connections=8)
     port = int(ep.address.rsplit(":", 1)[1])
-    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+    conns = []
     try:
-        assert wait_until(lambda: ep.snapshot().get("refused_connections", 0) == 12)
+        for i in range(20):
+            conns.append(socket.create_connection(("127.0.0.1", port)))
+            # accepted in order: the door's age order is the test's
+            assert wait_until(lambda n=i + 1: ep.snapshot().get("connections_accepted", 0) == n)
         snap = ep.snapshot()
-        assert snap["connections_open"] == 8 and snap["connections_accepted"] == 8
-        assert sum(_hung_up(conn) for conn in conns) == 12
+        assert snap["connections_open"] == 8 and snap.get("evicted_connections", 0) == 12
+        assert snap.get("refused_connections", 0) == 0
+        assert [_hung_up(conn) for conn in conns] == [True] * 12 + [False] * 8
+        assert counters(ep, SECRET)["evicted_connections"] == 13  # a keyed peer got in
     finally:
         for conn in conns:
             conn.close()
     assert wait_until(lambda: ep.snapshot()["connections_open"] == 0)
+    ep.close()
+
+
+def test_a_keyed_peer_pairs_while_200_junk_connections_are_held_and_is_never_evicted() -> None:
+    """200 connections that say nothing held open at the prefill endpoint, before and after a
+    decode endpoint pairs with it. Before, the 64 first ones filled the cap and the decode
+    endpoint was cut at each try until they timed out (5 s), so its 2 s handshake failed; now
+    it pairs at once (bound: 2 s, under the junk's 5 s lifetime), and 200 more junk
+    connections evict only junk: the pair's connection is the one left when they go."""
+    prefill, decode = endpoint(SECRET, "prefill"), endpoint(SECRET, "decode")
+    port = int(prefill.address.rsplit(":", 1)[1])
+    junk: list[socket.socket] = []
     try:
-        assert counters(ep, SECRET)["refused_connections"] == 12  # a keyed peer gets in again
+        junk += [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+        assert wait_until(lambda: prefill.snapshot().get("connections_accepted", 0) == 200)
+        assert decode.connect(prefill.address, timeout_s=2.0) == "prefill"
+        junk += [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+        assert wait_until(lambda: prefill.snapshot().get("connections_accepted", 0) == 401)
+        snap = prefill.snapshot()
+        assert snap["connections_open"] == 64 and snap.get("refused_connections", 0) == 0
+        assert snap["evicted_connections"] == 401 - 64
+        for conn in junk:
+            conn.close()
+        assert wait_until(lambda: prefill.snapshot()["connections_open"] == 1)
+        assert prefill.call(prefill.participant.peers.live_peers) == ["decode"]
+        assert prefill.snapshot().get("session_peer_lost", 0) == 0
     finally:
-        ep.close()
+        for conn in junk:
+            conn.close()
+        decode.close()
+        prefill.close()
 
 
 def test_an_endpoint_that_dialled_out_still_serves_as_a_curve_server() -> None:

@@ -88,3 +88,41 @@ def test_addresses_and_ports_out_of_range_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         WorkerConfig(name="w", secret=KEY, **{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_first_byte_timeout_comes_from_flag_env_or_file_and_reaches_the_data_plane(
+    transport: str, tmp_path, monkeypatch
+) -> None:
+    """Before, ``first_byte_timeout_s`` of the data plane had no flag and no config field: 1 s
+    whatever the operator said. Now ``--first-byte-timeout`` is ``[worker] first_byte_timeout``
+    and ``KVPLANE_WORKER_FIRST_BYTE_TIMEOUT``, through the same resolver (flag > env > file)."""
+    path = tmp_path / "serve.toml"
+    path.write_text("[worker]\nfirst_byte_timeout = 0.5\n")
+    base = ["serve", "decode", "--transport", transport, "--insecure"]
+    env = "KVPLANE_WORKER_FIRST_BYTE_TIMEOUT"
+    cases: list[tuple[list[str], str | None, float]] = [
+        ([], None, 1.0),
+        (["--config", str(path)], None, 0.5),
+        (["--config", str(path)], "0.25", 0.25),
+        (["--config", str(path), "--first-byte-timeout", "2"], "0.25", 2.0),
+    ]
+    for extra, value, want in cases:
+        if value is None:
+            monkeypatch.delenv(env, raising=False)
+        else:
+            monkeypatch.setenv(env, value)
+        config = config_of(build_parser().parse_args(base + extra))
+        assert config.first_byte_timeout_s == want
+        t = make_transport(config, "w")
+        try:
+            assert t.limits.first_byte_timeout_s == want  # type: ignore[attr-defined]
+        finally:
+            t.close()
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf"])
+def test_a_first_byte_timeout_that_is_not_finite_and_positive_names_the_field(bad: str) -> None:
+    args = ["serve", "prefill", "--insecure", f"--first-byte-timeout={bad}"]
+    with pytest.raises(ConfigError, match="first_byte_timeout_s"):
+        config_of(build_parser().parse_args(args))

@@ -147,24 +147,15 @@ def test_a_replayed_target_handshake_does_not_fool_an_initiator(kit):
 @pytest.mark.parametrize(
     "body",
     [
-        msgspec.msgpack.encode({"version": 99, "agent": "x", "transport": "tcp"}),
-        msgspec.msgpack.encode(
-            {
-                "version": WIRE_VERSION,
-                "agent": "x",
-                "transport": "shm",
-                "target": "",
-                "nonce": bytes(32),
-            }
-        ),
+        msgspec.msgpack.encode({"version": 99, "transport": "tcp", "nonce": bytes(32)}),
+        msgspec.msgpack.encode({"version": WIRE_VERSION, "transport": "shm", "nonce": bytes(32)}),
         b"\xc1 not msgpack",
     ],
     ids=["old-version", "other-transport", "garbage"],
 )
 def test_a_refused_hello_gets_not_one_byte_back(body: bytes) -> None:
     """Before, any HELLO was answered with the target's agent and a challenge, and a refusal
-    with a REJECT naming what the target expected. (A HELLO meant for another agent gets a
-    decoy CHALLENGE: see the next test.)"""
+    with a REJECT naming what the target expected."""
     t = TcpTransport(secret=SECRET, agent="target")
     host, _, port = t.address.rpartition(":")
     try:
@@ -180,13 +171,14 @@ def test_a_refused_hello_gets_not_one_byte_back(body: bytes) -> None:
         t.close()
 
 
-def _challenge(t: TcpTransport, target: str) -> tuple[bytes, dict[str, object], bytes]:
-    """A stranger's HELLO meant for ``target``: every byte the target sent, the CHALLENGE body
-    decoded as plain msgpack, and what came after our (bogus) AUTH."""
+def _challenge(t: TcpTransport, agent: str, target: str) -> tuple[bytes, dict[str, object], bytes]:
+    """A stranger's HELLO: every byte the target sent, the CHALLENGE body decoded as plain
+    msgpack, and what came after our AUTH (naming ``agent`` and ``target``, a bogus proof)."""
     from kvplane.transports.wire import HEADER, parse_header
 
-    fields = {"version": WIRE_VERSION, "agent": "stranger", "transport": "tcp"}
-    hello = msgspec.msgpack.encode({**fields, "target": target, "nonce": bytes(32)})
+    hello = msgspec.msgpack.encode(
+        {"version": WIRE_VERSION, "transport": "tcp", "nonce": bytes(32)}
+    )
     host, _, port = t.address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(pack_header(FrameType.HELLO, 0, len(hello)) + hello)
@@ -201,7 +193,7 @@ def _challenge(t: TcpTransport, target: str) -> tuple[bytes, dict[str, object], 
         header = parse_header(got[: HEADER.size])
         assert header.ftype is FrameType.CHALLENGE
         body = msgspec.msgpack.decode(got[HEADER.size :])
-        auth = msgspec.msgpack.encode({"mac": bytes(32)})
+        auth = msgspec.msgpack.encode({"agent": agent, "target": target, "mac": bytes(32)})
         s.sendall(pack_header(FrameType.AUTH, 0, len(auth)) + auth)
         after = b""
         with contextlib.suppress(ConnectionResetError):
@@ -211,14 +203,14 @@ def _challenge(t: TcpTransport, target: str) -> tuple[bytes, dict[str, object], 
 
 
 def test_a_stranger_reading_the_challenge_learns_a_nonce_and_nothing_of_who_it_is() -> None:
-    """Before, the CHALLENGE named the target's agent to anyone who sent a HELLO, and a HELLO
-    meant for another agent was closed unanswered (so names could be probed one by one). Now
-    a CHALLENGE holds a fresh nonce and a proof, alike whoever the HELLO meant (a misdirected
-    one gets a random proof); the agent comes in the WELCOME, to a peer that proved itself."""
+    """Before (v2), the CHALLENGE named the target's agent to anyone who sent a HELLO. Now a
+    CHALLENGE holds a fresh nonce and a proof, whoever the stranger claims to be or means to
+    reach; the agent comes in the WELCOME, to a peer that proved itself, and an AUTH with a
+    bad proof or meant for another agent gets nothing."""
     name = "prefill-7f3a-secret-name"
     t = TcpTransport(secret=SECRET, agent=name)
     try:
-        seen = [_challenge(t, target) for target in ("", name, "a-guess")]
+        seen = [_challenge(t, "stranger", target) for target in ("", name, "a-guess")]
         for got, body, after in seen:
             assert sorted(body) == ["mac", "nonce"]  # a dict: a struct's fields by name
             assert len(body["nonce"]) == 32 and len(body["mac"]) == 32  # type: ignore[arg-type]
@@ -227,13 +219,44 @@ def test_a_stranger_reading_the_challenge_learns_a_nonce_and_nothing_of_who_it_i
         assert _eventually(lambda: _dropped(t, "handshake_failed") == 3)
         friend = TcpTransport(secret=SECRET, agent="friend")
         try:
-            with pytest.raises(TransportError, match="authentication failed"):
+            with pytest.raises(TransportError, match="refused our proof"):
                 friend.connect(_meta_at("a-guess", t.address))  # not who we meant: refused
             assert friend.connect(t.metadata()).peer_id == name  # named in the WELCOME
         finally:
             friend.close()
     finally:
         t.close()
+
+
+def test_an_initiator_names_nobody_to_a_target_that_has_not_proved_the_secret() -> None:
+    """An impostor listens where a genuine target was and records what the initiator sends.
+    Before (v3), the HELLO carried the initiator's agent and the agent it meant, to anyone
+    listening; now the HELLO holds a version, the transport and a nonce, and the names go out
+    in the AUTH, only after the target's proof (which the impostor cannot make)."""
+    impostor = socket.create_server(("127.0.0.1", 0))
+    heard = bytearray()
+
+    def listen() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = impostor.accept()
+            conn.settimeout(5)
+            with conn, contextlib.suppress(OSError):
+                while data := conn.recv(4096):
+                    heard.extend(data)
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    client = TcpTransport(secret=SECRET, agent="decode-9c1e-who-am-i", connect_timeout_s=0.5)
+    try:
+        address = f"127.0.0.1:{impostor.getsockname()[1]}"
+        with pytest.raises(TransportError):
+            client.connect(_meta_at("prefill-4b2d-whom-i-mean", address))
+    finally:
+        client.close()
+        impostor.close()
+        thread.join(5)
+    assert heard[:4] == b"KVPT" and len(heard) > 32  # the HELLO arrived
+    assert b"who-am-i" not in heard and b"whom-i-mean" not in heard
 
 
 @pytest.mark.parametrize("kind", [TcpTransport, ShmTransport])
@@ -271,25 +294,26 @@ def test_mutual_both_ways_with_a_secret_and_insecure_mode_still_works(kind, kit)
             t.close()
 
 
-def test_a_proof_covers_role_nonces_agents_and_the_connection() -> None:
+def test_a_proof_covers_role_nonces_names_and_the_connection() -> None:
     from kvplane.transports.handshake import Exchange
     from kvplane.transports.wire import Hello
 
-    hello = Hello(WIRE_VERSION, "a", "tcp", "b", bytes(32))
+    hello = Hello(WIRE_VERSION, "tcp", bytes(32))
     base = Exchange(hello, b"\x01" * 32, b"ip:[127.0.0.1]:1>[127.0.0.1]:2")
-    shm_hello = Hello(WIRE_VERSION, "a", "shm", "b", bytes(32))
-    meant_c = Hello(WIRE_VERSION, "a", "tcp", "c", bytes(32))
-    other_nonce = Hello(WIRE_VERSION, "a", "tcp", "b", b"\x03" * 32)
+    shm_hello = Hello(WIRE_VERSION, "shm", bytes(32))
+    other_nonce = Hello(WIRE_VERSION, "tcp", b"\x03" * 32)
     relayed = b"ip:[127.0.0.1]:3>[127.0.0.1]:2"
     proofs = {
         base.proof(SECRET, b"target"),
         base.proof(SECRET, b"initiator"),
+        base.proof(SECRET, b"initiator", ("a", "b")),
+        base.proof(SECRET, b"initiator", ("a", "c")),
+        base.proof(SECRET, b"initiator", ("c", "b")),
         Exchange(hello, b"\x02" * 32, base.bound).proof(SECRET, b"target"),
-        Exchange(meant_c, base.nonce, base.bound).proof(SECRET, b"target"),
         Exchange(other_nonce, base.nonce, base.bound).proof(SECRET, b"target"),
         Exchange(hello, base.nonce, relayed).proof(SECRET, b"target"),
         Exchange(shm_hello, base.nonce, base.bound).proof(SECRET, b"target"),
         base.proof(b"another secret", b"target"),
     }
-    assert len(proofs) == 8 and all(len(p) == 32 for p in proofs)
+    assert len(proofs) == 10 and all(len(p) == 32 for p in proofs)
     assert base.proof(None, b"target") == b""

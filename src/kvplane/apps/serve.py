@@ -46,6 +46,7 @@ from kvplane.serving.router.service import RouterService
 from kvplane.serving.worker import INSECURE_HELP, Worker, WorkerHooks
 from kvplane.serving.worker_config import LOOPBACK, WorkerConfig
 from kvplane.transfer import OpGrouping
+from kvplane.transports.bounds import FIRST_BYTE_TIMEOUT_S
 
 NAME = "serve"
 HELP = "Run a PD prefill worker, decode worker or router as a process."
@@ -84,6 +85,10 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     w.add_argument(
         "--copy-threads", type=int, default=None,
         help="threads the tcp/shm transport copies bytes with (default: torch's thread count)",
+    )  # fmt: skip
+    w.add_argument(
+        "--first-byte-timeout", type=float, default=FIRST_BYTE_TIMEOUT_S,
+        help="drop a tcp/shm data-plane connection that sends nothing this long once accepted (s)",
     )  # fmt: skip
     w.add_argument("--num-slots", type=int, default=64)
     w.add_argument("--head-range", default=None, help="TP KV-head range START:END")
@@ -213,6 +218,7 @@ def config_of(args: argparse.Namespace) -> WorkerConfig:
         insecure=args.insecure, metrics_port=args.metrics_port,
         grouping=OpGrouping.LAYER if args.layer_ops else OpGrouping.WHOLE,
         pipelined=not args.no_pipeline, hash_seed=args.hash_seed, copy_threads=args.copy_threads,
+        first_byte_timeout_s=args.first_byte_timeout,
     )  # fmt: skip
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 from collections import Counter
+from collections.abc import Iterator
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -23,11 +25,19 @@ from kvplane.validators import require_size
 
 __all__ = [
     "CURVE_OVERHEAD", "HANDSHAKE_MS", "HEARTBEAT_MS", "HEARTBEAT_TIMEOUT_MS", "MAX_CONNECTIONS",
-    "Door", "pd_keys", "queue_depth",
+    "Door", "bytes_received", "pd_keys", "queue_depth",
 ]  # fmt: skip
 
 MAX_CONNECTIONS = 64
-"""Inbound connections a ROUTER holds at once (authenticated or not); more are cut at once."""
+"""Inbound connections a ROUTER holds at once (proven or not): a newcomer past it evicts the
+oldest unproven one (:meth:`Door.proven`), or is cut at once when all are proven."""
+GREETING_BYTES = 64
+"""A ZMTP 3 greeting: what any client sends first, proving nothing."""
+CURVE_HELLO_BYTES = 202
+"""A CURVE HELLO command (flags, size, 200-byte body). Its box is sealed to the server's
+public key, which is derived from the secret: libzmq closes a connection whose HELLO does not
+open, and answers a good one, so a client that sent more than a greeting and a HELLO and is
+still connected has shown it holds the key."""
 CURVE_OVERHEAD = 33
 """Bytes CURVE adds to a message on the wire ("MESSAGE" command, nonce, box MAC, flags): the
 ROUTER's largest message is the codec's ``max_frame`` plus this."""
@@ -41,6 +51,18 @@ QUEUE_BYTES = 16 << 20
 """Bytes of whole frames one connection may have queued for the loop (see :func:`queue_depth`)."""
 _WATCHED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
 _POLL_MS = 50
+_TCP_INFO = struct.Struct("=128xQ")
+"""Linux ``struct tcp_info`` up to ``tcpi_bytes_received`` (offset 128, since Linux 4.1)."""
+
+
+def bytes_received(sock: socket.socket) -> int | None:
+    """How many bytes the kernel has received on TCP socket ``sock`` (read or not); None where
+    ``TCP_INFO`` does not say (not Linux, a kernel before 4.1, not a TCP socket)."""
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size)
+    except (OSError, AttributeError):
+        return None
+    return _TCP_INFO.unpack_from(raw)[0] if len(raw) >= _TCP_INFO.size else None
 
 
 def pd_keys(secret: bytes) -> CurveKeys:
@@ -73,7 +95,10 @@ class Door:
         self.keys = None if secret is None else pd_keys(secret)
         self.gate = None if self.keys is None else ZapGate(ctx, self.keys)
         self.counters: Counter[str] = Counter()
-        self._open: set[int] = set()
+        self._open: dict[int, str] = {}
+        """Inbound connections, oldest first: fd -> the peer's address when accepted (an fd
+        number is reused once closed; the address tells a reuse apart)."""
+        self._proof = GREETING_BYTES + (CURVE_HELLO_BYTES if self.keys is not None else 0)
         self._port = -1
         self._monitor: zmq.Socket[bytes] | None = None
         self._stop = threading.Event()
@@ -143,36 +168,76 @@ class Door:
                 return
             kind, value = int(event["event"]), int(event["value"])
             if kind == zmq.EVENT_ACCEPTED:
-                if len(self._open) < self.max_connections:
-                    self._open.add(value)
-                    self.counters["connections_accepted"] += 1
-                elif self._cut(value):
-                    self.counters["refused_connections"] += 1
+                self._admit(value)
             elif kind == zmq.EVENT_DISCONNECTED:
-                if value in self._open:
-                    self._open.discard(value)
+                if self._open.pop(value, None) is not None:
                     self.counters["connections_closed"] += 1
             elif kind & HANDSHAKE_FAILED:
                 self.counters["refused_handshakes"] += 1
 
-    def _cut(self, fd: int) -> bool:
-        """Shut down accepted connection ``fd`` (libzmq then closes it as a peer hang-up).
-        Only a socket on our listening port: the number may already belong to another file."""
+    def _admit(self, fd: int) -> None:
+        """Hold accepted connection ``fd``: under the cap at once; at it, by evicting the
+        oldest unproven connection (counted ``evicted_connections``); with every held one
+        proven, ``fd`` is cut (counted ``refused_connections``)."""
+        peer = self._peer(fd)
+        if peer is None:  # closed already, or not on our port
+            return
+        if len(self._open) >= self.max_connections:
+            victim = next((v for v, p in self._open.items() if not self.proven(v, p)), None)
+            if victim is None:
+                if self._cut(fd, peer):
+                    self.counters["refused_connections"] += 1
+                return
+            if self._cut(victim, self._open.pop(victim)):
+                self.counters["evicted_connections"] += 1
+        self._open[fd] = peer
+        self.counters["connections_accepted"] += 1
+
+    def proven(self, fd: int, peer: str) -> bool:
+        """Whether connection ``fd`` (to ``peer``) has got where only a key holder gets: more
+        bytes received than a greeting (and, with a secret, a CURVE HELLO) while still open
+        (see :data:`CURVE_HELLO_BYTES`). Where the kernel does not say, no connection is."""
+        with self._socket(fd, peer) as sock:
+            got = None if sock is None else bytes_received(sock)
+        return got is not None and got > self._proof
+
+    def _peer(self, fd: int) -> str | None:
+        """The peer address of our accepted connection ``fd``; None if ``fd`` is not one."""
+        with self._socket(fd, None) as sock:
+            return None if sock is None else repr(sock.getpeername())
+
+    @contextlib.contextmanager
+    def _socket(self, fd: int, peer: str | None) -> Iterator[socket.socket | None]:
+        """A borrowed view of ``fd`` (never closed here) if it is an accepted connection on our
+        listening port (to ``peer``, when given); else None. libzmq owns the fd."""
         if self._port < 0:
-            return False
+            yield None
+            return
         try:
             sock = socket.socket(fileno=fd)
         except OSError:
-            return False
+            yield None
+            return
         try:
-            if sock.getsockname()[1] != self._port:
-                return False
-            sock.shutdown(socket.SHUT_RDWR)
-            return True
-        except OSError:
-            return False
+            try:
+                ours = sock.getsockname()[1] == self._port
+                ours = ours and (peer is None or repr(sock.getpeername()) == peer)
+            except OSError:  # not a socket, not connected: not ours
+                ours = False
+            yield sock if ours else None
         finally:
             sock.detach()
+
+    def _cut(self, fd: int, peer: str) -> bool:
+        """Shut down accepted connection ``fd`` to ``peer`` (libzmq then closes it as a peer
+        hang-up); False when the number now belongs to another file or connection."""
+        with self._socket(fd, peer) as sock:
+            if sock is None:
+                return False
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+                return True
+        return False
 
     def close(self) -> None:
         """Stop the thread and close the door's sockets (before the context terminates)."""

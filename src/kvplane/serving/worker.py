@@ -45,6 +45,7 @@ from kvplane.serving.producers.base import KVModel
 from kvplane.serving.rpc import Reply, RpcServer
 from kvplane.serving.worker_config import SECRET_TRANSPORTS, WorkerConfig
 from kvplane.transports.base import Transport
+from kvplane.transports.bounds import ConnectionLimits
 from kvplane.transports.registry import create_transport
 
 log = logging.getLogger(__name__)
@@ -61,14 +62,17 @@ def make_transport(
     config: WorkerConfig, agent: str, metrics: MetricsRegistry | None = None
 ) -> Transport:
     """The configured transport (``tcp`` listens on ``transport_host``; ``tcp``/``shm`` copy
-    with ``copy_threads``), its batch metrics in ``metrics`` (the worker's ``/metrics``)."""
+    with ``copy_threads`` and drop a connection silent past ``first_byte_timeout_s``), its
+    batch metrics in ``metrics`` (the worker's ``/metrics``)."""
     options: dict[str, object] = {"agent": agent, "metrics": metrics}
     if config.transport == "tcp":
         options["host"] = config.transport_host
     if config.transport in SECRET_TRANSPORTS and config.secret is not None:
         options["secret"] = config.secret
-    if config.transport in ("tcp", "shm") and config.copy_threads is not None:
-        options["copy_threads"] = config.copy_threads
+    if config.transport in ("tcp", "shm"):
+        options["limits"] = ConnectionLimits(first_byte_timeout_s=config.first_byte_timeout_s)
+        if config.copy_threads is not None:
+            options["copy_threads"] = config.copy_threads
     return create_transport(config.transport, **options)
 
 

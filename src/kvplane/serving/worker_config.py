@@ -13,6 +13,7 @@ from kvplane.errors import ConfigError
 from kvplane.pd.events import check_id
 from kvplane.pd.timers import Timings
 from kvplane.transfer import OpGrouping
+from kvplane.transports.bounds import FIRST_BYTE_TIMEOUT_S
 from kvplane.transports.registry import CROSS_PROCESS
 from kvplane.validators import require_int
 
@@ -78,8 +79,10 @@ class WorkerConfig:
     ``incarnation`` 0 derives one from the clock (a restarted worker must use a larger one).
     ``pipelined`` False sends a request's KV only after its prefill ends (the baseline).
     ``copy_threads`` is how many threads a ``tcp``/``shm`` transport copies bytes with (None:
-    torch's thread count). ``secret`` authenticates the PD endpoint, the order socket and the
-    data plane; without one, ``insecure`` must say so explicitly (and is refused with one)."""
+    torch's thread count). ``first_byte_timeout_s``: a connection a ``tcp``/``shm`` data plane
+    accepted that sends nothing this long is dropped. ``secret`` authenticates the PD endpoint,
+    the order socket and the data plane; without one, ``insecure`` must say so explicitly (and
+    is refused with one)."""
 
     name: str
     control_bind: str = LOOPBACK
@@ -101,6 +104,7 @@ class WorkerConfig:
     max_inflight_ops: int = 8
     pipelined: bool = True
     copy_threads: int | None = None
+    first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
     insecure: bool = False
 
     def __post_init__(self) -> None:
@@ -124,7 +128,8 @@ class WorkerConfig:
             raise ConfigError(
                 f"WorkerConfig.head_range must be (start, end), got {self.head_range}"
             )
-        require_finite_positive("WorkerConfig.slice_timeout_s", self.slice_timeout_s)
+        for name in ("slice_timeout_s", "first_byte_timeout_s"):
+            require_finite_positive(f"WorkerConfig.{name}", getattr(self, name))
         if not isinstance(self.timings, Timings):
             raise ConfigError(f"WorkerConfig.timings must be Timings, got {self.timings!r}")
         if self.secret is not None and (not isinstance(self.secret, bytes) or not self.secret):

@@ -24,6 +24,9 @@ RECV_SHARE = 3
 """A receive timeout is armed at ``1 / RECV_SHARE`` of a silence bound (see :func:`arm_silence`)."""
 SEND_SHARE = 4
 """A send timeout is armed at ``1 / SEND_SHARE`` of a silence bound (see :func:`arm_silence`)."""
+FIRST_BYTE_TIMEOUT_S = 1.0
+"""Default of ``ConnectionLimits.first_byte_timeout_s`` (and of ``kvplane serve
+--first-byte-timeout``): an accepted connection silent this long is dropped."""
 TARGET_STALL_S = 60.0
 """Default stall bound of a target holding pins for a peer (``target_stall_s`` of ``tcp`` and
 ``shm``): silent (or, on tcp, taking none of a READ reply) this long, the peer is dropped and
@@ -49,7 +52,7 @@ class ConnectionLimits:
     max_connections: int = 512
     handshake_timeout_s: float = 10.0
     idle_timeout_s: float = 300.0
-    first_byte_timeout_s: float = 1.0
+    first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         require_int("max_pending", self.max_pending, min=1)

@@ -1,10 +1,11 @@
 """The mutual handshake that opens every ``tcp``/``shm`` connection, bound to that connection.
 
-HELLO (initiator: identity, purpose, nonce) → CHALLENGE (target: nonce, proof; nothing about
-who it is) → AUTH (initiator: proof) → WELCOME (target's identity, region table). Each proof is
-an HMAC over both nonces, the initiator's identity, the agent it means, the transport and the
-socket's endpoints. Owns the proofs, the first-byte wait and the handshake deadline; a failure
-raises and the caller closes, never answering. See docs/transports.md.
+HELLO (initiator: purpose, nonce) → CHALLENGE (target: nonce, proof) → AUTH (initiator: its
+agent, the agent it means, proof) → WELCOME (target's agent, region table): neither side names
+anyone before the other proved the secret. Each proof is an HMAC over both nonces, the
+transport and the socket's endpoints (the initiator's also over both names). Owns the proofs,
+the first-byte wait and the handshake deadline; a failure raises and the caller closes, never
+answering. See docs/transports.md.
 """
 
 from __future__ import annotations
@@ -65,23 +66,23 @@ def _endpoint(addr: tuple[object, ...]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Exchange:
-    """What both proofs of one connection cover: the HELLO (with the agent the initiator means,
-    "" for any), the target's nonce and the connection's :func:`binding`. Not the target's own
-    agent: a target names itself only in the WELCOME, to a peer that proved the secret."""
+    """What both proofs of one connection cover: the HELLO, the target's nonce and the
+    connection's :func:`binding`; the initiator's proof also covers the names its AUTH carries
+    (its agent, the agent it means), which the target's cannot: it is told them only after."""
 
     hello: Hello
     nonce: bytes
     bound: bytes
 
-    def proof(self, secret: bytes | None, role: bytes) -> bytes:
-        """``role``'s HMAC-SHA256 over the whole exchange (empty without a secret)."""
+    def proof(self, secret: bytes | None, role: bytes, names: tuple[str, str] = ("", "")) -> bytes:
+        """``role``'s HMAC-SHA256 over the exchange and ``names`` (empty without a secret)."""
         if secret is None:
             return b""
         key = hmac.new(secret, _KEY_LABEL, hashlib.sha256).digest()
         h = self.hello
         transcript = msgspec.msgpack.encode(
-            (role, WIRE_VERSION, h.transport, h.agent, h.target, h.nonce, self.nonce, self.bound)
-        )  # fmt: skip
+            (role, WIRE_VERSION, h.transport, *names, h.nonce, self.nonce, self.bound)
+        )
         return hmac.new(key, transcript, hashlib.sha256).digest()
 
 
@@ -136,28 +137,30 @@ def client_handshake(
     with_fds: bool = False, timeout_s: float = 10.0,
 ) -> tuple[str, Welcome, list[int]]:  # fmt: skip
     """Initiator side, over by ``timeout_s``: returns the target's agent (from its WELCOME),
-    its region table and any passed fds. ``expect``: the agent we mean to reach ("" any).
-    ``HandshakeError`` if the target fails to prove the secret, is someone else, or closes
-    unanswered."""
+    its region table and any passed fds. ``expect``: the agent we mean to reach ("" any);
+    it and our ``agent`` go out only after the target proved the secret. ``HandshakeError``
+    if the target fails to prove the secret, is someone else, or closes unanswered."""
     deadline = time.monotonic() + timeout_s
-    hello = Hello(WIRE_VERSION, agent, transport, expect, secrets.token_bytes(NONCE_BYTES))
+    hello = Hello(WIRE_VERSION, transport, secrets.token_bytes(NONCE_BYTES))
     ch.sock.settimeout(timeout_s)
     ch.send_frame(FrameType.HELLO, 0, encode(hello))
     try:
         challenge = decode(_expect(ch, FrameType.CHALLENGE, deadline), Challenge)
     except ConnectionError:
         raise HandshakeError(
-            "the target closed the connection unanswered (another secret, wire version or "
-            "transport, not the agent we expected, or past its connection caps)"
+            "the target closed the connection unanswered (another wire version or transport, "
+            "or past its connection caps)"
         ) from None
     who = repr(expect) if expect else "the target"
-    also = " (or it is another agent)" if expect else ""
     exchange = Exchange(hello, challenge.nonce, binding(ch.sock, initiator=True))
     want = exchange.proof(secret, _TARGET)
     if len(challenge.nonce) != NONCE_BYTES or not hmac.compare_digest(challenge.mac, want):
         raise HandshakeError(f"authentication failed: {who} did not prove the shared secret "
-                             f"for this connection{also}")  # fmt: skip
-    ch.send_frame(FrameType.AUTH, 0, encode(Auth(exchange.proof(secret, _INITIATOR))))
+                             "for this connection")  # fmt: skip
+    names = (agent, expect)  # told only now, to a target that proved the secret
+    ch.send_frame(
+        FrameType.AUTH, 0, encode(Auth(*names, exchange.proof(secret, _INITIATOR, names)))
+    )
     fds: list[int] = []
     try:
         welcome = decode(_expect(ch, FrameType.WELCOME, deadline, fds if with_fds else None),
@@ -182,32 +185,31 @@ def server_handshake(
     ch: Channel, agent: str, transport: str, secret: bytes | None,
     welcome: Callable[[], tuple[Welcome, list[int]]], *, timeout_s: float = 10.0,
 ) -> str:  # fmt: skip
-    """Target side, over by ``timeout_s``: checks the initiator's purpose and proof, then
-    calls ``welcome`` (which may raise to refuse) and sends its table with our agent; returns
-    the initiator's agent. Before the initiator's proof nothing tells who we are: a HELLO meant
-    for another agent gets a decoy CHALLENGE (a random proof), then is refused like a bad
+    """Target side, over by ``timeout_s``: checks the initiator's purpose, proves the secret,
+    checks the initiator's proof and names, then calls ``welcome`` (which may raise to refuse)
+    and sends its table with our agent; returns the initiator's agent. Nothing tells who we
+    are before the initiator's proof, and an AUTH meant for another agent is refused like a bad
     proof. Raises (``HandshakeError``, ``TimeoutError``, ``MalformedMessageError``,
     ``OSError``) without answering: the caller closes."""
     deadline = time.monotonic() + timeout_s
     hello = decode(_expect(ch, FrameType.HELLO, deadline), Hello)
     if (hello.version, hello.transport) != (WIRE_VERSION, transport):
-        raise HandshakeError(f"refused {hello.agent!r}: {hello.transport} v{hello.version}, "
+        raise HandshakeError(f"refused a HELLO for {hello.transport} v{hello.version}, "
                              f"not {transport} v{WIRE_VERSION}")  # fmt: skip
-    if len(hello.nonce) != NONCE_BYTES or not hello.agent:
-        raise HandshakeError(f"refused {hello.agent!r}: a malformed HELLO")
-    misdirected = hello.target not in ("", agent)
+    if len(hello.nonce) != NONCE_BYTES:
+        raise HandshakeError("refused a malformed HELLO")
     nonce = secrets.token_bytes(NONCE_BYTES)
     exchange = Exchange(hello, nonce, binding(ch.sock, initiator=False))
-    proof = exchange.proof(secret, _TARGET)
-    if misdirected:  # the same shape as a real proof, and never one
-        proof = secrets.token_bytes(len(proof)) if proof else b""
     _arm(ch.sock, deadline)
-    ch.send_frame(FrameType.CHALLENGE, 0, encode(Challenge(nonce, proof)))
+    ch.send_frame(FrameType.CHALLENGE, 0, encode(Challenge(nonce, exchange.proof(secret, _TARGET))))
     auth = decode(_expect(ch, FrameType.AUTH, deadline), Auth)
-    if misdirected:
-        raise HandshakeError(f"refused {hello.agent!r}: its HELLO meant {hello.target!r}")
-    if not hmac.compare_digest(auth.mac, exchange.proof(secret, _INITIATOR)):
-        raise HandshakeError(f"refused {hello.agent!r}: authentication failed")
+    names = (auth.agent, auth.target)
+    if not hmac.compare_digest(auth.mac, exchange.proof(secret, _INITIATOR, names)):
+        raise HandshakeError(f"refused {auth.agent!r}: authentication failed")
+    if not auth.agent:
+        raise HandshakeError("refused an AUTH without an agent")
+    if auth.target not in ("", agent):
+        raise HandshakeError(f"refused {auth.agent!r}: it meant {auth.target!r}")
     table, fds = welcome()
     body = encode(msgspec.structs.replace(table, agent=agent))
     frame = pack_header(FrameType.WELCOME, 0, len(body)) + body
@@ -217,4 +219,4 @@ def server_handshake(
         ch.send(frame[sent:])
     else:
         ch.send(frame)
-    return hello.agent
+    return auth.agent

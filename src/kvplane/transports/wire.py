@@ -18,9 +18,10 @@ import numpy as np
 from kvplane.errors import IncompatiblePeerError, MalformedMessageError
 from kvplane.transports.base import DescriptorList
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 """Version of metadata, handshake and frame formats; peers must match exactly (2: the mutual
-handshake with both nonces, and PING; 3: the target names itself in WELCOME, not CHALLENGE)."""
+handshake with both nonces, and PING; 3: the target names itself in WELCOME, not CHALLENGE;
+4: the initiator names itself and the agent it means in AUTH, not HELLO)."""
 MAGIC = b"KVPT"
 MAX_CONTROL_BYTES = 1 << 20
 """Largest metadata blob, handshake body or control frame body."""
@@ -38,7 +39,7 @@ HEADER = struct.Struct("<4sBBHIQQ")
 class FrameType(enum.IntEnum):
     HELLO = 1  # initiator -> target: Hello
     CHALLENGE = 2  # target -> initiator: Challenge (its nonce and proof, not its name)
-    AUTH = 3  # initiator -> target: Auth (its proof)
+    AUTH = 3  # initiator -> target: Auth (its name, whom it means, its proof)
     WELCOME = 4  # target -> initiator: Welcome (its name, regions; shm: segment fds ride along)
     REJECT = 5  # unused since version 2: a refused handshake is closed unanswered
     DATA = 6  # bytes for a write (to target) or a read response (to initiator)
@@ -89,12 +90,11 @@ class Metadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Initiator's opening: who it is, what for, who it means to reach ("": anyone), a nonce."""
+    """Initiator's opening: what for (wire version, transport) and a nonce; nothing about who
+    it is or whom it means, which the target has not yet earned."""
 
     version: int
-    agent: str
     transport: str
-    target: str
     nonce: bytes
 
 
@@ -107,8 +107,12 @@ class Challenge(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Auth(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Initiator's proof over both nonces (empty without a secret)."""
+    """Initiator's answer, sent only to a target that proved the secret: who it is, who it
+    means to reach ("": anyone), and its proof over both nonces and both names (empty
+    without a secret)."""
 
+    agent: str
+    target: str
     mac: bytes
 
 
