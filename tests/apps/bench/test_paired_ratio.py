@@ -26,17 +26,20 @@ def test_unequal_lengths_are_refused() -> None:
 def test_transport_row_reports_medians_and_the_paired_ratios() -> None:
     total = 64 << 20
     ours = [total / 1e9, 4 * total / 1e9, total / 2e9]
-    row = _row("tcp", 4096, (ours, [total / 2e9] * 3, [], [total / 1e9] * 3))
+    row, _ = _row("tcp", 4096, (ours, [], [total / 2e9] * 3, [], [total / 1e9] * 3))
     assert row["gbps"] == 1.0 and row["limit_gbps"] == 2.0
     assert row["ratio"] == 0.5  # per-repeat ratios 0.5, 0.125, 1.0
     assert "stream_ratio" not in row
     assert row["scatter_limit_gbps"] == 1.0
     assert row["scatter_ratio"] == 1.0  # per-repeat ratios 1.0, 0.25, 2.0
     stream = [total / 4e9, total / 1e9, total / 4e9]
-    row = _row("local", 4096, (ours, [total / 2e9] * 3, stream, []))
+    row, lines = _row("local", 4096, (ours, [], [total / 2e9] * 3, stream, []))
     assert row["stream_limit_gbps"] == 4.0
     assert row["stream_ratio"] == 0.25  # per-repeat ratios 0.25, 0.25, 0.5
     assert "scatter_ratio" not in row
+    assert [(r.row, r.as_dict()["limit"], r.spread.ratio_median) for r in lines] == [
+        ("local 4 KiB fresh", 2.0, 0.5), ("local 4 KiB vs stream", 4.0, 0.25),
+    ]  # fmt: skip
 
 
 def test_stream_memcpy_copies_every_byte_or_is_absent() -> None:

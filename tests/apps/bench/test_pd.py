@@ -1,4 +1,5 @@
-"""``kvplane bench pd`` at a toy size: the JSON keys of the issue, one row per mode."""
+"""``kvplane bench pd`` at a toy size: the JSON keys of the issue, one mode row per mode, the
+``bench all`` rows with their spreads, and the real-model comparison."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from kvplane.apps.bench import pd
 def test_bench_reports_every_key_for_both_modes() -> None:
     args = argparse.Namespace(transports="tcp,nope", requests=1, tokens=64, step=16, layers=1)
     out = pd.run(True, args)
-    rows = out["rows"]
+    rows = out["modes"]
     assert isinstance(rows, list)
     modes = [r["mode"] for r in rows if r["transport"] == "tcp"]
     assert modes == ["pipelined", "non_pipelined"]
@@ -45,6 +46,24 @@ def test_bench_reports_every_key_for_both_modes() -> None:
     assert isinstance(calib, dict) and isinstance(calib["tcp"]["calibration_ok"], bool)
     assert calib["tcp"]["slice_transfer_ms"] == rows[0]["slice_transfer_ms"]
     assert out["memcpy_slice_ms"] > 0 and out["memcpy_slice_scattered_ms"] > 0  # type: ignore[operator]
+    assert set(out["compute_model"]) == {"synthetic", "model"}  # type: ignore[arg-type]
+    assert "sleep after streaming-store write" in out["compute_model"]["synthetic"]  # type: ignore[index]
+    lines = out["rows"]
+    assert isinstance(lines, list)
+    assert [r["row"] for r in lines] == [
+        "tcp_ttft_pipelined_vs_non_pipelined",
+        "tcp_exposed_tail_vs_slice",
+        "model_ttft_pipelined_vs_non_pipelined",
+        "model_exposed_tail_vs_slice",
+    ]
+    assert [r["target"] for r in lines] == [0.7, 1.5, None, 1.5]
+    assert all(r["bench"] == "pd" and r["repeats"] == 2 and not r["stable"] for r in lines)
+    assert lines[0]["ratio_median"] == round(rows[0]["ttft_ratio"], 4)
+    model = out["model"]
+    assert isinstance(model, dict)
+    assert (model["model"], model["transport"], model["tokens"]) == ("tiny-deepseek", "tcp", 64)
+    assert model["tokens_equal"] is True and model["rows"] == lines[2:]
+    assert [m["mode"] for m in model["modes"]] == ["pipelined", "non_pipelined"]
 
 
 def test_ttft_ratio_pairs_requests_not_medians() -> None:
@@ -59,12 +78,3 @@ def test_zero_stretch_ratio() -> None:
     assert pd.zero_stretch_ratio(8, 4.0, 2.0) == 0.75
     # a bulk transfer no cheaper per step than a lone slice: (N + 1) / 2N
     assert pd.zero_stretch_ratio(8, 4.0, 4.0) == 9 / 16
-
-
-def test_prompts_share_no_first_block() -> None:
-    """The warm-up and every request start differently, so none hits another's prefix."""
-    firsts = {tuple(pd.prompt(i, 16)) for i in range(-1, 2_000)}
-    assert len(firsts) == 2_001
-    assert pd.prompt(0, 4) == [7919, 7920, 7921, 7922]
-    assert pd.prompt(-1, 3) == [29_999, 0, 1]  # wraps inside the vocabulary
-    assert max(max(pd.prompt(i, 4_096)) for i in (-1, 0, 5)) < pd.VOCAB

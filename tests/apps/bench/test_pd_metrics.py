@@ -102,3 +102,24 @@ def test_memcpy_limit_reads_written_memory_on_one_thread() -> None:
     assert torch.get_num_threads() == before
     with pytest.raises(InvalidArgumentError):
         m.memcpy_slice_ms(1000, 300)
+
+
+def test_bench_rows_pair_ttft_and_tail_request_by_request() -> None:
+    ttft = {"pipelined": [60.0, 70.0, 80.0], "non_pipelined": [100.0, 100.0, 100.0]}
+    fields: list[dict[str, float | None]] = [
+        {"exposed_tail_ms": 3.0, "slice_transfer_ms": 2.0},
+        {"exposed_tail_ms": None, "slice_transfer_ms": 2.0},  # left out: no tail
+        {"exposed_tail_ms": 2.0, "slice_transfer_ms": 2.0},
+    ]
+    ttft_row, tail_row = m.bench_rows("tcp", ttft, fields, ttft_target=0.7)
+    assert ttft_row == {
+        "bench": "pd", "row": "tcp_ttft_pipelined_vs_non_pipelined", "figure": 70.0,
+        "unit": "ms", "limit": 100.0, "limit_name": "non-pipelined", "repeats": 3,
+        "ratio_min": 0.6, "ratio_median": 0.7, "ratio_max": 0.8, "stable": False,
+        "target": 0.7, "met": True,
+    }  # fmt: skip
+    assert tail_row["row"] == "tcp_exposed_tail_vs_slice" and tail_row["repeats"] == 2
+    assert (tail_row["figure"], tail_row["limit"], tail_row["ratio_median"]) == (2.5, 2.0, 1.25)
+    assert tail_row["target"] == 1.5 and tail_row["met"] is True
+    only = m.bench_rows("model", ttft, fields[1:2], ttft_target=None)
+    assert len(only) == 1 and only[0]["met"] is None  # no tail row without a tail

@@ -16,7 +16,14 @@ def test_protocol_bench_reports_the_issue_keys_and_holds_its_sessions() -> None:
     assert result["concurrent_sessions"] == 50
     assert result["session_errors"] == 0
     assert result["rtt_dropped_frames"] == 0
-    assert result["ratio"] == result["rtt_us"] / result["raw_rtt_us"]  # type: ignore[operator]
+    assert result["ratio_of_medians"] == result["rtt_us"] / result["raw_rtt_us"]  # type: ignore[operator]
+    rows = result["rows"]
+    assert isinstance(rows, list) and len(rows) == 1
+    (row,) = rows
+    assert row["ratio_median"] == round(result["ratio"], 4)  # type: ignore[call-overload]
+    assert row["row"] == "rtt_us_vs_raw_zmq" and row["target"] == 1.5
+    assert 5 <= row["repeats"] <= 12
+    assert result["round_trips"] == row["repeats"] * 250
 
 
 def test_the_cli_lists_and_runs_it(capsys: object) -> None:

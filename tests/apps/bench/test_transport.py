@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from kvplane.apps.bench import transport
+from kvplane.apps.bench.spread import Row
 from kvplane.apps.bench.transport import (
     BLOCKS,
     NIXL_TCP,
@@ -48,10 +49,31 @@ def test_only_tcp_restricted_nixl_rows_get_a_label() -> None:
 
 def test_each_row_says_whether_it_meets_its_target() -> None:
     # ratios 0.9 (kvplane 1 s against a 0.9 s limit) and 0.5
-    fast = _row("tcp", 4096, ([1.0, 1.0, 1.0], [0.9, 0.9, 0.9], [], []))
-    slow = _row("nixl", 4096, ([2.0, 2.0, 2.0], [1.0, 1.0, 1.0], [], []))
+    fast, _ = _row("tcp", 4096, ([1.0, 1.0, 1.0], [], [0.9, 0.9, 0.9], [], []))
+    slow, lines = _row("nixl", 4096, ([2.0, 2.0, 2.0], [], [1.0, 1.0, 1.0], [], []))
     assert (fast["target"], fast["target_met"]) == (0.85, True)
     assert (slow["target"], slow["target_met"]) == (0.9, False)
+    assert [(r.row, r.met) for r in lines] == [("nixl 4 KiB fresh", False)]
+
+
+def test_a_row_reports_fresh_and_cached_lists_with_their_spreads() -> None:
+    total = transport.TOTAL
+    fresh = [total / 1e9, total / 2e9, total / 1e9, total / 1e9]  # 1, 2, 1, 1 GB/s
+    cached = [total / 2e9] * 4
+    limit = [total / 2e9] * 4
+    out, lines = _row("local", 256 << 10, (fresh, cached, limit, [], []), "here")
+    assert out["gbps"] == 1.0 and out["limit_gbps"] == 2.0
+    assert (out["ratio"], out["ratio_min"], out["ratio_max"]) == (0.5, 0.5, 1.0)
+    assert out["repeats"] == 4 and out["stable"] is True  # sorted 0.5, 0.5, 0.5, 1: middle 0.5
+    assert (out["cached_gbps"], out["cached_ratio"]) == (2.0, 1.0)
+    assert [
+        (r.row, r.as_dict()["figure"], r.as_dict()["limit"], r.spread.ratio_median, r.met)
+        for r in lines
+    ] == [
+        ("here 256 KiB fresh", 1.0, 2.0, 0.5, False),
+        ("here 256 KiB cached", 2.0, 2.0, 1.0, True),
+    ]
+    assert lines[0].limit_name == transport.LIMITS["local"]
 
 
 def test_tcp_vs_nixl_labels_the_tcp_restricted_comparison_as_the_target() -> None:
@@ -72,7 +94,9 @@ def test_tcp_vs_nixl_labels_the_tcp_restricted_comparison_as_the_target() -> Non
 def test_result_records_quick_and_repeats_and_the_planner_targets() -> None:
     args = argparse.Namespace(only=["no-such-transport"])
     out = transport.run(True, args)
-    assert (out["quick"], out["repeats"]) == (True, transport.REPEATS[True])
+    low, high, cap = transport.REPEATS[True]
+    assert out["quick"] is True and out["repeats"] == {"min": low, "max": high, "cap_s": cap}
+    assert out["rows"] == []
     assert out["tcp_vs_nixl"] == {} and out["tcp_vs_nixl_target"] == []
     results = out["results"]
     assert isinstance(results, list)
@@ -83,19 +107,25 @@ def test_result_records_quick_and_repeats_and_the_planner_targets() -> None:
 
 def test_cases_are_interleaved_repeat_by_repeat(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transport, "SETTLE_S", 0.0)
+    monkeypatch.setattr(transport, "REPEATS", {True: (2, 2, 600.0)})
     calls: list[str] = []
 
     def step(what: str) -> Callable[[int], None]:
         return lambda block: calls.append(f"{what}{block >> 10}")
 
-    cases = [_Case("tcp", step("t"), step("T")), _Case("nixl", step("n"), step("N"))]
-    rows, kv_s = _measure_cases(cases, reps=2)
+    cases = [_Case("tcp", step("t"), step("c"), step("T")),
+             _Case("nixl", step("n"), step("d"), step("N"), label="nixl (x)")]  # fmt: skip
+    rows, kv_s, lines = _measure_cases(cases, True)
     first = BLOCKS[0] >> 10
-    # warm-ups, then each repeat times tcp (kv, limit) and then nixl (kv, limit)
-    assert calls[:12] == [f"{x}{first}" for x in "tTnN" * 3]
+    # warm-ups, then each repeat times tcp (fresh, cached, limit) and then nixl's
+    assert calls[:18] == [f"{x}{first}" for x in "tcTndN" * 3]
     assert [[r["transport"] for r in case] for case in rows] == [["tcp"] * 2, ["nixl"] * 2]
     assert [sorted(k) for k in kv_s] == [sorted(BLOCKS)] * 2
     assert all(len(v) == 2 for k in kv_s for v in k.values())
+    assert [r.row for r in lines[:4]] == [
+        f"tcp {first} KiB fresh", f"tcp {first} KiB cached",
+        f"nixl (x) {first} KiB fresh", f"nixl (x) {first} KiB cached",
+    ]  # fmt: skip
 
 
 def test_the_target_uses_the_paired_ratio_when_there_is_one() -> None:
@@ -117,15 +147,16 @@ def test_tcp_rows_come_from_its_own_run_and_the_nixl_pairing_from_the_interleave
         return [{"transport": name, "block_bytes": b, "gbps": 1.0, "limit_gbps": 1.0,
                  "ratio": 1.0, "tag": tag, **extra} for b in BLOCKS]  # fmt: skip
 
-    def cross(name: str, reps: int) -> list[dict[str, object]]:
+    def cross(name: str, quick: bool, label: str = "") -> tuple[list[dict[str, object]], list[Row]]:
         calls.append(f"alone {name}")
-        return row(name, "alone")
+        return row(name, "alone"), []
 
     def with_nixl(
-        reps: int,
-    ) -> tuple[list[dict[str, object]], list[dict[str, object]], dict[int, float]]:
+        quick: bool,
+    ) -> tuple[list[dict[str, object]], list[dict[str, object]], dict[int, float], list[Row]]:
         calls.append("interleaved")
-        return row("tcp", "beside nixl"), row("nixl", "paired", ucx_tls="tcp"), {4096: 1.5}
+        return (row("tcp", "beside nixl"), row("nixl", "paired", ucx_tls="tcp"), {4096: 1.5},
+                [])  # fmt: skip
 
     monkeypatch.setattr(transport, "available", lambda: {"tcp": None, "nixl": None})
     monkeypatch.setattr(transport, "_cross", cross)

@@ -82,5 +82,6 @@ def test_a_pair_that_cannot_start_becomes_error_rows_for_its_modes() -> None:
     bench.run_pair("nixl-push", 0)
     assert bench.errors == {("nixl", "push"): bench._nixl[0]}
     out = bench.result(reference=[[]] * len(bench.prompts))
-    assert out["rows"] == [{"connector": "nixl", "mode": "push", "error": bench._nixl[0]}]
+    assert out["modes"] == [{"connector": "nixl", "mode": "push", "error": bench._nixl[0]}]
+    assert out["rows"] == []  # no ratio without both sides
     assert out["targets"]["tokens_equal"]["met"] is False

@@ -109,3 +109,27 @@ def test_a_connector_that_did_not_run_fails_the_targets_it_enters_and_says_so() 
     assert got["kvplane_pull_le_nixl_pull"] == {
         "met": False, "value": None, "limit": 1.0, "why": "not measured",
     }  # fmt: skip
+
+
+def _at(connector: str, mode: str, slot: int, ttft: float, decode: float = 10.0) -> m.Sample:
+    return m.Sample(connector, mode, slot, slot, 0.0, decode, ttft, 0.0, None, ())
+
+
+def test_bench_rows_carry_the_spread_of_the_per_slot_ratios() -> None:
+    samples = {
+        ("kvplane", "pull"): [_at("kvplane", "pull", s, t) for s, t in enumerate([100, 200, 300])],
+        ("nixl", "pull"): [_at("nixl", "pull", s, t, 20.0) for s, t in enumerate([200, 200, 200])],
+        ("kvplane", "pipelined"): [_at("kvplane", "pipelined", s, 90.0) for s in range(3)],
+    }
+    rows = m.bench_rows(samples)  # no NIXL push: its row is left out
+    assert [r["row"] for r in rows] == [
+        "kvplane_pull_vs_nixl_pull", "pipelined_vs_pull", "decode_ttft_kvplane_pull_vs_nixl_pull",
+    ]  # fmt: skip
+    assert rows[0] == {
+        "bench": "vllm_pd", "row": "kvplane_pull_vs_nixl_pull", "figure": 200.0, "unit": "ms",
+        "limit": 200.0, "limit_name": "NixlConnector pull", "repeats": 3, "ratio_min": 0.5,
+        "ratio_median": 1.0, "ratio_max": 1.5, "stable": False, "target": 1.0, "met": True,
+    }  # fmt: skip
+    assert (rows[1]["ratio_min"], rows[1]["ratio_median"], rows[1]["ratio_max"]) == (0.3, 0.45, 0.9)
+    assert rows[1]["target"] == 0.8 and rows[1]["met"] is True
+    assert rows[2]["ratio_median"] == 0.5 and rows[2]["stable"] is True and rows[2]["met"] is None

@@ -1,9 +1,11 @@
-"""``kvplane bench NAME [--quick] [--json]``: run one benchmark module of ``apps/bench``.
+"""``kvplane bench NAME [--quick] [--json]``: run one benchmark module of ``apps/bench``;
+``kvplane bench all`` runs every one (:mod:`~kvplane.apps.bench.all`).
 
 A bench module exposes ``NAME``, ``HELP``, ``add_arguments(parser)`` (optional extra flags) and
 ``run(quick: bool, args) -> dict[str, object]``. Every bench measures kvplane against the physical
 limit (memcpy, raw socket, raw file I/O, the raw third-party engine) in the same run and reports
 ratios; ``--quick`` finishes in under 60 s; ``--json`` prints the result dict as one JSON object.
+Its ``rows`` (:class:`~kvplane.apps.bench.spread.Row` dicts) are its lines in ``bench all``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ def _load(name: str) -> ModuleType:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="BENCH")
+    every = _load("all")
+    p = sub.add_parser("all", help="every bench: one table, one JSON document")
+    every.add_arguments(p)
+    p.set_defaults(_all=every)
     for name in BENCHES:
         module = _load(name)
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
@@ -54,10 +60,14 @@ def _print_table(name: str, result: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    every: ModuleType | None = getattr(args, "_all", None)
+    if every is not None:
+        status: int = every.run(args, BENCHES)
+        return status
     module: ModuleType | None = getattr(args, "_bench", None)
     if module is None:
         names = ", ".join(BENCHES) or "(none yet)"
-        print(f"usage: kvplane bench BENCH [--quick] [--json]; benches: {names}")
+        print(f"usage: kvplane bench BENCH|all [--quick] [--json]; benches: {names}")
         return 2
     result: dict[str, Any] = module.run(args.quick, args)
     if args.json:

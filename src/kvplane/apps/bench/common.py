@@ -1,5 +1,6 @@
-"""Benchmark modules for ``kvplane bench``, and what they share: the settle pause, the paired
-ratio against a limit, and the streaming memcpy that is a second memory-copy limit."""
+"""What the benchmark modules of ``kvplane bench`` share beyond :mod:`.spread` (whose settle
+pause and paired ratio it re-exports): a second limit's fields, and the streaming memcpy that
+is a second memory-copy limit."""
 
 import statistics
 from collections.abc import Callable, Sequence
@@ -7,21 +8,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from kvplane.apps.bench.spread import SETTLE_S, paired_ratio
 from kvplane.transports.native_copy import copy_runs_native, kernel
 
-SETTLE_S = 0.03
-"""Pause before every timed run: after a torch op its OpenMP threads spin-wait for several
-milliseconds, stealing the cores of whatever runs next (measured: a copy right after the limit's
-``copy_`` lost a third of its speed); each run starts on a quiet machine instead."""
-
-
-def paired_ratio(ours_s: Sequence[float], limit_s: Sequence[float]) -> float:
-    """Throughput ratio ours / limit from seconds per repeat: the median of the per-repeat
-    ratios ``limit_s[i] / ours_s[i]``. Repeat ``i`` timed both back to back, under the same
-    machine load; on a shared host the load drifts between repeats, and a ratio of the two
-    medians would divide times taken under different conditions. Equal-length, positive
-    sequences (the caller's timings)."""
-    return statistics.median(lim / us for us, lim in zip(ours_s, limit_s, strict=True))
+__all__ = ["SETTLE_S", "limit_fields", "paired_ratio", "stream_fields", "stream_memcpy"]
 
 
 def limit_fields(

@@ -2,31 +2,40 @@
 ``blocks_per_chunk`` sweep.
 
 Host against memcpy (and a streaming memcpy), disk against raw ``pwrite``/``preadv``, remote
-against raw pipelined ``SET``/``GET``; each repeat times both back to back. Starts its own
-``redis-server`` when none is given. Limits, estimator and targets: docs/benches.md.
+against ``redis-benchmark`` on the same server (and redis-py's own pipeline as a second row);
+each repeat times every side back to back (:mod:`.offload_rows`). Starts its own
+``redis-server`` when none is given. Limits, estimator and targets: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from kvplane.apps.bench.common import SETTLE_S, paired_ratio, stream_fields, stream_memcpy
+from kvplane.apps.bench.common import stream_memcpy
+from kvplane.apps.bench.offload_rows import (
+    BENCH,
+    Limit,
+    Measured,
+    Timed,
+    measure,
+    rows,
+    seconds,
+    throughput_row,
+)
+from kvplane.apps.bench.offload_sweep import SWEEP_BLOCKS, SWEEP_TARGET, fresh_keys, layout, sweep
+from kvplane.apps.bench.redis_limit import BENCH_KEY, fastest, redis_benchmark_support
 from kvplane.ids import BlockId, ChunkKey, SlotId
-from kvplane.layout import KVLayout
 from kvplane.offload import (
     AdmissionFilter,
     OffloadConfig,
     OffloadManager,
-    TierCascade,
     build_cascade,
 )
 from kvplane.offload.tiers import ALIGN, DiskTier, HostTier, ReadOutcome, RemoteTier, SyncPolicy
@@ -34,18 +43,13 @@ from kvplane.offload.tiers.base import as_buffer
 from kvplane.offload.tiers.remote import PIPELINE_BYTES, redis_support
 from kvplane.testing.redis_server import LocalRedisServer, redis_server_support
 
-NAME = "offload"
-HELP = "Offload tiers: store/load GB/s per tier vs memcpy, raw file I/O and raw Redis."
+NAME = BENCH
+HELP = "Offload tiers: store/load GB/s per tier vs memcpy, raw file I/O and redis-benchmark."
 
 BLOCK_BYTES = 16 << 10
 CHUNK_SIZES = (256 << 10, 4 << 20)
 CHUNKS_PER_REPEAT = {True: (64, 16), False: (128, 32)}
-"""Chunks moved per timed repeat, per entry of ``CHUNK_SIZES``, for ``--quick`` and full runs."""
-REPEATS = {True: 15, False: 25}
-WARMUP = 2
-"""Leading repeats dropped (page faults, worker threads, allocator and socket warm-up)."""
-SWEEP = (1, 4, 16, 64)
-SWEEP_BLOCKS = {True: 256, False: 1024}
+"""Chunks moved per timed run, per entry of ``CHUNK_SIZES``, for ``--quick`` and full runs."""
 TARGETS = {"host": 0.8, "disk": 0.7, "remote": 0.8}
 
 
@@ -54,16 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-dir", default=None, help="directory for the disk tier's file")
     parser.add_argument("--sync", choices=[p.value for p in SyncPolicy], default="none")
     parser.add_argument("--no-direct-io", action="store_true", help="buffered disk I/O")
-
-
-def _layout(num_blocks: int) -> KVLayout:
-    """16 KiB blocks: 4 layers x K/V x 16 tokens x 2 heads x 32 dims x bf16."""
-    return KVLayout.gqa(num_blocks=num_blocks, block_size=16, num_layers=4, kv_heads=2, head_dim=32)
-
-
-def _fresh_keys(n: int) -> list[ChunkKey]:
-    """Keys no tier holds yet (random, like block hashes of new content)."""
-    return [ChunkKey(os.urandom(32)) for _ in range(n)]
 
 
 KeyedOp = Callable[[list[ChunkKey]], None]
@@ -75,66 +69,43 @@ def _each(n: int, op: Callable[[int], object]) -> None:
         op(i)
 
 
-def _seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def _wall(fn: Callable[[], object]) -> Timed:
+    return lambda: seconds(fn)
 
 
-def _measure(
-    tier: str,
-    chunk: int,
-    n: int,
-    reps: int,
-    *,
+def _store_load(
+    where: tuple[str, int, int],
+    quick: bool,
     ours: tuple[KeyedOp, KeyedOp],
-    limit: tuple[Callable[[], object], Callable[[], object]],
-    stream: tuple[Callable[[], None], Callable[[], None]] | None = None,
-) -> list[dict[str, Any]]:
-    """Rows for store and load: each repeat times kvplane then its limit (moving the same
-    ``n`` chunks) in each direction -- then, when given, the streaming memcpy of the same
-    bytes -- every run after a settle pause (:data:`SETTLE_S`); the first :data:`WARMUP`
-    repeats are dropped. ``gbps`` and ``limit_gbps`` are medians; ``ratio`` is the median of
-    the per-repeat ratios (each pair ran under the same machine load, which on a shared host
-    drifts between repeats)."""
-    times: list[list[float]] = [[], [], [], [], [], []]
-    for _ in range(WARMUP + reps):
-        keys = _fresh_keys(n)
-        runs = [lambda: ours[0](keys), limit[0], lambda: ours[1](keys), limit[1]]  # noqa: B023
-        if stream is not None:
-            runs += stream
-        for i, run in enumerate(runs):
-            time.sleep(SETTLE_S)  # neither side inherits the other's spinning OpenMP threads
-            times[i].append(_seconds(run))
-    nbytes = n * chunk
-    kept = [t[WARMUP:] for t in times]
-    return [
-        _row(tier, "store", chunk, nbytes, ours=kept[0], limit=kept[1], stream=kept[4]),
-        _row(tier, "load", chunk, nbytes, ours=kept[2], limit=kept[3], stream=kept[5]),
-    ]
+    limits: tuple[list[Limit], list[Limit]],
+    *,
+    unavailable: str | None = None,
+) -> list[Measured]:
+    """Store (fresh keys every repeat) then load (``n`` chunks stored once, loaded every
+    repeat) of ``where = (tier, chunk_bytes, n)``, each against its limits, ``n * chunk``
+    bytes per run (:func:`.offload_rows.measure`)."""
+    tier, chunk, n = where
+    store, load = ours
 
+    def fresh_store() -> float:
+        keys = fresh_keys(n)
+        return seconds(lambda: store(keys))
 
-def _row(
-    tier: str, op: str, chunk: int, nbytes: int, *, ours: list[float], limit: list[float],
-    stream: list[float],
-) -> dict[str, Any]:  # fmt: skip
-    return {
-        "tier": tier,
-        "op": op,
-        "chunk_bytes": chunk,
-        "gbps": round(nbytes / statistics.median(ours) / 1e9, 3),
-        "limit_gbps": round(nbytes / statistics.median(limit) / 1e9, 3),
-        "ratio": round(paired_ratio(ours, limit), 3),
-        **stream_fields(nbytes, ours, stream),
-    }
+    got = [measure((tier, "store", chunk, n * chunk), fresh_store, limits[0], quick,
+                   unavailable=unavailable)]  # fmt: skip
+    keys = fresh_keys(n)
+    store(keys)
+    got.append(measure((tier, "load", chunk, n * chunk), _wall(lambda: load(keys)), limits[1],
+                       quick, unavailable=unavailable))  # fmt: skip
+    return got
 
 
 # -- host: the cascade path between a (CPU) device pool and host slots ----------------------------
-def _host_rows(chunk: int, n: int, reps: int) -> list[dict[str, Any]]:
+def _host(chunk: int, n: int, quick: bool) -> list[Measured]:
     bpc = chunk // BLOCK_BYTES
-    layout = _layout(2 * n * bpc)
-    pool = torch.randn(layout.shape).to(layout.dtype)
-    c = build_cascade(OffloadConfig(host_slots=n, admission_min_lookups=0), layout, bpc, pool)
+    kv = layout(2 * n * bpc)
+    pool = torch.randn(kv.shape).to(kv.dtype)
+    c = build_cascade(OffloadConfig(host_slots=n, admission_min_lookups=0), kv, bpc, pool)
     src = [BlockId(b) for b in range(n * bpc)]
     dst = [BlockId(b) for b in range(n * bpc, 2 * n * bpc)]
     pool_chunks = pool.view(2 * n, chunk // pool.element_size())
@@ -145,20 +116,26 @@ def _host_rows(chunk: int, n: int, reps: int) -> list[dict[str, Any]]:
         c.drain()
 
     def load(keys: list[ChunkKey]) -> None:
-        c.load(keys, dst)
+        ticket = c.load(keys, dst)
+        if ticket is None or len(ticket.keys) != len(keys):
+            raise RuntimeError("bench host tier lost chunks it was loading")
         c.drain()
 
-    to_host = stream_memcpy(pool_chunks[:n], host_chunks)
-    to_pool = stream_memcpy(host_chunks, pool_chunks[n:])
-    rows = _measure(
-        "host", chunk, n, reps, ours=(store, load),
-        limit=(lambda: host_chunks.copy_(pool_chunks[:n]),
-               lambda: pool_chunks[n:].copy_(host_chunks)),
-        stream=None if to_host is None or to_pool is None else (to_host, to_pool),
-    )  # fmt: skip
+    limits: tuple[list[Limit], list[Limit]] = (
+        [Limit("memcpy (torch copy_)", "", _wall(lambda: host_chunks.copy_(pool_chunks[:n])))],
+        [Limit("memcpy (torch copy_)", "", _wall(lambda: pool_chunks[n:].copy_(host_chunks)))],
+    )
+    streams = (
+        stream_memcpy(pool_chunks[:n], host_chunks),
+        stream_memcpy(host_chunks, pool_chunks[n:]),
+    )
+    for side, fn in zip(limits, streams, strict=True):
+        if fn is not None:
+            side.append(Limit("streaming memcpy", "stream", _wall(fn)))
+    got = _store_load(("host", chunk, n), quick, (store, load), limits)
     c.check_integrity()
     c.close()
-    return rows
+    return got
 
 
 # -- disk and remote: one manager + tier, between host slots and the tier ---------------------
@@ -189,11 +166,11 @@ def _host_buffers(n: int, chunk: int) -> tuple[list[torch.Tensor], list[memoryvi
     return bufs, [as_buffer(b) for b in bufs]
 
 
-def _disk_rows(
-    chunk: int, n: int, reps: int, where: Path, *, sync: SyncPolicy, direct: bool
-) -> tuple[list[dict[str, Any]], bool]:
+def _disk(
+    chunk: int, n: int, quick: bool, where: Path, *, sync: SyncPolicy, direct: bool
+) -> tuple[list[Measured], bool]:
     slots_path, raw_path = where / "bench-slots.kvc", where / "bench-raw.bin"
-    tier = DiskTier(slots_path, n, chunk, _layout(1).fingerprint(), sync=sync, direct_io=direct)
+    tier = DiskTier(slots_path, n, chunk, layout(1).fingerprint(), sync=sync, direct_io=direct)
     fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if tier.direct else 0), 0o600)
     os.ftruncate(fd, n * chunk)
     bufs, views = _host_buffers(n, chunk)
@@ -206,11 +183,14 @@ def _disk_rows(
     mgr = OffloadManager("disk", n, "lru", AdmissionFilter(0))
     try:
         ops = _tier_ops(tier, mgr, bufs)
-        raw = (lambda: _each(n, raw_write),
-               lambda: _each(n, lambda i: os.preadv(fd, [views[i]], i * chunk)))  # fmt: skip
-        rows = _measure("disk", chunk, n, reps, ours=ops, limit=raw)
+        raw = (
+            [Limit("raw pwrite", "", _wall(lambda: _each(n, raw_write)))],
+            [Limit("raw preadv", "", _wall(
+                lambda: _each(n, lambda i: os.preadv(fd, [views[i]], i * chunk))))],
+        )  # fmt: skip
+        got = _store_load(("disk", chunk, n), quick, ops, raw)
         mgr.check_integrity()
-        return rows, tier.direct
+        return got, tier.direct
     finally:
         tier.close()
         os.close(fd)
@@ -218,16 +198,18 @@ def _disk_rows(
         raw_path.unlink(missing_ok=True)
 
 
-def _remote_rows(chunk: int, n: int, reps: int, url: str) -> list[dict[str, Any]]:
+def _remote(chunk: int, n: int, quick: bool, url: str) -> list[Measured]:
+    """The remote tier against ``redis-benchmark`` (same server and value size, one
+    connection, its fastest pipeline depth: :func:`.redis_limit.fastest`; the main limit,
+    unavailable without the binary) and redis-py's own pipeline in the tier's groups."""
     import redis
 
     ns = f"kvbench{os.getpid()}"
-    tier = RemoteTier(url, n, chunk, _layout(1).fingerprint(), namespace=ns, timeout_s=30.0)
+    tier = RemoteTier(url, n, chunk, layout(1).fingerprint(), namespace=ns, timeout_s=30.0)
     client = redis.Redis.from_url(url, socket_timeout=30.0)
     bufs, views = _host_buffers(n, chunk)
     names = [f"{ns}:raw:{i}" for i in range(n)]
-
-    per = max(1, PIPELINE_BYTES // chunk)
+    per = max(1, PIPELINE_BYTES // chunk)  # the tier's own groups: one round trip each
     groups = [range(a, min(a + per, n)) for a in range(0, n, per)]
 
     def raw_store() -> None:
@@ -245,117 +227,101 @@ def _remote_rows(chunk: int, n: int, reps: int, url: str) -> list[dict[str, Any]
             for i, got in zip(group, pipe.execute(), strict=True):
                 views[i][:] = cast(bytes, got)
 
+    limits: tuple[list[Limit], list[Limit]] = (
+        [Limit("redis-py pipeline", "redis_py", _wall(raw_store))],
+        [Limit("redis-py pipeline", "redis_py", _wall(raw_load))],
+    )
+    why = redis_benchmark_support()
+    if why is None:
+        rb = fastest(url, chunk, n, per)
+        limits[0].insert(0, Limit(rb["SET"].name, "", lambda: rb["SET"].seconds("SET")))
+        limits[1].insert(0, Limit(rb["GET"].name, "", lambda: rb["GET"].seconds("GET")))
     mgr = OffloadManager("remote", n, "lru", AdmissionFilter(0))
     try:
         ops = _tier_ops(tier, mgr, bufs)
-        raw = (raw_store, raw_load)
-        rows = _measure("remote", chunk, n, reps, ours=ops, limit=raw)
+        got = _store_load(("remote", chunk, n), quick, ops, limits, unavailable=why)
         mgr.check_integrity()
-        return rows
+        return got
     finally:
         tier.clear()
-        client.delete(*names)
+        client.delete(*names, BENCH_KEY)
         client.close()
         tier.close()
 
 
-# -- sweep ---------------------------------------------------------------------------------------
-def _sweep(total_blocks: int, reps: int) -> list[dict[str, Any]]:
-    """Store ``total_blocks`` 16 KiB blocks as chunks of ``bpc`` blocks, one store op per chunk
-    (``us_per_block``) and all chunks in one call (``us_per_block_one_call``)."""
-    out = []
-    layout = _layout(total_blocks)
-    pool = torch.randn(layout.shape).to(layout.dtype)
-    blocks = [BlockId(b) for b in range(total_blocks)]
-    for bpc in SWEEP:
-        n = total_blocks // bpc
-        cfg = OffloadConfig(host_slots=n, admission_min_lookups=0)
-        c = build_cascade(cfg, layout, bpc, pool)
-
-        def per_op(keys: list[ChunkKey], c: TierCascade = c, bpc: int = bpc) -> None:
-            for i, k in enumerate(keys):
-                c.store([k], blocks[i * bpc : (i + 1) * bpc])
-            c.drain()
-
-        def one_call(keys: list[ChunkKey], c: TierCascade = c) -> None:
-            c.store(keys, blocks)
-            c.drain()
-
-        ops, calls = [], []
-        for _ in range(WARMUP + reps):
-            ops.append(_seconds(lambda f=per_op, n=n: f(_fresh_keys(n))))  # type: ignore[misc]
-            calls.append(_seconds(lambda f=one_call, n=n: f(_fresh_keys(n))))  # type: ignore[misc]
-        c.check_integrity()
-        c.close()
-        out.append(
-            {
-                "blocks_per_chunk": bpc,
-                "us_per_block": round(statistics.median(ops[WARMUP:]) / total_blocks * 1e6, 3),
-                "us_per_block_one_call": round(
-                    statistics.median(calls[WARMUP:]) / total_blocks * 1e6, 3
-                ),
-            }
-        )
-    return out
-
-
 def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
-    reps = REPEATS[quick]
     sync = SyncPolicy(getattr(args, "sync", "none"))
     direct = not getattr(args, "no_direct_io", False)
-    rows: list[dict[str, Any]] = []
+    got: list[Measured] = []
     skipped: list[str] = []
     counts = dict(zip(CHUNK_SIZES, CHUNKS_PER_REPEAT[quick], strict=True))
     for chunk in CHUNK_SIZES:
-        rows += _host_rows(chunk, counts[chunk], reps)
+        got += _host(chunk, counts[chunk], quick)
     disk_dir = getattr(args, "disk_dir", None)
     with tempfile.TemporaryDirectory(dir=disk_dir, prefix="kvplane-bench-") as tmp:
         direct_used = False
         for chunk in CHUNK_SIZES:
-            disk_rows, direct_used = _disk_rows(
-                chunk, counts[chunk], reps, Path(tmp), sync=sync, direct=direct
+            disk, direct_used = _disk(
+                chunk, counts[chunk], quick, Path(tmp), sync=sync, direct=direct
             )
-            rows += disk_rows
+            got += disk
     url = getattr(args, "redis_url", None) or os.environ.get("KVPLANE_OFFLOAD_REMOTE_URL")
     reason = redis_support() if url else redis_server_support()
     if reason is not None:
         skipped.append(f"remote: {reason}")
     elif url:
         for chunk in CHUNK_SIZES:
-            rows += _remote_rows(chunk, counts[chunk], reps, url)
+            got += _remote(chunk, counts[chunk], quick, url)
     else:
         with LocalRedisServer() as server:  # our own server on 127.0.0.1, stopped at the end
             for chunk in CHUNK_SIZES:
-                rows += _remote_rows(chunk, counts[chunk], reps, server.url)
-    sweep = _sweep(SWEEP_BLOCKS[quick], reps)
-    per_block = {s["blocks_per_chunk"]: s["us_per_block"] for s in sweep}
+                got += _remote(chunk, counts[chunk], quick, server.url)
+    swept, sweep_row = sweep(SWEEP_BLOCKS[quick], quick)
+    throughput = [throughput_row(m) for m in got]
+    per_block = {s["blocks_per_chunk"]: s["us_per_block"] for s in swept}
     sweep_ratio = per_block[16] / per_block[1] if per_block[1] else 0.0
     met = {
-        f"{r['tier']}_{r['op']}_{r['chunk_bytes']}": r["ratio"] >= TARGETS[r["tier"]] for r in rows
+        f"{r['tier']}_{r['op']}_{r['chunk_bytes']}": r["ratio"] is not None
+        and r["ratio"] >= TARGETS[r["tier"]]
+        for r in throughput
     }
-    met["sweep_16_vs_1"] = sweep_ratio <= 0.2
+    met["sweep_16_vs_1"] = sweep_ratio <= SWEEP_TARGET
     summary = {
-        f"{r['tier']} {r['op']} {r['chunk_bytes'] >> 10} KiB": (
-            f"{r['gbps']:.2f} / {r['limit_gbps']:.2f} GB/s = {r['ratio']:.2f}"
-            f" (target {TARGETS[r['tier']]})"
-            + (f"; {r['stream_ratio']:.2f} of a streaming memcpy" if "stream_ratio" in r else "")
-        )
-        for r in rows
+        f"{r['tier']} {r['op']} {r['chunk_bytes'] >> 10} KiB": _summary(r) for r in throughput
     }
     summary |= {
         f"{s['blocks_per_chunk']} blocks/chunk": (
             f"{s['us_per_block']:.2f} us/block per op, {s['us_per_block_one_call']:.2f} in one call"
         )
-        for s in sweep
+        for s in swept
     }
     return {
-        "throughput": rows,
-        "blocks_per_chunk_sweep": sweep,
+        "rows": [row for m in got for row in rows(m, TARGETS[m.tier])] + [sweep_row],
+        "throughput": throughput,
+        "blocks_per_chunk_sweep": swept,
         "sweep_ratio_16_vs_1": round(sweep_ratio, 3),
         "targets": TARGETS,
         "targets_met": met,
         "disk": {"sync": sync.value, "direct_io": direct_used, "align": ALIGN},
         "remote_server": "configured" if url else "private redis-server",
+        "remote_limit": "redis-benchmark (-c 1, the tier's value size, its fastest -P)"
+        if redis_benchmark_support() is None
+        else f"unavailable: {redis_benchmark_support()}",
         "skipped": skipped,
         **summary,
     }
+
+
+def _summary(r: dict[str, Any]) -> str:
+    """One throughput row in words: ours / limit = ratio, and the second limits' ratios."""
+    main = (
+        f"{r['gbps']:.2f} / {r['limit_gbps']:.2f} GB/s = {r['ratio']:.2f}"
+        if r["ratio"] is not None
+        else f"{r['gbps']:.2f} GB/s; limit {r['limit_unavailable']}"
+    )
+    second = [
+        f"{r[k]:.2f} of {label}"
+        for k, label in (("stream_ratio", "a streaming memcpy"), ("redis_py_ratio", "redis-py"))
+        if k in r
+    ]
+    return "; ".join([f"{main} (target {TARGETS[r['tier']]})", *second])

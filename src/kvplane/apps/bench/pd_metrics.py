@@ -2,7 +2,7 @@
 
 Pure functions over :class:`~kvplane.pipeline.timeline.RequestTimes` and the bench's rows (a
 field is ``None``, never 0, when its events are missing), and the memcpy limit
-(:func:`memcpy_slice_ms`). Not a bench of its own. See docs/benches.md.
+(:func:`memcpy_slice_ms`). Not a bench of its own. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from kvplane.apps.bench.spread import Row, spread_of
 from kvplane.errors import InvalidArgumentError
 from kvplane.pipeline.timeline import RequestTimes
 
@@ -43,6 +44,35 @@ TARGET_DEFINITIONS = {
     "overlap_ge_0.8": "pipelined overlap_ratio >= 0.8; false when null",
 }
 """What each boolean of the bench's ``targets`` compares, reported in its JSON."""
+
+
+def bench_rows(
+    prefix: str,
+    ttft_ms: Mapping[str, Sequence[float]],
+    pipelined: Sequence[Mapping[str, float | None]],
+    *,
+    ttft_target: float | None,
+) -> list[dict[str, object]]:
+    """The ``bench all`` rows of one pipelined/non-pipelined comparison named ``prefix``
+    (lower is better in both): the pipelined TTFT against the non-pipelined one, paired request
+    by request (``ttft_ms[mode]``, ms), with ``ttft_target``; and the pipelined exposed tail
+    against one slice's busy transfer, per request (``pipelined``: :func:`request_fields` of
+    each), target :data:`TAIL_FACTOR` -- left out when no request has both (positive)."""
+    p, n = ttft_ms["pipelined"], ttft_ms["non_pipelined"]
+    ratios = spread_of([a / b for a, b in zip(p, n, strict=True)])
+    rows = [
+        Row("pd", f"{prefix}_ttft_pipelined_vs_non_pipelined", statistics.median(p), "ms",
+            statistics.median(n), "non-pipelined", ratios, ttft_target, False),
+    ]  # fmt: skip
+    pairs = [(f["exposed_tail_ms"], f["slice_transfer_ms"]) for f in pipelined]
+    tails = [(t, s) for t, s in pairs if t is not None and s is not None and t > 0 and s > 0]
+    if tails:
+        rows.append(Row(
+            "pd", f"{prefix}_exposed_tail_vs_slice", statistics.median(t for t, _ in tails), "ms",
+            statistics.median(s for _, s in tails), "one slice's busy transfer",
+            spread_of([t / s for t, s in tails]), TAIL_FACTOR, False,
+        ))  # fmt: skip
+    return [r.as_dict() for r in rows]
 
 
 def _ms(x: float) -> float:

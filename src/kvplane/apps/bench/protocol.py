@@ -1,13 +1,14 @@
 """``kvplane bench protocol``: PD control round trips and session setup over zmq on 127.0.0.1.
 
-Reports the endpoint's round trip against a raw zmq REQ/REP ping-pong (alternating batches),
-the setup time of a minimal session and the rate of 1,000 concurrent sessions. See
-docs/benches.md.
+Reports the endpoint's round trip against a raw zmq REQ/REP ping-pong (alternating batches,
+repeated until their paired ratio is stable), the setup time of a minimal session and the rate
+of 1,000 concurrent sessions. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import threading
 import time
@@ -15,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from kvplane.apps.bench.spread import Row, repeat_until_stable, spread
 from kvplane.errors import IncompatiblePeerError
 from kvplane.ids import PeerId, RequestId, SessionId, SliceId
 from kvplane.pd.actions import Action, Finished, StartSubmit
@@ -34,6 +36,10 @@ from kvplane.pd.states import Role, SessionState
 
 NAME = "protocol"
 HELP = "PD control protocol: round trips vs raw zmq REQ/REP, session setup, 1,000 sessions."
+TARGET_RATIO = 1.5
+"""The round trip's target: at most this many raw zmq round trips."""
+REPEATS = {True: (5, 12, 10.0), False: (5, 40, 30.0)}
+"""Batch pairs by ``quick``: (min_repeats, max_repeats, cap_s)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +78,8 @@ def _ours_batch(client: ControlClient, seq0: int, n: int) -> float:
 
 
 def _round_trips(quick: bool) -> dict[str, Any]:
-    batches, per_batch = (12, 250) if quick else (40, 500)
+    per_batch = 250 if quick else 500
+    low, high, cap = REPEATS[quick]
     server = Endpoint(_participant("bench-server", 1))
     server.start()
     client = ControlClient(server.address)
@@ -97,10 +104,15 @@ def _round_trips(quick: bool) -> dict[str, Any]:
         payload = b"x" * len(client.codec.encode(Heartbeat(peer_id="bench-client", seq=1)))
         _raw_batch(req, payload, 200)
         _ours_batch(client, 0, 200)
-        raw, ours = [], []
-        for b in range(batches):
-            raw.append(_raw_batch(req, payload, per_batch))
-            ours.append(_ours_batch(client, (b + 1) * per_batch, per_batch))
+        batches = itertools.count(1)
+
+        def pair() -> tuple[float, float]:
+            raw = _raw_batch(req, payload, per_batch)
+            return _ours_batch(client, next(batches) * per_batch, per_batch), raw
+
+        ours, raw = repeat_until_stable(
+            pair, min_repeats=low, max_repeats=high, cap_s=cap, settle_s=0.0
+        )
         dropped = sum(v for k, v in server.snapshot().items() if k.startswith("dropped_"))
     finally:
         req.send(b"stop")
@@ -113,13 +125,18 @@ def _round_trips(quick: bool) -> dict[str, Any]:
         client.close()
         server.close()
     rtt, raw_rtt = statistics.median(ours) * 1e6, statistics.median(raw) * 1e6
+    paired = spread(ours, raw, higher_is_better=False)
+    row = Row("protocol", "rtt_us_vs_raw_zmq", rtt, "µs", raw_rtt, "raw zmq REQ/REP ping-pong",
+              paired, TARGET_RATIO, False)  # fmt: skip
     return {
         "rtt_us": rtt,
         "raw_rtt_us": raw_rtt,
-        "ratio": rtt / raw_rtt,
+        "ratio": paired.ratio_median,
+        "ratio_of_medians": rtt / raw_rtt,
         "frame_bytes": len(payload),
-        "round_trips": batches * per_batch,
+        "round_trips": len(ours) * per_batch,
         "rtt_dropped_frames": dropped,
+        "rows": [row.as_dict()],
     }
 
 
@@ -238,9 +255,9 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
     result: dict[str, object] = {}
     result.update(_round_trips(quick))
     result.update(_sessions(quick, concurrent))
-    result["target_ratio"] = 1.5
+    result["target_ratio"] = TARGET_RATIO
     result["meets_target"] = bool(
-        float(result["ratio"]) <= 1.5  # type: ignore[arg-type]
+        float(result["ratio"]) <= TARGET_RATIO  # type: ignore[arg-type]
         and result["concurrent_sessions"] == concurrent
         and result["session_errors"] == 0
     )

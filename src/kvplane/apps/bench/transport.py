@@ -1,9 +1,10 @@
 """``kvplane bench transport``: each transport against the physical limit of its path.
 
 64 MiB as scattered 256 KiB and 4 KiB blocks per transport, against memcpy, a raw socket or the
-raw engine, interleaved repeat by repeat and judged by the paired ratio; plus the planner entries
-of :mod:`~kvplane.apps.bench.transport_planner`. Limits, tcp against NIXL, and why tcp runs alone
-first: docs/benches.md.
+raw engine, interleaved repeat by repeat until the paired ratios are stable; kvplane builds its
+descriptor lists inside every timed repeat (and is also timed with them built once), as the raw
+engines build theirs; plus the planner entries of :mod:`~kvplane.apps.bench.transport_planner`.
+Limits, tcp against NIXL, and why tcp runs alone first: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvplane.apps.bench.common import (
     stream_fields,
     stream_memcpy,
 )
+from kvplane.apps.bench.spread import Row, repeat_rows_until_stable, spread
 from kvplane.errors import KVPlaneError
 from kvplane.testing.peer_process import PeerProcess, pattern
 from kvplane.transports.base import DescriptorList, XferKind
@@ -40,7 +42,8 @@ HELP = "Transport throughput (64 MiB as 256 KiB and 4 KiB blocks) against each p
 
 TOTAL = 64 << 20
 BLOCKS = (256 << 10, 4 << 10)
-REPEATS = {True: 3, False: 9}
+REPEATS = {True: (5, 10, 3.0), False: (5, 40, 30.0)}
+"""By ``quick``: (min_repeats, max_repeats, cap_s) of each block size's interleaved repeats."""
 TARGETS = {"local": 0.8, "shm": 0.8, "tcp": 0.85, "nixl": 0.9, "mooncake": 0.9}
 LIMITS = {
     "local": "torch copy_ of 64 MiB",
@@ -61,17 +64,33 @@ def _blocks(block: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.
     return np.arange(n, dtype=np.int64) * block, perm.astype(np.int64) * block, np.full(n, block)
 
 
-def _descriptors(
-    src_region: int, dst_region: int
-) -> dict[int, tuple[DescriptorList, DescriptorList]]:
-    """Per block size, the (source, destination) descriptor lists of one bench write, built
-    before timing starts (the timed span is submit to DONE, not building the plan)."""
-    out = {}
-    for block in BLOCKS:
-        so, do, ln = _blocks(block)
-        out[block] = (DescriptorList(np.full(len(so), src_region), so, ln),
-                      DescriptorList(np.full(len(so), dst_region), do, ln))  # fmt: skip
-    return out
+def _lists(
+    src_region: int, dst_region: int, so: np.ndarray[Any, Any], do: np.ndarray[Any, Any],
+    ln: np.ndarray[Any, Any],
+) -> tuple[DescriptorList, DescriptorList]:  # fmt: skip
+    """The (source, destination) descriptor lists of one bench write from its offset arrays:
+    new lists, so every fact a transport caches on them is computed again."""
+    return (DescriptorList(np.full(len(so), src_region), so, ln),
+            DescriptorList(np.full(len(so), dst_region), do, ln))  # fmt: skip
+
+
+def _writes(
+    t: TransportCore, peer: Any, src_region: int, dst_region: int
+) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    """kvplane's two timed writes per block size: ``fresh`` builds its descriptor lists from
+    the offset arrays inside the timed span, as the raw engines build their own block lists
+    inside theirs; ``cached`` reuses lists built once before timing (their cached facts then
+    paid once, outside the clock)."""
+    layout = {block: _blocks(block) for block in BLOCKS}
+    built = {block: _lists(src_region, dst_region, *layout[block]) for block in BLOCKS}
+
+    def fresh(block: int) -> None:
+        _kv_write(t, peer, *_lists(src_region, dst_region, *layout[block]))
+
+    def cached(block: int) -> None:
+        _kv_write(t, peer, *built[block])
+
+    return fresh, cached
 
 
 UCX_TCP = {"UCX_TLS": "tcp"}
@@ -106,97 +125,131 @@ def _kv_write(t: TransportCore, peer: Any, src: DescriptorList, dst: DescriptorL
         raise KVPlaneError(f"bench write on {t.name} ended {got}")
 
 
-def _row(name: str, block: int, times: tuple[list[float], ...]) -> dict[str, Any]:
-    """One row from the seconds per repeat of kvplane, the limit, the streaming memcpy and
-    the scattered raw limit (the last two empty when not timed)."""
-    kv, limit, stream, scatter = times
+Times = tuple[list[float], list[float], list[float], list[float], list[float]]
+"""Seconds per repeat of one case at one block size: kvplane fresh, kvplane cached, the limit,
+the streaming memcpy and the scattered raw limit (the last two empty when not timed)."""
+
+
+def _row(name: str, block: int, times: Times, label: str = "") -> tuple[dict[str, Any], list[Row]]:
+    """One result row (kvplane with fresh descriptor lists against the limit; ``cached_*``
+    with lists built once; the second limits' fields; the main ratio's spread) and its
+    :class:`Row` lines, named by ``label`` (default ``name``)."""
+    kv, cached, limit, stream, scatter = times
+    main = spread(kv, limit)
+    target = TARGETS[name]
     gbps = TOTAL / statistics.median(kv) / 1e9
     limit_gbps = TOTAL / statistics.median(limit) / 1e9
-    ratio = paired_ratio(kv, limit)
-    target = TARGETS[name]
-    return {"transport": name, "block_bytes": block, "total_bytes": TOTAL, "gbps": round(gbps, 3),
-            "limit_gbps": round(limit_gbps, 3), "ratio": round(ratio, 3), "target": target,
-            "target_met": ratio >= target,
-            **stream_fields(TOTAL, kv, stream),
-            **limit_fields("scatter", TOTAL, kv, scatter)}  # fmt: skip
+    out = {"transport": name, "block_bytes": block, "total_bytes": TOTAL, "gbps": round(gbps, 3),
+           "limit_gbps": round(limit_gbps, 3), "ratio": round(main.ratio_median, 3),
+           "target": target, "target_met": main.ratio_median >= target,
+           **{k: v for k, v in main.fields().items() if k != "ratio_median"},
+           **stream_fields(TOTAL, kv, stream),
+           **limit_fields("scatter", TOTAL, kv, scatter)}  # fmt: skip
+    where = f"{label or name} {block >> 10} KiB"
+    rows = [Row("transport", f"{where} fresh", gbps, "GB/s", limit_gbps, LIMITS[name], main,
+                target, True)]  # fmt: skip
+    if cached:
+        fast = spread(cached, limit)
+        cached_gbps = TOTAL / statistics.median(cached) / 1e9
+        out |= {"cached_gbps": round(cached_gbps, 3), "cached_ratio": round(fast.ratio_median, 3)}
+        rows.append(Row("transport", f"{where} cached", cached_gbps, "GB/s", limit_gbps,
+                        LIMITS[name], fast, target, True))  # fmt: skip
+    seconds = (("stream", stream, "streaming memcpy (C, one thread)"),
+               ("scatter", scatter, "raw sendall into the same blocks"))  # fmt: skip
+    for kind, second, what in seconds:
+        if second:
+            rows.append(Row("transport", f"{where} vs {kind}", gbps, "GB/s",
+                            TOTAL / statistics.median(second) / 1e9, what, spread(kv, second),
+                            None, True))  # fmt: skip
+    return out, rows
 
 
 @dataclass(frozen=True, slots=True)
 class _Case:
-    """What one transport's repeat times: kvplane's write and its limit per block size, and
-    (when not None) the streaming memcpy and the scattered raw limit. ``buffers`` keeps the
-    memory they use alive for as long as the case is (a raw engine holds only an address of
-    its registered buffer: freeing it mid-run once broke the raw NIXL write)."""
+    """What one transport's repeat times: kvplane's write with fresh and with cached
+    descriptor lists and its limit per block size, and (when not None) the streaming memcpy
+    and the scattered raw limit. ``label`` names its rows (default ``name``). ``buffers``
+    keeps the memory they use alive for as long as the case is (a raw engine holds only an
+    address of its registered buffer: freeing it mid-run once broke the raw NIXL write)."""
 
     name: str
     kv: Callable[[int], None]
+    cached: Callable[[int], None]
     limit: Callable[[int], None]
     stream: Callable[[], None] | None = None
     scatter: Callable[[int], None] | None = None
     buffers: tuple[torch.Tensor, ...] = ()
+    label: str = ""
+
+    def timed(self, block: int) -> list[Callable[[], None] | None]:
+        """This repeat's thunks in :data:`Times` order (None where not timed)."""
+        scatter = self.scatter
+        return [lambda: self.kv(block), lambda: self.cached(block), lambda: self.limit(block),
+                self.stream, None if scatter is None else lambda: scatter(block)]  # fmt: skip
 
 
-def _measure_cases(
-    cases: Sequence[_Case], reps: int
-) -> tuple[list[list[dict[str, Any]]], list[dict[int, list[float]]]]:
-    """Rows per case and block size, and per case kvplane's seconds per repeat by block size.
-    The cases are interleaved: each repeat times every case in turn -- kvplane, then the
-    limit, then (when given) the streaming memcpy and the scattered raw limit, each after a
-    settle pause -- so repeat ``i`` of two cases shared the machine's load of the moment."""
+Measured = tuple[list[list[dict[str, Any]]], list[dict[int, list[float]]], list[Row]]
+"""Result rows per case and block size, kvplane's fresh seconds per case by block size, and
+every :class:`Row`."""
+
+
+def _measure_cases(cases: Sequence[_Case], quick: bool) -> Measured:
+    """The cases interleaved, per block size: each repeat times every case in turn -- its
+    :meth:`_Case.timed` thunks, each after a settle pause -- so repeat ``i`` of two cases
+    shared the machine's load of the moment; repeats go on until every case's fresh ratio is
+    stable (:data:`REPEATS`)."""
     rows: list[list[dict[str, Any]]] = [[] for _ in cases]
     kv_s: list[dict[int, list[float]]] = [{} for _ in cases]
+    lines: list[Row] = []
+    low, high, cap = REPEATS[quick]
     for block in BLOCKS:
-        for c in cases:
-            c.kv(block)  # warm-up: first touch, connection set-up
-            c.limit(block)
-            if c.scatter is not None:
-                c.scatter(block)
-        times: list[tuple[list[float], ...]] = [([], [], [], []) for _ in cases]
-        for _ in range(reps):
+        for c in cases:  # warm-up: first touch, connection set-up
+            for fn in c.timed(block):
+                if fn is not None and fn is not c.stream:
+                    fn()
+        times: list[Times] = [([], [], [], [], []) for _ in cases]
+
+        def step(block: int = block, times: list[Times] = times) -> list[tuple[float, float]]:
             for c, got in zip(cases, times, strict=True):
-                time.sleep(SETTLE_S)
-                got[0].append(_timed(lambda: c.kv(block)))  # noqa: B023
-                time.sleep(SETTLE_S)
-                got[1].append(_timed(lambda: c.limit(block)))  # noqa: B023
-                if c.stream is not None:
-                    time.sleep(SETTLE_S)
-                    got[2].append(_timed(c.stream))
-                scatter = c.scatter
-                if scatter is not None:
-                    time.sleep(SETTLE_S)
-                    got[3].append(_timed(lambda: scatter(block)))  # noqa: B023
+                for fn, into in zip(c.timed(block), got, strict=True):
+                    if fn is not None:
+                        time.sleep(SETTLE_S)
+                        into.append(_timed(fn))
+            return [(got[0][-1], got[2][-1]) for got in times]
+
+        repeat_rows_until_stable(step, min_repeats=low, max_repeats=high, cap_s=cap, settle_s=0)
         for i, (c, got) in enumerate(zip(cases, times, strict=True)):
-            rows[i].append(_row(c.name, block, got))
+            row, more = _row(c.name, block, got, c.label)
+            rows[i].append(row)
+            lines += more
             kv_s[i][block] = got[0]
-    return rows, kv_s
+    return rows, kv_s, lines
 
 
-def _measure(case: _Case, reps: int) -> list[dict[str, Any]]:
-    """Rows per block size of one case (:func:`_measure_cases`)."""
-    return _measure_cases([case], reps)[0][0]
+def _measure(case: _Case, quick: bool) -> tuple[list[dict[str, Any]], list[Row]]:
+    """Result rows per block size of one case, and its :class:`Row` lines."""
+    rows, _, lines = _measure_cases([case], quick)
+    return rows[0], lines
 
 
-def _local(reps: int) -> list[dict[str, Any]]:
+def _local(quick: bool) -> tuple[list[dict[str, Any]], list[Row]]:
     t = LocalTransport()
     src, dst = pattern(TOTAL, 1), torch.zeros(TOTAL, dtype=torch.uint8)
     rs, rd = t.register(src).region_id, t.register(dst).region_id
     peer = t.connect(t.metadata())
-
-    descs = _descriptors(rs, rd)
-
-    def kv(block: int) -> None:
-        _kv_write(t, peer, *descs[block])
+    fresh, cached = _writes(t, peer, int(rs), int(rd))
 
     def memcpy(block: int) -> None:
         dst.copy_(src)
 
     try:
-        return _measure(_Case("local", kv, memcpy, stream=stream_memcpy(src, dst)), reps)
+        return _measure(_Case("local", fresh, cached, memcpy, stream_memcpy(src, dst)), quick)
     finally:
         t.close()
 
 
 def _tcp_limits(far: PeerProcess, reps: int) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    # ``reps``: the most timed sends per block size (each sink takes one more, the warm-up).
     """The raw socket limits of ``tcp``: the same bytes sent by ``sendall`` in 1 MiB pieces to
     a ``recv_into`` loop into one contiguous buffer of the child (the issue's limit, one
     connection), and to ``recvmsg_into`` (``MSG_WAITALL``, 1,024 pieces a call) straight into
@@ -219,9 +272,9 @@ def _tcp_limits(far: PeerProcess, reps: int) -> tuple[Callable[[int], None], Cal
     return lambda block: send(socks[0]), lambda block: send(socks[block])
 
 
-def _cross_case(name: str, reps: int, stack: contextlib.ExitStack) -> _Case:
+def _cross_case(name: str, quick: bool, stack: contextlib.ExitStack, label: str = "") -> _Case:
     """Set up ``name`` writing into a child process, and its limit; ``stack`` closes them
-    (the raw engine, then the transport, then the child)."""
+    (the raw engine, then the transport, then the child). ``label`` names its rows."""
     far = stack.enter_context(PeerProcess(name))
     region = far.alloc(TOTAL)
     t = create_transport(name)
@@ -236,7 +289,7 @@ def _cross_case(name: str, reps: int, stack: contextlib.ExitStack) -> _Case:
     scratch = torch.zeros(TOTAL, dtype=torch.uint8)
     scatter = None
     if name == "tcp":
-        limit, scatter = _tcp_limits(far, reps)
+        limit, scatter = _tcp_limits(far, REPEATS[quick][1])
     elif name == "shm":
 
         def limit(block: int) -> None:
@@ -254,33 +307,30 @@ def _cross_case(name: str, reps: int, stack: contextlib.ExitStack) -> _Case:
             so, do, ln = layout[block]
             raw.write(so, int(region), do, ln)
 
-    descs = _descriptors(int(mine), int(region))
-
-    def kv(block: int) -> None:
-        _kv_write(t, peer, *descs[block])
-
+    fresh, cached = _writes(t, peer, int(mine), int(region))
     stream = stream_memcpy(src, scratch) if name == "shm" else None
-    return _Case(name, kv, limit, stream=stream, scatter=scatter, buffers=(src, scratch))
+    return _Case(name, fresh, cached, limit, stream, scatter, (src, scratch), label)
 
 
-def _cross(name: str, reps: int) -> list[dict[str, Any]]:
+def _cross(name: str, quick: bool, label: str = "") -> tuple[list[dict[str, Any]], list[Row]]:
     with contextlib.ExitStack() as stack:
-        return _measure(_cross_case(name, reps, stack), reps)
+        return _measure(_cross_case(name, quick, stack, label), quick)
 
 
 def _tcp_with_nixl(
-    reps: int,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, float]]:
+    quick: bool,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, float], list[Row]]:
     """``tcp``'s rows and the NIXL-over-UCX-TCP rows, measured interleaved repeat by repeat
     (NIXL's child and agents created with :data:`UCX_TCP` set), and per block size the paired
-    ratio tcp / NIXL throughput (the median of per-repeat ratios: >= 1 means tcp is faster)."""
+    ratio tcp / NIXL throughput (the median of per-repeat ratios: >= 1 means tcp is faster),
+    and their :class:`Row` lines (tcp's labelled ``tcp (beside NIXL)``)."""
     with contextlib.ExitStack() as stack:
-        tcp = _cross_case("tcp", reps, stack)
+        tcp = _cross_case("tcp", quick, stack, "tcp (beside NIXL)")
         with _environ(UCX_TCP):
-            nixl = _cross_case("nixl", reps, stack)
-        (tcp_rows, nixl_rows), (tcp_s, nixl_s) = _measure_cases([tcp, nixl], reps)
+            nixl = _cross_case("nixl", quick, stack, NIXL_TCP)
+        (tcp_rows, nixl_rows), (tcp_s, nixl_s), lines = _measure_cases([tcp, nixl], quick)
     paired = {b: round(paired_ratio(tcp_s[b], nixl_s[b]), 3) for b in BLOCKS}
-    return tcp_rows, [dict(r, ucx_tls="tcp") for r in nixl_rows], paired
+    return tcp_rows, [dict(r, ucx_tls="tcp") for r in nixl_rows], paired, lines
 
 
 def _tls(row: dict[str, Any]) -> str:
@@ -343,7 +393,6 @@ def tcp_vs_nixl(
 
 
 def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
-    reps = REPEATS[quick]
     only = getattr(args, "only", None)
     skipped: dict[str, str] = {}
     names = []
@@ -356,20 +405,26 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
             names.append(name)
     interleave = "tcp" in names and "nixl" in names
     rows: dict[str, list[dict[str, Any]]] = {}
+    lines: list[Row] = []
     paired: dict[int, float] | None = None
     for name in names:
         if name == "local":
-            rows[name] = _local(reps)
+            rows[name], more = _local(quick)
         elif name == "tcp" and interleave:
-            rows[name] = _cross(name, reps)  # its ratio with no other engine's threads alive
-            _, rows[NIXL_TCP], paired = _tcp_with_nixl(reps)
+            rows[name], more = _cross(name, quick)  # its ratio with no other engine's threads
+            _, rows[NIXL_TCP], paired, beside = _tcp_with_nixl(quick)
+            more = more + beside
         elif name == "nixl":
-            rows[name] = [dict(r, ucx_tls="default") for r in _cross(name, reps)]
+            got, more = _cross(name, quick, "nixl (UCX default)")
+            rows[name] = [dict(r, ucx_tls="default") for r in got]
             if not interleave:
                 with _environ(UCX_TCP):
-                    rows[NIXL_TCP] = [dict(r, ucx_tls="tcp") for r in _cross(name, reps)]
+                    got, tcp_lines = _cross(name, quick, NIXL_TCP)
+                rows[NIXL_TCP] = [dict(r, ucx_tls="tcp") for r in got]
+                more = more + tcp_lines
         else:
-            rows[name] = _cross(name, reps)
+            rows[name], more = _cross(name, quick)
+        lines += more
     results = [r for name in names for key in (name, NIXL_TCP * (name == "nixl"))
                for r in rows.get(key, ())]  # fmt: skip
     summary = {f"{r['transport']}{_tls(r)} {r['block_bytes'] >> 10} KiB": _said(r) for r in results}
@@ -379,8 +434,10 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
         results += planner
     else:
         skipped["planner"] = "kvplane.apps.bench.transport_planner is not available"
+    repeats = REPEATS[quick]
     paired_by_label = {} if paired is None else {f"{b >> 10} KiB": r for b, r in paired.items()}
     return {"results": results, "summary": summary, "tcp_vs_nixl": versus,
             "tcp_vs_nixl_target": target, "tcp_vs_nixl_paired_ratio": paired_by_label,
             "tcp_vs_nixl_note": TCP_VS_NIXL_NOTE, "limits": LIMITS, "targets": TARGETS,
-            "quick": quick, "repeats": reps, "skipped": skipped}  # fmt: skip
+            "quick": quick, "repeats": dict(zip(("min", "max", "cap_s"), repeats, strict=True)),
+            "skipped": skipped, "rows": [r.as_dict() for r in lines]}  # fmt: skip

@@ -2,7 +2,7 @@
 
 :func:`planner_entry` times a 128k-token DeepSeek-V3 MLA plan between shuffled block tables
 (target: 50 ms, ops == contiguous runs); :func:`contiguous_4k_entry` checks that contiguous
-4 KiB blocks coalesce. Not a bench of its own. See docs/benches.md.
+4 KiB blocks coalesce. Not a bench of its own. See docs/benchmarks.md.
 """
 
 from __future__ import annotations

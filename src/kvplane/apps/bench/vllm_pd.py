@@ -2,8 +2,9 @@
 pipelined) against vLLM's own NixlConnector (pull, push), same model, prompts and cores.
 
 Runs engine pairs of the vLLM environment (``pd_harness``, one request at a time) and the
-reference tokens in one engine without a connector; rows and targets from :mod:`.vllm_pd_rows`.
-A connector that cannot run here is an ``error`` row saying why. See docs/benches.md.
+reference tokens in one engine without a connector; mode rows (``modes``), ``bench all`` rows
+(``rows``, the spread of per-request ratios) and targets from :mod:`.vllm_pd_rows`. A
+connector that cannot run here is an ``error`` mode row saying why. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvplane.apps.bench.vllm_pd_rows import (
     TARGET_DEFINITIONS,
     TTFT_DEFINITION,
     Sample,
+    bench_rows,
     row,
     sample,
     targets,
@@ -214,7 +216,12 @@ class _Bench:
             "decode_ttft_kvplane_pull_vs_nixl_pull": time_ratio(kp, np_, "decode_ttft_ms"),
             "prefill_kvplane_pull_vs_nixl_pull": time_ratio(kp, np_, "prefill_ms"),
         }
-        return {"rows": rows, "targets": targets(rows, ratios), "ratios": ratios}
+        return {
+            "rows": bench_rows(s),
+            "modes": rows,
+            "targets": targets(rows, ratios),
+            "ratios": ratios,
+        }
 
 
 def run(quick: bool, args: argparse.Namespace) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """What ``kvplane bench vllm-pd`` derives from a PD pair's per-request times, and its verdicts.
 
 Pure functions over the records of ``integrations/vllm/pd_harness`` (``time.monotonic()`` of
-both processes of a pair, one host): a request's :class:`Sample`, a (connector, mode) row, paired
-time ratios and the issue's targets. Not a bench of its own. See docs/benches.md.
+both processes of a pair, one host): a request's :class:`Sample`, a (connector, mode) row,
+paired time ratios, the ``bench all`` rows and the issue's targets. Not a bench of its own. See
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvplane.apps.bench.spread import Row, spread_of
 from kvplane.errors import InvalidArgumentError
 
 TTFT_DEFINITION = (
@@ -118,13 +120,20 @@ def row(
     }
 
 
+def slot_ratios(
+    ours: Sequence[Sample], theirs: Sequence[Sample], field: str = "ttft_ms"
+) -> list[float]:
+    """``ours / theirs`` of ``field`` per shared slot, in ``ours``' order."""
+    by_slot = {s.slot: float(getattr(s, field)) for s in theirs}
+    return [float(getattr(s, field)) / by_slot[s.slot] for s in ours if s.slot in by_slot]
+
+
 def time_ratio(
     ours: Sequence[Sample], theirs: Sequence[Sample], field: str = "ttft_ms"
 ) -> dict[str, Any] | None:
     """``ours / theirs`` of ``field`` per shared slot: the median, the range and the number of
     pairs (lower is better for ours); None when no slot is shared."""
-    by_slot = {s.slot: float(getattr(s, field)) for s in theirs}
-    ratios = [float(getattr(s, field)) / by_slot[s.slot] for s in ours if s.slot in by_slot]
+    ratios = slot_ratios(ours, theirs, field)
     if not ratios:
         return None
     return {
@@ -132,6 +141,38 @@ def time_ratio(
         "range": [round(min(ratios), 3), round(max(ratios), 3)],
         "pairs": len(ratios),
     }
+
+
+ROWS = (
+    ("kvplane_pull_vs_nixl_pull", ("kvplane", "pull"), ("nixl", "pull"), "ttft_ms",
+     "NixlConnector pull", 1.0),
+    ("pipelined_vs_pull", ("kvplane", "pipelined"), ("kvplane", "pull"), "ttft_ms",
+     "kvplane pull", PIPELINED_MAX),
+    ("pipelined_vs_nixl_push", ("kvplane", "pipelined"), ("nixl", "push"), "ttft_ms",
+     "NixlConnector push", None),
+    ("decode_ttft_kvplane_pull_vs_nixl_pull", ("kvplane", "pull"), ("nixl", "pull"),
+     "decode_ttft_ms", "NixlConnector pull", None),
+)  # fmt: skip
+"""The ``bench all`` rows: name, ours, the limit, the field, the limit's name, the target."""
+
+
+def bench_rows(samples: Mapping[tuple[str, str], Sequence[Sample]]) -> list[dict[str, object]]:
+    """One ``bench all`` row per entry of :data:`ROWS` whose both sides ran: ours and the
+    limit as medians (ms), the spread of the per-slot ratios ``ours / limit`` (lower is
+    better)."""
+    out: list[dict[str, object]] = []
+    for name, ours, theirs, field, limit_name, target in ROWS:
+        a, b = samples.get(ours, ()), samples.get(theirs, ())
+        ratios = slot_ratios(a, b, field)
+        if not ratios:
+            continue
+        row = Row(
+            "vllm_pd", name, statistics.median(float(getattr(s, field)) for s in a), "ms",
+            statistics.median(float(getattr(s, field)) for s in b), limit_name,
+            spread_of(ratios), target, False,
+        )  # fmt: skip
+        out.append(row.as_dict())
+    return out
 
 
 def targets(

@@ -91,13 +91,30 @@ def _corrupt(worker: Any, slots: list[int]) -> None:
         os.fsync(fh.fileno())
 
 
+def _copy_s(nbytes: int) -> float:
+    """Seconds of one torch ``copy_`` of ``nbytes`` between two written CPU buffers (the
+    memcpy half of a hit's TTFT floor), after one untimed copy (first touch)."""
+    import torch
+
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - start
+
+
 def _ttft(llm: Any, cfg: dict[str, Any], vocab: int) -> dict[str, Any]:
-    """Median TTFT of prefix + suffix prompts: prefix recomputed (fresh) vs loaded (stored)."""
+    """Median TTFT of prefix + suffix prompts: prefix recomputed (fresh) vs loaded (stored).
+    With ``floor_copy_bytes`` each repeat also times, right after its hit, the floor's parts:
+    a fresh suffix-only prompt (one forward step for the suffix, no prefix) and a memcpy of
+    that many bytes (the hit's KV)."""
     import random
 
     rng = random.Random(int(cfg.get("seed", 0)))
     n_pre, n_suf = int(cfg["prefix_tokens"]), int(cfg["suffix_tokens"])
     repeats = int(cfg.get("repeats", 3))
+    copy_bytes = int(cfg.get("floor_copy_bytes", 0))
 
     def toks(n: int) -> list[int]:
         return [rng.randrange(1, vocab) for _ in range(n)]
@@ -108,18 +125,26 @@ def _ttft(llm: Any, cfg: dict[str, Any], vocab: int) -> dict[str, Any]:
         return (time.perf_counter() - start) * 1e3
 
     _generate(llm, [toks(n_pre + n_suf)], 1)  # warm-up: first-call costs of engine and tiers
-    miss, hit = [], []
+    if copy_bytes:
+        _generate(llm, [toks(n_suf)], 1)  # and of a short prompt
+    miss, hit, step, copy = [], [], [], []
     for _ in range(repeats):
         prefix = toks(n_pre)
         miss.append(timed(prefix + toks(n_suf)))  # miss: nothing stored; stores the prefix
         _generate(llm, [toks(40)], 1)  # one more step: the prefix's stores complete and land
         hit.append(timed(prefix + toks(n_suf)))  # hit: the prefix loads from the host tier
-    return {
+        if copy_bytes:
+            step.append(timed(toks(n_suf)))  # the suffix alone: one forward step
+            copy.append(_copy_s(copy_bytes) * 1e3)
+    out = {
         "ttft_hit_ms": statistics.median(hit),
         "ttft_miss_ms": statistics.median(miss),
         "hit_samples_ms": hit,
         "miss_samples_ms": miss,
     }
+    if copy_bytes:
+        out |= {"suffix_step_samples_ms": step, "copy_samples_ms": copy}
+    return out
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,183 @@
+"""The worker processes ``kvplane bench pd`` times: a prefill and a decode ``kvplane serve``
+process and a router (:class:`Pair`), the bench's prompts, and the loop that serves the same
+requests through a pipelined and a non-pipelined pair alternately until their TTFT ratio is
+stable (:func:`interleaved`, :func:`compare_modes`).
+
+Owns the processes it starts (stopped on :meth:`Pair.close`); derives nothing from timelines
+beyond collecting them (:mod:`.pd_metrics` does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvplane.apps.bench.pd_metrics import TIME_FIELDS, median_or_none, request_fields
+from kvplane.apps.bench.spread import repeat_until_stable
+from kvplane.apps.demo_procs import ProcessGroup, new_secret
+from kvplane.errors import KVPlaneError
+from kvplane.pipeline.timeline import request_times
+from kvplane.pipeline.trace import events_from_dicts
+from kvplane.serving.router.router import Router
+from kvplane.serving.worker_config import SECRET_TRANSPORTS
+
+VOCAB = 30_000
+"""Token ids of the synthetic workload's prompts lie in ``[0, VOCAB)``."""
+MODES = ("pipelined", "non_pipelined")
+
+
+@dataclass(frozen=True, slots=True)
+class PairSpec:
+    """One pair's workload: transport, tokens per prompt, prefill step, and the producer's
+    ``kvplane serve`` flags (the synthetic layout and compute, or ``--model``)."""
+
+    transport: str
+    tokens: int
+    step: int
+    num_blocks: int
+    producer: tuple[str, ...] = field(default=())
+
+
+class Pair:
+    """A prefill and a decode worker process (one mode, one producer) and a router."""
+
+    def __init__(self, work: Path, spec: PairSpec, *, pipelined: bool) -> None:
+        work.mkdir(parents=True, exist_ok=True)
+        # nixl and mooncake cannot authenticate their data plane: run them --insecure, saying so
+        secure = spec.transport in SECRET_TRANSPORTS
+        self.group = ProcessGroup(work, new_secret() if secure else None)
+        self.tokens: dict[str, tuple[int, ...]] = {}
+        common = [
+            "--transport", spec.transport, "--block-size", "16",
+            "--num-blocks", str(spec.num_blocks), "--num-slots", "4",
+            "--step-size", str(spec.step), *spec.producer,
+            "--slice-timeout", "60", "--deadline", "120", "--heartbeat", "1", "--lease", "10",
+            *([] if secure else ["--insecure"]),
+        ]  # fmt: skip
+        if not pipelined:
+            common.append("--no-pipeline")
+        deadline = time.monotonic() + 60.0
+        try:
+            pre = self.group.start("prefill", ["--name", "prefill", *common], deadline)
+            dec = self.group.start("decode", ["--name", "decode", *common], deadline)
+            self.router = Router(
+                [str(pre["control"])], [str(dec["control"])], timeout_s=120.0,
+                secret=self.group.secret,
+            )  # fmt: skip
+            self.router.connect()
+        except BaseException:
+            self.group.stop()
+            raise
+
+    def run(self, rid: str, tokens: list[int], step: int) -> float:
+        """Serve one request; its TTFT (submit → first token ready on the decode side), ms.
+        Its tokens are kept in :attr:`tokens`. :class:`KVPlaneError` when it did not succeed
+        or a verifying decoder counted mismatches."""
+        self.group.check(f"serving {rid}")
+        t0 = time.monotonic()
+        res = self.router.generate(rid, tokens, step_size=step)
+        if res.state != "success" or res.mismatches not in (None, 0):
+            raise KVPlaneError(f"bench request {rid} ended {res.state} ({res.reason})")
+        self.tokens[rid] = res.tokens
+        return (res.ready_at - t0) * 1e3
+
+    def times(self, rids: Sequence[str]) -> tuple[list[dict[str, float | None]], int]:
+        """Per request, :data:`~.pd_metrics.TIME_FIELDS` from both workers' timelines (one
+        monotonic clock on this host), and the events the workers left out (when not 0, every
+        field is None: a request's events may be incomplete)."""
+        stats = self.router.stats(timeline=True)
+        truncated = sum(w.timeline_truncated for w in stats.values())
+        events = events_from_dicts(e for w in stats.values() for e in w.timeline)
+        out = [
+            request_fields(
+                request_times(e for e in events if e.request_id == rid), truncated=truncated > 0
+            )
+            for rid in rids
+        ]
+        return out, truncated
+
+    def close(self) -> None:
+        self.router.close()
+        self.group.stop()
+
+
+def prompt(i: int, num_tokens: int, vocab: int = VOCAB) -> list[int]:
+    """The tokens of bench request ``i`` (``i < 0``: a warm-up request), ids in ``[0,
+    vocab)``. Prompts of different ``i`` differ from their first token on, so no request finds
+    another's KV in the decode side's prefix cache (a hit moves only the rest: a calibration
+    request that repeated the warm-up's tokens once timed a near-empty slice)."""
+    start = (i + 1) * 7919 % vocab if i >= 0 else vocab + i
+    return [(start + t) % vocab for t in range(num_tokens)]
+
+
+@dataclass(frozen=True, slots=True)
+class Interleaved:
+    """What :func:`interleaved` served: the request ids and each mode's TTFTs (ms), paired."""
+
+    rids: list[str]
+    ttft_ms: dict[str, list[float]]
+
+
+def interleaved(
+    pairs: dict[str, Pair],
+    spec: PairSpec,
+    repeats: tuple[int, int],
+    cap_s: float,
+    vocab: int = VOCAB,
+) -> Interleaved:
+    """One warm-up request per pair, then request ``i`` through the pipelined pair and at once
+    through the non-pipelined one (so load changes hit both modes alike), until the paired
+    TTFT ratio is stable after ``repeats[0]`` requests, or ``repeats[1]`` ran, or ``cap_s``
+    passed (:func:`~.spread.repeat_until_stable`)."""
+    for pair in pairs.values():
+        pair.run("warm", prompt(-1, spec.step, vocab), spec.step)
+    rids: list[str] = []
+
+    def both() -> tuple[float, float]:
+        rid = f"r{len(rids)}"
+        tokens = prompt(len(rids), spec.tokens, vocab)
+        rids.append(rid)
+        got = [pairs[mode].run(rid, tokens, spec.step) / 1e3 for mode in MODES]
+        return got[0], got[1]
+
+    low, high = repeats
+    ours, limit = repeat_until_stable(both, min_repeats=low, max_repeats=high, cap_s=cap_s)
+    return Interleaved(rids, {"pipelined": [s * 1e3 for s in ours],
+                              "non_pipelined": [s * 1e3 for s in limit]})  # fmt: skip
+
+
+def compare_modes(
+    work: Path, spec: PairSpec, repeats: tuple[int, int], cap_s: float, vocab: int = VOCAB
+) -> tuple[Interleaved, dict[str, tuple[list[dict[str, float | None]], int]], bool]:
+    """Serve the same requests through a pipelined and a non-pipelined pair of ``spec``
+    (:func:`~.pd_pair.interleaved`); the TTFTs, each mode's per-request timeline fields with
+    its truncated-event count, and whether both modes decoded the same tokens."""
+    pairs: dict[str, Pair] = {}
+    try:
+        for mode in MODES:
+            pairs[mode] = Pair(work / mode, spec, pipelined=mode == "pipelined")
+        served = interleaved(pairs, spec, repeats, cap_s, vocab)
+        times = {mode: pair.times(served.rids) for mode, pair in pairs.items()}
+        same = all(pairs[MODES[0]].tokens[r] == pairs[MODES[1]].tokens[r] for r in served.rids)
+    finally:
+        for pair in pairs.values():
+            pair.close()
+    return served, times, same
+
+
+def mode_rows(
+    transport: str, served: Interleaved, times: dict[str, tuple[list[dict[str, float | None]], int]]
+) -> list[dict[str, Any]]:
+    """One row per mode: the median TTFT and timeline fields, and the events left out."""
+    rows = []
+    for mode, (got, truncated) in times.items():
+        row: dict[str, Any] = {"transport": transport, "mode": mode}
+        row["ttft_ms"] = median_or_none(served.ttft_ms[mode])
+        for key in TIME_FIELDS:
+            row[key] = median_or_none([r[key] for r in got])
+        row["timeline_truncated"] = truncated
+        rows.append(row)
+    return rows
