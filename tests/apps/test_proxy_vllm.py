@@ -5,8 +5,8 @@ the module: a prefill server (``kv_producer``, PD endpoint on a known port), a d
 (``kv_consumer``) and a plain one (no connector) for the reference tokens; the tiny random-init
 Llama (block size 32, head_dim 32), 128-token prefill steps, greedy, token-id prompts, a secret
 in ``KVPLANE_SECRET``. The decode server's connector metrics show every decode request was a PD
-receive; one that failed (the connector's handshake timing out on a loaded host) is recomputed,
-token-exact still, and is reported as a warning. Skips without ``.venv-vllm`` (fails with
+receive and none failed (a failed one would be recomputed, token-exact still: the tokens alone
+cannot tell). Skips without ``.venv-vllm`` (fails with
 ``KVPLANE_REQUIRE_VLLM=1``).
 """
 
@@ -21,7 +21,6 @@ import socket
 import subprocess
 import time
 import urllib.request
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +169,13 @@ def tokens(url: str, prompt: list[int], stream: bool = False) -> list[int]:
     return out
 
 
+def engine_lines(log: Path) -> str:
+    """The last 60 lines an engine (not its API server) or kvplane logged: where a dead engine
+    says why."""
+    lines = [ln for ln in log.read_text().splitlines() if "APIServer" not in ln]
+    return "\n".join(lines[-60:])
+
+
 def metric(server: Server, name: str, **labels: str) -> float:
     """A counter of the connector's scheduler side (0 before its first increment)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as r:
@@ -193,8 +199,16 @@ def proxy(servers: Servers, request: pytest.FixtureRequest) -> Iterator[PDProxy]
     p.close()
 
 
-@pytest.mark.parametrize("proxy", ["pull", "pipelined"], indirect=True)
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("proxy", "stream"),
+    [  # the other two pairings only with KVPLANE_SLOW=1: each case costs a minute here
+        ("pull", False),
+        ("pipelined", True),
+        pytest.param("pull", True, marks=pytest.mark.slow),
+        pytest.param("pipelined", False, marks=pytest.mark.slow),
+    ],
+    indirect=["proxy"],
+)
 def test_tokens_through_the_proxy_equal_a_plain_server_and_each_decode_receives(
     servers: Servers, proxy: PDProxy, stream: bool, record_property: Any
 ) -> None:
@@ -207,7 +221,7 @@ def test_tokens_through_the_proxy_equal_a_plain_server_and_each_decode_receives(
     try:
         got = [tokens(proxy.address, p, stream) for p in prompts]
     except OSError as exc:  # say what the servers said
-        tails = {s.log.name: s.log.read_text()[-1500:] for s in (servers.prefill, servers.decode)}
+        tails = {s.log.name: engine_lines(s.log) for s in (servers.prefill, servers.decode)}
         pytest.fail(
             f"{proxy.config.mode}: {exc!r}\n" + "\n".join(f"{k}:\n{v}" for k, v in tails.items())
         )
@@ -217,11 +231,5 @@ def test_tokens_through_the_proxy_equal_a_plain_server_and_each_decode_receives(
     ok, failed = (
         metric(servers.decode, n, **la) - b for (n, la), b in zip(counters, before, strict=True)
     )
-    assert ok + failed == len(prompts)  # every decode request was a PD receive
+    assert (ok, failed) == (len(prompts), 0), "every decode request received its KV"
     record_property("kv_received", ok)
-    if ok < len(prompts):  # the connector's to fix, not the proxy's: say it, token-exact anyway
-        warnings.warn(
-            f"{proxy.config.mode}: {failed:g} of {len(prompts)} PD receives failed and were "
-            "recomputed (on a loaded 2-core host the connector's 5 s handshake times out)",
-            stacklevel=1,
-        )

@@ -60,6 +60,7 @@ def test_insecure_runs_without_a_secret() -> None:
         check_prompt=True,
         slice_timeout_s=30.0,
         pull_timeout_s=120.0,
+        connect_timeout_s=30.0,
         timings=Timings(deadline_s=120.0, lease_s=5.0, heartbeat_s=1.0),
     )
 

@@ -9,6 +9,8 @@ engine loop. Received blocks must equal the prefill's byte for byte.
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -17,8 +19,10 @@ import pytest
 import torch
 from vllm_testlib import block_content, vllm_kv_caches
 
+from kvplane.errors import TransferTimeoutError
 from kvplane.ids import SessionId
-from kvplane.integrations.vllm.messages import PDResult, StepMeta
+from kvplane.integrations.vllm import pd_worker
+from kvplane.integrations.vllm.messages import IDLE_WAIT_S, PDResult, StepMeta
 from kvplane.integrations.vllm.pd_config import pd_config, pd_settings
 from kvplane.integrations.vllm.pd_params import RecvParams, SendParams, parse_params, prompt_key
 from kvplane.integrations.vllm.pd_scheduler import PDRequest, PDScheduler
@@ -113,18 +117,20 @@ def start_recv(eng: Engine, req: PDRequest, blocks: list[int]) -> None:
     assert len(meta.recvs) == 1
 
 
-def settle(prefill: Engine, decode: Engine, prefill_id: str, decode_id: str) -> set[int]:
-    """Poll both workers like vLLM's loop until the send and the receive are reported (each
-    once); returns the decode side's load errors."""
+def settle(
+    prefill: Engine, decode: Engine, prefill_id: str, decode_id: str, idle: bool = False
+) -> set[int]:
+    """Poll both workers like vLLM's loop (``idle``: steps with no token scheduled) until the
+    send and the receive are reported (each once); returns the decode side's load errors."""
     sent = got = False
     errors: set[int] = set()
     finished = [prefill_id]  # vLLM passes a finished request's id once
     deadline = time.monotonic() + WAIT_S
     while not (sent and got):
         assert time.monotonic() < deadline, f"not settled: sent {sent}, received {got}"
-        s, _ = prefill.worker.finished(finished)
+        s, _ = prefill.worker.finished(finished, idle)
         finished = []
-        _, r = decode.worker.finished([])
+        _, r = decode.worker.finished([], idle)
         errors |= decode.worker.take_load_errors()
         assert not (sent and prefill_id in s) and not (got and decode_id in r), "reported twice"
         sent, got = sent or prefill_id in s, got or decode_id in r
@@ -266,3 +272,61 @@ def test_a_decode_request_for_another_prompt_abandons_the_send(
     ]
     assert decode.worker.take_load_errors() == set()
     check_clean(prefill, decode)
+
+
+class RecordingEvent:
+    """Stands in for the worker's progress event: records the waits an idle step makes."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def set(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        return False
+
+
+def test_an_idle_step_waits_for_progress_only_while_a_transfer_is_pending(
+    engines: tuple[Engine, Engine],
+) -> None:
+    prefill, decode = engines
+    event = RecordingEvent()
+    prefill.worker._progress = event  # type: ignore[assignment]
+    assert prefill.worker.finished([], idle=True) == (set(), set())
+    assert event.waits == []  # nothing pending: vLLM is not stepping for us
+    req = PDRequest("p1", PROMPT, SendParams(None))
+    params = prefill_steps(prefill, req, SRC, chunk=4)
+    assert prefill.worker.finished(["p1"], idle=False) == (set(), set())
+    assert event.waits == []  # a step with work never waits
+    assert prefill.worker.finished([], idle=True) == (set(), set())
+    assert event.waits == [IDLE_WAIT_S]  # the send waits for its decode engine
+    recv = parse_params(params)
+    assert isinstance(recv, RecvParams)
+    start_recv(decode, PDRequest("d1", PROMPT, recv), DST)
+    assert settle(prefill, decode, "p1", "d1", idle=True) == set()
+    check_copied(prefill, decode, SRC, DST)
+    check_clean(prefill, decode)
+
+
+def test_a_dial_nobody_answers_is_made_afresh_until_the_connect_timeout(
+    engines: tuple[Engine, Engine],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _, decode = engines
+    monkeypatch.setattr(pd_worker, "CONNECT_ATTEMPT_S", 0.3)
+    decode.worker.settings = dataclasses.replace(decode.worker.settings, connect_timeout_s=1.0)
+    with socket.socket() as mute:  # accepts connections, never says a word
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        address = f"tcp://127.0.0.1:{mute.getsockname()[1]}"
+        with pytest.raises(TransferTimeoutError, match=f"handshake with {address} timed out"):
+            decode.worker._connect(address)
+    attempts = [r for r in caplog.records if "timed out" in r.getMessage()]
+    assert len(attempts) >= 2  # one per attempt: the first did not end the dial
+    assert all(address in r.getMessage() for r in attempts)

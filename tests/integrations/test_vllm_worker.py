@@ -17,7 +17,7 @@ from vllm_testlib import MiniEngine, block_content
 
 from kvplane.errors import OffloadError
 from kvplane.ids import SlotId
-from kvplane.integrations.vllm.messages import StepMeta
+from kvplane.integrations.vllm.messages import IDLE_WAIT_S, StepMeta
 from kvplane.integrations.vllm.scheduler import RequestView, ScheduledRequest
 from kvplane.integrations.vllm.worker import FINISHED_WINDOW
 from kvplane.testing.redis_server import LocalRedisServer, redis_server_support
@@ -131,6 +131,38 @@ def test_a_delayed_finished_request_is_reported_however_long_its_gather_runs(
     eng.worker.drain()
     assert eng.idle_step() == {"slow"}  # its blocks go back to vLLM
     assert eng.held == {} and eng.sched.tracked_requests() == []
+    eng.close()
+
+
+def test_an_idle_step_waits_for_an_in_flight_gather_instead_of_spinning(tmp_path: Path) -> None:
+    eng = MiniEngine(extra(tmp_path))
+    w, gate = eng.worker, threading.Event()
+    gather, wait = w.copier.gather, w.jobs.wait
+
+    def slow_gather(*args: object) -> None:
+        gate.wait(30.0)
+        gather(*args)  # type: ignore[arg-type]
+
+    def recording_wait(timeout: float) -> object:
+        waits.append(timeout)
+        gate.set()  # the job finishes while the idle step waits for it
+        return wait(30.0)
+
+    waits: list[float] = []
+    w.copier.gather = slow_gather  # type: ignore[method-assign]
+    w.jobs.wait = recording_wait  # type: ignore[method-assign,assignment]
+    r = eng.run(PROMPT, req_id="slow")
+    assert r.held and w.busy
+    w.submit_stores(eng.step([]))  # the scheduler's delay of "slow" reaches the worker
+    assert w.finished_sending(["slow"]) == set() and waits == []  # a busy step never waits
+    assert w.finished_sending([], idle=True) == {"slow"}
+    assert waits == [IDLE_WAIT_S]
+    eng.release(eng.held.pop("slow"))  # as vLLM frees its blocks
+    eng.finished_ids.clear()
+    w.jobs.wait = wait  # type: ignore[method-assign]
+    w.drain()
+    eng.sched.apply(w.take_report())
+    assert w.finished_sending([], idle=True) == set() and waits == [IDLE_WAIT_S]  # nothing left
     eng.close()
 
 

@@ -34,6 +34,7 @@ except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
         f"vLLM environment with scripts/vllm-venv.sh ({exc})"
     ) from exc
 
+from kvplane.integrations.vllm.affinity import spread_threads
 from kvplane.integrations.vllm.config import check_vllm_version, parse_extra_config
 from kvplane.integrations.vllm.fingerprint import EngineFingerprint, config_stamp, weights_stamp
 from kvplane.integrations.vllm.messages import StepMeta, TierIndex, WorkerReport
@@ -196,6 +197,8 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 ends=tuple(pd_step.ends),
                 pd_delayed=tuple(pd_step.delayed),
             )
+        if not scheduler_output.total_num_scheduled_tokens:
+            step = dataclasses.replace(step, idle=True)
         return KVPlaneStepMetadata(step)
 
     def request_finished(
@@ -237,6 +240,10 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return meta.step
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        with spread_threads():  # our threads must not share the model runner's pinned core
+            self._register(kv_caches)
+
+    def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         transport = None if self.pd_settings is None else make_pd_transport(self.pd_settings)
         allocate = getattr(transport, "allocate", None)
         if allocate is not None:  # shm: a peer can write only into memory it can map
@@ -300,10 +307,13 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """A request delayed by both offload and PD is reported once both let it go."""
         ids = sorted(finished_req_ids)
-        released = {("offload", rid) for rid in self._work().finished_sending(ids)}
+        idle = self._step().idle
+        pd_busy = self.pd_worker is not None and self.pd_worker.busy
+        offload = self._work().finished_sending(ids, idle=idle and not pd_busy)
+        released = {("offload", rid) for rid in offload}
         recving: set[str] = set()
         if self.pd_worker is not None:
-            sent, recving = self.pd_worker.finished(ids)
+            sent, recving = self.pd_worker.finished(ids, idle=idle and not offload)
             released |= {("pd", rid) for rid in sent}
         done: set[str] = set()
         for side, rid in released:

@@ -120,6 +120,12 @@ class EndOp:
     reason: str
 
 
+IDLE_WAIT_S = 0.02
+"""How long the worker side of an idle step (vLLM stepping only to hear of transfers) waits for
+one to progress when it has nothing to report: vLLM's loop otherwise spins a core and starves the
+transfers it waits for; a request arriving meanwhile is scheduled at most this much later."""
+
+
 @dataclass(frozen=True, slots=True)
 class StepMeta:
     """One engine step's work for the worker side.
@@ -138,6 +144,8 @@ class StepMeta:
     recvs: tuple[RecvOp, ...] = ()
     ends: tuple[EndOp, ...] = ()
     pd_delayed: tuple[str, ...] = ()
+    idle: bool = False
+    """vLLM scheduled no token this step (it steps only to let transfers finish)."""
 
     @property
     def empty(self) -> bool:

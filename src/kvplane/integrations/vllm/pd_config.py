@@ -26,7 +26,8 @@ PD_TRANSPORTS = ("tcp", "shm", "nixl", "mooncake")
 class PDConfig:
     """The ``[pd]`` section. ``transport`` empty: PD is off (offload only). ``check_prompt``
     False lets a decode request take KV computed for another prompt of its length (the control
-    experiment that shows the decode engine reads the transferred KV; never in production)."""
+    experiment that shows the decode engine reads the transferred KV; never in production).
+    ``connect_timeout_s`` bounds a decode engine's handshake with a prefill engine."""
 
     transport: str = ""
     bind: str = "tcp://127.0.0.1:0"
@@ -38,13 +39,17 @@ class PDConfig:
     deadline_s: float = 120.0
     slice_timeout_s: float = 30.0
     pull_timeout_s: float = 120.0
+    connect_timeout_s: float = 30.0
     lease_s: float = 5.0
     heartbeat_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.transport and self.transport not in PD_TRANSPORTS:
             raise ConfigError(f"pd_transport {self.transport!r} is not one of {PD_TRANSPORTS}")
-        for what in ("deadline_s", "slice_timeout_s", "pull_timeout_s", "lease_s", "heartbeat_s"):
+        for what in (
+            "deadline_s", "slice_timeout_s", "pull_timeout_s", "connect_timeout_s", "lease_s",
+            "heartbeat_s",
+        ):  # fmt: skip
             require_finite_positive(f"pd_{what}", getattr(self, what))
         if self.heartbeat_s >= self.lease_s:
             raise ConfigError(f"pd_heartbeat_s {self.heartbeat_s} must be below pd_lease_s")
@@ -62,6 +67,7 @@ class PDSettings:
     check_prompt: bool
     slice_timeout_s: float
     pull_timeout_s: float
+    connect_timeout_s: float
     timings: Timings
 
 
@@ -99,5 +105,6 @@ def pd_settings(config: PDConfig, env: Mapping[str, str]) -> PDSettings | None:
         check_prompt=config.check_prompt,
         slice_timeout_s=config.slice_timeout_s,
         pull_timeout_s=config.pull_timeout_s,
+        connect_timeout_s=config.connect_timeout_s,
         timings=timings,
     )

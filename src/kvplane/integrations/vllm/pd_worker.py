@@ -19,9 +19,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvplane.errors import KVPlaneError, ProtocolError
+from kvplane.errors import KVPlaneError, ProtocolError, TransferTimeoutError
 from kvplane.ids import PeerId, RegionId, RequestId, SessionId
-from kvplane.integrations.vllm.messages import EndOp, PDResult, RecvOp, SendOp, StepMeta
+from kvplane.integrations.vllm.messages import (
+    IDLE_WAIT_S,
+    EndOp,
+    PDResult,
+    RecvOp,
+    SendOp,
+    StepMeta,
+)
 from kvplane.integrations.vllm.pd_config import PDSettings
 from kvplane.integrations.vllm.pool import VllmPool
 from kvplane.metrics import MetricsRegistry
@@ -41,6 +48,10 @@ from kvplane.transports.base import Transport
 from kvplane.transports.registry import create_transport
 
 log = logging.getLogger(__name__)
+
+CONNECT_ATTEMPT_S = 5.0
+"""How long one handshake attempt with a prefill engine waits for its answers before it is
+made again on a fresh connection."""
 
 
 @dataclass(slots=True, eq=False)
@@ -139,6 +150,7 @@ class PDWorkerSide:
         self._finished: set[str] = set()
         self._load_errors: set[int] = set()
         self._failing: list[tuple[SessionId, str]] = []
+        self._progress = threading.Event()
         self.driver.start()
         self.endpoint.start()
         self._dialer = threading.Thread(target=self._dial_loop, name="kvplane-pd-dial", daemon=True)
@@ -172,9 +184,21 @@ class PDWorkerSide:
         with self._lock:
             self._delayed.update(meta.pd_delayed)
 
-    def finished(self, finished_req_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+    def finished(
+        self, finished_req_ids: Sequence[str], idle: bool = False
+    ) -> tuple[set[str], set[str]]:
         """(requests whose sends are done and blocks vLLM may free, requests whose receives
-        ended), each reported once; a send is reported only once vLLM delayed it."""
+        ended), each reported once; a send is reported only once vLLM delayed it. ``idle``: vLLM
+        scheduled nothing and steps only to hear of transfers; with nothing to report, wait up to
+        :data:`IDLE_WAIT_S` for a session to progress instead of returning to a busy loop."""
+        sent, got = self._take_finished(finished_req_ids)
+        if idle and not sent and not got and self.busy:
+            self._progress.wait(IDLE_WAIT_S)
+            sent, got = self._take_finished(())
+        return sent, got
+
+    def _take_finished(self, finished_req_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        self._progress.clear()
         self._pump()
         with self._lock:
             self._finished.update(finished_req_ids)
@@ -300,7 +324,7 @@ class PDWorkerSide:
             try:
                 peer = self._peers.get(op.address)
                 if peer is None or not self._live(peer):
-                    peer = self._peers[op.address] = self.endpoint.connect(op.address)
+                    peer = self._peers[op.address] = self._connect(op.address)
                 if op.abandon:
                     self.endpoint.abandon(SessionId(op.session_id), peer, op.abandon)
                     continue
@@ -322,6 +346,25 @@ class PDWorkerSide:
                     self._recvs.pop(SessionId(op.session_id), None)
                 self._recv_ended(op, False, f"cannot open the receive: {exc}")
 
+    def _connect(self, address: str) -> PeerId:
+        """Handshake with the prefill engine at ``address``: a dial that got no answer within
+        :data:`CONNECT_ATTEMPT_S` is dropped and made afresh (a new connection and nonce) until
+        ``connect_timeout_s``; a refusal is final. Each timed-out attempt is logged with the
+        endpoint's handshake counters."""
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.endpoint.connect(address, min(CONNECT_ATTEMPT_S, max(left, 0.001)))
+            except TransferTimeoutError as exc:
+                counters = {
+                    k: v for k, v in self.endpoint.snapshot().items()
+                    if v and any(w in k for w in ("handshake", "drop", "frames", "connection"))
+                }  # fmt: skip
+                log.warning("kvplane PD: %s (%s)", exc, counters)
+                if left <= CONNECT_ATTEMPT_S:
+                    raise
+
     def _live(self, peer: PeerId) -> bool:
         return bool(self.endpoint.call(lambda: self.participant.peers.is_live(peer)))
 
@@ -332,6 +375,7 @@ class PDWorkerSide:
                 self._load_errors.update(op.block_ids[first:])
             self._recv_done.add(op.req_id)
             self._results.append(PDResult(op.req_id, "recv", ok, reason))
+        self._progress.set()
 
     # -- protocol actions (PD loop thread) -------------------------------------------------------
     def _on_action(self, act: Action) -> None:
@@ -380,6 +424,7 @@ class PDWorkerSide:
             ok = send.outcome is SessionState.SUCCESS
             self._sent_done.add(send.op.req_id)
             self._results.append(PDResult(send.op.req_id, "send", ok, send.reason))
+        self._progress.set()
 
     def _command(self, sid: SessionId, command: Cancel | Fail) -> None:
         with contextlib.suppress(ProtocolError):  # already ended: its Finished settles it

@@ -20,6 +20,7 @@ from kvplane.errors import InvalidArgumentError, OffloadError
 from kvplane.ids import ChunkKey, JobId, SlotId
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.messages import (
+    IDLE_WAIT_S,
     JobReport,
     LoadOp,
     StepMeta,
@@ -129,8 +130,10 @@ class WorkerSide:
         self._delayed.update(meta.delayed)
         self._claim()
 
-    def finished_sending(self, finished_req_ids: Sequence[str]) -> set[str]:
+    def finished_sending(self, finished_req_ids: Sequence[str], idle: bool = False) -> set[str]:
         """Harvest finished jobs; return the delayed finished requests with no gather left.
+        ``idle`` (vLLM scheduled nothing): with nothing to return and a job in flight, wait up to
+        :data:`IDLE_WAIT_S` for one to finish first.
 
         vLLM names a finished request once; the scheduler's delay of it may arrive a step
         later or earlier, so finished ids that no delay claimed are kept for
@@ -142,6 +145,9 @@ class WorkerSide:
         self._claim()
         self._harvest(self.jobs.poll())
         done = {r for r in self._closing if not self._gathers.get(r)}
+        if idle and not done and self.busy:
+            self._harvest(self.jobs.wait(IDLE_WAIT_S))
+            done = {r for r in self._closing if not self._gathers.get(r)}
         self._closing -= done
         return done
 
