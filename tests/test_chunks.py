@@ -94,14 +94,31 @@ def test_blocks_of_covers_exactly_the_range(start: int, length: int, block_size:
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: ChunkSpec(0, 1), "block_size"),
-        (lambda: ChunkSpec(4, 0), "blocks_per_chunk"),
-        (lambda: ChunkSpec(4, -2), "blocks_per_chunk"),
-        (lambda: ChunkSpec.from_chunk_tokens(10, 4), "multiple of block_size=4"),
-        (lambda: ChunkSpec.from_chunk_tokens(0, 4), "multiple"),
-        (lambda: ChunkSpec.from_chunk_tokens(8, 0), "block_size"),
-        (lambda: ChunkSpec(4, 2).split(-1), "num_tokens"),
-        (lambda: ChunkSpec(4, 2).token_range_of_chunk(-1), "chunk_index"),
+        (lambda: ChunkSpec(0, 1), r"^ChunkSpec\.block_size must be a positive int, got 0$"),
+        (lambda: ChunkSpec(4, 0), r"^ChunkSpec\.blocks_per_chunk must be a positive int, got 0$"),
+        (lambda: ChunkSpec(4, True), r"^ChunkSpec\.blocks_per_chunk must be a positive int"),
+        (
+            lambda: ChunkSpec.from_chunk_tokens(10, 4),
+            r"^chunk_tokens must be a multiple of block_size=4, got 10$",
+        ),
+        (
+            lambda: ChunkSpec.from_chunk_tokens(0, 4),
+            r"^chunk_tokens must be a positive int, got 0$",
+        ),
+        (lambda: ChunkSpec.from_chunk_tokens(8, 0), r"^block_size must be a positive int, got 0$"),
+        (lambda: ChunkSpec(4, 2).split(-1), r"^num_tokens must be an int >= 0, got -1$"),
+        (
+            lambda: ChunkSpec(4, 2).num_blocks_for(1.0),
+            r"^num_tokens must be an int >= 0, got 1\.0$",
+        ),
+        (
+            lambda: ChunkSpec(4, 2).token_range_of_chunk(-1),
+            r"^chunk_index must be an int >= 0, got -1$",
+        ),
+        (
+            lambda: ChunkSpec(4, 2).token_range_of_block(False),
+            r"^block_index must be an int >= 0, got False$",
+        ),
         (lambda: ChunkSpec(4, 2).chunk_block_ids([1, 2, 3], 1), "holds 3"),
         (lambda: ChunkSpec(4, 2).block_of_positions([3, -1]), ">= 0"),
     ],

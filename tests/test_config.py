@@ -11,17 +11,16 @@ import pytest
 
 from kvplane import validators
 from kvplane.config import (
-    MAX_DURATION_S,
     ChunkConfig,
     HashConfig,
     PoolConfig,
     Source,
     env_name,
     load_toml,
-    require_finite_positive,
     resolve,
 )
 from kvplane.errors import ConfigError
+from kvplane.validators import MAX_DURATION_S, require_finite_positive
 
 
 def test_defaults_and_validation() -> None:

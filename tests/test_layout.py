@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from kvplane.errors import LayoutError
+from kvplane.errors import InvalidArgumentError, LayoutError
 from kvplane.layout import (
     BLOCK_MAJOR,
     HEAD_MAJOR,
@@ -15,6 +15,7 @@ from kvplane.layout import (
     Axis,
     KVLayout,
     LayoutKind,
+    check_layer_ids,
     dtype_from_name,
     dtype_name,
     heads_cover,
@@ -160,8 +161,13 @@ def test_dtype_names_round_trip() -> None:
         ({"sliding_window": 0}, "sliding_window"),
         ({"order": (Axis.DIM, *BLOCK_MAJOR[:-1])}, "DIM last"),
         ({"order": (*BLOCK_MAJOR[:-2], Axis.DIM)}, "six axes"),
-        ({"head_range": (0.5, 2.5)}, "head_range must hold ints"),
-        ({"head_range": (0, True)}, "head_range must hold ints"),
+        ({"head_range": (0.5, 2.5)}, r"^KVLayout\.head_range\[0\] must be an int, got 0\.5$"),
+        ({"head_range": (0, True)}, r"^KVLayout\.head_range\[1\] must be an int, got True$"),
+        (
+            {"layer_ids": (0, -1), "num_layers": None},
+            r"^KVLayout\.layer_ids\[1\] must be an int >= 0, got -1$",
+        ),
+        ({"num_blocks": 2.0}, r"^KVLayout\.num_blocks must be a positive int, got 2\.0$"),
         ({"head_range": (0, 1, 2)}, "head_range must hold 2 ints"),
         ({"head_range": "01"}, "head_range must be a sequence of ints"),
         ({"order": ("block",) * 6}, "sequence of Axis"),
@@ -208,3 +214,21 @@ def test_pool_tensor_checks() -> None:
         KVLayout.mla(num_blocks=2, block_size=4, num_layers=1, latent_dim=8, rope_dim=4).kv_views(
             torch.zeros(2, 1, 1, 4, 1, 12, dtype=torch.bfloat16), 0
         )
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ((), "ids must name at least one layer"),
+        ((0, 2, 0), "ids has duplicates: (0, 2, 0)"),
+        ((0, -1), "ids[1] must be an int >= 0, got -1"),
+        ((True,), "ids[0] must be an int >= 0, got True"),
+        ("01", "ids must be a sequence of ints, got '01'"),
+    ],
+)
+def test_check_layer_ids_is_one_rule_with_the_callers_error(value: object, message: str) -> None:
+    assert check_layer_ids("ids", [3, 1]) == (3, 1)
+    for error in (LayoutError, InvalidArgumentError):
+        with pytest.raises(error) as caught:
+            check_layer_ids("ids", value, error=error)
+        assert type(caught.value) is error and str(caught.value) == message

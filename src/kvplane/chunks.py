@@ -19,6 +19,7 @@ import numpy.typing as npt
 from kvplane.blocks.hashing import DIGEST_SIZE
 from kvplane.errors import ChunkError
 from kvplane.ids import BlockHash, ChunkKey, TokenRange
+from kvplane.validators import require_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,25 +56,17 @@ class ChunkSpec:
     blocks_per_chunk: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "blocks_per_chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ChunkError(f"ChunkSpec.{name} must be a positive int, got {value!r}")
+        require_int("ChunkSpec.block_size", self.block_size, min=1, error=ChunkError)
+        require_int("ChunkSpec.blocks_per_chunk", self.blocks_per_chunk, min=1, error=ChunkError)
 
     @classmethod
     def from_chunk_tokens(cls, chunk_tokens: int, block_size: int) -> ChunkSpec:
         """Spec from a chunk size in tokens, which must be a positive multiple of ``block_size``."""
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ChunkError(f"block_size must be a positive int, got {block_size!r}")
-        if (
-            isinstance(chunk_tokens, bool)
-            or not isinstance(chunk_tokens, int)
-            or chunk_tokens <= 0
-            or chunk_tokens % block_size
-        ):
+        require_int("block_size", block_size, min=1, error=ChunkError)
+        require_int("chunk_tokens", chunk_tokens, min=1, error=ChunkError)
+        if chunk_tokens % block_size:
             raise ChunkError(
-                f"chunk size {chunk_tokens!r} tokens must be a positive multiple of "
-                f"block_size={block_size}"
+                f"chunk_tokens must be a multiple of block_size={block_size}, got {chunk_tokens}"
             )
         return cls(block_size=block_size, blocks_per_chunk=chunk_tokens // block_size)
 
@@ -84,7 +77,7 @@ class ChunkSpec:
     # -- counting ------------------------------------------------------------------------------
     def split(self, num_tokens: int) -> ChunkSplit:
         """Divide a sequence of ``num_tokens`` tokens into full chunks and a tail."""
-        _non_negative("num_tokens", num_tokens)
+        require_int("num_tokens", num_tokens, min=0, error=ChunkError)
         chunks = num_tokens // self.tokens_per_chunk
         chunked_end = chunks * self.tokens_per_chunk
         full_blocks = num_tokens // self.block_size
@@ -99,7 +92,7 @@ class ChunkSpec:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens (the partial tail block included)."""
-        _non_negative("num_tokens", num_tokens)
+        require_int("num_tokens", num_tokens, min=0, error=ChunkError)
         return -(-num_tokens // self.block_size)
 
     # -- mapping between units --------------------------------------------------------------------
@@ -122,17 +115,17 @@ class ChunkSpec:
         return range(first, max(first, last))
 
     def token_range_of_block(self, block_index: int) -> TokenRange:
-        _non_negative("block_index", block_index)
+        require_int("block_index", block_index, min=0, error=ChunkError)
         return TokenRange(block_index * self.block_size, (block_index + 1) * self.block_size)
 
     def token_range_of_chunk(self, chunk_index: int) -> TokenRange:
-        _non_negative("chunk_index", chunk_index)
+        require_int("chunk_index", chunk_index, min=0, error=ChunkError)
         return TokenRange(
             chunk_index * self.tokens_per_chunk, (chunk_index + 1) * self.tokens_per_chunk
         )
 
     def block_range_of_chunk(self, chunk_index: int) -> range:
-        _non_negative("chunk_index", chunk_index)
+        require_int("chunk_index", chunk_index, min=0, error=ChunkError)
         first = chunk_index * self.blocks_per_chunk
         return range(first, first + self.blocks_per_chunk)
 
@@ -201,8 +194,3 @@ def _block_hashes(block_hashes: object) -> list[BlockHash]:
                     f"block_hashes[{i}] must be a {DIGEST_SIZE}-byte BlockHash, got {h!r:.80}"
                 )
     return cast(list[BlockHash], hashes)
-
-
-def _non_negative(what: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ChunkError(f"{what} must be a non-negative int, got {value!r}")

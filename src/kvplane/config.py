@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvplane.errors import ConfigError
-from kvplane.validators import MAX_DURATION_S as MAX_DURATION_S  # noqa: PLC0414 (re-export)
 from kvplane.validators import is_int, require_int
-from kvplane.validators import require_finite_positive as require_finite_positive  # noqa: PLC0414
 
 if sys.version_info >= (3, 11):
     import tomllib

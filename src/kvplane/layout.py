@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvplane.errors import LayoutError
+from kvplane.validators import Error, require_int
 
 
 class LayoutKind(enum.Enum):
@@ -95,21 +96,29 @@ def shared_heads(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | No
     return (lo, hi) if lo < hi else None
 
 
-def _int_tuple(what: str, value: object, size: int | None = None) -> tuple[int, ...]:
-    """``value`` as a tuple of non-bool ints (``LayoutError`` otherwise), of ``size`` if given."""
+def _int_tuple(
+    what: str, value: object, *, size: int | None = None, min: int | None = None, error: Error
+) -> tuple[int, ...]:
+    """``value`` as a tuple of ints (not bools), each ``>= min`` where given, of ``size`` items
+    where given; ``error`` naming ``what`` (and the bad item) otherwise."""
     if not isinstance(value, tuple | list):
-        raise LayoutError(f"KVLayout.{what} must be a sequence of ints, got {value!r}")
-    items = tuple(value)
-    if any(isinstance(i, bool) or not isinstance(i, int) for i in items):
-        raise LayoutError(f"KVLayout.{what} must hold ints, got {value!r}")
-    if size is not None and len(items) != size:
-        raise LayoutError(f"KVLayout.{what} must hold {size} ints, got {value!r}")
-    return items
+        raise error(f"{what} must be a sequence of ints, got {value!r}")
+    if size is not None and len(value) != size:
+        raise error(f"{what} must hold {size} ints, got {value!r}")
+    return tuple(
+        require_int(f"{what}[{i}]", item, min=min, error=error) for i, item in enumerate(value)
+    )
 
 
-def _positive(what: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise LayoutError(f"KVLayout.{what} must be a positive int, got {value!r}")
+def check_layer_ids(what: str, value: object, *, error: Error = LayoutError) -> tuple[int, ...]:
+    """``value`` as a pool's layer ids: a non-empty sequence of distinct ints >= 0; else
+    ``error`` naming ``what``. The one rule for :class:`KVLayout` and its wire form."""
+    ids = _int_tuple(what, value, min=0, error=error)
+    if not ids:
+        raise error(f"{what} must name at least one layer")
+    if len(set(ids)) != len(ids):
+        raise error(f"{what} has duplicates: {ids}")
+    return ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,21 +144,16 @@ class KVLayout:
         if not isinstance(self.kind, LayoutKind):
             raise LayoutError(f"KVLayout.kind must be a LayoutKind, got {self.kind!r}")
         for name in ("num_blocks", "block_size", "total_heads", "head_dim"):
-            _positive(name, getattr(self, name))
+            require_int(f"KVLayout.{name}", getattr(self, name), min=1, error=LayoutError)
         dtype_name(self.dtype)
-        object.__setattr__(self, "layer_ids", _int_tuple("layer_ids", self.layer_ids))
-        object.__setattr__(self, "head_range", _int_tuple("head_range", self.head_range, 2))
+        object.__setattr__(self, "layer_ids", check_layer_ids("KVLayout.layer_ids", self.layer_ids))
+        head_range = _int_tuple("KVLayout.head_range", self.head_range, size=2, error=LayoutError)
+        object.__setattr__(self, "head_range", head_range)
         if not isinstance(self.order, tuple | list) or any(
             not isinstance(a, Axis) for a in self.order
         ):
             raise LayoutError(f"KVLayout.order must be a sequence of Axis, got {self.order!r}")
         object.__setattr__(self, "order", tuple(self.order))
-        if not self.layer_ids:
-            raise LayoutError("KVLayout.layer_ids must name at least one layer")
-        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layer_ids):
-            raise LayoutError(f"KVLayout.layer_ids must be non-negative ints: {self.layer_ids}")
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise LayoutError(f"KVLayout.layer_ids has duplicates: {self.layer_ids}")
         if self.head_range == (0, 0):
             object.__setattr__(self, "head_range", (0, self.total_heads))
         lo, hi = self.head_range
@@ -164,7 +168,7 @@ class KVLayout:
                 f"KVLayout.order must permute all six axes with DIM last: {self.order}"
             )
         if self.sliding_window is not None:
-            _positive("sliding_window", self.sliding_window)
+            require_int("KVLayout.sliding_window", self.sliding_window, min=1, error=LayoutError)
         sizes = self.axis_sizes()
         strides: list[int] = [0] * len(Axis)
         step = torch.empty((), dtype=self.dtype).element_size()
@@ -238,8 +242,8 @@ class KVLayout:
         order: tuple[Axis, ...] = BLOCK_MAJOR,
     ) -> KVLayout:
         """DeepSeek-style packed ``c_kv ‖ k_pe``: ``[pages, page_size, latent_dim + rope_dim]``."""
-        _positive("latent_dim", latent_dim)
-        _positive("rope_dim", rope_dim)
+        require_int("KVLayout.latent_dim", latent_dim, min=1, error=LayoutError)
+        require_int("KVLayout.rope_dim", rope_dim, min=1, error=LayoutError)
         return cls(
             kind=LayoutKind.MLA,
             num_blocks=num_blocks,
@@ -447,5 +451,5 @@ def _layers(num_layers: int | None, layer_ids: tuple[int, ...] | None) -> tuple[
         return tuple(layer_ids)
     if num_layers is None:
         raise LayoutError("give num_layers or layer_ids")
-    _positive("num_layers", num_layers)
+    require_int("KVLayout.num_layers", num_layers, min=1, error=LayoutError)
     return tuple(range(num_layers))

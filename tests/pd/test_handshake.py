@@ -139,25 +139,26 @@ def test_the_kv_direction_makes_uncovered_heads_incompatible() -> None:
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "message"),
     [
-        {"kind": "paged"},
-        {"layer_ids": ()},
-        {"layer_ids": (0, 0)},
-        {"layer_ids": (-1,)},
-        {"total_heads": 0},
-        {"head_start": 1, "head_end": 1},
-        {"head_start": 0, "head_end": 2},
-        {"block_size": 0},
-        {"head_dim": 0},
-        {"sliding_window": 0},
+        ({"kind": "paged"}, "LayoutInfo.kind must be one of"),
+        ({"layer_ids": ()}, "LayoutInfo.layer_ids must name at least one layer"),
+        ({"layer_ids": (0, 0)}, "LayoutInfo.layer_ids has duplicates: (0, 0)"),
+        ({"layer_ids": (0, -1)}, "LayoutInfo.layer_ids[1] must be an int >= 0, got -1"),
+        ({"total_heads": 0}, "LayoutInfo.total_heads must be a positive int, got 0"),
+        ({"head_start": 1, "head_end": 1}, "LayoutInfo head range [1, 1) is not a non-empty"),
+        ({"head_start": 0, "head_end": 2}, "LayoutInfo head range [0, 2) is not a non-empty"),
+        ({"block_size": 0}, "LayoutInfo.block_size must be a positive int, got 0"),
+        ({"head_dim": 0}, "LayoutInfo.head_dim must be a positive int, got 0"),
+        ({"sliding_window": 0}, "LayoutInfo.sliding_window must be a positive int, got 0"),
     ],
 )
 def test_layout_info_rejects_bad_values_on_construction_and_decode(
-    overrides: dict[str, object],
+    overrides: dict[str, object], message: str
 ) -> None:
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(InvalidArgumentError) as caught:
         layout(**overrides)
+    assert str(caught.value).startswith(message)
     good = msgspec.to_builtins(layout())
     names = list(LayoutInfo.__struct_fields__)
     for key, value in overrides.items():

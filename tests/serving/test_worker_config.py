@@ -18,8 +18,27 @@ KEY = b"k" * 32
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5])
 def test_copy_threads_must_be_a_positive_int(bad: object) -> None:
-    with pytest.raises(ConfigError, match="copy_threads must be a positive int"):
+    with pytest.raises(ConfigError) as caught:
         WorkerConfig(name="w", copy_threads=bad, secret=KEY)  # type: ignore[arg-type]
+    assert str(caught.value) == f"WorkerConfig.copy_threads must be a positive int, got {bad!r}"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_slots", 0, "WorkerConfig.num_slots must be a positive int, got 0"),
+        ("step_size", 2.0, "WorkerConfig.step_size must be a positive int, got 2.0"),
+        ("hash_seed", -1, "WorkerConfig.hash_seed must be an int >= 0, got -1"),
+        ("incarnation", True, "WorkerConfig.incarnation must be an int >= 0, got True"),
+        ("metrics_port", -1, "WorkerConfig.metrics_port must be an int in [0, 65535], got -1"),
+        ("pipelined", 1, "WorkerConfig.pipelined must be a bool, got 1"),
+        ("insecure", "yes", "WorkerConfig.insecure must be a bool, got 'yes'"),
+    ],
+)
+def test_counts_seeds_and_switches_name_the_field(field: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        WorkerConfig(name="w", secret=KEY, **{field: value})  # type: ignore[arg-type]
+    assert str(caught.value) == message
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])

@@ -19,7 +19,7 @@ import torch
 from kvplane.config import HashConfig
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import BlockHash
-from kvplane.validators import require_int
+from kvplane.validators import is_int, require_index, require_int
 
 ExtraKey: TypeAlias = str | int | bytes
 """One extra hash input of a block: a LoRA name, a multimodal content hash, a cache salt..."""
@@ -104,11 +104,8 @@ def canonical_token_ids(token_ids: TokenIds) -> np.ndarray:
             raise InvalidArgumentError(f"token ids are not a flat list of ints: {exc}") from exc
         # numpy turns [7, True] into int64 [7, 1]: look for bools among the items (in C)
         if arr.dtype.kind not in "iu" or not BOOL_TYPES.isdisjoint(map(type, items)):
-            for tok in items:
-                if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
-                    raise InvalidArgumentError(f"token ids must be ints, got {tok!r}")
-                if not 0 <= int(tok) < 2**63:
-                    raise InvalidArgumentError(f"token id {int(tok)} is outside [0, 2**63)")
+            for i, tok in enumerate(items):
+                require_index(f"token_ids[{i}]", tok, 2**63)
             raise InvalidArgumentError(f"token ids are not a flat list of ints: {items!r}")
     if arr.ndim != 1:
         raise InvalidArgumentError(f"token ids must be 1-D, got shape {tuple(arr.shape)}")
@@ -134,11 +131,9 @@ def encode_extra_keys(extra_keys: tuple[ExtraKey, ...] | list[ExtraKey]) -> byte
         )
     parts = [_U64.pack(len(extra_keys))]
     for key in extra_keys:
-        if isinstance(key, bool):
-            raise InvalidArgumentError(f"extra key {key!r} is a bool; use an int or str")
         if isinstance(key, str):
             parts += [b"s", _lp(key.encode("utf-8"))]
-        elif isinstance(key, int):
+        elif is_int(key):  # never a bool: True must not alias 1
             parts += [b"i", _lp(_int_bytes(key))]
         elif isinstance(key, bytes):
             parts += [b"b", _lp(key)]

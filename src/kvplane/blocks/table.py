@@ -29,6 +29,7 @@ from kvplane.blocks.hashing import (
 from kvplane.blocks.pool import BlockPool
 from kvplane.errors import BlockStateError, InvalidArgumentError
 from kvplane.ids import BlockHash, BlockId, RequestId, TokenRange
+from kvplane.validators import require_int
 
 
 def consecutive_runs(values: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
@@ -79,8 +80,7 @@ class BlockTable:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgumentError(f"request_id must be a non-empty str, got {request_id!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+        require_int("block_size", block_size, min=1)
         if not isinstance(hasher, BlockHasher):
             raise InvalidArgumentError(f"hasher must be a BlockHasher, got {hasher!r}")
         encode_extra_keys(extra_keys)  # validate now, not at the first admit
@@ -282,8 +282,7 @@ class BlockTable:
         self._require(TableState.ADMITTED, "mark computed tokens of")
         self._check_pool(pool)
         remaining = self._num_tokens - self._num_computed_tokens
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-            raise InvalidArgumentError(f"num_tokens must be an int, got {num_tokens!r}")
+        require_int("num_tokens", num_tokens)
         if not 0 <= num_tokens <= remaining:
             raise InvalidArgumentError(
                 f"request {self._request_id!r}: cannot mark {num_tokens} tokens computed, "

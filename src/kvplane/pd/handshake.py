@@ -4,7 +4,7 @@
 PD peers exchange; :func:`check_compatible` lists every reason two profiles cannot exchange KV
 (the must-match fields, TP heads by :func:`~kvplane.layout.heads_cover`) and
 :func:`compat_fingerprint` digests the must-match fields. No I/O; imports only L0 and the head
-rule of ``kvplane.layout``. See docs/pd.md ("Handshake and compatibility").
+and layer-id rules of ``kvplane.layout``. See docs/pd.md ("Handshake and compatibility").
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Annotated, Any
 import msgspec
 
 from kvplane.errors import InvalidArgumentError
-from kvplane.layout import heads_cover
+from kvplane.layout import check_layer_ids, heads_cover
+from kvplane.validators import require_int
 
 __all__ = [  # heads_cover: the one head-coverage rule lives with the layout (L2)
     "LAYOUT_KINDS", "PROTOCOL_VERSION", "LayoutInfo", "PeerProfile", "Verdict",
@@ -32,11 +33,6 @@ LAYOUT_KINDS = ("mha", "gqa", "mla", "state")
 
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
-
-
-def _check_int(owner: str, name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidArgumentError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
 
 
 class LayoutInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -66,22 +62,17 @@ class LayoutInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
             raise InvalidArgumentError(
                 f"{owner}.kind must be one of {LAYOUT_KINDS}, got {self.kind!r}"
             )
-        if not self.layer_ids:
-            raise InvalidArgumentError(f"{owner}.layer_ids must not be empty")
-        for lid in self.layer_ids:
-            _check_int(owner, "layer_ids[]", lid, minimum=0)
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise InvalidArgumentError(f"{owner}.layer_ids has duplicates: {self.layer_ids}")
-        _check_int(owner, "total_heads", self.total_heads, minimum=1)
-        _check_int(owner, "head_dim", self.head_dim, minimum=1)
-        _check_int(owner, "block_size", self.block_size, minimum=1)
+        check_layer_ids(f"{owner}.layer_ids", self.layer_ids, error=InvalidArgumentError)
+        require_int(f"{owner}.total_heads", self.total_heads, min=1)
+        require_int(f"{owner}.head_dim", self.head_dim, min=1)
+        require_int(f"{owner}.block_size", self.block_size, min=1)
         if not 0 <= self.head_start < self.head_end <= self.total_heads:
             raise InvalidArgumentError(
                 f"{owner} head range [{self.head_start}, {self.head_end}) is not a non-empty "
                 f"range inside total_heads={self.total_heads}"
             )
         if self.sliding_window is not None:
-            _check_int(owner, "sliding_window", self.sliding_window, minimum=1)
+            require_int(f"{owner}.sliding_window", self.sliding_window, min=1)
 
     @classmethod
     def from_description(

@@ -21,14 +21,13 @@ from kvplane.pd.events import TransferRequest
 from kvplane.pipeline.advert import RemotePool, split_destination
 from kvplane.transfer import OpGrouping, PlanOptions, PlanSide, TransferPlan, plan_transfer
 from kvplane.transports.base import Int64Array
+from kvplane.validators import require_int
 
 
 def step_ranges(num_tokens: int, step_size: int) -> list[TokenRange]:
     """``[0, N)`` in consecutive steps of ``step_size`` tokens (the last may be shorter)."""
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
-        raise InvalidArgumentError(f"num_tokens must be a positive int, got {num_tokens!r}")
-    if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size <= 0:
-        raise InvalidArgumentError(f"step_size must be a positive int, got {step_size!r}")
+    require_int("num_tokens", num_tokens, min=1)
+    require_int("step_size", step_size, min=1)
     return [TokenRange(s, min(s + step_size, num_tokens)) for s in range(0, num_tokens, step_size)]
 
 
@@ -38,10 +37,8 @@ class SliceCutter:
     baseline the pipelined mode is measured against)."""
 
     def __init__(self, num_tokens: int, align: int, *, pipelined: bool = True) -> None:
-        if isinstance(align, bool) or not isinstance(align, int) or align <= 0:
-            raise InvalidArgumentError(f"align must be a positive int, got {align!r}")
         self.num_tokens = num_tokens
-        self.align = align
+        self.align = require_int("align", align, min=1)
         self.pipelined = pipelined
         self.sent = 0
         self.next_id = 0

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvplane.config import require_finite_positive
 from kvplane.errors import ConfigError
 from kvplane.pd.events import check_id
 from kvplane.pd.timers import Timings
 from kvplane.transfer import OpGrouping
 from kvplane.transports.bounds import FIRST_BYTE_TIMEOUT_S
 from kvplane.transports.registry import CROSS_PROCESS
-from kvplane.validators import require_int
+from kvplane.validators import require_bool, require_finite_positive, require_int
 
 LOOPBACK = "tcp://127.0.0.1:0"
 SECRET_TRANSPORTS: frozenset[str] = frozenset({"tcp", "shm"})
@@ -60,11 +59,6 @@ def split_address(what: str, address: object) -> tuple[str, int] | None:
     if len(port) > 5:  # also spares int() a number of thousands of digits
         raise ConfigError(f"{what}'s port must be an int in [0, {MAX_PORT}], got {port[:20]!r}")
     return host, check_port(f"{what}'s port", int(port))
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"WorkerConfig.{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +107,9 @@ class WorkerConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         for name in ("num_blocks", "block_size", "num_slots", "step_size", "max_inflight_ops"):
-            _positive_int(name, getattr(self, name))
+            require_int(f"WorkerConfig.{name}", getattr(self, name), min=1, error=ConfigError)
         if self.copy_threads is not None:
-            _positive_int("copy_threads", self.copy_threads)
+            require_int("WorkerConfig.copy_threads", self.copy_threads, min=1, error=ConfigError)
         for name in ("control_bind", "pd_bind"):
             split_address(f"WorkerConfig.{name}", getattr(self, name))
         if not isinstance(self.transport, str) or not self.transport:
@@ -134,13 +128,10 @@ class WorkerConfig:
             raise ConfigError(f"WorkerConfig.timings must be Timings, got {self.timings!r}")
         if self.secret is not None and (not isinstance(self.secret, bytes) or not self.secret):
             raise ConfigError("WorkerConfig.secret must be non-empty bytes or None")
-        for name in ("metrics_port", "hash_seed", "incarnation"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"WorkerConfig.{name} must be an int >= 0, got {value!r}")
+        for name in ("hash_seed", "incarnation"):
+            require_int(f"WorkerConfig.{name}", getattr(self, name), min=0, error=ConfigError)
         check_port("WorkerConfig.metrics_port", self.metrics_port)
-        if not isinstance(self.pipelined, bool):
-            raise ConfigError(f"WorkerConfig.pipelined must be a bool, got {self.pipelined!r}")
+        require_bool("WorkerConfig.pipelined", self.pipelined, error=ConfigError)
         # CHUNK grouping is the offload copier's (one op per stored chunk): a PD slice ends
         # where a prefill step ends, not on a chunk boundary, and is planned with no chunk spec
         if not isinstance(self.grouping, OpGrouping) or self.grouping is OpGrouping.CHUNK:
@@ -151,8 +142,7 @@ class WorkerConfig:
 
     def _check_security(self) -> None:
         """A secret, or ``insecure`` said explicitly; never both; a data plane that proves it."""
-        if not isinstance(self.insecure, bool):
-            raise ConfigError(f"WorkerConfig.insecure must be a bool, got {self.insecure!r}")
+        require_bool("WorkerConfig.insecure", self.insecure, error=ConfigError)
         if self.secret is None and not self.insecure:
             raise ConfigError(
                 "WorkerConfig.secret is required (KVPLANE_SECRET or --secret-file); "

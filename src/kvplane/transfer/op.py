@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from kvplane.errors import PlanError
 from kvplane.ids import ChunkKey, SliceId, TokenRange
 from kvplane.transports.base import DescriptorList, check_pairing
+from kvplane.validators import is_int
 
 
 def is_index(value: object) -> bool:
     """An int >= 0 that is not a bool (slice ids, region ids)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def check_layers(layers: tuple[int, ...], where: str) -> None:

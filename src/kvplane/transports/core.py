@@ -17,10 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from kvplane.config import require_finite_positive
 from kvplane.errors import InvalidArgumentError, PlanError, TransportError, UnknownPeerError
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
@@ -40,6 +38,7 @@ from kvplane.transports.copier import check_no_cross_overlap
 from kvplane.transports.regions import RegionEntry, RegionTable, byte_view
 from kvplane.transports.wire import MAX_NOTIFY_BYTES
 from kvplane.transports.workers import CopyWorkers
+from kvplane.validators import require_finite_positive, require_index
 
 
 def check_agent(agent: str | None, name: str) -> PeerId:
@@ -52,10 +51,9 @@ def check_agent(agent: str | None, name: str) -> PeerId:
 
 
 def as_region_id(value: object) -> RegionId:
-    """``value`` as a RegionId; ``InvalidArgumentError`` unless it is an integer (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise InvalidArgumentError(f"a region id must be an int, got {value!r}")
-    return RegionId(int(value))
+    """``value`` as a RegionId: an int or NumPy integer (not a bool) in ``[0, 2**63)``, the
+    range of a descriptor's int64 region column; ``InvalidArgumentError`` otherwise."""
+    return RegionId(require_index("region_id", value, 2**63))
 
 
 class TransportCore:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvplane.errors import InvalidArgumentError
+from kvplane.validators import is_int
 
 SESSION_KEY = "kvplane_session"
 """The session id both engines name one transfer by (the proxy's, or the prefill request id)."""
@@ -96,7 +97,7 @@ def parse_params(params: object) -> SendParams | RecvParams | None:
     if prefill is not True or ADDRESS_KEY not in params:
         return None
     count = params.get("num_prompt_tokens")
-    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+    if count is not None and not (is_int(count) and count >= 1):
         raise InvalidArgumentError(f"kv_transfer_params['num_prompt_tokens'] is {count!r:.40}")
     prompt = params.get("prompt_key")
     if prompt is not None and not (isinstance(prompt, str) and _KEY_RE.fullmatch(prompt)):
