@@ -91,7 +91,10 @@ def test_tokens_with_the_connector_equal_tokens_without_it(
 def test_a_second_engine_process_loads_the_prefix_from_disk(
     workdir: Path, baseline: list[list[int]], engine_a: dict[str, Any]
 ) -> None:
-    got = run_harness(_spec(workdir, _connector(workdir / "a" / "chunks.bin"), [SHARED]))
+    connector = _connector(workdir / "a" / "chunks.bin")
+    del connector["host_slots"]  # the host tier sized in bytes instead: the same 32 slots
+    connector["cpu_bytes_to_use"] = 32 * 2 * 2 * (2 * 32 * 64 * 2)
+    got = run_harness(_spec(workdir, connector, [SHARED]))
     assert got["tokens"][0] == [baseline[1]]
     sched = got["scheduler_metrics"]
     assert sched["kvplane_vllm_hit_tokens_total"] == 256

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,8 +15,10 @@ from kvplane.integrations.vllm.fingerprint import (
     EngineFingerprint,
     adapter_stamp,
     config_stamp,
+    engine_fingerprint,
     weights_stamp,
 )
+from kvplane.layout import Axis, KVLayout
 
 BASE = EngineFingerprint(
     vllm_version="0.32.0",
@@ -50,6 +53,7 @@ def test_digest_is_stable_and_16_bytes() -> None:
         {"config": "0123"},
         {"model_dtype": "torch.float16"},
         {"tp_rank": 1, "tp_size": 2},
+        {"pool_layout": "00ff"},
     ],
 )
 def test_every_field_changes_the_digest(change: dict[str, object]) -> None:
@@ -205,3 +209,26 @@ def test_bad_fields_are_worded_exactly(change: dict[str, object], want: str) -> 
         dataclasses.replace(BASE, **change)  # type: ignore[arg-type]
     assert str(err.value) == want
     assert dataclasses.replace(BASE, tp_rank=1, tp_size=2).tp_rank == 1
+
+
+def test_a_gpu_engine_keys_on_its_pool_layout_not_an_isa() -> None:
+    """Two GPU engines alike but for the memory order inside a block (FlashInfer NHD vs HND)
+    hold different bytes: their fingerprints differ though neither has an ISA."""
+    engine = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_layout="LBNHC"),
+        model_config=SimpleNamespace(
+            model="org/model", dtype="torch.bfloat16", **vars(_ModelConfig(_HFConfig(a=1)))
+        ),
+    )
+    a = Axis
+    nhd, hnd = (
+        KVLayout.gqa(num_blocks=8, block_size=16, num_layers=2, kv_heads=2, head_dim=64,
+                     order=(a.LAYER, a.BLOCK, *inner, a.COMP, a.DIM))
+        for inner in ((a.TOKEN, a.HEAD), (a.HEAD, a.TOKEN))
+    )  # fmt: skip
+    one = engine_fingerprint(engine, nhd, (2, 16, 128), "0.32.0")
+    assert one.isa == "" and one.pool_layout == nhd.fingerprint().hex()
+    assert one.dtype == "bfloat16/auto" and one.kv_layout == "LBNHC" and one.num_layers == 2
+    assert one.weights == "name:org/model" and one.block_size == 16
+    assert engine_fingerprint(engine, nhd, (2, 16, 128), "0.32.0").digest() == one.digest()
+    assert engine_fingerprint(engine, hnd, (2, 16, 128), "0.32.0").digest() != one.digest()

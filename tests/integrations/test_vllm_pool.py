@@ -72,7 +72,7 @@ def test_refuses_what_it_cannot_copy_whole() -> None:
         VllmPool.from_kv_caches(separate)
     buf = torch.zeros(2 * 4 * 64 + 64, dtype=torch.bfloat16)
     gappy = {"l0": buf[:256].view(4, 2, 4, 8), "l1": buf[320:576].view(4, 2, 4, 8)}
-    with pytest.raises(UnsupportedError, match="layer-major"):
+    with pytest.raises(UnsupportedError, match="dense buffer"):
         VllmPool.from_kv_caches(gappy)
     mixed = {"l0": buf[:256].view(4, 2, 4, 8), "l1": buf[256:512].view(4, 4, 2, 8)}
     with pytest.raises(UnsupportedError, match="differs"):

@@ -17,6 +17,7 @@ from typing import Any
 from kvplane.config import ChunkConfig, HashConfig, resolve
 from kvplane.errors import ConfigError, UnsupportedError
 from kvplane.integrations.vllm.pd_config import PDConfig, pd_config
+from kvplane.integrations.vllm.sizing import SIZE_KEYS, TierBytes, slots_for, tier_bytes
 from kvplane.offload.config import OffloadConfig
 from kvplane.validators import require_int
 
@@ -39,6 +40,8 @@ class ConnectorConfig:
     hashing: HashConfig
     metrics_port: int = 0
     pd: PDConfig = dataclasses.field(default_factory=PDConfig)
+    sizes: TierBytes = dataclasses.field(default_factory=TierBytes)
+    """Tiers sized in bytes (:meth:`sized` turns them into slots once a chunk's size is known)."""
 
     def __post_init__(self) -> None:
         what = "metrics_port (the scheduler side serves on the next port)"
@@ -57,6 +60,22 @@ class ConnectorConfig:
         if self.offload.remote_url:
             names.append("remote")
         return tuple(names)
+
+    def sized(self, chunk_bytes: int) -> ConnectorConfig:
+        """This config with every tier given in bytes sized in slots of ``chunk_bytes`` chunks
+        (the same config where none is); ``ConfigError`` when a budget holds no chunk."""
+        off, sizes = self.offload, self.sizes
+        if not sizes.given:
+            return self
+        offload = dataclasses.replace(
+            off,
+            host_slots=slots_for("host", sizes.host, chunk_bytes) if sizes.host else off.host_slots,
+            disk_slots=slots_for("disk", sizes.disk, chunk_bytes) if sizes.disk else off.disk_slots,
+            remote_slots=(
+                slots_for("remote", sizes.remote, chunk_bytes) if sizes.remote else off.remote_slots
+            ),
+        )
+        return dataclasses.replace(self, offload=offload)
 
     def tier_slots(self, tier: str) -> int:
         """Chunk slots of tier ``tier`` (``host``, ``disk`` or ``remote``)."""
@@ -83,7 +102,7 @@ def parse_extra_config(
         raise ConfigError(f"kv_connector_extra_config must be a mapping, got {extra!r}")
     offload_fields = {f.name for f in dataclasses.fields(OffloadConfig)}
     pd_keys = {f"pd_{f.name}" for f in dataclasses.fields(PDConfig)}
-    known = offload_fields | _CHUNK_KEYS | set(_HASH_KEYS) | _OWN_KEYS | pd_keys
+    known = offload_fields | _CHUNK_KEYS | set(_HASH_KEYS) | _OWN_KEYS | pd_keys | set(SIZE_KEYS)
     unknown = sorted(str(k) for k in extra if k not in known)
     if unknown:
         raise ConfigError(
@@ -101,7 +120,10 @@ def parse_extra_config(
         with contextlib.suppress(ValueError):  # not an int: ConnectorConfig refuses it as given
             port = int(port)
     pd = pd_config({k: v for k, v in extra.items() if k in pd_keys}, environ)
-    return ConnectorConfig(offload=offload, chunk=chunk, hashing=hashing, metrics_port=port, pd=pd)
+    sizes = tier_bytes(extra)
+    return ConnectorConfig(
+        offload=offload, chunk=chunk, hashing=hashing, metrics_port=port, pd=pd, sizes=sizes
+    )
 
 
 def check_vllm_version(version: str) -> None:

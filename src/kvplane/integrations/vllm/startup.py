@@ -1,0 +1,71 @@
+"""The connector's start-up checks and messages that need no vLLM.
+
+Owns :func:`failure_policy_warning` (the one warning about ``kv_load_failure_policy="fail"``
+with a tier that can fail to read), :func:`serve_metrics` (the private ``/metrics`` ports, a
+busy one a one-line ``ConfigError`` naming ``metrics_port``) and :func:`sizing_note` (the
+slots derived from byte sizes, for the log). The connector calls them once per role; they
+decide nothing else. Why ``recompute``: ``docs/vllm.md`` ("Failure policy").
+"""
+
+from __future__ import annotations
+
+import errno
+
+from kvplane.errors import ConfigError
+from kvplane.integrations.vllm.config import ConnectorConfig
+from kvplane.integrations.vllm.sizing import GIB, slot_cost
+from kvplane.metrics import MetricsRegistry, MetricsServer
+
+SCHEDULER_PORT_OFFSET = 1
+"""The scheduler side serves on ``metrics_port + 1``, the worker side on ``metrics_port``."""
+
+
+def failure_policy_warning(config: ConnectorConfig, policy: str) -> str | None:
+    """The start-up warning for ``kv_load_failure_policy`` ``policy`` with ``config``'s tiers,
+    or None. Only a disk or remote tier can fail a load (a host slot is memory); with
+    ``"fail"`` vLLM then fails the request, and its offline ``LLM`` API returns the
+    request's output without raising."""
+    tiers = config.lower_tiers
+    if policy != "fail" or not tiers:
+        return None
+    what = " and ".join(f"the {t} tier" for t in tiers)
+    return (
+        f"kvplane: kv_load_failure_policy='fail' with {what} configured: a chunk that fails "
+        "to load (an outage, a corrupt or missing chunk) fails its request, and the offline "
+        "LLM API then returns an output without raising; set kv_load_failure_policy="
+        "'recompute' to recompute those tokens instead"
+    )
+
+
+def serve_metrics(
+    metrics: MetricsRegistry, config: ConnectorConfig, *, scheduler: bool
+) -> MetricsServer | None:
+    """Serve ``metrics`` on the side's private port (none when ``metrics_port`` is 0). A port
+    in use is a ``ConfigError`` naming the key, not a bare ``OSError``."""
+    if not config.metrics_port:
+        return None
+    port = config.metrics_port + (SCHEDULER_PORT_OFFSET if scheduler else 0)
+    try:
+        return metrics.serve(port)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        side = "scheduler side (metrics_port + 1)" if scheduler else "worker side (metrics_port)"
+        raise ConfigError(
+            f"metrics_port={config.metrics_port}: port {port} for the {side} is already in use "
+            "on 127.0.0.1; choose another metrics_port, or 0 for no private metrics port"
+        ) from None
+
+
+def sizing_note(config: ConnectorConfig, chunk_bytes: int) -> str | None:
+    """One log line with the slots each byte-sized tier got, or None when none is."""
+    parts = []
+    for tier in ("host", "disk", "remote"):
+        budget = config.sizes.of(tier)
+        if budget:
+            slots = config.tier_slots(tier)
+            used = slots * slot_cost(tier, chunk_bytes) / GIB
+            parts.append(f"{tier} {slots} slots ({used:.3f} of {budget / GIB:.3f} GiB)")
+    if not parts:
+        return None
+    return f"kvplane: chunks of {chunk_bytes} bytes; " + ", ".join(parts)
