@@ -1,8 +1,9 @@
 """Request/reply over zmq for the control messages (127.0.0.1 unless told otherwise).
 
 One loop thread per side touches its socket; sends never block; bad frames (``rpc_codec``) are
-dropped or answered with an ``ErrorReply``; with a secret both sides authenticate (CURVE,
-``rpc_auth``) and a server bounds the calls it holds (``rpc_admission``). See docs/serving.md.
+dropped or answered with an ``ErrorReply``; a server admits connections through its door
+(``rpc_auth``: CURVE with a secret, a handshake timeout, a cap on connections) and bounds the
+calls it holds (``rpc_admission``). See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -28,9 +29,17 @@ from kvplane.errors import (
     TransferTimeoutError,
 )
 from kvplane.metrics import MetricsRegistry
+from kvplane.pd.door import ListenerDoor
 from kvplane.serving.messages import AnyMessage, Envelope, ErrorReply, StatsQuery
 from kvplane.serving.rpc_admission import MAX_PENDING, MAX_PENDING_PER_PEER, Admission
-from kvplane.serving.rpc_auth import HANDSHAKE_FAILED, OrderKeys, ZapGate, order_keys, secure_client
+from kvplane.serving.rpc_auth import (
+    HANDSHAKE_FAILED,
+    MAX_CONNECTIONS,
+    OrderKeys,
+    order_door,
+    order_keys,
+    secure_client,
+)
 from kvplane.serving.rpc_codec import Dropped, Refused, decode, encode
 from kvplane.validators import require_finite_positive, require_size
 
@@ -89,7 +98,7 @@ class _Loop:
         self.sock: zmq.Socket[bytes] = self._ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame + 4096)
-        self._gate: ZapGate | None = None
+        self._door: ListenerDoor | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         wake = f"inproc://rpc-wake-{id(self)}"
         self._pull: zmq.Socket[bytes] = self._ctx.socket(zmq.PULL)
@@ -106,7 +115,7 @@ class _Loop:
 
     def _watch_handshakes(self) -> None:
         """Count every handshake refused (``refused_unauthenticated``), from the socket's
-        monitor; call before the socket binds or connects."""
+        monitor; call before the socket connects (a server's door watches its own)."""
         self._monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED)
 
     def count(self, key: str, n: int = 1) -> None:
@@ -135,9 +144,8 @@ class _Loop:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
-        for side in (self._gate.sock if self._gate else None, self._monitor):
-            if side is not None:
-                poller.register(side, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             try:
                 waiting = bool(self._held)
@@ -148,8 +156,6 @@ class _Loop:
                         while True:
                             self._pull.recv(zmq.NOBLOCK)
                 self._flush()
-                if self._gate is not None and self._gate.sock in ready:
-                    self._gate.serve()
                 if self._monitor is not None and self._monitor in ready:
                     self._refused_handshakes(self._monitor)
                 if int(ready.get(self.sock, 0)) & zmq.POLLIN:
@@ -242,9 +248,9 @@ class _Loop:
             with contextlib.suppress(zmq.ZMQError):
                 self.sock.disable_monitor()
             self._monitor.close(linger=0)
-        if self._gate is not None:
-            self._gate.close()
         self.sock.close(linger=linger_ms)
+        if self._door is not None:  # after the socket: it answers ZAP until then
+            self._door.close()
         self._ctx.term()
 
 
@@ -255,7 +261,9 @@ class RpcServer(_Loop):
     anyone (explicit insecure mode). ``metrics``: where drops are counted
     (``order_socket_drops``). ``max_pending``, ``max_pending_per_peer``: the most calls held
     unanswered in all and per connection; beyond, a call is refused with an ``ErrorReply``
-    (:class:`~kvplane.serving.rpc_admission.Admission`).
+    (:class:`~kvplane.serving.rpc_admission.Admission`). ``max_connections``: the most
+    inbound connections held; a newcomer past it evicts the oldest one that has not proven
+    the secret (``rpc_auth.order_door``).
     """
 
     def __init__(
@@ -269,6 +277,7 @@ class RpcServer(_Loop):
         metrics: MetricsRegistry | None = None,
         max_pending: int = MAX_PENDING,
         max_pending_per_peer: int = MAX_PENDING_PER_PEER,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.admission = Admission(
             max_pending=max_pending, max_pending_per_peer=max_pending_per_peer,
@@ -279,15 +288,24 @@ class RpcServer(_Loop):
         )
         self._handler = handler
         try:
-            if self.keys is not None:
-                self._gate = ZapGate(self._ctx, self.keys)
-                self._gate.secure(self.sock)
-                self._watch_handshakes()
+            self._door = order_door(
+                self._ctx, secret=secret, max_connections=max_connections, name=name,
+                count=self.count,
+            )  # fmt: skip
+            self._door.guard(self.sock)
             self.sock.bind(bind)
-        except zmq.ZMQError:
-            self.close(0)  # nothing left open (an address in use, a bad address)
+        except (zmq.ZMQError, KVPlaneError):
+            self.close(0)  # nothing left open (an address in use, a bad address or bound)
             raise
         self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._door.start(self.address)  # the door admits before the loop starts
+
+    def snapshot(self) -> dict[str, int]:
+        """The counters and ``connections_open`` (any thread)."""
+        out = super().snapshot()
+        if self._door is not None:
+            out["connections_open"] = self._door.connections_open
+        return out
 
     def _answer(self, identity: bytes, call_id: int, msg: AnyMessage) -> None:
         """Send ``msg`` as the answer to call ``call_id`` of connection ``identity`` (any
