@@ -18,13 +18,14 @@ import numpy as np
 import zmq
 
 from kvplane.blocks import BlockTable
-from kvplane.errors import ConfigError, InvalidArgumentError, KVPlaneError, ProtocolError
+from kvplane.errors import KVPlaneError, ProtocolError
 from kvplane.ids import PeerId, RequestId, SessionId, TokenRange
 from kvplane.metrics import MetricsRegistry
 from kvplane.pd.actions import Finished, Release
 from kvplane.pd.events import Cancel, StartTransfer
 from kvplane.pd.states import Role, SessionState
 from kvplane.pipeline.timeline import Mark
+from kvplane.serving import worker_requests as book
 from kvplane.serving.dials import Dials
 from kvplane.serving.messages import (
     NOT_CONNECTED,
@@ -135,14 +136,7 @@ class DecodeWorker(Worker):
 
     def _accept(self, order: DecodeOrder, reply: Reply) -> None:
         rid = RequestId(order.request_id)
-        if rid in self._requests:
-            raise InvalidArgumentError(f"request {rid!r} is already on this worker")
-        bound = self._by_session.get(SessionId(order.session_id))
-        if bound is not None:
-            other = bound.order.request_id
-            raise InvalidArgumentError(
-                f"session {order.session_id!r} is already bound to request {other!r}"
-            )
+        book.check_new(self._requests, self._by_session, rid, SessionId(order.session_id))
         n, bs = len(order.token_ids), self.config.block_size
         need = -(-n // bs)
         if isinstance(self.decoder, PromptChecker):
@@ -150,10 +144,7 @@ class DecodeWorker(Worker):
                 np.asarray(order.token_ids, dtype=np.int64), order.max_new_tokens
             )
             need = -(-(n + max(order.max_new_tokens - 1, 0)) // bs)
-        if need > self.config.num_blocks:
-            raise ConfigError(
-                f"request {rid!r} needs {need} blocks; the pool has {self.config.num_blocks}"
-            )
+        book.check_fits(rid, need, self.config.num_blocks)
         peer = PeerId(order.prefill_peer)
         if not self.endpoint.call(lambda: self.participant.peers.is_live(peer)):
             raise ProtocolError(f"prefill peer {order.prefill_peer!r} {NOT_CONNECTED}")
@@ -172,11 +163,9 @@ class DecodeWorker(Worker):
 
     def _cancel(self, rid: RequestId, reason: str, sid: str | None = None) -> str:
         """Cancel request ``rid`` (only while it is bound to session ``sid``, when given)."""
-        req = self._requests.get(rid)
-        if req is None or (sid is not None and req.sid != sid):
+        req = book.find_to_stop(self._requests, rid, sid)
+        if req is None:
             return "unknown request"
-        if req.failed_at is None:
-            req.failed_at = time.monotonic()
         if not req.opened:
             req.cancelled = reason
             self._end(req, SessionState.ABORTED, reason)
@@ -195,19 +184,11 @@ class DecodeWorker(Worker):
             if req.outcome is not None:
                 self._waiting.popleft()
                 continue
-            rid = RequestId(req.order.request_id)
-            table = BlockTable(rid, self.config.block_size, self.pools.hasher)
-            if self.pools.slots.num_free_blocks == 0:
-                return
-            admitted = table.admit(self.pools.blocks, req.tokens)
-            if admitted is None:
-                return
-            slot = self.pools.take_slot()
-            if slot is None:  # pragma: no cover - checked above; only this thread allocates
-                table.release(self.pools.blocks)
+            got = book.admit_memory(self.pools, self.config.block_size, req)
+            if got is None:
                 return
             self._waiting.popleft()
-            req.table, req.slot = table, slot
+            (table, slot), rid = got, RequestId(req.order.request_id)
             req.prefix_tokens = table.num_cached_tokens
             whole = len(self.pools.layouts) - 1
             start = StartTransfer(
@@ -326,28 +307,14 @@ class DecodeWorker(Worker):
     def _release(self, req: _Decode) -> None:
         """The ledger released the destination (or it never was the session's): free it. The
         ``RELEASED`` mark and the release latency are recorded only when memory was held."""
-        held = req.table is not None or req.slot is not None
-        if req.table is not None:
-            req.table.release(self.pools.blocks)
-            req.table = None
-        if req.slot is not None:
-            self.pools.free_slot(req.slot)
-            req.slot = None
-        if held:
-            self.timeline.record(Mark.RELEASED, req.order.request_id)
-            if req.failed_at is not None:
-                self.rmetrics.release_latency.observe(time.monotonic() - req.failed_at)
+        book.free_memory(self, req)
         self._maybe_forget(req)
         self._admit_waiting()
 
     def _maybe_forget(self, req: _Decode) -> None:
         """Drop the request once it is answered, its memory freed and its session over."""
         if req.replied and req.table is None and req.outcome is not None:
-            rid = RequestId(req.order.request_id)
-            if self._requests.get(rid) is req:  # never another request's entry
-                del self._requests[rid]
-            if self._by_session.get(req.sid) is req:
-                del self._by_session[req.sid]
+            book.forget(self._requests, self._by_session, req)
 
     def stats(self, *, timeline: bool = False) -> WorkerStats:
         """The base stats plus the model's attention plans and fallbacks, and the PD

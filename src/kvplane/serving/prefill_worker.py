@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 
 from kvplane.blocks import BlockTable
-from kvplane.errors import ConfigError, InvalidArgumentError, KVPlaneError, ProtocolError
+from kvplane.errors import InvalidArgumentError, KVPlaneError, ProtocolError
 from kvplane.ids import PeerId, RegionId, RequestId, SessionId, TokenRange
 from kvplane.metrics import MetricsRegistry
 from kvplane.pd.actions import Action, DestinationKnown, Finished, Release, StartSubmit
@@ -25,6 +25,7 @@ from kvplane.pipeline.driver import SliceDriver
 from kvplane.pipeline.driver_records import SliceSource
 from kvplane.pipeline.slicing import LocalPool, SliceCutter, slice_schedule, step_ranges
 from kvplane.pipeline.timeline import Mark, request_times
+from kvplane.serving import worker_requests as book
 from kvplane.serving.messages import Ack, AnyMessage, CancelOrder, PrefillOrder, WorkerStats
 from kvplane.serving.prefix_offload import Finished as OffloadFinished
 from kvplane.serving.prefix_offload import PrefixOffload, PrefixSettings, StoreFinished
@@ -154,18 +155,10 @@ class PrefillWorker(Worker):
 
     def _accept(self, order: PrefillOrder) -> str:
         rid = RequestId(order.request_id)
-        if rid in self._requests:
-            raise InvalidArgumentError(f"request {rid!r} is already on this worker")
         sid, peer = SessionId(order.session_id), PeerId(order.decode_peer)
-        if sid in self._by_session:
-            other = self._by_session[sid].order.request_id
-            raise InvalidArgumentError(f"session {sid!r} is already bound to request {other!r}")
+        book.check_new(self._requests, self._by_session, rid, sid)
         n = len(order.token_ids)
-        need = -(-n // self.config.block_size)
-        if need > self.config.num_blocks:
-            raise ConfigError(
-                f"request {rid!r} needs {need} blocks; the pool has {self.config.num_blocks}"
-            )
+        book.check_fits(rid, -(-n // self.config.block_size), self.config.num_blocks)
         if isinstance(self.producer, PromptChecker):
             self.producer.check_prompt(np.asarray(order.token_ids, dtype=np.int64))
         step = order.step_size or self.config.step_size
@@ -184,11 +177,9 @@ class PrefillWorker(Worker):
 
     def _cancel(self, rid: RequestId, reason: str, sid: str | None = None) -> str:
         """Stop request ``rid`` (only while it is bound to session ``sid``, when given)."""
-        req = self._requests.get(rid)
-        if req is None or (sid is not None and req.sid != sid):
+        req = book.find_to_stop(self._requests, rid, sid)
+        if req is None:
             return "unknown request"
-        if req.failed_at is None:
-            req.failed_at = time.monotonic()
         req.stopped = True
         try:
             self.endpoint.send(req.sid, Cancel(reason=reason))
@@ -205,22 +196,12 @@ class PrefillWorker(Worker):
                 self._waiting.popleft()
                 self._maybe_free(req)
                 continue
-            table = BlockTable(
-                RequestId(req.order.request_id), self.config.block_size, self.pools.hasher
-            )
-            if (
-                self.pools.slots.num_free_blocks == 0
-                or table.admit(self.pools.blocks, req.tokens) is None
-            ):
-                return
-            slot = self.pools.take_slot()
-            if slot is None:  # pragma: no cover - checked above; only this thread allocates
-                table.release(self.pools.blocks)
+            got = book.admit_memory(self.pools, self.config.block_size, req)
+            if got is None:
                 return
             self._waiting.popleft()
-            req.table, req.slot = table, slot
             if self.offload is not None:
-                load = self.offload.begin_load(RequestId(req.order.request_id), table)
+                load = self.offload.begin_load(RequestId(req.order.request_id), got[0])
                 if load is not None:
                     req.loading = True
                     self.timeline.record(
@@ -406,23 +387,12 @@ class PrefillWorker(Worker):
         if req.table is not None or req.slot is not None:
             with self._sources_lock:
                 self._sources.pop(req.sid, None)
-            if req.table is not None:
-                req.table.release(self.pools.blocks)
-                req.table = None
-            if req.slot is not None:
-                self.pools.free_slot(req.slot)
-                req.slot = None
+            book.free_memory(self, req)
             self._running = deque(r for r in self._running if r is not req)
-            self.timeline.record(Mark.RELEASED, rid)
-            if req.failed_at is not None:
-                self.rmetrics.release_latency.observe(time.monotonic() - req.failed_at)
             self._admit_waiting()
         if req.outcome is None:
             return
-        if self._requests.get(rid) is req:
-            del self._requests[rid]
-        if self._by_session.get(req.sid) is req:
-            del self._by_session[req.sid]
+        book.forget(self._requests, self._by_session, req)
         if req.outcome is SessionState.SUCCESS and req.failed_at is None:
             times = request_times(self.timeline.events(rid))
             self.rmetrics.overlap.observe(times.overlap_ratio)

@@ -62,6 +62,8 @@ class TransportCore:
     name: str = "core"
     _spin_wait = False
     """``wait`` re-polls without sleeping (engines that progress only when polled)."""
+    _cpu_only = False
+    """``register`` refuses a tensor not in CPU memory (engines that address host memory only)."""
 
     def __init__(
         self,
@@ -92,7 +94,10 @@ class TransportCore:
         """Engine-side deregistration (the region is unpinned)."""
 
     def _exported(self, view: torch.Tensor) -> tuple[bool, object]:
-        """Whether peers may address a new region, and implementation data to keep with it."""
+        """Whether peers may address a new region, and implementation data to keep with it
+        (the default: exported, nothing kept; a ``TransportError`` off-CPU if ``_cpu_only``)."""
+        if self._cpu_only and view.device.type != "cpu":
+            raise TransportError(f"the {self.name} adapter registers CPU memory, got {view.device}")
         return True, None
 
     def _connect(self, peer_metadata: bytes) -> Peer:

@@ -31,8 +31,9 @@ from kvplane.transports.base import (
 from kvplane.transports.batches import Batch
 from kvplane.transports.copier import coalesce
 from kvplane.transports.core import TransportCore
+from kvplane.transports.pointers import addresses, local_bases, peer_tables, region_infos
 from kvplane.transports.regions import RegionEntry
-from kvplane.transports.wire import WIRE_VERSION, Metadata, RegionInfo, decode_metadata, encode
+from kvplane.transports.wire import WIRE_VERSION, Metadata, decode_metadata, encode
 
 INSTALL_HINT = (
     "Mooncake Transfer Engine is not installed: pip install mooncake-transfer-engine-non-cuda "
@@ -68,19 +69,6 @@ class _Job:
     remote: _Remote
 
 
-def _addresses(bases: dict[RegionId, int], descs: DescriptorList) -> np.ndarray[Any, Any]:
-    """Engine addresses ``base[region] + offset``, vectorised. A region missing from ``bases``
-    (a peer table refreshed between ``submit``'s check and the transfer) is a
-    ``TransportError``, never a neighbour's base."""
-    ids = np.array(sorted(bases), dtype=np.int64)
-    base = np.array([bases[RegionId(int(i))] for i in ids], dtype=np.int64)
-    at = np.minimum(np.searchsorted(ids, descs.regions), max(len(ids) - 1, 0))
-    if len(descs) and (not len(ids) or bool(np.any(ids[at] != descs.regions))):
-        unknown = sorted(set(descs.regions.tolist()) - set(ids.tolist()))
-        raise TransportError(f"Mooncake has no base address for region(s) {unknown}")
-    return base[at] + descs.offsets
-
-
 def _peer_alive(session: str) -> bool:
     host, _, port = session.rpartition(":")
     try:
@@ -94,6 +82,7 @@ class MooncakeTransport(TransportCore):
     """Mooncake Transfer Engine as a kvplane transport (CPU memory, tcp protocol)."""
 
     name = "mooncake"
+    _cpu_only = True
 
     def __init__(
         self,
@@ -128,11 +117,6 @@ class MooncakeTransport(TransportCore):
         self._worker.start()
 
     # -- memory and metadata -------------------------------------------------------------------
-    def _exported(self, view: Any) -> tuple[bool, object]:
-        if view.device.type != "cpu":
-            raise TransportError(f"the mooncake adapter registers CPU memory, got {view.device}")
-        return True, None
-
     def _on_register(self, entry: RegionEntry) -> None:
         r = entry.region
         if self._engine.register_memory(r.base, r.length) != 0:
@@ -143,8 +127,7 @@ class MooncakeTransport(TransportCore):
 
     def metadata(self) -> bytes:
         self._check_open()
-        regions = [RegionInfo(int(e.region.region_id), e.region.length, e.region.base)
-                   for e in self._regions.entries()]  # fmt: skip
+        regions = region_infos(self._regions.entries())
         mailbox = self._mailbox.data_ptr().to_bytes(8, "little")
         meta = Metadata(WIRE_VERSION, self.name, self.agent, self.address, "", regions, mailbox)
         return encode(meta)
@@ -153,12 +136,11 @@ class MooncakeTransport(TransportCore):
         meta = decode_metadata(peer_metadata, self.name)
         if len(meta.engine) != 8:
             raise TransportError(f"mooncake metadata of {meta.agent!r} lacks a mailbox address")
-        remote = _Remote(meta.address, {RegionId(r.region_id): r.base for r in meta.regions},
-                         int.from_bytes(meta.engine, "little"))  # fmt: skip
-        peer_id = PeerId(meta.agent)
+        peer, bases = peer_tables(meta)
+        remote = _Remote(meta.address, bases, int.from_bytes(meta.engine, "little"))
         with self._lock:
-            self._remotes[peer_id] = remote
-        return Peer(peer_id, {RegionId(r.region_id): r.length for r in meta.regions})
+            self._remotes[peer.peer_id] = remote
+        return peer
 
     # -- transfers -----------------------------------------------------------------------------
     def _start(
@@ -181,8 +163,9 @@ class MooncakeTransport(TransportCore):
         batch, remote = job.batch, job.remote
         src, dst = coalesce(job.src, job.dst, min_gain=1.0)  # fewer engine requests
         local, far = (src, dst) if batch.kind is XferKind.WRITE else (dst, src)
-        bases = {e.region.region_id: e.region.base for e in self._regions.entries()}
-        local_addr, far_addr = _addresses(bases, local), _addresses(remote.bases, far)
+        bases = local_bases(self._regions.entries())
+        local_addr = addresses(bases, local, "Mooncake")
+        far_addr = addresses(remote.bases, far, "Mooncake")
         lengths = src.lengths
         kind = batch.kind
         if not len(src):  # notify-only: one mailbox byte carries it

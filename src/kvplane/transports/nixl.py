@@ -24,6 +24,7 @@ import torch
 from kvplane.errors import IncompatiblePeerError, TransportError, UnsupportedError
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
+from kvplane.transports import pointers
 from kvplane.transports.base import (
     DescriptorList,
     FailureKind,
@@ -36,7 +37,7 @@ from kvplane.transports.batches import Batch
 from kvplane.transports.copier import coalesce
 from kvplane.transports.core import TransportCore
 from kvplane.transports.regions import RegionEntry
-from kvplane.transports.wire import WIRE_VERSION, Metadata, RegionInfo, decode_metadata, encode
+from kvplane.transports.wire import WIRE_VERSION, Metadata, decode_metadata, encode
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +78,7 @@ def _failure(exc: BaseException) -> FailureKind:
 def addresses(bases: dict[RegionId, int], descs: DescriptorList) -> np.ndarray[Any, Any]:
     """``(N, 3)`` uint64 rows ``(base[region] + offset, length, device 0)``, vectorised. A
     region missing from ``bases`` is a ``TransportError``, never a neighbour's base."""
-    ids = np.array(sorted(bases), dtype=np.int64)
-    base = np.array([bases[RegionId(int(i))] for i in ids], dtype=np.int64)
-    at = np.minimum(np.searchsorted(ids, descs.regions), max(len(ids) - 1, 0))
-    if len(descs) and (not len(ids) or bool(np.any(ids[at] != descs.regions))):
-        unknown = sorted(set(descs.regions.tolist()) - set(ids.tolist()))
-        raise TransportError(f"NIXL has no base address for region(s) {unknown}")
-    addr = base[at] + descs.offsets
+    addr = pointers.addresses(bases, descs, "NIXL")
     rows = np.stack([addr, descs.lengths, np.zeros_like(addr)], axis=1)
     return rows.astype(np.uint64)
 
@@ -152,6 +147,7 @@ class NixlTransport(TransportCore):
     """NIXL agent as a kvplane transport (CPU memory; ``backends`` defaults to UCX)."""
 
     name = "nixl"
+    _cpu_only = True
 
     def __init__(
         self,
@@ -181,11 +177,6 @@ class NixlTransport(TransportCore):
         self._poster.start()
 
     # -- memory and metadata -------------------------------------------------------------------
-    def _exported(self, view: Any) -> tuple[bool, object]:
-        if view.device.type != "cpu":
-            raise TransportError(f"the nixl adapter registers CPU memory, got {view.device}")
-        return True, None
-
     def _on_register(self, entry: RegionEntry) -> None:
         r = entry.region
         try:
@@ -199,13 +190,9 @@ class NixlTransport(TransportCore):
         if entry.extra is not None:
             self._agent.deregister_memory(entry.extra)
 
-    def _local_bases(self) -> dict[RegionId, int]:
-        return {e.region.region_id: e.region.base for e in self._regions.entries()}
-
     def metadata(self) -> bytes:
         self._check_open()
-        regions = [RegionInfo(int(e.region.region_id), e.region.length, e.region.base)
-                   for e in self._regions.entries()]  # fmt: skip
+        regions = pointers.region_infos(self._regions.entries())
         blob = bytes(self._agent.get_agent_metadata())
         return encode(Metadata(WIRE_VERSION, self.name, self.agent, regions=regions, engine=blob))
 
@@ -221,10 +208,10 @@ class NixlTransport(TransportCore):
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if name != meta.agent:
             raise IncompatiblePeerError(f"NIXL metadata names {name!r}, ours says {meta.agent!r}")
-        peer_id = PeerId(meta.agent)
+        peer, bases = pointers.peer_tables(meta)
         with self._lock:
-            self._bases[peer_id] = {RegionId(r.region_id): r.base for r in meta.regions}
-        return Peer(peer_id, {RegionId(r.region_id): r.length for r in meta.regions})
+            self._bases[peer.peer_id] = bases
+        return peer
 
     # -- transfers: the caller's side ----------------------------------------------------------
     def _start(
@@ -339,7 +326,9 @@ class NixlTransport(TransportCore):
                 return
             src, dst = coalesce(job.src, job.dst, min_gain=1.0)  # fewer NIXL descriptors
             local, remote = (src, dst) if batch.kind is XferKind.WRITE else (dst, src)
-            local_d = agent.get_xfer_descs(addresses(self._local_bases(), local), "DRAM")
+            local_d = agent.get_xfer_descs(
+                addresses(pointers.local_bases(self._regions.entries()), local), "DRAM"
+            )
             remote_d = agent.get_xfer_descs(addresses(job.remote_bases, remote), "DRAM")
             op = "WRITE" if batch.kind is XferKind.WRITE else "READ"
             batch.job = agent.initialize_xfer(op, local_d, remote_d, job.peer_id, message)

@@ -112,23 +112,7 @@ def send_payload(
 ) -> None:
     """Send the bytes of ``descs`` back to back (regions in ``views``, CPU ``uint8``): runs that
     lie back to back in one region (a contiguous source, however many) in one ``sendall``."""
-    whole = _span(descs, 0, len(descs)) if len(descs) > 1 else None
-    if whole is not None:
-        region, off, n = whole
-        sock.sendall(views[RegionId(region)].numpy().data[off : off + n])
-        return
-    if _vectored(sock, views, descs):
-        vectored.send_runs(sock, vectored.iovecs(views, descs))
-        return
-    mvs = byte_views(views)
-    stage = staging.numpy().data
-    for piece in _runs(descs):
-        if isinstance(piece, tuple):  # no staging
-            region, off, n = piece
-            sock.sendall(mvs[RegionId(region)][off : off + n])
-        else:
-            gather(views, piece, staging)
-            sock.sendall(stage[: piece.total_bytes])
+    _move(sock, views, descs, staging, receive=False)
 
 
 def recv_payload(
@@ -139,24 +123,47 @@ def recv_payload(
 ) -> None:
     """Receive the bytes of ``descs`` back to back, straight into region memory where long (runs
     back to back in one region: one receive, however many)."""
+    _move(sock, views, descs, staging, receive=True)
+
+
+def _sendall(sock: socket.socket, data: memoryview) -> None:
+    sock.sendall(data)
+
+
+def _move(
+    sock: socket.socket,
+    views: Mapping[RegionId, torch.Tensor],
+    descs: DescriptorList,
+    staging: torch.Tensor,
+    *,
+    receive: bool,
+) -> None:
+    """Move the bytes of ``descs`` one way (``receive``: socket to memory, else memory to
+    socket): one call for a span, vectored I/O for a frame of mid-sized runs, else piece by
+    piece, short runs through ``staging``."""
+    io = recv_exact if receive else _sendall
     whole = _span(descs, 0, len(descs)) if len(descs) > 1 else None
     if whole is not None:
         region, off, n = whole
-        recv_exact(sock, views[RegionId(region)].numpy().data[off : off + n])
+        io(sock, views[RegionId(region)].numpy().data[off : off + n])
         return
     if _vectored(sock, views, descs):
-        vectored.recv_into_runs(sock, vectored.iovecs(views, descs))
+        runs = vectored.recv_into_runs if receive else vectored.send_runs
+        runs(sock, vectored.iovecs(views, descs))
         return
     mvs = byte_views(views)
     stage = staging.numpy().data
     for piece in _runs(descs):
-        if isinstance(piece, tuple):
+        if isinstance(piece, tuple):  # no staging
             region, off, n = piece
-            recv_exact(sock, mvs[RegionId(region)][off : off + n])
-        else:
+            io(sock, mvs[RegionId(region)][off : off + n])
+        elif receive:
             total = piece.total_bytes
             recv_exact(sock, stage[:total])
             scatter(views, piece, staging[:total])
+        else:
+            gather(views, piece, staging)
+            sock.sendall(stage[: piece.total_bytes])
 
 
 def discard(sock: socket.socket, nbytes: int, staging: torch.Tensor) -> None:
