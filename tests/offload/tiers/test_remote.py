@@ -151,19 +151,19 @@ def test_a_namespace_is_held_by_one_open_tier(redis_url: str, redis_namespace: s
     """Two tiers on one namespace would overwrite each other's slots: the second is refused,
     naming the holder, and gets it once the first closes."""
     tier = RemoteTier(
-        redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3, timeout_s=0.1
+        redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=1.0, timeout_s=0.25
     )
     raw = redis.Redis.from_url(redis_url)
     holder = raw.get(f"{redis_namespace}:owner")
     assert holder is not None and f"pid {os.getpid()}".encode() in holder
     with pytest.raises(OffloadError, match=f"{redis_namespace}' is in use by .*pid {os.getpid()}"):
-        RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3, timeout_s=0.1)
-    time.sleep(0.5)  # longer than the lease: renewed while open
+        RemoteTier(redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=1.0, timeout_s=0.25)
+    time.sleep(1.3)  # longer than the lease: renewed while open
     tier.write([SlotId(1)], keys(0), [pattern(0)])
     tier.close()
     assert raw.get(f"{redis_namespace}:owner") is None  # released at close
     again = RemoteTier(
-        redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=0.3, timeout_s=0.1
+        redis_url, 4, CHUNK, FP, namespace=redis_namespace, lease_s=1.0, timeout_s=0.25
     )
     assert again.scan() == {key(0): 1}
     again.close()
