@@ -1,13 +1,14 @@
 """``PDProxy`` in front of two real vLLM OpenAI servers with ``KVPlaneConnector``: token-exact.
 
-Three ``vllm.entrypoints.openai.api_server`` processes of the vLLM environment, started once for
-the module: a prefill server (``kv_producer``, PD endpoint on a known port), a decode server
-(``kv_consumer``) and a plain one (no connector) for the reference tokens; the tiny random-init
-Llama (block size 32, head_dim 32), 128-token prefill steps, greedy, token-id prompts, a secret
-in ``KVPLANE_SECRET``. The decode server's connector metrics show every decode request was a PD
-receive and none failed (a failed one would be recomputed, token-exact still: the tokens alone
-cannot tell). Skips without ``.venv-vllm`` (fails with
-``KVPLANE_REQUIRE_VLLM=1``).
+Two ``vllm.entrypoints.openai.api_server`` processes of the vLLM environment, started once for
+the module: a prefill server (``kv_producer``, PD endpoint on a known port) and a decode server
+(``kv_consumer``); the tiny random-init Llama (block size 32, head_dim 32), 128-token prefill
+steps, greedy, token-id prompts, a secret in ``KVPLANE_SECRET``. The reference tokens are the
+prefill server's own, asked afterwards without PD: one engine decoding from the KV it computed
+itself (tokens against vLLM without the connector: tests/integrations). The decode server's
+connector metrics show every decode request was a PD receive and none failed (a failed one would
+be recomputed, token-exact still: the tokens alone cannot tell). Skips without ``.venv-vllm``
+(fails with ``KVPLANE_REQUIRE_VLLM=1``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class Server:
 class Servers:
     prefill: Server
     decode: Server
-    plain: Server
     prefill_pd: str
 
 
@@ -132,13 +132,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     pd_port = free_port()
     prefill = _start(root / "model", root, "prefill", "kv_producer", pd_port)
     decode = _start(root / "model", root, "decode", "kv_consumer", free_port())
-    plain = _start(root / "model", root, "plain", None, 0)
-    started = [prefill, decode, plain]
+    started = [prefill, decode]
     try:
         deadline = time.monotonic() + START_S
         for server in started:
             _wait_healthy(server, deadline)
-        yield Servers(prefill, decode, plain, f"tcp://127.0.0.1:{pd_port}")
+        yield Servers(prefill, decode, f"tcp://127.0.0.1:{pd_port}")
     finally:
         for server in started:
             _stop(server)
@@ -209,7 +208,7 @@ def proxy(servers: Servers, request: pytest.FixtureRequest) -> Iterator[PDProxy]
     ],
     indirect=["proxy"],
 )
-def test_tokens_through_the_proxy_equal_a_plain_server_and_each_decode_receives(
+def test_tokens_through_the_proxy_equal_one_engines_and_each_decode_receives(
     servers: Servers, proxy: PDProxy, stream: bool, record_property: Any
 ) -> None:
     seed = (proxy.config.mode, stream).__repr__()
@@ -225,7 +224,7 @@ def test_tokens_through_the_proxy_equal_a_plain_server_and_each_decode_receives(
         pytest.fail(
             f"{proxy.config.mode}: {exc!r}\n" + "\n".join(f"{k}:\n{v}" for k, v in tails.items())
         )
-    want = [tokens(servers.plain.url, p) for p in prompts]
+    want = [tokens(servers.prefill.url, p) for p in prompts]  # no PD: one engine
     assert got == want
     assert all(len(t) == MAX_TOKENS for t in got)
     ok, failed = (

@@ -100,20 +100,35 @@ def test_decode_tokens_equal_one_engine_and_every_prompt_token_arrived(
     assert prefill["pending_push_work"] is False
 
 
+OTHER = [[_rng.randrange(1, 512) for _ in p[:-1]] + [p[-1]] for p in PROMPTS]
+"""Prompts of the same lengths and last tokens as :data:`PROMPTS`, otherwise different."""
+
+
+@pytest.fixture(scope="module")
+def own(model: Path, reference: list[list[int]]) -> list[list[int]]:
+    """One engine's tokens for :data:`OTHER`: what a decode engine computes from its own KV."""
+    tokens = _reference(model, OTHER)
+    assert tokens != reference  # the control can tell the two apart
+    return tokens
+
+
 def test_decode_reads_the_transferred_kv_not_its_own_prompt(
-    model: Path, reference: list[list[int]]
+    model: Path, reference: list[list[int]], own: list[list[int]]
 ) -> None:
     """The control: the decode engine is given other prompts of the same lengths and last
     tokens. Without the prompt check its output follows the prefill's KV (the prefill prompts'
-    reference tokens); with the check (the default) the mismatch is refused and computed here."""
-    other = [[_rng.randrange(1, 512) for _ in p[:-1]] + [p[-1]] for p in PROMPTS]
-    own = _reference(model, other)
-    assert own != reference  # the control can tell the two apart
+    reference tokens), not its own prompts' tokens."""
     spec = _base(model, "tcp", "pipelined", pd_check_prompt=False)
-    _, decode = run_pd_pair(spec, {**spec, "decode_prompts": other}, timeout=400, env=SECRET)
+    _, decode = run_pd_pair(spec, {**spec, "decode_prompts": OTHER}, timeout=400, env=SECRET)
     assert decode is not None and _decoded(decode) == reference
+
+
+@pytest.mark.slow  # the refusal itself is proved without engines (test_vllm_pd_scheduler)
+def test_with_the_prompt_check_another_prompt_is_refused_and_computed_here(
+    model: Path, own: list[list[int]]
+) -> None:
     checked = _base(model, "tcp", "pipelined")
-    _, decode = run_pd_pair(checked, {**checked, "decode_prompts": other}, timeout=400, env=SECRET)
+    _, decode = run_pd_pair(checked, {**checked, "decode_prompts": OTHER}, timeout=400, env=SECRET)
     assert decode is not None and _decoded(decode) == own
     refused = "kvplane_vllm_pd_requests_total{outcome=prompt_mismatch,role=recv}"
     assert _metric(decode, "scheduler_metrics", refused) == len(PROMPTS)
