@@ -2,18 +2,21 @@
 
 Each engine runs as a subprocess of the vLLM environment's interpreter (``.venv-vllm``, made by
 ``scripts/vllm-venv.sh``) through :mod:`kvplane.integrations.vllm.harness`, on a tiny
-random-init Llama saved with transformers, greedy decoding, ``prompt_token_ids`` input. Four
+random-init Llama saved with transformers, greedy decoding, ``prompt_token_ids`` input. Five
 engine starts in all: a baseline without the connector, engine A (connector, disk tier: stores
-the prompts), engine B (a new process on A's disk file: loads the shared prefix) and engine C
-(a copy of A's disk file with one chunk corrupted after start-up: a load error, recomputed).
+the prompts), engine B (a new process on A's disk file: loads the shared prefix), engine C
+(a copy of A's disk file with one chunk corrupted after start-up: a load error, recomputed)
+and one engine (a script of its own) for ``reset_prefix_cache()`` and vLLM's metrics.
 
 Without ``.venv-vllm`` these tests skip, saying why; with ``KVPLANE_REQUIRE_VLLM=1`` they fail.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ import pytest
 from vllm_testlib import require_vllm
 
 from kvplane.integrations.vllm.config import VLLM_VERSION
-from kvplane.integrations.vllm.env import run_harness, save_tiny_llama
+from kvplane.integrations.vllm.env import run_harness, save_tiny_llama, vllm_python
 
 SHAPE = {"vocab": 512, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256}
 _rng = random.Random(9)
@@ -121,3 +124,69 @@ def test_a_corrupt_disk_chunk_is_a_load_error_and_vllm_recomputes(
     assert worker["kvplane_offload_corrupt_chunks_total{reason=checksum,tier=disk}"] == 1
     assert worker["kvplane_vllm_load_error_blocks_total"] == 6  # blocks of chunks 1..3
     assert got["integrity"] == "ok"
+
+
+RESET_AND_STATS = r"""
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+from kvplane.integrations.vllm.harness import engine_connectors
+
+model, disk, prompts_path, out = sys.argv[1:]
+long, shared = json.loads(open(prompts_path).read())
+extra = {"blocks_per_chunk": 2, "host_slots": 32, "disk_path": disk, "disk_slots": 32}
+llm = LLM(
+    model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=512, block_size=32,
+    seed=0, disable_log_stats=False,
+    kv_transfer_config=KVTransferConfig(
+        kv_connector="KVPlaneConnector",
+        kv_connector_module_path="kvplane.integrations.vllm.connector",
+        kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra,
+    ),
+)
+sched, _worker = engine_connectors(llm)
+params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+llm.generate([{"prompt_token_ids": long}], params, use_tqdm=False)
+in_flight = sched.scheduler.jobs_in_flight
+reset = llm.reset_prefix_cache()
+llm.generate([{"prompt_token_ids": shared}], params, use_tqdm=False)
+vllm_metrics = {}
+for m in llm.get_metrics():
+    if m.name.startswith("vllm:kvplane_") and hasattr(m, "value"):
+        vllm_metrics[m.name] = vllm_metrics.get(m.name, 0) + m.value
+llm.llm_engine.engine_core.shutdown()
+json.dump({"reset": reset, "in_flight": in_flight, "metrics": vllm_metrics}, open(out, "w"))
+"""
+
+
+def test_reset_prefix_cache_with_stores_in_flight_and_stats_in_vllms_metrics(
+    workdir: Path,
+) -> None:
+    """One engine: LONG stores 4 chunks; ``reset_prefix_cache()`` right after it returns True
+    (kvplane never holds vLLM's blocks); SHARED then loads its prefix from kvplane's host tier
+    (vLLM's own prefix cache is empty), and vLLM's metrics carry kvplane's counters."""
+    python = vllm_python()
+    assert python is not None
+    run = workdir / "reset"
+    run.mkdir()
+    (run / "prompts.json").write_text(json.dumps([LONG, SHARED]))
+    argv = [str(run / "chunks.bin"), str(run / "prompts.json"), str(run / "out.json")]
+    proc = subprocess.run(
+        [str(python), "-c", RESET_AND_STATS, str(workdir / "model"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=run,
+        check=False,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    got = json.loads((run / "out.json").read_text())
+    assert got["reset"] is True
+    m = got["metrics"]
+    chunk = 2 * 2 * (2 * 32 * 64 * 2)
+    assert m["vllm:kvplane_hit_tokens"] == 256  # SHARED's 4 chunks, from host
+    assert m["vllm:kvplane_hit_chunks_host"] == 4
+    assert m["vllm:kvplane_query_tokens"] == 300 + 296  # nothing local after the reset
+    assert m["vllm:kvplane_bytes_loaded"] == 4 * chunk

@@ -65,7 +65,7 @@ def test_store_then_a_second_request_loads_the_prefix(tmp_path: Path) -> None:
     meta = s.build_step([ScheduledRequest(a, 20, [11, 12, 13, 14, 15])])
     write = TierWrite("disk", (0, 1), (0, 1))
     assert meta.stores == (StoreOp(1, "a", (k[0], k[1]), (0, 1), (11, 12, 13, 14), (write,)),)
-    assert meta.loads == () and meta.delayed == () and not meta.flush
+    assert meta.loads == () and not meta.flush
     assert s.book.host.status(k[0]) is SlotStatus.STORING
 
     b = RequestView("b", [*TOKENS[:16], 99, 98])
@@ -79,7 +79,9 @@ def test_store_then_a_second_request_loads_the_prefix(tmp_path: Path) -> None:
     s.apply(report((1, "disk", (True, True)), (2, "device", (True, True))))
     assert s.book.lower["disk"].status(k[1]) is SlotStatus.READY
     assert s.book.host.status(k[1]) is SlotStatus.READY
-    assert s.finished("a") is False and s.finished("b") is False
+    s.finished("a")
+    s.finished("b")
+    assert s.tracked_requests() == [] and s.fenced_blocks == []
     assert m.value("vllm_hit_tokens", suffix="_total") == 16
     assert m.value("vllm_stored_chunks", suffix="_total") == 2
     assert m.value("vllm_ask_again", suffix="_total") == 1
@@ -113,21 +115,29 @@ def test_load_after_a_local_hit_skips_the_computed_blocks(tmp_path: Path) -> Non
     assert s.matched_tokens(b, 6) == 0  # not block aligned: nothing offered
 
 
-def test_finished_request_waits_for_its_gather(tmp_path: Path) -> None:
+def test_a_finished_request_fences_the_blocks_its_gather_reads(tmp_path: Path) -> None:
     s, m = side(tmp_path)
     s.set_index(TierIndex(FP, 128))
     a = RequestView("a", TOKENS)
     s.allocated(a, [1, 2, 3, 4, 5], 0)
     s.build_step([ScheduledRequest(a, 20, [1, 2, 3, 4, 5])])
-    assert s.finished("a") is True
-    assert s.build_step([], preempted=[]).delayed == ("a",)
-    assert s.build_step([]).delayed == ()
-    assert s.tracked_requests() == ["a"]
+    assert s.finished("a") is None  # vLLM frees the blocks now
+    assert s.fenced_blocks == [1, 2, 3, 4] and s.tracked_requests() == ["a"]
+    other = list(range(100, 120))
+    b = RequestView("b", other)
+    s.allocated(b, [5, 6, 7], 0)
+    assert s.build_step([ScheduledRequest(b, 12, [5, 6, 7])]).flush is False  # 5: not read
+    c = RequestView("c", TOKENS)  # a prefix-cache hit on blocks 1-4 writes only block 5
+    assert s.build_step([ScheduledRequest(c, 20, [1, 2, 3, 4, 5], 16)]).flush is False
+    d = RequestView("d", [*other, 1, 2])
+    assert s.build_step([ScheduledRequest(d, 22, [5, 6, 7, 8, 9, 3], 12)]).flush is True
+    s.will_write([9, 4])  # a PD receive into block 4 flushes the next step
+    assert s.build_step([]).flush is True and s.build_step([]).flush is False
     s.apply(report((1, "host", (True, True))))
-    assert s.tracked_requests() == []
+    assert s.fenced_blocks == [] and "a" not in s.tracked_requests()
+    assert s.build_step([ScheduledRequest(d, 22, [5, 6, 7, 8, 9, 3], 12)]).flush is False
     s.apply(report((1, "disk", (True, True))))
-    assert m.value("vllm_delayed_frees", suffix="_total") == 1
-    s.check_integrity()
+    assert m.value("vllm_fenced_frees", suffix="_total") == 1
 
 
 def test_preempted_request_with_gathers_flushes(tmp_path: Path) -> None:
@@ -221,7 +231,8 @@ def test_no_host_room_skips_the_store(tmp_path: Path) -> None:
     s.allocated(a, [1, 2, 3, 4, 5], 0)
     assert s.build_step([ScheduledRequest(a, 20, [1, 2, 3, 4, 5])]).stores == ()
     assert m.value("vllm_store_no_room", suffix="_total") == 2
-    assert s.finished("a") is False
+    s.finished("a")
+    assert s.tracked_requests() == [] and s.fenced_blocks == []
     s.check_integrity()
 
 

@@ -55,7 +55,8 @@ def test_an_unreadable_request_matches_nothing_but_is_stored() -> None:
     eng.finish_step(meta)
     eng.worker.drain()
     eng.idle_step()
-    assert eng.sched.finished("lp2") is False  # its gather is done: vLLM frees its blocks
+    eng.sched.finished("lp2")  # its gather is done: nothing fenced
+    assert eng.sched.fenced_blocks == []
     eng.free.extend(blocks)
     assert eng.sched.matched_tokens(RequestView("n2", other), 0) == 16
     eng.close()

@@ -8,36 +8,26 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm_testlib import MiniEngine, block_content
+from vllm_testlib import MiniEngine, block_content, disk_extra
 
 from kvplane.errors import OffloadError
 from kvplane.ids import SlotId
-from kvplane.integrations.vllm.messages import IDLE_WAIT_S, StepMeta
+from kvplane.integrations.vllm.messages import IDLE_WAIT_S
 from kvplane.integrations.vllm.scheduler import RequestView, ScheduledRequest
-from kvplane.integrations.vllm.worker import FINISHED_WINDOW
+from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.testing.redis_server import LocalRedisServer, redis_server_support
 
 PROMPT = list(range(1, 22))  # 21 tokens: blocks of 4, chunks of 2 blocks -> 2 chunks offered
 
 
-def extra(tmp_path: Path, **more: object) -> dict[str, object]:
-    return {
-        "blocks_per_chunk": 2,
-        "host_slots": 8,
-        "disk_path": str(tmp_path / "chunks.bin"),
-        "disk_slots": 8,
-        "disk_direct_io": False,
-        **more,
-    }
-
-
 def test_second_request_loads_the_stored_prefix_from_host(tmp_path: Path) -> None:
-    eng = MiniEngine(extra(tmp_path))
+    eng = MiniEngine(disk_extra(tmp_path))
     first = eng.run(PROMPT)
     assert first.loaded == 0
     second = eng.run([*PROMPT[:16], 50, 51, 52])
@@ -51,18 +41,18 @@ def test_second_request_loads_the_stored_prefix_from_host(tmp_path: Path) -> Non
 def test_a_restarted_engine_loads_from_disk_and_a_corrupt_chunk_is_recomputed(
     tmp_path: Path,
 ) -> None:
-    one = MiniEngine(extra(tmp_path))
+    one = MiniEngine(disk_extra(tmp_path))
     one.run(PROMPT)
     one.close()  # drains: the write-through to disk is complete
 
-    two = MiniEngine(extra(tmp_path))
+    two = MiniEngine(disk_extra(tmp_path))
     assert dict(two.worker.index.tiers)["disk"] != ()
     got = two.run(PROMPT)
     assert got.loaded == 16 and got.failed_blocks == set()
     assert two.metrics.value("vllm_hit_chunks", {"tier": "disk"}, "_total") == 2
     two.close()
 
-    three = MiniEngine(extra(tmp_path))
+    three = MiniEngine(disk_extra(tmp_path))
     disk = three.worker.lower["disk"]
     slot = dict(dict(three.worker.index.tiers)["disk"])
     key1 = sorted(slot, key=lambda k: slot[k])[1]
@@ -89,54 +79,10 @@ def test_a_restarted_engine_loads_from_disk_and_a_corrupt_chunk_is_recomputed(
     three.close()
 
 
-def test_finished_sending_only_for_delayed_finished_requests(tmp_path: Path) -> None:
-    eng = MiniEngine(extra(tmp_path))
-    w = eng.worker
-    w.start_loads(StepMeta())
-    w.submit_stores(StepMeta(delayed=("x",)))
-    assert w.finished_sending([]) == set()  # not finished yet in vLLM's eyes
-    assert w.finished_sending(["x", "y"]) == {"x"}
-    assert w.finished_sending(["x"]) == set()  # reported once
-    # the delay may reach the worker a step after vLLM named the request finished
-    assert w.finished_sending(["z"]) == set()
-    w.submit_stores(StepMeta(delayed=("z",)))
-    assert w.finished_sending([]) == {"z"}
-    # a finished id no delay claims is forgotten after FINISHED_WINDOW steps
-    assert w.finished_sending(["old"]) == set()
-    for _ in range(FINISHED_WINDOW):
-        assert w.finished_sending([]) == set()
-    w.submit_stores(StepMeta(delayed=("old",)))
-    assert w.finished_sending([]) == set()
-    assert w.finished_sending(["old"]) == {"old"}
-    eng.close()
-
-
-def test_a_delayed_finished_request_is_reported_however_long_its_gather_runs(
-    tmp_path: Path,
-) -> None:
-    eng = MiniEngine(extra(tmp_path))
-    gate = threading.Event()
-    gather = eng.worker.copier.gather
-
-    def slow_gather(blocks: object, slots: object) -> None:
-        gate.wait(30.0)
-        gather(blocks, slots)  # type: ignore[arg-type]
-
-    eng.worker.copier.gather = slow_gather  # type: ignore[method-assign]
-    r = eng.run(PROMPT, req_id="slow")  # its gather is still waiting for the gate
-    assert r.held and eng.held == {"slow": r}
-    for _ in range(FINISHED_WINDOW + 4):  # far longer than the window of unclaimed finishes
-        assert eng.idle_step() == set()
-    gate.set()
-    eng.worker.drain()
-    assert eng.idle_step() == {"slow"}  # its blocks go back to vLLM
-    assert eng.held == {} and eng.sched.tracked_requests() == []
-    eng.close()
-
-
-def test_an_idle_step_waits_for_an_in_flight_gather_instead_of_spinning(tmp_path: Path) -> None:
-    eng = MiniEngine(extra(tmp_path))
-    w, gate = eng.worker, threading.Event()
+def _gate_gathers(w: WorkerSide) -> tuple[list[float], Callable[[], None]]:
+    """Gathers block until the worker's first ``jobs.wait`` (its timeouts are recorded in the
+    returned list); the callable puts the real ``wait`` back."""
+    gate, waits = threading.Event(), list[float]()
     gather, wait = w.copier.gather, w.jobs.wait
 
     def slow_gather(*args: object) -> None:
@@ -145,29 +91,57 @@ def test_an_idle_step_waits_for_an_in_flight_gather_instead_of_spinning(tmp_path
 
     def recording_wait(timeout: float) -> object:
         waits.append(timeout)
-        gate.set()  # the job finishes while the idle step waits for it
+        gate.set()  # the job finishes while the worker waits for it
         return wait(30.0)
 
-    waits: list[float] = []
+    def restore() -> None:
+        w.jobs.wait = wait  # type: ignore[method-assign]
+
     w.copier.gather = slow_gather  # type: ignore[method-assign]
     w.jobs.wait = recording_wait  # type: ignore[method-assign,assignment]
-    r = eng.run(PROMPT, req_id="slow")
-    assert r.held and w.busy
-    w.submit_stores(eng.step([]))  # the scheduler's delay of "slow" reaches the worker
-    assert w.finished_sending(["slow"]) == set() and waits == []  # a busy step never waits
-    assert w.finished_sending([], idle=True) == {"slow"}
+    return waits, restore
+
+
+def test_a_reused_block_of_a_finished_request_waits_for_its_gather(tmp_path: Path) -> None:
+    eng = MiniEngine(disk_extra(tmp_path), num_blocks=7)  # 6 blocks: the next request reuses them
+    waits, restore = _gate_gathers(eng.worker)
+    eng.run(PROMPT, req_id="slow")  # finished: its blocks are free, its gather still waits
+    assert eng.free == [1, 2, 3, 4, 5, 6] and eng.sched.fenced_blocks == [1, 2, 3, 4]
+    other = eng.run([t + 50 for t in PROMPT])  # reuses blocks 1-6: the step flushes first
+    assert other.loaded == 0 and waits == [60.0]
+    restore()
+    eng.settle()
+    assert eng.sched.fenced_blocks == []
+    again = eng.run(PROMPT)  # what "slow" stored was read before the blocks were overwritten
+    assert again.loaded == 16 and again.failed_blocks == set()
+    eng.close()
+
+
+def test_an_idle_step_waits_for_an_in_flight_gather_instead_of_spinning(tmp_path: Path) -> None:
+    eng = MiniEngine(disk_extra(tmp_path))
+    w = eng.worker
+    waits, restore = _gate_gathers(w)
+    eng.run(PROMPT, req_id="slow")
+    assert w.busy and eng.sched.fenced_blocks == [1, 2, 3, 4]
+    w.progress()
+    assert waits == []  # a busy step never waits
+    w.progress(idle=True)
     assert waits == [IDLE_WAIT_S]
-    eng.release(eng.held.pop("slow"))  # as vLLM frees its blocks
-    eng.finished_ids.clear()
-    w.jobs.wait = wait  # type: ignore[method-assign]
-    w.drain()
-    eng.sched.apply(w.take_report())
-    assert w.finished_sending([], idle=True) == set() and waits == [IDLE_WAIT_S]  # nothing left
+    report = w.take_report()
+    assert [(r.job_id, r.tier) for r in report.jobs] == [(1, "host")]
+    eng.sched.apply(report)
+    assert eng.sched.fenced_blocks == []
+    restore()
+    eng.settle()
+    waits, restore = _gate_gathers(w)
+    w.progress(idle=True)
+    assert waits == []  # nothing in flight: no wait
+    restore()
     eng.close()
 
 
 def test_host_slots_are_reused_after_eviction(tmp_path: Path) -> None:
-    eng = MiniEngine(extra(tmp_path, host_slots=2, disk_slots=3))
+    eng = MiniEngine(disk_extra(tmp_path, host_slots=2, disk_slots=3))
     for base in (100, 200, 300):
         eng.run([base + i for i in range(17)])
         eng.settle()  # the write-through lands: host copies are unpinned, hence evictable
@@ -249,7 +223,7 @@ def test_remote_tier_serves_a_restarted_engine(tmp_path: Path) -> None:
 
 
 def test_a_flush_finishes_in_flight_gathers_before_the_forward(tmp_path: Path) -> None:
-    eng = MiniEngine(extra(tmp_path))
+    eng = MiniEngine(disk_extra(tmp_path))
     view = RequestView("p", PROMPT)
     blocks = eng.free[:6]
     eng.free = eng.free[6:]

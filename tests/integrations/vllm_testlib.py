@@ -65,13 +65,24 @@ def block_content(
     return torch.randint(-100, 100, shape, generator=gen).to(torch.bfloat16)
 
 
+def disk_extra(tmp_path: Path, **more: object) -> dict[str, object]:
+    """A connector config with host and disk tiers (chunks of 2 blocks) under ``tmp_path``."""
+    return {
+        "blocks_per_chunk": 2,
+        "host_slots": 8,
+        "disk_path": str(tmp_path / "chunks.bin"),
+        "disk_slots": 8,
+        "disk_direct_io": False,
+        **more,
+    }
+
+
 @dataclass
 class Running:
     view: RequestView
     blocks: list[int]
     loaded: int
     done: bool = False
-    held: bool = False
     failed_blocks: set[int] = field(default_factory=set)
 
 
@@ -96,8 +107,6 @@ class MiniEngine:
         self.worker = WorkerSide(self.config, self.pool, FINGERPRINT, self.wmetrics)
         self.sched.set_index(self.worker.index)
         self.free = list(range(1, num_blocks))
-        self.held: dict[str, Running] = {}
-        self.finished_ids: set[str] = set()
         self._n = 0
 
     # -- vLLM's side ---------------------------------------------------------------------------
@@ -115,18 +124,14 @@ class MiniEngine:
         w.wait_loads()
         return meta
 
-    def finish_step(self, meta: StepMeta) -> set[str]:
+    def finish_step(self, meta: StepMeta) -> None:
         w = self.worker
         w.submit_stores(meta)
-        done = w.finished_sending(sorted(self.finished_ids))
-        self.finished_ids.clear()
+        w.progress()
         self.sched.apply(w.take_report())
-        for req_id in done:
-            self.release(self.held.pop(req_id))
-        return done
 
-    def idle_step(self) -> set[str]:
-        return self.finish_step(self.step([]))
+    def idle_step(self) -> None:
+        self.finish_step(self.step([]))
 
     def release(self, r: Running) -> None:
         self.free.extend(r.blocks)
@@ -170,12 +175,8 @@ class MiniEngine:
             )
         self.finish_step(meta)
         r.done = True
-        if self.sched.finished(rid):
-            r.held = True
-            self.held[rid] = r
-            self.finished_ids.add(rid)
-        else:
-            self.release(r)
+        self.sched.finished(rid)  # vLLM frees its blocks now; gathers still reading are fenced
+        self.release(r)
         return r
 
     def check_blocks(self, tokens: list[int], blocks: list[int]) -> None:
@@ -185,9 +186,9 @@ class MiniEngine:
             assert torch.equal(view_all[b], want), f"block {i} (pool block {b}) holds wrong KV"
 
     def settle(self) -> None:
-        """Steps until every job finished and every held request was released."""
+        """Steps until every job finished and was reported."""
         for _ in range(200):
-            if not self.held and not self.worker.busy and not self.sched.jobs_in_flight:
+            if not self.worker.busy and not self.sched.jobs_in_flight:
                 return
             self.worker.drain()
             self.idle_step()

@@ -1,7 +1,7 @@
 """``KVPlaneConnector``: kvplane's offload tiers as a vLLM ``KVConnectorBase_V1``.
 
-The only module that imports vLLM (at import time: vLLM loads it by
-``kv_connector_module_path``). Owns the mapping of vLLM's hooks onto
+With :mod:`.connector_stats`, the only module that imports vLLM (at import time: vLLM loads it
+by ``kv_connector_module_path``). Owns the mapping of vLLM's hooks onto
 :class:`~.scheduler.SchedulerSide` and :class:`~.worker.WorkerSide` and the vLLM-typed envelopes
 of their messages; it decides nothing and moves no bytes itself. Usage and the hook map:
 ``docs/vllm.md`` ("Using it").
@@ -37,6 +37,7 @@ except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
 
 from kvplane.integrations.vllm.affinity import spread_threads
 from kvplane.integrations.vllm.config import check_vllm_version, parse_extra_config
+from kvplane.integrations.vllm.connector_stats import KVPlanePromMetrics, KVPlaneStats
 from kvplane.integrations.vllm.fingerprint import engine_fingerprint
 from kvplane.integrations.vllm.kv_shapes import LayerShape, stride_order_from_name
 from kvplane.integrations.vllm.messages import StepMeta, TierIndex, WorkerReport
@@ -48,6 +49,7 @@ from kvplane.integrations.vllm.pool import VllmPool, relocate
 from kvplane.integrations.vllm.scheduler import ScheduledRequest, SchedulerSide
 from kvplane.integrations.vllm.sizing import kv_block_bytes
 from kvplane.integrations.vllm.startup import failure_policy_warning, serve_metrics, sizing_note
+from kvplane.integrations.vllm.stats import StatsTaker
 from kvplane.integrations.vllm.views import pd_request, request_view
 from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.metrics import MetricsRegistry
@@ -123,21 +125,46 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.pd_settings: PDSettings | None = pd_settings(self.config.pd, os.environ)
         self.pd_scheduler: PDScheduler | None = None
         self.pd_worker: PDWorkerSide | None = None
-        self._holders: dict[str, set[str]] = {}  # finished request -> sides still holding it
         self._requests: dict[str, Any] = {}
+        self._stats: StatsTaker | None = None  # once the side's counters exist
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.config, self.block_size, self.metrics)
+            self._stats = StatsTaker(self.metrics, "scheduler")
             if self.pd_settings is not None:
                 self.pd_scheduler = PDScheduler(
                     self.block_size, self.metrics, check_prompt=self.pd_settings.check_prompt
                 )
         serve_metrics(self.metrics, self.config, scheduler=role == KVConnectorRole.SCHEDULER)
 
+    # -- vLLM's metrics ----------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVPlaneStats | None:
+        """This side's counter growth since its last call (vLLM asks every step), or None."""
+        data = self._stats.take() if self._stats is not None else None
+        return KVPlaneStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPlaneStats:
+        return KVPlaneStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPlanePromMetrics:
+        return KVPlanePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped store is a later miss
 
     def has_pending_push_work(self) -> bool:
+        """Keeps vLLM stepping while kvplane jobs run, so their reports (and the lower-tier
+        writes a finished gather starts) are not left waiting for the next request."""
+        if self.scheduler is not None and self.scheduler.jobs_in_flight:
+            return True
         return self.pd_scheduler is not None and self.pd_scheduler.pending_push_work
 
     # -- scheduler side ----------------------------------------------------------------------------
@@ -166,6 +193,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         pd = self._pd_recv(request)
         if pd is not None and self.pd_scheduler is not None:
             self.pd_scheduler.allocated(pd, block_ids, num_external_tokens)
+            self._sched().will_write(block_ids)
             return
         self._requests[request.request_id] = request
         self._sched().allocated(request_view(request), block_ids, num_external_tokens)
@@ -184,7 +212,8 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if ids is None:
                 continue
             end = request.num_computed_tokens + n - len(spec.get(req_id, ()))
-            scheduled.append(ScheduledRequest(request_view(request), end, ids[0]))
+            start = request.num_computed_tokens
+            scheduled.append(ScheduledRequest(request_view(request), end, ids[0], start))
             pd = pd_request(request) if self.pd_scheduler is not None else None
             if pd is not None and self.pd_scheduler is not None:
                 self.pd_scheduler.scheduled(pd, end, ids[0])
@@ -207,8 +236,12 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        tracked = self._requests.pop(request.request_id, None) is not None
-        delay = self._sched().finished(request.request_id) if tracked else False
+        """Offload never delays the free (:meth:`SchedulerSide.finished` fences the blocks its
+        gathers read), so ``reset_prefix_cache()`` succeeds with stores in flight; only a PD
+        send may delay it."""
+        if self._requests.pop(request.request_id, None) is not None:
+            self._sched().finished(request.request_id)
+        delay = False
         params: dict[str, Any] | None = None
         if self.pd_scheduler is not None:
             pd_delay, params = self.pd_scheduler.finished(pd_request(request), request.request_id)
@@ -270,6 +303,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         block_shape = tuple(next(iter(kv_caches.values())).shape[1:])
         fingerprint = engine_fingerprint(cfg, layout, block_shape, vllm.__version__, isa)
         self.worker = WorkerSide(self.config, pool, fingerprint.digest(), self.metrics)
+        self._stats = StatsTaker(self.metrics, "worker")
         if self.pd_settings is not None and transport is not None:
             self.pd_worker = PDWorkerSide(
                 self.pd_settings, pool, fingerprint.digest().hex(), self.metrics, transport
@@ -300,35 +334,20 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def wait_for_save(self) -> None:
         step = self._step()
-        for rid in step.delayed:
-            self._holders.setdefault(rid, set()).add("offload")
-        for rid in step.pd_delayed:
-            self._holders.setdefault(rid, set()).add("pd")
         self._work().submit_stores(step)
         if self.pd_worker is not None:
             self.pd_worker.after_forward(step)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """A request delayed by both offload and PD is reported once both let it go."""
-        ids = sorted(finished_req_ids)
+        """Only PD delays a free: :meth:`PDWorkerSide.finished` reports a delayed request once
+        its send let it go."""
         idle = self._step().idle
         pd_busy = self.pd_worker is not None and self.pd_worker.busy
-        offload = self._work().finished_sending(ids, idle=idle and not pd_busy)
-        released = {("offload", rid) for rid in offload}
-        recving: set[str] = set()
-        if self.pd_worker is not None:
-            sent, recving = self.pd_worker.finished(ids, idle=idle and not offload)
-            released |= {("pd", rid) for rid in sent}
-        done: set[str] = set()
-        for side, rid in released:
-            held = self._holders.get(rid)
-            if held is None:
-                continue
-            held.discard(side)
-            if not held:
-                del self._holders[rid]
-                done.add(rid)
-        return (done or None), (recving or None)
+        self._work().progress(idle=idle and not pd_busy)
+        if self.pd_worker is None:
+            return None, None
+        sent, recving = self.pd_worker.finished(sorted(finished_req_ids), idle=idle)
+        return (sent or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self._work().take_load_errors()

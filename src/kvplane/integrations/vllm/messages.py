@@ -130,15 +130,13 @@ transfers it waits for; a request arriving meanwhile is scheduled at most this m
 class StepMeta:
     """One engine step's work for the worker side.
 
-    ``flush`` asks the worker to finish every in-flight store before the forward (a preempted
-    request's blocks may be reused this step); ``delayed`` names finished requests whose blocks
-    the scheduler kept alive for in-flight stores: the worker reports each as finished sending
-    once its stores are done.
+    ``flush`` asks the worker to finish every in-flight store before the forward (this step
+    writes a block a store may still read: a fenced block of a finished or preempted request);
+    ``pd_delayed`` names finished prefill requests whose blocks wait for their PD send.
     """
 
     loads: tuple[LoadOp, ...] = ()
     stores: tuple[StoreOp, ...] = ()
-    delayed: tuple[str, ...] = ()
     flush: bool = False
     sends: tuple[SendOp, ...] = ()
     recvs: tuple[RecvOp, ...] = ()
@@ -150,7 +148,7 @@ class StepMeta:
     @property
     def empty(self) -> bool:
         return not (
-            self.loads or self.stores or self.delayed or self.flush
+            self.loads or self.stores or self.flush
             or self.sends or self.recvs or self.ends or self.pd_delayed
         )  # fmt: skip
 

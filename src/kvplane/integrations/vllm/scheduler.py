@@ -1,9 +1,9 @@
 """The connector's scheduler side: which tokens load from kvplane, what to store, when to free.
 
 Owns :class:`SchedulerSide` (per-request key chains, side-effect-free matches, load and store
-plans, delayed frees, hit metrics) over the :class:`~kvplane.offload.book.TierBook`, and the
+plans, block fences, hit metrics) over the :class:`~kvplane.offload.book.TierBook`, and the
 :class:`RequestView` it reads. Plain data in, :class:`~.messages.StepMeta` out: no tensors, no
-tier I/O, no vLLM import. The rules (keys, match, store, free): ``docs/vllm.md`` ("The
+tier I/O, no vLLM import. The rules (keys, match, store, free, fence): ``docs/vllm.md`` ("The
 scheduler side").
 """
 
@@ -56,11 +56,13 @@ class RequestView:
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     """One request of a step: KV of tokens ``[0, computed_end)`` exists after the step, in
-    ``block_ids`` (the request's whole block table, in order)."""
+    ``block_ids`` (the request's whole block table, in order); the step writes the KV of
+    tokens ``[computed_start, computed_end)`` (0: assume the whole table is written)."""
 
     view: RequestView
     computed_end: int
     block_ids: Sequence[int]
+    computed_start: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +101,9 @@ class SchedulerSide:
         self._gather_ok: dict[int, tuple[bool, ...]] = {}
         self._writes_left: dict[int, int] = {}
         self._loads: list[LoadOp] = []
-        self._delayed: list[str] = []
+        self._fence: dict[int, int] = {}  # freed block -> in-flight gathers still reading it
+        self._fenced_jobs: set[int] = set()
+        self._flush_next = False
         self._ids = itertools.count(1)
         m = metrics
         self._m_query = m.counter("vllm_query_tokens", "Tokens asked for beyond local hits")
@@ -110,7 +114,9 @@ class SchedulerSide:
         self._m_failed = m.counter(
             "vllm_load_failed_chunks", "Chunks not loaded: read back bad, or after one that did"
         )
-        self._m_delayed = m.counter("vllm_delayed_frees", "Finished requests kept for stores")
+        self._m_fenced = m.counter(
+            "vllm_fenced_frees", "Finished requests freed while a gather still read their blocks"
+        )
         self._m_retry = m.counter("vllm_ask_again", "Lookups answered 'ask again'")
 
     # -- start-up -------------------------------------------------------------------------------
@@ -215,13 +221,27 @@ class SchedulerSide:
     def build_step(
         self, scheduled: Sequence[ScheduledRequest], preempted: Sequence[str] = ()
     ) -> StepMeta:
-        """The worker's instructions for this step (resets the pending loads and delays)."""
+        """The worker's instructions for this step (resets the pending loads). ``flush`` when
+        a preempted request has gathers in flight or the step writes a fenced block (by its
+        forward, by a load, or by :meth:`will_write`)."""
+        flush = self._flush_next or any(self._reqs[r].gathers for r in preempted if r in self._reqs)
+        if self._fence and not flush:
+            bs = self.spec.block_size
+            written = [op.block_ids for op in self._loads] + [
+                s.block_ids[s.computed_start // bs : -(-s.computed_end // bs)] for s in scheduled
+            ]
+            flush = any(b in self._fence for ids in written for b in ids)
         stores = [op for s in scheduled if (op := self._plan_store(s)) is not None]
-        flush = any(self._reqs[r].gathers for r in preempted if r in self._reqs)
-        meta = StepMeta(tuple(self._loads), tuple(stores), tuple(self._delayed), flush)
+        meta = StepMeta(loads=tuple(self._loads), stores=tuple(stores), flush=flush)
         self._loads.clear()
-        self._delayed.clear()
+        self._flush_next = False
         return meta
+
+    def will_write(self, block_ids: Sequence[int]) -> None:
+        """Something other than this side's steps (a PD receive) will write ``block_ids``
+        after the next step begins: that step flushes if any of them is fenced."""
+        if any(int(b) in self._fence for b in block_ids):
+            self._flush_next = True
 
     def _plan_store(self, s: ScheduledRequest) -> StoreOp | None:
         view = s.view
@@ -254,19 +274,35 @@ class SchedulerSide:
         req.gathers.add(op.job_id)
         return op
 
-    def finished(self, req_id: str) -> bool:
-        """The request finished; True when its blocks must stay allocated until the worker
-        reports it finished sending (a gather of them is in flight)."""
+    def finished(self, req_id: str) -> None:
+        """The request finished and vLLM frees its blocks now (never delayed). The blocks its
+        in-flight gathers read are fenced until the worker reports those gathers: a step that
+        writes a fenced block first flushes the gathers (:meth:`build_step`)."""
         req = self._reqs.get(req_id)
         if req is None:
-            return False
-        if req.gathers:
-            req.finished = True
-            self._delayed.append(req_id)
-            self._m_delayed.inc()
-            return True
-        del self._reqs[req_id]
-        return False
+            return
+        if not req.gathers:
+            del self._reqs[req_id]
+            return
+        req.finished = True
+        self._m_fenced.inc()
+        for job_id in req.gathers:
+            op = self._jobs[job_id]
+            if isinstance(op, StoreOp) and job_id not in self._fenced_jobs:
+                self._fenced_jobs.add(job_id)
+                for b in op.block_ids:
+                    self._fence[b] = self._fence.get(b, 0) + 1
+
+    def _unfence(self, op: StoreOp) -> None:
+        if op.job_id not in self._fenced_jobs:
+            return
+        self._fenced_jobs.discard(op.job_id)
+        for b in op.block_ids:
+            left = self._fence[b] - 1
+            if left:
+                self._fence[b] = left
+            else:
+                del self._fence[b]
 
     # -- worker results -----------------------------------------------------------------------
     def apply(self, report: WorkerReport) -> None:
@@ -285,6 +321,7 @@ class SchedulerSide:
             self.book.gathered(op.keys, op.writes, job.ok)
             self._m_stored.inc(sum(1 for f in job.ok if f))
             self._gather_ok[op.job_id] = job.ok
+            self._unfence(op)
             req = self._reqs.get(op.req_id)
             if req is not None:
                 req.gathers.discard(op.job_id)
@@ -329,6 +366,11 @@ class SchedulerSide:
     def jobs_in_flight(self) -> int:
         return len(self._jobs)
 
+    @property
+    def fenced_blocks(self) -> list[int]:
+        """Freed blocks that in-flight gathers still read, sorted."""
+        return sorted(self._fence)
+
     def tracked_requests(self) -> list[str]:
         return sorted(self._reqs)
 
@@ -342,5 +384,5 @@ class SchedulerSide:
         """Tier invariants; with no job in flight, no busy slot and no request held back."""
         idle = not self._jobs
         self.book.check_integrity(idle)
-        if idle and any(r.gathers for r in self._reqs.values()):
-            raise InvalidArgumentError("a request waits for a gather that is not in flight")
+        if idle and (self._fence or any(r.gathers for r in self._reqs.values())):
+            raise InvalidArgumentError("a request or a fence waits for a gather not in flight")

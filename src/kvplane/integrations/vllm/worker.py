@@ -10,7 +10,6 @@ load-failure rule: ``docs/vllm.md`` ("The worker side").
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,10 +37,6 @@ from kvplane.offload.tiers.host import HostTier
 from kvplane.offload.tiers.registry import open_lower_tiers
 
 _Part = tuple[str, StoreOp | LoadOp, TierWrite | None]
-
-FINISHED_WINDOW = 8
-"""Steps a finished request id that no delay claimed yet waits for the scheduler's delay of it
-(see finished_sending); a claimed one is kept until its gathers are done."""
 
 
 class WorkerSide:
@@ -74,9 +69,6 @@ class WorkerSide:
         self._gathers: dict[str, set[int]] = {}  # req_id -> store jobs still gathering
         self._loads: set[JobId] = set()  # this step's load jobs
         self._seen_loads: set[int] = set()
-        self._delayed: set[str] = set()  # delayed by the scheduler, not yet seen finished
-        self._closing: set[str] = set()  # delayed and seen finished: reported once gathered
-        self._finished: deque[set[str]] = deque(maxlen=FINISHED_WINDOW)  # unclaimed finishes
         self._reports: list[JobReport] = []
         self._errors: set[int] = set()
         self._failed_reqs: set[str] = set()  # requests with a failed load this step
@@ -85,7 +77,8 @@ class WorkerSide:
 
     # -- step hooks ------------------------------------------------------------------------------
     def begin_step(self, meta: StepMeta) -> None:
-        """Flush in-flight gathers when the step may reuse a preempted request's blocks."""
+        """Flush in-flight gathers when the step may write blocks they read (blocks of a
+        preempted or finished request that vLLM reallocated)."""
         if meta.flush:
             while any(self._gathers.values()):
                 self._harvest(self.jobs.wait(60.0))
@@ -111,7 +104,7 @@ class WorkerSide:
         self._m_wait.inc(time.perf_counter() - start)
 
     def submit_stores(self, meta: StepMeta) -> None:
-        """After the forward: finish loads, submit the step's gathers, note delayed requests.
+        """After the forward: finish loads, submit the step's gathers.
 
         A request whose load failed this step computed its new tokens against bad context: its
         gathers are failed without reading (vLLM recomputes those blocks; the scheduler side
@@ -127,38 +120,16 @@ class WorkerSide:
             else:
                 self._submit_gather(op)
         self._failed_reqs.clear()
-        self._delayed.update(meta.delayed)
-        self._claim()
 
-    def finished_sending(self, finished_req_ids: Sequence[str], idle: bool = False) -> set[str]:
-        """Harvest finished jobs; return the delayed finished requests with no gather left.
-        ``idle`` (vLLM scheduled nothing): with nothing to return and a job in flight, wait up to
-        :data:`IDLE_WAIT_S` for one to finish first.
-
-        vLLM names a finished request once; the scheduler's delay of it may arrive a step
-        later or earlier, so finished ids that no delay claimed are kept for
-        :data:`FINISHED_WINDOW` steps (bounded memory), delayed ids until they finish. A
-        delayed id seen finished is kept until its gathers are done, however long they take,
-        and is then reported exactly once (vLLM frees its blocks only then).
-        """
-        self._finished.append(set(finished_req_ids))
-        self._claim()
-        self._harvest(self.jobs.poll())
-        done = {r for r in self._closing if not self._gathers.get(r)}
-        if idle and not done and self.busy:
+    def progress(self, idle: bool = False) -> None:
+        """Harvest finished jobs (their reports go out with the step; a harvested gather's
+        lower-tier writes are submitted). ``idle`` (vLLM scheduled nothing, it steps only for
+        kvplane's jobs): with a job in flight, wait up to :data:`IDLE_WAIT_S` for one first,
+        so idle steps do not spin. vLLM's blocks are never held for a job: finished requests'
+        blocks are fenced by the scheduler side instead."""
+        if idle and self.busy:
             self._harvest(self.jobs.wait(IDLE_WAIT_S))
-            done = {r for r in self._closing if not self._gathers.get(r)}
-        self._closing -= done
-        return done
-
-    def _claim(self) -> None:
-        """Move delayed ids that vLLM named finished out of the expiring window."""
-        for ids in self._finished:
-            claimed = ids & self._delayed
-            if claimed:
-                ids.difference_update(claimed)
-                self._delayed -= claimed
-                self._closing |= claimed
+        self._harvest(self.jobs.poll())
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
