@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import io
 import sys
+import time
 
 import pytest
 from rich.console import Console
 
 from kvplane.apps.bench import all as every
-from kvplane.apps.bench.all import Outcome, bench_argv, run_all, run_process, table
+from kvplane.apps.bench import pd
+from kvplane.apps.bench.all import Outcome, bench_work, run_all, run_forked, table
 from kvplane.apps.bench.command import BENCHES
 from kvplane.cli import main
 
@@ -32,12 +34,12 @@ def test_every_bench_runs_in_order_within_its_budget() -> None:
 
     doc = run_all(["vllm_pd", "vllm", "pd", "protocol", "attention"], True, fake)
     assert [name for name, _ in calls] == ["protocol", "attention", "pd", "vllm", "vllm_pd"]
-    assert [t for _, t in calls] == [30.0, 75.0, 45.0, 60.0, 60.0]  # far from the total here
+    assert [t for _, t in calls] == [20.0, 50.0, 80.0, 100.0, 110.0]  # far from the total here
     assert [r["bench"] for r in doc["rows"]] == ["protocol", "attention", "vllm_pd"]
     assert set(doc["benches"]) == {"protocol", "attention", "vllm", "vllm_pd"}
     assert doc["errors"] == {"pd": "exit 1, no JSON result: boom"}
     assert doc["seconds"]["pd"] == 2.0 and "total" in doc["seconds"]
-    assert doc["quick"] is True and doc["budgets_s"]["attention"] == 75.0
+    assert doc["quick"] is True and doc["budgets_s"]["attention"] == 50.0
     full = run_all(["protocol"], False, fake)
     assert calls[-1] == ("protocol", float(every.FULL_BUDGET_S)) and full["errors"] == {}
 
@@ -49,16 +51,41 @@ def test_a_spent_quick_total_starts_nothing_more(monkeypatch: pytest.MonkeyPatch
     assert doc["rows"] == [] and doc["budgets_s"] == {"protocol": 0.5}
 
 
-def test_a_process_gives_its_last_json_line_or_why_not() -> None:
-    code = "print('log {'); print('{\"rows\": [], \"a\": 1}')"
-    got = run_process([sys.executable, "-c", code], 60.0)
+def _sleep() -> dict[str, object]:
+    time.sleep(60)
+    return {}
+
+
+def _crash() -> dict[str, object]:
+    print("some log line")
+    raise RuntimeError("bad input")
+
+
+def test_a_forked_bench_gives_its_result_or_why_not() -> None:
+    got = run_forked(lambda: {"rows": [], "a": 1}, 60.0)
     assert got.result == {"rows": [], "a": 1} and got.error is None
-    got = run_process([sys.executable, "-c", "import sys; sys.exit('bad input')"], 60.0)
-    assert got.result is None and got.error == "exit 1, no JSON result: bad input"
-    got = run_process([sys.executable, "-c", "import time; time.sleep(60)"], 0.2)
+    got = run_forked(_crash, 60.0)
+    assert got.result is None and got.error is not None
+    assert got.error.startswith("exit 1, no JSON result: ")
+    assert got.error.endswith("RuntimeError: bad input")
+    got = run_forked(lambda: sys.exit("refused"), 60.0)
+    assert got.result is None and got.error == "exit 1, no JSON result: refused"
+    got = run_forked(_sleep, 0.2)
     assert got.result is None and got.error == "over its 0 s budget"
-    assert bench_argv("pd", True)[1:] == ["-m", "kvplane.cli", "bench", "pd", "--json", "--quick"]
-    assert bench_argv("pd", False)[1:] == ["-m", "kvplane.cli", "bench", "pd", "--json"]
+
+
+def test_a_bench_runs_with_its_options_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[bool, argparse.Namespace]] = []
+
+    def run(quick: bool, args: argparse.Namespace) -> dict[str, int]:
+        seen.append((quick, args))
+        return {"x": 1}
+
+    monkeypatch.setattr(pd, "run", run)
+    assert bench_work("pd", True)() == {"x": 1}
+    quick, args = seen[0]
+    assert quick is True and (args.quick, args.json) == (True, True)
+    assert (args.transports, args.requests, args.no_model) == (None, None, False)
 
 
 def test_the_table_shows_ratio_spread_and_missing_benches() -> None:

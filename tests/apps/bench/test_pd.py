@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from kvplane.apps.bench import pd
 
 
 def test_bench_reports_every_key_for_both_modes() -> None:
     args = argparse.Namespace(transports="tcp,nope", requests=1, tokens=64, step=16, layers=1)
-    out = pd.run(True, args)
+    out = pd.run(False, args)  # the full run: --quick leaves the real model out
     rows = out["modes"]
     assert isinstance(rows, list)
     modes = [r["mode"] for r in rows if r["transport"] == "tcp"]
@@ -78,3 +80,15 @@ def test_zero_stretch_ratio() -> None:
     assert pd.zero_stretch_ratio(8, 4.0, 2.0) == 0.75
     # a bulk transfer no cheaper per step than a lone slice: (N + 1) / 2N
     assert pd.zero_stretch_ratio(8, 4.0, 4.0) == 9 / 16
+
+
+def test_quick_runs_tcp_without_the_model_and_the_full_run_tcp_shm_and_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pd, "available", lambda: {"tcp": "off here", "shm": "off here"})
+    for quick, want in ((True, ["tcp"]), (False, ["tcp", "shm"])):
+        args = argparse.Namespace(transports=None, requests=1, tokens=64, step=16, layers=1)
+        out = pd.run(quick, args)
+        assert out["modes"] == [{"transport": t, "skipped": "off here"} for t in want]
+        assert out["rows"] == [] and out["model"] is None
+        assert out.get("model_skipped") == (pd.NO_MODEL_IN_QUICK if quick else None)

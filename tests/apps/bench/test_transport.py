@@ -162,7 +162,7 @@ def test_tcp_rows_come_from_its_own_run_and_the_nixl_pairing_from_the_interleave
     monkeypatch.setattr(transport, "_cross", cross)
     monkeypatch.setattr(transport, "_tcp_with_nixl", with_nixl)
     monkeypatch.setattr(transport, "_planner", lambda quick: [])
-    got = transport.run(True, argparse.Namespace(only=None))
+    got = transport.run(False, argparse.Namespace(only=None))
     # tcp alone first (no UCX thread alive), then tcp with NIXL over TCP, then NIXL's default
     assert calls == ["alone tcp", "interleaved", "alone nixl"]
     results = got["results"]
@@ -170,4 +170,38 @@ def test_tcp_rows_come_from_its_own_run_and_the_nixl_pairing_from_the_interleave
     assert [(r["transport"], r.get("ucx_tls"), r["tag"]) for r in results][::2] == [
         ("tcp", None, "alone"), ("nixl", "default", "alone"), ("nixl", "tcp", "paired"),
     ]  # fmt: skip
+    assert got["tcp_vs_nixl_paired_ratio"] == {"4 KiB": 1.5}
+
+
+def test_quick_runs_tcp_only_beside_nixl_and_leaves_out_nixls_default_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+
+    def row(name: str, **extra: object) -> list[dict[str, object]]:
+        return [{"transport": name, "block_bytes": b, "gbps": 1.0, "limit_gbps": 1.0,
+                 "ratio": 1.0, **extra} for b in BLOCKS]  # fmt: skip
+
+    def cross(name: str, quick: bool, label: str = "") -> tuple[list[dict[str, object]], list[Row]]:
+        calls.append(f"alone {name}")
+        return row(name), []
+
+    def with_nixl(
+        quick: bool,
+    ) -> tuple[list[dict[str, object]], list[dict[str, object]], dict[int, float], list[Row]]:
+        calls.append("interleaved")
+        return row("tcp"), row("nixl", ucx_tls="tcp"), {4096: 1.5}, []
+
+    monkeypatch.setattr(transport, "available", lambda: {"tcp": None, "nixl": None})
+    monkeypatch.setattr(transport, "_cross", cross)
+    monkeypatch.setattr(transport, "_tcp_with_nixl", with_nixl)
+    monkeypatch.setattr(transport, "_planner", lambda quick: [])
+    got = transport.run(True, argparse.Namespace(only=None))
+    assert calls == ["interleaved"]
+    results = got["results"]
+    assert isinstance(results, list)
+    assert [(r["transport"], r.get("ucx_tls")) for r in results][::2] == [
+        ("tcp", None), ("nixl", "tcp"),
+    ]  # fmt: skip
+    assert got["skipped"] == {"nixl (UCX default)": transport.QUICK_DROPPED}
     assert got["tcp_vs_nixl_paired_ratio"] == {"4 KiB": 1.5}

@@ -14,7 +14,7 @@ def test_floor_is_the_hit_bytes_at_memcpy_speed_plus_the_suffix_step() -> None:
         "copy_samples_ms": [2.0, 4.0, 2.0],  # of the prefix's 8 MiB
         "suffix_step_samples_ms": [18.0, 16.0, 28.0],
     }
-    out = vllm.floor_fields(got, hit_tokens=vllm.PREFIX_TOKENS / 2)  # half the prefix hit
+    out = vllm.floor_fields(got, hit_tokens=1024, prefix_tokens=2048)  # half the prefix hit
     assert out["floor_samples_ms"] == [19.0, 18.0, 29.0]  # half of each copy + the step
     assert out["floor_ms"] == 19.0 and out["suffix_step_ms"] == 18.0
     assert out["hit_bytes"] == 4 << 20 and out["memcpy_gbps"] == round(8 * 2**20 / 2e-3 / 1e9, 3)
@@ -29,3 +29,7 @@ def test_floor_is_the_hit_bytes_at_memcpy_speed_plus_the_suffix_step() -> None:
     assert vs_floor["row"] == "ttft_hit_vs_floor" and vs_floor["limit"] == 19.0
     assert vs_floor["target"] is None and vs_floor["met"] is None
     assert (vs_floor["ratio_min"], vs_floor["ratio_max"]) == (round(30 / 19, 4), round(40 / 18, 4))
+
+
+def test_quick_stores_a_shorter_prefix_than_the_full_run() -> None:
+    assert vllm.PREFIX_TOKENS == {True: 1024, False: 2048}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,92 @@ def test_a_pair_that_cannot_start_becomes_error_rows_for_its_modes() -> None:
     assert out["modes"] == [{"connector": "nixl", "mode": "push", "error": bench._nixl[0]}]
     assert out["rows"] == []  # no ratio without both sides
     assert out["targets"]["tokens_equal"]["met"] is False
+
+
+def test_quick_runs_one_kvplane_pair_for_both_modes_and_no_nixl_pair() -> None:
+    assert _bench().pairs == ("kvplane",)
+    full = b._Bench(False, argparse.Namespace(transport="tcp", rounds=1, cores="shared"),
+                    Path("/nonexistent/model"))  # fmt: skip
+    assert full.pairs == ("kvplane", "nixl-pull", "nixl-push")
+    modes = {m for m, _s, _p in _bench().layout("kvplane", 0)}
+    assert modes == {"pull", "pipelined"}
+
+
+def test_a_quick_result_says_the_nixl_comparison_is_the_full_runs() -> None:
+    out = _bench(rounds=1).result(reference=[])
+    assert out["rows"] == [] and out["modes"] == []
+    assert out["targets"]["kvplane_pull_le_nixl_pull"] == {
+        "met": False, "value": None, "limit": 1.0,
+        "why": f"NIXL pull pair: {b.NOT_IN_QUICK}",
+    }  # fmt: skip
+
+
+def test_a_pair_started_early_serves_only_after_the_given_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[dict[str, object]] = []
+
+    def pair(pre: dict[str, object], dec: dict[str, object], **_: object) -> None:
+        seen.extend([pre, dec])
+        raise IntegrationError("stopped here")
+
+    monkeypatch.setattr(b, "run_pd_pair", pair)
+    bench = _bench(rounds=1)
+    bench.run_pair("kvplane", 0, Path("/tmp/flag"))
+    assert [s["start_after"] for s in seen] == ["/tmp/flag", "/tmp/flag"]
+    assert bench.errors == {
+        ("kvplane", "pipelined"): "stopped here",
+        ("kvplane", "pull"): "stopped here",
+    }
+    bench._nixl = [None]  # NIXL present: its pair is started, without the file
+    bench.run_pair("nixl-pull", 0)
+    assert len(seen) == 4 and "start_after" not in seen[-1]
+
+
+def test_quick_reference_tokens_come_from_the_prefill_engine_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[dict[str, object]] = []
+    bench = _bench(rounds=1)
+
+    def pair(pre: dict[str, object], dec: dict[str, object], **_: object) -> tuple[object, object]:
+        seen.extend([pre, dec])
+        tokens = [[i, i] for i in range(len(bench.prompts))]
+        records = {
+            f"r{k}": {"added_at": 1.0, "first_at": 1.5, "finished_at": 1.2, "tokens": [k]}
+            for k in range(len(pre["prompts"]))  # type: ignore[arg-type]
+        }
+        side: dict[str, object] = {"affinity": {}, "thread_cpu_s": []}
+        return {**side, "prefill": records, "reference": tokens}, {**side, "decode": records}
+
+    monkeypatch.setattr(b, "run_pd_pair", pair)
+    bench.run_pair("kvplane", 0, reference=True)
+    assert seen[0]["reference_prompts"] == bench.prompts and "reference_prompts" not in seen[1]
+    assert bench.reference == [[i, i] for i in range(len(bench.prompts))]
+    assert b.REFERENCE[True].startswith("the kvplane pair's prefill engine alone")
+
+
+def test_the_full_runs_reference_engine_runs_while_the_first_pair_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    flag = tmp_path / "reference-done"
+    bench = _bench(rounds=1)
+    order: list[str] = []
+
+    def harness(spec: dict[str, object], timeout: float) -> dict[str, object]:
+        order.append("reference")
+        return {"tokens": [[[7]] * len(bench.prompts)], "vllm_version": "0.x"}
+
+    def pair(pre: dict[str, object], dec: dict[str, object], **_: object) -> None:
+        assert pre["start_after"] == str(flag)
+        while not flag.exists():  # as the decode engine waits before saying "ready"
+            time.sleep(0.01)
+        order.append("pair serves")
+        raise IntegrationError("stopped here")
+
+    monkeypatch.setattr(b, "run_harness", harness)
+    monkeypatch.setattr(b, "run_pd_pair", pair)
+    b._with_reference_engine(bench, "kvplane", flag)
+    assert order == ["reference", "pair serves"]
+    assert bench.reference == [[7]] * len(bench.prompts) and bench.vllm_version == "0.x"
+    assert bench.errors[("kvplane", "pull")] == "stopped here"

@@ -1,8 +1,9 @@
 """``kvplane bench all [--quick] [--json]``: every bench, one table of rows, one JSON document.
 
-Runs each bench of :data:`~kvplane.apps.bench.command.BENCHES` as its own
-``kvplane bench NAME --json`` process (a crash or a hang costs that bench only), each within its
-time budget and, with ``--quick``, all within :data:`QUICK_TOTAL_S`; the vLLM benches last.
+Runs each bench of :data:`~kvplane.apps.bench.command.BENCHES` in its own process, a fork of
+this one (its modules already imported: no interpreter start, 5-10 s a bench on a loaded host;
+a crash or a hang costs that bench only), each within its time budget and, with ``--quick``,
+all within :data:`QUICK_TOTAL_S`; the vLLM benches last.
 Collects every bench's ``rows`` (:class:`~kvplane.apps.bench.spread.Row` dicts) into one table.
 Measures nothing itself. See docs/benchmarks.md.
 """
@@ -10,28 +11,34 @@ Measures nothing itself. See docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import signal
-import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
 
 ORDER = ("protocol", "attention", "transport", "offload", "pd", "vllm", "vllm_pd")
 """Run order: the slow vLLM benches last, so a budget running out costs them, not the rest."""
-QUICK_BUDGET_S = {"protocol": 30, "attention": 75, "transport": 60, "offload": 40, "pd": 45,
-                  "vllm": 60, "vllm_pd": 60}  # fmt: skip
-"""Seconds each bench may take with ``--quick`` (its process is stopped after)."""
+QUICK_BUDGET_S = {"protocol": 20, "attention": 50, "transport": 60, "offload": 50, "pd": 80,
+                  "vllm": 100, "vllm_pd": 110}  # fmt: skip
+"""Seconds each bench may take with ``--quick`` (its process is stopped after): about 1.5x
+what each took at load 2-9 on a 2-core host (4, 32-42, 45-53, 34, 56, 55-80, 77 s)."""
 FULL_BUDGET_S = 1800
 """Seconds each bench may take without ``--quick``."""
-QUICK_TOTAL_S = 285.0
-"""All of ``--quick`` within this: a bench gets no more than what is left of it."""
+QUICK_TOTAL_S = 288.0
+"""All of ``--quick`` within this: a bench gets no more than what is left of it (this
+process's own start, before the clock, stays under 5 minutes with it)."""
 KILL_GRACE_S = 5.0
 
 
@@ -51,59 +58,107 @@ class Outcome:
     error: str | None = None
 
 
-def bench_argv(name: str, quick: bool) -> list[str]:
-    """The command line running bench ``name`` in its own Python process, printing JSON."""
-    return [sys.executable, "-m", "kvplane.cli", "bench", name, "--json"] + ["--quick"] * quick
+def bench_work(name: str, quick: bool) -> Callable[[], dict[str, Any]]:
+    """Bench ``name``'s ``run(quick, args)`` with its options' defaults, as
+    ``kvplane bench NAME [--quick] --json`` would call it; nothing runs until it is called."""
+    module = importlib.import_module(f"kvplane.apps.bench.{name}")
+    parser = argparse.ArgumentParser()
+    extra = getattr(module, "add_arguments", None)
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args([])
+    args.quick, args.json = quick, True
+
+    def work() -> dict[str, Any]:
+        result: dict[str, Any] = module.run(quick, args)
+        return result
+
+    return work
 
 
-def run_process(argv: Sequence[str], timeout_s: float) -> Outcome:
-    """Run ``argv`` in a new session; its last stdout line that parses as a JSON object is the
-    result. Past ``timeout_s`` its whole process group is stopped (SIGTERM, then SIGKILL after
-    :data:`KILL_GRACE_S`) and the outcome says it ran out of time."""
+def run_forked(work: Callable[[], dict[str, Any]], timeout_s: float) -> Outcome:
+    """Call ``work`` in a forked child leading a new session, its stdout and stderr to a file;
+    its return value (JSON) is the result. Past ``timeout_s`` the child's process group is
+    stopped (SIGTERM, then SIGKILL after :data:`KILL_GRACE_S`) and the outcome says it ran out
+    of time; a child that raised or exited gives the last lines of its output."""
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _stop_group(proc)
-        return Outcome(None, time.perf_counter() - start, f"over its {timeout_s:.0f} s budget")
-    seconds = time.perf_counter() - start
-    for line in reversed(out.splitlines()):
-        if line.startswith("{"):
-            try:
-                found = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+    with tempfile.TemporaryDirectory(prefix="kvplane-bench-all-") as tmp:
+        out, log = Path(tmp) / "result.json", Path(tmp) / "output"
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            _child(work, out, log)
+        status = _wait(pid, start + timeout_s)
+        seconds = time.perf_counter() - start
+        if status is None:
+            return Outcome(None, seconds, f"over its {timeout_s:.0f} s budget")
+        if status == 0 and out.exists():
+            found = json.loads(out.read_text())
             if isinstance(found, dict):
                 return Outcome(found, seconds)
-    tail = " | ".join(err.strip().splitlines()[-3:])
-    return Outcome(None, seconds, f"exit {proc.returncode}, no JSON result: {tail}")
+        lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        tail = " | ".join(lines[-3:])
+        return Outcome(None, seconds, f"exit {status}, no JSON result: {tail}")
 
 
-def _stop_group(proc: subprocess.Popen[str]) -> None:
-    """Stop the process group ``proc`` leads (it was started in a new session)."""
+def _child(work: Callable[[], dict[str, Any]], out: Path, log: Path) -> NoReturn:
+    """The forked child of :func:`run_forked`: run ``work``, write its result to ``out``."""
+    code = 1
+    try:
+        os.setsid()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = sys.stderr = open(fd, "w", buffering=1, closefd=False)  # noqa: SIM115
+        text = json.dumps(work(), default=str)
+        out.write_text(text)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        if not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _wait(pid: int, deadline: float) -> int | None:
+    """The exit status of child ``pid`` (a signal's number negated), or None when it ran past
+    ``deadline`` (then its process group is stopped)."""
+    while time.perf_counter() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    _stop_group(pid)
+    return None
+
+
+def _stop_group(pid: int) -> None:
+    """Stop the process group child ``pid`` leads, then reap it."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(proc.pid, sig)
+            os.killpg(pid, sig)
         except ProcessLookupError:
             break
-        try:
-            proc.communicate(timeout=KILL_GRACE_S)
-            break
-        except subprocess.TimeoutExpired:
-            continue
+        end = time.perf_counter() + KILL_GRACE_S
+        while time.perf_counter() < end:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+            time.sleep(0.05)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 def run_all(
     names: Sequence[str], quick: bool, run: Callable[[str, float], Outcome] | None = None
 ) -> dict[str, Any]:
     """Every bench of ``names`` in :data:`ORDER`, each within its budget (``run(name,
-    timeout_s)``, a process by default); the document ``{"rows", "benches", "seconds",
+    timeout_s)``, a forked process by default); the document ``{"rows", "benches", "seconds",
     "budgets_s", "errors", "quick"}``. A bench with no time left is not started."""
-    go = run or (lambda name, timeout: run_process(bench_argv(name, quick), timeout))
+    go = run or (lambda name, timeout: run_forked(bench_work(name, quick), timeout))
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     doc: dict[str, Any] = {"rows": rows, "benches": {}, "seconds": {}, "budgets_s": {},

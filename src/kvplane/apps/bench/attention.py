@@ -36,12 +36,14 @@ NAME = "attention"
 HELP = "MLA attention backends: time, GB/s vs a read-only pass, auto/measured choices."
 RANK, ROPE, PAGE_SIZE = 512, 64, 16
 FULL_GRID = {"batch": (1, 8, 32), "q_len": (1, 4), "kv_len": (128, 1024, 8192), "heads": (16, 128)}
-QUICK_GRID = {"batch": (1, 8), "q_len": (1, 4), "kv_len": (128, 1024), "heads": (16,)}
+QUICK_GRID = {"batch": (1, 8), "q_len": (1, 4), "kv_len": (1024,), "heads": (16,)}
 QUICK_EXTRA = ((32, 1, 8192, 16),)  # the decode point the bandwidth target is defined at
 DECODE_POINT = (32, 1, 8192)
 MATMUL = 1024
-REPEATS = {True: (5, 15, 8.0), False: (5, 40, 20.0)}
+REPEATS = {True: (5, 10, 6.0), False: (5, 40, 20.0)}
 """Paired decode repeats by ``quick``: (min_repeats, max_repeats, cap_s)."""
+MIN_SECONDS = {True: 0.2, False: 0.5}
+"""Seconds each grid point's interleaved timer keeps sampling, by ``quick``."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,11 +175,13 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
     points = list(product(grid["batch"], grid["q_len"], grid["kv_len"], grid["heads"]))
     if quick:
         points.extend(QUICK_EXTRA)
-    timer = PerfCounterTimer(warmup=1, rounds=3 if quick else 5, min_seconds=0.5)
+    timer = PerfCounterTimer(warmup=1, rounds=3 if quick else 5, min_seconds=MIN_SECONDS[quick])
     largest = max(b * k for b, _, k, _ in points) * (RANK + ROPE) * 4
     memcpy = _memcpy_gbps(min(largest, 1 << 30), timer)
     matmul = _matmul_gflops(dtype, timer)
-    extra = PerfCounterTimer(warmup=1, rounds=1)  # quick's extra points: backends 10x apart
+    # quick's extra points: backends 10x apart (the slowest takes seconds a call), one
+    # cold call each -- a warm-up would not change which is fastest
+    extra = PerfCounterTimer(warmup=0, rounds=1)
     rows: list[dict[str, Any]] = []
     decode: dict[str, Any] | None = None
     for b, q, k, h in points:

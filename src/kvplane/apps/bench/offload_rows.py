@@ -20,9 +20,9 @@ from kvplane.apps.bench.spread import SETTLE_S, Row, paired_ratio, repeat_until_
 BENCH = "offload"
 WARMUP = 2
 """Leading repeats dropped (page faults, worker threads, allocator and socket warm-up)."""
-REPEATS = {True: (5, 12), False: (7, 40)}
+REPEATS = {True: (5, 10), False: (7, 40)}
 """``(min, max)`` repeats of one (tier, op, chunk size), per ``--quick``."""
-CAP_S = {True: 2.0, False: 10.0}
+CAP_S = {True: 1.2, False: 10.0}
 """Seconds one (tier, op, chunk size) may keep repeating for a stable ratio, per ``--quick``."""
 
 Timed = Callable[[], float]

@@ -41,6 +41,11 @@ with five, tcp's calibrated step read 11, 24 and 16 ms in three runs on this sha
 CAP_S = {True: 10.0, False: 60.0}
 """Seconds the requests of one comparison may keep repeating for a stable TTFT ratio (after
 ``--requests``, at most twice as many), per ``--quick``."""
+TRANSPORTS = {True: "tcp", False: "tcp,shm"}
+"""Default ``--transports`` per ``--quick`` (each transport starts six worker processes)."""
+MODEL_ROWS = {True: False, False: True}
+NO_MODEL_IN_QUICK = "full run only (not in --quick)"
+"""Whether the real-model comparison runs (four more worker processes), per ``--quick``."""
 HELP = "Pipelined vs non-pipelined PD transfer: TTFT, exposed tail, overlap (tcp, shm)."
 
 
@@ -54,7 +59,10 @@ class _Spec:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transports", default="tcp,shm", help="comma-separated transports")
+    parser.add_argument(
+        "--transports", default=None,
+        help="comma-separated transports (default: tcp,shm; with --quick tcp)",
+    )  # fmt: skip
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--step", type=int, default=None)
@@ -145,7 +153,8 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
     calibrations: dict[str, dict[str, object]] = {}
     slice_bytes = step * layers * 576 * 2
     ran: list[str] = []
-    for transport in [t.strip() for t in args.transports.split(",") if t.strip()]:
+    chosen = getattr(args, "transports", None) or TRANSPORTS[quick]
+    for transport in [t.strip() for t in chosen.split(",") if t.strip()]:
         reason = usable.get(transport, "unknown transport")
         if reason is not None:
             modes.append({"transport": transport, "skipped": reason})
@@ -160,7 +169,7 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
         targets_by[transport] = targets(got[0])
         calibrations[transport] = calibration(got[0], calib_ms)
     model: dict[str, Any] | None = None
-    if ran and not getattr(args, "no_model", False):
+    if ran and MODEL_ROWS[quick] and not getattr(args, "no_model", False):
         model = model_result(ran[0], n_tok, step, (n_req, 2 * n_req), CAP_S[quick])
         lines.extend(model["rows"])
     block_bytes = 16 * layers * 576 * 2  # the workers' block: 16 tokens, every layer
@@ -182,6 +191,7 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
         "memcpy_slice_scattered_ms": scattered_ms,
         "modes": modes,
         "model": model,
+        **({} if MODEL_ROWS[quick] else {"model_skipped": NO_MODEL_IN_QUICK}),
         "calibration": calibrations,
         "targets": targets_by,
         "target_definitions": TARGET_DEFINITIONS,

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvplane.apps.bench.pd_metrics import TIME_FIELDS, median_or_none, request_fields
 from kvplane.apps.bench.spread import repeat_until_stable
-from kvplane.apps.demo_procs import ProcessGroup, new_secret
+from kvplane.apps.demo_procs import Child, ProcessGroup, new_secret
 from kvplane.errors import KVPlaneError
 from kvplane.pipeline.timeline import request_times
 from kvplane.pipeline.trace import events_from_dicts
@@ -27,6 +27,9 @@ from kvplane.serving.worker_config import SECRET_TRANSPORTS
 VOCAB = 30_000
 """Token ids of the synthetic workload's prompts lie in ``[0, VOCAB)``."""
 MODES = ("pipelined", "non_pipelined")
+START_TIMEOUT_S = 90.0
+"""Seconds a pair's processes may take to announce themselves (starting together on a loaded
+2-core host, each imports torch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +45,12 @@ class PairSpec:
 
 
 class Pair:
-    """A prefill and a decode worker process (one mode, one producer) and a router."""
+    """A prefill and a decode worker process (one mode, one producer) and a router.
 
-    def __init__(self, work: Path, spec: PairSpec, *, pipelined: bool) -> None:
+    Both processes start at once (their imports overlap); with ``wait=False`` the pair is
+    usable only after :meth:`connect`, so that several pairs can start together."""
+
+    def __init__(self, work: Path, spec: PairSpec, *, pipelined: bool, wait: bool = True) -> None:
         work.mkdir(parents=True, exist_ok=True)
         # nixl and mooncake cannot authenticate their data plane: run them --insecure, saying so
         secure = spec.transport in SECRET_TRANSPORTS
@@ -59,10 +65,23 @@ class Pair:
         ]  # fmt: skip
         if not pipelined:
             common.append("--no-pipeline")
-        deadline = time.monotonic() + 60.0
+        self.router: Router | None = None
         try:
-            pre = self.group.start("prefill", ["--name", "prefill", *common], deadline)
-            dec = self.group.start("decode", ["--name", "decode", *common], deadline)
+            for role in ("prefill", "decode"):
+                child = Child(role, ["--name", role, *common], work, self.group.secret)
+                self.group.children[role] = child
+            if wait:
+                self.connect()
+        except BaseException:
+            self.group.stop()
+            raise
+
+    def connect(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait for both processes' announce lines (at most ``timeout_s``), then connect the
+        router; the group is stopped when that fails."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            pre, dec = (self.group.children[r].announce(deadline) for r in ("prefill", "decode"))
             self.router = Router(
                 [str(pre["control"])], [str(dec["control"])], timeout_s=120.0,
                 secret=self.group.secret,
@@ -72,13 +91,18 @@ class Pair:
             self.group.stop()
             raise
 
+    def _routed(self) -> Router:
+        if self.router is None:
+            raise KVPlaneError("bench pair used before connect()")
+        return self.router
+
     def run(self, rid: str, tokens: list[int], step: int) -> float:
         """Serve one request; its TTFT (submit → first token ready on the decode side), ms.
         Its tokens are kept in :attr:`tokens`. :class:`KVPlaneError` when it did not succeed
         or a verifying decoder counted mismatches."""
         self.group.check(f"serving {rid}")
         t0 = time.monotonic()
-        res = self.router.generate(rid, tokens, step_size=step)
+        res = self._routed().generate(rid, tokens, step_size=step)
         if res.state != "success" or res.mismatches not in (None, 0):
             raise KVPlaneError(f"bench request {rid} ended {res.state} ({res.reason})")
         self.tokens[rid] = res.tokens
@@ -88,7 +112,7 @@ class Pair:
         """Per request, :data:`~.pd_metrics.TIME_FIELDS` from both workers' timelines (one
         monotonic clock on this host), and the events the workers left out (when not 0, every
         field is None: a request's events may be incomplete)."""
-        stats = self.router.stats(timeline=True)
+        stats = self._routed().stats(timeline=True)
         truncated = sum(w.timeline_truncated for w in stats.values())
         events = events_from_dicts(e for w in stats.values() for e in w.timeline)
         out = [
@@ -100,7 +124,8 @@ class Pair:
         return out, truncated
 
     def close(self) -> None:
-        self.router.close()
+        if self.router is not None:
+            self.router.close()
         self.group.stop()
 
 
@@ -157,8 +182,10 @@ def compare_modes(
     its truncated-event count, and whether both modes decoded the same tokens."""
     pairs: dict[str, Pair] = {}
     try:
-        for mode in MODES:
-            pairs[mode] = Pair(work / mode, spec, pipelined=mode == "pipelined")
+        for mode in MODES:  # all four processes start at once
+            pairs[mode] = Pair(work / mode, spec, pipelined=mode == "pipelined", wait=False)
+        for pair in pairs.values():
+            pair.connect()
         served = interleaved(pairs, spec, repeats, cap_s, vocab)
         times = {mode: pair.times(served.rids) for mode, pair in pairs.items()}
         same = all(pairs[MODES[0]].tokens[r] == pairs[MODES[1]].tokens[r] for r in served.rids)

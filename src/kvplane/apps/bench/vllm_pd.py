@@ -15,6 +15,7 @@ import random
 import secrets
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,19 @@ HELP = "vLLM PD: kvplane (pull, pipelined) vs vLLM's NixlConnector (pull, push),
 SIZES = {True: (4, 512, 1024), False: (8, 1024, 4096)}
 """Per ``--quick``: requests per round, shortest and longest prompt (tokens, evenly spaced)."""
 ROUNDS = {True: 1, False: 2}
+PAIRS = {True: ("kvplane",), False: ("kvplane", "nixl-pull", "nixl-push")}
+"""Engine pairs run per ``--quick``: one kvplane pair serves both pull and pipelined;
+NixlConnector needs a pair per mode, and each pair is two engine starts (a quick run with the
+NIXL pull pair took 213 s at load 8 on this 2-core host, ~70 s of it that pair), so
+``--quick`` runs kvplane's pair alone: the NIXL rows are the full run's."""
+NOT_IN_QUICK = "full run only (not in --quick)"
+REFERENCE = {
+    True: "the kvplane pair's prefill engine alone (no peer), after the timed requests",
+    False: "one engine without a connector (its own process)",
+}
+"""Where the reference tokens come from, per ``--quick``: the full run's reference is an engine
+of its own (it runs while the first pair's engines start); ``--quick`` saves that engine's
+start (~50 s at load 8 here) and asks the prefill engine, whose KV never crossed a connector."""
 MAX_TOKENS = 8
 STEP_TOKENS = 256
 """Chunked-prefill step (``max_num_batched_tokens``): a 4,096-token prompt is 16 slices."""
@@ -95,6 +109,7 @@ class _Bench:
         rounds = int(getattr(args, "rounds", None) or ROUNDS[quick])
         n, lo, hi = SIZES[quick]
         self.n, self.transport, self.rounds = n, transport, rounds
+        self.pairs = PAIRS[quick]
         self.timeout = PAIR_TIMEOUT_S[quick]
         rng = random.Random(0)
         vocab = MODEL_SHAPE["vocab"]
@@ -124,6 +139,8 @@ class _Bench:
         self.errors: dict[tuple[str, str], str] = {}
         self.affinity: dict[str, Any] = {}
         self._nixl: list[str | None] = []  # nixl_support(), asked once
+        self.reference: list[list[int]] = [[] for _ in self.prompts]
+        self.vllm_version: str | None = None  # the reference engine's (full run)
 
     def nixl_missing(self) -> str | None:
         """Why NIXL cannot run here (asked once), or None."""
@@ -148,7 +165,12 @@ class _Bench:
         )
         return [(mode, None, warm), *((mode, s, p) for s, p in zip(slots, prompts, strict=True))]
 
-    def run_pair(self, connector: str, r: int) -> None:
+    def run_pair(
+        self, connector: str, r: int, start_after: Path | None = None, reference: bool = False
+    ) -> None:
+        """Run round ``r``'s pair of ``connector`` and keep its samples (or its error); with
+        ``start_after`` its engines start at once but serve only once that file exists; with
+        ``reference`` its prefill engine then decodes every prompt alone (:attr:`reference`)."""
         plan = self.layout(connector, r)
         modes = sorted({m for m, _s, _p in plan})
         name = "kvplane" if connector == "kvplane" else "nixl"
@@ -158,6 +180,7 @@ class _Bench:
             **self.base,
             "prompts": [self.prompts[p] for _m, _s, p in plan],
             "sequence": [m for m, _s, _p in plan],
+            **({} if start_after is None else {"start_after": str(start_after)}),
         }
         if name == "kvplane":
             spec["connector"] = {"host_slots": 16, "pd_transport": self.transport}
@@ -167,8 +190,9 @@ class _Bench:
             why = None if name == "kvplane" else self.nixl_missing()
             if why is not None:
                 raise UnsupportedError(why)
+            alone = {"reference_prompts": self.prompts} if reference else {}
             pre, dec = run_pd_pair(
-                {**spec, "cpus": self.cores[0]},
+                {**spec, "cpus": self.cores[0], **alone},
                 {**spec, "cpus": self.cores[1]},
                 timeout=self.timeout,
                 env=self.env,
@@ -178,6 +202,8 @@ class _Bench:
                 self.errors[(name, m)] = _reason(exc)
             return
         assert dec is not None
+        if reference:
+            self.reference = [list(t) for t in pre["reference"]]
         self.affinity.setdefault(
             connector,
             {
@@ -216,12 +242,28 @@ class _Bench:
             "decode_ttft_kvplane_pull_vs_nixl_pull": time_ratio(kp, np_, "decode_ttft_ms"),
             "prefill_kvplane_pull_vs_nixl_pull": time_ratio(kp, np_, "prefill_ms"),
         }
-        return {
-            "rows": bench_rows(s),
-            "modes": rows,
-            "targets": targets(rows, ratios),
-            "ratios": ratios,
-        }
+        verdicts = targets(rows, ratios)
+        if "nixl-pull" not in self.pairs:
+            verdicts["kvplane_pull_le_nixl_pull"]["why"] = f"NIXL pull pair: {NOT_IN_QUICK}"
+        return {"rows": bench_rows(s), "modes": rows, "targets": verdicts, "ratios": ratios}
+
+
+def _with_reference_engine(bench: _Bench, connector: str, flag: Path) -> None:
+    """Round 0's pair of ``connector`` and the reference engine (:attr:`_Bench.reference`) at
+    once: the pair's engines serve only once ``flag`` is written, after the reference's."""
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(bench.run_pair, connector, 0, flag)
+        try:
+            ref = run_harness(
+                {**bench.base, "connector": None,
+                 "rounds": [{"prompts": bench.prompts, "max_tokens": MAX_TOKENS}]},
+                timeout=bench.timeout,
+            )  # fmt: skip
+        finally:
+            flag.write_text("1\n")
+        first.result()
+    bench.reference = [list(t) for t in ref["tokens"][0]]
+    bench.vllm_version = ref.get("vllm_version")
 
 
 def run(quick: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -230,16 +272,16 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, Any]:
         model = Path(tmp) / "model"
         save_tiny_llama(model, MODEL_SHAPE)
         bench = _Bench(quick, args, model)
-        ref = run_harness(
-            {**bench.base, "connector": None,
-             "rounds": [{"prompts": bench.prompts, "max_tokens": MAX_TOKENS}]},
-            timeout=bench.timeout,
-        )  # fmt: skip
+        order = list(bench.pairs)
+        if quick:
+            bench.run_pair(order[0], 0, reference=True)
+        else:
+            _with_reference_engine(bench, order[0], Path(tmp) / "reference-done")
         for r in range(bench.rounds):
-            order = ["kvplane", "nixl-pull", "nixl-push"]
             for connector in order if r % 2 == 0 else order[::-1]:
-                bench.run_pair(connector, r)
-    out = bench.result(ref["tokens"][0])
+                if (r, connector) != (0, order[0]):
+                    bench.run_pair(connector, r)
+    out = bench.result(bench.reference)
     n, lo, hi = SIZES[quick]
     out.update(
         {
@@ -257,11 +299,14 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, Any]:
             "requests": n,
             "prompt_tokens": [lo, hi],
             "rounds": bench.rounds,
+            "pairs": list(bench.pairs),
+            "not_run": {c: NOT_IN_QUICK for c in PAIRS[False] if c not in bench.pairs},
             "step_tokens": STEP_TOKENS,
             "max_tokens": MAX_TOKENS,
             "kvplane_transport": bench.transport,
             "model": {**MODEL_SHAPE, "dtype": "float32", "block_size": 32},
-            "vllm_version": ref.get("vllm_version"),
+            "reference": REFERENCE[quick],
+            "vllm_version": bench.vllm_version,
             "wall_s": round(time.monotonic() - start, 1),
         }
     )

@@ -6,8 +6,9 @@ environment runs one engine; two such processes (``prefill``, ``decode``) meet t
 the spec's ``rendezvous`` directory: the prefill's address, the decode's "ready", the finished
 prefills' ``kv_transfer_params`` (pull), the decode's "requests added" (pipelined, push) and
 "done". Requests go in one batch (``mode``) or one at a time (``sequence``), timed on the
-monotonic clock both processes share. Owns that choreography, the timings and the engine
-threads' CPU affinity; never imported by the connector. Spec keys: ``docs/vllm.md``.
+monotonic clock both processes share (``start_after``: not before that file exists). Owns that
+choreography, the timings and the engine threads' CPU affinity; never imported by the
+connector. Spec keys: ``docs/vllm.md``.
 """
 
 from __future__ import annotations
@@ -361,7 +362,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         _write(meet / "address", _address(llm, spec, worker))
         _wait_file(meet / "ready", _wait_s(spec))  # the decode engine is built: none waits on it
         result.update(_prefill(llm, spec, meet, modes))
+        if spec.get("reference_prompts"):  # after the timed requests: this engine alone
+            n = int(spec.get("max_tokens", 8))
+            alone = [
+                (f"ref{i}", p, _sampling(n, None)) for i, p in enumerate(spec["reference_prompts"])
+            ]
+            result["reference"] = [v["tokens"] for v in _drive(llm, alone).values()]
     else:
+        if spec.get("start_after"):  # the caller's other engine runs until this file appears
+            _wait_file(Path(spec["start_after"]), _wait_s(spec))
         _write(meet / "ready", "1")
         result.update(_decode(llm, spec, meet, modes))
     time.sleep(0.2)
