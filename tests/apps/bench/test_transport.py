@@ -173,7 +173,7 @@ def test_tcp_rows_come_from_its_own_run_and_the_nixl_pairing_from_the_interleave
     assert got["tcp_vs_nixl_paired_ratio"] == {"4 KiB": 1.5}
 
 
-def test_quick_runs_tcp_only_beside_nixl_and_leaves_out_nixls_default_path(
+def test_quick_runs_tcp_alone_then_beside_nixl_and_leaves_out_nixls_default_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls: list[str] = []
@@ -197,7 +197,7 @@ def test_quick_runs_tcp_only_beside_nixl_and_leaves_out_nixls_default_path(
     monkeypatch.setattr(transport, "_tcp_with_nixl", with_nixl)
     monkeypatch.setattr(transport, "_planner", lambda quick: [])
     got = transport.run(True, argparse.Namespace(only=None))
-    assert calls == ["interleaved"]
+    assert calls == ["alone tcp", "interleaved"]  # tcp's own rows with no NIXL agent alive
     results = got["results"]
     assert isinstance(results, list)
     assert [(r["transport"], r.get("ucx_tls")) for r in results][::2] == [
