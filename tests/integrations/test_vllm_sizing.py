@@ -18,7 +18,9 @@ def test_gib_and_vllm_byte_keys_give_byte_budgets() -> None:
         host=3 * GIB // 2, disk=2 * GIB, remote=GIB // 4
     )
     assert tier_bytes({"cpu_bytes_to_use": 10 * GIB}) == TierBytes(host=10 * GIB)
-    assert tier_bytes({"cpu_bytes_to_use_per_rank": "4096"}) == TierBytes(host=4096)
+    assert tier_bytes({"cpu_bytes_to_use_per_rank": "4096"}) == TierBytes(
+        host=4096, host_per_rank=True
+    )
     assert tier_bytes({"host_slots": 8}) == TierBytes()
     assert not TierBytes().given and TierBytes(disk=1).given
 
@@ -64,6 +66,20 @@ def test_slots_are_derived_once_a_chunk_size_is_known() -> None:
     assert parse_extra_config({"host_slots": 3}, {}).sized(CHUNK).tier_slots("host") == 3
     assert slots_for("host", 10_000, 5000) == 1  # a page-aligned slot: 8192 bytes
     assert slots_for("remote", 10_000, 5000) == 2
+
+
+def test_with_tensor_parallel_ranks_an_engine_budget_is_split_and_a_per_rank_one_is_not() -> None:
+    """vLLM's meaning: ``cpu_bytes_to_use`` (and every ``<tier>_gib``) is the engine's, all
+    ranks together; ``cpu_bytes_to_use_per_rank`` is one rank's. ``CHUNK``: one rank's shard."""
+    engine = parse_extra_config({"host_gib": 1, "disk_path": "/tmp/d.bin", "disk_gib": 1}, {})
+    two = engine.sized(CHUNK, ranks=2)
+    assert two.tier_slots("host") == GIB // 2 // CHUNK == 4096
+    assert two.tier_slots("disk") == GIB // 2 // (CHUNK + 4096) == 3971
+    per_rank = parse_extra_config({"cpu_bytes_to_use_per_rank": GIB}, {})
+    assert per_rank.sized(CHUNK, ranks=2).tier_slots("host") == 8192
+    assert (
+        parse_extra_config({"cpu_bytes_to_use": GIB}, {}).sized(CHUNK, 4).tier_slots("host") == 2048
+    )
 
 
 def test_a_budget_below_one_chunk_is_refused() -> None:

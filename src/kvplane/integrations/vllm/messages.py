@@ -161,11 +161,14 @@ class JobReport:
     name for one :class:`TierWrite` of a store (its ``indices``, in order), ``"device"`` for a
     load (all its keys: the chunk's bytes read back valid; only the leading run of valid
     chunks was written into the vLLM blocks, the rest are reported to vLLM as load errors).
+    ``rank``: the tensor-parallel rank that did it (every rank reports every part of every
+    job for its own head shard; :class:`~.tp.RankTally` joins them).
     """
 
     job_id: int
     tier: str
     ok: tuple[bool, ...]
+    rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,5 +194,6 @@ class WorkerReport:
         return not (self.jobs or self.pd)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
-        """Both reports' jobs (one worker per connector: no job appears twice)."""
+        """Both reports' jobs and PD results (vLLM merges the ranks' reports of a step this
+        way: a job part appears once per rank that finished it this step)."""
         return WorkerReport(self.jobs + other.jobs, self.pd + other.pd)

@@ -26,6 +26,7 @@ from kvplane.integrations.vllm.messages import (
     TierIndex,
     WorkerReport,
 )
+from kvplane.integrations.vllm.tp import RankTally
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.book import TierBook
 
@@ -87,10 +88,21 @@ class _Req:
 
 
 class SchedulerSide:
-    """Scheduler half of the connector; see the module docstring. Not thread-safe."""
+    """Scheduler half of the connector; see the module docstring. Not thread-safe.
 
-    def __init__(self, config: ConnectorConfig, block_size: int, metrics: MetricsRegistry) -> None:
+    With ``tp_size`` > 1 one decision serves every rank's worker: a job part is applied only
+    once every rank reported it, its chunks good only where every rank's were
+    (:class:`~.tp.RankTally`)."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        block_size: int,
+        metrics: MetricsRegistry,
+        tp_size: int = 1,
+    ) -> None:
         self.config = config
+        self.tally = RankTally(tp_size)
         self.spec = ChunkSpec(block_size, config.blocks_per_chunk)
         lower = [(name, config.tier_slots(name)) for name in config.lower_tiers]
         self.book = TierBook.build(config.offload, lower, metrics)
@@ -306,9 +318,12 @@ class SchedulerSide:
 
     # -- worker results -----------------------------------------------------------------------
     def apply(self, report: WorkerReport) -> None:
-        """Apply the worker's finished jobs to the tier bookkeeping."""
+        """Apply the workers' finished job parts to the tier bookkeeping (each part once every
+        rank reported it)."""
         for job in report.jobs:
-            self._apply(job)
+            done = self.tally.add(job)
+            if done is not None:
+                self._apply(done)
 
     def _apply(self, job: JobReport) -> None:
         op = self._jobs.get(job.job_id)
@@ -384,5 +399,7 @@ class SchedulerSide:
         """Tier invariants; with no job in flight, no busy slot and no request held back."""
         idle = not self._jobs
         self.book.check_integrity(idle)
-        if idle and (self._fence or any(r.gathers for r in self._reqs.values())):
+        if idle and (
+            self.tally.waiting or self._fence or any(r.gathers for r in self._reqs.values())
+        ):
             raise InvalidArgumentError("a request or a fence waits for a gather not in flight")

@@ -24,17 +24,24 @@ GIB_KEYS = {f"{tier}_gib": tier for tier in TIERS}
 """``<tier>_gib``: that tier's size in GiB (binary, 2**30 bytes; a float is fine)."""
 VLLM_BYTE_KEYS = {"cpu_bytes_to_use": "host", "cpu_bytes_to_use_per_rank": "host"}
 """vLLM's own offload keys (``OffloadingConnector``, ``SimpleCPUOffloadConnector``): the host
-tier's bytes; with one rank the total and the per-rank size are the same thing."""
+tier's bytes, engine-wide (split over the tensor-parallel ranks) and per rank."""
+PER_RANK_KEYS = {"cpu_bytes_to_use_per_rank"}
+"""Size keys that give one rank's budget; every other size key gives the engine's, all ranks
+together (as vLLM's ``cpu_bytes_to_use``)."""
 SIZE_KEYS = {**GIB_KEYS, **VLLM_BYTE_KEYS}
 
 
 @dataclass(frozen=True, slots=True)
 class TierBytes:
-    """Byte budget per tier; 0: the tier is sized by its ``<tier>_slots`` key instead."""
+    """Byte budget per tier; 0: the tier is sized by its ``<tier>_slots`` key instead.
+
+    Budgets are the engine's (every tensor-parallel rank's tiers together), except the host's
+    when ``host_per_rank`` (vLLM's ``cpu_bytes_to_use_per_rank`` gave it)."""
 
     host: int = 0
     disk: int = 0
     remote: int = 0
+    host_per_rank: bool = False
 
     @property
     def given(self) -> bool:
@@ -45,6 +52,11 @@ class TierBytes:
         if tier not in TIERS:
             raise ConfigError(f"unknown tier {tier!r}; known: {list(TIERS)}")
         return int(getattr(self, tier))
+
+    def per_rank(self, tier: str, ranks: int) -> int:
+        """One rank's budget for ``tier`` in an engine of ``ranks`` tensor-parallel ranks."""
+        budget = self.of(tier)
+        return budget if tier == "host" and self.host_per_rank else budget // ranks
 
 
 def _bytes(key: str, value: object) -> int:
@@ -81,7 +93,7 @@ def tier_bytes(extra: Mapping[str, Any]) -> TierBytes:
                 f"the {tier} tier is sized twice: give one of {slots_key}={extra[slots_key]!r} "
                 f"and {key}={extra[key]!r}"
             )
-    return TierBytes(**sizes)
+    return TierBytes(**sizes, host_per_rank=given.get("host") in PER_RANK_KEYS)
 
 
 def slot_cost(tier: str, chunk_bytes: int) -> int:

@@ -57,15 +57,17 @@ def serve_metrics(
         ) from None
 
 
-def sizing_note(config: ConnectorConfig, chunk_bytes: int) -> str | None:
-    """One log line with the slots each byte-sized tier got, or None when none is."""
+def sizing_note(config: ConnectorConfig, chunk_bytes: int, ranks: int = 1) -> str | None:
+    """One log line with the slots each byte-sized tier got (per rank with ``ranks`` > 1),
+    or None when none is."""
     parts = []
     for tier in ("host", "disk", "remote"):
-        budget = config.sizes.of(tier)
-        if budget:
+        if config.sizes.of(tier):
+            budget = config.sizes.per_rank(tier, ranks)
             slots = config.tier_slots(tier)
             used = slots * slot_cost(tier, chunk_bytes) / GIB
             parts.append(f"{tier} {slots} slots ({used:.3f} of {budget / GIB:.3f} GiB)")
     if not parts:
         return None
-    return f"kvplane: chunks of {chunk_bytes} bytes; " + ", ".join(parts)
+    each = f" per rank of {ranks}" if ranks > 1 else ""
+    return f"kvplane: chunks of {chunk_bytes} bytes{each}; " + ", ".join(parts)

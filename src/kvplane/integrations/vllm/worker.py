@@ -29,6 +29,7 @@ from kvplane.integrations.vllm.messages import (
     WorkerReport,
 )
 from kvplane.integrations.vllm.pool import VllmPool
+from kvplane.integrations.vllm.tp import TPShard
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.copier import ChunkCopier
 from kvplane.offload.jobs import JobResult, JobRunner, Work
@@ -41,19 +42,31 @@ _Part = tuple[str, StoreOp | LoadOp, TierWrite | None]
 
 class WorkerSide:
     """Worker half of the connector over one :class:`VllmPool`; not thread-safe (vLLM calls
-    every hook from the worker's one thread; jobs run on the runner's threads)."""
+    every hook from the worker's one thread; jobs run on the runner's threads).
+
+    ``fingerprint`` roots the chunk keys (the same on every rank); ``shard`` is this worker's
+    tensor-parallel rank: its pool holds the rank's head shard, its lower tiers are the rank's
+    own (:meth:`TPShard.offload`, :meth:`TPShard.tier_fingerprint`) and its reports name it."""
 
     def __init__(
-        self, config: ConnectorConfig, pool: VllmPool, fingerprint: bytes, metrics: MetricsRegistry
+        self,
+        config: ConnectorConfig,
+        pool: VllmPool,
+        fingerprint: bytes,
+        metrics: MetricsRegistry,
+        shard: TPShard | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
+        self.shard = TPShard() if shard is None else shard
+        self.rank = self.shard.rank
         self.bpc = config.blocks_per_chunk
         chunk_bytes = self.bpc * pool.bytes_per_block
         off = config.offload
         self.host = HostTier(off.host_slots, chunk_bytes, pin_memory=off.pin_memory)
         self.copier = ChunkCopier(pool.layout, pool.tensor, self.host, self.bpc, off.staging_blocks)
-        tiers = open_lower_tiers(off, chunk_bytes, pool.layout.fingerprint(), metrics)
+        tier_fp = self.shard.tier_fingerprint(pool.layout.fingerprint())
+        tiers = open_lower_tiers(self.shard.offload(off), chunk_bytes, tier_fp, metrics)
         self.lower: dict[str, Tier] = {t.name: t for t in tiers}
         try:
             found = tuple(
@@ -115,7 +128,7 @@ class WorkerSide:
         for op in meta.stores:
             if op.req_id in self._failed_reqs:
                 fail = (False,) * len(op.keys)
-                self._reports.append(JobReport(op.job_id, "host", fail))
+                self._reports.append(JobReport(op.job_id, "host", fail, self.rank))
                 self._submit_writes(op, fail)
             else:
                 self._submit_gather(op)
@@ -163,7 +176,9 @@ class WorkerSide:
             if tier is None or not all(ok[i] for i in write.indices):
                 # Never write a chunk whose gather failed; partial batches stay simple: the
                 # whole write fails and the scheduler frees its slots.
-                self._reports.append(JobReport(op.job_id, write.tier, (False,) * len(keys)))
+                self._reports.append(
+                    JobReport(op.job_id, write.tier, (False,) * len(keys), self.rank)
+                )
                 continue
             payloads = [self.host.slot(SlotId(op.host_slots[i])) for i in write.indices]
             job = self.jobs.new_job(keys, "host", write.tier)
@@ -224,7 +239,7 @@ class WorkerSide:
                 self._loads.discard(result.job.job_id)
                 self._finish_load(op, result.ok)
             elif kind == "gather":
-                self._reports.append(JobReport(op.job_id, "host", result.ok))
+                self._reports.append(JobReport(op.job_id, "host", result.ok, self.rank))
                 left = self._gathers.get(op.req_id)
                 if left is not None:
                     left.discard(op.job_id)
@@ -232,7 +247,7 @@ class WorkerSide:
                         del self._gathers[op.req_id]
                 self._submit_writes(op, result.ok)
             elif write is not None:
-                self._reports.append(JobReport(op.job_id, write.tier, result.ok))
+                self._reports.append(JobReport(op.job_id, write.tier, result.ok, self.rank))
 
     def _finish_load(self, op: LoadOp, ok: Sequence[bool]) -> None:
         flags = tuple(ok) + (False,) * (len(op.keys) - len(ok))
@@ -243,7 +258,7 @@ class WorkerSide:
             self._errors.update(failed)
             self._failed_reqs.add(op.req_id)
             self._m_err.inc(len(failed))
-        self._reports.append(JobReport(op.job_id, "device", flags))
+        self._reports.append(JobReport(op.job_id, "device", flags, self.rank))
 
     # -- shutdown --------------------------------------------------------------------------------
     def wait(self, timeout: float) -> None:
