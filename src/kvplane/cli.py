@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from kvplane import __version__
-from kvplane.apps import demo, generate, report, serve
+from kvplane.apps import demo, generate, report, serve, simulate
 from kvplane.apps.bench import command as bench
 from kvplane.errors import KVPlaneError
 
 
 def _commands() -> list[ModuleType]:
-    return [demo, bench, generate, serve, report]
+    return [demo, bench, generate, serve, report, simulate]
 
 
 def build_parser() -> argparse.ArgumentParser:

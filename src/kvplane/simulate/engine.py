@@ -1,0 +1,244 @@
+"""The simulated PD cluster: arrival → router → prefill → transfer → decode → done.
+
+:class:`Simulation` owns the event handlers and the model state (flights, workers, tiers). A
+prefill looks its prompt up across tiers, loads the hit chunks, computes the rest slice by slice
+and sends the KV (:func:`~kvplane.simulate.timing.transfer_schedule`); its chunks are stored when
+it ends. Failures kill a worker; its lease later re-routes its requests. See docs/simulate.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvplane.simulate.events import EventLoop
+from kvplane.simulate.result import FailureResult, Outcome
+from kvplane.simulate.router import Router
+from kvplane.simulate.spec import ROLES, TIER_ORDER, ClusterSpec
+from kvplane.simulate.tiers import TierCache, hit_tokens, prefix_walk
+from kvplane.simulate.timing import book_op, compute_s, prefill_slices, tpot_s, transfer_pieces
+from kvplane.simulate.workers import DecodeWorker, Flight, PrefillWorker
+from kvplane.simulate.workload import Request, reusable_blocks, stored_blocks
+
+ARRIVE, PREFILL_DONE, SEND, READY, DECODE_DONE, KILL, DETECT = range(7)
+
+
+class Simulation:
+    """One run of ``requests`` (sorted by arrival) on ``spec``; :meth:`run` once, then read
+    :meth:`outcomes`, the workers, tiers and totals (``result.summarize`` does)."""
+
+    def __init__(self, spec: ClusterSpec, requests: Sequence[Request]) -> None:
+        self.spec = spec
+        self.requests = requests
+        self.loop = EventLoop()
+        self.router = Router(spec.router, spec.prefill_workers, spec.decode_workers)
+        held = spec.geometry.held_bytes_per_token
+        self.held = held
+        shared = {t.name: TierCache(t, held) for t in spec.tiers if t.shared}
+        self.prefill: list[PrefillWorker] = []
+        for i in range(spec.prefill_workers):
+            local = {t.name: TierCache(t, held) for t in spec.tiers if not t.shared}
+            chain = [local.get(n) or shared[n] for n in TIER_ORDER if n in local or n in shared]
+            self.prefill.append(PrefillWorker(i, list(local.values()), chain))
+        self.shared = list(shared.values())
+        self.decode = [DecodeWorker(i, spec.decode) for i in range(spec.decode_workers)]
+        self.flights = [Flight(r) for r in sorted(requests, key=lambda r: r.rid)]
+        self.transport_bytes = 0
+        self.lookup_tokens = self.lookup_hits = 0
+        self.failures: list[FailureResult] = []
+
+    # -- driving -----------------------------------------------------------------------------
+    def run(self) -> None:
+        """Simulate every request to its end (each finishes exactly once)."""
+        for f in self.spec.failures:
+            self.loop.at(f.at_s, KILL, ROLES.index(f.role), f.index)
+        if self.requests:
+            self.loop.at(self.requests[0].arrival_s, ARRIVE, 0)
+        early = (self._arrive, self._prefill_done, self._send, self._ready)
+        self.loop.run((*early, self._decode_done, self._kill, self._detect))
+
+    def outcomes(self) -> list[Outcome]:
+        """Every request's final attempt, by request id."""
+        return [
+            Outcome(
+                f.req.rid,
+                f.req.output_tokens,
+                f.req.arrival_s,
+                f.prefill_start,
+                f.compute_start,
+                f.prefill_end,
+                f.ready,
+                f.decode_start,
+                f.done,
+                f.hit_tokens,
+                f.attempt + 1,
+            )
+            for f in self.flights
+        ]
+
+    # -- arrival and routing -------------------------------------------------------------------
+    def _arrive(self, index: int, _: int) -> None:
+        nxt = index + 1
+        if nxt < len(self.requests):
+            self.loop.at(self.requests[nxt].arrival_s, ARRIVE, nxt)
+        self._route(self.flights[self.requests[index].rid])
+
+    def _route(self, f: Flight) -> None:
+        now = self.loop.now
+        req = f.req
+        blocks = reusable_blocks(req.input_tokens)
+        backlog = [max(0.0, p.busy_until - now) + p.backlog_s for p in self.prefill]
+        est: dict[int, float] = {}  # worker -> compute left after its cached prefix
+
+        def compute_left(i: int) -> float:
+            if i not in est:
+                hit = hit_tokens(prefix_walk(self.prefill[i].chain, req.hash_ids, blocks))
+                est[i] = compute_s(self.spec.prefill, hit, req.input_tokens)
+            return est[i]
+
+        p = self.prefill[self.router.pick_prefill(backlog, lambda i: backlog[i] + compute_left(i))]
+        d = self.decode[self.router.pick_decode([len(w.flights) for w in self.decode])]
+        f.pw, f.dw = p.index, d.index
+        f.est_s = compute_left(p.index)
+        p.backlog_s += f.est_s
+        p.queue.append(req.rid)
+        p.flights.add(req.rid)
+        d.flights.add(req.rid)
+        if p.current < 0 and p.alive:
+            self._start_prefill(p)
+
+    # -- prefill -------------------------------------------------------------------------------
+    def _start_prefill(self, p: PrefillWorker) -> None:
+        now = self.loop.now
+        f = self.flights[p.queue.popleft()]
+        req = f.req
+        p.current = req.rid
+        p.backlog_s = max(0.0, p.backlog_s - f.est_s)
+        walk = prefix_walk(p.chain, req.hash_ids, reusable_blocks(req.input_tokens))
+        hit = hit_tokens(walk)
+        loaded = now
+        for ti, tier in enumerate(p.chain):
+            keys = [req.hash_ids[b] for t, b in walk if t == ti]
+            if keys:
+                loaded = max(loaded, tier.load(keys, now))
+        self.lookup_tokens += req.input_tokens
+        self.lookup_hits += hit
+        slices = prefill_slices(self.spec.prefill, hit, req.input_tokens, loaded)
+        end = slices[-1][2]
+        held = self.held
+        pieces = [(loaded, hit * held)] if hit else []
+        pieces.extend((t, (e - s) * held) for s, e, t in slices)
+        f.pieces = transfer_pieces(pieces, end, self.spec.prefill.pipelined)
+        f.next_piece = 0
+        f.hit_tokens, f.prefill_start, f.compute_start, f.prefill_end = hit, now, loaded, end
+        f.ready = -1.0
+        f.transfer_s = f.hidden_s = 0.0
+        p.busy_s += end - now
+        p.busy_until = end
+        self.loop.at(end, PREFILL_DONE, p.index, req.rid)
+        for at, _ in f.pieces:
+            self.loop.at(at, SEND, req.rid, f.attempt)
+
+    def _send(self, rid: int, attempt: int) -> None:
+        """The next piece of a flight's KV is ready: book it on the PD link (in time order, so
+        transfers from different prefill workers queue fairly at a decode worker)."""
+        f = self.flights[rid]
+        p, d = self.prefill[f.pw], self.decode[f.dw]
+        if f.attempt != attempt or not p.alive or not d.alive:
+            return  # re-routed since, or a side died (its lease will re-route the flight)
+        at, nbytes = f.pieces[f.next_piece]
+        f.next_piece += 1
+        start, landed = book_op(self.spec.transport, at, nbytes, p.link, d.link)
+        self.transport_bytes += nbytes
+        f.transfer_s += landed - start
+        f.hidden_s += max(0.0, min(landed, f.prefill_end) - start)
+        f.ready = max(f.ready, landed)
+        if f.next_piece == len(f.pieces):
+            self.loop.at(f.ready, READY, rid, attempt)
+
+    def _prefill_done(self, pw: int, rid: int) -> None:
+        p = self.prefill[pw]
+        if not p.alive or p.current != rid:
+            return
+        req = self.flights[rid].req
+        blocks = stored_blocks(req.input_tokens)
+        for tier in p.chain:
+            tier.store(req.hash_ids, blocks, self.loop.now)
+        p.current = -1
+        if p.queue:
+            self._start_prefill(p)
+
+    # -- decode --------------------------------------------------------------------------------
+    def _ready(self, rid: int, attempt: int) -> None:
+        f = self.flights[rid]
+        if f.attempt != attempt or not self.prefill[f.pw].alive:
+            return  # re-routed since, or its sender died (its lease will re-route it)
+        self.prefill[f.pw].flights.discard(rid)
+        d = self.decode[f.dw]
+        if d.alive:
+            d.queue.append(rid)
+            self._admit(d)
+
+    def _admit(self, d: DecodeWorker) -> None:
+        now = self.loop.now
+        while d.queue:
+            f = self.flights[d.queue[0]]
+            context = f.req.input_tokens + f.req.output_tokens
+            if not d.can_admit(context * self.held):
+                return
+            d.queue.popleft()
+            d.admit(context, context * self.held)
+            f.decode_start = now
+            hold = (f.req.output_tokens - 1) * tpot_s(self.spec.decode, d.context)
+            self.loop.at(now + hold, DECODE_DONE, f.req.rid, f.attempt)
+
+    def _decode_done(self, rid: int, attempt: int) -> None:
+        f = self.flights[rid]
+        d = self.decode[f.dw]
+        if f.attempt != attempt or not d.alive:
+            return
+        context = f.req.input_tokens + f.req.output_tokens
+        d.release(context, context * self.held, self.loop.now - f.decode_start)
+        d.flights.discard(rid)
+        f.done = self.loop.now
+        f.finished += 1
+        self._admit(d)
+
+    # -- failures ------------------------------------------------------------------------------
+    def _kill(self, role: int, index: int) -> None:
+        """The worker stops: its events are ignored from now on and its own tiers are lost."""
+        if role == 0:
+            self.prefill[index].alive = False
+            for tier in self.prefill[index].local:
+                tier.clear()
+        else:
+            self.decode[index].alive = False
+        self.loop.at(self.loop.now + self.spec.lease_s, DETECT, role, index)
+
+    def _detect(self, role: int, index: int) -> None:
+        """The worker's lease ran out: the router drops it, the survivors release what its
+        sessions held (after an abort round trip and any op still in flight), and its requests
+        are routed again from scratch."""
+        now = self.loop.now
+        self.router.mark_dead(ROLES[role], index)
+        dead = self.prefill[index] if role == 0 else self.decode[index]
+        rids = sorted(dead.flights)
+        released = now + self.spec.transport.rtt_s
+        for rid in rids:
+            f = self.flights[rid]
+            if f.ready > now:  # KV still in flight
+                released = max(released, f.ready)
+            f.attempt += 1
+            p, d = self.prefill[f.pw], self.decode[f.dw]
+            if rid in p.queue:
+                p.queue.remove(rid)
+                p.backlog_s = max(0.0, p.backlog_s - f.est_s)
+            p.flights.discard(rid)
+            d.flights.discard(rid)
+            if rid in d.queue:
+                d.queue.remove(rid)
+        killed_at = now - self.spec.lease_s
+        self.failures.append(
+            FailureResult(ROLES[role], index, killed_at, len(rids), released - killed_at)
+        )
+        for rid in rids:
+            self._route(self.flights[rid])
