@@ -193,7 +193,7 @@ def test_close_fails_queued_batches_and_stops_the_poster(kit):
     closer = threading.Thread(target=t.close)
     closer.start()
     end = time.monotonic() + 10
-    while not t._stopping and time.monotonic() < end:  # closing before the copy returns
+    while not t.poll(second).state.terminal and time.monotonic() < end:  # close failed it
         time.sleep(1e-3)
     gated.gate.set()
     closer.join(30)
@@ -435,7 +435,7 @@ def test_close_while_the_poster_is_stuck_in_transfer_ends_the_batch_in_doubt(kit
     t, src, dst, peer, _ = _gated_loopback("nixl-stuck", ones, zeros)
     stuck = _StuckTransfer()
     t._agent.transfer = stuck
-    poster = t._poster
+    poster = t._poster.thread
     try:
         running = t.submit(XferKind.WRITE, kit.one(src, 0, 32), kit.one(dst, 0, 32), peer)
         queued = t.submit(XferKind.WRITE, kit.one(src, 32, 32), kit.one(dst, 32, 32), peer)

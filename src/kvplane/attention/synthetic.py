@@ -6,7 +6,7 @@ caller's tensors. See docs/attention.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,10 +72,17 @@ class Inputs:
     cache: MLAKVCache | GQAKVCache
 
 
-def _randn(
-    shape: Sequence[int], dtype: torch.dtype, dev: torch.device, gen: torch.Generator
-) -> torch.Tensor:
-    return torch.randn(tuple(shape), generator=gen, dtype=torch.float32).to(dev, dtype)
+def _sampler(
+    dtype: torch.dtype, device: torch.device | str, seed: int
+) -> Callable[[Sequence[int]], torch.Tensor]:
+    """``randn(shape)``: standard normal tensors of ``dtype`` on ``device``, drawn in float32
+    on the CPU from one generator seeded with ``seed`` (the same values on every device)."""
+    gen, dev = torch.Generator().manual_seed(seed), torch.device(device)
+
+    def randn(shape: Sequence[int]) -> torch.Tensor:
+        return torch.randn(tuple(shape), generator=gen, dtype=torch.float32).to(dev, dtype)
+
+    return randn
 
 
 def make_mla_inputs(
@@ -91,27 +98,22 @@ def make_mla_inputs(
     seed: int = 0,
 ) -> Inputs:
     """Seeded random MLA query/cache (with ``up_proj`` for a non-absorbed ``shape``)."""
-    gen = torch.Generator().manual_seed(seed)
-    dev = torch.device(device)
-    t = metadata.structure().num_tokens
+    randn = _sampler(dtype, device, seed)
+    t, h = metadata.structure().num_tokens, shape.num_heads
     r, p = shape.kv_lora_rank, shape.rope_dim
     nope = shape.qk_nope_dim or r
-    data = _randn((num_pages, metadata.page_size, r + p), dtype, dev, gen)
+    data = randn((num_pages, metadata.page_size, r + p))
     up = None
     if shape.qk_nope_dim is not None and shape.v_head_dim is not None:
         scale = r**-0.5
         up = MLAUpProjection(
-            _randn((shape.num_heads, r, shape.qk_nope_dim), dtype, dev, gen) * scale,
-            _randn((shape.num_heads, r, shape.v_head_dim), dtype, dev, gen) * scale,
+            randn((h, r, shape.qk_nope_dim)) * scale, randn((h, r, shape.v_head_dim)) * scale
         )
     cache = MLAKVCache(data, r, up)
     if layout is QueryLayout.PACKED:
-        query = MLAQuery.packed(_randn((t, shape.num_heads, nope + p), dtype, dev, gen), nope)
+        query = MLAQuery.packed(randn((t, h, nope + p)), nope)
     else:
-        query = MLAQuery.split(
-            _randn((t, shape.num_heads, nope), dtype, dev, gen),
-            _randn((t, shape.num_heads, p), dtype, dev, gen),
-        )
+        query = MLAQuery.split(randn((t, h, nope)), randn((t, h, p)))
     problem = mla_problem(
         query, cache, metadata, sm_scale=sm_scale, causal=causal, absorbed=shape.absorbed
     )
@@ -130,12 +132,10 @@ def make_gqa_inputs(
     seed: int = 0,
 ) -> Inputs:
     """Seeded random GQA query and K/V pools."""
-    gen = torch.Generator().manual_seed(seed)
-    dev = torch.device(device)
-    t = metadata.structure().num_tokens
+    randn = _sampler(dtype, device, seed)
     kv_shape = (num_pages, metadata.page_size, shape.num_kv_heads, shape.head_dim)
-    cache = GQAKVCache(_randn(kv_shape, dtype, dev, gen), _randn(kv_shape, dtype, dev, gen))
-    query = GQAQuery(_randn((t, shape.num_heads, shape.head_dim), dtype, dev, gen))
+    cache = GQAKVCache(randn(kv_shape), randn(kv_shape))
+    query = GQAQuery(randn((metadata.structure().num_tokens, shape.num_heads, shape.head_dim)))
     problem = gqa_problem(query, cache, metadata, sm_scale=sm_scale, causal=causal)
     return Inputs(problem, query, cache)
 

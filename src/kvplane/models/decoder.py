@@ -20,12 +20,11 @@ from kvplane.attention import (
     Selector,
     default_registry,
 )
-from kvplane.blocks.hashing import TokenIds
 from kvplane.errors import InvalidArgumentError
 from kvplane.layout import BLOCK_MAJOR, Axis, KVLayout
 from kvplane.metrics import MetricsRegistry
 from kvplane.models.config import ModelConfig
-from kvplane.models.generate import GenerationResult, PagedContext, greedy_generate
+from kvplane.models.generate import greedy_generate
 from kvplane.models.kv import PagedKVCache
 from kvplane.models.layers import Embedding, Linear, RMSNorm
 from kvplane.models.step import StepBatch
@@ -170,18 +169,6 @@ class PagedDecoder(abc.ABC):
             )
 
     # -- generation -----------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt_ids: TokenIds,
-        max_new_tokens: int,
-        step_size: int | None = None,
-        *,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        context: PagedContext | None = None,
-    ) -> GenerationResult:
-        """Greedy generation in this process (see :func:`~kvplane.models.greedy_generate`)."""
-        return greedy_generate(
-            self, prompt_ids, max_new_tokens, step_size=step_size, block_size=block_size,
-            num_blocks=num_blocks, context=context,
-        )  # fmt: skip
+    generate = greedy_generate
+    """``model.generate(prompt_ids, max_new_tokens, step_size, ...)``: greedy generation in this
+    process (:func:`~kvplane.models.greedy_generate` with this model)."""

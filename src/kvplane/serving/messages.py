@@ -85,25 +85,28 @@ class ErrorReply(Message, frozen=True, kw_only=True, tag="error"):
     reason: _Text
 
 
-class PrefillOrder(Message, frozen=True, kw_only=True, tag="prefill_order"):
-    """To a prefill worker: compute ``token_ids`` and send the KV to ``decode_peer``."""
+class PairOrder(Message, frozen=True, kw_only=True):
+    """Base of the two orders of one PD request, one to each worker of the pair: the request,
+    the PD session that carries its KV, and its prompt."""
 
     request_id: _Id
     session_id: _Id
-    decode_peer: _Id
     token_ids: _Tokens
+
+
+class PrefillOrder(PairOrder, frozen=True, kw_only=True, tag="prefill_order"):
+    """To a prefill worker: compute ``token_ids`` and send the KV to ``decode_peer``."""
+
+    decode_peer: _Id
     step_size: _Count = 0
     """Tokens per prefill step; 0 means the worker's default."""
 
 
-class DecodeOrder(Message, frozen=True, kw_only=True, tag="decode_order"):
+class DecodeOrder(PairOrder, frozen=True, kw_only=True, tag="decode_order"):
     """To a decode worker: receive the KV of ``token_ids`` from ``prefill_peer`` and decode.
     Answered with a :class:`RequestResult` when the request ends (any way)."""
 
-    request_id: _Id
-    session_id: _Id
     prefill_peer: _Id
-    token_ids: _Tokens
     max_new_tokens: _Count = 1
 
 

@@ -11,39 +11,48 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import ClassVar
 
 from kvplane.errors import ConfigError
 from kvplane.validators import require_int, require_number, require_probability
 
-T = TypeVar("T")
 
+class _ExclusiveFaults:
+    """Base of a fault plan: exclusive probabilities named by ``FATES`` (drawn in that order)
+    and non-negative delays named by ``DELAYS``, checked at construction."""
 
-def _check(owner: object, probabilities: tuple[str, ...], seconds: tuple[str, ...]) -> None:
-    name = type(owner).__name__
-    total = sum(
-        require_probability(f"{name}.{attr}", getattr(owner, attr), error=ConfigError)
-        for attr in probabilities
-    )
-    if total > 1.0 + 1e-12:
-        raise ConfigError(f"{name}: the probabilities of its exclusive faults sum past 1")
-    for attr in seconds:
-        require_number(f"{name}.{attr}", getattr(owner, attr), min=0, error=ConfigError)
+    __slots__ = ()
+    FATES: ClassVar[tuple[str, ...]]
+    DELAYS: ClassVar[tuple[str, ...]]
 
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        total = sum(
+            require_probability(f"{name}.{attr}", getattr(self, attr), error=ConfigError)
+            for attr in self.FATES
+        )
+        if total > 1.0 + 1e-12:
+            raise ConfigError(f"{name}: the probabilities of its exclusive faults sum past 1")
+        for attr in self.DELAYS:
+            require_number(f"{name}.{attr}", getattr(self, attr), min=0, error=ConfigError)
 
-def _draw(rng: random.Random, fates: list[tuple[T, float]], default: T) -> T:
-    """One draw of ``rng`` among exclusive ``(fate, probability)`` pairs; ``default`` for the
-    rest of the unit interval."""
-    roll = rng.random()
-    for fate, prob in fates:
-        if roll < prob:
-            return fate
-        roll -= prob
-    return default
+    @property
+    def any(self) -> bool:
+        return any(getattr(self, fate) for fate in self.FATES)
+
+    def _draw(self, rng: random.Random) -> str | None:
+        """One draw of ``rng``: the fate it falls on, None for the rest of the unit interval."""
+        roll = rng.random()
+        for fate in self.FATES:
+            prob = getattr(self, fate)
+            if roll < prob:
+                return fate
+            roll -= prob
+        return None
 
 
 @dataclass(frozen=True, slots=True)
-class FrameFaults:
+class FrameFaults(_ExclusiveFaults):
     """Per-frame probabilities on a control wire; exclusive, drawn once per frame in this order.
 
     ``drop``: never arrives. ``duplicate``: arrives twice. ``reorder``: held up to
@@ -51,24 +60,17 @@ class FrameFaults:
     frames are bytes: the simulated link).
     """
 
+    FATES: ClassVar[tuple[str, ...]] = ("drop", "duplicate", "reorder", "corrupt")
+    DELAYS: ClassVar[tuple[str, ...]] = ("reorder_s",)
     drop: float = 0.0
     duplicate: float = 0.0
     reorder: float = 0.0
     corrupt: float = 0.0
     reorder_s: float = 0.01
 
-    def __post_init__(self) -> None:
-        _check(self, ("drop", "duplicate", "reorder", "corrupt"), ("reorder_s",))
-
-    @property
-    def any(self) -> bool:
-        return bool(self.drop or self.duplicate or self.reorder or self.corrupt)
-
     def pick(self, rng: random.Random) -> str:
         """One frame's fate, one draw: a field name (``"drop"``, ...) or ``"ok"``."""
-        return _draw(
-            rng, [(f, getattr(self, f)) for f in ("drop", "duplicate", "reorder", "corrupt")], "ok"
-        )
+        return self._draw(rng) or "ok"
 
 
 class Fate(enum.Enum):
@@ -83,13 +85,15 @@ class Fate(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class TransferFaults:
+class TransferFaults(_ExclusiveFaults):
     """Per-transfer probabilities of each :class:`Fate` (exclusive); the rest report the truth.
 
     A FAILED, IN_DOUBT or late report is made only after the real transfer ended, so no byte
     lands after its report.
     """
 
+    FATES: ClassVar[tuple[str, ...]] = ("submit_error", "fail", "in_doubt", "late", "hang")
+    DELAYS: ClassVar[tuple[str, ...]] = ("late_s",)
     submit_error: float = 0.0
     fail: float = 0.0
     in_doubt: float = 0.0
@@ -97,17 +101,9 @@ class TransferFaults:
     hang: float = 0.0
     late_s: float = 0.5
 
-    def __post_init__(self) -> None:
-        _check(self, ("submit_error", "fail", "in_doubt", "late", "hang"), ("late_s",))
-
-    @property
-    def any(self) -> bool:
-        return bool(self.submit_error or self.fail or self.in_doubt or self.late or self.hang)
-
     def pick(self, rng: random.Random) -> Fate:
         """One transfer's fate, one draw of ``rng``."""
-        fates = (Fate.SUBMIT_ERROR, Fate.FAIL, Fate.IN_DOUBT, Fate.LATE, Fate.HANG)
-        return _draw(rng, [(f, getattr(self, f.value)) for f in fates], Fate.OK)
+        return Fate(self._draw(rng) or "ok")
 
 
 @dataclass(frozen=True, slots=True)

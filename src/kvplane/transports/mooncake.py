@@ -10,7 +10,6 @@ import base64
 import contextlib
 import queue
 import socket
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +33,7 @@ from kvplane.transports.core import TransportCore
 from kvplane.transports.pointers import addresses, local_bases, peer_tables, region_infos
 from kvplane.transports.regions import RegionEntry
 from kvplane.transports.wire import WIRE_VERSION, Metadata, decode_metadata, encode
+from kvplane.transports.workers import JobThread
 
 INSTALL_HINT = (
     "Mooncake Transfer Engine is not installed: pip install mooncake-transfer-engine-non-cuda "
@@ -109,12 +109,7 @@ class MooncakeTransport(TransportCore):
         if self._engine.register_memory(self._mailbox.data_ptr(), _MAILBOX) != 0:
             raise TransportError("Mooncake engine refused to register the mailbox")
         self._remotes: dict[PeerId, _Remote] = {}
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._stopping = False
-        self._worker = threading.Thread(
-            target=self._work, name=f"kvplane-mooncake-{self.agent}-worker", daemon=True
-        )
-        self._worker.start()
+        self._worker = JobThread(f"kvplane-mooncake-{self.agent}-worker", self._work)
 
     # -- memory and metadata -------------------------------------------------------------------
     def _on_register(self, entry: RegionEntry) -> None:
@@ -149,7 +144,7 @@ class MooncakeTransport(TransportCore):
     ) -> None:  # fmt: skip
         with self._lock:
             remote = self._remotes[peer.peer_id]
-        self._jobs.put(_Job(batch, src, dst, notify, remote))
+        self._worker.put(_Job(batch, src, dst, notify, remote))
 
     def _call(self, remote: _Remote, kind: XferKind, lists: list[list[int]], notify: Any) -> int:
         rc = int(self._engine.batch_transfer_sync(remote.session, *lists, self._ops[kind], notify))
@@ -193,15 +188,11 @@ class MooncakeTransport(TransportCore):
         # every engine call returned: unpinned before DONE shows, a caller may deregister then
         self._batches.finish(batch, XferState.DONE, quiescent=True)
 
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if self._stopping:
-                self._batches.finish(job.batch, XferState.FAILED, FailureKind.LOCAL_ERROR,
-                                     "transport closed")  # fmt: skip
-            elif self._batches.begin(job.batch):
+    def _work(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
+        """The worker thread: each batch in turn (one that ended while queued, by cancel,
+        deadline or close, is only released)."""
+        while (job := jobs.get()) is not None:
+            if self._batches.begin(job.batch):
                 try:
                     self._run(job)
                 except Exception as exc:  # an engine exception fails this batch, not the worker
@@ -217,9 +208,7 @@ class MooncakeTransport(TransportCore):
         return super().notifications()
 
     def _close(self) -> None:
-        self._stopping = True
-        self._jobs.put(None)
-        self._worker.join(60.0)
+        self._worker.stop(60.0)
         with contextlib.suppress(Exception):
             self._engine.unregister_memory(self._mailbox.data_ptr())
 

@@ -12,7 +12,6 @@ import os
 import queue
 import secrets
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from kvplane.transports.copier import coalesce
 from kvplane.transports.core import TransportCore
 from kvplane.transports.regions import RegionEntry
 from kvplane.transports.wire import WIRE_VERSION, Metadata, decode_metadata, encode
+from kvplane.transports.workers import JobThread
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +135,6 @@ class _Job:
     ``connect`` may refresh the peer's table before the poster gets to the batch)."""
 
 
-_STOP = None
-"""Queued by ``close``: the poster finishes what it holds and exits."""
 CLOSE_RELEASE_S = 5.0
 """How long ``close`` keeps asking NIXL to let go of a request still active."""
 CLOSE_JOIN_S = 60.0
@@ -169,12 +167,7 @@ class NixlTransport(TransportCore):
         except Exception as exc:
             raise TransportError(f"cannot create NIXL agent {self.agent!r}: {exc!r}") from None
         self._bases: dict[PeerId, dict[RegionId, int]] = {}
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._stopping = False
-        self._poster = threading.Thread(
-            target=self._post_loop, name=f"kvplane-nixl-{self.agent}-post", daemon=True
-        )
-        self._poster.start()
+        self._poster = JobThread(f"kvplane-nixl-{self.agent}-post", self._post_loop)
 
     # -- memory and metadata -------------------------------------------------------------------
     def _on_register(self, entry: RegionEntry) -> None:
@@ -222,16 +215,13 @@ class NixlTransport(TransportCore):
             bases = self._bases.get(peer.peer_id)
         if bases is None:
             raise TransportError(f"no NIXL metadata for peer {peer.peer_id}")
-        self._jobs.put(_Job(batch, src, dst, peer.peer_id, notify, bases))
+        self._poster.put(_Job(batch, src, dst, peer.peer_id, notify, bases))
 
     def _abort(self, batch: Batch) -> None:
         """Nothing here: the poster sees the batch ended and releases its NIXL request."""
 
     def _close(self) -> None:
-        self._stopping = True
-        self._jobs.put(_STOP)
-        self._poster.join(CLOSE_JOIN_S)
-        if self._poster.is_alive():  # stuck inside a NIXL call: its memory may still be used
+        if not self._poster.stop(CLOSE_JOIN_S):  # stuck in a NIXL call: its memory may be used
             log.error("NIXL poster of %s did not stop within %s s of close", self.agent,
                       CLOSE_JOIN_S)  # fmt: skip
         with self._lock:
@@ -249,13 +239,14 @@ class NixlTransport(TransportCore):
         return super().notifications()
 
     # -- transfers: the poster thread ----------------------------------------------------------
-    def _post_loop(self) -> None:
+    def _post_loop(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
+        """The poster thread; ``None`` (queued by ``close``): release what it holds and exit."""
         running: list[Batch] = []
         idle = 0
         while True:
-            items = self._take(min(POLL_MAX_S, POLL_MIN_S * 2**idle) if running else None)
+            items = self._take(jobs, min(POLL_MAX_S, POLL_MIN_S * 2**idle) if running else None)
             for item in items:
-                if item is _STOP:
+                if item is None:
                     self._release_all(running)
                     return
                 try:
@@ -294,15 +285,16 @@ class NixlTransport(TransportCore):
             if running:
                 time.sleep(POLL_MAX_S)
 
-    def _take(self, timeout_s: float | None) -> list[_Job | None]:
+    @staticmethod
+    def _take(jobs: queue.SimpleQueue[_Job | None], timeout_s: float | None) -> list[_Job | None]:
         """Every queued item, waiting up to ``timeout_s`` (None: until one comes) for the first."""
         try:
-            items = [self._jobs.get(timeout=timeout_s)]
+            items = [jobs.get(timeout=timeout_s)]
         except queue.Empty:
             return []
         while True:
             try:
-                items.append(self._jobs.get_nowait())
+                items.append(jobs.get_nowait())
             except queue.Empty:
                 return items
 
@@ -310,9 +302,6 @@ class NixlTransport(TransportCore):
         """Post one queued batch to NIXL; add it to ``running`` unless it has ended and its
         request is released."""
         batch = job.batch
-        if self._stopping:
-            self._batches.finish(batch, XferState.FAILED, FailureKind.LOCAL_ERROR,
-                                 "transport closed")  # fmt: skip
         if not self._batches.begin(batch):  # cancelled, timed out or closed while queued
             self._batches.quiesce(batch)
             return

@@ -218,15 +218,10 @@ class ShmTransport(StreamTransport):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self._connect_timeout)
         ch = Channel(sock)
-        try:
-            sock.connect("\0" + meta.address)
-            agent, welcome, fds = self._handshake(ch, meta.agent, with_fds=True)
-        except OSError as exc:
-            ch.close()
-            raise TransportError(f"cannot reach shm peer {meta.agent!r}: {exc}") from None
-        except BaseException:
-            ch.close()
-            raise
+        agent, welcome, fds = self._handshake(
+            ch, meta.agent, failure=f"cannot reach shm peer {meta.agent!r}",
+            address="\0" + meta.address, with_fds=True,
+        )  # fmt: skip
         try:
             if agent != meta.agent or len(fds) != len(welcome.segments):
                 raise MalformedMessageError(f"bad WELCOME from {agent!r} (expected {meta.agent!r})")
@@ -247,7 +242,6 @@ class ShmTransport(StreamTransport):
         finally:
             for fd in fds:
                 os.close(fd)
-        sock.settimeout(None)
         peer, state = self._install(PeerId(agent), ch, welcome)
         assert isinstance(state, _ShmLink)
         state.mappings, state.views = mappings, views  # in-flight jobs keep their old views

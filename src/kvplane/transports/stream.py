@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvplane.errors import HandshakeError, InvalidArgumentError, KVPlaneError
+from kvplane.errors import HandshakeError, InvalidArgumentError, KVPlaneError, TransportError
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferState
@@ -135,11 +135,25 @@ class StreamTransport(TransportCore):
                                   self._admission)  # fmt: skip
 
     def _handshake(
-        self, ch: Channel, expect: str, *, with_fds: bool = False
-    ) -> tuple[str, Welcome, list[int]]:
-        """Initiator side of the handshake on a connected ``ch`` (within ``connect_timeout_s``)."""
-        return client_handshake(ch, self.agent, self.name, self._secret, expect=expect,
-                                with_fds=with_fds, timeout_s=self._connect_timeout)  # fmt: skip
+        self, ch: Channel, expect: str, *, failure: str, address: str | None = None,
+        with_fds: bool = False,
+    ) -> tuple[str, Welcome, list[int]]:  # fmt: skip
+        """Initiator side of the handshake on ``ch``, its socket first connected to ``address``
+        unless None, each step within ``connect_timeout_s``; the socket is left blocking. Any
+        failure closes ``ch``; an ``OSError`` is raised as ``TransportError("{failure}: …")``."""
+        try:
+            if address is not None:
+                ch.sock.connect(address)
+            got = client_handshake(ch, self.agent, self.name, self._secret, expect=expect,
+                                   with_fds=with_fds, timeout_s=self._connect_timeout)  # fmt: skip
+        except OSError as exc:
+            ch.close()
+            raise TransportError(f"{failure}: {exc}") from None
+        except BaseException:
+            ch.close()
+            raise
+        ch.sock.settimeout(None)
+        return got
 
     def _install(self, peer_id: PeerId, ch: Channel, welcome: Welcome) -> tuple[Peer, LinkState]:
         """Adopt a handshaken channel as the peer's link, or only refresh a live link's table."""

@@ -139,15 +139,9 @@ class TcpTransport(StreamTransport):
             raise TransportError(f"cannot reach {meta.agent!r} at {meta.address}: {exc}") from None
         _tune(sock)
         ch = Channel(sock)
-        try:
-            _, welcome, _ = self._handshake(ch, meta.agent)
-        except OSError as exc:
-            ch.close()
-            raise TransportError(f"handshake with {meta.agent!r} failed: {exc}") from None
-        except BaseException:
-            ch.close()
-            raise
-        sock.settimeout(None)
+        _, welcome, _ = self._handshake(
+            ch, meta.agent, failure=f"handshake with {meta.agent!r} failed"
+        )
         return ch, welcome
 
     def _connect(self, peer_metadata: bytes) -> Peer:

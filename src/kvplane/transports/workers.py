@@ -1,4 +1,5 @@
-"""Helper threads that share one large copy with the calling thread.
+"""Helper threads of transports: :class:`CopyWorkers` share one large copy with the calling
+thread, :class:`JobThread` runs an engine adapter's submitted jobs in order.
 
 :meth:`CopyWorkers.run` returns only once no part runs; each transport owns its instance. See
 docs/transports.md.
@@ -6,13 +7,37 @@ docs/transports.md.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
 
 import torch
 
 from kvplane.validators import require_int
+
+J = TypeVar("J")
+
+
+class JobThread(Generic[J]):
+    """One daemon thread running ``loop(jobs)``, which takes jobs from ``jobs`` until it takes
+    ``None``; :meth:`stop` queues that ``None``."""
+
+    def __init__(self, name: str, loop: Callable[[queue.SimpleQueue[J | None]], None]) -> None:
+        self.jobs: queue.SimpleQueue[J | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=loop, args=(self.jobs,), name=name, daemon=True)
+        self.thread.start()
+
+    def put(self, job: J) -> None:
+        self.jobs.put(job)
+
+    def stop(self, timeout_s: float) -> bool:
+        """Ask the loop to end after the jobs queued before; wait up to ``timeout_s`` for it.
+        False if the thread still runs then (stuck in a job)."""
+        self.jobs.put(None)
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
 
 
 class CopyWorkers:

@@ -20,7 +20,14 @@ import torch
 from kvplane.attention.base import Capabilities, Plan, Verdict, plan_state, verdict
 from kvplane.attention.inputs import GQAKVCache, GQAQuery, MLAKVCache, MLAQuery
 from kvplane.attention.metadata import PagedStructure
-from kvplane.attention.paged import GroupedBatch, batch_groups, build_batch_index, gather_group
+from kvplane.attention.paged import (
+    GroupedBatch,
+    batch_groups,
+    build_batch_index,
+    empty_state,
+    gather_group,
+    padded_result,
+)
 from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
 from kvplane.errors import BackendError
 from kvplane.validators import require_int
@@ -149,6 +156,29 @@ def group_kv(
                     x = take(f"pool{i}:{dtype}", numel, dtype, pool.device).view(x.shape).copy_(x)
                 kv.append(x)
             yield GroupKV(slice(g.lo, g.hi), g.pages * index.page_size, g.masked, tuple(kv))
+
+
+def attend_groups(
+    scratch: Scratch,
+    plan: Plan,
+    batch: GroupedBatch,
+    attend: Callable[[GroupKV], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    pools: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    v_dim: int,
+    state_dtype: torch.dtype | None = None,
+) -> AttentionResult:
+    """The grouped backends' run: ``attend(part)`` gives ``(o [n, t, H, v_dim], lse [n, t, H])``
+    of each group of :func:`group_kv` (``pools`` gathered in ``dtype``), written into padded
+    state of ``state_dtype`` (default ``dtype``) that rows without KV keep at zeros and
+    ``-inf``; returns the unpadded result in the problem's dtype."""
+    p, index = plan.problem, batch.index
+    state = dtype if state_dtype is None else state_dtype
+    o, lse = empty_state(index, p.num_heads, v_dim, state, p.device)
+    for part in group_kv(scratch, batch, pools, dtype):
+        o[part.rows], lse[part.rows] = attend(part)
+    return padded_result(o, lse, index, p.dtype)
 
 
 class PagedBackend(ABC, Generic[S, Q, C]):

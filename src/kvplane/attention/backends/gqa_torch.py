@@ -11,22 +11,16 @@ import torch
 from kvplane.attention.backends.common import (
     GROUP_BYTES,
     GQABackend,
+    GroupKV,
+    attend_groups,
     compute_dtype,
-    group_kv,
     grouped_batch,
     torch_capabilities,
 )
 from kvplane.attention.base import Plan
 from kvplane.attention.inputs import GQAKVCache, GQAQuery
 from kvplane.attention.metadata import PagedStructure
-from kvplane.attention.paged import (
-    GroupedBatch,
-    empty_state,
-    pad_queries,
-    padded_result,
-    softmax_lse,
-    visible,
-)
+from kvplane.attention.paged import GroupedBatch, pad_queries, softmax_lse, visible
 from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult
 from kvplane.validators import require_int
 
@@ -53,13 +47,16 @@ class GQATorchBackend(GQABackend[GroupedBatch]):
         b, t, d = index.batch, index.t_max, shape.head_dim
         hkv, group = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads
         qg = pad_queries(query.q, index).to(cdt).view(b, t, hkv, group, d)
-        o, lse = empty_state(index, shape.num_heads, d, cdt, p.device)
-        for part in group_kv(self.scratch, state, (cache.k, cache.v), cdt):
+
+        def one_group(part: GroupKV) -> tuple[torch.Tensor, torch.Tensor]:
             rows, (keys, vals) = part.rows, part.kv
             n = keys.shape[0]
             scores = torch.einsum("btkgd,bskd->btkgs", qg[rows], keys)
             scores = scores.reshape(n, t, shape.num_heads, part.tokens).mul_(p.sm_scale)
-            probs, lse[rows] = softmax_lse(scores, visible(index.limits[rows], 0, part.tokens))
+            probs, lse = softmax_lse(scores, visible(index.limits[rows], 0, part.tokens))
             pg = probs.view(n, t, hkv, group, part.tokens)
-            o[rows] = torch.einsum("btkgs,bskd->btkgd", pg, vals).reshape(n, t, -1, d)
-        return padded_result(o, lse, index, p.dtype)
+            return torch.einsum("btkgs,bskd->btkgd", pg, vals).reshape(n, t, -1, d), lse
+
+        return attend_groups(
+            self.scratch, plan, state, one_group, pools=(cache.k, cache.v), dtype=cdt, v_dim=d
+        )

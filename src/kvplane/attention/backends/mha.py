@@ -10,20 +10,14 @@ import torch
 from kvplane.attention.backends.common import (
     GROUP_BYTES,
     GroupedMLABackend,
+    GroupKV,
+    attend_groups,
     compute_dtype,
-    group_kv,
     torch_capabilities,
 )
 from kvplane.attention.base import Plan
 from kvplane.attention.inputs import MLAKVCache, MLAQuery
-from kvplane.attention.paged import (
-    GroupedBatch,
-    empty_state,
-    pad_queries,
-    padded_result,
-    softmax_lse,
-    visible,
-)
+from kvplane.attention.paged import GroupedBatch, pad_queries, softmax_lse, visible
 from kvplane.attention.problem import AttentionKind, AttentionResult
 from kvplane.errors import BackendError
 
@@ -47,8 +41,8 @@ class MHABackend(GroupedMLABackend):
         w_uk, w_uv = up.w_uk.to(cdt), up.w_uv.to(cdt)
         qn = pad_queries(query.nope, index).to(cdt)  # [B, t, H, d_nope]
         qp = pad_queries(query.pe, index).to(cdt)  # [B, t, H, p]
-        o, lse = empty_state(index, p.num_heads, shape.v_dim, cdt, p.device)
-        for part in group_kv(self.scratch, state, (cache.data,), cdt):
+
+        def one_group(part: GroupKV) -> tuple[torch.Tensor, torch.Tensor]:
             rows, kv = part.rows, part.kv[0]
             ckv, kpe = kv[..., :r], kv[..., r:]
             k_nope = torch.einsum("bsr,hrd->bhsd", ckv, w_uk)
@@ -56,6 +50,9 @@ class MHABackend(GroupedMLABackend):
             scores = torch.einsum("bthd,bhsd->bths", qn[rows], k_nope)
             scores += torch.einsum("bthp,bsp->bths", qp[rows], kpe)
             scores.mul_(p.sm_scale)
-            probs, lse[rows] = softmax_lse(scores, visible(index.limits[rows], 0, part.tokens))
-            o[rows] = torch.einsum("bths,bhsv->bthv", probs, values)
-        return padded_result(o, lse, index, p.dtype)
+            probs, lse = softmax_lse(scores, visible(index.limits[rows], 0, part.tokens))
+            return torch.einsum("bths,bhsv->bthv", probs, values), lse
+
+        return attend_groups(
+            self.scratch, plan, state, one_group, pools=(cache.data,), dtype=cdt, v_dim=shape.v_dim
+        )

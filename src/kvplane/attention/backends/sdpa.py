@@ -13,16 +13,15 @@ import torch
 from kvplane.attention.backends.common import (
     GROUP_BYTES,
     GroupedMLABackend,
-    group_kv,
+    GroupKV,
+    attend_groups,
 )
 from kvplane.attention.base import Capabilities, Plan
 from kvplane.attention.inputs import MLAKVCache, MLAQuery
 from kvplane.attention.paged import (
     GroupedBatch,
-    empty_state,
     merge_splits,
     pad_queries,
-    padded_result,
     visible,
 )
 from kvplane.attention.problem import (
@@ -122,13 +121,17 @@ class SDPABackend(GroupedMLABackend):
         qp = pad_queries(query.packed_data, index)  # [B, t, H, D]: t "heads" of H rows
         r = p.mla_shape().kv_lora_rank
         items = self.work_items if self.work_items is not None else torch.get_num_threads()
-        o, lse = empty_state(index, p.num_heads, r, torch.float32, p.device)
-        for part in group_kv(self.scratch, state, (cache.data,), p.dtype):
+
+        def one_group(part: GroupKV) -> tuple[torch.Tensor, torch.Tensor]:
             rows = part.rows
             n = rows.stop - rows.start
             splits = kv_splits(n, part.tokens, index.page_size, items, self.min_split_tokens)
             out, split_lse = split_attention(
                 p, qp[rows], part.kv[0], index.limits[rows], masked=part.masked, splits=splits
             )
-            o[rows], lse[rows] = merge_splits(out[..., :r], split_lse)
-        return padded_result(o, lse, index, p.dtype)
+            return merge_splits(out[..., :r], split_lse)
+
+        return attend_groups(
+            self.scratch, plan, state, one_group, pools=(cache.data,), dtype=p.dtype, v_dim=r,
+            state_dtype=torch.float32,
+        )  # fmt: skip

@@ -11,21 +11,14 @@ import torch
 from kvplane.attention.backends.common import (
     GROUP_BYTES,
     GroupedMLABackend,
+    GroupKV,
+    attend_groups,
     compute_dtype,
-    group_kv,
     torch_capabilities,
 )
 from kvplane.attention.base import Plan
 from kvplane.attention.inputs import MLAKVCache, MLAQuery
-from kvplane.attention.paged import (
-    BatchIndex,
-    GroupedBatch,
-    empty_state,
-    pad_queries,
-    padded_result,
-    softmax_lse,
-    visible,
-)
+from kvplane.attention.paged import BatchIndex, GroupedBatch, pad_queries, softmax_lse, visible
 from kvplane.attention.problem import AttentionKind, AttentionResult
 
 NAME = "torch"
@@ -86,10 +79,13 @@ class TorchMLABackend(GroupedMLABackend):
         p, index = plan.problem, state.index
         r, cdt = p.mla_shape().kv_lora_rank, compute_dtype(p.dtype)
         packed, nope, pe = padded_query(query, index, cdt)
-        o, lse = empty_state(index, p.num_heads, r, cdt, p.device)
-        for part in group_kv(self.scratch, state, (cache.data,), cdt):
+
+        def one_group(part: GroupKV) -> tuple[torch.Tensor, torch.Tensor]:
             rows = part.rows
             q = (None if packed is None else packed[rows], nope[rows], pe[rows])
             mask = visible(index.limits[rows], 0, part.tokens)
-            o[rows], lse[rows] = attend_latent(q, part.kv[0], mask, p.sm_scale, r)
-        return padded_result(o, lse, index, p.dtype)
+            return attend_latent(q, part.kv[0], mask, p.sm_scale, r)
+
+        return attend_groups(
+            self.scratch, plan, state, one_group, pools=(cache.data,), dtype=cdt, v_dim=r
+        )
