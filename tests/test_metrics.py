@@ -88,3 +88,30 @@ def test_metrics_server_bounds_idle_and_half_sent_clients() -> None:
     assert b"kvplane_scrapes_test_total 1.0" in body
     server.shutdown()
     server.server_close()
+
+
+def test_a_histogram_travels_as_integer_counters_and_sums_across_processes() -> None:
+    from kvplane.metrics import HistogramTotals, histogram_counters
+
+    a, b = MetricsRegistry(), MetricsRegistry()
+    for reg, values in ((a, (1, 3)), (b, (3, 9, 600))):
+        h = reg.histogram("pd_blocks_per_op", "blocks per op", buckets=(2, 4, 8))
+        for v in values:
+            h.observe(v)
+    got = histogram_counters(a, ["kvplane_pd_blocks_per_op", "kvplane_absent"])
+    assert got == {
+        "kvplane_pd_blocks_per_op_bucket:2.0": 1, "kvplane_pd_blocks_per_op_bucket:4.0": 2,
+        "kvplane_pd_blocks_per_op_bucket:8.0": 2, "kvplane_pd_blocks_per_op_bucket:+Inf": 2,
+        "kvplane_pd_blocks_per_op_count": 2, "kvplane_pd_blocks_per_op_sum_nano": 4 * 10**9,
+    }  # fmt: skip
+    both = [got, histogram_counters(b, ["kvplane_pd_blocks_per_op"])]
+    h = HistogramTotals.of("kvplane_pd_blocks_per_op", both)
+    assert h.buckets == ((2.0, 1), (4.0, 3), (8.0, 3), (float("inf"), 5))
+    assert (h.count, h.sum, h.mean) == (5, 616.0, 616.0 / 5)
+    assert h.quantile(0.5) == 2.0 + 2.0 * (2.5 - 1) / 2  # rank 2.5 lies inside (2, 4]
+    assert h.quantile(1.0) == 8.0  # the +Inf bucket: its lower bound
+    assert h.quantile(0.0) == 0.0
+    empty = HistogramTotals.of("kvplane_none", both)
+    assert (empty.buckets, empty.count, empty.quantile(0.99)) == ((), 0, 0.0)
+    with pytest.raises(InvalidArgumentError, match="quantile must be in"):
+        h.quantile(1.5)

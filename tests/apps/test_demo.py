@@ -14,6 +14,7 @@ import pytest
 
 from kvplane.apps.demo import demo_prompts
 from kvplane.cli import main
+from kvplane.metrics import SEED_METRICS
 from kvplane.models import save_checkpoint, tiny_config
 
 
@@ -45,6 +46,20 @@ def test_demo_json_parity_offload_trace_and_report(tmp_path: Path) -> None:
     assert m["fallback_ratio"] == 0.0 and m["attention_plans"] > 0
     assert 0.0 <= m["overlap_ratio_mean"] <= 1.0
     assert got["integrity"] == {"prefill": "", "decode": ""}
+    # concurrent waves; every process's /metrics showed the six seed families mid-run
+    assert got["concurrency"] == 4
+    assert got["scraped"] == {
+        role: sorted(SEED_METRICS) for role in ("prefill", "decode", "router")
+    }
+    for key in (
+        "transfer_amplification",
+        "blocks_per_op_p99",
+        "overlap_ratio_p50",
+        "exposed_tail_ms_p99",
+        "release_latency_ms_p99",
+        "fallback_ratio",
+    ):
+        assert key in m, key  # fmt: skip
     trace = json.loads((out / "trace.json").read_text())
     names = {r["cat"] for r in trace["traceEvents"] if r["ph"] == "X"}
     assert names >= {"prefill step", "slice transfer", "offload load", "offload store", "decode"}
@@ -53,6 +68,10 @@ def test_demo_json_parity_offload_trace_and_report(tmp_path: Path) -> None:
     png.unlink()
     assert main(["report", str(out)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = kvplane("report", "--json", str(out))
+    assert report.returncode == 0, report.stderr[-3000:]
+    shown = json.loads(report.stdout)
+    assert shown["metrics"] == m and shown["concurrency"] == 4 and shown["parity"] is True
 
 
 def test_demo_reports_a_killed_worker_instead_of_hanging(tmp_path: Path) -> None:

@@ -79,3 +79,18 @@ def test_unsupported_checkpoint_architecture(
 
 def test_parse_prompt_ids() -> None:
     assert parse_prompt_ids(" 3,4 ,5") == [3, 4, 5]
+
+
+def test_attention_flag_chooses_the_backends(capsys: pytest.CaptureFixture[str]) -> None:
+    want = list(load_model("tiny-deepseek").generate([1, 2, 3, 4, 5], 4).tokens)
+    base = ["generate", "--model", "tiny-deepseek", "--prompt-ids", "1,2,3,4,5"]
+    base += ["--max-new-tokens", "4"]
+    named = [*base, "--json", "--attention", "torch_splitkv,mha"]  # one per kind planned
+    assert _json(capsys, named) == {"tokens": want}
+    assert main([*base, "--attention", "measured"]) == 0
+    assert "attention: measured -> " in capsys.readouterr().out
+    assert main([*base, "--attention", "sdpa"]) == 1  # prefill's mla_mha kind: never substituted
+    assert "backend 'sdpa' cannot run this problem: kind mla_mha" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--attention", "torch,fastest"])
+    assert "attention must be auto or measured or backend names" in capsys.readouterr().err

@@ -4,6 +4,7 @@ caches; traces and the fallback-ratio metric, with a deterministic injected time
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -78,19 +79,22 @@ def test_auto_walks_candidates_and_traces(registry, mla_inputs) -> None:
     plan = sel.plan(inputs.problem, AUTO)
     assert plan.backend == "torch"
     assert [(e.candidate, e.decision) for e in plan.trace] == [
-        ("flashinfer", Decision.UNSUPPORTED),
-        ("triton", Decision.UNSUPPORTED),
+        ("flashinfer", Decision.PLATFORM),  # CUDA-only: skipped before selection
+        ("triton", Decision.PLATFORM),
         ("torch", Decision.SELECTED),
         ("torch_splitkv", Decision.NOT_TRIED),
         ("sdpa", Decision.NOT_TRIED),
         ("cpu_fused", Decision.NOT_TRIED),
         ("reference", Decision.NOT_TRIED),
     ]
-    assert "no CUDA device is available" in plan.trace[0].reason
-    assert "device cpu not supported" in plan.trace[1].reason
+    # the device first; then each package this process lacks (installed ones add nothing)
+    for entry, package in zip(plan.trace[:2], ("flashinfer", "triton"), strict=True):
+        missing = [] if importlib.util.find_spec(package) else [f"package {package} not installed"]
+        assert entry.reason == "; ".join(["device cpu not supported", *missing])
     assert all(e.seconds is None for e in plan.trace)
-    assert metrics.value("attention_fallback_plans_total") == 1.0
-    assert metrics.value("attention_fallback_ratio") == 1.0
+    # the first candidate that runs on this platform is not a fallback
+    assert metrics.value("attention_fallback_plans_total") == 0.0
+    assert metrics.value("attention_fallback_ratio") == 0.0
     # the plan runs; the result equals the backend's own
     out = registry.get(plan.backend).run(plan, inputs.query, inputs.cache)
     assert out.out.shape == (2, 4, 64)
@@ -117,8 +121,8 @@ def test_measured_ranks_by_time_and_caches(registry, mla_inputs) -> None:
     fused = ["cpu_fused"] if FUSED else []
     assert timer.calls == ["torch", "torch_splitkv", "sdpa", *fused]
     assert [(e.candidate, e.decision, e.seconds) for e in plan.trace] == [
-        ("flashinfer", Decision.UNSUPPORTED, None),
-        ("triton", Decision.UNSUPPORTED, None),
+        ("flashinfer", Decision.PLATFORM, None),
+        ("triton", Decision.PLATFORM, None),
         ("torch", Decision.SLOWER, 3.0),
         ("torch_splitkv", Decision.SELECTED, 1.0),
         ("sdpa", Decision.SLOWER, 2.0),
@@ -309,3 +313,19 @@ def test_a_timer_that_skips_a_candidate_publishes_nothing(registry, mla_inputs) 
     with pytest.raises(BackendError, match="the timer returned no time for torch_splitkv, sdpa"):
         sel.plan(mla_inputs([1], [5]).problem, MEASURED)
     assert timer.calls == ["torch"] and sel.plans == 0 and len(sel.cache) == 0
+
+
+def test_names_one_per_kind_never_substitute(registry, mla_inputs) -> None:
+    from kvplane.attention.selection import check_backend
+
+    sel = Selector(registry)
+    plan = sel.plan(mla_inputs([1], [5]).problem, "mha,torch")
+    assert plan.backend == "torch"  # mha does not declare the absorbed mla kind
+    assert plan.trace == (TraceEntry("torch", Decision.SELECTED, "requested explicitly"),)
+    with pytest.raises(UnsupportedError, match="none of the backends 'mha,torch' handles kind gqa"):
+        sel.plan(_gqa_problem(), "mha,torch")
+    assert check_backend(registry, "measured") == "measured"
+    assert check_backend(registry, "torch,mha") == "torch,mha"
+    for bad in ("", "torch,", "fastest"):
+        with pytest.raises(InvalidArgumentError, match="attention must be auto or measured"):
+            check_backend(registry, bad)

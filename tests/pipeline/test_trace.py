@@ -97,8 +97,10 @@ def test_bad_traces_are_clear_errors(tmp_path: Path) -> None:
 def test_summary_derives_the_seed_metrics_exactly() -> None:
     counters = {
         "prefill": {
-            "pd_bytes_moved": 300, "pd_logical_bytes": 200, "pd_blocks_per_op_sum": 9,
-            "pd_blocks_per_op_count": 3, "offload_hit_chunks_host": 2,
+            "pd_bytes_moved": 300, "pd_logical_bytes": 200,
+            "kvplane_pd_blocks_per_op_bucket:2.0": 1, "kvplane_pd_blocks_per_op_bucket:4.0": 3,
+            "kvplane_pd_blocks_per_op_bucket:+Inf": 3, "kvplane_pd_blocks_per_op_count": 3,
+            "kvplane_pd_blocks_per_op_sum_nano": 9 * 10**9, "offload_hit_chunks_host": 2,
             "offload_hit_chunks_disk": 1, "attention_plans": 6, "attention_fallbacks": 0,
         },
         "decode": {"attention_plans": 4, "attention_fallbacks": 1},
@@ -113,4 +115,6 @@ def test_summary_derives_the_seed_metrics_exactly() -> None:
     assert (m["chunk_hits_host"], m["chunk_hits_disk"], m["offload_hit_chunks"]) == (2.0, 1.0, 3.0)
     assert "chunk_hits_remote" not in m
     assert m["fallback_ratio"] == 0.1
-    assert metrics_table(m).row_count == 12
+    assert m["blocks_per_op_p50"] == pytest.approx(2.0 + 2.0 * (1.5 - 1) / 2)
+    assert (m["releases_after_failure"], m["release_latency_ms_p99"]) == (0.0, 0.0)
+    assert metrics_table(m).row_count == 13  # every row but remote chunk hits

@@ -12,6 +12,8 @@ import argparse
 import json
 import tempfile
 import time
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +24,12 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from kvplane.apps.demo_procs import ProcessGroup, new_secret
+from kvplane.apps.demo_procs import ROLES, ProcessGroup, free_port, new_secret, seed_families
+from kvplane.apps.generate import add_attention_flag
 from kvplane.apps.report import draw_timeline, metrics_table, summarize
 from kvplane.errors import InvalidArgumentError, TransferTimeoutError, WorkerDiedError
-from kvplane.models import TINY_MODELS
+from kvplane.metrics import SEED_METRICS
+from kvplane.models import TINY_MODELS, PagedDecoder
 from kvplane.pipeline.trace import chrome_trace, events_from_dicts, spans, write_trace
 from kvplane.serving.messages import AnyMessage, Generate, RequestResult, StatsQuery, WorkerStats
 from kvplane.serving.producers.model import ModelSpec
@@ -51,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-slots", type=int, default=6, help="host tier chunks")
     parser.add_argument("--timeout", type=float, default=120.0, help="whole-demo deadline (s)")
     parser.add_argument(
+        "--concurrency", type=int, default=4,
+        help="requests in flight at once (within each wave of the prompt schedule)",
+    )  # fmt: skip
+    add_attention_flag(parser)
+    parser.add_argument(
         "--insecure", action="store_true",
         help="run the processes without a secret (needed by nixl and mooncake, which cannot "
         "authenticate their data plane); by default each run generates one",
@@ -62,15 +71,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True, slots=True)
 class DemoPrompt:
+    """One request; a ``wave`` starts once every request of the earlier waves has ended."""
+
     request_id: str
     tokens: tuple[int, ...]
     note: str
+    wave: int = 0
+
+
+LOAD_PROMPTS = 8
+"""Requests of the last wave: distinct prompts of 33 to 160 tokens, only there to load the
+cluster (they look up no stored chunk, and nothing reads the tier after them)."""
 
 
 def demo_prompts(vocab_size: int, seed: int = 0) -> list[DemoPrompt]:
-    """The demo's requests for a 6-chunk host tier (chunks of 32 tokens): a 4-chunk shared
-    prefix is stored, 5 chunks of other prompts push 3 of its chunks down to disk only, then
-    the prefix comes back (1 chunk from host, 3 from disk) and again (all from host)."""
+    """The demo's requests for a 6-chunk host tier (chunks of 32 tokens), in waves: a 4-chunk
+    shared prefix is stored; 5 chunks of other prompts, sent together, push 3 of its chunks
+    down to disk only; the prefix comes back (1 chunk from host, 3 from disk) and again (all
+    from host); then :data:`LOAD_PROMPTS` other prompts, sent together."""
     if vocab_size < 2:
         raise InvalidArgumentError(f"the demo needs a vocabulary of >= 2 tokens, got {vocab_size}")
     rng = np.random.default_rng(seed + 20240901)
@@ -79,15 +97,26 @@ def demo_prompts(vocab_size: int, seed: int = 0) -> list[DemoPrompt]:
         return tuple(int(t) for t in rng.integers(0, vocab_size, n))
 
     shared = ids(4 * CHUNK)
-    return [
-        DemoPrompt("r0", shared + ids(20), "shared prefix, stored"),
-        DemoPrompt("r1", ids(70), "other prompt"),
-        DemoPrompt("r2", ids(40), "other prompt"),
-        DemoPrompt("r3", ids(9), "short prompt"),
-        DemoPrompt("r4", ids(75), "other prompt"),
-        DemoPrompt("r5", shared + ids(30), "shared prefix: host + disk"),
-        DemoPrompt("r6", shared + ids(7), "shared prefix: host"),
+    story = [
+        DemoPrompt("r0", shared + ids(20), "shared prefix, stored", 0),
+        DemoPrompt("r1", ids(70), "other prompt", 1),
+        DemoPrompt("r2", ids(40), "other prompt", 1),
+        DemoPrompt("r3", ids(9), "short prompt", 1),
+        DemoPrompt("r4", ids(75), "other prompt", 1),
+        DemoPrompt("r5", shared + ids(30), "shared prefix: host + disk", 2),
+        DemoPrompt("r6", shared + ids(7), "shared prefix: host", 3),
     ]
+    lengths = rng.integers(CHUNK + 1, 5 * CHUNK + 1, LOAD_PROMPTS)
+    load = [DemoPrompt(f"r{len(story) + i}", ids(int(n)), "load", 4) for i, n in enumerate(lengths)]
+    return story + load
+
+
+def waves(prompts: list[DemoPrompt]) -> list[list[DemoPrompt]]:
+    """``prompts`` grouped by wave, in wave order (each group in the given order)."""
+    by_wave: dict[int, list[DemoPrompt]] = {}
+    for p in prompts:
+        by_wave.setdefault(p.wave, []).append(p)
+    return [by_wave[w] for w in sorted(by_wave)]
 
 
 @dataclass
@@ -98,10 +127,17 @@ class DemoResult:
     metrics: dict[str, float] = field(default_factory=dict)
     integrity: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    concurrency: int = 1
+    scraped: dict[str, list[str]] = field(default_factory=dict)
+    """Per process (prefill, decode, router), the seed metric families its ``/metrics``
+    showed, scraped once the requests were served."""
 
     @property
     def ok(self) -> bool:
-        return self.parity and not self.failures and all(v == "" for v in self.integrity.values())
+        """Parity, no failure, balanced pools, and the six seed metrics on every /metrics."""
+        six = all(set(SEED_METRICS) <= set(f) for f in self.scraped.values())
+        balanced = all(v == "" for v in self.integrity.values())
+        return self.parity and not self.failures and balanced and six
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -112,12 +148,15 @@ class DemoResult:
             "failures": self.failures,
             "integrity": self.integrity,
             "timings": self.timings,
+            "concurrency": self.concurrency,
+            "scraped": self.scraped,
         }
 
 
-def _serve_args(args: argparse.Namespace, role: str, disk: Path) -> list[str]:
+def _serve_args(args: argparse.Namespace, role: str, disk: Path, metrics_port: int) -> list[str]:
     common = [
         "--name", role, "--model", args.model, "--seed", str(args.seed),
+        "--attention", args.attention, "--metrics-port", str(metrics_port),
         "--transport", args.transport, "--block-size", str(BLOCK_SIZE), "--num-blocks", "256",
         "--num-slots", "16", "--step-size", str(args.step_size), "--heartbeat", "0.2",
         "--lease", "2.0", "--deadline", "20", *(["--insecure"] if args.insecure else []),
@@ -142,33 +181,37 @@ def _wait(fut: Future[AnyMessage], group: ProcessGroup, deadline: float, doing: 
 
 def run_demo(args: argparse.Namespace, console: Console, work: Path) -> DemoResult:
     """Start the processes, run the prompts, check parity, gather metrics (see module doc)."""
-    for name in ("max_new_tokens", "step_size", "host_slots"):
+    for name in ("max_new_tokens", "step_size", "host_slots", "concurrency"):
         value = getattr(args, name)
         if value <= 0:
             raise InvalidArgumentError(f"--{name.replace('_', '-')} must be positive, got {value}")
     check_transport_secret(args.transport, not args.insecure)
     started = time.monotonic()
     deadline = started + args.timeout
-    spec = ModelSpec(args.model, args.seed)
+    spec = ModelSpec(args.model, args.seed, attention=args.attention)
     model = spec.load()  # also validates the checkpoint before any process starts
     prompts = demo_prompts(model.vocab_size, args.seed)
-    result = DemoResult()
+    result = DemoResult(concurrency=args.concurrency)
     group = ProcessGroup(work, None if args.insecure else new_secret())
     clients: list[RpcClient] = []
+    ports = {role: free_port() for role in ROLES}
     try:
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("starting workers", total=len(prompts) + 3)
             disk = work / "disk"  # the disk tier's directory
-            pre = group.start("prefill", _serve_args(args, "prefill", disk), deadline)
+            pre = group.start("prefill", _serve_args(args, "prefill", disk, ports["prefill"]),
+                              deadline)  # fmt: skip
             bar.advance(task)
-            dec = group.start("decode", _serve_args(args, "decode", disk), deadline)
+            dec = group.start("decode", _serve_args(args, "decode", disk, ports["decode"]),
+                              deadline)  # fmt: skip
             bar.advance(task)
             rtr = group.start(
                 "router",
-                ["--prefill", pre["control"], "--decode", dec["control"], "--timeout", "30"]
+                ["--prefill", pre["control"], "--decode", dec["control"], "--timeout", "30",
+                 "--metrics-port", str(ports["router"])]
                 + (["--insecure"] if args.insecure else []),
                 deadline,
-            )
+            )  # fmt: skip
             bar.advance(task)
             result.timings["startup_s"] = round(time.monotonic() - started, 3)
             router = RpcClient(str(rtr["control"]), timeout_s=30.0, secret=group.secret)
@@ -177,33 +220,16 @@ def run_demo(args: argparse.Namespace, console: Console, work: Path) -> DemoResu
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # the workers run single-threaded too
             try:
-                for i, p in enumerate(prompts):
-                    bar.update(task, description=f"{p.request_id}: {p.note}")
-                    fut = router.call_async(
-                        Generate(request_id=p.request_id, token_ids=p.tokens,
-                                 max_new_tokens=args.max_new_tokens)
-                    )  # fmt: skip
-                    if args.chaos_kill and i == args.chaos_kill_after:
-                        group.children[args.chaos_kill].kill()
-                    want = model.generate(
-                        p.tokens, args.max_new_tokens, args.step_size, block_size=BLOCK_SIZE
-                    ).tokens
-                    got = _wait(fut, group, deadline, f"while serving request {p.request_id}")
-                    result.requests += 1
-                    if not isinstance(got, RequestResult) or got.state != "success":
-                        reason = got.reason if isinstance(got, RequestResult) else repr(got)
-                        result.failures.append(f"{p.request_id}: {reason}")
-                    elif tuple(got.tokens) != tuple(want):
-                        result.parity = False
-                        result.failures.append(
-                            f"{p.request_id}: tokens {list(got.tokens)} != reference {list(want)}"
-                        )
-                    bar.advance(task)
+                _serve_waves(
+                    args, model, prompts, router=router, group=group, deadline=deadline,
+                    result=result, progress=lambda n: bar.update(task, description=n, advance=1),
+                )  # fmt: skip
             finally:
                 torch.set_num_threads(threads)
             result.timings["requests_s"] = round(time.monotonic() - t_req, 3)
             bar.update(task, description="collecting metrics")
             stats = _settled_stats([pre, dec], group, clients, deadline)
+            result.scraped = {role: seed_families(port) for role, port in ports.items()}
         result.integrity = {s.peer_id: s.integrity for s in stats}
         for s in stats:
             if (s.used_blocks, s.used_slots, s.sessions_live, s.requests_live) != (0, 0, 0, 0):
@@ -221,6 +247,49 @@ def run_demo(args: argparse.Namespace, console: Console, work: Path) -> DemoResu
         for c in clients:
             c.close()
         group.stop()
+
+
+def _serve_waves(
+    args: argparse.Namespace,
+    model: PagedDecoder,
+    prompts: list[DemoPrompt],
+    *,
+    router: RpcClient,
+    group: ProcessGroup,
+    deadline: float,
+    result: DemoResult,
+    progress: Callable[[str], object],
+) -> None:
+    """Send ``prompts`` wave by wave, at most ``--concurrency`` in flight, each answer checked
+    against ``model.generate`` in this process (computed while the cluster serves)."""
+    sent = 0
+    for wave in waves(prompts):
+        pending = list(wave)
+        flying: deque[tuple[DemoPrompt, Future[AnyMessage]]] = deque()
+        while pending or flying:
+            while pending and len(flying) < args.concurrency:
+                p = pending.pop(0)
+                order = Generate(request_id=p.request_id, token_ids=p.tokens,
+                                 max_new_tokens=args.max_new_tokens)  # fmt: skip
+                flying.append((p, router.call_async(order)))
+                if args.chaos_kill and sent == args.chaos_kill_after:
+                    group.children[args.chaos_kill].kill()
+                sent += 1
+            p, fut = flying.popleft()
+            want = model.generate(
+                p.tokens, args.max_new_tokens, args.step_size, block_size=BLOCK_SIZE
+            ).tokens
+            got = _wait(fut, group, deadline, f"while serving request {p.request_id}")
+            result.requests += 1
+            if not isinstance(got, RequestResult) or got.state != "success":
+                reason = got.reason if isinstance(got, RequestResult) else repr(got)
+                result.failures.append(f"{p.request_id}: {reason}")
+            elif tuple(got.tokens) != tuple(want):
+                result.parity = False
+                result.failures.append(
+                    f"{p.request_id}: tokens {list(got.tokens)} != reference {list(want)}"
+                )
+            progress(f"{p.request_id}: {p.note}")
 
 
 def _settled_stats(
@@ -253,7 +322,8 @@ def _write_out(out: Path, events: list[Any], result: DemoResult) -> None:
     write_trace(out / "trace.json", chrome_trace(events, other=summary))
     done, _instants = spans(events)
     if done:
-        draw_timeline(done, out / "timeline.png")
+        title = f"kvplane PD timeline: {result.concurrency} request(s) in flight at most"
+        draw_timeline(done, out / "timeline.png", title=title)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -283,8 +353,12 @@ def run(args: argparse.Namespace) -> int:
         f"parity: {verdict} — {result.requests} requests, tokens identical to one-process "
         f"model.generate: {result.parity and not result.failures}; "
         f"offload chunk hits: {int(result.metrics.get('offload_hit_chunks', 0))}; "
-        f"{result.timings}"
+        f"concurrency {result.concurrency}; {result.timings}"
     )
+    for role, families in result.scraped.items():
+        missing = sorted(set(SEED_METRICS) - set(families))
+        state = f"[red]missing {', '.join(missing)}[/red]" if missing else "all six seed metrics"
+        console.print(f"/metrics of {role}: {state}", highlight=False)
     if args.out:
         console.print(
             f"wrote {Path(args.out) / 'trace.json'} and {Path(args.out) / 'timeline.png'}"

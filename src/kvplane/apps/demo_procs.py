@@ -2,8 +2,8 @@
 
 :class:`Child` is one ``kvplane serve`` subprocess; :class:`ProcessGroup` raises
 :class:`WorkerDiedError` as soon as one exits, and stops them all, and hands its children the
-group's secret in a 0600 file (:func:`new_secret`: one per group). Nothing here listens on a
-socket. See docs/serving.md.
+group's secret in a 0600 file (:func:`new_secret`: one per group); :func:`seed_families` reads
+a child's ``/metrics``. Nothing here listens on a socket. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -12,15 +12,42 @@ import json
 import os
 import queue
 import secrets
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvplane.config import SECRET_ENV
 from kvplane.errors import TransferTimeoutError, WorkerDiedError
+from kvplane.metrics import SEED_METRICS
+
+ROLES = ("prefill", "decode", "router")
+"""The demo's processes, in start order."""
+SCRAPE_TIMEOUT_S = 30.0
+"""How long a ``/metrics`` scrape may take (the router asks its workers for their stats)."""
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def seed_families(port: int) -> list[str]:
+    """The seed metric families (:data:`~kvplane.metrics.SEED_METRICS`) that ``/metrics`` on
+    ``127.0.0.1:port`` shows, sorted; ``OSError`` when nothing answers."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as reply:
+        text = reply.read().decode()
+    names = {family.name for family in text_string_to_metric_families(text)}
+    return sorted(names & set(SEED_METRICS))
 
 
 def new_secret() -> bytes:

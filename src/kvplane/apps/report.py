@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,9 +16,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvplane.errors import InvalidArgumentError
-from kvplane.metrics import fallback_ratio, transfer_amplification
+from kvplane.metrics import PREFIX, HistogramTotals, fallback_ratio, transfer_amplification
 from kvplane.pipeline.timeline import TimelineEvent, request_times
 from kvplane.pipeline.trace import Span, read_trace
+from kvplane.simulate.result import Percentiles
 
 NAME = "report"
 HELP = "Print the metrics table of a saved demo run and redraw its timeline picture."
@@ -36,7 +37,10 @@ COLORS = {
 def summarize(
     counters: Mapping[str, Mapping[str, int]], events: Iterable[TimelineEvent]
 ) -> dict[str, float]:
-    """The seed's metrics from per-worker counters (by worker name) and timeline events."""
+    """The seed's six metrics (and the run's offload hits) from per-worker counters (by worker
+    name) and timeline events: overlap ratio and exposed tail per request, exact percentiles;
+    blocks per op and release latency from the workers' histograms, interpolated percentiles;
+    transfer amplification and fallback ratio as cluster-wide ratios."""
     by_request: dict[str, list[TimelineEvent]] = {}
     for e in events:
         by_request.setdefault(e.request_id, []).append(e)
@@ -52,19 +56,28 @@ def summarize(
     def total(key: str) -> int:
         return sum(int(c.get(key, 0)) for c in counters.values())
 
-    ops = total("pd_blocks_per_op_count")
+    blocks = HistogramTotals.of(PREFIX + "pd_blocks_per_op", counters.values())
+    release = HistogramTotals.of(PREFIX + "pd_release_latency_seconds", counters.values())
+    overlap, tail = Percentiles.of(overlaps), Percentiles.of(tails)
     out = {
         "requests_timed": float(len(tails)),
-        "overlap_ratio_mean": statistics.fmean(overlaps) if overlaps else 0.0,
-        "overlap_ratio_min": min(overlaps, default=0.0),
-        "exposed_tail_ms_mean": statistics.fmean(tails) if tails else 0.0,
-        "exposed_tail_ms_max": max(tails, default=0.0),
         "transfer_amplification": transfer_amplification(
             total("pd_bytes_moved"), total("pd_logical_bytes")
         ),
-        "blocks_per_op_mean": total("pd_blocks_per_op_sum") / ops if ops else 0.0,
-        "transfer_ops": float(ops),
+        **_quantiles("blocks_per_op", blocks, 1.0),
+        "transfer_ops": float(blocks.count),
         "bytes_moved": float(total("pd_bytes_moved")),
+        "overlap_ratio_mean": overlap.mean,
+        "overlap_ratio_min": min(overlaps, default=0.0),
+        "overlap_ratio_p50": overlap.p50,
+        "overlap_ratio_p90": overlap.p90,
+        "exposed_tail_ms_mean": tail.mean,
+        "exposed_tail_ms_p50": tail.p50,
+        "exposed_tail_ms_p90": tail.p90,
+        "exposed_tail_ms_p99": tail.p99,
+        "exposed_tail_ms_max": tail.max,
+        **_quantiles("release_latency_ms", release, 1e3),
+        "releases_after_failure": float(release.count),
         "attention_plans": float(total("attention_plans")),
         "fallback_ratio": fallback_ratio(total("attention_fallbacks"), total("attention_plans")),
     }
@@ -76,21 +89,39 @@ def summarize(
     return out
 
 
-_ROWS = (
-    ("overlap_ratio_mean", "overlap ratio (mean)", "{:.3f}"),
-    ("overlap_ratio_min", "overlap ratio (min)", "{:.3f}"),
-    ("exposed_tail_ms_mean", "exposed tail (mean)", "{:.2f} ms"),
-    ("exposed_tail_ms_max", "exposed tail (max)", "{:.2f} ms"),
-    ("transfer_amplification", "transfer amplification", "{:.4f}"),
-    ("blocks_per_op_mean", "blocks per transfer op (mean)", "{:.2f}"),
-    ("transfer_ops", "transfer ops", "{:.0f}"),
-    ("bytes_moved", "bytes moved", "{:,.0f}"),
-    ("chunk_hits_host", "chunk hits: host", "{:.0f}"),
-    ("chunk_hits_disk", "chunk hits: disk", "{:.0f}"),
-    ("chunk_hits_remote", "chunk hits: remote", "{:.0f}"),
-    ("attention_plans", "attention plans", "{:.0f}"),
-    ("fallback_ratio", "attention fallback ratio", "{:.3f}"),
-)
+def _quantiles(key: str, h: HistogramTotals, scale: float) -> dict[str, float]:
+    """``KEY_mean`` and ``KEY_p50/p90/p99`` of a summed histogram, times ``scale``."""
+    out = {f"{key}_mean": h.mean * scale}
+    out.update({f"{key}_p{q}": h.quantile(q / 100) * scale for q in (50, 90, 99)})
+    return out
+
+
+_ROWS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("transfer amplification", ("transfer_amplification",), "{:.4f}"),
+    ("blocks per transfer op: mean | p50 | p90 | p99",
+     ("blocks_per_op_mean", "blocks_per_op_p50", "blocks_per_op_p90", "blocks_per_op_p99"),
+     "{:.2f}"),
+    ("overlap ratio: mean | min | p50 | p90",
+     ("overlap_ratio_mean", "overlap_ratio_min", "overlap_ratio_p50", "overlap_ratio_p90"),
+     "{:.3f}"),
+    ("exposed tail ms: mean | p50 | p90 | p99 | max",
+     ("exposed_tail_ms_mean", "exposed_tail_ms_p50", "exposed_tail_ms_p90",
+      "exposed_tail_ms_p99", "exposed_tail_ms_max"), "{:.2f}"),
+    ("release latency ms: mean | p50 | p90 | p99",
+     ("release_latency_ms_mean", "release_latency_ms_p50", "release_latency_ms_p90",
+      "release_latency_ms_p99"), "{:.2f}"),
+    ("releases after a failure", ("releases_after_failure",), "{:.0f}"),
+    ("attention fallback ratio", ("fallback_ratio",), "{:.3f}"),
+    ("attention plans", ("attention_plans",), "{:.0f}"),
+    ("requests timed", ("requests_timed",), "{:.0f}"),
+    ("transfer ops", ("transfer_ops",), "{:.0f}"),
+    ("bytes moved", ("bytes_moved",), "{:,.0f}"),
+    ("chunk hits: host", ("chunk_hits_host",), "{:.0f}"),
+    ("chunk hits: disk", ("chunk_hits_disk",), "{:.0f}"),
+    ("chunk hits: remote", ("chunk_hits_remote",), "{:.0f}"),
+)  # fmt: skip
+"""Table rows: label, the keys shown (``|``-separated), format; a row shows when its first
+key is present."""
 
 
 def metrics_table(metrics: Mapping[str, float], title: str = "kvplane PD metrics") -> Table:
@@ -98,9 +129,9 @@ def metrics_table(metrics: Mapping[str, float], title: str = "kvplane PD metrics
     table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key, label, fmt in _ROWS:
-        if key in metrics:
-            table.add_row(label, fmt.format(metrics[key]))
+    for label, keys, fmt in _ROWS:
+        if keys[0] in metrics:
+            table.add_row(label, " | ".join(fmt.format(metrics.get(k, 0.0)) for k in keys))
     return table
 
 
@@ -160,6 +191,10 @@ def print_report(metrics: Mapping[str, float], console: Console, extra: Mapping[
 # -- the command -----------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="a directory written by `kvplane demo --out DIR`")
+    parser.add_argument(
+        "--json", action="store_true",
+        help="print one JSON object (the metrics and the run's headline) instead of the table",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,8 +203,13 @@ def run(args: argparse.Namespace) -> int:
     metrics = other.get("metrics")
     if not isinstance(metrics, dict):
         raise InvalidArgumentError(f"{root / 'trace.json'} carries no metrics summary")
-    console = Console()
-    print_report({str(k): float(v) for k, v in metrics.items()}, console, other)
+    values = {str(k): float(v) for k, v in metrics.items()}
     draw_timeline(spans, root / "timeline.png")
+    if args.json:
+        head = {k: other[k] for k in ("parity", "requests", "concurrency") if k in other}
+        print(json.dumps({**head, "metrics": values, "timeline": str(root / "timeline.png")}))
+        return 0
+    console = Console()
+    print_report(values, console, other)
     console.print(f"timeline: {root / 'timeline.png'} ({len(spans)} spans)")
     return 0

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import zmq
 
+from kvplane.apps.generate import add_attention_flag
 from kvplane.apps.proxy_command import HELP as PROXY_HELP
 from kvplane.apps.proxy_command import proxy_flags, run_proxy
 from kvplane.apps.serve_config import sectioned, settle
@@ -33,13 +34,19 @@ from kvplane.apps.startup import (
 )
 from kvplane.config import SECRET_ENV, read_secret
 from kvplane.errors import ConfigError
+from kvplane.metrics import MetricsRegistry
 from kvplane.offload import OffloadConfig
 from kvplane.pd.timers import Timings
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.prefix_offload import PrefixSettings
 from kvplane.serving.producers.base import KVModel
-from kvplane.serving.producers.model import DTYPES, ModelDecoder, ModelProducer, ModelSpec
+from kvplane.serving.producers.model import (
+    DTYPES,
+    ModelDecoder,
+    ModelProducer,
+    ModelSpec,
+)
 from kvplane.serving.producers.synthetic import SyntheticDecoder, SyntheticProducer, SyntheticSpec
 from kvplane.serving.router.router import Router
 from kvplane.serving.router.service import RouterService
@@ -100,6 +107,7 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     m = p.add_argument_group("model", "a real model ([model], KVPLANE_MODEL_*)")
     m.add_argument("--model", default=None, help="tiny-llama, tiny-deepseek or an HF directory")
     m.add_argument("--model-dtype", default="float32", choices=sorted(DTYPES))
+    add_attention_flag(m)
     m.add_argument("--seed", type=int, default=0, help="synthetic KV seed / model weights seed")
     y = p.add_argument_group("synthetic", "the synthetic producer ([synthetic], ...)")
     y.add_argument("--layout", default="mla", choices=("mla", "gqa"))
@@ -266,23 +274,24 @@ def build_worker(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> 
     probe_bind("--pd", config.pd_bind)
     probe_port("--metrics-port", config.metrics_port)
     offload = offload_of(args) if args.role == "prefill" else None
+    metrics = MetricsRegistry()  # the worker's and its model's: one /metrics
     if args.model is not None:
-        model = ModelSpec(args.model, args.seed, args.model_dtype)
+        model = ModelSpec(args.model, args.seed, args.model_dtype, args.attention)
         if args.role == "prefill":
-            producer = ModelProducer.from_spec(model)
+            producer = ModelProducer.from_spec(model, metrics)
             _check_memory(config, producer)
-            return PrefillWorker(config, producer, hooks=hooks, offload=offload)
-        decoder = ModelDecoder.from_spec(model)
+            return PrefillWorker(config, producer, metrics=metrics, hooks=hooks, offload=offload)
+        decoder = ModelDecoder.from_spec(model, metrics)
         _check_memory(config, decoder)
-        return DecodeWorker(config, decoder, hooks=hooks)
+        return DecodeWorker(config, decoder, metrics=metrics, hooks=hooks)
     spec = spec_of(args)
     if args.role == "prefill":
         synthetic = SyntheticProducer(spec)
         _check_memory(config, synthetic)
-        return PrefillWorker(config, synthetic, hooks=hooks, offload=offload)
+        return PrefillWorker(config, synthetic, metrics=metrics, hooks=hooks, offload=offload)
     receiver = SyntheticDecoder(spec)
     _check_memory(config, receiver)
-    return DecodeWorker(config, receiver, hooks=hooks)
+    return DecodeWorker(config, receiver, metrics=metrics, hooks=hooks)
 
 
 def _wait(stop: threading.Event) -> None:

@@ -15,6 +15,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import torch
 
 from kvplane.attention.metadata import PagedStructure, QueryClass
+from kvplane.attention.platform import Platform
 from kvplane.attention.problem import (
     AttentionKind,
     AttentionProblem,
@@ -48,6 +49,25 @@ class Capabilities:
     """Allowed ``(kv_lora_rank, rope_dim)`` pairs for MLA kinds."""
     oracle: bool = False
     """A correctness oracle: ``auto`` may fall back to it, ``measured`` never times it."""
+    min_cuda_arch: tuple[int, int] | None = None
+    """Oldest CUDA architecture ``(major, minor)`` it runs on (None: any)."""
+    cpu_isa: frozenset[str] = frozenset()
+    """CPU ISA flags it needs on a CPU device (``/proc/cpuinfo`` names, e.g. ``avx2``)."""
+    packages: frozenset[str] = frozenset()
+    """Python packages it needs importable (its engine: ``flashinfer``, ``triton``...)."""
+
+    def platform_reasons(self, platform: Platform) -> tuple[str, ...]:
+        """Why this backend cannot run on ``platform`` at all, whatever the problem (empty
+        when it can): selection skips such a backend before it looks at the problem."""
+        out = [] if platform.device in self.devices else [f"device {platform.device} not supported"]
+        arch, need = platform.cuda_arch, self.min_cuda_arch
+        if platform.device == "cuda" and need is not None and arch is not None and arch < need:
+            out.append(f"CUDA arch sm{arch[0]}{arch[1]} < sm{need[0]}{need[1]}")
+        if platform.device == "cpu" and not self.cpu_isa <= platform.cpu_isa:
+            out.append(f"CPU lacks {', '.join(sorted(self.cpu_isa - platform.cpu_isa))}")
+        missing = sorted(p for p in self.packages if not platform.has_package(p))
+        out.extend(f"package {p} not installed" for p in missing)
+        return tuple(out)
 
     def reasons(self, problem: AttentionProblem) -> tuple[str, ...]:
         """Why ``problem`` is outside these capabilities (empty when it is inside)."""
@@ -102,6 +122,7 @@ class Decision(enum.Enum):
     UNSUPPORTED = "unsupported"
     SLOWER = "slower"  # viable, timed, not the fastest
     NOT_TRIED = "not_tried"  # after the selected one, never examined
+    PLATFORM = "platform"  # cannot run on this platform at all: skipped before selection
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
 """Backend selection: explicit, ``auto`` and ``measured``, each plan carrying its trace.
 
-An explicit name never substitutes; ``auto`` falls through only on Unsupported; ``measured``
-times and caches rankings. Owns the selection and fallback metrics. See docs/attention.md.
+Candidates that cannot run on the problem's platform at all are skipped first (traced, never a
+fallback). An explicit name never substitutes; ``auto`` falls through only on Unsupported;
+``measured`` times and caches rankings. Owns the selection and fallback metrics. See
+docs/attention.md.
 """
 
 from __future__ import annotations
@@ -20,15 +22,33 @@ from kvplane.attention.base import (
     Unsupported,
     Verdict,
 )
+from kvplane.attention.platform import platform_of
 from kvplane.attention.problem import AttentionProblem
 from kvplane.attention.ranking import RankedCandidate, Ranking, RankingCache, WorkloadBucket
 from kvplane.attention.synthetic import twin
 from kvplane.attention.timing import PerfCounterTimer, Timer
-from kvplane.errors import BackendError, UnsupportedError
-from kvplane.metrics import MetricsRegistry, fallback_ratio
+from kvplane.errors import BackendError, InvalidArgumentError, UnsupportedError
+from kvplane.metrics import FALLBACK_RATIO, MetricsRegistry, fallback_ratio
 
 AUTO = "auto"
 MEASURED = "measured"
+MODES = (AUTO, MEASURED)
+"""The selection modes; any other value of a ``backend`` argument names a backend."""
+
+
+def check_backend(registry: BackendRegistry, value: str) -> str:
+    """``value`` when it is a mode or backend names of ``registry``, comma-separated (a model
+    plans several kinds: ``torch,mha`` names one backend per kind); ``InvalidArgumentError``
+    naming the choices otherwise."""
+    if value in MODES:
+        return value
+    unknown = [n for n in value.split(",") if n not in registry]
+    if unknown or not value:
+        raise InvalidArgumentError(
+            f"attention must be {' or '.join(MODES)} or backend names (comma-separated) of "
+            f"{', '.join(registry.names())}; got {value!r}"
+        )
+    return value
 
 
 def _why(v: Verdict) -> str:
@@ -70,8 +90,8 @@ class Selector:
         elif backend == MEASURED:
             plan, fallback = self._measured(problem)
         else:
-            plan, fallback = self._explicit(problem, backend), False
-        self._publish(plan, backend if backend in (AUTO, MEASURED) else "explicit", fallback)
+            plan, fallback = self._explicit(problem, self._named(problem, backend)), False
+        self._publish(plan, backend if backend in MODES else "explicit", fallback)
         return plan
 
     @property
@@ -79,6 +99,17 @@ class Selector:
         return fallback_ratio(self.fallbacks, self.plans)
 
     # -- modes -----------------------------------------------------------------------------------
+    def _named(self, problem: AttentionProblem, names: str) -> str:
+        """The one of comma-separated ``names`` that declares ``problem``'s kind (the first
+        such), or the single name given; never a backend not named."""
+        listed = names.split(",")
+        if len(listed) == 1:
+            return names
+        for name in listed:
+            if problem.kind in self.registry.get(name).capabilities.kinds:
+                return name
+        raise UnsupportedError(f"none of the backends {names!r} handles kind {problem.kind.value}")
+
     def _explicit(self, problem: AttentionProblem, name: str) -> Plan:
         b = self.registry.get(name)
         v = b.check(problem)
@@ -88,8 +119,7 @@ class Selector:
         return dataclasses.replace(b.plan(problem), trace=trace)
 
     def _auto(self, problem: AttentionProblem) -> tuple[Plan, bool]:
-        candidates = self._candidates(problem)
-        trace: list[TraceEntry] = []
+        candidates, trace = self._candidates(problem)
         for i, b in enumerate(candidates):
             v = b.check(problem)
             if isinstance(v, Supported):
@@ -104,7 +134,7 @@ class Selector:
         raise UnsupportedError(self._none_supported(problem, trace))
 
     def _measured(self, problem: AttentionProblem) -> tuple[Plan, bool]:
-        candidates = self._candidates(problem)
+        candidates, skipped = self._candidates(problem)
         verdicts = {b.name: b.check(problem) for b in candidates}
         viable = [
             b for b in candidates
@@ -124,7 +154,7 @@ class Selector:
         chosen = self.registry.get(ranked[0].name)
         plan = chosen.plan(problem)
         times = {c.name: c.seconds for c in ranking}
-        trace = []
+        trace = skipped
         for b in candidates:
             v = verdicts[b.name]
             if b.name == chosen.name:
@@ -139,11 +169,24 @@ class Selector:
         return dataclasses.replace(plan, trace=tuple(trace)), chosen.name != ranking[0].name
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _candidates(self, problem: AttentionProblem) -> Sequence[AttentionBackend]:
+    def _candidates(
+        self, problem: AttentionProblem
+    ) -> tuple[Sequence[AttentionBackend], list[TraceEntry]]:
+        """The candidates for ``problem``'s kind that can run on its platform, in registry
+        order, and a trace entry (``PLATFORM``, with the reasons) for each one that cannot."""
         candidates = self.registry.candidates(problem.kind)
         if not candidates:
             raise UnsupportedError(f"no registered backend handles kind {problem.kind.value}")
-        return candidates
+        here = platform_of(problem.device)
+        runnable: list[AttentionBackend] = []
+        skipped: list[TraceEntry] = []
+        for b in candidates:
+            why = b.capabilities.platform_reasons(here)
+            if why:
+                skipped.append(TraceEntry(b.name, Decision.PLATFORM, "; ".join(why)))
+            else:
+                runnable.append(b)
+        return runnable, skipped
 
     def _time(self, problem: AttentionProblem, viable: Sequence[AttentionBackend]) -> Ranking:
         """Every viable candidate timed together by the timer on one synthetic twin."""
@@ -173,9 +216,9 @@ class Selector:
         m.counter(
             "attention_plans", "Attention plans made, by backend and mode", ("backend", "mode")
         ).labels(backend=plan.backend, mode=mode).inc()
-        fb = m.counter("attention_fallback_plans", "Plans resolved to a non-first candidate")
+        fb = m.counter(
+            "attention_fallback_plans", "Plans resolved past the first candidate of the platform"
+        )
         if fallback:
             fb.inc()
-        m.gauge("attention_fallback_ratio", "Plans resolved to a non-first candidate / plans").set(
-            self.fallback_ratio
-        )
+        m.gauge(*FALLBACK_RATIO).set(self.fallback_ratio)

@@ -17,7 +17,7 @@ import numpy as np
 from kvplane.blocks import BlockTable
 from kvplane.errors import InvalidArgumentError, KVPlaneError, ProtocolError
 from kvplane.ids import PeerId, RegionId, RequestId, SessionId, TokenRange
-from kvplane.metrics import MetricsRegistry
+from kvplane.metrics import SEED_HISTOGRAMS, MetricsRegistry, histogram_counters
 from kvplane.pd.actions import Action, DestinationKnown, Finished, Release, StartSubmit
 from kvplane.pd.events import Cancel, SubmitSlice
 from kvplane.pd.states import Role, SessionState
@@ -417,12 +417,13 @@ class PrefillWorker(Worker):
 
 
 def report_counters(metrics: MetricsRegistry, model: object) -> dict[str, int]:
-    """Integer counters a report derives the seed's metrics from (``WorkerStats.counters``)."""
+    """Integer counters a report (and the router's ``/metrics``) derives the seed's metrics
+    from (``WorkerStats.counters``): bytes moved and needed, the seed's histograms in the form
+    of :func:`~kvplane.metrics.histogram_counters`, and a model's attention plans/fallbacks."""
     out = {
         "pd_bytes_moved": int(metrics.value("pd_bytes_moved", suffix="_total")),
         "pd_logical_bytes": int(metrics.value("pd_logical_bytes", suffix="_total")),
-        "pd_blocks_per_op_sum": int(metrics.value("pd_blocks_per_op", suffix="_sum")),
-        "pd_blocks_per_op_count": int(metrics.value("pd_blocks_per_op", suffix="_count")),
+        **histogram_counters(metrics, SEED_HISTOGRAMS),
     }
     if isinstance(model, ModelKV):
         plans, fallbacks = model.fallback_counts

@@ -19,7 +19,7 @@ import msgspec
 
 from kvplane.errors import KVPlaneError, ProtocolError
 from kvplane.ids import PeerId
-from kvplane.metrics import MetricsRegistry, MetricsServer
+from kvplane.metrics import FALLBACK_RATIO, MetricsRegistry, MetricsServer
 from kvplane.pd.actions import Action
 from kvplane.pd.endpoint import Endpoint
 from kvplane.pd.participant import Participant
@@ -111,6 +111,7 @@ class Worker:
         self.config = config
         self.metrics = metrics if metrics is not None else MetricsRegistry()
         self.rmetrics = RuntimeMetrics(self.metrics, self.role)
+        self.metrics.gauge(*FALLBACK_RATIO)  # the sixth seed metric: 0 until a model plans
         self.metrics.gauge("insecure", INSECURE_HELP).set(0 if config.secret is not None else 1)
         self.timeline = Timeline(config.name)
         self.incarnation = config.incarnation or time.time_ns() // 1000

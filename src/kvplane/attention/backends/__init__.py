@@ -1,7 +1,7 @@
 """Attention backends, one file each; :func:`default_registry` lists them in ``auto`` order.
 
-GPU engines come first (they report Unsupported without a GPU or their package, and ``auto``
-falls through), then the CPU/torch backends, then the float64 oracles.
+GPU engines come first (skipped by the platform filter where no GPU, architecture or package
+lets them run: not a fallback), then the CPU/torch backends, then the float64 oracles.
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ class FlashInferMLABackend(MLABackend[FlashInferState]):
             dtypes=frozenset({torch.float16, torch.bfloat16}),
             lse_base=LSEBase.TWO,
             mla_dims=frozenset({(512, 64)}),
+            min_cuda_arch=(8, 0),
+            packages=frozenset({"flashinfer"}),
         )
         super().__init__(NAME, caps, FlashInferState)
         self._workspace_bytes = workspace_bytes

@@ -53,6 +53,7 @@ class TritonMLABackend(MLABackend[TritonState]):
             devices=frozenset({"cuda"}),
             dtypes=frozenset({torch.float16, torch.bfloat16}),
             lse_base=LSEBase.E,
+            packages=frozenset({"triton"}),
         )
         super().__init__(NAME, caps, TritonState)
         self._kernel_module: ModuleType | None = None

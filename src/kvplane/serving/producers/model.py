@@ -15,6 +15,8 @@ from typing import Protocol, Self, runtime_checkable
 import numpy as np
 import torch
 
+from kvplane.attention import default_registry
+from kvplane.attention.selection import AUTO, check_backend
 from kvplane.errors import CheckpointError, ConfigError, InvalidArgumentError
 from kvplane.layout import KVLayout
 from kvplane.metrics import MetricsRegistry
@@ -51,11 +53,15 @@ class PromptChecker(Protocol):
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """Which model a worker serves: an embedded name (``tiny-llama``, ``tiny-deepseek``) with the
-    weights ``seed``, or a checkpoint directory; ``dtype`` of weights, activations and KV."""
+    weights ``seed``, or a checkpoint directory; ``dtype`` of weights, activations and KV;
+    ``attention``: how its attention backends are chosen (``auto``, ``measured`` or backend
+    names, one per attention kind; it never changes the weights, so it is not part of
+    :meth:`identity`)."""
 
     source: str
     seed: int = 0
     dtype: str = "float32"
+    attention: str = AUTO
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
@@ -65,6 +71,10 @@ class ModelSpec:
             raise ConfigError(
                 f"ModelSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"
             )
+        try:
+            check_backend(default_registry(), self.attention)
+        except InvalidArgumentError as exc:
+            raise ConfigError(f"ModelSpec.{exc}") from None
 
     @property
     def embedded(self) -> bool:
@@ -90,7 +100,10 @@ class ModelSpec:
 
     def load(self, metrics: MetricsRegistry | None = None) -> PagedDecoder:
         """Build the model (``CheckpointError`` for a bad or unsupported checkpoint)."""
-        return load_model(self.source, dtype=DTYPES[self.dtype], seed=self.seed, metrics=metrics)
+        return load_model(
+            self.source, dtype=DTYPES[self.dtype], seed=self.seed, backend=self.attention,
+            metrics=metrics,
+        )  # fmt: skip
 
 
 class ModelKV:

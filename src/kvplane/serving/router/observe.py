@@ -1,4 +1,5 @@
-"""The router's Prometheus metrics: requests, their ends, pairings, re-pairs, workers, flights.
+"""The router's Prometheus metrics: requests, their ends, pairings, re-pairs, workers, flights,
+and the cluster's seed metrics.
 
 :class:`RouterMetrics` owns their names and documentation, in the router's registry (the one
 ``RouterService`` serves on ``/metrics``, with its order socket's drops). It only counts: it
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from kvplane.errors import InvalidArgumentError
 from kvplane.metrics import MetricsRegistry
 from kvplane.pd.states import SessionState
+from kvplane.serving.router.seed_metrics import ClusterSeedMetrics, Gather
 
 _ENDS = frozenset(s.value for s in SessionState)
 _CAUSES = ("lost", "refused")
@@ -20,8 +22,9 @@ _CAUSES = ("lost", "refused")
 
 class RouterMetrics:
     """The router's metrics in ``registry``. ``flights``: requests in flight now; ``workers``:
-    (up, down) now; ``waiting``: pairs waiting out a re-pair backoff now; all read at each
-    scrape."""
+    (up, down) now; ``waiting``: pairs waiting out a re-pair backoff now; ``cluster``: the
+    workers' counters now (None: no seed metrics, :class:`ClusterSeedMetrics`); all read at
+    each scrape."""
 
     def __init__(
         self,
@@ -30,7 +33,10 @@ class RouterMetrics:
         flights: Callable[[], int],
         workers: Callable[[], tuple[int, int]],
         waiting: Callable[[], int] = lambda: 0,
+        cluster: Gather | None = None,
     ) -> None:
+        if cluster is not None:
+            registry.register(ClusterSeedMetrics(cluster))
         self.requests = registry.counter("router_requests", "Requests the router sent orders for")
         self._results = registry.counter(
             "router_results", "Requests ended, by state (failed: the router's failures)", ["state"]

@@ -111,6 +111,7 @@ class Router:
         self.observe = RouterMetrics(
             self.metrics, flights=lambda: self.flights_live, workers=self.worker_counts,
             waiting=lambda: self._members.pairs.waiting(time.monotonic()),
+            cluster=lambda: [s.counters for s in self.gather_stats()[0].values()],
         )  # fmt: skip
         self._tag = secrets.token_hex(4)
         self._serial = 0
