@@ -17,6 +17,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null 2>&1 \
       || echo "warning: libibverbs1 not installed; the mooncake transport will be unsupported"
   fi
-  "${pip[@]}" install -e ".[test,redis,hf,plot,nixl,mooncake]"
+  "${pip[@]}" install -e ".[test,redis,hf,plot,nixl,mooncake,codecs]"
   echo "$want" > "$stamp"
 fi

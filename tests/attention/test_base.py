@@ -12,13 +12,11 @@ from kvplane.attention import (
     LSEBase,
     QueryClass,
     QueryLayout,
-    Supported,
-    Unsupported,
     default_registry,
 )
 from kvplane.attention.backends import TorchMLABackend
-from kvplane.attention.base import verdict
 from kvplane.errors import BackendError, InvalidArgumentError
+from kvplane.verdicts import Supported, Unsupported, verdict
 
 
 def test_capability_reasons_name_every_mismatch(mla_inputs) -> None:

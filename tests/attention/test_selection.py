@@ -20,7 +20,6 @@ from kvplane.attention import (
     RankingCache,
     Selector,
     TraceEntry,
-    Unsupported,
     WorkloadBucket,
 )
 from kvplane.attention.backends import (
@@ -31,6 +30,7 @@ from kvplane.attention.backends import (
 from kvplane.attention.ranking import RankedCandidate
 from kvplane.errors import BackendError, InvalidArgumentError, UnsupportedError
 from kvplane.metrics import MetricsRegistry
+from kvplane.verdicts import Unsupported
 
 TIMES = {"torch": 3.0, "torch_splitkv": 1.0, "sdpa": 2.0, "cpu_fused": 4.0}
 FUSED = native_build.compiler() is not None

@@ -24,6 +24,15 @@ def test_resolve_from_env_file_and_flags() -> None:
     assert cfg.policy == "arc" and cfg.disk_path == Path("/tmp/kv")
     assert cfg.disk_sync is SyncPolicy.DATA and cfg.remote_url.endswith("6399/0")
     assert src["remote_url"] is Source.FLAG and src["admission_min_lookups"] is Source.DEFAULT
+    assert (cfg.disk_codec, cfg.remote_codec) == ("raw", "raw")  # the default: no codec
+
+
+def test_codecs_resolve_per_tier() -> None:
+    cfg, _ = resolve(
+        OffloadConfig, "offload", file={"offload": {"disk_codec": "lz4"}},
+        env={"KVPLANE_OFFLOAD_REMOTE_CODEC": "fp8"},
+    )  # fmt: skip
+    assert (cfg.disk_codec, cfg.remote_codec) == ("lz4", "fp8")
 
 
 @pytest.mark.parametrize(
@@ -39,6 +48,8 @@ def test_resolve_from_env_file_and_flags() -> None:
         {"remote_lease_s": float("nan")},
         {"disk_sync": "data"},
         {"staging_blocks": True},
+        {"disk_codec": "gzip"},
+        {"remote_codec": 8},
     ],
 )
 def test_bad_values_name_the_field(kw: dict[str, object]) -> None:

@@ -14,10 +14,7 @@ from kvplane.attention.base import (
     Capabilities,
     Decision,
     Plan,
-    Supported,
     TraceEntry,
-    Unsupported,
-    Verdict,
 )
 from kvplane.attention.inputs import GQAKVCache, GQAQuery, MLAKVCache, MLAQuery, MLAUpProjection
 from kvplane.attention.metadata import (
@@ -42,6 +39,7 @@ from kvplane.attention.problem import (
 from kvplane.attention.ranking import RankingCache, WorkloadBucket
 from kvplane.attention.selection import AUTO, MEASURED, Selector
 from kvplane.attention.timing import PerfCounterTimer, Timer
+from kvplane.verdicts import Supported, Unsupported, Verdict
 
 MLAPlanMetadata = PlanMetadata
 """The ARCHITECTURE.md name: the same object serves MLA and GQA batches."""

@@ -25,6 +25,7 @@ from kvplane.attention.problem import (
     QueryLayout,
 )
 from kvplane.errors import BackendError, InvalidArgumentError
+from kvplane.verdicts import Verdict
 
 ALL_QUERY_CLASSES = frozenset(QueryClass)
 BOTH_CAUSAL = frozenset({False, True})
@@ -90,29 +91,6 @@ class Capabilities:
             checks.append((dims in self.mla_dims, f"MLA dims (r, p)={dims}"))
         out.extend(f"{what} not supported" for ok, what in checks if not ok)
         return tuple(out)
-
-
-@dataclass(frozen=True, slots=True)
-class Supported:
-    """The backend can plan and run the problem."""
-
-
-@dataclass(frozen=True, slots=True)
-class Unsupported:
-    """The backend cannot; ``reasons`` say why (and how to fix it where that is possible)."""
-
-    reasons: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        if not self.reasons:
-            raise InvalidArgumentError("Unsupported needs at least one reason")
-
-
-Verdict = Supported | Unsupported
-
-
-def verdict(reasons: Sequence[str]) -> Verdict:
-    return Unsupported(tuple(reasons)) if reasons else Supported()
 
 
 class Decision(enum.Enum):

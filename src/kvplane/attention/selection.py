@@ -12,16 +12,7 @@ import dataclasses
 from collections.abc import Container, Sequence
 from functools import partial
 
-from kvplane.attention.base import (
-    AttentionBackend,
-    BackendRegistry,
-    Decision,
-    Plan,
-    Supported,
-    TraceEntry,
-    Unsupported,
-    Verdict,
-)
+from kvplane.attention.base import AttentionBackend, BackendRegistry, Decision, Plan, TraceEntry
 from kvplane.attention.platform import platform_of
 from kvplane.attention.problem import AttentionProblem
 from kvplane.attention.ranking import RankedCandidate, Ranking, RankingCache, WorkloadBucket
@@ -29,6 +20,7 @@ from kvplane.attention.synthetic import twin
 from kvplane.attention.timing import PerfCounterTimer, Timer
 from kvplane.errors import BackendError, InvalidArgumentError, UnsupportedError
 from kvplane.metrics import FALLBACK_RATIO, MetricsRegistry, fallback_ratio
+from kvplane.verdicts import Supported, Unsupported, Verdict
 
 AUTO = "auto"
 MEASURED = "measured"

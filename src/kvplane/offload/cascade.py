@@ -384,7 +384,7 @@ def build_cascade(
     tiers = (
         list(lower)
         if lower is not None
-        else open_lower_tiers(config, chunk_bytes, layout.fingerprint(), metrics)
+        else open_lower_tiers(config, chunk_bytes, layout.fingerprint(), metrics, layout=layout)
     )
     try:
         return TierCascade(

@@ -1,4 +1,4 @@
-"""``[offload]`` configuration: tier sizes, policy, admission, disk and Redis settings.
+"""``[offload]`` configuration: tier sizes, policy, admission, disk and Redis settings, codecs.
 
 Resolve it with :func:`kvplane.config.resolve` (``OffloadConfig``, section ``"offload"``), so
 every field can come from a flag, ``KVPLANE_OFFLOAD_<FIELD>``, the TOML file or the default.
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvplane.errors import ConfigError
+from kvplane.offload.codecs.registry import check_codec_name
 from kvplane.offload.policies.registry import POLICIES
 from kvplane.offload.tiers.base import SyncPolicy
 from kvplane.offload.tiers.lease import check_lease_timing
@@ -32,7 +33,9 @@ class OffloadConfig:
     engine at a time: the open remote tier holds it by a lease of ``remote_lease_s`` seconds,
     renewed while open, so a second engine on it is refused (give each engine its own
     namespace) and a restarted one claims it back, at most ``remote_lease_s`` after a crash,
-    and finds its chunks there again by content hash. A bad field raises
+    and finds its chunks there again by content hash. ``disk_codec`` and ``remote_codec``
+    name the codec each cold tier stores chunks with (:data:`~kvplane.offload.codecs.CODECS`;
+    the host tier stays raw). A bad field raises
     :class:`~kvplane.errors.ConfigError` naming it (both, for the lease relation).
     """
 
@@ -50,6 +53,8 @@ class OffloadConfig:
     remote_timeout_s: float = 5.0
     remote_lease_s: float = 10.0
     staging_blocks: int = 256
+    disk_codec: str = "raw"
+    remote_codec: str = "raw"
 
     def __post_init__(self) -> None:
         for name in ("host_slots", "disk_slots", "remote_slots", "staging_blocks"):
@@ -58,6 +63,8 @@ class OffloadConfig:
             raise ConfigError(
                 f"OffloadConfig.policy {self.policy!r} is not one of {sorted(POLICIES)}"
             )
+        check_codec_name("OffloadConfig.disk_codec", self.disk_codec)
+        check_codec_name("OffloadConfig.remote_codec", self.remote_codec)
         m = self.admission_min_lookups
         require_int("OffloadConfig.admission_min_lookups", m, min=0, error=ConfigError)
         if not isinstance(self.disk_sync, SyncPolicy):

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from kvplane.apps.bench import offload as bench
-from kvplane.apps.bench import offload_rows
+from kvplane.apps.bench import offload_codecs, offload_rows
 from kvplane.apps.bench.redis_limit import redis_benchmark_support
 from kvplane.cli import build_parser
 from kvplane.transports.native_copy import kernel
@@ -23,6 +23,8 @@ def test_quick_run_reports_every_tier_op_and_size(
     monkeypatch.setattr(bench, "CHUNKS_PER_REPEAT", {True: (4, 2)})
     monkeypatch.setattr(offload_rows, "REPEATS", {True: (2, 2)})
     monkeypatch.setattr(bench, "SWEEP_BLOCKS", {True: 64})
+    monkeypatch.setattr(offload_codecs, "CODEC_CHUNK", 256 << 10)
+    monkeypatch.setattr(offload_codecs, "CODEC_CHUNKS", {True: 2})
     args = argparse.Namespace(
         redis_url=redis_url, disk_dir=str(tmp_path), sync="none", no_direct_io=False
     )
@@ -52,6 +54,10 @@ def test_quick_run_reports_every_tier_op_and_size(
             assert r["limit_gbps"] > 0 and r["ratio"] > 0
     lines = result["rows"]
     assert isinstance(lines, list)
+    rows_named = [line["row"] for line in lines]
+    end = rows_named.index("sweep_us_per_block_16_vs_1") + 1  # the codec rows follow the sweep
+    _check_codecs(result, lines[end:])
+    lines = lines[:end]
     assert (
         len(lines) == len(rows) + sum(len(r) - 6 for r in rows) // 2 + 1
     )  # + second limits, sweep
@@ -66,6 +72,28 @@ def test_quick_run_reports_every_tier_op_and_size(
     met = result["targets_met"]
     assert isinstance(met, dict) and len(met) == len(rows) + 1
     assert result["skipped"] == [] and result["remote_server"] == "configured"
+
+
+def _check_codecs(result: dict[str, object], lines: list[dict[str, object]]) -> None:
+    """Per codec and cold tier: store and load rows against the raw tier (no target), and one
+    stored-bytes row per codec (FP8's target 0.55, met)."""
+    codecs = ["lz4", "zstd", "fp8", "fp8-chunk", "int8"]
+    want = [f"{t}_{op}_{c}_256k" for c in codecs for t in ("disk", "remote")
+            for op in ("store", "load")]  # fmt: skip
+    assert [str(r["row"]) for r in lines if not str(r["row"]).startswith("stored_")] == want
+    assert all(r["target"] is None and r["limit_name"].endswith("tier, raw") for r in lines
+               if not str(r["row"]).startswith("stored_"))  # fmt: skip
+    stored = {str(r["row"]): r for r in lines if str(r["row"]).startswith("stored_")}
+    assert list(stored) == [f"stored_ratio_{c}" for c in codecs]
+    assert stored["stored_ratio_fp8"]["target"] == 0.55 and stored["stored_ratio_fp8"]["met"]
+    assert stored["stored_ratio_int8"]["target"] is None
+    summary = result["codecs"]
+    assert isinstance(summary, list) and len(summary) == 2 * len(codecs)
+    for s in summary:
+        assert set(s) == {"tier", "codec", "stored_ratio", "encode_gbps", "decode_gbps",
+                          "raw_tier_store_gbps", "keeps_up", "fit_reasons"}  # fmt: skip
+        assert 0 < s["stored_ratio"] <= 1 and s["encode_gbps"] > 0
+        assert s["keeps_up"] == (s["fit_reasons"] == [])
 
 
 def test_registered_with_the_cli() -> None:

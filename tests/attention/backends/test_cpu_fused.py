@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from kvplane import native as native_build
-from kvplane.attention import MLAKVCache, Supported, Unsupported, mla_problem
+from kvplane.attention import MLAKVCache, mla_problem
 from kvplane.attention.backends import CPUFusedBackend
 from kvplane.attention.backends.cpu_fused import SOURCE, FusedPlan, splits_for
 from kvplane.attention.paged import merge_splits
 from kvplane.attention.synthetic import Inputs
 from kvplane.errors import InvalidArgumentError, UnsupportedError
+from kvplane.verdicts import Supported, Unsupported
 
 pytestmark = pytest.mark.skipif(
     native_build.compiler() is None, reason="needs a C compiler to build the kernel"

@@ -8,10 +8,11 @@ import importlib.util
 import pytest
 import torch
 
-from kvplane.attention import LSEBase, Unsupported
+from kvplane.attention import LSEBase
 from kvplane.attention.backends import FlashInferMLABackend
 from kvplane.attention.backends.flashinfer_mla import INSTALL_HINT
 from kvplane.errors import UnsupportedError
+from kvplane.verdicts import Unsupported
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
 

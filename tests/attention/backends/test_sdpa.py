@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvplane.attention import QueryLayout, Unsupported
+from kvplane.attention import QueryLayout
 from kvplane.attention.backends import SDPABackend
 from kvplane.attention.backends.sdpa import kv_splits
 from kvplane.attention.paged import merge_splits
 from kvplane.errors import InvalidArgumentError
+from kvplane.verdicts import Unsupported
 
 
 def test_split_queries_are_unsupported(mla_inputs) -> None:

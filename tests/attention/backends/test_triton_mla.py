@@ -7,10 +7,10 @@ import importlib.util
 import pytest
 import torch
 
-from kvplane.attention import Unsupported
 from kvplane.attention.backends import TritonMLABackend
 from kvplane.attention.backends.triton_mla import INSTALL_HINT
 from kvplane.errors import UnsupportedError
+from kvplane.verdicts import Unsupported
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 

@@ -26,11 +26,11 @@ from kvplane.attention import (
     MLAShape,
     PerfCounterTimer,
     Selector,
-    Supported,
     default_registry,
 )
 from kvplane.attention.synthetic import make_mla_inputs, synthetic_metadata
 from kvplane.errors import InvalidArgumentError
+from kvplane.verdicts import Supported
 
 NAME = "attention"
 HELP = "MLA attention backends: time, GB/s vs a read-only pass, auto/measured choices."

@@ -1,5 +1,6 @@
-"""``kvplane bench offload``: store/load throughput per tier against its limit, and the
-``blocks_per_chunk`` sweep.
+"""``kvplane bench offload``: store/load throughput per tier against its limit, the
+``blocks_per_chunk`` sweep, and per codec its GB/s against the raw tier and stored bytes
+(:mod:`.offload_codecs`).
 
 Host against memcpy (and a streaming memcpy), disk against raw ``pwrite``/``preadv``, remote
 against ``redis-benchmark`` on the same server (and redis-py's own pipeline as a second row);
@@ -12,15 +13,17 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from kvplane.apps.bench.common import stream_memcpy
+from kvplane.apps.bench.offload_codecs import codec_rows
 from kvplane.apps.bench.offload_rows import (
     BENCH,
+    KeyedOp,
     Limit,
     Measured,
     Timed,
@@ -28,6 +31,7 @@ from kvplane.apps.bench.offload_rows import (
     rows,
     seconds,
     throughput_row,
+    tier_ops,
 )
 from kvplane.apps.bench.offload_sweep import SWEEP_BLOCKS, SWEEP_TARGET, fresh_keys, layout, sweep
 from kvplane.apps.bench.redis_limit import BENCH_KEY, fastest, redis_benchmark_support
@@ -38,13 +42,16 @@ from kvplane.offload import (
     OffloadManager,
     build_cascade,
 )
-from kvplane.offload.tiers import ALIGN, DiskTier, HostTier, ReadOutcome, RemoteTier, SyncPolicy
+from kvplane.offload.tiers import ALIGN, DiskTier, HostTier, RemoteTier, SyncPolicy
 from kvplane.offload.tiers.base import as_buffer
 from kvplane.offload.tiers.remote import PIPELINE_BYTES, redis_support
 from kvplane.testing.redis_server import LocalRedisServer, redis_server_support
 
 NAME = BENCH
-HELP = "Offload tiers: store/load GB/s per tier vs memcpy, raw file I/O and redis-benchmark."
+HELP = (
+    "Offload tiers: store/load GB/s per tier vs memcpy, raw file I/O and redis-benchmark; "
+    "codecs vs raw."
+)
 
 BLOCK_BYTES = 16 << 10
 CHUNK_SIZES = (256 << 10, 4 << 20)
@@ -58,10 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-dir", default=None, help="directory for the disk tier's file")
     parser.add_argument("--sync", choices=[p.value for p in SyncPolicy], default="none")
     parser.add_argument("--no-direct-io", action="store_true", help="buffered disk I/O")
-
-
-KeyedOp = Callable[[list[ChunkKey]], None]
-"""kvplane's side of a measurement: store (or load) these chunk keys."""
 
 
 def _each(n: int, op: Callable[[int], object]) -> None:
@@ -139,26 +142,6 @@ def _host(chunk: int, n: int, quick: bool) -> list[Measured]:
 
 
 # -- disk and remote: one manager + tier, between host slots and the tier ---------------------
-def _tier_ops(
-    tier: DiskTier | RemoteTier, mgr: OffloadManager, bufs: Sequence[torch.Tensor]
-) -> tuple[KeyedOp, KeyedOp]:
-    def store(keys: list[ChunkKey]) -> None:
-        plan = mgr.prepare_store(keys)
-        if plan is None:
-            raise RuntimeError(f"bench tier {tier.name} has no room")
-        tier.write(plan.slots, plan.keys, bufs)
-        mgr.complete_store(plan.keys, True)
-
-    def load(keys: list[ChunkKey]) -> None:
-        plan = mgr.prepare_load(keys)
-        got = tier.read(plan.slots, plan.keys, bufs)
-        mgr.complete_load(plan.keys, [o is ReadOutcome.OK for o in got])
-        if got.count(ReadOutcome.OK) != len(keys):
-            raise RuntimeError(f"bench tier {tier.name} read back {got}")
-
-    return store, load
-
-
 def _host_buffers(n: int, chunk: int) -> tuple[list[torch.Tensor], list[memoryview]]:
     host = HostTier(n, chunk)
     host.buffer.copy_(torch.randint(0, 256, (host.buffer.numel(),), dtype=torch.uint8))
@@ -182,7 +165,7 @@ def _disk(
 
     mgr = OffloadManager("disk", n, "lru", AdmissionFilter(0))
     try:
-        ops = _tier_ops(tier, mgr, bufs)
+        ops = tier_ops(tier, mgr, bufs)
         raw = (
             [Limit("raw pwrite", "", _wall(lambda: _each(n, raw_write)))],
             [Limit("raw preadv", "", _wall(
@@ -238,7 +221,7 @@ def _remote(chunk: int, n: int, quick: bool, url: str) -> list[Measured]:
         limits[1].insert(0, Limit(rb["GET"].name, "", lambda: rb["GET"].seconds("GET")))
     mgr = OffloadManager("remote", n, "lru", AdmissionFilter(0))
     try:
-        ops = _tier_ops(tier, mgr, bufs)
+        ops = tier_ops(tier, mgr, bufs)
         got = _store_load(("remote", chunk, n), quick, ops, limits, unavailable=why)
         mgr.check_integrity()
         return got
@@ -258,6 +241,8 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
     for chunk in CHUNK_SIZES:
         got += _host(chunk, counts[chunk], quick)
     disk_dir = getattr(args, "disk_dir", None)
+    codec_lines: list[dict[str, object]] = []
+    codecs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=disk_dir, prefix="kvplane-bench-") as tmp:
         direct_used = False
         for chunk in CHUNK_SIZES:
@@ -265,17 +250,20 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
                 chunk, counts[chunk], quick, Path(tmp), sync=sync, direct=direct
             )
             got += disk
-    url = getattr(args, "redis_url", None) or os.environ.get("KVPLANE_OFFLOAD_REMOTE_URL")
-    reason = redis_support() if url else redis_server_support()
-    if reason is not None:
-        skipped.append(f"remote: {reason}")
-    elif url:
-        for chunk in CHUNK_SIZES:
-            got += _remote(chunk, counts[chunk], quick, url)
-    else:
-        with LocalRedisServer() as server:  # our own server on 127.0.0.1, stopped at the end
+        url = getattr(args, "redis_url", None) or os.environ.get("KVPLANE_OFFLOAD_REMOTE_URL")
+        reason = redis_support() if url else redis_server_support()
+        if reason is not None:
+            skipped.append(f"remote: {reason}")
+            codec_lines, codecs = codec_rows(quick, Path(tmp), None)
+        elif url:
             for chunk in CHUNK_SIZES:
-                got += _remote(chunk, counts[chunk], quick, server.url)
+                got += _remote(chunk, counts[chunk], quick, url)
+            codec_lines, codecs = codec_rows(quick, Path(tmp), url)
+        else:
+            with LocalRedisServer() as server:  # our own server on 127.0.0.1, stopped at the end
+                for chunk in CHUNK_SIZES:
+                    got += _remote(chunk, counts[chunk], quick, server.url)
+                codec_lines, codecs = codec_rows(quick, Path(tmp), server.url)
     swept, sweep_row = sweep(SWEEP_BLOCKS[quick], quick)
     throughput = [throughput_row(m) for m in got]
     per_block = {s["blocks_per_chunk"]: s["us_per_block"] for s in swept}
@@ -296,7 +284,8 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
         for s in swept
     }
     return {
-        "rows": [row for m in got for row in rows(m, TARGETS[m.tier])] + [sweep_row],
+        "rows": [row for m in got for row in rows(m, TARGETS[m.tier])] + [sweep_row] + codec_lines,
+        "codecs": codecs,
         "throughput": throughput,
         "blocks_per_chunk_sweep": swept,
         "sweep_ratio_16_vs_1": round(sweep_ratio, 3),

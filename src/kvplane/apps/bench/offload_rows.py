@@ -3,7 +3,8 @@ the seconds into rows: the legacy ``throughput`` row and one :class:`~.spread.Ro
 
 Owns the repeat loop of the offload bench (warm-up, then :func:`~.spread.repeat_until_stable`
 with every limit timed in the same repeat, back to back) and the rows' names and fields. It
-builds no tier and starts no server: :mod:`.offload` hands it thunks.
+builds no tier and starts no server: :mod:`.offload` hands it thunks (:func:`tier_ops` makes a
+lower tier's).
 """
 
 from __future__ import annotations
@@ -14,8 +15,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvplane.apps.bench.common import limit_fields
 from kvplane.apps.bench.spread import SETTLE_S, Row, paired_ratio, repeat_until_stable, spread
+from kvplane.ids import ChunkKey
+from kvplane.offload import OffloadManager
+from kvplane.offload.tiers import ReadOutcome, Tier
 
 BENCH = "offload"
 WARMUP = 2
@@ -25,6 +31,8 @@ REPEATS = {True: (5, 10), False: (7, 40)}
 CAP_S = {True: 1.2, False: 10.0}
 """Seconds one (tier, op, chunk size) may keep repeating for a stable ratio, per ``--quick``."""
 
+KeyedOp = Callable[[list[ChunkKey]], None]
+"""kvplane's side of a measurement: store (or load) these chunk keys."""
 Timed = Callable[[], float]
 """One run of a side of a measurement, returning its seconds (its own clock or the wall's)."""
 
@@ -136,7 +144,7 @@ def throughput_row(m: Measured) -> dict[str, Any]:
     return out
 
 
-def rows(m: Measured, target: float) -> list[dict[str, object]]:
+def rows(m: Measured, target: float | None) -> list[dict[str, object]]:
     """One ``bench all`` row per limit of ``m``, GB/s, higher is better: the main limit's
     named ``{tier}_{op}_{KiB}k`` with ``target``, a second one's ``..._vs_{key}`` without.
     An unavailable main limit is a row with no limit figure and no ratio, saying why."""
@@ -153,6 +161,30 @@ def rows(m: Measured, target: float) -> list[dict[str, object]]:
         )  # fmt: skip
         out.append(row.as_dict())
     return out
+
+
+def tier_ops(
+    tier: Tier, mgr: OffloadManager, bufs: Sequence[torch.Tensor]
+) -> tuple[KeyedOp, KeyedOp]:
+    """kvplane's side of a lower tier's measurement: store (then load) chunk keys from (into)
+    ``bufs`` through ``mgr``'s slots of ``tier``; a full tier or a chunk not read back OK
+    raises ``RuntimeError`` (a bench bug, never a figure)."""
+
+    def store(keys: list[ChunkKey]) -> None:
+        plan = mgr.prepare_store(keys)
+        if plan is None:
+            raise RuntimeError(f"bench tier {tier.name} has no room")
+        tier.write(plan.slots, plan.keys, bufs)
+        mgr.complete_store(plan.keys, True)
+
+    def load(keys: list[ChunkKey]) -> None:
+        plan = mgr.prepare_load(keys)
+        got = tier.read(plan.slots, plan.keys, bufs)
+        mgr.complete_load(plan.keys, [o is ReadOutcome.OK for o in got])
+        if got.count(ReadOutcome.OK) != len(keys):
+            raise RuntimeError(f"bench tier {tier.name} read back {got}")
+
+    return store, load
 
 
 def unavailable_row(

@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from kvplane.attention.base import Capabilities, Plan, Verdict, plan_state, verdict
+from kvplane.attention.base import Capabilities, Plan, plan_state
 from kvplane.attention.inputs import GQAKVCache, GQAQuery, MLAKVCache, MLAQuery
 from kvplane.attention.metadata import PagedStructure
 from kvplane.attention.paged import (
@@ -31,6 +31,7 @@ from kvplane.attention.paged import (
 from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
 from kvplane.errors import BackendError
 from kvplane.validators import require_int
+from kvplane.verdicts import Verdict, verdict
 
 CPU_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 """Dtypes the torch backends accept (low precision is computed in float32)."""

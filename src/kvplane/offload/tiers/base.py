@@ -15,6 +15,7 @@ import torch
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey, SlotId
 from kvplane.metrics import MetricsRegistry
+from kvplane.offload.codecs.coder import ChunkCoder
 from kvplane.offload.slots import check_chunk_key
 from kvplane.validators import require_index
 
@@ -114,13 +115,27 @@ def check_batch(  # noqa: PLR0917 - one argument per thing that must line up
             )
 
 
+def check_coder(tier: str, coder: object, chunk_bytes: int) -> ChunkCoder | None:
+    """The codec a tier runs: ``None`` for none or ``raw`` (the tier's raw path), else
+    ``coder``; ``InvalidArgumentError`` unless it is a :class:`ChunkCoder` of chunks of
+    ``chunk_bytes`` bytes."""
+    if coder is None:
+        return None
+    if not isinstance(coder, ChunkCoder) or coder.chunk_bytes != chunk_bytes:
+        raise InvalidArgumentError(
+            f"{tier}.coder must be a ChunkCoder of {chunk_bytes}-byte chunks, got {coder!r}"
+        )
+    return None if coder.is_raw else coder
+
+
 class TierCounters:
     """The fault counters every tier keeps (no-ops without an injected registry).
 
     ``kvplane_offload_corrupt_chunks{tier, reason}``: a read or re-index found a chunk whose
     header or checksum was wrong (``reason`` one of header, key, layout, length, checksum,
-    truncated, missing); ``kvplane_offload_tier_errors{tier}``: a whole operation failed
-    (I/O error, server unreachable).
+    truncated, missing, codec: a payload that did not decode);
+    ``kvplane_offload_tier_errors{tier}``: a whole operation failed (I/O error, server
+    unreachable).
     """
 
     def __init__(self, metrics: MetricsRegistry | None, tier: str) -> None:

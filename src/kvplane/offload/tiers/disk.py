@@ -1,6 +1,8 @@
 """The disk tier: one slot file of fixed-size slots, each a payload followed by its header.
 
 The header is the commit record; reads verify header and CRC; :meth:`DiskTier.scan` re-indexes.
+With a codec a slot holds the coded payload (no longer than the chunk) and a read fetches the
+header first, then only the stored bytes.
 ``O_DIRECT`` where allowed; an exclusive ``flock``. See docs/offload.md.
 """
 
@@ -19,7 +21,15 @@ import torch
 from kvplane.errors import InvalidArgumentError, OffloadError
 from kvplane.ids import ChunkKey, SlotId
 from kvplane.metrics import MetricsRegistry
-from kvplane.offload.tiers.base import ReadOutcome, SyncPolicy, TierCounters, as_buffer, check_batch
+from kvplane.offload.codecs.coder import ChunkCoder
+from kvplane.offload.tiers.base import (
+    ReadOutcome,
+    SyncPolicy,
+    TierCounters,
+    as_buffer,
+    check_batch,
+    check_coder,
+)
 from kvplane.offload.tiers.header import (
     HEADER_BYTES,
     ChunkHeader,
@@ -45,17 +55,23 @@ class DiskTier:
         direct_io: bool = True,
         metrics: MetricsRegistry | None = None,
         name: str = "disk",
+        coder: ChunkCoder | None = None,
     ) -> None:
+        """Open (creating) the slot file; ``coder`` codes every chunk (default: raw) and goes
+        into the tier's fingerprint. ``OffloadError`` when the file cannot be opened or is
+        locked; ``InvalidArgumentError`` for bad arguments."""
         require_int("DiskTier.num_slots", num_slots, min=1)
         require_size("DiskTier.chunk_bytes", chunk_bytes, min=1)
         check_fingerprint("DiskTier.fingerprint", fingerprint)
+        self._coder = check_coder("DiskTier", coder, chunk_bytes)
         if not isinstance(sync, SyncPolicy):
             raise InvalidArgumentError(f"DiskTier.sync must be a SyncPolicy, got {sync!r}")
         self.name = name
         self.path = Path(path)
         self.num_slots = num_slots
         self.chunk_bytes = chunk_bytes
-        self.fingerprint = fingerprint
+        self.fingerprint = fingerprint if coder is None else coder.fingerprint(fingerprint)
+        self.codec = "raw" if coder is None else coder.plan.ident
         self.sync = sync
         self.payload_span = round_up(chunk_bytes)
         self.slot_stride = self.payload_span + ALIGN
@@ -123,40 +139,59 @@ class DiskTier:
     ) -> None:
         """Write each payload, then its header (see the module docstring for the order).
 
-        With ``SyncPolicy.NONE`` payload and header go in one ``pwritev``, header last (a write
-        cut short by process death leaves the old header, which then fails its checksum);
-        with ``SyncPolicy.DATA``: payload, fdatasync, header, fdatasync.
+        With ``SyncPolicy.NONE`` a payload that fills its slot and its header go in one
+        ``pwritev``, header last (a write cut short by process death leaves the old header,
+        which then fails its checksum); a shorter (coded) payload and its header go in two, in
+        that order. With ``SyncPolicy.DATA``: payload, fdatasync, header, fdatasync.
         """
         check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, payloads)
-        views = [as_buffer(p) for p in payloads]
         hdr_len = ALIGN if self.direct else HEADER_BYTES
-        pad = self.payload_span - self.chunk_bytes
         with self._lock:
             fd = self._io_fd()
             try:
-                for slot, key, view, payload in zip(slots, keys, views, payloads, strict=True):
-                    if not self.direct:
-                        body = [view, memoryview(self._pad)[:pad]] if pad else [view]
-                    elif self._direct_ok(payload):
-                        body = [view]
-                    else:
-                        self._bounce[: self.chunk_bytes] = view
-                        body = [memoryview(self._bounce)]
-                    crc = payload_checksum(view)
-                    header = ChunkHeader(key, self.fingerprint, self.chunk_bytes, crc)
+                for slot, key, payload in zip(slots, keys, payloads, strict=True):
+                    body, header = self._frame(key, payload)
                     self._header[:HEADER_BYTES] = header.encode()
                     head = memoryview(self._header)[:hdr_len]
                     base = self._offset(slot)
-                    if self.sync is SyncPolicy.NONE:
+                    whole = sum(len(b) for b in body) == self.payload_span
+                    if self.sync is SyncPolicy.NONE and whole:
                         self._pwritev_all(fd, [*body, head], base)
-                    else:
-                        self._pwritev_all(fd, body, base)
+                        continue
+                    self._pwritev_all(fd, body, base)
+                    if self.sync is SyncPolicy.DATA:
                         os.fdatasync(fd)
-                        self._pwritev_all(fd, [head], base + self.payload_span)
+                    self._pwritev_all(fd, [head], base + self.payload_span)
+                    if self.sync is SyncPolicy.DATA:
                         os.fdatasync(fd)
             except OSError as exc:
                 self._counters.error()
                 raise OffloadError(f"disk tier {str(self.path)!r}: write failed: {exc}") from exc
+
+    def _frame(self, key: ChunkKey, payload: torch.Tensor) -> tuple[list[memoryview], ChunkHeader]:
+        """The buffers to write from the slot's start and the header of ``payload``: coded
+        (through the bounce buffer when direct) or, without a codec or when it kept the chunk
+        raw, the payload itself (padded to the slot, bounced when direct I/O cannot use it)."""
+        enc = self._coder.encode(payload) if self._coder is not None else None
+        if enc is not None and not enc.raw:
+            n = len(enc.data)
+            body = [enc.data]
+            if self.direct:
+                self._bounce[:n] = enc.data
+                body = [memoryview(self._bounce)[: round_up(n)]]
+            crc = payload_checksum(enc.data)
+            return body, ChunkHeader(key, self.fingerprint, self.chunk_bytes, crc, enc.tag, n)
+        view = as_buffer(payload)
+        pad = self.payload_span - self.chunk_bytes
+        if not self.direct:
+            body = [view, memoryview(self._pad)[:pad]] if pad else [view]
+        elif self._direct_ok(payload):
+            body = [view]
+        else:
+            self._bounce[: self.chunk_bytes] = view
+            body = [memoryview(self._bounce)]
+        crc = payload_checksum(view)
+        return body, ChunkHeader.raw(key, self.fingerprint, self.chunk_bytes, crc)
 
     def read(
         self, slots: Sequence[SlotId], keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor]
@@ -173,6 +208,9 @@ class DiskTier:
         outcomes: list[ReadOutcome] = []
         try:
             for slot, key, out in zip(slots, keys, outs, strict=True):
+                if self._coder is not None:
+                    outcomes.append(self._read_coded(fd, slot, key, out))
+                    continue
                 view = as_buffer(out)
                 bounce = self.direct and not self._direct_ok(out)
                 whole = self._read_slot(fd, slot, memoryview(self._bounce) if bounce else view)
@@ -188,6 +226,32 @@ class DiskTier:
             self._counters.error()
             raise OffloadError(f"disk tier {str(self.path)!r}: read failed: {exc}") from exc
         return outcomes
+
+    def _read_coded(self, fd: int, slot: SlotId, key: ChunkKey, out: torch.Tensor) -> ReadOutcome:
+        """Read a slot of a coded tier: its header first, then only the stored bytes it names
+        (straight into ``out`` when raw and direct I/O allows it), checked, then decoded."""
+        hdr_len = ALIGN if self.direct else HEADER_BYTES
+        base = self._offset(slot)
+        got = os.preadv(fd, [memoryview(self._header)[:hdr_len]], base + self.payload_span)
+        outcome, header = self._check_header(key, got == hdr_len)
+        if header is None or self._coder is None:
+            return outcome
+        n = header.stored
+        in_place = not header.coded and not (self.direct and not self._direct_ok(out))
+        if in_place:
+            target = as_buffer(out)
+        else:
+            target = memoryview(self._bounce)[: round_up(n) if self.direct else n]
+        if os.preadv(fd, [target], base) != len(target):
+            self._counters.corrupt("truncated")
+            return ReadOutcome.CORRUPT
+        if payload_checksum(target[:n]) != header.checksum:
+            self._counters.corrupt("checksum")
+            return ReadOutcome.CORRUPT
+        if not in_place and not self._coder.decode(header.codec, target[:n], out):
+            self._counters.corrupt("codec")
+            return ReadOutcome.CORRUPT
+        return ReadOutcome.OK
 
     def _read_slot(self, fd: int, slot: SlotId, target: memoryview) -> bool:
         """Read a slot's payload into ``target`` and its header into ``self._header`` with one
@@ -236,7 +300,7 @@ class DiskTier:
                 outcome, header = self._check_header(None, whole)
                 if header is None or outcome is not ReadOutcome.OK or header.key in found:
                     continue
-                if payload_checksum(target[: self.chunk_bytes]) != header.checksum:
+                if payload_checksum(target[: header.stored]) != header.checksum:
                     self._counters.corrupt("checksum")
                     continue
                 found[header.key] = SlotId(slot)

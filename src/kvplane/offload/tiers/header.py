@@ -1,5 +1,5 @@
-"""The stored-chunk header: key, layout fingerprint, length and CRC-32 of a chunk kept outside
-the process.
+"""The stored-chunk header: key, layout fingerprint, length, codec, stored length and CRC-32 of
+a chunk kept outside the process.
 
 :data:`HEADER_BYTES` = 128, written after its payload. Byte layout: docs/offload.md.
 """
@@ -13,14 +13,16 @@ from dataclasses import dataclass
 
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey
+from kvplane.offload.codecs.base import RAW_TAG, TAG_BYTES
 from kvplane.offload.slots import MAX_KEY_BYTES, check_chunk_key
 from kvplane.validators import require_int, require_size
 
 MAGIC = b"KVPCHUNK"
-VERSION = 1
+VERSION = 2
+"""2 added the codec tag and stored length; a header of version 1 decodes to None (a miss)."""
 FINGERPRINT_BYTES = 16
 HEADER_BYTES = 128
-_BODY = struct.Struct(f"<8sHHIQI{FINGERPRINT_BYTES}s{MAX_KEY_BYTES}s")
+_BODY = struct.Struct(f"<8sHHIQI{FINGERPRINT_BYTES}s{MAX_KEY_BYTES}sQ{TAG_BYTES}s")
 _CRC = struct.Struct("<I")
 
 
@@ -45,18 +47,39 @@ def payload_checksum(payload: memoryview | bytes) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ChunkHeader:
-    """Identity and integrity of one stored chunk payload."""
+    """Identity and integrity of one stored chunk: ``length`` bytes of chunk, stored as
+    ``stored`` bytes coded by the codec ``codec`` names (:data:`RAW_TAG`: the chunk's own
+    bytes, then ``stored == length``); ``checksum`` is the CRC-32 of the stored bytes."""
 
     key: ChunkKey
     fingerprint: bytes
     length: int
     checksum: int
+    codec: bytes
+    stored: int
 
     def __post_init__(self) -> None:
         check_chunk_key(self.key)
         check_fingerprint("ChunkHeader.fingerprint", self.fingerprint)
         require_size("chunk length", self.length)
         require_int("checksum", self.checksum, min=0, max=(1 << 32) - 1)
+        if not isinstance(self.codec, bytes) or len(self.codec) != TAG_BYTES:
+            raise InvalidArgumentError(f"a codec tag is {TAG_BYTES} bytes, got {self.codec!r}")
+        require_size("stored length", self.stored, max=self.length)
+        if self.codec == RAW_TAG and self.stored != self.length:
+            raise InvalidArgumentError(
+                f"a raw chunk stores its {self.length} bytes, not {self.stored}"
+            )
+
+    @classmethod
+    def raw(cls, key: ChunkKey, fingerprint: bytes, length: int, checksum: int) -> ChunkHeader:
+        """The header of a chunk stored as its own ``length`` bytes."""
+        return cls(key, fingerprint, length, checksum, RAW_TAG, length)
+
+    @property
+    def coded(self) -> bool:
+        """True when the stored bytes are a codec's payload, not the chunk itself."""
+        return self.codec != RAW_TAG
 
     def fault(self, key: ChunkKey | None, fingerprint: bytes, length: int) -> str | None:
         """Why this header read back is not that of chunk ``key`` (``None``: any key) of
@@ -72,7 +95,7 @@ class ChunkHeader:
         """The :data:`HEADER_BYTES` bytes that go after (or beside) the payload."""
         body = _BODY.pack(
             MAGIC, VERSION, len(self.key), 0, self.length, self.checksum,
-            self.fingerprint, self.key,
+            self.fingerprint, self.key, self.stored, self.codec,
         )  # fmt: skip
         raw = body + _CRC.pack(zlib.crc32(body))
         return raw + bytes(HEADER_BYTES - len(raw))
@@ -80,7 +103,7 @@ class ChunkHeader:
     @classmethod
     def decode(cls, raw: bytes | memoryview) -> ChunkHeader | None:
         """The header in ``raw`` (at least :data:`HEADER_BYTES` bytes), or ``None`` if ``raw``
-        is blank, truncated, of another version or fails its own CRC."""
+        is blank, truncated, of another version, fails its own CRC or is inconsistent."""
         raw = bytes(raw[:HEADER_BYTES])
         if len(raw) < _BODY.size + _CRC.size:
             return None
@@ -88,10 +111,14 @@ class ChunkHeader:
         (hcrc,) = _CRC.unpack_from(raw, _BODY.size)
         if zlib.crc32(body) != hcrc:
             return None
-        magic, version, key_len, _flags, length, checksum, fp, key = _BODY.unpack(body)
+        magic, version, key_len, _flags, length, checksum, fp, key, stored, codec = _BODY.unpack(
+            body
+        )
         if magic != MAGIC or version != VERSION or not 0 < key_len <= MAX_KEY_BYTES:
             return None
-        return cls(ChunkKey(key[:key_len]), fp, length, checksum)
+        if stored > length or (codec == RAW_TAG and stored != length):
+            return None
+        return cls(ChunkKey(key[:key_len]), fp, length, checksum, codec, stored)
 
 
 def check_fingerprint(what: str, value: object) -> bytes:

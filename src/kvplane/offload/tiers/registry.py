@@ -5,7 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvplane.errors import ConfigError
+from kvplane.layout import KVLayout
 from kvplane.metrics import MetricsRegistry
+from kvplane.offload.codecs.base import ChunkFormat
+from kvplane.offload.codecs.coder import ChunkCoder
+from kvplane.offload.codecs.registry import make_codec
 from kvplane.offload.config import OffloadConfig
 from kvplane.offload.tiers.base import Tier
 from kvplane.offload.tiers.disk import DiskTier
@@ -30,17 +34,37 @@ def tier_support(kind: str) -> str | None:
         raise ConfigError(f"unknown tier kind {kind!r}; known: {list(TIER_KINDS)}") from None
 
 
+def tier_coder(
+    what: str, codec: str, layout: KVLayout | None, chunk_bytes: int
+) -> ChunkCoder | None:
+    """The coder of a tier configured with ``codec`` (``what`` names the setting): ``None``
+    for ``raw``; else planned for chunks of ``chunk_bytes`` bytes of ``layout`` --
+    ``ConfigError`` without a layout, ``UnsupportedError`` when the codec cannot code them."""
+    if codec == "raw":
+        return None
+    if layout is None:
+        raise ConfigError(f"{what} = {codec!r} needs the pool's layout to code its chunks")
+    return ChunkCoder(make_codec(codec), ChunkFormat.of(layout, chunk_bytes))
+
+
 def open_lower_tiers(
     config: OffloadConfig,
     chunk_bytes: int,
     fingerprint: bytes,
     metrics: MetricsRegistry | None = None,
+    *,
+    layout: KVLayout | None = None,
 ) -> list[Tier]:
-    """The tiers below host that ``config`` enables (disk, then remote), opened.
+    """The tiers below host that ``config`` enables (disk, then remote), opened, each with
+    its configured codec (a codec other than ``raw`` needs ``layout``: :func:`tier_coder`).
 
     Raises ``UnsupportedError`` for a configured tier whose engine is missing and
     ``OffloadError`` for one that cannot be opened; tiers opened before the failure are closed.
     """
+    disk_coder = tier_coder("OffloadConfig.disk_codec", config.disk_codec, layout, chunk_bytes)
+    remote_coder = tier_coder(
+        "OffloadConfig.remote_codec", config.remote_codec, layout, chunk_bytes
+    )
     tiers: list[Tier] = []
     try:
         if config.disk_path is not None:
@@ -53,6 +77,7 @@ def open_lower_tiers(
                     sync=config.disk_sync,
                     direct_io=config.disk_direct_io,
                     metrics=metrics,
+                    coder=disk_coder,
                 )
             )
         if config.remote_url:
@@ -66,6 +91,7 @@ def open_lower_tiers(
                     timeout_s=config.remote_timeout_s,
                     lease_s=config.remote_lease_s,
                     metrics=metrics,
+                    coder=remote_coder,
                 )
             )
     except BaseException:

@@ -1,8 +1,9 @@
 """The remote tier: chunk slots in a Redis server (Valkey speaks the same protocol).
 
 Payload and header strings per slot, fenced writes under the namespace lease, pipelined groups,
-replies read straight into host slots. The ``redis`` client is imported only here and in
-:mod:`~kvplane.offload.tiers.fence`. See docs/offload.md.
+replies read straight into host slots (a coded payload into its own buffer, then decoded). The
+``redis`` client is imported only here and in :mod:`~kvplane.offload.tiers.fence`. See
+docs/offload.md.
 """
 
 from __future__ import annotations
@@ -24,7 +25,15 @@ from kvplane.errors import (
 )
 from kvplane.ids import ChunkKey, SlotId
 from kvplane.metrics import MetricsRegistry
-from kvplane.offload.tiers.base import ReadOutcome, TierCounters, as_buffer, check_batch
+from kvplane.offload.codecs.base import RAW_TAG
+from kvplane.offload.codecs.coder import ChunkCoder
+from kvplane.offload.tiers.base import (
+    ReadOutcome,
+    TierCounters,
+    as_buffer,
+    check_batch,
+    check_coder,
+)
 from kvplane.offload.tiers.fence import STAGE_TTL_S, Fence, StoreOutcome
 from kvplane.offload.tiers.header import (
     HEADER_BYTES,
@@ -45,6 +54,8 @@ namespaces (``kv*`` cleared ``kvplane``)."""
 """Suffix of a slot's header key."""
 DEFAULT_LEASE_S = 10.0
 """The namespace lease when none is given and ``2 * timeout_s`` is not longer."""
+_Received = tuple[ChunkHeader, memoryview]
+"""A chunk whose header checked out and whose stored bytes arrived (in ``out`` when raw)."""
 PIPELINE_BYTES = 8 << 20
 """Payload bytes per pipelined round trip of a batch (a read has the server hold up to two
 groups of replies: the one being read and the next)."""
@@ -72,6 +83,7 @@ class RemoteTier:
         lease_s: float | None = None,
         metrics: MetricsRegistry | None = None,
         name: str = "remote",
+        coder: ChunkCoder | None = None,
     ) -> None:
         """Connect and claim ``namespace`` (see the module docstring): waits up to
         ``lease_s`` for another holder's lease to run out, then raises :class:`OffloadError`
@@ -79,10 +91,12 @@ class RemoteTier:
         defaults to :data:`DEFAULT_LEASE_S`, or ``2 * timeout_s`` when that is longer. Bad
         arguments, among them ``lease_s < 2 * timeout_s`` (``timeout_s`` bounds each Redis
         call; see :mod:`~kvplane.offload.tiers.lease`), raise :class:`InvalidArgumentError`
-        before anything connects."""
+        before anything connects. ``coder`` codes every chunk (default: raw) and goes into
+        the tier's fingerprint."""
         require_int("RemoteTier.num_slots", num_slots, min=1)
         require_size("RemoteTier.chunk_bytes", chunk_bytes, min=1)
         check_fingerprint("RemoteTier.fingerprint", fingerprint)
+        coder = check_coder("RemoteTier", coder, chunk_bytes)
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise InvalidArgumentError(f"RemoteTier.url must be a redis:// URL, got {url!r}")
         if not isinstance(namespace, str) or not namespace or NAMESPACE_BAD.search(namespace):
@@ -105,7 +119,9 @@ class RemoteTier:
         self.url = url
         self.num_slots = num_slots
         self.chunk_bytes = chunk_bytes
-        self.fingerprint = fingerprint
+        self.fingerprint = fingerprint if coder is None else coder.fingerprint(fingerprint)
+        self.codec = "raw" if coder is None else coder.plan.ident
+        self._coder = coder
         self.namespace = namespace
         self._counters = TierCounters(metrics, name)
         self._helper_pool: ThreadPoolExecutor | None = None
@@ -158,7 +174,8 @@ class RemoteTier:
 
         def send(group: range) -> None:
             names = [self._key(slots[i]) for i in group]
-            views = [as_buffer(payloads[i]) for i in group]
+            coded = [self._encode(payloads[i]) for i in group]
+            views = [data for _, data in coded]
             stages = fence.stage_keys(len(group))
             store = fence.store_keys(stages, names, [name + _HEADER for name in names])
             crcs = self._helper().submit(_checksums, views)  # overlaps the payload send
@@ -186,8 +203,8 @@ class RemoteTier:
             sums = crcs.result()
             self._check_lease()
             headers = [
-                ChunkHeader(keys[i], self.fingerprint, self.chunk_bytes, crc).encode()
-                for i, crc in zip(group, sums, strict=True)
+                ChunkHeader(keys[i], self.fingerprint, self.chunk_bytes, crc, tag, len(v)).encode()
+                for i, crc, (tag, v) in zip(group, sums, coded, strict=True)
             ]
             if not fence.set([name + _HEADER for name in names], headers):
                 self._refused()
@@ -197,6 +214,13 @@ class RemoteTier:
                 send(group)
         except self._errors as exc:
             raise self._fail("write", exc) from exc
+
+    def _encode(self, payload: torch.Tensor) -> tuple[bytes, memoryview]:
+        """The codec tag and stored bytes of ``payload`` (itself, raw, without a codec)."""
+        if self._coder is None:
+            return RAW_TAG, as_buffer(payload)
+        enc = self._coder.encode(payload)
+        return enc.tag, enc.data
 
     def _check_lease(self) -> None:
         """Raise (counted) unless the lease is held for at least one more round trip (the
@@ -250,7 +274,7 @@ class RemoteTier:
         except self._errors as exc:
             raise self._fail("read", exc) from exc
         clean = False
-        received: list[ReadOutcome | ChunkHeader] = []
+        received: list[ReadOutcome | _Received] = []
         sums: list[Future[list[int]]] = []
         try:
             # No health check on send: its PING would read an MGET reply as its answer, and
@@ -263,8 +287,7 @@ class RemoteTier:
                     nxt = self._mget_commands(conn, slots, groups[k + 1])
                     conn.send_packed_command(nxt, check_health=False)
                 got = [self._receive(reader, keys[i], outs[i]) for i in group]
-                views = [as_buffer(outs[i]) for i, g in zip(group, got, strict=True)
-                         if isinstance(g, ChunkHeader)]  # fmt: skip
+                views = [g[1] for g in got if isinstance(g, tuple)]
                 sums.append(self._helper().submit(_checksums, views))  # while the next arrives
                 received += got
             clean = True
@@ -276,7 +299,10 @@ class RemoteTier:
             pool.release(conn)
             wait(sums)  # the helper is done with ``outs`` even when the read failed
         crcs = iter([c for fut in sums for c in fut.result()])
-        return [self._verify(g, next(crcs)) if isinstance(g, ChunkHeader) else g for g in received]
+        return [
+            self._verify(g, next(crcs), out) if isinstance(g, tuple) else g
+            for g, out in zip(received, outs, strict=True)
+        ]
 
     def _mget_commands(self, conn: Any, slots: Sequence[SlotId], group: range) -> list[bytes]:
         names = (self._key(slots[i]) for i in group)
@@ -284,9 +310,10 @@ class RemoteTier:
 
     def _receive(
         self, reader: ReplyReader, key: ChunkKey, out: torch.Tensor
-    ) -> ReadOutcome | ChunkHeader:
-        """One ``MGET`` reply: the header, then the payload into ``out`` when its length is
-        right (else skipped). The outcome, or the header whose checksum ``out`` must match."""
+    ) -> ReadOutcome | _Received:
+        """One ``MGET`` reply: the header, then the payload when its length is the stored
+        length the header names (else skipped): a raw one straight into ``out``, a coded one
+        into a buffer of its own. The outcome, or what :meth:`_verify` checks and decodes."""
         if reader.array() != 2:
             raise MalformedMessageError("an MGET of header and payload did not answer two values")
         n = reader.bulk_length()
@@ -295,28 +322,35 @@ class RemoteTier:
         else:  # not a header we wrote: skipped unread (never an allocation of its size)
             reader.skip(n)
             raw_header = b""
+        header = self._check(key, raw_header)
         length = reader.bulk_length()
-        if length == self.chunk_bytes:
-            reader.bulk_into(as_buffer(out))
+        target = None
+        if header is not None and length == header.stored:
+            target = as_buffer(torch.empty(length, dtype=torch.uint8) if header.coded else out)
+            reader.bulk_into(target)
         elif length is not None:
             reader.skip(length)
-        header = self._check(key, raw_header, length)
         if header is None:
             return ReadOutcome.MISSING if raw_header is None else ReadOutcome.CORRUPT
-        if length is None:
-            self._counters.corrupt("missing")
+        if target is None:  # no payload, or one of another length than its header says
+            self._counters.corrupt("missing" if length is None else "length")
             return ReadOutcome.CORRUPT
-        return header
+        return header, target
 
-    def _verify(self, header: ChunkHeader, crc: int) -> ReadOutcome:
+    def _verify(self, got: _Received, crc: int, out: torch.Tensor) -> ReadOutcome:
+        """OK when the stored bytes match their checksum and, coded, decode into ``out``."""
+        header, data = got
         if crc != header.checksum:
             self._counters.corrupt("checksum")
             return ReadOutcome.CORRUPT
+        if header.coded and (
+            self._coder is None or not self._coder.decode(header.codec, data, out)
+        ):
+            self._counters.corrupt("codec")
+            return ReadOutcome.CORRUPT
         return ReadOutcome.OK
 
-    def _check(
-        self, key: ChunkKey | None, raw_header: bytes | None, payload_length: int | None
-    ) -> ChunkHeader | None:
+    def _check(self, key: ChunkKey | None, raw_header: bytes | None) -> ChunkHeader | None:
         if raw_header is None:
             if key is not None:
                 self._counters.corrupt("missing")
@@ -325,8 +359,6 @@ class RemoteTier:
         reason = (
             "header" if header is None else header.fault(key, self.fingerprint, self.chunk_bytes)
         )
-        if reason is None and payload_length not in (None, self.chunk_bytes):
-            reason = "length"  # a header of the right length over a payload of another
         if reason is not None:
             self._counters.corrupt(reason)
             return None
@@ -344,7 +376,7 @@ class RemoteTier:
             for slot in sorted(int(m[0]) for m in names if m is not None):
                 if slot >= self.num_slots:
                     continue
-                header = self._check(None, self._client.get(self._key(slot) + _HEADER), None)
+                header = self._check(None, self._client.get(self._key(slot) + _HEADER))
                 if header is not None and header.key not in found:
                     found[header.key] = SlotId(slot)
         except self._errors as exc:
