@@ -38,7 +38,7 @@ status=0
 .venv/bin/ruff check src tests || status=1
 .venv/bin/ruff format --check src tests || status=1
 .venv/bin/mypy src || status=1
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest --durations=25 "$@"
 rc=$?
 # pytest exit code 5 means "no tests collected": not a failure of the suite.
 [ $rc = 5 ] && rc=0
