@@ -19,6 +19,8 @@ def test_defaults() -> None:
     assert cfg.lower_tiers == ()
     assert cfg.metrics_port == 0
     assert cfg.tier_slots("host") == 64
+    assert cfg.load_mode == "auto"
+    assert parse_extra_config({"load_mode": "async"}, {}).load_mode == "async"
 
 
 def test_every_section_from_one_flat_mapping() -> None:
@@ -75,6 +77,11 @@ def test_an_empty_environment_variable_is_unset() -> None:
         ({"metrics_port": 70000}, "metrics_port"),
         ({"metrics_port": 65535}, r"\[0, 65534\]"),  # the scheduler side serves on port + 1
         ({"metrics_port": "x"}, "metrics_port"),
+        (
+            {"load_mode": "lazy"},
+            r"load_mode must be one of \['sync', 'async', 'auto'\], got 'lazy'",
+        ),
+        ({"load_mode": True}, "load_mode"),
     ],
 )
 def test_bad_values_name_themselves(extra: dict[str, object], match: str) -> None:

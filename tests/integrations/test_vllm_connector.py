@@ -4,8 +4,9 @@ Each engine runs as a subprocess of the vLLM environment's interpreter (``.venv-
 ``scripts/vllm-venv.sh``) through :mod:`kvplane.integrations.vllm.harness`, on a tiny
 random-init Llama saved with transformers, greedy decoding, ``prompt_token_ids`` input. Five
 engine starts in all: a baseline without the connector, engine A (connector, disk tier: stores
-the prompts), engine B (a new process on A's disk file: loads the shared prefix), engine C
-(a copy of A's disk file with one chunk corrupted after start-up: a load error, recomputed)
+the prompts), engine B (a new process on A's disk file: loads the shared prefix
+asynchronously), engine C (a copy of A's disk file with one chunk corrupted after start-up: an
+asynchronous load error, recomputed)
 and one engine (a script of its own) for ``reset_prefix_cache()`` and vLLM's metrics.
 
 Without ``.venv-vllm`` these tests skip, saying why; with ``KVPLANE_REQUIRE_VLLM=1`` they fail.
@@ -97,9 +98,11 @@ def test_a_second_engine_process_loads_the_prefix_from_disk(
     connector = _connector(workdir / "a" / "chunks.bin")
     del connector["host_slots"]  # the host tier sized in bytes instead: the same 32 slots
     connector["cpu_bytes_to_use"] = 32 * 2 * 2 * (2 * 32 * 64 * 2)
+    connector["load_mode"] = "async"  # the request waits in WAITING_FOR_REMOTE_KVS
     got = run_harness(_spec(workdir, connector, [SHARED]))
     assert got["tokens"][0] == [baseline[1]]
     sched = got["scheduler_metrics"]
+    assert sched["kvplane_vllm_loads_total{mode=async}"] == 1
     assert sched["kvplane_vllm_hit_tokens_total"] == 256
     assert sched["kvplane_vllm_hit_chunks_total{tier=disk}"] == 4
     assert sched["kvplane_vllm_load_failed_chunks_total"] == 0
@@ -118,6 +121,7 @@ def test_a_corrupt_disk_chunk_is_a_load_error_and_vllm_recomputes(
     got = run_harness(spec)
     assert got["tokens"][0] == [baseline[0]]
     sched, worker = got["scheduler_metrics"], got["worker_metrics"]
+    assert sched["kvplane_vllm_loads_total{mode=async}"] == 1  # load_mode "auto": from disk
     assert sched["kvplane_vllm_hit_tokens_total"] == 64  # loaded: chunk 0 (256 offered)
     assert sched["kvplane_vllm_load_failed_chunks_total"] == 3  # chunk 1 bad, 2-3 after gap
     assert sched["kvplane_offload_dropped_chunks_total{tier=disk}"] == 1

@@ -22,12 +22,13 @@ from vllm_testlib import block_content, vllm_kv_caches
 from kvplane.errors import TransferTimeoutError
 from kvplane.ids import SessionId
 from kvplane.integrations.vllm import pd_worker
-from kvplane.integrations.vllm.messages import IDLE_WAIT_S, PDResult, StepMeta
+from kvplane.integrations.vllm.messages import PDResult, StepMeta
 from kvplane.integrations.vllm.pd_config import pd_config, pd_settings
 from kvplane.integrations.vllm.pd_params import RecvParams, SendParams, parse_params, prompt_key
 from kvplane.integrations.vllm.pd_scheduler import PDRequest, PDScheduler
 from kvplane.integrations.vllm.pd_worker import PDWorkerSide, make_pd_transport
 from kvplane.integrations.vllm.pool import VllmPool
+from kvplane.integrations.vllm.wakeup import IDLE_WAIT_S, Wakeup, end_step
 from kvplane.metrics import MetricsRegistry
 
 BS = 4
@@ -128,9 +129,9 @@ def settle(
     deadline = time.monotonic() + WAIT_S
     while not (sent and got):
         assert time.monotonic() < deadline, f"not settled: sent {sent}, received {got}"
-        s, _ = prefill.worker.finished(finished, idle)
+        s, _ = end_step([prefill.worker], finished, idle, prefill.worker.wake)
         finished = []
-        _, r = decode.worker.finished([], idle)
+        _, r = end_step([decode.worker], [], idle, decode.worker.wake)
         errors |= decode.worker.take_load_errors()
         assert not (sent and prefill_id in s) and not (got and decode_id in r), "reported twice"
         sent, got = sent or prefill_id in s, got or decode_id in r
@@ -274,17 +275,12 @@ def test_a_decode_request_for_another_prompt_abandons_the_send(
     check_clean(prefill, decode)
 
 
-class RecordingEvent:
-    """Stands in for the worker's progress event: records the waits an idle step makes."""
+class RecordingWakeup(Wakeup):
+    """Stands in for the worker's wake-up: records the waits an idle step makes."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.waits: list[float] = []
-
-    def set(self) -> None:
-        pass
-
-    def clear(self) -> None:
-        pass
 
     def wait(self, timeout: float) -> bool:
         self.waits.append(timeout)
@@ -295,16 +291,15 @@ def test_an_idle_step_waits_for_progress_only_while_a_transfer_is_pending(
     engines: tuple[Engine, Engine],
 ) -> None:
     prefill, decode = engines
-    event = RecordingEvent()
-    prefill.worker._progress = event  # type: ignore[assignment]
-    assert prefill.worker.finished([], idle=True) == (set(), set())
-    assert event.waits == []  # nothing pending: vLLM is not stepping for us
+    wake = prefill.worker.wake = RecordingWakeup()
+    assert end_step([prefill.worker], [], True, wake) == (set(), set())
+    assert wake.waits == []  # nothing pending: vLLM is not stepping for us
     req = PDRequest("p1", PROMPT, SendParams(None))
     params = prefill_steps(prefill, req, SRC, chunk=4)
-    assert prefill.worker.finished(["p1"], idle=False) == (set(), set())
-    assert event.waits == []  # a step with work never waits
-    assert prefill.worker.finished([], idle=True) == (set(), set())
-    assert event.waits == [IDLE_WAIT_S]  # the send waits for its decode engine
+    assert end_step([prefill.worker], ["p1"], False, wake) == (set(), set())
+    assert wake.waits == []  # a step with work never waits
+    assert end_step([prefill.worker], [], True, wake) == (set(), set())
+    assert wake.waits == [IDLE_WAIT_S]  # the send waits for its decode engine
     recv = parse_params(params)
     assert isinstance(recv, RecvParams)
     start_recv(decode, PDRequest("d1", PROMPT, recv), DST)

@@ -288,3 +288,50 @@ def test_a_chunk_whose_host_copy_is_doomed_is_offered_again_until_stored(tmp_pat
             report((op.job_id, "host", (True,)), *((op.job_id, w.tier, (True,)) for w in op.writes))
         )
     s.check_integrity()
+
+
+@pytest.mark.parametrize(("mode", "host_async", "disk_async"), [
+    ("sync", False, False),
+    ("async", True, True),
+    ("auto", False, True),
+])  # fmt: skip
+def test_the_load_mode_says_which_hits_load_asynchronously(
+    tmp_path: Path, mode: str, host_async: bool, disk_async: bool
+) -> None:
+    s, m = side(tmp_path, load_mode=mode)
+    k = keys_of(TOKENS, 20)
+    s.set_index(TierIndex(FP, 128, (("disk", ((k[0], 3), (k[1], 0))),)))
+    b = RequestView("b", TOKENS)
+    assert s.match(b, 0) == (16, disk_async)
+    assert s.matched_tokens(b, 0) == 16
+    op = s.allocated(b, [5, 6, 7, 8, 9], 16)
+    assert op is not None and op.load_async is disk_async
+    assert s.build_step([]).loads == (op,)
+    s.apply(report((op.job_id, "device", (True, True))))
+    c = RequestView("c", [*TOKENS[:16], 77])  # both chunks are in host now
+    assert s.match(c, 0) == (16, host_async)
+    assert s.match(c, 8) == (8, host_async)  # after a local hit of chunk 0
+    assert s.match(RequestView("d", list(range(200, 221))), 0) == (0, False)  # a miss
+    load = s.allocated(c, [10, 11, 12, 13, 14], 8)
+    assert load is not None and load.load_async is host_async and load.block_ids == (12, 13)
+    s.build_step([])
+    s.apply(report((load.job_id, "device", (True,))))
+    modes = [m.value("vllm_loads", {"mode": x}, "_total") for x in ("sync", "async")]
+    assert modes == [2 - disk_async - host_async, disk_async + host_async]
+    s.check_integrity()
+
+
+def test_auto_loads_a_run_that_reaches_below_host_asynchronously(tmp_path: Path) -> None:
+    s, _ = side(tmp_path)
+    k = keys_of(TOKENS, 20)
+    s.set_index(TierIndex(FP, 128, (("disk", ((k[1], 0),)),)))  # chunk 1 on disk
+    a = RequestView("a", TOKENS[:9])  # stores chunk 0 into host
+    s.allocated(a, [1, 2, 3], 0)
+    (store,) = s.build_step([ScheduledRequest(a, 9, [1, 2, 3])]).stores
+    s.apply(report((store.job_id, "host", (True,)), (store.job_id, "disk", (True,))))
+    b = RequestView("b", TOKENS)
+    assert s.match(b, 0) == (16, True)  # chunk 0 from host, chunk 1 from disk
+    assert s.match(b, 8) == (8, True)
+    assert s.match(RequestView("c", TOKENS[:9]), 0) == (8, False)  # chunk 0 alone: host
+    s.finished("a")
+    s.check_integrity()

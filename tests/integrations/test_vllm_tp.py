@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from kvplane.integrations.vllm.messages import JobReport, StepMeta, TierIndex, W
 from kvplane.integrations.vllm.pool import VllmPool
 from kvplane.integrations.vllm.scheduler import RequestView, ScheduledRequest, SchedulerSide
 from kvplane.integrations.vllm.tp import RankTally, TPShard, combine_indices
+from kvplane.integrations.vllm.wakeup import end_step
 from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.config import OffloadConfig
@@ -150,6 +152,18 @@ class TwoRanks:
             reports.append(w.take_report())
         return reports
 
+    def compute(self, view: RequestView, blocks: list[int]) -> StepMeta:
+        """vLLM computes ``view``'s whole prompt into ``blocks`` in one step (each rank's
+        ``_content``); returns the step (its stores not yet submitted)."""
+        self.sched.allocated(view, blocks, 0)
+        meta = self.sched.build_step([ScheduledRequest(view, view.num_tokens, blocks)])
+        self.forward(meta)
+        shape = tuple(self.view(0).shape[1:])
+        for r in range(2):
+            for b in blocks:
+                self.view(r)[b] = _content(r, b, shape)
+        return meta
+
     def stored(self) -> float:
         return self.metrics.value("vllm_stored_chunks", suffix="_total")
 
@@ -167,13 +181,8 @@ def test_two_ranks_store_their_own_shards_and_load_them_back(tmp_path: Path) -> 
     tokens = list(range(1, 18))  # 17 tokens: 2 chunks of 2 x 4-token blocks
     view = RequestView("a", tokens)
     assert eng.sched.matched_tokens(view, 0) == 0
-    eng.sched.allocated(view, [1, 2, 3, 4, 5], 0)
-    meta = eng.sched.build_step([ScheduledRequest(view, 17, [1, 2, 3, 4, 5])])
-    eng.forward(meta)
+    meta = eng.compute(view, [1, 2, 3, 4, 5])
     shape = tuple(eng.view(0).shape[1:])
-    for r in range(2):
-        for b in range(1, 6):
-            eng.view(r)[b] = _content(r, b, shape)
     rank0, rank1 = eng.after(meta)
     eng.sched.apply(rank0)  # rank 1's report comes a step later
     assert eng.stored() == 0 and eng.sched.jobs_in_flight == 1
@@ -227,5 +236,72 @@ def test_a_chunk_one_rank_failed_to_store_is_not_stored(tmp_path: Path) -> None:
     assert eng.stored() == 1 and eng.sched.jobs_in_flight == 0
     assert eng.sched.matched_tokens(RequestView("b", tokens), 0) == 8  # chunk 0 only
     eng.sched.finished("a")
+    eng.sched.check_integrity()
+    eng.close()
+
+
+class FinishedCount:
+    """vLLM's ``KVOutputAggregator`` for ``finished_recving``: a request is finished once each
+    of ``ranks`` workers named it (in any steps)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.left: dict[str, int] = {}
+
+    def add(self, named: list[set[str]]) -> set[str]:
+        done = set()
+        for names in named:
+            for rid in names:
+                self.left[rid] = self.left.get(rid, self.ranks) - 1
+                if self.left[rid] == 0:
+                    done.add(rid)
+                    del self.left[rid]
+        return done
+
+
+def test_an_async_load_is_received_once_both_ranks_named_it(tmp_path: Path) -> None:
+    eng = TwoRanks(tmp_path, {**disk_extra(tmp_path), "load_mode": "async"})
+    tokens = list(range(1, 18))
+    view = RequestView("a", tokens)
+    rank0, rank1 = eng.after(eng.compute(view, [1, 2, 3, 4, 5]))
+    eng.sched.apply(rank0.merge(rank1))
+    shape = tuple(eng.view(0).shape[1:])
+    eng.sched.finished("a")
+
+    view_b = RequestView("b", tokens)
+    assert eng.sched.match(view_b, 0) == (16, True)
+    op = eng.sched.allocated(view_b, [6, 7, 8, 9, 10], 16)
+    assert op is not None and op.load_async
+    meta = eng.sched.build_step([])  # b waits for its KV: not scheduled
+    scatter = eng.workers[1].copier.scatter
+    release = threading.Event()
+
+    def held(*args: object) -> None:
+        assert release.wait(30.0)
+        scatter(*args)  # type: ignore[arg-type]
+
+    eng.workers[1].copier.scatter = held  # type: ignore[method-assign]
+    eng.forward(meta)
+    for w in eng.workers:
+        w.submit_stores(meta)
+    count = FinishedCount(2)
+    eng.workers[0].drain()  # rank 0's copy is done, rank 1's is held
+    named = [end_step([w], [], True, w.wake)[1] for w in eng.workers]
+    assert named == [{"b"}, set()] and count.add(named) == set()
+    eng.sched.apply(eng.workers[0].take_report().merge(eng.workers[1].take_report()))
+    assert eng.metrics.value("vllm_hit_tokens", suffix="_total") == 0
+    assert (eng.sched.jobs_in_flight, eng.sched.tally.waiting) == (1, 1)
+    release.set()
+    eng.workers[1].drain()
+    named = [end_step([w], [], True, w.wake)[1] for w in eng.workers]
+    assert named == [set(), {"b"}] and count.add(named) == {"b"}  # vLLM: b finished receiving
+    eng.sched.apply(eng.workers[0].take_report().merge(eng.workers[1].take_report()))
+    assert eng.metrics.value("vllm_hit_tokens", suffix="_total") == 16
+    assert (eng.sched.jobs_in_flight, eng.sched.tally.waiting) == (0, 0)
+    for r in range(2):  # each rank got its own shard back
+        for i, b in enumerate([6, 7, 8, 9]):
+            assert torch.equal(eng.view(r)[b], _content(r, i + 1, shape)), (r, b)
+    assert [w.take_load_errors() for w in eng.workers] == [set(), set()]
+    eng.sched.finished("b")
     eng.sched.check_integrity()
     eng.close()

@@ -97,6 +97,7 @@ def test_tp2_reloads_the_prefix_from_every_ranks_host_tier(
     assert sched["kvplane_vllm_hit_tokens_total"] == 256  # SHARED's 4 chunks
     assert sched["kvplane_vllm_hit_chunks_total{tier=host}"] == 4
     assert sched["kvplane_vllm_load_failed_chunks_total"] == 0
+    assert sched["kvplane_vllm_loads_total{mode=sync}"] == 1  # load_mode "auto": host is sync
     vllm_m = got["vllm_metrics"]  # worker counters summed over the ranks by vLLM
     assert vllm_m["vllm:kvplane_hit_tokens"] == 256
     assert vllm_m["vllm:kvplane_bytes_loaded"] == 2 * 4 * RANK_CHUNK
@@ -119,5 +120,6 @@ def test_a_restarted_tp2_engine_loads_the_prefix_from_the_ranks_disk_files(
     assert sched["kvplane_vllm_hit_tokens_total"] == 256
     assert sched["kvplane_vllm_hit_chunks_total{tier=disk}"] == 4
     assert sched["kvplane_vllm_load_failed_chunks_total"] == 0
+    assert sched["kvplane_vllm_loads_total{mode=async}"] == 1  # named by both ranks
     assert got["vllm_metrics"]["vllm:kvplane_bytes_loaded"] == 2 * 4 * RANK_CHUNK
     assert got["integrity"] == "ok"

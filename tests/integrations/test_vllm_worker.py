@@ -18,8 +18,8 @@ from vllm_testlib import MiniEngine, block_content, disk_extra
 
 from kvplane.errors import OffloadError
 from kvplane.ids import SlotId
-from kvplane.integrations.vllm.messages import IDLE_WAIT_S
 from kvplane.integrations.vllm.scheduler import RequestView, ScheduledRequest
+from kvplane.integrations.vllm.wakeup import IDLE_WAIT_S, Wakeup, end_step
 from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.testing.redis_server import LocalRedisServer, redis_server_support
 
@@ -117,26 +117,49 @@ def test_a_reused_block_of_a_finished_request_waits_for_its_gather(tmp_path: Pat
     eng.close()
 
 
+class RecordingWakeup(Wakeup):
+    """Records each idle wait's timeout and runs ``on_wait`` (the job it waits for ends)."""
+
+    def __init__(self, on_wait: Callable[[], None]) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+        self.on_wait = on_wait
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        self.on_wait()
+        return super().wait(30.0)
+
+
 def test_an_idle_step_waits_for_an_in_flight_gather_instead_of_spinning(tmp_path: Path) -> None:
     eng = MiniEngine(disk_extra(tmp_path))
     w = eng.worker
-    waits, restore = _gate_gathers(w)
+    gate = threading.Event()
+    gather = w.copier.gather
+
+    def slow_gather(*args: object) -> None:
+        gate.wait(30.0)
+        gather(*args)  # type: ignore[arg-type]
+
+    w.copier.gather = slow_gather  # type: ignore[method-assign]
+    w.wake = wake = RecordingWakeup(gate.set)
     eng.run(PROMPT, req_id="slow")
     assert w.busy and eng.sched.fenced_blocks == [1, 2, 3, 4]
-    w.progress()
-    assert waits == []  # a busy step never waits
-    w.progress(idle=True)
-    assert waits == [IDLE_WAIT_S]
+    assert end_step([w], [], False, wake) == (set(), set())
+    assert wake.waits == []  # a busy step never waits
+    assert end_step([w], [], True, wake) == (set(), set())
+    assert wake.waits == [IDLE_WAIT_S]  # woken by the gather's end, which is harvested
+    assert w.has_news
+    assert end_step([w], [], True, wake) == (set(), set())
+    assert wake.waits == [IDLE_WAIT_S]  # news to hand over: no wait
     report = w.take_report()
-    assert [(r.job_id, r.tier) for r in report.jobs] == [(1, "host")]
+    assert [(r.job_id, r.tier) for r in report.jobs][:1] == [(1, "host")]
     eng.sched.apply(report)
     assert eng.sched.fenced_blocks == []
-    restore()
     eng.settle()
-    waits, restore = _gate_gathers(w)
-    w.progress(idle=True)
-    assert waits == []  # nothing in flight: no wait
-    restore()
+    assert not w.busy and not w.has_news
+    end_step([w], [], True, wake)
+    assert wake.waits == [IDLE_WAIT_S]  # nothing in flight: no wait
     eng.close()
 
 
@@ -247,3 +270,20 @@ def test_a_flush_finishes_in_flight_gathers_before_the_forward(tmp_path: Path) -
     again = eng.run(PROMPT)
     assert again.loaded == 16  # what was gathered before the flush is intact
     eng.close()
+
+
+def test_a_lossless_disk_codec_restores_the_exact_kv_after_a_restart(tmp_path: Path) -> None:
+    """The worker opens its disk tier with the pool's layout, so a configured codec codes
+    chunks; a restarted engine loads them back byte for byte (the run checks every block)."""
+    pytest.importorskip("zstandard")
+    one = MiniEngine(disk_extra(tmp_path, disk_codec="zstd"))
+    one.run(PROMPT)
+    one.close()
+    two = MiniEngine(disk_extra(tmp_path, disk_codec="zstd"))
+    got = two.run(PROMPT)
+    assert got.loaded == 16 and got.failed_blocks == set()
+    assert two.metrics.value("vllm_hit_chunks", {"tier": "disk"}, "_total") == 2
+    two.close()
+    raw = MiniEngine(disk_extra(tmp_path))  # another codec: the chunks are misses, not garbage
+    assert raw.run(PROMPT).loaded == 0
+    raw.close()

@@ -22,6 +22,7 @@ from kvplane.integrations.vllm.env import vllm_support
 from kvplane.integrations.vllm.messages import StepMeta
 from kvplane.integrations.vllm.pool import VllmPool
 from kvplane.integrations.vllm.scheduler import RequestView, ScheduledRequest, SchedulerSide
+from kvplane.integrations.vllm.wakeup import end_step
 from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.metrics import MetricsRegistry
 
@@ -133,6 +134,20 @@ class MiniEngine:
     def idle_step(self) -> None:
         self.finish_step(self.step([]))
 
+    def receive(self, req_id: str, steps: int = 500) -> set[int]:
+        """vLLM's idle steps while ``req_id`` waits in ``WAITING_FOR_REMOTE_KVS``, in its hook
+        order, until ``get_finished`` names it; returns the failed blocks reported meanwhile."""
+        errors: set[int] = set()
+        for _ in range(steps):
+            meta = self.step([])
+            self.worker.submit_stores(meta)
+            _, got = end_step([self.worker], [], True, self.worker.wake)
+            errors |= self.worker.take_load_errors()
+            self.sched.apply(self.worker.take_report())
+            if req_id in got:
+                return errors
+        raise AssertionError(f"{req_id}'s asynchronous load never ended")
+
     def release(self, r: Running) -> None:
         self.free.extend(r.blocks)
 
@@ -141,18 +156,20 @@ class MiniEngine:
         self._n += 1
         rid = req_id or f"r{self._n}"
         view = RequestView(rid, tokens)
-        matched = self.sched.matched_tokens(view, 0)
+        matched, load_async = self.sched.match(view, 0)
         tries = 0
         while matched is None:
             tries += 1
             assert tries < 50, "ask-again never resolved"
             self.worker.wait(1.0)  # time passes between engine steps
             self.idle_step()
-            matched = self.sched.matched_tokens(view, 0)
+            matched, load_async = self.sched.match(view, 0)
         n_blocks = -(-len(tokens) // self.block_size)
         blocks, self.free = self.free[:n_blocks], self.free[n_blocks:]
         assert len(blocks) == n_blocks, "test pool too small"
         self.sched.allocated(view, blocks, matched)
+        if load_async:
+            return self.complete(view, blocks, matched, self.receive(rid))
         scheduled = [ScheduledRequest(view, len(tokens), blocks)]
         meta = self.step(scheduled)
         errors = self.worker.take_load_errors()
@@ -176,6 +193,32 @@ class MiniEngine:
         self.finish_step(meta)
         r.done = True
         self.sched.finished(rid)  # vLLM frees its blocks now; gathers still reading are fenced
+        self.release(r)
+        return r
+
+    def take_blocks(self, n: int) -> list[int]:
+        blocks, self.free = self.free[:n], self.free[n:]
+        assert len(blocks) == n, "test pool too small"
+        return blocks
+
+    def complete(
+        self, view: RequestView, blocks: list[int], matched: int, errors: set[int]
+    ) -> Running:
+        """The rest of :meth:`run` once an asynchronous load ended with ``errors``: vLLM
+        schedules the request from its first failed block (no forward ever read a bad one)."""
+        tokens = list(view.token_ids)
+        r = Running(view, blocks, matched, failed_blocks=errors)
+        first_bad = min((i for i, b in enumerate(blocks) if b in errors), default=len(blocks))
+        loaded = min(matched // self.block_size, first_bad)
+        self.check_blocks(tokens, blocks[:loaded])
+        meta = self.step([ScheduledRequest(view, len(tokens), blocks, loaded * self.block_size)])
+        for i in range(loaded, len(blocks)):
+            self.layout_view()[blocks[i]] = block_content(
+                tokens, i, self.block_size, self.block_shape()
+            )
+        self.finish_step(meta)
+        r.done = True
+        self.sched.finished(view.req_id)
         self.release(r)
         return r
 

@@ -26,7 +26,10 @@ VLLM_VERSION = "0.32.0"
 
 _CHUNK_KEYS = {"blocks_per_chunk"}
 _HASH_KEYS = {"hash_seed": "seed"}
-_OWN_KEYS = {"metrics_port", "mla_shared_keys"}
+_OWN_KEYS = {"metrics_port", "mla_shared_keys", "load_mode"}
+LOAD_MODES = ("sync", "async", "auto")
+"""``load_mode`` values: how a matched offload hit loads (``docs/vllm.md``, "Configuration")."""
+DEFAULT_LOAD_MODE = "auto"
 MAX_METRICS_PORT = 65534
 """The highest ``metrics_port``: the scheduler side serves its metrics on ``metrics_port + 1``."""
 
@@ -45,11 +48,19 @@ class ConnectorConfig:
     mla_shared_keys: bool = False
     """MLA models only: chunk keys independent of the tensor-parallel size (the latent is
     replicated on every rank); see :class:`~.tp.TPShard`."""
+    load_mode: str = DEFAULT_LOAD_MODE
+    """How a matched hit loads: ``sync`` (in the forward that needs it), ``async`` (the request
+    waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` meanwhile), ``auto`` (async when a chunk comes
+    from a tier below host)."""
 
     def __post_init__(self) -> None:
         what = "metrics_port (the scheduler side serves on the next port)"
         require_int(what, self.metrics_port, min=0, max=MAX_METRICS_PORT, error=ConfigError)
         require_bool("mla_shared_keys", self.mla_shared_keys, error=ConfigError)
+        if self.load_mode not in LOAD_MODES:
+            raise ConfigError(
+                f"load_mode must be one of {list(LOAD_MODES)}, got {self.load_mode!r}"
+            )
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -138,6 +149,7 @@ def parse_extra_config(
         pd=pd,
         sizes=sizes,
         mla_shared_keys=extra.get("mla_shared_keys", False),
+        load_mode=extra.get("load_mode", DEFAULT_LOAD_MODE),
     )
 
 

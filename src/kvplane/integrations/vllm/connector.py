@@ -52,6 +52,7 @@ from kvplane.integrations.vllm.startup import failure_policy_warning, serve_metr
 from kvplane.integrations.vllm.stats import StatsTaker
 from kvplane.integrations.vllm.tp import TPShard, combine_indices
 from kvplane.integrations.vllm.views import pd_request, request_view
+from kvplane.integrations.vllm.wakeup import StepSource, Wakeup, end_step
 from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.metrics import MetricsRegistry
 
@@ -220,7 +221,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         pd = self._pd_recv(request)
         if pd is not None and self.pd_scheduler is not None:
             return self.pd_scheduler.matched(pd, num_computed_tokens)
-        return self._sched().matched_tokens(request_view(request), num_computed_tokens), False
+        return self._sched().match(request_view(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         (block_ids,) = blocks.get_block_ids()
@@ -272,7 +273,8 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Offload never delays the free (:meth:`SchedulerSide.finished` fences the blocks its
         gathers read), so ``reset_prefix_cache()`` succeeds with stores in flight; only a PD
-        send may delay it."""
+        send may delay it. A request aborted while its asynchronous load runs keeps its blocks
+        by vLLM's own rule (``WAITING_FOR_REMOTE_KVS``) until ``get_finished`` names it."""
         if self._requests.pop(request.request_id, None) is not None:
             self._sched().finished(request.request_id)
         delay = False
@@ -343,13 +345,19 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         fingerprint = engine_fingerprint(
             cfg, layout, block_shape, vllm.__version__, isa, tp_rank=shard.rank, tp_size=shard.size
         )
+        wake = Wakeup()  # one idle-step wait for offload jobs and PD sessions alike
         self.worker = WorkerSide(
-            self.config, pool, shard.key_root(fingerprint), self.metrics, shard
+            self.config, pool, shard.key_root(fingerprint), self.metrics, shard, wake=wake
         )
         self._stats = StatsTaker(self.metrics, "worker")
         if self.pd_settings is not None and transport is not None:
             self.pd_worker = PDWorkerSide(
-                self.pd_settings, pool, fingerprint.digest().hex(), self.metrics, transport
+                self.pd_settings,
+                pool,
+                fingerprint.digest().hex(),
+                self.metrics,
+                transport,
+                wake=wake,
             )
 
     def get_handshake_metadata(self) -> KVPlaneHandshake:
@@ -382,14 +390,16 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.pd_worker.after_forward(step)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Only PD delays a free: :meth:`PDWorkerSide.finished` reports a delayed request once
-        its send let it go."""
+        """(finished sending, finished receiving): only a PD send delays a free
+        (:meth:`PDWorkerSide.finished` names it once its send let it go); a request receives
+        asynchronously from a PD prefill engine or from an offload tier
+        (:meth:`WorkerSide.finished`). An idle step waits once for either (:func:`end_step`)."""
+        worker = self._work()
+        sources: list[StepSource] = [worker]
+        if self.pd_worker is not None:
+            sources.append(self.pd_worker)
         idle = self._step().idle
-        pd_busy = self.pd_worker is not None and self.pd_worker.busy
-        self._work().progress(idle=idle and not pd_busy)
-        if self.pd_worker is None:
-            return None, None
-        sent, recving = self.pd_worker.finished(sorted(finished_req_ids), idle=idle)
+        sent, recving = end_step(sources, sorted(finished_req_ids), idle, worker.wake)
         return (sent or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -9,6 +9,7 @@ functions only. Spec keys: ``docs/vllm.md`` ("Running a real engine").
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -133,17 +134,21 @@ def _copy_s(nbytes: int) -> float:
     return time.perf_counter() - start
 
 
-def _ttft(llm: Any, cfg: dict[str, Any], vocab: int) -> dict[str, Any]:
+def _ttft(llm: Any, cfg: dict[str, Any], vocab: int, sched: Any = None) -> dict[str, Any]:
     """Median TTFT of prefix + suffix prompts: prefix recomputed (fresh) vs loaded (stored).
     With ``floor_copy_bytes`` each repeat also times, right after its hit, the floor's parts:
     a fresh suffix-only prompt (one forward step for the suffix, no prefix) and a memcpy of
-    that many bytes (the hit's KV)."""
+    that many bytes (the hit's KV). With ``load_modes`` each repeat hits the prefix once per
+    mode ``mode_rounds`` times (1), the scheduler side's ``load_mode`` switched in between,
+    the order alternating: paired samples in ``hit_samples_ms_by_mode``."""
     import random
 
     rng = random.Random(int(cfg.get("seed", 0)))
     n_pre, n_suf = int(cfg["prefix_tokens"]), int(cfg["suffix_tokens"])
     repeats = int(cfg.get("repeats", 3))
     copy_bytes = int(cfg.get("floor_copy_bytes", 0))
+    modes = [str(m) for m in cfg.get("load_modes", ())]
+    by_mode: dict[str, list[float]] = {m: [] for m in modes}
 
     def toks(n: int) -> list[int]:
         return [rng.randrange(1, vocab) for _ in range(n)]
@@ -157,10 +162,15 @@ def _ttft(llm: Any, cfg: dict[str, Any], vocab: int) -> dict[str, Any]:
     if copy_bytes:
         _generate(llm, [toks(n_suf)], 1)  # and of a short prompt
     miss, hit, step, copy = [], [], [], []
-    for _ in range(repeats):
+    for i in range(repeats):
         prefix = toks(n_pre)
         miss.append(timed(prefix + toks(n_suf)))  # miss: nothing stored; stores the prefix
         _generate(llm, [toks(40)], 1)  # one more step: the prefix's stores complete and land
+        for r in range(int(cfg.get("mode_rounds", 1)) if modes else 0):
+            for mode in modes if (i + r) % 2 == 0 else modes[::-1]:
+                side = sched.scheduler
+                side.config = dataclasses.replace(side.config, load_mode=mode)
+                by_mode[mode].append(timed(prefix + toks(n_suf)))
         hit.append(timed(prefix + toks(n_suf)))  # hit: the prefix loads from the host tier
         if copy_bytes:
             step.append(timed(toks(n_suf)))  # the suffix alone: one forward step
@@ -173,6 +183,8 @@ def _ttft(llm: Any, cfg: dict[str, Any], vocab: int) -> dict[str, Any]:
     }
     if copy_bytes:
         out |= {"suffix_step_samples_ms": step, "copy_samples_ms": copy}
+    if modes:
+        out["hit_samples_ms_by_mode"] = by_mode
     return out
 
 
@@ -194,7 +206,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"vllm_version": vllm.__version__, "engine_start_s": started}
     if "ttft" in spec:
         vocab = int(llm.llm_engine.model_config.get_vocab_size())
-        result.update(_ttft(llm, spec["ttft"], vocab))
+        result.update(_ttft(llm, spec["ttft"], vocab, sched))
     else:
         result["tokens"], result["reset"] = [], []
         for r in spec["rounds"]:

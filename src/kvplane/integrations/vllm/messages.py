@@ -57,6 +57,8 @@ class LoadOp:
     ``block_ids`` lists exactly the blocks to write, in order. ``keys[0]`` is chunk
     ``first_chunk`` of the request. Chunks from index ``doomed_from`` on could not be planned at
     allocation time; the worker reports their blocks as load errors without reading anything.
+    ``load_async``: vLLM does not wait for it in a forward (the request waits in
+    ``WAITING_FOR_REMOTE_KVS``); the worker names ``req_id`` finished receiving once it ended.
     """
 
     job_id: int
@@ -68,6 +70,7 @@ class LoadOp:
     promotions: tuple[Promotion, ...] = ()
     doomed_from: int | None = None
     first_chunk: int = 0
+    load_async: bool = False
 
     @property
     def num_planned(self) -> int:
@@ -118,12 +121,6 @@ class EndOp:
 
     req_id: str
     reason: str
-
-
-IDLE_WAIT_S = 0.02
-"""How long the worker side of an idle step (vLLM stepping only to hear of transfers) waits for
-one to progress when it has nothing to report: vLLM's loop otherwise spins a core and starves the
-transfers it waits for; a request arriving meanwhile is scheduled at most this much later."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,16 +21,10 @@ from dataclasses import dataclass, field
 
 from kvplane.errors import KVPlaneError, ProtocolError, TransferTimeoutError
 from kvplane.ids import PeerId, RegionId, RequestId, SessionId
-from kvplane.integrations.vllm.messages import (
-    IDLE_WAIT_S,
-    EndOp,
-    PDResult,
-    RecvOp,
-    SendOp,
-    StepMeta,
-)
+from kvplane.integrations.vllm.messages import EndOp, PDResult, RecvOp, SendOp, StepMeta
 from kvplane.integrations.vllm.pd_config import PDSettings
 from kvplane.integrations.vllm.pool import VllmPool
+from kvplane.integrations.vllm.wakeup import Wakeup
 from kvplane.metrics import MetricsRegistry
 from kvplane.pd.actions import Action, DestinationKnown, Finished, Release, StartSubmit
 from kvplane.pd.endpoint import Endpoint
@@ -84,7 +78,8 @@ class _Recv:
 
 class PDWorkerSide:
     """See the module docstring. ``model_id`` is the engine fingerprint's digest (hex): peers
-    with another one are refused at the handshake."""
+    with another one are refused at the handshake. Every session's progress notifies ``wake``
+    (shared with the offload side: :func:`~.wakeup.end_step`)."""
 
     def __init__(
         self,
@@ -93,8 +88,11 @@ class PDWorkerSide:
         model_id: str,
         metrics: MetricsRegistry,
         transport: Transport,
+        *,
+        wake: Wakeup | None = None,
     ) -> None:
         self.settings = settings
+        self.wake = Wakeup() if wake is None else wake
         self.pool = pool
         self.block_size = pool.layout.block_size
         name = settings.name
@@ -150,7 +148,6 @@ class PDWorkerSide:
         self._finished: set[str] = set()
         self._load_errors: set[int] = set()
         self._failing: list[tuple[SessionId, str]] = []
-        self._progress = threading.Event()
         self.driver.start()
         self.endpoint.start()
         self._dialer = threading.Thread(target=self._dial_loop, name="kvplane-pd-dial", daemon=True)
@@ -184,21 +181,10 @@ class PDWorkerSide:
         with self._lock:
             self._delayed.update(meta.pd_delayed)
 
-    def finished(
-        self, finished_req_ids: Sequence[str], idle: bool = False
-    ) -> tuple[set[str], set[str]]:
+    def finished(self, finished_req_ids: Sequence[str] = ()) -> tuple[set[str], set[str]]:
         """(requests whose sends are done and blocks vLLM may free, requests whose receives
-        ended), each reported once; a send is reported only once vLLM delayed it. ``idle``: vLLM
-        scheduled nothing and steps only to hear of transfers; with nothing to report, wait up to
-        :data:`IDLE_WAIT_S` for a session to progress instead of returning to a busy loop."""
-        sent, got = self._take_finished(finished_req_ids)
-        if idle and not sent and not got and self.busy:
-            self._progress.wait(IDLE_WAIT_S)
-            sent, got = self._take_finished(())
-        return sent, got
-
-    def _take_finished(self, finished_req_ids: Sequence[str]) -> tuple[set[str], set[str]]:
-        self._progress.clear()
+        ended), each reported once; a send is reported only once vLLM delayed it. An idle step
+        waits for sessions to progress in :func:`~.wakeup.end_step`, not here."""
         self._pump()
         with self._lock:
             self._finished.update(finished_req_ids)
@@ -213,6 +199,12 @@ class PDWorkerSide:
         with self._lock:
             out, self._load_errors = self._load_errors, set()
         return out
+
+    @property
+    def has_news(self) -> bool:
+        """Session results not yet handed to the scheduler side."""
+        with self._lock:
+            return bool(self._results)
 
     def take_results(self) -> list[PDResult]:
         with self._lock:
@@ -375,7 +367,7 @@ class PDWorkerSide:
                 self._load_errors.update(op.block_ids[first:])
             self._recv_done.add(op.req_id)
             self._results.append(PDResult(op.req_id, "recv", ok, reason))
-        self._progress.set()
+        self.wake.notify()
 
     # -- protocol actions (PD loop thread) -------------------------------------------------------
     def _on_action(self, act: Action) -> None:
@@ -424,7 +416,7 @@ class PDWorkerSide:
             ok = send.outcome is SessionState.SUCCESS
             self._sent_done.add(send.op.req_id)
             self._results.append(PDResult(send.op.req_id, "send", ok, send.reason))
-        self._progress.set()
+        self.wake.notify()
 
     def _command(self, sid: SessionId, command: Cancel | Fail) -> None:
         with contextlib.suppress(ProtocolError):  # already ended: its Finished settles it

@@ -84,7 +84,7 @@ class _Req:
     offered: int = 0  # chunks offered for storing so far
     gathers: set[int] = field(default_factory=set)  # store jobs whose gather is in flight
     finished: bool = False
-    match: tuple[int, int] = (0, 0)  # (num_computed, chunks) of the last match
+    match: tuple[int, int, bool] = (0, 0, False)  # (num_computed, chunks, async) of the last
 
 
 class SchedulerSide:
@@ -130,6 +130,7 @@ class SchedulerSide:
             "vllm_fenced_frees", "Finished requests freed while a gather still read their blocks"
         )
         self._m_retry = m.counter("vllm_ask_again", "Lookups answered 'ask again'")
+        self._m_loads = m.counter("vllm_loads", "Loads planned, by mode", ("mode",))
 
     # -- start-up -------------------------------------------------------------------------------
     @property
@@ -170,26 +171,41 @@ class SchedulerSide:
         """Tokens beyond ``num_computed`` (block aligned) that kvplane can load now, or ``None``
         to be asked again later; always 0 for a view that is not ``eligible`` or not
         ``readable``. Changes no tier state (only memoises the request's hashes)."""
+        return self.match(view, num_computed)[0]
+
+    def match(self, view: RequestView, num_computed: int) -> tuple[int | None, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: :meth:`matched_tokens` and whether that load
+        runs asynchronously (``load_mode``: ``sync`` never, ``async`` always, ``auto`` when
+        a chunk of it comes from a tier below host). False with no tokens."""
         if (
             not self.ready
             or not view.eligible
             or not view.readable
             or num_computed % self.spec.block_size
         ):
-            return 0
+            return 0, False
         first, run = self._loadable(view, num_computed)
         if run is None:
             self._m_retry.inc()
-            return None
-        tokens = (first + run) * self.spec.tokens_per_chunk - num_computed
-        self._reqs[view.req_id].match = (num_computed, run)
-        return max(tokens, 0)
+            return None, False
+        tokens = max((first + run) * self.spec.tokens_per_chunk - num_computed, 0)
+        load_async = tokens > 0 and self._load_async(view.req_id, first, run)
+        self._reqs[view.req_id].match = (num_computed, run, load_async)
+        return tokens, load_async
+
+    def _load_async(self, req_id: str, first: int, run: int) -> bool:
+        mode = self.config.load_mode
+        if mode != "auto":
+            return mode == "async"
+        keys = self._reqs[req_id].keys.chunk_keys((first + run) * self.spec.tokens_per_chunk)
+        return any(self.book.source(k) != "host" for k in keys[first:])
 
     def allocated(
         self, view: RequestView, block_ids: Sequence[int], num_external: int
     ) -> LoadOp | None:
         """vLLM allocated ``block_ids`` for the request and will take ``num_external`` tokens
-        from kvplane after its local hit: plan that load (emitted by the next step)."""
+        from kvplane after its local hit: plan that load (emitted by the next step),
+        asynchronous when the request's last :meth:`match` said so."""
         if not self.ready or not view.eligible:
             return None
         req = self._req(view)
@@ -224,7 +240,9 @@ class SchedulerSide:
             promotions=got.promotions,
             doomed_from=None if planned == len(keys) else planned,
             first_chunk=first,
+            load_async=req.match[2],
         )
+        self._m_loads.labels(mode="async" if op.load_async else "sync").inc()
         self._jobs[op.job_id] = _LoadJob(op, num_computed, end)
         self._loads.append(op)
         return op
@@ -289,7 +307,9 @@ class SchedulerSide:
     def finished(self, req_id: str) -> None:
         """The request finished and vLLM frees its blocks now (never delayed). The blocks its
         in-flight gathers read are fenced until the worker reports those gathers: a step that
-        writes a fenced block first flushes the gathers (:meth:`build_step`)."""
+        writes a fenced block first flushes the gathers (:meth:`build_step`). A request whose
+        asynchronous load still runs needs no fence: vLLM keeps its blocks until the worker
+        names it finished receiving, once the load ended on every rank."""
         req = self._reqs.get(req_id)
         if req is None:
             return

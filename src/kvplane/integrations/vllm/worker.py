@@ -1,14 +1,16 @@
 """The connector's worker side: moves chunk bytes exactly as the scheduler side planned.
 
 Owns the bytes: the host tier, a :class:`~kvplane.offload.copier.ChunkCopier` over
-:class:`~.pool.VllmPool`, the lower tiers (re-indexed at start-up into the handshake) and a
-:class:`~kvplane.offload.jobs.JobRunner`; reports per-chunk outcomes and failed blocks. Decides
-nothing (no matching, no slot choice) and imports no vLLM. The per-step sequence and the
-load-failure rule: ``docs/vllm.md`` ("The worker side").
+:class:`~.pool.VllmPool`, the lower tiers (re-indexed at start-up into the handshake), a
+:class:`~kvplane.offload.jobs.JobRunner` and the stores; loads are :class:`~.loads.Loads`'s.
+Reports per-chunk outcomes, failed blocks and finished asynchronous loads. Decides nothing (no
+matching, no slot choice) and imports no vLLM. The per-step sequence: ``docs/vllm.md`` ("The
+worker side").
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,10 +20,9 @@ import numpy as np
 from kvplane.errors import InvalidArgumentError, OffloadError
 from kvplane.ids import ChunkKey, JobId, SlotId
 from kvplane.integrations.vllm.config import ConnectorConfig
+from kvplane.integrations.vllm.loads import Loads
 from kvplane.integrations.vllm.messages import (
-    IDLE_WAIT_S,
     JobReport,
-    LoadOp,
     StepMeta,
     StoreOp,
     TierIndex,
@@ -30,14 +31,15 @@ from kvplane.integrations.vllm.messages import (
 )
 from kvplane.integrations.vllm.pool import VllmPool
 from kvplane.integrations.vllm.tp import TPShard
+from kvplane.integrations.vllm.wakeup import Wakeup
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.copier import ChunkCopier
-from kvplane.offload.jobs import JobResult, JobRunner, Work
-from kvplane.offload.tiers.base import ReadOutcome, Tier
+from kvplane.offload.jobs import JobResult, JobRunner, TransferJob, Work
+from kvplane.offload.tiers.base import Tier
 from kvplane.offload.tiers.host import HostTier
 from kvplane.offload.tiers.registry import open_lower_tiers
 
-_Part = tuple[str, StoreOp | LoadOp, TierWrite | None]
+_Part = tuple[str, StoreOp, TierWrite | None]
 
 
 class WorkerSide:
@@ -46,7 +48,8 @@ class WorkerSide:
 
     ``fingerprint`` roots the chunk keys (the same on every rank); ``shard`` is this worker's
     tensor-parallel rank: its pool holds the rank's head shard, its lower tiers are the rank's
-    own (:meth:`TPShard.offload`, :meth:`TPShard.tier_fingerprint`) and its reports name it."""
+    own (:meth:`TPShard.offload`, :meth:`TPShard.tier_fingerprint`) and its reports name it.
+    Every job's end notifies ``wake`` (shared with the PD side: :func:`~.wakeup.end_step`)."""
 
     def __init__(
         self,
@@ -55,18 +58,23 @@ class WorkerSide:
         fingerprint: bytes,
         metrics: MetricsRegistry,
         shard: TPShard | None = None,
+        *,
+        wake: Wakeup | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
         self.shard = TPShard() if shard is None else shard
         self.rank = self.shard.rank
+        self.wake = Wakeup() if wake is None else wake
         self.bpc = config.blocks_per_chunk
         chunk_bytes = self.bpc * pool.bytes_per_block
         off = config.offload
         self.host = HostTier(off.host_slots, chunk_bytes, pin_memory=off.pin_memory)
         self.copier = ChunkCopier(pool.layout, pool.tensor, self.host, self.bpc, off.staging_blocks)
         tier_fp = self.shard.tier_fingerprint(pool.layout.fingerprint())
-        tiers = open_lower_tiers(self.shard.offload(off), chunk_bytes, tier_fp, metrics)
+        tiers = open_lower_tiers(
+            self.shard.offload(off), chunk_bytes, tier_fp, metrics, layout=pool.layout
+        )
         self.lower: dict[str, Tier] = {t.name: t for t in tiers}
         try:
             found = tuple(
@@ -78,14 +86,22 @@ class WorkerSide:
             raise
         self.index = TierIndex(fingerprint, chunk_bytes, found)
         self.jobs = JobRunner(metrics)
+        self.loads = Loads(
+            self.jobs,
+            self._submit,
+            host=self.host,
+            lower=self.lower,
+            copier=self.copier,
+            pool=pool,
+            metrics=metrics,
+            rank=self.rank,
+        )
         self._parts: dict[JobId, _Part] = {}
         self._gathers: dict[str, set[int]] = {}  # req_id -> store jobs still gathering
-        self._loads: set[JobId] = set()  # this step's load jobs
-        self._seen_loads: set[int] = set()
         self._reports: list[JobReport] = []
-        self._errors: set[int] = set()
-        self._failed_reqs: set[str] = set()  # requests with a failed load this step
-        self._m_err = metrics.counter("vllm_load_error_blocks", "Blocks reported failed to vLLM")
+        self._ended = 0  # jobs whose work returned (counted on the runner's threads)
+        self._ended_lock = threading.Lock()
+        self._harvested = 0
         self._m_wait = metrics.counter("vllm_load_wait_seconds", "Forward time spent on loads")
 
     # -- step hooks ------------------------------------------------------------------------------
@@ -98,61 +114,84 @@ class WorkerSide:
 
     def start_loads(self, meta: StepMeta) -> None:
         """Submit this step's loads (idempotent: a load already submitted is skipped)."""
-        for op in meta.loads:
-            if op.job_id in self._seen_loads:
-                continue
-            self._seen_loads.add(op.job_id)
-            self._submit_load(op)
+        self.loads.submit(meta.loads)
 
     def wait_loads(self) -> None:
-        """Block until every load submitted this step is done and accounted."""
-        if not self._loads:
+        """Block until every synchronous load submitted this step is done and accounted
+        (asynchronous ones go on: :meth:`finished` names their requests when they end)."""
+        if not self.loads.waiting:
             return
         start = time.perf_counter()
-        while self._loads:
+        while self.loads.waiting:
             got = self.jobs.wait(60.0)
-            if not got and self._loads:
-                raise OffloadError(f"{len(self._loads)} KV load job(s) still running after 60 s")
+            if not got and self.loads.waiting:
+                raise OffloadError(f"{self.loads.waiting} KV load(s) still running after 60 s")
             self._harvest(got)
         self._m_wait.inc(time.perf_counter() - start)
 
     def submit_stores(self, meta: StepMeta) -> None:
-        """After the forward: finish loads, submit the step's gathers.
+        """After the forward: finish synchronous loads, submit the step's gathers.
 
-        A request whose load failed this step computed its new tokens against bad context: its
-        gathers are failed without reading (vLLM recomputes those blocks; the scheduler side
-        offers the chunks for storing again after the recompute)."""
+        A request whose synchronous load failed this step computed its new tokens against bad
+        context: its gathers are failed without reading (vLLM recomputes those blocks; the
+        scheduler side offers the chunks for storing again after the recompute)."""
         self.start_loads(meta)
         self.wait_loads()
-        self._seen_loads.clear()
+        failed = self.loads.end_forward()
         for op in meta.stores:
-            if op.req_id in self._failed_reqs:
+            if op.req_id in failed:
                 fail = (False,) * len(op.keys)
                 self._reports.append(JobReport(op.job_id, "host", fail, self.rank))
                 self._submit_writes(op, fail)
             else:
                 self._submit_gather(op)
-        self._failed_reqs.clear()
 
-    def progress(self, idle: bool = False) -> None:
-        """Harvest finished jobs (their reports go out with the step; a harvested gather's
-        lower-tier writes are submitted). ``idle`` (vLLM scheduled nothing, it steps only for
-        kvplane's jobs): with a job in flight, wait up to :data:`IDLE_WAIT_S` for one first,
-        so idle steps do not spin. vLLM's blocks are never held for a job: finished requests'
-        blocks are fenced by the scheduler side instead."""
-        if idle and self.busy:
-            self._harvest(self.jobs.wait(IDLE_WAIT_S))
-        self._harvest(self.jobs.poll())
+    def progress(self) -> None:
+        """Harvest every job whose work has returned, even one whose result is still on its
+        way to the runner (their reports go out with the step; a harvested gather's lower-tier
+        writes and a harvested read's scatter are submitted). vLLM's blocks are never held for a
+        store: finished requests' blocks are fenced by the scheduler side instead."""
+        got = self.jobs.poll()
+        while self._ended_count() > self._harvested + len(got):
+            got += self.jobs.wait(60.0)
+        self._harvest(got)
+
+    def finished(self, finished_req_ids: Sequence[str] = ()) -> tuple[set[str], set[str]]:
+        """vLLM's ``get_finished`` for offload: harvest, then (nothing: offload never delays a
+        free, requests whose asynchronous load ended), each request once."""
+        self.progress()
+        return set(), self.loads.take_arrived()
+
+    @property
+    def has_news(self) -> bool:
+        """Reports, load errors or finished loads not yet handed to vLLM."""
+        return bool(self._reports) or self.loads.has_news
 
     def take_load_errors(self) -> set[int]:
-        errors, self._errors = self._errors, set()
-        return errors
+        return self.loads.take_errors()
 
     def take_report(self) -> WorkerReport:
         reports, self._reports = tuple(self._reports), []
-        return WorkerReport(reports)
+        return WorkerReport(reports + tuple(self.loads.take_reports()))
 
     # -- submission ------------------------------------------------------------------------------
+    def _submit(self, job: TransferJob, work: Work) -> None:
+        """Queue ``work``; its end is counted (:meth:`progress`) and wakes an idle step."""
+
+        def run() -> Sequence[bool]:
+            try:
+                return work()
+            finally:
+                with self._ended_lock:
+                    self._ended += 1
+                self.wake.notify()
+
+        self.jobs.submit(job, run, self.host.chunk_bytes)
+
+    def _ended_count(self) -> int:
+        with self._ended_lock:
+            return self._ended
+
     def _submit_gather(self, op: StoreOp) -> None:
         blocks = np.asarray(op.block_ids, dtype=np.int64)
         slots = [SlotId(s) for s in op.host_slots]
@@ -167,7 +206,7 @@ class WorkerSide:
 
         self._parts[job.job_id] = ("gather", op, None)
         self._gathers.setdefault(op.req_id, set()).add(op.job_id)
-        self.jobs.submit(job, work, self.host.chunk_bytes)
+        self._submit(job, work)
 
     def _submit_writes(self, op: StoreOp, ok: tuple[bool, ...]) -> None:
         for write in op.writes:
@@ -184,61 +223,17 @@ class WorkerSide:
             job = self.jobs.new_job(keys, "host", write.tier)
             work = _writer(tier, [SlotId(s) for s in write.tier_slots], keys, payloads)
             self._parts[job.job_id] = ("write", op, write)
-            self.jobs.submit(job, work, self.host.chunk_bytes)
-
-    def _submit_load(self, op: LoadOp) -> None:
-        n = op.num_planned
-        if n == 0:
-            self._finish_load(op, ())
-            return
-        keys = op.keys[:n]
-        job = self.jobs.new_job(keys, "host", "device")
-        self._parts[job.job_id] = ("load", op, None)
-        self._loads.add(job.job_id)
-        self.jobs.submit(job, lambda: self._load_work(op), self.host.chunk_bytes)
-
-    def _load_work(self, op: LoadOp) -> list[bool]:
-        """Runs on the load thread: promote, verify, then scatter the valid leading chunks."""
-        n, bpc = op.num_planned, self.bpc
-        ok = [True] * n
-        by_tier: dict[str, list[int]] = {}
-        for p in op.promotions:
-            by_tier.setdefault(p.tier, []).append(p.index)
-        slot_of = {p.index: p.tier_slot for p in op.promotions}
-        for name, idx in by_tier.items():
-            outs = [self.host.slot(SlotId(op.host_slots[i])) for i in idx]
-            got = self.lower[name].read(
-                [SlotId(slot_of[i]) for i in idx], [op.keys[i] for i in idx], outs
-            )
-            for i, outcome in zip(idx, got, strict=True):
-                ok[i] = outcome is ReadOutcome.OK
-        good = next((i for i, f in enumerate(ok) if not f), n)
-        spans, starts = _chunk_spans(n, bpc, op.skip_blocks, len(op.block_ids))
-        whole = [i for i in range(good) if spans[i] == (0, bpc)]
-        if whole:
-            ids = np.asarray(op.block_ids, dtype=np.int64)
-            blocks = np.concatenate([ids[starts[i] : starts[i] + bpc] for i in whole])
-            self.copier.scatter(
-                [SlotId(op.host_slots[i]) for i in whole], blocks, [op.keys[i] for i in whole]
-            )
-        for i in range(good):
-            lo, hi = spans[i]
-            if (lo, hi) != (0, bpc):
-                self.pool.scatter_partial(
-                    self.host.slot(SlotId(op.host_slots[i])),
-                    lo,
-                    op.block_ids[starts[i] : starts[i] + hi - lo],
-                )
-        return ok
+            self._submit(job, work)
 
     # -- results ---------------------------------------------------------------------------------
     def _harvest(self, results: Sequence[JobResult]) -> None:
+        self._harvested += len(results)
         for result in results:
+            if self.loads.owns(result.job.job_id):
+                self.loads.harvested(result)
+                continue
             kind, op, write = self._parts.pop(result.job.job_id)
-            if isinstance(op, LoadOp):
-                self._loads.discard(result.job.job_id)
-                self._finish_load(op, result.ok)
-            elif kind == "gather":
+            if kind == "gather":
                 self._reports.append(JobReport(op.job_id, "host", result.ok, self.rank))
                 left = self._gathers.get(op.req_id)
                 if left is not None:
@@ -248,17 +243,6 @@ class WorkerSide:
                 self._submit_writes(op, result.ok)
             elif write is not None:
                 self._reports.append(JobReport(op.job_id, write.tier, result.ok, self.rank))
-
-    def _finish_load(self, op: LoadOp, ok: Sequence[bool]) -> None:
-        flags = tuple(ok) + (False,) * (len(op.keys) - len(ok))
-        bad = next((i for i, f in enumerate(flags) if not f), None)
-        if bad is not None:
-            _spans, starts = _chunk_spans(len(op.keys), self.bpc, op.skip_blocks, len(op.block_ids))
-            failed = op.block_ids[starts[bad] :]
-            self._errors.update(failed)
-            self._failed_reqs.add(op.req_id)
-            self._m_err.inc(len(failed))
-        self._reports.append(JobReport(op.job_id, "device", flags, self.rank))
 
     # -- shutdown --------------------------------------------------------------------------------
     def wait(self, timeout: float) -> None:
@@ -297,21 +281,3 @@ def _writer(tier: Tier, slots: list[SlotId], keys: list[ChunkKey], payloads: lis
         return [True] * len(keys)
 
     return work
-
-
-def _chunk_spans(
-    n: int, bpc: int, skip: int, num_blocks: int
-) -> tuple[list[tuple[int, int]], list[int]]:
-    """Per chunk of a load: the ``[lo, hi)`` blocks of it that are written, and the position of
-    its first written block in the load's ``block_ids``."""
-    cut = n * bpc - skip - num_blocks
-    if n and not (0 <= skip < bpc and 0 <= cut < bpc and num_blocks > 0):
-        raise InvalidArgumentError(
-            f"a load of {n} chunks cannot write {num_blocks} blocks after skipping {skip}"
-        )
-    spans = [(0, bpc)] * n
-    if n:
-        spans[0] = (skip, bpc)
-        spans[-1] = (spans[-1][0], bpc - cut)
-    starts = np.concatenate(([0], np.cumsum([hi - lo for lo, hi in spans]))).tolist()
-    return spans, [int(x) for x in starts]
