@@ -27,6 +27,9 @@ BENCHES: tuple[str, ...] = (
     "attention", "offload", "protocol", "transport", "pd", "vllm", "vllm_pd",
 )  # fmt: skip
 """Module names under ``kvplane.apps.bench.common``; each engineer appends their bench here."""
+ON_REQUEST: tuple[str, ...] = ("vllm_offload",)
+"""Benches with a command of their own that ``bench all`` leaves out: their ``--quick`` does
+not fit its budget (``vllm_offload``: five engine starts, 2-4 min alone on 2 cores)."""
 
 
 def _load(name: str) -> ModuleType:
@@ -39,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("all", help="every bench: one table, one JSON document")
     every.add_arguments(p)
     p.set_defaults(_all=every)
-    for name in BENCHES:
+    for name in BENCHES + ON_REQUEST:
         module = _load(name)
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         p.add_argument("--quick", action="store_true", help="small sizes (see docs/benchmarks.md)")
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         return status
     module: ModuleType | None = getattr(args, "_bench", None)
     if module is None:
-        names = ", ".join(BENCHES) or "(none yet)"
+        names = ", ".join(BENCHES + ON_REQUEST) or "(none yet)"
         print(f"usage: kvplane bench BENCH|all [--quick] [--json]; benches: {names}")
         return 2
     result: dict[str, Any] = module.run(args.quick, args)

@@ -71,7 +71,10 @@ def cpu_binds(tp_size: int, cpus: list[int]) -> str:
     return "|".join(runs)
 
 
-def _build(spec: dict[str, Any]) -> Any:
+def build_engine(spec: dict[str, Any]) -> Any:
+    """An in-process ``LLM`` for a harness ``spec`` (keys: ``docs/vllm.md``, "Running a real
+    engine"; ``num_gpu_blocks`` overrides the KV cache size), kvplane's connector when
+    ``connector`` is a mapping."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 1)))
     tp = int(spec.get("tensor_parallel_size", 1))
@@ -91,6 +94,7 @@ def _build(spec: dict[str, Any]) -> Any:
         max_model_len=int(spec.get("max_model_len", 1024)),
         max_num_batched_tokens=spec.get("max_num_batched_tokens"),
         block_size=int(spec.get("block_size", 32)),
+        num_gpu_blocks_override=spec.get("num_gpu_blocks"),
         enable_prefix_caching=bool(spec.get("prefix_caching", True)),
         dtype=str(spec.get("dtype", "auto")),
         tensor_parallel_size=tp,
@@ -195,7 +199,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     import vllm
 
     start = time.perf_counter()
-    llm = _build(spec)
+    llm = build_engine(spec)
     started = time.perf_counter() - start
     sched: Any = None
     worker: Any = None
