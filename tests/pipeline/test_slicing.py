@@ -15,7 +15,7 @@ from kvplane.ids import RegionId, SliceId, TokenRange
 from kvplane.layout import KVLayout
 from kvplane.pd.events import TransferRequest
 from kvplane.pipeline.advert import RemotePool
-from kvplane.pipeline.slicing import LocalPool, SliceCutter, plan_slice, step_ranges
+from kvplane.pipeline.slicing import LocalPool, SliceCutter, plan_slice, slice_schedule, step_ranges
 
 
 def test_step_ranges() -> None:
@@ -188,3 +188,18 @@ def test_plan_slice_refuses_a_destination_with_heads_it_lacks() -> None:
         local, remote, _request(21), TokenRange(0, 16), slice_id=SliceId(0), is_last=False
     )
     assert ok.num_bytes == 16 * 2 * 2 * 4 * 2  # K and V of the two heads they hold
+
+
+def test_cutter_every_k_steps() -> None:
+    """``every=3``: a slice after steps 3, 6 and 9 and the final one (block-aligned cuts)."""
+    steps = step_ranges(1000, 100)
+    got = slice_schedule(1000, steps, 16, every=3)
+    assert [(r.start, r.end, last) for r, last in got] == [
+        (0, 288, False),
+        (288, 592, False),
+        (592, 896, False),
+        (896, 1000, True),
+    ]
+    assert slice_schedule(1000, steps, 16, every=3, pipelined=False) == (
+        (TokenRange(0, 1000), True),
+    )

@@ -103,6 +103,10 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     w.add_argument("--slice-timeout", type=float, default=10.0, help="seconds per slice")
     w.add_argument("--layer-ops", action="store_true", help="one transfer op per layer")
     w.add_argument("--no-pipeline", action="store_true", help="send KV after prefill ends")
+    w.add_argument(
+        "--pipelining", choices=("on", "off", "auto"), default="on",
+        help="slices sent as computed, KV after prefill, or per request from the cost model",
+    )  # fmt: skip
     w.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
     m = p.add_argument_group("model", "a real model ([model], KVPLANE_MODEL_*)")
     m.add_argument("--model", default=None, help="tiny-llama, tiny-deepseek or an HF directory")
@@ -225,7 +229,9 @@ def config_of(args: argparse.Namespace) -> WorkerConfig:
         slice_timeout_s=args.slice_timeout, timings=timings, secret=secret_of(args),
         insecure=args.insecure, metrics_port=args.metrics_port,
         grouping=OpGrouping.LAYER if args.layer_ops else OpGrouping.WHOLE,
-        pipelined=not args.no_pipeline, hash_seed=args.hash_seed, copy_threads=args.copy_threads,
+        pipelined=not args.no_pipeline and args.pipelining != "off",
+        auto_pipelining=args.pipelining == "auto" and not args.no_pipeline,
+        hash_seed=args.hash_seed, copy_threads=args.copy_threads,
         first_byte_timeout_s=args.first_byte_timeout,
     )  # fmt: skip
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from kvplane.errors import ConfigError
 from kvplane.simulate import (
+    ClusterSpec,
     Percentiles,
     Request,
     SimResult,
@@ -24,6 +27,7 @@ from kvplane.simulate import (
     read_trace,
     simulate,
 )
+from kvplane.simulate.calibrate import calibrate
 from kvplane.simulate.spec import PoissonSpec
 from kvplane.validators import require_int, require_number
 
@@ -40,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", metavar="FILE", required=True, help="the cluster TOML")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument(
+        "--calibrate", metavar="FILE", help="`kvplane bench all --json` output: measured costs"
+    )
+    parser.add_argument(
+        "--calibrate-transport", metavar="NAME", default=None,
+        help="whose figures fill [transport] (default: the first bench pd ran)",
+    )  # fmt: skip
 
 
 def parse_poisson(text: str) -> tuple[float, int]:
@@ -114,14 +125,36 @@ def result_table(result: SimResult, wall_s: float) -> Table:
     return table
 
 
+def calibrated(spec: ClusterSpec, args: argparse.Namespace) -> tuple[ClusterSpec, dict[str, Any]]:
+    """``spec`` calibrated from ``--calibrate`` (unchanged without it), and what was filled
+    and what is missing (empty without it)."""
+    if args.calibrate is None:
+        return spec, {}
+    try:
+        doc = json.loads(Path(args.calibrate).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--calibrate {args.calibrate}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--calibrate {args.calibrate}: not a JSON object")
+    got = calibrate(spec, doc, args.calibrate_transport)
+    return got.spec, {"filled": list(got.filled), "missing": list(got.missing)}
+
+
 def run(args: argparse.Namespace) -> int:
-    spec = load_cluster(args.cluster)
+    spec, calibration = calibrated(load_cluster(args.cluster), args)
     requests = load_requests(args, spec.poisson)
     start = time.perf_counter()
     result, _ = simulate(spec, requests)
     wall = time.perf_counter() - start
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        Console().print(result_table(result, wall))
+        doc = result.to_dict()
+        if calibration:
+            doc["calibration"] = calibration
+        print(json.dumps(doc, indent=2))
+        return 0
+    console = Console()
+    console.print(result_table(result, wall))
+    for what in ("filled", "missing"):
+        for line in calibration.get(what, ()):
+            console.print(f"calibration {what}: {line}", highlight=False, markup=False)
     return 0

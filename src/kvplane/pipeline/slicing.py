@@ -34,12 +34,17 @@ def step_ranges(num_tokens: int, step_size: int) -> list[TokenRange]:
 class SliceCutter:
     """Slices of one request (see the module docstring); ``align`` is the block alignment.
     ``pipelined=False`` sends everything in the final slice, after the prefill ends (the
-    baseline the pipelined mode is measured against)."""
+    baseline the pipelined mode is measured against); ``every`` > 1 cuts only after every
+    ``every``-th step (fewer, larger slices)."""
 
-    def __init__(self, num_tokens: int, align: int, *, pipelined: bool = True) -> None:
+    def __init__(
+        self, num_tokens: int, align: int, *, pipelined: bool = True, every: int = 1
+    ) -> None:
         self.num_tokens = num_tokens
         self.align = require_int("align", align, min=1)
+        self.every = require_int("every", every, min=1)
         self.pipelined = pipelined
+        self.steps = 0
         self.sent = 0
         self.next_id = 0
         self.done = False
@@ -57,6 +62,7 @@ class SliceCutter:
             raise InvalidArgumentError(
                 f"step end {step_end} outside [{self.sent}, {self.num_tokens}]"
             )
+        self.steps += 1
         if is_last:
             if step_end != self.num_tokens:
                 raise InvalidArgumentError(
@@ -65,7 +71,8 @@ class SliceCutter:
             cut = self.num_tokens
             self.done = True
         else:
-            cut = (step_end // self.align) * self.align if self.pipelined else 0
+            due = self.pipelined and self.steps % self.every == 0
+            cut = (step_end // self.align) * self.align if due else 0
             if cut <= self.sent:
                 return None
         out = (SliceId(self.next_id), TokenRange(self.sent, cut))
@@ -79,10 +86,15 @@ def _ids(block_ids: tuple[int, ...]) -> Int64Array:
 
 
 def slice_schedule(
-    num_tokens: int, steps: list[TokenRange], align: int, *, pipelined: bool = True
+    num_tokens: int,
+    steps: list[TokenRange],
+    align: int,
+    *,
+    pipelined: bool = True,
+    every: int = 1,
 ) -> tuple[tuple[TokenRange, bool], ...]:
     """The ``(range, is_last)`` of every slice the steps will produce, in slice-id order."""
-    cutter = SliceCutter(num_tokens, align, pipelined=pipelined)
+    cutter = SliceCutter(num_tokens, align, pipelined=pipelined, every=every)
     out = []
     for i, step in enumerate(steps):
         cut = cutter.after_step(step.end, i == len(steps) - 1)

@@ -34,6 +34,8 @@ from kvplane.serving.producers.model import ModelKV, PromptChecker
 from kvplane.serving.rpc import Reply
 from kvplane.serving.worker import Worker, WorkerHooks
 from kvplane.serving.worker_config import WorkerConfig
+from kvplane.simulate.calibrate import PD_LINKS
+from kvplane.simulate.pipelining import AutoPipelining, Choice
 from kvplane.transports.base import Transport
 
 
@@ -66,6 +68,8 @@ class _Prefill:
     prefill_end: float | None = None
     loading: bool = False
     loaded: int = 0
+    compute_s: float = 0.0
+    computed: int = 0
 
     @property
     def computing(self) -> bool:
@@ -99,6 +103,11 @@ class PrefillWorker(Worker):
         if offload is not None:
             kv = self.pools.kv
             self.offload = PrefixOffload(offload, kv, self.pools.blocks, metrics=self.metrics)
+        self.auto: AutoPipelining | None = None
+        if config.auto_pipelining:
+            layout = self.pools.kv.layout
+            per_token = layout.bytes_per_block // layout.block_size
+            self.auto = AutoPipelining(PD_LINKS.get(config.transport), per_token)
         self._requests: dict[RequestId, _Prefill] = {}
         self._by_session: dict[SessionId, _Prefill] = {}
         self._waiting: deque[_Prefill] = deque()
@@ -224,8 +233,9 @@ class PrefillWorker(Worker):
             req.steps = [TokenRange(0, req.loaded)]
             req.steps += [TokenRange(s, min(s + step, n)) for s in rest]
         align = self._alignment(req.peer)
-        req.cutter = SliceCutter(n, align, pipelined=self.config.pipelined)
-        schedule = slice_schedule(n, req.steps, align, pipelined=self.config.pipelined)
+        mode = self._mode(req)
+        req.cutter = SliceCutter(n, align, pipelined=mode.pipelined, every=mode.every)
+        schedule = slice_schedule(n, req.steps, align, pipelined=mode.pipelined, every=mode.every)
         pools = [LocalPool(self.pools.kv.layout, self.pools.regions[0], table.block_ids)]
         pools += [
             LocalPool(lay, RegionId(r), (slot,))
@@ -235,6 +245,16 @@ class PrefillWorker(Worker):
             self._sources[req.sid] = SliceSource(req.order.request_id, tuple(pools), schedule)
         self.driver.source_ready(req.sid)  # a DestinationKnown that came first can plan now
         self._running.append(req)
+
+    def _mode(self, req: _Prefill) -> Choice:
+        """Pipelined or not, and how many steps a slice: the config's, or with
+        ``auto_pipelining`` the cost model's answer for this request."""
+        if self.auto is None:
+            return Choice(self.config.pipelined)
+        step = req.order.step_size or self.config.step_size
+        choice = self.auto.choose(len(req.tokens), req.loaded, step)
+        self.counters[f"auto_pipelined_{str(choice.pipelined).lower()}"] += 1
+        return choice
 
     def _on_offload(self, events: list[OffloadFinished]) -> None:
         """Loads that ended start their requests (or free them, if stopped meanwhile)."""
@@ -323,6 +343,7 @@ class PrefillWorker(Worker):
             return False
         rid = req.order.request_id
         self.timeline.record(Mark.STEP_START, rid, slice_id=req.next_step)
+        began = time.perf_counter()
         try:
             out = self.producer.produce(
                 ProduceStep(RequestId(rid), req.tokens, table.block_ids, rng, is_last, req.slot),
@@ -339,9 +360,13 @@ class PrefillWorker(Worker):
             if out.first_token is None or req.slot is None:
                 raise InvalidArgumentError(f"producer gave no first token for request {rid!r}")
             self.pools.write_tail(req.slot, out.first_token, req.tokens)
+        req.compute_s += time.perf_counter() - began
+        req.computed += len(rng)
         ev = self.timeline.record(Mark.STEP_END, rid, slice_id=req.next_step - 1)
         if is_last:
             req.prefill_end = ev.t
+            if self.auto is not None and req.cutter is not None and req.computed > len(rng):
+                self.auto.observe(req.cutter.pipelined, req.computed, req.compute_s)
             if self.offload is not None:
                 chunks = self.offload.store(RequestId(rid), table)
                 if chunks:

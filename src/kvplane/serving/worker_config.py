@@ -71,7 +71,9 @@ class WorkerConfig:
     ``step_size`` is the default prefill step (tokens); ``slice_timeout_s`` bounds every slice
     transfer; ``timings`` are the PD protocol's; ``metrics_port`` > 0 serves ``/metrics``;
     ``incarnation`` 0 derives one from the clock (a restarted worker must use a larger one).
-    ``pipelined`` False sends a request's KV only after its prefill ends (the baseline).
+    ``pipelined`` False sends a request's KV only after its prefill ends (the baseline);
+    ``auto_pipelining`` decides that and the slice size per request from the simulator's cost
+    model (:func:`kvplane.simulate.timing.choose_pipelining`), ``pipelined`` then ignored.
     ``copy_threads`` is how many threads a ``tcp``/``shm`` transport copies bytes with (None:
     torch's thread count). ``first_byte_timeout_s``: a connection a ``tcp``/``shm`` data plane
     accepted that sends nothing this long is dropped. ``secret`` authenticates the PD endpoint,
@@ -97,6 +99,7 @@ class WorkerConfig:
     grouping: OpGrouping = OpGrouping.WHOLE
     max_inflight_ops: int = 8
     pipelined: bool = True
+    auto_pipelining: bool = False
     copy_threads: int | None = None
     first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
     insecure: bool = False
@@ -132,6 +135,7 @@ class WorkerConfig:
             require_int(f"WorkerConfig.{name}", getattr(self, name), min=0, error=ConfigError)
         check_port("WorkerConfig.metrics_port", self.metrics_port)
         require_bool("WorkerConfig.pipelined", self.pipelined, error=ConfigError)
+        require_bool("WorkerConfig.auto_pipelining", self.auto_pipelining, error=ConfigError)
         # CHUNK grouping is the offload copier's (one op per stored chunk): a PD slice ends
         # where a prefill step ends, not on a chunk boundary, and is planned with no chunk spec
         if not isinstance(self.grouping, OpGrouping) or self.grouping is OpGrouping.CHUNK:

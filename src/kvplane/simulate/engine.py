@@ -15,7 +15,7 @@ from kvplane.simulate.result import FailureResult, Outcome
 from kvplane.simulate.router import Router
 from kvplane.simulate.spec import ROLES, TIER_ORDER, ClusterSpec
 from kvplane.simulate.tiers import TierCache, hit_tokens, prefix_walk
-from kvplane.simulate.timing import book_op, compute_s, prefill_slices, tpot_s, transfer_pieces
+from kvplane.simulate.timing import book_op, compute_s, kv_pieces, tpot_s
 from kvplane.simulate.workers import DecodeWorker, Flight, PrefillWorker
 from kvplane.simulate.workload import Request, reusable_blocks, stored_blocks
 
@@ -122,12 +122,7 @@ class Simulation:
                 loaded = max(loaded, tier.load(keys, now))
         self.lookup_tokens += req.input_tokens
         self.lookup_hits += hit
-        slices = prefill_slices(self.spec.prefill, hit, req.input_tokens, loaded)
-        end = slices[-1][2]
-        held = self.held
-        pieces = [(loaded, hit * held)] if hit else []
-        pieces.extend((t, (e - s) * held) for s, e, t in slices)
-        f.pieces = transfer_pieces(pieces, end, self.spec.prefill.pipelined)
+        f.pieces, end = kv_pieces(self.spec.prefill, hit, req.input_tokens, loaded, self.held)
         f.next_piece = 0
         f.hit_tokens, f.prefill_start, f.compute_start, f.prefill_end = hit, now, loaded, end
         f.ready = -1.0

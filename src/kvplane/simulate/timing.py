@@ -4,10 +4,13 @@ Pure arithmetic on the specs' numbers; the engine calls it once per prefill. A :
 one FIFO resource (a tier's bandwidth, a worker's link): work reserved on it starts when both the
 work is ready and the lane is free. :func:`transfer_pieces` is the one home of pipelining:
 each slice sent as it is computed (only the last one exposed) or the whole KV after prefill.
+:func:`choose_pipelining` asks the same model which mode and slice size a request should use:
+the simulator's engine and the runtime's ``--pipelining auto`` prefill worker both call it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from kvplane.simulate.spec import DecodeSpec, PrefillSpec, TransportSpec
@@ -82,3 +85,63 @@ def book_op(
     send.reserve(start, hold)
     recv.reserve(start, hold)
     return start, start + hold + transport.rtt_s
+
+
+def kv_pieces(
+    spec: PrefillSpec, hit_tokens: int, input_tokens: int, t0: float, bytes_per_token: int
+) -> tuple[list[tuple[float, int]], float]:
+    """One request's PD transfer ops as (ready time, bytes) and its prefill end, compute
+    starting at ``t0`` with ``hit_tokens`` already loaded: the loaded prefix (ready at ``t0``)
+    and each slice, as :func:`transfer_pieces` sends them for ``spec.pipelined``."""
+    slices = prefill_slices(spec, hit_tokens, input_tokens, t0)
+    end = slices[-1][2]
+    pieces = [(t0, hit_tokens * bytes_per_token)] if hit_tokens else []
+    pieces.extend((t, (e - s) * bytes_per_token) for s, e, t in slices)
+    return transfer_pieces(pieces, end, spec.pipelined), end
+
+
+def alone_ttft_s(
+    spec: PrefillSpec,
+    transport: TransportSpec,
+    bytes_per_token: int,
+    input_tokens: int,
+    hit_tokens: int = 0,
+) -> float:
+    """Seconds from compute start to the KV landed for one request on idle workers and an idle
+    link (``hit_tokens`` already loaded): the engine's arithmetic without queueing."""
+    pieces, _ = kv_pieces(spec, hit_tokens, input_tokens, 0.0, bytes_per_token)
+    send, recv = Lane(), Lane()
+    landed = 0.0
+    for at, nbytes in pieces:
+        landed = book_op(transport, at, nbytes, send, recv)[1]
+    return landed
+
+
+def choose_pipelining(
+    spec: PrefillSpec,
+    transport: TransportSpec,
+    bytes_per_token: int,
+    input_tokens: int,
+    hit_tokens: int = 0,
+    *,
+    quiet: PrefillSpec | None = None,
+) -> PrefillSpec:
+    """``spec`` with the ``pipelined`` and ``slice_tokens`` of the fastest
+    :func:`alone_ttft_s` for this request: pipelined slices of 1, 2, 4... times
+    ``spec.slice_tokens`` (shorter than the computed part), else one transfer after the
+    prefill. ``quiet`` is the compute cost when no transfer runs beside it (default ``spec``'s:
+    on a host where the copy and the compute share memory bandwidth, pipelined steps are
+    slower); the non-pipelined candidate uses it. A tie goes to the smaller slice, pipelined
+    before not. The candidates differ only in slicing, so with ``step_s`` > 0 a longer slice
+    also saves steps."""
+    rest = max(input_tokens - hit_tokens, 1)
+    size = spec.slice_tokens
+    candidates = [dataclasses.replace(spec, pipelined=True)]
+    while 2 * size < rest:
+        size *= 2
+        candidates.append(dataclasses.replace(spec, slice_tokens=size, pipelined=True))
+    candidates.append(dataclasses.replace(quiet or spec, pipelined=False))
+    return min(
+        candidates,
+        key=lambda c: alone_ttft_s(c, transport, bytes_per_token, input_tokens, hit_tokens),
+    )

@@ -16,7 +16,8 @@ def test_bench_reports_every_key_for_both_modes() -> None:
     rows = out["modes"]
     assert isinstance(rows, list)
     modes = [r["mode"] for r in rows if r["transport"] == "tcp"]
-    assert modes == ["pipelined", "non_pipelined"]
+    assert modes == ["pipelined", "non_pipelined", "auto"]
+    assert rows[2]["ttft_vs_best_fixed"] > 0
     for row in rows[:2]:
         assert set(row) >= {
             "transport",
@@ -36,7 +37,7 @@ def test_bench_reports_every_key_for_both_modes() -> None:
     assert rows[0]["ttft_ratio"] > 0 and rows[1]["per_step_transfer_ms"] >= 0
     assert rows[0]["zero_stretch_ttft_ratio"] > 0
     assert rows[1]["overlap_ratio"] == 0.0  # nothing overlaps when sending after the prefill
-    assert rows[2] == {"transport": "nope", "skipped": "unknown transport"}
+    assert rows[3] == {"transport": "nope", "skipped": "unknown transport"}
     targets = out["targets"]
     assert isinstance(targets, dict) and set(targets["tcp"]) == {
         "exposed_tail_le_1.5x_slice",
@@ -55,17 +56,27 @@ def test_bench_reports_every_key_for_both_modes() -> None:
     assert [r["row"] for r in lines] == [
         "tcp_ttft_pipelined_vs_non_pipelined",
         "tcp_exposed_tail_vs_slice",
+        "tcp_ttft_auto_vs_best_fixed",
         "model_ttft_pipelined_vs_non_pipelined",
         "model_exposed_tail_vs_slice",
     ]
-    assert [r["target"] for r in lines] == [0.7, 1.5, None, 1.5]
+    assert [r["target"] for r in lines] == [0.7, 1.5, 1.1, None, 1.5]
     assert all(r["bench"] == "pd" and r["repeats"] == 2 and not r["stable"] for r in lines)
     assert lines[0]["ratio_median"] == round(rows[0]["ttft_ratio"], 4)
     model = out["model"]
     assert isinstance(model, dict)
     assert (model["model"], model["transport"], model["tokens"]) == ("tiny-deepseek", "tcp", 64)
-    assert model["tokens_equal"] is True and model["rows"] == lines[2:]
+    assert model["tokens_equal"] is True and model["rows"] == lines[3:]
     assert [m["mode"] for m in model["modes"]] == ["pipelined", "non_pipelined"]
+
+
+def test_auto_row_pairs_each_request_with_its_better_fixed_mode() -> None:
+    ttft = {"pipelined": [10.0, 30.0, 50.0], "non_pipelined": [20.0, 15.0, 40.0],
+            "auto": [11.0, 15.0, 40.0]}  # fmt: skip
+    row = pd.auto_row("shm", ttft)
+    assert (row["row"], row["figure"], row["limit"]) == ("shm_ttft_auto_vs_best_fixed", 15, 15)
+    assert (row["ratio_min"], row["ratio_median"], row["ratio_max"]) == (1.0, 1.0, 1.1)
+    assert (row["target"], row["met"]) == (1.1, True)
 
 
 def test_ttft_ratio_pairs_requests_not_medians() -> None:

@@ -9,8 +9,9 @@ ratio paired request by request. Workload, calibration, limit and verdicts: docs
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from kvplane.apps.bench.pd_metrics import (
 )
 from kvplane.apps.bench.pd_model import COMPUTE_MODEL, model_result
 from kvplane.apps.bench.pd_pair import Pair, PairSpec, compare_modes, mode_rows, prompt
-from kvplane.apps.bench.spread import paired_ratio
+from kvplane.apps.bench.spread import Row, paired_ratio, spread_of
 from kvplane.errors import KVPlaneError
 from kvplane.transports.registry import available
 
@@ -47,6 +48,9 @@ MODEL_ROWS = {True: False, False: True}
 NO_MODEL_IN_QUICK = "full run only (not in --quick)"
 """Whether the real-model comparison runs (four more worker processes), per ``--quick``."""
 HELP = "Pipelined vs non-pipelined PD transfer: TTFT, exposed tail, overlap (tcp, shm)."
+AUTO_RATIO_MAX = 1.1
+"""Target: ``--pipelining auto``'s TTFT within 10% (this host's noise) of the better fixed
+mode's, paired request by request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +88,7 @@ def _synthetic(spec: _Spec, compute_ms: float) -> PairSpec:
 def _calibrate(work: Path, spec: _Spec) -> float:
     """One step's transfer time, ms: the median slice of :data:`CALIBRATION_REQUESTS` one-step
     requests, no compute."""
-    pair = Pair(work / "calibrate", _synthetic(spec, 0.0), pipelined=True)
+    pair = Pair(work / "calibrate", _synthetic(spec, 0.0), mode="pipelined")
     try:
         pair.run("warm", prompt(-1, spec.step), spec.step)
         rids = [f"cal{i}" for i in range(CALIBRATION_REQUESTS)]
@@ -118,7 +122,23 @@ def _transport_rows(
         None if bulk is None else round(zero_stretch_ratio(steps, per_slice, bulk), 4)
     )
     lines = bench_rows(spec.transport, ttft, times["pipelined"][0], ttft_target=TTFT_RATIO_MAX)
+    if "auto" in ttft:
+        lines.append(auto_row(spec.transport, ttft))
+        rows[2]["ttft_vs_best_fixed"] = lines[-1]["ratio_median"]
     return rows, per_slice, lines
+
+
+def auto_row(transport: str, ttft_ms: Mapping[str, Sequence[float]]) -> dict[str, object]:
+    """The ``bench all`` row of ``--pipelining auto``: its TTFT against the better of the two
+    fixed modes, request by request (``auto_i / min(pipelined_i, non_pipelined_i)``), target
+    :data:`AUTO_RATIO_MAX` (lower is better)."""
+    auto, p, n = ttft_ms["auto"], ttft_ms["pipelined"], ttft_ms["non_pipelined"]
+    best = [min(a, b) for a, b in zip(p, n, strict=True)]
+    ratios = spread_of([a / b for a, b in zip(auto, best, strict=True)])
+    return Row(
+        "pd", f"{transport}_ttft_auto_vs_best_fixed", statistics.median(auto), "ms",
+        statistics.median(best), "the better fixed mode", ratios, AUTO_RATIO_MAX, False,
+    ).as_dict()  # fmt: skip
 
 
 def zero_stretch_ratio(steps: int, step_ms: float, bulk_step_ms: float) -> float:

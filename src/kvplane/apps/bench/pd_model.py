@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.apps.bench.pd_metrics import bench_rows
-from kvplane.apps.bench.pd_pair import PairSpec, compare_modes, mode_rows
+from kvplane.apps.bench.pd_pair import FIXED_MODES, PairSpec, compare_modes, mode_rows
 from kvplane.models import TINY_DEEPSEEK, tiny_config
 
 MODEL = TINY_DEEPSEEK
@@ -53,7 +53,9 @@ def model_result(
     spec = model_spec(transport, tokens, step)
     vocab = tiny_config(MODEL).vocab_size
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-pd-model-") as work:
-        served, times, same = compare_modes(Path(work), spec, repeats, cap_s, vocab)
+        served, times, same = compare_modes(
+            Path(work), spec, repeats, cap_s, vocab, modes=FIXED_MODES
+        )
     modes = mode_rows(transport, served, times)
     lines = bench_rows("model", served.ttft_ms, times["pipelined"][0], ttft_target=None)
     return {

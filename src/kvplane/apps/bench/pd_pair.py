@@ -26,7 +26,11 @@ from kvplane.serving.worker_config import SECRET_TRANSPORTS
 
 VOCAB = 30_000
 """Token ids of the synthetic workload's prompts lie in ``[0, VOCAB)``."""
-MODES = ("pipelined", "non_pipelined")
+MODES = ("pipelined", "non_pipelined", "auto")
+"""The pairs' modes: ``auto`` is ``--pipelining auto`` (the cost model's choice per request)."""
+FIXED_MODES = MODES[:2]
+MODE_FLAGS = {"pipelined": (), "non_pipelined": ("--no-pipeline",),
+              "auto": ("--pipelining", "auto")}  # fmt: skip
 START_TIMEOUT_S = 90.0
 """Seconds a pair's processes may take to announce themselves (starting together on a loaded
 2-core host, each imports torch)."""
@@ -50,7 +54,7 @@ class Pair:
     Both processes start at once (their imports overlap); with ``wait=False`` the pair is
     usable only after :meth:`connect`, so that several pairs can start together."""
 
-    def __init__(self, work: Path, spec: PairSpec, *, pipelined: bool, wait: bool = True) -> None:
+    def __init__(self, work: Path, spec: PairSpec, *, mode: str, wait: bool = True) -> None:
         work.mkdir(parents=True, exist_ok=True)
         # nixl and mooncake cannot authenticate their data plane: run them --insecure, saying so
         secure = spec.transport in SECRET_TRANSPORTS
@@ -63,8 +67,7 @@ class Pair:
             "--slice-timeout", "60", "--deadline", "120", "--heartbeat", "1", "--lease", "10",
             *([] if secure else ["--insecure"]),
         ]  # fmt: skip
-        if not pipelined:
-            common.append("--no-pipeline")
+        common.extend(MODE_FLAGS[mode])
         self.router: Router | None = None
         try:
             for role in ("prefill", "decode"):
@@ -154,41 +157,51 @@ def interleaved(
     vocab: int = VOCAB,
 ) -> Interleaved:
     """One warm-up request per pair, then request ``i`` through the pipelined pair and at once
-    through the non-pipelined one (so load changes hit both modes alike), until the paired
-    TTFT ratio is stable after ``repeats[0]`` requests, or ``repeats[1]`` ran, or ``cap_s``
-    passed (:func:`~.spread.repeat_until_stable`)."""
+    through the non-pipelined one (so load changes hit both modes alike), and the ``auto``
+    pair if there is one, until the paired pipelined / non-pipelined TTFT ratio is stable
+    after ``repeats[0]`` requests, or ``repeats[1]`` ran, or ``cap_s`` passed
+    (:func:`~.spread.repeat_until_stable`)."""
     for pair in pairs.values():
         pair.run("warm", prompt(-1, spec.step, vocab), spec.step)
     rids: list[str] = []
+    ttft: dict[str, list[float]] = {mode: [] for mode in pairs}
 
     def both() -> tuple[float, float]:
         rid = f"r{len(rids)}"
         tokens = prompt(len(rids), spec.tokens, vocab)
         rids.append(rid)
-        got = [pairs[mode].run(rid, tokens, spec.step) / 1e3 for mode in MODES]
-        return got[0], got[1]
+        for mode, pair in pairs.items():
+            ttft[mode].append(pair.run(rid, tokens, spec.step))
+        return ttft["pipelined"][-1] / 1e3, ttft["non_pipelined"][-1] / 1e3
 
     low, high = repeats
-    ours, limit = repeat_until_stable(both, min_repeats=low, max_repeats=high, cap_s=cap_s)
-    return Interleaved(rids, {"pipelined": [s * 1e3 for s in ours],
-                              "non_pipelined": [s * 1e3 for s in limit]})  # fmt: skip
+    repeat_until_stable(both, min_repeats=low, max_repeats=high, cap_s=cap_s)
+    return Interleaved(rids, ttft)
 
 
 def compare_modes(
-    work: Path, spec: PairSpec, repeats: tuple[int, int], cap_s: float, vocab: int = VOCAB
+    work: Path,
+    spec: PairSpec,
+    repeats: tuple[int, int],
+    cap_s: float,
+    vocab: int = VOCAB,
+    *,
+    modes: Sequence[str] = MODES,
 ) -> tuple[Interleaved, dict[str, tuple[list[dict[str, float | None]], int]], bool]:
-    """Serve the same requests through a pipelined and a non-pipelined pair of ``spec``
-    (:func:`~.pd_pair.interleaved`); the TTFTs, each mode's per-request timeline fields with
-    its truncated-event count, and whether both modes decoded the same tokens."""
+    """Serve the same requests through a pair of ``spec`` per mode of ``modes`` (the two
+    fixed ones first; :func:`~.pd_pair.interleaved`); the TTFTs, each mode's per-request
+    timeline fields with its truncated-event count, and whether every mode decoded the same
+    tokens."""
     pairs: dict[str, Pair] = {}
     try:
-        for mode in MODES:  # all four processes start at once
-            pairs[mode] = Pair(work / mode, spec, pipelined=mode == "pipelined", wait=False)
+        for mode in modes:  # all the processes start at once
+            pairs[mode] = Pair(work / mode, spec, mode=mode, wait=False)
         for pair in pairs.values():
             pair.connect()
         served = interleaved(pairs, spec, repeats, cap_s, vocab)
         times = {mode: pair.times(served.rids) for mode, pair in pairs.items()}
-        same = all(pairs[MODES[0]].tokens[r] == pairs[MODES[1]].tokens[r] for r in served.rids)
+        first = pairs[MODES[0]].tokens
+        same = all(p.tokens[r] == first[r] for p in pairs.values() for r in served.rids)
     finally:
         for pair in pairs.values():
             pair.close()
