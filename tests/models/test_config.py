@@ -77,7 +77,7 @@ def _llama(**changes: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("config", "words"),
     [
-        (_llama(architectures=["MistralForCausalLM"]), "'MistralForCausalLM' is not supported"),
+        (_llama(architectures=["Gemma2ForCausalLM"]), "'Gemma2ForCausalLM' is not supported"),
         (_llama(architectures=[]), "architectures"),
         ({k: v for k, v in _llama().items() if k != "hidden_size"}, "no 'hidden_size'"),
         (_llama(vocab_size="97"), "'vocab_size' must be a positive int, got '97'"),

@@ -48,6 +48,9 @@ class Capabilities:
     page_sizes: frozenset[int] | None = None
     mla_dims: frozenset[tuple[int, int]] | None = None
     """Allowed ``(kv_lora_rank, rope_dim)`` pairs for MLA kinds."""
+    sliding_window: bool = False
+    """Whether it honours :attr:`AttentionProblem.window` (a problem with one is unsupported
+    otherwise)."""
     oracle: bool = False
     """A correctness oracle: ``auto`` may fall back to it, ``measured`` never times it."""
     min_cuda_arch: tuple[int, int] | None = None
@@ -80,6 +83,7 @@ class Capabilities:
             (problem.dtype in self.dtypes, f"dtype {problem.dtype}"),
             (s.query_class in self.query_classes, f"query class {s.query_class.value}"),
             (problem.causal in self.causal, f"causal={problem.causal}"),
+            (problem.window is None or self.sliding_window, f"sliding window {problem.window}"),
             (problem.query_layout in self.query_layouts, f"{problem.query_layout.value} query"),
             (self.head_counts is None or problem.num_heads in self.head_counts,
              f"{problem.num_heads} heads"),

@@ -16,7 +16,7 @@ import torch
 from kvplane.attention.inputs import GQAKVCache, GQAQuery, MLAKVCache, MLAQuery, MLAUpProjection
 from kvplane.attention.metadata import PlanMetadata
 from kvplane.errors import BackendError, InvalidArgumentError
-from kvplane.validators import require_bool, require_number
+from kvplane.validators import require_bool, require_int, require_number
 
 
 class AttentionKind(enum.Enum):
@@ -94,10 +94,17 @@ class AttentionProblem:
     sm_scale: float
     causal: bool
     query_layout: QueryLayout = QueryLayout.PACKED
+    window: int | None = None
+    """Sliding window (causal only): a query at position ``p`` sees keys ``(p - window, p]``,
+    at most ``window`` keys, itself included; ``None``: every causal key."""
 
     def __post_init__(self) -> None:
         require_number("sm_scale", self.sm_scale, above=0)
         require_bool("causal", self.causal)
+        if self.window is not None:
+            require_int("window", self.window, min=1)
+            if not self.causal:
+                raise InvalidArgumentError("a sliding window needs a causal problem")
 
     @property
     def kind(self) -> AttentionKind:
@@ -278,8 +285,10 @@ def gqa_problem(
     *,
     sm_scale: float,
     causal: bool,
+    window: int | None = None,
 ) -> AttentionProblem:
-    """Describe a GQA call over K/V pools; ``Hq`` must be a multiple of ``Hkv``."""
+    """Describe a GQA call over K/V pools; ``Hq`` must be a multiple of ``Hkv``; ``window``
+    (causal only) limits each query to its ``window`` most recent keys."""
     q = query.q
     if q.dtype != cache.k.dtype or q.device != cache.k.device:
         raise InvalidArgumentError(
@@ -292,7 +301,9 @@ def gqa_problem(
         )
     _check_structure(metadata, cache.page_size, int(q.shape[0]))
     shape = GQAShape(hq, cache.num_kv_heads, d)
-    return AttentionProblem(shape, metadata, q.dtype, q.device, sm_scale, causal)
+    return AttentionProblem(
+        shape, metadata, q.dtype, q.device, sm_scale, causal, QueryLayout.PACKED, window
+    )
 
 
 def _check_structure(metadata: PlanMetadata, page_size: int, num_tokens: int) -> None:

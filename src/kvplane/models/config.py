@@ -1,5 +1,6 @@
-"""Model configs: the Llama and DeepSeek-V2/V3 families, parsed from (and written to) HF
-``config.json`` dicts with every field validated.
+"""Model configs: the Llama (and Mistral) and DeepSeek-V2/V3 families (Bamba's lives in
+``bamba_config``), parsed from (and written to) HF ``config.json`` dicts with every field
+validated.
 
 A config is a frozen value; :func:`config_from_hf` picks the family from ``architectures`` and
 raises :class:`~kvplane.errors.CheckpointError` naming the key for anything missing, mistyped or
@@ -9,62 +10,34 @@ unsupported (an unknown architecture lists the supported ones). ``to_hf()`` writ
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvplane.errors import CheckpointError
+from kvplane.models.bamba_config import BAMBA, BambaConfig
+from kvplane.models.hf_fields import Family
+from kvplane.models.hf_fields import bool_field as _bool
+from kvplane.models.hf_fields import float_field as _float
+from kvplane.models.hf_fields import int_field as _int
+from kvplane.models.hf_fields import opt_int_field as _opt_int
+from kvplane.models.hf_fields import require_silu as _silu
 from kvplane.models.rope import RopeSpec, RopeStyle
-from kvplane.validators import require_bool, require_int, require_number
 
-LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
+MISTRAL = "MistralForCausalLM"
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", MISTRAL)
 DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
-SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, DEEPSEEK_V2, DEEPSEEK_V3)
-_MISSING = object()
-
-
-class Family(enum.Enum):
-    LLAMA = "llama"
-    DEEPSEEK = "deepseek"
-
-
-def _int(d: Mapping[str, Any], key: str, default: Any = _MISSING, minimum: int = 1) -> int:
-    value = d.get(key, default)
-    if value is None and default is not _MISSING:
-        value = default  # JSON null means "unset"
-    if value is _MISSING or value is None:
-        raise CheckpointError(f"config.json has no {key!r}")
-    return require_int(f"config.json {key!r}", value, min=minimum, error=CheckpointError)
-
-
-def _opt_int(d: Mapping[str, Any], key: str) -> int | None:
-    return None if d.get(key) is None else _int(d, key)
-
-
-def _float(d: Mapping[str, Any], key: str, default: float) -> float:
-    """``d[key]`` (or ``default``) as a finite float >= 0; ``CheckpointError`` otherwise."""
-    value = d.get(key, default)
-    return require_number(f"config.json {key!r}", value, min=0, error=CheckpointError)
-
-
-def _bool(d: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = d.get(key, default)
-    if value is None:
-        return default
-    return require_bool(f"config.json {key!r}", value, error=CheckpointError)
-
-
-def _silu(d: Mapping[str, Any]) -> None:
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"config.json hidden_act {act!r} is not supported (only 'silu')")
+SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, DEEPSEEK_V2, DEEPSEEK_V3, BAMBA)
 
 
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
-    """A Llama-family decoder: RMSNorm, NEOX RoPE, GQA attention, SwiGLU MLP."""
+    """A Llama-family decoder: RMSNorm, NEOX RoPE, GQA attention, SwiGLU MLP.
+
+    ``MistralForCausalLM`` is the same decoder with an optional ``sliding_window``: every layer
+    attends to at most that many most recent keys (itself included).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -80,8 +53,11 @@ class LlamaConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.architecture != MISTRAL:
+            raise CheckpointError(f"sliding_window is a {MISTRAL} field, not {self.architecture}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads {self.num_heads} is not a multiple of "
@@ -97,6 +73,7 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> LlamaConfig:
         _silu(d)
+        arch = str(d["architectures"][0])
         heads = _int(d, "num_attention_heads")
         hidden = _int(d, "hidden_size")
         head_dim = d.get("head_dim") or hidden // heads
@@ -115,12 +92,15 @@ class LlamaConfig:
             attention_bias=_bool(d, "attention_bias", False),
             mlp_bias=_bool(d, "mlp_bias", False),
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
-            architecture=str(d["architectures"][0]),
+            architecture=arch,
+            sliding_window=_opt_int(d, "sliding_window") if arch == MISTRAL else None,
         )
 
     def to_hf(self) -> dict[str, Any]:
-        return {
-            "architectures": [self.architecture], "model_type": "llama",
+        mistral = self.architecture == MISTRAL
+        extra = {"sliding_window": self.sliding_window} if mistral else {}
+        return extra | {
+            "architectures": [self.architecture], "model_type": "mistral" if mistral else "llama",
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
@@ -309,7 +289,7 @@ class DeepSeekConfig:
         return out
 
 
-ModelConfig = LlamaConfig | DeepSeekConfig
+ModelConfig = LlamaConfig | DeepSeekConfig | BambaConfig
 
 
 def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
@@ -323,5 +303,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
         return LlamaConfig.from_hf(d)
     if archs[0] in (DEEPSEEK_V2, DEEPSEEK_V3):
         return DeepSeekConfig.from_hf(d)
+    if archs[0] == BAMBA:
+        return BambaConfig.from_hf(d)
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     raise CheckpointError(f"architecture {archs[0]!r} is not supported; supported: {supported}")

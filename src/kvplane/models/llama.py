@@ -1,7 +1,8 @@
-"""The Llama-family decoder (``LlamaForCausalLM``) over a paged GQA KV cache.
+"""The Llama-family decoder (``LlamaForCausalLM``, ``MistralForCausalLM``) over a paged GQA KV
+cache.
 
-RMSNorm, NEOX RoPE, GQA over the ``gqa_*`` backends, SwiGLU; HF weight names. See
-docs/attention.md.
+RMSNorm, NEOX RoPE, GQA over the ``gqa_*`` backends (Mistral's sliding window is the problem's
+``window``), SwiGLU; HF weight names. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ class LlamaModel(PagedDecoder):
             k = apply_rope(layer.k(h).view(t, c.num_kv_heads, d), cos, sin, RopeStyle.NEOX)
             kv.write_kv(i, batch.slot_mapping, k, layer.v(h).view(t, c.num_kv_heads, d))
             query, cache = GQAQuery(q), kv.gqa(i)
-            problem = gqa_problem(query, cache, batch.metadata, sm_scale=d**-0.5, causal=True)
+            problem = gqa_problem(
+                query, cache, batch.metadata, sm_scale=d**-0.5, causal=True,
+                window=c.sliding_window,
+            )  # fmt: skip
             out = attention.run(problem, query, cache).out
             x = x + layer.o(out.reshape(t, c.num_heads * d))
             x = x + layer.mlp(layer.post_norm(x))

@@ -1,4 +1,5 @@
-"""Building models: ``load_model(DIR | "tiny-llama" | "tiny-deepseek")``, and back.
+"""Building models: ``load_model(DIR | "tiny-llama" | "tiny-deepseek" | "tiny-swa" | ...)``,
+and back.
 
 The family registry, the embedded tiny configs with seeded weights (nothing downloaded), and
 :func:`save_checkpoint` in the HF format. See docs/attention.md.
@@ -16,10 +17,12 @@ import torch
 from kvplane.attention import AUTO, Selector
 from kvplane.errors import CheckpointError, InvalidArgumentError
 from kvplane.metrics import MetricsRegistry
+from kvplane.models.bamba import BambaModel
+from kvplane.models.bamba_config import BambaConfig, MambaShape
 from kvplane.models.config import (
     DEEPSEEK_V3,
+    MISTRAL,
     DeepSeekConfig,
-    Family,
     LlamaConfig,
     ModelConfig,
     MoEConfig,
@@ -27,6 +30,7 @@ from kvplane.models.config import (
 )
 from kvplane.models.decoder import PagedDecoder
 from kvplane.models.deepseek import DeepSeekModel, MLAPath
+from kvplane.models.hf_fields import Family
 from kvplane.models.llama import LlamaModel
 from kvplane.models.safetensors_io import write_safetensors
 from kvplane.models.weights import (
@@ -39,7 +43,9 @@ from kvplane.models.weights import (
 
 TINY_LLAMA = "tiny-llama"
 TINY_DEEPSEEK = "tiny-deepseek"
-TINY_MODELS = (TINY_LLAMA, TINY_DEEPSEEK)
+TINY_SWA = "tiny-swa"
+TINY_HYBRID = "tiny-hybrid"
+TINY_MODELS = (TINY_LLAMA, TINY_DEEPSEEK, TINY_SWA, TINY_HYBRID)
 
 Builder = Callable[..., PagedDecoder]
 
@@ -50,6 +56,20 @@ def tiny_config(name: str) -> ModelConfig:
         return LlamaConfig(
             vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2,
             num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=4096,
+        )  # fmt: skip
+    if name == TINY_SWA:
+        return LlamaConfig(
+            vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2,
+            num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=4096,
+            architecture=MISTRAL, sliding_window=16,
+        )  # fmt: skip
+    if name == TINY_HYBRID:
+        return BambaConfig(
+            vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=4,
+            num_heads=4, num_kv_heads=2, attn_layer_indices=(1,),
+            mamba=MambaShape(num_heads=8, head_dim=32, num_groups=1, state_size=16,
+                             conv_kernel=4),
+            max_position_embeddings=4096,
         )  # fmt: skip
     if name == TINY_DEEPSEEK:
         moe = MoEConfig(
@@ -67,7 +87,7 @@ def tiny_config(name: str) -> ModelConfig:
 
 def family_builders() -> dict[Family, Builder]:
     """The registry: which model class serves each config family."""
-    return {Family.LLAMA: LlamaModel, Family.DEEPSEEK: DeepSeekModel}
+    return {Family.LLAMA: LlamaModel, Family.DEEPSEEK: DeepSeekModel, Family.BAMBA: BambaModel}
 
 
 def build_model(

@@ -6,6 +6,7 @@ transfer are one operation; the slots one step writes must be distinct. See docs
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,11 +24,13 @@ from kvplane.validators import require_int
 @dataclass(frozen=True, slots=True)
 class StepRequest:
     """One request's share of a step: ``token_ids`` are positions ``[start, start + n)``;
-    ``block_ids`` hold the request's tokens from position 0 and cover at least ``[0, end)``."""
+    ``block_ids`` hold the request's tokens from position 0 and cover at least ``[0, end)``;
+    ``state_slot`` is its row of a hybrid model's recurrent state (ignored by pure attention)."""
 
     token_ids: TokenIds
     start: int
     block_ids: Sequence[BlockId] | Sequence[int]
+    state_slot: int = 0
 
     @property
     def range(self) -> TokenRange:
@@ -40,7 +43,8 @@ class StepBatch:
 
     ``token_ids``, ``positions``, ``slot_mapping``: int64 ``[T]`` on the model device;
     ``last_rows``: int64 ``[B]`` row of each request's last token; ``metadata``: the page table
-    (``kv_len = end``, ``q_len = end - start`` per request); ``ranges``: each request's range.
+    (``kv_len = end``, ``q_len = end - start`` per request); ``ranges``: each request's range;
+    ``state_slots``: each request's recurrent-state row (see :class:`StepRequest`).
     """
 
     token_ids: torch.Tensor
@@ -50,6 +54,7 @@ class StepBatch:
     metadata: PlanMetadata
     ranges: tuple[TokenRange, ...]
     block_size: int
+    state_slots: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +81,7 @@ class StepBatch:
         require_int("block_size", block_size, min=1)
         if not requests:
             raise InvalidArgumentError("a step needs at least one request")
-        ids, ranges, tables = [], [], []
+        ids, ranges, tables, slots = [], [], [], []
         for i, req in enumerate(requests):
             if not isinstance(req, StepRequest):
                 raise InvalidArgumentError(f"request {i} is not a StepRequest: {req!r}")
@@ -84,6 +89,7 @@ class StepBatch:
             if tokens.size == 0:
                 raise InvalidArgumentError(f"request {i} computes no tokens")
             require_int(f"request {i} start", req.start, min=0)
+            slots.append(require_int(f"request {i} state_slot", req.state_slot, min=0))
             end = req.start + int(tokens.size)
             blocks = [int(b) for b in req.block_ids]
             if len(blocks) * block_size < end or any(b < 0 for b in blocks):
@@ -94,7 +100,8 @@ class StepBatch:
             ids.append(tokens)
             ranges.append(TokenRange(req.start, end))
             tables.append(blocks[: -(-end // block_size)])
-        return cls._pack(ids, ranges, tables, block_size, torch.device(device))
+        batch = cls._pack(ids, ranges, tables, block_size, torch.device(device))
+        return dataclasses.replace(batch, state_slots=tuple(slots))
 
     @classmethod
     def from_tables(

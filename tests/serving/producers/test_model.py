@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvplane.errors import ConfigError, InvalidArgumentError
+from kvplane.errors import ConfigError, InvalidArgumentError, UnsupportedError
 from kvplane.models import PagedDecoder
 from kvplane.offload import OffloadConfig
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.prefix_offload import PrefixSettings
-from kvplane.serving.producers.model import ModelDecoder, ModelProducer, ModelSpec
+from kvplane.serving.producers.model import ModelDecoder, ModelKV, ModelProducer, ModelSpec
 from kvplane.serving.router.router import Router
 from kvplane.serving.worker_config import WorkerConfig
 from kvplane.testing.cluster import FAST, TEST_SECRET, check_balanced, wait_for
@@ -140,3 +140,10 @@ def test_model_spec_and_adapter_refuse_bad_input(tmp_path: Path) -> None:
         producer.check_prompt(np.array([3, -1]))
     assert producer.model_id == "tiny-llama-seed0-float32"
     assert ModelSpec("tiny-llama", seed=1).identity() != producer.model_id
+
+
+def test_a_model_with_recurrent_state_is_refused_for_serving() -> None:
+    """PD and prefix offload move KV only: a hybrid's Mamba2 state would be left behind."""
+    spec = ModelSpec("tiny-hybrid")
+    with pytest.raises(UnsupportedError, match="recurrent \\(Mamba2\\) state"):
+        ModelKV.from_spec(spec)

@@ -3,8 +3,9 @@
 Deliberately independent of the padded-batch machinery the fast backends share: for each
 request it reads exactly its first ``kv_len`` positions through its page list, computes logits
 in float64 (latent space for absorbed MLA; decompressed per head through the cache's
-``up_proj`` for non-absorbed MLA), applies the bottom-right causal mask, and returns the output
-in the query dtype with a float32 base-e LSE. Slow by design; ``measured`` never times it.
+``up_proj`` for non-absorbed MLA), applies the bottom-right causal (and sliding-window) mask,
+and returns the output in the query dtype with a float32 base-e LSE. Slow by design;
+``measured`` never times it.
 """
 
 from __future__ import annotations
@@ -22,11 +23,18 @@ from kvplane.attention.problem import AttentionKind, AttentionProblem, Attention
 NAME = "reference"
 
 
-def causal_bias(q_len: int, kv_len: int, causal: bool, device: torch.device) -> torch.Tensor:
-    """``[q_len, kv_len]`` float64 additive mask: 0 where query ``i`` sees key ``j``, else -inf."""
+def causal_bias(
+    q_len: int, kv_len: int, causal: bool, device: torch.device, window: int | None = None
+) -> torch.Tensor:
+    """``[q_len, kv_len]`` float64 additive mask: 0 where query ``i`` sees key ``j``, else -inf.
+    Query ``i`` sits at position ``p = kv_len - q_len + i``; causal: ``j <= p``; a ``window``
+    also needs ``j > p - window``."""
     i = torch.arange(q_len, device=device)[:, None]
     j = torch.arange(kv_len, device=device)[None, :]
-    seen = (j <= kv_len - q_len + i) if causal else torch.ones_like(i * j, dtype=torch.bool)
+    pos = kv_len - q_len + i
+    seen = (j <= pos) if causal else torch.ones_like(i * j, dtype=torch.bool)
+    if window is not None:
+        seen = seen & (j > pos - window)
     bias = torch.zeros((q_len, kv_len), dtype=torch.float64, device=device)
     return bias.masked_fill(~seen, float("-inf"))
 
@@ -51,7 +59,7 @@ def oracle_capabilities(*kinds: AttentionKind) -> Capabilities:
     """A float64 oracle's capabilities: ``kinds`` on CPU or CUDA in any float dtype."""
     return Capabilities(
         kinds=frozenset(kinds), devices=frozenset({"cpu", "cuda"}),
-        dtypes=frozenset(FLOAT_DTYPES), lse_base=LSEBase.E, oracle=True,
+        dtypes=frozenset(FLOAT_DTYPES), lse_base=LSEBase.E, sliding_window=True, oracle=True,
     )  # fmt: skip
 
 
@@ -74,7 +82,8 @@ def oracle_attend(plan: Plan, v_dim: int, request: Request) -> AttentionResult:
         if not (q_len and kv_len):
             continue
         logits, values = request(b, rows, kv_len)
-        logits = logits * p.sm_scale + causal_bias(q_len, kv_len, p.causal, p.device)[:, None]
+        bias = causal_bias(q_len, kv_len, p.causal, p.device, p.window)
+        logits = logits * p.sm_scale + bias[:, None]
         probs, row_lse = softmax64(logits)
         out[rows] = torch.einsum("ths,hsv->thv", probs, values).to(p.dtype)
         lse[rows] = row_lse.float()

@@ -17,7 +17,7 @@ import torch
 
 from kvplane.attention import default_registry
 from kvplane.attention.selection import AUTO, check_backend
-from kvplane.errors import CheckpointError, ConfigError, InvalidArgumentError
+from kvplane.errors import CheckpointError, ConfigError, InvalidArgumentError, UnsupportedError
 from kvplane.layout import KVLayout
 from kvplane.metrics import MetricsRegistry
 from kvplane.models import (
@@ -29,6 +29,7 @@ from kvplane.models import (
     greedy_token,
     load_model,
 )
+from kvplane.models.bamba import BambaModel
 from kvplane.serving.producers.base import (
     DecodeJob,
     DecodeOutput,
@@ -110,6 +111,11 @@ class ModelKV:
     """The :class:`~kvplane.serving.producers.base.KVModel` face of a model (module docstring)."""
 
     def __init__(self, model: PagedDecoder, model_id: str) -> None:
+        if isinstance(model, BambaModel):  # its Mamba2 state would not travel with the KV
+            raise UnsupportedError(
+                f"model {model_id} has recurrent (Mamba2) state, which PD transfer and prefix "
+                "offload do not move yet: use `kvplane generate` for it"
+            )
         self.model = model
         self._model_id = model_id
 

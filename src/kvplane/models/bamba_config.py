@@ -1,0 +1,201 @@
+"""The Bamba hybrid config (``BambaForCausalLM``): Llama-style attention layers at
+``attn_layer_indices`` and Mamba2 mixers everywhere else, parsed from and written to HF
+``config.json`` with every field validated (``CheckpointError`` naming the key)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvplane.errors import CheckpointError
+from kvplane.models.hf_fields import Family, bool_field, float_field, int_field, require_silu
+from kvplane.models.rope import RopeSpec
+
+BAMBA = "BambaForCausalLM"
+ROTARY_FRACTION = 0.5
+"""transformers hard-codes Bamba's ``partial_rotary_factor``: RoPE turns the first half of each
+head (NEOX halves within it) and passes the rest through."""
+
+
+@dataclass(frozen=True, slots=True)
+class MambaShape:
+    """One Mamba2 mixer's geometry: ``heads * head_dim == expand * hidden`` (the inner width)."""
+
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_groups:
+            raise CheckpointError(
+                f"mamba_n_heads {self.num_heads} is not a multiple of mamba_n_groups "
+                f"{self.num_groups}"
+            )
+        if self.conv_kernel < 2:
+            raise CheckpointError(f"mamba_d_conv {self.conv_kernel} must be >= 2")
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: ``x ‖ B ‖ C``."""
+        return self.inner + 2 * self.num_groups * self.state_size
+
+
+@dataclass(frozen=True, slots=True)
+class BambaConfig:
+    """A Bamba decoder; see the module docstring. ``time_step_limit`` clamps ``dt``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    attn_layer_indices: tuple[int, ...]
+    mamba: MambaShape
+    rms_norm_eps: float = 1e-5
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    max_position_embeddings: int = 2048
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    architecture: str = BAMBA
+
+    def __post_init__(self) -> None:
+        if self.architecture != BAMBA:
+            raise CheckpointError(f"{self.architecture!r} is not {BAMBA}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"hidden_size {self.hidden_size}, num_attention_heads {self.num_heads} and "
+                f"num_key_value_heads {self.num_kv_heads} must divide evenly"
+            )
+        if self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise CheckpointError(f"head_dim {self.head_dim} leaves an odd rotary half")
+        bad = [i for i in self.attn_layer_indices if not 0 <= i < self.num_layers]
+        if bad or len(set(self.attn_layer_indices)) != len(self.attn_layer_indices):
+            raise CheckpointError(
+                f"attn_layer_indices {list(self.attn_layer_indices)} must be distinct layers "
+                f"in [0, {self.num_layers})"
+            )
+        lo, hi = self.time_step_limit
+        if not 0 <= lo <= hi:
+            raise CheckpointError(f"time_step_limit {self.time_step_limit} must be 0 <= lo <= hi")
+
+    @property
+    def family(self) -> Family:
+        return Family.BAMBA
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * ROTARY_FRACTION)
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.attn_layer_indices)
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any]) -> BambaConfig:
+        require_silu(d)
+        hidden = int_field(d, "hidden_size")
+        heads = int_field(d, "num_attention_heads")
+        expand = int_field(d, "mamba_expand", 2)
+        m_heads = int_field(d, "mamba_n_heads", 128)
+        raw_d_head = d.get("mamba_d_head", "auto")
+        d_head = expand * hidden // m_heads if raw_d_head == "auto" else raw_d_head
+        m_head_dim = int_field({"mamba_d_head": d_head}, "mamba_d_head")
+        if m_head_dim * m_heads != expand * hidden:
+            raise CheckpointError(
+                f"mamba_n_heads {m_heads} x mamba_d_head {m_head_dim} != mamba_expand {expand} "
+                f"x hidden_size {hidden}"
+            )
+        mamba = MambaShape(
+            num_heads=m_heads, head_dim=m_head_dim,
+            num_groups=int_field(d, "mamba_n_groups", 1),
+            state_size=int_field(d, "mamba_d_state", 256),
+            conv_kernel=int_field(d, "mamba_d_conv", 4),
+        )  # fmt: skip
+        max_pos = int_field(d, "max_position_embeddings", 262144)
+        rope_raw = dict(d.get("rope_parameters") or {})
+        factor = rope_raw.pop("partial_rotary_factor", ROTARY_FRACTION)
+        if factor != ROTARY_FRACTION:
+            raise CheckpointError(f"Bamba's partial_rotary_factor is 0.5, got {factor!r}")
+        return cls(
+            vocab_size=int_field(d, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=int_field(d, "intermediate_size"),
+            num_layers=int_field(d, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=int_field(d, "num_key_value_heads", heads),
+            attn_layer_indices=_indices(d.get("attn_layer_indices")),
+            mamba=mamba,
+            rms_norm_eps=float_field(d, "rms_norm_eps", 1e-5),
+            rope=RopeSpec.from_hf({**d, "rope_parameters": rope_raw or None}, max_pos),
+            max_position_embeddings=max_pos,
+            conv_bias=bool_field(d, "mamba_conv_bias", True),
+            proj_bias=bool_field(d, "mamba_proj_bias", False),
+            time_step_limit=_limits(d.get("time_step_limit", (0.0, math.inf))),
+            attention_bias=bool_field(d, "attention_bias", False),
+            mlp_bias=bool_field(d, "mlp_bias", False),
+            tie_word_embeddings=bool_field(d, "tie_word_embeddings", False),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        m = self.mamba
+        return {
+            "architectures": [self.architecture], "model_type": "bamba",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "attn_layer_indices": list(self.attn_layer_indices), "mamba_n_heads": m.num_heads,
+            "mamba_d_head": m.head_dim, "mamba_n_groups": m.num_groups,
+            "mamba_d_state": m.state_size, "mamba_d_conv": m.conv_kernel,
+            "mamba_expand": m.inner // self.hidden_size, "mamba_conv_bias": self.conv_bias,
+            "mamba_proj_bias": self.proj_bias, "time_step_limit": list(self.time_step_limit),
+            "rms_norm_eps": self.rms_norm_eps, "rope_parameters": self.rope.to_hf(),
+            "hidden_act": "silu", "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }  # fmt: skip
+
+
+def _indices(raw: Any) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list | tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in raw
+    ):
+        raise CheckpointError(f"config.json 'attn_layer_indices' must list ints, got {raw!r:.80}")
+    return tuple(raw)
+
+
+def _limits(raw: Any) -> tuple[float, float]:
+    """``[lo, hi]``; transformers writes a non-finite bound as ``{"__float__": "Infinity"}``."""
+    if isinstance(raw, list | tuple):
+        raw = [_json_float(v) for v in raw]
+    ok = isinstance(raw, list | tuple) and len(raw) == 2
+    if not ok or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in raw):
+        raise CheckpointError(f"config.json 'time_step_limit' must be [lo, hi], got {raw!r:.80}")
+    return float(raw[0]), float(raw[1])
+
+
+def _json_float(v: Any) -> Any:
+    if isinstance(v, Mapping) and set(v) == {"__float__"}:
+        try:
+            return float(v["__float__"])
+        except (TypeError, ValueError):
+            return v
+    return v

@@ -1,0 +1,113 @@
+"""A hybrid model's per-request recurrent state: one STATE pool (``KVLayout.state``), one slot
+per request, one row per Mamba layer.
+
+Shape contract of a row (float32, ``state_dim = conv_dim * (K - 1) + H * P * N``): the last
+``K - 1`` conv inputs ``[conv_dim, K - 1]`` (oldest first), then the SSM state ``[H, P, N]``.
+``num_tokens[slot]`` counts the tokens the slot has consumed; a slot is only advanced by a step
+that starts exactly there (or restarts it at 0). Snapshot/restore copy a slot's rows whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvplane.errors import InvalidArgumentError
+from kvplane.layout import KVLayout
+from kvplane.models.bamba_config import MambaShape
+from kvplane.models.kv import PagedKVCache
+
+
+@dataclass(frozen=True, slots=True)
+class StateSnapshot:
+    """One slot's state, copied: ``rows [num_mamba_layers, state_dim]`` after ``num_tokens``."""
+
+    rows: torch.Tensor
+    num_tokens: int
+
+
+class RecurrentState:
+    """The STATE pool of ``num_slots`` requests; see the module docstring."""
+
+    def __init__(
+        self,
+        shape: MambaShape,
+        layer_ids: tuple[int, ...],
+        num_slots: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.shape = shape
+        self.conv_width = shape.conv_kernel - 1
+        self.conv_size = shape.conv_dim * self.conv_width
+        state_dim = self.conv_size + shape.inner * shape.state_size
+        self.layout = KVLayout.state(
+            num_slots=num_slots, layer_ids=layer_ids, state_dim=state_dim, dtype=torch.float32
+        )
+        self.pool = self.layout.allocate(device)
+        self.num_tokens = [0] * num_slots
+
+    @property
+    def num_slots(self) -> int:
+        return self.layout.num_blocks
+
+    def check_advance(self, slot: int, start: int) -> None:
+        """``InvalidArgumentError`` unless a step starting at ``start`` may run on ``slot``:
+        the slot exists and ``start`` is 0 (a restart) or the tokens it has consumed."""
+        if not 0 <= slot < self.num_slots:
+            raise InvalidArgumentError(
+                f"state slot {slot} is outside the {self.num_slots} slots of the state pool"
+            )
+        have = self.num_tokens[slot]
+        if start not in (0, have):
+            raise InvalidArgumentError(
+                f"state slot {slot} holds the state after {have} tokens; a step starting at "
+                f"{start} needs the state after {start} (a prefix hit without its state)"
+            )
+
+    def conv(self, layer_id: int, slot: int) -> torch.Tensor:
+        """View ``[conv_dim, K - 1]`` of one layer's conv inputs for ``slot``."""
+        row = self.layout.state_view(self.pool, layer_id)[slot]
+        return row[: self.conv_size].view(self.shape.conv_dim, self.conv_width)
+
+    def ssm(self, layer_id: int, slot: int) -> torch.Tensor:
+        """View ``[H, P, N]`` of one layer's SSM state for ``slot``."""
+        s = self.shape
+        row = self.layout.state_view(self.pool, layer_id)[slot]
+        return row[self.conv_size :].view(s.num_heads, s.head_dim, s.state_size)
+
+    def reset(self, slot: int) -> None:
+        """Zero ``slot`` (the state before any token)."""
+        for layer in self.layout.layer_ids:
+            self.layout.state_view(self.pool, layer)[slot].zero_()
+        self.num_tokens[slot] = 0
+
+    def snapshot(self, slot: int) -> StateSnapshot:
+        rows = [self.layout.state_view(self.pool, i)[slot].clone() for i in self.layout.layer_ids]
+        return StateSnapshot(torch.stack(rows), self.num_tokens[slot])
+
+    def restore(self, slot: int, snap: StateSnapshot) -> None:
+        """Write ``snap`` into ``slot``; ``InvalidArgumentError`` for a foreign shape."""
+        want = (self.layout.num_layers, self.layout.head_dim)
+        if tuple(snap.rows.shape) != want:
+            raise InvalidArgumentError(f"snapshot rows {tuple(snap.rows.shape)}, pool needs {want}")
+        for k, layer in enumerate(self.layout.layer_ids):
+            self.layout.state_view(self.pool, layer)[slot].copy_(snap.rows[k])
+        self.num_tokens[slot] = snap.num_tokens
+
+
+class HybridKVCache(PagedKVCache):
+    """A paged KV pool for the attention layers plus the :class:`RecurrentState` of the Mamba
+    layers: what a hybrid model's ``forward_step`` reads and writes."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        state: RecurrentState,
+        pool: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(layout, pool, device)
+        if state.pool.device != self.device:
+            raise InvalidArgumentError(f"state on {state.pool.device}, KV on {self.device}")
+        self.state = state
