@@ -26,6 +26,7 @@ from kvplane.pipeline.driver_records import SliceSource
 from kvplane.pipeline.slicing import LocalPool, SliceCutter, slice_schedule, step_ranges
 from kvplane.pipeline.timeline import Mark, request_times
 from kvplane.serving import worker_requests as book
+from kvplane.serving.kv_publisher import KVEventSettings
 from kvplane.serving.messages import Ack, AnyMessage, CancelOrder, PrefillOrder, WorkerStats
 from kvplane.serving.prefix_offload import Finished as OffloadFinished
 from kvplane.serving.prefix_offload import PrefixOffload, PrefixSettings, StoreFinished
@@ -96,8 +97,11 @@ class PrefillWorker(Worker):
         transport: Transport | None = None,
         hooks: WorkerHooks | None = None,
         offload: PrefixSettings | None = None,
+        kv_events: KVEventSettings | None = None,
     ) -> None:
-        super().__init__(config, producer, metrics=metrics, transport=transport, hooks=hooks)
+        super().__init__(
+            config, producer, metrics=metrics, transport=transport, hooks=hooks, kv_events=kv_events
+        )
         self.producer = producer
         self.offload: PrefixOffload | None = None
         if offload is not None:

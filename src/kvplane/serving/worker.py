@@ -20,12 +20,14 @@ import msgspec
 from kvplane.errors import KVPlaneError, ProtocolError
 from kvplane.ids import PeerId
 from kvplane.metrics import FALLBACK_RATIO, MetricsRegistry, MetricsServer
+from kvplane.offload.manager import OffloadManager
 from kvplane.pd.actions import Action
 from kvplane.pd.endpoint import Endpoint
 from kvplane.pd.participant import Participant
 from kvplane.pd.states import Role, SessionState
 from kvplane.pipeline.observe import RuntimeMetrics
 from kvplane.pipeline.timeline import Timeline
+from kvplane.serving.kv_publisher import KVEventPublisher, KVEventSettings
 from kvplane.serving.live_peers import LivePeers
 from kvplane.serving.messages import (
     MAX_PEERS,
@@ -41,6 +43,7 @@ from kvplane.serving.messages import (
     fit_timeline,
 )
 from kvplane.serving.pools import WorkerPools
+from kvplane.serving.prefix_offload import PrefixOffload
 from kvplane.serving.producers.base import KVModel
 from kvplane.serving.rpc import Reply, RpcServer
 from kvplane.serving.worker_config import SECRET_TRANSPORTS, WorkerConfig
@@ -93,6 +96,7 @@ class Worker:
     ``transport`` may be given (tests: a ``LocalTransport`` on a shared fabric); otherwise it is
     built from the config. ``metrics`` is injected (a fresh registry by default). ``hooks``
     may wrap the transport and build the PD endpoint (fault injection in chaos runs).
+    ``kv_events``: publish the offload tiers' chunk changes (``kv_publisher``; None: not).
     """
 
     role: ClassVar[str] = "worker"
@@ -107,8 +111,11 @@ class Worker:
         metrics: MetricsRegistry | None = None,
         transport: Transport | None = None,
         hooks: WorkerHooks | None = None,
+        kv_events: KVEventSettings | None = None,
     ) -> None:
         self.config = config
+        self.kv_event_settings = kv_events
+        self.kv_events: KVEventPublisher | None = None
         self.metrics = metrics if metrics is not None else MetricsRegistry()
         self.rmetrics = RuntimeMetrics(self.metrics, self.role)
         self.metrics.gauge(*FALLBACK_RATIO)  # the sixth seed metric: 0 until a model plans
@@ -174,6 +181,7 @@ class Worker:
     def start(self) -> None:
         self._started = True
         self.endpoint.start()
+        self._start_kv_events()
         self._thread.start()
         self.rpc.start()
         if self.config.metrics_port:
@@ -189,8 +197,28 @@ class Worker:
         if self._thread.is_alive():
             self._thread.join(timeout=10.0)
         self._close_parts()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.endpoint.close()
         self.transport.close()
+
+    def _start_kv_events(self) -> None:
+        """Bind the KV event publisher (when configured) and watch the offload tiers, before
+        the worker loop (their owner) starts."""
+        if self.kv_event_settings is None:
+            return
+        offload = getattr(self, "offload", None)  # a prefill worker's prefix offload, if any
+        tiers: list[OffloadManager] = []
+        tokens = 0
+        if isinstance(offload, PrefixOffload):
+            tiers, tokens = offload.cascade.managers(), offload.spec.tokens_per_chunk
+        self.kv_events = KVEventPublisher(
+            self.config.name, self.incarnation, self.kv_event_settings,
+            secret=self.config.secret, block_size=tokens,
+        )  # fmt: skip
+        for manager in tiers:
+            self.kv_events.watch(manager)
+        self.kv_events.start()
 
     def _close_parts(self) -> None:
         """Subclass hook: stop helper threads (before the endpoint and transport close)."""
@@ -316,6 +344,8 @@ class Worker:
         snap = self.endpoint.snapshot()
         snap.update({f"worker_{k}": v for k, v in self.counters.items()})
         snap.update({f"rpc_{k}": v for k, v in self.rpc.snapshot().items()})
+        if self.kv_events is not None:
+            snap.update({f"kv_events_{k}": v for k, v in self.kv_events.snapshot().items()})
         by_state = self._refresh_gauges()
         problem = ""
         try:
