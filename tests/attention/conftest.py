@@ -71,11 +71,12 @@ def gqa_inputs() -> MLAFactory:
         dtype: torch.dtype = torch.float32,
         causal: bool = True,
         seed: int = 0,
+        window: int | None = None,
     ) -> Inputs:
         meta, pages = synthetic_metadata(q_lens, kv_lens, page_size, shuffle_seed=seed + 1)
         return make_gqa_inputs(
             meta, pages, GQAShape(heads, kv_heads, head_dim), dtype=dtype,
-            sm_scale=head_dim**-0.5, causal=causal, seed=seed,
+            sm_scale=head_dim**-0.5, causal=causal, seed=seed, window=window,
         )  # fmt: skip
 
     return make

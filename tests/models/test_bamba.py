@@ -23,6 +23,7 @@ from kvplane.models import (
     save_checkpoint,
     tiny_config,
 )
+from kvplane.verdicts import Supported
 
 BLOCKS = list(range(16))
 
@@ -121,14 +122,16 @@ def test_config_errors_name_the_key() -> None:
         config_from_hf({**swa, "sliding_window": 0})
 
 
-def test_window_is_a_capability_auto_falls_back_to_one_that_has_it() -> None:
+def test_window_is_a_capability_only_backends_that_declare_it_take() -> None:
     model = load_model(TINY_SWA)
     kv = model.new_kv_cache(4, 4)
     batch = StepBatch.build([StepRequest(list(range(10)), 0, [0, 1, 2])], 4)
     q = GQAQuery(torch.zeros(10, 4, 32))
     problem = gqa_problem(q, kv.gqa(0), batch.metadata, sm_scale=1.0, causal=True, window=16)
     verdicts = {b.name: b.check(problem) for b in default_registry()}
-    assert "sliding window 16 not supported" in str(verdicts["gqa_torch"])
+    assert isinstance(verdicts["gqa_torch"], Supported)
+    assert isinstance(verdicts["gqa_reference"], Supported)
+    assert "sliding window 16 not supported" in str(verdicts["mha"])
     with pytest.raises(InvalidArgumentError, match="needs a causal problem"):
         gqa_problem(q, kv.gqa(0), batch.metadata, sm_scale=1.0, causal=False, window=16)
     with pytest.raises(InvalidArgumentError, match="window"):

@@ -186,10 +186,17 @@ def gather_group(
     return kv
 
 
-def visible(limits: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """``[n, t, length]`` bool: may padded query row see key position ``start + s``."""
-    pos = start + torch.arange(length, device=limits.device)
-    return pos[None, None, :] < limits[:, :, None]
+def visible(
+    limits: torch.Tensor, start: int, length: int, window: int | None = None
+) -> torch.Tensor:
+    """``[n, t, length]`` bool: may padded query row see key position ``start + s``. A row
+    sees the keys below its limit; with a sliding ``window`` only the last ``window`` of them
+    (a query at position ``p`` has limit ``p + 1`` and sees ``(p - window, p]``)."""
+    pos = (start + torch.arange(length, device=limits.device))[None, None, :]
+    seen = pos < limits[:, :, None]
+    if window is not None:
+        seen &= pos >= limits[:, :, None] - window
+    return seen
 
 
 def softmax_lse(scores: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,13 +130,14 @@ def make_gqa_inputs(
     causal: bool,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    window: int | None = None,
 ) -> Inputs:
-    """Seeded random GQA query and K/V pools."""
+    """Seeded random GQA query and K/V pools (``window``: a sliding-window problem)."""
     randn = _sampler(dtype, device, seed)
     kv_shape = (num_pages, metadata.page_size, shape.num_kv_heads, shape.head_dim)
     cache = GQAKVCache(randn(kv_shape), randn(kv_shape))
     query = GQAQuery(randn((metadata.structure().num_tokens, shape.num_heads, shape.head_dim)))
-    problem = gqa_problem(query, cache, metadata, sm_scale=sm_scale, causal=causal)
+    problem = gqa_problem(query, cache, metadata, sm_scale=sm_scale, causal=causal, window=window)
     return Inputs(problem, query, cache)
 
 

@@ -44,6 +44,26 @@ def test_gqa_matches_reference(  # noqa: PLR0917
     assert_close(one_per_group.run(plan, inputs.query, inputs.cache), want, torch.float32)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_a_sliding_window_matches_reference(
+    case, window, gqa_inputs, run_backend, assert_close
+) -> None:
+    """Rows see only their last ``window`` causal keys; keys before every row's window are set
+    huge (finite: the reference masks by bias), so any leak moves the output."""
+    q, kv = CASES[case]
+    inputs = _poison(gqa_inputs(q, kv, window=window))
+    s = inputs.problem.metadata.structure()
+    table = inputs.problem.metadata.dense().block_table
+    for b, (ql, n) in enumerate(zip(s.q_lens, s.kv_lens, strict=True)):
+        for pos in range(max(0, n - ql + 1 - window)):  # below every row's window
+            for pool in (inputs.cache.k, inputs.cache.v):
+                pool[int(table[b, pos // s.page_size]), pos % s.page_size] = 1e4
+    want = run_backend("gqa_reference", inputs)
+    assert torch.isfinite(want.out).all()
+    assert_close(run_backend("gqa_torch", inputs), want, torch.float32)
+
+
 def test_gqa_bf16(gqa_inputs, run_backend, assert_close) -> None:
     inputs = gqa_inputs([3, 1], [7, 12], dtype=torch.bfloat16)
     assert_close(
