@@ -38,6 +38,7 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.offload import OffloadConfig
 from kvplane.pd.timers import Timings
 from kvplane.serving.decode_worker import DecodeWorker
+from kvplane.serving.kv_publisher import KVEventSettings
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.prefix_offload import PrefixSettings
 from kvplane.serving.producers.base import KVModel
@@ -134,6 +135,8 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
         help=f"disk tier directory (created; its slot file is DIR/{DISK_SLOT_FILE})",
     )  # fmt: skip
     o.add_argument("--offload-disk-slots", type=int, default=256)
+    if role == "prefill":
+        _kv_event_flags(p)
     c = p.add_argument_group("chunk", "offload chunks ([chunk], KVPLANE_CHUNK_*)")
     c.add_argument("--blocks-per-chunk", type=int, default=2)
     b = p.add_argument_group("pool", "the KV pool ([pool], KVPLANE_POOL_*)")
@@ -147,6 +150,19 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     t.add_argument("--in-doubt", type=float, default=1.0, help="IN_DOUBT release deadline (s)")
     t.add_argument("--retransmit", type=float, default=0.2, help="PD retransmit period (s)")
     sectioned(p)
+
+
+def _kv_event_flags(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("kv_events", "KV events of the offload tiers ([kv_events], ...)")
+    e.add_argument(
+        "--kv-events", action="store_true",
+        help="publish the offload tiers' chunk changes (needs --offload-host-slots; CURVE with "
+        "the secret, plain only under --insecure); the router subscribes by itself",
+    )  # fmt: skip
+    e.add_argument("--kv-events-pub", default=LOOPBACK, help="events PUB socket address (zmq)")
+    e.add_argument(
+        "--kv-events-replay", default=LOOPBACK, help="replay ROUTER socket address (zmq)"
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -264,6 +280,20 @@ def offload_of(args: argparse.Namespace) -> PrefixSettings | None:
     return PrefixSettings(config, args.blocks_per_chunk)
 
 
+def kv_events_of(args: argparse.Namespace) -> KVEventSettings | None:
+    """The prefill worker's KV event settings, or None (no ``--kv-events``); ``ConfigError``
+    without an offload tier to publish, or for an address that cannot be bound here."""
+    settle(args)
+    if not getattr(args, "kv_events", False):
+        return None
+    if not args.offload_host_slots:
+        raise ConfigError("--kv-events needs --offload-host-slots > 0: the offload tiers are "
+                          "what it publishes")  # fmt: skip
+    probe_bind("--kv-events-pub", args.kv_events_pub)
+    probe_bind("--kv-events-replay", args.kv_events_replay)
+    return KVEventSettings(pub_bind=args.kv_events_pub, replay_bind=args.kv_events_replay)
+
+
 def _check_memory(config: WorkerConfig, model: KVModel) -> None:
     """Refuse pools this host cannot hold, before any is allocated."""
     kv = model.kv_layout(config.num_blocks, config.block_size, config.head_range)
@@ -280,13 +310,16 @@ def build_worker(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> 
     probe_bind("--pd", config.pd_bind)
     probe_port("--metrics-port", config.metrics_port)
     offload = offload_of(args) if args.role == "prefill" else None
+    events = kv_events_of(args) if args.role == "prefill" else None
     metrics = MetricsRegistry()  # the worker's and its model's: one /metrics
     if args.model is not None:
         model = ModelSpec(args.model, args.seed, args.model_dtype, args.attention)
         if args.role == "prefill":
             producer = ModelProducer.from_spec(model, metrics)
             _check_memory(config, producer)
-            return PrefillWorker(config, producer, metrics=metrics, hooks=hooks, offload=offload)
+            return PrefillWorker(
+                config, producer, metrics=metrics, hooks=hooks, offload=offload, kv_events=events
+            )
         decoder = ModelDecoder.from_spec(model, metrics)
         _check_memory(config, decoder)
         return DecodeWorker(config, decoder, metrics=metrics, hooks=hooks)
@@ -294,7 +327,9 @@ def build_worker(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> 
     if args.role == "prefill":
         synthetic = SyntheticProducer(spec)
         _check_memory(config, synthetic)
-        return PrefillWorker(config, synthetic, metrics=metrics, hooks=hooks, offload=offload)
+        return PrefillWorker(
+            config, synthetic, metrics=metrics, hooks=hooks, offload=offload, kv_events=events
+        )
     receiver = SyntheticDecoder(spec)
     _check_memory(config, receiver)
     return DecodeWorker(config, receiver, metrics=metrics, hooks=hooks)
@@ -385,7 +420,8 @@ def run(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> int:
             raise ConfigError(f"kvplane serve {role} cannot start: {exc}") from None
         info = worker.info()
         _announce(role=role, name=info.peer_id, control=worker.address, pd=info.pd_address,
-                  incarnation=info.incarnation)  # fmt: skip
+                  incarnation=info.incarnation, kv_events=info.kv_events_address,
+                  kv_replay=info.kv_replay_address)  # fmt: skip
         _wait(worker.exit_requested)
     finally:
         worker.close()

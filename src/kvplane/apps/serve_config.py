@@ -22,7 +22,8 @@ from kvplane.config import load_toml, resolve
 from kvplane.errors import ConfigError
 
 SECTIONS = (
-    "worker", "pool", "hash", "chunk", "offload", "pd", "model", "synthetic", "router", "proxy",
+    "worker", "pool", "hash", "chunk", "offload", "kv_events", "pd", "model", "synthetic",
+    "router", "proxy",
 )  # fmt: skip
 """Every section a serve config file may hold (a role ignores the sections of other roles)."""
 _SETTLED = "_serve_settled"

@@ -49,7 +49,11 @@ class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
     ``peers``: the PD peer ids this worker holds a live connection with (accepted handshake,
     lease current) when it answered, sorted, at most :data:`MAX_PEERS`. None: it does not say
     (an older worker, more peers than that, or a PD loop that did not answer in time); the
-    router then re-pairs by the other side's report only."""
+    router then re-pairs by the other side's report only.
+
+    ``kv_events_address`` / ``kv_replay_address``: where the worker publishes its KV events and
+    answers replays (``kv_publisher``); both empty when it publishes none. The router subscribes
+    to every worker that says (:mod:`~kvplane.serving.router.kv_watch`)."""
 
     role: str
     peer_id: _Id
@@ -59,6 +63,8 @@ class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
     metrics_port: _Count = 0
     head_ranges: _HeadRanges = ()
     peers: _Peers | None = None
+    kv_events_address: _Text = ""
+    kv_replay_address: _Text = ""
 
     def __post_init__(self) -> None:
         for i, (start, end) in enumerate(self.head_ranges):

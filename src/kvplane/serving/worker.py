@@ -235,6 +235,8 @@ class Worker:
             transport=self.transport.name,
             metrics_port=self.config.metrics_port,
             head_ranges=tuple(lay.head_range for lay in self.pools.layouts),
+            kv_events_address=self.kv_events.address if self.kv_events else "",
+            kv_replay_address=self.kv_events.replay_address if self.kv_events else "",
         )
 
     def _read_peers(self, timeout_s: float) -> list[str]:

@@ -31,8 +31,10 @@ from kvplane.serving.messages import (
     WorkerInfo,
     WorkerStats,
 )
+from kvplane.serving.router.kv_watch import KVEventWatch
 from kvplane.serving.router.membership import Membership
 from kvplane.serving.router.observe import RouterMetrics
+from kvplane.serving.router.prefix_index import PrefixIndex
 from kvplane.serving.router.workers import WorkerHandle, covering, heads_of
 from kvplane.serving.rpc import RpcClient
 from kvplane.validators import require_finite_positive
@@ -70,7 +72,8 @@ class Router:
     when called); ``probe_s``: how long a refresh waits for info replies, and then for
     pairings (at most ``timeout_s``); ``secret``: the cluster secret its order clients
     authenticate with (CURVE; None: plain, explicit insecure mode); ``metrics``: its registry
-    (:class:`RouterMetrics`; a fresh one by default).
+    (:class:`RouterMetrics`; a fresh one by default). Workers that advertise KV event
+    addresses are subscribed to at each refresh (:class:`KVEventWatch`, :attr:`prefix_index`).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class Router:
             prefill, decode, timeout_s=self.timeout_s, probe_s=self.probe_s, stop=self._stop,
             secret=secret,
         )  # fmt: skip
+        self.kv_events = KVEventWatch(secret=secret)
         self.metrics = metrics if metrics is not None else MetricsRegistry()
         self.observe = RouterMetrics(
             self.metrics, flights=lambda: self.flights_live, workers=self.worker_counts,
@@ -136,6 +140,13 @@ class Router:
                 t.join(timeout=10.0)
         with self._refresh_lock:  # a refresh on another thread ends first (bounded by probe_s)
             self._members.close()
+            self.kv_events.close()
+
+    @property
+    def prefix_index(self) -> PrefixIndex:
+        """Which worker holds which chunk in which tier, from the KV events of the workers
+        that publish them (read-only for callers: the router's subscriber feeds it)."""
+        return self.kv_events.index
 
     @property
     def prefill(self) -> list[WorkerHandle]:
@@ -208,6 +219,7 @@ class Router:
     def _refresh(self, force: bool) -> list[str]:
         self._refreshes += 1  # under the refresh lock
         census = self._members.census(force)
+        self.kv_events.update(w.info for w in self.workers)
         self._fail_orphans()  # first: their orders are forgotten, not failed by the recycling
         for w in census.gone:  # new sockets (zmq's old frames dropped)
             self._members.recycle(w)
