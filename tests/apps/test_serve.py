@@ -5,10 +5,8 @@ from __future__ import annotations
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
 
 import numpy as np
-import pytest
 
 from kvplane.serving.messages import (
     ErrorReply,
@@ -61,15 +59,6 @@ def worker_args(name: str, control: int, pd: int, *extra: str) -> list[str]:
         "128",
         *extra,
     ]
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        if p.proc.poll() is None:
-            p.stop()
 
 
 def test_processes_serve_requests_through_a_router_process(procs: list[Proc]) -> None:

@@ -4,7 +4,6 @@ chunk changes and a router finds it through membership; bad flags refused before
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 
 import pytest
 
@@ -20,15 +19,6 @@ from kvplane.testing.cluster import TEST_SECRET, Proc, wait_for
 
 SMALL = ["--layers", "1", "--latent-dim", "16", "--rope-dim", "8"]
 EVENTS = ["--offload-host-slots", "8", "--blocks-per-chunk", "1", "--kv-events"]
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        if p.proc.poll() is None:
-            p.stop()
 
 
 def test_the_router_indexes_a_prefill_workers_stored_chunks(procs: list[Proc]) -> None:

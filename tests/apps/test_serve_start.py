@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,15 +26,6 @@ SMALL = ["--layers", "1", "--latent-dim", "16", "--rope-dim", "8"]
 
 def _metrics(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        if p.proc.poll() is None:
-            p.stop()
 
 
 def test_insecure_mode_is_explicit_and_says_so_in_the_log_and_metrics(procs: list[Proc]) -> None:
