@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvplane.config import load_toml
 from kvplane.errors import ConfigError
 from kvplane.simulate import (
     ClusterSpec,
@@ -28,7 +29,16 @@ from kvplane.simulate import (
     simulate,
 )
 from kvplane.simulate.calibrate import calibrate
+from kvplane.simulate.plot import draw_png, require_matplotlib
 from kvplane.simulate.spec import PoissonSpec
+from kvplane.simulate.sweep import (
+    GOALS,
+    SweepPoint,
+    best_point,
+    goal_of,
+    parse_sweep,
+    sweep_specs,
+)
 from kvplane.validators import require_int, require_number
 
 NAME = "simulate"
@@ -51,6 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibrate-transport", metavar="NAME", default=None,
         help="whose figures fill [transport] (default: the first bench pd ran)",
     )  # fmt: skip
+    parser.add_argument(
+        "--sweep", metavar="KEY=V1,V2,...", action="append", default=[],
+        help="vary a cluster-file key (e.g. cluster.prefill_workers=4,6); repeat: cross product",
+    )  # fmt: skip
+    parser.add_argument(
+        "--goal", default="ttft_p90", help="what --sweep minimises (default ttft_p90; "
+        "ttft|tpot|queue|exposed_tail _ p50|p90|p99|mean|max)",
+    )  # fmt: skip
+    parser.add_argument("--png", metavar="FILE", help="draw the TTFT CDF and tier occupancy")
 
 
 def parse_poisson(text: str) -> tuple[float, int]:
@@ -141,11 +160,18 @@ def calibrated(spec: ClusterSpec, args: argparse.Namespace) -> tuple[ClusterSpec
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sweep:
+        return run_sweep(args)
+    goal_of(args.goal)
+    if args.png is not None:
+        require_matplotlib()
     spec, calibration = calibrated(load_cluster(args.cluster), args)
     requests = load_requests(args, spec.poisson)
     start = time.perf_counter()
-    result, _ = simulate(spec, requests)
+    result, sim = simulate(spec, requests)
     wall = time.perf_counter() - start
+    if args.png is not None:
+        draw_png(sim, args.png)
     if args.json:
         doc = result.to_dict()
         if calibration:
@@ -157,4 +183,68 @@ def run(args: argparse.Namespace) -> int:
     for what in ("filled", "missing"):
         for line in calibration.get(what, ()):
             console.print(f"calibration {what}: {line}", highlight=False, markup=False)
+    return 0
+
+
+# -- --sweep -----------------------------------------------------------------------------------
+def sweep_points(args: argparse.Namespace) -> list[SweepPoint]:
+    """Every point of ``--sweep`` over ``--cluster`` simulated (all specs checked first; a
+    trace is read once, Poisson requests drawn once per ``[poisson]`` shape)."""
+    axes = parse_sweep(args.sweep)
+    path = Path(args.cluster)
+    specs = sweep_specs(load_toml(path), path.parent, axes)
+    drawn: dict[PoissonSpec | None, tuple[Request, ...]] = {}
+    points = []
+    for setting, parsed in specs:
+        spec, _ = calibrated(parsed, args)
+        shape = None if args.trace is not None else spec.poisson
+        if shape not in drawn:
+            drawn[shape] = load_requests(args, spec.poisson)
+        result, _ = simulate(spec, drawn[shape])
+        points.append(SweepPoint(setting, result))
+    return points
+
+
+def sweep_table(points: list[SweepPoint], best: SweepPoint, goal: str) -> Table:
+    """One row per point: its settings, TTFT p50/p90 (s), TPOT p90 (ms), prefix hit rate,
+    prefill utilisation and the goal's figure (s), the best one marked ``*``."""
+    table = Table(title=f"kvplane simulate --sweep (least {goal})")
+    for key, _ in points[0].settings:
+        table.add_column(key)
+    for head in ("TTFT p50", "TTFT p90", "TPOT p90 ms", "hit", "util P", goal):
+        table.add_column(head, justify="right")
+    figure = GOALS[goal]
+    for p in points:
+        r = p.result
+        table.add_row(
+            *(str(v) for _, v in p.settings),
+            f"{r.ttft_s.p50:,.3g}",
+            f"{r.ttft_s.p90:,.3g}",
+            f"{r.tpot_s.p90 * 1e3:,.1f}",
+            f"{r.prefix_hit_rate:.3f}",
+            f"{r.prefill_utilisation:.2f}",
+            f"{figure(r):,.4g}" + (" *" if p is best else ""),
+        )
+    return table
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """``--sweep``: the table of points and the best one (``--json``: points and best)."""
+    if args.png is not None:
+        raise ConfigError("--png draws one run: leave it out of a --sweep")
+    goal_of(args.goal)
+    points = sweep_points(args)
+    best = best_point(points, args.goal)
+    if args.json:
+        doc = {"goal": args.goal, "points": [p.to_dict() for p in points], "best": best.to_dict()}
+        print(json.dumps(doc, indent=2))
+        return 0
+    console = Console()
+    console.print(sweep_table(points, best, args.goal))
+    where = ", ".join(f"{k}={v}" for k, v in best.settings)
+    console.print(
+        f"best for {args.goal}: {where} ({GOALS[args.goal](best.result):,.4g} s)",
+        highlight=False,
+        markup=False,
+    )
     return 0

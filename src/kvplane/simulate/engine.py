@@ -204,7 +204,7 @@ class Simulation:
         if role == 0:
             self.prefill[index].alive = False
             for tier in self.prefill[index].local:
-                tier.clear()
+                tier.clear(self.loop.now)
         else:
             self.decode[index].alive = False
         self.loop.at(self.loop.now + self.spec.lease_s, DETECT, role, index)

@@ -31,7 +31,7 @@ def check_run(sim: Simulation) -> None:
     twice = [f.req.rid for f in sim.flights if f.finished != 1]
     if twice:
         raise AssertionError(f"{len(twice)} requests did not finish exactly once: {twice[:5]}")
-    for tier in _all_tiers(sim):
+    for tier in all_tiers(sim):
         tier.check_integrity()
     for o in sim.outcomes():
         steps = (o.arrival_s, o.prefill_start_s, o.compute_start_s, o.prefill_end_s, o.ready_s)
@@ -41,13 +41,13 @@ def check_run(sim: Simulation) -> None:
             raise AssertionError(f"request {o.rid}: decode times run backwards")
 
 
-def _all_tiers(sim: Simulation) -> list[TierCache]:
+def all_tiers(sim: Simulation) -> list[TierCache]:
     return [t for p in sim.prefill for t in p.local] + sim.shared
 
 
 def _tier_results(sim: Simulation, makespan: float) -> tuple[TierResult, ...]:
     by_name: dict[str, list[TierCache]] = {}
-    for tier in _all_tiers(sim):
+    for tier in all_tiers(sim):
         by_name.setdefault(tier.spec.name, []).append(tier)
     out = []
     for spec in sim.spec.tiers:

@@ -27,6 +27,7 @@ class TierCache:
         "hit_chunks",
         "keys",
         "lane",
+        "occupancy",
         "spec",
         "stored",
     )
@@ -39,6 +40,9 @@ class TierCache:
         self.keys: OrderedDict[int, None] = OrderedDict()
         self.lane = Lane()
         self.hit_chunks = self.stored = self.evicted = 0
+        self.occupancy: list[tuple[float, int]] = [(0.0, 0)]
+        """``(time, resident chunks)`` at each change of the count (a full tier's stores
+        evict as many as they add, so they record nothing)."""
 
     def load(self, keys: Sequence[int], now: float) -> float:
         """Count hits on ``keys`` (resident), refresh their recency, and book their load on the
@@ -70,20 +74,29 @@ class TierCache:
             keys[key] = None
             new += 1
         if new:
+            if len(keys) != self.occupancy[-1][1]:
+                self.occupancy.append((now, len(keys)))
             self.stored += new
             hold = batch_s(new, new * self.chunk_bytes, self.spec.op_overhead_s,
                            self.spec.bandwidth_bytes_s)  # fmt: skip
             self.lane.reserve(now, hold)
         return new
 
-    def clear(self) -> None:
-        """Lose every chunk (the worker holding this tier died); counted as evicted."""
+    def clear(self, now: float = 0.0) -> None:
+        """Lose every chunk at ``now`` (the worker holding this tier died); counted as
+        evicted."""
         self.evicted += len(self.keys)
         self.keys.clear()
+        self.occupancy.append((max(now, self.occupancy[-1][0]), 0))
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` unless stored = resident + evicted and capacity holds."""
-        if self.stored != len(self.keys) + self.evicted or len(self.keys) > self.capacity:
+        """Raise ``AssertionError`` unless stored = resident + evicted and capacity holds,
+        now and in every occupancy sample."""
+        peak = max(n for _, n in self.occupancy)
+        if (
+            self.stored != len(self.keys) + self.evicted
+            or max(peak, len(self.keys)) > self.capacity
+        ):
             raise AssertionError(
                 f"tier {self.spec.name}: stored {self.stored}, resident {len(self.keys)}, "
                 f"evicted {self.evicted}, capacity {self.capacity}"
