@@ -49,6 +49,7 @@ from kvplane.serving.producers.model import (
     ModelSpec,
 )
 from kvplane.serving.producers.synthetic import SyntheticDecoder, SyntheticProducer, SyntheticSpec
+from kvplane.serving.router.route_policy import RoutePolicy
 from kvplane.serving.router.router import Router
 from kvplane.serving.router.service import RouterService
 from kvplane.serving.worker import INSECURE_HELP, Worker, WorkerHooks
@@ -185,6 +186,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="re-learn workers this often: mark silent ones down, re-pair restarted ones (s)",
     )  # fmt: skip
     r.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
+    r.add_argument(
+        "--policy", default=RoutePolicy.ROUND_ROBIN.value, choices=[p.value for p in RoutePolicy],
+        help="prefill pick: round-robin, or cache-aware (least predicted TTFT from KV events)",
+    )  # fmt: skip
     sectioned(rp)
     proxy_flags(sub.add_parser("proxy", help=PROXY_HELP))
 
@@ -376,9 +381,12 @@ def _run_router(args: argparse.Namespace) -> int:
     router = Router(
         args.prefill, args.decode, timeout_s=args.timeout,
         deadline_s=args.request_deadline, refresh_s=args.refresh, secret=secret,
+        policy=RoutePolicy.parse(args.policy),
     )  # fmt: skip
     router.metrics.gauge("insecure", INSECURE_HELP).set(0 if secret is not None else 1)
     _warn_at_start(args)
+    if router.policy is RoutePolicy.CACHE_AWARE:  # workers do not advertise their key scheme yet
+        log.warning("--policy cache-aware: no chunk key scheme; picks by queued tokens only")
     service: RouterService | None = None
     try:
         try:  # what the probes could not foresee (a port taken since) is still one line

@@ -11,6 +11,7 @@ import operator
 import secrets
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -34,7 +35,8 @@ from kvplane.serving.messages import (
 from kvplane.serving.router.kv_watch import KVEventWatch
 from kvplane.serving.router.membership import Membership
 from kvplane.serving.router.observe import RouterMetrics
-from kvplane.serving.router.prefix_index import PrefixIndex
+from kvplane.serving.router.prefix_index import PrefixIndex, PrefixMatch
+from kvplane.serving.router.route_policy import CacheRouting, RoutePolicy
 from kvplane.serving.router.workers import WorkerHandle, covering, heads_of
 from kvplane.serving.rpc import RpcClient
 from kvplane.validators import require_finite_positive
@@ -74,6 +76,8 @@ class Router:
     authenticate with (CURVE; None: plain, explicit insecure mode); ``metrics``: its registry
     (:class:`RouterMetrics`; a fresh one by default). Workers that advertise KV event
     addresses are subscribed to at each refresh (:class:`KVEventWatch`, :attr:`prefix_index`).
+    ``policy``: how a prefill worker is picked (:class:`RoutePolicy`; cache-aware with
+    ``cache``'s key scheme and costs, :mod:`~kvplane.serving.router.route_policy`).
     """
 
     def __init__(
@@ -87,7 +91,10 @@ class Router:
         probe_s: float = 2.0,
         secret: bytes | None = None,
         metrics: MetricsRegistry | None = None,
+        policy: RoutePolicy = RoutePolicy.ROUND_ROBIN,
+        cache: CacheRouting | None = None,
     ) -> None:
+        self.policy, self.cache = RoutePolicy.parse(policy), cache or CacheRouting()
         if not prefill or not decode:
             raise InvalidArgumentError("a router needs at least one prefill and one decode worker")
         self.timeout_s = require_finite_positive("timeout_s", timeout_s, InvalidArgumentError)
@@ -307,14 +314,17 @@ class Router:
                 log.exception("router refresh failed")
 
     # -- requests --------------------------------------------------------------------------------
-    def _pick(self, n: int) -> tuple[WorkerHandle, WorkerInfo, WorkerHandle, WorkerInfo]:
+    def _pick(
+        self, n: int, tokens: int = 1, matches: dict[str, PrefixMatch] | None = None
+    ) -> tuple[WorkerHandle, WorkerInfo, WorkerHandle, WorkerInfo]:
         """Prefill and decode worker (with their infos) for request number ``n``, under the lock:
         decode ``eligible[n % len(eligible)]`` of the decode workers up that a prefill worker
-        serves (:meth:`Membership.serving`: covers its heads, pairing vetted), then the next of
-        those by that decode worker's cursor, which advances. ``ProtocolError``, nothing changed,
-        before :meth:`connect`, while no worker of a role is up, or while no prefill worker up
-        serves a decode worker up (naming the ranges; the same error whether none covers its
-        heads or every pairing of one that does was refused)."""
+        serves (:meth:`Membership.serving`: covers its heads, pairing vetted), then of those
+        the next by that decode worker's cursor, which advances (with ``matches``: the
+        cache-aware pick of a ``tokens``-token prompt from that cursor on). ``ProtocolError``,
+        nothing changed, before :meth:`connect`, while no worker of a role is up, or while no
+        prefill worker up serves a decode worker up (naming the ranges; the same error whether
+        none covers its heads or every pairing of one that does was refused)."""
         for role, ws in (("prefill", self.prefill), ("decode", self.decode)):
             if all(w.info is None for w in ws):
                 raise ProtocolError("call Router.connect() before submitting requests")
@@ -329,7 +339,14 @@ class Router:
             raise ProtocolError(self._nothing_serves())
         d, d_info, ps = eligible[n % len(eligible)]
         turn = self._turns.get(d, 0)
-        p, p_info = ps[turn % len(ps)]
+        k = turn % len(ps)
+        if matches is not None:
+            queued = Counter[str]()  # prompt tokens in flight per prefill worker
+            for f in self._flights.values():
+                queued[f.prefill.info.peer_id if f.prefill.info else ""] += f.num_tokens
+            names = [info.peer_id for _p, info in ps]
+            k = self.cache.pick(names, turn, queued=queued, matches=matches, prompt_tokens=tokens)
+        p, p_info = ps[k]
         self._turns[d] = turn + 1
         return p, p_info, d, d_info
 
@@ -368,10 +385,12 @@ class Router:
             )  # fmt: skip
         except (TypeError, msgspec.ValidationError) as exc:
             raise InvalidArgumentError(f"request {request_id!r}: {exc}") from None
+        cache_aware = self.policy is RoutePolicy.CACHE_AWARE
+        matches = self.cache.matches(self.prefix_index, tokens) if cache_aware else None
         with self._lock:
             if request_id in self._flights:
                 raise InvalidArgumentError(f"request {request_id!r} is already in flight")
-            p, p_info, d, d_info = self._pick(self._serial)
+            p, p_info, d, d_info = self._pick(self._serial, len(tokens), matches)
             sid = f"{request_id}/{self._tag}.{self._serial}"
             self._serial += 1
             flight = _Flight(
