@@ -14,11 +14,12 @@ from types import ModuleType
 from kvplane import __version__
 from kvplane.apps import demo, generate, report, serve, simulate
 from kvplane.apps.bench import command as bench
+from kvplane.apps.bench import tune
 from kvplane.errors import KVPlaneError
 
 
 def _commands() -> list[ModuleType]:
-    return [demo, bench, generate, serve, report, simulate]
+    return [demo, bench, generate, serve, report, simulate, tune]
 
 
 def build_parser() -> argparse.ArgumentParser:

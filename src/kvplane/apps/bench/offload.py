@@ -27,6 +27,7 @@ from kvplane.apps.bench.offload_rows import (
     Limit,
     Measured,
     Timed,
+    cascade_ops,
     measure,
     rows,
     seconds,
@@ -35,7 +36,7 @@ from kvplane.apps.bench.offload_rows import (
 )
 from kvplane.apps.bench.offload_sweep import SWEEP_BLOCKS, SWEEP_TARGET, fresh_keys, layout, sweep
 from kvplane.apps.bench.redis_limit import BENCH_KEY, fastest, redis_benchmark_support
-from kvplane.ids import BlockId, ChunkKey, SlotId
+from kvplane.ids import BlockId, SlotId
 from kvplane.offload import (
     AdmissionFilter,
     OffloadConfig,
@@ -113,17 +114,6 @@ def _host(chunk: int, n: int, quick: bool) -> list[Measured]:
     dst = [BlockId(b) for b in range(n * bpc, 2 * n * bpc)]
     pool_chunks = pool.view(2 * n, chunk // pool.element_size())
     host_chunks = c.host.buffer.view(n, chunk).view(pool.dtype)
-
-    def store(keys: list[ChunkKey]) -> None:
-        c.store(keys, src)
-        c.drain()
-
-    def load(keys: list[ChunkKey]) -> None:
-        ticket = c.load(keys, dst)
-        if ticket is None or len(ticket.keys) != len(keys):
-            raise RuntimeError("bench host tier lost chunks it was loading")
-        c.drain()
-
     limits: tuple[list[Limit], list[Limit]] = (
         [Limit("memcpy (torch copy_)", "", _wall(lambda: host_chunks.copy_(pool_chunks[:n])))],
         [Limit("memcpy (torch copy_)", "", _wall(lambda: pool_chunks[n:].copy_(host_chunks)))],
@@ -135,7 +125,7 @@ def _host(chunk: int, n: int, quick: bool) -> list[Measured]:
     for side, fn in zip(limits, streams, strict=True):
         if fn is not None:
             side.append(Limit("streaming memcpy", "stream", _wall(fn)))
-    got = _store_load(("host", chunk, n), quick, (store, load), limits)
+    got = _store_load(("host", chunk, n), quick, cascade_ops(c, src, dst), limits)
     c.check_integrity()
     c.close()
     return got

@@ -19,8 +19,8 @@ import torch
 
 from kvplane.apps.bench.common import limit_fields
 from kvplane.apps.bench.spread import SETTLE_S, Row, paired_ratio, repeat_until_stable, spread
-from kvplane.ids import ChunkKey
-from kvplane.offload import OffloadManager
+from kvplane.ids import BlockId, ChunkKey
+from kvplane.offload import OffloadManager, TierCascade
 from kvplane.offload.tiers import ReadOutcome, Tier
 
 BENCH = "offload"
@@ -183,6 +183,26 @@ def tier_ops(
         mgr.complete_load(plan.keys, [o is ReadOutcome.OK for o in got])
         if got.count(ReadOutcome.OK) != len(keys):
             raise RuntimeError(f"bench tier {tier.name} read back {got}")
+
+    return store, load
+
+
+def cascade_ops(
+    c: TierCascade, src: Sequence[BlockId], dst: Sequence[BlockId]
+) -> tuple[KeyedOp, KeyedOp]:
+    """kvplane's side of the host tier's measurement: store chunk keys from the device blocks
+    ``src`` into ``c``'s host slots (then load them into ``dst``), drained before returning; a
+    chunk not loaded raises ``RuntimeError`` (a bench bug, never a figure)."""
+
+    def store(keys: list[ChunkKey]) -> None:
+        c.store(keys, list(src))
+        c.drain()
+
+    def load(keys: list[ChunkKey]) -> None:
+        ticket = c.load(keys, list(dst))
+        if ticket is None or len(ticket.keys) != len(keys):
+            raise RuntimeError("bench host tier lost chunks it was loading")
+        c.drain()
 
     return store, load
 
