@@ -13,6 +13,7 @@ from kvplane.errors import ConfigError
 from kvplane.serving.kv_publisher import KVEventSettings
 from kvplane.serving.messages import InfoQuery, WorkerInfo
 from kvplane.serving.router.kv_subscriber import EventSource
+from kvplane.serving.router.route_policy import RoutePolicy
 from kvplane.serving.router.router import Router
 from kvplane.serving.rpc import RpcClient
 from kvplane.testing.cluster import TEST_SECRET, Proc, wait_for
@@ -38,10 +39,17 @@ def test_the_router_indexes_a_prefill_workers_stored_chunks(procs: list[Proc]) -
         source.address,
         source.replay_address,
     )
-    router = Router([pre.control], [dec.control], timeout_s=20, secret=TEST_SECRET)
+    router = Router(
+        [pre.control],
+        [dec.control],
+        timeout_s=20,
+        secret=TEST_SECRET,
+        policy=RoutePolicy.CACHE_AWARE,
+    )
     try:
         router.connect()
         assert router.kv_events.sources == {"prefill": source}
+        assert (info.block_size, info.blocks_per_chunk) == (16, 1)  # its chunk-key scheme
         # 70 tokens: 4 full chunks of one 16-token block, each stored in the host tier
         assert router.generate("r0", list(range(70))).state == "success"
         index = router.prefix_index
@@ -55,6 +63,11 @@ def test_the_router_indexes_a_prefill_workers_stored_chunks(procs: list[Proc]) -
         for key in held["host"]:
             match = index.longest_prefix([key])["prefill"]
             assert (match.any_tier, dict(match.by_tier)) == (1, {"host": 1})
+        # the router keys the prompt exactly as the worker did, from what WorkerInfo advertises
+        assert router.cache.scheme is not None
+        keys = router.cache.scheme.keys(list(range(70)))
+        assert len(keys) == 4 and set(keys) == set(held["host"])
+        assert router.cache.matches(index, list(range(70)))["prefill"].any_tier == 4
         subscriber = router.kv_events.subscriber
         assert subscriber is not None
         assert router.kv_events.update(w.info for w in router.workers) is False  # unchanged

@@ -385,8 +385,6 @@ def _run_router(args: argparse.Namespace) -> int:
     )  # fmt: skip
     router.metrics.gauge("insecure", INSECURE_HELP).set(0 if secret is not None else 1)
     _warn_at_start(args)
-    if router.policy is RoutePolicy.CACHE_AWARE:  # workers do not advertise their key scheme yet
-        log.warning("--policy cache-aware: no chunk key scheme; picks by queued tokens only")
     service: RouterService | None = None
     try:
         try:  # what the probes could not foresee (a port taken since) is still one line

@@ -26,6 +26,7 @@ _HeadRanges = Annotated[tuple[tuple[_Head, _Head], ...], msgspec.Meta(max_length
 MAX_PEERS = 1024
 """Most PD peers a worker lists in :attr:`WorkerInfo.peers` (with more it does not say)."""
 _Peers = Annotated[tuple[_Id, ...], msgspec.Meta(max_length=MAX_PEERS)]
+_Fingerprint = Annotated[bytes, msgspec.Meta(max_length=4096)]
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -53,7 +54,12 @@ class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
 
     ``kv_events_address`` / ``kv_replay_address``: where the worker publishes its KV events and
     answers replays (``kv_publisher``); both empty when it publishes none. The router subscribes
-    to every worker that says (:mod:`~kvplane.serving.router.kv_watch`)."""
+    to every worker that says (:mod:`~kvplane.serving.router.kv_watch`).
+
+    ``hash_seed``, ``hash_fingerprint``, ``block_size`` and ``blocks_per_chunk``: how its
+    offload tiers key a prompt's chunks (its one block hasher's root and its chunk spec), so the
+    router derives the same keys for cache-aware picks; ``blocks_per_chunk`` 0 when it has no
+    offload tiers."""
 
     role: str
     peer_id: _Id
@@ -65,6 +71,10 @@ class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
     peers: _Peers | None = None
     kv_events_address: _Text = ""
     kv_replay_address: _Text = ""
+    hash_seed: _Count = 0
+    hash_fingerprint: _Fingerprint = b""
+    block_size: _Count = 0
+    blocks_per_chunk: _Count = 0
 
     def __post_init__(self) -> None:
         for i, (start, end) in enumerate(self.head_ranges):

@@ -227,6 +227,8 @@ class Worker:
         """Who this worker is, with its pools' TP head ranges (the router pairs by them); its
         ``peers`` is None (does not say): only the answer to an ``InfoQuery`` lists them
         (:meth:`_answer_info`). Any thread; never waits."""
+        offload = getattr(self, "offload", None)  # a prefill worker's prefix offload, if any
+        chunks = offload.spec.blocks_per_chunk if isinstance(offload, PrefixOffload) else 0
         return WorkerInfo(
             role=self.role,
             peer_id=self.config.name,
@@ -237,6 +239,10 @@ class Worker:
             head_ranges=tuple(lay.head_range for lay in self.pools.layouts),
             kv_events_address=self.kv_events.address if self.kv_events else "",
             kv_replay_address=self.kv_events.replay_address if self.kv_events else "",
+            hash_seed=self.pools.hasher.seed,
+            hash_fingerprint=self.pools.hasher.fingerprint,
+            block_size=self.pools.kv.layout.block_size,
+            blocks_per_chunk=chunks,
         )
 
     def _read_peers(self, timeout_s: float) -> list[str]:

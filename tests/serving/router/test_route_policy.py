@@ -12,6 +12,7 @@ from kvplane.blocks.hashing import BlockHasher
 from kvplane.chunks import ChunkSpec
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey
+from kvplane.serving.messages import WorkerInfo
 from kvplane.serving.router.prefix_index import PrefixMatch
 from kvplane.serving.router.route_policy import (
     CacheRouting,
@@ -133,3 +134,23 @@ def test_equal_cache_picks_the_least_loaded(
              for i, q in enumerate(queues)]  # fmt: skip
     got = pick_cache_aware(cands, tokens, TPC, RouteCosts())
     assert got == queues.index(min(queues))
+
+
+def test_adopt_takes_the_first_prefill_workers_advertised_scheme() -> None:
+    def info(role: str, chunks: int, seed: int) -> WorkerInfo:
+        return WorkerInfo(
+            role=role, peer_id=f"{role}{seed}", pd_address="tcp://h:1", incarnation=1,
+            transport="tcp", hash_seed=seed, hash_fingerprint=b"fp", block_size=4,
+            blocks_per_chunk=chunks,
+        )  # fmt: skip
+
+    none = CacheRouting()
+    assert none.adopt([None, info("decode", 2, 1), info("prefill", 0, 2)]) is none
+    got = none.adopt([info("decode", 2, 1), info("prefill", 2, 3), info("prefill", 1, 4)])
+    assert got.scheme == ChunkKeyScheme(BlockHasher(seed=3, fingerprint=b"fp"), ChunkSpec(4, 2))
+    assert got.adopt([info("prefill", 1, 4)]) is got  # kept once adopted
+    tokens = list(range(9))
+    assert got.scheme is not None
+    assert got.scheme.keys(tokens) == ChunkSpec(4, 2).chunk_keys(
+        BlockHasher(seed=3, fingerprint=b"fp").hash_blocks(tokens, 4)
+    )

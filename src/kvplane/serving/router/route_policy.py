@@ -11,7 +11,8 @@ calibrated). See docs/serving.md ("Cache-aware routing").
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -19,6 +20,7 @@ from kvplane.blocks.hashing import BlockHasher
 from kvplane.chunks import ChunkSpec
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey
+from kvplane.serving.messages import WorkerInfo
 from kvplane.serving.router.prefix_index import PrefixIndex, PrefixMatch
 from kvplane.validators import require_int, require_number
 
@@ -172,6 +174,19 @@ class CacheRouting:
 
     scheme: ChunkKeyScheme | None = None
     costs: RouteCosts = field(default_factory=RouteCosts)
+
+    def adopt(self, infos: Iterable[WorkerInfo | None]) -> CacheRouting:
+        """This routing with the key scheme the first prefill worker with offload tiers
+        advertises when it has none yet (itself otherwise): workers of one model and hash seed
+        key chunks alike; one that keys differently is never found cached, never misrouted."""
+        if self.scheme is not None:
+            return self
+        for info in infos:
+            if info is not None and info.role == "prefill" and info.blocks_per_chunk > 0:
+                hasher = BlockHasher(seed=info.hash_seed, fingerprint=info.hash_fingerprint)
+                spec = ChunkSpec(info.block_size, info.blocks_per_chunk)
+                return dataclasses.replace(self, scheme=ChunkKeyScheme(hasher, spec))
+        return self
 
     def matches(self, index: PrefixIndex, token_ids: Sequence[int]) -> dict[str, PrefixMatch]:
         """Each worker's cached prefix of ``token_ids`` in ``index`` (by peer id)."""

@@ -227,6 +227,8 @@ class Router:
         self._refreshes += 1  # under the refresh lock
         census = self._members.census(force)
         self.kv_events.update(w.info for w in self.workers)
+        if self.policy is RoutePolicy.CACHE_AWARE:
+            self.cache = self.cache.adopt(w.info for w in self.workers)
         self._fail_orphans()  # first: their orders are forgotten, not failed by the recycling
         for w in census.gone:  # new sockets (zmq's old frames dropped)
             self._members.recycle(w)
