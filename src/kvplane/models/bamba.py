@@ -20,12 +20,12 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.models.bamba_config import BambaConfig
 from kvplane.models.decoder import PagedDecoder, StepAttention
 from kvplane.models.kv import PagedKVCache
-from kvplane.models.layers import Embedding, Linear, RMSNorm, SwiGLU, load_lm_head
+from kvplane.models.layers import Linear, RMSNorm, SwiGLU, load_trunk
 from kvplane.models.mamba import MambaMixer
 from kvplane.models.recurrent import HybridKVCache, RecurrentState
 from kvplane.models.rope import RopeStyle, apply_rope, rope_tables
 from kvplane.models.step import StepBatch
-from kvplane.models.weights import TensorSource, WeightKind
+from kvplane.models.weights import TensorSource
 
 DEFAULT_STATE_SLOTS = 8
 """State rows of a pool made by :meth:`BambaModel.new_kv_cache` (concurrent requests)."""
@@ -89,16 +89,21 @@ class BambaModel(PagedDecoder):
         backend: str = AUTO,
         metrics: MetricsRegistry | None = None,
     ) -> None:
-        hid = config.hidden_size
-        embed = Embedding(
-            src.take("model.embed_tokens.weight", (config.vocab_size, hid), WeightKind.MATRIX)
-        )
-        self.layers = tuple(BambaLayer.load(src, config, i) for i in range(config.num_layers))
-        norm = RMSNorm.load(src, "model.final_layernorm", hid, config.rms_norm_eps)
-        lm_head = load_lm_head(src, embed, config.tie_word_embeddings)
-        src.finish()
+        trunk = load_trunk(
+            src, config.vocab_size, config.hidden_size, num_layers=config.num_layers,
+            load_layer=lambda i: BambaLayer.load(src, config, i),
+            norm_name="model.final_layernorm", eps=config.rms_norm_eps,
+            tie=config.tie_word_embeddings,
+        )  # fmt: skip
+        self.layers = trunk.layers
         super().__init__(
-            config, embed, norm, lm_head, selector=selector, backend=backend, metrics=metrics
+            config,
+            trunk.embed,
+            trunk.norm,
+            trunk.lm_head,
+            selector=selector,
+            backend=backend,
+            metrics=metrics,
         )
         self.bamba = config
 

@@ -17,7 +17,7 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.models.config import DEEPSEEK_V3, DeepSeekConfig
 from kvplane.models.decoder import PagedDecoder, StepAttention
 from kvplane.models.kv import PagedKVCache
-from kvplane.models.layers import Embedding, Linear, RMSNorm, SwiGLU, load_lm_head
+from kvplane.models.layers import Linear, RMSNorm, SwiGLU, load_trunk
 from kvplane.models.moe import MoE
 from kvplane.models.rope import apply_rope, rope_tables
 from kvplane.models.step import StepBatch
@@ -107,11 +107,8 @@ class DeepSeekModel(PagedDecoder):
         mla_path: MLAPath = MLAPath.AUTO,
     ) -> None:
         hid, eps = config.hidden_size, config.rms_norm_eps
-        embed = Embedding(
-            src.take("model.embed_tokens.weight", (config.vocab_size, hid), WeightKind.MATRIX)
-        )
-        layers = []
-        for i in range(config.num_layers):
+
+        def layer(i: int) -> DeepSeekLayer:
             p = f"model.layers.{i}"
             mlp: SwiGLU | MoE
             if config.moe is not None and config.moe.is_moe_layer(i):
@@ -119,18 +116,26 @@ class DeepSeekModel(PagedDecoder):
                 mlp = MoE.load(src, f"{p}.mlp", config.moe, hid, v3)
             else:
                 mlp = SwiGLU.load(src, f"{p}.mlp", hid, config.intermediate_size, config.mlp_bias)
-            layers.append(DeepSeekLayer(
+            return DeepSeekLayer(
                 input_norm=RMSNorm.load(src, f"{p}.input_layernorm", hid, eps),
                 attn=MLAWeights.load(src, config, f"{p}.self_attn"),
                 post_norm=RMSNorm.load(src, f"{p}.post_attention_layernorm", hid, eps),
                 mlp=mlp,
-            ))  # fmt: skip
-        self.layers = tuple(layers)
-        norm = RMSNorm.load(src, "model.norm", hid, eps)
-        lm_head = load_lm_head(src, embed, config.tie_word_embeddings)
-        src.finish()
+            )
+
+        trunk = load_trunk(
+            src, config.vocab_size, hid, num_layers=config.num_layers, load_layer=layer,
+            norm_name="model.norm", eps=eps, tie=config.tie_word_embeddings,
+        )  # fmt: skip
+        self.layers = trunk.layers
         super().__init__(
-            config, embed, norm, lm_head, selector=selector, backend=backend, metrics=metrics
+            config,
+            trunk.embed,
+            trunk.norm,
+            trunk.lm_head,
+            selector=selector,
+            backend=backend,
+            metrics=metrics,
         )
         self.deepseek = config
         self.mla_path = mla_path

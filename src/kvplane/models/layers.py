@@ -7,7 +7,9 @@ input; every function returns a new tensor in the input's dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from torch.nn import functional
@@ -96,3 +98,38 @@ def load_lm_head(src: TensorSource, embed: Embedding, tie: bool) -> Linear:
     if tie and not src.has("lm_head.weight"):
         return Linear(embed.weight)
     return Linear.load(src, "lm_head", int(vocab), int(hidden))
+
+
+L = TypeVar("L")
+
+
+@dataclass(frozen=True, slots=True)
+class Trunk(Generic[L]):
+    """A decoder's weights around its layers: embeddings, the layers, final norm and head."""
+
+    embed: Embedding
+    layers: tuple[L, ...]
+    norm: RMSNorm
+    lm_head: Linear
+
+
+def load_trunk(
+    src: TensorSource,
+    vocab: int,
+    hidden: int,
+    *,
+    num_layers: int,
+    load_layer: Callable[[int], L],
+    norm_name: str,
+    eps: float,
+    tie: bool,
+) -> Trunk[L]:
+    """Read a decoder's tensors in checkpoint order (embeddings, ``load_layer(i)`` for each
+    layer, the final norm ``norm_name``, the head) and :meth:`~TensorSource.finish` ``src``:
+    ``CheckpointError`` for a missing, mis-shaped or unused tensor."""
+    embed = Embedding(src.take("model.embed_tokens.weight", (vocab, hidden), WeightKind.MATRIX))
+    layers = tuple(load_layer(i) for i in range(num_layers))
+    norm = RMSNorm.load(src, norm_name, hidden, eps)
+    lm_head = load_lm_head(src, embed, tie)
+    src.finish()
+    return Trunk(embed, layers, norm, lm_head)
