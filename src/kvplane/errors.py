@@ -9,9 +9,21 @@ A failed call leaves the object it was called on unchanged.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class KVPlaneError(Exception):
     """Base of every error kvplane raises on purpose."""
+
+
+class _UnknownKeyError(KeyError):
+    """A ``KeyError`` whose message reads as written (``KeyError`` quotes its argument)."""
+
+    unknown: ClassVar[str] = "unknown key"
+    """The message when raised without one."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else self.unknown
 
 
 # -- bad input --------------------------------------------------------------------------------
@@ -36,11 +48,10 @@ class BlockError(KVPlaneError):
     """Base for misuse of a block pool or block table."""
 
 
-class UnknownBlockError(BlockError, KeyError):
+class UnknownBlockError(BlockError, _UnknownKeyError):
     """A block id does not belong to the pool."""
 
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
-        return str(self.args[0]) if self.args else "unknown block"
+    unknown = "unknown block"
 
 
 class DoubleFreeError(BlockError):
@@ -103,11 +114,10 @@ class BackendError(KVPlaneError):
     """An attention backend was misused (run without a plan, shape mismatch...)."""
 
 
-class UnknownChunkError(OffloadError, KeyError):
+class UnknownChunkError(OffloadError, _UnknownKeyError):
     """A chunk key is not held by the offload tier it was named to."""
 
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
-        return str(self.args[0]) if self.args else "unknown chunk"
+    unknown = "unknown chunk"
 
 
 # -- models --------------------------------------------------------------------------------------
@@ -117,11 +127,10 @@ class CheckpointError(InvalidArgumentError):
 
 
 # -- transports (appended) --------------------------------------------------------------------
-class UnknownPeerError(TransportError, KeyError):
+class UnknownPeerError(TransportError, _UnknownKeyError):
     """A transfer names a peer this transport never connected to (or has forgotten)."""
 
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
-        return str(self.args[0]) if self.args else "unknown peer"
+    unknown = "unknown peer"
 
 
 class HandshakeError(TransportError):

@@ -10,15 +10,15 @@ state row (``StepRequest.state_slot``); a request starting at 0 restarts its row
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 
-from kvplane.attention import AUTO, GQAQuery, Selector, gqa_problem
+from kvplane.attention import GQAQuery, gqa_problem
 from kvplane.errors import InvalidArgumentError
 from kvplane.layout import BLOCK_MAJOR, Axis, KVLayout
-from kvplane.metrics import MetricsRegistry
 from kvplane.models.bamba_config import BambaConfig
-from kvplane.models.decoder import PagedDecoder, StepAttention
+from kvplane.models.decoder import DecoderOptions, PagedDecoder, StepAttention
 from kvplane.models.kv import PagedKVCache
 from kvplane.models.layers import Linear, RMSNorm, SwiGLU, load_trunk
 from kvplane.models.mamba import MambaMixer
@@ -81,30 +81,13 @@ class BambaModel(PagedDecoder):
     """A Bamba decoder whose weights come from ``src``; see the module docstring."""
 
     def __init__(
-        self,
-        config: BambaConfig,
-        src: TensorSource,
-        *,
-        selector: Selector | None = None,
-        backend: str = AUTO,
-        metrics: MetricsRegistry | None = None,
+        self, config: BambaConfig, src: TensorSource, **options: Unpack[DecoderOptions]
     ) -> None:
         trunk = load_trunk(
-            src, config.vocab_size, config.hidden_size, num_layers=config.num_layers,
-            load_layer=lambda i: BambaLayer.load(src, config, i),
-            norm_name="model.final_layernorm", eps=config.rms_norm_eps,
-            tie=config.tie_word_embeddings,
-        )  # fmt: skip
-        self.layers = trunk.layers
-        super().__init__(
-            config,
-            trunk.embed,
-            trunk.norm,
-            trunk.lm_head,
-            selector=selector,
-            backend=backend,
-            metrics=metrics,
+            src, config, lambda i: BambaLayer.load(src, config, i), "model.final_layernorm"
         )
+        super().__init__(config, trunk, **options)
+        self.layers = trunk.layers
         self.bamba = config
 
     def kv_layout(

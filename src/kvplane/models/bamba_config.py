@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvplane.errors import CheckpointError
-from kvplane.models.hf_fields import Family, bool_field, float_field, int_field, require_silu
+from kvplane.models.hf_fields import DecoderConfig, Family, bool_field, int_field, require_silu
 from kvplane.models.rope import RopeSpec
 
 BAMBA = "BambaForCausalLM"
@@ -48,27 +48,17 @@ class MambaShape:
         return self.inner + 2 * self.num_groups * self.state_size
 
 
-@dataclass(frozen=True, slots=True)
-class BambaConfig:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BambaConfig(DecoderConfig):
     """A Bamba decoder; see the module docstring. ``time_step_limit`` clamps ``dt``."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
     num_kv_heads: int
     attn_layer_indices: tuple[int, ...]
     mamba: MambaShape
     rms_norm_eps: float = 1e-5
-    rope: RopeSpec = field(default_factory=RopeSpec)
-    max_position_embeddings: int = 2048
     conv_bias: bool = True
     proj_bias: bool = False
     time_step_limit: tuple[float, float] = (0.0, math.inf)
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    tie_word_embeddings: bool = False
     architecture: str = BAMBA
 
     def __post_init__(self) -> None:
@@ -133,42 +123,28 @@ class BambaConfig:
         factor = rope_raw.pop("partial_rotary_factor", ROTARY_FRACTION)
         if factor != ROTARY_FRACTION:
             raise CheckpointError(f"Bamba's partial_rotary_factor is 0.5, got {factor!r}")
-        return cls(
-            vocab_size=int_field(d, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=int_field(d, "intermediate_size"),
-            num_layers=int_field(d, "num_hidden_layers"),
-            num_heads=heads,
+        return cls.from_hf_fields(
+            d,
+            eps=1e-5,
             num_kv_heads=int_field(d, "num_key_value_heads", heads),
             attn_layer_indices=_indices(d.get("attn_layer_indices")),
             mamba=mamba,
-            rms_norm_eps=float_field(d, "rms_norm_eps", 1e-5),
             rope=RopeSpec.from_hf({**d, "rope_parameters": rope_raw or None}, max_pos),
             max_position_embeddings=max_pos,
             conv_bias=bool_field(d, "mamba_conv_bias", True),
             proj_bias=bool_field(d, "mamba_proj_bias", False),
             time_step_limit=_limits(d.get("time_step_limit", (0.0, math.inf))),
-            attention_bias=bool_field(d, "attention_bias", False),
-            mlp_bias=bool_field(d, "mlp_bias", False),
-            tie_word_embeddings=bool_field(d, "tie_word_embeddings", False),
         )
 
     def to_hf(self) -> dict[str, Any]:
         m = self.mamba
-        return {
-            "architectures": [self.architecture], "model_type": "bamba",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+        return self.decoder_hf("bamba") | {
+            "num_key_value_heads": self.num_kv_heads,
             "attn_layer_indices": list(self.attn_layer_indices), "mamba_n_heads": m.num_heads,
             "mamba_d_head": m.head_dim, "mamba_n_groups": m.num_groups,
             "mamba_d_state": m.state_size, "mamba_d_conv": m.conv_kernel,
             "mamba_expand": m.inner // self.hidden_size, "mamba_conv_bias": self.conv_bias,
             "mamba_proj_bias": self.proj_bias, "time_step_limit": list(self.time_step_limit),
-            "rms_norm_eps": self.rms_norm_eps, "rope_parameters": self.rope.to_hf(),
-            "hidden_act": "silu", "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
-            "tie_word_embeddings": self.tie_word_embeddings,
         }  # fmt: skip
 
 

@@ -11,12 +11,12 @@ unsupported (an unknown architecture lists the supported ones). ``to_hf()`` writ
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvplane.errors import CheckpointError
 from kvplane.models.bamba_config import BAMBA, BambaConfig
-from kvplane.models.hf_fields import Family
+from kvplane.models.hf_fields import DecoderConfig, Family
 from kvplane.models.hf_fields import bool_field as _bool
 from kvplane.models.hf_fields import float_field as _float
 from kvplane.models.hf_fields import int_field as _int
@@ -31,27 +31,16 @@ DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, DEEPSEEK_V2, DEEPSEEK_V3, BAMBA)
 
 
-@dataclass(frozen=True, slots=True)
-class LlamaConfig:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LlamaConfig(DecoderConfig):
     """A Llama-family decoder: RMSNorm, NEOX RoPE, GQA attention, SwiGLU MLP.
 
     ``MistralForCausalLM`` is the same decoder with an optional ``sliding_window``: every layer
     attends to at most that many most recent keys (itself included).
     """
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope: RopeSpec = field(default_factory=RopeSpec)
-    max_position_embeddings: int = 2048
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
     sliding_window: int | None = None
 
@@ -75,23 +64,15 @@ class LlamaConfig:
         _silu(d)
         arch = str(d["architectures"][0])
         heads = _int(d, "num_attention_heads")
-        hidden = _int(d, "hidden_size")
-        head_dim = d.get("head_dim") or hidden // heads
+        head_dim = d.get("head_dim") or _int(d, "hidden_size") // heads
         max_pos = _int(d, "max_position_embeddings", 2048)
-        return cls(
-            vocab_size=_int(d, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_int(d, "intermediate_size"),
-            num_layers=_int(d, "num_hidden_layers"),
-            num_heads=heads,
+        return cls.from_hf_fields(
+            d,
+            eps=1e-6,
             num_kv_heads=_int(d, "num_key_value_heads", heads),
             head_dim=_int({"head_dim": head_dim}, "head_dim"),
-            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
             rope=RopeSpec.from_hf(d, max_pos),
             max_position_embeddings=max_pos,
-            attention_bias=_bool(d, "attention_bias", False),
-            mlp_bias=_bool(d, "mlp_bias", False),
-            tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
             architecture=arch,
             sliding_window=_opt_int(d, "sliding_window") if arch == MISTRAL else None,
         )
@@ -99,16 +80,8 @@ class LlamaConfig:
     def to_hf(self) -> dict[str, Any]:
         mistral = self.architecture == MISTRAL
         extra = {"sliding_window": self.sliding_window} if mistral else {}
-        return extra | {
-            "architectures": [self.architecture], "model_type": "mistral" if mistral else "llama",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": self.rope.to_hf(), "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
-            "tie_word_embeddings": self.tie_word_embeddings,
+        return extra | self.decoder_hf("mistral" if mistral else "llama") | {
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
         }  # fmt: skip
 
 
@@ -159,28 +132,16 @@ class MoEConfig:
         return layer >= self.first_k_dense_replace and layer % self.layer_freq == 0
 
 
-@dataclass(frozen=True, slots=True)
-class DeepSeekConfig:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeepSeekConfig(DecoderConfig):
     """A DeepSeek-V2/V3 decoder: MLA (optional q LoRA, latent KV, decoupled RoPE) + dense/MoE."""
 
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
     q_lora_rank: int | None
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope: RopeSpec = field(default_factory=RopeSpec)
     rope_interleave: bool = True
-    max_position_embeddings: int = 2048
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    tie_word_embeddings: bool = False
     moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
@@ -232,43 +193,28 @@ class DeepSeekConfig:
                 first_k_dense_replace=_int(d, "first_k_dense_replace", 0, minimum=0),
                 layer_freq=_int(d, "moe_layer_freq", 1),
             )
-        return cls(
+        return cls.from_hf_fields(
+            d,
+            eps=1e-6,
             architecture=arch,
-            vocab_size=_int(d, "vocab_size"),
-            hidden_size=_int(d, "hidden_size"),
-            intermediate_size=_int(d, "intermediate_size"),
-            num_layers=_int(d, "num_hidden_layers"),
-            num_heads=_int(d, "num_attention_heads"),
             q_lora_rank=_opt_int(d, "q_lora_rank"),
             kv_lora_rank=_int(d, "kv_lora_rank"),
             qk_nope_head_dim=_int(d, "qk_nope_head_dim"),
             qk_rope_head_dim=_int(d, "qk_rope_head_dim"),
             v_head_dim=_int(d, "v_head_dim"),
-            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
             rope=RopeSpec.from_hf(d, max_pos),
             rope_interleave=_bool(d, "rope_interleave", True) if v3 else True,
             max_position_embeddings=max_pos,
-            attention_bias=_bool(d, "attention_bias", False),
-            mlp_bias=_bool(d, "mlp_bias", False),
-            tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
             moe=moe,
         )
 
     def to_hf(self) -> dict[str, Any]:
         v3 = self.architecture == DEEPSEEK_V3
-        out: dict[str, Any] = {
-            "architectures": [self.architecture],
-            "model_type": "deepseek_v3" if v3 else "deepseek_v2",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_heads,
+        out = self.decoder_hf("deepseek_v3" if v3 else "deepseek_v2") | {
+            "num_key_value_heads": self.num_heads,
             "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
             "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim, "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": self.rope.to_hf(), "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
-            "tie_word_embeddings": self.tie_word_embeddings, "n_routed_experts": None,
+            "v_head_dim": self.v_head_dim, "n_routed_experts": None,
             "first_k_dense_replace": self.num_layers,
         }  # fmt: skip
         if v3:

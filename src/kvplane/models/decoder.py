@@ -8,6 +8,7 @@ See docs/attention.md.
 from __future__ import annotations
 
 import abc
+from typing import Any, TypedDict
 
 import torch
 
@@ -26,8 +27,17 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.models.config import ModelConfig
 from kvplane.models.generate import greedy_generate
 from kvplane.models.kv import PagedKVCache
-from kvplane.models.layers import Embedding, Linear, RMSNorm
+from kvplane.models.layers import Trunk
 from kvplane.models.step import StepBatch
+
+
+class DecoderOptions(TypedDict, total=False):
+    """How a decoder picks attention backends; every model family takes these as keywords
+    (defaults: :class:`PagedDecoder`'s)."""
+
+    selector: Selector | None
+    backend: str
+    metrics: MetricsRegistry | None
 
 
 class StepAttention:
@@ -63,18 +73,16 @@ class PagedDecoder(abc.ABC):
     def __init__(
         self,
         config: ModelConfig,
-        embed: Embedding,
-        final_norm: RMSNorm,
-        lm_head: Linear,
+        trunk: Trunk[Any],
         *,
         selector: Selector | None = None,
         backend: str = AUTO,
         metrics: MetricsRegistry | None = None,
     ) -> None:
         self._config = config
-        self.embed = embed
-        self.final_norm = final_norm
-        self.lm_head = lm_head
+        self.embed = trunk.embed
+        self.final_norm = trunk.norm
+        self.lm_head = trunk.lm_head
         self.selector = (
             selector if selector is not None else Selector(default_registry(), metrics=metrics)
         )

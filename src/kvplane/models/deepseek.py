@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 
-from kvplane.attention import AUTO, MLAQuery, MLAUpProjection, Selector, mla_problem
+from kvplane.attention import MLAQuery, MLAUpProjection, mla_problem
 from kvplane.layout import BLOCK_MAJOR, Axis, KVLayout
-from kvplane.metrics import MetricsRegistry
 from kvplane.models.config import DEEPSEEK_V3, DeepSeekConfig
-from kvplane.models.decoder import PagedDecoder, StepAttention
+from kvplane.models.decoder import DecoderOptions, PagedDecoder, StepAttention
 from kvplane.models.kv import PagedKVCache
 from kvplane.models.layers import Linear, RMSNorm, SwiGLU, load_trunk
 from kvplane.models.moe import MoE
@@ -101,10 +101,8 @@ class DeepSeekModel(PagedDecoder):
         config: DeepSeekConfig,
         src: TensorSource,
         *,
-        selector: Selector | None = None,
-        backend: str = AUTO,
-        metrics: MetricsRegistry | None = None,
         mla_path: MLAPath = MLAPath.AUTO,
+        **options: Unpack[DecoderOptions],
     ) -> None:
         hid, eps = config.hidden_size, config.rms_norm_eps
 
@@ -123,20 +121,9 @@ class DeepSeekModel(PagedDecoder):
                 mlp=mlp,
             )
 
-        trunk = load_trunk(
-            src, config.vocab_size, hid, num_layers=config.num_layers, load_layer=layer,
-            norm_name="model.norm", eps=eps, tie=config.tie_word_embeddings,
-        )  # fmt: skip
+        trunk = load_trunk(src, config, layer, "model.norm")
+        super().__init__(config, trunk, **options)
         self.layers = trunk.layers
-        super().__init__(
-            config,
-            trunk.embed,
-            trunk.norm,
-            trunk.lm_head,
-            selector=selector,
-            backend=backend,
-            metrics=metrics,
-        )
         self.deepseek = config
         self.mla_path = mla_path
 

@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 import torch
 from torch.nn import functional
 
+from kvplane.models.hf_fields import DecoderConfig
 from kvplane.models.weights import TensorSource, WeightKind
 
 
@@ -114,22 +115,16 @@ class Trunk(Generic[L]):
 
 
 def load_trunk(
-    src: TensorSource,
-    vocab: int,
-    hidden: int,
-    *,
-    num_layers: int,
-    load_layer: Callable[[int], L],
-    norm_name: str,
-    eps: float,
-    tie: bool,
+    src: TensorSource, config: DecoderConfig, load_layer: Callable[[int], L], norm_name: str
 ) -> Trunk[L]:
-    """Read a decoder's tensors in checkpoint order (embeddings, ``load_layer(i)`` for each
-    layer, the final norm ``norm_name``, the head) and :meth:`~TensorSource.finish` ``src``:
-    ``CheckpointError`` for a missing, mis-shaped or unused tensor."""
-    embed = Embedding(src.take("model.embed_tokens.weight", (vocab, hidden), WeightKind.MATRIX))
-    layers = tuple(load_layer(i) for i in range(num_layers))
-    norm = RMSNorm.load(src, norm_name, hidden, eps)
-    lm_head = load_lm_head(src, embed, tie)
+    """Read the tensors of ``config``'s decoder in checkpoint order (embeddings,
+    ``load_layer(i)`` for each layer, the final norm ``norm_name``, the head) and
+    :meth:`~TensorSource.finish` ``src``: ``CheckpointError`` for a missing, mis-shaped or
+    unused tensor."""
+    shape = (config.vocab_size, config.hidden_size)
+    embed = Embedding(src.take("model.embed_tokens.weight", shape, WeightKind.MATRIX))
+    layers = tuple(load_layer(i) for i in range(config.num_layers))
+    norm = RMSNorm.load(src, norm_name, config.hidden_size, config.rms_norm_eps)
+    lm_head = load_lm_head(src, embed, config.tie_word_embeddings)
     src.finish()
     return Trunk(embed, layers, norm, lm_head)

@@ -8,14 +8,14 @@ RMSNorm, NEOX RoPE, GQA over the ``gqa_*`` backends (Mistral's sliding window is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 
-from kvplane.attention import AUTO, GQAQuery, Selector, gqa_problem
+from kvplane.attention import GQAQuery, gqa_problem
 from kvplane.layout import BLOCK_MAJOR, Axis, KVLayout
-from kvplane.metrics import MetricsRegistry
 from kvplane.models.config import LlamaConfig
-from kvplane.models.decoder import PagedDecoder, StepAttention
+from kvplane.models.decoder import DecoderOptions, PagedDecoder, StepAttention
 from kvplane.models.kv import PagedKVCache
 from kvplane.models.layers import Linear, RMSNorm, SwiGLU, load_trunk
 from kvplane.models.rope import RopeStyle, apply_rope, rope_tables
@@ -58,29 +58,11 @@ class LlamaModel(PagedDecoder):
     """
 
     def __init__(
-        self,
-        config: LlamaConfig,
-        src: TensorSource,
-        *,
-        selector: Selector | None = None,
-        backend: str = AUTO,
-        metrics: MetricsRegistry | None = None,
+        self, config: LlamaConfig, src: TensorSource, **options: Unpack[DecoderOptions]
     ) -> None:
-        trunk = load_trunk(
-            src, config.vocab_size, config.hidden_size, num_layers=config.num_layers,
-            load_layer=lambda i: LlamaLayer.load(src, config, i), norm_name="model.norm",
-            eps=config.rms_norm_eps, tie=config.tie_word_embeddings,
-        )  # fmt: skip
+        trunk = load_trunk(src, config, lambda i: LlamaLayer.load(src, config, i), "model.norm")
+        super().__init__(config, trunk, **options)
         self.layers = trunk.layers
-        super().__init__(
-            config,
-            trunk.embed,
-            trunk.norm,
-            trunk.lm_head,
-            selector=selector,
-            backend=backend,
-            metrics=metrics,
-        )
         self.llama = config
 
     def kv_layout(

@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
-from kvplane.attention import AUTO, Selector
 from kvplane.errors import CheckpointError, InvalidArgumentError
-from kvplane.metrics import MetricsRegistry
 from kvplane.models.bamba import BambaModel
 from kvplane.models.bamba_config import BambaConfig, MambaShape
 from kvplane.models.config import (
@@ -28,7 +26,7 @@ from kvplane.models.config import (
     MoEConfig,
     config_from_hf,
 )
-from kvplane.models.decoder import PagedDecoder
+from kvplane.models.decoder import DecoderOptions, PagedDecoder
 from kvplane.models.deepseek import DeepSeekModel, MLAPath
 from kvplane.models.hf_fields import Family
 from kvplane.models.llama import LlamaModel
@@ -94,21 +92,19 @@ def build_model(
     config: ModelConfig,
     src: TensorSource,
     *,
-    selector: Selector | None = None,
-    backend: str = AUTO,
-    metrics: MetricsRegistry | None = None,
     mla_path: MLAPath = MLAPath.AUTO,
+    **options: Unpack[DecoderOptions],
 ) -> PagedDecoder:
     """The model of ``config``'s family with weights from ``src``; ``mla_path`` applies to the
     DeepSeek family only (``InvalidArgumentError`` otherwise)."""
-    options: dict[str, Any] = {"selector": selector, "backend": backend, "metrics": metrics}
+    kwargs: dict[str, Any] = dict(options)
     if config.family is Family.DEEPSEEK:
-        options["mla_path"] = mla_path
+        kwargs["mla_path"] = mla_path
     elif mla_path is not MLAPath.AUTO:
         raise InvalidArgumentError(
             f"mla_path applies to DeepSeek models, not {config.architecture}"
         )
-    return family_builders()[config.family](config, src, **options)
+    return family_builders()[config.family](config, src, **kwargs)
 
 
 def load_model(
@@ -117,10 +113,8 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
-    selector: Selector | None = None,
-    backend: str = AUTO,
-    metrics: MetricsRegistry | None = None,
     mla_path: MLAPath = MLAPath.AUTO,
+    **options: Unpack[DecoderOptions],
 ) -> PagedDecoder:
     """A tiny embedded model by name (weights seeded by ``seed``) or a checkpoint directory.
 
@@ -129,19 +123,17 @@ def load_model(
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise InvalidArgumentError(f"model dtype must be float32, bfloat16 or float16, got {dtype}")
-    kwargs: dict[str, Any] = {
-        "selector": selector, "backend": backend, "metrics": metrics, "mla_path": mla_path,
-    }  # fmt: skip
     if isinstance(source, str) and source in TINY_MODELS:
         src: TensorSource = RandomTensors(seed, dtype, device)
-        return build_model(tiny_config(source), src, **kwargs)
+        return build_model(tiny_config(source), src, mla_path=mla_path, **options)
     if isinstance(source, str) and not Path(source).exists() and "/" not in source:
         raise CheckpointError(
             f"{source!r} is neither an embedded model ({', '.join(TINY_MODELS)}) nor a directory"
         )
     raw, files = read_checkpoint_dir(source)
     config = config_from_hf(raw)
-    return build_model(config, CheckpointTensors(files, config.num_layers, dtype, device), **kwargs)
+    src = CheckpointTensors(files, config.num_layers, dtype, device)
+    return build_model(config, src, mla_path=mla_path, **options)
 
 
 class _Recorder:

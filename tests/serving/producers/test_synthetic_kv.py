@@ -12,6 +12,7 @@ from kvplane.errors import InvalidArgumentError
 from kvplane.ids import TokenRange
 from kvplane.layout import LAYER_MAJOR, KVLayout
 from kvplane.serving.producers import synthetic_kv as synthetic
+from kvplane.serving.producers.base import PoolTensor
 from kvplane.serving.producers.synthetic_kv import SyntheticKV
 
 KV = SyntheticKV(seed=5)
@@ -43,8 +44,8 @@ def test_write_then_check_is_exact_and_touches_nothing_else(
     if -(-(start + length) // bs) > len(table):
         return
     rng = TokenRange(start, start + length)
-    KV.write(lay, pool, tokens, table, rng)
-    assert KV.mismatches(lay, pool, tokens, table, rng) == 0
+    KV.write(PoolTensor(lay, pool), tokens, table, rng)
+    assert KV.mismatches(PoolTensor(lay, pool), tokens, table, rng) == 0
     touched = int((pool.view(torch.int16) != 0).sum())
     assert touched <= length * 2 * 2 * 4 * 8  # nothing outside the range (zeros may collide)
     assert touched >= length * 2 * 2 * 4 * 8 * 0.99
@@ -54,8 +55,8 @@ def test_same_bytes_across_block_sizes_orders_and_tp_ranges() -> None:
     tokens = np.arange(40)
     a, b = gqa(4), gqa(16, heads=(1, 3), order=LAYER_MAJOR)
     pa, pb = a.allocate(), b.allocate()
-    KV.write(a, pa, tokens, list(range(10)), TokenRange(0, 40))
-    KV.write(b, pb, tokens, [3, 5, 7], TokenRange(0, 40))
+    KV.write(PoolTensor(a, pa), tokens, list(range(10)), TokenRange(0, 40))
+    KV.write(PoolTensor(b, pb), tokens, [3, 5, 7], TokenRange(0, 40))
     ka, _ = a.kv_views(pa, 1)
     kb, _ = b.kv_views(pb, 1)
     # token 21: block 5 offset 1 in a; block index 1 (id 5) offset 5 in b; heads 1..3
@@ -66,12 +67,13 @@ def test_misplaced_or_stale_bytes_are_counted() -> None:
     lay = gqa(4)
     pool = lay.allocate()
     tokens = np.arange(20)
-    KV.write(lay, pool, tokens, list(range(5)), TokenRange(0, 20))
+    KV.write(PoolTensor(lay, pool), tokens, list(range(5)), TokenRange(0, 20))
     k, v = lay.kv_views(pool, 0)
     k[2, 3, 1, 0] = k[2, 3, 1, 1]  # one element copied from its neighbour
     v[0, 0] = v[0, 1]  # one token's V heads swapped in from the next token
-    assert KV.mismatches(lay, pool, tokens, list(range(5)), TokenRange(0, 20)) == 1 + 4 * 8
-    assert KV.mismatches(lay, pool, tokens[::-1].copy(), list(range(5)), TokenRange(0, 20)) > 0
+    kv, table, span = PoolTensor(lay, pool), list(range(5)), TokenRange(0, 20)
+    assert KV.mismatches(kv, tokens, table, span) == 1 + 4 * 8
+    assert KV.mismatches(kv, tokens[::-1].copy(), table, span) > 0
 
 
 def test_state_and_first_token_depend_on_every_token_and_its_position() -> None:
@@ -80,7 +82,7 @@ def test_state_and_first_token_depend_on_every_token_and_its_position() -> None:
     assert not torch.equal(a, KV.state_bytes(np.array([2, 1, 3]), 32))
     assert KV.first_token(np.array([1, 2, 3]), 100) == KV.first_token(np.array([1, 2, 3]), 100)
     with pytest.raises(InvalidArgumentError, match="cannot hold"):
-        KV.write(gqa(4), gqa(4).allocate(), np.arange(100), [0, 1], TokenRange(0, 9))
+        KV.write(PoolTensor(gqa(4), gqa(4).allocate()), np.arange(100), [0, 1], TokenRange(0, 9))
 
 
 @pytest.mark.parametrize(
@@ -101,14 +103,14 @@ def test_whole_blocks_hold_exactly_the_values(lay: KVLayout) -> None:
     pool = lay.allocate()
     tokens = np.arange(500, 530)
     table = [6, 1, 4, 0, 7, 2, 5, 3]
-    KV.write(lay, pool, tokens, table, TokenRange(2, 30))
+    KV.write(PoolTensor(lay, pool), tokens, table, TokenRange(2, 30))
     want = KV.values(lay, tokens[2:30], np.arange(2, 30))  # [T, L, C, H, D]
     canon = lay.canonical_view(pool)  # [B, L, C, Tb, H, D]
     ints = {2: torch.int16, 4: torch.int32}[lay.element_size]
     for t in range(2, 30):
         got = canon[table[t // 4], :, :, t % 4]
         assert torch.equal(got.view(ints), want[t - 2].view(ints)), t
-    assert KV.mismatches(lay, pool, tokens, table, TokenRange(2, 30)) == 0
+    assert KV.mismatches(PoolTensor(lay, pool), tokens, table, TokenRange(2, 30)) == 0
 
 
 def test_each_wrong_element_counts_once_in_whole_and_partial_blocks() -> None:
@@ -117,16 +119,18 @@ def test_each_wrong_element_counts_once_in_whole_and_partial_blocks() -> None:
     pool = lay.allocate()
     tokens = np.arange(100, 118)
     table = [5, 0, 3, 1, 4]  # tokens 0..17: four whole blocks, then two tokens of block 4
-    KV.write(lay, pool, tokens, table, TokenRange(0, 18))
-    assert KV.mismatches(lay, pool, tokens, table, TokenRange(0, 18)) == 0
+    KV.write(PoolTensor(lay, pool), tokens, table, TokenRange(0, 18))
+    assert KV.mismatches(PoolTensor(lay, pool), tokens, table, TokenRange(0, 18)) == 0
     words = lay.canonical_view(pool).view(torch.int16)  # [B, L, C, Tb, H, D]
     words[3, 1, 0, 2, 0, 0:3] ^= 1  # three elements of one 8-byte word (token 10, layer 1)
     words[5, 0, 0, 0, 0, 11] ^= 1  # the last element of token 0
     words[4, 0, 0, 1, 0, 5] ^= 1  # token 17, in the partial last block
-    assert KV.mismatches(lay, pool, tokens, table, TokenRange(0, 18)) == 5
-    assert KV.mismatches(lay, pool, tokens, table, TokenRange(4, 8)) == 0  # block 0 untouched
+    assert KV.mismatches(PoolTensor(lay, pool), tokens, table, TokenRange(0, 18)) == 5
+    assert (
+        KV.mismatches(PoolTensor(lay, pool), tokens, table, TokenRange(4, 8)) == 0
+    )  # block 0 untouched
     words[2, 0, 0, 0, 0, 0] ^= 1  # a block outside the table: not looked at
-    assert KV.mismatches(lay, pool, tokens, table, TokenRange(0, 18)) == 5
+    assert KV.mismatches(PoolTensor(lay, pool), tokens, table, TokenRange(0, 18)) == 5
 
 
 @pytest.mark.parametrize("run_min", [1, 1 << 30], ids=["one-op-per-run", "chunked-scatter"])
@@ -139,15 +143,15 @@ def test_runs_of_blocks_are_written_and_checked_in_chunks(monkeypatch, run_min: 
     pool = lay.allocate()
     tokens = np.arange(300, 330)
     table = [2, 3, 4, 5, 9, 10, 0, 1]  # runs 2..5, 9..10, 0..1; tokens 28..29 in block 1
-    KV.write(lay, pool, tokens, table, TokenRange(1, 30))
+    KV.write(PoolTensor(lay, pool), tokens, table, TokenRange(1, 30))
     want = KV.values(lay, tokens[1:30], np.arange(1, 30))
     canon = lay.canonical_view(pool)
     for t in range(1, 30):
         got = canon[table[t // 4], :, :, t % 4].view(torch.int16)
         assert torch.equal(got, want[t - 1].view(torch.int16)), t
     assert torch.count_nonzero(canon[[6, 7, 8, 11]].view(torch.int16)) == 0  # untouched
-    assert KV.mismatches(lay, pool, tokens, table, TokenRange(1, 30)) == 0
+    assert KV.mismatches(PoolTensor(lay, pool), tokens, table, TokenRange(1, 30)) == 0
     words = canon.view(torch.int16)
     words[4, 0, 0, 3, 0, 1] ^= 1  # token 11 (third block of the first run)
     words[10, 1, 0, 0, 0, 7] ^= 1  # token 20 (second run)
-    assert KV.mismatches(lay, pool, tokens, table, TokenRange(1, 30)) == 2
+    assert KV.mismatches(PoolTensor(lay, pool), tokens, table, TokenRange(1, 30)) == 2

@@ -10,6 +10,7 @@ from kvplane.ids import TokenRange
 from kvplane.layout import KVLayout
 from kvplane.native import KernelBuild
 from kvplane.serving.producers import synthetic_native
+from kvplane.serving.producers.base import PoolTensor
 from kvplane.serving.producers.synthetic_kv import SyntheticKV
 from kvplane.serving.producers.synthetic_native import kernel, xor_blocks
 
@@ -73,8 +74,8 @@ def test_both_paths_write_the_same_pool_bytes(monkeypatch, path):
     pool = lay.allocate()
     kv, tokens = SyntheticKV(seed=9), np.arange(7000, 7160)
     table = [4, 5, 6, 7, 0, 1, 2, 3, 10, 11]
-    kv.write(lay, pool, tokens, table, TokenRange(3, 150))
-    assert kv.mismatches(lay, pool, tokens, table, TokenRange(3, 150)) == 0
+    kv.write(PoolTensor(lay, pool), tokens, table, TokenRange(3, 150))
+    assert kv.mismatches(PoolTensor(lay, pool), tokens, table, TokenRange(3, 150)) == 0
     want = kv.values(lay, tokens[3:150], np.arange(3, 150)).view(torch.int16)
     canon = lay.canonical_view(pool).view(torch.int16)
     for t in (3, 15, 16, 80, 149):

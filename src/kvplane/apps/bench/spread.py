@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 from kvplane.errors import InvalidArgumentError
 from kvplane.validators import finite_number, require_int, require_number
@@ -93,25 +94,24 @@ def spread(
     return spread_of(ratios, tolerance=tolerance)
 
 
+class RepeatOptions(TypedDict, total=False):
+    """The keywords of :func:`repeat_rows_until_stable` (and so of :func:`repeat_until_stable`)."""
+
+    min_repeats: int
+    max_repeats: int
+    cap_s: float
+    tolerance: float
+    settle_s: float
+    clock: Callable[[], float]
+
+
 def repeat_until_stable(
-    pair: Callable[[], tuple[float, float]],
-    *,
-    min_repeats: int = 5,
-    max_repeats: int = 40,
-    cap_s: float = 20.0,
-    tolerance: float = 0.05,
-    settle_s: float = SETTLE_S,
-    clock: Callable[[], float] = time.perf_counter,
+    pair: Callable[[], tuple[float, float]], **options: Unpack[RepeatOptions]
 ) -> tuple[list[float], list[float]]:
     """Seconds ``(ours_s, limit_s)`` of repeated calls of ``pair`` -- one repeat, returning its
-    ``(ours_s, limit_s)`` timed back to back -- each call after a ``settle_s`` pause. Stops at
-    the first of: at least ``min_repeats`` run and their :func:`spread` stable; ``max_repeats``
-    run; ``cap_s`` seconds passed since the call (by ``clock``; at least one repeat is always
-    run). The caller reads stability from ``spread(ours_s, limit_s)``."""
-    [(ours, limit)] = repeat_rows_until_stable(
-        lambda: [pair()], min_repeats=min_repeats, max_repeats=max_repeats, cap_s=cap_s,
-        tolerance=tolerance, settle_s=settle_s, clock=clock,
-    )  # fmt: skip
+    ``(ours_s, limit_s)`` timed back to back -- under :func:`repeat_rows_until_stable`'s rules
+    (``options``). The caller reads stability from ``spread(ours_s, limit_s)``."""
+    [(ours, limit)] = repeat_rows_until_stable(lambda: [pair()], **options)
     return ours, limit
 
 
@@ -125,10 +125,11 @@ def repeat_rows_until_stable(
     settle_s: float = SETTLE_S,
     clock: Callable[[], float] = time.perf_counter,
 ) -> list[tuple[list[float], list[float]]]:
-    """:func:`repeat_until_stable` for several rows timed in one repeat: ``step`` returns one
-    ``(ours_s, limit_s)`` per row (always as many, in the same order), and the repeats stop
-    once every row's spread is stable (or at ``max_repeats`` / ``cap_s``). Per row, its
-    ``(ours_s, limit_s)`` over the repeats."""
+    """Seconds ``(ours_s, limit_s)`` per row of repeated calls of ``step`` -- one repeat,
+    returning one ``(ours_s, limit_s)`` per row (always as many, in the same order), each call
+    after a ``settle_s`` pause. Stops at the first of: at least ``min_repeats`` run and every
+    row's :func:`spread` (with ``tolerance``) stable; ``max_repeats`` run; ``cap_s`` seconds
+    passed since the call (by ``clock``; at least one repeat is always run)."""
     low = require_int("min_repeats", min_repeats, min=1)
     high = require_int("max_repeats", max_repeats, min=low)
     cap = require_number("cap_s", cap_s, above=0.0)

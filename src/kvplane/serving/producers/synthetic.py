@@ -13,7 +13,7 @@ import torch
 
 from kvplane.errors import ConfigError
 from kvplane.ids import TokenRange
-from kvplane.layout import BLOCK_MAJOR, Axis, KVLayout
+from kvplane.layout import BLOCK_MAJOR, LAYER_MAJOR, KVLayout
 from kvplane.serving.producers.base import (
     DecodeJob,
     DecodeOutput,
@@ -94,9 +94,7 @@ class SyntheticModel:
         self, num_blocks: int, block_size: int, head_range: tuple[int, int] | None = None
     ) -> KVLayout:
         s = self.spec
-        order: tuple[Axis, ...] = BLOCK_MAJOR
-        if s.order == "layer":
-            order = (Axis.LAYER, Axis.COMP, Axis.BLOCK, Axis.TOKEN, Axis.HEAD, Axis.DIM)
+        order = LAYER_MAJOR if s.order == "layer" else BLOCK_MAJOR
         if s.kind == "mla":
             if head_range not in (None, (0, 1)):
                 raise ConfigError(f"an MLA pool holds its one latent head, got {head_range}")
@@ -143,7 +141,7 @@ class SyntheticProducer(SyntheticModel):
     def produce(self, step: ProduceStep, kv: PoolTensor, state: PoolTensor | None) -> StepOutput:
         s = self.spec
         begin = time.perf_counter()
-        self.kv.write(kv.layout, kv.tensor, step.token_ids, step.block_ids, step.tokens)
+        self.kv.write(kv, step.token_ids, step.block_ids, step.tokens)
         if not step.is_last:
             _sleep_until(begin + s.compute_s_per_step + s.compute_s_per_token * len(step.tokens))
             return StepOutput()
@@ -162,8 +160,7 @@ class SyntheticDecoder(SyntheticModel):
     def decode(self, job: DecodeJob, kv: PoolTensor, state: PoolTensor | None) -> DecodeOutput:
         n = len(job.token_ids)
         bad = self.kv.mismatches(
-            kv.layout,
-            kv.tensor,
+            kv,
             job.token_ids,
             job.table.block_ids,
             TokenRange(kv.layout.window_start(n), n),  # what the pool must hold

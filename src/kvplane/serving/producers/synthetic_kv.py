@@ -15,6 +15,7 @@ from kvplane.blocks.table import consecutive_runs
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import TokenRange
 from kvplane.layout import KVLayout
+from kvplane.serving.producers.base import PoolTensor
 from kvplane.serving.producers.synthetic_native import xor_blocks
 from kvplane.validators import require_int
 
@@ -178,13 +179,17 @@ class SyntheticKV:
         rows, grid = self._parts(layout, token_ids, positions)
         return _token_rows(rows, grid).view(layout.dtype)
 
+    def _span(
+        self, pool: PoolTensor, token_ids: np.ndarray, tokens: TokenRange
+    ) -> tuple[KVLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(layout, canonical pool view, rows, grid)`` of ``tokens`` of the whole sequence
+        ``token_ids``: what :meth:`write` and :meth:`mismatches` both start from."""
+        ids = np.asarray(token_ids)[tokens.start : tokens.end]
+        rows, grid = self._parts(pool.layout, ids, np.arange(tokens.start, tokens.end))
+        return pool.layout, pool.layout.canonical_view(pool.tensor), rows, grid
+
     def write(
-        self,
-        layout: KVLayout,
-        pool: torch.Tensor,
-        token_ids: np.ndarray,
-        block_ids: Sequence[int],
-        tokens: TokenRange,
+        self, pool: PoolTensor, token_ids: np.ndarray, block_ids: Sequence[int], tokens: TokenRange
     ) -> None:
         """Store the synthetic KV of ``tokens`` (``token_ids`` is the whole sequence) into
         ``pool`` through the request's ``block_ids``. Mutates ``pool`` only at those slots.
@@ -200,9 +205,7 @@ class SyntheticKV:
         leave the cores to the transport."""
         if tokens.empty:
             return
-        ids = np.asarray(token_ids)[tokens.start : tokens.end]
-        rows, grid = self._parts(layout, ids, np.arange(tokens.start, tokens.end))
-        canon = layout.canonical_view(pool)  # [B, L, C, Tb, H, D]
+        layout, canon, rows, grid = self._span(pool, token_ids, tokens)  # [B, L, C, Tb, H, D]
         for blocks, offs, sel in _pieces(layout, block_ids, tokens):  # at most three pieces
             if isinstance(blocks, int):
                 view = _token_rows(rows[sel], grid).view(layout.dtype)
@@ -225,19 +228,12 @@ class SyntheticKV:
                 dst.numpy()[ids[k : k + per]] = (row[k : k + per] ^ cols).numpy()
 
     def mismatches(
-        self,
-        layout: KVLayout,
-        pool: torch.Tensor,
-        token_ids: np.ndarray,
-        block_ids: Sequence[int],
-        tokens: TokenRange,
+        self, pool: PoolTensor, token_ids: np.ndarray, block_ids: Sequence[int], tokens: TokenRange
     ) -> int:
         """How many elements of ``tokens`` in ``pool`` differ from the synthetic KV (bit-exact)."""
         if tokens.empty:
             return 0
-        ids = np.asarray(token_ids)[tokens.start : tokens.end]
-        rows, grid = self._parts(layout, ids, np.arange(tokens.start, tokens.end))
-        canon = layout.canonical_view(pool)
+        layout, canon, rows, grid = self._span(pool, token_ids, tokens)
         ints = _INT_OF_SIZE[layout.element_size]
         bad = 0
         for blocks, offs, sel in _pieces(layout, block_ids, tokens):
