@@ -27,9 +27,10 @@ BENCHES: tuple[str, ...] = (
     "attention", "offload", "protocol", "transport", "pd", "vllm", "vllm_pd",
 )  # fmt: skip
 """Module names under ``kvplane.apps.bench.common``; each engineer appends their bench here."""
-ON_REQUEST: tuple[str, ...] = ("vllm_offload",)
+ON_REQUEST: tuple[str, ...] = ("vllm_offload", "routing")
 """Benches with a command of their own that ``bench all`` leaves out: their ``--quick`` does
-not fit its budget (``vllm_offload``: five engine starts, 2-4 min alone on 2 cores)."""
+not fit its budget (``vllm_offload``: five engine starts, 2-4 min alone on 2 cores;
+``routing``: six worker processes and two trace replays)."""
 
 
 def _load(name: str) -> ModuleType:
