@@ -8,14 +8,20 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+import torch
 
 from kvplane.errors import ProtocolError
-from kvplane.ids import PeerId, SessionId, SliceId, TokenRange
+from kvplane.ids import PeerId, RegionId, SessionId, SliceId, TokenRange
+from kvplane.layout import KVLayout
 from kvplane.pd.actions import DestinationKnown, StartSubmit
 from kvplane.pd.events import TransferRequest
-from kvplane.pipeline.driver_records import PlannedSession, SliceSource
+from kvplane.pipeline.advert import RemotePool
+from kvplane.pipeline.driver_records import PeerLink, PlannedSession, SliceSource
+from kvplane.pipeline.shares import shares
 from kvplane.pipeline.slice_planner import MAX_WAITING, SlicePlanner
+from kvplane.pipeline.slicing import LocalPool
 from kvplane.transfer import OpGrouping
+from kvplane.transfer.resharding import Parallelism
 
 REQ = TransferRequest(
     session_id=SessionId("s"),
@@ -80,3 +86,26 @@ def test_a_plan_made_ahead_is_used_only_when_it_matches() -> None:
     assert sess.begun == 1 and counted == ["plans_ready"]
     assert p.ahead(start("s", 1, 16, 30, True), source, sess) is None  # asks another range
     assert sess.plans == {} and sess.begun == 1  # the stale plan is dropped
+
+
+def test_a_source_with_a_share_plans_only_its_heads_and_leaves_the_tail_to_the_lead() -> None:
+    model = KVLayout.gqa(num_blocks=4, block_size=16, num_layers=2, kv_heads=4, head_dim=4,
+                         dtype=torch.float16)  # fmt: skip
+    tail = KVLayout.state(num_slots=4, num_layers=1, state_dim=32, dtype=torch.uint8)
+    prefill, decode = (Parallelism.pipeline(tp_size=tp, num_layers=2, block_size=16)
+                       for tp in (2, 1))  # fmt: skip
+    remote = (RemotePool(decode.rank_layout(model, 0, 0, 4), RegionId(7)),
+              RemotePool(tail, RegionId(8)))  # fmt: skip
+    link = PeerLink(1, cast(Any, None), remote)
+    request = TransferRequest(session_id="s/0.1", epoch=1, request_id="r",
+                              dst_block_ids=(0, 1, 2), prefix_tokens=0, num_tokens=32)  # fmt: skip
+    got = {}
+    for sender, share in shares(model, prefill, decode, 0).items():
+        pools = (LocalPool(prefill.rank_layout(model, 0, sender.tp_rank, 4), RegionId(1), (2, 3)),
+                 LocalPool(tail, RegionId(2), (1,)))  # fmt: skip
+        source = SliceSource("r", pools, share=share)
+        p, _ = planner({SessionId("s/0.1"): source})
+        planned = p._plan(source, link, request, TokenRange(0, 32), slice_id=0, is_last=True)
+        got[sender.tp_rank] = (planned.num_bytes, planned.dst_block_sizes)
+    kv_half = 32 * 2 * 2 * 4 * 2 * 2  # tokens × K,V × 2 of 4 heads × dim × fp16 × layers
+    assert got == {0: (kv_half + 32, (16, 1)), 1: (kv_half, (16,))}

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -44,6 +44,8 @@ from kvplane.pd.events import (
 from kvplane.pd.greeter import Greeter, Link
 from kvplane.pd.log_budget import LogBudget
 from kvplane.pd.participant import Participant
+from kvplane.pd.states import SessionState
+from kvplane.transfer.resharding import Piece
 
 __all__ = ["DEFAULT_BIND", "MAX_WAIT_MS", "WAKE_ID", "ControlClient", "Endpoint"]
 # ControlClient lives in pd/control_client; it is named here too for callers of the endpoint
@@ -229,6 +231,30 @@ class Endpoint:
             self._dispatch(actions)
 
         self.call(run)
+
+    def open_gather(
+        self, session_id: SessionId, members: Mapping[PeerId, Piece], start: StartTransfer,
+        *, heads: tuple[int, int], layers: tuple[int, ...],
+    ) -> None:  # fmt: skip
+        """Open a gather session fed by the senders of ``members``
+        (:meth:`Participant.open_gather`; its ``ProtocolError`` is raised here)."""
+
+        def run() -> None:
+            _, actions = self.participant.open_gather(
+                session_id, members, start, self.clock(), heads=heads, layers=layers
+            )
+            self._dispatch(actions)
+
+        self.call(run)
+
+    def gather_state(self, session_id: SessionId) -> SessionState | None:
+        """The state of gather ``session_id`` while any of its members is live, else None."""
+
+        def run() -> SessionState | None:
+            gather = self.participant.gathers.get(session_id)
+            return None if gather is None else gather.state
+
+        return self.call(run)
 
     def abandon(self, session_id: SessionId, peer_id: PeerId, reason: str) -> None:
         """Tell the sender that a receiver session it waits for will never open

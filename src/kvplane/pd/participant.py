@@ -7,8 +7,7 @@ only that peer's sessions. See docs/pd.md.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Callable, Mapping
 
 import msgspec
 
@@ -37,6 +36,8 @@ from kvplane.pd.events import (
     TransferRequest,
     wire_text,
 )
+from kvplane.pd.gather import GatherSession
+from kvplane.pd.gathers import GatherBook
 from kvplane.pd.handshake import PeerProfile, Verdict
 from kvplane.pd.peers import DEFAULT_CAPACITY, PeerTable, Standing
 from kvplane.pd.receiver import ReceiverSession
@@ -45,6 +46,7 @@ from kvplane.pd.session import Session
 from kvplane.pd.states import OUTCOME_STATE, Ownership, Role
 from kvplane.pd.timers import TimerQueue, Timings
 from kvplane.pd.tombstones import TOMB_TOKEN, Tombstone, TombstoneTable, answer
+from kvplane.transfer.resharding import Piece
 from kvplane.validators import require_id, require_int
 
 TimerKey = tuple[int, TimerKind, int]
@@ -95,6 +97,7 @@ class Participant:
             lease_ms=max(1, int(self.timings.lease_s * 1000)),
         )
         self.sessions: dict[SessionId, Session] = {}
+        self.gathers = GatherBook()
         self._by_peer: dict[PeerId, set[SessionId]] = {}
         self._serial_of: dict[SessionId, int] = {}
         self._by_serial: dict[int, SessionId] = {}
@@ -104,22 +107,11 @@ class Participant:
         self._next_epoch = incarnation
         self._next_token = TOMB_TOKEN  # _token() hands out TOMB_TOKEN + 1 on: none is a tomb's
         self.counters: Counter[str] = Counter()
-        self._events = (
-            None
-            if metrics is None
-            else metrics.counter(
-                "pd_participant_events",
-                "PD participant events: drops, late frames, peer loss",
-                ["event"],
-            )
-        )
-        self._finished = (
-            None
-            if metrics is None
-            else metrics.counter(
-                "pd_sessions_finished", "PD sessions by terminal state", ["role", "state"]
-            )
-        )
+        self._events = None if metrics is None else metrics.counter(
+            "pd_participant_events", "PD participant events: drops, late frames, peer loss",
+            ["event"])  # fmt: skip
+        self._finished = None if metrics is None else metrics.counter(
+            "pd_sessions_finished", "PD sessions by terminal state", ["role", "state"])  # fmt: skip
 
     # -- handshake -------------------------------------------------------------------------------
     def hello(self, nonce: bytes = b"") -> Hello:
@@ -227,9 +219,29 @@ class Participant:
         sess = ReceiverSession(
             session_id, peer_id, epoch=self._next_epoch, token=self._token(), timings=self.timings
         )
-        self._tombs.pop(session_id)
         actions = self._install(sess, now)
         return sess, actions + self._drive(sess, lambda: sess.send(start), now, local=True)
+
+    def open_gather(
+        self, session_id: SessionId, members: Mapping[PeerId, Piece], start: StartTransfer,
+        now: float, *, heads: tuple[int, int], layers: tuple[int, ...],
+    ) -> tuple[GatherSession, list[Action]]:  # fmt: skip
+        """Open a gather session (new epoch): one receiver session per sender of ``members``
+        (see :class:`GatherSession`), each installed under its member wire id, and send each
+        its ``TransferRequest``. ``ProtocolError`` (nothing changed) for pieces that do not
+        tile ``heads`` × ``layers``, a sender not connected or an id already open."""
+        g = GatherSession(session_id, members, heads=heads, layers=layers, timings=self.timings,
+                          epoch=self._next_epoch + 1, token=self._next_token + 1)  # fmt: skip
+        for peer_id in members:
+            self._check_new(session_id, peer_id)
+        clash = self.gathers.clash(g, self.sessions)
+        if clash is not None:
+            raise ProtocolError(clash)
+        self._next_epoch, self._next_token = self._next_epoch + 1, self._next_token + 1
+        self.gathers.add(g)
+        out = [a for m in g.members.values() for a in self._install(m, now)]
+        first = next(iter(g.members.values()))
+        return g, out + self._drive(first, lambda: g.send(start), now, local=True)
 
     def abandon(self, session_id: SessionId, peer_id: PeerId, reason: str) -> list[Action]:
         """End a receiver session that was never opened (its request ended while it waited for
@@ -267,7 +279,12 @@ class Participant:
     def send(
         self, session_id: SessionId, command: SubmitSlice | Cancel | Fail, now: float
     ) -> list[Action]:
-        """Apply a local command; ``ProtocolError`` (nothing changed) if the session is not live."""
+        """Apply a local command; ``ProtocolError`` (nothing changed) if the session is not live.
+        A gather's id takes ``Cancel``/``Fail`` for all its senders."""
+        gather = self.gathers.get(session_id)
+        if gather is not None and isinstance(command, Cancel | Fail):
+            first = next(m for m in gather.members.values() if m.session_id in self.sessions)
+            return self._drive(first, lambda: gather.send(command), now, local=True)
         sess = self._live(session_id)
         return self._drive(sess, lambda: sess.send(command), now, local=True)
 
@@ -277,7 +294,7 @@ class Participant:
         if sess is None:
             self._count("late_evidence")
             return []
-        return self._drive(sess, lambda: sess.receive(event), now, local=True)
+        return self._drive(sess, self.gathers.feed(sess, event), now, local=True)
 
     def submittable(self, session_id: SessionId, slice_id: int) -> bool:
         """True while a ``StartSubmit``'s slice may still be submitted (ADMITTED, not cancelled).
@@ -325,7 +342,7 @@ class Participant:
             if sess.epoch is not None and event.epoch != sess.epoch:
                 self._count("stale_epoch")
                 return []
-            return self._drive(sess, lambda: sess.receive(event), now, local=False)
+            return self._drive(sess, self.gathers.feed(sess, event), now, local=False)
         tomb = self._tombs.get(sid)
         if tomb is not None and tomb.peer_id == peer_id:
             if tomb.epoch is None or event.epoch == tomb.epoch:
@@ -339,7 +356,6 @@ class Participant:
             return []
         if isinstance(event, TransferRequest):
             sender = SenderSession(sid, peer_id, token=self._token(), timings=self.timings)
-            self._tombs.pop(sid)
             out = self._install(sender, now)
             return out + self._drive(sender, lambda: sender.receive(event), now, local=False)
         if isinstance(event, Abort):
@@ -369,7 +385,7 @@ class Participant:
             sess = None if sid is None else self.sessions.get(sid)
             if sess is not None:
                 ev = Timeout(timer=timer, unit=unit)
-                out += self._drive(sess, partial(sess.receive, ev), now, local=True)
+                out += self._drive(sess, self.gathers.feed(sess, ev), now, local=True)
         return out
 
     def next_deadline(self) -> float | None:
@@ -387,9 +403,10 @@ class Participant:
     def _lose(self, peer_id: PeerId, now: float, reason: str) -> list[Action]:
         out: list[Action] = []
         for sid in sorted(self._by_peer.get(peer_id, ())):
-            sess = self.sessions[sid]
-            ev = PeerLost(peer_id=peer_id, reason=reason)
-            out += self._drive(sess, partial(sess.receive, ev), now, local=True)
+            sess = self.sessions.get(sid)  # a gather's failure may have retired it
+            if sess is not None:
+                ev = PeerLost(peer_id=peer_id, reason=reason)
+                out += self._drive(sess, self.gathers.feed(sess, ev), now, local=True)
         return out
 
     def _token(self) -> int:
@@ -413,6 +430,7 @@ class Participant:
         return sess
 
     def _install(self, sess: Session, now: float) -> list[Action]:
+        self._tombs.pop(sess.session_id)  # a new session of a retired id replaces its tombstone
         self._next_serial += 1
         self.sessions[sess.session_id] = sess
         self._serial_of[sess.session_id] = self._next_serial
@@ -431,15 +449,16 @@ class Participant:
             self._count("protocol_error")
             return []
         out = self._absorb(sess, actions, now)
-        if sess.retirable:
-            self._retire(sess)
+        for done in self.gathers.group(sess):
+            if done.retirable:
+                self._retire(done)
         return out
 
     def _absorb(self, sess: Session, actions: list[Action], now: float) -> list[Action]:
-        serial = self._serial_of[sess.session_id]
         out: list[Action] = []
-        for act in actions:
+        for act in actions:  # a gather's actions name its members: each has its own serial
             if isinstance(act, ArmTimer):
+                serial = self._serial_of[act.session_id]
                 self._timers.arm((serial, act.timer, act.unit), now + act.delay_s)
                 continue
             if isinstance(act, Finished):
@@ -459,6 +478,7 @@ class Participant:
             for unit in {0, *(r.unit for r in sess.ledger.records())}:
                 self._timers.cancel((serial, timer, unit))
         self._tombs.bury(sid, sess.tombstone())
+        self.gathers.retire(sid)
         self.counters["retired"] += 1
 
     def _count(self, reason: str) -> None:
@@ -477,3 +497,4 @@ class Participant:
             raise ProtocolError("participant indexes disagree with its sessions")
         if set(self.sessions) & self._tombs.ids():
             raise ProtocolError("a session is both live and retired")
+        self.gathers.check_integrity(self.sessions)

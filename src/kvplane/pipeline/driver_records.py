@@ -18,6 +18,7 @@ from kvplane.pd.events import (
     TransportInDoubt,
 )
 from kvplane.pipeline.advert import RemotePool
+from kvplane.pipeline.shares import Share
 from kvplane.pipeline.slicing import LocalPool, PlannedSlice
 from kvplane.transfer import PlanRun
 from kvplane.transports.base import Peer
@@ -29,11 +30,13 @@ Evidence = TransportDone | TransportFailed | TransportInDoubt
 class SliceSource:
     """The prefill memory of one request: its pools with block ids (KV, state, tail order), and
     the slice schedule (``(range, is_last)`` per slice id) the prefill will follow, so slices
-    can be planned before they are computed."""
+    can be planned before they are computed; ``share``: this rank's share when it is one of
+    several senders of the request (None: the one sender)."""
 
     request_id: str
     pools: tuple[LocalPool, ...]
     schedule: tuple[tuple[TokenRange, bool], ...] = ()
+    share: Share | None = None
 
 
 @dataclass(frozen=True, slots=True)

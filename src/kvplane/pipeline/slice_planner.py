@@ -121,6 +121,7 @@ class SlicePlanner:
         return plan_slice(
             list(source.pools), list(link.pools), request, tokens,
             slice_id=SliceId(slice_id), is_last=is_last, grouping=self._grouping,
+            share=source.share,
         )  # fmt: skip
 
     def planned(self, act: StartSubmit, source: SliceSource) -> PlannedSlice:

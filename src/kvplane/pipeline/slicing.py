@@ -3,7 +3,9 @@
 :func:`step_ranges` splits a chunked prefill into steps; :class:`SliceCutter` cuts each step's
 slice at both sides' block boundaries (a partial block deferred, the final slice always cut);
 the pure :func:`plan_slice` builds one slice's plans with
-:func:`~kvplane.transfer.planner.plan_transfer`. It moves no byte and holds no session state.
+:func:`~kvplane.transfer.planner.plan_transfer` (or, for one sender of several, its
+:class:`~kvplane.pipeline.shares.Share` through :func:`~kvplane.transfer.resharding.plan_piece`).
+It moves no byte and holds no session state.
 See docs/pipeline.md ("Slicing").
 """
 
@@ -19,7 +21,9 @@ from kvplane.ids import RegionId, SliceId, TokenRange
 from kvplane.layout import KVLayout, heads_cover
 from kvplane.pd.events import TransferRequest
 from kvplane.pipeline.advert import RemotePool, split_destination
+from kvplane.pipeline.shares import Share
 from kvplane.transfer import OpGrouping, PlanOptions, PlanSide, TransferPlan, plan_transfer
+from kvplane.transfer.resharding import KVBox, Piece, plan_piece
 from kvplane.transports.base import Int64Array
 from kvplane.validators import require_int
 
@@ -137,15 +141,19 @@ def plan_slice(
     slice_id: SliceId,
     is_last: bool,
     grouping: OpGrouping = OpGrouping.WHOLE,
+    share: Share | None = None,
 ) -> PlannedSlice:
     """The plans that move one slice (none: nothing to move). Raises ``PlanError`` /
-    ``LayoutError`` / ``ProtocolError`` for a request the pools cannot serve — among them a
-    destination whose TP heads our KV pool does not all hold: a session has one sender, so
-    the heads we lack would never arrive and the receiver would complete with them unwritten."""
+    ``LayoutError`` / ``ProtocolError`` for a request the pools cannot serve. Without a
+    ``share`` we are the session's one sender, so a destination whose TP heads our KV pool
+    does not all hold is refused (the heads we lack would never arrive). With one, we are one
+    sender of several: the KV plan moves exactly the share's heads × layers (``PlanError``
+    unless our pools share exactly those heads) and the whole-only pools move only from the
+    share's lead."""
     if len(src) != len(dst):
         raise InvalidArgumentError(f"{len(src)} local pools but the peer advertises {len(dst)}")
     held, needed = src[0].layout.head_range, dst[0].layout.head_range
-    if not heads_cover(held, needed):  # refused at the handshake already: an invariant here
+    if share is None and not heads_cover(held, needed):  # refused at the handshake already
         raise PlanError(
             f"destination heads {needed} are not all in our heads {held}: "
             "one sender cannot fill them"
@@ -159,14 +167,16 @@ def plan_slice(
         options = PlanOptions(
             prefix_tokens=request.prefix_tokens, grouping=grouping, slice_id=slice_id
         )
-        plan = plan_transfer(
-            PlanSide(kv_src.layout, _ids(kv_src.block_ids), kv_src.region),
-            PlanSide(kv_dst.layout, _ids(dst_ids[0]), kv_dst.region),
-            TokenRange(lo, tokens.end),
-            options=options,
-        )
+        src_side = PlanSide(kv_src.layout, _ids(kv_src.block_ids), kv_src.region)
+        dst_side = PlanSide(kv_dst.layout, _ids(dst_ids[0]), kv_dst.region)
+        part = TokenRange(lo, tokens.end)
+        if share is None:
+            plan = plan_transfer(src_side, dst_side, part, options=options)
+        else:
+            box = KVBox(share.piece.box.heads, share.piece.box.layers, part)
+            plan = plan_piece(Piece(share.sender, box), src_side, dst_side, options).plan
         plans.append((plan, kv_dst.layout.block_size))
-    if is_last:
+    if is_last and (share is None or share.lead):
         for local, remote, ids in zip(src[1:], dst[1:], dst_ids[1:], strict=True):
             plan = plan_transfer(
                 PlanSide(local.layout, _ids(local.block_ids), local.region),

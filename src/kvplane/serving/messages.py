@@ -26,6 +26,9 @@ _HeadRanges = Annotated[tuple[tuple[_Head, _Head], ...], msgspec.Meta(max_length
 MAX_PEERS = 1024
 """Most PD peers a worker lists in :attr:`WorkerInfo.peers` (with more it does not say)."""
 _Peers = Annotated[tuple[_Id, ...], msgspec.Meta(max_length=MAX_PEERS)]
+MAX_LAYERS = 4096
+"""Most layer ids a worker lists in :attr:`WorkerInfo.layer_ids`."""
+_Layers = Annotated[tuple[_Head, ...], msgspec.Meta(max_length=MAX_LAYERS)]
 _Fingerprint = Annotated[bytes, msgspec.Meta(max_length=4096)]
 
 
@@ -59,7 +62,12 @@ class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
     ``hash_seed``, ``hash_fingerprint``, ``block_size`` and ``blocks_per_chunk``: how its
     offload tiers key a prompt's chunks (its one block hasher's root and its chunk spec), so the
     router derives the same keys for cache-aware picks; ``blocks_per_chunk`` 0 when it has no
-    offload tiers."""
+    offload tiers.
+
+    ``layer_ids``: the global layer ids its KV pool holds (its pipeline stage's; empty: it does
+    not say), distinct; ``pp_stage`` and ``tp_rank``: which prefill rank it is (0 and 0 for an
+    unparallelised worker). The router gathers a decode worker's KV from several prefill ranks
+    only when all of them say their layers (:mod:`~kvplane.serving.router.gather_sets`)."""
 
     role: str
     peer_id: _Id
@@ -75,12 +83,17 @@ class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
     hash_fingerprint: _Fingerprint = b""
     block_size: _Count = 0
     blocks_per_chunk: _Count = 0
+    layer_ids: _Layers = ()
+    pp_stage: _Count = 0
+    tp_rank: _Count = 0
 
     def __post_init__(self) -> None:
         for i, (start, end) in enumerate(self.head_ranges):
             if not start < end:
                 why = f"head_ranges[{i}] must be a non-empty range (start < end)"
                 raise InvalidArgumentError(f"{why}, got {(start, end)}")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise InvalidArgumentError(f"layer_ids must be distinct, got {self.layer_ids}")
 
 
 class PairWith(Message, frozen=True, kw_only=True, tag="pair_with"):

@@ -243,6 +243,7 @@ class Worker:
             hash_fingerprint=self.pools.hasher.fingerprint,
             block_size=self.pools.kv.layout.block_size,
             blocks_per_chunk=chunks,
+            layer_ids=self.pools.kv.layout.layer_ids,
         )
 
     def _read_peers(self, timeout_s: float) -> list[str]:
