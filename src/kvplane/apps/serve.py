@@ -282,7 +282,7 @@ def offload_of(args: argparse.Namespace) -> PrefixSettings | None:
         host_slots=args.offload_host_slots, disk_path=disk, disk_slots=args.offload_disk_slots,
         disk_direct_io=False, pin_memory=False,
     )  # fmt: skip
-    return PrefixSettings(config, args.blocks_per_chunk)
+    return PrefixSettings(config, args.blocks_per_chunk, getattr(args, "tune_chunks", None))
 
 
 def kv_events_of(args: argparse.Namespace) -> KVEventSettings | None:

@@ -5,8 +5,10 @@ section: flag ``--num-blocks`` of group ``pool`` is also ``[pool] num_blocks`` i
 and ``KVPLANE_POOL_NUM_BLOCKS`` in the environment; a flag named after its group drops that
 prefix (``--offload-disk`` is ``[offload] disk``, ``--hash-seed`` is ``[hash] seed``).
 :func:`settle` resolves every section through :func:`kvplane.config.resolve` (flag >
-environment > file > default) and writes the values back into the parsed namespace. Owns the
-flag/field mapping only: the values' rules live with the objects they configure.
+environment > file > default) and writes the values back into the parsed namespace. A file's
+``[tune.chunks]`` table (``kvplane tune chunks --write``) becomes ``args.tune_chunks``
+(:class:`~kvplane.offload.chunk_cost.TunedChunks`; file only). Owns the flag/field mapping
+only: the values' rules live with the objects they configure.
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvplane.config import load_toml, resolve
+from kvplane.config import Source, load_toml, resolve
 from kvplane.errors import ConfigError
+from kvplane.offload.chunk_cost import TunedChunks
 
 SECTIONS = (
     "worker", "pool", "hash", "chunk", "offload", "kv_events", "pd", "model", "synthetic",
     "router", "proxy",
 )  # fmt: skip
 """Every section a serve config file may hold (a role ignores the sections of other roles)."""
+TUNE = "tune"
+"""The table ``kvplane tune`` writes (``[tune.chunks]``); read from the file only."""
 _SETTLED = "_serve_settled"
 
 
@@ -98,16 +103,25 @@ def settle(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ar
     sections: tuple[Section, ...] = getattr(args, "_serve_sections", ())
     path = getattr(args, "config", None)
     file = load_toml(path) if path else {}
-    unknown = sorted(set(file) - set(SECTIONS))
+    unknown = sorted(set(file) - {*SECTIONS, TUNE})
     if unknown:
-        raise ConfigError(f"unknown section(s) {unknown} in {path}; known: {list(SECTIONS)}")
+        raise ConfigError(
+            f"unknown section(s) {unknown} in {path}; known: {[*SECTIONS, 'tune.chunks']}"
+        )
+    tuned = tune_chunks(file)
     environ = os.environ if env is None else env
     for section in sections:
         flags = {f.name: getattr(args, f.dest, None) for f in section.fields}
         flags = {k: v for k, v in flags.items() if v is not None and v != []}
-        value, _sources = resolve(
+        value, sources = resolve(
             section.config_class(), section.name, file=file, env=environ, flags=flags
         )
+        if (
+            tuned is not None
+            and section.name == "chunk"
+            and sources["blocks_per_chunk"] != Source.DEFAULT
+        ):
+            tuned = dataclasses.replace(tuned, host_blocks_per_chunk=0)  # a given size wins
         for f in section.fields:
             got = getattr(value, f.name)
             if f.choices is not None and got is not None and got not in f.choices:
@@ -115,5 +129,19 @@ def settle(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ar
                     f"[{section.name}] {f.name} must be one of {list(f.choices)}, got {got!r}"
                 )
             setattr(args, f.dest, got)
+    args.tune_chunks = tuned
     setattr(args, _SETTLED, True)
     return args
+
+
+def tune_chunks(file: Mapping[str, Any]) -> TunedChunks | None:
+    """The ``[tune.chunks]`` table of a parsed config file, or ``None`` without one.
+    ``ConfigError`` for another table under ``[tune]`` or a bad key or value."""
+    table = file.get(TUNE)
+    if table is None:
+        return None
+    if not isinstance(table, Mapping) or set(table) - {"chunks"}:
+        got = sorted(table) if isinstance(table, Mapping) else table
+        raise ConfigError(f"[tune] may hold only the table [tune.chunks], got {got!r}")
+    value, _sources = resolve(TunedChunks, "chunks", file=table, env={})
+    return value

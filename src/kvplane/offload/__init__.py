@@ -24,9 +24,9 @@ from kvplane.offload.manager import (
     LookupResult,
     OffloadManager,
     StorePlan,
-    lookup_tiers,
 )
 from kvplane.offload.slots import SlotStatus, SlotTable
+from kvplane.offload.spans import lookup_tiers
 
 __all__ = [
     "AdmissionFilter",

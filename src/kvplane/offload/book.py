@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from kvplane.errors import IllegalTransitionError, InvalidArgumentError
+from kvplane.errors import ConfigError, IllegalTransitionError, InvalidArgumentError
 from kvplane.ids import ChunkKey, SlotId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.admission import AdmissionFilter
@@ -26,8 +26,10 @@ from kvplane.offload.book_types import (
     WriteDown,
 )
 from kvplane.offload.config import OffloadConfig
-from kvplane.offload.manager import CascadeLookup, OffloadManager, lookup_tiers
+from kvplane.offload.manager import CascadeLookup, OffloadManager
 from kvplane.offload.slots import SlotStatus, check_chunk_keys
+from kvplane.offload.spans import check_span, cover, groups, lookup_spans
+from kvplane.validators import require_int
 
 
 def tier_manager(
@@ -39,16 +41,37 @@ def tier_manager(
 
 
 class TierBook:
-    """Managers of the host tier and of each lower tier, and the cascade's decisions."""
+    """Managers of the host tier and of each lower tier, and the cascade's decisions.
 
-    def __init__(self, host: OffloadManager, lower: Sequence[OffloadManager] = ()) -> None:
+    ``spans`` (default 1 each): host chunks per chunk of each lower tier
+    (:mod:`~kvplane.offload.spans`). A lower tier of span > 1 is keyed by tier keys; the book
+    re-chunks in its reservations: a write-down writes whole groups of host chunks, a
+    promotion reads one tier chunk into its host chunks. Keys passed to :meth:`lookup`,
+    :meth:`loadable` and :meth:`reserve_load` start at their sequence's first chunk.
+    """
+
+    def __init__(
+        self,
+        host: OffloadManager,
+        lower: Sequence[OffloadManager] = (),
+        spans: Mapping[str, int] | None = None,
+    ) -> None:
         names = [mgr.tier for mgr in lower]
         if "host" in names or len(set(names)) != len(names):
             raise InvalidArgumentError(f"lower tiers need distinct names but 'host', got {names}")
+        given = dict(spans or {})
+        if set(given) - set(names):
+            raise InvalidArgumentError(f"spans name tiers {sorted(given)} beyond {names}")
+        self.spans = {name: check_span(given.get(name, 1)) for name in names}
         self.host = host
         self.lower: dict[str, OffloadManager] = {mgr.tier: mgr for mgr in lower}
-        # per lower tier, keys whose write-down waits for a doomed copy there to be dropped
-        self._deferred: dict[str, dict[ChunkKey, None]] = {name: {} for name in self.lower}
+        # per lower tier, tier keys whose write-down waits for a doomed copy there to be
+        # dropped, with the host keys that make each
+        self._deferred: dict[str, dict[ChunkKey, tuple[ChunkKey, ...]]] = {
+            name: {} for name in self.lower
+        }
+        # host key of a promotion in flight -> (its tier, the tier key it is read from)
+        self._promoting: dict[ChunkKey, tuple[str, ChunkKey]] = {}
 
     @classmethod
     def build(
@@ -56,10 +79,19 @@ class TierBook:
         config: OffloadConfig,
         lower: Sequence[tuple[str, int]] = (),
         metrics: MetricsRegistry | None = None,
+        spans: Mapping[str, int] | None = None,
     ) -> TierBook:
-        """A host manager of ``config.host_slots`` and one per ``(name, slots)`` of ``lower``."""
+        """A host manager of ``config.host_slots`` and one per ``(name, slots)`` of ``lower``.
+
+        Without ``spans`` every tier moves the host's chunk size, and a config that sets a
+        per-tier size is refused (``ConfigError``): that executor cannot re-chunk."""
+        if spans is None and (config.disk_blocks_per_chunk or config.remote_blocks_per_chunk):
+            raise ConfigError(
+                "disk_blocks_per_chunk/remote_blocks_per_chunk need an executor that re-chunks "
+                "(the tier cascade); this one moves one chunk size: leave them 0"
+            )
         host = tier_manager(config, "host", config.host_slots, metrics)
-        return cls(host, [tier_manager(config, n, s, metrics) for n, s in lower])
+        return cls(host, [tier_manager(config, n, s, metrics) for n, s in lower], spans)
 
     def managers(self) -> list[OffloadManager]:
         return [self.host, *self.lower.values()]
@@ -81,17 +113,34 @@ class TierBook:
 
     # -- questions (no side effects) -----------------------------------------------------------
     def source(self, key: ChunkKey) -> str | None:
-        """The fastest tier a load of ``key`` can read now, or ``None`` (a host store of it in
-        flight makes it not loadable yet)."""
-        st = self.host.status(key)
-        if st in (SlotStatus.READY, SlotStatus.LOADING):
-            return "host" if self.host.is_hit(key) else None
-        if st is not SlotStatus.EMPTY:
-            return None
-        for name, mgr in self.lower.items():
-            if mgr.is_hit(key):
-                return name
-        return None
+        """The fastest tier a load of ``key`` alone can read now (a lower tier of span > 1
+        never: one key makes no group of it), or ``None`` (a host store of it in flight makes
+        it not loadable yet). :meth:`sources` answers for a prefix."""
+        return self.sources([key])[0]
+
+    def sources(self, keys: Sequence[ChunkKey]) -> list[str | None]:
+        """Per key of ``keys`` (host chunks from a sequence's start), the fastest tier a load
+        could read it from now, or ``None``."""
+        return [None if w is None else w[0] for w in self._where(check_chunk_keys(keys))]
+
+    def _where(self, ks: Sequence[ChunkKey]) -> list[tuple[str, ChunkKey] | None]:
+        """Per key, ``(tier, key in that tier)`` of the fastest readable copy, or ``None``."""
+        covers = {name: cover(ks, self.spans[name]) for name in self.lower}
+        out: list[tuple[str, ChunkKey] | None] = []
+        for i, key in enumerate(ks):
+            st = self.host.status(key)
+            if st in (SlotStatus.READY, SlotStatus.LOADING):
+                out.append(("host", key) if self.host.is_hit(key) else None)
+                continue
+            found: tuple[str, ChunkKey] | None = None
+            if st is SlotStatus.EMPTY:
+                for name, mgr in self.lower.items():
+                    tier_key = covers[name][i]
+                    if tier_key is not None and mgr.is_hit(tier_key):
+                        found = (name, tier_key)
+                        break
+            out.append(found)
+        return out
 
     def promotion_room(self) -> int:
         """Host slots a load could promote into now: free ones plus READY (unpinned) chunks it
@@ -112,8 +161,7 @@ class TierBook:
         host = self.host
         run = promoted = pinned = 0
         room: int | None = None
-        for key in keys:
-            src = self.source(key)
+        for key, src in zip(keys, self.sources(keys), strict=True):
             if src is None:
                 if host.status(key) is SlotStatus.STORING:
                     return None
@@ -139,8 +187,10 @@ class TierBook:
     def lookup(self, keys: Sequence[ChunkKey]) -> CascadeLookup:
         """Ask every tier (each counts the lookup toward its admission filter); each key of the
         leading hit run is an access only in ``where[i]``, the tier a load reads it from
-        (:func:`~kvplane.offload.manager.lookup_tiers`)."""
-        return lookup_tiers(self.managers(), keys)
+        (:func:`~kvplane.offload.spans.lookup_spans`; a lower tier of span > 1 is asked about
+        the tier keys of the whole groups ``keys`` make)."""
+        lower = [(mgr, self.spans[name]) for name, mgr in self.lower.items()]
+        return lookup_spans(self.host, lower, keys)
 
     # -- stores --------------------------------------------------------------------------------
     def reserve_store(
@@ -155,6 +205,8 @@ class TierBook:
         later write-down is run for it). Otherwise call :meth:`write_down` after the gather.
         """
         ks = check_chunk_keys(keys)
+        if write_through and any(span > 1 for span in self.spans.values()):
+            raise InvalidArgumentError("write-through stores need every lower tier at span 1")
         plan = self.host.prepare_store(ks)
         if plan is None:
             return None
@@ -170,16 +222,34 @@ class TierBook:
         _check_flags(ok, len(ks))
         self.host.complete_store(ks, [bool(f) for f in ok])
         for write in writes:
-            good = [ks[i] for i in write.indices if ok[i]]
+            good = [ks[i] for j in range(len(write.indices)) for i in write.members(j) if ok[i]]
             if good:  # the write-through's own pin is no use of the chunk (ARC keeps it in T1)
                 self.host.pin_for_copy(good)
 
-    def write_down(self, keys: Sequence[ChunkKey]) -> WriteDown:
-        """Reserve the published host ``keys`` in every lower tier that admits and lacks them,
-        pinning host once per write (no access). A key whose copy in a tier is doomed is
-        remembered for :meth:`retry_deferred`."""
+    def write_down(
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        first: int = 0,
+        fresh: Sequence[ChunkKey] | None = None,
+    ) -> WriteDown:
+        """Reserve ``keys`` (``keys[i]`` is host chunk ``first + i`` of its sequence) in every
+        lower tier that admits and lacks them, pinning host once per write (no access).
+
+        Only chunks that hold a ``fresh`` key (default: every key; each must be a published
+        host chunk) are written: at span 1 the fresh keys, at span ``r`` each whole group of
+        ``keys`` with a fresh member whose ``r`` host chunks host all holds. A chunk whose copy
+        in a tier is doomed is remembered for :meth:`retry_deferred`."""
         ks = check_chunk_keys(keys)
-        return self._write_down(ks, self.lower)
+        require_int("first", first, min=0)
+        new = set(ks if fresh is None else check_chunk_keys(fresh))
+        lost = [k for k in new if not self.host.is_hit(k)]
+        if lost or not new <= set(ks):
+            bad = lost[0] if lost else next(iter(new - set(ks)))
+            raise IllegalTransitionError(
+                f"cannot write down chunk {bad.hex()}: host holds no good copy of it among keys"
+            )
+        return self._write_down(ks, self.lower, first, new)
 
     def retry_deferred(self) -> tuple[WriteDown, ...]:
         """Write-downs of deferred keys whose doomed lower-tier copy has been dropped (its last
@@ -189,12 +259,11 @@ class TierBook:
             waiting = self._deferred[name]
             gone = [k for k in waiting if mgr.status(k) is SlotStatus.EMPTY]
             for key in gone:
-                del waiting[key]
-            ready = [k for k in gone if self.host.is_hit(k)]
-            if ready:
-                down = self._write_down(ready, (name,))
-                if down.writes:
-                    out.append(down)
+                group = waiting.pop(key)
+                if all(self.host.is_hit(k) for k in group):
+                    down = self._write_down(group, (name,), 0, set(group))
+                    if down.writes:
+                        out.append(down)
         return tuple(out)
 
     def written(
@@ -209,26 +278,31 @@ class TierBook:
         for it."""
         ks = check_chunk_keys(keys)
         _check_flags(gather_ok, len(ks))
-        mine = [ks[i] for i in write.indices]
+        units = [write.members(j) for j in range(len(write.indices))]
+        if any(m.start < 0 or m.stop > len(ks) for m in units):
+            raise InvalidArgumentError(f"write {write} reaches past its {len(ks)} keys")
+        mine = [ks[m[-1]] for m in units]
         _check_flags(ok, len(mine))
         mgr = self._tier(write.tier)
-        flags = [bool(f) and bool(gather_ok[i]) for f, i in zip(ok, write.indices, strict=True)]
+        flags = [bool(f) and all(gather_ok[i] for i in m) for f, m in zip(ok, units, strict=True)]
         mgr.complete_store(mine, flags)
-        pinned = [ks[i] for i in write.indices if gather_ok[i]]
+        pinned = [ks[i] for m in units for i in m if gather_ok[i]]
         if pinned:
             self.host.complete_load(pinned)
 
     # -- loads ---------------------------------------------------------------------------------
-    def reserve_load(self, keys: Sequence[ChunkKey]) -> LoadReservation:
-        """Pin (host) or reserve and pin (promotion) the longest loadable prefix of ``keys``;
-        its ``keys`` are empty when the first key is not loadable."""
+    def reserve_load(self, keys: Sequence[ChunkKey], limit: int | None = None) -> LoadReservation:
+        """Pin (host) or reserve and pin (promotion) the longest loadable prefix of ``keys``,
+        at most ``limit`` chunks (keys past it still name the larger tier chunks that cover
+        the prefix); its ``keys`` are empty when the first key is not loadable."""
         ks = check_chunk_keys(keys)
-        sources: list[str] = []
-        for key in ks:
-            src = self.source(key)
-            if src is None:
+        cap = len(ks) if limit is None else require_int("limit", limit, min=0)
+        where: list[tuple[str, ChunkKey]] = []
+        for found in self._where(ks)[:cap]:
+            if found is None:
                 break
-            sources.append(src)
+            where.append(found)
+        sources = [name for name, _k in where]
         run = ks[: len(sources)]
         # Pin host hits first: the promotion's eviction below must not pick one of them.
         host_keys = [k for k, s in zip(run, sources, strict=True) if s == "host"]
@@ -245,13 +319,35 @@ class TierBook:
         for name, mgr in self.lower.items():
             mine = [i for i, s in enumerate(sources) if s == name]
             if mine:
-                plan = mgr.prepare_load([run[i] for i in mine])
-                promotions += [
-                    Promotion(i, name, int(slot)) for i, slot in zip(mine, plan.slots, strict=True)
-                ]
+                promotions += self._pin_sources(name, mgr, run, [(i, where[i][1]) for i in mine])
         slots = tuple(self.host_slot(k) for k in run)
         promotions.sort(key=lambda p: p.index)
         return LoadReservation(tuple(run), slots, tuple(promotions))
+
+    def _pin_sources(
+        self,
+        name: str,
+        mgr: OffloadManager,
+        run: Sequence[ChunkKey],
+        pieces: Sequence[tuple[int, ChunkKey]],
+    ) -> list[Promotion]:
+        """Pin each tier chunk that ``pieces`` (run position, tier key) read: one load (an
+        access) per tier chunk, one more pin per further piece of it, so each piece unpins
+        on its own in :meth:`promoted`."""
+        tier_keys = list(dict.fromkeys(k for _i, k in pieces))
+        slots = dict(zip(tier_keys, mgr.prepare_load(tier_keys).slots, strict=True))
+        seen: set[ChunkKey] = set()
+        span, out = self.spans[name], []
+        for i, tier_key in pieces:
+            if tier_key in seen:
+                mgr.pin_for_copy([tier_key])
+            seen.add(tier_key)
+            self._promoting[run[i]] = (name, tier_key)
+            if span == 1:
+                out.append(Promotion(i, name, int(slots[tier_key])))
+            else:
+                out.append(Promotion(i, name, int(slots[tier_key]), tier_key, i % span))
+        return out
 
     def promoted(
         self, tier: str, keys: Sequence[ChunkKey], ok: Sequence[bool], *, pin: bool
@@ -263,7 +359,23 @@ class TierBook:
         ks = check_chunk_keys(keys)
         _check_flags(ok, len(ks))
         flags = [bool(f) for f in ok]
-        mgr.complete_load(ks, flags)
+        src = [self._promoting.get(k) for k in ks]
+        stray = [k for k, e in zip(ks, src, strict=True) if e is None or e[0] != tier]
+        if stray:
+            raise IllegalTransitionError(f"chunk {stray[0].hex()} is no promotion from {tier!r}")
+        left = [(e[1], f) for e, f in zip(src, flags, strict=True) if e is not None]
+        while left:  # one unpin per piece; a tier chunk with several pieces goes round again
+            batch: dict[ChunkKey, bool] = {}
+            rest: list[tuple[ChunkKey, bool]] = []
+            for tier_key, f in left:
+                if tier_key in batch:
+                    rest.append((tier_key, f))
+                else:
+                    batch[tier_key] = f
+            mgr.complete_load(list(batch), list(batch.values()))
+            left = rest
+        for k in ks:
+            del self._promoting[k]
         self.host.complete_store(ks, flags)
         good = tuple(k for k, f in zip(ks, flags, strict=True) if f)
         if pin and good:  # the load was the access (counted in the lower tier); insert is enough
@@ -293,29 +405,42 @@ class TierBook:
 
     # -- helpers -------------------------------------------------------------------------------
     def _reserve_writes(
-        self, keys: Sequence[ChunkKey], tiers: Iterable[str], remember: bool
+        self,
+        keys: Sequence[ChunkKey],
+        tiers: Iterable[str],
+        remember: bool,
+        first: int = 0,
+        fresh: set[ChunkKey] | None = None,
     ) -> tuple[TierWrite, ...]:
-        pos = {k: i for i, k in enumerate(keys)}
+        """Reserve, per tier of ``tiers``, its chunks of ``keys`` (see :meth:`write_down`)."""
         writes: list[TierWrite] = []
         for name in tiers if keys else ():
-            plan = self.lower[name].prepare_store(keys)
+            span = self.spans[name]
+            units = [
+                (i, k)
+                for i, k in (enumerate(keys) if span == 1 else groups(keys, span, first))
+                if (fresh is None or not fresh.isdisjoint(keys[i : i + span]))
+                and (span == 1 or all(self.host.is_hit(m) for m in keys[i : i + span]))
+            ]
+            pos = {k: i for i, k in units}
+            plan = self.lower[name].prepare_store([k for _i, k in units]) if units else None
             if plan is None:
                 continue
             if remember:
-                self._deferred[name].update(dict.fromkeys(plan.deferred))
+                self._deferred[name].update(
+                    {k: tuple(keys[pos[k] : pos[k] + span]) for k in plan.deferred}
+                )
             if plan.keys:
-                writes.append(TierWrite(name, tuple(pos[k] for k in plan.keys), plan.slots))
+                writes.append(TierWrite(name, tuple(pos[k] for k in plan.keys), plan.slots, span))
         return tuple(writes)
 
-    def _write_down(self, keys: Sequence[ChunkKey], tiers: Iterable[str]) -> WriteDown:
-        lost = [k for k in keys if not self.host.is_hit(k)]
-        if lost:
-            raise IllegalTransitionError(
-                f"cannot write down chunk {lost[0].hex()}: host holds no good copy of it"
-            )
-        writes = self._reserve_writes(keys, tiers, True)
+    def _write_down(
+        self, keys: Sequence[ChunkKey], tiers: Iterable[str], first: int, fresh: set[ChunkKey]
+    ) -> WriteDown:
+        writes = self._reserve_writes(keys, tiers, True, first, fresh)
         for write in writes:  # a write-down pin is no use of the chunk (ARC keeps it in T1)
-            self.host.pin_for_copy([keys[i] for i in write.indices])
+            pins = [keys[i] for j in range(len(write.indices)) for i in write.members(j)]
+            self.host.pin_for_copy(pins)
         return WriteDown(tuple(keys), writes)
 
     def _tier(self, name: str) -> OffloadManager:
@@ -325,7 +450,10 @@ class TierBook:
         return mgr
 
     def check_integrity(self, idle: bool) -> None:
-        """Every manager's invariants; when ``idle`` (no job in flight) no slot is busy."""
+        """Every manager's invariants; when ``idle`` (no job in flight) no slot is busy and no
+        promotion is in flight."""
+        if idle and self._promoting:
+            raise IllegalTransitionError(f"{len(self._promoting)} promotion(s) with no job")
         for mgr in self.managers():
             mgr.check_integrity()
             if idle:

@@ -17,20 +17,33 @@ from kvplane.ids import ChunkKey, SlotId
 @dataclass(frozen=True, slots=True)
 class TierWrite:
     """Chunks ``indices`` (positions in the keys of the store or write-down that carries this
-    write) go on to tier ``tier``'s ``tier_slots``, reserved STORING there by the book."""
+    write) go on to tier ``tier``'s ``tier_slots``, reserved STORING there by the book.
+
+    ``span`` > 1 (a tier of larger chunks, :mod:`~kvplane.offload.spans`): tier chunk ``j`` is
+    the ``span`` host chunks from position ``indices[j]`` on, keyed by the last of them."""
 
     tier: str
     indices: tuple[int, ...]
     tier_slots: tuple[int, ...]
+    span: int = 1
+
+    def members(self, j: int) -> range:
+        """Positions of the host chunks that make tier chunk ``j``."""
+        return range(self.indices[j], self.indices[j] + self.span)
 
 
 @dataclass(frozen=True, slots=True)
 class Promotion:
-    """Chunk ``index`` of a load is read from ``tier`` slot ``tier_slot`` into its host slot."""
+    """Chunk ``index`` of a load is read from ``tier`` slot ``tier_slot`` into its host slot.
+
+    From a tier of larger chunks, host chunk ``index`` is piece ``part`` of the tier chunk
+    ``tier_key`` (empty: the host key itself, a tier of the host's chunk size)."""
 
     index: int
     tier: str
     tier_slot: int
+    tier_key: bytes = b""
+    part: int = 0
 
 
 @dataclass(frozen=True, slots=True)

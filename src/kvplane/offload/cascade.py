@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,12 +21,12 @@ import numpy.typing as npt
 import torch
 
 from kvplane.blocks import BlockPool
-from kvplane.errors import IllegalTransitionError, InvalidArgumentError, OffloadError
+from kvplane.errors import ConfigError, IllegalTransitionError, InvalidArgumentError, OffloadError
 from kvplane.ids import ChunkKey, JobId, SlotId
 from kvplane.layout import KVLayout
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.book import TierBook, tier_manager
-from kvplane.offload.book_types import LoadReservation, Promotion, TierWrite, WriteDown
+from kvplane.offload.book_types import LoadReservation, Promotion, WriteDown
 from kvplane.offload.config import OffloadConfig
 from kvplane.offload.copier import ChunkCopier
 from kvplane.offload.events import CascadeDone, Event, LoadDone, LoadTicket, StoreDone
@@ -40,10 +40,13 @@ from kvplane.offload.jobs import (
     check_block_ids,
 )
 from kvplane.offload.manager import CascadeLookup, OffloadManager
+from kvplane.offload.rechunk import Staging, TierRead, demoter, promoter
 from kvplane.offload.slots import check_chunk_keys
-from kvplane.offload.tiers.base import ReadOutcome, Tier
+from kvplane.offload.spans import tier_spans
+from kvplane.offload.tiers.base import Tier
 from kvplane.offload.tiers.host import HostTier
 from kvplane.offload.tiers.registry import open_lower_tiers
+from kvplane.validators import require_int
 
 
 class _Kind(enum.Enum):
@@ -62,6 +65,8 @@ class _Pending:
     keys: tuple[ChunkKey, ...]
     ticket: int = 0
     down: WriteDown | None = None  # CASCADE: the write-down whose ``writes[0]`` this job is
+    asked: tuple[ChunkKey, ...] = ()  # STORE: every key asked, host chunks from ``first`` on
+    first: int = 0
 
 
 @dataclass(slots=True)
@@ -75,9 +80,11 @@ class TierCascade:
     """Stores, cascades, promotes and loads chunks of one device pool (see module docstring).
 
     ``host_manager`` and the managers of ``lower`` (one per tier, named as it) become the
-    :attr:`book`. Lower tiers are re-indexed on construction: valid chunks they already hold
-    (a restart) become READY in their managers. Not thread-safe: one owner thread calls every
-    method.
+    :attr:`book`. ``spans`` (default 1 each): host chunks per chunk of each lower tier, whose
+    ``chunk_bytes`` must be that many host chunks; the cascade re-chunks between them
+    (:mod:`~kvplane.offload.rechunk`). Lower tiers are re-indexed on construction: valid chunks
+    they already hold (a restart) become READY in their managers. Not thread-safe: one owner
+    thread calls every method.
     """
 
     def __init__(
@@ -87,18 +94,24 @@ class TierCascade:
         lower: Sequence[tuple[Tier, OffloadManager]] = (),
         jobs: JobRunner | None = None,
         fence: BlockFence | None = None,
+        *,
+        spans: Mapping[str, int] | None = None,
     ) -> None:
         self.copier = copier
         self.host: HostTier = copier.host
         if host_manager.num_slots != self.host.num_slots:
             raise InvalidArgumentError("the host manager and the host tier differ in slot count")
         self.lower = tuple(lower)
+        self.book = TierBook(host_manager, [mgr for _t, mgr in self.lower], spans)
         for tier, mgr in self.lower:
-            if tier.chunk_bytes != self.host.chunk_bytes or mgr.num_slots != tier.num_slots:
-                raise InvalidArgumentError(f"tier {tier.name!r} does not match the host chunks")
+            want = self.book.spans[tier.name] * self.host.chunk_bytes
+            if tier.chunk_bytes != want or mgr.num_slots != tier.num_slots:
+                raise InvalidArgumentError(
+                    f"tier {tier.name!r} does not match {self.book.spans[tier.name]} host chunks"
+                )
             if mgr.tier != tier.name:
                 raise InvalidArgumentError(f"tier {tier.name!r} has the manager of {mgr.tier!r}")
-        self.book = TierBook(host_manager, [mgr for _t, mgr in self.lower])
+        self._staging = {(t.name, way): Staging() for t, _m in self.lower for way in "wr"}
         self.host_manager = host_manager
         for tier, _mgr in self.lower:
             self.book.adopt(tier.name, tier.scan())
@@ -134,8 +147,12 @@ class TierCascade:
         return ids.reshape(n_keys, self._bpc)
 
     # -- store -----------------------------------------------------------------------------
-    def store(self, keys: Sequence[ChunkKey], block_ids: BlockIds) -> JobId | None:
-        """Offload chunks ``keys`` held in device blocks ``block_ids`` (chunk-major).
+    def store(
+        self, keys: Sequence[ChunkKey], block_ids: BlockIds, *, first: int = 0
+    ) -> JobId | None:
+        """Offload chunks ``keys`` held in device blocks ``block_ids`` (chunk-major);
+        ``keys[i]`` is chunk ``first + i`` of its sequence (where a lower tier's larger chunks
+        begin: it takes each whole group of them host then holds, :meth:`TierBook.write_down`).
 
         Returns the ``device_to_host`` job, or ``None`` when nothing was submitted (all held,
         not admitted, or no host room even after eviction). A chunk whose host copy is doomed
@@ -166,29 +183,43 @@ class TierCascade:
             copier.gather(blocks, slots, res.keys)
             return [True] * len(slots)
 
-        self._submit(job.job_id, _Pending(_Kind.STORE, "host", res.keys), job, work)
+        pending = _Pending(_Kind.STORE, "host", res.keys, asked=tuple(ks), first=first)
+        self._submit(job.job_id, pending, job, work)
         return job.job_id
 
     def _write_down(self, down: WriteDown) -> None:
         """Submit one ``host_to_<tier>`` job per write of ``down`` (host copies pinned)."""
         for write in down.writes:
             tier = self._by_name[write.tier]
-            keys = tuple(down.keys[i] for i in write.indices)
-            payloads = [self.host.slot(self.book.host_slot(k)) for k in keys]
+            units = [
+                (
+                    SlotId(slot),
+                    down.keys[write.members(j)[-1]],
+                    [self.book.host_slot(down.keys[i]) for i in write.members(j)],
+                )
+                for j, slot in enumerate(write.tier_slots)
+            ]
+            keys = tuple(k for _s, k, _h in units)
             job = self.jobs.new_job(keys, "host", tier.name)
             pending = _Pending(_Kind.CASCADE, tier.name, keys, down=WriteDown(down.keys, (write,)))
-            self._submit(job.job_id, pending, job, _writer(tier, write, keys, payloads))
+            work = demoter(tier, self.host, units, self._staging[tier.name, "w"])
+            self._submit(job.job_id, pending, job, work, tier.chunk_bytes)
 
     # -- load ------------------------------------------------------------------------------
-    def load(self, keys: Sequence[ChunkKey], block_ids: BlockIds) -> LoadTicket | None:
-        """Load the longest loadable prefix of ``keys`` into ``block_ids`` (chunk-major).
+    def load(
+        self, keys: Sequence[ChunkKey], block_ids: BlockIds, *, limit: int | None = None
+    ) -> LoadTicket | None:
+        """Load the longest loadable prefix of ``keys`` (from its sequence's first chunk), at
+        most ``limit`` chunks, into ``block_ids`` (chunk-major, for ``min(limit, len(keys))``
+        chunks). Keys past ``limit`` name the larger chunks of a lower tier that cover it.
 
         Returns the ticket (its ``keys`` may be a prefix of ``keys``) or ``None`` when the first
         key is not loadable. Completion arrives as a :class:`LoadDone` from :meth:`poll`.
         """
         ks = check_chunk_keys(keys)
-        ids = self._blocks(block_ids, len(ks))
-        res = self.book.reserve_load(ks)
+        n = len(ks) if limit is None else min(require_int("limit", limit, min=0), len(ks))
+        ids = self._blocks(block_ids, n)
+        res = self.book.reserve_load(ks, n)
         if not res.keys:
             return None
         ticket_id = next(self._ticket_ids)
@@ -208,15 +239,23 @@ class TierCascade:
     def _promote(
         self, ticket: int, tier: Tier, res: LoadReservation, mine: Sequence[Promotion]
     ) -> None:
-        """Read the promotions ``mine`` (all from ``tier``) into their reserved host slots."""
-        keys = tuple(res.keys[p.index] for p in mine)
-        src = [SlotId(p.tier_slot) for p in mine]
-        outs = [self.host.slot(res.host_slots[p.index]) for p in mine]
+        """Read the promotions ``mine`` (all from ``tier``) into their reserved host slots: one
+        read per tier chunk, its pieces into their host slots."""
+        by_slot: dict[int, list[Promotion]] = {}
+        for p in mine:
+            by_slot.setdefault(p.tier_slot, []).append(p)
+        reads = [
+            TierRead(
+                SlotId(slot),
+                ChunkKey(ps[0].tier_key) if ps[0].tier_key else res.keys[ps[0].index],
+                tuple(p.part for p in ps),
+                tuple(res.host_slots[p.index] for p in ps),
+            )
+            for slot, ps in by_slot.items()
+        ]
+        keys = tuple(res.keys[p.index] for ps in by_slot.values() for p in ps)
         job = self.jobs.new_job(keys, tier.name, "host")
-
-        def work() -> list[bool]:
-            return [o is ReadOutcome.OK for o in tier.read(src, keys, outs)]
-
+        work = promoter(tier, self.host, reads, self._staging[tier.name, "r"])
         self._submit(job.job_id, _Pending(_Kind.PROMOTE, tier.name, keys, ticket), job, work)
 
     def _to_device(self, ticket: int, keys: Sequence[ChunkKey]) -> None:
@@ -233,9 +272,17 @@ class TierCascade:
         self._submit(job.job_id, _Pending(_Kind.LOAD, "host", tuple(keys), ticket), job, work)
 
     # -- completion ------------------------------------------------------------------------
-    def _submit(self, job_id: JobId, pending: _Pending, job: TransferJob, work: Work) -> None:
+    def _submit(
+        self,
+        job_id: JobId,
+        pending: _Pending,
+        job: TransferJob,
+        work: Work,
+        chunk_bytes: int | None = None,
+    ) -> None:
+        """Queue ``work``; ``chunk_bytes``: the bytes of each of its chunks (default host's)."""
         self._pending[job_id] = pending
-        self.jobs.submit(job, work, self.host.chunk_bytes)
+        self.jobs.submit(job, work, self.host.chunk_bytes if chunk_bytes is None else chunk_bytes)
 
     def _apply(self, result: JobResult) -> list[Event]:
         """Tell the book how job ``result`` went and submit the follow-up jobs it decides."""
@@ -247,7 +294,7 @@ class TierCascade:
             self.book.gathered(p.keys, (), ok)
             good = [k for k, f in zip(p.keys, ok, strict=True) if f]
             if good:
-                self._write_down(self.book.write_down(good))
+                self._write_down(self.book.write_down(p.asked, first=p.first, fresh=good))
             return [StoreDone(job_id, p.keys, ok)]
         if p.kind is _Kind.CASCADE:
             if p.down is None:  # pragma: no cover - _write_down always sets it
@@ -348,18 +395,6 @@ class TierCascade:
             raise IllegalTransitionError("idle cascade still holds fences, tickets or jobs")
 
 
-def _writer(
-    tier: Tier, write: TierWrite, keys: Sequence[ChunkKey], payloads: list[torch.Tensor]
-) -> Work:
-    slots = [SlotId(s) for s in write.tier_slots]
-
-    def work() -> list[bool]:
-        tier.write(slots, keys, payloads)
-        return [True] * len(keys)
-
-    return work
-
-
 def build_cascade(
     config: OffloadConfig,
     layout: KVLayout,
@@ -372,6 +407,8 @@ def build_cascade(
 ) -> TierCascade:
     """A cascade from ``config``: host tier, the configured lower tiers (or ``lower``), one
     manager each with the configured policy and admission, jobs and a fence on ``block_pool``.
+    ``blocks_per_chunk`` is the host tier's; a lower tier's chunks are its configured
+    ``*_blocks_per_chunk`` (``ConfigError`` unless a multiple of it; :func:`tier_spans`).
 
     The cascade owns the lower tiers from here on (:meth:`TierCascade.close` closes them); if
     building fails (e.g. a re-index cannot reach Redis) they are closed before the error
@@ -381,18 +418,29 @@ def build_cascade(
     host = HostTier(config.host_slots, chunk_bytes, pin_memory=config.pin_memory)
     copier = ChunkCopier(layout, device_pool, host, blocks_per_chunk, config.staging_blocks)
 
+    sizes = {"disk": config.disk_blocks_per_chunk, "remote": config.remote_blocks_per_chunk}
+    spans = tier_spans(blocks_per_chunk, sizes)
     tiers = (
         list(lower)
         if lower is not None
-        else open_lower_tiers(config, chunk_bytes, layout.fingerprint(), metrics, layout=layout)
+        else open_lower_tiers(
+            config, chunk_bytes, layout.fingerprint(), metrics, layout=layout, spans=spans
+        )
     )
     try:
+        wide = {t.name: spans[t.name] for t in tiers if spans.get(t.name, 1) > config.host_slots}
+        if wide:  # a tier chunk is written from its host chunks, all held in host at once
+            raise ConfigError(
+                f"tier chunks of {wide} host chunks need host_slots >= that, "
+                f"got {config.host_slots}"
+            )
         return TierCascade(
             copier,
             tier_manager(config, "host", config.host_slots, metrics),
             [(t, tier_manager(config, t.name, t.num_slots, metrics)) for t in tiers],
             JobRunner(metrics),
             BlockFence(block_pool),
+            spans={t.name: spans[t.name] for t in tiers if t.name in spans},
         )
     except BaseException:
         for tier in tiers:

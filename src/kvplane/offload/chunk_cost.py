@@ -2,8 +2,8 @@
 
 Owns the least-squares fit of that line to measured (chunk bytes, seconds per op) samples and
 the rule that picks a tier's ``blocks_per_chunk`` from a fit (:func:`choose`). Plain data, no
-I/O and no timing: ``kvplane tune chunks`` measures and calls these. Model and rule:
-docs/offload.md, "Choosing chunk sizes".
+I/O and no timing: ``kvplane tune chunks`` measures and calls these; :class:`TunedChunks` is the
+chosen sizes as the config holds them. Model and rule: docs/offload.md, "Choosing chunk sizes".
 """
 
 from __future__ import annotations
@@ -123,3 +123,47 @@ def choose(
     transfer = got * block_bytes / f.bytes_per_s
     share = max(f.op_s, 0.0) / transfer if transfer > 0 else math.inf
     return Choice(got, got * block_bytes, wanted, cap, share)
+
+
+@dataclass(frozen=True, slots=True)
+class TunedChunks:
+    """A config file's ``[tune.chunks]`` table (written by ``kvplane tune chunks``): each tier's
+    chosen ``blocks_per_chunk`` for blocks of ``block_bytes`` (0: not tuned), each cold tier's
+    fitted bandwidth ``<tier>_gbps`` (the lesser of store and load; 0: not measured; what
+    ``codec = "auto"`` judges against) and the rule's parameters. :meth:`sizes` turns them
+    into a pool's blocks."""
+
+    block_bytes: int = 16384
+    max_overhead: float = MAX_OVERHEAD
+    min_chunks: int = MIN_CHUNKS
+    host_blocks_per_chunk: int = 0
+    disk_blocks_per_chunk: int = 0
+    remote_blocks_per_chunk: int = 0
+    disk_gbps: float = 0.0
+    remote_gbps: float = 0.0
+
+    def __post_init__(self) -> None:
+        require_int("[tune.chunks] block_bytes", self.block_bytes, min=1, error=ConfigError)
+        require_int("[tune.chunks] min_chunks", self.min_chunks, min=1, error=ConfigError)
+        require_probability("[tune.chunks] max_overhead", self.max_overhead, error=ConfigError)
+        for tier in ("host", "disk", "remote"):
+            name = f"{tier}_blocks_per_chunk"
+            require_int(f"[tune.chunks] {name}", getattr(self, name), min=0, error=ConfigError)
+        for name in ("disk_gbps", "remote_gbps"):
+            require_number(f"[tune.chunks] {name}", getattr(self, name), min=0.0, error=ConfigError)
+
+    def sizes(self, block_bytes: int, host: int) -> tuple[int, int, int]:
+        """``(host, disk, remote)`` blocks per chunk for a pool of ``block_bytes`` blocks: each
+        tuned tier's chunk bytes in those blocks (the nearest power of two, at least 1); the
+        host's is ``host`` when not tuned; a cold tier's is a multiple of the host's, at
+        least it, and the host's when not tuned."""
+        require_int("block_bytes", block_bytes, min=1, error=ConfigError)
+
+        def scaled(bpc: int) -> int:
+            want = bpc * self.block_bytes / block_bytes
+            return 1 << max(0, round(math.log2(want))) if want > 1 else 1
+
+        h = scaled(self.host_blocks_per_chunk) if self.host_blocks_per_chunk else host
+        cold = [self.disk_blocks_per_chunk, self.remote_blocks_per_chunk]
+        disk, remote = (max(1, round(scaled(c) / h)) * h if c else h for c in cold)
+        return h, disk, remote

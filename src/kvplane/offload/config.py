@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvplane.errors import ConfigError
-from kvplane.offload.codecs.registry import check_codec_name
+from kvplane.offload.codecs.registry import check_codec_setting
 from kvplane.offload.policies.registry import POLICIES
 from kvplane.offload.tiers.base import SyncPolicy
 from kvplane.offload.tiers.lease import check_lease_timing
 from kvplane.offload.tiers.remote import NAMESPACE_BAD
-from kvplane.validators import require_int
+from kvplane.validators import require_int, require_number
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,11 @@ class OffloadConfig:
     namespace) and a restarted one claims it back, at most ``remote_lease_s`` after a crash,
     and finds its chunks there again by content hash. ``disk_codec`` and ``remote_codec``
     name the codec each cold tier stores chunks with (:data:`~kvplane.offload.codecs.CODECS`;
-    the host tier stays raw). A bad field raises
+    the host tier stays raw). ``disk_blocks_per_chunk`` and ``remote_blocks_per_chunk`` size
+    each cold tier's chunks (0: the host's; else a multiple of it, :mod:`~kvplane.offload.spans`:
+    the cascade re-chunks between tiers). A codec ``"auto"`` chooses a lossless one that keeps
+    the tier's measured ``disk_gbps``/``remote_gbps`` up, else raw (0: not measured, which
+    ``auto`` refuses; :mod:`~kvplane.offload.codecs.auto`). A bad field raises
     :class:`~kvplane.errors.ConfigError` naming it (both, for the lease relation).
     """
 
@@ -55,16 +59,24 @@ class OffloadConfig:
     staging_blocks: int = 256
     disk_codec: str = "raw"
     remote_codec: str = "raw"
+    disk_blocks_per_chunk: int = 0
+    remote_blocks_per_chunk: int = 0
+    disk_gbps: float = 0.0
+    remote_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("host_slots", "disk_slots", "remote_slots", "staging_blocks"):
             require_int(f"OffloadConfig.{name}", getattr(self, name), min=1, error=ConfigError)
+        for name in ("disk_blocks_per_chunk", "remote_blocks_per_chunk"):
+            require_int(f"OffloadConfig.{name}", getattr(self, name), min=0, error=ConfigError)
         if self.policy not in POLICIES:
             raise ConfigError(
                 f"OffloadConfig.policy {self.policy!r} is not one of {sorted(POLICIES)}"
             )
-        check_codec_name("OffloadConfig.disk_codec", self.disk_codec)
-        check_codec_name("OffloadConfig.remote_codec", self.remote_codec)
+        check_codec_setting("OffloadConfig.disk_codec", self.disk_codec)
+        check_codec_setting("OffloadConfig.remote_codec", self.remote_codec)
+        for name in ("disk_gbps", "remote_gbps"):
+            require_number(f"OffloadConfig.{name}", getattr(self, name), min=0.0, error=ConfigError)
         m = self.admission_min_lookups
         require_int("OffloadConfig.admission_min_lookups", m, min=0, error=ConfigError)
         if not isinstance(self.disk_sync, SyncPolicy):

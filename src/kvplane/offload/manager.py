@@ -142,8 +142,8 @@ class OffloadManager:
         Each key of the leading HIT run (``keys[:hit_run]``: the usable prefix) is an access
         for the eviction policy, in input order like :meth:`prepare_load`, so a chunk found by
         lookup is recently used; a HIT after the first gap is not (no load of this prefix can
-        use it). ``access=False`` counts no access: :func:`lookup_tiers` asks every tier so,
-        then touches each key only in the tier a load reads it from.
+        use it). ``access=False`` counts no access: :func:`~kvplane.offload.spans.lookup_spans`
+        asks every tier so, then touches each key only in the tier a load reads it from.
         """
         ks = check_chunk_keys(keys)
         self.admission.record(ks)
@@ -356,30 +356,6 @@ class OffloadManager:
         loading = self.table.keys_in(SlotStatus.LOADING)
         if not self._doomed <= loading:
             raise IllegalTransitionError(f"tier {self.tier!r}: a doomed chunk is not pinned")
-
-
-def lookup_tiers(managers: Sequence[OffloadManager], keys: Sequence[ChunkKey]) -> CascadeLookup:
-    """Ask every tier of ``managers`` (fastest first) about ``keys``: each counts the lookup
-    toward its admission filter, and each key of the leading hit run is one access, in the
-    fastest tier holding it (where its load reads it), none in the others. Validates the
-    keys before any tier counts anything."""
-    ks = check_chunk_keys(keys)
-    answers = [(mgr, mgr.lookup(ks, access=False).results) for mgr in managers]
-    where: list[str | None] = []
-    pending: list[bool] = []
-    found: list[OffloadManager | None] = []
-    for i in range(len(ks)):
-        hit = next((mgr for mgr, res in answers if res[i] is ChunkLookup.HIT), None)
-        found.append(hit)
-        where.append(None if hit is None else hit.tier)
-        pending.append(
-            hit is None and any(res[i] is ChunkLookup.HIT_PENDING for _m, res in answers)
-        )
-    run = next((i for i, w in enumerate(where) if w is None), len(where))
-    for key, mgr in zip(ks[:run], found[:run], strict=True):
-        if mgr is not None:
-            mgr.policy.access(key)
-    return CascadeLookup(tuple(where), tuple(pending), run)
 
 
 def _leading(results: Sequence[ChunkLookup], accept: tuple[ChunkLookup, ...]) -> int:

@@ -13,6 +13,7 @@ worker loop owns it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey, JobId, RequestId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload import LoadDone, OffloadConfig, StoreDone, TierCascade, build_cascade
+from kvplane.offload.chunk_cost import TunedChunks
 from kvplane.serving.producers.base import PoolTensor
 from kvplane.validators import require_int
 
@@ -35,15 +37,35 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class PrefixSettings:
-    """How a prefill worker offloads: the tiers (``offload``) and the chunk size in blocks."""
+    """How a prefill worker offloads: the tiers (``offload``) and the host chunk size in
+    blocks; ``tuned`` (a config's ``[tune.chunks]``) sets each tier's size from measurements
+    (:meth:`~kvplane.offload.chunk_cost.TunedChunks.sizes`; a cold size set in ``offload``
+    wins)."""
 
     offload: OffloadConfig
     blocks_per_chunk: int = 2
+    tuned: TunedChunks | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, OffloadConfig):
             raise InvalidArgumentError(f"offload must be an OffloadConfig, got {self.offload!r}")
         require_int("PrefixSettings.blocks_per_chunk", self.blocks_per_chunk, min=1)
+        if self.tuned is not None and not isinstance(self.tuned, TunedChunks):
+            raise InvalidArgumentError(f"tuned must be a TunedChunks, got {self.tuned!r}")
+
+    def resolved(self, block_bytes: int) -> tuple[int, OffloadConfig]:
+        """The host ``blocks_per_chunk`` and the tier config for blocks of ``block_bytes``."""
+        if self.tuned is None:
+            return self.blocks_per_chunk, self.offload
+        host, disk, remote = self.tuned.sizes(block_bytes, self.blocks_per_chunk)
+        off = self.offload
+        return host, dataclasses.replace(
+            off,
+            disk_blocks_per_chunk=off.disk_blocks_per_chunk or disk,
+            remote_blocks_per_chunk=off.remote_blocks_per_chunk or remote,
+            disk_gbps=off.disk_gbps or self.tuned.disk_gbps,
+            remote_gbps=off.remote_gbps or self.tuned.remote_gbps,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +109,14 @@ class PrefixOffload:
         *,
         metrics: MetricsRegistry | None = None,
     ) -> None:
-        self.spec = ChunkSpec(kv.layout.block_size, settings.blocks_per_chunk)
-        self.host_slots = settings.offload.host_slots
+        bpc, offload = settings.resolved(kv.layout.bytes_per_block)
+        self.spec = ChunkSpec(kv.layout.block_size, bpc)
+        self.host_slots = offload.host_slots
         """The most chunks one store can hold: the host tier's slots (stores pass through it)."""
         self.cascade: TierCascade = build_cascade(
-            settings.offload,
+            offload,
             kv.layout,
-            settings.blocks_per_chunk,
+            bpc,
             kv.tensor,
             metrics=metrics,
             block_pool=block_pool,
@@ -149,7 +172,7 @@ class PrefixOffload:
         if loadable == 0:
             return None
         blocks = self._chunk_blocks(table.block_ids, loadable)
-        ticket = self.cascade.load(keys[:loadable], blocks)
+        ticket = self.cascade.load(keys, blocks, limit=loadable)  # keys past it: tier context
         if ticket is None:
             return None
         self._loads[ticket.ticket_id] = (request_id, ticket.sources)

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from kvplane.apps.bench import offload as bench
-from kvplane.apps.bench import offload_codecs, offload_rows
+from kvplane.apps.bench import offload_codecs, offload_rows, offload_tuned
 from kvplane.apps.bench.redis_limit import redis_benchmark_support
 from kvplane.cli import build_parser
 from kvplane.transports.native_copy import kernel
@@ -25,6 +25,10 @@ def test_quick_run_reports_every_tier_op_and_size(
     monkeypatch.setattr(bench, "SWEEP_BLOCKS", {True: 64})
     monkeypatch.setattr(offload_codecs, "CODEC_CHUNK", 256 << 10)
     monkeypatch.setattr(offload_codecs, "CODEC_CHUNKS", {True: 2})
+    small = offload_tuned.TunedChunks(host_blocks_per_chunk=2, disk_blocks_per_chunk=4,
+                                      remote_blocks_per_chunk=8)  # fmt: skip
+    monkeypatch.setattr(offload_tuned, "DEFAULT_TUNED", small)
+    monkeypatch.setattr(offload_tuned, "RUN_BYTES", {True: 16 << 14})
     args = argparse.Namespace(
         redis_url=redis_url, disk_dir=str(tmp_path), sync="none", no_direct_io=False
     )
@@ -55,8 +59,9 @@ def test_quick_run_reports_every_tier_op_and_size(
     lines = result["rows"]
     assert isinstance(lines, list)
     rows_named = [line["row"] for line in lines]
-    end = rows_named.index("sweep_us_per_block_16_vs_1") + 1  # the codec rows follow the sweep
-    _check_codecs(result, lines[end:])
+    end = rows_named.index("sweep_us_per_block_16_vs_1") + 1  # tuned, then codec rows follow
+    _check_tuned(result, lines[end : end + 4])
+    _check_codecs(result, lines[end + 4 :])
     lines = lines[:end]
     assert (
         len(lines) == len(rows) + sum(len(r) - 6 for r in rows) // 2 + 1
@@ -74,6 +79,22 @@ def test_quick_run_reports_every_tier_op_and_size(
     assert result["skipped"] == [] and result["remote_server"] == "configured"
 
 
+def _check_tuned(result: dict[str, object], lines: list[dict[str, object]]) -> None:
+    """Per cold tier, store and load at its tuned size (disk 4, Redis 8 blocks of 16 KiB)
+    against the global (host) size of 2 blocks, target 1.3."""
+    want = ["disk_store_tuned_vs_global_64k", "disk_load_tuned_vs_global_64k",
+            "remote_store_tuned_vs_global_128k", "remote_load_tuned_vs_global_128k"]  # fmt: skip
+    assert [r["row"] for r in lines] == want
+    assert all(r["target"] == 1.3 and r["limit_name"] == "global 2 blocks" for r in lines)
+    summary = result["tuned_vs_global"]
+    assert isinstance(summary, list)
+    assert [(s["tier"], s["op"], s["tuned_blocks"], s["global_blocks"]) for s in summary] == [
+        ("disk", "store", 4, 2), ("disk", "load", 4, 2),
+        ("remote", "store", 8, 2), ("remote", "load", 8, 2),
+    ]  # fmt: skip
+    assert all(s["ratio_min"] <= s["ratio_median"] <= s["ratio_max"] for s in summary)
+
+
 def _check_codecs(result: dict[str, object], lines: list[dict[str, object]]) -> None:
     """Per codec and cold tier: store and load rows against the raw tier (no target), and one
     stored-bytes row per codec (FP8's target 0.55, met)."""
@@ -87,6 +108,8 @@ def _check_codecs(result: dict[str, object], lines: list[dict[str, object]]) -> 
     assert list(stored) == [f"stored_ratio_{c}" for c in codecs]
     assert stored["stored_ratio_fp8"]["target"] == 0.55 and stored["stored_ratio_fp8"]["met"]
     assert stored["stored_ratio_int8"]["target"] is None
+    assert set(result["codec_auto"]) == {"disk", "remote"}  # type: ignore[arg-type]
+    assert set(result["codec_auto"].values()) <= {"raw", "lz4", "zstd"}  # type: ignore[attr-defined]
     summary = result["codecs"]
     assert isinstance(summary, list) and len(summary) == 2 * len(codecs)
     for s in summary:

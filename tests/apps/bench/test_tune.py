@@ -75,6 +75,7 @@ def test_write_replaces_the_section_and_keeps_the_rest(
     assert back["tune"]["chunks"] == {
         "block_bytes": BLOCK, "max_overhead": 0.1, "min_chunks": 64,
         "host_blocks_per_chunk": 8, "disk_blocks_per_chunk": 128,
+        "disk_gbps": 2.0,  # the lesser fitted bandwidth: store 2e9 B/s, load 4e9
     }  # fmt: skip
     _tune(capsys, "--tiers", "disk", "--write", str(cfg))  # a second write: one section
     back = tomllib.loads(cfg.read_text())
@@ -130,3 +131,38 @@ def test_real_measurement_has_the_documented_shape(
         assert r["blocks_per_chunk"] >= 1
         assert r["blocks_per_chunk"] & (r["blocks_per_chunk"] - 1) == 0
     assert list(tmp_path.iterdir()) == []  # the disk tier's files are gone
+
+
+def test_serve_uses_the_written_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvplane.apps.serve import offload_of
+    from kvplane.apps.serve_config import settle
+    from kvplane.offload.chunk_cost import TunedChunks
+
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text("[pool]\nnum_blocks = 64\n")
+    _tune(capsys, "--tiers", "host,disk", "--write", str(cfg))
+    argv = ["serve", "prefill", "--config", str(cfg), "--offload-host-slots", "4"]
+    settings = offload_of(settle(build_parser().parse_args(argv)))
+    assert settings is not None
+    assert settings.tuned == TunedChunks(16384, 0.1, 64, 8, 128, 0, 2.0)
+    # blocks of 4 KiB: host 8 x 16 KiB = 32 blocks, disk 128 x 16 KiB = 512, remote = host
+    bpc, offload = settings.resolved(4096)
+    assert (bpc, offload.disk_blocks_per_chunk, offload.remote_blocks_per_chunk) == (32, 512, 32)
+    assert offload.disk_gbps == 2.0 and offload.remote_gbps == 0.0
+    given = build_parser().parse_args([*argv, "--blocks-per-chunk", "2"])
+    assert offload_of(settle(given)).resolved(16384)[0] == 2  # type: ignore[union-attr]
+    cfg.write_text(cfg.read_text() + "[tune.other]\nx = 1\n")
+    with pytest.raises(ConfigError, match=r"\[tune\] may hold only the table \[tune.chunks\]"):
+        settle(build_parser().parse_args(argv))
+
+
+def test_tuned_sizes_round_to_a_pool_s_blocks() -> None:
+    from kvplane.offload.chunk_cost import TunedChunks
+
+    t = TunedChunks(host_blocks_per_chunk=16, disk_blocks_per_chunk=64, remote_blocks_per_chunk=96)
+    assert t.sizes(16384, 2) == (16, 64, 128)  # the nearest power of two
+    assert t.sizes(65536, 2) == (4, 16, 32)
+    assert t.sizes(1 << 20, 2) == (1, 1, 2)  # a block larger than a tuned chunk: one block
+    assert TunedChunks(disk_blocks_per_chunk=8).sizes(16384, 4) == (4, 8, 4)
+    with pytest.raises(ConfigError, match=r"\[tune.chunks\] disk_blocks_per_chunk must be"):
+        TunedChunks(disk_blocks_per_chunk=-1)

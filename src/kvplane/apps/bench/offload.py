@@ -1,5 +1,6 @@
 """``kvplane bench offload``: store/load throughput per tier against its limit, the
-``blocks_per_chunk`` sweep, and per codec its GB/s against the raw tier and stored bytes
+``blocks_per_chunk`` sweep, per cold tier its tuned chunk size against the global one
+(:mod:`.offload_tuned`), and per codec its GB/s against the raw tier and stored bytes
 (:mod:`.offload_codecs`).
 
 Host against memcpy (and a streaming memcpy), disk against raw ``pwrite``/``preadv``, remote
@@ -35,6 +36,7 @@ from kvplane.apps.bench.offload_rows import (
     tier_ops,
 )
 from kvplane.apps.bench.offload_sweep import SWEEP_BLOCKS, SWEEP_TARGET, fresh_keys, layout, sweep
+from kvplane.apps.bench.offload_tuned import tuned_rows, tuned_sizes
 from kvplane.apps.bench.redis_limit import BENCH_KEY, fastest, redis_benchmark_support
 from kvplane.ids import BlockId, SlotId
 from kvplane.offload import (
@@ -66,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-dir", default=None, help="directory for the disk tier's file")
     parser.add_argument("--sync", choices=[p.value for p in SyncPolicy], default="none")
     parser.add_argument("--no-direct-io", action="store_true", help="buffered disk I/O")
+    parser.add_argument(
+        "--tuned", default=None, metavar="CONFIG.toml",
+        help="chunk sizes of the tuned-vs-global rows from its [tune.chunks] (default: documented)",
+    )  # fmt: skip
 
 
 def _each(n: int, op: Callable[[int], object]) -> None:
@@ -233,6 +239,8 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
     disk_dir = getattr(args, "disk_dir", None)
     codec_lines: list[dict[str, object]] = []
     codecs: list[dict[str, Any]] = []
+    auto: dict[str, str] = {}
+    tuned = tuned_sizes(getattr(args, "tuned", None))
     with tempfile.TemporaryDirectory(dir=disk_dir, prefix="kvplane-bench-") as tmp:
         direct_used = False
         for chunk in CHUNK_SIZES:
@@ -244,16 +252,19 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
         reason = redis_support() if url else redis_server_support()
         if reason is not None:
             skipped.append(f"remote: {reason}")
-            codec_lines, codecs = codec_rows(quick, Path(tmp), None)
+            tuned_lines, tuned_sum = tuned_rows(quick, Path(tmp), None, tuned)
+            codec_lines, codecs, auto = codec_rows(quick, Path(tmp), None)
         elif url:
             for chunk in CHUNK_SIZES:
                 got += _remote(chunk, counts[chunk], quick, url)
-            codec_lines, codecs = codec_rows(quick, Path(tmp), url)
+            tuned_lines, tuned_sum = tuned_rows(quick, Path(tmp), url, tuned)
+            codec_lines, codecs, auto = codec_rows(quick, Path(tmp), url)
         else:
             with LocalRedisServer() as server:  # our own server on 127.0.0.1, stopped at the end
                 for chunk in CHUNK_SIZES:
                     got += _remote(chunk, counts[chunk], quick, server.url)
-                codec_lines, codecs = codec_rows(quick, Path(tmp), server.url)
+                tuned_lines, tuned_sum = tuned_rows(quick, Path(tmp), server.url, tuned)
+                codec_lines, codecs, auto = codec_rows(quick, Path(tmp), server.url)
     swept, sweep_row = sweep(SWEEP_BLOCKS[quick], quick)
     throughput = [throughput_row(m) for m in got]
     per_block = {s["blocks_per_chunk"]: s["us_per_block"] for s in swept}
@@ -274,8 +285,13 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
         for s in swept
     }
     return {
-        "rows": [row for m in got for row in rows(m, TARGETS[m.tier])] + [sweep_row] + codec_lines,
+        "rows": [row for m in got for row in rows(m, TARGETS[m.tier])]
+        + [sweep_row]
+        + tuned_lines
+        + codec_lines,
+        "tuned_vs_global": tuned_sum,
         "codecs": codecs,
+        "codec_auto": auto,
         "throughput": throughput,
         "blocks_per_chunk_sweep": swept,
         "sweep_ratio_16_vs_1": round(sweep_ratio, 3),

@@ -4,7 +4,9 @@ through the coded tier against the same tier raw, and the stored bytes ratio.
 Every repeat times the coded tier and a raw twin (same kind, size and data) back to back, so
 the ratio is effective GB/s (raw bytes per second) against raw. The chunks are bf16 KV-like
 values (normal, like activations). The codec's own speed and :func:`~kvplane.offload.codecs.
-codec_fit` against the raw tier's measured GB/s go in the result. See docs/offload.md ("Codecs").
+codec_fit` against the raw tier's measured GB/s go in the result, and per tier what ``codec =
+"auto"`` would choose from those fits (:func:`~kvplane.offload.codecs.auto.choose`). See
+docs/offload.md ("Codecs").
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ from kvplane.offload.codecs import (
     CODECS,
     ChunkCoder,
     ChunkFormat,
+    CodecFit,
     codec_fit,
     make_codec,
     measure_codec,
 )
+from kvplane.offload.codecs.auto import choose, codec_name
 from kvplane.offload.tiers import DiskTier, HostTier, RemoteTier, Tier
 from kvplane.verdicts import Supported
 
@@ -89,8 +93,8 @@ def _opened(open_tier: Opener, suffix: str, coder: ChunkCoder | None) -> Iterato
 
 def _codec_vs_raw(
     kind: str, open_tier: Opener, codec: str, bufs: list[torch.Tensor], quick: bool
-) -> tuple[list[dict[str, object]], dict[str, Any]]:
-    """Rows of one codec on one tier kind, and its summary entry."""
+) -> tuple[list[dict[str, object]], dict[str, Any], CodecFit | None]:
+    """Rows of one codec on one tier kind, its summary entry, and its fit when lossless."""
     n, chunk = len(bufs), bufs[0].numel()
     coder = ChunkCoder(make_codec(codec), ChunkFormat.of(layout(1), chunk))
     with _opened(open_tier, f"c-{codec}", coder) as ours, _opened(open_tier, "c-raw", None) as raw:
@@ -120,7 +124,8 @@ def _codec_vs_raw(
         "keeps_up": isinstance(fit.verdict, Supported),
         "fit_reasons": [] if isinstance(fit.verdict, Supported) else list(fit.verdict.reasons),
     }  # fmt: skip
-    return [row for m in got for row in rows(m, None)], summary
+    lossless = fit if coder.plan.lossless else None
+    return [row for m in got for row in rows(m, None)], summary, lossless
 
 
 def stored_row(codec: str, ratio: float) -> dict[str, object]:
@@ -137,9 +142,10 @@ def stored_row(codec: str, ratio: float) -> dict[str, object]:
 
 def codec_rows(
     quick: bool, disk_dir: Path, redis_url: str | None
-) -> tuple[list[dict[str, object]], list[dict[str, Any]]]:
+) -> tuple[list[dict[str, object]], list[dict[str, Any]], dict[str, str]]:
     """Every codec but raw on the disk tier (in ``disk_dir``) and, given ``redis_url``, the
-    Redis tier: its ``bench all`` rows and summaries."""
+    Redis tier: its ``bench all`` rows, summaries, and per tier the codec ``auto`` chooses
+    from the lossless codecs' fits there."""
     n = CODEC_CHUNKS[quick]
     bufs = _kv_buffers(n, CODEC_CHUNK)
     fp = layout(1).fingerprint()
@@ -154,10 +160,12 @@ def codec_rows(
         )
     out: list[dict[str, object]] = []
     summaries: list[dict[str, Any]] = []
+    fits: dict[str, list[CodecFit]] = {kind: [] for kind in kinds}
     for codec in (c for c in CODECS if c != "raw"):
         for kind, opener in kinds.items():
-            got, summary = _codec_vs_raw(kind, opener, codec, bufs, quick)
+            got, summary, fit = _codec_vs_raw(kind, opener, codec, bufs, quick)
             out += got
             summaries.append(summary)
+            fits[kind] += [] if fit is None else [fit]
         out.append(stored_row(codec, summaries[-1]["stored_ratio"]))
-    return out, summaries
+    return out, summaries, {kind: codec_name(choose(f)) for kind, f in fits.items()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import statistics
@@ -185,10 +186,13 @@ def write_section(path: Path, result: dict[str, Any]) -> None:
             inside = line.strip().replace(" ", "") == f"[{SECTION}]"
         if not inside:
             kept.append(line)
-    body = [f"[{SECTION}]", "# chosen by `kvplane tune chunks`; not yet used by the tiers",
+    body = [f"[{SECTION}]", "# chosen by `kvplane tune chunks`; `kvplane serve --config` uses it",
             f"block_bytes = {result['block_bytes']}", f"max_overhead = {result['max_overhead']}",
             f"min_chunks = {result['min_chunks']}"]  # fmt: skip
     body += [f"{t}_blocks_per_chunk = {r['blocks_per_chunk']}" for t, r in result["tiers"].items()]
+    gbps = {t: min(r["store"]["gbps"], r["load"]["gbps"]) for t, r in result["tiers"].items()}
+    body += [f"{t}_gbps = {g if math.isfinite(g) else 0.0}"  # inf: the fit saw no bandwidth
+             for t, g in gbps.items() if t != "host"]  # fmt: skip
     text = "\n".join([*kept, *([""] if kept and kept[-1].strip() else []), *body]) + "\n"
     tmp = path.with_name(path.name + ".tune-tmp")
     tmp.write_text(text, encoding="utf-8")

@@ -27,6 +27,19 @@ CODECS: dict[str, Callable[[], ChunkCodec]] = {
 planes), lossy ``fp8`` (per-channel scales), ``fp8-chunk`` (one scale) and ``int8``."""
 
 
+AUTO = "auto"
+"""The tier setting that chooses a lossless codec by measurement (:mod:`.auto`)."""
+
+
+def check_codec_setting(what: str, name: object) -> str:
+    """``name`` when it names a codec or is :data:`AUTO`, else ``ConfigError``."""
+    if name == AUTO:
+        return AUTO
+    if not isinstance(name, str) or name not in CODECS:
+        raise ConfigError(f"{what} {name!r} is not one of {[*CODECS, AUTO]}")
+    return name
+
+
 def check_codec_name(what: str, name: object) -> str:
     """``name`` when it names a codec, else ``ConfigError`` naming ``what`` and the choices."""
     if not isinstance(name, str) or name not in CODECS:
