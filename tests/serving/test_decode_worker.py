@@ -1,5 +1,5 @@
-"""Decode worker edge cases: pairing errors (a prefill rank lacking some of our TP heads is
-refused at pairing), what joins the prefix cache, who marks the prompt computed, and the
+"""Decode worker edge cases: pairing errors (a one-process prefill lacking some of our TP heads
+is refused at pairing), what joins the prefix cache, who marks the prompt computed, and the
 metrics of requests that end before their session opens (bound session ids of either role:
 ``test_prefill_worker.py``)."""
 
@@ -33,10 +33,12 @@ def test_a_malformed_pair_address_is_answered() -> None:
         assert c.router.generate("after", list(range(20))).state == "success"
 
 
-def test_a_prefill_rank_lacking_some_of_our_heads_is_refused_at_pairing() -> None:
-    """The refusal names the heads and comes at pairing: the decode worker then refuses an
-    order naming that prefill before it allocates anything (it used to pair, admit the order,
-    allocate, open the session and fail only at the first slice)."""
+def test_a_one_process_prefill_lacking_some_of_our_heads_is_refused_at_pairing() -> None:
+    """A 1:1 pairing (the prefill advertises no TP × PP placement) must cover our heads: a
+    sender holding only part of them is a gather member only when its placement says its TP is
+    finer than ours (``tests/pd/test_handshake_gather.py``). The refusal names the heads and
+    comes at pairing: the decode worker then refuses an order naming that prefill before it
+    allocates anything."""
     with cluster(GQA, prefill={"head_range": (0, 4)}, decode={"head_range": (1, 3)}) as c:
         narrow = PrefillWorker(
             base_config(name="narrow", head_range=(2, 4)), SyntheticProducer(GQA)

@@ -1,10 +1,11 @@
 """Handshake data: the layout as wire data and the pure compatibility check.
 
-:class:`PeerProfile` (protocol version, model id, one :class:`LayoutInfo` per pool) is what two
-PD peers exchange; :func:`check_compatible` lists every reason two profiles cannot exchange KV
-(the must-match fields, TP heads by :func:`~kvplane.layout.heads_cover`) and
-:func:`compat_fingerprint` digests the must-match fields. No I/O; imports only L0 and the head
-and layer-id rules of ``kvplane.layout``. See docs/pd.md ("Handshake and compatibility").
+:class:`PeerProfile` (protocol version, model id, one :class:`LayoutInfo` per pool, the
+:class:`Placement` of the peer in a TP × PP layout) is what two PD peers exchange;
+:func:`check_compatible` lists every reason two profiles cannot exchange KV and
+:func:`compat_fingerprint` digests the must-match fields. No I/O; imports only L0, the head and
+layer-id rules of ``kvplane.layout`` and the TP head rule of ``kvplane.transfer.resharding``.
+See docs/pd.md ("Handshake and compatibility").
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvplane.errors import InvalidArgumentError
+from kvplane.errors import InvalidArgumentError, LayoutError
 from kvplane.layout import check_layer_ids, heads_cover
+from kvplane.transfer.resharding import tp_head_range
 from kvplane.validators import require_int
 
 __all__ = [  # heads_cover: the one head-coverage rule lives with the layout (L2)
-    "LAYOUT_KINDS", "PROTOCOL_VERSION", "LayoutInfo", "PeerProfile", "Verdict",
+    "LAYOUT_KINDS", "PROTOCOL_VERSION", "LayoutInfo", "PeerProfile", "Placement", "Verdict",
     "check_compatible", "compat_fingerprint", "heads_cover", "uncovered_heads",
 ]  # fmt: skip
 
@@ -33,6 +35,7 @@ LAYOUT_KINDS = ("mha", "gqa", "mla", "state")
 
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+_Ranks = Annotated[int, msgspec.Meta(ge=1, le=1 << 10)]
 
 
 class LayoutInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -103,16 +106,49 @@ class LayoutInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
             ) from exc
 
 
+class Placement(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Which rank of a parallel layout a peer is: TP rank ``tp_rank`` of ``tp_size`` in
+    pipeline stage ``pp_stage`` of ``pp_size``. The default, one process holding the whole
+    model, makes every pairing of the peer 1:1; a larger layout lets a sender be one member of a
+    receiver's gather (see :func:`check_compatible`)."""
+
+    tp_rank: _Count = 0
+    tp_size: _Ranks = 1
+    pp_stage: _Count = 0
+    pp_size: _Ranks = 1
+
+    def __post_init__(self) -> None:
+        require_int("Placement.tp_size", self.tp_size, min=1)
+        require_int("Placement.pp_size", self.pp_size, min=1)
+        require_int("Placement.tp_rank", self.tp_rank, min=0, max=self.tp_size - 1)
+        require_int("Placement.pp_stage", self.pp_stage, min=0, max=self.pp_size - 1)
+
+
 class PeerProfile(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """What a peer announces about itself for the compatibility check."""
+    """What a peer announces about itself for the compatibility check. With ``placement.tp_size
+    > 1`` every pool must hold exactly its rank's heads (:func:`tp_head_range`)."""
 
     protocol_version: int
     model_id: _Name
     layouts: Annotated[tuple[LayoutInfo, ...], msgspec.Meta(min_length=1, max_length=16)]
+    placement: Placement = msgspec.field(default_factory=Placement)
 
     def __post_init__(self) -> None:
         if not self.layouts:
             raise InvalidArgumentError("PeerProfile.layouts must hold at least one layout")
+        at = self.placement
+        if at.tp_size == 1:
+            return
+        for i, lay in enumerate(self.layouts):
+            try:
+                want = tp_head_range(lay.total_heads, at.tp_size, at.tp_rank)
+            except LayoutError as exc:
+                raise InvalidArgumentError(f"PeerProfile pool {i}: {exc}") from None
+            if (lay.head_start, lay.head_end) != want:
+                raise InvalidArgumentError(
+                    f"PeerProfile pool {i}: TP rank {at.tp_rank} of {at.tp_size} holds heads "
+                    f"{want} of {lay.total_heads}, not ({lay.head_start}, {lay.head_end})"
+                )
 
 
 _MUST_MATCH = (
@@ -126,6 +162,10 @@ _MUST_MATCH = (
 )
 
 
+_GEOMETRY = tuple(name for name in _MUST_MATCH if name != "layer_ids")
+"""The must-match fields compared one by one; layer ids have their own rule (pipeline stages)."""
+
+
 def compat_fingerprint(profile: PeerProfile) -> bytes:
     """16-byte digest of exactly the fields two peers must agree on (see module docstring)."""
     pools = [
@@ -136,33 +176,81 @@ def compat_fingerprint(profile: PeerProfile) -> bytes:
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """Result of a compatibility check; ``reasons`` is empty exactly when compatible."""
+    """Result of a compatibility check; ``reasons`` is empty exactly when compatible.
+    ``member``: compatible only as one sender of the receiver's gather (its heads or layers are
+    a part of the receiver's: the other ranks of its layout must fill the rest)."""
 
     compatible: bool
     reasons: tuple[str, ...] = ()
+    member: bool = False
+
+
+def _not_covered(i: int, held: tuple[int, int], needed: tuple[int, int]) -> str:
+    return (
+        f"pool {i} KV heads: the receiver's {needed} are not all in the sender's {held}: "
+        "one sender cannot fill them"
+    )
 
 
 def uncovered_heads(sender: PeerProfile, receiver: PeerProfile) -> list[str]:
-    """One reason per pool whose receiver heads the sender's pool does not all hold (pure)."""
+    """One reason per pool whose receiver heads the sender's pool does not all hold (pure):
+    the head rule of a 1:1 pairing."""
     reasons = []
     for i, (s, r) in enumerate(zip(sender.layouts, receiver.layouts, strict=False)):
         held, needed = (s.head_start, s.head_end), (r.head_start, r.head_end)
         if not heads_cover(held, needed):
-            reasons.append(
-                f"pool {i} KV heads: the receiver's {needed} are not all in the sender's "
-                f"{held}: one sender cannot fill them"
-            )
+            reasons.append(_not_covered(i, held, needed))
     return reasons
+
+
+def _head_judgment(sender: PeerProfile, receiver: PeerProfile) -> tuple[list[str], bool]:
+    """``(reasons, member)`` of the TP heads: each receiver pool covered by the sender's (1:1,
+    or one sender feeding several receivers), or, from a sender of finer TP than the receiver,
+    the sender's heads all inside the receiver's (a gather member); else a reason."""
+    finer = sender.placement.tp_size > receiver.placement.tp_size
+    reasons, member = [], False
+    for i, (s, r) in enumerate(zip(sender.layouts, receiver.layouts, strict=False)):
+        held, needed = (s.head_start, s.head_end), (r.head_start, r.head_end)
+        if heads_cover(held, needed):
+            continue
+        if finer and heads_cover(needed, held):
+            member = True
+        elif sender.placement.tp_size > 1:
+            at = sender.placement
+            reasons.append(
+                f"pool {i} KV heads: the sender's {held} (TP rank {at.tp_rank} of {at.tp_size}) "
+                f"neither cover the receiver's {needed} nor lie inside them with a finer TP"
+            )
+        else:
+            reasons.append(_not_covered(i, held, needed))
+    return reasons, member
+
+
+def _roles(
+    ours: PeerProfile, theirs: PeerProfile, sends: bool | None
+) -> tuple[PeerProfile, PeerProfile]:
+    """``(sender, receiver)`` by ``sends``; unknown (None): ours sends only if ours alone is a
+    pipeline stage (the layer rule then reads the stage as the sender)."""
+    if sends is None:
+        sends = ours.placement.pp_size > 1 and theirs.placement.pp_size == 1
+    return (ours, theirs) if sends else (theirs, ours)
 
 
 def check_compatible(
     ours: PeerProfile, theirs: PeerProfile, claimed: bytes, *, sends: bool | None = None
 ) -> Verdict:
     """Compare two profiles; ``claimed`` is the fingerprint the peer sent with its profile.
-    ``sends``: True when we send KV to this peer (our heads must cover theirs), False when we
-    receive it (theirs must cover ours), None to leave the TP head ranges unchecked.
+    ``sends``: True when we send KV to this peer, False when we receive it, None to leave the TP
+    head ranges unchecked (the layer rule then takes a lone pipeline stage as the sender).
 
-    Pure: no I/O, no state. Every mismatch is named (field, pool index, both values).
+    The rule. Always: protocol, model, pool count and every must-match field but
+    ``layer_ids`` equal, and the L2 layout compat fingerprints equal wherever the layer ids are.
+    Layers: equal, or (the sender a pipeline stage, ``placement.pp_size > 1``) the sender's a
+    proper subset of the receiver's. Heads: the sender's cover the receiver's, or (the sender's
+    TP finer than the receiver's) lie inside them. A sender that holds only part of the receiver's
+    heads or layers is compatible as a gather member (``Verdict.member``); a 1:1 pairing (a
+    sender of placement TP 1 × PP 1) must cover and match. Pure: no I/O, no state. Every
+    mismatch is one line naming the field, the pool index and both values.
     """
     reasons: list[str] = []
     if claimed != compat_fingerprint(theirs):
@@ -175,12 +263,25 @@ def check_compatible(
         reasons.append(f"model_id: ours {ours.model_id!r}, theirs {theirs.model_id!r}")
     if len(theirs.layouts) != len(ours.layouts):
         reasons.append(f"pools: ours {len(ours.layouts)}, theirs {len(theirs.layouts)}")
+    sender, receiver = _roles(ours, theirs, sends)
+    stage = sender.placement.pp_size > 1
+    member = False
     for i, (a, b) in enumerate(zip(ours.layouts, theirs.layouts, strict=False)):
-        for name in _MUST_MATCH:
+        for name in _GEOMETRY:
             va, vb = getattr(a, name), getattr(b, name)
             if va != vb:
                 reasons.append(f"pool {i} {name}: ours {va!r}, theirs {vb!r}")
-        if (
+        s, r = (a, b) if sender is ours else (b, a)
+        if a.layer_ids != b.layer_ids:
+            if stage and set(s.layer_ids) < set(r.layer_ids):
+                member = True
+            else:
+                tail = ": a pipeline stage's layers must be a part of the receiver's"
+                tail = tail if stage else ""
+                reasons.append(
+                    f"pool {i} layer_ids: ours {a.layer_ids!r}, theirs {b.layer_ids!r}{tail}"
+                )
+        elif (
             a.compat_fingerprint
             and b.compat_fingerprint
             and a.compat_fingerprint != b.compat_fingerprint
@@ -190,5 +291,7 @@ def check_compatible(
                 f"theirs {b.compat_fingerprint.hex()}"
             )
     if sends is not None:
-        reasons += uncovered_heads(ours, theirs) if sends else uncovered_heads(theirs, ours)
-    return Verdict(compatible=not reasons, reasons=tuple(reasons))
+        head_reasons, by_heads = _head_judgment(sender, receiver)
+        reasons += head_reasons
+        member = member or by_heads
+    return Verdict(compatible=not reasons, reasons=tuple(reasons), member=member and not reasons)
