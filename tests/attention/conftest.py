@@ -31,7 +31,8 @@ MLAFactory = Callable[..., Inputs]
 
 @pytest.fixture
 def mla_inputs() -> MLAFactory:
-    """``mla_inputs(q_lens, kv_lens, heads=4, ...)`` -> synthetic MLA inputs, pages shuffled."""
+    """``mla_inputs(q_lens, kv_lens, heads=4, ...)`` -> synthetic MLA inputs, pages shuffled
+    (``window``: a sliding-window problem)."""
 
     def make(
         q_lens: Sequence[int],
@@ -47,12 +48,13 @@ def mla_inputs() -> MLAFactory:
         nope: int | None = None,
         v_dim: int | None = None,
         seed: int = 0,
+        window: int | None = None,
     ) -> Inputs:
         meta, pages = synthetic_metadata(q_lens, kv_lens, page_size, shuffle_seed=seed + 1)
         shape = MLAShape(heads, rank, rope, nope, v_dim)
         return make_mla_inputs(
             meta, pages, shape, dtype=dtype, sm_scale=(rank + rope) ** -0.5, causal=causal,
-            layout=layout, seed=seed,
+            layout=layout, seed=seed, window=window,
         )  # fmt: skip
 
     return make

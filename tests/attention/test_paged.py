@@ -116,3 +116,27 @@ def test_gather_group_reads_only_its_requests_and_zeroes_the_tail() -> None:
         want = pool[table[b, :3].long()].reshape(6)
         assert kv[b, :n, 0].tolist() == want[:n].tolist()
         assert kv[b, n:, 0].tolist() == [0.0] * (6 - n)
+
+
+def test_a_window_sets_lows_masks_groups_and_zeroes_below_them() -> None:
+    """Window 3: request 0 (rows at 6, 7) reads keys from 4 on; request 1 (kv 2) from 0;
+    request 2 (no query) nothing, so its low is its kv_len."""
+    meta, pages = synthetic_metadata([2, 1, 0], [8, 2, 4], 2, shuffle_seed=1)
+    s = meta.structure()
+    idx = build_batch_index(meta, s, True, torch.device("cpu"), window=3)
+    assert idx.lows.tolist() == [4, 0, 4]
+    assert build_batch_index(meta, s, True, torch.device("cpu")).lows.tolist() == [0, 0, 0]
+    assert batch_groups(s, True, 10, 1, window=3, lows=idx.lows) == (
+        BatchGroup(0, 1, 4, True, 2),  # from page 2 (key 4); row 7's window starts at 5
+        BatchGroup(1, 2, 1, False),  # kv 2 < window: no key is cut
+        BatchGroup(2, 3, 2, False, 2),  # nothing to read
+    )
+    assert batch_groups(s, True, 10, 1 << 20, window=3, lows=idx.lows) == (
+        BatchGroup(0, 3, 4, True, 0),  # request 1 reads from key 0
+    )
+    pool = torch.arange(pages * 2, dtype=torch.float32).view(pages, 2, 1) + 100
+    want = pool[meta.dense().block_table[0, :4].long()].reshape(8)
+    kv = gather_group(pool, idx, BatchGroup(0, 1, 4, True, 2), torch.empty(64))
+    assert kv[0, :, 0].tolist() == want[4:].tolist()  # only pages 2 and 3 are read
+    kv = gather_group(pool, idx, BatchGroup(0, 2, 4, True, 0), torch.empty(64))
+    assert kv[0, :, 0].tolist() == [0.0] * 4 + want[4:].tolist()  # below request 0's low

@@ -21,6 +21,7 @@ from kvplane.attention import (
     gqa_problem,
     mla_problem,
 )
+from kvplane.attention.problem import window_starts
 from kvplane.attention.synthetic import synthetic_metadata
 from kvplane.errors import BackendError, InvalidArgumentError
 
@@ -201,3 +202,19 @@ def test_up_projection_dtype_must_match_the_query_at_build() -> None:
         mla_problem(
             MLAQuery.packed(torch.randn(3, 2, 16), 8), cache, meta, sm_scale=0.2, causal=True
         )
+
+
+def test_window_starts_are_transformers_sliding_window() -> None:
+    """Row limits ``[5, 1, 0, 9]`` (positions 4, 0, padding, 8) under window 3 see from keys
+    2, 0, 0 and 6 on; without a window from 0. Equal, key by key, to transformers' mask."""
+    limits = torch.tensor([[5, 1, 0, 9]])
+    assert window_starts(limits, 3).tolist() == [[2, 0, 0, 6]]
+    assert window_starts(limits, None).tolist() == [[0, 0, 0, 0]]
+    masking = pytest.importorskip("transformers.masking_utils")
+    for window in (1, 3, 4):
+        hf = masking.sliding_window_causal_mask_function(window)
+        zero, keys = torch.tensor(0), range(10)
+        for q in range(10):
+            first = int(window_starts(torch.tensor([q + 1]), window))
+            sees = [bool(hf(zero, zero, torch.tensor(q), torch.tensor(k))) for k in keys]
+            assert sees == [first <= k <= q for k in keys]

@@ -131,7 +131,9 @@ def test_window_is_a_capability_only_backends_that_declare_it_take() -> None:
     verdicts = {b.name: b.check(problem) for b in default_registry()}
     assert isinstance(verdicts["gqa_torch"], Supported)
     assert isinstance(verdicts["gqa_reference"], Supported)
-    assert "sliding window 16 not supported" in str(verdicts["mha"])
+    triton = default_registry().get("triton").check(problem)
+    assert "sliding window 16 not supported" in str(triton)  # not declared
+    assert "sliding window" not in str(verdicts["mha"])  # declared: only the kind is wrong
     with pytest.raises(InvalidArgumentError, match="needs a causal problem"):
         gqa_problem(q, kv.gqa(0), batch.metadata, sm_scale=1.0, causal=False, window=16)
     with pytest.raises(InvalidArgumentError, match="window"):

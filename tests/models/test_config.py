@@ -11,7 +11,7 @@ from models_testlib import small_deepseek, small_llama, small_moe
 
 from kvplane.errors import CheckpointError
 from kvplane.models import DeepSeekConfig, Family, LlamaConfig, RopeSpec, RopeStyle, config_from_hf
-from kvplane.models.config import DEEPSEEK_V2, DEEPSEEK_V3
+from kvplane.models.config import DEEPSEEK_V2, DEEPSEEK_V3, FULL, MISTRAL, QWEN2, SLIDING
 
 YARN = RopeSpec(
     10000.0,
@@ -25,6 +25,9 @@ YARN = RopeSpec(
     [
         small_llama(),
         small_llama(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, num_kv_heads=4),
+        small_llama(architecture=MISTRAL, sliding_window=5),
+        small_llama(architecture=QWEN2, sliding_window=5, layer_types=(FULL, SLIDING)),
+        small_llama(architecture=QWEN2, layer_types=(FULL, FULL)),
         small_deepseek(v3=True),
         small_deepseek(v3=True, moe=False, q_lora_rank=None, rope=YARN),
         small_deepseek(v3=True, rope_interleave=False),
@@ -74,6 +77,12 @@ def _llama(**changes: Any) -> dict[str, Any]:
     return d
 
 
+def _qwen2(**changes: Any) -> dict[str, Any]:
+    d = small_llama(architecture=QWEN2, sliding_window=6).to_hf()
+    d.update(changes)
+    return d
+
+
 @pytest.mark.parametrize(
     ("config", "words"),
     [
@@ -92,11 +101,35 @@ def _llama(**changes: Any) -> dict[str, Any]:
         (_llama(rms_norm_eps=10**400), "'rms_norm_eps' must be a finite number >= 0"),
         (_llama(rope_scaling="yarn", rope_parameters=None), "rope_scaling must be an object"),
         (_llama(attention_bias="yes"), "attention_bias"),
+        (_qwen2(layer_types=[FULL]), "'layer_types' must give .* each of the 2 layers"),
+        (_qwen2(layer_types=[FULL, "chunked_attention"]), "'chunked_attention'"),
+        (_qwen2(layer_types="full_attention"), "'layer_types' must be a list"),
+        (_qwen2(attention_bias=True), "no attention_bias field"),
     ],
 )
 def test_bad_llama_configs_name_the_key(config: dict[str, Any], words: str) -> None:
     with pytest.raises(CheckpointError, match=words):
         config_from_hf(config)
+
+
+def test_qwen2_layer_windows_read_as_transformers_does() -> None:
+    """``layer_types`` as given; without it, sliding from ``max_window_layers`` on, and only
+    with ``use_sliding_window``; q/k/v biases, no o bias."""
+    given = config_from_hf(_qwen2(layer_types=[SLIDING, FULL]))
+    assert isinstance(given, LlamaConfig) and given.qkv_bias and not given.attention_bias
+    assert [given.layer_window(i) for i in range(2)] == [6, None]
+    computed = _qwen2(max_window_layers=1, layer_types=None)
+    cfg = config_from_hf(computed)
+    assert isinstance(cfg, LlamaConfig) and cfg.layer_types == (FULL, SLIDING)
+    off = config_from_hf({**computed, "use_sliding_window": False})
+    assert isinstance(off, LlamaConfig) and off.sliding_window is None
+    assert [off.layer_window(i) for i in range(2)] == [None, None]
+    mistral = small_llama(architecture=MISTRAL, sliding_window=5)
+    assert [mistral.layer_window(i) for i in range(2)] == [5, 5] and not mistral.qkv_bias
+    with pytest.raises(CheckpointError, match="sliding_window is not a field of LlamaForCausal"):
+        small_llama(sliding_window=4)
+    with pytest.raises(CheckpointError, match="layer_types is not a field of MistralForCausal"):
+        small_llama(architecture=MISTRAL, layer_types=(FULL, FULL))
 
 
 def _ds(**changes: Any) -> dict[str, Any]:

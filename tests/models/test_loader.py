@@ -150,10 +150,10 @@ def test_tensor_the_config_does_not_use(tmp_path: Path) -> None:
 def test_unsupported_architecture(tmp_path: Path) -> None:
     save_checkpoint(small_llama(), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["architectures"] = ["Qwen2ForCausalLM"]
+    config["architectures"] = ["Gemma2ForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        CheckpointError, match="'Qwen2ForCausalLM' is not supported; supported: LlamaForCausalLM"
+        CheckpointError, match="'Gemma2ForCausalLM' is not supported; supported: LlamaForCausalLM"
     ):
         load_model(tmp_path)
 

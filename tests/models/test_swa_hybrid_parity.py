@@ -1,4 +1,5 @@
-"""Parity with transformers for the sliding-window (Mistral) and hybrid (Bamba) models: tiny
+"""Parity with transformers for the sliding-window (Mistral; Qwen2 with per-layer windows) and
+hybrid (Bamba) models: tiny
 random-init HF models saved with ``save_pretrained`` load through kvplane's loader and give the
 same logits (float32 tolerance) and the same greedy tokens for prompts longer than the window,
 whatever the prefill step size; the window mask ignores keys older than the window (exact)."""
@@ -30,6 +31,11 @@ def _mistral(**kw: Any) -> Any:
     return transformers.MistralForCausalLM(cfg)
 
 
+def _qwen2(**kw: Any) -> Any:
+    cfg = transformers.Qwen2Config(**{**_BASE, "use_sliding_window": True, **kw})
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
 def _bamba(**kw: Any) -> Any:
     base = {
         **_BASE, "num_hidden_layers": 3, "attn_layer_indices": [1], "mamba_n_heads": 8,
@@ -41,6 +47,13 @@ def _bamba(**kw: Any) -> Any:
 CASES = {
     "mistral-swa16": _mistral,
     "mistral-swa8-mqa": lambda: _mistral(sliding_window=8, num_key_value_heads=1),
+    "qwen2-full-then-swa8": lambda: _qwen2(
+        num_hidden_layers=3, sliding_window=8, max_window_layers=1
+    ),  # layer_types full, sliding, sliding
+    "qwen2-swa-full-tied": lambda: _qwen2(
+        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=True,
+    ),
     "bamba-1attn-2groups": _bamba,
     "bamba-2attn-tied-bias": lambda: _bamba(
         num_hidden_layers=4, attn_layer_indices=[0, 3], mamba_n_groups=1, mamba_conv_bias=False,
@@ -112,3 +125,16 @@ def test_window_ignores_keys_older_than_the_window() -> None:
     assert {p.backend for p in model.last_plans} == {
         "gqa_torch"
     }  # the fast backend honours the window
+
+
+def test_qwen2_layers_plan_their_own_windows(tmp_path: Path) -> None:
+    """Qwen2's ``layer_types`` reach the problems: a step plans once for its full layer (no
+    window) and once for its two sliding layers (``sliding_window``), all on the fast GQA
+    backend without a fallback."""
+    torch.manual_seed(0)
+    _qwen2(num_hidden_layers=3, sliding_window=8, max_window_layers=1).save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    _prefill(model, list(range(1, 30)), [29])
+    assert [p.problem.window for p in model.last_plans] == [None, 8]
+    assert {p.backend for p in model.last_plans} == {"gqa_torch"}
+    assert model.selector.fallback_ratio == 0.0

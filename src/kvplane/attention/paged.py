@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvplane.attention.metadata import PagedStructure, PlanMetadata, QueryClass
-from kvplane.attention.problem import AttentionResult, LSEBase
+from kvplane.attention.problem import AttentionResult, LSEBase, window_starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +25,7 @@ class BatchIndex:
     pages: torch.Tensor  # [B, max_pages] int64, padding entries 0
     kv_lens: torch.Tensor  # [B] int64
     limits: torch.Tensor  # [B, t_max] int64
+    lows: torch.Tensor  # [B] int64 first key some row sees (window; else 0): below it is unread
     q_rows: torch.Tensor | None  # [B, t_max] int64 rows of T (None: uniform, a view suffices)
     out_rows: torch.Tensor | None  # [T] int64 rows of the flattened padded batch
 
@@ -37,14 +38,20 @@ class BatchIndex:
         """The same batch with requests reordered by ``order`` (queries must be padded first)."""
         return BatchIndex(
             self.batch, self.t_max, self.page_size, self.pages[order], self.kv_lens[order],
-            self.limits[order], None, None,
+            self.limits[order], self.lows[order], None, None,
         )  # fmt: skip
 
 
 def build_batch_index(
-    metadata: PlanMetadata, structure: PagedStructure, causal: bool, device: torch.device
+    metadata: PlanMetadata,
+    structure: PagedStructure,
+    causal: bool,
+    device: torch.device,
+    window: int | None = None,
 ) -> BatchIndex:
-    """Vectorised construction of a :class:`BatchIndex` from validated metadata."""
+    """Vectorised construction of a :class:`BatchIndex` from validated metadata; under a
+    sliding ``window`` its ``lows`` are each request's first key some row sees (``kv_len``
+    when no row sees any), else 0."""
     dense = metadata.dense()
     b, t_max = structure.batch_size, structure.max_q_len
     need = torch.tensor(structure.pages_needed, dtype=torch.long)
@@ -61,6 +68,10 @@ def build_batch_index(
     else:
         limits = kv[:, None].expand(b, t_max)
     limits = torch.where(real, limits, 0)
+    lows = torch.zeros_like(kv)
+    if window is not None:
+        first = window_starts(limits, window)
+        lows = torch.cat([torch.where(limits > first, first, kv[:, None]), kv[:, None]], 1).amin(1)
     q_rows = out_rows = None
     if structure.query_class is QueryClass.VARLEN:
         starts = torch.cumsum(ql, 0) - ql
@@ -68,22 +79,24 @@ def build_batch_index(
         out_rows = real.flatten().nonzero().flatten().to(device)
     return BatchIndex(
         b, t_max, structure.page_size, pages.to(device), kv.to(device), limits.to(device),
-        q_rows, out_rows,
+        lows.to(device), q_rows, out_rows,
     )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class BatchGroup:
-    """Requests ``[lo, hi)`` of a padded batch, over their first ``pages`` page columns.
+    """Requests ``[lo, hi)`` of a padded batch, over page columns ``[first, pages)``.
 
-    ``masked``: some real query row of the group sees fewer than ``pages * page_size`` keys (a
-    shorter request or causality), so the group needs a visibility mask.
+    ``masked``: some real query row of the group sees other keys than all of those (a shorter
+    request, causality or a sliding window), so the group needs a visibility mask. ``first``:
+    the columns below it hold only keys no row of the group sees (a sliding window passed them).
     """
 
     lo: int
     hi: int
     pages: int
     masked: bool
+    first: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +108,21 @@ class GroupedBatch:
 
 
 def batch_groups(
-    structure: PagedStructure, causal: bool, token_bytes: int, budget_bytes: int, align: int = 1
+    structure: PagedStructure,
+    causal: bool,
+    token_bytes: int,
+    budget_bytes: int,
+    align: int = 1,
+    *,
+    window: int | None = None,
+    lows: torch.Tensor | None = None,
 ) -> tuple[BatchGroup, ...]:
     """Consecutive groups of requests whose gathered KV (``token_bytes`` per position, padded to
     the longest request of the batch) fits ``budget_bytes``; at least one request per group, a
     multiple of ``align`` requests when more than ``align`` fit (so the groups split evenly over
-    ``align`` threads)."""
+    ``align`` threads). Under a sliding ``window`` a group starts at the page of its requests'
+    least :attr:`BatchIndex.lows`; it is masked when a real row sees fewer keys than the group
+    holds or its window starts after the group's first key."""
     ps, b = structure.page_size, structure.batch_size
     need = torch.tensor(structure.pages_needed, dtype=torch.long)
     fit = budget_bytes // max(1, int(need.max()) * ps * token_bytes)
@@ -110,12 +132,17 @@ def batch_groups(
     # the fewest keys a real row of each request sees (causal: its first row)
     least = torch.clamp(kv - ql + 1, min=0) if causal else kv
     least = torch.where(ql > 0, least, torch.iinfo(torch.long).max)
-    starts = range(0, b, n)
-    pages = [int(need[lo : lo + n].max()) for lo in starts]
-    return tuple(
-        BatchGroup(lo, min(b, lo + n), w, bool((least[lo : lo + n] < w * ps).any()))
-        for lo, w in zip(starts, pages, strict=True)
-    )
+    # the last row of a request sees every key below kv_len: the latest window start of its rows
+    top = window_starts(torch.where(ql > 0, kv, 0), window)
+    low = torch.zeros_like(kv) if lows is None else lows.cpu()
+    groups = []
+    for lo in range(0, b, n):
+        hi = min(b, lo + n)
+        w = int(need[lo:hi].max())
+        first = min(w, int(low[lo:hi].min()) // ps)
+        masked = bool((least[lo:hi] < w * ps).any() or (top[lo:hi] > first * ps).any())
+        groups.append(BatchGroup(lo, hi, w, masked, first))
+    return tuple(groups)
 
 
 def pad_queries(x: torch.Tensor, index: BatchIndex) -> torch.Tensor:
@@ -167,11 +194,16 @@ def gather_pages(
     return got.view(n, k * pool.shape[1], *pool.shape[2:])
 
 
-def zero_invalid(kv: torch.Tensor, start: int, kv_lens: torch.Tensor) -> None:
-    """Zero, in place, the rows of ``kv [n, S, ...]`` at positions ``>= kv_lens`` (``start`` =
-    position of row 0). Only rows that need it are touched when the tail is short."""
+def zero_invalid(
+    kv: torch.Tensor, start: int, kv_lens: torch.Tensor, lows: torch.Tensor | None = None
+) -> None:
+    """Zero, in place, the rows of ``kv [n, S, ...]`` at positions ``>= kv_lens`` or ``< lows``
+    (keys no row reads, which may hold anything: ``start`` = position of row 0). Only rows that
+    need it are touched when the tail is short."""
     pos = start + torch.arange(kv.shape[1], device=kv.device)
     bad = pos[None, :] >= kv_lens[:, None]
+    if lows is not None:
+        bad |= pos[None, :] < lows[:, None]
     if bool(bad.any()):
         kv[bad] = 0
 
@@ -179,10 +211,12 @@ def zero_invalid(kv: torch.Tensor, start: int, kv_lens: torch.Tensor) -> None:
 def gather_group(
     pool: torch.Tensor, index: BatchIndex, group: BatchGroup, out: torch.Tensor
 ) -> torch.Tensor:
-    """The group's KV ``[n, pages * page_size, ...]`` gathered into the flat buffer ``out`` (at
-    least that many elements), positions past each request's ``kv_len`` zeroed."""
-    kv = gather_pages(pool, index.pages[group.lo : group.hi, : group.pages], out=out)
-    zero_invalid(kv, 0, index.kv_lens[group.lo : group.hi])
+    """The group's KV ``[n, (pages - first) * page_size, ...]`` (from position ``first *
+    page_size``) gathered into the flat buffer ``out`` (at least that many elements), positions
+    past each request's ``kv_len`` or below its ``lows`` zeroed."""
+    rows = slice(group.lo, group.hi)
+    kv = gather_pages(pool, index.pages[rows, group.first : group.pages], out=out)
+    zero_invalid(kv, group.first * index.page_size, index.kv_lens[rows], index.lows[rows])
     return kv
 
 
@@ -190,12 +224,12 @@ def visible(
     limits: torch.Tensor, start: int, length: int, window: int | None = None
 ) -> torch.Tensor:
     """``[n, t, length]`` bool: may padded query row see key position ``start + s``. A row
-    sees the keys below its limit; with a sliding ``window`` only the last ``window`` of them
-    (a query at position ``p`` has limit ``p + 1`` and sees ``(p - window, p]``)."""
+    sees the keys below its limit; with a sliding ``window`` only those from its
+    :func:`~kvplane.attention.problem.window_starts` on."""
     pos = (start + torch.arange(length, device=limits.device))[None, None, :]
     seen = pos < limits[:, :, None]
     if window is not None:
-        seen &= pos >= limits[:, :, None] - window
+        seen &= pos >= window_starts(limits, window)[:, :, None]
     return seen
 
 

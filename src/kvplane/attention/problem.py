@@ -198,6 +198,16 @@ def _up_proj_placement(up: MLAUpProjection, dtype: torch.dtype, device: torch.de
     return f"up_proj is {up.w_uk.dtype}@{up.w_uk.device}"
 
 
+def window_starts(limits: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The first key position each query row sees, for rows that see the keys below ``limits``
+    (an int tensor of any shape; a causal query at position ``p`` has limit ``p + 1``): a
+    ``window`` keeps ``[limit - window, limit)``, i.e. ``(p - window, p]`` as transformers'
+    sliding window does, clamped at 0; ``0`` without a window. The one home of this rule."""
+    if window is None:
+        return torch.zeros_like(limits)
+    return torch.clamp(limits - window, min=0)
+
+
 def _check_heads(name: str, heads: int, expected: int) -> None:
     if heads != expected:
         raise InvalidArgumentError(f"{name} has {heads} heads, expected {expected}")
@@ -211,6 +221,7 @@ def mla_problem(
     sm_scale: float,
     causal: bool,
     absorbed: bool | None = None,
+    window: int | None = None,
 ) -> AttentionProblem:
     """Describe an MLA call: absorbed (a latent query, nope dim ``r``) or non-absorbed (a
     per-head query, nope dim ``up_proj.qk_nope_dim``, decompressed through ``cache.up_proj``).
@@ -218,7 +229,8 @@ def mla_problem(
     ``absorbed`` says which; it is required when the shapes cannot tell (``cache.up_proj`` set
     and ``qk_nope_dim == kv_lora_rank``, where both queries are ``[T, H, r + p]``), and when
     given it must fit the shapes. The kind is never guessed. A non-absorbed call's ``up_proj``
-    must have the query's heads, dtype and device.
+    must have the query's heads, dtype and device. ``window`` (causal only) limits each query
+    to its ``window`` most recent keys.
     """
     if query.dtype != cache.data.dtype or query.device != cache.data.device:
         raise InvalidArgumentError(
@@ -240,7 +252,9 @@ def mla_problem(
         )
     _check_structure(metadata, cache.page_size, query.num_tokens)
     layout = QueryLayout.PACKED if query.packed_data is not None else QueryLayout.SPLIT
-    return AttentionProblem(shape, metadata, query.dtype, query.device, sm_scale, causal, layout)
+    return AttentionProblem(
+        shape, metadata, query.dtype, query.device, sm_scale, causal, layout, window
+    )
 
 
 def _decompression(

@@ -96,8 +96,10 @@ def make_mla_inputs(
     layout: QueryLayout = QueryLayout.PACKED,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    window: int | None = None,
 ) -> Inputs:
-    """Seeded random MLA query/cache (with ``up_proj`` for a non-absorbed ``shape``)."""
+    """Seeded random MLA query/cache (with ``up_proj`` for a non-absorbed ``shape``;
+    ``window``: a sliding-window problem)."""
     randn = _sampler(dtype, device, seed)
     t, h = metadata.structure().num_tokens, shape.num_heads
     r, p = shape.kv_lora_rank, shape.rope_dim
@@ -115,8 +117,9 @@ def make_mla_inputs(
     else:
         query = MLAQuery.split(randn((t, h, nope)), randn((t, h, p)))
     problem = mla_problem(
-        query, cache, metadata, sm_scale=sm_scale, causal=causal, absorbed=shape.absorbed
-    )
+        query, cache, metadata, sm_scale=sm_scale, causal=causal, absorbed=shape.absorbed,
+        window=window,
+    )  # fmt: skip
     return Inputs(problem, query, cache)
 
 
@@ -152,8 +155,9 @@ def twin(problem: AttentionProblem, *, seed: int = 0) -> Inputs:
         return make_mla_inputs(
             meta, pages, problem.shape, dtype=problem.dtype, sm_scale=problem.sm_scale,
             causal=problem.causal, layout=problem.query_layout, device=problem.device, seed=seed,
+            window=problem.window,
         )  # fmt: skip
     return make_gqa_inputs(
         meta, pages, problem.shape, dtype=problem.dtype, sm_scale=problem.sm_scale,
-        causal=problem.causal, device=problem.device, seed=seed,
+        causal=problem.causal, device=problem.device, seed=seed, window=problem.window,
     )  # fmt: skip

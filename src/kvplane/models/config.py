@@ -1,4 +1,4 @@
-"""Model configs: the Llama (and Mistral) and DeepSeek-V2/V3 families (Bamba's lives in
+"""Model configs: the Llama (with Mistral and Qwen2) and DeepSeek-V2/V3 families (Bamba's lives in
 ``bamba_config``), parsed from (and written to) HF ``config.json`` dicts with every field
 validated.
 
@@ -25,10 +25,29 @@ from kvplane.models.hf_fields import require_silu as _silu
 from kvplane.models.rope import RopeSpec, RopeStyle
 
 MISTRAL = "MistralForCausalLM"
-LLAMA_ARCHITECTURES = ("LlamaForCausalLM", MISTRAL)
+QWEN2 = "Qwen2ForCausalLM"
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", MISTRAL, QWEN2)
+WINDOWED = (MISTRAL, QWEN2)
+"""The Llama-family architectures with a ``sliding_window`` field."""
+SLIDING, FULL = "sliding_attention", "full_attention"
+"""transformers' ``layer_types`` entries."""
 DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, DEEPSEEK_V2, DEEPSEEK_V3, BAMBA)
+
+
+def _qwen2_windows(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen2's window fields as transformers reads them: ``sliding_window`` only with
+    ``use_sliding_window``; ``layer_types`` as given, else sliding from layer
+    ``max_window_layers`` on where there is a window."""
+    window = _opt_int(d, "sliding_window") if _bool(d, "use_sliding_window", False) else None
+    types = d.get("layer_types")
+    if types is None:
+        n, first = _int(d, "num_hidden_layers"), _int(d, "max_window_layers", 28, minimum=0)
+        types = [SLIDING if window is not None and i >= first else FULL for i in range(n)]
+    if not isinstance(types, list):
+        raise CheckpointError(f"config.json 'layer_types' must be a list, got {types!r}")
+    return {"sliding_window": window, "layer_types": tuple(types)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,17 +55,32 @@ class LlamaConfig(DecoderConfig):
     """A Llama-family decoder: RMSNorm, NEOX RoPE, GQA attention, SwiGLU MLP.
 
     ``MistralForCausalLM`` is the same decoder with an optional ``sliding_window``: every layer
-    attends to at most that many most recent keys (itself included).
+    attends to at most that many most recent keys (itself included). ``Qwen2ForCausalLM`` adds
+    q/k/v biases (never an o bias) and per-layer ``layer_types``: only its ``sliding_attention``
+    layers have the window (:meth:`layer_window`).
     """
 
     num_kv_heads: int
     head_dim: int
     architecture: str = "LlamaForCausalLM"
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.sliding_window is not None and self.architecture != MISTRAL:
-            raise CheckpointError(f"sliding_window is a {MISTRAL} field, not {self.architecture}")
+        arch = self.architecture
+        if self.sliding_window is not None and arch not in WINDOWED:
+            raise CheckpointError(f"sliding_window is not a field of {arch}")
+        if arch == QWEN2 and self.attention_bias:
+            raise CheckpointError(f"{QWEN2} has q/k/v biases and no attention_bias field")
+        types = self.layer_types
+        if types is not None:
+            if arch != QWEN2:
+                raise CheckpointError(f"layer_types is not a field of {arch}")
+            if len(types) != self.num_layers or not set(types) <= {SLIDING, FULL}:
+                raise CheckpointError(
+                    f"config.json 'layer_types' must give {SLIDING!r} or {FULL!r} for each of "
+                    f"the {self.num_layers} layers, got {list(types)!r}"
+                )
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads {self.num_heads} is not a multiple of "
@@ -59,6 +93,17 @@ class LlamaConfig(DecoderConfig):
     def family(self) -> Family:
         return Family.LLAMA
 
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the q/k/v projections have a bias (Qwen2's always do)."""
+        return self.attention_bias or self.architecture == QWEN2
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer ``i``'s sliding window: ``sliding_window`` where ``layer_types`` is unset
+        (Mistral) or says ``sliding_attention``; ``None`` (full attention) otherwise."""
+        types = self.layer_types
+        return self.sliding_window if types is None or types[i] == SLIDING else None
+
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> LlamaConfig:
         _silu(d)
@@ -66,6 +111,10 @@ class LlamaConfig(DecoderConfig):
         heads = _int(d, "num_attention_heads")
         head_dim = d.get("head_dim") or _int(d, "hidden_size") // heads
         max_pos = _int(d, "max_position_embeddings", 2048)
+        windows: dict[str, Any] = (
+            _qwen2_windows(d) if arch == QWEN2
+            else {"sliding_window": _opt_int(d, "sliding_window") if arch == MISTRAL else None}
+        )  # fmt: skip
         return cls.from_hf_fields(
             d,
             eps=1e-6,
@@ -74,13 +123,23 @@ class LlamaConfig(DecoderConfig):
             rope=RopeSpec.from_hf(d, max_pos),
             max_position_embeddings=max_pos,
             architecture=arch,
-            sliding_window=_opt_int(d, "sliding_window") if arch == MISTRAL else None,
+            **windows,
         )
 
     def to_hf(self) -> dict[str, Any]:
-        mistral = self.architecture == MISTRAL
-        extra = {"sliding_window": self.sliding_window} if mistral else {}
-        return extra | self.decoder_hf("mistral" if mistral else "llama") | {
+        arch = self.architecture
+        extra: dict[str, Any] = {"sliding_window": self.sliding_window} if arch == MISTRAL else {}
+        if arch == QWEN2:
+            extra = {
+                "use_sliding_window": self.sliding_window is not None,
+                "sliding_window": self.sliding_window,
+                "layer_types": [
+                    FULL if self.layer_window(i) is None else SLIDING
+                    for i in range(self.num_layers)
+                ],
+            }
+        model_type = {MISTRAL: "mistral", QWEN2: "qwen2"}.get(arch, "llama")
+        return extra | self.decoder_hf(model_type) | {
             "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
         }  # fmt: skip
 

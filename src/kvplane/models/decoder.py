@@ -41,12 +41,13 @@ class DecoderOptions(TypedDict, total=False):
 
 
 class StepAttention:
-    """Plans attention once per (step, kind) and runs the plan for each layer."""
+    """Plans attention once per (step, kind, sliding window) and runs the plan for each layer
+    (layers with different windows, as Qwen2's ``layer_types`` give, plan apart)."""
 
     def __init__(self, selector: Selector, backend: str) -> None:
         self._selector = selector
         self._backend = backend
-        self._plans: dict[AttentionKind, Plan] = {}
+        self._plans: dict[tuple[AttentionKind, int | None], Plan] = {}
 
     @property
     def plans(self) -> tuple[Plan, ...]:
@@ -54,10 +55,11 @@ class StepAttention:
         return tuple(self._plans.values())
 
     def run(self, problem: AttentionProblem, query: object, cache: object) -> AttentionResult:
-        plan = self._plans.get(problem.kind)
+        key = (problem.kind, problem.window)
+        plan = self._plans.get(key)
         if plan is None:
             plan = self._selector.plan(problem, self._backend)
-            self._plans[problem.kind] = plan
+            self._plans[key] = plan
         return self._selector.registry.get(plan.backend).run(plan, query, cache)
 
 

@@ -1,8 +1,8 @@
-"""The Llama-family decoder (``LlamaForCausalLM``, ``MistralForCausalLM``) over a paged GQA KV
-cache.
+"""The Llama-family decoder (``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM``) over a paged GQA KV cache.
 
-RMSNorm, NEOX RoPE, GQA over the ``gqa_*`` backends (Mistral's sliding window is the problem's
-``window``), SwiGLU; HF weight names. See docs/attention.md.
+RMSNorm, NEOX RoPE, GQA over the ``gqa_*`` backends (each layer's sliding window, if any, is
+its problem's ``window``), SwiGLU; HF weight names. See docs/attention.md.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ class LlamaLayer:
     @classmethod
     def load(cls, src: TensorSource, cfg: LlamaConfig, i: int) -> LlamaLayer:
         p = f"model.layers.{i}"
-        hid, d, b = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        hid, d, b, qkv = cfg.hidden_size, cfg.head_dim, cfg.attention_bias, cfg.qkv_bias
         return cls(
             input_norm=RMSNorm.load(src, f"{p}.input_layernorm", hid, cfg.rms_norm_eps),
-            q=Linear.load(src, f"{p}.self_attn.q_proj", cfg.num_heads * d, hid, b),
-            k=Linear.load(src, f"{p}.self_attn.k_proj", cfg.num_kv_heads * d, hid, b),
-            v=Linear.load(src, f"{p}.self_attn.v_proj", cfg.num_kv_heads * d, hid, b),
+            q=Linear.load(src, f"{p}.self_attn.q_proj", cfg.num_heads * d, hid, qkv),
+            k=Linear.load(src, f"{p}.self_attn.k_proj", cfg.num_kv_heads * d, hid, qkv),
+            v=Linear.load(src, f"{p}.self_attn.v_proj", cfg.num_kv_heads * d, hid, qkv),
             o=Linear.load(src, f"{p}.self_attn.o_proj", hid, cfg.num_heads * d, b),
             post_norm=RMSNorm.load(src, f"{p}.post_attention_layernorm", hid, cfg.rms_norm_eps),
             mlp=SwiGLU.load(src, f"{p}.mlp", hid, cfg.intermediate_size, cfg.mlp_bias),
@@ -88,7 +88,7 @@ class LlamaModel(PagedDecoder):
             query, cache = GQAQuery(q), kv.gqa(i)
             problem = gqa_problem(
                 query, cache, batch.metadata, sm_scale=d**-0.5, causal=True,
-                window=c.sliding_window,
+                window=c.layer_window(i),
             )  # fmt: skip
             out = attention.run(problem, query, cache).out
             x = x + layer.o(out.reshape(t, c.num_heads * d))

@@ -55,10 +55,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def torch_capabilities(kind: AttentionKind) -> Capabilities:
     """The torch backends' capabilities: ``kind`` on CPU or CUDA in :data:`CPU_DTYPES`, any
-    query class, causality and query layout, LSE base e."""
+    query class, causality, query layout and sliding window, LSE base e."""
     return Capabilities(
         kinds=frozenset({kind}), devices=frozenset({"cpu", "cuda"}), dtypes=CPU_DTYPES,
-        lse_base=LSEBase.E,
+        lse_base=LSEBase.E, sliding_window=True,
     )  # fmt: skip
 
 
@@ -70,8 +70,11 @@ def grouped_batch(
     torch's intra-op threads when possible."""
     cdt = compute_dtype(problem.dtype)
     size = problem.dtype.itemsize + (0 if cdt == problem.dtype else cdt.itemsize)
-    index = build_batch_index(problem.metadata, s, problem.causal, problem.device)
-    groups = batch_groups(s, problem.causal, width * size, group_bytes, torch.get_num_threads())
+    index = build_batch_index(problem.metadata, s, problem.causal, problem.device, problem.window)
+    threads, window = torch.get_num_threads(), problem.window
+    groups = batch_groups(
+        s, problem.causal, width * size, group_bytes, threads, window=window, lows=index.lows
+    )
     return GroupedBatch(index, groups)
 
 
@@ -130,13 +133,15 @@ class Scratch:
 
 @dataclass(frozen=True, slots=True)
 class GroupKV:
-    """One group's gathered KV: ``kv`` holds one ``[n, tokens, ...]`` tensor per pool (positions
-    past each request's ``kv_len`` zeroed) for the padded-batch ``rows``."""
+    """One group's gathered KV: ``kv`` holds one ``[n, tokens, ...]`` tensor per pool, of
+    positions ``[start, start + tokens)`` (those no row reads zeroed), for the padded-batch
+    ``rows``."""
 
     rows: slice
     tokens: int
     masked: bool
     kv: tuple[torch.Tensor, ...]
+    start: int = 0
 
 
 def group_kv(
@@ -147,16 +152,18 @@ def group_kv(
     index = batch.index
     with scratch.use() as take:
         for g in batch.groups:
-            if not g.pages:
+            width = g.pages - g.first
+            if width <= 0:
                 continue
             kv = []
             for i, pool in enumerate(pools):
-                numel = (g.hi - g.lo) * g.pages * pool[0].numel()
+                numel = (g.hi - g.lo) * width * pool[0].numel()
                 x = gather_group(pool, index, g, take(f"pool{i}", numel, pool.dtype, pool.device))
                 if x.dtype != dtype:
                     x = take(f"pool{i}:{dtype}", numel, dtype, pool.device).view(x.shape).copy_(x)
                 kv.append(x)
-            yield GroupKV(slice(g.lo, g.hi), g.pages * index.page_size, g.masked, tuple(kv))
+            ps = index.page_size
+            yield GroupKV(slice(g.lo, g.hi), width * ps, g.masked, tuple(kv), g.first * ps)
 
 
 def attend_groups(

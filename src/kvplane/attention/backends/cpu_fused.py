@@ -21,7 +21,13 @@ from kvplane.attention.base import Capabilities, Plan
 from kvplane.attention.inputs import MLAKVCache, MLAQuery
 from kvplane.attention.metadata import PagedStructure
 from kvplane.attention.paged import BatchIndex, build_batch_index, merge_splits, padded_result
-from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
+from kvplane.attention.problem import (
+    AttentionKind,
+    AttentionProblem,
+    AttentionResult,
+    LSEBase,
+    window_starts,
+)
 from kvplane.errors import BackendError, UnsupportedError
 from kvplane.native import KernelBuild, load_kernel
 from kvplane.validators import require_int
@@ -34,18 +40,20 @@ MIN_SPLIT_TOKENS = 512
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURE: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_int]] = [
-    _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-    _PTR, _PTR, _INT,
+    _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR,
+    _I64, _PTR, _PTR, _INT,
 ]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class FusedPlan:
-    """The padded batch index, each query row's visible key count ``limits [B, t_max * H]``,
-    the work items ``[B * splits, 3]`` (request, first key, end key) and ``splits`` per request."""
+    """The padded batch index, each query row's visible keys ``[firsts, limits)`` (``[B, t_max *
+    H]``; ``firsts`` ``None`` without a sliding window), the work items ``[B * splits, 3]``
+    (request, first key, end key) over the keys some row sees and ``splits`` per request."""
 
     index: BatchIndex
     limits: torch.Tensor
+    firsts: torch.Tensor | None
     items: torch.Tensor
     splits: int
 
@@ -72,7 +80,7 @@ class CPUFusedBackend(MLABackend[FusedPlan]):
         self._threads, self._min_split = threads, min_split_tokens
         caps = Capabilities(
             kinds=frozenset({AttentionKind.MLA}), devices=frozenset({"cpu"}), dtypes=DTYPES,
-            lse_base=LSEBase.E,
+            lse_base=LSEBase.E, sliding_window=True,
         )  # fmt: skip
         super().__init__(NAME, caps, FusedPlan)
         self._lock = threading.Lock()
@@ -100,17 +108,22 @@ class CPUFusedBackend(MLABackend[FusedPlan]):
     def prepare(self, problem: AttentionProblem, structure: PagedStructure) -> FusedPlan:
         self._library()
         s, heads = structure, problem.num_heads
-        index = build_batch_index(problem.metadata, s, problem.causal, torch.device("cpu"))
-        kv = index.kv_lens
-        limits = index.limits.repeat_interleave(heads, dim=1)  # a new contiguous tensor
-        splits = splits_for(s.batch_size, s.max_kv_len, self._thread_count(), self._min_split)
-        span = -(-s.max_kv_len // splits)
-        starts = torch.arange(splits, dtype=torch.long) * span
-        first = torch.minimum(starts[None, :], kv[:, None])
-        end = torch.minimum(starts[None, :] + span, kv[:, None])
+        cpu = torch.device("cpu")
+        index = build_batch_index(problem.metadata, s, problem.causal, cpu, problem.window)
+        kv, lim, low = index.kv_lens, index.limits, index.lows
+        longest = int((kv - low).max()) if s.batch_size else 0
+        splits = splits_for(s.batch_size, longest, self._thread_count(), self._min_split)
+        span = -(-longest // splits)
+        starts = low[:, None] + torch.arange(splits, dtype=torch.long)[None, :] * span
+        begin = torch.minimum(starts, kv[:, None])
+        end = torch.minimum(starts + span, kv[:, None])
         b = torch.arange(s.batch_size, dtype=torch.long)[:, None].expand(-1, splits)
-        items = torch.stack([b, first, end], dim=-1).reshape(-1, 3).contiguous()
-        return FusedPlan(index, limits, items, splits)  # index tensors: fresh, contiguous
+        items = torch.stack([b, begin, end], dim=-1).reshape(-1, 3).contiguous()
+        firsts = None
+        if problem.window is not None:
+            firsts = window_starts(lim, problem.window).repeat_interleave(heads, dim=1)
+        limits = lim.repeat_interleave(heads, dim=1)  # new contiguous tensors
+        return FusedPlan(index, limits, firsts, items, splits)
 
     def attend(
         self, plan: Plan, state: FusedPlan, query: MLAQuery, cache: MLAKVCache
@@ -124,13 +137,15 @@ class CPUFusedBackend(MLABackend[FusedPlan]):
         q = packed if packed is not None else torch.cat([nope, pe], dim=-1)
         q = (q * p.sm_scale).reshape(b, rows, dim).contiguous()
         n = state.items.shape[0]
+        firsts = None if state.firsts is None else state.firsts.data_ptr()
         out = torch.empty((n, rows, r), dtype=torch.float32)
         lse = torch.empty((n, rows), dtype=torch.float32)
         failed = fn.kvp_mla_attend(
             pool.data_ptr(), pool.stride(0), pool.stride(1), idx.page_size, dim, r,
             int(pool.dtype == torch.bfloat16), q.data_ptr(), rows, idx.pages.data_ptr(),
             idx.pages.stride(0), idx.kv_lens.data_ptr(), state.limits.data_ptr(),
-            state.items.data_ptr(), n, out.data_ptr(), lse.data_ptr(), self._thread_count(),
+            firsts, state.items.data_ptr(), n, out.data_ptr(), lse.data_ptr(),
+            self._thread_count(),
         )  # fmt: skip
         if failed:
             raise BackendError(f"{NAME}: the kernel could not get its scratch memory")

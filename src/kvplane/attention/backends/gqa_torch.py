@@ -6,8 +6,6 @@ repeated per query head. See docs/attention.md.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from kvplane.attention.backends.common import (
@@ -33,8 +31,7 @@ class GQATorchBackend(GQABackend[GroupedBatch]):
     """Vectorised padded batch, group by group; query heads grouped per KV head."""
 
     def __init__(self, group_bytes: int = GROUP_BYTES) -> None:
-        caps = dataclasses.replace(torch_capabilities(AttentionKind.GQA), sliding_window=True)
-        super().__init__(NAME, caps, GroupedBatch)
+        super().__init__(NAME, torch_capabilities(AttentionKind.GQA), GroupedBatch)
         self.group_bytes = require_int("group_bytes", group_bytes, min=1)
 
     def prepare(self, problem: AttentionProblem, structure: PagedStructure) -> GroupedBatch:
@@ -56,7 +53,9 @@ class GQATorchBackend(GQABackend[GroupedBatch]):
             n = keys.shape[0]
             scores = torch.einsum("btkgd,bskd->btkgs", qg[rows], keys)
             scores = scores.reshape(n, t, shape.num_heads, part.tokens).mul_(p.sm_scale)
-            probs, lse = softmax_lse(scores, visible(index.limits[rows], 0, part.tokens, p.window))
+            probs, lse = softmax_lse(
+                scores, visible(index.limits[rows], part.start, part.tokens, p.window)
+            )
             pg = probs.view(n, t, hkv, group, part.tokens)
             return torch.einsum("btkgs,bskd->btkgd", pg, vals).reshape(n, t, -1, d), lse
 

@@ -50,7 +50,9 @@ class MHABackend(GroupedMLABackend):
             scores = torch.einsum("bthd,bhsd->bths", qn[rows], k_nope)
             scores += torch.einsum("bthp,bsp->bths", qp[rows], kpe)
             scores.mul_(p.sm_scale)
-            probs, lse = softmax_lse(scores, visible(index.limits[rows], 0, part.tokens))
+            probs, lse = softmax_lse(
+                scores, visible(index.limits[rows], part.start, part.tokens, p.window)
+            )
             return torch.einsum("bths,bhsv->bthv", probs, values), lse
 
         return attend_groups(

@@ -18,7 +18,13 @@ from kvplane.attention.backends.common import MLABackend
 from kvplane.attention.base import Capabilities, Plan
 from kvplane.attention.inputs import FLOAT_DTYPES, MLAKVCache, MLAQuery
 from kvplane.attention.metadata import DensePageTable, PagedStructure
-from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult, LSEBase
+from kvplane.attention.problem import (
+    AttentionKind,
+    AttentionProblem,
+    AttentionResult,
+    LSEBase,
+    window_starts,
+)
 
 NAME = "reference"
 
@@ -28,13 +34,14 @@ def causal_bias(
 ) -> torch.Tensor:
     """``[q_len, kv_len]`` float64 additive mask: 0 where query ``i`` sees key ``j``, else -inf.
     Query ``i`` sits at position ``p = kv_len - q_len + i``; causal: ``j <= p``; a ``window``
-    also needs ``j > p - window``."""
+    also needs ``j`` from :func:`~kvplane.attention.problem.window_starts` of limit ``p + 1``
+    on (``j > p - window``)."""
     i = torch.arange(q_len, device=device)[:, None]
     j = torch.arange(kv_len, device=device)[None, :]
     pos = kv_len - q_len + i
     seen = (j <= pos) if causal else torch.ones_like(i * j, dtype=torch.bool)
     if window is not None:
-        seen = seen & (j > pos - window)
+        seen = seen & (j >= window_starts(pos + 1, window))
     bias = torch.zeros((q_len, kv_len), dtype=torch.float64, device=device)
     return bias.masked_fill(~seen, float("-inf"))
 

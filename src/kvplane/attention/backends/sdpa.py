@@ -30,6 +30,7 @@ from kvplane.attention.problem import (
     AttentionResult,
     LSEBase,
     QueryLayout,
+    window_starts,
 )
 from kvplane.errors import BackendError
 from kvplane.validators import require_int
@@ -57,9 +58,11 @@ def split_attention(
     *,
     masked: bool,
     splits: int,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on ``q [n, t, H, D]`` over ``kv [n, S, D]`` cut into ``splits`` equal parts,
-    ``limits [n, t]`` keys visible per row: ``(out [n, splits, t, H, D], lse [n, splits, t,
+    """The kernel on ``q [n, t, H, D]`` over ``kv [n, S, D]`` (key positions from ``start``)
+    cut into ``splits`` equal parts, ``limits [n, t]`` keys visible per row (from its window
+    start under the problem's sliding window): ``(out [n, splits, t, H, D], lse [n, splits, t,
     H])``, ``lse = -inf`` where a row sees nothing of a split."""
     n, t, h, d = q.shape
     s_len = kv.shape[1]
@@ -68,14 +71,16 @@ def split_attention(
     qs = q[:, None].expand(n, splits, t, h, d).reshape(n * splits, t, h, d)
     bias = None
     if masked:
-        seen = visible(limits, 0, s_len).view(n, t, splits, part).transpose(1, 2)
+        seen = visible(limits, start, s_len, problem.window)
+        seen = seen.view(n, t, splits, part).transpose(1, 2)
         bias = torch.zeros(seen.shape, dtype=problem.dtype, device=problem.device)
         bias.masked_fill_(~seen, float("-inf"))
         bias = bias.reshape(n * splits, t, 1, part)
     op = getattr(torch.ops.aten, _OP)
     out, lse = op(qs, k, k, 0.0, False, attn_mask=bias, scale=problem.sm_scale)
-    starts = torch.arange(splits, device=problem.device) * part
-    empty = limits[:, None, :] <= starts[None, :, None]  # [n, splits, t]
+    starts = start + torch.arange(splits, device=problem.device) * part
+    first = window_starts(limits, problem.window)[:, None, :]
+    empty = (limits[:, None, :] <= starts[None, :, None]) | (first >= starts[None, :, None] + part)
     lse = lse.view(n, splits, t, h).masked_fill(empty[..., None], float("-inf"))
     return out.view(n, splits, t, h, d), lse
 
@@ -100,6 +105,7 @@ class SDPABackend(GroupedMLABackend):
             dtypes=frozenset({torch.float32, torch.bfloat16}),
             lse_base=LSEBase.E,
             query_layouts=frozenset({QueryLayout.PACKED}),
+            sliding_window=True,
         )
         super().__init__(NAME, caps, group_bytes)
         self.min_split_tokens = require_int("min_split_tokens", min_split_tokens, min=1)
@@ -127,8 +133,9 @@ class SDPABackend(GroupedMLABackend):
             n = rows.stop - rows.start
             splits = kv_splits(n, part.tokens, index.page_size, items, self.min_split_tokens)
             out, split_lse = split_attention(
-                p, qp[rows], part.kv[0], index.limits[rows], masked=part.masked, splits=splits
-            )
+                p, qp[rows], part.kv[0], index.limits[rows], masked=part.masked, splits=splits,
+                start=part.start,
+            )  # fmt: skip
             return merge_splits(out[..., :r], split_lse)
 
         return attend_groups(

@@ -83,7 +83,7 @@ class TorchMLABackend(GroupedMLABackend):
         def one_group(part: GroupKV) -> tuple[torch.Tensor, torch.Tensor]:
             rows = part.rows
             q = (None if packed is None else packed[rows], nope[rows], pe[rows])
-            mask = visible(index.limits[rows], 0, part.tokens)
+            mask = visible(index.limits[rows], part.start, part.tokens, p.window)
             return attend_latent(q, part.kv[0], mask, p.sm_scale, r)
 
         return attend_groups(

@@ -27,7 +27,12 @@ from kvplane.attention.paged import (
     visible,
     zero_invalid,
 )
-from kvplane.attention.problem import AttentionKind, AttentionProblem, AttentionResult
+from kvplane.attention.problem import (
+    AttentionKind,
+    AttentionProblem,
+    AttentionResult,
+    window_starts,
+)
 from kvplane.validators import require_int
 
 NAME = "torch_splitkv"
@@ -40,8 +45,10 @@ MIN_SPLIT_TOKENS = 64
 class SplitPlan:
     """Unsorted and sorted batch indexes, the permutations, pages per split and, per split, the
     active requests (a sorted prefix), whether it holds positions past some active request's end
-    (``ragged``: zero them) and whether some active real row sees fewer keys than it holds
-    (``masked``: apply the visibility mask; padding rows may see anything, they are dropped)."""
+    or below its ``lows`` (``ragged``: zero them), whether some active real row sees fewer keys
+    than it holds (``masked``: apply the visibility mask; padding rows may see anything, they
+    are dropped) and whether some real row sees any of its keys (``live``: else a sliding
+    window has passed it by and it is skipped)."""
 
     full: BatchIndex
     index: BatchIndex
@@ -51,6 +58,7 @@ class SplitPlan:
     active: tuple[int, ...]
     ragged: tuple[bool, ...]
     masked: tuple[bool, ...]
+    live: tuple[bool, ...]
 
 
 def split_pages_for(batch: int, row_bytes: int, page_size: int, max_pages: int) -> int:
@@ -98,7 +106,9 @@ class TorchSplitKVBackend(MLABackend[SplitPlan]):
     def prepare(self, problem: AttentionProblem, structure: PagedStructure) -> SplitPlan:
         s = structure
         shape = problem.mla_shape()
-        full = build_batch_index(problem.metadata, s, problem.causal, problem.device)
+        full = build_batch_index(
+            problem.metadata, s, problem.causal, problem.device, problem.window
+        )
         kv = torch.tensor(s.kv_lens, dtype=torch.long)
         order = torch.argsort(kv, descending=True, stable=True)
         inverse = torch.argsort(order)
@@ -112,15 +122,29 @@ class TorchSplitKVBackend(MLABackend[SplitPlan]):
         sorted_kv = kv[order]
         # padding rows (past a request's q_len) are discarded: they never call for a mask
         real = torch.arange(full.t_max)[None, :] < torch.tensor(s.q_lens, dtype=torch.long)[:, None]
-        limits = torch.where(real, full.limits.cpu(), s.max_kv_len)[order]
+        lim = full.limits.cpu()
+        first = torch.where(real, window_starts(lim, problem.window), 0)[order]
+        seen = (real & (lim > 0))[order]
+        limits = torch.where(real, lim, s.max_kv_len)[order]
         n_splits = -(-s.max_kv_len // tokens)
         active = tuple(int((sorted_kv > i * tokens).sum()) for i in range(n_splits))
-        ragged = tuple(int(sorted_kv[n - 1]) < (i + 1) * tokens for i, n in enumerate(active))
-        masked = tuple(bool((limits[:n] < (i + 1) * tokens).any()) for i, n in enumerate(active))
+        lows = full.lows.cpu()[order]
+        ragged = tuple(
+            int(sorted_kv[n - 1]) < (i + 1) * tokens or bool((lows[:n] > i * tokens).any())
+            for i, n in enumerate(active)
+        )
+        masked = tuple(
+            bool((limits[:n] < (i + 1) * tokens).any() or (first[:n] > i * tokens).any())
+            for i, n in enumerate(active)
+        )
+        live = tuple(
+            bool((seen[:n] & (first[:n] < (i + 1) * tokens) & (limits[:n] > i * tokens)).any())
+            for i, n in enumerate(active)
+        )
         dev = problem.device
         return SplitPlan(
             full, full.permuted(order.to(dev)), inverse.to(dev), order.to(dev), pages, active,
-            ragged, masked,
+            ragged, masked, live,
         )  # fmt: skip
 
     def attend(
@@ -142,11 +166,13 @@ class TorchSplitKVBackend(MLABackend[SplitPlan]):
             ws = take("kv", sp.active[0] * tokens * pool.shape[-1], pool.dtype, pool.device)
             sws = take("scores", sp.active[0] * t * heads * tokens, cdt, p.device)
             for i, n in enumerate(sp.active):
+                if not sp.live[i]:
+                    continue
                 start = i * tokens
                 pages = idx.pages[:n, i * sp.split_pages : (i + 1) * sp.split_pages]
                 kv = gather_pages(pool, pages, out=ws)
                 if sp.ragged[i]:
-                    zero_invalid(kv, start, idx.kv_lens[:n])
+                    zero_invalid(kv, start, idx.kv_lens[:n], idx.lows[:n])
                 kv = kv.to(cdt)
                 width = kv.shape[1]
                 scores = sws[: n * t * heads * width].view(n, t * heads, width)
@@ -157,7 +183,7 @@ class TorchSplitKVBackend(MLABackend[SplitPlan]):
                     torch.bmm(nope[:n], kt[:, :r], out=scores)
                     scores.baddbmm_(pe[:n], kt[:, r:])
                 if sp.masked[i]:
-                    mask = visible(idx.limits[:n], start, width)
+                    mask = visible(idx.limits[:n], start, width, p.window)
                     scores.view(n, t, heads, width).masked_fill_(
                         ~mask[:, :, None, :], float("-inf")
                     )

@@ -4,8 +4,8 @@
  * -------------------
  * One work item is (request b, key range [j0, j1)). It walks the range in blocks of KB keys
  * read straight from their pages (no gather): scores of every query row against the block
- * (4x3 register tiles, vectorised along the latent dimension), the per-row visibility limit
- * applied, then an online-softmax update of the item's running (m, l, acc) and the values
+ * (4x3 register tiles, vectorised along the latent dimension), the per-row visibility range
+ * [first, limit) applied (first > 0 under a sliding window; an item starts at its rows' first), then an online-softmax update of the item's running (m, l, acc) and the values
  * product (6 rows x 16 columns register tiles). A block is ~KB * D * 4 bytes, so the values
  * pass re-reads it from L1/L2: the cache is read from memory once, and while the values pass
  * computes, the next block's lines are prefetched one per step, so the next scores pass finds
@@ -79,6 +79,7 @@ typedef struct {
     int64_t table_stride;
     const int64_t *kv_lens; /* [B] */
     const int64_t *limits;  /* [B, rows] keys visible to each row */
+    const int64_t *firsts;  /* [B, rows] first key visible to each row; NULL: all 0 */
     const int64_t *items;   /* [n_items, 3]: b, j0, j1 */
     int64_t n_items;
     float *out; /* [n_items, rows, rank] */
@@ -267,18 +268,21 @@ static void key_rows(const job_t *a, int64_t b, int64_t pos, int64_t nk, const v
 
 /* One item: the running (m, l, acc) live in its lse and out rows and the thread's l. */
 static void attend_item(job_t *a, int64_t it, float *s, const void **kp, float *l) {
-    const int64_t b = a->items[it * 3], j0 = a->items[it * 3 + 1], j1 = a->items[it * 3 + 2];
+    const int64_t b = a->items[it * 3], j1 = a->items[it * 3 + 2];
     const int64_t rows = a->rows, rank = a->rank, kv = a->kv_lens[b];
-    const int64_t *lim = a->limits + b * rows;
+    const int64_t *lim = a->limits + b * rows, *fst = a->firsts ? a->firsts + b * rows : NULL;
     float *acc = a->out + it * rows * rank, *m = a->lse + it * rows;
     memset(acc, 0, (size_t)(rows * rank) * sizeof *acc);
-    int64_t end = 0;
+    int64_t end = 0, begin = kv;
     for (int64_t r = 0; r < rows; r++) {
         m[r] = -INFINITY; l[r] = 0.0f;
         end = lim[r] > end ? lim[r] : end;
+        const int64_t f = fst ? fst[r] : 0;
+        begin = lim[r] > f && f < begin ? f : begin;
     }
     end = end < kv ? end : kv;
     end = end < j1 ? end : j1;
+    const int64_t j0 = a->items[it * 3 + 1] > begin ? a->items[it * 3 + 1] : begin;
     const float *q = a->q + b * rows * a->dim;
     for (int64_t jb = j0; jb < end; jb += KB) {
         const int64_t nk = end - jb < KB ? end - jb : KB;
@@ -291,6 +295,8 @@ static void attend_item(job_t *a, int64_t it, float *s, const void **kp, float *
             float *sr = s + r * KB;
             int64_t vis = (lim[r] < kv ? lim[r] : kv) - jb;
             for (int64_t j = vis < 0 ? 0 : vis; j < nk; j++) sr[j] = -INFINITY;
+            const int64_t skip = fst ? fst[r] - jb : 0;
+            for (int64_t j = 0; j < skip && j < nk; j++) sr[j] = -INFINITY;
             float alpha = softmax_row(sr, nk, m + r, l + r);
             if (alpha != 1.0f)
                 for (int64_t c = 0; c < rank; c++) acc[r * rank + c] *= alpha;
@@ -328,12 +334,12 @@ static void *worker(void *arg) {
 int kvp_mla_attend(const void *pool, int64_t page_stride, int64_t row_stride, int64_t page_size,
                    int64_t dim, int64_t rank, int bf16, const float *q, int64_t rows,
                    const int64_t *table, int64_t table_stride, const int64_t *kv_lens,
-                   const int64_t *limits, const int64_t *items, int64_t n_items, float *out,
-                   float *lse, int threads) {
+                   const int64_t *limits, const int64_t *firsts, const int64_t *items,
+                   int64_t n_items, float *out, float *lse, int threads) {
     job_t a = {.pool = pool, .page_stride = page_stride, .row_stride = row_stride,
                .page_size = page_size, .dim = dim, .rank = rank, .q = q, .rows = rows,
                .table = table, .table_stride = table_stride, .kv_lens = kv_lens,
-               .limits = limits, .items = items, .n_items = n_items, .out = out, .lse = lse,
+               .limits = limits, .firsts = firsts, .items = items, .n_items = n_items, .out = out, .lse = lse,
                .bf16 = bf16};
     atomic_init(&a.next, 0);
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
