@@ -232,3 +232,14 @@ def test_check_layer_ids_is_one_rule_with_the_callers_error(value: object, messa
         with pytest.raises(error) as caught:
             check_layer_ids("ids", value, error=error)
         assert type(caught.value) is error and str(caught.value) == message
+
+
+def test_the_geometry_fingerprint_leaves_out_layer_ids_and_the_compat_one_adds_them() -> None:
+    a, stage = gqa(), gqa(layer_ids=(3, 5, 7))
+    assert a.geometry_fingerprint() == stage.geometry_fingerprint()
+    assert a.geometry_fingerprint() == gqa(block_size=16, head_range=(2, 4)).geometry_fingerprint()
+    assert a.compat_fingerprint() != stage.compat_fingerprint()
+    assert a.geometry_fingerprint() != gqa(dtype=torch.bfloat16).geometry_fingerprint()
+    assert a.geometry_fingerprint() != gqa(sliding_window=8).geometry_fingerprint()
+    assert len(a.geometry_fingerprint()) == len(a.compat_fingerprint()) == 16
+    assert a.geometry_fingerprint() not in (a.compat_fingerprint(), a.fingerprint())

@@ -1,7 +1,7 @@
 """KV layouts: the physical description of one paged pool, as data.
 
 :class:`KVLayout` owns a pool's six logical axes, memory order, byte strides, zero-copy views and
-two fingerprints; the window and TP head rules live here once (:meth:`KVLayout.window_start`,
+three fingerprints; the window and TP head rules live here once (:meth:`KVLayout.window_start`,
 :func:`heads_cover`, :func:`shared_heads`). Pure data: no I/O, no regions, no plans. See
 docs/transports.md ("Layouts").
 """
@@ -422,12 +422,20 @@ class KVLayout:
             "sliding_window": self.sliding_window,
         }
 
-    def compat_fingerprint(self) -> bytes:
-        """What PD peers must agree on; block size, head range, order and pool size may differ."""
+    def geometry_fingerprint(self) -> bytes:
+        """What PD peers must agree on whatever layers each holds (a pipeline stage holds a part
+        of the receiver's): kind, heads, dims, dtype, window. Block size, head range, order,
+        pool size and layer ids may differ."""
         d = self.describe()
-        for key in ("num_blocks", "block_size", "head_range", "order"):
+        for key in ("num_blocks", "block_size", "head_range", "order", "layer_ids"):
             d.pop(key)
-        return _digest(b"kvplane-layout-compat", d)
+        return _digest(b"kvplane-layout-geometry", d)
+
+    def compat_fingerprint(self) -> bytes:
+        """What PD peers holding the same layers must agree on: :meth:`geometry_fingerprint`
+        and the layer ids (the one rule; the geometry's is not repeated here)."""
+        geometry = {"geometry": self.geometry_fingerprint().hex(), "layer_ids": self.layer_ids}
+        return _digest(b"kvplane-layout-compat", geometry)
 
     def fingerprint(self) -> bytes:
         """Physical identity of a block's bytes (all but pool size): for hashes and headers.

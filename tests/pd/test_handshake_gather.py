@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from kvplane.errors import InvalidArgumentError
+from kvplane.layout import KVLayout
 from kvplane.pd.handshake import (
     PROTOCOL_VERSION,
     LayoutInfo,
@@ -135,6 +136,48 @@ def test_the_l2_compat_fingerprint_is_still_compared_where_layers_match() -> Non
     sender, receiver = fp(rank((4, 8), tp=(1, 2)), b"\x01"), fp(rank(), b"\x02")
     got = check_compatible(sender, receiver, compat_fingerprint(receiver), sends=True)
     assert got.reasons == ("pool 0 layout compat fingerprint: ours 01, theirs 02",)
+
+
+def with_geometry(p: PeerProfile, digest: bytes) -> PeerProfile:
+    lay = msgspec.structs.replace(p.layouts[0], geometry_fingerprint=digest)
+    return msgspec.structs.replace(p, layouts=(lay,))
+
+
+def test_a_pipeline_stage_is_checked_by_its_geometry_fingerprint() -> None:
+    stage, full = with_geometry(rank(layers=(2, 3), pp=(1, 2)), b"\x01"), rank()
+    assert both_ways(stage, with_geometry(full, b"\x01")) == MEMBER
+    assert both_ways(stage, full) == MEMBER  # one side carries none: the fields decide
+    other = with_geometry(full, b"\x02")
+    got = check_compatible(stage, other, compat_fingerprint(other), sends=True)
+    assert got.reasons == ("pool 0 layout geometry fingerprint: ours 01, theirs 02",)
+
+
+def test_a_stage_of_a_real_layout_matches_the_full_layout_by_geometry() -> None:
+    def profile(layout: KVLayout, pp: tuple[int, int]) -> PeerProfile:
+        info = LayoutInfo.from_description(
+            layout.describe(), compat_fingerprint=layout.compat_fingerprint(),
+            geometry_fingerprint=layout.geometry_fingerprint(),
+        )  # fmt: skip
+        at = Placement(pp_stage=pp[0], pp_size=pp[1])
+        return PeerProfile(
+            protocol_version=PROTOCOL_VERSION, model_id="m", layouts=(info,), placement=at
+        )
+
+    full = KVLayout.gqa(num_blocks=4, block_size=16, num_layers=4, kv_heads=2, head_dim=8)
+    stage = KVLayout.gqa(num_blocks=4, block_size=32, layer_ids=(2, 3), kv_heads=2, head_dim=8)
+    assert both_ways(profile(stage, (1, 2)), profile(full, (0, 1))) == MEMBER
+    wide = KVLayout.gqa(
+        num_blocks=4, block_size=16, layer_ids=(2, 3), kv_heads=2, head_dim=8, sliding_window=64
+    )
+    receiver = profile(full, (0, 1))
+    got = check_compatible(
+        profile(wide, (1, 2)), receiver, compat_fingerprint(receiver), sends=True
+    )
+    assert got.reasons == (
+        "pool 0 sliding_window: ours 64, theirs None",
+        f"pool 0 layout geometry fingerprint: ours {wide.geometry_fingerprint().hex()}, "
+        f"theirs {full.geometry_fingerprint().hex()}",
+    )
 
 
 @pytest.mark.parametrize(

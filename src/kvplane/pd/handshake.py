@@ -42,8 +42,8 @@ class LayoutInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """One KV pool's layout as wire data (primitives only).
 
     ``head_start``/``head_end`` is the half-open TP head range this rank holds out of
-    ``total_heads``; ``compat_fingerprint`` and ``fingerprint`` are the L2 layout digests (opaque
-    bytes, may be empty when the caller has none).
+    ``total_heads``; ``compat_fingerprint``, ``fingerprint`` and ``geometry_fingerprint`` are the
+    L2 layout digests (opaque bytes, may be empty when the caller has none).
     """
 
     kind: str
@@ -58,6 +58,7 @@ class LayoutInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     block_size: _Count = 1
     compat_fingerprint: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
     fingerprint: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    geometry_fingerprint: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
     def __post_init__(self) -> None:
         owner = "LayoutInfo"
@@ -79,7 +80,12 @@ class LayoutInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
     @classmethod
     def from_description(
-        cls, desc: Mapping[str, Any], *, compat_fingerprint: bytes = b"", fingerprint: bytes = b""
+        cls,
+        desc: Mapping[str, Any],
+        *,
+        compat_fingerprint: bytes = b"",
+        fingerprint: bytes = b"",
+        geometry_fingerprint: bytes = b"",
     ) -> LayoutInfo:
         """Build from a plain description (the keys of ``KVLayout.describe()``)."""
         try:
@@ -97,6 +103,7 @@ class LayoutInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
                 block_size=int(desc["block_size"]),
                 compat_fingerprint=compat_fingerprint,
                 fingerprint=fingerprint,
+                geometry_fingerprint=geometry_fingerprint,
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, InvalidArgumentError):
@@ -169,7 +176,8 @@ _GEOMETRY = tuple(name for name in _MUST_MATCH if name != "layer_ids")
 def compat_fingerprint(profile: PeerProfile) -> bytes:
     """16-byte digest of exactly the fields two peers must agree on (see module docstring)."""
     pools = [
-        [getattr(lay, f) for f in _MUST_MATCH] + [lay.compat_fingerprint] for lay in profile.layouts
+        [getattr(lay, f) for f in _MUST_MATCH] + [lay.compat_fingerprint, lay.geometry_fingerprint]
+        for lay in profile.layouts
     ]
     body = msgspec.msgpack.encode([profile.protocol_version, profile.model_id, pools])
     return hashlib.blake2b(b"kvplane-pd-compat\0" + body, digest_size=16).digest()
@@ -226,6 +234,14 @@ def _head_judgment(sender: PeerProfile, receiver: PeerProfile) -> tuple[list[str
     return reasons, member
 
 
+def _fingerprints_differ(i: int, which: str, ours: bytes, theirs: bytes) -> list[str]:
+    """A reason when both sides carry pool ``i``'s L2 ``which`` layout fingerprint and they
+    differ; none when they agree or one side carries none."""
+    if not ours or not theirs or ours == theirs:
+        return []
+    return [f"pool {i} layout {which} fingerprint: ours {ours.hex()}, theirs {theirs.hex()}"]
+
+
 def _roles(
     ours: PeerProfile, theirs: PeerProfile, sends: bool | None
 ) -> tuple[PeerProfile, PeerProfile]:
@@ -244,7 +260,8 @@ def check_compatible(
     head ranges unchecked (the layer rule then takes a lone pipeline stage as the sender).
 
     The rule. Always: protocol, model, pool count and every must-match field but
-    ``layer_ids`` equal, and the L2 layout compat fingerprints equal wherever the layer ids are.
+    ``layer_ids`` equal, and the L2 layout compat fingerprints equal wherever the layer ids are
+    (a pipeline stage's layers differ: its geometry fingerprints, the layer-free part, instead).
     Layers: equal, or (the sender a pipeline stage, ``placement.pp_size > 1``) the sender's a
     proper subset of the receiver's. Heads: the sender's cover the receiver's, or (the sender's
     TP finer than the receiver's) lie inside them. A sender that holds only part of the receiver's
@@ -275,21 +292,16 @@ def check_compatible(
         if a.layer_ids != b.layer_ids:
             if stage and set(s.layer_ids) < set(r.layer_ids):
                 member = True
+                reasons += _fingerprints_differ(i, "geometry", a.geometry_fingerprint,
+                                                b.geometry_fingerprint)  # fmt: skip
             else:
                 tail = ": a pipeline stage's layers must be a part of the receiver's"
                 tail = tail if stage else ""
                 reasons.append(
                     f"pool {i} layer_ids: ours {a.layer_ids!r}, theirs {b.layer_ids!r}{tail}"
                 )
-        elif (
-            a.compat_fingerprint
-            and b.compat_fingerprint
-            and a.compat_fingerprint != b.compat_fingerprint
-        ):
-            reasons.append(
-                f"pool {i} layout compat fingerprint: ours {a.compat_fingerprint.hex()}, "
-                f"theirs {b.compat_fingerprint.hex()}"
-            )
+        else:
+            reasons += _fingerprints_differ(i, "compat", a.compat_fingerprint, b.compat_fingerprint)
     if sends is not None:
         head_reasons, by_heads = _head_judgment(sender, receiver)
         reasons += head_reasons

@@ -17,8 +17,10 @@ import logging
 import queue
 import threading
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from kvplane.curve_auth import CurveKeys, derive_keys
@@ -27,13 +29,37 @@ from kvplane.offload.events import TierChange, WatchedPolicy
 from kvplane.offload.manager import OffloadManager
 from kvplane.pd.door import MAX_CONNECTIONS, ListenerDoor
 from kvplane.serving.kv_event_log import EventLog, coalesce
-from kvplane.serving.kv_events import parse_seq
+from kvplane.serving.kv_events import ChunksStored, parse_seq
 from kvplane.serving.worker_config import LOOPBACK, split_address
 from kvplane.validators import require_int
 
 log = logging.getLogger(__name__)
 POLL_MS = 10
 """How long the publisher's thread waits for a replay request before it publishes again."""
+
+
+def keep_running(
+    step: Callable[[], None],
+    stop: threading.Event,
+    count: Callable[[str], None],
+    *,
+    bugs: str,
+    logger: logging.Logger,
+) -> None:
+    """Call ``step`` until ``stop`` is set; nothing it raises ends the loop. A ``ZMQError`` is
+    counted under ``"socket_errors"`` (or ends the loop once ``stop`` is set: the sockets are
+    closing); any other exception is a bug, counted under ``bugs`` and logged to ``logger``.
+    The one loop rule of the KV event threads (publisher and subscriber)."""
+    while not stop.is_set():
+        try:
+            step()
+        except zmq.ZMQError:
+            if stop.is_set():
+                return
+            count("socket_errors")
+        except Exception:  # a bug must not stop the events: count it and keep going
+            count(bugs)
+            logger.exception("KV event thread error, counted as %r (it keeps going)", bugs)
 
 
 def event_keys(secret: bytes) -> CurveKeys:
@@ -61,9 +87,24 @@ class KVEventSettings:
             require_int(f"KVEventSettings.{name}", getattr(self, name), min=1)
 
 
+class _TierLog(EventLog):
+    """An :class:`EventLog` whose stored events say each tier's own tokens per chunk
+    (:attr:`tier_block_sizes`; a tier not in it: ``block_size``), live and in snapshots."""
+
+    def __init__(self, worker: str, incarnation: int, *, buffer_steps: int, block_size: int):
+        self.tier_block_sizes: dict[str, int] = {}
+        super().__init__(worker, incarnation, buffer_steps=buffer_steps, block_size=block_size)
+
+    def stored(self, tier: str, keys: Sequence[ChunkKey]) -> ChunksStored:
+        event = super().stored(tier, keys)
+        size = self.tier_block_sizes.get(tier)
+        return event if size is None else msgspec.structs.replace(event, block_size=size)
+
+
 class KVEventPublisher:
     """One worker incarnation's publisher (see the module docstring); binds at construction.
-    ``block_size``: tokens per chunk, said in each stored event (0: unsaid)."""
+    ``block_size``: tokens per chunk, said in each stored event of a tier watched without its
+    own (0: unsaid; see :meth:`watch`)."""
 
     def __init__(
         self,
@@ -76,7 +117,7 @@ class KVEventPublisher:
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.settings = settings = settings if settings is not None else KVEventSettings()
-        self.log = EventLog(
+        self.log = _TierLog(
             worker, incarnation, buffer_steps=settings.buffer_steps, block_size=block_size
         )
         keys = None if secret is None else event_keys(secret)
@@ -128,10 +169,15 @@ class KVEventPublisher:
         """Queue ``change`` for the next batch; never blocks."""
         self._queue.put(change)
 
-    def watch(self, manager: OffloadManager) -> None:
+    def watch(self, manager: OffloadManager, block_size: int | None = None) -> None:
         """Report ``manager``'s tier changes from now on by wrapping its eviction policy (see
         :class:`~kvplane.offload.events.WatchedPolicy`); the chunks it holds now are reported
-        stored first. Call on the thread that owns ``manager``, once per manager."""
+        stored first. ``block_size``: the tier's tokens per chunk, said in its stored events
+        (None: the publisher's; a cold tier's chunk may span several host chunks). Call on the
+        thread that owns ``manager``, once per manager, before :meth:`start`."""
+        if block_size is not None:
+            size = require_int(f"{manager.tier} block_size", block_size, min=0)
+            self.log.tier_block_sizes[manager.tier] = size
         resident = manager.policy.order()
         manager.policy = WatchedPolicy(manager.policy, manager.tier, self.record)
         for key in resident:
@@ -143,20 +189,14 @@ class KVEventPublisher:
             self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if self._replay.poll(POLL_MS):
-                    self._serve_replays()
-                self._publish()
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                self._count("socket_errors")
-            except Exception:  # a bug must not stop the events: count it and keep publishing
-                self._count("publisher_errors")
-                log.exception("KV event publisher error (it keeps publishing)")
+        keep_running(self._step, self._stop, self._count, bugs="publisher_errors", logger=log)
         with contextlib.suppress(zmq.ZMQError):
             self._publish()
+
+    def _step(self) -> None:
+        if self._replay.poll(POLL_MS):
+            self._serve_replays()
+        self._publish()
 
     def _publish(self) -> None:
         """Publish every change waiting, ``max_batch`` at most per batch."""

@@ -22,7 +22,7 @@ from kvplane.errors import BlockStateError, LayoutError
 from kvplane.ids import BlockId, RegionId
 from kvplane.layout import KVLayout
 from kvplane.metrics import MetricsRegistry
-from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile
+from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile, Placement
 from kvplane.pipeline.advert import encode_advert
 from kvplane.serving.producers.base import KVModel, PoolTensor, kv_fingerprint
 from kvplane.transports.base import Transport
@@ -59,6 +59,13 @@ def _allocate(transport: Transport, layout: KVLayout) -> torch.Tensor:
     return tensor
 
 
+def placement_of(model: KVModel) -> Placement:
+    """The :class:`Placement` ``model`` computes for (a rank producer's ``placement``); the
+    default, one process holding the whole model, for any other."""
+    placement = getattr(model, "placement", None)
+    return placement if isinstance(placement, Placement) else Placement()
+
+
 class WorkerPools:
     """The pools of one worker (see the module docstring). ``num_slots`` bounds the number of
     requests in flight; ``head_range`` is the rank's TP range of KV heads (default all)."""
@@ -77,6 +84,8 @@ class WorkerPools:
         name: str = "worker",
     ) -> None:
         self.model_id = model.model_id
+        self.placement = placement_of(model)
+        """Which rank of a TP × PP layout the pools hold (:func:`placement_of`)."""
         kv_layout = model.kv_layout(num_blocks, block_size, head_range)
         if kv_layout.whole_only:
             raise LayoutError("the KV pool of a worker must be paged, not whole-only")
@@ -104,15 +113,23 @@ class WorkerPools:
 
     # -- what peers learn ------------------------------------------------------------------------
     def profile(self) -> PeerProfile:
+        """What PD peers learn: every pool's layout and :attr:`placement` (a TP or PP rank is
+        then judged as one member of a receiver's gather, not as a partial 1:1 sender)."""
         infos = tuple(
             LayoutInfo.from_description(
                 lay.describe(),
                 compat_fingerprint=lay.compat_fingerprint(),
                 fingerprint=lay.fingerprint(),
+                geometry_fingerprint=lay.geometry_fingerprint(),
             )
             for lay in self.layouts
         )
-        return PeerProfile(protocol_version=PROTOCOL_VERSION, model_id=self.model_id, layouts=infos)
+        return PeerProfile(
+            protocol_version=PROTOCOL_VERSION,
+            model_id=self.model_id,
+            layouts=infos,
+            placement=self.placement,
+        )
 
     def advert(self) -> bytes:
         """The ``Hello.transport_metadata`` blob (call after every pool is registered)."""

@@ -203,21 +203,23 @@ class Worker:
         self.transport.close()
 
     def _start_kv_events(self) -> None:
-        """Bind the KV event publisher (when configured) and watch the offload tiers, before
-        the worker loop (their owner) starts."""
+        """Bind the KV event publisher (when configured) and watch the offload tiers, each
+        with its own tokens per chunk (a lower tier's chunk spans host chunks), before the
+        worker loop (their owner) starts."""
         if self.kv_event_settings is None:
             return
         offload = getattr(self, "offload", None)  # a prefill worker's prefix offload, if any
         tiers: list[OffloadManager] = []
-        tokens = 0
+        tokens, spans = 0, {}
         if isinstance(offload, PrefixOffload):
             tiers, tokens = offload.cascade.managers(), offload.spec.tokens_per_chunk
+            spans = offload.cascade.book.spans  # host chunks per chunk of each lower tier
         self.kv_events = KVEventPublisher(
             self.config.name, self.incarnation, self.kv_event_settings,
             secret=self.config.secret, block_size=tokens,
         )  # fmt: skip
         for manager in tiers:
-            self.kv_events.watch(manager)
+            self.kv_events.watch(manager, tokens * spans.get(manager.tier, 1))
         self.kv_events.start()
 
     def _close_parts(self) -> None:
@@ -244,6 +246,8 @@ class Worker:
             block_size=self.pools.kv.layout.block_size,
             blocks_per_chunk=chunks,
             layer_ids=self.pools.kv.layout.layer_ids,
+            pp_stage=self.pools.placement.pp_stage,
+            tp_rank=self.pools.placement.tp_rank,
         )
 
     def _read_peers(self, timeout_s: float) -> list[str]:

@@ -31,7 +31,7 @@ from kvplane.serving.kv_events import (
     decode_frame,
     replay_request,
 )
-from kvplane.serving.kv_publisher import event_keys
+from kvplane.serving.kv_publisher import event_keys, keep_running
 from kvplane.serving.router.kv_feed import EventFeed
 from kvplane.serving.router.prefix_index import PrefixIndex, PrefixMatch
 from kvplane.serving.worker_config import split_address
@@ -123,23 +123,18 @@ class KVEventSubscriber:
         for link in self._links:
             poller.register(link.sub, zmq.POLLIN)
             poller.register(link.dealer, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                ready = dict(poller.poll(50))
-                now = time.monotonic()
-                for link in self._links:
-                    if link.sub in ready:
-                        self._read(link, link.sub, now)
-                    if link.dealer in ready:
-                        self._read(link, link.dealer, now)
-                    self._ask(link, now)
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                self._count("socket_errors")
-            except Exception:  # a bug must not stop the index: count it and keep reading
-                self._count("subscriber_errors")
-                log.exception("KV event subscriber error (it keeps reading)")
+
+        def step() -> None:
+            ready = dict(poller.poll(50))
+            now = time.monotonic()
+            for link in self._links:
+                if link.sub in ready:
+                    self._read(link, link.sub, now)
+                if link.dealer in ready:
+                    self._read(link, link.dealer, now)
+                self._ask(link, now)
+
+        keep_running(step, self._stop, self._count, bugs="subscriber_errors", logger=log)
 
     def _count(self, key: str) -> None:
         with self._lock:
