@@ -9,15 +9,23 @@
 - Native kernels (``cpu_fused``) are built into a private cache directory for the session
   (unless ``KVPLANE_CACHE_DIR`` is set), so the suite never writes into the user's home and
   always exercises the build once.
+- ``start_procs`` / ``stop_procs``: ``kvplane serve`` processes started (or stopped) at once,
+  not one after the other: each start imports torch, each stop waits for the process's exit.
+- ``tiny_llama``: a random-init Llama checkpoint per shape, saved once for the session (seed 0:
+  the same bytes each module would save itself; engines only read it).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -25,6 +33,9 @@ import torch
 from kvplane.native import CACHE_ENV as _CACHE_ENV
 from kvplane.offload.tiers.remote import redis_support
 from kvplane.testing.redis_server import LocalRedisServer, redis_server_support
+
+if TYPE_CHECKING:  # imported where used: a broken module fails its tests, not the collection
+    from kvplane.testing.cluster import Proc
 
 _MADE_CACHE = pytest.StashKey[str]()
 
@@ -91,3 +102,72 @@ def redis_namespace(request: pytest.FixtureRequest, redis_url: str) -> Iterator[
     if names:
         client.delete(*names)
     client.close()
+
+
+def _digest(directory: Path) -> dict[str, str]:
+    return {
+        f.name: hashlib.blake2b(f.read_bytes(), digest_size=16).hexdigest()
+        for f in sorted(directory.iterdir())
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[Mapping[str, int]], Path]]:
+    """``tiny_llama(shape)``: the directory of a random-init Llama checkpoint of ``shape``
+    (:func:`~kvplane.integrations.vllm.env.save_tiny_llama`, seed 0), saved at the first ask
+    and shared by every later one (each save is a vLLM-environment process: ~9 s). Needs the
+    vLLM environment (call ``require_vllm`` first). Read-only: at the session's end every
+    checkpoint must hold the files it was saved with."""
+    made: dict[str, tuple[Path, dict[str, str]]] = {}
+
+    def get(shape: Mapping[str, int]) -> Path:
+        from kvplane.integrations.vllm.env import save_tiny_llama
+
+        key = json.dumps(dict(shape), sort_keys=True)
+        if key not in made:
+            path = tmp_path_factory.mktemp("tiny-llama") / "model"
+            save_tiny_llama(path, shape)
+            made[key] = (path, _digest(path))
+        return made[key][0]
+
+    yield get
+    for key, (path, saved) in made.items():
+        assert _digest(path) == saved, f"a test changed the shared checkpoint {key}"
+
+
+def _start_procs(into: list[Proc], *makers: Callable[[], Proc]) -> list[Proc]:
+    """Call every maker at once (each starts a process and waits for its announce line); the
+    processes in maker order. Each one started is appended to ``into`` (for its caller to
+    stop) before the first maker's exception, if any, is re-raised once every maker ended."""
+    with ThreadPoolExecutor(len(makers)) as pool:
+        futures = [pool.submit(make) for make in makers]
+    errors = [f.exception() for f in futures]
+    into.extend(f.result() for f, e in zip(futures, errors, strict=True) if e is None)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return [f.result() for f in futures]
+
+
+def _stop_procs(procs: Sequence[Proc]) -> None:
+    """Stop every process still running: SIGTERM to all first, then each one's wait (and
+    SIGKILL after 15 s), so their shutdowns overlap."""
+    running = [p for p in procs if p.proc.poll() is None]
+    for p in running:
+        p.proc.terminate()
+    for p in running:
+        p.stop()
+
+
+@pytest.fixture(scope="session")
+def start_procs() -> Callable[..., list[Proc]]:
+    """``start_procs(into, *makers)``: see :func:`_start_procs`."""
+    return _start_procs
+
+
+@pytest.fixture(scope="session")
+def stop_procs() -> Callable[[Sequence[Proc]], None]:
+    """``stop_procs(procs)``: see :func:`_stop_procs`."""
+    return _stop_procs

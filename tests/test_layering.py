@@ -10,6 +10,7 @@ producers, *, router``; ``*`` is the package's own modules) the same rule ranks 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -51,7 +52,13 @@ def module_name(path: Path) -> str:
 
 
 def kvplane_imports(path: Path) -> set[str]:
-    """Absolute names of the kvplane modules (or packages) ``path`` imports, at any depth."""
+    """Absolute names of the kvplane modules (or packages) ``path`` imports, at any depth
+    (parsed once per version of the file: three tests read every module)."""
+    return set(_imports_of(path, path.stat().st_mtime_ns))
+
+
+@functools.cache
+def _imports_of(path: Path, mtime_ns: int) -> frozenset[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     mod = module_name(path)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
@@ -75,7 +82,7 @@ def kvplane_imports(path: Path) -> set[str]:
                     SRC.parent / Path(*sub.split("."))
                 ).is_dir():
                     found.add(sub)
-    return found
+    return frozenset(found)
 
 
 def top(name: str) -> str:

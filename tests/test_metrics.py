@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import urllib.request
+from functools import partial
+
 import pytest
 
+from kvplane import metrics as m
 from kvplane.errors import InvalidArgumentError
 from kvplane.metrics import (
     COUNT_BUCKETS,
@@ -12,6 +18,7 @@ from kvplane.metrics import (
     overlap_ratio,
     transfer_amplification,
 )
+from kvplane.testing.cluster import wait_for
 
 
 def test_prefix_and_get_or_create() -> None:
@@ -58,32 +65,58 @@ def test_ratios() -> None:
         transfer_amplification(-1, 3)
 
 
+def _hung_up(conn: socket.socket) -> bool:
+    """Whether the server closed ``conn`` (end of file or a reset) without a byte of answer;
+    False while it is still open. AssertionError if it answered."""
+    conn.setblocking(False)
+    try:
+        data = conn.recv(1)
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+    assert data == b"", f"a client over the cap was answered: {data!r}"
+    return True
+
+
+def _taken(socks: list[socket.socket], before: int) -> bool:
+    """Whether the server gave each of ``socks`` a thread (or dropped one after its timeout)."""
+    held = threading.active_count() - before
+    return held >= len(socks) or any(_hung_up(s) for s in socks)
+
+
+def _closed_within_cap(conn: socket.socket, before: int) -> bool:
+    """Whether the server closed ``conn``; AssertionError while it serves over the cap."""
+    assert threading.active_count() - before <= m.HTTP_MAX_CLIENTS, "served over the cap"
+    return _hung_up(conn)
+
+
 def test_metrics_server_bounds_idle_and_half_sent_clients() -> None:
     """Idle or half-sent ``/metrics`` connections cannot pile up threads: at most
-    HTTP_MAX_CLIENTS are served at once, each dropped after HTTP_TIMEOUT_S of silence, and a
-    scrape still works while they hang."""
-    import socket
-    import threading
-    import time
-    import urllib.request
-
-    from kvplane import metrics as m
-
+    HTTP_MAX_CLIENTS are served at once (the next ones are closed unanswered), each dropped
+    after HTTP_TIMEOUT_S of silence, and a scrape works once they closed. Each connection
+    waits for the server's verdict on it (a thread, or closed) before the next one, so the
+    listen backlog (5) never overflows into 1 s SYN retries."""
     reg = MetricsRegistry()
     reg.counter("scrapes_test", "a counter").inc()
     server = reg.serve(0)
     port = server.server_address[1]
     before = threading.active_count()
-    socks = []
-    for _ in range(3 * m.HTTP_MAX_CLIENTS):
-        s = socket.create_connection(("127.0.0.1", port))
-        s.sendall(b"GET /metr")  # half a request line, then silence
-        socks.append(s)
-    time.sleep(0.5)
-    assert threading.active_count() - before <= m.HTTP_MAX_CLIENTS
-    for s in socks:
-        s.close()
-    time.sleep(0.3)  # closed clients end their threads
+    socks: list[socket.socket] = []
+    try:
+        for i in range(3 * m.HTTP_MAX_CLIENTS):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /metr")  # half a request line, then silence
+            socks.append(s)
+            if i < m.HTTP_MAX_CLIENTS:  # served: one more thread (or one timed out already)
+                wait_for(partial(_taken, socks, before), what=f"client {i} given a thread")
+            else:  # over the cap: closed at once (or served in a timed-out one's place)
+                wait_for(partial(_closed_within_cap, s, before), what=f"client {i} closed")
+        assert threading.active_count() - before <= m.HTTP_MAX_CLIENTS
+    finally:
+        for s in socks:
+            s.close()
+    wait_for(lambda: threading.active_count() == before, what="closed clients end their threads")
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
     assert b"kvplane_scrapes_test_total 1.0" in body
     server.shutdown()

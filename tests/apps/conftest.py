@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -10,11 +10,9 @@ from kvplane.testing.cluster import Proc
 
 
 @pytest.fixture
-def procs() -> Iterator[list[Proc]]:
+def procs(stop_procs: Callable[[Sequence[Proc]], None]) -> Iterator[list[Proc]]:
     """A list the test appends its started ``kvplane serve`` processes to; every one still
-    running at the end is stopped (SIGTERM, then SIGKILL)."""
+    running at the end is stopped (SIGTERM to all at once, then SIGKILL after 15 s)."""
     started: list[Proc] = []
     yield started
-    for p in started:
-        if p.proc.poll() is None:
-            p.stop()
+    stop_procs(started)

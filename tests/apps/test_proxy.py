@@ -73,7 +73,8 @@ def _serve(fake: Fake) -> None:
 
     fake.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
     fake.server.daemon_threads = True
-    threading.Thread(target=fake.server.serve_forever, daemon=True).start()
+    # polled every 50 ms (not 0.5 s): its shutdown at the test's end waits one poll
+    threading.Thread(target=fake.server.serve_forever, args=(0.05,), daemon=True).start()
 
 
 def send_json(h: BaseHTTPRequestHandler, status: int, obj: object) -> None:

@@ -22,7 +22,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from kvplane.apps.proxy import PDProxy, ProxyConfig
-from kvplane.integrations.vllm.env import save_tiny_llama, vllm_python, vllm_support
+from kvplane.integrations.vllm.env import vllm_python, vllm_support
 
 SHAPE = {"vocab": 512, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256}
 SECRET = "kvplane-proxy-test-secret-0123456789"
@@ -110,28 +110,35 @@ def _wait_healthy(server: Server, deadline: float) -> None:
                     return
         except OSError:
             pass
-        time.sleep(1.0)
+        time.sleep(0.2)
     pytest.fail(f"{server.log.name} not healthy within {START_S:.0f} s")
 
 
-def _stop(server: Server) -> None:
+def _signal(server: Server, sig: signal.Signals) -> None:
+    """Send ``sig`` to the server and its engine processes (its session), if it still runs."""
     if server.proc.poll() is None:
-        os.killpg(server.proc.pid, signal.SIGTERM)  # the server and its engine processes
-        try:
-            server.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.proc.pid, signal.SIGKILL)
-            server.proc.wait()
+        os.killpg(server.proc.pid, sig)
+
+
+def _stop(server: Server) -> None:
+    _signal(server, signal.SIGTERM)
+    try:
+        server.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        _signal(server, signal.SIGKILL)
+        server.proc.wait()
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+def servers(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama: Callable[[Mapping[str, int]], Path]
+) -> Iterator[Servers]:
     require_vllm()
     root = tmp_path_factory.mktemp("proxy-vllm")
-    save_tiny_llama(root / "model", SHAPE)
+    model = tiny_llama(SHAPE)
     pd_port = free_port()
-    prefill = _start(root / "model", root, "prefill", "kv_producer", pd_port)
-    decode = _start(root / "model", root, "decode", "kv_consumer", free_port())
+    prefill = _start(model, root, "prefill", "kv_producer", pd_port)
+    decode = _start(model, root, "decode", "kv_consumer", free_port())
     started = [prefill, decode]
     try:
         deadline = time.monotonic() + START_S
@@ -139,6 +146,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
             _wait_healthy(server, deadline)
         yield Servers(prefill, decode, f"tcp://127.0.0.1:{pd_port}")
     finally:
+        for server in started:  # both shut down at once
+            _signal(server, signal.SIGTERM)
         for server in started:
             _stop(server)
 

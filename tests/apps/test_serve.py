@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import time
 import urllib.request
+from collections.abc import Callable
 
 import numpy as np
 
@@ -61,17 +62,20 @@ def worker_args(name: str, control: int, pd: int, *extra: str) -> list[str]:
     ]
 
 
-def test_processes_serve_requests_through_a_router_process(procs: list[Proc]) -> None:
+StartProcs = Callable[..., list[Proc]]
+
+
+def test_processes_serve_requests_through_a_router_process(
+    procs: list[Proc], start_procs: StartProcs
+) -> None:
     mport = free_port()
-    pre = Proc(
-        "prefill",
-        worker_args(
-            "prefill", free_port(), free_port(), "--step-size", "24", "--metrics-port", str(mport)
-        ),
+    pre_args = worker_args(
+        "prefill", free_port(), free_port(), "--step-size", "24", "--metrics-port", str(mport)
     )
-    procs.append(pre)
-    dec = Proc("decode", worker_args("decode", free_port(), free_port(), "--block-size", "8"))
-    procs.append(dec)
+    dec_args = worker_args("decode", free_port(), free_port(), "--block-size", "8")
+    pre, dec = start_procs(
+        procs, lambda: Proc("prefill", pre_args), lambda: Proc("decode", dec_args)
+    )
     assert str(pre.info["pd"]).startswith("tcp://127.0.0.1:")
     router = Proc(
         "router",
@@ -114,13 +118,14 @@ def test_processes_serve_requests_through_a_router_process(procs: list[Proc]) ->
     assert router.proc.wait(timeout=15) == 0
 
 
-def test_sigkill_mid_transfer_then_restart(procs: list[Proc]) -> None:
+def test_sigkill_mid_transfer_then_restart(procs: list[Proc], start_procs: StartProcs) -> None:
     pc, pp, dc, dp = free_port(), free_port(), free_port(), free_port()
     slow = ["--compute-ms-per-step", "10", "--step-size", "16"]
-    pre = Proc("prefill", worker_args("prefill", pc, pp, *slow))
-    procs.append(pre)
-    dec = Proc("decode", worker_args("decode", dc, dp))
-    procs.append(dec)
+    pre, dec = start_procs(
+        procs,
+        lambda: Proc("prefill", worker_args("prefill", pc, pp, *slow)),
+        lambda: Proc("decode", worker_args("decode", dc, dp)),
+    )
     router = Router([pre.control], [dec.control], timeout_s=20, secret=TEST_SECRET)
     try:
         router.connect()
@@ -149,12 +154,15 @@ def test_sigkill_mid_transfer_then_restart(procs: list[Proc]) -> None:
         router.close()
 
 
-def test_the_router_process_survives_a_decode_restart(procs: list[Proc]) -> None:
+def test_the_router_process_survives_a_decode_restart(
+    procs: list[Proc], start_procs: StartProcs
+) -> None:
     pc, pp, dc, dp = free_port(), free_port(), free_port(), free_port()
-    pre = Proc("prefill", worker_args("prefill", pc, pp))
-    procs.append(pre)
-    dec = Proc("decode", worker_args("decode", dc, dp))
-    procs.append(dec)
+    pre, dec = start_procs(
+        procs,
+        lambda: Proc("prefill", worker_args("prefill", pc, pp)),
+        lambda: Proc("decode", worker_args("decode", dc, dp)),
+    )
     flags = ["--timeout", "5", "--refresh", "0.2", "--request-deadline", "20"]
     rt = Proc("router", ["--prefill", pre.control, "--decode", dec.control, *flags])
     procs.append(rt)

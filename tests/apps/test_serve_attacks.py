@@ -11,7 +11,8 @@ import re
 import socket
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 import msgspec
 import pytest
@@ -45,12 +46,11 @@ SHAPE = ["--layout", "mla", "--layers", "2", "--latent-dim", "32", "--rope-dim",
 TIMING = ["--heartbeat", "0.1", "--lease", "1", "--retransmit", "0.05", "--deadline", "5"]
 
 
-def _worker(name: str) -> tuple[Proc, int]:
-    metrics = free_port()
+def _worker(name: str, metrics: int) -> Proc:
     args = ["--name", name, "--control", f"tcp://127.0.0.1:{free_port()}", *SHAPE, *TIMING]
     args += ["--pd", f"tcp://127.0.0.1:{free_port()}", "--num-blocks", "128"]
     args += ["--first-byte-timeout", str(FIRST_BYTE_S), "--metrics-port", str(metrics)]
-    return Proc(name, args), metrics
+    return Proc(name, args)
 
 
 def _data_plane(proc: Proc, metrics: int) -> int:
@@ -202,18 +202,22 @@ def test_a_process_without_the_secret_can_neither_read_nor_write_kv_over_the_dat
 
 
 @pytest.fixture
-def flooded() -> Iterator[tuple[list[tuple[Proc, int]], list[socket.socket]]]:
-    started: list[tuple[Proc, int]] = []
+def flooded(
+    start_procs: Callable[..., list[Proc]], stop_procs: Callable[[Sequence[Proc]], None]
+) -> Iterator[tuple[list[tuple[Proc, int]], list[socket.socket]]]:
+    """The prefill and decode workers (started at once) with their metrics ports, and a list
+    of the test's junk connections, closed before the workers stop."""
+    started: list[Proc] = []
     junk: list[socket.socket] = []
     try:
-        for name in ("prefill", "decode"):
-            started.append(_worker(name))
-        yield started, junk
+        metrics = [free_port(), free_port()]
+        names = ("prefill", "decode")
+        start_procs(started, *[partial(_worker, n, m) for n, m in zip(names, metrics, strict=True)])
+        yield list(zip(started, metrics, strict=True)), junk
     finally:
         for conn in junk:
             conn.close()
-        for proc, _ in started:
-            proc.stop()
+        stop_procs(started)
 
 
 def test_a_pair_forms_and_serves_while_junk_is_held_on_every_pd_and_data_plane_listener(

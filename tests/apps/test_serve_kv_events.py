@@ -4,6 +4,8 @@ chunk changes and a router finds it through membership; bad flags refused before
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
+from functools import partial
 
 import pytest
 
@@ -22,11 +24,12 @@ SMALL = ["--layers", "1", "--latent-dim", "16", "--rope-dim", "8"]
 EVENTS = ["--offload-host-slots", "8", "--blocks-per-chunk", "1", "--kv-events"]
 
 
-def test_the_router_indexes_a_prefill_workers_stored_chunks(procs: list[Proc]) -> None:
-    pre = Proc("prefill", [*SMALL, *EVENTS])
-    procs.append(pre)
-    dec = Proc("decode", SMALL)
-    procs.append(dec)
+def test_the_router_indexes_a_prefill_workers_stored_chunks(
+    procs: list[Proc], start_procs: Callable[..., list[Proc]]
+) -> None:
+    pre, dec = start_procs(
+        procs, partial(Proc, "prefill", [*SMALL, *EVENTS]), partial(Proc, "decode", SMALL)
+    )
     source = EventSource(str(pre.info["kv_events"]), str(pre.info["kv_replay"]))
     assert source.address.startswith("tcp://127.0.0.1:") and dec.info["kv_events"] == ""
     client = RpcClient(pre.control, timeout_s=10, secret=TEST_SECRET)

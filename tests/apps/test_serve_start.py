@@ -3,11 +3,14 @@ bad input refused in one line (exit 1) before anything starts -- against real pr
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ import pytest
 from kvplane.apps.serve import DISK_SLOT_FILE, offload_of
 from kvplane.apps.serve_config import settle
 from kvplane.cli import build_parser
+from kvplane.config import SECRET_ENV
 from kvplane.errors import ConfigError
 from kvplane.serving.messages import Generate, InfoQuery, RequestResult, WorkerInfo
 from kvplane.serving.router.router import Router
@@ -28,22 +32,45 @@ def _metrics(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
 
 
-def test_insecure_mode_is_explicit_and_says_so_in_the_log_and_metrics(procs: list[Proc]) -> None:
+@dataclass(frozen=True)
+class Insecure:
+    """An insecure prefill and decode worker; the decode worker's ``/metrics`` port."""
+
+    prefill: Proc
+    decode: Proc
+    decode_metrics: int
+
+
+@pytest.fixture(scope="module")
+def insecure(
+    start_procs: Callable[..., list[Proc]], stop_procs: Callable[[Sequence[Proc]], None]
+) -> Iterator[Insecure]:
+    """Both ``--insecure`` workers, started at once, for the two insecure-mode tests."""
     port = free_port()
-    p = Proc("decode", [*SMALL, "--insecure", "--metrics-port", str(port)], secret=None)
-    procs.append(p)
-    assert p.proc.stderr is not None
-    warning = p.proc.stderr.readline()
+    started: list[Proc] = []
+    try:
+        pre, dec = start_procs(
+            started,
+            partial(Proc, "prefill", [*SMALL, "--insecure"], secret=None),
+            partial(Proc, "decode", [*SMALL, "--insecure", "--metrics-port", str(port)],
+                    secret=None),
+        )  # fmt: skip
+        yield Insecure(pre, dec, port)
+    finally:
+        stop_procs(started)
+
+
+def test_insecure_mode_is_explicit_and_says_so_in_the_log_and_metrics(insecure: Insecure) -> None:
+    assert insecure.decode.proc.stderr is not None
+    warning = insecure.decode.proc.stderr.readline()
     assert "--insecure" in warning and "any local process" in warning
-    assert "kvplane_insecure 1.0" in _metrics(port)
+    assert "kvplane_insecure 1.0" in _metrics(insecure.decode_metrics)
 
 
-def test_an_insecure_router_says_so_in_its_metrics(procs: list[Proc]) -> None:
-    workers = [Proc(role, [*SMALL, "--insecure"], secret=None) for role in ("prefill", "decode")]
-    procs.extend(workers)
+def test_an_insecure_router_says_so_in_its_metrics(procs: list[Proc], insecure: Insecure) -> None:
     port = free_port()
-    flags = ["--prefill", workers[0].control, "--decode", workers[1].control, "--insecure"]
-    router = Proc("router", [*flags, "--metrics-port", str(port)], secret=None)
+    flags = ["--prefill", insecure.prefill.control, "--decode", insecure.decode.control]
+    router = Proc("router", [*flags, "--insecure", "--metrics-port", str(port)], secret=None)
     procs.append(router)
     client = RpcClient(router.control, timeout_s=20)  # no secret: the router runs insecure
     try:
@@ -54,13 +81,14 @@ def test_an_insecure_router_says_so_in_its_metrics(procs: list[Proc]) -> None:
     assert "kvplane_insecure 1.0" in _metrics(port)
 
 
-def test_a_prompt_larger_than_the_host_tier_is_counted_and_logged(procs: list[Proc]) -> None:
+def test_a_prompt_larger_than_the_host_tier_is_counted_and_logged(
+    procs: list[Proc], start_procs: Callable[..., list[Proc]]
+) -> None:
     port = free_port()
     offload = ["--offload-host-slots", "1", "--blocks-per-chunk", "1", "--metrics-port", str(port)]
-    pre = Proc("prefill", [*SMALL, *offload])
-    procs.append(pre)
-    dec = Proc("decode", SMALL)
-    procs.append(dec)
+    pre, dec = start_procs(
+        procs, partial(Proc, "prefill", [*SMALL, *offload]), partial(Proc, "decode", SMALL)
+    )
     router = Router([pre.control], [dec.control], timeout_s=20, secret=TEST_SECRET)
     try:
         router.connect()
@@ -112,19 +140,24 @@ def test_a_secret_file_and_a_config_file_with_env_over_file(
     assert "kvplane_insecure 0.0" in _metrics(port)  # the file's metrics port, a secret
 
 
-def test_bad_input_is_one_line_and_exit_1_before_anything_starts(tmp_path: Path) -> None:
-    busy = socket.socket()
-    busy.bind(("127.0.0.1", 0))
-    busy.listen()
+Case = tuple[list[str], dict[str, str], bytes | None, str]
+"""``kvplane serve`` flags, environment on top, the secret in ``KVPLANE_SECRET`` (``None``:
+none) and what the one error line must say."""
+
+
+class _StartedError(Exception):
+    """Raised in place of the start-up warning: every check passed and serving would begin."""
+
+
+def _bad_cases(tmp_path: Path, busy_port: int) -> list[Case]:
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     short = tmp_path / "short.key"
     short.write_text("abc")
     ok = "tcp://127.0.0.1:5"
-    cases: list[tuple[list[str], dict[str, str], bytes | None, str]] = [
-        (["decode", "--num-blocks", "1000000000000"], {}, TEST_SECRET, "KV pool of"),
+    return [
         (["decode", "--control", "tcp://192.0.2.1:5555"], {}, TEST_SECRET, "cannot be bound"),
-        (["decode", "--metrics-port", str(busy.getsockname()[1])], {}, TEST_SECRET, "in use"),
+        (["decode", "--metrics-port", str(busy_port)], {}, TEST_SECRET, "in use"),
         (["router", "--prefill", "garbage", "--decode", ok], {}, TEST_SECRET, "--prefill must"),
         (["prefill", "--compute-ms-per-step", "inf"], {}, TEST_SECRET, "compute_s_per_step"),
         (["prefill", "--compute-ms-per-step", "nan"], {}, TEST_SECRET, "compute_s_per_step"),
@@ -142,19 +175,63 @@ def test_bad_input_is_one_line_and_exit_1_before_anything_starts(tmp_path: Path)
         (["prefill", "--offload-host-slots", "2", "--offload-disk", str(a_file)], {},
          TEST_SECRET, "must be a directory"),
     ]  # fmt: skip
+
+
+def _check_refused(case: Case, code: int, out: str, err: str) -> None:
+    argv, _env, _secret, want = case
+    lines = err.strip().splitlines()
+    assert (code, out) == (1, ""), f"{argv}: {code} {err[-2000:]}"
+    assert len(lines) == 1 and lines[0].startswith("kvplane: error: "), (argv, err)
+    assert want in lines[0], (argv, lines[0])
+
+
+def test_bad_input_is_one_line_and_exit_1_from_a_real_process() -> None:
+    """The process path once: exit status 1, nothing on stdout, one line on stderr (the other
+    refusals run in-process below, through the same ``main``)."""
+    case: Case = (["decode", "--num-blocks", "1000000000000"], {}, TEST_SECRET, "KV pool of")
+    _check_refused(case, *_refusal(case))
+
+
+def test_bad_input_is_one_line_and_exit_1_before_anything_starts(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each bad flag, variable or file through ``kvplane.cli.main`` as ``python -m kvplane``
+    runs it: ``main`` returns 1 with one ``kvplane: error:`` line on stderr, nothing on stdout
+    and no warning logged (a process would print it on stderr too), before the start-up
+    warning that follows every check (made to raise here: a case that starts fails)."""
+    from kvplane.apps import serve
+    from kvplane.cli import main
+
+    def started(args: object) -> None:
+        raise _StartedError
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
     try:
-        with ThreadPoolExecutor(4) as pool:  # a few at a time: each imports torch
-            results = list(pool.map(_refusal, cases))
+        for case in _bad_cases(tmp_path, busy.getsockname()[1]):
+            argv, env, secret, _want = case
+            small = [] if argv[0] == "router" else SMALL
+            caplog.clear()
+            with monkeypatch.context() as mp:
+                mp.setattr(serve, "_warn_at_start", started)
+                mp.delenv(SECRET_ENV, raising=False)
+                if secret is not None:
+                    mp.setenv(SECRET_ENV, secret.decode())
+                for name, value in env.items():
+                    mp.setenv(name, value)
+                code = main(["serve", argv[0], *small, *argv[1:]])
+            out, err = capsys.readouterr()
+            _check_refused(case, code, out, err)
+            assert [r for r in caplog.records if r.levelno >= logging.WARNING] == [], argv
     finally:
         busy.close()
-    for (argv, _env, _secret, want), (code, out, err) in zip(cases, results, strict=True):
-        lines = err.strip().splitlines()
-        assert (code, out) == (1, ""), f"{argv}: {code} {err[-2000:]}"
-        assert len(lines) == 1 and lines[0].startswith("kvplane: error: "), (argv, err)
-        assert want in lines[0], (argv, lines[0])
 
 
-def _refusal(case: tuple[list[str], dict[str, str], bytes | None, str]) -> tuple[int, str, str]:
+def _refusal(case: Case) -> tuple[int, str, str]:
     """Run ``kvplane serve`` with ``case``'s flags, environment and secret; its exit code,
     stdout and stderr (-1 when it was still running after 120 s: it started instead)."""
     argv, env, secret, _want = case

@@ -6,8 +6,10 @@ random-init Llama saved with transformers, greedy decoding, ``prompt_token_ids``
 engine starts in all: a baseline without the connector, engine A (connector, disk tier: stores
 the prompts), engine B (a new process on A's disk file: loads the shared prefix
 asynchronously), engine C (a copy of A's disk file with one chunk corrupted after start-up: an
-asynchronous load error, recomputed)
-and one engine (a script of its own) for ``reset_prefix_cache()`` and vLLM's metrics.
+asynchronous load error, recomputed) and one engine (a script of its own) for
+``reset_prefix_cache()`` and vLLM's metrics. Two engines run at a time (the baseline, A and
+the reset engine share nothing; B and C start once A has exited): the same five processes, in
+about half the time on two cores.
 
 Without ``.venv-vllm`` these tests skip, saying why; with ``KVPLANE_REQUIRE_VLLM=1`` they fail.
 """
@@ -18,13 +20,15 @@ import json
 import random
 import shutil
 import subprocess
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm_testlib import require_vllm
 
-from kvplane.integrations.vllm.env import run_harness, save_tiny_llama, vllm_python
+from kvplane.integrations.vllm.env import run_harness, vllm_python
 from kvplane.integrations.vllm.versions import VLLM_MAX_TESTED, VLLM_MIN, release
 
 SHAPE = {"vocab": 512, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256}
@@ -36,10 +40,12 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def workdir(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama: Callable[[Mapping[str, int]], Path]
+) -> Path:
     require_vllm()
     root = tmp_path_factory.mktemp("vllm")
-    save_tiny_llama(root / "model", SHAPE)
+    (root / "model").symlink_to(tiny_llama(SHAPE), target_is_directory=True)
     return root
 
 
@@ -59,20 +65,66 @@ def _connector(disk: Path) -> dict[str, Any]:
     return {"blocks_per_chunk": 2, "host_slots": 32, "disk_path": str(disk), "disk_slots": 32}
 
 
-@pytest.fixture(scope="module")
-def baseline(workdir: Path) -> list[list[int]]:
+def _baseline(workdir: Path) -> list[list[int]]:
     got = run_harness(_spec(workdir, None, [LONG, SHARED, OTHER]), timeout=300)
     tokens: list[list[int]] = got["tokens"][0]
     assert [len(t) for t in tokens] == [MAX_TOKENS] * 3
     return tokens
 
 
-@pytest.fixture(scope="module")
-def engine_a(workdir: Path) -> dict[str, Any]:
+def _engine_a(workdir: Path) -> dict[str, Any]:
     disk = workdir / "a" / "chunks.bin"
     disk.parent.mkdir()
     got = run_harness(_spec(workdir, _connector(disk), [LONG, OTHER]), timeout=300)
     shutil.copy(disk, workdir / "chunks-for-c.bin")  # engine C corrupts its own copy
+    return got
+
+
+def _engine_b(workdir: Path, a: Future[dict[str, Any]]) -> dict[str, Any]:
+    """A new process on A's disk file once A has exited; its host tier sized in bytes."""
+    a.result()
+    connector = _connector(workdir / "a" / "chunks.bin")
+    del connector["host_slots"]  # the host tier sized in bytes instead: the same 32 slots
+    connector["cpu_bytes_to_use"] = 32 * 2 * 2 * (2 * 32 * 64 * 2)
+    connector["load_mode"] = "async"  # the request waits in WAITING_FOR_REMOTE_KVS
+    return run_harness(_spec(workdir, connector, [SHARED]))
+
+
+def _engine_c(workdir: Path, a: Future[dict[str, Any]]) -> dict[str, Any]:
+    """A new process on a copy of A's disk file, its second chunk corrupted after start-up."""
+    a.result()
+    disk = workdir / "c" / "chunks.bin"
+    disk.parent.mkdir()
+    shutil.copy(workdir / "chunks-for-c.bin", disk)
+    spec = _spec(workdir, _connector(disk), [LONG])
+    spec["corrupt_disk_slots"] = [1]  # LONG's second chunk (stored first, slots in order)
+    return run_harness(spec)
+
+
+@pytest.fixture(scope="module")
+def runs(workdir: Path) -> Iterator[dict[str, Future[Any]]]:
+    """The five engine runs, two at a time; each test waits for the ones it reads (a run's
+    failure fails the tests reading it, with the engine's output)."""
+    with ThreadPoolExecutor(2) as pool:  # in submission order: B and C after A has ended
+        got: dict[str, Future[Any]] = {
+            "baseline": pool.submit(_baseline, workdir),
+            "a": pool.submit(_engine_a, workdir),
+            "reset": pool.submit(_reset_and_stats, workdir),
+        }
+        got["b"] = pool.submit(_engine_b, workdir, got["a"])
+        got["c"] = pool.submit(_engine_c, workdir, got["a"])
+        yield got
+
+
+@pytest.fixture(scope="module")
+def baseline(runs: dict[str, Future[Any]]) -> list[list[int]]:
+    tokens: list[list[int]] = runs["baseline"].result()
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def engine_a(runs: dict[str, Future[Any]]) -> dict[str, Any]:
+    got: dict[str, Any] = runs["a"].result()
     return got
 
 
@@ -94,13 +146,9 @@ def test_tokens_with_the_connector_equal_tokens_without_it(
 
 
 def test_a_second_engine_process_loads_the_prefix_from_disk(
-    workdir: Path, baseline: list[list[int]], engine_a: dict[str, Any]
+    runs: dict[str, Future[Any]], baseline: list[list[int]]
 ) -> None:
-    connector = _connector(workdir / "a" / "chunks.bin")
-    del connector["host_slots"]  # the host tier sized in bytes instead: the same 32 slots
-    connector["cpu_bytes_to_use"] = 32 * 2 * 2 * (2 * 32 * 64 * 2)
-    connector["load_mode"] = "async"  # the request waits in WAITING_FOR_REMOTE_KVS
-    got = run_harness(_spec(workdir, connector, [SHARED]))
+    got = runs["b"].result()
     assert got["tokens"][0] == [baseline[1]]
     sched = got["scheduler_metrics"]
     assert sched["kvplane_vllm_loads_total{mode=async}"] == 1
@@ -112,14 +160,9 @@ def test_a_second_engine_process_loads_the_prefix_from_disk(
 
 
 def test_a_corrupt_disk_chunk_is_a_load_error_and_vllm_recomputes(
-    workdir: Path, baseline: list[list[int]], engine_a: dict[str, Any]
+    runs: dict[str, Future[Any]], baseline: list[list[int]]
 ) -> None:
-    disk = workdir / "c" / "chunks.bin"
-    disk.parent.mkdir()
-    shutil.copy(workdir / "chunks-for-c.bin", disk)
-    spec = _spec(workdir, _connector(disk), [LONG])
-    spec["corrupt_disk_slots"] = [1]  # LONG's second chunk (stored first, slots in order)
-    got = run_harness(spec)
+    got = runs["c"].result()
     assert got["tokens"][0] == [baseline[0]]
     sched, worker = got["scheduler_metrics"], got["worker_metrics"]
     assert sched["kvplane_vllm_loads_total{mode=async}"] == 1  # load_mode "auto": from disk
@@ -166,12 +209,8 @@ json.dump({"reset": reset, "in_flight": in_flight, "metrics": vllm_metrics}, ope
 """
 
 
-def test_reset_prefix_cache_with_stores_in_flight_and_stats_in_vllms_metrics(
-    workdir: Path,
-) -> None:
-    """One engine: LONG stores 4 chunks; ``reset_prefix_cache()`` right after it returns True
-    (kvplane never holds vLLM's blocks); SHARED then loads its prefix from kvplane's host tier
-    (vLLM's own prefix cache is empty), and vLLM's metrics carry kvplane's counters."""
+def _reset_and_stats(workdir: Path) -> dict[str, Any]:
+    """Run :data:`RESET_AND_STATS` in the vLLM environment; what it wrote."""
     python = vllm_python()
     assert python is not None
     run = workdir / "reset"
@@ -187,7 +226,17 @@ def test_reset_prefix_cache_with_stores_in_flight_and_stats_in_vllms_metrics(
         check=False,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    got = json.loads((run / "out.json").read_text())
+    got: dict[str, Any] = json.loads((run / "out.json").read_text())
+    return got
+
+
+def test_reset_prefix_cache_with_stores_in_flight_and_stats_in_vllms_metrics(
+    runs: dict[str, Future[Any]],
+) -> None:
+    """One engine: LONG stores 4 chunks; ``reset_prefix_cache()`` right after it returns True
+    (kvplane never holds vLLM's blocks); SHARED then loads its prefix from kvplane's host tier
+    (vLLM's own prefix cache is empty), and vLLM's metrics carry kvplane's counters."""
+    got = runs["reset"].result()
     assert got["reset"] is True
     m = got["metrics"]
     chunk = 2 * 2 * (2 * 32 * 64 * 2)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from functools import partial
 
 import numpy as np
 import pytest
@@ -81,10 +82,19 @@ class Deployment:
         self.transport = transport
         self.ports = {k: free_port() for k in ("pc", "pp", "dc", "dp")}
         self.procs: list[Proc] = []
-        self.prefill = self.start("prefill")
-        self.decode = self.start("decode")
+
+    def begin(self, start_procs: Callable[..., list[Proc]]) -> None:
+        """Start the prefill and the decode worker at once (chaos seeds 11 and 12)."""
+        makers = [partial(self._spawn, "prefill", 11), partial(self._spawn, "decode", 12)]
+        self.prefill, self.decode = start_procs(self.procs, *makers)
 
     def start(self, role: str) -> Proc:
+        """Start a worker of ``role`` (a restart: the next chaos seed)."""
+        proc = self._spawn(role, len(self.procs) + 11)
+        self.procs.append(proc)
+        return proc
+
+    def _spawn(self, role: str, seed: int) -> Proc:
         c, p = (
             (self.ports["pc"], self.ports["pp"])
             if role == "prefill"
@@ -105,30 +115,30 @@ class Deployment:
             "--transport",
             self.transport,
             "--chaos-seed",
-            str(len(self.procs) + 11),
+            str(seed),
         ]
         secure = self.transport in SECRET_TRANSPORTS  # nixl, mooncake: say --insecure
         args += [] if secure else ["--insecure"]
         secret = TEST_SECRET if secure else None
-        proc = Proc(role, args, entry=("kvplane.testing.chaos_serve",), secret=secret)
-        self.procs.append(proc)
-        return proc
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.proc.poll() is None:
-                p.stop()
+        return Proc(role, args, entry=("kvplane.testing.chaos_serve",), secret=secret)
 
 
 @pytest.fixture
-def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
+def deployment(
+    request: pytest.FixtureRequest,
+    start_procs: Callable[..., list[Proc]],
+    stop_procs: Callable[[Sequence[Proc]], None],
+) -> Iterator[Deployment]:
     transport = getattr(request, "param", "tcp")
     reason = available().get(transport)
     if reason is not None:
         pytest.skip(reason)
     d = Deployment(transport)
-    yield d
-    d.close()
+    try:
+        d.begin(start_procs)
+        yield d
+    finally:
+        stop_procs(d.procs)
 
 
 def run_chaos(dep: Deployment, num_requests: int, kills: list[tuple[int, str]], seed: int) -> None:

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import pytest
@@ -148,6 +148,11 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _worker(name: str) -> Proc:
+    control = f"tcp://127.0.0.1:{free_port()}"
+    return Proc(name, ["--name", name, "--control", control, *WORKER])
+
+
 def _fds_below(pid: int, limit: int) -> bool:
     return _fds(pid) < limit
 
@@ -164,17 +169,16 @@ def _flood(address: str) -> list[socket.socket]:
 
 
 @pytest.fixture
-def procs() -> Iterator[list[Proc]]:
+def procs(stop_procs: Callable[[Sequence[Proc]], None]) -> Iterator[list[Proc]]:
     started: list[Proc] = []
     try:
         yield started
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        stop_procs(started)
 
 
 def test_500_silent_connections_on_every_order_socket_hold_bounded_fds(
-    procs: list[Proc],
+    procs: list[Proc], start_procs: Callable[..., list[Proc]]
 ) -> None:
     """500 silent connections held on each worker's order socket, then a router started
     through them, then 500 more on each order socket, the router's included: a request
@@ -183,9 +187,7 @@ def test_500_silent_connections_on_every_order_socket_hold_bounded_fds(
     its floods. Before, each held every one (until libzmq's 30 s handshake timeout), so
     ~20,000 connections per 30 s exhausted a worker's descriptors. The evictions show in the
     workers' stats and the router's ``/metrics``."""
-    for name in ("prefill", "decode"):
-        control = f"tcp://127.0.0.1:{free_port()}"
-        procs.append(Proc(name, ["--name", name, "--control", control, *WORKER]))
+    start_procs(procs, *[partial(_worker, name) for name in ("prefill", "decode")])
     junk: list[socket.socket] = []
     try:
         before = {p.proc.pid: _fds(p.proc.pid) for p in procs}

@@ -8,7 +8,8 @@ next request for 8 s.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 import pytest
 import zmq
@@ -136,17 +137,24 @@ WORKER = [
 ]  # fmt: skip
 
 
-def test_a_stats_flood_does_not_stall_the_next_request(monkeypatch: pytest.MonkeyPatch) -> None:
+def _worker(role: str) -> Proc:
+    return Proc(role, ["--name", role, "--control", f"tcp://127.0.0.1:{free_port()}", *WORKER])
+
+
+def test_a_stats_flood_does_not_stall_the_next_request(
+    monkeypatch: pytest.MonkeyPatch,
+    start_procs: Callable[..., list[Proc]],
+    stop_procs: Callable[[Sequence[Proc]], None],
+) -> None:
     """10,000 ``StatsQuery`` frames to each worker process, then one request: it is served
     within seconds (it waited 8 s behind the flood before shared answers)."""
     monkeypatch.setenv("KVPLANE_SECRET", SECRET.decode())
-    procs = [
-        Proc(role, ["--name", role, "--control", f"tcp://127.0.0.1:{free_port()}", *WORKER])
-        for role in ("prefill", "decode")
-    ]
-    router = Router([procs[0].control], [procs[1].control], timeout_s=30.0, secret=SECRET)
+    procs: list[Proc] = []
+    router: Router | None = None
     socks: list[zmq.Socket[bytes]] = []
     try:
+        start_procs(procs, *[partial(_worker, role) for role in ("prefill", "decode")])
+        router = Router([procs[0].control], [procs[1].control], timeout_s=30.0, secret=SECRET)
         router.connect()
         assert router.generate("warm", list(range(64))).state == "success"
         socks = [flood(p.control, 10_000, SECRET) for p in procs]
@@ -160,6 +168,6 @@ def test_a_stats_flood_does_not_stall_the_next_request(monkeypatch: pytest.Monke
     finally:
         for sock in socks:
             sock.close(linger=0)
-        router.close()
-        for p in procs:
-            p.stop()
+        if router is not None:
+            router.close()
+        stop_procs(procs)
