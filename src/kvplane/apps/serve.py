@@ -33,9 +33,10 @@ from kvplane.apps.startup import (
     scrub_secret_env,
 )
 from kvplane.config import SECRET_ENV, read_secret
-from kvplane.errors import ConfigError
+from kvplane.errors import ConfigError, InvalidArgumentError
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload import OffloadConfig
+from kvplane.pd.handshake import Placement
 from kvplane.pd.timers import Timings
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.kv_publisher import KVEventSettings
@@ -48,6 +49,7 @@ from kvplane.serving.producers.model import (
     ModelProducer,
     ModelSpec,
 )
+from kvplane.serving.producers.rank import RankProducer
 from kvplane.serving.producers.synthetic import SyntheticDecoder, SyntheticProducer, SyntheticSpec
 from kvplane.serving.router.route_policy import RoutePolicy
 from kvplane.serving.router.router import Router
@@ -110,6 +112,11 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
         help="slices sent as computed, KV after prefill, or per request from the cost model",
     )  # fmt: skip
     w.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
+    if role == "prefill":
+        w.add_argument("--tp-rank", type=int, default=0, help="this rank's TP rank (--model)")
+        w.add_argument("--tp-size", type=int, default=1, help="TP ranks of the prefill layout")
+        w.add_argument("--pp-stage", type=int, default=0, help="this rank's pipeline stage")
+        w.add_argument("--pp-size", type=int, default=1, help="pipeline stages of the prefill")
     m = p.add_argument_group("model", "a real model ([model], KVPLANE_MODEL_*)")
     m.add_argument("--model", default=None, help="tiny-llama, tiny-deepseek or an HF directory")
     m.add_argument("--model-dtype", default="float32", choices=sorted(DTYPES))
@@ -257,6 +264,34 @@ def config_of(args: argparse.Namespace) -> WorkerConfig:
     )  # fmt: skip
 
 
+_RANK_FLAGS = ("tp-rank", "tp-size", "pp-stage", "pp-size")
+
+
+def placement_of(args: argparse.Namespace) -> Placement:
+    """The prefill rank's place in a TP × PP layout (one process for a decode worker);
+    ``ConfigError`` naming the four flags' values and the broken rule of :class:`Placement`."""
+    settle(args)
+    if args.role != "prefill":
+        return Placement()
+    given = (args.tp_rank, args.tp_size, args.pp_stage, args.pp_size)
+    try:
+        return Placement(tp_rank=given[0], tp_size=given[1], pp_stage=given[2], pp_size=given[3])
+    except InvalidArgumentError as exc:
+        flags = " ".join(f"--{f} {v}" for f, v in zip(_RANK_FLAGS, given, strict=True))
+        raise ConfigError(f"{flags}: {exc}") from None
+
+
+def _producer(
+    args: argparse.Namespace, model: ModelSpec, metrics: MetricsRegistry
+) -> ModelProducer:
+    """The prefill worker's real-model producer: one process, or the rank of ``--tp-*/--pp-*``
+    (:class:`RankProducer`: simulated TP/PP compute)."""
+    placement = placement_of(args)
+    if placement == Placement():
+        return ModelProducer.from_spec(model, metrics)
+    return RankProducer.for_rank(model, placement, metrics)
+
+
 def disk_slot_file(directory: str) -> Path:
     """The disk tier's slot file inside ``directory`` (created); ``ConfigError`` when the path
     is not a directory or cannot be made one."""
@@ -320,7 +355,7 @@ def build_worker(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> 
     if args.model is not None:
         model = ModelSpec(args.model, args.seed, args.model_dtype, args.attention)
         if args.role == "prefill":
-            producer = ModelProducer.from_spec(model, metrics)
+            producer = _producer(args, model, metrics)
             _check_memory(config, producer)
             return PrefillWorker(
                 config, producer, metrics=metrics, hooks=hooks, offload=offload, kv_events=events
@@ -328,6 +363,9 @@ def build_worker(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> 
         decoder = ModelDecoder.from_spec(model, metrics)
         _check_memory(config, decoder)
         return DecodeWorker(config, decoder, metrics=metrics, hooks=hooks)
+    if placement_of(args) != Placement():
+        raise ConfigError("--tp-size/--pp-size above 1 need --model (a synthetic producer has no "
+                          "ranks; give it --head-range instead)")  # fmt: skip
     spec = spec_of(args)
     if args.role == "prefill":
         synthetic = SyntheticProducer(spec)
