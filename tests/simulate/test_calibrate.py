@@ -47,19 +47,22 @@ DOC: dict[str, Any] = {
             ]
         },
         "pd": {  # tcp: a 1 MB slice in 3 ms, the 8 MB bulk in 10 ms; a 256-token step 12.8 ms
+            # quiet, 14.4 ms on average with slices in flight (the first of 8 quiet)
             "workload": {"tokens": 2048, "step": 256, "slice_bytes": 1_000_000},
             "modes": [
                 {
                     "transport": "tcp",
                     "mode": "pipelined",
                     "slice_transfer_ms": 3.0,
-                    "step_compute_ms": 12.8,
+                    "step_compute_ms": 14.4,
                 },
                 {
                     "transport": "tcp",
                     "mode": "non_pipelined",
                     "slice_transfer_ms": 10.0,
-                    "step_compute_ms": 13.0,
+                    "step_compute_ms": 12.8,
+                    "ttft_ms": 130.0,  # 8 steps, a 25 ms tail: 2.6 ms of setup
+                    "exposed_tail_ms": 25.0,
                 },
                 {"transport": "shm", "skipped": "not here"},
             ],
@@ -89,6 +92,9 @@ def test_pd_bench_fills_transport_prefill_and_tiers() -> None:
     t = got.spec.transport
     assert (t.op_overhead_s, t.bandwidth_bytes_s, t.rtt_s) == pytest.approx((2e-3, 1e9, 2e-4))
     assert got.spec.prefill.token_s == pytest.approx(5e-5)
+    # 1 + 7 / 8 * c = 14.4 / 12.8: 7 stretched steps of 8
+    assert got.spec.prefill.contention == pytest.approx(1 / 7)
+    assert got.spec.prefill.setup_s == pytest.approx(2.6e-3)
     assert (got.spec.prefill.pair_s, got.spec.prefill.step_s) == (0.0, 0.0)
     assert got.spec.prefill.slice_tokens == spec.prefill.slice_tokens
     device, host, disk, remote = got.spec.tiers
@@ -99,7 +105,7 @@ def test_pd_bench_fills_transport_prefill_and_tiers() -> None:
     assert host.capacity_bytes == 1 << 30  # capacities are the spec's
     assert got.spec.decode == spec.decode
     assert got.filled[0] == "[transport] op_overhead_s = 0.002 (bench pd tcp)"
-    assert len(got.filled) == 10
+    assert len(got.filled) == 12
     assert got.missing == (
         "[tiers.device] bandwidth_bytes_s, op_overhead_s: no bench offload rows",
         "[tiers.remote] bandwidth_bytes_s, op_overhead_s: no bench offload rows",
@@ -113,7 +119,7 @@ def test_transport_bench_when_pd_lacks_it() -> None:
     assert (t.op_overhead_s, t.bandwidth_bytes_s) == pytest.approx((1e-4, 2e9))
     assert "[transport] bandwidth_bytes_s = 2e+09 (bench transport shm)" in got.filled
     assert got.spec.prefill == tiny_spec().prefill  # no shm step compute
-    assert "[prefill] token_s: no bench pd step compute" in got.missing
+    assert "[prefill] token_s, contention, setup_s: no bench pd step compute" in got.missing
 
 
 def test_nothing_measured_keeps_the_spec() -> None:

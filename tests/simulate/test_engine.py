@@ -36,6 +36,15 @@ def test_one_request_pipelined_ttft_is_compute_plus_last_slice() -> None:
     assert result.transfer_amplification == 1.0
 
 
+def test_setup_delays_the_first_step() -> None:
+    spec = tiny_spec(prefill=PrefillSpec(token_s=1e-3, slice_tokens=512, setup_s=0.25))
+    _, sim = simulate(spec, [request(0, 1.0, 2048), request(1, 1.0, 512)])
+    first, second = sim.outcomes()
+    assert (first.compute_start_s, first.prefill_end_s) == pytest.approx((1.25, 3.298), rel=EXACT)
+    # the worker is held through the setup: the second request starts after the first
+    assert second.compute_start_s == pytest.approx(3.298 + 0.25, rel=EXACT)
+
+
 def test_non_pipelined_sends_everything_after_prefill() -> None:
     spec = tiny_spec(prefill=PrefillSpec(token_s=1e-3, slice_tokens=512, pipelined=False))
     result, sim = simulate(spec, [request(0, 0.0, 2048)])

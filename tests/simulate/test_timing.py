@@ -12,6 +12,7 @@ from kvplane.simulate.timing import (
     batch_s,
     book_op,
     compute_s,
+    contention_of,
     prefill_slices,
     tpot_s,
     transfer_pieces,
@@ -36,6 +37,19 @@ def test_batch_and_compute_costs() -> None:
 def test_prefill_slices_cover_the_uncached_tokens() -> None:
     spec = PrefillSpec(token_s=1.0, slice_tokens=4)
     assert prefill_slices(spec, 2, 12, 100.0) == [(2, 6, 104.0), (6, 10, 108.0), (10, 12, 110.0)]
+
+
+def test_contention_stretches_pipelined_slices_computed_beside_a_transfer() -> None:
+    spec = PrefillSpec(token_s=1.0, slice_tokens=4, contention=0.5)
+    # the first slice has nothing in flight beside it; the next two are 1.5 times as long
+    assert prefill_slices(spec, 0, 10, 0.0) == [(0, 4, 4.0), (4, 8, 10.0), (8, 10, 13.0)]
+    # a loaded prefix is sent at once: every slice is stretched
+    assert prefill_slices(spec, 2, 6, 0.0) == [(2, 6, 6.0)]
+    quiet = PrefillSpec(token_s=1.0, slice_tokens=4, contention=0.5, pipelined=False)
+    assert prefill_slices(quiet, 0, 10, 0.0)[-1] == (8, 10, 10.0)
+    # 8 steps averaging 14.4 against 12.8 quiet: 7 of them stretched by 1/7
+    assert contention_of(14.4, 12.8, 8) == pytest.approx(1 / 7)
+    assert (contention_of(12.0, 12.8, 8), contention_of(20.0, 10.0, 1)) == (0.0, 0.0)
 
 
 def test_transfer_pieces_pipelined_or_whole() -> None:

@@ -14,14 +14,15 @@ from kvplane.simulate.validate import check_pd_bench
 DOC: dict[str, Any] = {
     "benches": {
         "protocol": {"rtt_us": 200.0},
-        "pd": {  # 1 layer: 1,152 B a token, 294,912 B a 256-token slice; 3 ms a slice, 10 ms all
+        "pd": {  # 1 layer: 1,152 B a token, 294,912 B a 256-token slice; 3 ms a slice, 10 ms all;
+            # a step 12.8 ms quiet, 14.4 ms on average pipelined (contention 1/7)
             "workload": {"tokens": 2048, "step": 256, "layers": 1, "slice_bytes": 294_912},
             "modes": [
                 {
                     "transport": "tcp",
                     "mode": "pipelined",
                     "slice_transfer_ms": 3.0,
-                    "step_compute_ms": 12.8,
+                    "step_compute_ms": 14.4,
                     "ttft_ms": 110.0,
                     "overlap_ratio": 0.8,
                     "requests": 3,
@@ -30,7 +31,7 @@ DOC: dict[str, Any] = {
                     "transport": "tcp",
                     "mode": "non_pipelined",
                     "slice_transfer_ms": 10.0,
-                    "step_compute_ms": 13.0,
+                    "step_compute_ms": 12.8,
                     "ttft_ms": 115.0,
                     "overlap_ratio": 0.0,
                 },
@@ -42,32 +43,35 @@ DOC: dict[str, Any] = {
 
 def test_fixed_document() -> None:
     pipe, bulk = check_pd_bench(DOC, "tcp")
-    # 8 steps of 12.8 ms; the last 3 ms slice (2 ms per op + 1 ms of bytes) lands 0.2 ms later
-    assert pipe.predicted_ttft_ms == pytest.approx(102.4 + 3.0 + 0.2)
+    # 12.8 ms, then 7 steps stretched by 1/7 to 14.63 ms; the last 3 ms slice (2 ms per op +
+    # 1 ms of bytes) lands 0.2 ms later
+    assert pipe.predicted_ttft_ms == pytest.approx(115.2 + 3.0 + 0.2)
     assert pipe.predicted_overlap == pytest.approx(7 / 8)
-    assert pipe.ttft_error == pytest.approx(105.6 / 110.0 - 1)
+    assert pipe.ttft_error == pytest.approx(118.4 / 110.0 - 1)
     assert pipe.overlap_error == pytest.approx(0.875 / 0.8 - 1)
-    assert bulk.predicted_ttft_ms == pytest.approx(102.4 + 10.0 + 0.2)
+    assert bulk.predicted_ttft_ms == pytest.approx(102.4 + 10.0 + 0.2)  # 8 quiet steps
     assert (bulk.predicted_overlap, bulk.overlap_error) == (0.0, 0.0)
     assert check_pd_bench(DOC, "shm") == []
 
 
 @pytest.mark.slow
 def test_predicts_a_measured_bench_pd_within_15_percent() -> None:
-    """``kvplane bench all --quick --benches protocol pd`` (about 90 s), then the simulator
-    calibrated from that document predicts its TTFT medians and overlap within 15%."""
-    argv = [sys.executable, "-m", "kvplane", "bench", "all", "--quick", "--json"]
+    """``kvplane bench pd --quick --transports tcp,shm`` (about 3 min), then the simulator
+    calibrated from that document predicts its TTFT medians and overlap within 15%, on both
+    data planes (shm's pipelined steps slowed by the copy beside them: ``contention``)."""
+    argv = [sys.executable, "-m", "kvplane", "bench", "pd", "--quick", "--json"]
     run = subprocess.run(
-        [*argv, "--benches", "protocol", "pd"],
+        [*argv, "--transports", "tcp,shm"],
         check=False,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=600,
     )
-    doc = json.loads(run.stdout)
-    assert doc["errors"] == {}, doc["errors"]
-    got = check_pd_bench(doc, "tcp")
-    assert [c.mode for c in got] == ["pipelined", "non_pipelined"]
-    for c in got:
-        assert abs(c.ttft_error) <= 0.15, c
-        assert abs(c.overlap_error) <= 0.15, c
+    assert run.returncode == 0, run.stderr[-2000:]
+    doc = {"benches": {"pd": json.loads(run.stdout)}}
+    for transport in ("tcp", "shm"):
+        got = check_pd_bench(doc, transport)
+        assert [c.mode for c in got] == ["pipelined", "non_pipelined"]
+        for c in got:
+            assert abs(c.ttft_error) <= 0.15, c
+            assert abs(c.overlap_error) <= 0.15, c

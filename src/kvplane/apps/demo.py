@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--step-size", type=int, default=32, help="prefill step (tokens)")
     parser.add_argument("--host-slots", type=int, default=6, help="host tier chunks")
+    parser.add_argument(
+        "--pipelining", choices=("on", "off", "auto"), default="auto",
+        help="the prefill worker's KV sending: per slice, after prefill, or (default, as "
+        "`kvplane serve`) per request from the calibrated cost model",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=120.0, help="whole-demo deadline (s)")
     parser.add_argument(
         "--concurrency", type=int, default=4,
@@ -165,6 +170,7 @@ def _serve_args(args: argparse.Namespace, role: str, disk: Path, metrics_port: i
         common += [
             "--offload-host-slots", str(args.host_slots), "--offload-disk", str(disk),
             "--offload-disk-slots", "64", "--blocks-per-chunk", str(BLOCKS_PER_CHUNK),
+            "--pipelining", args.pipelining,
         ]  # fmt: skip
     return common
 

@@ -108,8 +108,9 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     w.add_argument("--layer-ops", action="store_true", help="one transfer op per layer")
     w.add_argument("--no-pipeline", action="store_true", help="send KV after prefill ends")
     w.add_argument(
-        "--pipelining", choices=("on", "off", "auto"), default="on",
-        help="slices sent as computed, KV after prefill, or per request from the cost model",
+        "--pipelining", choices=("on", "off", "auto"), default="auto",
+        help="slices sent as computed, KV after prefill, or (default) per request from the "
+        "simulator's calibrated cost model",
     )  # fmt: skip
     w.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
     if role == "prefill":

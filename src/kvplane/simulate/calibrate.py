@@ -4,7 +4,9 @@ Reads the document's plain data only (no bench module is imported): the PD trans
 ``bench pd`` (a pipelined slice and the non-pipelined bulk transfer: two sizes, so a per-op
 cost and a bandwidth), else from ``bench transport`` (blocks of two sizes); the round trip from
 ``bench protocol``; each host, disk or remote tier from ``bench offload`` (stores and loads of
-256 KiB and 4 MiB chunks); the prefill cost per token from ``bench pd``'s step compute. A figure
+256 KiB and 4 MiB chunks); the prefill cost per token from ``bench pd``'s non-pipelined step
+compute, its ``contention`` from how much slower the pipelined steps were, its ``setup_s`` from
+what the non-pipelined TTFT spent outside steps and transfer. A figure
 the document lacks leaves the spec's value and is listed in :attr:`Calibrated.missing`.
 """
 
@@ -18,7 +20,10 @@ from typing import Any
 
 from kvplane.errors import ConfigError
 from kvplane.simulate.spec import ClusterSpec, PrefillSpec, TierSpec, TransportSpec
+from kvplane.simulate.timing import contention_of
 
+MODES = ("pipelined", "non_pipelined")
+"""``bench pd``'s two fixed modes: slices in flight beside the steps, and none."""
 OFFLOAD_CHUNKS = (256, 4096)
 """The chunk sizes (KiB) of ``bench offload``'s rows, ``{tier}_{store|load}_{k}k``."""
 OFFLOAD_TIERS = ("host", "disk", "remote")
@@ -129,25 +134,60 @@ def offload_points(benches: Mapping[str, Any], tier: str) -> list[tuple[float, f
     return points
 
 
-def prefill_token_s(benches: Mapping[str, Any], transport: str) -> tuple[float, str] | None:
-    """Seconds per prefill token and its source: ``bench pd``'s real-model rows when they ran
-    (full runs), else its synthetic workload's step compute; its pipelined row's measured
-    ``step_compute_ms`` over the step's tokens."""
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    """``[prefill]`` from ``bench pd``: seconds per token of a step with no transfer beside
+    it, the ``contention`` of steps computed while slices are sent, the ``setup_s`` outside
+    steps and transfer, and the rows' source."""
+
+    token_s: float
+    contention: float
+    setup_s: float
+    source: str
+
+
+def _step_cost(rows: Mapping[str, Any], step: float, steps: int, source: str) -> PrefillCost | None:
+    """The cost from one set of mode rows: the non-pipelined row's ``step_compute_ms`` is the
+    quiet step, the pipelined row's the busy one (either alone: no contention); the setup is
+    what the non-pipelined TTFT leaves after its steps and its exposed tail (0 if unknown)."""
+    busy, quiet = (_num(rows.get(m, {}).get("step_compute_ms")) for m in MODES)
+    if quiet is None:
+        quiet = busy
+    if quiet is None:
+        return None
+    contention = contention_of(busy, quiet, steps) if busy is not None else 0.0
+    bulk = rows.get("non_pipelined", {})
+    ttft, tail = _num(bulk.get("ttft_ms")), _num(bulk.get("exposed_tail_ms"))
+    setup_ms = 0.0
+    if ttft is not None and tail is not None and busy is not None:
+        setup_ms = max(0.0, ttft - steps * quiet - tail)
+    return PrefillCost(quiet / 1e3 / step, contention, setup_ms / 1e3, source)
+
+
+def prefill_cost(benches: Mapping[str, Any], transport: str) -> PrefillCost | None:
+    """``bench pd``'s real-model rows when they ran (full runs), else its synthetic workload's
+    rows of ``transport``: each mode's measured ``step_compute_ms`` over the step's tokens
+    (:func:`_step_cost`); None when ``bench pd`` did not run or measured no step."""
     pd = benches.get("pd")
     if not isinstance(pd, dict):
         return None
     model = pd.get("model")
     if isinstance(model, dict):
-        rows = {str(m.get("mode")): m for m in model.get("modes", []) if isinstance(m, dict)}
-        ms, step = _num(rows.get("pipelined", {}).get("step_compute_ms")), _num(model.get("step"))
-        if ms is not None and step is not None:
-            return ms / 1e3 / step, f"bench pd {model.get('model')} step"
+        real = {str(m.get("mode")): m for m in model.get("modes", []) if isinstance(m, dict)}
+        step, tokens = _num(model.get("step")), _num(model.get("tokens"))
+        if step is not None:
+            steps = math.ceil((tokens or step) / step)
+            got = _step_cost(real, step, steps, f"bench pd {model.get('model')} step")
+            if got is not None:
+                return got
     work = pd.get("workload", {})
     step = _num(work.get("step")) if isinstance(work, dict) else None
-    ms = _num(pd_modes(benches, transport).get("pipelined", {}).get("step_compute_ms"))
-    if ms is None or step is None:
+    tokens = _num(work.get("tokens")) if isinstance(work, dict) else None
+    if step is None:
         return None
-    return ms / 1e3 / step, f"bench pd {transport} synthetic step"
+    steps = math.ceil((tokens or step) / step)
+    modes = pd_modes(benches, transport)
+    return _step_cost(modes, step, steps, f"bench pd {transport} synthetic step")
 
 
 def default_transport(benches: Mapping[str, Any]) -> str:
@@ -207,14 +247,15 @@ def _tier(spec: TierSpec, benches: Mapping[str, Any], log: _Log) -> TierSpec:
 
 
 def _prefill(spec: PrefillSpec, benches: Mapping[str, Any], name: str, log: _Log) -> PrefillSpec:
-    got = prefill_token_s(benches, name)
+    got = prefill_cost(benches, name)
     if got is None:
-        log.missing.append("[prefill] token_s: no bench pd step compute")
+        log.missing.append("[prefill] token_s, contention, setup_s: no bench pd step compute")
         return spec
-    token_s, source = got
     return dataclasses.replace(
         spec,
-        token_s=log.fill("[prefill] token_s", token_s, source),
+        token_s=log.fill("[prefill] token_s", got.token_s, got.source + " (non-pipelined)"),
+        contention=log.fill("[prefill] contention", got.contention, got.source + " (pipelined)"),
+        setup_s=log.fill("[prefill] setup_s", got.setup_s, got.source + " (non-pipelined TTFT)"),
         pair_s=log.fill("[prefill] pair_s", 0.0, "folded into token_s"),
         step_s=log.fill("[prefill] step_s", 0.0, "folded into token_s"),
     )

@@ -2,8 +2,10 @@
 
 :class:`Simulation` owns the event handlers and the model state (flights, workers, tiers). A
 prefill looks its prompt up across tiers, loads the hit chunks, computes the rest slice by slice
-and sends the KV (:func:`~kvplane.simulate.timing.transfer_schedule`); its chunks are stored when
-it ends. Failures kill a worker; its lease later re-routes its requests. See docs/simulate.md.
+and sends the KV (:func:`~kvplane.simulate.timing.kv_pieces`; interleaving workers step their
+requests in turn, one event a step); its chunks are stored when it ends. A serial decode worker
+takes no order while it decodes: sends to it wait until it does. Failures kill a worker; its
+lease later re-routes its requests. See docs/simulate.md.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from kvplane.simulate.result import FailureResult, Outcome
 from kvplane.simulate.router import Router
 from kvplane.simulate.spec import ROLES, TIER_ORDER, ClusterSpec
 from kvplane.simulate.tiers import TierCache, hit_tokens, prefix_walk
-from kvplane.simulate.timing import book_op, compute_s, kv_pieces, tpot_s
+from kvplane.simulate.timing import book_op, compute_s, kv_pieces, slice_s, tpot_s
 from kvplane.simulate.workers import DecodeWorker, Flight, PrefillWorker
 from kvplane.simulate.workload import Request, reusable_blocks, stored_blocks
 
-ARRIVE, PREFILL_DONE, SEND, READY, DECODE_DONE, KILL, DETECT = range(7)
+ARRIVE, PREFILL_DONE, SEND, READY, DECODE_DONE, KILL, DETECT, STEP = range(8)
 
 
 class Simulation:
@@ -54,7 +56,7 @@ class Simulation:
         if self.requests:
             self.loop.at(self.requests[0].arrival_s, ARRIVE, 0)
         early = (self._arrive, self._prefill_done, self._send, self._ready)
-        self.loop.run((*early, self._decode_done, self._kill, self._detect))
+        self.loop.run((*early, self._decode_done, self._kill, self._detect, self._step))
 
     def outcomes(self) -> list[Outcome]:
         """Every request's final attempt, by request id."""
@@ -99,39 +101,115 @@ class Simulation:
         d = self.decode[self.router.pick_decode([len(w.flights) for w in self.decode])]
         f.pw, f.dw = p.index, d.index
         f.est_s = compute_left(p.index)
+        f.accepted = d.takes_orders()
+        if not f.accepted:
+            d.orders.append(req.rid)
         p.backlog_s += f.est_s
-        p.queue.append(req.rid)
         p.flights.add(req.rid)
         d.flights.add(req.rid)
+        if self.spec.prefill.interleave:
+            if p.alive:
+                self._take(p, f)
+            return
+        p.queue.append(req.rid)
         if p.current < 0 and p.alive:
             self._start_prefill(p)
 
     # -- prefill -------------------------------------------------------------------------------
+    def _lookup(self, p: PrefillWorker, f: Flight) -> None:
+        """A new attempt of ``f`` on ``p``: after the setup, walk its prompt across ``p``'s
+        tiers and book the hit chunks' loads; compute may start when they end."""
+        now, req = self.loop.now, f.req
+        walk = prefix_walk(p.chain, req.hash_ids, reusable_blocks(req.input_tokens))
+        hit = hit_tokens(walk)
+        start = loaded = now + self.spec.prefill.setup_s
+        for ti, tier in enumerate(p.chain):
+            keys = [req.hash_ids[b] for t, b in walk if t == ti]
+            if keys:
+                loaded = max(loaded, tier.load(keys, start))
+        self.lookup_tokens += req.input_tokens
+        self.lookup_hits += hit
+        f.hit_tokens, f.prefill_start, f.compute_start, f.prefill_end = hit, now, loaded, -1.0
+        f.next_piece = f.deferred = 0
+        f.ops = []
+        f.ready = -1.0
+        f.transfer_s = f.hidden_s = 0.0
+
     def _start_prefill(self, p: PrefillWorker) -> None:
+        """FIFO: the queue's head computes all its slices, the worker held till its end."""
         now = self.loop.now
         f = self.flights[p.queue.popleft()]
         req = f.req
         p.current = req.rid
         p.backlog_s = max(0.0, p.backlog_s - f.est_s)
-        walk = prefix_walk(p.chain, req.hash_ids, reusable_blocks(req.input_tokens))
-        hit = hit_tokens(walk)
-        loaded = now
-        for ti, tier in enumerate(p.chain):
-            keys = [req.hash_ids[b] for t, b in walk if t == ti]
-            if keys:
-                loaded = max(loaded, tier.load(keys, now))
-        self.lookup_tokens += req.input_tokens
-        self.lookup_hits += hit
-        f.pieces, end = kv_pieces(self.spec.prefill, hit, req.input_tokens, loaded, self.held)
-        f.next_piece = 0
-        f.hit_tokens, f.prefill_start, f.compute_start, f.prefill_end = hit, now, loaded, end
-        f.ready = -1.0
-        f.transfer_s = f.hidden_s = 0.0
+        self._lookup(p, f)
+        spec, hit = self.spec.prefill, f.hit_tokens
+        f.pieces, end = kv_pieces(spec, hit, req.input_tokens, f.compute_start, self.held)
+        f.pieces_total, f.prefill_end = len(f.pieces), end
         p.busy_s += end - now
         p.busy_until = end
         self.loop.at(end, PREFILL_DONE, p.index, req.rid)
         for at, _ in f.pieces:
             self.loop.at(at, SEND, req.rid, f.attempt)
+
+    def _take(self, p: PrefillWorker, f: Flight) -> None:
+        """Interleaving: ``f`` joins ``p``'s running requests (computing once loaded)."""
+        spec, n = self.spec.prefill, f.req.input_tokens
+        self._lookup(p, f)
+        hit = f.next_token = f.hit_tokens
+        f.pieces = []
+        f.pieces_total = 1
+        if spec.pipelined:
+            f.pieces_total = -(-(n - hit) // spec.slice_tokens) + (1 if hit else 0)
+            if hit:
+                f.pieces.append((f.compute_start, hit * self.held))
+                self.loop.at(f.compute_start, SEND, f.req.rid, f.attempt)
+        p.running.append(f.req.rid)
+        if p.current < 0:
+            self._next_step(p)
+
+    def _next_step(self, p: PrefillWorker) -> None:
+        """Start one step of the next running request (in turn) whose loads have ended; if
+        all are loading, wake when the first is loaded."""
+        now, spec = self.loop.now, self.spec.prefill
+        for _ in range(len(p.running)):
+            rid = p.running[0]
+            p.running.rotate(-1)
+            f = self.flights[rid]
+            if f.compute_start <= now:
+                s = f.next_token
+                hold = slice_s(spec, s, min(s + spec.slice_tokens, f.req.input_tokens))
+                p.current = rid
+                p.busy_s += hold
+                p.busy_until = now + hold
+                self.loop.at(now + hold, STEP, p.index, rid)
+                return
+        if p.running:
+            self.loop.at(min(self.flights[r].compute_start for r in p.running), STEP, p.index, -1)
+
+    def _step(self, pw: int, rid: int) -> None:
+        """A step of ``rid`` ended on an interleaving worker (``rid`` -1: a wake-up): send its
+        slice (pipelined), end its prefill after its last step, start the next step."""
+        p, now, spec = self.prefill[pw], self.loop.now, self.spec.prefill
+        if not p.alive or p.current != rid:
+            return  # a wake-up while a step runs: that step's end starts the next one
+        p.current = -1
+        if rid >= 0 and rid in p.running:
+            f = self.flights[rid]
+            s, n = f.next_token, f.req.input_tokens
+            e = f.next_token = min(s + spec.slice_tokens, n)
+            if spec.pipelined:
+                f.pieces.append((now, (e - s) * self.held))
+                self.loop.at(now, SEND, rid, f.attempt)
+            if e == n:
+                p.running.remove(rid)
+                p.backlog_s = max(0.0, p.backlog_s - f.est_s)
+                f.prefill_end = now
+                if not spec.pipelined:
+                    f.pieces.append((now, n * self.held))
+                    self.loop.at(now, SEND, rid, f.attempt)
+                self._store(p, f)
+        self._next_step(p)
 
     def _send(self, rid: int, attempt: int) -> None:
         """The next piece of a flight's KV is ready: book it on the PD link (in time order, so
@@ -140,27 +218,35 @@ class Simulation:
         p, d = self.prefill[f.pw], self.decode[f.dw]
         if f.attempt != attempt or not p.alive or not d.alive:
             return  # re-routed since, or a side died (its lease will re-route the flight)
+        if not f.accepted:
+            f.deferred += 1  # sent again when the serial decode worker takes the order
+            return
         at, nbytes = f.pieces[f.next_piece]
         f.next_piece += 1
-        start, landed = book_op(self.spec.transport, at, nbytes, p.link, d.link)
+        start, landed = book_op(self.spec.transport, max(at, self.loop.now), nbytes, p.link, d.link)
         self.transport_bytes += nbytes
         f.transfer_s += landed - start
-        f.hidden_s += max(0.0, min(landed, f.prefill_end) - start)
+        f.ops.append((start, landed))
         f.ready = max(f.ready, landed)
-        if f.next_piece == len(f.pieces):
+        if f.next_piece == f.pieces_total:  # the prefill has ended: its end is known
+            f.hidden_s = sum(max(0.0, min(b, f.prefill_end) - a) for a, b in f.ops)
+            f.ops.clear()
             self.loop.at(f.ready, READY, rid, attempt)
 
     def _prefill_done(self, pw: int, rid: int) -> None:
         p = self.prefill[pw]
         if not p.alive or p.current != rid:
             return
-        req = self.flights[rid].req
-        blocks = stored_blocks(req.input_tokens)
-        for tier in p.chain:
-            tier.store(req.hash_ids, blocks, self.loop.now)
+        self._store(p, self.flights[rid])
         p.current = -1
         if p.queue:
             self._start_prefill(p)
+
+    def _store(self, p: PrefillWorker, f: Flight) -> None:
+        """Write the full chunks of ``f``'s prompt through ``p``'s tiers (its prefill ended)."""
+        blocks = stored_blocks(f.req.input_tokens)
+        for tier in p.chain:
+            tier.store(f.req.hash_ids, blocks, self.loop.now)
 
     # -- decode --------------------------------------------------------------------------------
     def _ready(self, rid: int, attempt: int) -> None:
@@ -196,7 +282,20 @@ class Simulation:
         d.flights.discard(rid)
         f.done = self.loop.now
         f.finished += 1
+        if d.spec.serial:
+            self._accept(d)
         self._admit(d)
+
+    def _accept(self, d: DecodeWorker) -> None:
+        """A serial decode worker between sequences takes the orders that waited: their
+        deferred sends go now."""
+        for rid in d.orders:
+            f = self.flights[rid]
+            f.accepted = True
+            for _ in range(f.deferred):
+                self.loop.at(self.loop.now, SEND, rid, f.attempt)
+            f.deferred = 0
+        d.orders.clear()
 
     # -- failures ------------------------------------------------------------------------------
     def _kill(self, role: int, index: int) -> None:
@@ -224,9 +323,11 @@ class Simulation:
                 released = max(released, f.ready)
             f.attempt += 1
             p, d = self.prefill[f.pw], self.decode[f.dw]
-            if rid in p.queue:
-                p.queue.remove(rid)
+            if rid in p.queue or rid in p.running:
+                (p.queue if rid in p.queue else p.running).remove(rid)
                 p.backlog_s = max(0.0, p.backlog_s - f.est_s)
+            if rid in d.orders:
+                d.orders.remove(rid)
             p.flights.discard(rid)
             d.flights.discard(rid)
             if rid in d.queue:

@@ -3,21 +3,37 @@
 :class:`AutoPipelining` learns the worker's own prefill cost per token twice -- steps computed
 while slices were being sent (pipelined requests) and steps with nothing sent beside them (on a
 2-core host the shm copy and the KV writes share memory bandwidth, so the first are slower) --
-and answers each request with :func:`~kvplane.simulate.timing.choose_pipelining` on its link's
-op cost (:data:`~kvplane.simulate.calibrate.PD_LINKS`). Until both costs are known it explores:
-pipelined first, then one request not. Plain state, no I/O, no clock; the worker feeds it.
+and answers each request with :func:`~kvplane.simulate.timing.choose_pipelining` (the quiet
+cost, and the ``contention`` the busy one implies) on its link's op cost
+(:data:`~kvplane.simulate.calibrate.PD_LINKS`). It explores first (:data:`EXPLORE`
+requests of each mode), takes each mode's cost as the least of its recent requests'
+(:data:`WINDOW`) and tries a mode unused for :data:`REFRESH` requests again. Plain state, no
+I/O, no clock; the worker feeds it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from kvplane.simulate.spec import PrefillSpec, TransportSpec
-from kvplane.simulate.timing import choose_pipelining
+from kvplane.simulate.timing import alone_ttft_s, choose_pipelining, contention_of
 from kvplane.validators import require_int
 
-SMOOTHING = 0.3
-"""Weight of a new request's per-token cost in the running average."""
+EXPLORE = 2
+"""Requests each mode is tried (alternately, pipelined first) before the model decides."""
+WINDOW = 8
+"""A mode's cost is the least per-token cost of its last ``WINDOW`` requests: a load spike only
+slows a request, so the least is the host's own cost (on this shared host a single slow
+non-pipelined sample once kept shm pipelined at 1.53x the better TTFT)."""
+MARGIN = 0.05
+"""The predicted TTFT gain another choice needs over a slice per step (``--pipelining on``): a
+smaller one is within the model's error here and should not move the worker off the plain
+mode (tcp once chose 2-step slices predicted a few % faster; they ran 1.14x slower). 10% was
+too wide: it kept shm pipelined when non-pipelined was predicted 6% and measured 9% faster."""
+REFRESH = 8
+"""After this many requests observed in one mode, the next tries the other once, so that its
+cost is measured again (once, shm auto stayed pipelined at 1.23x the non-pipelined TTFT)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,27 +51,47 @@ class AutoPipelining:
     def __init__(self, link: TransportSpec | None, bytes_per_token: int) -> None:
         self.link = link
         self.bytes_per_token = require_int("bytes_per_token", bytes_per_token, min=1)
-        self.token_s: dict[bool, float] = {}
-        """Seconds per computed token, by whether slices were sent beside the steps."""
+        self.samples: dict[bool, deque[float]] = {m: deque(maxlen=WINDOW) for m in (True, False)}
+        """Seconds per computed token of recent requests, by whether slices were sent beside
+        the steps."""
+        self.unseen = {True: 0, False: 0}
+        """Requests observed in the other mode since this one's last observation."""
 
     def observe(self, pipelined: bool, tokens: int, seconds: float) -> None:
         """A request that computed ``tokens`` in ``seconds`` of steps (more than one step, so
         a pipelined one had slices in flight) in the given mode."""
         if tokens <= 0 or seconds <= 0:
             return
-        got = seconds / tokens
-        old = self.token_s.get(pipelined)
-        self.token_s[pipelined] = got if old is None else old + SMOOTHING * (got - old)
+        self.samples[pipelined].append(seconds / tokens)
+        self.unseen[pipelined] = 0
+        self.unseen[not pipelined] += 1
+
+    def token_s(self, pipelined: bool) -> float:
+        """The mode's cost per computed token: the least of its recent requests' (at least
+        one observed)."""
+        return min(self.samples[pipelined])
 
     def choose(self, tokens: int, loaded: int, step: int) -> Choice:
         """The mode for a request of ``tokens`` prompt tokens, ``loaded`` of them already in
-        KV, computed ``step`` tokens a step."""
+        KV, computed ``step`` tokens a step: the model's best unless it is predicted less
+        than :data:`MARGIN` faster than a slice per step."""
         if self.link is None or tokens - loaded <= step:
             return Choice(True)
+        seen = {m: len(self.samples[m]) for m in (True, False)}
+        if min(seen.values()) < EXPLORE:
+            return Choice(seen[True] <= seen[False])
         for mode in (True, False):
-            if mode not in self.token_s:
+            if self.unseen[mode] >= REFRESH:
                 return Choice(mode)
-        busy = PrefillSpec(token_s=self.token_s[True], slice_tokens=step)
-        quiet = PrefillSpec(token_s=self.token_s[False], slice_tokens=step)
-        best = choose_pipelining(busy, self.link, self.bytes_per_token, tokens, loaded, quiet=quiet)
+        quiet = self.token_s(False)
+        steps = -(-(tokens - loaded) // step)
+        contention = contention_of(self.token_s(True), quiet, steps)
+        spec = PrefillSpec(token_s=quiet, slice_tokens=step, contention=contention)
+        best = choose_pipelining(spec, self.link, self.bytes_per_token, tokens, loaded)
+        ttft = {
+            c: alone_ttft_s(c, self.link, self.bytes_per_token, tokens, loaded)
+            for c in (best, spec)
+        }
+        if ttft[best] > (1.0 - MARGIN) * ttft[spec]:
+            return Choice(True)
         return Choice(best.pipelined, best.slice_tokens // step if best.pipelined else 1)

@@ -43,7 +43,14 @@ class PrefillSpec:
     """One prefill worker's compute: a slice ``[s, e)`` of a prompt costs ``step_s +
     token_s * (e - s) + pair_s * (s + ... + e - 1)`` seconds (the last term: attention over
     the prefix, one (query, key) pair each). Slices are ``slice_tokens`` long; ``pipelined``
-    sends each slice's KV as soon as it is computed."""
+    sends each slice's KV as soon as it is computed. ``contention``: a pipelined slice computed
+    while this request's KV is being sent (every one after the first, or all of them after a
+    loaded prefix) takes ``1 + contention`` times as long -- the KV writes and the copy share
+    the host's memory bandwidth (:func:`~kvplane.simulate.timing.contention_of`).
+    ``setup_s``: seconds from taking a request to its first load or step (the order's
+    hand-off, slots, the session with the decode worker). ``interleave``: the worker takes
+    every request at once and computes one step of each in turn (``kvplane serve``'s prefill
+    worker); else one request at a time, FIFO, the worker held through its setup too."""
 
     SECTION: ClassVar[str] = "prefill"
     token_s: float
@@ -51,31 +58,40 @@ class PrefillSpec:
     step_s: float = 0.0
     slice_tokens: int = 512
     pipelined: bool = True
+    contention: float = 0.0
+    setup_s: float = 0.0
+    interleave: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("token_s", "pair_s", "step_s"):
+        for key in ("token_s", "pair_s", "step_s", "contention", "setup_s"):
             object.__setattr__(self, key, _num(self.SECTION, key, getattr(self, key)))
         require_int("[prefill] slice_tokens", self.slice_tokens, min=1, error=ConfigError)
         require_bool("[prefill] pipelined", self.pipelined, error=ConfigError)
+        require_bool("[prefill] interleave", self.interleave, error=ConfigError)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeSpec:
     """One decode worker: up to ``max_batch`` sequences (and ``kv_capacity_bytes`` of KV, 0 for
     no limit); a sequence admitted beside ``C`` context tokens decodes each token in
-    ``token_s + ctx_token_s * C`` seconds (its own context included)."""
+    ``token_s + ctx_token_s * C`` seconds (its own context included). ``serial``: one
+    sequence at a time, and no new request accepted -- so no KV sent to it -- while one
+    decodes (``kvplane serve``'s decode worker); ``max_batch`` is then 1."""
 
     SECTION: ClassVar[str] = "decode"
     token_s: float
     ctx_token_s: float = 0.0
     max_batch: int = 256
     kv_capacity_bytes: int = 0
+    serial: bool = False
 
     def __post_init__(self) -> None:
         for key in ("token_s", "ctx_token_s"):
             object.__setattr__(self, key, _num(self.SECTION, key, getattr(self, key)))
         require_int("[decode] max_batch", self.max_batch, min=1, error=ConfigError)
         require_size("[decode] kv_capacity_bytes", self.kv_capacity_bytes, error=ConfigError)
+        if require_bool("[decode] serial", self.serial, error=ConfigError):
+            object.__setattr__(self, "max_batch", 1)
 
 
 @dataclass(frozen=True, slots=True)

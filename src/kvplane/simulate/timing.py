@@ -45,18 +45,34 @@ def compute_s(spec: PrefillSpec, start: int, end: int) -> float:
     return spec.step_s + spec.token_s * n + spec.pair_s * (start + end - 1) * n / 2
 
 
+def contention_of(busy_step_s: float, quiet_step_s: float, steps: int) -> float:
+    """The ``[prefill] contention`` that makes ``steps`` pipelined steps, the first quiet and
+    the rest stretched, average ``busy_step_s`` when a quiet one takes ``quiet_step_s``:
+    ``(busy / quiet - 1) * steps / (steps - 1)``, never below 0; 0 for one step."""
+    if steps < 2 or quiet_step_s <= 0:
+        return 0.0
+    return max(0.0, (busy_step_s / quiet_step_s - 1.0) * steps / (steps - 1))
+
+
 def prefill_slices(
     spec: PrefillSpec, hit_tokens: int, input_tokens: int, t0: float
 ) -> list[tuple[int, int, float]]:
     """The slices ``(start, end, end_time)`` that compute ``[hit_tokens, input_tokens)`` from
-    ``t0`` on, ``slice_tokens`` at a time (the last one shorter)."""
+    ``t0`` on, ``slice_tokens`` at a time (the last one shorter), each :func:`slice_s` long."""
     out = []
     t = t0
     for s in range(hit_tokens, input_tokens, spec.slice_tokens):
         e = min(s + spec.slice_tokens, input_tokens)
-        t += compute_s(spec, s, e)
+        t += slice_s(spec, s, e)
         out.append((s, e, t))
     return out
+
+
+def slice_s(spec: PrefillSpec, start: int, end: int) -> float:
+    """One slice's seconds: :func:`compute_s`, times ``1 + spec.contention`` when pipelined and
+    KV is already being sent beside it (``start`` > 0: a loaded prefix or an earlier slice)."""
+    stretch = 1.0 + spec.contention if spec.pipelined and start > 0 else 1.0
+    return compute_s(spec, start, end) * stretch
 
 
 def tpot_s(spec: DecodeSpec, context_tokens: int) -> float:
@@ -123,24 +139,20 @@ def choose_pipelining(
     bytes_per_token: int,
     input_tokens: int,
     hit_tokens: int = 0,
-    *,
-    quiet: PrefillSpec | None = None,
 ) -> PrefillSpec:
     """``spec`` with the ``pipelined`` and ``slice_tokens`` of the fastest
     :func:`alone_ttft_s` for this request: pipelined slices of 1, 2, 4... times
     ``spec.slice_tokens`` (shorter than the computed part), else one transfer after the
-    prefill. ``quiet`` is the compute cost when no transfer runs beside it (default ``spec``'s:
-    on a host where the copy and the compute share memory bandwidth, pipelined steps are
-    slower); the non-pipelined candidate uses it. A tie goes to the smaller slice, pipelined
-    before not. The candidates differ only in slicing, so with ``step_s`` > 0 a longer slice
-    also saves steps."""
+    prefill (which pays no ``contention``). A tie goes to the smaller slice, pipelined before
+    not. The candidates differ only in slicing, so with ``step_s`` > 0 a longer slice also
+    saves steps."""
     rest = max(input_tokens - hit_tokens, 1)
     size = spec.slice_tokens
     candidates = [dataclasses.replace(spec, pipelined=True)]
     while 2 * size < rest:
         size *= 2
         candidates.append(dataclasses.replace(spec, slice_tokens=size, pipelined=True))
-    candidates.append(dataclasses.replace(quiet or spec, pipelined=False))
+    candidates.append(dataclasses.replace(spec, pipelined=False))
     return min(
         candidates,
         key=lambda c: alone_ttft_s(c, transport, bytes_per_token, input_tokens, hit_tokens),

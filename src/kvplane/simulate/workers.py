@@ -20,9 +20,11 @@ class Flight:
     where not reached yet."""
 
     __slots__ = (
+        "accepted",
         "attempt",
         "compute_start",
         "decode_start",
+        "deferred",
         "done",
         "dw",
         "est_s",
@@ -30,7 +32,10 @@ class Flight:
         "hidden_s",
         "hit_tokens",
         "next_piece",
+        "next_token",
+        "ops",
         "pieces",
+        "pieces_total",
         "prefill_end",
         "prefill_start",
         "pw",
@@ -45,16 +50,24 @@ class Flight:
         self.finished = 0
         self.pw = self.dw = -1
         self.est_s = self.hidden_s = self.transfer_s = 0.0
-        self.hit_tokens = self.next_piece = 0
+        self.hit_tokens = self.next_piece = self.next_token = self.pieces_total = 0
         self.pieces: list[tuple[float, int]] = []
+        """The KV's ops as (ready time, bytes), ``pieces_total`` of them once all are known."""
+        self.ops: list[tuple[float, float]] = []
+        """The ops booked so far, (start, landed)."""
+        self.accepted = True
+        """False while a serial decode worker has not taken the order (it is decoding)."""
+        self.deferred = 0
+        """Sends that found the order not accepted yet: made again when it is."""
         self.prefill_start = self.compute_start = self.prefill_end = -1.0
         self.ready = self.decode_start = self.done = -1.0
 
 
 class PrefillWorker:
-    """A prefill worker: a FIFO queue served one request at a time, its own tiers (``chain``
-    holds them with the shared ones, fastest first), its outgoing link, and the flights it
-    holds until their KV has landed (``flights``)."""
+    """A prefill worker: a FIFO queue served one request at a time (or, interleaving, the
+    ``running`` requests a step each in turn), its own tiers (``chain`` holds them with the
+    shared ones, fastest first), its outgoing link, and the flights it holds until their KV
+    has landed (``flights``). ``current``: the request computing now, -1 when idle."""
 
     __slots__ = (
         "alive",
@@ -68,12 +81,14 @@ class PrefillWorker:
         "link",
         "local",
         "queue",
+        "running",
     )
 
     def __init__(self, index: int, local: list[TierCache], chain: list[TierCache]) -> None:
         self.index = index
         self.alive = True
         self.queue: deque[int] = deque()
+        self.running: deque[int] = deque()
         self.current = -1
         self.busy_until = self.busy_s = self.backlog_s = 0.0
         self.local = local
@@ -84,7 +99,8 @@ class PrefillWorker:
 
 class DecodeWorker:
     """A decode worker: up to ``max_batch`` sequences and ``kv_capacity_bytes`` of their KV;
-    the rest wait in FIFO order. ``flights`` are the requests routed to it and not done."""
+    the rest wait in FIFO order. ``flights`` are the requests routed to it and not done;
+    ``orders`` those a serial worker has not accepted yet (it was decoding)."""
 
     __slots__ = (
         "active",
@@ -94,6 +110,7 @@ class DecodeWorker:
         "index",
         "kv_bytes",
         "link",
+        "orders",
         "queue",
         "slot_s",
         "spec",
@@ -108,6 +125,11 @@ class DecodeWorker:
         self.slot_s = 0.0
         self.link = Lane()
         self.flights: set[int] = set()
+        self.orders: list[int] = []
+
+    def takes_orders(self) -> bool:
+        """Whether a request routed here now is accepted at once (not serial, or idle)."""
+        return not self.spec.serial or self.active == 0
 
     def can_admit(self, kv_bytes: int) -> bool:
         """Whether a sequence of ``kv_bytes`` fits now (an empty worker admits any one, so a

@@ -103,3 +103,20 @@ def test_quick_runs_tcp_without_the_model_and_the_full_run_tcp_shm_and_the_model
         assert out["modes"] == [{"transport": t, "skipped": "off here"} for t in want]
         assert out["rows"] == [] and out["model"] is None
         assert out.get("model_skipped") == (pd.NO_MODEL_IN_QUICK if quick else None)
+
+
+def test_each_mode_names_its_pipelining_since_serve_defaults_to_auto() -> None:
+    from kvplane.apps import serve
+    from kvplane.apps.bench.pd_pair import MODE_FLAGS
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+
+    def pipelining(*flags: str) -> str:
+        args = parser.parse_args(["prefill", *flags])
+        serve.settle(args)  # defaults are filled after the config file and the environment
+        return str(args.pipelining)
+
+    assert pipelining() == "auto"
+    got = {mode: pipelining(*flags) for mode, flags in MODE_FLAGS.items()}
+    assert got == {"pipelined": "on", "non_pipelined": "off", "auto": "auto"}

@@ -29,8 +29,9 @@ VOCAB = 30_000
 MODES = ("pipelined", "non_pipelined", "auto")
 """The pairs' modes: ``auto`` is ``--pipelining auto`` (the cost model's choice per request)."""
 FIXED_MODES = MODES[:2]
-MODE_FLAGS = {"pipelined": (), "non_pipelined": ("--no-pipeline",),
+MODE_FLAGS = {"pipelined": ("--pipelining", "on"), "non_pipelined": ("--pipelining", "off"),
               "auto": ("--pipelining", "auto")}  # fmt: skip
+"""Each mode named explicitly: ``kvplane serve``'s default is ``auto``."""
 START_TIMEOUT_S = 90.0
 """Seconds a pair's processes may take to announce themselves (starting together on a loaded
 2-core host, each imports torch)."""
