@@ -8,6 +8,7 @@ import argparse
 
 import pytest
 
+from kvplane.apps import serve
 from kvplane.apps.serve import build_worker, placement_of
 from kvplane.apps.serve_config import settle
 from kvplane.cli import build_parser
@@ -100,3 +101,21 @@ def test_a_layout_the_model_cannot_take_is_refused_before_start(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         build_worker(args("prefill", *SMALL, *argv))
+
+
+def test_the_memory_check_counts_the_rank_producers_full_shadow_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    checked: list[int] = []
+    monkeypatch.setattr(serve, "check_pool_memory", lambda what, total: checked.append(total))
+    worker = build_worker(args("prefill", *SMALL, "--model", "tiny-llama", "--tp-rank", "1",
+                               "--tp-size", "2"))  # fmt: skip
+    try:
+        assert isinstance(worker.producer, RankProducer)
+        rank = worker.pools.kv.layout.pool_bytes
+        shadow = worker.producer.shadow_bytes(8, worker.pools.kv.layout.block_size)
+        assert shadow == 2 * rank  # TP 2: the shadow holds both ranks' heads
+        state = worker.pools.state.layout.pool_bytes if worker.pools.state is not None else 0
+        assert checked == [rank + state + shadow]
+    finally:
+        worker.close()

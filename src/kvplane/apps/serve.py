@@ -340,6 +340,8 @@ def _check_memory(config: WorkerConfig, model: KVModel) -> None:
     kv = model.kv_layout(config.num_blocks, config.block_size, config.head_range)
     state = model.state_layout(config.num_slots)
     total = kv.pool_bytes + (state.pool_bytes if state is not None else 0)
+    if isinstance(model, RankProducer):  # simulated TP/PP compute keeps a full shadow pool
+        total += model.shadow_bytes(config.num_blocks, config.block_size)
     check_pool_memory(f"--num-blocks {config.num_blocks} --num-slots {config.num_slots}", total)
 
 

@@ -71,6 +71,11 @@ class RankProducer(ModelProducer):
             )
         return layout
 
+    def shadow_bytes(self, num_blocks: int, block_size: int) -> int:
+        """Bytes of the full-layout shadow a rank pool of ``num_blocks`` keeps beside it (what
+        a start-up memory check must count on top of the rank pool)."""
+        return self.model.kv_layout(num_blocks, block_size).pool_bytes
+
     def _shadow_for(self, rank: KVLayout) -> PagedKVCache:
         """The full-layout shadow of a pool of ``rank``'s size (allocated on first use)."""
         shadow = self._shadow
