@@ -4,6 +4,7 @@ the ``taskset`` prefix of :func:`~kvplane.integrations.vllm.env.run_pd_pair`."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -14,6 +15,7 @@ import pytest
 from kvplane.errors import ConfigError
 from kvplane.integrations.vllm import pd_harness as h
 from kvplane.integrations.vllm.env import pinned
+from kvplane.integrations.vllm.pd_params import RecvParams, address_params, parse_params, prompt_key
 
 
 def test_modes_follow_the_connector() -> None:
@@ -95,3 +97,14 @@ def test_pinned_is_a_taskset_prefix_of_allowed_cores_only() -> None:
         pinned([])
     with pytest.raises(ConfigError):
         pinned([max(cpus) + 1000])
+
+
+def test_pipelined_params_name_every_prefill_rank_the_address_file_names() -> None:
+    """The prefill writes its ranks' addresses (``address_params``, JSON); the decode's early
+    params carry them as a finished prefill's would."""
+    a0, a1 = "tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002"
+    prompt = [5, 6, 7]
+    for addresses in ([a0], [a0, a1]):
+        params = h._early_params("pipelined", "r0", prompt, json.dumps(address_params(addresses)))
+        ranks = tuple(addresses) if len(addresses) > 1 else ()
+        assert parse_params(params) == RecvParams("r0", a0, 3, prompt_key(prompt), ranks)

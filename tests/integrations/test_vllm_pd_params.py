@@ -176,7 +176,7 @@ def test_a_trailing_newline_is_refused(params: dict[str, Any]) -> None:
 # -- decode_params -------------------------------------------------------------------------------
 def test_decode_params_round_trip() -> None:
     tokens = [5, 6, 7, 8, 9]
-    params = decode_params("sess.9", ADDR, tokens, "vllm-prefill")
+    params = decode_params("sess.9", [ADDR], tokens, "vllm-prefill")
     assert params == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -196,7 +196,7 @@ def test_decode_params_round_trip() -> None:
 )
 def test_decode_params_round_trip_for_any_prompt(tokens: list[int], sid: str, port: int) -> None:
     addr = f"tcp://127.0.0.1:{port}"
-    got = parse_params(decode_params(sid, addr, tokens, "e"))
+    got = parse_params(decode_params(sid, [addr], tokens, "e"))
     assert got == RecvParams(sid, addr, len(tokens), prompt_key(tokens))
 
 

@@ -33,7 +33,7 @@ PROMPT = list(range(100, 110))  # 10 tokens: 9 move, rounded up to 12 (3 blocks)
 def sched(check_prompt: bool = True) -> tuple[PDScheduler, MetricsRegistry]:
     metrics = MetricsRegistry()
     s = PDScheduler(BS, metrics, check_prompt=check_prompt)
-    s.set_endpoint(ADDR, "vllm-prefill")
+    s.set_endpoint([ADDR], "vllm-prefill")
     return s, metrics
 
 
@@ -304,7 +304,7 @@ def test_a_finished_request_unknown_to_pd_is_ignored() -> None:
 
 def test_the_endpoint_comes_from_the_worker_handshake() -> None:
     s = PDScheduler(BS, MetricsRegistry())
-    s.set_endpoint("tcp://10.0.0.1:9", "engine-a")
+    s.set_endpoint(["tcp://10.0.0.1:9"], "engine-a")
     s.scheduled(prefill_req(), 10, [1, 2, 3])
     _, params = s.finished(prefill_req(), "p1")
     assert params is not None

@@ -55,7 +55,7 @@ class Engine:
         transport = make_pd_transport(settings)
         self.worker = PDWorkerSide(settings, self.pool, MODEL, MetricsRegistry(), transport)
         self.sched = PDScheduler(BS, MetricsRegistry())
-        self.sched.set_endpoint(self.worker.address, self.worker.engine_id)
+        self.sched.set_endpoint([self.worker.address], self.worker.engine_id)
 
     def blocks(self) -> torch.Tensor:
         return self.pool.layout.canonical_view(self.pool.tensor)

@@ -3,8 +3,10 @@
 With :mod:`.connector_stats`, the only module that imports vLLM (at import time: vLLM loads it
 by ``kv_connector_module_path``). Owns the mapping of vLLM's hooks onto
 :class:`~.scheduler.SchedulerSide` and :class:`~.worker.WorkerSide` and the vLLM-typed envelopes
-of their messages; it decides nothing and moves no bytes itself. Usage and the hook map:
-``docs/vllm.md`` ("Using it").
+of their messages; it decides nothing and moves no bytes itself. At TP > 1 vLLM runs one
+worker-side connector per rank (one scheduler side per engine): offload and PD both move each
+rank's head shard under the scheduler's one decision. Usage and the hook map: ``docs/vllm.md``
+("Using it", "PD at TP > 1").
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kvplane.integrations.vllm.kv_shapes import LayerShape, stride_order_from_na
 from kvplane.integrations.vllm.messages import StepMeta, TierIndex, WorkerReport
 from kvplane.integrations.vllm.pd_config import PDSettings, pd_settings
 from kvplane.integrations.vllm.pd_params import RecvParams
+from kvplane.integrations.vllm.pd_ranks import check_tp_transport, rank_settings
 from kvplane.integrations.vllm.pd_scheduler import PDScheduler
 from kvplane.integrations.vllm.pd_worker import PDWorkerSide, make_pd_transport
 from kvplane.integrations.vllm.pool import VllmPool, relocate
@@ -138,7 +141,8 @@ def _tp_rank(size: int) -> int:
 
 class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """kvplane's chunk-granular offload (host, disk, Redis) and PD transfer as a vLLM KV
-    connector."""
+    connector, at any TP size (PD: both engines at the same TP, rank r to rank r, over ``tcp``
+    or ``shm`` when TP > 1; ``UnsupportedError`` for other transports there)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         outside_range = check_vllm(vllm.__version__, cpu=current_platform.is_cpu())
@@ -164,13 +168,8 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.pd_settings: PDSettings | None = pd_settings(self.config.pd, os.environ)
-        if self.pd_settings is not None and self.tp_size > 1:
-            raise UnsupportedError(
-                "kvplane's PD transfer needs tensor parallel size 1: with TP > 1 a PD session "
-                "would have to move every rank's head shard (one sender and receiver per rank, "
-                "ranks paired across the two engines, one ledger over all of them), which it "
-                "does not; offload (host, disk, Redis) works at any TP size"
-            )
+        if self.pd_settings is not None:  # TP > 1: one session per (request, rank)
+            check_tp_transport(self.pd_settings.transport, self.tp_size)
         self.pd_scheduler: PDScheduler | None = None
         self.pd_worker: PDWorkerSide | None = None
         self._saved: StepMeta | None = None  # the step wait_for_save last ran for
@@ -184,7 +183,10 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._stats = StatsTaker(self.metrics, "scheduler")
             if self.pd_settings is not None:
                 self.pd_scheduler = PDScheduler(
-                    self.block_size, self.metrics, check_prompt=self.pd_settings.check_prompt
+                    self.block_size,
+                    self.metrics,
+                    check_prompt=self.pd_settings.check_prompt,
+                    tp_size=self.tp_size,
                 )
         serve_metrics(self.metrics, self.config, scheduler=role == KVConnectorRole.SCHEDULER)
 
@@ -314,7 +316,8 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.pd_scheduler.apply(meta.report.pd)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        """One handshake per tensor-parallel rank: the scheduler adopts their joint index."""
+        """One handshake per tensor-parallel rank: the scheduler adopts their joint index and
+        every rank's PD endpoint (rank order), which a finished prefill's params name."""
         got = {r: m for r, m in metadata.items() if isinstance(m, KVPlaneHandshake)}
         if sorted(got) != list(range(self.tp_size)):
             raise UnsupportedError(
@@ -322,8 +325,9 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"got ranks {sorted(got)}"
             )
         self._sched().set_index(combine_indices([got[r].index for r in sorted(got)]))
-        if self.pd_scheduler is not None:  # TP 1 only
-            self.pd_scheduler.set_endpoint(got[0].pd_address, got[0].pd_engine)
+        if self.pd_scheduler is not None:
+            addresses = [got[r].pd_address for r in sorted(got)]
+            self.pd_scheduler.set_endpoint(addresses, got[0].pd_engine)
 
     # -- worker side -------------------------------------------------------------------------------
     def _work(self) -> WorkerSide:
@@ -374,12 +378,13 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._stats = StatsTaker(self.metrics, "worker")
         if self.pd_settings is not None and transport is not None:
             self.pd_worker = PDWorkerSide(
-                self.pd_settings,
+                rank_settings(self.pd_settings, shard),
                 pool,
-                fingerprint.digest().hex(),
+                shard.pd_model_id(fingerprint),  # the rank's heads are in its layout
                 self.metrics,
                 transport,
                 wake=wake,
+                shard=shard,
             )
 
     def get_handshake_metadata(self) -> KVPlaneHandshake:

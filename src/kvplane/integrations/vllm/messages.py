@@ -102,7 +102,9 @@ class RecvOp:
     from the prefill engine at ``address`` (session ``session_id``) into ``block_ids``, the
     request's first ``ceil(num_tokens / block_size)`` blocks. With ``abandon`` set nothing is
     received: the prefill engine is told (the reason) that this decode will never ask, so its
-    session's blocks are freed now instead of at its timeout."""
+    session's blocks are freed now instead of at its timeout. ``rank_addresses``: every prefill
+    rank's address in rank order when the prefill engine runs TP > 1 (``address`` is rank 0's);
+    empty at TP 1. Each decode rank receives from its own rank (:meth:`peer`)."""
 
     req_id: str
     session_id: str
@@ -112,6 +114,13 @@ class RecvOp:
     prefix_tokens: int
     block_ids: tuple[int, ...]
     abandon: str = ""
+    rank_addresses: tuple[str, ...] = ()
+
+    def peer(self, rank: int) -> str | None:
+        """The prefill endpoint decode rank ``rank`` pairs with (None: that rank has none)."""
+        if not self.rank_addresses:
+            return self.address if rank == 0 else None
+        return self.rank_addresses[rank] if rank < len(self.rank_addresses) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,12 +180,15 @@ class JobReport:
 @dataclass(frozen=True, slots=True)
 class PDResult:
     """A PD session of request ``req_id`` ended and its memory is released: ``role`` is
-    ``"send"`` or ``"recv"``, ``ok`` whether its KV arrived whole, ``reason`` why not."""
+    ``"send"`` or ``"recv"``, ``ok`` whether its KV arrived whole, ``reason`` why not;
+    ``rank``: the tensor-parallel rank whose session it was (:class:`~.pd_ranks.RankResults`
+    joins them)."""
 
     req_id: str
     role: str
     ok: bool
     reason: str = ""
+    rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)

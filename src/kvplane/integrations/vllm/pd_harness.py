@@ -8,23 +8,25 @@ prefills' ``kv_transfer_params`` (pull), the decode's "requests added" (pipeline
 "done". Requests go in one batch (``mode``) or one at a time (``sequence``), timed on the
 monotonic clock both processes share (``start_after``: not before that file exists). Owns that
 choreography, the timings and the engine threads' CPU affinity; never imported by the
-connector. Spec keys: ``docs/vllm.md``.
+connector. Spec keys (at TP > 1 only the scheduler side is reachable): ``docs/vllm.md``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvplane.errors import ConfigError, TransferTimeoutError
-from kvplane.integrations.vllm.harness import engine_connectors, metric_samples
-from kvplane.integrations.vllm.pd_params import ADDRESS_KEY, SESSION_KEY, prompt_key
+from kvplane.integrations.vllm.harness import cpu_binds, engine_connectors, metric_samples
+from kvplane.integrations.vllm.pd_params import SESSION_KEY, address_params, prompt_key
 
 WAIT_S = 300.0
 """Longest wait for the other process's file, unless the spec's ``wait_s`` says otherwise."""
@@ -106,6 +108,10 @@ def _transfer_config(spec: dict[str, Any], role: str) -> Any:
 def _build(spec: dict[str, Any], role: str) -> Any:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 1)))
+    tp = int(spec.get("tensor_parallel_size", 1))
+    if tp > 1:  # else vllm-cpu refuses: "Not enough allowed NUMA nodes to bind threads"
+        binds = cpu_binds(tp, sorted(os.sched_getaffinity(0)))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binds)
     from vllm import LLM
 
     return LLM(
@@ -117,6 +123,7 @@ def _build(spec: dict[str, Any], role: str) -> Any:
         block_size=int(spec.get("block_size", 32)),
         enable_prefix_caching=bool(spec.get("prefix_caching", True)),
         dtype=str(spec.get("dtype", "auto")),
+        tensor_parallel_size=tp,
         seed=0,
         kv_transfer_config=_transfer_config(spec, role),
     )
@@ -237,8 +244,8 @@ def _prefill_params(mode: str, rid: str) -> dict[str, Any]:
 
 def _early_params(mode: str, rid: str, prompt: list[int], address: str) -> dict[str, Any]:
     """The decode request's params when it is added before the prefill (pipelined, push)."""
-    if mode == "pipelined":
-        return {"do_remote_prefill": True, SESSION_KEY: rid, ADDRESS_KEY: address,
+    if mode == "pipelined":  # address: the prefill's PD endpoints (address_params, as JSON)
+        return {"do_remote_prefill": True, SESSION_KEY: rid, **json.loads(address),
                 "num_prompt_tokens": len(prompt), "prompt_key": prompt_key(prompt)}  # fmt: skip
     peer = json.loads(address)  # push: the prefill engine's NIXL coordinates
     return {"do_remote_prefill": True, "remote_engine_id": peer["engine_id"],
@@ -269,6 +276,8 @@ def _prefill(llm: Any, spec: dict[str, Any], meet: Path, modes: list[str]) -> di
             killed_at = float(_wait_file(meet / "killed", _wait_s(spec)))
             _settle(llm, float(spec.get("settle_s", 60.0)))
             result["released_after_s"] = time.monotonic() - killed_at
+            workers = meet / "workers_killed"  # TP > 1: the decode's rank workers went first
+            result["decode_workers_killed"] = int(workers.read_text()) if workers.exists() else 0
             pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
             result["free_blocks"] = [pool.get_num_free_blocks(), pool.num_gpu_blocks - 1]
             n = int(spec.get("max_tokens", 8))
@@ -305,6 +314,8 @@ def _decode(llm: Any, spec: dict[str, Any], meet: Path, modes: list[str]) -> dic
             time.sleep(0.2)  # the receives' requests reach the prefill engine
             _write(meet / f"opened{suffix}", "1")
             if spec.get("hang"):  # the test SIGKILLs this process mid-transfer
+                if int(spec.get("tensor_parallel_size", 1)) > 1:
+                    _kill_workers(meet / "stepped", meet / "workers_killed")
                 time.sleep(WAIT_S)
 
         out.update(_drive(llm, reqs, None if mode == "pull" else opened))
@@ -312,11 +323,34 @@ def _decode(llm: Any, spec: dict[str, Any], meet: Path, modes: list[str]) -> dic
     return {"decode": out}
 
 
-def _address(llm: Any, spec: dict[str, Any], worker: Any) -> str:
-    """What the decode side needs of this prefill engine: kvplane's PD address, or NIXL's
-    engine id and side channel."""
+def _kill_workers(stepped: Path, done: Path) -> None:
+    """Once ``stepped`` exists, SIGKILL this process's children (vLLM's rank workers at
+    TP > 1) and write ``done`` (how many), which the test waits for to SIGKILL this process:
+    the whole engine dies, workers first, as on a crash, rather than the workers shutting down
+    gracefully when they notice their parent is gone."""
+    me = os.getpid()
+
+    def kill() -> None:
+        _wait_file(stepped)
+        killed = 0
+        for entry in os.listdir("/proc"):
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except (OSError, ValueError):  # not a process, or it ended meanwhile
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == me:
+                os.kill(int(entry), signal.SIGKILL)
+                killed += 1
+        _write(done, str(killed))
+
+    threading.Thread(target=kill, name="kill-workers", daemon=True).start()
+
+
+def _address(llm: Any, spec: dict[str, Any], sched: Any) -> str:
+    """What the decode side needs of this prefill engine: kvplane's PD addresses (one per rank,
+    as :func:`address_params` names them, JSON), or NIXL's engine id and side channel."""
     if spec.get("nixl") is None:
-        return str(worker.pd_worker.address)
+        return json.dumps(address_params(sched.pd_scheduler.addresses))
     kv = llm.llm_engine.vllm_config.kv_transfer_config
     return json.dumps(
         {
@@ -359,7 +393,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     result["connector"] = "nixl" if nixl else "kvplane"
     result["affinity"] = affinity
     if role == "prefill":
-        _write(meet / "address", _address(llm, spec, worker))
+        _write(meet / "address", _address(llm, spec, sched))
         _wait_file(meet / "ready", _wait_s(spec))  # the decode engine is built: none waits on it
         result.update(_prefill(llm, spec, meet, modes))
         if spec.get("reference_prompts"):  # after the timed requests: this engine alone
@@ -378,9 +412,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if not nixl:
         ids = [f"r{i}" for i in range(len(modes))]
         result["scheduler_metrics"] = metric_samples(sched.metrics)
-        result["worker_metrics"] = metric_samples(worker.metrics)
+        result["worker_metrics"] = {} if worker is None else metric_samples(worker.metrics)
         result["pending_push_work"] = bool(sched.has_pending_push_work())
-        if role == "prefill":
+        if role == "prefill" and worker is not None:  # TP > 1: ranks are other processes
             result["slices_done_at"] = _slices_done_at(worker, ids)
             sched.pd_scheduler.check_integrity()
     llm.llm_engine.engine_core.shutdown()

@@ -23,7 +23,10 @@ from kvplane.validators import is_int
 SESSION_KEY = "kvplane_session"
 """The session id both engines name one transfer by (the proxy's, or the prefill request id)."""
 ADDRESS_KEY = "kvplane_pd"
-"""The prefill engine's PD endpoint address (``tcp://host:port``)."""
+"""The prefill engine's PD endpoint address (``tcp://host:port``; rank 0's at TP > 1)."""
+RANKS_KEY = "kvplane_pd_ranks"
+"""Every prefill rank's PD endpoint address in rank order, only when the prefill runs TP > 1."""
+MAX_RANKS = 64
 _SESSION_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _KEY_RE = re.compile(r"^[0-9a-f]{32}$")
 _ADDRESS_RE = re.compile(r"^tcp://[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
@@ -62,12 +65,19 @@ class SendParams:
 
 @dataclass(frozen=True, slots=True)
 class RecvParams:
-    """A decode request whose prompt KV comes from a prefill engine (``do_remote_prefill``)."""
+    """A decode request whose prompt KV comes from a prefill engine (``do_remote_prefill``).
+    ``rank_addresses``: every prefill rank's endpoint at TP > 1 (``address`` is rank 0's)."""
 
     session_id: str
     address: str
     num_prompt_tokens: int | None = None
     prompt: str | None = None
+    rank_addresses: tuple[str, ...] = ()
+
+    @property
+    def prefill_tp(self) -> int:
+        """The prefill engine's TP size: how many endpoints the params name."""
+        return max(1, len(self.rank_addresses))
 
 
 def _text(params: Mapping[str, Any], key: str, pattern: re.Pattern[str]) -> str:
@@ -102,23 +112,48 @@ def parse_params(params: object) -> SendParams | RecvParams | None:
     prompt = params.get("prompt_key")
     if prompt is not None and not (isinstance(prompt, str) and _KEY_RE.fullmatch(prompt)):
         raise InvalidArgumentError(f"kv_transfer_params['prompt_key'] is {prompt!r:.40}")
+    address = _text(params, ADDRESS_KEY, _ADDRESS_RE)
     return RecvParams(
-        _text(params, SESSION_KEY, _SESSION_RE),
-        _text(params, ADDRESS_KEY, _ADDRESS_RE),
-        count,
-        prompt,
+        _text(params, SESSION_KEY, _SESSION_RE), address, count, prompt, _ranks(params, address)
     )
 
 
+def _ranks(params: Mapping[str, Any], address: str) -> tuple[str, ...]:
+    """The ``kvplane_pd_ranks`` list (2 to :data:`MAX_RANKS` addresses, rank 0's equal to
+    ``kvplane_pd``), or () when absent (a TP 1 prefill)."""
+    if RANKS_KEY not in params:
+        return ()
+    ranks = params[RANKS_KEY]
+    ok = isinstance(ranks, list | tuple) and 2 <= len(ranks) <= MAX_RANKS
+    if not ok or any(not isinstance(a, str) or not _ADDRESS_RE.fullmatch(a) for a in ranks):
+        raise InvalidArgumentError(f"kv_transfer_params[{RANKS_KEY!r}] is not valid: {ranks!r:.80}")
+    if ranks[0] != address:
+        raise InvalidArgumentError(f"kv_transfer_params[{RANKS_KEY!r}][0] is not {ADDRESS_KEY!r}")
+    return tuple(ranks)
+
+
+def address_params(addresses: Sequence[str]) -> dict[str, Any]:
+    """The params naming a prefill engine's PD endpoints (one per rank, in rank order): rank
+    0's as ``kvplane_pd``, and all of them as ``kvplane_pd_ranks`` only at TP > 1."""
+    if not addresses:
+        raise InvalidArgumentError("a prefill engine names at least one PD address")
+    out: dict[str, Any] = {ADDRESS_KEY: addresses[0]}
+    if len(addresses) > 1:
+        out[RANKS_KEY] = list(addresses)
+    return out
+
+
 def decode_params(
-    session_id: str, address: str, token_ids: Sequence[int], engine_id: str
+    session_id: str, addresses: Sequence[str], token_ids: Sequence[int], engine_id: str
 ) -> dict[str, Any]:
-    """What a finished prefill returns: the decode request's ``kv_transfer_params`` as is."""
+    """What a finished prefill returns: the decode request's ``kv_transfer_params`` as is
+    (``addresses``: the prefill engine's PD endpoints, one per rank; see
+    :func:`address_params`)."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         SESSION_KEY: session_id,
-        ADDRESS_KEY: address,
+        **address_params(addresses),
         "remote_engine_id": engine_id,
         "num_prompt_tokens": len(token_ids),
         "prompt_key": prompt_key(token_ids),

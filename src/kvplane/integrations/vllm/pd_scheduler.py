@@ -3,12 +3,15 @@
 Owns :class:`PDScheduler`: per-request PD state of a prefill engine (which steps' KV to send,
 which finished requests keep their blocks until sent) and of a decode engine (how many prompt
 tokens arrive asynchronously, into which blocks), plus the ``kv_transfer_params`` a finished
-prefill returns. Plain data in, :class:`~.messages.SendOp` / :class:`~.messages.RecvOp` /
-:class:`~.messages.EndOp` out: no tensors, no sockets, no vLLM import. See docs/vllm.md ("PD").
+prefill returns. At TP > 1 it decides once for every rank and joins the ranks' session results
+(:class:`~.pd_ranks.RankResults`). Plain data in, :class:`~.messages.SendOp` /
+:class:`~.messages.RecvOp` / :class:`~.messages.EndOp` out: no tensors, no sockets, no vLLM
+import. See docs/vllm.md ("PD").
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,7 +24,10 @@ from kvplane.integrations.vllm.pd_params import (
     prompt_key,
     transferred_tokens,
 )
+from kvplane.integrations.vllm.pd_ranks import RankResults, tp_refusal
 from kvplane.metrics import MetricsRegistry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +70,23 @@ class PDStep:
 
 
 class PDScheduler:
-    """See the module docstring. ``block_size`` is vLLM's; metrics go to ``metrics``."""
+    """See the module docstring. ``block_size`` is vLLM's; metrics go to ``metrics``;
+    ``tp_size``: the engine's tensor-parallel size (one worker, and PD session, per rank)."""
 
     def __init__(
-        self, block_size: int, metrics: MetricsRegistry, *, check_prompt: bool = True
+        self,
+        block_size: int,
+        metrics: MetricsRegistry,
+        *,
+        check_prompt: bool = True,
+        tp_size: int = 1,
     ) -> None:
         self.block_size = block_size
         self.check_prompt = check_prompt
-        self.address: str | None = None
+        self.tp_size = tp_size
+        self.addresses: tuple[str, ...] = ()
         self.engine_id = ""
+        self._ranks = RankResults(tp_size)
         self._sends: dict[str, _Send] = {}
         self._held: set[str] = set()  # finished, blocks kept until the worker reports the send
         self._recvs: dict[str, _Recv] = {}
@@ -83,35 +97,45 @@ class PDScheduler:
         )
         self._tokens = metrics.counter("vllm_pd_tokens", "prompt tokens moved by PD", ["role"])
 
-    def set_endpoint(self, address: str, engine_id: str) -> None:
-        """The worker's PD endpoint (from its start-up handshake): what finished prefills name."""
-        self.address, self.engine_id = address, engine_id
+    def set_endpoint(self, addresses: Sequence[str], engine_id: str) -> None:
+        """The workers' PD endpoints, one per rank in rank order (from their start-up
+        handshakes): what finished prefills name."""
+        self.addresses, self.engine_id = tuple(addresses), engine_id
 
     # -- decode side -----------------------------------------------------------------------------
     def matched(self, req: PDRequest, num_computed: int) -> tuple[int, bool]:
         """Prompt tokens beyond ``num_computed`` that arrive asynchronously from the prefill
         engine, and whether any do. A request whose prompt is not the one the prefill engine
-        computed (key or length differ) gets 0: it is computed here."""
+        computed (key or length differ) gets 0: it is computed here; so does one from a prefill
+        engine of another TP size (:func:`~.pd_ranks.tp_refusal`, logged)."""
         p = req.params
         if not isinstance(p, RecvParams) or req.req_id in self._recvs or req.req_id in self._ended:
             return 0, False  # asked once: after the receive (or its failure) vLLM computes
         n = len(req.prompt)
+        refusal = tp_refusal(p.prefill_tp, self.tp_size)
+        if refusal is not None:
+            log.warning("kvplane PD: request %s computed here: %s", req.req_id, refusal)
+            return self._refuse(req, p, "tp_mismatch", str(refusal))
         if (p.num_prompt_tokens is not None and p.num_prompt_tokens != n) or (
             self.check_prompt and p.prompt is not None and p.prompt != prompt_key(req.prompt)
         ):
-            self._requests.labels(role="recv", outcome="prompt_mismatch").inc()
-            self._ended.add(req.req_id)
             why = "the decode request's prompt differs from the prefill's"
-            key = prompt_key(req.prompt)
-            self._pending.recvs.append(
-                RecvOp(req.req_id, p.session_id, p.address, key, 0, 0, (), why)
-            )
-            return 0, False
+            return self._refuse(req, p, "prompt_mismatch", why)
         left = n - 1 - num_computed  # vLLM is told of prompt tokens; the last is recomputed
         if left <= 0:
             return 0, False
         self._recvs[req.req_id] = _Recv(p, num_computed, left)
         return left, True
+
+    def _refuse(self, req: PDRequest, p: RecvParams, outcome: str, why: str) -> tuple[int, bool]:
+        """Compute ``req`` here and tell the prefill engine (once) it will never be asked."""
+        self._requests.labels(role="recv", outcome=outcome).inc()
+        self._ended.add(req.req_id)
+        key = prompt_key(req.prompt)
+        self._pending.recvs.append(
+            RecvOp(req.req_id, p.session_id, p.address, key, 0, 0, (), why, p.rank_addresses)
+        )
+        return 0, False
 
     def allocated(self, req: PDRequest, block_ids: Sequence[int], num_external: int) -> None:
         """vLLM allocated the request's blocks: receive into them (next step)."""
@@ -132,6 +156,7 @@ class PDScheduler:
                 num,
                 rec.num_computed,
                 tuple(int(b) for b in block_ids[:need]),
+                rank_addresses=rec.params.rank_addresses,
             )
         )
 
@@ -200,9 +225,9 @@ class PDScheduler:
             send.last_sent = True
             self._pending.ends.append(EndOp(req_id, "prefill request ended before its prompt"))
             return True, None
-        if self.address is None or req is None:  # pragma: no cover - set at start-up
+        if not self.addresses or req is None:  # pragma: no cover - set at start-up
             raise UnsupportedError("the PD endpoint's address is unknown: no worker handshake")
-        return True, decode_params(send.session_id, self.address, req.prompt, self.engine_id)
+        return True, decode_params(send.session_id, self.addresses, req.prompt, self.engine_id)
 
     def build(self) -> PDStep:
         """This step's PD instructions (and a fresh, empty set for the next)."""
@@ -210,8 +235,15 @@ class PDScheduler:
         return out
 
     def apply(self, results: Sequence[PDResult]) -> None:
-        """The worker's finished sessions (memory released): forget them, count them."""
-        for r in results:
+        """The worker's finished sessions (memory released): forget them, count them. At TP > 1
+        a request's transfer ends once every rank's session did (ok only if all were); the
+        first rank that fails ends the other ranks' sessions of the request."""
+        for part in results:
+            r, first_failure = self._ranks.add(part)
+            if first_failure:
+                self._end_ranks(part)
+            if r is None:
+                continue
             self._requests.labels(role=r.role, outcome="ok" if r.ok else "failed").inc()
             if r.role == "send":
                 send = self._sends.get(r.req_id)
@@ -227,15 +259,25 @@ class PDScheduler:
                 if rec is not None and r.ok:
                     self._tokens.labels(role="recv").inc(rec.tokens)
 
+    def _end_ranks(self, failed: PDResult) -> None:
+        """Rank ``failed.rank``'s session failed: end the request's sessions on every rank (a
+        rank ignores the end of a session it no longer has)."""
+        send = self._sends.get(failed.req_id) if failed.role == "send" else None
+        if send is not None:
+            send.last_sent = True  # no more slices of it
+        why = f"rank {failed.rank}'s {failed.role} failed: {failed.reason}"
+        self._pending.ends.append(EndOp(failed.req_id, why[:200]))
+
     @property
     def pending_push_work(self) -> bool:
         """True while a finished prefill's blocks wait for its session (vLLM keeps stepping)."""
         return bool(self._held)
 
     def check_integrity(self) -> None:
-        """Nothing held, sent or received any more (between workloads)."""
-        if self._held or self._sends or any(r.opened for r in self._recvs.values()):
+        """Nothing held, sent or received any more, no transfer only some ranks reported."""
+        opened = any(r.opened for r in self._recvs.values())
+        if self._held or self._sends or opened or self._ranks.waiting:
             raise UnsupportedError(
                 f"PD state left: held {sorted(self._held)}, sends {sorted(self._sends)}, "
-                f"recvs {sorted(self._recvs)}"
+                f"recvs {sorted(self._recvs)}, {self._ranks.waiting} partly reported"
             )

@@ -5,12 +5,15 @@ buffer registered as one region, and the slice driver that plans and runs every 
 engine cuts each step's KV into slices (block-aligned) and hands them to the session the decode
 engine's ``TransferRequest`` opens (before or after the prefill: pipelined or pull); a decode
 engine opens receiver sessions into the blocks vLLM allocated. Memory is handed back to vLLM only
-on the ledger's release. Decides nothing about which requests move: :mod:`.pd_scheduler` does.
+on the ledger's release. At TP > 1 there is one per rank: it announces and plans with its head
+range (:func:`~.pd_ranks.rank_layout`) and pairs with the same rank of the other engine.
+Decides nothing about which requests move: :mod:`.pd_scheduler` does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -19,11 +22,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvplane.errors import KVPlaneError, ProtocolError, TransferTimeoutError
+from kvplane.errors import KVPlaneError, ProtocolError, TransferTimeoutError, UnsupportedError
 from kvplane.ids import PeerId, RegionId, RequestId, SessionId
 from kvplane.integrations.vllm.messages import EndOp, PDResult, RecvOp, SendOp, StepMeta
 from kvplane.integrations.vllm.pd_config import PDSettings
+from kvplane.integrations.vllm.pd_ranks import heads_refusal, rank_layout
 from kvplane.integrations.vllm.pool import VllmPool
+from kvplane.integrations.vllm.tp import TPShard
 from kvplane.integrations.vllm.wakeup import Wakeup
 from kvplane.metrics import MetricsRegistry
 from kvplane.pd.actions import Action, DestinationKnown, Finished, Release, StartSubmit
@@ -78,8 +83,10 @@ class _Recv:
 
 class PDWorkerSide:
     """See the module docstring. ``model_id`` is the engine fingerprint's digest (hex): peers
-    with another one are refused at the handshake. Every session's progress notifies ``wake``
-    (shared with the offload side: :func:`~.wakeup.end_step`)."""
+    with another one are refused at the handshake (it names the TP rank and size). Every
+    session's progress notifies ``wake`` (shared with the offload side:
+    :func:`~.wakeup.end_step`). ``shard``: this worker's TP rank (settings already per rank:
+    :func:`~.pd_ranks.rank_settings`)."""
 
     def __init__(
         self,
@@ -90,16 +97,18 @@ class PDWorkerSide:
         transport: Transport,
         *,
         wake: Wakeup | None = None,
+        shard: TPShard | None = None,
     ) -> None:
         self.settings = settings
+        self.rank = 0 if shard is None else shard.rank
         self.wake = Wakeup() if wake is None else wake
         self.pool = pool
-        self.block_size = pool.layout.block_size
+        self.layout = layout = rank_layout(pool.layout, shard or TPShard())
+        self.block_size = layout.block_size
         name = settings.name
         incarnation = time.time_ns() // 1000
         self.transport = transport
         self.region = self.transport.register(pool.tensor).region_id
-        layout = pool.layout
         info = LayoutInfo.from_description(
             layout.describe(),
             compat_fingerprint=layout.compat_fingerprint(),
@@ -217,7 +226,7 @@ class PDWorkerSide:
             send = self._sends.get(sid)
             if send is None:
                 return None
-            pool = LocalPool(self.pool.layout, RegionId(self.region), send.op.block_ids)
+            pool = LocalPool(self.layout, RegionId(self.region), send.op.block_ids)
             return SliceSource(send.op.req_id, (pool,))
 
     def _cut(self, op: SendOp) -> None:
@@ -313,13 +322,19 @@ class PDWorkerSide:
             op = self._dials.get()
             if op is None:
                 return
+            address = op.peer(self.rank)
+            if address is None:  # a TP-mismatch abandon names fewer prefill ranks than ours
+                continue
             try:
-                peer = self._peers.get(op.address)
+                peer = self._peers.get(address)
                 if peer is None or not self._live(peer):
-                    peer = self._peers[op.address] = self._connect(op.address)
+                    peer = self._peers[address] = self._connect(address)
                 if op.abandon:
                     self.endpoint.abandon(SessionId(op.session_id), peer, op.abandon)
                     continue
+                refusal = self.endpoint.call(functools.partial(self._heads, peer, False))
+                if refusal is not None:  # not our rank's shard (another rank, another TP size)
+                    raise refusal
                 start = StartTransfer(
                     request_id=RequestId(op.prompt),
                     dst_block_ids=op.block_ids,
@@ -357,6 +372,12 @@ class PDWorkerSide:
                 if left <= CONNECT_ATTEMPT_S:
                     raise
 
+    def _heads(self, peer: PeerId, sender: bool) -> UnsupportedError | None:
+        """(PD loop thread) :func:`~.pd_ranks.heads_refusal` of an admitted ``peer``."""
+        rec = self.participant.peers.get(peer)
+        theirs = None if rec is None else rec.hello.profile.layouts[0]
+        return None if theirs is None else heads_refusal(self.layout, theirs, sender=sender)
+
     def _live(self, peer: PeerId) -> bool:
         return bool(self.endpoint.call(lambda: self.participant.peers.is_live(peer)))
 
@@ -366,7 +387,7 @@ class PDWorkerSide:
                 first = op.prefix_tokens // self.block_size
                 self._load_errors.update(op.block_ids[first:])
             self._recv_done.add(op.req_id)
-            self._results.append(PDResult(op.req_id, "recv", ok, reason))
+            self._results.append(PDResult(op.req_id, "recv", ok, reason, self.rank))
         self.wake.notify()
 
     # -- protocol actions (PD loop thread) -------------------------------------------------------
@@ -375,6 +396,10 @@ class PDWorkerSide:
             self.driver.submit(act)
         elif isinstance(act, DestinationKnown):
             self.driver.expect(act)
+            if (refusal := self._heads(act.peer_id, True)) is not None:
+                with self._lock:
+                    self._failing.append((act.session_id, str(refusal)))
+                return
             with self._lock:
                 send = self._sends.get(act.session_id)
                 if send is None:
@@ -415,7 +440,7 @@ class PDWorkerSide:
             self._send_of.pop(send.op.req_id, None)
             ok = send.outcome is SessionState.SUCCESS
             self._sent_done.add(send.op.req_id)
-            self._results.append(PDResult(send.op.req_id, "send", ok, send.reason))
+            self._results.append(PDResult(send.op.req_id, "send", ok, send.reason, self.rank))
         self.wake.notify()
 
     def _command(self, sid: SessionId, command: Cancel | Fail) -> None:

@@ -55,6 +55,13 @@ class TPShard:
         size = 1 if self.shared else fingerprint.tp_size
         return dataclasses.replace(fingerprint, tp_rank=0, tp_size=size).digest()
 
+    def pd_model_id(self, fingerprint: EngineFingerprint) -> str:
+        """The model id a rank's PD handshake names (hex): the fingerprint without the rank and
+        TP size, so engines of any TP size meet and the rank's head range (in its layout) is
+        what pairs ranks and refuses another TP size with a clear error
+        (:func:`~.pd_ranks.heads_refusal`). At TP 1 it is the fingerprint's own digest."""
+        return dataclasses.replace(fingerprint, tp_rank=0, tp_size=1).digest().hex()
+
     def tier_fingerprint(self, layout_fingerprint: bytes) -> bytes:
         """The fingerprint this rank's lower-tier chunk headers carry: the pool layout's, with
         the rank's head shard mixed in when :attr:`sharded`, so one rank's chunk read under
