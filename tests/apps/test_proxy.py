@@ -351,7 +351,11 @@ def test_health_names_the_server_that_is_down(make: Any) -> None:
         ({"mode": "pipelined", "prefill_pd": None},
          "--mode pipelined needs --prefill-pd tcp://HOST:PORT"),
         ({"mode": "pipelined", "prefill_pd": "zmq://x:1"},
-         "--prefill-pd must be tcp://HOST:PORT, got 'zmq://x:1'"),
+         "--prefill-pd must be tcp://HOST:PORT, one per prefill TP rank in rank order separated "
+         "by commas, got 'zmq://x:1'"),
+        ({"mode": "pipelined", "prefill_pd": "tcp://x:1,"},
+         "--prefill-pd must be tcp://HOST:PORT, one per prefill TP rank in rank order separated "
+         "by commas, got 'tcp://x:1,'"),
         ({"mode": "push"}, "--mode must be one of ['pull', 'pipelined'], got 'push'"),
         ({"decode": "https://x:1"}, "--decode must be http://HOST:PORT, got 'https://x:1'"),
         ({"max_concurrent": 0}, "--max-concurrent must be a positive int, got 0"),
@@ -401,3 +405,10 @@ def test_connections_past_the_cap_are_closed_at_once(make: Any) -> None:
             s.close()
     time.sleep(0.2)
     assert post(proxy.address, BODY) == (200, ANSWER)  # the slots came back
+
+
+def test_a_config_names_each_prefill_rank_in_order() -> None:
+    base = {"prefill": "http://127.0.0.1:1", "decode": "http://127.0.0.1:2", "mode": "pipelined"}
+    two = ProxyConfig(**base, prefill_pd="tcp://127.0.0.1:7000,tcp://127.0.0.1:7001")
+    assert two.prefill_pd_ranks == ("tcp://127.0.0.1:7000", "tcp://127.0.0.1:7001")
+    assert ProxyConfig(**base, prefill_pd=PD).prefill_pd_ranks == (PD,)

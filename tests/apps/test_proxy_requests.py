@@ -35,7 +35,7 @@ def test_a_prompt_is_token_ids_only_when_given_as_ints(prompt: object, ids: obje
 
 def test_pipelined_decode_params_carry_the_prompt_key_only_for_token_ids() -> None:
     sid = new_session_id()
-    ids = pipelined_decode_body(parse({"prompt": [5, 6, 7]}), sid, PD)["kv_transfer_params"]
+    ids = pipelined_decode_body(parse({"prompt": [5, 6, 7]}), sid, [PD])["kv_transfer_params"]
     assert ids == {
         "do_remote_prefill": True,
         "kvplane_session": sid,
@@ -44,7 +44,7 @@ def test_pipelined_decode_params_carry_the_prompt_key_only_for_token_ids() -> No
         "prompt_key": prompt_key([5, 6, 7]),
     }
     assert parse_params(ids) == RecvParams(sid, PD, 3, prompt_key([5, 6, 7]))  # the engine's view
-    text = pipelined_decode_body(parse({"prompt": "hi"}), sid, PD)["kv_transfer_params"]
+    text = pipelined_decode_body(parse({"prompt": "hi"}), sid, [PD])["kv_transfer_params"]
     assert text == {"do_remote_prefill": True, "kvplane_session": sid, "kvplane_pd": PD}
 
 
@@ -90,3 +90,17 @@ def test_bad_client_bodies_are_one_line_errors(body: object, chat: bool, message
     with pytest.raises(InvalidArgumentError) as err:
         parse(body, chat)
     assert str(err.value) == message
+
+
+def test_pipelined_decode_params_name_every_prefill_rank_at_tp_above_1() -> None:
+    sid, ranks = new_session_id(), ["tcp://10.0.0.1:7000", "tcp://10.0.0.1:7001"]
+    params = pipelined_decode_body(parse({"prompt": [5, 6]}), sid, ranks)["kv_transfer_params"]
+    assert params == {
+        "do_remote_prefill": True,
+        "kvplane_session": sid,
+        "kvplane_pd": ranks[0],
+        "kvplane_pd_ranks": ranks,
+        "num_prompt_tokens": 2,
+        "prompt_key": prompt_key([5, 6]),
+    }
+    assert parse_params(params) == RecvParams(sid, ranks[0], 2, prompt_key([5, 6]), tuple(ranks))

@@ -26,7 +26,7 @@ from kvplane.apps.proxy_requests import (
 )
 from kvplane.apps.proxy_upstream import Call, Upstream, UpstreamError
 from kvplane.errors import ConfigError, InvalidArgumentError
-from kvplane.integrations.vllm.pd_params import ADDRESS_KEY, SESSION_KEY, parse_params
+from kvplane.integrations.vllm.pd_params import SESSION_KEY, address_params, parse_params
 from kvplane.validators import require_finite_positive, require_int, require_size
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
-    """The proxy: the two servers (``http://HOST:PORT``), the prefill engine's PD endpoint
-    (``tcp://HOST:PORT``, pipelined mode only), where to listen, and its bounds."""
+    """The proxy: the two servers (``http://HOST:PORT``), the prefill engine's PD endpoints
+    (``tcp://HOST:PORT``, one per TP rank in rank order, comma-separated; pipelined mode
+    only), where to listen, and its bounds."""
 
     prefill: str
     decode: str
@@ -48,18 +49,25 @@ class ProxyConfig:
     timeout_s: float = 300.0
     client_timeout_s: float = 60.0
 
+    @property
+    def prefill_pd_ranks(self) -> tuple[str, ...]:
+        """``prefill_pd`` split into its per-rank addresses (empty without one)."""
+        return tuple(self.prefill_pd.split(",")) if self.prefill_pd else ()
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.mode == "pipelined":
             if self.prefill_pd is None:
                 raise ConfigError("--mode pipelined needs --prefill-pd tcp://HOST:PORT")
-            probe = {"do_remote_prefill": True, SESSION_KEY: "x", ADDRESS_KEY: self.prefill_pd}
+            addresses = self.prefill_pd_ranks
+            probe = {"do_remote_prefill": True, SESSION_KEY: "x", **address_params(addresses)}
             try:
-                parse_params(probe)  # the decode engine's own check of the address
+                parse_params(probe)  # the decode engine's own check of the addresses
             except InvalidArgumentError:
                 raise ConfigError(
-                    f"--prefill-pd must be tcp://HOST:PORT, got {self.prefill_pd!r:.80}"
+                    "--prefill-pd must be tcp://HOST:PORT, one per prefill TP rank in rank "
+                    f"order separated by commas, got {self.prefill_pd!r:.80}"
                 ) from None
         require_int("--port", self.port, min=0, max=65535, error=ConfigError)
         require_int("--max-concurrent", self.max_concurrent, min=1, error=ConfigError)
@@ -164,9 +172,8 @@ class PDProxy:
                 call.send()
                 h.relay(call, req.stream, call.response(), lambda: None)
             return
-        assert self.config.prefill_pd is not None  # checked by the config
         sid, pair = new_session_id(), _Pair()
-        body = pipelined_decode_body(req, sid, self.config.prefill_pd)
+        body = pipelined_decode_body(req, sid, self.config.prefill_pd_ranks)
         decode = Call(self.decode, path, body, auth)
         pair.add(decode)
         worker: threading.Thread | None = None

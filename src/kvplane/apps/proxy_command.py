@@ -37,8 +37,9 @@ def proxy_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill", default=None, help="prefill vLLM server, http://HOST:PORT")
     g.add_argument("--decode", default=None, help="decode vLLM server, http://HOST:PORT")
     g.add_argument(
-        "--prefill-pd", default=None, metavar="tcp://HOST:PORT",
-        help="the prefill engine's PD endpoint (its pd_bind); needed by --mode pipelined",
+        "--prefill-pd", default=None, metavar="tcp://HOST:PORT[,...]",
+        help="the prefill engine's PD endpoints (its pd_bind; at TP > 1 one per rank, in rank "
+        "order, comma-separated); needed by --mode pipelined",
     )  # fmt: skip
     g.add_argument(
         "--mode", default="pull", choices=MODES,

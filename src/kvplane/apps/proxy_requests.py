@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvplane.errors import InvalidArgumentError
-from kvplane.integrations.vllm.pd_params import ADDRESS_KEY, SESSION_KEY, prompt_key
+from kvplane.integrations.vllm.pd_params import SESSION_KEY, address_params, prompt_key
 from kvplane.validators import is_int
 
 MODES = ("pull", "pipelined")
@@ -115,15 +115,18 @@ def pull_decode_body(req: ClientRequest, params: Mapping[str, Any] | None) -> di
     return body
 
 
-def pipelined_decode_body(req: ClientRequest, session_id: str, prefill_pd: str) -> dict[str, Any]:
+def pipelined_decode_body(
+    req: ClientRequest, session_id: str, prefill_pd: Sequence[str]
+) -> dict[str, Any]:
     """The decode server's request in pipelined mode, sent before the prefill's: the client's,
-    receiving session ``session_id`` from the prefill engine's PD endpoint ``prefill_pd``; the
+    receiving session ``session_id`` from the prefill engine's PD endpoints ``prefill_pd`` (one
+    per TP rank, in rank order: ``kvplane_pd`` and, at TP > 1, ``kvplane_pd_ranks``); the
     prompt's length and key only when the client gave token ids (the decode engine checks its
     prompt against them; for text the proxy has no tokenizer and the prefill engine checks)."""
     params: dict[str, Any] = {
         "do_remote_prefill": True,
         SESSION_KEY: session_id,
-        ADDRESS_KEY: prefill_pd,
+        **address_params(prefill_pd),
     }
     if req.token_ids is not None:
         params["num_prompt_tokens"] = len(req.token_ids)
