@@ -148,3 +148,26 @@ def test_decode_from_kv_written_elsewhere() -> None:
     table2.release(pool)
     table.release(pool)
     pool.check_integrity()
+
+
+SLIDING_TWO = ("sliding_attention", "sliding_attention")
+MIXED = ("full_attention", "sliding_attention")
+
+
+@pytest.mark.parametrize(
+    ("changes", "window"),
+    [
+        ({}, None),  # Llama: no window
+        ({"architecture": "MistralForCausalLM", "sliding_window": 5}, 5),  # every layer
+        ({"architecture": "Qwen2ForCausalLM", "sliding_window": 5, "layer_types": SLIDING_TWO}, 5),
+        ({"architecture": "Qwen2ForCausalLM", "sliding_window": 5, "layer_types": MIXED}, None),
+    ],
+)
+def test_the_kv_layout_has_the_window_only_when_every_layer_shares_it(
+    changes: dict[str, object], window: int | None
+) -> None:
+    """A mixed model's one pool serves full-attention layers too: it keeps every position."""
+    model = random_model(small_llama(**changes))
+    layout = model.kv_layout(4, 4)
+    assert layout.sliding_window == window
+    assert layout.window_start(12) == (0 if window is None else 7)
