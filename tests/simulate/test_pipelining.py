@@ -5,10 +5,17 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from simulate_testlib import BYTES_PER_TOKEN, tiny_spec
+from simulate_testlib import BYTES_PER_TOKEN, SLICE_BW, tiny_spec
 
 from kvplane.simulate.calibrate import PD_LINKS
-from kvplane.simulate.pipelining import EXPLORE, REFRESH, WINDOW, AutoPipelining, Choice
+from kvplane.simulate.pipelining import (
+    EXPLORE,
+    LINK_WINDOW,
+    REFRESH,
+    WINDOW,
+    AutoPipelining,
+    Choice,
+)
 from kvplane.simulate.spec import PrefillSpec, TransportSpec
 from kvplane.simulate.timing import alone_ttft_s, choose_pipelining
 
@@ -84,3 +91,54 @@ def test_auto_measures_an_unused_mode_again() -> None:
     for _ in range(WINDOW):  # the window forgets the fast samples
         auto.observe(True, 2048, 2048 * 1.6e-3)
     assert auto.token_s(True) == pytest.approx(1.6e-3)
+
+
+SLICE = 512 * BYTES_PER_TOKEN  # one 512-token slice's bytes: 0.1 s at SLICE_BW
+
+
+def test_the_link_bandwidth_converges_to_the_observed_cost() -> None:
+    auto = AutoPipelining(LINK, BYTES_PER_TOKEN)
+    assert auto.learned_link(LINK) == LINK  # nothing observed: the prior
+    auto.observe_link([0.205] * 4, [SLICE] * 4)  # the prior's 0.105 s op: 5 ms + 0.2 s of bytes
+    got = auto.learned_link(LINK)
+    assert got.bandwidth_bytes_s == pytest.approx(SLICE_BW / 2)
+    assert (got.op_overhead_s, got.rtt_s) == (LINK.op_overhead_s, LINK.rtt_s)
+    assert got.op_overhead_s + SLICE / got.bandwidth_bytes_s == pytest.approx(0.205)
+    # a spike, a short op and one under the overhead (free bytes) move the median a rank each
+    auto.observe_link([1.005, 0.105, 0.001], [SLICE] * 3)
+    assert auto.learned_link(LINK).bandwidth_bytes_s == pytest.approx(SLICE_BW / 2)
+    # ignored: lengths that differ (a slice not done), an op with no bytes or no time
+    auto.observe_link([9.0], [SLICE, SLICE])
+    auto.observe_link([9.0, 0.0], [0, SLICE])
+    assert len(auto.link_s_per_byte) == 7
+    for _ in range(LINK_WINDOW):  # the window forgets: now 0.3 s of bytes
+        auto.observe_link([0.305], [SLICE])
+    assert auto.learned_link(LINK).bandwidth_bytes_s == pytest.approx(SLICE_BW / 3)
+    fast = AutoPipelining(LINK, BYTES_PER_TOKEN)
+    fast.observe_link([0.001], [SLICE])  # no bytes time at all: the prior stands
+    assert fast.learned_link(LINK) == LINK
+    AutoPipelining(None, 1).observe_link([1.0], [SLICE])  # no link: nothing to learn
+
+
+def test_a_learned_link_bandwidth_flips_the_slice_size() -> None:
+    # ops of 0.5 s + 0.1 s per 512 tokens outrun 512-token steps of 0.512 s: a slice a step
+    # queues (2.912 s), two 2-step slices land at 2.748 s (more than 5% sooner)
+    link = TransportSpec(bandwidth_bytes_s=SLICE_BW, op_overhead_s=0.5)
+    auto = AutoPipelining(link, BYTES_PER_TOKEN)
+    for mode in (True, False) * EXPLORE:
+        assert auto.choose(2048, 0, 512) == Choice(mode)
+        auto.observe(mode, 2048, 2.048)
+    assert auto.choose(2048, 0, 512) == Choice(True, 2)
+    one = PrefillSpec(token_s=1e-3, slice_tokens=512)
+    two = dataclasses.replace(one, slice_tokens=1024)
+    assert alone_ttft_s(one, link, BYTES_PER_TOKEN, 2048) == pytest.approx(2.912)
+    assert alone_ttft_s(two, link, BYTES_PER_TOKEN, 2048) == pytest.approx(2.748)
+    # the worker's slices took 0.51 s: bytes 10x faster, 0.51 s ops under the 0.512 s steps
+    auto.observe_link([0.51] * 4, [SLICE] * 4)
+    assert auto.choose(2048, 0, 512) == Choice(True, 1)
+    learned = auto.learned_link(link)
+    assert alone_ttft_s(one, learned, BYTES_PER_TOKEN, 2048) == pytest.approx(2.558)
+    assert alone_ttft_s(two, learned, BYTES_PER_TOKEN, 2048) == pytest.approx(2.568)
+    # later slices at the prior's cost: once they are the median, 2-step slices again
+    auto.observe_link([0.6] * 5, [SLICE] * 5)
+    assert auto.choose(2048, 0, 512) == Choice(True, 2)

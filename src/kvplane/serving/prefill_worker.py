@@ -423,8 +423,12 @@ class PrefillWorker(Worker):
             return
         book.forget(self._requests, self._by_session, req)
         if req.outcome is SessionState.SUCCESS and req.failed_at is None:
-            times = request_times(self.timeline.events(rid))
+            evs = self.timeline.events(rid)
+            times = request_times(evs)
             self.rmetrics.overlap.observe(times.overlap_ratio)
+            if self.auto is not None:  # the link's own cost, for --pipelining auto
+                done = sorted((e.t, e.nbytes) for e in evs if e.mark == Mark.SLICE_DONE.value)
+                self.auto.observe_link(times.slice_busy_s, [n for _, n in done])
             if req.prefill_end is not None and req.finished_at is not None:
                 self.rmetrics.tail.observe(max(0.0, req.finished_at - req.prefill_end))
 
