@@ -9,7 +9,14 @@ import pytest
 
 from kvplane.errors import InvalidArgumentError
 from kvplane.serving.decode_worker import DecodeWorker
-from kvplane.serving.messages import Ack, DecodeOrder, ErrorReply, PrefillOrder, RequestResult
+from kvplane.serving.messages import (
+    Ack,
+    DecodeOrder,
+    ErrorReply,
+    PrefillOrder,
+    RequestResult,
+    SenderPiece,
+)
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.producers.base import PoolTensor, ProduceStep, StepOutput
 from kvplane.serving.producers.synthetic import SyntheticDecoder, SyntheticProducer
@@ -88,3 +95,43 @@ def test_a_failed_step_is_never_cut_into_a_slice() -> None:
         counters = check_balanced(r)["prefill"].counters
     assert counters["worker_step_errors"] == 1
     assert counters.get("worker_slices_after_session_end", 0) == 0
+
+
+def _share(c: Cluster, tp_rank: int = 0) -> SenderPiece:
+    kv = c.prefill.pools.kv.layout
+    return SenderPiece(
+        peer="prefill", stage=0, tp_rank=tp_rank, heads=kv.head_range, layers=kv.layer_ids,
+        lead=True,
+    )  # fmt: skip
+
+
+def test_a_share_covering_every_cell_moves_the_whole_kv_as_the_member() -> None:
+    with cluster() as c:
+        tokens = tuple(range(50))
+        fut = c.router.decode[0].client.call_async(
+            DecodeOrder(request_id="x", session_id="sx/0.0", prefill_peer="prefill",
+                        token_ids=tokens)
+        )  # fmt: skip
+        order = PrefillOrder(
+            request_id="x", session_id="sx/0.0", decode_peer="decode", token_ids=tokens,
+            share=_share(c),
+        )  # fmt: skip
+        assert c.router.prefill[0].client.call(order) == Ack(detail="accepted")
+        res = fut.result(timeout=20)
+        assert isinstance(res, RequestResult) and (res.state, res.mismatches) == ("success", 0)
+        check_balanced(c.router)
+
+
+def test_a_share_of_another_rank_is_refused_before_anything_opens() -> None:
+    with cluster() as c:
+        order = PrefillOrder(
+            request_id="x", session_id="sx/0.1", decode_peer="decode", token_ids=(1, 2, 3),
+            share=_share(c, tp_rank=1),
+        )  # fmt: skip
+        got = c.router.prefill[0].client.call(order)
+        assert got == ErrorReply(
+            reason="share of prefill (stage, TP rank) (0, 1) sent to prefill at (0, 0)"
+        )
+        assert "x" not in c.prefill._requests  # type: ignore[attr-defined]
+        assert "sx/0.1" not in c.prefill.participant.sessions
+        check_balanced(c.router)

@@ -41,6 +41,7 @@ from kvplane.pd.events import (
     StartTransfer,
     SubmitSlice,
 )
+from kvplane.pd.gather import GatherSession
 from kvplane.pd.greeter import Greeter, Link
 from kvplane.pd.log_budget import LogBudget
 from kvplane.pd.participant import Participant
@@ -235,17 +236,19 @@ class Endpoint:
     def open_gather(
         self, session_id: SessionId, members: Mapping[PeerId, Piece], start: StartTransfer,
         *, heads: tuple[int, int], layers: tuple[int, ...],
-    ) -> None:  # fmt: skip
-        """Open a gather session fed by the senders of ``members``
-        (:meth:`Participant.open_gather`; its ``ProtocolError`` is raised here)."""
+    ) -> GatherSession:  # fmt: skip
+        """Open a gather session fed by the senders of ``members`` and return it
+        (:meth:`Participant.open_gather`; its ``ProtocolError`` is raised here). The PD loop
+        owns it: read it from another thread only after every member's ``Finished``."""
 
-        def run() -> None:
-            _, actions = self.participant.open_gather(
+        def run() -> GatherSession:
+            gather, actions = self.participant.open_gather(
                 session_id, members, start, self.clock(), heads=heads, layers=layers
             )
             self._dispatch(actions)
+            return gather
 
-        self.call(run)
+        return self.call(run)
 
     def gather_state(self, session_id: SessionId) -> SessionState | None:
         """The state of gather ``session_id`` while any of its members is live, else None."""

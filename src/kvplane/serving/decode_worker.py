@@ -27,6 +27,8 @@ from kvplane.pd.states import Role, SessionState
 from kvplane.pipeline.timeline import Mark
 from kvplane.serving import worker_requests as book
 from kvplane.serving.dials import Dials
+from kvplane.serving.gather_orders import member_id, members
+from kvplane.serving.gather_wait import GatherWait
 from kvplane.serving.messages import (
     NOT_CONNECTED,
     Ack,
@@ -65,6 +67,7 @@ class _Decode:
     outcome: SessionState | None = None
     replied: bool = False
     failed_at: float | None = None
+    gather: GatherWait | None = None
 
 
 class DecodeWorker(Worker):
@@ -145,9 +148,14 @@ class DecodeWorker(Worker):
             )
             need = -(-(n + max(order.max_new_tokens - 1, 0)) // bs)
         book.check_fits(rid, need, self.config.num_blocks)
-        peer = PeerId(order.prefill_peer)
-        if not self.endpoint.call(lambda: self.participant.peers.is_live(peer)):
-            raise ProtocolError(f"prefill peer {order.prefill_peer!r} {NOT_CONNECTED}")
+        names = [order.prefill_peer, *(s.peer for s in order.senders)]
+        live = self.endpoint.call(
+            lambda: [self.participant.peers.is_live(PeerId(n)) for n in names]
+        )
+        for name in (n for n, ok in zip(names, live, strict=True) if not ok):
+            raise ProtocolError(f"prefill peer {name!r} {NOT_CONNECTED}")
+        for mid in (member_id(order.session_id, s) for s in order.senders):
+            book.check_new(self._requests, self._by_session, rid, SessionId(mid))
         req = _Decode(
             order,
             reply,
@@ -157,6 +165,8 @@ class DecodeWorker(Worker):
         )
         self._requests[rid] = req
         self._by_session[req.sid] = req
+        for mid in (member_id(order.session_id, s) for s in order.senders):
+            self._by_session[SessionId(mid)] = req  # the actions name members
         self.timeline.record(Mark.ORDER, rid)
         self._waiting.append(req)
         self._admit_waiting()
@@ -169,8 +179,9 @@ class DecodeWorker(Worker):
         if not req.opened:
             req.cancelled = reason
             self._end(req, SessionState.ABORTED, reason)
-            with contextlib.suppress(ProtocolError):  # peer gone: its sessions end anyway
-                self.endpoint.abandon(req.sid, req.peer, reason)  # the prefill frees it now
+            for wire_id, peer in self._senders(req):
+                with contextlib.suppress(ProtocolError):  # peer gone: its sessions end anyway
+                    self.endpoint.abandon(wire_id, peer, reason)  # the prefill frees it now
             return "cancelled before the transfer started"
         try:
             self.endpoint.send(req.sid, Cancel(reason=reason))
@@ -198,11 +209,30 @@ class DecodeWorker(Worker):
                 num_tokens=len(req.tokens),
             )
             try:
-                self.endpoint.open_receiver(req.sid, req.peer, start)
+                self._open(req, start)
             except ProtocolError as exc:  # peer lost or session id reused: fail, free at once
                 self._end(req, SessionState.FAILED, str(exc))
                 continue
             req.opened = True
+
+    def _senders(self, req: _Decode) -> list[tuple[SessionId, PeerId]]:
+        """Each sender's wire session id and peer (the members of a gathered request)."""
+        if not req.order.senders:
+            return [(req.sid, req.peer)]
+        sid = req.order.session_id
+        return [(SessionId(member_id(sid, s)), PeerId(s.peer)) for s in req.order.senders]
+
+    def _open(self, req: _Decode, start: StartTransfer) -> None:
+        """Open the receiver session, or the gather of several senders over our KV pool's
+        heads × layers (``ProtocolError`` as the endpoint's, nothing opened)."""
+        if not req.order.senders:
+            self.endpoint.open_receiver(req.sid, req.peer, start)
+            return
+        kv = self.pools.kv.layout
+        gather = self.endpoint.open_gather(
+            req.sid, members(req.order.senders), start, heads=kv.head_range, layers=kv.layer_ids
+        )
+        req.gather = GatherWait(gather)
 
     # -- protocol actions --------------------------------------------------------------------------
     def _on_pd(self, act: object) -> None:
@@ -210,13 +240,19 @@ class DecodeWorker(Worker):
             req = self._by_session.get(act.session_id)
             if req is None:
                 self.counters["release_unknown_session"] += 1
+            elif req.gather is not None:
+                req.gather.release(act.session_id, act.state)
+                self._gather_over(req)
             elif act.state is SessionState.SUCCESS:
                 self._deliver(req)
             else:
                 self._release(req)
         elif isinstance(act, Finished) and act.role is Role.RECEIVER:
-            self.rmetrics.finished(act.state.value, act.reason)
             req = self._by_session.get(act.session_id)
+            if req is not None and req.gather is not None:
+                self._member_finished(req, act)
+                return
+            self.rmetrics.finished(act.state.value, act.reason)
             if req is None:
                 return
             req.outcome = act.state
@@ -226,6 +262,36 @@ class DecodeWorker(Worker):
                     req.failed_at = time.monotonic()
                 self._answer(req, self._result(req, act.state, act.reason))
             self._maybe_forget(req)
+
+    def _member_finished(self, req: _Decode, act: Finished) -> None:
+        """A member of a gathered request ended: its first failure answers the request; the
+        last member's end decides the rest (:meth:`_gather_over`)."""
+        gather = req.gather
+        if gather is None:  # pragma: no cover - called for gathered requests only
+            return
+        if gather.finish(act.session_id, act.state, act.reason):
+            if req.failed_at is None:
+                req.failed_at = time.monotonic()
+            self._answer(req, self._result(req, act.state, f"{act.session_id}: {act.reason}"))
+        if gather.finished:  # the PD loop retired every member: the gather is ours to read
+            state = gather.gather.state
+            self.rmetrics.finished(state.value, gather.gather.reason)
+            self.timeline.record(Mark.SESSION_END, req.order.request_id, detail=state.value)
+        self._gather_over(req)
+
+    def _gather_over(self, req: _Decode) -> None:
+        """Once every member ended and released: decode from the KV if the gather succeeded,
+        else answer its failure (if not yet) and free the memory; nothing partial is used."""
+        gather = req.gather
+        if gather is None or not gather.done:
+            return
+        state, reason = gather.verdict()
+        req.outcome = state
+        if state is SessionState.SUCCESS:
+            self._deliver(req)
+        else:
+            self._answer(req, self._result(req, state, reason))
+            self._release(req)
 
     def _result(self, req: _Decode, state: SessionState, reason: str) -> RequestResult:
         return RequestResult(
@@ -315,6 +381,9 @@ class DecodeWorker(Worker):
         """Drop the request once it is answered, its memory freed and its session over."""
         if req.replied and req.table is None and req.outcome is not None:
             book.forget(self._requests, self._by_session, req)
+            for sid, _ in self._senders(req) if req.gather is not None else ():
+                if self._by_session.get(sid) is req:
+                    del self._by_session[sid]
 
     def stats(self, *, timeline: bool = False) -> WorkerStats:
         """The base stats plus the model's attention plans and fallbacks, and the PD

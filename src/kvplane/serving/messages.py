@@ -123,20 +123,66 @@ class PairOrder(Message, frozen=True, kw_only=True):
     token_ids: _Tokens
 
 
+class SenderPiece(msgspec.Struct, frozen=True, kw_only=True):
+    """One sender of a request gathered from several prefill ranks: its PD ``peer``, which rank
+    it is (``stage``, ``tp_rank``), the KV ``heads`` (half-open) × ``layers`` it sends, and
+    whether it is the ``lead`` (the one that also sends the whole-only pools). Both sides turn
+    it into a :class:`~kvplane.pipeline.shares.Share` (:mod:`~kvplane.serving.gather_orders`).
+    ``InvalidArgumentError`` for empty heads or layers, or repeated layers."""
+
+    peer: _Id
+    stage: _Count
+    tp_rank: _Count
+    heads: tuple[_Head, _Head]
+    layers: _Layers
+    lead: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.heads[0] < self.heads[1]:
+            raise InvalidArgumentError(f"piece heads must be non-empty, got {self.heads}")
+        if not self.layers or len(set(self.layers)) != len(self.layers):
+            raise InvalidArgumentError(f"piece layers must be distinct, got {self.layers}")
+
+
+_Senders = Annotated[tuple[SenderPiece, ...], msgspec.Meta(max_length=MAX_PEERS)]
+
+
 class PrefillOrder(PairOrder, frozen=True, kw_only=True, tag="prefill_order"):
-    """To a prefill worker: compute ``token_ids`` and send the KV to ``decode_peer``."""
+    """To a prefill worker: compute ``token_ids`` and send the KV to ``decode_peer``.
+
+    ``share``: this worker's piece when it is one of several senders of the request (None: the
+    one sender); ``session_id`` is then the member's wire id ``<request session>/<stage>.<tp>``
+    (:func:`~kvplane.pd.gather.member_session_id`)."""
 
     decode_peer: _Id
     step_size: _Count = 0
     """Tokens per prefill step; 0 means the worker's default."""
+    share: SenderPiece | None = None
 
 
 class DecodeOrder(PairOrder, frozen=True, kw_only=True, tag="decode_order"):
     """To a decode worker: receive the KV of ``token_ids`` from ``prefill_peer`` and decode.
-    Answered with a :class:`RequestResult` when the request ends (any way)."""
+    Answered with a :class:`RequestResult` when the request ends (any way).
+
+    ``senders``: when several prefill ranks feed the request, each one's piece (``prefill_peer``
+    is then the lead's peer); empty: ``prefill_peer`` is the one sender. ``InvalidArgumentError``
+    for a peer or (stage, TP rank) named twice, or not exactly one lead."""
 
     prefill_peer: _Id
     max_new_tokens: _Count = 1
+    senders: _Senders = ()
+
+    def __post_init__(self) -> None:
+        if not self.senders:
+            return
+        peers = [s.peer for s in self.senders]
+        ranks = [(s.stage, s.tp_rank) for s in self.senders]
+        if len(set(peers)) != len(peers) or len(set(ranks)) != len(ranks):
+            raise InvalidArgumentError(f"senders must be distinct peers and ranks, got {ranks}")
+        leads = [s.peer for s in self.senders if s.lead]
+        if leads != [self.prefill_peer]:
+            why = "exactly one sender must lead, and be prefill_peer"
+            raise InvalidArgumentError(f"{why} ({self.prefill_peer}), got leads {leads}")
 
 
 class CancelOrder(Message, frozen=True, kw_only=True, tag="cancel_order"):

@@ -23,9 +23,11 @@ from kvplane.pd.events import Cancel, SubmitSlice
 from kvplane.pd.states import Role, SessionState
 from kvplane.pipeline.driver import SliceDriver
 from kvplane.pipeline.driver_records import SliceSource
+from kvplane.pipeline.shares import Share
 from kvplane.pipeline.slicing import LocalPool, SliceCutter, slice_schedule, step_ranges
 from kvplane.pipeline.timeline import Mark, request_times
 from kvplane.serving import worker_requests as book
+from kvplane.serving.gather_orders import share_for
 from kvplane.serving.kv_publisher import KVEventSettings
 from kvplane.serving.messages import Ack, AnyMessage, CancelOrder, PrefillOrder, WorkerStats
 from kvplane.serving.prefix_offload import Finished as OffloadFinished
@@ -71,6 +73,7 @@ class _Prefill:
     loaded: int = 0
     compute_s: float = 0.0
     computed: int = 0
+    share: Share | None = None
 
     @property
     def computing(self) -> bool:
@@ -175,12 +178,13 @@ class PrefillWorker(Worker):
         if isinstance(self.producer, PromptChecker):
             self.producer.check_prompt(np.asarray(order.token_ids, dtype=np.int64))
         step = order.step_size or self.config.step_size
+        at = self.pools.placement
+        share = None if order.share is None else share_for(order.share, sid, self.config.name, at)
         if not self.endpoint.open_sender(sid, peer):
             self.counters["orders_for_ended_sessions"] += 1
             return "session already ended"
-        req = _Prefill(
-            order, sid, peer, np.asarray(order.token_ids, dtype=np.int64), step_ranges(n, step)
-        )
+        tokens = np.asarray(order.token_ids, dtype=np.int64)
+        req = _Prefill(order, sid, peer, tokens, step_ranges(n, step), share=share)
         self._requests[rid] = req
         self._by_session[sid] = req
         self.timeline.record(Mark.ORDER, rid)
@@ -246,7 +250,9 @@ class PrefillWorker(Worker):
             for lay, r in zip(self.pools.layouts[1:], self.pools.regions[1:], strict=True)
         ]
         with self._sources_lock:
-            self._sources[req.sid] = SliceSource(req.order.request_id, tuple(pools), schedule)
+            self._sources[req.sid] = SliceSource(
+                req.order.request_id, tuple(pools), schedule, share=req.share
+            )
         self.driver.source_ready(req.sid)  # a DestinationKnown that came first can plan now
         self._running.append(req)
 
