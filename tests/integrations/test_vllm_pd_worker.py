@@ -62,13 +62,7 @@ class Engine:
 
     def step(self, compute: Callable[[], None] = lambda: None) -> StepMeta:
         """One engine step: the scheduler's instructions, the forward, the worker's report."""
-        pd = self.sched.build()
-        meta = StepMeta(
-            sends=tuple(pd.sends),
-            recvs=tuple(pd.recvs),
-            ends=tuple(pd.ends),
-            pd_delayed=tuple(pd.delayed),
-        )
+        meta = self.sched.build().into(StepMeta())
         self.worker.begin_step(meta)
         compute()
         self.worker.after_forward(meta)

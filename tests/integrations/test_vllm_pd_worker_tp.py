@@ -78,13 +78,7 @@ class Engine:
 
     def step(self, compute: Callable[[], None] = lambda: None) -> StepMeta:
         """One step: the same instructions to every rank, the ranks' reports merged."""
-        pd = self.sched.build()
-        meta = StepMeta(
-            sends=tuple(pd.sends),
-            recvs=tuple(pd.recvs),
-            ends=tuple(pd.ends),
-            pd_delayed=tuple(pd.delayed),
-        )
+        meta = self.sched.build().into(StepMeta())
         for w in self.live():
             w.begin_step(meta)
         compute()

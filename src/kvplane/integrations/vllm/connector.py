@@ -279,14 +279,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         step = self._sched().build_step(scheduled, preempted)
         if self.pd_scheduler is not None:
             self.pd_scheduler.preempted(preempted)
-            pd_step = self.pd_scheduler.build()
-            step = dataclasses.replace(
-                step,
-                sends=tuple(pd_step.sends),
-                recvs=tuple(pd_step.recvs),
-                ends=tuple(pd_step.ends),
-                pd_delayed=tuple(pd_step.delayed),
-            )
+            step = self.pd_scheduler.build().into(step)
         if not scheduler_output.total_num_scheduled_tokens:
             step = dataclasses.replace(step, idle=True)
         return KVPlaneStepMetadata(step)

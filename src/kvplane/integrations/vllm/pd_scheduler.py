@@ -11,12 +11,13 @@ import. See docs/vllm.md ("PD").
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvplane.errors import UnsupportedError
-from kvplane.integrations.vllm.messages import EndOp, PDResult, RecvOp, SendOp
+from kvplane.integrations.vllm.messages import EndOp, PDResult, RecvOp, SendOp, StepMeta
 from kvplane.integrations.vllm.pd_params import (
     RecvParams,
     SendParams,
@@ -67,6 +68,16 @@ class PDStep:
     recvs: list[RecvOp] = field(default_factory=list)
     ends: list[EndOp] = field(default_factory=list)
     delayed: list[str] = field(default_factory=list)
+
+    def into(self, step: StepMeta) -> StepMeta:
+        """``step`` with this PD part as its ``sends``, ``recvs``, ``ends`` and ``pd_delayed``."""
+        return dataclasses.replace(
+            step,
+            sends=tuple(self.sends),
+            recvs=tuple(self.recvs),
+            ends=tuple(self.ends),
+            pd_delayed=tuple(self.delayed),
+        )
 
 
 class PDScheduler:
