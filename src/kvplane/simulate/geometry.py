@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvplane.errors import ConfigError, KVPlaneError
+from kvplane.errors import ConfigError, KVPlaneError, LayoutError
 from kvplane.layout import KVLayout, dtype_from_name
+from kvplane.transfer.resharding import tp_head_range
 from kvplane.validators import require_int
 
 
@@ -42,11 +43,13 @@ def _layout_bytes(layout: KVLayout) -> int:
 
 def gqa_geometry(layers: int, kv_heads: int, head_dim: int, dtype: str, tp: int) -> KVGeometry:
     """K and V of ``kv_heads`` heads; ``ConfigError`` unless ``tp`` divides the heads or the
-    heads divide ``tp`` (how engines shard them)."""
-    if kv_heads % tp and tp % kv_heads:
+    heads divide ``tp`` (how engines shard them: :func:`.resharding.tp_head_range`)."""
+    try:
+        heads = tp_head_range(kv_heads, tp, 0)
+    except LayoutError:
         raise ConfigError(
             f"[model] kv_heads {kv_heads} and [cluster] tp {tp}: one must divide the other"
-        )
+        ) from None
     try:
         full = KVLayout.gqa(
             num_blocks=1, block_size=1, num_layers=layers, kv_heads=kv_heads, head_dim=head_dim,
@@ -54,7 +57,7 @@ def gqa_geometry(layers: int, kv_heads: int, head_dim: int, dtype: str, tp: int)
         )  # fmt: skip
         rank = KVLayout.gqa(
             num_blocks=1, block_size=1, num_layers=layers, kv_heads=kv_heads, head_dim=head_dim,
-            dtype=dtype_from_name(dtype), head_range=(0, max(1, kv_heads // tp)),
+            dtype=dtype_from_name(dtype), head_range=heads,
         )  # fmt: skip
     except KVPlaneError as exc:
         raise ConfigError(f"[model]: {exc}") from None
