@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvplane.attention import GQAQuery, default_registry, gqa_problem
-from kvplane.errors import CheckpointError, InvalidArgumentError
+from kvplane.errors import CheckpointError, InvalidArgumentError, LayoutError
 from kvplane.models import (
     TINY_HYBRID,
     TINY_SWA,
@@ -138,3 +138,31 @@ def test_window_is_a_capability_only_backends_that_declare_it_take() -> None:
         gqa_problem(q, kv.gqa(0), batch.metadata, sm_scale=1.0, causal=False, window=16)
     with pytest.raises(InvalidArgumentError, match="window"):
         gqa_problem(q, kv.gqa(0), batch.metadata, sm_scale=1.0, causal=True, window=0)
+
+
+def test_state_over_a_foreign_pool_takes_views_and_resumes() -> None:
+    """A worker's state pool (another owner's tensor of :meth:`state_layout`) is used in place;
+    ``resume`` declares what a slot holds, so a step continues from state written there."""
+    model = load_model(TINY_HYBRID)
+    assert isinstance(model, BambaModel)
+    tokens = list(range(5, 45))
+    ref = _run(model, tokens, [32, 8])
+    layout = model.state_layout(4)
+    pool = layout.allocate()
+    state = model.new_state(4, pool)
+    assert state.pool is pool and state.layout == layout
+    src = _run(model, tokens, [32]).state
+    state.restore(2, src.snapshot(0))
+    state.num_tokens[2] = 0  # forgotten: only the bytes are there
+    kv = _run(model, tokens, [32])
+    kv.state = state
+    with pytest.raises(InvalidArgumentError, match="holds the state after 0 tokens"):
+        _step(model, kv, tokens[:40], 32, slot=2)
+    state.resume(2, 32)
+    _step(model, kv, tokens[:40], 32, slot=2)
+    assert torch.equal(layout.state_view(pool, 0)[2], ref.state.snapshot(0).rows[0])
+    assert torch.equal(state.snapshot(2).rows, ref.state.snapshot(0).rows)
+    with pytest.raises(InvalidArgumentError, match="outside the 4 slots"):
+        state.resume(4, 1)
+    with pytest.raises(LayoutError, match="does not match layout"):
+        model.new_state(3, pool)

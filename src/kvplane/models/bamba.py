@@ -22,7 +22,7 @@ from kvplane.models.decoder import DecoderOptions, PagedDecoder, StepAttention
 from kvplane.models.kv import PagedKVCache
 from kvplane.models.layers import Linear, RMSNorm, SwiGLU, load_trunk
 from kvplane.models.mamba import MambaMixer
-from kvplane.models.recurrent import HybridKVCache, RecurrentState
+from kvplane.models.recurrent import HybridKVCache, RecurrentState, state_layout
 from kvplane.models.rope import RopeStyle, apply_rope, rope_tables
 from kvplane.models.step import StepBatch
 from kvplane.models.weights import TensorSource
@@ -100,10 +100,17 @@ class BambaModel(PagedDecoder):
             kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype, order=order,
         )  # fmt: skip
 
-    def new_state(self, num_slots: int = DEFAULT_STATE_SLOTS) -> RecurrentState:
-        """A zeroed recurrent-state pool of ``num_slots`` request rows on the model's device."""
+    def state_layout(self, num_slots: int) -> KVLayout:
+        """The STATE layout of ``num_slots`` request rows (one row per Mamba layer)."""
+        return state_layout(self.bamba.mamba, self.bamba.mamba_layers, num_slots)
+
+    def new_state(
+        self, num_slots: int = DEFAULT_STATE_SLOTS, pool: torch.Tensor | None = None
+    ) -> RecurrentState:
+        """The recurrent state of ``num_slots`` request rows: zeroed on the model's device, or
+        views of ``pool`` (a tensor of :meth:`state_layout`, e.g. a worker's state pool)."""
         c = self.bamba
-        return RecurrentState(c.mamba, c.mamba_layers, num_slots, self.device)
+        return RecurrentState(c.mamba, c.mamba_layers, num_slots, self.device, pool)
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         layout = self.kv_layout(num_blocks, block_size)

@@ -27,8 +27,22 @@ class StateSnapshot:
     num_tokens: int
 
 
+def state_layout(shape: MambaShape, layer_ids: tuple[int, ...], num_slots: int) -> KVLayout:
+    """The STATE layout of ``num_slots`` requests of the Mamba layers ``layer_ids`` (float32
+    rows of ``conv_dim * (K - 1) + H * P * N`` elements; see the module docstring)."""
+    conv = shape.conv_dim * (shape.conv_kernel - 1)
+    return KVLayout.state(
+        num_slots=num_slots,
+        layer_ids=layer_ids,
+        state_dim=conv + shape.inner * shape.state_size,
+        dtype=torch.float32,
+    )
+
+
 class RecurrentState:
-    """The STATE pool of ``num_slots`` requests; see the module docstring."""
+    """The STATE pool of ``num_slots`` requests; see the module docstring. ``pool`` (default: a
+    new zeroed one on ``device``) may belong to someone else (a worker's transport-registered
+    state pool): this class only takes views of it."""
 
     def __init__(
         self,
@@ -36,15 +50,16 @@ class RecurrentState:
         layer_ids: tuple[int, ...],
         num_slots: int,
         device: torch.device | str = "cpu",
+        pool: torch.Tensor | None = None,
     ) -> None:
         self.shape = shape
         self.conv_width = shape.conv_kernel - 1
         self.conv_size = shape.conv_dim * self.conv_width
-        state_dim = self.conv_size + shape.inner * shape.state_size
-        self.layout = KVLayout.state(
-            num_slots=num_slots, layer_ids=layer_ids, state_dim=state_dim, dtype=torch.float32
-        )
-        self.pool = self.layout.allocate(device)
+        self.layout = state_layout(shape, layer_ids, num_slots)
+        if pool is None:
+            pool = self.layout.allocate(device)
+        self.layout.check_pool(pool)
+        self.pool = pool
         self.num_tokens = [0] * num_slots
 
     @property
@@ -94,6 +109,18 @@ class RecurrentState:
         for k, layer in enumerate(self.layout.layer_ids):
             self.layout.state_view(self.pool, layer)[slot].copy_(snap.rows[k])
         self.num_tokens[slot] = snap.num_tokens
+
+    def resume(self, slot: int, num_tokens: int) -> None:
+        """Declare that ``slot`` holds the state after ``num_tokens`` tokens, written there by
+        someone else (received over PD, restored from a prefix snapshot); the caller vouches
+        for it. ``InvalidArgumentError`` for a slot outside the pool or a negative count."""
+        if not 0 <= slot < self.num_slots:
+            raise InvalidArgumentError(
+                f"state slot {slot} is outside the {self.num_slots} slots of the state pool"
+            )
+        if num_tokens < 0:
+            raise InvalidArgumentError(f"a state holds >= 0 tokens, got {num_tokens}")
+        self.num_tokens[slot] = num_tokens
 
 
 class HybridKVCache(PagedKVCache):

@@ -109,7 +109,9 @@ class PrefillWorker(Worker):
         self.offload: PrefixOffload | None = None
         if offload is not None:
             kv = self.pools.kv
-            self.offload = PrefixOffload(offload, kv, self.pools.blocks, metrics=self.metrics)
+            self.offload = PrefixOffload(
+                offload, kv, self.pools.blocks, state=self.pools.state, metrics=self.metrics
+            )
         self.auto: AutoPipelining | None = None
         if config.auto_pipelining:
             layout = self.pools.kv.layout
@@ -218,7 +220,7 @@ class PrefillWorker(Worker):
                 return
             self._waiting.popleft()
             if self.offload is not None:
-                load = self.offload.begin_load(RequestId(req.order.request_id), got[0])
+                load = self.offload.begin_load(RequestId(req.order.request_id), *got)
                 if load is not None:
                     req.loading = True
                     self.timeline.record(
@@ -366,6 +368,8 @@ class PrefillWorker(Worker):
             self._cancel(RequestId(rid), f"prefill step failed: {exc}"[:4000])
             return False
         req.next_step += 1
+        if self.offload is not None:  # a hybrid's state at a chunk boundary, kept for reuse
+            self.offload.keep_state(table, req.slot, rng.end)
         if is_last:
             if out.first_token is None or req.slot is None:
                 raise InvalidArgumentError(f"producer gave no first token for request {rid!r}")

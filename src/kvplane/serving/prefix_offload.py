@@ -1,14 +1,14 @@
 """Prefix offload for a prefill worker: finished prompts' chunks go device -> host -> disk, and a
 new prompt's cached prefix comes back from the tiers instead of being computed.
 
-Chunk keys are the request's own block hashes at chunk ends (:meth:`ChunkSpec.chunk_keys` over
-:attr:`BlockTable.block_hashes`, hashed once by the worker's one hasher), so nothing here hashes
-tokens. :meth:`PrefixOffload.begin_load` loads the leading run of hits (never the chunk holding
-the last token, whose logits give the first token) into the request's blocks, which the caller
-leaves untouched until :class:`LoadFinished`; :meth:`PrefixOffload.store` stores every full
-chunk after the last prefill step (only the leading chunks that fit when the prompt has more
-than the host tier has slots: the rest are counted and logged once). Not thread-safe: the
-worker loop owns it.
+Chunk keys are the request's own block hashes at chunk ends (:meth:`ChunkSpec.chunk_keys`), so
+nothing here hashes tokens. :meth:`PrefixOffload.begin_load` loads the leading run of hits
+(never the chunk holding the last token) into the request's blocks, untouched by the caller until
+:class:`LoadFinished`; :meth:`PrefixOffload.store` stores every full chunk after the last step
+(only the leading ones that fit the host tier: the rest are counted and logged once). With a
+state pool (a hybrid model) a prefix also needs its recurrent state (:mod:`kvplane.serving.
+prefix_state`: kept at chunk boundaries, restored with the KV; a hit without it is a miss). Not
+thread-safe: the worker loop owns it. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from kvplane.ids import ChunkKey, JobId, RequestId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload import LoadDone, OffloadConfig, StoreDone, TierCascade, build_cascade
 from kvplane.offload.chunk_cost import TunedChunks
+from kvplane.serving.prefix_state import PrefixState
 from kvplane.serving.producers.base import PoolTensor
 from kvplane.validators import require_int
 
@@ -98,6 +99,16 @@ class StoreFinished:
 Finished = LoadFinished | StoreFinished
 
 
+@dataclass(frozen=True, slots=True)
+class _Load:
+    """A load in flight: whose, from which tiers, the request's chunk keys and state slot."""
+
+    request_id: RequestId
+    sources: tuple[str, ...]
+    keys: tuple[ChunkKey, ...]
+    state_slot: int | None
+
+
 class PrefixOffload:
     """One prefill pool's prefix offload (see the module docstring)."""
 
@@ -107,8 +118,10 @@ class PrefixOffload:
         kv: PoolTensor,
         block_pool: BlockPool,
         *,
+        state: PoolTensor | None = None,
         metrics: MetricsRegistry | None = None,
     ) -> None:
+        """``state``: the worker's whole-only state pool, if its model has recurrent state."""
         bpc, offload = settings.resolved(kv.layout.bytes_per_block)
         self.spec = ChunkSpec(kv.layout.block_size, bpc)
         self.host_slots = offload.host_slots
@@ -122,10 +135,17 @@ class PrefixOffload:
             block_pool=block_pool,
         )
         self.tiers = ("host", *(tier.name for tier, _m in self.cascade.lower))
+        self.state: PrefixState | None = None
+        if state is not None:
+            try:
+                self.state = PrefixState(state, self.spec.tokens_per_chunk, offload)
+            except BaseException:
+                self.cascade.close()
+                raise
         self.hits: Counter[str] = Counter()
         """Chunks loaded into the device pool, by the tier they came from."""
         self.counts: Counter[str] = Counter()
-        self._loads: dict[int, tuple[RequestId, tuple[str, ...]]] = {}
+        self._loads: dict[int, _Load] = {}
         self._stores: dict[JobId, RequestId] = {}
         registry = metrics if metrics is not None else MetricsRegistry()
         self._m_hits = registry.counter(
@@ -159,24 +179,40 @@ class PrefixOffload:
         return bool(self.cascade.jobs.in_flight)
 
     # -- load and store --------------------------------------------------------------------------
-    def begin_load(self, request_id: RequestId, table: BlockTable) -> LoadStarted | None:
+    def begin_load(
+        self, request_id: RequestId, table: BlockTable, state_slot: int | None = None
+    ) -> LoadStarted | None:
         """Look the chunks of ``table`` (the request's admitted table: its prompt, blocks and
-        block hashes) up and load the leading hits into its blocks. ``None``: nothing to load
-        (compute everything)."""
+        block hashes) up and load the leading hits into its blocks (with a state pool: only
+        chunks whose state is held, restored into ``state_slot`` when the load ends). ``None``:
+        nothing to load (compute everything)."""
         keys = self.chunk_keys(table)
         if not keys:
             return None
         self.counts["lookups"] += 1
         found = self.cascade.lookup(keys)
         loadable = min(found.hit_run, (table.num_tokens - 1) // self.spec.tokens_per_chunk)
+        if self.state is not None:
+            if state_slot is None:
+                raise InvalidArgumentError("a prefix load with a state pool needs the state slot")
+            with_state = self.state.loadable(keys[:loadable])
+            self.counts["chunks_without_state"] += loadable - with_state
+            loadable = with_state
         if loadable == 0:
             return None
         blocks = self._chunk_blocks(table.block_ids, loadable)
         ticket = self.cascade.load(keys, blocks, limit=loadable)  # keys past it: tier context
         if ticket is None:
             return None
-        self._loads[ticket.ticket_id] = (request_id, ticket.sources)
+        self._loads[ticket.ticket_id] = _Load(request_id, ticket.sources, tuple(keys), state_slot)
         return LoadStarted(ticket.ticket_id, len(ticket.keys), ticket.sources)
+
+    def keep_state(self, table: BlockTable, state_slot: int | None, end: int) -> bool:
+        """After a prefill step of ``table``'s request ending at ``end``: keep its state (in
+        ``state_slot``) when ``end`` is a chunk boundary. False without a state pool."""
+        if self.state is None or state_slot is None:
+            return False
+        return self.state.snapshot(self.chunk_keys(table), state_slot, end)
 
     def store(self, request_id: RequestId, table: BlockTable) -> int:
         """Offload the full chunks of ``table`` (its tokens computed) from its blocks; returns
@@ -221,8 +257,10 @@ class PrefixOffload:
         out: list[Finished] = []
         for ev in events:
             if isinstance(ev, LoadDone):
-                rid, sources = self._loads.pop(ev.ticket_id)
-                usable = ev.usable
+                load = self._loads.pop(ev.ticket_id)
+                rid, sources, usable = load.request_id, load.sources, ev.usable
+                if self.state is not None and load.state_slot is not None:
+                    usable = self.state.restore(load.keys, usable, load.state_slot)
                 for tier in sources[:usable]:
                     self.hits[tier] += 1
                     self._m_hits.labels(tier).inc()
@@ -239,13 +277,20 @@ class PrefixOffload:
     def close(self) -> None:
         """Drain in-flight jobs, stop the job threads and close the lower tiers."""
         self.cascade.close()
+        if self.state is not None:
+            self.state.close()
 
     def check_integrity(self) -> None:
-        """The cascade's invariants (no pins, fences or tickets left once idle)."""
+        """The cascade's invariants (no pins, fences or tickets left once idle) and the state
+        store's."""
         self.cascade.check_integrity()
+        if self.state is not None:
+            self.state.check_integrity()
 
     def snapshot(self) -> dict[str, int]:
         """Counters for :class:`~kvplane.serving.messages.WorkerStats`."""
         out = {f"offload_hit_chunks_{t}": int(self.hits.get(t, 0)) for t in self.tiers}
         out.update({f"offload_{k}": int(v) for k, v in self.counts.items()})
+        if self.state is not None:
+            out.update({f"offload_state_{k}": int(v) for k, v in self.state.store.counts.items()})
         return out

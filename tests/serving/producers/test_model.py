@@ -2,9 +2,10 @@
 
 A prefill worker runs the tiny model's chunked prefill and offloads every prompt's chunks to a
 3-chunk host tier over a disk tier; a decode worker continues greedy decoding from the received
-KV. Every request must give exactly ``model.generate``'s tokens; a repeated shared prefix must
-come back from the offload tiers (from host AND disk), and every test ends with the pools, the
-ledgers and the offload slots balanced.
+KV. Every request must give exactly ``model.generate``'s tokens (and, for a transformers Bamba
+checkpoint, ``transformers``' greedy tokens); a repeated shared prefix must come back from the
+offload tiers (from host AND disk; for the hybrid with its recurrent state), and every test ends
+with the pools, the ledgers and the offload slots balanced.
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ import numpy as np
 import pytest
 
 from kvplane.errors import ConfigError, InvalidArgumentError, UnsupportedError
+from kvplane.ids import RequestId, TokenRange
 from kvplane.models import PagedDecoder
 from kvplane.offload import OffloadConfig
+from kvplane.pd.handshake import Placement
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.prefix_offload import PrefixSettings
-from kvplane.serving.producers.model import ModelDecoder, ModelKV, ModelProducer, ModelSpec
+from kvplane.serving.producers.base import PoolTensor, ProduceStep
+from kvplane.serving.producers.model import ModelDecoder, ModelProducer, ModelSpec
+from kvplane.serving.producers.rank import RankProducer
 from kvplane.serving.router.router import Router
 from kvplane.serving.worker_config import WorkerConfig
 from kvplane.testing.cluster import FAST, TEST_SECRET, check_balanced, wait_for
@@ -72,7 +77,7 @@ def model_cluster(name: str, disk: Path, *, host_slots: int = 3) -> ModelCluster
     return ModelCluster(p, d, r, spec.load())
 
 
-@pytest.fixture(params=["tiny-llama", "tiny-deepseek"])
+@pytest.fixture(params=["tiny-llama", "tiny-deepseek", "tiny-hybrid"])
 def mc(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ModelCluster]:
     c = model_cluster(request.param, tmp_path / "disk")
     yield c
@@ -142,8 +147,58 @@ def test_model_spec_and_adapter_refuse_bad_input(tmp_path: Path) -> None:
     assert ModelSpec("tiny-llama", seed=1).identity() != producer.model_id
 
 
-def test_a_model_with_recurrent_state_is_refused_for_serving() -> None:
-    """PD and prefix offload move KV only: a hybrid's Mamba2 state would be left behind."""
+def test_a_hybrid_serves_its_state_from_the_state_pool_and_refuses_ranks() -> None:
+    """tiny-hybrid: the paged pool holds its one attention layer, the state pool its three
+    Mamba2 layers (float32 conv + SSM rows); a step without the state pool, or a TP/PP rank,
+    is refused."""
     spec = ModelSpec("tiny-hybrid")
-    with pytest.raises(UnsupportedError, match="recurrent \\(Mamba2\\) state"):
-        ModelKV.from_spec(spec)
+    producer = ModelProducer.from_spec(spec)
+    assert producer.kv_layout(4, 16).layer_ids == (1,)
+    state = producer.state_layout(3)
+    assert state is not None and state.whole_only
+    assert (state.layer_ids, state.head_dim, state.num_blocks) == ((0, 2, 3), 288 * 3 + 4096, 3)
+    assert ModelProducer.from_spec(ModelSpec("tiny-llama")).state_layout(3) is None
+    kv = PoolTensor(producer.kv_layout(4, 16), producer.kv_layout(4, 16).allocate())
+    step = ProduceStep(RequestId("r"), np.arange(5), (0,), TokenRange(0, 5), True, None)
+    with pytest.raises(UnsupportedError, match="needs the worker's state pool"):
+        producer.produce(step, kv, None)
+    with pytest.raises(UnsupportedError, match="TP/PP prefill ranks of a hybrid"):
+        RankProducer.for_rank(spec, Placement(tp_size=2, tp_rank=1))
+
+
+def test_pd_of_a_transformers_bamba_checkpoint_gives_transformers_tokens(tmp_path: Path) -> None:
+    """A random-init ``BambaForCausalLM`` saved by transformers, served across the workers
+    with prefix offload: exactly ``hf.generate``'s greedy tokens, a shared prefix's second
+    request included (its KV and Mamba2 state loaded, not computed)."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(11)
+    cfg = transformers.BambaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2,
+        mamba_d_conv=4, mamba_chunk_size=16,
+    )  # fmt: skip
+    hf = transformers.BambaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "ckpt")
+    c = model_cluster(str(tmp_path / "ckpt"), tmp_path / "disk")
+    try:
+        rng = np.random.default_rng(1)
+        shared = [int(t) for t in rng.integers(0, 128, 64)]
+        for i, tail in enumerate(([3, 4, 5], [9, 8])):
+            tokens = [*shared, *tail]
+            ids = torch.tensor([tokens])
+            with torch.no_grad():
+                want = hf.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                    do_sample=False, eos_token_id=None, pad_token_id=0,
+                )[0, len(tokens) :].tolist()  # fmt: skip
+            res = c.router.generate(f"h{i}", tokens, max_new_tokens=NEW)
+            assert res.state == "success", res.reason
+            assert list(res.tokens) == want, f"request h{i}"
+            wait_for(lambda: offload_idle(c), what="offload idle")
+        off = c.prefill.offload
+        assert off is not None and dict(off.hits) == {"host": 2}
+        check_balanced(c.router)
+    finally:
+        c.close()

@@ -106,7 +106,10 @@ class KVProducer(KVModel, Protocol):
     def produce(self, step: ProduceStep, kv: PoolTensor, state: PoolTensor | None) -> StepOutput:
         """Write the KV of ``step.tokens`` into ``kv`` (a pool of :meth:`kv_layout`) at
         ``step.block_ids``; on the last step fill ``state`` at ``step.state_slot`` and return the
-        first token. Mutates only those slots."""
+        first token. Mutates only those slots. A recurrent model (a hybrid) keeps the slot's
+        state current after every step (the worker snapshots it at chunk boundaries for prefix
+        offload) and takes, at a step starting at ``s > 0``, the slot as holding the state after
+        ``s`` tokens (its own previous step's, or one restored with a loaded prefix)."""
         ...
 
 

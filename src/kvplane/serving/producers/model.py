@@ -1,8 +1,11 @@
 """Real models behind the PD workers: a ``KVProducer`` and a ``KVDecoder`` over a
 :class:`~kvplane.models.CausalLM`.
 
-Both sides build the model from one :class:`ModelSpec`, so their weights are bit-identical. See
-docs/serving.md.
+Both sides build the model from one :class:`ModelSpec`, so their weights are bit-identical. A
+hybrid model (Bamba: attention + Mamba2) keeps only its attention layers' KV in the paged pool
+and each request's Mamba2 conv + SSM state in the worker's whole-only state pool (one slot per
+request): the prefill leaves the state after the prompt there, the final slice carries it, the
+decoder continues from it. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvplane.models import (
     load_model,
 )
 from kvplane.models.bamba import BambaModel
+from kvplane.models.recurrent import HybridKVCache, RecurrentState
 from kvplane.serving.producers.base import (
     DecodeJob,
     DecodeOutput,
@@ -111,13 +115,9 @@ class ModelKV:
     """The :class:`~kvplane.serving.producers.base.KVModel` face of a model (module docstring)."""
 
     def __init__(self, model: PagedDecoder, model_id: str) -> None:
-        if isinstance(model, BambaModel):  # its Mamba2 state would not travel with the KV
-            raise UnsupportedError(
-                f"model {model_id} has recurrent (Mamba2) state, which PD transfer and prefix "
-                "offload do not move yet: use `kvplane generate` for it"
-            )
         self.model = model
         self._model_id = model_id
+        self._state: RecurrentState | None = None  # a hybrid's views of the worker's state pool
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, metrics: MetricsRegistry | None = None) -> Self:
@@ -139,7 +139,9 @@ class ModelKV:
         return layout
 
     def state_layout(self, num_slots: int) -> KVLayout | None:
-        return None
+        """A hybrid model's recurrent-state pool (:meth:`BambaModel.state_layout`), else None."""
+        model = self.model
+        return model.state_layout(num_slots) if isinstance(model, BambaModel) else None
 
     def check_prompt(self, token_ids: np.ndarray, max_new_tokens: int = 0) -> None:
         ids = np.asarray(token_ids)
@@ -159,10 +161,28 @@ class ModelKV:
                 f"{limit} positions"
             )
 
-    @staticmethod
-    def cache(kv: PoolTensor) -> PagedKVCache:
-        """The worker pool as a model KV cache (a view of the same memory)."""
-        return PagedKVCache(kv.layout, kv.tensor)
+    def cache(
+        self, kv: PoolTensor, state: PoolTensor | None = None, slot: int | None = None,
+        num_tokens: int = 0,
+    ) -> PagedKVCache:  # fmt: skip
+        """The worker pools as the model's KV cache (views of the same memory). A hybrid model
+        also takes ``state`` and declares that its ``slot`` holds the state after
+        ``num_tokens`` tokens (the caller vouches: the request's previous step, a restored
+        prefix or a received final slice left it there); ``UnsupportedError`` without them."""
+        model = self.model
+        if not isinstance(model, BambaModel):
+            return PagedKVCache(kv.layout, kv.tensor)
+        if state is None or slot is None:
+            raise UnsupportedError(
+                f"model {self._model_id} has recurrent (Mamba2) state: a step needs the "
+                "worker's state pool and the request's slot"
+            )
+        rec = self._state
+        if rec is None or rec.pool is not state.tensor:
+            rec = model.new_state(state.layout.num_blocks, state.tensor)
+            self._state = rec
+        rec.resume(slot, num_tokens)
+        return HybridKVCache(kv.layout, rec, kv.tensor)
 
     @property
     def fallback_counts(self) -> tuple[int, int]:
@@ -175,14 +195,18 @@ class ModelProducer(ModelKV):
     """:class:`~kvplane.serving.producers.base.KVProducer`: chunked prefill with the real model."""
 
     def produce(self, step: ProduceStep, kv: PoolTensor, state: PoolTensor | None) -> StepOutput:
-        """Compute ``step.tokens`` into ``kv`` at ``step.block_ids`` (mutates only those slots);
-        the last step returns the greedy first token."""
+        """Compute ``step.tokens`` into ``kv`` at ``step.block_ids`` (mutates only those slots;
+        a hybrid model also advances ``state`` at ``step.state_slot``, which must hold the state
+        after ``step.tokens.start`` tokens); the last step returns the greedy first token."""
         rng = step.tokens
         ids = np.asarray(step.token_ids[rng.start : rng.end], dtype=np.int64)
+        slot = step.state_slot
         batch = StepBatch.build(
-            [StepRequest(ids, rng.start, step.block_ids)], kv.layout.block_size, self.model.device
+            [StepRequest(ids, rng.start, step.block_ids, state_slot=slot or 0)],
+            kv.layout.block_size,
+            self.model.device,
         )
-        logits = self.model.forward_step(batch, self.cache(kv))
+        logits = self.model.forward_step(batch, self.cache(kv, state, slot, rng.start))
         if not step.is_last:
             return StepOutput()
         return StepOutput(first_token=greedy_token(logits)[0])
@@ -209,17 +233,15 @@ class ModelDecoder(ModelKV):
                 f"request {job.request_id!r}: decoding {job.max_new_tokens} tokens needs {more} "
                 f"more blocks; the decode pool has {job.pool.num_free_blocks} free"
             )
-        cache = self.cache(kv)
+        slot = job.state_slot
+        cache = self.cache(kv, state, slot, len(job.token_ids))  # a hybrid: the received state
         with torch.no_grad():
             while len(tokens) < job.max_new_tokens:
                 if not table.append_tokens(job.pool, [tokens[-1]]):  # pragma: no cover - checked
                     raise InvalidArgumentError("the decode pool ran out of blocks while decoding")
-                n = table.num_tokens
-                batch = StepBatch.build(
-                    [StepRequest(np.array([tokens[-1]], dtype=np.int64), n - 1, table.block_ids)],
-                    bs,
-                    self.model.device,
-                )
+                last = np.array([tokens[-1]], dtype=np.int64)
+                req = StepRequest(last, table.num_tokens - 1, table.block_ids, state_slot=slot or 0)
+                batch = StepBatch.build([req], bs, self.model.device)
                 logits = self.model.forward_step(batch, cache)
                 table.mark_computed(job.pool, 1)
                 tokens.append(greedy_token(logits)[0])

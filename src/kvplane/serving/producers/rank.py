@@ -18,6 +18,7 @@ from kvplane.ids import RequestId
 from kvplane.layout import KVLayout
 from kvplane.metrics import MetricsRegistry
 from kvplane.models import PagedDecoder, PagedKVCache
+from kvplane.models.bamba import BambaModel
 from kvplane.pd.handshake import Placement
 from kvplane.serving.producers.base import PoolTensor, ProduceStep, StepOutput
 from kvplane.serving.producers.model import ModelProducer, ModelSpec
@@ -31,6 +32,11 @@ class RankProducer(ModelProducer):
     refused (``UnsupportedError``) before anything is written."""
 
     def __init__(self, model: PagedDecoder, model_id: str, placement: Placement) -> None:
+        if isinstance(model, BambaModel):  # the state is per request, not per head or layer
+            raise UnsupportedError(
+                f"model {model_id} has recurrent (Mamba2) state: TP/PP prefill ranks of a "
+                "hybrid model are not supported (serve it with one prefill process)"
+            )
         super().__init__(model, model_id)
         self.placement = placement
         self._shadow: PagedKVCache | None = None
