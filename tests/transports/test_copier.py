@@ -23,10 +23,9 @@ from kvplane.transports.copier import (
     check_disjoint,
     check_no_cross_overlap,
     coalesce,
+    copy_packed,
     copy_pairs,
     copy_runs,
-    gather,
-    scatter,
     split,
 )
 from kvplane.transports.native_copy import kernel
@@ -92,15 +91,15 @@ def test_equal_runs_back_to_back_and_shuffled(kit, seed, length, shifts, torch_p
         assert torch.equal(dst, expected)
 
 
-def test_gather_then_scatter_round_trips(kit):
+def test_copy_packed_round_trips(kit):
     rng = np.random.default_rng(3)
     s, d = kit.random_batch(rng, SRC, 1 << 16, DST, 1 << 16, max_desc=500, max_run=100)
     src = _bytes(1 << 16, 3)
     packed = torch.zeros(s.total_bytes + 10, dtype=torch.uint8)
-    gather({SRC: src}, s, packed)
+    copy_packed({SRC: src}, s, packed, unpack=False)
     assert torch.equal(packed[: s.total_bytes], src[kit.byte_index(s)])
     dst = torch.zeros(1 << 16, dtype=torch.uint8)
-    scatter({DST: dst}, d, packed[: s.total_bytes])
+    copy_packed({DST: dst}, d, packed[: s.total_bytes], unpack=True)
     assert torch.equal(dst, kit.reference(src, torch.zeros(1 << 16, dtype=torch.uint8), s, d))
 
 

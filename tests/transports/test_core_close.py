@@ -7,7 +7,7 @@ import torch
 
 from kvplane.ids import PeerId
 from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferKind, XferState
-from kvplane.transports.batches import Batch
+from kvplane.transports.batches import Job
 from kvplane.transports.core import TransportCore
 
 
@@ -20,12 +20,9 @@ class _StuckEngine(TransportCore):
     def _connect(self, peer_metadata: bytes) -> Peer:
         return Peer(PeerId(self.agent), self._regions.lengths())
 
-    def _start(
-        self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
-        notify: bytes | None,
-    ) -> None:  # fmt: skip
+    def _start(self, job: Job) -> None:
         if not self.live_started():
-            self._batches.begin(batch)
+            self._batches.begin(job.batch)
 
     def live_started(self) -> bool:
         return any(b.started for b in self._batches.live())

@@ -12,7 +12,6 @@ from kvplane.ids import PeerId, SessionId
 from kvplane.pd.events import (
     Abort,
     AbortAck,
-    Cancel,
     Fail,
     Outcome,
     SliceReady,
@@ -149,13 +148,7 @@ class ReceiverSession(Session):
         self._transmit(self.request)
         self._arm(TimerKind.RETRANSMIT, 0, self.timings.retransmit_s)
 
-    def _on_cancel(self, event: object) -> None:
-        if not self.terminal:
-            self._abandon(Outcome.ABORTED, cast(Cancel, event).reason)
-
-    def _on_fail(self, event: object) -> None:
-        if not self.terminal:
-            self._abandon(Outcome.FAILED, cast(Fail, event).reason)
+    _end_by_command = _abandon
 
     # -- from the sender -------------------------------------------------------------------------
     def _on_slice_ready(self, event: object) -> None:

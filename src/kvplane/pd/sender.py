@@ -15,8 +15,6 @@ from kvplane.pd.actions import DestinationKnown, StartSubmit
 from kvplane.pd.events import (
     Abort,
     AbortAck,
-    Cancel,
-    Fail,
     Outcome,
     SliceFact,
     SliceReady,
@@ -219,13 +217,7 @@ class SenderSession(Session):
         elif req is not None:
             self._start_submit(rec)
 
-    def _on_cancel(self, event: object) -> None:
-        if not self.terminal:
-            self._request(Outcome.ABORTED, cast(Cancel, event).reason)
-
-    def _on_fail(self, event: object) -> None:
-        if not self.terminal:
-            self._request(Outcome.FAILED, cast(Fail, event).reason)
+    _end_by_command = _request
 
     # -- driver evidence -------------------------------------------------------------------------
     def _on_submit_started(self, event: object) -> None:

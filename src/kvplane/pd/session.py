@@ -17,6 +17,7 @@ from kvplane.pd.events import (
     AnyWireEvent,
     Cancel,
     Fail,
+    Outcome,
     SessionEvent,
     StartTransfer,
     SubmitSlice,
@@ -232,6 +233,19 @@ class Session:
     def _doubt_in_flight(self) -> None:
         for unit in self.ledger.units((Ownership.SUBMITTING, Ownership.SUBMITTED)):
             self._step(unit, LedgerStep.DOUBT)
+
+    def _on_cancel(self, event: object) -> None:
+        if not self.terminal:
+            self._end_by_command(Outcome.ABORTED, cast(Cancel, event).reason)
+
+    def _on_fail(self, event: object) -> None:
+        if not self.terminal:
+            self._end_by_command(Outcome.FAILED, cast(Fail, event).reason)
+
+    def _end_by_command(self, outcome: Outcome, reason: str) -> None:
+        """End the session as ``outcome`` on the application's Cancel or Fail, the role's way
+        (a sender requests it, a receiver commits it); never called once terminal."""
+        raise NotImplementedError
 
     def _on_timeout_release(self, event: object) -> None:
         unit = cast(Timeout, event).unit

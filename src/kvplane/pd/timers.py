@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Generic, TypeVar
 
 from kvplane.errors import ConfigError, InvalidArgumentError
@@ -44,16 +44,8 @@ class Timings:
     lease_s: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in (
-            "deadline_s",
-            "verdict_grace_s",
-            "retransmit_s",
-            "drain_s",
-            "in_doubt_s",
-            "heartbeat_s",
-            "lease_s",
-        ):
-            require_finite_positive(f"Timings.{name}", getattr(self, name))
+        for f in fields(self):  # every field is a delay
+            require_finite_positive(f"Timings.{f.name}", getattr(self, f.name))
         if self.lease_s <= self.heartbeat_s:
             raise ConfigError(
                 f"Timings.lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s})"

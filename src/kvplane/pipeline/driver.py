@@ -70,13 +70,11 @@ class SliceDriver:
         max_inflight_ops: int = 8,
     ) -> None:
         self._ep = endpoint
-        self._transport = transport
         self._sources = sources
         self._regions = local_regions
         self._timeout = slice_timeout_s
         self._metrics = metrics
         self._timeline = timeline
-        self._grouping = grouping
         self._watcher = BatchWatcher(transport, self._wake)
         self._executor = PlanExecutor(self._watcher.transport, max_inflight=max_inflight_ops)
         self._poll_s = WATCHED_POLL_S if self._watcher.active else POLL_S

@@ -25,11 +25,13 @@ ROUTERS = ("round-robin", "least-loaded", "prefix-aware")
 ROLES = ("prefill", "decode")
 
 
-def _num(section: str, key: str, value: object, *, positive: bool = False) -> float:
-    what = f"[{section}] {key}"
-    if positive:
-        return require_number(what, value, above=0, error=ConfigError)
-    return require_number(what, value, min=0, error=ConfigError)
+def _floats(spec: object, section: str, *keys: str, positive: bool = False) -> None:
+    """Check the number fields ``keys`` of the frozen ``spec`` in order (finite and >= 0, or
+    > 0 when ``positive``; a ``ConfigError`` names ``[section] key``); store each as a float."""
+    bound = {"above": 0.0} if positive else {"min": 0.0}
+    for key in keys:
+        got = require_number(f"[{section}] {key}", getattr(spec, key), **bound, error=ConfigError)
+        object.__setattr__(spec, key, got)
 
 
 def _choice(what: str, value: object, options: tuple[str, ...]) -> str:
@@ -63,8 +65,7 @@ class PrefillSpec:
     interleave: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("token_s", "pair_s", "step_s", "contention", "setup_s"):
-            object.__setattr__(self, key, _num(self.SECTION, key, getattr(self, key)))
+        _floats(self, self.SECTION, "token_s", "pair_s", "step_s", "contention", "setup_s")
         require_int("[prefill] slice_tokens", self.slice_tokens, min=1, error=ConfigError)
         require_bool("[prefill] pipelined", self.pipelined, error=ConfigError)
         require_bool("[prefill] interleave", self.interleave, error=ConfigError)
@@ -86,8 +87,7 @@ class DecodeSpec:
     serial: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("token_s", "ctx_token_s"):
-            object.__setattr__(self, key, _num(self.SECTION, key, getattr(self, key)))
+        _floats(self, self.SECTION, "token_s", "ctx_token_s")
         require_int("[decode] max_batch", self.max_batch, min=1, error=ConfigError)
         require_size("[decode] kv_capacity_bytes", self.kv_capacity_bytes, error=ConfigError)
         if require_bool("[decode] serial", self.serial, error=ConfigError):
@@ -105,10 +105,8 @@ class TransportSpec:
     op_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        bw = _num(self.SECTION, "bandwidth_bytes_s", self.bandwidth_bytes_s, positive=True)
-        object.__setattr__(self, "bandwidth_bytes_s", bw)
-        for key in ("rtt_s", "op_overhead_s"):
-            object.__setattr__(self, key, _num(self.SECTION, key, getattr(self, key)))
+        _floats(self, self.SECTION, "bandwidth_bytes_s", positive=True)
+        _floats(self, self.SECTION, "rtt_s", "op_overhead_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,11 +126,8 @@ class TierSpec:
     def __post_init__(self) -> None:
         section = f"tiers.{_choice('a tier name', self.name, TIER_ORDER)}"
         require_size(f"[{section}] capacity_bytes", self.capacity_bytes, error=ConfigError)
-        bw = _num(section, "bandwidth_bytes_s", self.bandwidth_bytes_s, positive=True)
-        object.__setattr__(self, "bandwidth_bytes_s", bw)
-        object.__setattr__(
-            self, "op_overhead_s", _num(section, "op_overhead_s", self.op_overhead_s)
-        )
+        _floats(self, section, "bandwidth_bytes_s", positive=True)
+        _floats(self, section, "op_overhead_s")
         chunk = require_int(
             f"[{section}] chunk_tokens", self.chunk_tokens, min=1, error=ConfigError
         )
@@ -159,7 +154,7 @@ class FailureSpec:
     def __post_init__(self) -> None:
         _choice("[[failures]] role", self.role, ROLES)
         require_int("[[failures]] index", self.index, min=0, error=ConfigError)
-        object.__setattr__(self, "at_s", _num(self.SECTION, "at_s", self.at_s))
+        _floats(self, self.SECTION, "at_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +196,7 @@ class ClusterSpec:
         for key in ("prefill_workers", "decode_workers"):
             require_int(f"[cluster] {key}", getattr(self, key), min=1, error=ConfigError)
         _choice("[cluster] router", self.router, ROUTERS)
-        object.__setattr__(self, "lease_s", _num(self.SECTION, "lease_s", self.lease_s))
+        _floats(self, self.SECTION, "lease_s")
         names = [t.name for t in self.tiers]
         if names != sorted(set(names), key=TIER_ORDER.index):
             raise ConfigError(f"tiers must be distinct and in the order {TIER_ORDER}, got {names}")

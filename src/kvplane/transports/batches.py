@@ -16,7 +16,15 @@ from typing import Any
 from kvplane.errors import TransportError
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
-from kvplane.transports.base import FailureKind, Handle, Poll, XferKind, XferState
+from kvplane.transports.base import (
+    DescriptorList,
+    FailureKind,
+    Handle,
+    Peer,
+    Poll,
+    XferKind,
+    XferState,
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +58,21 @@ class Batch:
 
     def poll(self) -> Poll:
         return Poll(self.state, self.bytes_done, self.failure, self.reason, self.ended_at)
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """A checked, pinned batch a transport is asked to start, and what it moves: the one
+    argument of ``TransportCore._start``, which may queue it to its threads as it is."""
+
+    batch: Batch
+    src: DescriptorList
+    dst: DescriptorList
+    peer: Peer
+    notify: bytes | None
+    handed_off: bool = False
+    """Another of the transport's threads now owns the batch's completion and release (a
+    stream transport's receiver, for a READ)."""
 
 
 class BatchTable:

@@ -272,26 +272,19 @@ def packed_offsets(descs: DescriptorList) -> Int64Array:
     return _exclusive_cumsum(descs.lengths)
 
 
-def gather(
-    views: Mapping[RegionId, torch.Tensor], descs: DescriptorList, out: torch.Tensor,
-    workers: CopyWorkers | None = None,
+def copy_packed(
+    views: Mapping[RegionId, torch.Tensor], descs: DescriptorList, flat: torch.Tensor, *,
+    unpack: bool, workers: CopyWorkers | None = None,
 ) -> None:  # fmt: skip
-    """Pack the bytes of ``descs`` back to back into ``out`` (flat uint8, >= total bytes)."""
+    """Move the bytes of ``descs`` between ``views`` and ``flat`` (flat uint8, >= their total
+    bytes) packed back to back: out of the views into ``flat``, or (``unpack``) from ``flat``
+    into the views, which it mutates."""
     packed = packed_offsets(descs)
     for idx in _groups(descs.regions):
         view = views[RegionId(int(descs.regions[int(idx[0])]))]
-        copy_runs(view, descs.offsets[idx], out, packed[idx], descs.lengths[idx], workers=workers)
-
-
-def scatter(
-    views: Mapping[RegionId, torch.Tensor], descs: DescriptorList, data: torch.Tensor,
-    workers: CopyWorkers | None = None,
-) -> None:  # fmt: skip
-    """Unpack back-to-back bytes in ``data`` into ``descs``; mutates the views."""
-    packed = packed_offsets(descs)
-    for idx in _groups(descs.regions):
-        view = views[RegionId(int(descs.regions[int(idx[0])]))]
-        copy_runs(data, packed[idx], view, descs.offsets[idx], descs.lengths[idx], workers=workers)
+        ends = [(view, descs.offsets[idx]), (flat, packed[idx])]
+        (src, src_at), (dst, dst_at) = ends[::-1] if unpack else ends
+        copy_runs(src, src_at, dst, dst_at, descs.lengths[idx], workers=workers)
 
 
 def coalesce(

@@ -32,7 +32,7 @@ from kvplane.transports.base import (
     XferKind,
     XferState,
 )
-from kvplane.transports.batches import Batch, BatchTable
+from kvplane.transports.batches import Batch, BatchTable, Job
 from kvplane.transports.checks import check_batch, vouched
 from kvplane.transports.copier import check_no_cross_overlap
 from kvplane.transports.regions import RegionEntry, RegionTable, byte_view
@@ -103,10 +103,7 @@ class TransportCore:
     def _connect(self, peer_metadata: bytes) -> Peer:
         raise NotImplementedError
 
-    def _start(
-        self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
-        notify: bytes | None,
-    ) -> None:  # fmt: skip
+    def _start(self, job: Job) -> None:
         raise NotImplementedError
 
     def _progress(self, batch: Batch) -> None:
@@ -170,7 +167,7 @@ class TransportCore:
             batch = self._batches.new(known.peer_id, kind, src.total_bytes, float(deadline_s),
                                       pins)  # fmt: skip
         try:
-            self._start(batch, src, dst, known, notify)
+            self._start(Job(batch, src, dst, known, notify))
         except PlanError:
             self._batches.finish(batch, XferState.FAILED, FailureKind.LOCAL_ERROR, "refused")
             self._batches.quiesce(batch)

@@ -19,8 +19,8 @@ import weakref
 from kvplane.errors import TransportError
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
-from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferKind, XferState
-from kvplane.transports.batches import Batch
+from kvplane.transports.base import FailureKind, Peer, XferKind, XferState
+from kvplane.transports.batches import Job
 from kvplane.transports.copier import STAGE_BYTES, copy_pairs
 from kvplane.transports.core import TransportCore
 from kvplane.transports.wire import WIRE_VERSION, Metadata, RegionInfo, decode_metadata, encode
@@ -92,10 +92,8 @@ class LocalTransport(TransportCore):
             raise TransportError(f"no open local transport {meta.agent!r} in this fabric")
         return Peer(target.agent, target._regions.lengths())
 
-    def _start(
-        self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
-        notify: bytes | None,
-    ) -> None:  # fmt: skip
+    def _start(self, job: Job) -> None:
+        batch, src, dst, peer, notify = job.batch, job.src, job.dst, job.peer, job.notify
         target = self if peer.peer_id == self.agent else self._fabric.get(peer.peer_id)
         if target is None or target.closed:
             self._batches.finish(batch, XferState.FAILED, FailureKind.REMOTE_DISCONNECT,

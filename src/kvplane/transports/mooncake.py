@@ -16,22 +16,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvplane.errors import InvalidArgumentError, TransportError, UnsupportedError
+from kvplane.errors import InvalidArgumentError, TransportError
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import (
-    DescriptorList,
     FailureKind,
     Int64Array,
     Peer,
     XferKind,
     XferState,
 )
-from kvplane.transports.batches import Batch
+from kvplane.transports.batches import Job
 from kvplane.transports.copier import coalesce
 from kvplane.transports.core import TransportCore
 from kvplane.transports.pointers import addresses, local_bases, peer_tables, region_infos
 from kvplane.transports.regions import RegionEntry
+from kvplane.transports.registry import engine_missing, import_engine
 from kvplane.transports.wire import WIRE_VERSION, Metadata, decode_metadata, encode
 from kvplane.transports.workers import JobThread
 
@@ -46,11 +46,7 @@ _MAILBOX = 64
 
 def probe() -> str | None:
     """None if the engine can be imported here, else why not and how to install it."""
-    try:
-        from mooncake.engine import TransferEngine  # noqa: F401
-    except Exception as exc:  # ImportError, or libibverbs missing
-        return f"{INSTALL_HINT} ({type(exc).__name__}: {exc})"
-    return None
+    return engine_missing("mooncake.engine", INSTALL_HINT)  # ImportError, or libibverbs missing
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +54,6 @@ class _Remote:
     session: str
     bases: dict[RegionId, int]
     mailbox: int
-
-
-@dataclass(slots=True)
-class _Job:
-    batch: Batch
-    src: DescriptorList
-    dst: DescriptorList
-    notify: bytes | None
-    remote: _Remote
 
 
 def _peer_alive(session: str) -> bool:
@@ -92,16 +79,14 @@ class MooncakeTransport(TransportCore):
         metrics: MetricsRegistry | None = None,
         history: int = 100_000,
     ) -> None:
-        try:
-            from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
-        except Exception as exc:
-            raise UnsupportedError(f"{INSTALL_HINT} ({type(exc).__name__}: {exc})") from None
+        engine = import_engine("mooncake.engine", INSTALL_HINT)
         if not isinstance(host, str) or not host:
             raise InvalidArgumentError(f"host must be a non-empty string, got {host!r}")
         super().__init__(agent=agent, metrics=metrics, history=history)
-        self._notify_cls: Any = TransferNotify
-        self._ops: Any = {XferKind.WRITE: TransferOpcode.Write, XferKind.READ: TransferOpcode.Read}
-        self._engine: Any = TransferEngine()
+        self._notify_cls: Any = engine.TransferNotify
+        ops = engine.TransferOpcode
+        self._ops: Any = {XferKind.WRITE: ops.Write, XferKind.READ: ops.Read}
+        self._engine: Any = engine.TransferEngine()
         if self._engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
             raise TransportError(f"Mooncake engine failed to initialise on {host}")
         self.address = f"{host}:{self._engine.get_rpc_port()}"
@@ -138,13 +123,10 @@ class MooncakeTransport(TransportCore):
         return peer
 
     # -- transfers -----------------------------------------------------------------------------
-    def _start(
-        self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
-        notify: bytes | None,
-    ) -> None:  # fmt: skip
+    def _start(self, job: Job) -> None:
         with self._lock:
-            remote = self._remotes[peer.peer_id]
-        self._worker.put(_Job(batch, src, dst, notify, remote))
+            remote = self._remotes[job.peer.peer_id]
+        self._worker.put((job, remote))
 
     def _call(self, remote: _Remote, kind: XferKind, lists: list[list[int]], notify: Any) -> int:
         rc = int(self._engine.batch_transfer_sync(remote.session, *lists, self._ops[kind], notify))
@@ -154,8 +136,8 @@ class MooncakeTransport(TransportCore):
             )
         return rc
 
-    def _run(self, job: _Job) -> None:
-        batch, remote = job.batch, job.remote
+    def _run(self, job: Job, remote: _Remote) -> None:
+        batch = job.batch
         src, dst = coalesce(job.src, job.dst, min_gain=1.0)  # fewer engine requests
         local, far = (src, dst) if batch.kind is XferKind.WRITE else (dst, src)
         bases = local_bases(self._regions.entries())
@@ -188,13 +170,14 @@ class MooncakeTransport(TransportCore):
         # every engine call returned: unpinned before DONE shows, a caller may deregister then
         self._batches.finish(batch, XferState.DONE, quiescent=True)
 
-    def _work(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
-        """The worker thread: each batch in turn (one that ended while queued, by cancel,
-        deadline or close, is only released)."""
-        while (job := jobs.get()) is not None:
+    def _work(self, jobs: queue.SimpleQueue[tuple[Job, _Remote] | None]) -> None:
+        """The worker thread: each batch in turn, with the peer as it was at submit (one that
+        ended while queued, by cancel, deadline or close, is only released)."""
+        while (item := jobs.get()) is not None:
+            job = item[0]
             if self._batches.begin(job.batch):
                 try:
-                    self._run(job)
+                    self._run(*item)
                 except Exception as exc:  # an engine exception fails this batch, not the worker
                     self._batches.finish(job.batch, XferState.FAILED, FailureKind.BACKEND_ERROR,
                                          repr(exc))  # fmt: skip

@@ -14,13 +14,12 @@ import secrets
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvplane.errors import IncompatiblePeerError, TransportError, UnsupportedError
+from kvplane.errors import IncompatiblePeerError, TransportError
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
 from kvplane.transports import pointers
@@ -32,10 +31,11 @@ from kvplane.transports.base import (
     XferKind,
     XferState,
 )
-from kvplane.transports.batches import Batch
+from kvplane.transports.batches import Batch, Job
 from kvplane.transports.copier import coalesce
 from kvplane.transports.core import TransportCore
 from kvplane.transports.regions import RegionEntry
+from kvplane.transports.registry import engine_missing, import_engine
 from kvplane.transports.wire import WIRE_VERSION, Metadata, decode_metadata, encode
 from kvplane.transports.workers import JobThread
 
@@ -60,12 +60,10 @@ def _logs_to_stderr() -> None:
 
 def probe() -> str | None:
     """None if NIXL can be imported here, else why not and how to install it."""
-    try:
-        from nixl._api import nixl_agent  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken native library
-        return f"{INSTALL_HINT} ({type(exc).__name__}: {exc})"
-    _logs_to_stderr()
-    return None
+    why = engine_missing("nixl._api", INSTALL_HINT)  # ImportError, or a broken native library
+    if why is None:
+        _logs_to_stderr()
+    return why
 
 
 def _failure(exc: BaseException) -> FailureKind:
@@ -123,17 +121,9 @@ def make_agent(api: Any, name: str, backends: Sequence[str]) -> tuple[Any, bool]
     return shell, True
 
 
-@dataclass(slots=True)
-class _Job:
-    batch: Batch
-    src: DescriptorList
-    dst: DescriptorList
-    peer_id: PeerId
-    notify: bytes | None
-    remote_bases: dict[RegionId, int]
-    """The peer's base addresses as the batch was checked against at submit (a later
-    ``connect`` may refresh the peer's table before the poster gets to the batch)."""
-
+_Posted = tuple[Job, dict[RegionId, int]]
+"""A batch for the poster, with the peer's base addresses it was checked against at submit (a
+later ``connect`` may refresh the peer's table before the poster gets to it)."""
 
 CLOSE_RELEASE_S = 5.0
 """How long ``close`` keeps asking NIXL to let go of a request still active."""
@@ -155,10 +145,7 @@ class NixlTransport(TransportCore):
         backends: tuple[str, ...] = ("UCX",),
         history: int = 100_000,
     ) -> None:
-        try:
-            from nixl import _api
-        except Exception as exc:
-            raise UnsupportedError(f"{INSTALL_HINT} ({type(exc).__name__}: {exc})") from None
+        _api = import_engine("nixl._api", INSTALL_HINT)
         _logs_to_stderr()
         super().__init__(agent=agent, metrics=metrics, history=history)
         try:
@@ -207,15 +194,12 @@ class NixlTransport(TransportCore):
         return peer
 
     # -- transfers: the caller's side ----------------------------------------------------------
-    def _start(
-        self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
-        notify: bytes | None,
-    ) -> None:  # fmt: skip
+    def _start(self, job: Job) -> None:
         with self._lock:
-            bases = self._bases.get(peer.peer_id)
+            bases = self._bases.get(job.peer.peer_id)
         if bases is None:
-            raise TransportError(f"no NIXL metadata for peer {peer.peer_id}")
-        self._poster.put(_Job(batch, src, dst, peer.peer_id, notify, bases))
+            raise TransportError(f"no NIXL metadata for peer {job.peer.peer_id}")
+        self._poster.put((job, bases))
 
     def _abort(self, batch: Batch) -> None:
         """Nothing here: the poster sees the batch ended and releases its NIXL request."""
@@ -239,7 +223,7 @@ class NixlTransport(TransportCore):
         return super().notifications()
 
     # -- transfers: the poster thread ----------------------------------------------------------
-    def _post_loop(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
+    def _post_loop(self, jobs: queue.SimpleQueue[_Posted | None]) -> None:
         """The poster thread; ``None`` (queued by ``close``): release what it holds and exit."""
         running: list[Batch] = []
         idle = 0
@@ -252,8 +236,8 @@ class NixlTransport(TransportCore):
                 try:
                     self._post(item, running)
                 except Exception as exc:  # a bug must not stop the poster: fail this batch
-                    if not self._poster_error(item.batch, exc):
-                        running.append(item.batch)
+                    if not self._poster_error(item[0].batch, exc):
+                        running.append(item[0].batch)
             before = len(running)
             running[:] = [b for b in running if not self._advanced(b)]
             idle = 0 if items or len(running) < before else min(idle + 1, 5)
@@ -286,7 +270,9 @@ class NixlTransport(TransportCore):
                 time.sleep(POLL_MAX_S)
 
     @staticmethod
-    def _take(jobs: queue.SimpleQueue[_Job | None], timeout_s: float | None) -> list[_Job | None]:
+    def _take(
+        jobs: queue.SimpleQueue[_Posted | None], timeout_s: float | None
+    ) -> list[_Posted | None]:
         """Every queued item, waiting up to ``timeout_s`` (None: until one comes) for the first."""
         try:
             items = [jobs.get(timeout=timeout_s)]
@@ -298,10 +284,11 @@ class NixlTransport(TransportCore):
             except queue.Empty:
                 return items
 
-    def _post(self, job: _Job, running: list[Batch]) -> None:
+    def _post(self, item: _Posted, running: list[Batch]) -> None:
         """Post one queued batch to NIXL; add it to ``running`` unless it has ended and its
         request is released."""
-        batch = job.batch
+        job, remote_bases = item
+        batch, peer_id = job.batch, job.peer.peer_id
         if not self._batches.begin(batch):  # cancelled, timed out or closed while queued
             self._batches.quiesce(batch)
             return
@@ -310,7 +297,7 @@ class NixlTransport(TransportCore):
         try:
             if not len(job.src):
                 if job.notify is not None:
-                    agent.send_notif(job.peer_id, message)
+                    agent.send_notif(peer_id, message)
                 self._end(batch, "DONE")
                 return
             src, dst = coalesce(job.src, job.dst, min_gain=1.0)  # fewer NIXL descriptors
@@ -318,9 +305,9 @@ class NixlTransport(TransportCore):
             local_d = agent.get_xfer_descs(
                 addresses(pointers.local_bases(self._regions.entries()), local), "DRAM"
             )
-            remote_d = agent.get_xfer_descs(addresses(job.remote_bases, remote), "DRAM")
+            remote_d = agent.get_xfer_descs(addresses(remote_bases, remote), "DRAM")
             op = "WRITE" if batch.kind is XferKind.WRITE else "READ"
-            batch.job = agent.initialize_xfer(op, local_d, remote_d, job.peer_id, message)
+            batch.job = agent.initialize_xfer(op, local_d, remote_d, peer_id, message)
             state = agent.transfer(batch.job)
             self._batches.commit(batch)  # posted: an early end now leaves the bytes in doubt
         except Exception as exc:

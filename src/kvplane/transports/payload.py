@@ -16,7 +16,7 @@ import torch
 from kvplane.ids import RegionId
 from kvplane.transports import vectored
 from kvplane.transports.base import DescriptorList, Int64Array
-from kvplane.transports.copier import gather, scatter
+from kvplane.transports.copier import copy_packed
 from kvplane.transports.wire import recv_exact
 
 DIRECT_MIN = 64 << 10
@@ -160,9 +160,9 @@ def _move(
         elif receive:
             total = piece.total_bytes
             recv_exact(sock, stage[:total])
-            scatter(views, piece, staging[:total])
+            copy_packed(views, piece, staging[:total], unpack=True)
         else:
-            gather(views, piece, staging)
+            copy_packed(views, piece, staging, unpack=False)
             sock.sendall(stage[: piece.total_bytes])
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Iterator, Mapping
+from types import ModuleType
 from typing import Any
 
 from kvplane.errors import ConfigError, UnsupportedError
@@ -60,6 +61,24 @@ def create_transport(name: str, **options: Any) -> Transport:
     except TypeError as exc:
         raise ConfigError(f"bad options for transport {name!r}: {exc}") from None
     return transport
+
+
+def import_engine(module: str, hint: str) -> ModuleType:
+    """An optional engine's ``module``, imported; ``UnsupportedError`` with ``hint`` and the
+    cause when it cannot be (not installed, or its native library is broken)."""
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:
+        raise UnsupportedError(f"{hint} ({type(exc).__name__}: {exc})") from None
+
+
+def engine_missing(module: str, hint: str) -> str | None:
+    """None if :func:`import_engine` of ``module`` succeeds here, else its error's text."""
+    try:
+        import_engine(module, hint)
+    except UnsupportedError as exc:
+        return str(exc)
+    return None
 
 
 def available() -> dict[str, str | None]:

@@ -14,6 +14,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Unpack
 
 import numpy as np
 import torch
@@ -25,23 +26,19 @@ from kvplane.errors import (
     TransportError,
 )
 from kvplane.ids import PeerId, RegionId
-from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import FailureKind, Peer, XferKind, XferState
-from kvplane.transports.bounds import TARGET_STALL_S, ConnectionLimits
+from kvplane.transports.batches import Job
 from kvplane.transports.channel import MAX_FDS, Channel, Link
 from kvplane.transports.copier import copy_pairs
-from kvplane.transports.stream import Job, LinkState, StreamTransport
+from kvplane.transports.stream import LinkState, StreamOptions, StreamTransport
 from kvplane.transports.wire import (
     FLAG_ERROR,
     FLAG_NOTIFY,
-    WIRE_VERSION,
     FrameType,
     Header,
-    Metadata,
     SegmentInfo,
     Welcome,
     decode_metadata,
-    encode,
     pack_header,
 )
 from kvplane.validators import require_size
@@ -137,23 +134,8 @@ class ShmTransport(StreamTransport):
     """The target releases a connection's pins when it sees EOF: a copy into its memory that
     is running when the link fails (our close, a lost receiver) ends before that."""
 
-    def __init__(
-        self,
-        *,
-        secret: bytes | None = None,
-        connect_timeout_s: float = 10.0,
-        agent: str | None = None,
-        metrics: MetricsRegistry | None = None,
-        history: int = 100_000,
-        copy_threads: int | None = None,
-        limits: ConnectionLimits | None = None,
-        target_stall_s: float = TARGET_STALL_S,
-    ) -> None:
-        super().__init__(
-            secret=secret, connect_timeout_s=connect_timeout_s, agent=agent, metrics=metrics,
-            history=history, copy_threads=copy_threads, limits=limits,
-            target_stall_s=target_stall_s,
-        )  # fmt: skip
+    def __init__(self, **options: Unpack[StreamOptions]) -> None:
+        super().__init__(**options)
         self._segments: dict[int, _Segment] = {}
         self._next_segment = 1
         self.address = f"kvplane-shm-{os.getpid()}-{secrets.token_hex(8)}"
@@ -205,10 +187,8 @@ class ShmTransport(StreamTransport):
         infos = [SegmentInfo(i, s.tensor.numel()) for i, s in segs.items()]
         return Welcome(regions, infos, self._idle_ms()), [s.fd for s in segs.values()]
 
-    def metadata(self) -> bytes:
-        self._check_open()
-        return encode(Metadata(WIRE_VERSION, self.name, self.agent, self.address, host_id(),
-                               self._region_infos()))  # fmt: skip
+    def _host(self) -> str:
+        return host_id()
 
     # -- connecting ------------------------------------------------------------------------------
     def _connect(self, peer_metadata: bytes) -> Peer:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypedDict
 
 from kvplane.errors import HandshakeError, InvalidArgumentError, KVPlaneError, TransportError
 from kvplane.ids import PeerId, RegionId
 from kvplane.metrics import MetricsRegistry
-from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferState
-from kvplane.transports.batches import Batch
+from kvplane.transports.base import FailureKind, Peer, XferState
+from kvplane.transports.batches import Job
 from kvplane.transports.bounds import (
     TARGET_STALL_S,
     Admission,
@@ -32,20 +32,21 @@ from kvplane.transports.bounds import (
 from kvplane.transports.channel import Channel, Link, Listener
 from kvplane.transports.core import TransportCore
 from kvplane.transports.handshake import await_first_byte, client_handshake, server_handshake
-from kvplane.transports.wire import Header, RegionInfo, Welcome
+from kvplane.transports.wire import WIRE_VERSION, Header, Metadata, RegionInfo, Welcome, encode
 from kvplane.validators import require_finite_positive
 
 
-@dataclass(slots=True)
-class Job:
-    """One submitted batch waiting for (or running on) a link's sender thread."""
+class StreamOptions(TypedDict, total=False):
+    """The keyword options of every stream transport (:class:`StreamTransport` has them)."""
 
-    batch: Batch
-    src: DescriptorList
-    dst: DescriptorList
-    notify: bytes | None
-    handed_off: bool = False
-    """The receiver thread now owns the batch's completion and release."""
+    secret: bytes | None
+    connect_timeout_s: float
+    agent: str | None
+    metrics: MetricsRegistry | None
+    history: int
+    copy_threads: int | None
+    limits: ConnectionLimits | None
+    target_stall_s: float
 
 
 @dataclass(slots=True)
@@ -62,15 +63,17 @@ class StreamTransport(TransportCore):
     link_drain_s: ClassVar[float] = 0.0
     """How long a failing link lets its running job end before shutting the socket
     (:class:`~kvplane.transports.channel.Link`)."""
+    address: str
+    """Where peers reach our listener (set by the subclass before :meth:`_listen`)."""
 
     def __init__(
         self,
         *,
-        secret: bytes | None,
-        connect_timeout_s: float,
-        agent: str | None,
-        metrics: MetricsRegistry | None,
-        history: int,
+        secret: bytes | None = None,
+        connect_timeout_s: float = 10.0,
+        agent: str | None = None,
+        metrics: MetricsRegistry | None = None,
+        history: int = 100_000,
         copy_threads: int | None = None,
         limits: ConnectionLimits | None = None,
         target_stall_s: float = TARGET_STALL_S,
@@ -114,10 +117,20 @@ class StreamTransport(TransportCore):
     def _welcome(self) -> tuple[Welcome, list[int]]:
         return Welcome(self._region_infos(), idle_ms=self._idle_ms()), []
 
+    def _host(self) -> str:
+        """The host identity our metadata carries for peers to check ("": none)."""
+        return ""
+
     def _serve_target(self, ch: Channel, peer: PeerId) -> None:
         raise NotImplementedError
 
     # -- shared machinery ----------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        self._check_open()
+        regions = self._region_infos()
+        return encode(Metadata(WIRE_VERSION, self.name, self.agent, self.address, self._host(),
+                               regions))  # fmt: skip
+
     def _region_infos(self) -> list[RegionInfo]:
         return [RegionInfo(int(e.region.region_id), e.region.length, 0, *self._location(e.extra))
                 for e in self._regions.entries() if e.exported]  # fmt: skip
@@ -180,15 +193,13 @@ class StreamTransport(TransportCore):
             self._on_link_closed(current)
         return peer, state
 
-    def _start(
-        self, batch: Batch, src: DescriptorList, dst: DescriptorList, peer: Peer,
-        notify: bytes | None,
-    ) -> None:  # fmt: skip
+    def _start(self, job: Job) -> None:
+        batch = job.batch
         with self._lock:
-            state = self._links.get(peer.peer_id)
+            state = self._links.get(job.peer.peer_id)
         link = None if state is None else state.link
         batch.job = link
-        if link is None or not link.put(Job(batch, src, dst, notify)):
+        if link is None or not link.put(job):
             why = "not connected" if link is None else f"connection down: {link.reason}"
             self._batches.finish(batch, XferState.FAILED, FailureKind.REMOTE_DISCONNECT, why)
             self._batches.quiesce(batch)

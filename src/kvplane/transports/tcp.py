@@ -10,6 +10,7 @@ import collections
 import logging
 import socket
 from dataclasses import dataclass, field
+from typing import Unpack
 
 import torch
 
@@ -21,10 +22,8 @@ from kvplane.errors import (
     TransportError,
 )
 from kvplane.ids import PeerId, RegionId
-from kvplane.metrics import MetricsRegistry
 from kvplane.transports.base import DescriptorList, FailureKind, Peer, XferKind, XferState
-from kvplane.transports.batches import Batch
-from kvplane.transports.bounds import TARGET_STALL_S, ConnectionLimits
+from kvplane.transports.batches import Batch, Job
 from kvplane.transports.channel import Channel, Link
 from kvplane.transports.copier import coalesce, split
 from kvplane.transports.payload import (
@@ -36,17 +35,15 @@ from kvplane.transports.payload import (
     staging_buffer,
     sub,
 )
-from kvplane.transports.stream import Job, LinkState, StreamTransport
+from kvplane.transports.stream import LinkState, StreamOptions, StreamTransport
 from kvplane.transports.wire import (
     FLAG_ERROR,
     FLAG_NOTIFY,
-    WIRE_VERSION,
     FrameType,
     Header,
     Metadata,
     Welcome,
     decode_metadata,
-    encode,
     pack_header,
     pack_table,
     parse_table,
@@ -101,23 +98,12 @@ class TcpTransport(StreamTransport):
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        secret: bytes | None = None,
-        connect_timeout_s: float = 10.0,
-        agent: str | None = None,
-        metrics: MetricsRegistry | None = None,
-        history: int = 100_000,
-        copy_threads: int | None = None,
-        target_stall_s: float = TARGET_STALL_S,
-        limits: ConnectionLimits | None = None,
+        **options: Unpack[StreamOptions],
     ) -> None:
         if not isinstance(host, str) or not host:
             raise InvalidArgumentError(f"host must be a non-empty string, got {host!r}")
         require_int("port", port, min=0, max=65535)
-        super().__init__(
-            secret=secret, connect_timeout_s=connect_timeout_s, agent=agent, metrics=metrics,
-            history=history, copy_threads=copy_threads, limits=limits,
-            target_stall_s=target_stall_s,
-        )  # fmt: skip
+        super().__init__(**options)
         try:
             sock = socket.create_server((host, port))
         except OSError as exc:
@@ -126,11 +112,6 @@ class TcpTransport(StreamTransport):
         self._listen(sock)
 
     # -- metadata and connections --------------------------------------------------------------
-    def metadata(self) -> bytes:
-        self._check_open()
-        meta = Metadata(WIRE_VERSION, self.name, self.agent, self.address, "", self._region_infos())
-        return encode(meta)
-
     def _dial(self, meta: Metadata) -> tuple[Channel, Welcome]:
         host, _, port = meta.address.rpartition(":")
         try:
