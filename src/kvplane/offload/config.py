@@ -17,6 +17,7 @@ from kvplane.offload.policies.registry import POLICIES
 from kvplane.offload.tiers.base import SyncPolicy
 from kvplane.offload.tiers.lease import check_lease_timing
 from kvplane.offload.tiers.remote import NAMESPACE_BAD
+from kvplane.offload.tiers.shared_server import REMOTE_MODES, replica_urls
 from kvplane.validators import require_int, require_number
 
 
@@ -39,7 +40,10 @@ class OffloadConfig:
     each cold tier's chunks (0: the host's; else a multiple of it, :mod:`~kvplane.offload.spans`:
     the cascade re-chunks between tiers). A codec ``"auto"`` chooses a lossless one that keeps
     the tier's measured ``disk_gbps``/``remote_gbps`` up, else raw (0: not measured, which
-    ``auto`` refuses; :mod:`~kvplane.offload.codecs.auto`). A bad field raises
+    ``auto`` refuses; :mod:`~kvplane.offload.codecs.auto`). ``remote_mode = "shared"`` makes
+    the Redis tier the shared store (:mod:`~kvplane.offload.tiers.shared`: many engines, one
+    namespace, no lease; ``remote_lease_s`` is then each writer's registration), written to
+    ``remote_url`` and the comma-separated ``remote_replicas`` too. A bad field raises
     :class:`~kvplane.errors.ConfigError` naming it (both, for the lease relation).
     """
 
@@ -63,6 +67,8 @@ class OffloadConfig:
     remote_blocks_per_chunk: int = 0
     disk_gbps: float = 0.0
     remote_gbps: float = 0.0
+    remote_mode: str = "private"
+    remote_replicas: str = ""
 
     def __post_init__(self) -> None:
         for name in ("host_slots", "disk_slots", "remote_slots", "staging_blocks"):
@@ -92,6 +98,15 @@ class OffloadConfig:
                 f"OffloadConfig.remote_namespace must be non-empty without ':' or a glob "
                 f"character (*?[]\\): {self.remote_namespace!r}"
             )
+        if self.remote_mode not in REMOTE_MODES:
+            raise ConfigError(
+                f"OffloadConfig.remote_mode must be one of {REMOTE_MODES}: {self.remote_mode!r}"
+            )
+        for url in replica_urls(self.remote_replicas):
+            if not url.startswith(("redis://", "rediss://", "unix://")):
+                raise ConfigError(f"OffloadConfig.remote_replicas holds a non-redis URL: {url!r}")
+        if self.remote_replicas and self.remote_mode != "shared":
+            raise ConfigError("OffloadConfig.remote_replicas needs remote_mode = 'shared'")
         check_lease_timing(
             self.remote_lease_s,
             self.remote_timeout_s,

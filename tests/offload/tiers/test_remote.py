@@ -23,6 +23,7 @@ from kvplane.errors import (
 from kvplane.ids import SlotId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.tiers import ReadOutcome, RemoteTier, Tier
+from kvplane.offload.tiers import mget as mget_module
 from kvplane.offload.tiers import remote as remote_module
 from kvplane.offload.tiers import resp as resp_module
 from kvplane.testing.redis_server import LocalRedisServer, free_port
@@ -313,7 +314,7 @@ def test_a_reply_stream_broken_part_way_drops_its_connection(
 
     monkeypatch.setattr(pool, "release", recording)
     with monkeypatch.context() as mp:
-        mp.setattr(remote_module, "ReplyReader", Breaks)
+        mp.setattr(mget_module, "ReplyReader", Breaks)
         with pytest.raises(OffloadError, match="read failed: injected"):
             tier.read(slots, keys(0, 1, 2), outs)
     assert released == [False]  # dropped before it went back to the pool

@@ -5,6 +5,8 @@ from kvplane.offload.tiers.disk import DiskTier
 from kvplane.offload.tiers.header import HEADER_BYTES, ChunkHeader, payload_checksum
 from kvplane.offload.tiers.host import ALIGN, HostTier, round_up
 from kvplane.offload.tiers.remote import RemoteTier, redis_support
+from kvplane.offload.tiers.shared import SharedTier
+from kvplane.offload.tiers.shared_server import PublishOutcome, PublishResult
 
 __all__ = [
     "ALIGN",
@@ -12,8 +14,11 @@ __all__ = [
     "ChunkHeader",
     "DiskTier",
     "HostTier",
+    "PublishOutcome",
+    "PublishResult",
     "ReadOutcome",
     "RemoteTier",
+    "SharedTier",
     "SyncPolicy",
     "Tier",
     "TierCounters",

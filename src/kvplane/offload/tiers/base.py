@@ -15,6 +15,7 @@ import torch
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey, SlotId
 from kvplane.metrics import MetricsRegistry
+from kvplane.offload.codecs.base import RAW_TAG
 from kvplane.offload.codecs.coder import ChunkCoder
 from kvplane.offload.slots import check_chunk_key
 from kvplane.validators import require_index
@@ -72,6 +73,14 @@ class Tier(Protocol):
 def as_buffer(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU uint8 tensor (shares its memory)."""
     return t.numpy().data
+
+
+def encode_payload(coder: ChunkCoder | None, payload: torch.Tensor) -> tuple[bytes, memoryview]:
+    """The codec tag and stored bytes of ``payload``: itself, raw, without a ``coder``."""
+    if coder is None:
+        return RAW_TAG, as_buffer(payload)
+    enc = coder.encode(payload)
+    return enc.tag, enc.data
 
 
 def check_slot(tier: str, num_slots: int, slot: object) -> int:

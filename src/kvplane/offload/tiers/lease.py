@@ -63,7 +63,8 @@ class NamespaceLease:
     :class:`InvalidArgumentError` before anything is sent. The constructor claims or raises
     :class:`OffloadError` naming the holder (after waiting up to ``lease_s`` for a dead
     holder's lease to run out); renewals run on a daemon thread until :meth:`release`.
-    Thread-safe.
+    ``key`` replaces the owner key (:func:`owner_key`): a shared tier's writer holds a key of
+    its own (:mod:`~kvplane.offload.tiers.shared_server`). Thread-safe.
     """
 
     def __init__(
@@ -74,9 +75,10 @@ class NamespaceLease:
         errors: tuple[type[BaseException], ...],
         *,
         timeout_s: float,
+        key: str | None = None,
     ) -> None:
         check_lease_timing(lease_s, timeout_s)
-        self.key = owner_key(namespace)
+        self.key = owner_key(namespace) if key is None else key
         self.namespace = namespace
         self.lease_ms = max(1, int(lease_s * 1000))
         self.timeout_s = float(timeout_s)

@@ -16,6 +16,8 @@ from kvplane.offload.config import OffloadConfig
 from kvplane.offload.tiers.base import Tier
 from kvplane.offload.tiers.disk import DiskTier
 from kvplane.offload.tiers.remote import RemoteTier, redis_support
+from kvplane.offload.tiers.shared import SharedTier
+from kvplane.offload.tiers.shared_server import replica_urls
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,8 @@ def open_lower_tiers(
     layout: KVLayout | None = None,
     spans: Mapping[str, int] | None = None,
 ) -> list[Tier]:
-    """The tiers below host that ``config`` enables (disk, then remote), opened, each with
+    """The tiers below host that ``config`` enables (disk, then remote: the shared store when
+    ``remote_mode`` is ``"shared"``), opened, each with
     its configured codec (a codec other than ``raw`` needs ``layout``: :func:`tier_coder`)
     and chunks of ``spans[name]`` (default 1) times ``chunk_bytes``.
 
@@ -105,7 +108,21 @@ def open_lower_tiers(
                     coder=disk_coder,
                 )
             )
-        if config.remote_url:
+        if config.remote_url and config.remote_mode == "shared":
+            tiers.append(
+                SharedTier(
+                    [config.remote_url, *replica_urls(config.remote_replicas)],
+                    config.remote_slots,
+                    remote_bytes,
+                    fingerprint,
+                    namespace=config.remote_namespace,
+                    timeout_s=config.remote_timeout_s,
+                    lease_s=config.remote_lease_s,
+                    metrics=metrics,
+                    coder=remote_coder,
+                )
+            )
+        elif config.remote_url:
             tiers.append(
                 RemoteTier(
                     config.remote_url,

@@ -25,7 +25,6 @@ from kvplane.errors import (
 )
 from kvplane.ids import ChunkKey, SlotId
 from kvplane.metrics import MetricsRegistry
-from kvplane.offload.codecs.base import RAW_TAG
 from kvplane.offload.codecs.coder import ChunkCoder
 from kvplane.offload.tiers.base import (
     ReadOutcome,
@@ -33,6 +32,7 @@ from kvplane.offload.tiers.base import (
     as_buffer,
     check_batch,
     check_coder,
+    encode_payload,
 )
 from kvplane.offload.tiers.fence import STAGE_TTL_S, Fence, StoreOutcome
 from kvplane.offload.tiers.header import (
@@ -42,6 +42,7 @@ from kvplane.offload.tiers.header import (
     payload_checksum,
 )
 from kvplane.offload.tiers.lease import NamespaceLease, check_lease_timing
+from kvplane.offload.tiers.mget import stream_mgets
 from kvplane.offload.tiers.resp import ReplyReader
 from kvplane.validators import require_finite_positive, require_int, require_size
 
@@ -52,6 +53,8 @@ NAMESPACE_BAD = re.compile(r"[:*?\[\]\\]")
 ``SCAN MATCH`` patterns of :meth:`RemoteTier.scan` and :meth:`RemoteTier.clear` reach other
 namespaces (``kv*`` cleared ``kvplane``)."""
 """Suffix of a slot's header key."""
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+"""The URL schemes a Redis tier accepts."""
 DEFAULT_LEASE_S = 10.0
 """The namespace lease when none is given and ``2 * timeout_s`` is not longer."""
 _Received = tuple[ChunkHeader, memoryview]
@@ -59,6 +62,30 @@ _Received = tuple[ChunkHeader, memoryview]
 PIPELINE_BYTES = 8 << 20
 """Payload bytes per pipelined round trip of a batch (a read has the server hold up to two
 groups of replies: the one being read and the next)."""
+
+
+def check_redis_settings(
+    what: str, urls: Sequence[object], namespace: object, timeout_s: object, lease_s: object
+) -> tuple[float, float]:
+    """``(timeout_s, lease_s)`` of a Redis tier ``what`` (``lease_s`` ``None``: the default,
+    :data:`DEFAULT_LEASE_S` or ``2 * timeout_s`` when longer), after checking that ``urls``
+    are one or more redis URLs and ``namespace`` a valid one; else
+    :class:`InvalidArgumentError` naming the field. Checks only."""
+    if not urls or not all(isinstance(u, str) and u.startswith(REDIS_SCHEMES) for u in urls):
+        raise InvalidArgumentError(f"{what}.url must be a redis:// URL, got {list(urls)!r}")
+    if not isinstance(namespace, str) or not namespace or NAMESPACE_BAD.search(namespace):
+        raise InvalidArgumentError(
+            f"{what}.namespace must be non-empty without ':' or a glob character "
+            f"(*?[]\\): {namespace!r}"
+        )
+    timeout = require_finite_positive(f"{what}.timeout_s", timeout_s, InvalidArgumentError)
+    if lease_s is None:
+        lease_s = max(DEFAULT_LEASE_S, 2.0 * timeout)
+    lease = require_finite_positive(f"{what}.lease_s", lease_s, InvalidArgumentError)
+    check_lease_timing(
+        lease, timeout, lease_name=f"{what}.lease_s", timeout_name=f"{what}.timeout_s"
+    )
+    return timeout, lease
 
 
 def redis_support() -> str | None:
@@ -97,18 +124,8 @@ class RemoteTier:
         require_size("RemoteTier.chunk_bytes", chunk_bytes, min=1)
         check_fingerprint("RemoteTier.fingerprint", fingerprint)
         coder = check_coder("RemoteTier", coder, chunk_bytes)
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise InvalidArgumentError(f"RemoteTier.url must be a redis:// URL, got {url!r}")
-        if not isinstance(namespace, str) or not namespace or NAMESPACE_BAD.search(namespace):
-            raise InvalidArgumentError(
-                f"RemoteTier.namespace must be non-empty without ':' or a glob character "
-                f"(*?[]\\): {namespace!r}"
-            )
-        timeout_s = require_finite_positive("RemoteTier.timeout_s", timeout_s, InvalidArgumentError)
-        if lease_s is None:
-            lease_s = max(DEFAULT_LEASE_S, 2.0 * timeout_s)
-        check_lease_timing(
-            lease_s, timeout_s, lease_name="RemoteTier.lease_s", timeout_name="RemoteTier.timeout_s"
+        timeout_s, lease_s = check_redis_settings(
+            "RemoteTier", [url], namespace, timeout_s, lease_s
         )
         reason = redis_support()
         if reason is not None:
@@ -174,7 +191,7 @@ class RemoteTier:
 
         def send(group: range) -> None:
             names = [self._key(slots[i]) for i in group]
-            coded = [self._encode(payloads[i]) for i in group]
+            coded = [encode_payload(self._coder, payloads[i]) for i in group]
             views = [data for _, data in coded]
             stages = fence.stage_keys(len(group))
             store = fence.store_keys(stages, names, [name + _HEADER for name in names])
@@ -214,13 +231,6 @@ class RemoteTier:
                 send(group)
         except self._errors as exc:
             raise self._fail("write", exc) from exc
-
-    def _encode(self, payload: torch.Tensor) -> tuple[bytes, memoryview]:
-        """The codec tag and stored bytes of ``payload`` (itself, raw, without a codec)."""
-        if self._coder is None:
-            return RAW_TAG, as_buffer(payload)
-        enc = self._coder.encode(payload)
-        return enc.tag, enc.data
 
     def _check_lease(self) -> None:
         """Raise (counted) unless the lease is held for at least one more round trip (the
@@ -267,46 +277,27 @@ class RemoteTier:
         check_batch(self.name, self.num_slots, self.chunk_bytes, slots, keys, outs)
         if not slots:
             return []
-        groups = self._groups(len(slots))
-        pool = self._client.connection_pool
-        try:
-            conn = pool.get_connection()
-        except self._errors as exc:
-            raise self._fail("read", exc) from exc
-        clean = False
+        names = [(self._key(slot) + _HEADER, self._key(slot)) for slot in slots]
         received: list[ReadOutcome | _Received] = []
         sums: list[Future[list[int]]] = []
+
+        def on_group(reader: ReplyReader, group: range) -> None:
+            got = [self._receive(reader, keys[i], outs[i]) for i in group]
+            views = [g[1] for g in got if isinstance(g, tuple)]
+            sums.append(self._helper().submit(_checksums, views))  # while the next arrives
+            received.extend(got)
+
         try:
-            # No health check on send: its PING would read an MGET reply as its answer, and
-            # the replies are read here, not by the client, whose health timer never restarts.
-            reader = ReplyReader(conn._sock)
-            first = self._mget_commands(conn, slots, groups[0])
-            conn.send_packed_command(first, check_health=False)
-            for k, group in enumerate(groups):
-                if k + 1 < len(groups):  # the server prepares the next group meanwhile
-                    nxt = self._mget_commands(conn, slots, groups[k + 1])
-                    conn.send_packed_command(nxt, check_health=False)
-                got = [self._receive(reader, keys[i], outs[i]) for i in group]
-                views = [g[1] for g in got if isinstance(g, tuple)]
-                sums.append(self._helper().submit(_checksums, views))  # while the next arrives
-                received += got
-            clean = True
+            stream_mgets(self._client, names, self._groups(len(slots)), on_group)
         except self._read_errors as exc:
             raise self._fail("read", exc) from exc
         finally:
-            if not clean:  # its place in the reply stream is unknown: never reuse it
-                conn.disconnect()
-            pool.release(conn)
             wait(sums)  # the helper is done with ``outs`` even when the read failed
         crcs = iter([c for fut in sums for c in fut.result()])
         return [
             self._verify(g, next(crcs), out) if isinstance(g, tuple) else g
             for g, out in zip(received, outs, strict=True)
         ]
-
-    def _mget_commands(self, conn: Any, slots: Sequence[SlotId], group: range) -> list[bytes]:
-        names = (self._key(slots[i]) for i in group)
-        return list(conn.pack_commands([("MGET", n + _HEADER, n) for n in names]))
 
     def _receive(
         self, reader: ReplyReader, key: ChunkKey, out: torch.Tensor
