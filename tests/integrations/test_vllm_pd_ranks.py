@@ -24,9 +24,10 @@ from kvplane.integrations.vllm.pd_params import (
 )
 from kvplane.integrations.vllm.pd_ranks import (
     RankResults,
-    check_tp_transport,
+    abandon_peers,
     heads_refusal,
     rank_layout,
+    rank_session,
     rank_settings,
     tp_refusal,
 )
@@ -132,12 +133,38 @@ def test_the_same_tp_size_but_another_rank_names_both_head_ranges() -> None:
     )
 
 
-def test_only_tcp_and_shm_run_pd_at_tp_above_1() -> None:
-    check_tp_transport("tcp", 2)
-    check_tp_transport("shm", 4)
-    check_tp_transport("nixl", 1)
-    with pytest.raises(UnsupportedError, match="'nixl' at tensor parallel size 2"):
-        check_tp_transport("nixl", 2)
+# -- abandon_peers -------------------------------------------------------------------------------
+A2, A3 = "tcp://127.0.0.1:7003", "tcp://127.0.0.1:7004"
+
+
+def refused(*addresses: str) -> RecvOp:
+    ranks = addresses if len(addresses) > 1 else ()
+    return RecvOp("d", "s", addresses[0], KEY, 0, 0, (), "refused", ranks)
+
+
+def test_each_ranks_session_has_its_own_id_and_rank_0s_is_the_transfers() -> None:
+    assert [rank_session("p1", r) for r in range(3)] == ["p1", "p1.rank1", "p1.rank2"]
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "told"),
+    [
+        (2, 1, [(0, 1)]),  # a TP 1 decode tells both ranks of a TP 2 prefill
+        (1, 2, [(0,), ()]),  # rank 1 of a TP 2 decode has no TP 1 prefill rank to tell
+        (2, 2, [(0,), (1,)]),  # equal TP (a prompt mismatch): rank r tells rank r
+        (4, 2, [(0, 2), (1, 3)]),
+        (2, 4, [(0,), (1,), (), ()]),
+        (1, 1, [(0,)]),
+    ],
+)
+def test_a_refusing_decode_engines_ranks_tell_every_prefill_rank_once(
+    prefill_tp: int, decode_tp: int, told: list[tuple[int, ...]]
+) -> None:
+    addresses = (A0, A1, A2, A3)[:prefill_tp]
+    op = refused(*addresses)
+    got = [abandon_peers(op, TPShard(r, decode_tp)) for r in range(decode_tp)]
+    assert got == [tuple((addresses[i], rank_session("s", i)) for i in t) for t in told]
+    assert sorted(i for t in told for i in t) == list(range(prefill_tp))
 
 
 # -- RankResults ---------------------------------------------------------------------------------
@@ -267,7 +294,7 @@ def test_a_tp2_decode_refuses_a_tp1_prefills_params_and_abandons_them(
     assert tp1.matched(decode_req(A0, A1), 0) == (0, False)  # and the other way round
     (abandon,) = tp1.build().recvs
     assert abandon.abandon.startswith("PD from a prefill engine at TP 2 to a decode engine at TP 1")
-    assert abandon.rank_addresses == (A0, A1)  # decode rank 0 tells prefill rank 0
+    assert abandon.rank_addresses == (A0, A1)  # decode rank 0 tells both prefill ranks
 
 
 def test_one_ranks_failed_receive_ends_the_others_and_fails_the_request() -> None:

@@ -5,11 +5,15 @@ workers (``tensor_parallel_size=2``; the harness sets ``VLLM_CPU_OMP_THREADS_BIN
 random-init Llama of ``test_vllm_pd.py`` with 2 KV heads (one per rank), float32, block size 32,
 128-token prefill steps, greedy decoding. Reference tokens come from one plain TP 2 engine. The
 ranks' workers are other processes, so what is checked is vLLM's own view and the scheduler
-side's (joined per request over the ranks). ``slow``: three TP 2 engine pairs and one engine.
+side's (joined per request over the ranks). Over ``nixl`` and ``mooncake`` each rank worker makes
+its own NIXL agent or Mooncake engine; they cannot authenticate, so those pairs run insecure.
+``slow``: five TP 2 engine pairs and one engine.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,7 @@ import pytest
 from test_vllm_pd import PROMPTS, SECRET, SHAPE
 from vllm_testlib import require_vllm
 
-from kvplane.integrations.vllm.env import run_harness, run_pd_pair, save_tiny_llama
+from kvplane.integrations.vllm.env import run_harness, run_pd_pair, save_tiny_llama, vllm_python
 
 # each pair starts two TP 2 engines (four rank workers); ~2-3 min a pair on a busy 2-core host
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -71,6 +75,22 @@ def _metric(result: dict[str, Any], name: str) -> float:
     return float(result["scheduler_metrics"].get(name, 0.0))
 
 
+def require_transport(name: str) -> None:
+    """Skip (saying why) when transport ``name`` cannot be made in the vLLM environment; fail
+    with ``KVPLANE_REQUIRE_VLLM=1``."""
+    probe = f"from kvplane.transports.registry import available; print(available()[{name!r}])"
+    proc = subprocess.run(
+        [str(vllm_python()), "-c", probe], capture_output=True, text=True, timeout=300, check=False
+    )
+    lines = (proc.stdout + proc.stderr).strip().splitlines() or ["(no output)"]
+    if proc.returncode == 0 and lines[-1] == "None":
+        return
+    reason = f"{name} is unavailable in the vLLM environment: {lines[-1]}"
+    if os.environ.get("KVPLANE_REQUIRE_VLLM") == "1":
+        pytest.fail(f"KVPLANE_REQUIRE_VLLM=1 but {reason}")
+    pytest.skip(reason)
+
+
 def _check_moved(prefill: dict[str, Any], decode: dict[str, Any]) -> None:
     """Every request's transfer succeeded on both ranks (counted once per request), every
     prompt token but the recomputed last one arrived, the prefill holds nothing."""
@@ -101,6 +121,21 @@ def test_shm_pipelined_decode_tokens_equal_one_tp2_engine(
     prefill, decode = run_pd_pair(spec, spec, timeout=500, env=SECRET)
     assert decode is not None
     assert [decode["decode"][f"r{i}"]["tokens"] for i in range(len(PROMPTS))] == reference
+    _check_moved(prefill, decode)
+
+
+@pytest.mark.parametrize("transport", ["nixl", "mooncake"])
+def test_nixl_and_mooncake_pull_and_pipelined_decode_tokens_equal_one_tp2_engine(
+    model: Path, reference: list[list[int]], transport: str
+) -> None:
+    """Each of the four rank workers makes its own NIXL agent / Mooncake engine; rank r's
+    metadata travels in rank r's PD handshake."""
+    require_transport(transport)
+    spec = {**_pair(model, transport, pd_insecure=True), "sequence": SEQUENCE}
+    prefill, decode = run_pd_pair(spec, spec, timeout=500)
+    assert decode is not None
+    assert [decode["decode"][f"r{i}"]["tokens"] for i in range(len(PROMPTS))] == reference
+    assert prefill["modes"] == SEQUENCE
     _check_moved(prefill, decode)
 
 

@@ -9,7 +9,6 @@ engine loop. Received blocks must equal the prefill's byte for byte.
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ from vllm_testlib import block_content, vllm_kv_caches
 
 from kvplane.errors import TransferTimeoutError
 from kvplane.ids import SessionId
-from kvplane.integrations.vllm import pd_worker
+from kvplane.integrations.vllm import pd_peers
 from kvplane.integrations.vllm.messages import PDResult, StepMeta
 from kvplane.integrations.vllm.pd_config import pd_config, pd_settings
 from kvplane.integrations.vllm.pd_params import RecvParams, SendParams, parse_params, prompt_key
@@ -308,14 +307,14 @@ def test_a_dial_nobody_answers_is_made_afresh_until_the_connect_timeout(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     _, decode = engines
-    monkeypatch.setattr(pd_worker, "CONNECT_ATTEMPT_S", 0.3)
-    decode.worker.settings = dataclasses.replace(decode.worker.settings, connect_timeout_s=1.0)
+    monkeypatch.setattr(pd_peers, "CONNECT_ATTEMPT_S", 0.3)
+    decode.worker.peers.connect_timeout_s = 1.0
     with socket.socket() as mute:  # accepts connections, never says a word
         mute.bind(("127.0.0.1", 0))
         mute.listen()
         address = f"tcp://127.0.0.1:{mute.getsockname()[1]}"
         with pytest.raises(TransferTimeoutError, match=f"handshake with {address} timed out"):
-            decode.worker._connect(address)
+            decode.worker.peers.connect(address)
     attempts = [r for r in caplog.records if "timed out" in r.getMessage()]
     assert len(attempts) >= 2  # one per attempt: the first did not end the dial
     assert all(address in r.getMessage() for r in attempts)

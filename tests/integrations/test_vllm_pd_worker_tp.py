@@ -1,10 +1,11 @@
-"""PD at TP 2 without engines: two engines of two rank workers each, in one process over ``tcp``.
+"""PD at TP 2 without engines: two engines of two rank workers each, in one process.
 
 Each engine is one :class:`PDScheduler` (``tp_size=2``) and two :class:`PDWorkerSide` ranks with
 their own vLLM-shaped KV buffers; the test plays vLLM: it broadcasts each step's instructions to
 both ranks, "computes" each rank's blocks (bytes that differ per rank: its own heads), merges
 the ranks' reports and counts each request's finished reports until both ranks named it, as
-vLLM's ``KVOutputAggregator`` does. Decode rank r must hold exactly prefill rank r's bytes.
+vLLM's ``KVOutputAggregator`` does. Decode rank r must hold exactly prefill rank r's bytes, over
+``tcp``, ``nixl`` and ``mooncake`` (each rank worker its own transport, as in its own process).
 """
 
 from __future__ import annotations
@@ -20,16 +21,17 @@ import torch
 from vllm_testlib import block_content, vllm_kv_caches
 
 from kvplane.ids import SessionId
-from kvplane.integrations.vllm.messages import PDResult, StepMeta
+from kvplane.integrations.vllm.messages import PDResult, RecvOp, StepMeta
 from kvplane.integrations.vllm.pd_config import pd_config, pd_settings
 from kvplane.integrations.vllm.pd_params import RecvParams, SendParams, parse_params, prompt_key
-from kvplane.integrations.vllm.pd_ranks import rank_settings
+from kvplane.integrations.vllm.pd_ranks import rank_session, rank_settings
 from kvplane.integrations.vllm.pd_scheduler import PDRequest, PDScheduler
 from kvplane.integrations.vllm.pd_worker import PDWorkerSide, make_pd_transport
 from kvplane.integrations.vllm.pool import VllmPool
 from kvplane.integrations.vllm.tp import TPShard
 from kvplane.integrations.vllm.wakeup import end_step
 from kvplane.metrics import MetricsRegistry
+from kvplane.transports.registry import available
 
 BS, TP = 4, 2
 PROMPT = list(range(300, 310))  # 10 tokens: 9 move, as 3 whole blocks
@@ -44,6 +46,7 @@ class Engine:
 
     name: str
     extra: dict[str, object] = field(default_factory=dict)
+    tp: int = TP
     pools: list[VllmPool] = field(init=False)
     workers: list[PDWorkerSide] = field(init=False)
     sched: PDScheduler = field(init=False)
@@ -56,17 +59,19 @@ class Engine:
         base = pd_settings(pd_config(extra, {}), {})
         assert base is not None
         self.pools, self.workers = [], []
-        for r in range(TP):
-            shard = TPShard(r, TP)
+        for r in range(self.tp):
+            shard = TPShard(r, self.tp)
             settings = rank_settings(base, shard)
-            pool = VllmPool.from_kv_caches(vllm_kv_caches(num_blocks=16, block_size=BS))
+            heads = 2 * TP // self.tp  # the engine's 4 KV heads over its ranks
+            kv = vllm_kv_caches(num_blocks=16, block_size=BS, heads=heads)
+            pool = VllmPool.from_kv_caches(kv)
             worker = PDWorkerSide(
                 settings, pool, MODEL, MetricsRegistry(), make_pd_transport(settings), shard=shard
             )
             self.pools.append(pool)
             self.workers.append(worker)
         self.metrics = MetricsRegistry()
-        self.sched = PDScheduler(BS, self.metrics, tp_size=TP)
+        self.sched = PDScheduler(BS, self.metrics, tp_size=self.tp)
         self.sched.set_endpoint([w.address for w in self.workers], self.workers[0].engine_id)
 
     def blocks(self, rank: int) -> torch.Tensor:
@@ -91,7 +96,7 @@ class Engine:
         return meta
 
     def close(self, rank: int | None = None) -> None:
-        for r in range(TP) if rank is None else [rank]:
+        for r in range(self.tp) if rank is None else [rank]:
             if r not in self.closed:
                 self.closed.add(r)
                 self.workers[r].close()
@@ -100,6 +105,20 @@ class Engine:
 @pytest.fixture
 def engines() -> Iterator[tuple[Engine, Engine]]:
     prefill, decode = Engine("prefill", {"pd_pull_timeout_s": 1.0}), Engine("decode")
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+@pytest.fixture(params=["tcp", "nixl", "mooncake"])
+def paired(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Engine]]:
+    """A prefill and a decode engine whose rank workers move KV over the param's transport."""
+    transport = str(request.param)
+    if (why := available()[transport]) is not None:
+        pytest.skip(why)
+    extra = {"pd_transport": transport}
+    prefill = Engine(f"prefill-{transport}", {**extra, "pd_pull_timeout_s": 1.0})
+    decode = Engine(f"decode-{transport}", extra)
     yield prefill, decode
     prefill.close()
     decode.close()
@@ -157,9 +176,10 @@ def settle(prefill: Engine, decode: Engine, with_send: bool = True) -> set[int]:
 
 def wait_sessions(prefill: Engine, sid: str) -> None:
     """Until both prefill ranks know session ``sid`` (the decode ranks' requests arrived)."""
-    for w in prefill.workers:
+    for r, w in enumerate(prefill.workers):
         deadline = time.monotonic() + WAIT_S
-        while w.endpoint.call(functools.partial(w.participant.session, SessionId(sid))) is None:
+        rsid = rank_session(sid, r)  # "<sid>.rank1" on rank 1
+        while w.endpoint.call(functools.partial(w.participant.session, rsid)) is None:
             assert time.monotonic() < deadline, "a decode rank's request never arrived"
             time.sleep(0.005)
 
@@ -178,8 +198,8 @@ def check_clean(prefill: Engine, decode: Engine) -> None:
     decode.sched.check_integrity()
 
 
-def test_pull_moves_each_ranks_shard_to_the_same_rank(engines: tuple[Engine, Engine]) -> None:
-    prefill, decode = engines
+def test_pull_moves_each_ranks_shard_to_the_same_rank(paired: tuple[Engine, Engine]) -> None:
+    prefill, decode = paired
     params = prefill_steps(prefill, PDRequest("p1", PROMPT, SendParams(None)), chunk=4)
     recv = parse_params(params)
     addresses = tuple(w.address for w in prefill.workers)
@@ -194,9 +214,9 @@ def test_pull_moves_each_ranks_shard_to_the_same_rank(engines: tuple[Engine, Eng
 
 
 def test_pipelined_receives_open_on_both_prefill_ranks_before_the_prefill(
-    engines: tuple[Engine, Engine],
+    paired: tuple[Engine, Engine],
 ) -> None:
-    prefill, decode = engines
+    prefill, decode = paired
     addresses = tuple(w.address for w in prefill.workers)
     recv = RecvParams("proxy-1", addresses[0], 10, prompt_key(PROMPT), addresses)
     start_recv(decode, PDRequest("d1", PROMPT, recv))
@@ -255,6 +275,63 @@ def test_a_rank_that_loses_its_prefill_rank_fails_the_request_on_every_rank() ->
         failed = {"role": "recv", "outcome": "failed"}
         assert decode.metrics.value("vllm_pd_requests", failed, "_total") == 1  # once, joined
         decode.sched.check_integrity()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_tp1_decode_refusing_a_tp2_prefill_tells_both_prefill_ranks_at_once() -> None:
+    """A TP 1 decode engine handed a TP 2 prefill's params computes the request itself and
+    tells both prefill ranks it will never ask: each rank frees its blocks now, long before its
+    ``pd_pull_timeout_s`` (120 s), and vLLM may free the prefill's blocks (both ranks sent)."""
+    prefill, decode = Engine("prefill-told"), Engine("decode-tp1", tp=1)
+    try:
+        params = prefill_steps(prefill, PDRequest("p1", PROMPT, SendParams(None)), chunk=4)
+        recv = parse_params(params)
+        assert decode.sched.matched(PDRequest("d1", PROMPT, recv), 0) == (0, False)
+        (op,) = decode.step().recvs
+        assert op.abandon.startswith("PD from a prefill engine at TP 2 to a decode engine at TP 1")
+        for r, w in enumerate(prefill.workers):  # the decode engine's abort reached each rank
+            deadline = time.monotonic() + WAIT_S
+            tomb = functools.partial(w.participant.tombstone, rank_session("p1", r))
+            while w.endpoint.call(tomb) is None:
+                assert time.monotonic() < deadline, f"prefill rank {r} was never told"
+                time.sleep(0.005)
+        sent: Counter[str] = Counter()
+        finished = ["p1"]
+        deadline = time.monotonic() + WAIT_S
+        while sent["p1"] < TP:
+            assert time.monotonic() < deadline, f"not every prefill rank was told: {sent}"
+            for w in prefill.workers:
+                sent.update(end_step([w], finished, False, w.wake)[0])
+            finished = []
+            prefill.step()
+            time.sleep(0.005)
+        why = "the decode engine will not ask for it"
+        assert sorted((r.rank, r.ok, r.reason) for r in prefill.results) == [
+            (0, False, why),
+            (1, False, why),
+        ]
+        refused = {"role": "recv", "outcome": "tp_mismatch"}
+        assert decode.metrics.value("vllm_pd_requests", refused, "_total") == 1
+        assert decode.results == [] and decode.workers[0].take_load_errors() == set()
+        check_clean(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_prefill_rank_that_cannot_be_told_does_not_keep_the_others_from_being_told() -> None:
+    prefill, decode = Engine("prefill-gone"), Engine("decode-tp1-gone", tp=1)
+    try:
+        a0, a1 = (w.address for w in prefill.workers)
+        prefill.close(0)  # rank 0's endpoint is gone
+        peers = decode.workers[0].peers
+        peers.connect_timeout_s = 1.0
+        op = RecvOp("d1", "p9", a0, prompt_key(PROMPT), 0, 0, (), "refused", (a0, a1))
+        assert peers.abandon(op) == [a0]
+        tomb = functools.partial(prefill.workers[1].participant.tombstone, SessionId("p9.rank1"))
+        assert prefill.workers[1].endpoint.call(tomb) is not None
     finally:
         prefill.close()
         decode.close()

@@ -8,7 +8,12 @@ import pytest
 
 from kvplane.errors import ConfigError
 from kvplane.integrations.vllm.config import parse_extra_config
-from kvplane.integrations.vllm.startup import failure_policy_warning, serve_metrics, sizing_note
+from kvplane.integrations.vllm.startup import (
+    failure_policy_warning,
+    metrics_port_of,
+    serve_metrics,
+    sizing_note,
+)
 from kvplane.metrics import MetricsRegistry
 
 REMOTE = {"remote_url": "redis://127.0.0.1:6379/0"}
@@ -60,6 +65,35 @@ def test_no_metrics_port_serves_nothing_and_a_free_one_serves() -> None:
     assert server is not None and server.server_address[1] == free
     server.shutdown()
     server.server_close()
+
+
+def test_each_tp_rank_worker_gets_its_own_metrics_port() -> None:
+    cfg = parse_extra_config({"metrics_port": 9100}, {})
+    assert metrics_port_of(cfg, scheduler=True) == 9101
+    assert [metrics_port_of(cfg, scheduler=False, rank=r) for r in range(4)] == [
+        9100,
+        9102,
+        9103,
+        9104,
+    ]
+    high = parse_extra_config({"metrics_port": 65534}, {})
+    assert metrics_port_of(high, scheduler=False) == 65534
+    with pytest.raises(ConfigError) as err:
+        metrics_port_of(high, scheduler=False, rank=1)
+    assert str(err.value) == "metrics_port=65534: worker rank 1 would serve on port 65536"
+
+
+def test_a_busy_rank_port_names_the_rank() -> None:
+    with _busy_port() as held:
+        busy = held.getsockname()[1]
+        cfg = parse_extra_config({"metrics_port": busy - 2}, {})
+        with pytest.raises(ConfigError) as err:
+            serve_metrics(MetricsRegistry(), cfg, scheduler=False, rank=1)
+    assert str(err.value) == (
+        f"metrics_port={busy - 2}: port {busy} for the worker side of rank 1 (metrics_port + 2) "
+        "is already in use on 127.0.0.1; choose another metrics_port, or 0 for no private "
+        "metrics port"
+    )
 
 
 def test_sizing_note_names_each_byte_sized_tier() -> None:

@@ -54,6 +54,7 @@ def test_row_takes_medians_and_checks_every_request_against_the_reference() -> N
     assert got == {
         "connector": "kvplane",
         "mode": "pull",
+        "tp": 1,
         "ttft_ms": 540.0,
         "ttft_range_ms": [320.0, 960.0],
         "decode_ttft_ms": 40.0,
@@ -64,8 +65,12 @@ def test_row_takes_medians_and_checks_every_request_against_the_reference() -> N
         "repeats": 3,
     }
     assert m.row("kvplane", "pull", samples, {**ref, 1: [1, 3]})["tokens_equal"] is False
+    assert m.row("kvplane", "pull", samples, {0: [1, 2]})["tokens_equal"] is False  # no ref
     with pytest.raises(InvalidArgumentError):
         m.row("kvplane", "pull", [], ref)
+    tp2 = m.Sample("kvplane", "pull", 3, 3, 1.0, 1.0, 2.0, 0.0, None, (1, 2), tp=2)
+    with pytest.raises(InvalidArgumentError, match=r"TP sizes \[1, 2\]"):
+        m.row("kvplane", "pull", [*samples, tp2], ref)
 
 
 def test_ratios_pair_by_slot_and_ignore_unpaired_samples() -> None:
@@ -111,15 +116,21 @@ def test_a_connector_that_did_not_run_fails_the_targets_it_enters_and_says_so() 
     }  # fmt: skip
 
 
-def _at(connector: str, mode: str, slot: int, ttft: float, decode: float = 10.0) -> m.Sample:
-    return m.Sample(connector, mode, slot, slot, 0.0, decode, ttft, 0.0, None, ())
+def _at(
+    connector: str, mode: str, slot: int, ttft: float, decode: float = 10.0, *, tp: int = 1
+) -> m.Sample:
+    return m.Sample(connector, mode, slot, slot, 0.0, decode, ttft, 0.0, None, (), tp)
 
 
 def test_bench_rows_carry_the_spread_of_the_per_slot_ratios() -> None:
-    samples = {
-        ("kvplane", "pull"): [_at("kvplane", "pull", s, t) for s, t in enumerate([100, 200, 300])],
-        ("nixl", "pull"): [_at("nixl", "pull", s, t, 20.0) for s, t in enumerate([200, 200, 200])],
-        ("kvplane", "pipelined"): [_at("kvplane", "pipelined", s, 90.0) for s in range(3)],
+    samples: dict[m.Key, list[m.Sample]] = {
+        ("kvplane", "pull", 1): [
+            _at("kvplane", "pull", s, t) for s, t in enumerate([100, 200, 300])
+        ],
+        ("nixl", "pull", 1): [
+            _at("nixl", "pull", s, t, 20.0) for s, t in enumerate([200, 200, 200])
+        ],
+        ("kvplane", "pipelined", 1): [_at("kvplane", "pipelined", s, 90.0) for s in range(3)],
     }
     rows = m.bench_rows(samples)  # no NIXL push: its row is left out
     assert [r["row"] for r in rows] == [
@@ -133,3 +144,74 @@ def test_bench_rows_carry_the_spread_of_the_per_slot_ratios() -> None:
     assert (rows[1]["ratio_min"], rows[1]["ratio_median"], rows[1]["ratio_max"]) == (0.3, 0.45, 0.9)
     assert rows[1]["target"] == 0.8 and rows[1]["met"] is True
     assert rows[2]["ratio_median"] == 0.5 and rows[2]["stable"] is True and rows[2]["met"] is None
+
+
+def test_a_sample_keeps_the_tp_size_its_pair_ran_at() -> None:
+    p = {"added_at": 1.0, "finished_at": 1.5}
+    d = {"added_at": 1.6, "first_at": 1.7, "tokens": [4]}
+    assert m.sample("kvplane", "pull", 0, 0, prefill=p, decode=d).tp == 1
+    s = m.sample("kvplane", "pull", 0, 0, prefill=p, decode=d, tp=2)
+    assert (s.tp, s.transfer_tail_ms) == (2, None)
+    assert s.ttft_ms == pytest.approx(600.0)
+
+
+def test_names_at_tp_2_carry_a_suffix_and_tp_1_names_stay() -> None:
+    assert m.at_tp("pipelined_vs_pull", 1) == "pipelined_vs_pull"
+    assert m.at_tp("pipelined_vs_pull", 2) == "pipelined_vs_pull_tp2"
+
+
+def test_tp_2_ratios_and_bench_rows_pair_only_tp_2_samples() -> None:
+    samples: dict[m.Key, list[m.Sample]] = {
+        ("kvplane", "pull", 1): [_at("kvplane", "pull", s, 100.0) for s in range(2)],
+        ("kvplane", "pull", 2): [
+            _at("kvplane", "pull", s, t, tp=2) for s, t in [(0, 200), (1, 400)]
+        ],
+        ("kvplane", "pipelined", 2): [
+            _at("kvplane", "pipelined", s, 100.0, tp=2) for s in range(2)
+        ],
+    }
+    got = m.ratios_at(samples, 2)
+    assert got == {
+        "kvplane_pull_vs_nixl_pull_tp2": None,
+        "pipelined_vs_pull_tp2": {"ratio": 0.375, "range": [0.25, 0.5], "pairs": 2},
+        "pipelined_vs_nixl_push_tp2": None,
+        "decode_ttft_kvplane_pull_vs_nixl_pull_tp2": None,
+        "prefill_kvplane_pull_vs_nixl_pull_tp2": None,
+    }
+    assert m.ratios_at(samples, 1)["pipelined_vs_pull"] is None  # no TP 1 pipelined samples
+    rows = m.bench_rows(samples, 2)
+    assert rows == [
+        {
+            "bench": "vllm_pd", "row": "pipelined_vs_pull_tp2", "figure": 100.0, "unit": "ms",
+            "limit": 300.0, "limit_name": "kvplane pull at TP 2", "repeats": 2,
+            "ratio_min": 0.25, "ratio_median": 0.375, "ratio_max": 0.5, "stable": False,
+            "target": 0.8, "met": True,
+        }
+    ]  # fmt: skip
+    assert m.bench_rows(samples, 1) == []
+
+
+def test_targets_per_tp_size_and_an_error_row_named_with_its_tp() -> None:
+    rows = [
+        {"connector": "kvplane", "mode": "pull", "tp": 1, "tokens_equal": True},
+        {"connector": "kvplane", "mode": "pull", "tp": 2, "tokens_equal": True},
+        {"connector": "nixl", "mode": "pull", "tp": 2, "error": "TP 2 needs a core per rank"},
+    ]
+    ratios = {
+        "pipelined_vs_pull": {"ratio": 0.7, "range": [0.6, 0.8], "pairs": 4},
+        "pipelined_vs_pull_tp2": {"ratio": 0.9, "range": [0.8, 1.0], "pairs": 4},
+    }
+    got = m.targets(rows, ratios, (1, 2))
+    assert got == {
+        "tokens_equal": {
+            "met": False, "value": True, "limit": True, "why": "not run: nixl/pull_tp2",
+        },
+        "kvplane_pull_le_nixl_pull": {
+            "met": False, "value": None, "limit": 1.0, "why": "not measured",
+        },
+        "pipelined_le_0.8x_pull": {"met": True, "value": 0.7, "limit": 0.8},
+        "kvplane_pull_le_nixl_pull_tp2": {
+            "met": False, "value": None, "limit": 1.0, "why": "not measured",
+        },
+        "pipelined_le_0.8x_pull_tp2": {"met": False, "value": 0.9, "limit": 0.8},
+    }  # fmt: skip

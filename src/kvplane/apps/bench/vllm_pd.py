@@ -1,5 +1,6 @@
 """``kvplane bench vllm-pd``: PD between two real vLLM engines, kvplane's connector (pull,
-pipelined) against vLLM's own NixlConnector (pull, push), same model, prompts and cores.
+pipelined) against vLLM's own NixlConnector (pull, push), same model, prompts and cores, with
+both engines at TP 1 and (``--tp 2``, or a full run) at TP 2, rank r to rank r.
 
 Runs engine pairs of the vLLM environment (``pd_harness``, one request at a time) and the
 reference tokens in one engine without a connector; mode rows (``modes``), ``bench all`` rows
@@ -24,12 +25,14 @@ from kvplane.apps.bench.vllm_pd_rows import (
     EXPOSED_TAIL_DEFINITION,
     TARGET_DEFINITIONS,
     TTFT_DEFINITION,
+    Key,
     Sample,
+    at_tp,
     bench_rows,
+    ratios_at,
     row,
     sample,
     targets,
-    time_ratio,
 )
 from kvplane.errors import ConfigError, IntegrationError, UnsupportedError
 from kvplane.integrations.vllm.env import nixl_support, run_harness, run_pd_pair, save_tiny_llama
@@ -41,18 +44,30 @@ SIZES = {True: (4, 512, 1024), False: (8, 1024, 4096)}
 """Per ``--quick``: requests per round, shortest and longest prompt (tokens, evenly spaced)."""
 ROUNDS = {True: 1, False: 2}
 PAIRS = {True: ("kvplane",), False: ("kvplane", "nixl-pull", "nixl-push")}
-"""Engine pairs run per ``--quick``: one kvplane pair serves both pull and pipelined;
+"""Engine pairs run per ``--quick`` at TP 1: one kvplane pair serves both pull and pipelined;
 NixlConnector needs a pair per mode, and each pair is two engine starts (a quick run with the
 NIXL pull pair took 213 s at load 8 on this 2-core host, ~70 s of it that pair), so
 ``--quick`` runs kvplane's pair alone: the NIXL rows are the full run's."""
+TP_PAIRS = {True: ("kvplane",), False: ("kvplane", "nixl-pull")}
+"""The same at TP > 1. NIXL push is not run there: the harness's push params name the prefill
+engine at TP 1 (``tp_size``); ``not_run`` says so (:data:`NIXL_PUSH_TP`)."""
+NIXL_PUSH_TP = (
+    "not run at TP > 1: pd_harness's push params (_early_params) name the prefill engine with "
+    "tp_size 1"
+)
+TP_SIZES = {"1": (1,), "2": (2,), "1,2": (1, 2)}
+"""``--tp``: the TP sizes run (both engines of a pair at one size); default ``1`` with
+``--quick``, ``1,2`` for a full run."""
 NOT_IN_QUICK = "full run only (not in --quick)"
 REFERENCE = {
     True: "the kvplane pair's prefill engine alone (no peer), after the timed requests",
     False: "one engine without a connector (its own process)",
 }
-"""Where the reference tokens come from, per ``--quick``: the full run's reference is an engine
-of its own (it runs while the first pair's engines start); ``--quick`` saves that engine's
-start (~50 s at load 8 here) and asks the prefill engine, whose KV never crossed a connector."""
+"""Where the TP 1 reference tokens come from, per ``--quick``: the full run's reference is an
+engine of its own (it runs while the first pair's engines start); ``--quick`` saves that
+engine's start (~50 s at load 8 here) and asks the prefill engine, whose KV never crossed a
+connector. At TP > 1 always the latter (round 0's kvplane pair, same TP): TP 2 tokens are
+compared with a TP 2 engine's."""
 MAX_TOKENS = 8
 STEP_TOKENS = 256
 """Chunked-prefill step (``max_num_batched_tokens``): a 4,096-token prompt is 16 slices."""
@@ -61,7 +76,13 @@ AFFINITY_HOW = (
     "each engine process starts under taskset -c on its cores (the same for every connector: "
     "see prefill and decode); once the engine is built, every thread is set back to them "
     "(pd_harness.pin_threads: vLLM's NIXL worker pins the model-runner thread, engine_set "
-    "shows where); threads started later inherit them"
+    "shows where); threads started later inherit them. At TP > 1 the rank workers are other "
+    "processes: they inherit the engine's taskset, vLLM binds each rank's threads to its run of "
+    "VLLM_CPU_OMP_THREADS_BIND (the engine's cores split per rank, harness.cpu_binds), and "
+    "pin_threads reaches the engine process only: NIXL's worker, in each rank worker, moves its "
+    "model-runner thread to the last core of each NUMA node (vLLM's nixl/base_worker.py; on one "
+    "node every rank's runner onto one core) and that stays, so NIXL rows at TP > 1 do not run "
+    "under kvplane's affinity"
 )
 
 
@@ -71,6 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cores", choices=("auto", "split", "shared"), default="auto",
         help="engines' cores: a half each (split), all for both (shared); auto: split from 4",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tp", choices=tuple(TP_SIZES), default=None, metavar="1|2|1,2",
+        help="both engines' TP sizes run (default: 1 with --quick, else 1,2); TP 2 is rank r "
+        "to rank r and needs a core per rank for each engine",
     )  # fmt: skip
 
 
@@ -109,7 +135,8 @@ class _Bench:
         rounds = int(getattr(args, "rounds", None) or ROUNDS[quick])
         n, lo, hi = SIZES[quick]
         self.n, self.transport, self.rounds = n, transport, rounds
-        self.pairs = PAIRS[quick]
+        self.tps = TP_SIZES[str(getattr(args, "tp", None) or ("1" if quick else "1,2"))]
+        self.pairs = {tp: PAIRS[quick] if tp == 1 else TP_PAIRS[quick] for tp in self.tps}
         self.timeout = PAIR_TIMEOUT_S[quick]
         rng = random.Random(0)
         vocab = MODEL_SHAPE["vocab"]
@@ -135,11 +162,11 @@ class _Bench:
         }
         self.cores = engine_cores(str(getattr(args, "cores", "auto")))
         self.env = {"KVPLANE_SECRET": secrets.token_hex(24)}
-        self.samples: dict[tuple[str, str], list[Sample]] = {}
-        self.errors: dict[tuple[str, str], str] = {}
+        self.samples: dict[Key, list[Sample]] = {}
+        self.errors: dict[Key, str] = {}
         self.affinity: dict[str, Any] = {}
         self._nixl: list[str | None] = []  # nixl_support(), asked once
-        self.reference: list[list[int]] = [[] for _ in self.prompts]
+        self.reference: dict[int, list[list[int]]] = {}  # per TP size
         self.vllm_version: str | None = None  # the reference engine's (full run)
 
     def nixl_missing(self) -> str | None:
@@ -166,27 +193,36 @@ class _Bench:
         return [(mode, None, warm), *((mode, s, p) for s, p in zip(slots, prompts, strict=True))]
 
     def run_pair(
-        self, connector: str, r: int, start_after: Path | None = None, reference: bool = False
+        self,
+        connector: str,
+        r: int,
+        start_after: Path | None = None,
+        reference: bool = False,
+        tp: int = 1,
     ) -> None:
-        """Run round ``r``'s pair of ``connector`` and keep its samples (or its error); with
-        ``start_after`` its engines start at once but serve only once that file exists; with
-        ``reference`` its prefill engine then decodes every prompt alone (:attr:`reference`)."""
+        """Run round ``r``'s pair of ``connector``, both engines at ``tp``, and keep its samples
+        (or its error); with ``start_after`` its engines start at once but serve only once that
+        file exists; with ``reference`` its prefill engine then decodes every prompt alone
+        (:attr:`reference` at ``tp``)."""
         plan = self.layout(connector, r)
         modes = sorted({m for m, _s, _p in plan})
         name = "kvplane" if connector == "kvplane" else "nixl"
-        if any((name, m) in self.errors for m in modes):
+        if any((name, m, tp) in self.errors for m in modes):
             return  # failed in an earlier round: the same error again says nothing new
         spec: dict[str, Any] = {
             **self.base,
             "prompts": [self.prompts[p] for _m, _s, p in plan],
             "sequence": [m for m, _s, _p in plan],
             **({} if start_after is None else {"start_after": str(start_after)}),
+            **({} if tp == 1 else {"tensor_parallel_size": tp}),
         }
         if name == "kvplane":
             spec["connector"] = {"host_slots": 16, "pd_transport": self.transport}
         else:
             spec["nixl"] = {"mode": modes[0]}
         try:
+            if tp > min(len(c) for c in self.cores):  # vllm-cpu binds a core per rank
+                raise ConfigError(f"TP {tp} needs a core per rank in each engine: {self.cores}")
             why = None if name == "kvplane" else self.nixl_missing()
             if why is not None:
                 raise UnsupportedError(why)
@@ -199,13 +235,13 @@ class _Bench:
             )
         except (IntegrationError, UnsupportedError, ConfigError) as exc:
             for m in modes:
-                self.errors[(name, m)] = _reason(exc)
+                self.errors[(name, m, tp)] = _reason(exc)
             return
         assert dec is not None
         if reference:
-            self.reference = [list(t) for t in pre["reference"]]
+            self.reference[tp] = [list(t) for t in pre["reference"]]
         self.affinity.setdefault(
-            connector,
+            at_tp(connector, tp),
             {
                 role: {**got["affinity"], "busiest_threads_cpu_s": got["thread_cpu_s"][:3]}
                 for role, got in (("prefill", pre), ("decode", dec))
@@ -219,33 +255,42 @@ class _Bench:
             got = sample(
                 name, mode, slot, prompt,
                 prefill=pre["prefill"][rid], decode=dec["decode"][rid], slice_done_at=done.get(rid),
+                tp=tp,
             )  # fmt: skip
-            self.samples.setdefault((name, mode), []).append(got)
+            self.samples.setdefault((name, mode, tp), []).append(got)
 
-    def result(self, reference: list[list[int]]) -> dict[str, Any]:
-        ref = dict(enumerate(reference))
+    def result(self) -> dict[str, Any]:
+        """Mode rows, ``bench all`` rows, targets and ratios, per TP size run."""
         rows: list[dict[str, Any]] = []
         keys = (("kvplane", "pull"), ("kvplane", "pipelined"), ("nixl", "pull"), ("nixl", "push"))
-        for key in keys:
-            if key in self.errors:
-                rows.append({"connector": key[0], "mode": key[1], "error": self.errors[key]})
-            elif key in self.samples:
-                rows.append(row(*key, self.samples[key], ref))
-        s = self.samples
-        none: list[Sample] = []
-        kp, kpipe = s.get(("kvplane", "pull"), none), s.get(("kvplane", "pipelined"), none)
-        np_, npush = s.get(("nixl", "pull"), none), s.get(("nixl", "push"), none)
-        ratios = {
-            "kvplane_pull_vs_nixl_pull": time_ratio(kp, np_),
-            "pipelined_vs_pull": time_ratio(kpipe, kp),
-            "pipelined_vs_nixl_push": time_ratio(kpipe, npush),
-            "decode_ttft_kvplane_pull_vs_nixl_pull": time_ratio(kp, np_, "decode_ttft_ms"),
-            "prefill_kvplane_pull_vs_nixl_pull": time_ratio(kp, np_, "prefill_ms"),
-        }
-        verdicts = targets(rows, ratios)
-        if "nixl-pull" not in self.pairs:
-            verdicts["kvplane_pull_le_nixl_pull"]["why"] = f"NIXL pull pair: {NOT_IN_QUICK}"
-        return {"rows": bench_rows(s), "modes": rows, "targets": verdicts, "ratios": ratios}
+        ratios: dict[str, Any] = {}
+        bench: list[dict[str, object]] = []
+        for tp in self.tps:
+            ref = dict(enumerate(self.reference.get(tp, [])))
+            for c, m in keys:
+                if (c, m, tp) in self.errors:
+                    rows.append({"connector": c, "mode": m, "tp": tp,
+                                 "error": self.errors[(c, m, tp)]})  # fmt: skip
+                elif (c, m, tp) in self.samples:
+                    rows.append(row(c, m, self.samples[(c, m, tp)], ref))
+            ratios.update(ratios_at(self.samples, tp))
+            bench += bench_rows(self.samples, tp)
+        verdicts = targets(rows, ratios, self.tps)
+        for tp in self.tps:
+            if "nixl-pull" not in self.pairs[tp]:
+                why = f"NIXL pull pair: {NOT_IN_QUICK}"
+                verdicts[at_tp("kvplane_pull_le_nixl_pull", tp)]["why"] = why
+        return {"rows": bench, "modes": rows, "targets": verdicts, "ratios": ratios}
+
+    def not_run(self) -> dict[str, str]:
+        """The pairs a full run has and this one does not, and why."""
+        out: dict[str, str] = {}
+        for tp in self.tps:
+            full = PAIRS[False] if tp == 1 else TP_PAIRS[False]
+            out |= {at_tp(c, tp): NOT_IN_QUICK for c in full if c not in self.pairs[tp]}
+            if tp > 1:
+                out[at_tp("nixl-push", tp)] = NIXL_PUSH_TP
+        return out
 
 
 def _with_reference_engine(bench: _Bench, connector: str, flag: Path) -> None:
@@ -262,8 +307,25 @@ def _with_reference_engine(bench: _Bench, connector: str, flag: Path) -> None:
         finally:
             flag.write_text("1\n")
         first.result()
-    bench.reference = [list(t) for t in ref["tokens"][0]]
+    bench.reference[1] = [list(t) for t in ref["tokens"][0]]
     bench.vllm_version = ref.get("vllm_version")
+
+
+def _run_pairs(bench: _Bench, quick: bool, tmp: Path) -> None:
+    """Every round of every pair, alternating the pairs' order per round; round 0's kvplane
+    pair at each TP size gives that size's reference tokens (a full run's TP 1: the reference
+    engine, started beside it)."""
+    done: set[tuple[int, str, int]] = set()
+    if 1 in bench.tps and not quick:
+        _with_reference_engine(bench, bench.pairs[1][0], tmp / "reference-done")
+        done.add((0, bench.pairs[1][0], 1))
+    for r in range(bench.rounds):
+        for tp in bench.tps:
+            order = list(bench.pairs[tp])
+            for connector in order if r % 2 == 0 else order[::-1]:
+                if (r, connector, tp) not in done:
+                    first = r == 0 and connector == "kvplane"
+                    bench.run_pair(connector, r, reference=first, tp=tp)
 
 
 def run(quick: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -272,16 +334,8 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, Any]:
         model = Path(tmp) / "model"
         save_tiny_llama(model, MODEL_SHAPE)
         bench = _Bench(quick, args, model)
-        order = list(bench.pairs)
-        if quick:
-            bench.run_pair(order[0], 0, reference=True)
-        else:
-            _with_reference_engine(bench, order[0], Path(tmp) / "reference-done")
-        for r in range(bench.rounds):
-            for connector in order if r % 2 == 0 else order[::-1]:
-                if (r, connector) != (0, order[0]):
-                    bench.run_pair(connector, r)
-    out = bench.result(bench.reference)
+        _run_pairs(bench, quick, Path(tmp))
+    out = bench.result()
     n, lo, hi = SIZES[quick]
     out.update(
         {
@@ -299,13 +353,14 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, Any]:
             "requests": n,
             "prompt_tokens": [lo, hi],
             "rounds": bench.rounds,
-            "pairs": list(bench.pairs),
-            "not_run": {c: NOT_IN_QUICK for c in PAIRS[False] if c not in bench.pairs},
+            "tp": list(bench.tps),
+            "pairs": [at_tp(c, tp) for tp in bench.tps for c in bench.pairs[tp]],
+            "not_run": bench.not_run(),
             "step_tokens": STEP_TOKENS,
             "max_tokens": MAX_TOKENS,
             "kvplane_transport": bench.transport,
             "model": {**MODEL_SHAPE, "dtype": "float32", "block_size": 32},
-            "reference": REFERENCE[quick],
+            "reference": {f"tp{tp}": REFERENCE[quick or tp > 1] for tp in bench.tps},
             "vllm_version": bench.vllm_version,
             "wall_s": round(time.monotonic() - start, 1),
         }

@@ -44,7 +44,8 @@ class Sample:
 
     ``slot`` pairs requests across connectors and modes (same round and position: the same
     prompt for two connectors in one mode family, a prompt of the same length across them);
-    ``prompt`` indexes the bench's prompt list (the reference tokens)."""
+    ``prompt`` indexes the bench's prompt list (the reference tokens); ``tp`` is both
+    engines' tensor-parallel size."""
 
     connector: str
     mode: str
@@ -56,6 +57,7 @@ class Sample:
     exposed_tail_ms: float
     transfer_tail_ms: float | None
     tokens: tuple[int, ...]
+    tp: int = 1
 
 
 def _at(rec: Mapping[str, Any], key: str, what: str) -> float:
@@ -74,10 +76,12 @@ def sample(
     prefill: Mapping[str, Any],
     decode: Mapping[str, Any],
     slice_done_at: float | None = None,
+    tp: int = 1,
 ) -> Sample:
     """A request's :class:`Sample` from its prefill and decode records (``added_at``,
     ``finished_at``; ``added_at``, ``first_at``, ``tokens``) and, for kvplane, when its last
-    slice completed. :class:`InvalidArgumentError` when a time is missing."""
+    slice completed (unknown at TP > 1: the ranks' workers are other processes), both engines
+    at ``tp``. :class:`InvalidArgumentError` when a time is missing."""
     p_add, p_end = _at(prefill, "added_at", "prefill"), _at(prefill, "finished_at", "prefill")
     d_add, d_first = _at(decode, "added_at", "decode"), _at(decode, "first_at", "decode")
     prefill_ms, decode_ms = (p_end - p_add) * 1e3, (d_first - d_add) * 1e3
@@ -85,7 +89,7 @@ def sample(
     transfer = None if slice_done_at is None else (slice_done_at - p_end) * 1e3
     return Sample(
         connector, mode, slot, prompt, prefill_ms, decode_ms, ttft,
-        (d_first - p_end) * 1e3, transfer, tuple(int(t) for t in decode.get("tokens", ())),
+        (d_first - p_end) * 1e3, transfer, tuple(int(t) for t in decode.get("tokens", ())), tp,
     )  # fmt: skip
 
 
@@ -99,23 +103,30 @@ def row(
     samples: Sequence[Sample],
     reference: Mapping[int, Sequence[int]],
 ) -> dict[str, Any]:
-    """One (connector, mode) row: medians over ``samples`` (ms), the TTFT range, whether every
-    request's tokens equal ``reference[prompt]``, and ``repeats`` (the number of samples).
-    :class:`InvalidArgumentError` for no samples."""
+    """One (connector, mode, TP size) row: medians over ``samples`` (ms), the TTFT range,
+    whether every request's tokens equal ``reference[prompt]`` (False where it has none), and
+    ``repeats`` (the number of samples). :class:`InvalidArgumentError` for no samples or
+    samples of more than one TP size."""
     if not samples:
         raise InvalidArgumentError(f"row {connector}/{mode}: no samples")
+    tps = sorted({s.tp for s in samples})
+    if len(tps) != 1:
+        raise InvalidArgumentError(f"row {connector}/{mode}: samples at TP sizes {tps}")
     ttft = [s.ttft_ms for s in samples]
     tails = [s.transfer_tail_ms for s in samples if s.transfer_tail_ms is not None]
     return {
         "connector": connector,
         "mode": mode,
+        "tp": tps[0],
         "ttft_ms": _median(ttft),
         "ttft_range_ms": [round(min(ttft), 2), round(max(ttft), 2)],
         "decode_ttft_ms": _median([s.decode_ttft_ms for s in samples]),
         "prefill_ms": _median([s.prefill_ms for s in samples]),
         "exposed_tail_ms": _median([s.exposed_tail_ms for s in samples]),
         "transfer_tail_ms": _median(tails) if tails else None,
-        "tokens_equal": all(list(s.tokens) == list(reference[s.prompt]) for s in samples),
+        "tokens_equal": all(
+            s.prompt in reference and list(s.tokens) == list(reference[s.prompt]) for s in samples
+        ),
         "repeats": len(samples),
     }
 
@@ -143,7 +154,16 @@ def time_ratio(
     }
 
 
-ROWS = (
+def at_tp(name: str, tp: int) -> str:
+    """``name`` of a row, ratio or target measured with both engines at ``tp``: as is at TP 1,
+    suffixed ``_tp<n>`` above."""
+    return name if tp == 1 else f"{name}_tp{tp}"
+
+
+Key = tuple[str, str, int]
+"""A sample set's key: connector, mode, both engines' TP size."""
+
+RATIOS = (
     ("kvplane_pull_vs_nixl_pull", ("kvplane", "pull"), ("nixl", "pull"), "ttft_ms",
      "NixlConnector pull", 1.0),
     ("pipelined_vs_pull", ("kvplane", "pipelined"), ("kvplane", "pull"), "ttft_ms",
@@ -152,48 +172,73 @@ ROWS = (
      "NixlConnector push", None),
     ("decode_ttft_kvplane_pull_vs_nixl_pull", ("kvplane", "pull"), ("nixl", "pull"),
      "decode_ttft_ms", "NixlConnector pull", None),
+    ("prefill_kvplane_pull_vs_nixl_pull", ("kvplane", "pull"), ("nixl", "pull"), "prefill_ms",
+     None, None),
 )  # fmt: skip
-"""The ``bench all`` rows: name, ours, the limit, the field, the limit's name, the target."""
+"""The paired ratios: name, ours, theirs (connector, mode), the field, and for a ``bench all``
+row the limit's name (None: a ratio only) and the target."""
 
 
-def bench_rows(samples: Mapping[tuple[str, str], Sequence[Sample]]) -> list[dict[str, object]]:
-    """One ``bench all`` row per entry of :data:`ROWS` whose both sides ran: ours and the
-    limit as medians (ms), the spread of the per-slot ratios ``ours / limit`` (lower is
-    better)."""
+def ratios_at(samples: Mapping[Key, Sequence[Sample]], tp: int) -> dict[str, Any]:
+    """Every :data:`RATIOS` entry (:func:`time_ratio`, None where a side did not run) between
+    the samples at ``tp``, named by :func:`at_tp`."""
+    return {
+        at_tp(name, tp): time_ratio(
+            samples.get((*ours, tp), ()), samples.get((*theirs, tp), ()), field
+        )
+        for name, ours, theirs, field, _limit, _target in RATIOS
+    }
+
+
+def bench_rows(samples: Mapping[Key, Sequence[Sample]], tp: int = 1) -> list[dict[str, object]]:
+    """One ``bench all`` row per :data:`RATIOS` entry with a limit whose both sides ran at
+    ``tp`` (named by :func:`at_tp`): ours and the limit as medians (ms), the spread of the
+    per-slot ratios ``ours / limit`` (lower is better)."""
     out: list[dict[str, object]] = []
-    for name, ours, theirs, field, limit_name, target in ROWS:
-        a, b = samples.get(ours, ()), samples.get(theirs, ())
+    for name, ours, theirs, field, limit_name, target in RATIOS:
+        if limit_name is None:
+            continue
+        a, b = samples.get((*ours, tp), ()), samples.get((*theirs, tp), ())
         ratios = slot_ratios(a, b, field)
         if not ratios:
             continue
         row = Row(
-            "vllm_pd", name, statistics.median(float(getattr(s, field)) for s in a), "ms",
-            statistics.median(float(getattr(s, field)) for s in b), limit_name,
-            spread_of(ratios), target, False,
+            "vllm_pd", at_tp(name, tp), statistics.median(float(getattr(s, field)) for s in a),
+            "ms", statistics.median(float(getattr(s, field)) for s in b),
+            limit_name if tp == 1 else f"{limit_name} at TP {tp}", spread_of(ratios), target, False,
         )  # fmt: skip
         out.append(row.as_dict())
     return out
 
 
 def targets(
-    rows: Sequence[Mapping[str, Any]], ratios: Mapping[str, dict[str, Any] | None]
+    rows: Sequence[Mapping[str, Any]],
+    ratios: Mapping[str, dict[str, Any] | None],
+    tps: Sequence[int] = (1,),
 ) -> dict[str, dict[str, Any]]:
     """The issue's targets, each ``met`` (false where it could not be measured, with
-    ``why``), its measured ``value`` and the ``limit``; ``ratios`` holds
-    ``kvplane_pull_vs_nixl_pull`` and ``pipelined_vs_pull`` (:func:`time_ratio`)."""
+    ``why``), its measured ``value`` and the ``limit``: ``tokens_equal`` over every row, and
+    the two ratio targets per TP size of ``tps`` (named by :func:`at_tp`); ``ratios`` holds
+    ``kvplane_pull_vs_nixl_pull`` and ``pipelined_vs_pull`` per TP size (:func:`ratios_at`)."""
     out: dict[str, dict[str, Any]] = {}
-    errors = [f"{r['connector']}/{r['mode']}" for r in rows if "error" in r]
+    errors = [at_tp(f"{r['connector']}/{r['mode']}", int(r.get("tp", 1)))
+              for r in rows if "error" in r]  # fmt: skip
     equal = all(r.get("tokens_equal") is True for r in rows if "error" not in r)
     out["tokens_equal"] = {"met": equal and not errors, "value": equal, "limit": True}
     if errors:
         out["tokens_equal"]["why"] = f"not run: {', '.join(errors)}"
-    for name, key, limit in (
-        ("kvplane_pull_le_nixl_pull", "kvplane_pull_vs_nixl_pull", 1.0),
-        ("pipelined_le_0.8x_pull", "pipelined_vs_pull", PIPELINED_MAX),
-    ):
-        got = ratios.get(key)
-        if got is None:
-            out[name] = {"met": False, "value": None, "limit": limit, "why": "not measured"}
-        else:
-            out[name] = {"met": got["ratio"] <= limit, "value": got["ratio"], "limit": limit}
+    for tp in tps:
+        for name, key, limit in (
+            ("kvplane_pull_le_nixl_pull", "kvplane_pull_vs_nixl_pull", 1.0),
+            ("pipelined_le_0.8x_pull", "pipelined_vs_pull", PIPELINED_MAX),
+        ):
+            got = ratios.get(at_tp(key, tp))
+            if got is None:
+                out[at_tp(name, tp)] = {
+                    "met": False, "value": None, "limit": limit, "why": "not measured",
+                }  # fmt: skip
+            else:
+                out[at_tp(name, tp)] = {
+                    "met": got["ratio"] <= limit, "value": got["ratio"], "limit": limit,
+                }  # fmt: skip
     return out

@@ -45,7 +45,7 @@ from kvplane.integrations.vllm.kv_shapes import LayerShape, stride_order_from_na
 from kvplane.integrations.vllm.messages import StepMeta, TierIndex, WorkerReport
 from kvplane.integrations.vllm.pd_config import PDSettings, pd_settings
 from kvplane.integrations.vllm.pd_params import RecvParams
-from kvplane.integrations.vllm.pd_ranks import check_tp_transport, rank_settings
+from kvplane.integrations.vllm.pd_ranks import rank_settings
 from kvplane.integrations.vllm.pd_scheduler import PDScheduler
 from kvplane.integrations.vllm.pd_worker import PDWorkerSide, make_pd_transport
 from kvplane.integrations.vllm.pool import VllmPool, relocate
@@ -141,8 +141,8 @@ def _tp_rank(size: int) -> int:
 
 class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """kvplane's chunk-granular offload (host, disk, Redis) and PD transfer as a vLLM KV
-    connector, at any TP size (PD: both engines at the same TP, rank r to rank r, over ``tcp``
-    or ``shm`` when TP > 1; ``UnsupportedError`` for other transports there)."""
+    connector, at any TP size (PD: both engines at the same TP, rank r to rank r, over any PD
+    transport)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         outside_range = check_vllm(vllm.__version__, cpu=current_platform.is_cpu())
@@ -168,8 +168,6 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.pd_settings: PDSettings | None = pd_settings(self.config.pd, os.environ)
-        if self.pd_settings is not None:  # TP > 1: one session per (request, rank)
-            check_tp_transport(self.pd_settings.transport, self.tp_size)
         self.pd_scheduler: PDScheduler | None = None
         self.pd_worker: PDWorkerSide | None = None
         self._saved: StepMeta | None = None  # the step wait_for_save last ran for
@@ -188,7 +186,9 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     check_prompt=self.pd_settings.check_prompt,
                     tp_size=self.tp_size,
                 )
-        serve_metrics(self.metrics, self.config, scheduler=role == KVConnectorRole.SCHEDULER)
+        scheduler = role == KVConnectorRole.SCHEDULER
+        rank = 0 if scheduler or not self.config.metrics_port else _tp_rank(self.tp_size)
+        serve_metrics(self.metrics, self.config, scheduler=scheduler, rank=rank)
 
     # -- vLLM's metrics ----------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVPlaneStats | None:

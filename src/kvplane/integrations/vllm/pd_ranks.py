@@ -3,10 +3,11 @@ rank r of a prefill engine, one kvplane PD session per (request, rank).
 
 Owns the per-rank pieces of the connector's PD mode: the layout a rank announces and plans with
 (:func:`rank_layout`, its head range), its endpoint settings (:func:`rank_settings`), the refusal
-of unequal TP sizes (:func:`tp_refusal`), of a peer holding other heads (:func:`heads_refusal`)
-and of transports not run at TP > 1 (:func:`check_tp_transport`), and :class:`RankResults`,
-which joins the ranks' session results into one per request. Plain data: no vLLM, no sockets.
-See docs/vllm.md ("PD at TP > 1").
+of unequal TP sizes (:func:`tp_refusal`) and of a peer holding other heads (:func:`heads_refusal`),
+each rank's session id (:func:`rank_session`), the prefill ranks a refusing decode rank tells
+(:func:`abandon_peers`), and :class:`RankResults`, which joins the ranks' session results into
+one per request. Every PD transport runs at TP > 1: each rank's worker process makes its own.
+Plain data: no vLLM, no sockets. See docs/vllm.md ("PD at TP > 1").
 """
 
 from __future__ import annotations
@@ -14,15 +15,13 @@ from __future__ import annotations
 import dataclasses
 
 from kvplane.errors import ConfigError, InvalidArgumentError, UnsupportedError
-from kvplane.integrations.vllm.messages import PDResult
+from kvplane.ids import SessionId
+from kvplane.integrations.vllm.messages import PDResult, RecvOp
 from kvplane.integrations.vllm.pd_config import PDSettings
 from kvplane.integrations.vllm.tp import TPShard
 from kvplane.layout import KVLayout, LayoutKind
 from kvplane.pd.handshake import LayoutInfo
 from kvplane.validators import require_int
-
-TP_TRANSPORTS = ("tcp", "shm")
-"""PD transports run between real engines at TP > 1 (``nixl``, ``mooncake``: TP 1 only)."""
 
 
 def rank_layout(layout: KVLayout, shard: TPShard) -> KVLayout:
@@ -73,13 +72,23 @@ def tp_refusal(prefill_tp: int, decode_tp: int) -> UnsupportedError | None:
     )
 
 
-def check_tp_transport(transport: str, tp_size: int) -> None:
-    """``UnsupportedError`` for a PD transport at TP > 1 that is not in :data:`TP_TRANSPORTS`."""
-    if tp_size > 1 and transport not in TP_TRANSPORTS:
-        raise UnsupportedError(
-            f"pd_transport {transport!r} at tensor parallel size {tp_size}: PD at TP > 1 runs "
-            f"over {' or '.join(TP_TRANSPORTS)}"
-        )
+def rank_session(session_id: str, rank: int) -> SessionId:
+    """The id of rank ``rank``'s PD session of the transfer both engines name ``session_id``:
+    ``session_id`` itself at rank 0 (and at TP 1), ``<session_id>.rank<r>`` above. Both engines
+    derive it alike, and the sessions of one request differ per rank, so one participant can end
+    the sessions of several prefill ranks (:func:`abandon_peers`)."""
+    return SessionId(session_id if rank == 0 else f"{session_id}.rank{rank}")
+
+
+def abandon_peers(op: RecvOp, shard: TPShard) -> tuple[tuple[str, SessionId], ...]:
+    """(endpoint, session id) of each prefill rank that decode rank ``shard.rank`` of
+    ``shard.size`` tells that a refused request (``op.abandon``) will never be asked for:
+    prefill ranks ``rank, rank + size, ...`` of those ``op`` names, so the decode engine's
+    ranks together tell every prefill rank once, whatever the two TP sizes (a TP 1 decode tells
+    both ranks of a TP 2 prefill; rank 1 of a TP 2 decode tells no TP 1 prefill)."""
+    addresses = op.rank_addresses or (op.address,)
+    ranks = range(shard.rank, len(addresses), shard.size)
+    return tuple((addresses[r], rank_session(op.session_id, r)) for r in ranks)
 
 
 class RankResults:

@@ -6,8 +6,9 @@ engine cuts each step's KV into slices (block-aligned) and hands them to the ses
 engine's ``TransferRequest`` opens (before or after the prefill: pipelined or pull); a decode
 engine opens receiver sessions into the blocks vLLM allocated. Memory is handed back to vLLM only
 on the ledger's release. At TP > 1 there is one per rank: it announces and plans with its head
-range (:func:`~.pd_ranks.rank_layout`) and pairs with the same rank of the other engine.
-Decides nothing about which requests move: :mod:`.pd_scheduler` does.
+range (:func:`~.pd_ranks.rank_layout`), names its sessions by rank
+(:func:`~.pd_ranks.rank_session`) and pairs with the same rank of the other engine (handshakes:
+:mod:`.pd_peers`). Decides nothing about which requests move: :mod:`.pd_scheduler` does.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvplane.errors import KVPlaneError, ProtocolError, TransferTimeoutError, UnsupportedError
+from kvplane.errors import KVPlaneError, ProtocolError, UnsupportedError
 from kvplane.ids import PeerId, RegionId, RequestId, SessionId
 from kvplane.integrations.vllm.messages import EndOp, PDResult, RecvOp, SendOp, StepMeta
 from kvplane.integrations.vllm.pd_config import PDSettings
-from kvplane.integrations.vllm.pd_ranks import heads_refusal, rank_layout
+from kvplane.integrations.vllm.pd_peers import PrefillPeers
+from kvplane.integrations.vllm.pd_ranks import heads_refusal, rank_layout, rank_session
 from kvplane.integrations.vllm.pool import VllmPool
 from kvplane.integrations.vllm.tp import TPShard
 from kvplane.integrations.vllm.wakeup import Wakeup
@@ -47,10 +49,6 @@ from kvplane.transports.base import Transport
 from kvplane.transports.registry import create_transport
 
 log = logging.getLogger(__name__)
-
-CONNECT_ATTEMPT_S = 5.0
-"""How long one handshake attempt with a prefill engine waits for its answers before it is
-made again on a fresh connection."""
 
 
 @dataclass(slots=True, eq=False)
@@ -100,10 +98,11 @@ class PDWorkerSide:
         shard: TPShard | None = None,
     ) -> None:
         self.settings = settings
-        self.rank = 0 if shard is None else shard.rank
+        self.shard = TPShard() if shard is None else shard
+        self.rank = self.shard.rank
         self.wake = Wakeup() if wake is None else wake
         self.pool = pool
-        self.layout = layout = rank_layout(pool.layout, shard or TPShard())
+        self.layout = layout = rank_layout(pool.layout, self.shard)
         self.block_size = layout.block_size
         name = settings.name
         incarnation = time.time_ns() // 1000
@@ -148,7 +147,6 @@ class PDWorkerSide:
         self._send_of: dict[str, SessionId] = {}
         self._known: dict[SessionId, DestinationKnown] = {}
         self._recvs: dict[SessionId, _Recv] = {}
-        self._peers: dict[str, PeerId] = {}
         self._dials: queue.SimpleQueue[RecvOp | None] = queue.SimpleQueue()
         self._results: list[PDResult] = []
         self._sent_done: set[str] = set()
@@ -159,6 +157,7 @@ class PDWorkerSide:
         self._failing: list[tuple[SessionId, str]] = []
         self.driver.start()
         self.endpoint.start()
+        self.peers = PrefillPeers(self.endpoint, settings.connect_timeout_s, self.shard)
         self._dialer = threading.Thread(target=self._dial_loop, name="kvplane-pd-dial", daemon=True)
         self._dialer.start()
 
@@ -230,7 +229,7 @@ class PDWorkerSide:
             return SliceSource(send.op.req_id, (pool,))
 
     def _cut(self, op: SendOp) -> None:
-        sid = SessionId(op.session_id)
+        sid = rank_session(op.session_id, self.rank)
         with self._lock:
             send = self._sends.get(sid)
             if send is None:
@@ -293,6 +292,7 @@ class PDWorkerSide:
             with self._lock:
                 send = self._sends[sid]
                 send.stopped = True
+                send.reason = send.reason or end.reason  # an unbound send reports why it ended
                 send.parked.clear()
                 bound = send.bound
             if bound:
@@ -322,16 +322,14 @@ class PDWorkerSide:
             op = self._dials.get()
             if op is None:
                 return
+            if op.abandon:  # refused up front: every prefill rank must free its blocks now
+                self.peers.abandon(op)
+                continue
             address = op.peer(self.rank)
-            if address is None:  # a TP-mismatch abandon names fewer prefill ranks than ours
+            if address is None:  # the scheduler sends receives only at equal TP sizes
                 continue
             try:
-                peer = self._peers.get(address)
-                if peer is None or not self._live(peer):
-                    peer = self._peers[address] = self._connect(address)
-                if op.abandon:
-                    self.endpoint.abandon(SessionId(op.session_id), peer, op.abandon)
-                    continue
+                peer = self.peers.peer(address)
                 refusal = self.endpoint.call(functools.partial(self._heads, peer, False))
                 if refusal is not None:  # not our rank's shard (another rank, another TP size)
                     raise refusal
@@ -341,45 +339,21 @@ class PDWorkerSide:
                     prefix_tokens=op.prefix_tokens,
                     num_tokens=op.num_tokens,
                 )
-                sid = SessionId(op.session_id)
+                sid = rank_session(op.session_id, self.rank)
                 with self._lock:
                     self._recvs[sid] = _Recv(op, opened=True)
                 self.endpoint.open_receiver(sid, peer, start)
             except (KVPlaneError, OSError) as exc:
                 log.warning("kvplane PD: receive of %s failed: %s", op.req_id, exc)
-                if op.abandon:
-                    continue  # the prefill's own timeout frees it
                 with self._lock:
-                    self._recvs.pop(SessionId(op.session_id), None)
+                    self._recvs.pop(rank_session(op.session_id, self.rank), None)
                 self._recv_ended(op, False, f"cannot open the receive: {exc}")
-
-    def _connect(self, address: str) -> PeerId:
-        """Handshake with the prefill engine at ``address``: a dial that got no answer within
-        :data:`CONNECT_ATTEMPT_S` is dropped and made afresh (a new connection and nonce) until
-        ``connect_timeout_s``; a refusal is final. Each timed-out attempt is logged with the
-        endpoint's handshake counters."""
-        deadline = time.monotonic() + self.settings.connect_timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                return self.endpoint.connect(address, min(CONNECT_ATTEMPT_S, max(left, 0.001)))
-            except TransferTimeoutError as exc:
-                counters = {
-                    k: v for k, v in self.endpoint.snapshot().items()
-                    if v and any(w in k for w in ("handshake", "drop", "frames", "connection"))
-                }  # fmt: skip
-                log.warning("kvplane PD: %s (%s)", exc, counters)
-                if left <= CONNECT_ATTEMPT_S:
-                    raise
 
     def _heads(self, peer: PeerId, sender: bool) -> UnsupportedError | None:
         """(PD loop thread) :func:`~.pd_ranks.heads_refusal` of an admitted ``peer``."""
         rec = self.participant.peers.get(peer)
         theirs = None if rec is None else rec.hello.profile.layouts[0]
         return None if theirs is None else heads_refusal(self.layout, theirs, sender=sender)
-
-    def _live(self, peer: PeerId) -> bool:
-        return bool(self.endpoint.call(lambda: self.participant.peers.is_live(peer)))
 
     def _recv_ended(self, op: RecvOp, ok: bool, reason: str) -> None:
         with self._lock:

@@ -17,7 +17,8 @@ from kvplane.integrations.vllm.sizing import GIB, slot_cost
 from kvplane.metrics import MetricsRegistry, MetricsServer
 
 SCHEDULER_PORT_OFFSET = 1
-"""The scheduler side serves on ``metrics_port + 1``, the worker side on ``metrics_port``."""
+"""The scheduler side serves on ``metrics_port + 1``, the worker side (rank 0) on
+``metrics_port``; rank ``r > 0`` on ``metrics_port + 1 + r`` (:func:`metrics_port_of`)."""
 
 
 def failure_policy_warning(config: ConnectorConfig, policy: str) -> str | None:
@@ -37,20 +38,38 @@ def failure_policy_warning(config: ConnectorConfig, policy: str) -> str | None:
     )
 
 
+def metrics_port_of(config: ConnectorConfig, *, scheduler: bool, rank: int = 0) -> int:
+    """The private metrics port of one side: the scheduler's ``metrics_port + 1``, worker rank
+    0's ``metrics_port`` (so TP 1 keeps its two ports), worker rank ``r > 0``'s
+    ``metrics_port + 1 + r`` (each rank worker is its own process and needs its own port).
+    ``ConfigError`` when that is past 65535."""
+    base = config.metrics_port
+    port = base + SCHEDULER_PORT_OFFSET if scheduler else base + (rank + 1 if rank else 0)
+    if port > 65535:
+        raise ConfigError(f"metrics_port={base}: worker rank {rank} would serve on port {port}")
+    return port
+
+
 def serve_metrics(
-    metrics: MetricsRegistry, config: ConnectorConfig, *, scheduler: bool
+    metrics: MetricsRegistry, config: ConnectorConfig, *, scheduler: bool, rank: int = 0
 ) -> MetricsServer | None:
-    """Serve ``metrics`` on the side's private port (none when ``metrics_port`` is 0). A port
-    in use is a ``ConfigError`` naming the key, not a bare ``OSError``."""
+    """Serve ``metrics`` on the side's private port (:func:`metrics_port_of`; none when
+    ``metrics_port`` is 0). A port in use is a ``ConfigError`` naming the key, not a bare
+    ``OSError``."""
     if not config.metrics_port:
         return None
-    port = config.metrics_port + (SCHEDULER_PORT_OFFSET if scheduler else 0)
+    port = metrics_port_of(config, scheduler=scheduler, rank=rank)
     try:
         return metrics.serve(port)
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
-        side = "scheduler side (metrics_port + 1)" if scheduler else "worker side (metrics_port)"
+        if scheduler:
+            side = "scheduler side (metrics_port + 1)"
+        elif rank:
+            side = f"worker side of rank {rank} (metrics_port + {rank + 1})"
+        else:
+            side = "worker side (metrics_port)"
         raise ConfigError(
             f"metrics_port={config.metrics_port}: port {port} for the {side} is already in use "
             "on 127.0.0.1; choose another metrics_port, or 0 for no private metrics port"
