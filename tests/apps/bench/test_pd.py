@@ -1,5 +1,6 @@
 """``kvplane bench pd`` at a toy size: the JSON keys of the issue, one mode row per mode, the
-``bench all`` rows with their spreads, and the real-model comparison."""
+``bench all`` rows with their spreads and layout, and the real-model comparison (the layout
+rows' own run: test_pd_layouts.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from kvplane.apps.bench import pd
 
 
 def test_bench_reports_every_key_for_both_modes() -> None:
-    args = argparse.Namespace(transports="tcp,nope", requests=1, tokens=64, step=16, layers=1)
+    args = argparse.Namespace(
+        transports="tcp,nope", requests=1, tokens=64, step=16, layers=1, layouts=False
+    )
     out = pd.run(False, args)  # the full run: --quick leaves the real model out
     rows = out["modes"]
     assert isinstance(rows, list)
@@ -21,6 +24,7 @@ def test_bench_reports_every_key_for_both_modes() -> None:
     for row in rows[:2]:
         assert set(row) >= {
             "transport",
+            "layout",
             "mode",
             "ttft_ms",
             "exposed_tail_ms",
@@ -62,6 +66,8 @@ def test_bench_reports_every_key_for_both_modes() -> None:
     ]
     assert [r["target"] for r in lines] == [0.7, 1.5, 1.1, None, 1.5]
     assert all(r["bench"] == "pd" and r["repeats"] == 2 and not r["stable"] for r in lines)
+    assert {r["layout"] for r in [*lines, *rows[:3], *out["model"]["modes"]]} == {"1->1"}  # type: ignore[index]
+    assert out["layouts"] is None  # --no-layouts (off by default with --quick)
     assert lines[0]["ratio_median"] == round(rows[0]["ttft_ratio"], 4)
     model = out["model"]
     assert isinstance(model, dict)
@@ -101,7 +107,7 @@ def test_quick_runs_tcp_without_the_model_and_the_full_run_tcp_shm_and_the_model
         args = argparse.Namespace(transports=None, requests=1, tokens=64, step=16, layers=1)
         out = pd.run(quick, args)
         assert out["modes"] == [{"transport": t, "skipped": "off here"} for t in want]
-        assert out["rows"] == [] and out["model"] is None
+        assert out["rows"] == [] and out["model"] is None and out["layouts"] is None
         assert out.get("model_skipped") == (pd.NO_MODEL_IN_QUICK if quick else None)
 
 

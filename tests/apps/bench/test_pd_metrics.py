@@ -9,7 +9,7 @@ import torch
 
 from kvplane.apps.bench import pd_metrics as m
 from kvplane.errors import InvalidArgumentError
-from kvplane.pipeline.timeline import Mark, RequestTimes, Timeline, request_times
+from kvplane.pipeline.timeline import Mark, RequestTimes, Timeline, TimelineEvent, request_times
 
 
 def _queued_request() -> RequestTimes:
@@ -116,10 +116,46 @@ def test_bench_rows_pair_ttft_and_tail_request_by_request() -> None:
         "bench": "pd", "row": "tcp_ttft_pipelined_vs_non_pipelined", "figure": 70.0,
         "unit": "ms", "limit": 100.0, "limit_name": "non-pipelined", "repeats": 3,
         "ratio_min": 0.6, "ratio_median": 0.7, "ratio_max": 0.8, "stable": False,
-        "target": 0.7, "met": True,
+        "target": 0.7, "met": True, "layout": "1->1",
     }  # fmt: skip
     assert tail_row["row"] == "tcp_exposed_tail_vs_slice" and tail_row["repeats"] == 2
     assert (tail_row["figure"], tail_row["limit"], tail_row["ratio_median"]) == (2.5, 2.0, 1.25)
     assert tail_row["target"] == 1.5 and tail_row["met"] is True
-    only = m.bench_rows("model", ttft, fields[1:2], ttft_target=None)
+    only = m.bench_rows("model", ttft, fields[1:2], ttft_target=None, layout="pp2->1")
     assert len(only) == 1 and only[0]["met"] is None  # no tail row without a tail
+    assert only[0]["layout"] == "pp2->1"
+
+
+def _rank(t0: float, steps: int, slice_ms: float) -> list[TimelineEvent]:
+    """One rank's events of request ``r``: ``steps`` steps of 1 ms from ``t0`` (ms), each
+    step's slice submitted at its end and done ``slice_ms`` later."""
+    t = Timeline("p")
+    for i in range(steps):
+        start = (t0 + i) * 1e-3
+        t.record(Mark.STEP_START, "r", t=start)
+        t.record(Mark.STEP_END, "r", t=start + 1e-3)
+        t.record(Mark.SLICE_SUBMIT, "r", slice_id=i, t=start + 1e-3)
+        t.record(Mark.SLICE_DONE, "r", slice_id=i, t=start + 1e-3 + slice_ms * 1e-3)
+    return t.events("r")
+
+
+def test_a_gather_adds_up_its_ranks_and_ends_at_the_last_one() -> None:
+    d = Timeline("d")
+    d.record(Mark.DECODE_READY, "r", t=10e-3)
+    ready = d.events("r")
+    # rank 0: steps [0, 1), [1, 2) ms, slices [1, 1.5), [2, 2.5): the first hidden under step 2
+    # rank 1: steps [4, 5), [5, 6), [6, 7) ms, slices 0.25 ms each, the last two hidden
+    got = m.gather_times([[*_rank(0.0, 2, 0.5), *ready], [*_rank(4.0, 3, 0.25), *ready]])
+    assert got.steps == 5 and got.compute_s == pytest.approx(5e-3)
+    assert got.transfer_s == pytest.approx(1.75e-3) and got.hidden_s == pytest.approx(1e-3)
+    assert got.overlap_ratio == pytest.approx(1 / 1.75)
+    assert (got.prefill_end, got.decode_ready) == pytest.approx((7e-3, 10e-3))
+    assert got.exposed_tail_s == pytest.approx(3e-3)  # from the last rank's last step
+    assert got.slice_busy_s == pytest.approx((0.5e-3,) * 2 + (0.25e-3,) * 3)
+    fields = m.request_fields(got, truncated=False)
+    assert fields["slice_transfer_ms"] == pytest.approx(0.35)
+    assert fields["step_compute_ms"] == pytest.approx(1.0)
+    one = [*_rank(0.0, 2, 0.5), *ready]
+    assert m.gather_times([one]) == request_times(one)  # one rank: its own times
+    with pytest.raises(InvalidArgumentError):
+        m.gather_times([])

@@ -1,9 +1,10 @@
 """``kvplane bench pd``: pipelined vs non-pipelined prefill→decode transfer, per transport.
 
 Runs real ``kvplane serve`` worker processes on a calibrated DeepSeek-V3-deep synthetic
-workload (a step's compute is a sleep: ``compute_model``) and on the tiny real model
-(:mod:`.pd_model`), and reports TTFT, exposed tail and overlap from their timelines, the TTFT
-ratio paired request by request. Workload, calibration, limit and verdicts: docs/benchmarks.md.
+workload (a step's compute is a sleep: ``compute_model``), on the tiny real model
+(:mod:`.pd_model`) and with the prefill split over TP or PP ranks (:mod:`.pd_layouts`), and
+reports TTFT, exposed tail and overlap from their timelines, the TTFT ratio paired request by
+request. Workload, calibration, limit and verdicts: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvplane.apps.bench.pd_layouts import layout_result
 from kvplane.apps.bench.pd_metrics import (
     TARGET_DEFINITIONS,
     TTFT_RATIO_MAX,
@@ -27,6 +29,7 @@ from kvplane.apps.bench.pd_metrics import (
 )
 from kvplane.apps.bench.pd_model import COMPUTE_MODEL, model_result
 from kvplane.apps.bench.pd_pair import Pair, PairSpec, compare_modes, mode_rows, prompt
+from kvplane.apps.bench.pd_ranks import BASE_LAYOUT
 from kvplane.apps.bench.spread import Row, paired_ratio, spread_of
 from kvplane.errors import KVPlaneError
 from kvplane.transports.registry import available
@@ -72,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--no-model", action="store_true", help="skip the real-model rows")
+    parser.add_argument(
+        "--layouts", action=argparse.BooleanOptionalAction, default=None,
+        help="the TP 2->1 and PP 2->1 layout rows (default: on, off with --quick)",
+    )  # fmt: skip
 
 
 def _synthetic(spec: _Spec, compute_ms: float) -> PairSpec:
@@ -138,7 +145,7 @@ def auto_row(transport: str, ttft_ms: Mapping[str, Sequence[float]]) -> dict[str
     return Row(
         "pd", f"{transport}_ttft_auto_vs_best_fixed", statistics.median(auto), "ms",
         statistics.median(best), "the better fixed mode", ratios, AUTO_RATIO_MAX, False,
-    ).as_dict()  # fmt: skip
+    ).as_dict() | {"layout": BASE_LAYOUT}  # fmt: skip
 
 
 def zero_stretch_ratio(steps: int, step_ms: float, bulk_step_ms: float) -> float:
@@ -192,6 +199,11 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
     if ran and MODEL_ROWS[quick] and not getattr(args, "no_model", False):
         model = model_result(ran[0], n_tok, step, (n_req, 2 * n_req), CAP_S[quick])
         lines.extend(model["rows"])
+    layouts: dict[str, Any] | None = None
+    want_layouts = getattr(args, "layouts", None)
+    if ran and (not quick if want_layouts is None else want_layouts):
+        layouts = layout_result(ran[0], n_tok, step, (n_req, 2 * n_req), CAP_S[quick])
+        lines.extend(layouts["rows"])
     block_bytes = 16 * layers * 576 * 2  # the workers' block: 16 tokens, every layer
     memcpy_ms, scattered_ms = memcpy_slice_ms(
         slice_bytes, block_bytes if step % 16 == 0 else slice_bytes
@@ -211,6 +223,7 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
         "memcpy_slice_scattered_ms": scattered_ms,
         "modes": modes,
         "model": model,
+        "layouts": layouts,
         **({} if MODEL_ROWS[quick] else {"model_skipped": NO_MODEL_IN_QUICK}),
         "calibration": calibrations,
         "targets": targets_by,

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from kvplane.apps.bench.spread import Row, spread_of
 from kvplane.errors import InvalidArgumentError
-from kvplane.pipeline.timeline import RequestTimes
+from kvplane.metrics import overlap_ratio
+from kvplane.pipeline.timeline import RequestTimes, TimelineEvent, request_times
 
 TIME_FIELDS = (
     "exposed_tail_ms",
@@ -52,12 +53,14 @@ def bench_rows(
     pipelined: Sequence[Mapping[str, float | None]],
     *,
     ttft_target: float | None,
+    layout: str = "1->1",
 ) -> list[dict[str, object]]:
     """The ``bench all`` rows of one pipelined/non-pipelined comparison named ``prefix``
     (lower is better in both): the pipelined TTFT against the non-pipelined one, paired request
     by request (``ttft_ms[mode]``, ms), with ``ttft_target``; and the pipelined exposed tail
     against one slice's busy transfer, per request (``pipelined``: :func:`request_fields` of
-    each), target :data:`TAIL_FACTOR` -- left out when no request has both (positive)."""
+    each), target :data:`TAIL_FACTOR` -- left out when no request has both (positive). Each
+    row names its parallel ``layout`` (``"1->1"``, ``"tp2->1"``, ``"pp2->1"``)."""
     p, n = ttft_ms["pipelined"], ttft_ms["non_pipelined"]
     ratios = spread_of([a / b for a, b in zip(p, n, strict=True)])
     rows = [
@@ -72,7 +75,7 @@ def bench_rows(
             statistics.median(s for _, s in tails), "one slice's busy transfer",
             spread_of([t / s for t, s in tails]), TAIL_FACTOR, False,
         ))  # fmt: skip
-    return [r.as_dict() for r in rows]
+    return [{**r.as_dict(), "layout": layout} for r in rows]
 
 
 def _ms(x: float) -> float:
@@ -95,6 +98,38 @@ def request_fields(t: RequestTimes, *, truncated: bool) -> dict[str, float | Non
         else None,
         "step_compute_ms": _ms(t.compute_s / t.steps) if t.steps > 0 else None,
     }
+
+
+def gather_times(senders: Sequence[Iterable[TimelineEvent]]) -> RequestTimes:
+    """One request's times when several ranks fed it: ``senders`` holds, per rank, that rank's
+    events of the request with the decode side's (each rank's slice ids and steps are its own,
+    so the ranks' events are never mixed). Compute, transfer and hidden times, slices and
+    steps add up over the ranks (the overlap is the hidden share of all their transfer time);
+    the prefill ends at the last rank's last step, the exposed tail runs from there to decode
+    ready. With one rank it is :func:`~kvplane.pipeline.timeline.request_times` of its
+    events. ``InvalidArgumentError`` for no ranks."""
+    if not senders:
+        raise InvalidArgumentError("a request's times need at least one sender's events")
+    each = [request_times(events) for events in senders]
+    if len(each) == 1:
+        return each[0]
+    ends = [t.prefill_end for t in each]
+    readies = [t.decode_ready for t in each if t.decode_ready is not None]
+    end = None if any(e is None for e in ends) else max(e for e in ends if e is not None)
+    ready = max(readies) if readies else None
+    transfer, hidden = sum(t.transfer_s for t in each), sum(t.hidden_s for t in each)
+    return RequestTimes(
+        compute_s=sum(t.compute_s for t in each),
+        transfer_s=transfer,
+        hidden_s=hidden,
+        overlap_ratio=overlap_ratio(hidden, transfer),
+        prefill_end=end,
+        decode_ready=ready,
+        exposed_tail_s=None if end is None or ready is None else max(0.0, ready - end),
+        slice_transfer_s=tuple(s for t in each for s in t.slice_transfer_s),
+        slice_busy_s=tuple(s for t in each for s in t.slice_busy_s),
+        steps=sum(t.steps for t in each),
+    )
 
 
 def median_or_none(values: Sequence[float | None]) -> float | None:

@@ -36,11 +36,11 @@ COMPUTE_MODEL = {
 """What a prefill step's compute is in each kind of row (the JSON's ``compute_model``)."""
 
 
-def model_spec(transport: str, tokens: int, step: int) -> PairSpec:
-    """A pair serving :data:`MODEL` over ``transport``: prompts of ``tokens`` (at most
-    :data:`MAX_TOKENS`) in steps of ``step``."""
+def model_spec(transport: str, tokens: int, step: int, model: str = MODEL) -> PairSpec:
+    """A pair serving ``model`` (a tiny model, :data:`MAX_TOKENS` positions or more) over
+    ``transport``: prompts of ``tokens`` (at most :data:`MAX_TOKENS`) in steps of ``step``."""
     tokens = min(tokens, MAX_TOKENS)
-    producer = ("--model", MODEL, "--model-dtype", DTYPE, "--seed", "0")
+    producer = ("--model", model, "--model-dtype", DTYPE, "--seed", "0")
     return PairSpec(transport, tokens, step, 2 * -(-tokens // 16) + 8, producer)
 
 

@@ -10,10 +10,10 @@ beyond collecting them (:mod:`.pd_metrics` does).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvplane.apps.bench.pd_metrics import TIME_FIELDS, median_or_none, request_fields
 from kvplane.apps.bench.spread import repeat_until_stable
@@ -35,6 +35,25 @@ MODE_FLAGS = {"pipelined": ("--pipelining", "on"), "non_pipelined": ("--pipelini
 START_TIMEOUT_S = 90.0
 """Seconds a pair's processes may take to announce themselves (starting together on a loaded
 2-core host, each imports torch)."""
+
+
+class Group(Protocol):
+    """Worker processes of one mode that serve the bench's requests: a :class:`Pair`, or a
+    layout's ranks (:class:`~kvplane.apps.bench.pd_ranks.Ranks`)."""
+
+    tokens: dict[str, tuple[int, ...]]
+
+    def connect(self) -> None: ...
+
+    def run(self, rid: str, tokens: list[int], step: int) -> float: ...
+
+    def times(self, rids: Sequence[str]) -> tuple[list[dict[str, float | None]], int]: ...
+
+    def close(self) -> None: ...
+
+
+Start = Callable[[Path, str], Group]
+"""Starts a :class:`Group` of one mode in a work directory, without waiting for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +170,7 @@ class Interleaved:
 
 
 def interleaved(
-    pairs: dict[str, Pair],
+    pairs: dict[str, Group],
     spec: PairSpec,
     repeats: tuple[int, int],
     cap_s: float,
@@ -188,15 +207,17 @@ def compare_modes(
     vocab: int = VOCAB,
     *,
     modes: Sequence[str] = MODES,
+    start: Start | None = None,
 ) -> tuple[Interleaved, dict[str, tuple[list[dict[str, float | None]], int]], bool]:
-    """Serve the same requests through a pair of ``spec`` per mode of ``modes`` (the two
-    fixed ones first; :func:`~.pd_pair.interleaved`); the TTFTs, each mode's per-request
-    timeline fields with its truncated-event count, and whether every mode decoded the same
-    tokens."""
-    pairs: dict[str, Pair] = {}
+    """Serve the same requests through a group per mode of ``modes`` (the two fixed ones
+    first; :func:`~.pd_pair.interleaved`), a :class:`Pair` of ``spec`` unless ``start`` makes
+    another; the TTFTs, each mode's per-request timeline fields with its truncated-event
+    count, and whether every mode decoded the same tokens."""
+    pairs: dict[str, Group] = {}
+    make = start or (lambda at, mode: Pair(at, spec, mode=mode, wait=False))
     try:
         for mode in modes:  # all the processes start at once
-            pairs[mode] = Pair(work / mode, spec, mode=mode, wait=False)
+            pairs[mode] = make(work / mode, mode)
         for pair in pairs.values():
             pair.connect()
         served = interleaved(pairs, spec, repeats, cap_s, vocab)
@@ -210,12 +231,17 @@ def compare_modes(
 
 
 def mode_rows(
-    transport: str, served: Interleaved, times: dict[str, tuple[list[dict[str, float | None]], int]]
+    transport: str,
+    served: Interleaved,
+    times: dict[str, tuple[list[dict[str, float | None]], int]],
+    *,
+    layout: str = "1->1",
 ) -> list[dict[str, Any]]:
-    """One row per mode: the median TTFT and timeline fields, and the events left out."""
+    """One row per mode of ``layout`` (:data:`~.pd_ranks.LAYOUTS`' names): the median TTFT and
+    timeline fields, and the events left out."""
     rows = []
     for mode, (got, truncated) in times.items():
-        row: dict[str, Any] = {"transport": transport, "mode": mode}
+        row: dict[str, Any] = {"transport": transport, "layout": layout, "mode": mode}
         row["ttft_ms"] = median_or_none(served.ttft_ms[mode])
         for key in TIME_FIELDS:
             row[key] = median_or_none([r[key] for r in got])
