@@ -1,13 +1,17 @@
 """Two ``kvplane serve prefill --tp-rank r --tp-size 2`` (or ``--pp-stage s --pp-size 2``)
 processes feed one decode process a request's KV as one gather: tokens identical to one-process
 ``generate``, every worker's pools and ledgers balance; a SIGKILLed rank fails the request
-cleanly. The orders go straight to the workers (the router's gather routing is not wired yet)."""
+cleanly. The orders go straight to the workers, or through ``kvplane serve router``: there one
+rank SIGKILLed mid-transfer (its first slice landed, its last held by a seeded hang of
+``kvplane.testing.chaos_serve``) fails that request cleanly, the survivors balance, and once the
+router marks the rank down the next request is refused (nothing covers the decode worker)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import re
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -17,6 +21,8 @@ from kvplane.serving.gather_orders import gather_orders, sender_pieces
 from kvplane.serving.messages import (
     Ack,
     DecodeOrder,
+    ErrorReply,
+    Generate,
     InfoQuery,
     PairWith,
     PrefillOrder,
@@ -35,6 +41,9 @@ NEW = 4
 TIMING = ["--heartbeat", "0.25", "--lease", "2", "--in-doubt", "0.2", "--drain", "0.5",
           "--retransmit", "0.05", "--deadline", "8"]  # fmt: skip
 """A lease long enough that a starved but live process on a loaded machine is not lost."""
+HANG_SEED = 2
+"""``random.Random(2)``'s first draws are 0.96, 0.95, 0.06: with ``--chaos-hang 0.5`` the
+rank's first two batches (slices 0 and 1) end and its third (the last slice) hangs."""
 StartProcs = Callable[..., list[Proc]]
 
 
@@ -137,3 +146,88 @@ def test_a_sigkilled_rank_fails_the_request_and_the_survivors_balance(
         assert (res.state, res.reason, res.tokens) == ("failed", "g/0.1: peer lost", ())
         for name in ("p0", "d"):
             _balanced(clients[name])
+
+
+@contextlib.contextmanager
+def _routed(
+    procs: list[Proc], start_procs: StartProcs, *chaos: str
+) -> Iterator[tuple[list[Proc], dict[str, RpcClient], RpcClient]]:
+    """TP ranks p0 and p1 (p1 under ``chaos_serve`` with ``chaos`` flags, when given) and a
+    decode process d, with ``kvplane serve router`` over them: the processes, a client of
+    each worker by name, and the router's client."""
+
+    def rank(r: int, *flags: str) -> Callable[[], Proc]:
+        args = _args(f"p{r}", "--tp-rank", str(r), "--tp-size", "2", *flags)
+        entry = ("kvplane.testing.chaos_serve",) if flags else ("kvplane", "serve")
+        return lambda: Proc("prefill", args, entry=entry)
+
+    started = start_procs(procs, rank(0), rank(1, *chaos), lambda: Proc("decode", _args("d")))
+    flags = [f for p in started[:2] for f in ("--prefill", p.control)]
+    procs.append(Proc("router", ["--control", f"tcp://127.0.0.1:{free_port()}", *flags,
+                                 "--decode", started[2].control, "--refresh", "0.25"]))  # fmt: skip
+    clients = {name: RpcClient(p.control, timeout_s=20, secret=TEST_SECRET)
+               for name, p in zip(("p0", "p1", "d"), started, strict=True)}  # fmt: skip
+    router = RpcClient(procs[-1].control, timeout_s=60, secret=TEST_SECRET)
+    try:
+        yield started, clients, router
+    finally:
+        for c in clients.values():
+            c.close(discard=True)
+        router.close()
+
+
+def _stats(client: RpcClient, timeline: bool = False) -> WorkerStats:
+    got = client.call(StatsQuery(timeline=timeline))
+    assert isinstance(got, WorkerStats)
+    return got
+
+
+def test_a_request_through_the_router_is_gathered_token_exact(
+    procs: list[Proc], start_procs: StartProcs
+) -> None:
+    with _routed(procs, start_procs) as (_, clients, router):
+        got = router.call(Generate(request_id="r", token_ids=PROMPT, max_new_tokens=NEW))
+        assert isinstance(got, RequestResult)
+        assert (got.state, got.reason, list(got.tokens)) == ("success", "", _reference())
+        stats = _stats(router)
+        assert (stats.counters["router_gathered"], stats.counters["router_workers_up"]) == (1, 3)
+        for c in clients.values():
+            _balanced(c)
+
+
+def _slices_done(client: RpcClient, request_id: str) -> set[int]:
+    """The slices of ``request_id`` that the worker's transfers ended (its timeline)."""
+    events = _stats(client, timeline=True).timeline
+    return {
+        int(e["slice_id"])
+        for e in events
+        if e.get("mark") == "slice_done" and e.get("request_id") == request_id
+    }
+
+
+def test_a_rank_sigkilled_mid_transfer_through_the_router_fails_it_and_the_next_is_refused(
+    procs: list[Proc], start_procs: StartProcs
+) -> None:
+    hang = ("--chaos-seed", str(HANG_SEED), "--chaos-hang", "0.5")
+    with _routed(procs, start_procs, *hang) as (started, clients, router):
+        fut = router.call_async(Generate(request_id="v", token_ids=PROMPT, max_new_tokens=NEW))
+        wait_for(lambda: bool(_slices_done(clients["p1"], "v")), what="p1's first slice")
+        done = _slices_done(clients["p1"], "v")
+        assert 0 in done and done <= {0, 1}  # its last slice (2) hangs: the kill is mid-transfer
+        started[1].kill()
+        got = fut.result(timeout=60)
+        assert isinstance(got, RequestResult)
+        p1, p0 = started[1].control, started[0].control
+        lost = rf"prefill worker at {re.escape(p1)} is unreachable"  # the router saw it first
+        lost += r"|v/[0-9a-f]{8}\.0/0\.1: peer lost"  # the decode worker's lease ran out first
+        assert re.fullmatch(lost, got.reason), got.reason
+        assert (got.state, got.tokens) == ("failed", ())  # nothing partial is decoded
+        for name in ("p0", "d"):
+            _balanced(clients[name])
+        down = lambda: _stats(router).counters["router_workers_down"] == 1  # noqa: E731
+        wait_for(down, timeout_s=60, what="the router marking p1 down")
+        refused = router.call(Generate(request_id="next", token_ids=PROMPT))
+        assert isinstance(refused, ErrorReply)
+        assert refused.reason.startswith("no prefill worker up holds all the KV heads of a decode")
+        assert refused.reason.endswith("nor do several tile its KV heads x layers (a gather set)")
+        assert p1 not in refused.reason and p0 in refused.reason

@@ -85,8 +85,8 @@ def test_stats_are_aggregated_over_the_workers(served: tuple[Cluster, RpcClient]
     assert got.counters["pd_bytes_moved"] == moved > 0
     own = {k: v for k, v in got.counters.items() if k.startswith("router_")}
     assert own == {
-        "router_flights": 0, "router_workers_up": 2, "router_workers_down": 0,
-        "router_workers_missing": 0,
+        "router_flights": 0, "router_gathered": 0, "router_workers_up": 2,
+        "router_workers_down": 0, "router_workers_missing": 0,
     }  # fmt: skip
     assert (got.used_blocks, got.used_slots, got.requests_live, got.integrity) == (0, 0, 0, "")
     assert {e["worker"] for e in got.timeline} == {"prefill", "decode"}

@@ -1,7 +1,9 @@
 """The router's membership: which workers are up, which pairs serve, and which to pair again.
 
 A census (asked through :mod:`~kvplane.serving.router.asking`) marks silent workers down; only
-vetted, TP-covering pairs serve (records in :mod:`~kvplane.serving.router.pairings`); a pair
+vetted routes serve: a prefill worker covering a decode worker's KV, or else its gather set,
+every member vetted (:mod:`~kvplane.serving.router.gather_routes`; records in
+:mod:`~kvplane.serving.router.pairings`); a pair
 either side reports unpaired, or whose pairing was refused, is paired again with backoff
 (:mod:`~kvplane.serving.router.healing`). It owns no socket. See docs/serving.md.
 """
@@ -25,12 +27,12 @@ from kvplane.serving.messages import (
     WorkerStats,
 )
 from kvplane.serving.router.asking import Asker
+from kvplane.serving.router.gather_routes import Route, partners, routes
 from kvplane.serving.router.pairings import Pairing, PairTable, Report
-from kvplane.serving.router.workers import WorkerHandle, covering, heads_of
+from kvplane.serving.router.workers import WorkerHandle, heads_of
 
 log = logging.getLogger(__name__)
 
-_Served = tuple[WorkerHandle, WorkerInfo]
 _Pair = tuple[WorkerHandle, WorkerHandle]
 """(decode, prefill): the key of a pair."""
 
@@ -92,34 +94,27 @@ class Membership:
         return self.prefill + self.decode
 
     def ready(self) -> bool:
-        """True when at least one decode worker is up with a prefill worker up that serves it
-        (:func:`~kvplane.serving.router.workers.serves`) and whose pairing it accepted."""
+        """True when at least one decode worker up has a route (a prefill worker up that
+        serves it, or its gather set) whose pairings it accepted."""
         return any(self._vetted(d)[0] for d in self.decode)
 
-    def serving(self, d: WorkerHandle) -> list[tuple[WorkerHandle, WorkerInfo]]:
-        """The prefill workers up (in order, with their infos) that may carry decode worker
-        ``d``'s requests: those that serve it and whose latest pairing with it, for both
-        workers' incarnations now, it accepted — or, only while it accepted none, those it has
-        not answered yet; empty while ``d`` is not up."""
+    def serving(self, d: WorkerHandle) -> list[Route]:
+        """The routes that may carry decode worker ``d``'s requests (:func:`~kvplane.serving.
+        router.gather_routes.routes`): one per prefill worker up that serves it alone, else
+        one for its gather set, each whose pairings with ``d``, for the workers' incarnations
+        now, it accepted — or, only while none is, those with pairings not answered yet;
+        empty while ``d`` is not up."""
         accepted, pending = self._vetted(d)
         return accepted or pending
 
-    def _vetted(self, d: WorkerHandle) -> tuple[list[_Served], list[_Served]]:
-        """The prefill workers up serving ``d`` whose pairing it accepted, and those pending."""
-        if not d.up or d.info is None:
-            return [], []
-        accepted: list[_Served] = []
-        pending: list[_Served] = []
-        for p in covering(self.prefill, d):
+    def _vetted(self, d: WorkerHandle) -> tuple[list[Route], list[Route]]:
+        """``d``'s routes whose pairings it accepted, and those with some pending."""
+
+        def state(p: WorkerHandle) -> Pairing | None:
             incs = _incs(d, p)
-            if incs is None or p.info is None:
-                continue
-            state = self.pairs.state((d, p), incs)
-            if state is Pairing.ACCEPTED:
-                accepted.append((p, p.info))
-            elif state is Pairing.PENDING:
-                pending.append((p, p.info))
-        return accepted, pending
+            return None if incs is None else self.pairs.state((d, p), incs)
+
+        return routes(self.prefill, d, state)
 
     def _forget(self, w: WorkerHandle) -> None:
         """Forget every pairing record and re-pair count of ``w`` (it went down or restarted)."""
@@ -177,11 +172,12 @@ class Membership:
         return Census(tuple(changed), tuple(gone))
 
     def _heal(self) -> None:
-        """Judge each covering pair up by both workers' info answers
+        """Judge each pair up of a decode worker and its partners (:func:`~kvplane.serving.
+        router.gather_routes.partners`) by both workers' info answers
         (:meth:`PairTable.judge`): one reported unpaired becomes LOST, and is logged."""
         now = time.monotonic()
         for d in self.decode:
-            for p in covering(self.prefill, d) if d.up else []:
+            for p in partners(self.prefill, d) if d.up else []:
                 d_info, p_info = d.info, p.info
                 if d_info is None or p_info is None:
                     continue
@@ -195,19 +191,20 @@ class Membership:
                     log.warning("PD pair reported unpaired (%s): re-pairing", why)
 
     def pair_all(self, changed: Sequence[WorkerHandle]) -> PairingRound:
-        """Pair each up decode worker with each up prefill worker that serves it (no other pair
-        is asked) when either is in ``changed``, the pair has no answer for these incarnations
-        (or none yet: the outstanding pairing is waited for again), or it is LOST or REFUSED
-        and its backoff allows a try (:meth:`PairTable.retry`: at once, then 1 s doubling to
-        30 s); all at once within ``probe_s``, each answer recorded (see the module
-        docstring). What went wrong: a pairing refused or not answered, and a decode worker up
-        that no prefill worker up serves while some is up. At most one pairing per pair is
-        outstanding (:meth:`ask`)."""
+        """Pair each up decode worker with each of its partners up (each prefill worker that
+        serves it, else its gather set's members: :func:`~kvplane.serving.router.gather_routes.
+        partners`; no other pair is asked) when either is in ``changed``, the pair has no answer
+        for these incarnations (or none yet: the outstanding pairing is waited for again), or
+        it is LOST or REFUSED and its backoff allows a try (:meth:`PairTable.retry`: at once,
+        then 1 s doubling to 30 s); all at once within ``probe_s``, each answer recorded (see
+        the module docstring). What went wrong: a pairing refused or not answered, and a decode
+        worker up that no prefill worker up serves, alone or as a gather set, while some is up.
+        At most one pairing per pair is outstanding (:meth:`ask`)."""
         pairs: list[tuple[WorkerHandle, WorkerHandle, tuple[int, int], str]] = []
         asks: list[tuple[WorkerHandle, AnyMessage]] = []
         now = time.monotonic()
         for d in self.decode:
-            for p in covering(self.prefill, d) if d.up else []:
+            for p in partners(self.prefill, d) if d.up else []:
                 incs = _incs(d, p)
                 if incs is None or p.info is None:
                     continue
@@ -255,7 +252,7 @@ class Membership:
         failing = (Pairing.REFUSED, Pairing.PENDING)
         return any(
             (incs := _incs(d, p)) is not None and self.pairs.state((d, p), incs) in failing
-            for p in covering(self.prefill, d)
+            for p in partners(self.prefill, d)
         )
 
     def _uncovered(self, changed: Sequence[WorkerHandle]) -> list[str]:
@@ -266,12 +263,13 @@ class Membership:
         for d in self.decode:
             if not d.up:
                 continue
-            lost = bool(up) and not covering(up, d)
+            lost = bool(up) and not partners(up, d)
             if lost and (d in changed or not d.uncovered):
                 errors.append(
                     f"decode worker at {heads_of(d)} cannot pair: no prefill worker up holds all "
                     f"its KV heads (one sender per session); prefill workers up: "
-                    f"{', '.join(heads_of(p) for p in up)}"
+                    f"{', '.join(heads_of(p) for p in up)}; nor do several tile its KV heads x "
+                    "layers (a gather set)"
                 )
             d.uncovered = lost
         return errors

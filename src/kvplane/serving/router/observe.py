@@ -1,5 +1,5 @@
-"""The router's Prometheus metrics: requests, their ends, pairings, re-pairs, workers, flights,
-and the cluster's seed metrics.
+"""The router's Prometheus metrics: requests (gathered ones too), their ends, pairings, re-pairs,
+workers, flights, and the cluster's seed metrics.
 
 :class:`RouterMetrics` owns their names and documentation, in the router's registry (the one
 ``RouterService`` serves on ``/metrics``, with its order socket's drops). It only counts: it
@@ -38,6 +38,9 @@ class RouterMetrics:
         if cluster is not None:
             registry.register(ClusterSeedMetrics(cluster))
         self.requests = registry.counter("router_requests", "Requests the router sent orders for")
+        self.gathered = registry.counter(
+            "router_gathered_requests", "Requests sent to a gather set of several prefill ranks"
+        )
         self._results = registry.counter(
             "router_results", "Requests ended, by state (failed: the router's failures)", ["state"]
         )

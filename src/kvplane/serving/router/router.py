@@ -1,7 +1,8 @@
 """The router: pairs prefill and decode workers and carries each request to both.
 
-It never touches KV. Fair picks over vetted pairs, session ids unique across restarts, a
-deadline for every request. See docs/serving.md.
+It never touches KV. Fair picks over vetted routes (one prefill worker, or a gather set of
+prefill ranks: :mod:`~kvplane.serving.router.gather_routes`), session ids unique across
+restarts, a deadline for every request. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import time
 from collections import Counter
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -23,47 +23,24 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.serving.messages import (
     NOT_CONNECTED,
     AnyMessage,
-    CancelOrder,
     DecodeOrder,
     ErrorReply,
     Generate,
-    PrefillOrder,
     RequestResult,
-    WorkerInfo,
     WorkerStats,
 )
+from kvplane.serving.router.flights import Flight
+from kvplane.serving.router.gather_routes import Route, route_orders, why_no_route
 from kvplane.serving.router.kv_watch import KVEventWatch
 from kvplane.serving.router.membership import Membership
 from kvplane.serving.router.observe import RouterMetrics
 from kvplane.serving.router.prefix_index import PrefixIndex, PrefixMatch
 from kvplane.serving.router.route_policy import CacheRouting, RoutePolicy
-from kvplane.serving.router.workers import WorkerHandle, covering, heads_of
-from kvplane.serving.rpc import RpcClient
+from kvplane.serving.router.workers import WorkerHandle
 from kvplane.validators import require_finite_positive
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05  # how often the deadline thread looks for expired requests
-
-
-@dataclass(slots=True, eq=False)
-class _Flight:
-    request_id: str
-    session_id: str
-    prefill: WorkerHandle
-    decode: WorkerHandle
-    decode_incarnation: int
-    out: Future[RequestResult]
-    num_tokens: int
-    deadline: float
-    orders: list[tuple[RpcClient, Future[AnyMessage]]] = field(default_factory=list)
-    """Each order's future with the client it went out on (a recycled worker has another)."""
-
-
-def _cancel_on(w: WorkerHandle, f: _Flight, reason: str) -> None:
-    """Send ``w`` a cancel of flight ``f``, keyed by its session (never answered to anyone)."""
-    w.client.call_async(
-        CancelOrder(request_id=f.request_id, reason=reason[:4000], session_id=f.session_id)
-    )
 
 
 class Router:
@@ -126,7 +103,8 @@ class Router:
         )  # fmt: skip
         self._tag = secrets.token_hex(4)
         self._serial = 0
-        self._flights: dict[str, _Flight] = {}
+        self._flights: dict[str, Flight] = {}
+        self.gathered = 0  # requests sent to a gather set of prefill ranks
         self._turns: dict[WorkerHandle, int] = {}  # per decode worker: requests picked for it
         self._lock = threading.Lock()
         self._settle_lock = threading.Lock()
@@ -192,10 +170,10 @@ class Router:
 
     # -- pairing ---------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Learn every worker and pair every decode worker with every prefill worker that serves
-        it (covers its KV heads). ``ProtocolError`` if a pairing fails, a decode worker up has no
-        prefill worker up that serves it (naming both sides' head ranges), or no worker of a
-        role answers."""
+        """Learn every worker and pair every decode worker with every prefill worker that
+        serves it (covers its KV), or else with its gather set's members. ``ProtocolError`` if a
+        pairing fails, a decode worker up has neither (naming both sides' head ranges), or no
+        worker of a role answers."""
         self.refresh(force=True)
         for role, ws in (("prefill", self.prefill), ("decode", self.decode)):
             if not any(w.up for w in ws):
@@ -244,17 +222,10 @@ class Router:
         return sorted(paired)
 
     def _fail_orphans(self) -> None:
-        """Requests whose decode worker restarted or whose worker is down: fail them now."""
-        lost: list[tuple[_Flight, str]] = []
+        """Requests whose decode worker restarted or one of whose workers is down (a gather's
+        member included: it fails the request for all): fail them now."""
         with self._lock:
-            for f in self._flights.values():
-                d = f.decode
-                if not d.up:
-                    lost.append((f, f"decode worker at {d.address} is unreachable"))
-                elif d.info is not None and d.info.incarnation != f.decode_incarnation:
-                    lost.append((f, "decode worker restarted"))
-                elif not f.prefill.up:
-                    lost.append((f, f"prefill worker at {f.prefill.address} is unreachable"))
+            lost = [(f, why) for f in self._flights.values() if (why := f.orphaned())]
             for f, _ in lost:
                 del self._flights[f.request_id]
         for f, reason in lost:
@@ -268,21 +239,17 @@ class Router:
                 out.set_result(result)
                 self.observe.ended(result.state)
 
-    def _failed(self, f: _Flight, reason: str) -> RequestResult:
-        return RequestResult(
-            request_id=f.request_id, state="failed", reason=reason[:4000], num_tokens=f.num_tokens
-        )
-
-    def _abandon(self, f: _Flight, reason: str) -> None:
+    def _abandon(self, f: Flight, reason: str) -> None:
         """Fail a flight the router gave up on, forget its orders (one not sent yet never is)
-        and cancel it on its workers that are up. Limit: a worker down is never sent the cancel;
-        if it was only unreachable a while, it runs the request until the PD deadline ends it."""
-        self._settle(f.out, self._failed(f, reason))
+        and cancel it on its workers that are up (every sender of a gather). Limit: a worker
+        down is never sent the cancel; if it was only unreachable a while, it runs the request
+        until the PD deadline ends it."""
+        self._settle(f.out, f.failed(reason))
         for client, fut in f.orders:
             client.forget(fut)
-        for w in (f.prefill, f.decode):
-            if w.up:
-                _cancel_on(w, f, reason)
+        f.cancel_prefills(reason, up_only=True)
+        if f.decode.up:
+            f.cancel_decode(reason)
 
     def _expire_loop(self) -> None:
         """Deadline thread: fail and cancel the flights past their deadline (waits on nothing)."""
@@ -318,51 +285,36 @@ class Router:
     # -- requests --------------------------------------------------------------------------------
     def _pick(
         self, n: int, tokens: int = 1, matches: dict[str, PrefixMatch] | None = None
-    ) -> tuple[WorkerHandle, WorkerInfo, WorkerHandle, WorkerInfo]:
-        """Prefill and decode worker (with their infos) for request number ``n``, under the lock:
-        decode ``eligible[n % len(eligible)]`` of the decode workers up that a prefill worker
-        serves (:meth:`Membership.serving`: covers its heads, pairing vetted), then of those
-        the next by that decode worker's cursor, which advances (with ``matches``: the
-        cache-aware pick of a ``tokens``-token prompt from that cursor on). ``ProtocolError``,
-        nothing changed, before :meth:`connect`, while no worker of a role is up, or while no
-        prefill worker up serves a decode worker up (naming the ranges; the same error whether
-        none covers its heads or every pairing of one that does was refused)."""
+    ) -> Route:
+        """The route of request number ``n``, under the lock: decode ``eligible[n %
+        len(eligible)]`` of the decode workers up that a route serves (:meth:`Membership.
+        serving`: one prefill worker covering its KV, or its gather set; pairings vetted), then
+        of its routes the next by that decode worker's cursor, which advances (with
+        ``matches``: the cache-aware pick of a ``tokens``-token prompt from that cursor on).
+        ``ProtocolError``, nothing changed, before :meth:`connect`, while no worker of a role
+        is up, or while no route serves a decode worker up (naming the ranges; the same error
+        whether none covers its KV or every pairing of one that does was refused)."""
         for role, ws in (("prefill", self.prefill), ("decode", self.decode)):
             if all(w.info is None for w in ws):
                 raise ProtocolError("call Router.connect() before submitting requests")
             if not any(w.up and w.info is not None for w in ws):
                 raise ProtocolError(f"no {role} worker is up")
-        eligible = [
-            (d, d_info, ps)
-            for d in self.decode
-            if (d_info := d.info) is not None and (ps := self._members.serving(d))
-        ]
+        eligible = [rs for d in self.decode if (rs := self._members.serving(d))]
         if not eligible:
-            raise ProtocolError(self._nothing_serves())
-        d, d_info, ps = eligible[n % len(eligible)]
+            raise ProtocolError(why_no_route(self.prefill, self.decode))
+        rs = eligible[n % len(eligible)]
+        d = rs[0].decode
         turn = self._turns.get(d, 0)
-        k = turn % len(ps)
+        k = turn % len(rs)
         if matches is not None:
             queued = Counter[str]()  # prompt tokens in flight per prefill worker
             for f in self._flights.values():
-                queued[f.prefill.info.peer_id if f.prefill.info else ""] += f.num_tokens
-            names = [info.peer_id for _p, info in ps]
+                for s in f.route.senders:
+                    queued[s.info.peer_id] += f.num_tokens
+            names = [r.name for r in rs]
             k = self.cache.pick(names, turn, queued=queued, matches=matches, prompt_tokens=tokens)
-        p, p_info = ps[k]
         self._turns[d] = turn + 1
-        return p, p_info, d, d_info
-
-    def _nothing_serves(self) -> str:
-        """Why no request can be served now, naming the head ranges of the workers up."""
-        ps, ds = [w for w in self.prefill if w.up], [w for w in self.decode if w.up]
-        why = "no prefill worker up holds all the KV heads of a decode worker up"
-        if any(covering(ps, d) for d in ds):
-            why = "no decode worker up has a vetted pairing with a prefill worker up holding all "
-            why += "its KV heads (refused, lost or not made yet; re-paired at the next refresh)"
-        return (
-            f"{why} (one sender per session): decode {', '.join(heads_of(w) for w in ds)}; "
-            f"prefill {', '.join(heads_of(w) for w in ps)}"
-        )[:4000]
+        return rs[k]
 
     def submit(
         self,
@@ -376,8 +328,8 @@ class Router:
         deadline at the latest). Nothing is sent and nothing changes when it raises:
         ``InvalidArgumentError`` for an invalid value or a request id already in flight,
         ``ProtocolError`` before :meth:`connect`, while no worker of a role is up, or while no
-        prefill worker up serves (covers the KV heads of, and has a vetted pairing with) a
-        decode worker up."""
+        route serves a decode worker up (one prefill worker up covering its KV, or a gather
+        set of them, with vetted pairings)."""
         try:
             tokens = [operator.index(t) for t in token_ids]
             order = msgspec.convert(
@@ -392,49 +344,44 @@ class Router:
         with self._lock:
             if request_id in self._flights:
                 raise InvalidArgumentError(f"request {request_id!r} is already in flight")
-            p, p_info, d, d_info = self._pick(self._serial, len(tokens), matches)
+            route = self._pick(self._serial, len(tokens), matches)
             sid = f"{request_id}/{self._tag}.{self._serial}"
+            base = DecodeOrder(
+                request_id=request_id, session_id=sid, prefill_peer=route.name,
+                token_ids=order.token_ids, max_new_tokens=max_new_tokens,
+            )  # fmt: skip
+            dec_order, pre_orders = route_orders(route, base, step_size)
             self._serial += 1
-            flight = _Flight(
-                request_id, sid, p, d, d_info.incarnation, Future(), len(tokens),
-                time.monotonic() + self.deadline_s,
+            self.gathered += route.gathered
+            flight = Flight(
+                request_id, sid, route, tuple(o.session_id for _, o in pre_orders), Future(),
+                len(tokens), time.monotonic() + self.deadline_s,
             )  # fmt: skip
             self._flights[request_id] = flight
         self.observe.requests.inc()
-        pc, dc = p.client, d.client  # each order is forgotten on the client it went out on
-        pre = pc.call_async(
-            PrefillOrder(
-                request_id=request_id,
-                session_id=sid,
-                decode_peer=d_info.peer_id,
-                token_ids=order.token_ids,
-                step_size=step_size,
-            )
-        )
-        dec = dc.call_async(
-            DecodeOrder(
-                request_id=request_id,
-                session_id=sid,
-                prefill_peer=p_info.peer_id,
-                token_ids=order.token_ids,
-                max_new_tokens=max_new_tokens,
-            )
-        )
-        flight.orders += [(pc, pre), (dc, dec)]
-        pre.add_done_callback(lambda f: self._on_prefill(flight, f))
+        if route.gathered:
+            self.observe.gathered.inc()
+        for w, o in pre_orders:  # each order is forgotten on the client it went out on
+            pc = w.client
+            pre = pc.call_async(o)
+            flight.orders.append((pc, pre))
+            pre.add_done_callback(lambda f: self._on_prefill(flight, f))
+        dc = route.decode.client
+        dec = dc.call_async(dec_order)
+        flight.orders.append((dc, dec))
         dec.add_done_callback(lambda f: self._on_decode(flight, f))
         return flight.out
 
-    def _on_prefill(self, flight: _Flight, f: Future[AnyMessage]) -> None:
+    def _on_prefill(self, flight: Flight, f: Future[AnyMessage]) -> None:
         if f.cancelled():  # forgotten: the router gave up on the request
             return
         exc = f.exception()
         got = f.result() if exc is None else ErrorReply(reason=str(exc)[:4000])
         if isinstance(got, ErrorReply):  # the decode side answers the order when it stops
-            self._check_pair(flight, got.reason)
-            _cancel_on(flight.decode, flight, f"prefill refused: {got.reason}")
+            self._check_pair(flight, got.reason)  # its cancel of a gather ends every member:
+            flight.cancel_decode(f"prefill refused: {got.reason}")  # each sender is told
 
-    def _on_decode(self, flight: _Flight, f: Future[AnyMessage]) -> None:
+    def _on_decode(self, flight: Flight, f: Future[AnyMessage]) -> None:
         with self._lock:
             if self._flights.get(flight.request_id) is flight:
                 del self._flights[flight.request_id]
@@ -449,19 +396,22 @@ class Router:
             return
         reason = got.reason if isinstance(got, ErrorReply) else f"unexpected reply {got!r}"
         reason = self._check_pair(flight, reason)
-        _cancel_on(flight.prefill, flight, reason)
-        self._settle(flight.out, self._failed(flight, reason))
+        flight.cancel_prefills(reason)
+        self._settle(flight.out, flight.failed(reason))
 
-    def _check_pair(self, flight: _Flight, reason: str) -> str:
+    def _check_pair(self, flight: Flight, reason: str) -> str:
         """When a worker's ``reason`` says its PD peer is not connected (``NOT_CONNECTED``):
-        mark the flight's pair lost (:meth:`Membership.lost`) and refresh now (with
-        ``refresh_s``), which re-pairs it. ``reason``, saying so when it did."""
+        mark the flight's pairs lost (:meth:`Membership.lost`: of a gather, those with the
+        senders ``reason`` names, or all when it names none) and refresh now (with
+        ``refresh_s``), which re-pairs them. ``reason``, saying so when it did."""
         if NOT_CONNECTED not in reason:
             return reason
-        d, p = flight.decode, flight.prefill
-        self._members.lost(d, p, flight.decode_incarnation, reason[:200])
+        d, named = flight.decode, flight.named(reason)
+        for p in named:
+            self._members.lost(d, p, flight.decode_incarnation, reason[:200])
         self._refresh_wanted.set()
-        return f"{reason} (the router re-pairs {d.address} with {p.address})"
+        to = ", ".join(p.address for p in named)
+        return f"{reason} (the router re-pairs {d.address} with {to})"
 
     def generate(
         self, request_id: str, token_ids: tuple[int, ...] | list[int], **kw: int
@@ -474,14 +424,18 @@ class Router:
             raise TransferTimeoutError(f"request {request_id!r} did not end in time") from None
 
     def cancel(self, request_id: str, *, side: str = "decode", reason: str = "cancelled") -> bool:
-        """Cancel a request on its decode or prefill worker; False if it is not in flight."""
+        """Cancel a request on its decode worker or its prefill workers (every sender of a
+        gather); False if it is not in flight."""
         if side not in ("decode", "prefill"):
             raise InvalidArgumentError(f"side must be 'decode' or 'prefill', got {side!r}")
         with self._lock:
             flight = self._flights.get(request_id)
         if flight is None:
             return False
-        _cancel_on(flight.decode if side == "decode" else flight.prefill, flight, reason)
+        if side == "decode":
+            flight.cancel_decode(reason)
+        else:  # every sender of a gather
+            flight.cancel_prefills(reason)
         return True
 
     # -- observation -----------------------------------------------------------------------------

@@ -143,6 +143,7 @@ def router_stats(router: Router, max_bytes: int, *, timeline: bool = False) -> W
     up, down = router.worker_counts()
     own = {
         "router_flights": router.flights_live,
+        "router_gathered": router.gathered,
         "router_workers_up": up,
         "router_workers_down": down,
         "router_workers_missing": len(missing),

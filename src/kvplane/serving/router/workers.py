@@ -37,10 +37,14 @@ class WorkerHandle:
 
 
 def serves(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
-    """True when ``prefill`` can send ``decode`` a session's KV as far as TP heads go: its head
-    range covers the decode worker's in every pool (:func:`~kvplane.layout.heads_cover`).
-    Also True when either does not say (empty ``head_ranges``): the PD handshake then decides.
-    False when both say and count different pools: the handshake refuses such a pair. Pure."""
+    """True when ``prefill`` can send ``decode`` a session's KV alone: its head range covers
+    the decode worker's in every pool (:func:`~kvplane.layout.heads_cover`) and, when both say
+    their ``layer_ids``, it holds every layer the decode worker does (a pipeline stage alone
+    serves no decode worker holding other layers). Also True when either does not say its
+    heads (empty ``head_ranges``): the PD handshake then decides. False when both say and
+    count different pools: the handshake refuses such a pair. Pure."""
+    if prefill.layer_ids and not set(decode.layer_ids) <= set(prefill.layer_ids):
+        return False
     held, needed = prefill.head_ranges, decode.head_ranges
     if not held or not needed:
         return True
