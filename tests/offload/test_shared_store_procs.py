@@ -1,5 +1,6 @@
 """The shared store across real processes: three engines with their own prefix offload share
-one namespace (another fingerprint never reads it), a writer SIGKILLed mid-write leaves
+one namespace (another fingerprint never reads it; engines already running find a prefix
+published after they started), a writer SIGKILLed mid-write leaves
 misses and expiring stage keys, and a SIGKILLed redis-server gives misses, never wrong KV.
 
 Children run this file as a script (``python this.py ROLE ...``), each its own engine.
@@ -72,7 +73,8 @@ def pattern(i: int) -> torch.Tensor:
 def engine(url: str, ns: str, role: str) -> None:
     """A prefill pool's prefix offload over the shared store. ``store``: admit the prompt,
     "compute" its KV (a seeded pool) and offload it; ``load``/``other`` (another layout, same
-    block hashes): admit the same prompt into other blocks and load its cached prefix."""
+    block hashes): admit the same prompt into other blocks and load its cached prefix;
+    ``late``: as ``load``, but say ``ready`` once built and wait for a line on stdin first."""
     lay = layout(role == "other")
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(lay.shape, generator=g) if role == "store" else torch.zeros(lay.shape)
@@ -80,10 +82,14 @@ def engine(url: str, ns: str, role: str) -> None:
     off = PrefixOffload(PrefixSettings(offload_config(url, ns), BPC), PoolTensor(lay, kv), pool)
     if role != "store":  # another engine's free blocks are elsewhere
         BlockTable(RequestId("filler"), BS, HASHER).admit(pool, list(range(5, 5 + 3 * BS)))
+    out: dict[str, object] = {"known": off.cascade.managers()[-1].table.num_used}
+    if role == "late":
+        print("ready", flush=True)
+        sys.stdin.readline()
     table = BlockTable(RequestId("r"), BS, HASHER)
     assert table.admit(pool, PROMPT) is not None
     started = off.begin_load(RequestId("r"), table)
-    out: dict[str, object] = {"sources": None if started is None else list(started.sources)}
+    out["sources"] = None if started is None else list(started.sources)
     if role == "store":
         assert off.store(RequestId("r"), table) == N
     events = []
@@ -122,7 +128,11 @@ def stager(url: str, ns: str) -> None:
 # -- tests -----------------------------------------------------------------------------------
 def spawn(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+        [sys.executable, __file__, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
     )
 
 
@@ -149,6 +159,25 @@ def test_three_engines_share_a_prefix_and_another_fingerprint_never_reads_it(
         assert finished in got["events"], got
         assert got["digest"] == a["digest"]  # byte-identical KV
     assert d["sources"] is None and d["events"] == [] and d["remote"] == ["empty"] * N, d
+
+
+def test_running_engines_find_a_prefix_published_after_they_started(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """Engines B and C are built (their shared tier re-indexed: empty) before A stores the
+    prompt; their next lookup asks the store, and both load A's KV byte-identical."""
+    late = [spawn("late", redis_url, redis_namespace) for _ in range(2)]
+    for proc in late:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    a = result(spawn("store", redis_url, redis_namespace))
+    assert a["sources"] is None and a["remote"] == ["ready"] * N, a
+    for proc in late:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    for got in (result(p) for p in late):
+        assert got["known"] == 0 and got["sources"] == ["remote"] * N, got
+        assert got["remote"] == ["ready"] * N and got["digest"] == a["digest"], got
 
 
 def stage_keys(client: redis.Redis, ns: str) -> list[bytes]:
@@ -190,7 +219,8 @@ def test_writer_killed_mid_write_never_leaves_wrong_bytes(
     time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    reader = SharedTier([redis_url], 8, WRITER_CHUNK, FP, namespace=redis_namespace)
+    # slots enough for every chunk it may have published: scan() gives at most that many
+    reader = SharedTier([redis_url], 4096, WRITER_CHUNK, FP, namespace=redis_namespace)
     found = reader.scan()
     n = 8 * (len(found) // 8 + 2)  # every key the writer may have reached
     assert set(found) <= set(keys(*range(n))) and set(keys(*range(8))) <= set(found)
@@ -251,7 +281,7 @@ def test_redis_killed_gives_misses_never_wrong_kv_and_writes_resume() -> None:
 
 if __name__ == "__main__":
     role, url, ns = sys.argv[1:4]
-    if role in ("store", "load", "other"):
+    if role in ("store", "load", "late", "other"):
         engine(url, ns, role)
     elif role == "writer":
         writer(url, ns)

@@ -36,6 +36,7 @@ from kvplane.config import SECRET_ENV, read_secret
 from kvplane.errors import ConfigError, InvalidArgumentError
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload import OffloadConfig
+from kvplane.offload.tiers.shared_server import REMOTE_MODES
 from kvplane.pd.handshake import Placement
 from kvplane.pd.timers import Timings
 from kvplane.serving.decode_worker import DecodeWorker
@@ -144,6 +145,14 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
         help=f"disk tier directory (created; its slot file is DIR/{DISK_SLOT_FILE})",
     )  # fmt: skip
     o.add_argument("--offload-disk-slots", type=int, default=256)
+    o.add_argument("--offload-remote-url", default="", help="Redis tier redis:// URL ('': off)")
+    o.add_argument(
+        "--offload-remote-mode", default="private", choices=REMOTE_MODES,
+        help="private: one worker's leased namespace; shared: one store for many workers",
+    )  # fmt: skip
+    o.add_argument("--offload-remote-namespace", default="kvplane", help="Redis key namespace")
+    o.add_argument("--offload-remote-slots", type=int, default=256)
+    o.add_argument("--offload-remote-replicas", default="", help="shared: more URLs, comma-sep.")
     if role == "prefill":
         _kv_event_flags(p)
     c = p.add_argument_group("chunk", "offload chunks ([chunk], KVPLANE_CHUNK_*)")
@@ -316,7 +325,9 @@ def offload_of(args: argparse.Namespace) -> PrefixSettings | None:
     disk = disk_slot_file(args.offload_disk) if args.offload_disk else None
     config = OffloadConfig(
         host_slots=args.offload_host_slots, disk_path=disk, disk_slots=args.offload_disk_slots,
-        disk_direct_io=False, pin_memory=False,
+        disk_direct_io=False, pin_memory=False, remote_url=args.offload_remote_url,
+        remote_mode=args.offload_remote_mode, remote_namespace=args.offload_remote_namespace,
+        remote_slots=args.offload_remote_slots, remote_replicas=args.offload_remote_replicas,
     )  # fmt: skip
     return PrefixSettings(config, args.blocks_per_chunk, getattr(args, "tune_chunks", None))
 

@@ -26,6 +26,7 @@ from kvplane.offload.book_types import (
     WriteDown,
 )
 from kvplane.offload.config import OffloadConfig
+from kvplane.offload.discovery import adopt_held, ask_keys
 from kvplane.offload.manager import CascadeLookup, OffloadManager
 from kvplane.offload.slots import SlotStatus, check_chunk_keys
 from kvplane.offload.spans import check_span, cover, groups, lookup_spans
@@ -48,6 +49,8 @@ class TierBook:
     re-chunks in its reservations: a write-down writes whole groups of host chunks, a
     promotion reads one tier chunk into its host chunks. Keys passed to :meth:`lookup`,
     :meth:`loadable` and :meth:`reserve_load` start at their sequence's first chunk.
+    ``shared``: the lower tier that is a store other engines write to as well (asked before a
+    lookup: :meth:`to_discover`), or ``None``.
     """
 
     def __init__(
@@ -55,10 +58,15 @@ class TierBook:
         host: OffloadManager,
         lower: Sequence[OffloadManager] = (),
         spans: Mapping[str, int] | None = None,
+        *,
+        shared: str | None = None,
     ) -> None:
         names = [mgr.tier for mgr in lower]
         if "host" in names or len(set(names)) != len(names):
             raise InvalidArgumentError(f"lower tiers need distinct names but 'host', got {names}")
+        if shared is not None and shared not in names:
+            raise InvalidArgumentError(f"shared tier {shared!r} is none of the lower {names}")
+        self.shared = shared
         given = dict(spans or {})
         if set(given) - set(names):
             raise InvalidArgumentError(f"spans name tiers {sorted(given)} beyond {names}")
@@ -182,6 +190,26 @@ class TierBook:
         if slot is None:
             raise IllegalTransitionError(f"chunk {key.hex()} holds no host slot")
         return slot
+
+    # -- discovery in a shared store --------------------------------------------------------------
+    def to_discover(self, keys: Sequence[ChunkKey]) -> tuple[ChunkKey, ...]:
+        """The shared tier's keys an executor should ask the store about (one batch) before
+        :meth:`lookup` of ``keys``: those of the chunks past the last one some tier serves
+        (:func:`~kvplane.offload.discovery.ask_keys`); empty without a shared tier. Changes
+        nothing."""
+        if self.shared is None:
+            return ()
+        ks = check_chunk_keys(keys)
+        where = self._where(ks)
+        return ask_keys(self.host, self.lower[self.shared], self.spans[self.shared], ks, where)
+
+    def discovered(self, asked: Sequence[ChunkKey], held: Sequence[bool]) -> tuple[ChunkKey, ...]:
+        """The store's answer to :meth:`to_discover`'s ``asked``: adopt the leading run it
+        holds into the shared tier's manager (:func:`~kvplane.offload.discovery.adopt_held`),
+        so the lookup that follows finds them there; returns the adopted keys."""
+        if self.shared is None:
+            raise IllegalTransitionError("discovered: this book has no shared tier")
+        return adopt_held(self.lower[self.shared], asked, held)
 
     # -- admission -----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey]) -> CascadeLookup:

@@ -46,6 +46,7 @@ from kvplane.offload.spans import tier_spans
 from kvplane.offload.tiers.base import Tier
 from kvplane.offload.tiers.host import HostTier
 from kvplane.offload.tiers.registry import open_lower_tiers
+from kvplane.offload.tiers.shared import SharedTier
 from kvplane.validators import require_int
 
 
@@ -102,7 +103,10 @@ class TierCascade:
         if host_manager.num_slots != self.host.num_slots:
             raise InvalidArgumentError("the host manager and the host tier differ in slot count")
         self.lower = tuple(lower)
-        self.book = TierBook(host_manager, [mgr for _t, mgr in self.lower], spans)
+        shared = [t.name for t, _m in self.lower if isinstance(t, SharedTier)]
+        self.book = TierBook(
+            host_manager, [mgr for _t, mgr in self.lower], spans, shared=next(iter(shared), None)
+        )
         for tier, mgr in self.lower:
             want = self.book.spans[tier.name] * self.host.chunk_bytes
             if tier.chunk_bytes != want or mgr.num_slots != tier.num_slots:
@@ -130,7 +134,15 @@ class TierCascade:
 
     def lookup(self, keys: Sequence[ChunkKey]) -> CascadeLookup:
         """The book's :meth:`~kvplane.offload.book.TierBook.lookup` (counts admission and
-        one access per key of the leading hit run, in the tier a load reads it from)."""
+        one access per key of the leading hit run, in the tier a load reads it from). With a
+        shared store, chunks past the hit run are first asked of it in one batch
+        (:meth:`~kvplane.offload.book.TierBook.to_discover`) and those it holds adopted: a
+        prefix another engine published since this one started is a remote hit."""
+        asked = self.book.to_discover(keys)
+        if asked and self.book.shared is not None:
+            tier = self._by_name[self.book.shared]
+            if isinstance(tier, SharedTier):
+                self.book.discovered(asked, tier.held(asked))
         return self.book.lookup(keys)
 
     def _blocks(self, block_ids: BlockIds, n_keys: int) -> npt.NDArray[np.int64]:

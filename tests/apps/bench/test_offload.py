@@ -10,7 +10,7 @@ import json
 import pytest
 
 from kvplane.apps.bench import offload as bench
-from kvplane.apps.bench import offload_codecs, offload_rows, offload_tuned
+from kvplane.apps.bench import offload_codecs, offload_rows, offload_shared, offload_tuned
 from kvplane.apps.bench.redis_limit import redis_benchmark_support
 from kvplane.cli import build_parser
 from kvplane.transports.native_copy import kernel
@@ -29,6 +29,7 @@ def test_quick_run_reports_every_tier_op_and_size(
                                       remote_blocks_per_chunk=8)  # fmt: skip
     monkeypatch.setattr(offload_tuned, "DEFAULT_TUNED", small)
     monkeypatch.setattr(offload_tuned, "RUN_BYTES", {True: 16 << 14})
+    monkeypatch.setattr(offload_shared, "SHARED_CHUNKS", {True: 2})
     args = argparse.Namespace(
         redis_url=redis_url, disk_dir=str(tmp_path), sync="none", no_direct_io=False
     )
@@ -61,7 +62,8 @@ def test_quick_run_reports_every_tier_op_and_size(
     rows_named = [line["row"] for line in lines]
     end = rows_named.index("sweep_us_per_block_16_vs_1") + 1  # tuned, then codec rows follow
     _check_tuned(result, lines[end : end + 4])
-    _check_codecs(result, lines[end + 4 :])
+    _check_codecs(result, lines[end + 4 : -3])
+    _check_shared(result, lines[-3:], redis_url)
     lines = lines[:end]
     assert (
         len(lines) == len(rows) + sum(len(r) - 6 for r in rows) // 2 + 1
@@ -93,6 +95,27 @@ def _check_tuned(result: dict[str, object], lines: list[dict[str, object]]) -> N
         ("remote", "store", 8, 2), ("remote", "load", 8, 2),
     ]  # fmt: skip
     assert all(s["ratio_min"] <= s["ratio_median"] <= s["ratio_max"] for s in summary)
+
+
+def _check_shared(result: dict[str, object], lines: list[dict[str, object]], url: str) -> None:
+    """Three shared-store rows against the private remote tier (no target), summarised, and
+    nothing of the bench left on the server."""
+    import redis
+
+    want = ["shared_store_new_256k", "shared_store_dedup_256k", "shared_load_other_256k"]
+    assert [r["row"] for r in lines] == want
+    assert all(r["limit_name"] == "private remote tier" and r["target"] is None for r in lines)
+    assert all(r["repeats"] == 2 and r["figure"] > 0 and r["limit"] > 0 for r in lines)
+    summary = result["shared_store"]
+    assert isinstance(summary, list)
+    assert [s["op"] for s in summary] == ["store_new", "store_dedup", "load_other"]
+    assert all(s["ratio_min"] <= s["ratio_median"] <= s["ratio_max"] for s in summary)
+    assert [s["gbps"] for s in summary] == [r["figure"] for r in lines]
+    client = redis.Redis.from_url(url)
+    try:
+        assert list(client.scan_iter(match="kvbench-shared*")) == []
+    finally:
+        client.close()
 
 
 def _check_codecs(result: dict[str, object], lines: list[dict[str, object]]) -> None:

@@ -1,5 +1,6 @@
 """SharedTier against real redis-servers: publish and dedup, two-phase visibility, per-writer
-fencing, CRC and eviction races as misses, fingerprint isolation, replicas."""
+fencing, CRC and eviction races as misses, fingerprint isolation, replicas (writes, reads and
+``held`` asking the next server only for what the first lacks)."""
 
 from __future__ import annotations
 
@@ -225,7 +226,13 @@ def test_replicas_write_to_all_and_read_from_the_first_that_has_it() -> None:
             r1.delete(a.servers[0].header_key(key(1)))
             got, outs = read(a, keys(0, 1))
             assert got == [OK, OK] and torch.equal(outs[1], pattern(1))
+            r2 = redis.Redis.from_url(s2.url)
+            before = r2.info("commandstats")["cmdstat_exists"]["calls"]
+            assert a.held(keys(0, 1, 5)) == [True, True, False]
+            # the replica is asked only about the chunks the first server lacks
+            assert r2.info("commandstats")["cmdstat_exists"]["calls"] - before == 2
             r1.close()
+            r2.close()
             s1.kill()
             got, outs = read(a, keys(0, 1))
             assert got == [OK, OK] and torch.equal(outs[0], pattern(0))

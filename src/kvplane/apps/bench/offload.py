@@ -1,7 +1,8 @@
 """``kvplane bench offload``: store/load throughput per tier against its limit, the
 ``blocks_per_chunk`` sweep, per cold tier its tuned chunk size against the global one
-(:mod:`.offload_tuned`), and per codec its GB/s against the raw tier and stored bytes
-(:mod:`.offload_codecs`).
+(:mod:`.offload_tuned`), per codec its GB/s against the raw tier and stored bytes
+(:mod:`.offload_codecs`), and the shared store against the private remote tier
+(:mod:`.offload_shared`).
 
 Host against memcpy (and a streaming memcpy), disk against raw ``pwrite``/``preadv``, remote
 against ``redis-benchmark`` on the same server (and redis-py's own pipeline as a second row);
@@ -35,6 +36,7 @@ from kvplane.apps.bench.offload_rows import (
     throughput_row,
     tier_ops,
 )
+from kvplane.apps.bench.offload_shared import SHARED_CHUNK, shared_rows
 from kvplane.apps.bench.offload_sweep import SWEEP_BLOCKS, SWEEP_TARGET, fresh_keys, layout, sweep
 from kvplane.apps.bench.offload_tuned import tuned_rows, tuned_sizes
 from kvplane.apps.bench.redis_limit import BENCH_KEY, fastest, redis_benchmark_support
@@ -238,6 +240,8 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
         got += _host(chunk, counts[chunk], quick)
     disk_dir = getattr(args, "disk_dir", None)
     codec_lines: list[dict[str, object]] = []
+    shared_lines: list[dict[str, object]] = []
+    shared_sum: list[dict[str, Any]] = []
     codecs: list[dict[str, Any]] = []
     auto: dict[str, str] = {}
     tuned = tuned_sizes(getattr(args, "tuned", None))
@@ -259,12 +263,14 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
                 got += _remote(chunk, counts[chunk], quick, url)
             tuned_lines, tuned_sum = tuned_rows(quick, Path(tmp), url, tuned)
             codec_lines, codecs, auto = codec_rows(quick, Path(tmp), url)
+            shared_lines, shared_sum = shared_rows(quick, url)
         else:
             with LocalRedisServer() as server:  # our own server on 127.0.0.1, stopped at the end
                 for chunk in CHUNK_SIZES:
                     got += _remote(chunk, counts[chunk], quick, server.url)
                 tuned_lines, tuned_sum = tuned_rows(quick, Path(tmp), server.url, tuned)
                 codec_lines, codecs, auto = codec_rows(quick, Path(tmp), server.url)
+                shared_lines, shared_sum = shared_rows(quick, server.url)
     swept, sweep_row = sweep(SWEEP_BLOCKS[quick], quick)
     throughput = [throughput_row(m) for m in got]
     per_block = {s["blocks_per_chunk"]: s["us_per_block"] for s in swept}
@@ -284,12 +290,20 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
         )
         for s in swept
     }
+    summary |= {
+        f"shared {s['op']} {SHARED_CHUNK >> 10} KiB": (
+            f"{s['gbps']:.2f} GB/s, {s['ratio_median']:.2f} of the private tier"
+        )
+        for s in shared_sum
+    }
     return {
         "rows": [row for m in got for row in rows(m, TARGETS[m.tier])]
         + [sweep_row]
         + tuned_lines
-        + codec_lines,
+        + codec_lines
+        + shared_lines,
         "tuned_vs_global": tuned_sum,
+        "shared_store": shared_sum,
         "codecs": codecs,
         "codec_auto": auto,
         "throughput": throughput,

@@ -155,12 +155,17 @@ class SharedTier:
         return self._publish(keys, payloads)
 
     def _publish(self, keys: Sequence[ChunkKey], payloads: Sequence[torch.Tensor]) -> PublishResult:
-        coded = [encode_payload(self._coder, p) for p in payloads]
-        headers = [
-            ChunkHeader(k, self.fingerprint, self.chunk_bytes, payload_checksum(v), tag, len(v))
-            for k, (tag, v) in zip(keys, coded, strict=True)
-        ]
-        raw = [h.encode() for h in headers]
+        made: dict[int, tuple[bytes, memoryview]] = {}
+
+        def encoded(i: int) -> tuple[bytes, memoryview]:
+            """Chunk ``i``'s header and stored bytes, coded and checksummed once, and only
+            for a server that lacks it (a deduplicated chunk costs no CRC or codec)."""
+            if i not in made:
+                tag, v = encode_payload(self._coder, payloads[i])
+                crc = payload_checksum(v)
+                header = ChunkHeader(keys[i], self.fingerprint, self.chunk_bytes, crc, tag, len(v))
+                made[i] = (header.encode(), v)
+            return made[i]
 
         def one(server: SharedServer) -> list[PublishOutcome]:
             out = [PublishOutcome.DEDUPED] * len(keys)
@@ -168,7 +173,9 @@ class SharedTier:
                 held = server.held([keys[i] for i in group])
                 todo = [i for i, h in zip(group, held, strict=True) if not h]
                 got = server.publish(
-                    [keys[i] for i in todo], [raw[i] for i in todo], [coded[i][1] for i in todo]
+                    [keys[i] for i in todo],
+                    [encoded(i)[0] for i in todo],
+                    [encoded(i)[1] for i in todo],
                 )
                 for i, outcome in zip(todo, got, strict=True):
                     out[i] = outcome
@@ -287,11 +294,21 @@ class SharedTier:
         return ReadOutcome.CORRUPT
 
     def held(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Per key: whether some server holds it now (a later read may still miss it)."""
+        """Per key: whether some server holds it now (a later read may still miss it). One
+        pipelined round trip per server asked: the first, then each next one for the keys
+        still not found (as a read goes); a server that fails is counted and skipped."""
         found = [False] * len(keys)
-        for _url, got in self._each(lambda s: s.held(keys)):
-            if not isinstance(got, str):
-                found = [a or b for a, b in zip(found, got, strict=True)]
+        for server in self.servers:
+            todo = [i for i, f in enumerate(found) if not f]
+            if not todo:
+                break
+            try:
+                got = server.held([keys[i] for i in todo])
+            except self._faults:
+                self._counters.error()
+                continue
+            for i, h in zip(todo, got, strict=True):
+                found[i] = h
         return found
 
     def scan(self) -> dict[ChunkKey, SlotId]:
