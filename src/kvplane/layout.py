@@ -137,6 +137,7 @@ class KVLayout:
     rope_dim: int = 0
     order: tuple[Axis, ...] = BLOCK_MAJOR
     sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] = ()
     _strides: tuple[int, ...] = field(init=False, repr=False, compare=False, default=())
     _fingerprint: bytes = field(init=False, repr=False, compare=False, default=b"")
 
@@ -167,8 +168,7 @@ class KVLayout:
             raise LayoutError(
                 f"KVLayout.order must permute all six axes with DIM last: {self.order}"
             )
-        if self.sliding_window is not None:
-            require_int("KVLayout.sliding_window", self.sliding_window, min=1, error=LayoutError)
+        self._check_windows()
         sizes = self.axis_sizes()
         strides: list[int] = [0] * len(Axis)
         step = torch.empty((), dtype=self.dtype).element_size()
@@ -190,13 +190,31 @@ class KVLayout:
                 )
         elif self.rope_dim != 0:
             raise LayoutError(f"rope_dim is an MLA field; {self.kind.value} got {self.rope_dim}")
-        if self.kind is LayoutKind.STATE:
-            if self.block_size != 1 or self.total_heads != 1:
-                raise LayoutError("a STATE layout has block_size 1 and one head (whole-only)")
-            if self.sliding_window is not None:
-                raise LayoutError("a STATE layout has no sliding window")
+        if self.kind is LayoutKind.STATE and (self.block_size != 1 or self.total_heads != 1):
+            raise LayoutError("a STATE layout has block_size 1 and one head (whole-only)")
         if self.kind is LayoutKind.MHA and self.head_range != (0, self.total_heads):
             raise LayoutError("an MHA layout holds all heads; use GQA for a TP head range")
+
+    def _check_windows(self) -> None:
+        """Validate the windows; ``layer_windows`` all equal become ``sliding_window``."""
+        name, raw, top = "KVLayout.layer_windows", self.layer_windows, max(self.layer_ids)
+        if not isinstance(raw, tuple | list):
+            raise LayoutError(f"{name} must be a sequence, got {raw!r}")
+        if self.sliding_window is not None:
+            require_int("KVLayout.sliding_window", self.sliding_window, min=1, error=LayoutError)
+        windows = tuple(
+            w if w is None else require_int(f"{name}[{i}]", w, min=1, error=LayoutError)
+            for i, w in enumerate(raw)
+        )
+        if self.whole_only and (windows or self.sliding_window is not None):
+            raise LayoutError("a STATE layout has no sliding window")
+        if windows and (self.sliding_window is not None or top >= len(windows)):
+            why = f"the window or None of every layer id up to {top}, and no sliding_window"
+            raise LayoutError(f"{name} {windows} must give {why}")
+        if len(set(windows)) == 1:
+            object.__setattr__(self, "sliding_window", windows[0])
+            windows = ()
+        object.__setattr__(self, "layer_windows", windows)
 
     # -- constructors ----------------------------------------------------------------------
     @classmethod
@@ -213,8 +231,10 @@ class KVLayout:
         head_range: tuple[int, int] | None = None,
         order: tuple[Axis, ...] = BLOCK_MAJOR,
         sliding_window: int | None = None,
+        layer_windows: tuple[int | None, ...] = (),
     ) -> KVLayout:
-        """K and V for ``kv_heads`` heads (the rank holds ``head_range``, default all)."""
+        """K and V for ``kv_heads`` heads (the rank holds ``head_range``, default all); a window
+        on every layer (``sliding_window``) or per global layer id (``layer_windows``)."""
         return cls(
             kind=LayoutKind.GQA,
             num_blocks=num_blocks,
@@ -226,6 +246,7 @@ class KVLayout:
             head_range=head_range or (0, kv_heads),
             order=order,
             sliding_window=sliding_window,
+            layer_windows=layer_windows,
         )
 
     @classmethod
@@ -290,12 +311,25 @@ class KVLayout:
     def local_heads(self) -> int:
         return self.head_range[1] - self.head_range[0]
 
-    def window_start(self, num_tokens: int) -> int:
-        """First position a pool keeps of a sequence of ``num_tokens`` tokens: with a sliding
-        window only the last ``sliding_window`` ``[num_tokens - window, num_tokens)``, else all
-        (0). The one home of window clipping (the planner and the slice planner use it)."""
-        window = self.sliding_window
-        return 0 if window is None else max(0, num_tokens - window)
+    @property
+    def windowed(self) -> bool:
+        """True when some layer has a sliding window (the pool may lack early positions)."""
+        return self.sliding_window is not None or bool(self.layer_windows)
+
+    def window_of(self, layer_id: int) -> int | None:
+        """Layer ``layer_id``'s window in the model's map (None: full; O(1), held or not)."""
+        windows = self.layer_windows
+        if windows and not 0 <= layer_id < len(windows):
+            raise LayoutError(f"layer {layer_id} is not in the window map {windows}")
+        return windows[layer_id] if windows else self.sliding_window
+
+    def window_start(self, num_tokens: int, layers: tuple[int, ...] | None = None) -> int:
+        """First position ``layers`` (default: all held) keep of a ``num_tokens``-token sequence:
+        a layer with window ``W`` the last ``W`` (``num_tokens - W``), a full layer all (0),
+        several layers the smallest start. The one home of window clipping (the planner, the
+        slice planner and :func:`~kvplane.transfer.resharding.window_boxes` use it)."""
+        windows = map(self.window_of, self.layer_ids if layers is None else layers)
+        return min(0 if w is None else max(0, num_tokens - w) for w in windows)
 
     @property
     def latent_dim(self) -> int:
@@ -407,7 +441,8 @@ class KVLayout:
 
     # -- identity ----------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        """Plain-data description (wire/JSON friendly)."""
+        """Plain-data description (wire/JSON friendly); ``layer_windows`` only when set (so a
+        uniform pool's fingerprints do not change)."""
         return {
             "kind": self.kind.value,
             "num_blocks": self.num_blocks,
@@ -420,11 +455,12 @@ class KVLayout:
             "dtype": dtype_name(self.dtype),
             "order": [a.name for a in self.order],
             "sliding_window": self.sliding_window,
-        }
+        } | ({"layer_windows": list(self.layer_windows)} if self.layer_windows else {})
 
     def geometry_fingerprint(self) -> bytes:
         """What PD peers must agree on whatever layers each holds (a pipeline stage holds a part
-        of the receiver's): kind, heads, dims, dtype, window. Block size, head range, order,
+        of the receiver's): kind, heads, dims, dtype, windows (``layer_windows`` is the model's
+        map, by global layer id, so every stage carries all of it). Block size, head range, order,
         pool size and layer ids may differ."""
         d = self.describe()
         for key in ("num_blocks", "block_size", "head_range", "order", "layer_ids"):

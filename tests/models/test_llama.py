@@ -155,19 +155,25 @@ MIXED = ("full_attention", "sliding_attention")
 
 
 @pytest.mark.parametrize(
-    ("changes", "window"),
+    ("changes", "windows"),
     [
-        ({}, None),  # Llama: no window
-        ({"architecture": "MistralForCausalLM", "sliding_window": 5}, 5),  # every layer
-        ({"architecture": "Qwen2ForCausalLM", "sliding_window": 5, "layer_types": SLIDING_TWO}, 5),
-        ({"architecture": "Qwen2ForCausalLM", "sliding_window": 5, "layer_types": MIXED}, None),
+        ({}, (None, None)),  # Llama: no window
+        ({"architecture": "MistralForCausalLM", "sliding_window": 5}, (5, 5)),  # every layer
+        ({"architecture": "Qwen2ForCausalLM", "sliding_window": 5, "layer_types": SLIDING_TWO},
+         (5, 5)),
+        ({"architecture": "Qwen2ForCausalLM", "sliding_window": 5, "layer_types": MIXED},
+         (None, 5)),
     ],
-)
-def test_the_kv_layout_has_the_window_only_when_every_layer_shares_it(
-    changes: dict[str, object], window: int | None
+)  # fmt: skip
+def test_the_kv_layout_carries_each_layers_window(
+    changes: dict[str, object], windows: tuple[int | None, ...]
 ) -> None:
-    """A mixed model's one pool serves full-attention layers too: it keeps every position."""
+    """One window on every layer is the pool's ``sliding_window``; a mixed model's pool names
+    each layer's (its full layer keeps every position, its window layer the last window)."""
     model = random_model(small_llama(**changes))
     layout = model.kv_layout(4, 4)
-    assert layout.sliding_window == window
-    assert layout.window_start(12) == (0 if window is None else 7)
+    assert tuple(layout.window_of(i) for i in range(2)) == windows
+    assert layout.sliding_window == (windows[0] if len(set(windows)) == 1 else None)
+    assert [layout.window_start(12, (i,)) for i in range(2)] == [
+        0 if w is None else 7 for w in windows
+    ]

@@ -5,19 +5,15 @@ positions of every layer -- the bytes the decode side's attention reads, no more
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from kvplane.models import PagedDecoder, PagedKVCache, StepBatch, StepRequest
-from kvplane.serving.decode_worker import DecodeWorker
-from kvplane.serving.prefill_worker import PrefillWorker
-from kvplane.serving.producers.model import ModelDecoder, ModelProducer, ModelSpec
-from kvplane.serving.router.router import Router
-from kvplane.serving.worker_config import WorkerConfig
-from kvplane.testing.cluster import FAST, TEST_SECRET, check_balanced
+from kvplane.serving.producers.model import ModelSpec
 
 STEP = 16
 NEW = 6
@@ -28,58 +24,18 @@ TAIL_BYTES = 32
 """The request's tail record (first token, prompt length, prompt digest), in the final slice."""
 
 
-class Pair:
-    """A prefill and a decode worker of one model behind a router."""
-
-    def __init__(self, name: str) -> None:
-        spec = ModelSpec(name, seed=3)
-        self.prefill = PrefillWorker(
-            WorkerConfig(
-                name="prefill", num_blocks=48, block_size=16, num_slots=8, step_size=STEP,
-                timings=FAST, slice_timeout_s=5.0, secret=TEST_SECRET,
-            ),
-            ModelProducer.from_spec(spec),
-        )  # fmt: skip
-        self.decode = DecodeWorker(
-            WorkerConfig(
-                name="decode", num_blocks=48, block_size=8, num_slots=8, timings=FAST,
-                slice_timeout_s=5.0, secret=TEST_SECRET,
-            ),
-            ModelDecoder.from_spec(spec),
-        )  # fmt: skip
-        self.prefill.start()
-        self.decode.start()
-        self.router = Router(
-            [self.prefill.address], [self.decode.address], timeout_s=30.0, secret=TEST_SECRET
-        )
-        self.router.connect()
-        self.model: PagedDecoder = spec.load()
-
-    def moved(self) -> tuple[int, int]:
-        """``(pd_bytes_moved, pd_logical_bytes)`` so far, once every worker is idle."""
-        counters = check_balanced(self.router)["prefill"].counters
-        return counters["pd_bytes_moved"], counters["pd_logical_bytes"]
-
-    def close(self) -> None:
-        self.router.close()
-        self.prefill.close()
-        self.decode.close()
-
-
 @pytest.fixture
-def pair() -> Iterator[Pair]:
-    p = Pair("tiny-swa")
-    yield p
-    p.close()
+def pair(model_pair: Callable[..., Any]) -> Any:
+    return model_pair(ModelSpec("tiny-swa", seed=3), step=STEP)
 
 
-def test_the_window_layout_is_what_both_workers_advertise(pair: Pair) -> None:
+def test_the_window_layout_is_what_both_workers_advertise(pair: Any) -> None:
     assert pair.model.kv_layout(4, 16).sliding_window == WINDOW
     assert pair.prefill.pools.kv.layout.sliding_window == WINDOW
 
 
 @pytest.mark.parametrize("length", [70, 64, 9, 17])
-def test_pipelined_pd_is_token_exact_and_moves_only_the_window(pair: Pair, length: int) -> None:
+def test_pipelined_pd_is_token_exact_and_moves_only_the_window(pair: Any, length: int) -> None:
     tokens = [int(t) for t in np.random.default_rng(length).integers(0, 1024, length)]
     res = pair.router.generate("r", tokens, max_new_tokens=NEW)
     assert res.state == "success", res.reason

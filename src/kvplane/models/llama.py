@@ -68,17 +68,15 @@ class LlamaModel(PagedDecoder):
     def kv_layout(
         self, num_blocks: int, block_size: int, order: tuple[Axis, ...] = BLOCK_MAJOR
     ) -> KVLayout:
-        """The GQA pool of every layer; its ``sliding_window`` is the model's window when every
-        layer has the same one (Mistral's, Qwen2 with all layers sliding), so PD sends only
-        in-window KV (:meth:`KVLayout.window_start`). A model mixing window and full layers
-        (or windows) gets ``None``: one pool serves all layers, so it keeps every position;
-        per-layer-group layouts are later work (issue #33)."""
+        """The GQA pool of every layer with each layer's window (``layer_windows``; one window
+        on every layer, as Mistral's or Qwen2's all sliding, is the pool's ``sliding_window``),
+        so PD moves, per window group, only the positions its attention reads
+        (:meth:`KVLayout.window_start`); the pool still has a slot for every position."""
         c = self.llama
-        windows = {c.layer_window(i) for i in range(c.num_layers)}
         return KVLayout.gqa(
             num_blocks=num_blocks, block_size=block_size, num_layers=c.num_layers,
             kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype, order=order,
-            sliding_window=windows.pop() if len(windows) == 1 else None,
+            layer_windows=tuple(c.layer_window(i) for i in range(c.num_layers)),
         )  # fmt: skip
 
     def _run_layers(

@@ -36,6 +36,7 @@ class LayoutDesc(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     dtype: str
     order: Annotated[tuple[str, ...], msgspec.Meta(min_length=6, max_length=6)]
     sliding_window: int | None = None
+    layer_windows: Annotated[tuple[int | None, ...], msgspec.Meta(max_length=4096)] = ()
 
 
 class PoolDesc(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -75,6 +76,7 @@ def describe(layout: KVLayout) -> LayoutDesc:
         dtype=dtype_name(layout.dtype),
         order=tuple(a.name for a in layout.order),
         sliding_window=layout.sliding_window,
+        layer_windows=layout.layer_windows,
     )
 
 
@@ -94,6 +96,7 @@ def rebuild(desc: LayoutDesc) -> KVLayout:
             rope_dim=desc.rope_dim,
             order=order,
             sliding_window=desc.sliding_window,
+            layer_windows=tuple(desc.layer_windows),
         )
     except (KeyError, ValueError) as exc:
         if isinstance(exc, LayoutError):

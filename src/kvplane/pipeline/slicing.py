@@ -23,7 +23,7 @@ from kvplane.pd.events import TransferRequest
 from kvplane.pipeline.advert import RemotePool, split_destination
 from kvplane.pipeline.shares import Share
 from kvplane.transfer import OpGrouping, PlanOptions, PlanSide, TransferPlan, plan_transfer
-from kvplane.transfer.resharding import KVBox, Piece, plan_piece
+from kvplane.transfer.resharding import KVBox, Piece, plan_piece, window_boxes
 from kvplane.transports.base import Int64Array
 from kvplane.validators import require_int
 
@@ -149,7 +149,9 @@ def plan_slice(
     does not all hold is refused (the heads we lack would never arrive). With one, we are one
     sender of several: the KV plan moves exactly the share's heads × layers (``PlanError``
     unless our pools share exactly those heads) and the whole-only pools move only from the
-    share's lead."""
+    share's lead. The KV moves as one plan per window group of the layers
+    (:func:`~kvplane.transfer.resharding.window_boxes`): window layers only the positions
+    inside the window of the request's whole sequence, full layers all."""
     if len(src) != len(dst):
         raise InvalidArgumentError(f"{len(src)} local pools but the peer advertises {len(dst)}")
     held, needed = src[0].layout.head_range, dst[0].layout.head_range
@@ -161,7 +163,7 @@ def plan_slice(
     dst_ids = split_destination(request.dst_block_ids, dst, request.num_tokens)
     n = request.num_tokens
     kv_src, kv_dst = src[0], dst[0]
-    lo = max(tokens.start, request.prefix_tokens, kv_src.layout.window_start(n))
+    lo = max(tokens.start, request.prefix_tokens)
     plans: list[tuple[TransferPlan, int]] = []
     if lo < tokens.end:
         options = PlanOptions(
@@ -170,12 +172,16 @@ def plan_slice(
         src_side = PlanSide(kv_src.layout, _ids(kv_src.block_ids), kv_src.region)
         dst_side = PlanSide(kv_dst.layout, _ids(dst_ids[0]), kv_dst.region)
         part = TokenRange(lo, tokens.end)
-        if share is None:
-            plan = plan_transfer(src_side, dst_side, part, options=options)
-        else:
-            box = KVBox(share.piece.box.heads, share.piece.box.layers, part)
-            plan = plan_piece(Piece(share.sender, box), src_side, dst_side, options).plan
-        plans.append((plan, kv_dst.layout.block_size))
+        whole = (
+            share.piece.box if share is not None else KVBox(needed, kv_src.layout.layer_ids, part)
+        )
+        for box in window_boxes(kv_src.layout, KVBox(whole.heads, whole.layers, part), n):
+            if share is None:
+                plan = plan_transfer(src_side, dst_side, box.tokens, layers=box.layers,
+                                     options=options)  # fmt: skip
+            else:
+                plan = plan_piece(Piece(share.sender, box), src_side, dst_side, options).plan
+            plans.append((plan, kv_dst.layout.block_size))
     if is_last and (share is None or share.lead):
         for local, remote, ids in zip(src[1:], dst[1:], dst_ids[1:], strict=True):
             plan = plan_transfer(

@@ -327,7 +327,7 @@ class DecodeWorker(Worker):
             req.slot,
         )
         left = n - req.table.num_computed_tokens
-        cacheable = left > 0 and self.pools.kv.layout.sliding_window is None
+        cacheable = left > 0 and not self.pools.kv.layout.windowed
         trusted = not self.decoder.verifies  # the digest matched: its KV is the prompt's
         if cacheable and trusted:  # before decode, which may grow the table past the prompt
             req.table.mark_computed(self.pools.blocks, left)

@@ -1,20 +1,22 @@
 """Prefix offload for a prefill worker: finished prompts' chunks go device -> host -> disk, and a
 new prompt's cached prefix comes back from the tiers instead of being computed.
 
-Chunk keys are the request's own block hashes at chunk ends (:meth:`ChunkSpec.chunk_keys`), so
-nothing here hashes tokens. :meth:`PrefixOffload.begin_load` loads the leading run of hits
-(never the chunk holding the last token) into the request's blocks, untouched by the caller until
-:class:`LoadFinished`; :meth:`PrefixOffload.store` stores every full chunk after the last step
-(only the leading ones that fit the host tier: the rest are counted and logged once). With a
-state pool (a hybrid model) a prefix also needs its recurrent state (:mod:`kvplane.serving.
-prefix_state`: kept at chunk boundaries, restored with the KV; a hit without it is a miss). Not
-thread-safe: the worker loop owns it. See docs/serving.md.
+Chunk keys are the request's own block hashes at chunk ends (:meth:`ChunkSpec.chunk_keys`): nothing
+here hashes tokens. :meth:`PrefixOffload.begin_load` loads the leading run of hits (never the
+chunk holding the last token; of a window-only pool only the hit's window) into the request's
+blocks, untouched by the caller until :class:`LoadFinished`; :meth:`PrefixOffload.store` stores
+every full chunk after the last step (the leading ones that fit the host tier; the rest are
+counted and logged once). A hybrid model's prefix also needs its recurrent state
+(:mod:`kvplane.serving.prefix_state`: kept at chunk boundaries, restored with the KV; a hit
+without it is a miss). Not thread-safe: the worker loop owns it. See docs/serving.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,12 +103,15 @@ Finished = LoadFinished | StoreFinished
 
 @dataclass(frozen=True, slots=True)
 class _Load:
-    """A load in flight: whose, from which tiers, the request's chunk keys and state slot."""
+    """A load in flight: whose, from which tiers, the request's chunk keys and state slot,
+    and the leading chunks it skips (before the hit's window) in the request's ``table``."""
 
     request_id: RequestId
     sources: tuple[str, ...]
     keys: tuple[ChunkKey, ...]
     state_slot: int | None
+    skip: int = 0
+    table: BlockTable | None = None
 
 
 class PrefixOffload:
@@ -135,6 +140,10 @@ class PrefixOffload:
             block_pool=block_pool,
         )
         self.tiers = ("host", *(tier.name for tier, _m in self.cascade.lower))
+        self.layout = kv.layout
+        self._span = math.lcm(1, *self.cascade.book.spans.values())
+        self._unfilled: weakref.WeakKeyDictionary[BlockTable, int] = weakref.WeakKeyDictionary()
+        """Per request table, its leading chunks a window load left without KV (never stored)."""
         self.state: PrefixState | None = None
         if state is not None:
             try:
@@ -200,12 +209,25 @@ class PrefixOffload:
             loadable = with_state
         if loadable == 0:
             return None
-        blocks = self._chunk_blocks(table.block_ids, loadable)
-        ticket = self.cascade.load(keys, blocks, limit=loadable)  # keys past it: tier context
+        skip = self._window_skip(loadable) if self.state is None else 0
+        blocks = self._chunk_blocks(table.block_ids, loadable)[skip * self.spec.blocks_per_chunk :]
+        # keys past the limit: tier context; a skip is whole lower-tier chunks, so they align
+        ticket = self.cascade.load(keys[skip:], blocks, limit=loadable - skip)
         if ticket is None:
             return None
-        self._loads[ticket.ticket_id] = _Load(request_id, ticket.sources, tuple(keys), state_slot)
+        load = _Load(request_id, ticket.sources, tuple(keys), state_slot, skip, table)
+        self._loads[ticket.ticket_id] = load
+        if skip:
+            self._unfilled[table] = skip
+            self.counts["chunks_skipped_window"] += skip
         return LoadStarted(ticket.ticket_id, len(ticket.keys), ticket.sources)
+
+    def _window_skip(self, loadable: int) -> int:
+        """The leading chunks of a ``loadable``-chunk hit no layer reads again: wholly before
+        the hit's window (:meth:`KVLayout.window_start`; 0 when a layer is full), rounded down
+        to whole chunks of every lower tier."""
+        start = self.layout.window_start(loadable * self.spec.tokens_per_chunk)
+        return start // self.spec.tokens_per_chunk // self._span * self._span
 
     def keep_state(self, table: BlockTable, state_slot: int | None, end: int) -> bool:
         """After a prefill step of ``table``'s request ending at ``end``: keep its state (in
@@ -217,13 +239,15 @@ class PrefixOffload:
     def store(self, request_id: RequestId, table: BlockTable) -> int:
         """Offload the full chunks of ``table`` (its tokens computed) from its blocks; returns
         how many chunks the store job carries (0: all already held, not admitted or no room)."""
-        keys = self.chunk_keys(table)
+        first = self._unfilled.pop(table, 0)  # chunks a window load left empty: not stored
+        keys = self.chunk_keys(table)[first:]
         if len(keys) > self.host_slots:
             self._unstored(len(keys))
             keys = keys[: self.host_slots]
         if not keys:
             return 0
-        job = self.cascade.store(keys, self._chunk_blocks(table.block_ids, len(keys)))
+        blocks = self._chunk_blocks(table.block_ids, first + len(keys))
+        job = self.cascade.store(keys, blocks[first * self.spec.blocks_per_chunk :], first=first)
         if job is None:
             return 0
         self._stores[job] = request_id
@@ -264,7 +288,7 @@ class PrefixOffload:
                 for tier in sources[:usable]:
                     self.hits[tier] += 1
                     self._m_hits.labels(tier).inc()
-                tokens = usable * self.spec.tokens_per_chunk
+                tokens = self._hit_tokens(load, usable)
                 self._m_tokens.inc(tokens)
                 out.append(LoadFinished(rid, tokens, usable, len(ev.keys) - usable))
             elif isinstance(ev, StoreDone):
@@ -273,6 +297,17 @@ class PrefixOffload:
                 self.counts["chunks_stored"] += stored
                 out.append(StoreFinished(rid, stored))
         return out
+
+    def _hit_tokens(self, load: _Load, usable: int) -> int:
+        """The leading tokens a load of ``usable`` chunks (after its skip) lets the request
+        skip computing: all of them, unless a short load of a skipping one leaves its window
+        partly unloaded (then 0: compute everything, and every block is filled again)."""
+        tokens = (load.skip + usable) * self.spec.tokens_per_chunk if usable else 0
+        if load.skip and self.layout.window_start(tokens) < load.skip * self.spec.tokens_per_chunk:
+            tokens = 0
+        if tokens == 0 and load.table is not None:
+            self._unfilled.pop(load.table, None)
+        return tokens
 
     def close(self) -> None:
         """Drain in-flight jobs, stop the job threads and close the lower tiers."""

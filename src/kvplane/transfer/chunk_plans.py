@@ -119,7 +119,7 @@ class ChunkPlans:
                 f"blocks is {blocks_per_chunk * layout.bytes_per_block}"
             )
         # whole blocks move: a sliding window (a property of a sequence) has no say here
-        self.pool = dataclasses.replace(layout, sliding_window=None)
+        self.pool = dataclasses.replace(layout, sliding_window=None, layer_windows=())
         self.pool_region, self.slots_region, self.slots = pool_region, slots_region, slots
         host_blocks = blocks_per_chunk if slots.padded else slots.num_slots * blocks_per_chunk
         self.slot_layout = dataclasses.replace(self.pool, num_blocks=host_blocks, order=BLOCK_MAJOR)

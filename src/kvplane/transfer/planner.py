@@ -88,8 +88,10 @@ def plan_transfer(
     ``tokens`` are sequence positions (``None`` only for whole-only STATE pools); ``layers`` are
     global layer ids (default: every layer of the source pool), which both pools must hold. Heads
     moved are the intersection of both sides' TP head ranges. Prefix reuse drops tokens below
-    ``options.prefix_tokens``; a sliding-window layout keeps only the last ``sliding_window``
-    tokens of ``tokens`` (so plan such pools once, with the range ending at the sequence end).
+    ``options.prefix_tokens``; windows keep only what :meth:`KVLayout.window_start` of
+    ``layers`` keeps of a sequence ending at ``tokens.end`` (so plan such pools with the range
+    ending at the sequence end, one window group at a time: a group mixing a full layer keeps
+    every position; :func:`~kvplane.transfer.resharding.window_boxes` splits a request).
     The result is ``TransferPlan.tokens``; an empty one gives a plan with no ops. Pure: reads
     its arguments, returns frozen data. Raises ``LayoutError`` for incompatible layouts and
     ``PlanError`` for a bad request (see :mod:`kvplane.transfer.request`).

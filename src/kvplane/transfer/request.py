@@ -123,8 +123,13 @@ class PlanRequest:
     options: PlanOptions
 
 
+_MUST_MATCH = (
+    "kind", "dtype", "head_dim", "rope_dim", "total_heads", "sliding_window", "layer_windows",
+)  # fmt: skip
+
+
 def _check_compatible(a: KVLayout, b: KVLayout) -> None:
-    for name in ("kind", "dtype", "head_dim", "rope_dim", "total_heads", "sliding_window"):
+    for name in _MUST_MATCH:
         if getattr(a, name) != getattr(b, name):
             raise LayoutError(
                 f"source and destination layouts differ in {name}: {getattr(a, name)!r} vs "
@@ -161,7 +166,11 @@ def _resolve_layers(src: KVLayout, layers: Sequence[int] | None) -> tuple[int, .
 
 
 def _effective_tokens(
-    src: PlanSide, dst: PlanSide, tokens: TokenRange | None, options: PlanOptions
+    src: PlanSide,
+    dst: PlanSide,
+    tokens: TokenRange | None,
+    layers: tuple[int, ...],
+    options: PlanOptions,
 ) -> TokenRange:
     if src.layout.whole_only:
         whole = TokenRange(0, len(src.block_ids))
@@ -183,7 +192,7 @@ def _effective_tokens(
         return whole
     if not isinstance(tokens, TokenRange):
         raise PlanError(f"a KV plan needs a TokenRange, got {tokens!r}")
-    start = max(tokens.start, options.prefix_tokens, src.layout.window_start(tokens.end))
+    start = max(tokens.start, options.prefix_tokens, src.layout.window_start(tokens.end, layers))
     return TokenRange(min(start, tokens.end), tokens.end)
 
 
@@ -231,7 +240,7 @@ def resolve(
             f"source heads {src.layout.head_range} and destination heads "
             f"{dst.layout.head_range} do not intersect: nothing to move"
         )
-    effective = _effective_tokens(src, dst, tokens, options)
+    effective = _effective_tokens(src, dst, tokens, chosen, options)
     _check_blocks(src, effective, "source")
     _check_blocks(dst, effective, "destination")
     return PlanRequest(src, dst, effective, chosen, src_layers, dst_layers, heads, options)

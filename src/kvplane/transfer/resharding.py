@@ -4,6 +4,7 @@ parallelised differently (prefill TP × PP stages, decode TP, different block si
 :func:`reshard` maps a producer :class:`Parallelism` to a consumer one for one model: per decode
 rank, the :class:`Piece` s (sender, global heads, layers, tokens) that tile its destination
 :class:`KVBox` exactly once. :func:`tp_head_range` is the one rule of which heads a TP rank holds;
+:func:`window_boxes` splits a box by the layers' sliding windows;
 where several ranks hold the same heads (GQA with TP > KV heads, MLA's latent) exactly one sender
 is chosen, the others skip. :func:`plan_pieces` turns pieces into plans through the one planner.
 Pure: no regions, no transport.
@@ -172,7 +173,28 @@ class Parallelism:
             head_dim=model.head_dim, dtype=model.dtype,
             head_range=tp_head_range(model.total_heads, self.tp_size, tp_rank),
             rope_dim=model.rope_dim, order=model.order, sliding_window=model.sliding_window,
+            layer_windows=model.layer_windows,
         )  # fmt: skip
+
+
+def window_boxes(layout: KVLayout, box: KVBox, num_tokens: int) -> tuple[KVBox, ...]:
+    """``box`` split by sliding window: per group of its layers that share a window in
+    ``layout`` (in order of each group's first layer), those layers × the box's tokens from
+    the group's :meth:`KVLayout.window_start` of a ``num_tokens``-token sequence on — the
+    cells the decode side's attention reads; a group left with no token is dropped. The boxes
+    are disjoint and their union is every read cell of ``box``. Pure; ``LayoutError`` for a
+    layer ``layout`` does not hold."""
+    groups: dict[int | None, list[int]] = {}
+    for layer in box.layers:
+        groups.setdefault(layout.window_of(layer), []).append(layer)
+    out = []
+    for layers in map(tuple, groups.values()):
+        start = max(box.tokens.start, layout.window_start(num_tokens, layers))
+        if start == box.tokens.start and len(layers) == len(box.layers):  # nothing to split
+            return (box,) if start < box.tokens.end else ()
+        if start < box.tokens.end:
+            out.append(KVBox(box.heads, layers, TokenRange(start, box.tokens.end)))
+    return tuple(out)
 
 
 def destination(model: KVLayout, decode: Parallelism, tp_rank: int, tokens: TokenRange) -> KVBox:

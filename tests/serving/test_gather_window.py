@@ -1,0 +1,122 @@
+"""A model mixing window and full layers through a pipeline-parallel gather (threads, real
+sockets): two prefill stages of a tiny transformers Qwen2 (layers sliding, full | sliding;
+window 8) feed one decode worker with the one-process tokens, each stage moving, per window
+group of its own layers, only what the decode side reads (#33)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvplane.apps.serve import build_worker
+from kvplane.apps.serve_config import settle
+from kvplane.cli import build_parser
+from kvplane.serving.decode_worker import DecodeWorker
+from kvplane.serving.gather_orders import gather_orders, sender_pieces
+from kvplane.serving.messages import Ack, DecodeOrder, RequestResult
+from kvplane.serving.prefill_worker import PrefillWorker
+from kvplane.serving.producers.model import ModelSpec
+from kvplane.serving.router.gather_sets import gather_set
+from kvplane.serving.router.workers import WorkerHandle
+from kvplane.serving.rpc import RpcClient
+from kvplane.serving.worker import Worker
+from kvplane.testing.cluster import wait_for
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+WINDOW, NEW, N = 8, 5, 40
+CELL = 2 * 2 * 16 * 4
+"""One position of one layer: K,V x 2 KV heads x head_dim 16 x float32."""
+TAIL_BYTES = 32
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(34)
+    cfg = transformers.Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        use_sliding_window=True, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("qwen2-mixed-pp")
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _start(model: Path, *argv: str) -> Worker:
+    common = ["--model", str(model), "--num-blocks", "16", "--num-slots", "4", "--insecure",
+              "--step-size", "16"]  # fmt: skip
+    worker = build_worker(settle(build_parser().parse_args(["serve", *argv, *common]), {}))
+    worker.start()
+    return worker
+
+
+def _idle(w: Worker) -> bool:
+    stats = w.stats()
+    return stats.used_blocks == 0 and stats.sessions_live == 0
+
+
+@pytest.fixture
+def stages(checkpoint: Path) -> Iterator[tuple[list[PrefillWorker], DecodeWorker]]:
+    with ExitStack() as stack:
+        ranks = []
+        for s in (0, 1):
+            argv = ("prefill", "--name", f"p{s}", "--pp-stage", str(s), "--pp-size", "2")
+            w = _start(checkpoint, *argv)
+            stack.callback(w.close)
+            assert isinstance(w, PrefillWorker)
+            ranks.append(w)
+        d = _start(checkpoint, "decode", "--name", "d")
+        stack.callback(d.close)
+        assert isinstance(d, DecodeWorker)
+        for p in ranks:
+            d.pair(p.info().pd_address)
+        yield ranks, d
+
+
+def test_two_stages_move_only_their_groups_windows(
+    checkpoint: Path, stages: tuple[list[PrefillWorker], DecodeWorker]
+) -> None:
+    ranks, d = stages
+    assert ranks[0].pools.kv.layout.layer_ids == (0, 1)
+    assert ranks[1].pools.kv.layout.layer_windows == (WINDOW, None, WINDOW)
+    prompt = tuple(int(t) for t in np.random.default_rng(N).integers(0, 128, N))
+    with ExitStack() as stack:
+        handles = []
+        for w in [*ranks, d]:
+            client = stack.enter_context(contextlib.closing(RpcClient(w.address)))
+            handles.append(WorkerHandle(w.address, client, info=w.info(), up=True))
+        chosen = gather_set(handles[:2], handles[2])
+        assert chosen is not None
+        names = {w.address: w.config.name for w in ranks}
+        senders = sender_pieces([(names[h.address], piece) for h, piece in chosen])
+        base = DecodeOrder(request_id="r", session_id="g", prefill_peer="p0", token_ids=prompt,
+                           max_new_tokens=NEW)  # fmt: skip
+        dec, pre = gather_orders(base, senders, decode_peer="d")
+        clients = [stack.enter_context(contextlib.closing(RpcClient(w.address))) for w in
+                   [d, *ranks]]  # fmt: skip
+        fut = clients[0].call_async(dec)
+        wait_for(lambda: "r" in d._requests, what="the decode order")
+        for c, order in zip(clients[1:], pre, strict=True):
+            assert c.call(order) == Ack(detail="accepted")
+        res = fut.result(timeout=60)
+    assert isinstance(res, RequestResult)
+    assert (res.state, res.reason) == ("success", "")
+    model = ModelSpec(str(checkpoint)).load()
+    assert list(res.tokens) == list(model.generate(list(prompt), NEW, 16, block_size=16).tokens)
+    workers: list[Worker] = [*ranks, d]
+    for w in workers:
+        wait_for(functools.partial(_idle, w), what=f"{w.config.name} idle")
+        assert w.stats().integrity == ""
+    moved = [w.stats().counters["pd_bytes_moved"] for w in ranks]
+    # stage 0: layer 0's window and all of full layer 1; stage 1: layer 2's window + the tail
+    assert moved == [(WINDOW + N) * CELL, WINDOW * CELL + TAIL_BYTES]

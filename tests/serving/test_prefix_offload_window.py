@@ -1,0 +1,169 @@
+"""Prefix offload of a window-only model (every layer slides over ``W`` positions): a hit needs
+only the chunks inside its window, so only those are loaded; the chunks before it stay unloaded
+and are never stored from the request's blocks. Exact chunk counts and bytes, a lower tier's
+larger chunks (the skip rounds down to them), and the PD run of ``tiny-swa`` token-exact (#33)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvplane.blocks import BlockHasher, BlockPool, BlockTable
+from kvplane.ids import RequestId
+from kvplane.layout import KVLayout
+from kvplane.offload import OffloadConfig
+from kvplane.serving.decode_worker import DecodeWorker
+from kvplane.serving.prefill_worker import PrefillWorker
+from kvplane.serving.prefix_offload import (
+    LoadFinished,
+    LoadStarted,
+    PrefixOffload,
+    PrefixSettings,
+)
+from kvplane.serving.producers.base import PoolTensor
+from kvplane.serving.producers.model import ModelDecoder, ModelProducer, ModelSpec
+from kvplane.serving.router.router import Router
+from kvplane.serving.worker_config import WorkerConfig
+from kvplane.testing.cluster import FAST, TEST_SECRET, check_balanced, wait_for
+
+BS, BPC, WINDOW = 4, 2, 12
+TPC = BS * BPC
+
+
+def _offload(
+    pool: BlockPool, window: int | None, **config: object
+) -> tuple[PrefixOffload, torch.Tensor]:
+    """A prefix offload of a 2-layer pool of ``window`` (random bytes), and the pool."""
+    layout = KVLayout.gqa(num_blocks=pool.num_blocks, block_size=BS, num_layers=2, kv_heads=2,
+                          head_dim=8, dtype=torch.float32, sliding_window=window)  # fmt: skip
+    kv = PoolTensor(layout, torch.randn(layout.shape, generator=torch.Generator().manual_seed(0)))
+    settings = OffloadConfig(host_slots=8, admission_min_lookups=0, pin_memory=False, **config)  # type: ignore[arg-type]
+    return PrefixOffload(PrefixSettings(settings, BPC), kv, pool), kv.tensor
+
+
+def _drain(off: PrefixOffload) -> list[object]:
+    events: list[object] = []
+    while off.busy or off.loading:
+        events += off.wait(1.0)
+    return events
+
+
+def _table(pool: BlockPool, rid: str, tokens: list[int]) -> BlockTable:
+    table = BlockTable(RequestId(rid), BS, BlockHasher(seed=7, fingerprint=b"m"))
+    assert table.admit(pool, tokens) is not None
+    return table
+
+
+def _chunks(kv: torch.Tensor, table: BlockTable, chunks: range) -> list[torch.Tensor]:
+    """The bytes of ``table``'s chunks (block-major pool: a block is ``kv[block]``)."""
+    return [kv[list(table.block_ids[c * BPC : (c + 1) * BPC])].clone() for c in chunks]
+
+
+def _store_and_load(
+    off: PrefixOffload, pool: BlockPool, kv: torch.Tensor, prompt: list[int], n: int
+) -> tuple[LoadStarted, LoadFinished, BlockTable, list[torch.Tensor]]:
+    """Store ``prompt``'s chunks, wipe the device pool, then load them back for a prompt of
+    ``n`` tokens that extends it; also returns the stored chunks' bytes."""
+    first = _table(pool, "a", prompt)
+    want = _chunks(kv, first, range(len(prompt) // TPC))
+    assert off.store(RequestId("a"), first) == len(prompt) // TPC
+    _drain(off)
+    first.release(pool)
+    kv.zero_()
+    again = _table(pool, "b", prompt + list(range(1, 1 + n - len(prompt))))
+    started = off.begin_load(RequestId("b"), again)
+    assert started is not None
+    (done,) = [e for e in _drain(off) if isinstance(e, LoadFinished)]
+    return started, done, again, want
+
+
+@pytest.mark.parametrize(
+    ("window", "skipped"), [(WINDOW, 3), (None, 0), (3 * TPC, 2), (5 * TPC, 0), (1, 4)]
+)
+def test_a_hit_loads_only_the_chunks_inside_its_window(window: int | None, skipped: int) -> None:
+    """40 stored tokens (5 chunks of 8) and a 49-token prompt: the hit is 40 tokens; with
+    window 12 it starts at 28, inside chunk 3, so chunks 3 and 4 load and 0-2 stay empty."""
+    pool = BlockPool(32, BS)
+    off, kv = _offload(pool, window)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 500, 40)]
+    started, done, table, want = _store_and_load(off, pool, kv, prompt, 49)
+    loaded = 5 - skipped
+    assert (started.chunks, done.chunks, done.tokens) == (loaded, loaded, 40)
+    assert off.counts.get("chunks_skipped_window", 0) == skipped
+    assert dict(off.hits) == {"host": loaded}
+    got = _chunks(kv, table, range(5))
+    for c in range(5):
+        assert torch.equal(got[c], want[c] if c >= skipped else torch.zeros_like(want[c])), c
+    # the finished request's store asks for none of its unfilled chunks (6 full chunks: the
+    # skipped ones are left out; of the rest only chunk 5 is new to the host tier)
+    assert off.store(RequestId("b"), table) == 6 - skipped
+    _drain(off)
+    assert off.counts["chunks_stored"] == 5 + 1
+    table.release(pool)
+    off.check_integrity()
+
+
+def test_the_skip_rounds_down_to_a_lower_tiers_larger_chunks(tmp_path: Path) -> None:
+    """A disk tier of 2-host-chunk chunks: the 3 chunks before the window round down to 2, so
+    the load starts where a disk chunk starts (its keys and pieces stay aligned)."""
+    pool = BlockPool(32, BS)
+    off, kv = _offload(pool, WINDOW, disk_path=tmp_path / "disk", disk_slots=8,
+                       disk_blocks_per_chunk=2 * BPC, disk_direct_io=False)  # fmt: skip
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 500, 40)]
+    started, done, table, want = _store_and_load(off, pool, kv, prompt, 49)
+    assert (started.chunks, done.tokens, off.counts["chunks_skipped_window"]) == (3, 40, 2)
+    got = _chunks(kv, table, range(5))
+    assert all(torch.equal(got[c], want[c]) for c in range(2, 5))
+    table.release(pool)
+    _drain(off)
+    off.check_integrity()
+    off.close()
+
+
+@pytest.fixture
+def swa_cluster() -> Iterator[tuple[Router, PrefillWorker]]:
+    """``tiny-swa`` prefill (host prefix offload, chunks of 2 blocks of 16) and decode
+    workers behind a router."""
+    spec = ModelSpec("tiny-swa", seed=3)
+    common = dict(num_blocks=48, num_slots=8, timings=FAST, slice_timeout_s=5.0,
+                  secret=TEST_SECRET)  # fmt: skip
+    offload = OffloadConfig(host_slots=8, pin_memory=False)
+    prefill = PrefillWorker(
+        WorkerConfig(name="prefill", block_size=16, step_size=16, **common),  # type: ignore[arg-type]
+        ModelProducer.from_spec(spec), offload=PrefixSettings(offload, 2),
+    )  # fmt: skip
+    decode = DecodeWorker(
+        WorkerConfig(name="decode", block_size=8, **common),  # type: ignore[arg-type]
+        ModelDecoder.from_spec(spec),
+    )
+    prefill.start()
+    decode.start()
+    router = Router([prefill.address], [decode.address], timeout_s=30.0, secret=TEST_SECRET)
+    router.connect()
+    yield router, prefill
+    router.close()
+    prefill.close()
+    decode.close()
+
+
+def test_pd_of_a_window_model_loads_only_the_window_and_is_token_exact(
+    swa_cluster: tuple[Router, PrefillWorker],
+) -> None:
+    """``tiny-swa`` (window 16, chunks of 32 tokens): a 101-token prompt after a 98-token one
+    hits 3 chunks and loads only the last (the hit's window is positions 80-95), token-exact."""
+    router, prefill = swa_cluster
+    model = ModelSpec("tiny-swa", seed=3).load()
+    shared = [int(t) for t in np.random.default_rng(5).integers(0, 1024, 96)]
+    for i, tokens in enumerate([[*shared, 1, 2], [*shared, 5, 6, 7, 8, 9]]):
+        res = router.generate(f"r{i}", tokens, max_new_tokens=6)
+        assert res.state == "success", res.reason
+        assert res.tokens == model.generate(tokens, 6, 16, block_size=16).tokens
+        wait_for(lambda: prefill.offload is not None and not prefill.offload.busy, what="idle")
+    counters = check_balanced(router)["prefill"].counters
+    assert counters["offload_hit_chunks_host"] == 1
+    assert counters["offload_chunks_skipped_window"] == 2
+    assert counters["offload_chunks_stored"] == 3
