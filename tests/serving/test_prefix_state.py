@@ -1,15 +1,19 @@
 """Prefix offload of a hybrid model (tiny-hybrid: attention + Mamba2) on a prefill pool: the
 recurrent state is snapshotted at chunk boundaries under the chunk's key; a snapshot equals the
 state a fresh prefill of that prefix computes (bit-exact, float32); a prefix load restores KV
-and state together and the prefill resumes bit-exactly; a hit without its state is a miss."""
+and state together and the prefill resumes bit-exactly; a hit without its state is a miss. Across
+a restart (real Redis): a new PrefixOffload finds KV and state on disk, on a private Redis
+namespace or in the shared store and resumes bit-exactly; a corrupt state snapshot is a miss."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
+import redis
 import torch
 
 from kvplane.blocks import BlockHasher, BlockPool, BlockTable
@@ -61,7 +65,9 @@ class Rig:
         return events
 
 
-def _rig(disk: Path | None = None) -> Rig:
+def _rig(disk: Path | None = None, config: OffloadConfig | None = None) -> Rig:
+    """A tiny-hybrid prefill pool (seed 3) with prefix offload over ``config`` (default: host
+    tier of 8 chunks, the disk tier at ``disk`` if given); every rig computes the same."""
     producer = ModelProducer.from_spec(ModelSpec("tiny-hybrid", seed=3))
     kv_layout = producer.kv_layout(NUM_BLOCKS, BS)
     state_layout = producer.state_layout(4)
@@ -69,10 +75,11 @@ def _rig(disk: Path | None = None) -> Rig:
     kv = PoolTensor(kv_layout, kv_layout.allocate())
     state = PoolTensor(state_layout, state_layout.allocate())
     pool = BlockPool(NUM_BLOCKS, BS)
-    config = OffloadConfig(
-        host_slots=8, admission_min_lookups=0, pin_memory=False, disk_path=disk,
-        disk_slots=8, disk_direct_io=False,
-    )  # fmt: skip
+    if config is None:
+        config = OffloadConfig(
+            host_slots=8, admission_min_lookups=0, pin_memory=False, disk_path=disk,
+            disk_slots=8, disk_direct_io=False,
+        )  # fmt: skip
     off = PrefixOffload(PrefixSettings(config, BPC), kv, pool, state=state)
     return Rig(producer, kv, state, pool, BlockHasher(seed=0, fingerprint=b"hybrid"), off)
 
@@ -156,3 +163,103 @@ def _kv(rig: Rig, table: BlockTable, rng: TokenRange) -> torch.Tensor:
     blocks = torch.as_tensor(table.block_ids, dtype=torch.long)[pos // BS]
     view = layout.canonical_view(rig.kv.tensor).permute(0, 3, 1, 2, 4, 5)
     return view[blocks, pos % BS].clone()
+
+
+TIER = {"disk": "disk", "remote": "remote", "shared": "remote"}
+"""The cascade's name of the tier each kind of run stores to."""
+
+
+@pytest.fixture
+def namespace(redis_url: str, redis_namespace: str) -> Iterator[str]:
+    """``redis_namespace``, and its state namespace ``<ns>.state`` emptied after the test."""
+    yield redis_namespace
+    client = redis.Redis.from_url(redis_url)
+    names = list(client.scan_iter(match=f"{redis_namespace}.state:*"))
+    if names:
+        client.delete(*names)
+    client.close()
+
+
+def _config(where: str, tmp_path: Path, url: str, ns: str) -> OffloadConfig:
+    """Host tier, and only the tier ``where`` below it (so a hit must come from there)."""
+    if where == "disk":
+        return OffloadConfig(
+            host_slots=8, admission_min_lookups=0, pin_memory=False,
+            disk_path=tmp_path / "disk.kvc", disk_slots=8, disk_direct_io=False,
+        )  # fmt: skip
+    mode = "shared" if where == "shared" else "private"
+    return OffloadConfig(
+        host_slots=8, admission_min_lookups=0, pin_memory=False,
+        remote_url=url, remote_slots=8, remote_namespace=ns, remote_mode=mode,
+        remote_timeout_s=1.0, remote_lease_s=2.0,
+    )  # fmt: skip
+
+
+def _stored_then_closed(config: OffloadConfig) -> tuple[list[int], int, torch.Tensor, torch.Tensor]:
+    """One engine prefills a 100-token prompt (snapshots at 32, 64, 96), stores its 3 chunks
+    down the tiers and closes: the prompt, its first token, final state and KV."""
+    rig = _rig(config=config)
+    prompt = _prompt(100)
+    full = rig.admit("full", prompt)
+    first = rig.prefill(full, slot=0)
+    state, kv = rig.row(0), _kv(rig, full, TokenRange(0, 100))
+    assert rig.off.store(RequestId("full"), full) == 3
+    rig.drain()
+    _close(rig, full)
+    return prompt, first, state, kv
+
+
+@pytest.mark.parametrize("where", ["disk", "remote", "shared"])
+def test_a_restarted_engine_finds_kv_and_state_and_resumes_bit_exact(
+    where: str, tmp_path: Path, redis_url: str, namespace: str
+) -> None:
+    config = _config(where, tmp_path, redis_url, namespace)
+    prompt, want_first, want_state, want_kv = _stored_then_closed(config)
+    rig = _rig(config=config)  # a new instance: fresh pools, tiers re-indexed
+    again = rig.admit("again", prompt)
+    started = rig.off.begin_load(RequestId("again"), again, 2)
+    assert started is not None and started.sources == (TIER[where],) * 3
+    assert rig.drain() == [LoadFinished(RequestId("again"), 3 * CHUNK, 3, 0)]
+    assert rig.prefill(again, slot=2, start=3 * CHUNK) == want_first
+    assert torch.equal(rig.row(2), want_state)
+    assert torch.equal(_kv(rig, again, TokenRange(0, 100)), want_kv)
+    assert rig.off.state is not None
+    assert rig.off.state.store.counts[f"{TIER[where]}_hits"] == 1
+    _close(rig, again)
+
+
+@pytest.mark.parametrize("where", ["disk", "remote"])
+def test_a_corrupt_state_snapshot_is_a_miss(
+    where: str, tmp_path: Path, redis_url: str, namespace: str
+) -> None:
+    """Chunk 3's snapshot (slot 2) is changed at rest. Disk: the re-index drops it, so only
+    2 chunks load. Redis: its header re-indexes, all 3 chunks' KV load, the read fails its
+    CRC, and the state (and the hit) falls back to 2 chunks. Either way the prefill resumes
+    at 64 and computes the bits of a fresh one."""
+    config = _config(where, tmp_path, redis_url, namespace)
+    prompt, want_first, want_state, want_kv = _stored_then_closed(config)
+    if where == "disk":
+        path = tmp_path / "disk.kvc.state"
+        stride = path.stat().st_size // config.disk_slots  # payload span + header
+        with path.open("r+b") as fh:
+            fh.seek(2 * stride + 9)
+            byte = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    else:
+        client = redis.Redis.from_url(redis_url)
+        assert client.setrange(f"{namespace}.state:slot:2", 9, b"\xff\xfe") > 0
+        client.close()
+    rig = _rig(config=config)
+    again = rig.admit("again", prompt)
+    started = rig.off.begin_load(RequestId("again"), again, 2)
+    assert started is not None and started.chunks == (2 if where == "disk" else 3)
+    failed = 0 if where == "disk" else 1
+    assert rig.drain() == [LoadFinished(RequestId("again"), 2 * CHUNK, 2, failed)]
+    assert rig.prefill(again, slot=2, start=2 * CHUNK) == want_first
+    assert torch.equal(rig.row(2), want_state)
+    assert torch.equal(_kv(rig, again, TokenRange(0, 100)), want_kv)
+    assert rig.off.state is not None
+    counts = rig.off.state.store.counts
+    assert (counts["corrupt"], counts[f"{where}_hits"]) == (failed, 1)
+    _close(rig, again)
