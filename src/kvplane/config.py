@@ -243,3 +243,28 @@ def read_secret(
             f"{where} must hold a secret of at least {MIN_SECRET_BYTES} bytes, got {len(secret)}"
         )
     return secret
+
+
+def secret_or_insecure(
+    secret_file: str | None,
+    env: Mapping[str, str],
+    *,
+    prefix: str,
+    insecure: bool,
+    needs: str,
+    so_that: str,
+    otherwise: str,
+) -> bytes | None:
+    """The secret of a vLLM extra-config section named ``prefix`` (``<prefix>_secret_file``,
+    else ``KVPLANE_SECRET``), or None when ``<prefix>_insecure`` asked for none: secure by
+    default. ``ConfigError`` for both; for neither, ``"<needs> a secret (...) so that <so_that>;
+    set <prefix>_insecure=true <otherwise>"``; and as :func:`read_secret`."""
+    secret = read_secret(secret_file or None, env, flag=f"{prefix}_secret_file")
+    if secret is not None and insecure:
+        raise ConfigError(f"{prefix}_insecure with a secret: choose one")
+    if secret is None and not insecure:
+        raise ConfigError(
+            f"{needs} a secret ({prefix}_secret_file or {SECRET_ENV}, >= {MIN_SECRET_BYTES} "
+            f"bytes) so that {so_that}; set {prefix}_insecure=true {otherwise}"
+        )
+    return secret

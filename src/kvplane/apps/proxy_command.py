@@ -19,8 +19,8 @@ import threading
 from kvplane.apps.proxy import PDProxy, ProxyConfig
 from kvplane.apps.proxy_requests import MODES
 from kvplane.apps.serve_config import sectioned, settle
-from kvplane.apps.startup import probe_port
 from kvplane.errors import ConfigError
+from kvplane.serving.ports import probe_port
 
 log = logging.getLogger(__name__)
 HELP = "an OpenAI-compatible front for a prefill and a decode vLLM server (PD)"

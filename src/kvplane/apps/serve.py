@@ -25,13 +25,7 @@ from kvplane.apps.generate import add_attention_flag
 from kvplane.apps.proxy_command import HELP as PROXY_HELP
 from kvplane.apps.proxy_command import proxy_flags, run_proxy
 from kvplane.apps.serve_config import sectioned, settle
-from kvplane.apps.startup import (
-    check_connect_address,
-    check_pool_memory,
-    probe_bind,
-    probe_port,
-    scrub_secret_env,
-)
+from kvplane.apps.startup import check_connect_address, check_pool_memory, scrub_secret_env
 from kvplane.config import SECRET_ENV, read_secret
 from kvplane.errors import ConfigError, InvalidArgumentError
 from kvplane.metrics import MetricsRegistry
@@ -41,6 +35,7 @@ from kvplane.pd.handshake import Placement
 from kvplane.pd.timers import Timings
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.kv_publisher import KVEventSettings
+from kvplane.serving.ports import probe_bind, probe_port
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.prefix_offload import PrefixSettings
 from kvplane.serving.producers.base import KVModel

@@ -2,9 +2,9 @@
 
 :func:`scrub_secret_env` removes ``KVPLANE_SECRET`` once read (``config.read_secret``) so no
 child inherits it;
-:func:`probe_bind` and :func:`probe_port` bind and release each requested socket, so a busy or
-foreign address is a one-line ``ConfigError`` instead of a traceback after half the process
-started; :func:`check_pool_memory` refuses a pool larger than the memory this process may use
+:mod:`~kvplane.serving.ports` probes each requested socket (a busy or foreign address is a
+one-line ``ConfigError`` instead of a traceback after half the process started);
+:func:`check_pool_memory` refuses a pool larger than the memory this process may use
 (the host's, or its cgroup's limit when lower) before it is allocated. Holds no socket past a
 call.
 """
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import socket
 import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
 from kvplane.config import SECRET_ENV
 from kvplane.errors import ConfigError
-from kvplane.serving.worker_config import check_port, split_address
+from kvplane.serving.worker_config import split_address
 
 
 def scrub_secret_env(env: MutableMapping[str, str]) -> bool:
@@ -49,36 +48,6 @@ def _zero_c_env(name: str) -> None:
         if entry.startswith(prefix):
             ctypes.memset(addr + len(prefix), 0, len(entry) - len(prefix))
         i += 1
-
-
-def _bind(what: str, shown: str, host: str, port: int) -> None:
-    host = "0.0.0.0" if host == "*" else host
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise ConfigError(f"{what} {shown}: cannot resolve host {host!r} ({exc})") from None
-    family, kind, proto, _name, addr = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as zmq and http.server
-        try:
-            sock.bind(addr)
-        except OSError as exc:
-            raise ConfigError(f"{what} {shown} cannot be bound here: {exc.strerror}") from None
-
-
-def probe_bind(what: str, address: str) -> None:
-    """Bind and release the ``tcp://HOST:PORT`` address a socket is about to listen on (any
-    other scheme passes); ``ConfigError`` naming ``what`` when it is malformed, out of range,
-    not this host's, or busy."""
-    hostport = split_address(what, address)
-    if hostport is not None:
-        _bind(what, address, *hostport)
-
-
-def probe_port(what: str, port: int, host: str = "127.0.0.1") -> None:
-    """Bind and release ``host:port`` (``port`` 0: nothing to check, the listener is off)."""
-    if check_port(what, port):
-        _bind(what, str(port), host, port)
 
 
 def check_connect_address(what: str, address: str) -> None:

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -168,6 +168,16 @@ class KVEventPublisher:
     def record(self, change: TierChange) -> None:
         """Queue ``change`` for the next batch; never blocks."""
         self._queue.put(change)
+
+    def watch_tiers(
+        self, managers: Iterable[OffloadManager], tokens_per_chunk: int, spans: Mapping[str, int]
+    ) -> None:
+        """:meth:`watch` each of a cascade's ``managers`` (host first), each tier's stored events
+        saying its own tokens per chunk: ``tokens_per_chunk`` times its span of host chunks
+        (``spans``, the tier book's; 1 where absent). The one rule for kvplane workers and the
+        vLLM connector alike; same thread rule as :meth:`watch`."""
+        for manager in managers:
+            self.watch(manager, tokens_per_chunk * spans.get(manager.tier, 1))
 
     def watch(self, manager: OffloadManager, block_size: int | None = None) -> None:
         """Report ``manager``'s tier changes from now on by wrapping its eviction policy (see

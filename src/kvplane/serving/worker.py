@@ -218,8 +218,7 @@ class Worker:
             self.config.name, self.incarnation, self.kv_event_settings,
             secret=self.config.secret, block_size=tokens,
         )  # fmt: skip
-        for manager in tiers:
-            self.kv_events.watch(manager, tokens * spans.get(manager.tier, 1))
+        self.kv_events.watch_tiers(tiers, tokens, spans)
         self.kv_events.start()
 
     def _close_parts(self) -> None:

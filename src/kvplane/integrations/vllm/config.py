@@ -29,11 +29,32 @@ VLLM_VERSION = VLLM_MAX_TESTED
 _CHUNK_KEYS = {"blocks_per_chunk"}
 _HASH_KEYS = {"hash_seed": "seed"}
 _OWN_KEYS = {"metrics_port", "mla_shared_keys", "load_mode"}
+_EVENTS_PREFIX = "kv_events_"
 LOAD_MODES = ("sync", "async", "auto")
 """``load_mode`` values: how a matched offload hit loads (``docs/vllm.md``, "Configuration")."""
 DEFAULT_LOAD_MODE = "auto"
 MAX_METRICS_PORT = 65534
 """The highest ``metrics_port``: the scheduler side serves its metrics on ``metrics_port + 1``."""
+
+
+@dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """The ``kv_events_*`` keys (``KVPLANE_KV_EVENTS_<FIELD>``). ``port`` 0: no KV events;
+    else the scheduler side publishes its tiers' chunk changes on ``host:port`` and answers
+    replays on the next port (:func:`~.startup.kv_events_addresses`). ``name``: the engine's id
+    in the topic (empty: ``vllm-<host>-<port>``). CURVE with a secret (``secret_file`` or
+    ``KVPLANE_SECRET``), plain only with ``insecure``."""
+
+    port: int = 0
+    host: str = "127.0.0.1"
+    name: str = ""
+    secret_file: str = ""
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        what = "kv_events_port (replays on the next port)"
+        require_int(what, self.port, min=0, max=MAX_METRICS_PORT, error=ConfigError)
+        require_bool("kv_events_insecure", self.insecure, error=ConfigError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +75,8 @@ class ConnectorConfig:
     """How a matched hit loads: ``sync`` (in the forward that needs it), ``async`` (the request
     waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` meanwhile), ``auto`` (async when a chunk comes
     from a tier below host)."""
+    kv_events: EventsConfig = dataclasses.field(default_factory=EventsConfig)
+    """Where the scheduler side publishes KV events (``docs/vllm.md``, "KV events")."""
 
     def __post_init__(self) -> None:
         what = "metrics_port (the scheduler side serves on the next port)"
@@ -124,7 +147,9 @@ def parse_extra_config(
         raise ConfigError(f"kv_connector_extra_config must be a mapping, got {extra!r}")
     offload_fields = {f.name for f in dataclasses.fields(OffloadConfig)}
     pd_keys = {f"pd_{f.name}" for f in dataclasses.fields(PDConfig)}
+    event_keys = {_EVENTS_PREFIX + f.name for f in dataclasses.fields(EventsConfig)}
     known = offload_fields | _CHUNK_KEYS | set(_HASH_KEYS) | _OWN_KEYS | pd_keys | set(SIZE_KEYS)
+    known |= event_keys
     unknown = sorted(str(k) for k in extra if k not in known)
     if unknown:
         raise ConfigError(
@@ -137,6 +162,8 @@ def parse_extra_config(
     offload, _ = resolve(OffloadConfig, "offload", flags=offload_part, env=environ)
     chunk, _ = resolve(ChunkConfig, "chunk", flags=chunk_part, env=environ)
     hashing, _ = resolve(HashConfig, "hash", flags=hash_part, env=environ)
+    event_part = {k[len(_EVENTS_PREFIX) :]: v for k, v in extra.items() if k in event_keys}
+    events, _ = resolve(EventsConfig, "kv_events", flags=event_part, env=environ)
     port = extra.get("metrics_port", 0)
     if isinstance(port, str):
         with contextlib.suppress(ValueError):  # not an int: ConnectorConfig refuses it as given
@@ -152,4 +179,5 @@ def parse_extra_config(
         sizes=sizes,
         mla_shared_keys=extra.get("mla_shared_keys", False),
         load_mode=extra.get("load_mode", DEFAULT_LOAD_MODE),
+        kv_events=events,
     )

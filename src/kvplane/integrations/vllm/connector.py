@@ -41,6 +41,7 @@ from kvplane.integrations.vllm.affinity import spread_threads
 from kvplane.integrations.vllm.config import parse_extra_config
 from kvplane.integrations.vllm.connector_stats import KVPlanePromMetrics, KVPlaneStats
 from kvplane.integrations.vllm.fingerprint import engine_fingerprint
+from kvplane.integrations.vllm.kv_events import events_setup, publish_book, scheme_note
 from kvplane.integrations.vllm.kv_shapes import LayerShape, stride_order_from_name
 from kvplane.integrations.vllm.messages import StepMeta, TierIndex, WorkerReport
 from kvplane.integrations.vllm.pd_config import PDSettings, pd_settings
@@ -53,12 +54,14 @@ from kvplane.integrations.vllm.scheduler import ScheduledRequest, SchedulerSide
 from kvplane.integrations.vllm.sizing import kv_block_bytes
 from kvplane.integrations.vllm.startup import failure_policy_warning, serve_metrics, sizing_note
 from kvplane.integrations.vllm.stats import StatsTaker
+from kvplane.integrations.vllm.store_probe import StoreId
 from kvplane.integrations.vllm.tp import TPShard, combine_indices
 from kvplane.integrations.vllm.versions import check_vllm
 from kvplane.integrations.vllm.views import pd_request, request_view
 from kvplane.integrations.vllm.wakeup import StepSource, Wakeup, end_step
 from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.metrics import MetricsRegistry
+from kvplane.serving.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +86,20 @@ class KVPlaneWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
 
 
 class KVPlaneHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
-    """The worker's start-up :class:`TierIndex` (fingerprint, lower-tier re-index) and its PD
-    endpoint's address and peer id (empty without PD)."""
+    """The worker's start-up :class:`TierIndex` (fingerprint, lower-tier re-index), its PD
+    endpoint's address and peer id (empty without PD) and its shared store (None without)."""
 
-    def __init__(self, index: TierIndex, pd_address: str = "", pd_engine: str = "") -> None:
+    def __init__(
+        self,
+        index: TierIndex,
+        pd_address: str = "",
+        pd_engine: str = "",
+        store: StoreId | None = None,
+    ) -> None:
         self.index = index
         self.pd_address = pd_address
         self.pd_engine = pd_engine
+        self.store = store
 
 
 def _isa(dtype: torch.dtype, block_size: int, head_dim: int, cache_dtype: Any) -> str:
@@ -174,7 +184,11 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._requests: dict[str, Any] = {}
         self._block_ids: dict[str, Any] = {}  # last known block table per tracked request
         self._stats: StatsTaker | None = None  # once the side's counters exist
+        self.kv_events: KVEventPublisher | None = None
+        events = None
         if role == KVConnectorRole.SCHEDULER:
+            dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+            events = events_setup(self.config, os.environ, dp_rank)  # refuses before any state
             self.scheduler = SchedulerSide(
                 self.config, self.block_size, self.metrics, tp_size=self.tp_size
             )
@@ -189,6 +203,9 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         scheduler = role == KVConnectorRole.SCHEDULER
         rank = 0 if scheduler or not self.config.metrics_port else _tp_rank(self.tp_size)
         serve_metrics(self.metrics, self.config, scheduler=scheduler, rank=rank)
+        if self.scheduler is not None and events is not None:  # one book per engine
+            tokens = self.block_size * self.config.blocks_per_chunk
+            self.kv_events = publish_book(events, self.scheduler.book, tokens)
 
     # -- vLLM's metrics ----------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVPlaneStats | None:
@@ -317,7 +334,11 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"expected a kvplane worker handshake from each of {self.tp_size} rank(s), "
                 f"got ranks {sorted(got)}"
             )
-        self._sched().set_index(combine_indices([got[r].index for r in sorted(got)]))
+        index = combine_indices([got[r].index for r in sorted(got)])
+        self._sched().set_index(index, [got[r].store for r in sorted(got)])
+        if self.kv_events is not None:
+            spec = (self.block_size, self.config.blocks_per_chunk)
+            log.info(scheme_note(self.kv_events, self.config.hashing.seed, index.fingerprint, spec))
         if self.pd_scheduler is not None:
             addresses = [got[r].pd_address for r in sorted(got)]
             self.pd_scheduler.set_endpoint(addresses, got[0].pd_engine)
@@ -381,10 +402,10 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
 
     def get_handshake_metadata(self) -> KVPlaneHandshake:
-        pd = self.pd_worker
+        pd, work = self.pd_worker, self._work()
         if pd is None:
-            return KVPlaneHandshake(self._work().index)
-        return KVPlaneHandshake(self._work().index, pd.address, pd.engine_id)
+            return KVPlaneHandshake(work.index, store=work.store)
+        return KVPlaneHandshake(work.index, pd.address, pd.engine_id, store=work.store)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         if isinstance(kv_connector_metadata, KVPlaneStepMetadata):
@@ -440,7 +461,12 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return None if report.empty else KVPlaneWorkerMetadata(report)
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self.pd_worker is not None:
             self.pd_worker.close()
         if self.worker is not None:
             self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.close()

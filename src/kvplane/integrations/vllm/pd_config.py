@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvplane.config import read_secret, resolve
+from kvplane.config import resolve, secret_or_insecure
 from kvplane.errors import ConfigError
 from kvplane.pd.timers import Timings
 from kvplane.validators import require_finite_positive
@@ -83,14 +83,10 @@ def pd_settings(config: PDConfig, env: Mapping[str, str]) -> PDSettings | None:
     (unless ``insecure``), a secret with a transport that cannot authenticate, or both."""
     if not config.transport:
         return None
-    secret = read_secret(config.secret_file or None, env, flag="pd_secret_file")
-    if secret is not None and config.insecure:
-        raise ConfigError("pd_insecure with a secret: choose one")
-    if secret is None and not config.insecure:
-        raise ConfigError(
-            "PD needs a secret (pd_secret_file or KVPLANE_SECRET, >= 16 bytes) so that no other "
-            "process can read or overwrite KV; set pd_insecure=true to run without one"
-        )
+    secret = secret_or_insecure(
+        config.secret_file, env, prefix="pd", insecure=config.insecure, needs="PD needs",
+        so_that="no other process can read or overwrite KV", otherwise="to run without one",
+    )  # fmt: skip
     if secret is not None and config.transport not in ("tcp", "shm"):
         raise ConfigError(f"pd_transport {config.transport!r} cannot authenticate its data plane")
     timings = Timings(

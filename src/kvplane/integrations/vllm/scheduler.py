@@ -3,8 +3,9 @@
 Owns :class:`SchedulerSide` (per-request key chains, side-effect-free matches, load and store
 plans, block fences, hit metrics) over the :class:`~kvplane.offload.book.TierBook`, and the
 :class:`RequestView` it reads. Plain data in, :class:`~.messages.StepMeta` out: no tensors, no
-tier I/O, no vLLM import. The rules (keys, match, store, free, fence): ``docs/vllm.md`` ("The
-scheduler side").
+tier I/O but one question to a shared store (:class:`~.store_probe.StoreProbe`), no vLLM import.
+The rules (keys, match, store, free, fence, discovery): ``docs/vllm.md`` ("The scheduler side",
+"The shared store").
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvplane.integrations.vllm.messages import (
     TierIndex,
     WorkerReport,
 )
+from kvplane.integrations.vllm.store_probe import StoreId, StoreProbe
 from kvplane.integrations.vllm.tp import RankTally
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.book import TierBook
@@ -81,6 +83,7 @@ class _LoadJob:
 class _Req:
     keys: RequestKeys
     looked_up: bool = False
+    discovered: bool = False  # the shared store was asked about its chunks
     offered: int = 0  # chunks offered for storing so far
     gathers: set[int] = field(default_factory=set)  # store jobs whose gather is in flight
     finished: bool = False
@@ -105,7 +108,11 @@ class SchedulerSide:
         self.tally = RankTally(tp_size)
         self.spec = ChunkSpec(block_size, config.blocks_per_chunk)
         lower = [(name, config.tier_slots(name)) for name in config.lower_tiers]
-        self.book = TierBook.build(config.offload, lower, metrics)
+        book = TierBook.build(config.offload, lower, metrics)
+        if "remote" in book.lower and config.offload.remote_mode == "shared":
+            book = TierBook(book.host, list(book.lower.values()), shared="remote")
+        self.book = book
+        self._probe: StoreProbe | None = None
         self.metrics = metrics
         self._hasher: BlockHasher | None = None
         self._reqs: dict[str, _Req] = {}
@@ -131,6 +138,9 @@ class SchedulerSide:
         )
         self._m_retry = m.counter("vllm_ask_again", "Lookups answered 'ask again'")
         self._m_loads = m.counter("vllm_loads", "Loads planned, by mode", ("mode",))
+        self._m_found = m.counter(
+            "vllm_discovered_chunks", "Chunks other engines published, found in the shared store"
+        )
 
     # -- start-up -------------------------------------------------------------------------------
     @property
@@ -138,11 +148,21 @@ class SchedulerSide:
         """True once the worker's handshake (fingerprint and tier re-index) arrived."""
         return self._hasher is not None
 
-    def set_index(self, index: TierIndex) -> None:
-        """Adopt the worker's handshake: the key root and the chunks lower tiers already hold."""
+    def set_index(self, index: TierIndex, stores: Sequence[StoreId | None] = ()) -> None:
+        """Adopt the worker's handshake: the key root and the chunks lower tiers already hold;
+        with a shared store, ``stores`` (each rank's :func:`~.store_probe.store_id`, rank
+        order; ``None`` for a rank without one) opens the probe lookups ask about chunks
+        published since (none given: only the chunks found at start-up are ever hits)."""
         if self.ready:
             raise InvalidArgumentError("the worker handshake was already applied")
+        ids = [s for s in stores if s is not None]
+        if self.book.shared is None and ids:
+            raise InvalidArgumentError("store ids given, but no shared store is configured")
+        if ids and len(ids) != len(stores):
+            raise InvalidArgumentError(f"a rank without a shared store among {list(stores)}")
         self.book.adopt_index(index)
+        if ids:
+            self._probe = StoreProbe(ids, self.config.offload.remote_timeout_s)
         self._hasher = BlockHasher(self.config.hashing.seed, index.fingerprint)
 
     def _req(self, view: RequestView) -> _Req:
@@ -158,19 +178,27 @@ class SchedulerSide:
     def _loadable(self, view: RequestView, num_computed: int) -> tuple[int, int | None]:
         """``(first chunk, loadable chunks from it)``, the count ``None`` for "ask again"
         (:meth:`~kvplane.offload.book.TierBook.loadable`: only as far as host can promote now,
-        so :meth:`allocated` keeps the promise)."""
+        so :meth:`allocated` keeps the promise). A request's first call first asks the shared
+        store about the chunks past the known hit run and adopts what it holds
+        (:meth:`~kvplane.offload.book.TierBook.to_discover`, ``discovered``)."""
         tpc = self.spec.tokens_per_chunk
         limit = view.num_tokens - 1
         req = self._req(view)
         req.keys.extend(view.token_ids, max(limit, 0))
         keys = req.keys.chunk_keys(max(limit, 0))
+        if self._probe is not None and not req.discovered:
+            req.discovered = True  # once per request: a waiting request is matched each step
+            asked = self.book.to_discover(keys)
+            if asked:
+                self._m_found.inc(len(self.book.discovered(asked, self._probe.held(asked))))
         first = num_computed // tpc
         return first, self.book.loadable(keys[first:])
 
     def matched_tokens(self, view: RequestView, num_computed: int) -> int | None:
         """Tokens beyond ``num_computed`` (block aligned) that kvplane can load now, or ``None``
         to be asked again later; always 0 for a view that is not ``eligible`` or not
-        ``readable``. Changes no tier state (only memoises the request's hashes)."""
+        ``readable``. Changes no tier state (only memoises the request's hashes) but for the
+        shared store's chunks a request's first call discovers (:meth:`_loadable`)."""
         return self.match(view, num_computed)[0]
 
     def match(self, view: RequestView, num_computed: int) -> tuple[int | None, bool]:
@@ -414,6 +442,16 @@ class SchedulerSide:
         req = self._reqs.get(req_id)
         if req is not None and not req.gathers:
             del self._reqs[req_id]
+
+    @property
+    def probe(self) -> StoreProbe | None:
+        """The shared store's probe lookups ask (:meth:`set_index`), or ``None``."""
+        return self._probe
+
+    def close(self) -> None:
+        """Close the shared store probe's connections; idempotent."""
+        if self._probe is not None:
+            self._probe.close()
 
     def check_integrity(self) -> None:
         """Tier invariants; with no job in flight, no busy slot and no request held back."""

@@ -2,9 +2,10 @@
 
 Owns :func:`failure_policy_warning` (the one warning about ``kv_load_failure_policy="fail"``
 with a tier that can fail to read), :func:`serve_metrics` (the private ``/metrics`` ports, a
-busy one a one-line ``ConfigError`` naming ``metrics_port``) and :func:`sizing_note` (the
-slots derived from byte sizes, for the log). The connector calls them once per role; they
-decide nothing else. Why ``recompute``: ``docs/vllm.md`` ("Failure policy").
+busy one a one-line ``ConfigError`` naming ``metrics_port``), :func:`kv_events_addresses` (the
+KV event sockets' ports) and :func:`sizing_note` (the slots derived from byte sizes, for the
+log). The connector calls them once per role; they decide nothing else. Why ``recompute``:
+``docs/vllm.md`` ("Failure policy").
 """
 
 from __future__ import annotations
@@ -48,6 +49,20 @@ def metrics_port_of(config: ConnectorConfig, *, scheduler: bool, rank: int = 0) 
     if port > 65535:
         raise ConfigError(f"metrics_port={base}: worker rank {rank} would serve on port {port}")
     return port
+
+
+def kv_events_addresses(config: ConnectorConfig, dp_rank: int = 0) -> tuple[str, str]:
+    """The zmq addresses of an engine's KV event sockets (its scheduler side publishes, one per
+    engine whatever its TP size): PUB on ``kv_events_port + 2 * dp_rank`` (each data-parallel
+    engine is its own process and needs its own ports), the replay ROUTER on the next port.
+    ``ConfigError`` when that is past 65535."""
+    ev = config.kv_events
+    port = ev.port + 2 * dp_rank
+    if port + 1 > 65535:
+        raise ConfigError(
+            f"kv_events_port={ev.port}: data-parallel rank {dp_rank} would publish on port {port}"
+        )
+    return f"tcp://{ev.host}:{port}", f"tcp://{ev.host}:{port + 1}"
 
 
 def serve_metrics(

@@ -76,15 +76,20 @@ class TPShard:
     def offload(self, config: OffloadConfig) -> OffloadConfig:
         """``config`` with this rank's own disk file and Redis namespace (``<path>.tp<r>of<n>``,
         ``<namespace>.tp<r>of<n>``): ranks never share a slot. Rank 0 of a ``shared`` group
-        keeps the configured ones, so a TP=1 engine finds its chunks."""
+        keeps the configured ones, so a TP=1 engine finds its chunks; every rank of a ``shared``
+        group keeps the configured namespace of a shared store (``remote_mode = "shared"``:
+        many writers, deduplicated), so one copy of a chunk serves every rank and TP size."""
         if self.size == 1 or (self.shared and self.rank == 0):
             return config
         suffix = f"tp{self.rank}of{self.size}"
         disk = config.disk_path
+        one_copy = self.shared and config.remote_mode == "shared"
         return dataclasses.replace(
             config,
             disk_path=None if disk is None else Path(f"{disk}.{suffix}"),
-            remote_namespace=f"{config.remote_namespace}.{suffix}",
+            remote_namespace=config.remote_namespace
+            if one_copy
+            else f"{config.remote_namespace}.{suffix}",
         )
 
 

@@ -30,6 +30,7 @@ from kvplane.integrations.vllm.messages import (
     WorkerReport,
 )
 from kvplane.integrations.vllm.pool import VllmPool
+from kvplane.integrations.vllm.store_probe import store_id
 from kvplane.integrations.vllm.tp import TPShard
 from kvplane.integrations.vllm.wakeup import Wakeup
 from kvplane.metrics import MetricsRegistry
@@ -85,6 +86,7 @@ class WorkerSide:
                 t.close()
             raise
         self.index = TierIndex(fingerprint, chunk_bytes, found)
+        self.store = store_id(self.lower)  # the handshake's: the scheduler side asks it too
         self.jobs = JobRunner(metrics)
         self.loads = Loads(
             self.jobs,
