@@ -108,3 +108,17 @@ def test_pipelined_params_name_every_prefill_rank_the_address_file_names() -> No
         params = h._early_params("pipelined", "r0", prompt, json.dumps(address_params(addresses)))
         ranks = tuple(addresses) if len(addresses) > 1 else ()
         assert parse_params(params) == RecvParams("r0", a0, 3, prompt_key(prompt), ranks)
+
+
+def test_push_params_name_the_prefill_engines_tp_size_the_address_file_names() -> None:
+    """NixlPushConnector's decode request names the prefill's TP (vLLM pairs its ranks by it):
+    the prefill writes it beside its NIXL side channel; an address without it is TP 1."""
+    peer = {"engine_id": "prefill-7", "host": "127.0.0.1", "port": 5600}
+    for tp in (1, 2):
+        params = h._early_params("push", "r3", [5, 6], json.dumps({**peer, "tp_size": tp}))
+        assert params == {
+            "do_remote_prefill": True, "remote_engine_id": "prefill-7",
+            "remote_request_id": "r3", "remote_host": "127.0.0.1", "remote_port": 5600,
+            "tp_size": tp,
+        }  # fmt: skip
+    assert h._early_params("push", "r3", [5], json.dumps(peer))["tp_size"] == 1

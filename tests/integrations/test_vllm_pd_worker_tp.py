@@ -331,7 +331,10 @@ def test_a_prefill_rank_that_cannot_be_told_does_not_keep_the_others_from_being_
         op = RecvOp("d1", "p9", a0, prompt_key(PROMPT), 0, 0, (), "refused", (a0, a1))
         assert peers.abandon(op) == [a0]
         tomb = functools.partial(prefill.workers[1].participant.tombstone, SessionId("p9.rank1"))
-        assert prefill.workers[1].endpoint.call(tomb) is not None
+        deadline = time.monotonic() + WAIT_S  # the tell is sent; rank 1 takes it on its loop
+        while prefill.workers[1].endpoint.call(tomb) is None:
+            assert time.monotonic() < deadline, "prefill rank 1 was never told"
+            time.sleep(0.005)
     finally:
         prefill.close()
         decode.close()

@@ -94,7 +94,8 @@ def test_quick_runs_one_kvplane_pair_for_both_modes_and_no_nixl_pair() -> None:
     full = b._Bench(False, argparse.Namespace(transport="tcp", rounds=1, cores="shared"),
                     Path("/nonexistent/model"))  # fmt: skip
     assert full.tps == (1, 2)
-    assert full.pairs == {1: ("kvplane", "nixl-pull", "nixl-push"), 2: ("kvplane", "nixl-pull")}
+    every = ("kvplane", "nixl-pull", "nixl-push")
+    assert full.pairs == {1: every, 2: every}  # NIXL push at TP 2 too: its params carry the TP
     modes = {m for m, _s, _p in _bench().layout("kvplane", 0)}
     assert modes == {"pull", "pipelined"}
 
@@ -179,19 +180,27 @@ def test_the_full_runs_reference_engine_runs_while_the_first_pair_waits_for_it(
     assert bench.errors[("kvplane", "pull", 1)] == "stopped here"
 
 
-def _bench_at(tp: str, quick: bool = True, rounds: int = 1) -> b._Bench:
-    args = argparse.Namespace(transport="tcp", rounds=rounds, cores="shared", tp=tp)
+def _bench_at(tp: str, quick: bool = True, rounds: int = 1, nixl: str | None = None) -> b._Bench:
+    args = argparse.Namespace(transport="tcp", rounds=rounds, cores="shared", tp=tp, nixl=nixl)
     return b._Bench(quick, args, Path("/nonexistent/model"))
 
 
-def test_tp_sizes_default_to_1_quick_and_1_2_full_and_tp_2_pairs_leave_nixl_push_out() -> None:
+def test_tp_sizes_default_to_1_quick_and_1_2_full_and_a_full_run_has_every_pair_at_each() -> None:
     assert _bench_at("").tps == (1,) and _bench_at("", quick=False).tps == (1, 2)
     assert _bench_at("2").pairs == {2: ("kvplane",)}
     assert _bench_at("1,2").not_run() == {
         "nixl-pull": b.NOT_IN_QUICK, "nixl-push": b.NOT_IN_QUICK,
-        "nixl-pull_tp2": b.NOT_IN_QUICK, "nixl-push_tp2": b.NIXL_PUSH_TP,
+        "nixl-pull_tp2": b.NOT_IN_QUICK, "nixl-push_tp2": b.NOT_IN_QUICK,
     }  # fmt: skip
-    assert _bench_at("1,2", quick=False).not_run() == {"nixl-push_tp2": b.NIXL_PUSH_TP}
+    assert _bench_at("1,2", quick=False).not_run() == {}
+
+
+def test_nixl_adds_the_nixl_pairs_to_a_quick_run() -> None:
+    assert _bench_at("2", nixl="pull").pairs == {2: ("kvplane", "nixl-pull")}
+    assert _bench_at("2", nixl="pull").not_run() == {"nixl-push_tp2": b.NOT_IN_QUICK}
+    every = ("kvplane", "nixl-pull", "nixl-push")
+    assert _bench_at("1,2", nixl="pull,push").pairs == {1: every, 2: every}
+    assert _bench_at("1,2", nixl="pull,push").not_run() == {}
 
 
 def test_a_tp_2_pair_runs_both_engines_at_tp_2_and_its_rows_say_so(
@@ -268,7 +277,7 @@ def test_rounds_alternate_the_pairs_per_tp_size_and_round_0_kvplane_gives_the_re
     b._run_pairs(full, False, tmp_path)
     assert calls == [
         ("ref", 0, True, 1), ("nixl-pull", 0, False, 1), ("nixl-push", 0, False, 1),
-        ("kvplane", 0, True, 2), ("nixl-pull", 0, False, 2),
+        ("kvplane", 0, True, 2), ("nixl-pull", 0, False, 2), ("nixl-push", 0, False, 2),
         ("nixl-push", 1, False, 1), ("nixl-pull", 1, False, 1), ("kvplane", 1, False, 1),
-        ("nixl-pull", 1, False, 2), ("kvplane", 1, False, 2),
+        ("nixl-push", 1, False, 2), ("nixl-pull", 1, False, 2), ("kvplane", 1, False, 2),
     ]  # fmt: skip

@@ -48,13 +48,8 @@ PAIRS = {True: ("kvplane",), False: ("kvplane", "nixl-pull", "nixl-push")}
 NixlConnector needs a pair per mode, and each pair is two engine starts (a quick run with the
 NIXL pull pair took 213 s at load 8 on this 2-core host, ~70 s of it that pair), so
 ``--quick`` runs kvplane's pair alone: the NIXL rows are the full run's."""
-TP_PAIRS = {True: ("kvplane",), False: ("kvplane", "nixl-pull")}
-"""The same at TP > 1. NIXL push is not run there: the harness's push params name the prefill
-engine at TP 1 (``tp_size``); ``not_run`` says so (:data:`NIXL_PUSH_TP`)."""
-NIXL_PUSH_TP = (
-    "not run at TP > 1: pd_harness's push params (_early_params) name the prefill engine with "
-    "tp_size 1"
-)
+NIXL_PAIRS = {"pull": ("kvplane", "nixl-pull"), "pull,push": PAIRS[False]}
+"""``--nixl``: the NIXL pairs a ``--quick`` run adds (a full run has both)."""
 TP_SIZES = {"1": (1,), "2": (2,), "1,2": (1, 2)}
 """``--tp``: the TP sizes run (both engines of a pair at one size); default ``1`` with
 ``--quick``, ``1,2`` for a full run."""
@@ -78,11 +73,12 @@ AFFINITY_HOW = (
     "(pd_harness.pin_threads: vLLM's NIXL worker pins the model-runner thread, engine_set "
     "shows where); threads started later inherit them. At TP > 1 the rank workers are other "
     "processes: they inherit the engine's taskset, vLLM binds each rank's threads to its run of "
-    "VLLM_CPU_OMP_THREADS_BIND (the engine's cores split per rank, harness.cpu_binds), and "
-    "pin_threads reaches the engine process only: NIXL's worker, in each rank worker, moves its "
-    "model-runner thread to the last core of each NUMA node (vLLM's nixl/base_worker.py; on one "
-    "node every rank's runner onto one core) and that stays, so NIXL rows at TP > 1 do not run "
-    "under kvplane's affinity"
+    "VLLM_CPU_OMP_THREADS_BIND (the engine's cores split per rank, harness.cpu_binds); NIXL's "
+    "worker, in each rank worker, moves its model-runner thread to the last core of each NUMA "
+    "node (vLLM's nixl/base_worker.py; on one node every rank's runner onto one core), so after "
+    "the build every rank worker thread that holds no core of its rank's run is set to that run "
+    "(pd_pinning.pin_rank_workers, rank_workers shows what moved; vLLM's per-core binds and "
+    "kvplane's threads spread over the engine's cores stay), for both connectors alike"
 )
 
 
@@ -97,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tp", choices=tuple(TP_SIZES), default=None, metavar="1|2|1,2",
         help="both engines' TP sizes run (default: 1 with --quick, else 1,2); TP 2 is rank r "
         "to rank r and needs a core per rank for each engine",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nixl", choices=tuple(NIXL_PAIRS), default=None,
+        help="NixlConnector pairs run beside kvplane's (default: none with --quick, else both)",
     )  # fmt: skip
 
 
@@ -136,7 +136,9 @@ class _Bench:
         n, lo, hi = SIZES[quick]
         self.n, self.transport, self.rounds = n, transport, rounds
         self.tps = TP_SIZES[str(getattr(args, "tp", None) or ("1" if quick else "1,2"))]
-        self.pairs = {tp: PAIRS[quick] if tp == 1 else TP_PAIRS[quick] for tp in self.tps}
+        nixl = getattr(args, "nixl", None)
+        pairs = PAIRS[quick] if nixl is None else NIXL_PAIRS[str(nixl)]
+        self.pairs = dict.fromkeys(self.tps, pairs)
         self.timeout = PAIR_TIMEOUT_S[quick]
         rng = random.Random(0)
         vocab = MODEL_SHAPE["vocab"]
@@ -286,10 +288,7 @@ class _Bench:
         """The pairs a full run has and this one does not, and why."""
         out: dict[str, str] = {}
         for tp in self.tps:
-            full = PAIRS[False] if tp == 1 else TP_PAIRS[False]
-            out |= {at_tp(c, tp): NOT_IN_QUICK for c in full if c not in self.pairs[tp]}
-            if tp > 1:
-                out[at_tp("nixl-push", tp)] = NIXL_PUSH_TP
+            out |= {at_tp(c, tp): NOT_IN_QUICK for c in PAIRS[False] if c not in self.pairs[tp]}
         return out
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from kvplane.errors import ConfigError, TransferTimeoutError
 from kvplane.integrations.vllm.harness import cpu_binds, engine_connectors, metric_samples
 from kvplane.integrations.vllm.pd_params import SESSION_KEY, address_params, prompt_key
+from kvplane.integrations.vllm.pd_pinning import child_pids, pin_rank_workers
 
 WAIT_S = 300.0
 """Longest wait for the other process's file, unless the spec's ``wait_s`` says otherwise."""
@@ -247,10 +248,10 @@ def _early_params(mode: str, rid: str, prompt: list[int], address: str) -> dict[
     if mode == "pipelined":  # address: the prefill's PD endpoints (address_params, as JSON)
         return {"do_remote_prefill": True, SESSION_KEY: rid, **json.loads(address),
                 "num_prompt_tokens": len(prompt), "prompt_key": prompt_key(prompt)}  # fmt: skip
-    peer = json.loads(address)  # push: the prefill engine's NIXL coordinates
+    peer = json.loads(address)  # push: the prefill engine's NIXL coordinates and TP size
     return {"do_remote_prefill": True, "remote_engine_id": peer["engine_id"],
             "remote_request_id": rid, "remote_host": peer["host"], "remote_port": peer["port"],
-            "tp_size": 1}  # fmt: skip
+            "tp_size": int(peer.get("tp_size", 1))}  # fmt: skip
 
 
 def _waves(spec: dict[str, Any], ids: list[str]) -> list[tuple[str, list[int]]]:
@@ -332,16 +333,10 @@ def _kill_workers(stepped: Path, done: Path) -> None:
 
     def kill() -> None:
         _wait_file(stepped)
-        killed = 0
-        for entry in os.listdir("/proc"):
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except (OSError, ValueError):  # not a process, or it ended meanwhile
-                continue
-            if int(stat[stat.rindex(")") + 2 :].split()[1]) == me:
-                os.kill(int(entry), signal.SIGKILL)
-                killed += 1
-        _write(done, str(killed))
+        children = child_pids(me)
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        _write(done, str(len(children)))
 
     threading.Thread(target=kill, name="kill-workers", daemon=True).start()
 
@@ -357,6 +352,7 @@ def _address(llm: Any, spec: dict[str, Any], sched: Any) -> str:
             "engine_id": kv.engine_id,
             "host": os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"],
             "port": int(os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"]),
+            "tp_size": int(spec.get("tensor_parallel_size", 1)),
         }
     )
 
@@ -385,6 +381,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     cpus = os.sched_getaffinity(0)
     llm = _build(spec, role)
     affinity = pin_threads(cpus)
+    if int(spec.get("tensor_parallel_size", 1)) > 1:  # the ranks are other processes
+        affinity["rank_workers"] = pin_rank_workers(os.environ["VLLM_CPU_OMP_THREADS_BIND"])
     import torch
 
     affinity["torch_threads"] = torch.get_num_threads()

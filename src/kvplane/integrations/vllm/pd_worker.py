@@ -148,6 +148,9 @@ class PDWorkerSide:
         self._known: dict[SessionId, DestinationKnown] = {}
         self._recvs: dict[SessionId, _Recv] = {}
         self._dials: queue.SimpleQueue[RecvOp | None] = queue.SimpleQueue()
+        self._dialing = 0
+        """Receives handed to the dial thread and not yet opened or failed (each a handshake
+        with a prefill engine that progresses without vLLM): they make the worker :attr:`busy`."""
         self._results: list[PDResult] = []
         self._sent_done: set[str] = set()
         self._recv_done: set[str] = set()
@@ -179,6 +182,8 @@ class PDWorkerSide:
             self._end(end)
         drain = [self._send_of[e.req_id] for e in meta.ends if e.req_id in self._send_of]
         self._drain(drain)
+        with self._lock:
+            self._dialing += len(meta.recvs)
         for op in meta.recvs:
             self._dials.put(op)
 
@@ -322,32 +327,42 @@ class PDWorkerSide:
             op = self._dials.get()
             if op is None:
                 return
-            if op.abandon:  # refused up front: every prefill rank must free its blocks now
-                self.peers.abandon(op)
-                continue
-            address = op.peer(self.rank)
-            if address is None:  # the scheduler sends receives only at equal TP sizes
-                continue
             try:
-                peer = self.peers.peer(address)
-                refusal = self.endpoint.call(functools.partial(self._heads, peer, False))
-                if refusal is not None:  # not our rank's shard (another rank, another TP size)
-                    raise refusal
-                start = StartTransfer(
-                    request_id=RequestId(op.prompt),
-                    dst_block_ids=op.block_ids,
-                    prefix_tokens=op.prefix_tokens,
-                    num_tokens=op.num_tokens,
-                )
-                sid = rank_session(op.session_id, self.rank)
+                self._dial(op)
+            finally:
                 with self._lock:
-                    self._recvs[sid] = _Recv(op, opened=True)
-                self.endpoint.open_receiver(sid, peer, start)
-            except (KVPlaneError, OSError) as exc:
-                log.warning("kvplane PD: receive of %s failed: %s", op.req_id, exc)
-                with self._lock:
-                    self._recvs.pop(rank_session(op.session_id, self.rank), None)
-                self._recv_ended(op, False, f"cannot open the receive: {exc}")
+                    self._dialing -= 1
+                self.wake.notify()
+
+    def _dial(self, op: RecvOp) -> None:
+        """(Dial thread) Tell the prefill ranks of a refused ``op``, or handshake with this
+        rank's prefill endpoint and open the receive; a failure ends the receive."""
+        if op.abandon:  # refused up front: every prefill rank must free its blocks now
+            self.peers.abandon(op)
+            return
+        address = op.peer(self.rank)
+        if address is None:  # the scheduler sends receives only at equal TP sizes
+            return
+        try:
+            peer = self.peers.peer(address)
+            refusal = self.endpoint.call(functools.partial(self._heads, peer, False))
+            if refusal is not None:  # not our rank's shard (another rank, another TP size)
+                raise refusal
+            start = StartTransfer(
+                request_id=RequestId(op.prompt),
+                dst_block_ids=op.block_ids,
+                prefix_tokens=op.prefix_tokens,
+                num_tokens=op.num_tokens,
+            )
+            sid = rank_session(op.session_id, self.rank)
+            with self._lock:
+                self._recvs[sid] = _Recv(op, opened=True)
+            self.endpoint.open_receiver(sid, peer, start)
+        except (KVPlaneError, OSError) as exc:
+            log.warning("kvplane PD: receive of %s failed: %s", op.req_id, exc)
+            with self._lock:
+                self._recvs.pop(rank_session(op.session_id, self.rank), None)
+            self._recv_ended(op, False, f"cannot open the receive: {exc}")
 
     def _heads(self, peer: PeerId, sender: bool) -> UnsupportedError | None:
         """(PD loop thread) :func:`~.pd_ranks.heads_refusal` of an admitted ``peer``."""
@@ -453,8 +468,11 @@ class PDWorkerSide:
 
     @property
     def busy(self) -> bool:
+        """Sends or receives in flight, or receives still dialling their prefill engine: an
+        idle step then waits for them (:func:`~.wakeup.end_step`) rather than spin vLLM's loop
+        on the cores the handshake needs."""
         with self._lock:
-            return bool(self._sends or self._recvs)
+            return bool(self._sends or self._recvs or self._dialing)
 
     def close(self) -> None:
         self._dials.put(None)
