@@ -1,5 +1,6 @@
 """``kvplane serve``'s own policies in the engine: interleaved prefill steps, a serial decode
-worker that takes no order while it decodes (exact figures on the tiny cluster)."""
+worker that takes no order while it decodes or behind a landed KV, replayed decode times
+(exact figures on the tiny cluster)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,25 @@ def test_a_serial_decode_worker_takes_no_order_while_it_decodes() -> None:
     _, sim = simulate(tiny_spec(decode=batch1), reqs)
     r1 = sim.outcomes()[1]
     assert (r1.ready_s, r1.decode_start_s) == pytest.approx((0.764 + op, 0.827), rel=EXACT)
+
+
+def test_a_serial_decode_worker_takes_orders_behind_landed_kv_in_turn() -> None:
+    # kvplane serve's decode worker has one FIFO inbox: r1's KV lands at 0.6445 s while r0
+    # decodes (0.627-0.827 s); r2's order comes at 0.7 s, behind it, so it is taken only when
+    # r1's decode ends (1.027 s), and r2's KV is sent then
+    reqs = [request(0, 0.0, 512), request(1, 0.55, 64), request(2, 0.7, 64)]
+    op = OVERHEAD + 64 * BYTES_PER_TOKEN / SLICE_BW + RTT
+    _, sim = simulate(tiny_spec(decode=DecodeSpec(token_s=0.02, serial=True)), reqs)
+    r1, r2 = sim.outcomes()[1:]
+    assert r1.ready_s == pytest.approx(0.617 + op, rel=EXACT)  # behind r0's op on the link
+    assert (r1.decode_start_s, r1.done_s) == pytest.approx((0.827, 1.027), rel=EXACT)
+    assert r2.ready_s == r2.decode_start_s == pytest.approx(1.027 + op, rel=EXACT)
+
+
+def test_a_replayed_decode_time_replaces_the_per_token_cost() -> None:
+    spec = tiny_spec(decode=DecodeSpec(token_s=0.02, serial=True))
+    measured = dataclasses.replace(request(1, 0.0, 512), decode_s=0.3)
+    _, sim = simulate(spec, [request(0, 0.0, 512), measured])
+    r0, r1 = sim.outcomes()
+    assert r0.done_s - r0.decode_start_s == pytest.approx(10 * 0.02, rel=EXACT)
+    assert r1.done_s - r1.decode_start_s == pytest.approx(0.3, rel=EXACT)

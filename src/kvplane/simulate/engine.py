@@ -4,8 +4,9 @@
 prefill looks its prompt up across tiers, loads the hit chunks, computes the rest slice by slice
 and sends the KV (:func:`~kvplane.simulate.timing.kv_pieces`; interleaving workers step their
 requests in turn, one event a step); its chunks are stored when it ends. A serial decode worker
-takes no order while it decodes: sends to it wait until it does. Failures kill a worker; its
-lease later re-routes its requests. See docs/simulate.md.
+takes no order while it decodes (nor one behind a KV that landed first): sends to it wait
+until it does. Failures kill a worker; its lease later re-routes its requests. See
+docs/simulate.md.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class Simulation:
         f.pw, f.dw = p.index, d.index
         f.est_s = compute_left(p.index)
         f.accepted = d.takes_orders()
+        f.ordered = now
         if not f.accepted:
             d.orders.append(req.rid)
         p.backlog_s += f.est_s
@@ -269,7 +271,9 @@ class Simulation:
             d.queue.popleft()
             d.admit(context, context * self.held)
             f.decode_start = now
-            hold = (f.req.output_tokens - 1) * tpot_s(self.spec.decode, d.context)
+            hold = f.req.decode_s
+            if hold is None:
+                hold = (f.req.output_tokens - 1) * tpot_s(self.spec.decode, d.context)
             self.loop.at(now + hold, DECODE_DONE, f.req.rid, f.attempt)
 
     def _decode_done(self, rid: int, attempt: int) -> None:
@@ -282,20 +286,22 @@ class Simulation:
         d.flights.discard(rid)
         f.done = self.loop.now
         f.finished += 1
-        if d.spec.serial:
-            self._accept(d)
+        if d.spec.serial:  # one inbox: the orders routed before the next KV landed go first
+            self._accept(d, self.flights[d.queue[0]].ready if d.queue else float("inf"))
         self._admit(d)
 
-    def _accept(self, d: DecodeWorker) -> None:
-        """A serial decode worker between sequences takes the orders that waited: their
-        deferred sends go now."""
-        for rid in d.orders:
+    def _accept(self, d: DecodeWorker, before: float) -> None:
+        """A serial decode worker between sequences takes the orders that waited and were
+        routed no later than ``before`` (its inbox is FIFO: an order behind a landed KV waits
+        for that sequence); their deferred sends go now."""
+        taken = [rid for rid in d.orders if self.flights[rid].ordered <= before]
+        for rid in taken:
             f = self.flights[rid]
             f.accepted = True
             for _ in range(f.deferred):
                 self.loop.at(self.loop.now, SEND, rid, f.attempt)
             f.deferred = 0
-        d.orders.clear()
+        d.orders = [rid for rid in d.orders if rid not in taken]
 
     # -- failures ------------------------------------------------------------------------------
     def _kill(self, role: int, index: int) -> None:

@@ -34,6 +34,7 @@ class Flight:
         "next_piece",
         "next_token",
         "ops",
+        "ordered",
         "pieces",
         "pieces_total",
         "prefill_end",
@@ -57,6 +58,8 @@ class Flight:
         """The ops booked so far, (start, landed)."""
         self.accepted = True
         """False while a serial decode worker has not taken the order (it is decoding)."""
+        self.ordered = 0.0
+        """When the latest attempt was routed (its order reached the decode worker)."""
         self.deferred = 0
         """Sends that found the order not accepted yet: made again when it is."""
         self.prefill_start = self.compute_start = self.prefill_end = -1.0

@@ -21,13 +21,16 @@ from kvplane.validators import finite_number, is_int
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One request: arrival time (s), prompt and output token counts, the prompt's block ids."""
+    """One request: arrival time (s), prompt and output token counts, the prompt's block ids.
+    ``decode_s``: seconds it holds its decode worker, replayed from a measured run, in place
+    of the cluster's per-token decode cost (``None``: that cost)."""
 
     rid: int
     arrival_s: float
     input_tokens: int
     output_tokens: int
     hash_ids: tuple[int, ...]
+    decode_s: float | None = None
 
 
 def stored_blocks(input_tokens: int) -> int:
