@@ -39,6 +39,7 @@ def _demo(model: str) -> dict[str, Any]:
     return got
 
 
+@pytest.mark.slow  # the transformers-checkpoint demo below runs the same path by default
 def test_demo_serves_tiny_hybrid_with_parity_and_prefix_hits() -> None:
     assert _demo("tiny-hybrid")["requests"] == len(demo_prompts(1024))
 

@@ -105,6 +105,7 @@ def test_a_hit_loads_only_the_chunks_inside_its_window(window: int | None, skipp
     assert off.counts["chunks_stored"] == 5 + 1
     table.release(pool)
     off.check_integrity()
+    off.close()
 
 
 def test_the_skip_rounds_down_to_a_lower_tiers_larger_chunks(tmp_path: Path) -> None:

@@ -121,8 +121,18 @@ def test_layout_rows_serve_the_tiny_gqa_model_capped_at_its_positions() -> None:
         pl.layout_result("tcp", 64, 16, (1, 1), 0.1, layouts=("tp2->1",))
 
 
-def test_rank_processes_serve_every_layout_at_a_toy_size() -> None:
-    out = pl.layout_result("tcp", 64, 16, (1, 1), 0.1)
+@pytest.mark.parametrize(
+    "layouts",
+    [
+        ("1->1", "tp2->1"),
+        pytest.param(("1->1", "tp2->1", "pp2->1"), marks=pytest.mark.slow),
+    ],
+)
+def test_rank_processes_serve_every_layout_at_a_toy_size(layouts: tuple[str, ...]) -> None:
+    """Real rank processes at a toy size (64 tokens); the default suite runs TP 2->1 beside its
+    baseline, the slow one every layout (PP stages feed a decode process in
+    tests/apps/test_serve_ranks_gather.py too)."""
+    out = pl.layout_result("tcp", 64, 16, (1, 1), 0.1, layouts=layouts)
     assert (out["model"], out["transport"], out["tokens"], out["step"]) == (
         "tiny-llama",
         "tcp",
@@ -131,10 +141,9 @@ def test_rank_processes_serve_every_layout_at_a_toy_size() -> None:
     )
     assert out["tokens_equal"] is True  # every layout and mode decoded the same tokens
     entries = out["layouts"]
+    ranks = {"1->1": 1, "tp2->1": 2, "pp2->1": 2}
     assert [(e["layout"], e["ranks"], e["requests"]) for e in entries] == [
-        ("1->1", 1, 1),
-        ("tp2->1", 2, 1),
-        ("pp2->1", 2, 1),
+        (x, ranks[x], 1) for x in layouts
     ]
     for e in entries:
         assert set(e["targets"]) == ALL_TARGETS
@@ -146,6 +155,5 @@ def test_rank_processes_serve_every_layout_at_a_toy_size() -> None:
         assert e["modes"][1]["overlap_ratio"] == 0.0  # nothing overlaps after the prefill
         assert 0.0 <= e["modes"][0]["overlap_ratio"] <= 1.0
     names = [r["row"] for r in out["rows"]]
-    assert names[0::2] == [f"tiny-llama_{x}_ttft_pipelined_vs_non_pipelined" for x in LAYOUTS]
-    assert [r["layout"] for r in out["rows"]] == ["1->1", "1->1", "tp2->1", "tp2->1", "pp2->1",
-                                                  "pp2->1"]  # fmt: skip
+    assert names[0::2] == [f"tiny-llama_{x}_ttft_pipelined_vs_non_pipelined" for x in layouts]
+    assert [r["layout"] for r in out["rows"]] == [x for x in layouts for _ in range(2)]
