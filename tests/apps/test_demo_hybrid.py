@@ -17,6 +17,7 @@ import torch
 
 from kvplane.apps.demo import demo_prompts
 from kvplane.models import load_model
+from kvplane.testing.reference import save_tiny_bamba
 
 NEW = 6
 STEP = 32  # the demo's default --step-size
@@ -49,16 +50,8 @@ def test_demo_of_a_transformers_bamba_checkpoint_gives_transformers_tokens(
 ) -> None:
     """The demo proves its processes' tokens equal ``generate`` in one process; here that
     one-process reference equals ``hf.generate`` on the demo's story prompts."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(12)
-    cfg = transformers.BambaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2,
-        mamba_d_conv=4, mamba_chunk_size=16,
-    )  # fmt: skip
-    hf = transformers.BambaForCausalLM(cfg).eval()
-    hf.save_pretrained(tmp_path / "ckpt")
+    pytest.importorskip("transformers")
+    hf = save_tiny_bamba(tmp_path / "ckpt", 12)
     _demo(str(tmp_path / "ckpt"))
     model = load_model(tmp_path / "ckpt")
     for p in demo_prompts(128)[:7]:

@@ -9,14 +9,11 @@ router marks the rank down the next request is refused (nothing covers the decod
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import re
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvplane.cli import main
 from kvplane.serving.gather_orders import gather_orders, sender_pieces
 from kvplane.serving.messages import (
     Ack,
@@ -35,6 +32,7 @@ from kvplane.serving.router.gather_sets import gather_set
 from kvplane.serving.router.workers import WorkerHandle
 from kvplane.serving.rpc import RpcClient
 from kvplane.testing.cluster import TEST_SECRET, Proc, free_port, idle, wait_for
+from kvplane.testing.reference import generate_tokens
 
 PROMPT = tuple(range(5, 50))  # 45 tokens: three prefill steps of 16
 NEW = 4
@@ -88,13 +86,7 @@ def _deployment(
 
 
 def _reference() -> list[int]:
-    out = io.StringIO()
-    ids = ",".join(map(str, PROMPT))
-    with contextlib.redirect_stdout(out):
-        assert main(["generate", "--model", "tiny-llama", "--prompt-ids", ids,
-                     "--max-new-tokens", str(NEW), "--json"]) == 0  # fmt: skip
-    tokens: list[int] = json.loads(out.getvalue())["tokens"]
-    return tokens
+    return generate_tokens(PROMPT, NEW)
 
 
 def _balanced(client: RpcClient) -> None:

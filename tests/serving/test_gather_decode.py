@@ -5,14 +5,12 @@ every worker's pools and ledgers balance."""
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from kvplane.apps.serve import build_worker
 from kvplane.apps.serve_config import settle
-from kvplane.cli import build_parser, main
+from kvplane.cli import build_parser
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.gather_orders import gather_orders, sender_pieces
 from kvplane.serving.messages import (
@@ -29,6 +27,7 @@ from kvplane.serving.router.workers import WorkerHandle
 from kvplane.serving.rpc import RpcClient
 from kvplane.serving.worker import Worker
 from kvplane.testing.cluster import wait_for
+from kvplane.testing.reference import generate_tokens
 
 PROMPT = tuple(range(3, 43))  # 40 tokens: three prefill steps of 16
 NEW = 5
@@ -61,13 +60,7 @@ def _ranks() -> Iterator[tuple[list[PrefillWorker], DecodeWorker]]:
 
 def _reference() -> list[int]:
     """The tokens of one-process ``generate``."""
-    out = io.StringIO()
-    ids = ",".join(map(str, PROMPT))
-    with contextlib.redirect_stdout(out):
-        assert main(["generate", "--model", "tiny-llama", "--prompt-ids", ids,
-                     "--max-new-tokens", str(NEW), "--step-size", "16", "--json"]) == 0  # fmt: skip
-    tokens: list[int] = json.loads(out.getvalue())["tokens"]
-    return tokens
+    return generate_tokens(PROMPT, NEW, step_size=16)
 
 
 def _pieces(ranks: list[PrefillWorker], d: DecodeWorker) -> tuple[SenderPiece, ...]:

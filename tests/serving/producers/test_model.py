@@ -31,6 +31,7 @@ from kvplane.serving.producers.rank import RankProducer
 from kvplane.serving.router.router import Router
 from kvplane.serving.worker_config import WorkerConfig
 from kvplane.testing.cluster import FAST, TEST_SECRET, check_balanced, wait_for
+from kvplane.testing.reference import save_tiny_bamba
 
 STEP = 16
 NEW = 6
@@ -170,17 +171,9 @@ def test_pd_of_a_transformers_bamba_checkpoint_gives_transformers_tokens(tmp_pat
     """A random-init ``BambaForCausalLM`` saved by transformers, served across the workers
     with prefix offload: exactly ``hf.generate``'s greedy tokens, a shared prefix's second
     request included (its KV and Mamba2 state loaded, not computed)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    torch.manual_seed(11)
-    cfg = transformers.BambaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2,
-        mamba_d_conv=4, mamba_chunk_size=16,
-    )  # fmt: skip
-    hf = transformers.BambaForCausalLM(cfg).eval()
-    hf.save_pretrained(tmp_path / "ckpt")
+    hf = save_tiny_bamba(tmp_path / "ckpt", 11)
     c = model_cluster(str(tmp_path / "ckpt"), tmp_path / "disk")
     try:
         rng = np.random.default_rng(1)

@@ -5,9 +5,6 @@ a refused member fails the request for all; every pool and ledger balances."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import re
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -16,11 +13,12 @@ import pytest
 
 from kvplane.apps.serve import build_worker
 from kvplane.apps.serve_config import settle
-from kvplane.cli import build_parser, main
+from kvplane.cli import build_parser
 from kvplane.serving.messages import WorkerStats
 from kvplane.serving.router.router import Router
 from kvplane.serving.worker import Worker
 from kvplane.testing.cluster import check_balanced, idle, wait_for
+from kvplane.testing.reference import generate_tokens
 
 PROMPT = tuple(range(3, 43))  # 40 tokens: three prefill steps of 16
 NEW = 5
@@ -37,13 +35,7 @@ def stack() -> Iterator[ExitStack]:
 @pytest.fixture(scope="module")
 def reference() -> list[int]:
     """The tokens of one-process ``generate``."""
-    out = io.StringIO()
-    ids = ",".join(map(str, PROMPT))
-    with contextlib.redirect_stdout(out):
-        assert main(["generate", "--model", "tiny-llama", "--prompt-ids", ids,
-                     "--max-new-tokens", str(NEW), "--json"]) == 0  # fmt: skip
-    tokens: list[int] = json.loads(out.getvalue())["tokens"]
-    return tokens
+    return generate_tokens(PROMPT, NEW)
 
 
 def _start(stack: ExitStack, role: str, name: str, *argv: str, blocks: int = 16) -> Worker:

@@ -108,24 +108,13 @@ def open_lower_tiers(
                     coder=disk_coder,
                 )
             )
-        if config.remote_url and config.remote_mode == "shared":
+        if config.remote_url:
+            shared = config.remote_mode == "shared"
+            urls = [config.remote_url, *replica_urls(config.remote_replicas)]
+            make: Callable[..., Tier] = SharedTier if shared else RemoteTier
             tiers.append(
-                SharedTier(
-                    [config.remote_url, *replica_urls(config.remote_replicas)],
-                    config.remote_slots,
-                    remote_bytes,
-                    fingerprint,
-                    namespace=config.remote_namespace,
-                    timeout_s=config.remote_timeout_s,
-                    lease_s=config.remote_lease_s,
-                    metrics=metrics,
-                    coder=remote_coder,
-                )
-            )
-        elif config.remote_url:
-            tiers.append(
-                RemoteTier(
-                    config.remote_url,
+                make(
+                    urls if shared else config.remote_url,
                     config.remote_slots,
                     remote_bytes,
                     fingerprint,
