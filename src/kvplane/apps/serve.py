@@ -32,7 +32,7 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.offload import OffloadConfig
 from kvplane.offload.tiers.shared_server import REMOTE_MODES
 from kvplane.pd.handshake import Placement
-from kvplane.pd.timers import Timings
+from kvplane.pd.timers import DEFAULT_TIMINGS, Timings
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.kv_publisher import KVEventSettings
 from kvplane.serving.ports import probe_bind, probe_port
@@ -156,12 +156,16 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     b.add_argument("--num-blocks", type=int, default=512)
     b.add_argument("--block-size", type=int, default=16)
     t = p.add_argument_group("pd", "PD protocol timings, seconds ([pd], KVPLANE_PD_*)")
-    t.add_argument("--deadline", type=float, default=30.0, help="PD session deadline (s)")
-    t.add_argument("--heartbeat", type=float, default=1.0, help="PD heartbeat (s)")
-    t.add_argument("--lease", type=float, default=5.0, help="PD lease (s)")
-    t.add_argument("--drain", type=float, default=5.0, help="PD drain bound (s)")
-    t.add_argument("--in-doubt", type=float, default=1.0, help="IN_DOUBT release deadline (s)")
-    t.add_argument("--retransmit", type=float, default=0.2, help="PD retransmit period (s)")
+    d = DEFAULT_TIMINGS
+    for flag, default, what in (
+        ("--deadline", d.deadline_s, "PD session deadline"),
+        ("--heartbeat", d.heartbeat_s, "PD heartbeat"),
+        ("--lease", d.lease_s, "PD lease"),
+        ("--drain", d.drain_s, "PD drain bound"),
+        ("--in-doubt", d.in_doubt_s, "IN_DOUBT release deadline"),
+        ("--retransmit", d.retransmit_s, "PD retransmit period"),
+    ):
+        t.add_argument(flag, type=float, default=default, help=f"{what} (s)")
     sectioned(p)
 
 

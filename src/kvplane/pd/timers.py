@@ -46,14 +46,24 @@ class Timings:
     def __post_init__(self) -> None:
         for f in fields(self):  # every field is a delay
             require_finite_positive(f"Timings.{f.name}", getattr(self, f.name))
-        if self.lease_s <= self.heartbeat_s:
-            raise ConfigError(
-                f"Timings.lease_s ({self.lease_s}) must exceed heartbeat_s ({self.heartbeat_s})"
-            )
+        check_heartbeat(self.heartbeat_s, self.lease_s, "Timings.")
 
     @property
     def sender_deadline_s(self) -> float:
         return self.deadline_s + self.verdict_grace_s
+
+
+def check_heartbeat(heartbeat_s: float, lease_s: float, prefix: str) -> None:
+    """``ConfigError`` naming ``<prefix>heartbeat_s`` unless it is below ``<prefix>lease_s``
+    (a heartbeat renews the lease before it runs out)."""
+    if heartbeat_s >= lease_s:
+        raise ConfigError(
+            f"{prefix}heartbeat_s {heartbeat_s} must be below {prefix}lease_s ({lease_s})"
+        )
+
+
+DEFAULT_TIMINGS = Timings()
+"""The defaults of every config that exposes a protocol delay."""
 
 
 class TimerQueue(Generic[KeyT]):

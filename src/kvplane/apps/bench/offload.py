@@ -49,7 +49,7 @@ from kvplane.offload import (
 )
 from kvplane.offload.tiers import ALIGN, DiskTier, HostTier, RemoteTier, SyncPolicy
 from kvplane.offload.tiers.base import as_buffer
-from kvplane.offload.tiers.remote import PIPELINE_BYTES, redis_support
+from kvplane.offload.tiers.remote import pipeline_groups, redis_support
 from kvplane.testing.redis_server import LocalRedisServer, redis_server_support
 
 NAME = BENCH
@@ -190,8 +190,7 @@ def _remote(chunk: int, n: int, quick: bool, url: str) -> list[Measured]:
     client = redis.Redis.from_url(url, socket_timeout=30.0)
     bufs, views = _host_buffers(n, chunk)
     names = [f"{ns}:raw:{i}" for i in range(n)]
-    per = max(1, PIPELINE_BYTES // chunk)  # the tier's own groups: one round trip each
-    groups = [range(a, min(a + per, n)) for a in range(0, n, per)]
+    groups = pipeline_groups(n, chunk)  # the tier's own groups: one round trip each
 
     def raw_store() -> None:
         for group in groups:
@@ -214,7 +213,7 @@ def _remote(chunk: int, n: int, quick: bool, url: str) -> list[Measured]:
     )
     why = redis_benchmark_support()
     if why is None:
-        rb = fastest(url, chunk, n, per)
+        rb = fastest(url, chunk, n, len(groups[0]))
         limits[0].insert(0, Limit(rb["SET"].name, "", lambda: rb["SET"].seconds("SET")))
         limits[1].insert(0, Limit(rb["GET"].name, "", lambda: rb["GET"].seconds("GET")))
     mgr = OffloadManager("remote", n, "lru", AdmissionFilter(0))

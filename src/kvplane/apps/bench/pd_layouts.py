@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.apps.bench.pd_metrics import bench_rows, targets
-from kvplane.apps.bench.pd_model import DTYPE, model_spec
+from kvplane.apps.bench.pd_model import model_spec, pair_head
 from kvplane.apps.bench.pd_pair import (
     FIXED_MODES,
     Group,
@@ -141,11 +141,7 @@ def layout_result(
             layout_entry(layout, transport, served, times, entries[0] if entries else None)
         )
     return {
-        "model": MODEL,
-        "dtype": DTYPE,
-        "transport": transport,
-        "tokens": spec.tokens,
-        "step": step,
+        **pair_head(spec, MODEL),
         "layouts": entries,
         "rows": [r for e in entries for r in e["rows"]],
         "tokens_equal": tokens_equal([g.tokens for g in groups]),

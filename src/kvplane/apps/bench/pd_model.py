@@ -44,6 +44,18 @@ def model_spec(transport: str, tokens: int, step: int, model: str = MODEL) -> Pa
     return PairSpec(transport, tokens, step, 2 * -(-tokens // 16) + 8, producer)
 
 
+def pair_head(spec: PairSpec, model: str = MODEL) -> dict[str, Any]:
+    """The head of a model pair's result entry: ``{"model", "dtype", "transport", "tokens",
+    "step"}`` of ``spec``."""
+    return {
+        "model": model,
+        "dtype": DTYPE,
+        "transport": spec.transport,
+        "tokens": spec.tokens,
+        "step": spec.step,
+    }
+
+
 def model_result(
     transport: str, tokens: int, step: int, repeats: tuple[int, int], cap_s: float
 ) -> dict[str, Any]:
@@ -59,11 +71,7 @@ def model_result(
     modes = mode_rows(transport, served, times)
     lines = bench_rows("model", served.ttft_ms, times["pipelined"][0], ttft_target=None)
     return {
-        "model": MODEL,
-        "dtype": DTYPE,
-        "transport": transport,
-        "tokens": spec.tokens,
-        "step": step,
+        **pair_head(spec),
         "modes": modes,
         "rows": lines,
         "ttft_ratio": lines[0]["ratio_median"],

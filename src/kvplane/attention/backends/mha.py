@@ -15,9 +15,10 @@ from kvplane.attention.backends.common import (
     compute_dtype,
     torch_capabilities,
 )
+from kvplane.attention.backends.torch_mla import padded_query
 from kvplane.attention.base import Plan
 from kvplane.attention.inputs import MLAKVCache, MLAQuery
-from kvplane.attention.paged import GroupedBatch, pad_queries, softmax_lse, visible
+from kvplane.attention.paged import GroupedBatch, softmax_lse, visible
 from kvplane.attention.problem import AttentionKind, AttentionResult
 from kvplane.errors import BackendError
 
@@ -39,8 +40,7 @@ class MHABackend(GroupedMLABackend):
         p, index, shape = plan.problem, state.index, plan.problem.mla_shape()
         cdt, r = compute_dtype(p.dtype), shape.kv_lora_rank
         w_uk, w_uv = up.w_uk.to(cdt), up.w_uv.to(cdt)
-        qn = pad_queries(query.nope, index).to(cdt)  # [B, t, H, d_nope]
-        qp = pad_queries(query.pe, index).to(cdt)  # [B, t, H, p]
+        _, qn, qp = padded_query(query, index, cdt)  # [B, t, H, d_nope], [B, t, H, p]
 
         def one_group(part: GroupKV) -> tuple[torch.Tensor, torch.Tensor]:
             rows, kv = part.rows, part.kv[0]

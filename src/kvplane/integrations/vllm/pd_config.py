@@ -15,7 +15,7 @@ from typing import Any
 
 from kvplane.config import resolve, secret_or_insecure
 from kvplane.errors import ConfigError
-from kvplane.pd.timers import Timings
+from kvplane.pd.timers import DEFAULT_TIMINGS, Timings, check_heartbeat
 from kvplane.validators import require_finite_positive
 
 PD_TRANSPORTS = ("tcp", "shm", "nixl", "mooncake")
@@ -40,8 +40,8 @@ class PDConfig:
     slice_timeout_s: float = 30.0
     pull_timeout_s: float = 120.0
     connect_timeout_s: float = 30.0
-    lease_s: float = 5.0
-    heartbeat_s: float = 1.0
+    lease_s: float = DEFAULT_TIMINGS.lease_s
+    heartbeat_s: float = DEFAULT_TIMINGS.heartbeat_s
 
     def __post_init__(self) -> None:
         if self.transport and self.transport not in PD_TRANSPORTS:
@@ -51,8 +51,7 @@ class PDConfig:
             "heartbeat_s",
         ):  # fmt: skip
             require_finite_positive(f"pd_{what}", getattr(self, what))
-        if self.heartbeat_s >= self.lease_s:
-            raise ConfigError(f"pd_heartbeat_s {self.heartbeat_s} must be below pd_lease_s")
+        check_heartbeat(self.heartbeat_s, self.lease_s, "pd_")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,8 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.offload.codecs.base import RAW_TAG
 from kvplane.offload.codecs.coder import ChunkCoder
 from kvplane.offload.slots import check_chunk_key
-from kvplane.validators import require_index
+from kvplane.offload.tiers.header import ChunkHeader, check_fingerprint
+from kvplane.validators import require_index, require_int, require_size
 
 
 class ReadOutcome(enum.Enum):
@@ -81,6 +82,30 @@ def encode_payload(coder: ChunkCoder | None, payload: torch.Tensor) -> tuple[byt
         return RAW_TAG, as_buffer(payload)
     enc = coder.encode(payload)
     return enc.tag, enc.data
+
+
+def stored_fault(
+    header: ChunkHeader, crc: int, data: memoryview, coder: ChunkCoder | None, out: torch.Tensor
+) -> str | None:
+    """``None`` when ``data`` (CRC ``crc``) is ``header``'s chunk, now in ``out`` (coded: decoded
+    into it); else the corrupt-chunk reason, ``"checksum"`` or ``"codec"``."""
+    if crc != header.checksum:
+        return "checksum"
+    if header.coded and (coder is None or not coder.decode(header.codec, data, out)):
+        return "codec"
+    return None
+
+
+def check_stored_tier(
+    tier: str, num_slots: object, chunk_bytes: int, fingerprint: object, coder: object
+) -> tuple[ChunkCoder | None, bytes]:
+    """``(coder, fingerprint)`` a stored-chunk tier runs with: :func:`check_coder`'s codec and
+    the layout fingerprint with it folded in; ``InvalidArgumentError`` naming a bad field."""
+    require_int(f"{tier}.num_slots", num_slots, min=1)
+    require_size(f"{tier}.chunk_bytes", chunk_bytes, min=1)
+    layout = check_fingerprint(f"{tier}.fingerprint", fingerprint)
+    checked = check_coder(tier, coder, chunk_bytes)
+    return checked, layout if checked is None else checked.fingerprint(layout)
 
 
 def check_slot(tier: str, num_slots: int, slot: object) -> int:

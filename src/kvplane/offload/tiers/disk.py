@@ -28,17 +28,16 @@ from kvplane.offload.tiers.base import (
     TierCounters,
     as_buffer,
     check_batch,
-    check_coder,
+    check_stored_tier,
 )
 from kvplane.offload.tiers.header import (
     HEADER_BYTES,
     ChunkHeader,
-    check_fingerprint,
     is_blank,
     payload_checksum,
+    verify_header,
 )
 from kvplane.offload.tiers.host import ALIGN, round_up
-from kvplane.validators import require_int, require_size
 
 
 class DiskTier:
@@ -60,17 +59,14 @@ class DiskTier:
         """Open (creating) the slot file; ``coder`` codes every chunk (default: raw) and goes
         into the tier's fingerprint. ``OffloadError`` when the file cannot be opened or is
         locked; ``InvalidArgumentError`` for bad arguments."""
-        require_int("DiskTier.num_slots", num_slots, min=1)
-        require_size("DiskTier.chunk_bytes", chunk_bytes, min=1)
-        check_fingerprint("DiskTier.fingerprint", fingerprint)
-        self._coder = check_coder("DiskTier", coder, chunk_bytes)
+        self._coder, fp = check_stored_tier("DiskTier", num_slots, chunk_bytes, fingerprint, coder)
         if not isinstance(sync, SyncPolicy):
             raise InvalidArgumentError(f"DiskTier.sync must be a SyncPolicy, got {sync!r}")
         self.name = name
         self.path = Path(path)
         self.num_slots = num_slots
         self.chunk_bytes = chunk_bytes
-        self.fingerprint = fingerprint if coder is None else coder.fingerprint(fingerprint)
+        self.fingerprint = fp
         self.codec = "raw" if coder is None else coder.plan.ident
         self.sync = sync
         self.payload_span = round_up(chunk_bytes)
@@ -275,12 +271,9 @@ class DiskTier:
             if key is not None:
                 self._counters.corrupt("missing")
             return ReadOutcome.MISSING, None
-        header = ChunkHeader.decode(raw)
-        reason = (
-            "header" if header is None else header.fault(key, self.fingerprint, self.chunk_bytes)
-        )
-        if reason is not None:
-            self._counters.corrupt(reason)
+        header = verify_header(raw, key, self.fingerprint, self.chunk_bytes)
+        if isinstance(header, str):
+            self._counters.corrupt(header)
             return ReadOutcome.CORRUPT, None
         return ReadOutcome.OK, header
 

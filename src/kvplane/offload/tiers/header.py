@@ -121,6 +121,17 @@ class ChunkHeader:
         return cls(ChunkKey(key[:key_len]), fp, length, checksum, codec, stored)
 
 
+def verify_header(
+    raw: bytes | memoryview, key: ChunkKey | None, fingerprint: bytes, length: int
+) -> ChunkHeader | str:
+    """The header read back in ``raw`` if it is chunk ``key``'s (``None``: any key) under
+    ``fingerprint`` and ``length``; else the corrupt-chunk reason (``"header"`` or a fault's)."""
+    header = ChunkHeader.decode(raw) if len(raw) == HEADER_BYTES else None
+    if header is None:
+        return "header"
+    return header.fault(key, fingerprint, length) or header
+
+
 def check_fingerprint(what: str, value: object) -> bytes:
     """``value`` when it is a layout fingerprint (:data:`FINGERPRINT_BYTES` bytes), else
     ``InvalidArgumentError`` naming ``what``."""

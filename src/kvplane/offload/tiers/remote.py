@@ -31,20 +31,21 @@ from kvplane.offload.tiers.base import (
     TierCounters,
     as_buffer,
     check_batch,
-    check_coder,
+    check_stored_tier,
     encode_payload,
+    stored_fault,
 )
 from kvplane.offload.tiers.fence import STAGE_TTL_S, Fence, StoreOutcome
 from kvplane.offload.tiers.header import (
     HEADER_BYTES,
     ChunkHeader,
-    check_fingerprint,
     payload_checksum,
+    verify_header,
 )
 from kvplane.offload.tiers.lease import NamespaceLease, check_lease_timing
 from kvplane.offload.tiers.mget import stream_mgets
 from kvplane.offload.tiers.resp import ReplyReader
-from kvplane.validators import require_finite_positive, require_int, require_size
+from kvplane.validators import require_finite_positive
 
 _HEADER = b":h"
 _SLOT = re.compile(rb"[0-9]+")
@@ -95,6 +96,31 @@ def redis_support() -> str | None:
     return None
 
 
+def import_redis() -> Any:
+    """The ``redis`` module, or :class:`UnsupportedError` with :func:`redis_support`'s reason."""
+    reason = redis_support()
+    if reason is not None:
+        raise UnsupportedError(reason)
+    import redis
+
+    return redis
+
+
+def redis_client(url: str, timeout_s: float) -> Any:
+    """A lazy client of ``url`` whose every call, connecting included, fails after
+    ``timeout_s`` and is never re-sent (``from_url`` leaves ``retry`` unset)."""
+    return import_redis().Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+    )
+
+
+def pipeline_groups(n: int, chunk_bytes: int) -> list[range]:
+    """Index ranges over ``n`` chunks of ``chunk_bytes`` bytes, each at most
+    :data:`PIPELINE_BYTES` of payload (at least one chunk): one pipelined round trip each."""
+    per = max(1, PIPELINE_BYTES // chunk_bytes)
+    return [range(a, min(a + per, n)) for a in range(0, n, per)]
+
+
 class RemoteTier:
     """``num_slots`` chunk slots of ``chunk_bytes`` bytes under ``namespace`` on ``url``."""
 
@@ -120,23 +146,16 @@ class RemoteTier:
         call; see :mod:`~kvplane.offload.tiers.lease`), raise :class:`InvalidArgumentError`
         before anything connects. ``coder`` codes every chunk (default: raw) and goes into
         the tier's fingerprint."""
-        require_int("RemoteTier.num_slots", num_slots, min=1)
-        require_size("RemoteTier.chunk_bytes", chunk_bytes, min=1)
-        check_fingerprint("RemoteTier.fingerprint", fingerprint)
-        coder = check_coder("RemoteTier", coder, chunk_bytes)
+        coder, fp = check_stored_tier("RemoteTier", num_slots, chunk_bytes, fingerprint, coder)
         timeout_s, lease_s = check_redis_settings(
             "RemoteTier", [url], namespace, timeout_s, lease_s
         )
-        reason = redis_support()
-        if reason is not None:
-            raise UnsupportedError(reason)
-        import redis
-
+        redis = import_redis()
         self.name = name
         self.url = url
         self.num_slots = num_slots
         self.chunk_bytes = chunk_bytes
-        self.fingerprint = fingerprint if coder is None else coder.fingerprint(fingerprint)
+        self.fingerprint = fp
         self.codec = "raw" if coder is None else coder.plan.ident
         self._coder = coder
         self.namespace = namespace
@@ -145,12 +164,9 @@ class RemoteTier:
         self._helper_lock = threading.Lock()
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._read_errors = (*self._errors, MalformedMessageError, OffloadError)
-        # Retries stay off (``from_url`` leaves ``retry`` unset: no call is re-sent): a failed
-        # call raises within ``timeout_s``, counted, and its chunks become misses. Safety does
-        # not rest on it: the writes are fenced on the server (module docstring).
-        self._client: Any = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-        )
+        # A failed call raises within ``timeout_s``, counted, and its chunks become misses.
+        # Safety does not rest on it: the writes are fenced on the server (module docstring).
+        self._client: Any = redis_client(url, timeout_s)
         self._lease: NamespaceLease | None = None
         self._fence: Fence | None = None
         try:
@@ -227,7 +243,7 @@ class RemoteTier:
                 self._refused()
 
         try:
-            for group in self._groups(len(slots)):
+            for group in pipeline_groups(len(slots), self.chunk_bytes):
                 send(group)
         except self._errors as exc:
             raise self._fail("write", exc) from exc
@@ -256,12 +272,6 @@ class RemoteTier:
             f"{self.namespace!r} was lost (another engine may own it now)"
         )
 
-    def _groups(self, n: int) -> list[range]:
-        """Index ranges of at most :data:`PIPELINE_BYTES` of payload (at least one chunk):
-        one round trip per group instead of one per chunk, with bounded client memory."""
-        per = max(1, PIPELINE_BYTES // self.chunk_bytes)
-        return [range(a, min(a + per, n)) for a in range(0, n, per)]
-
     def _helper(self) -> ThreadPoolExecutor:
         with self._helper_lock:
             if self._helper_pool is None:
@@ -287,8 +297,9 @@ class RemoteTier:
             sums.append(self._helper().submit(_checksums, views))  # while the next arrives
             received.extend(got)
 
+        groups = pipeline_groups(len(slots), self.chunk_bytes)
         try:
-            stream_mgets(self._client, names, self._groups(len(slots)), on_group)
+            stream_mgets(self._client, names, groups, on_group)
         except self._read_errors as exc:
             raise self._fail("read", exc) from exc
         finally:
@@ -331,27 +342,20 @@ class RemoteTier:
     def _verify(self, got: _Received, crc: int, out: torch.Tensor) -> ReadOutcome:
         """OK when the stored bytes match their checksum and, coded, decode into ``out``."""
         header, data = got
-        if crc != header.checksum:
-            self._counters.corrupt("checksum")
-            return ReadOutcome.CORRUPT
-        if header.coded and (
-            self._coder is None or not self._coder.decode(header.codec, data, out)
-        ):
-            self._counters.corrupt("codec")
-            return ReadOutcome.CORRUPT
-        return ReadOutcome.OK
+        reason = stored_fault(header, crc, data, self._coder, out)
+        if reason is None:
+            return ReadOutcome.OK
+        self._counters.corrupt(reason)
+        return ReadOutcome.CORRUPT
 
     def _check(self, key: ChunkKey | None, raw_header: bytes | None) -> ChunkHeader | None:
         if raw_header is None:
             if key is not None:
                 self._counters.corrupt("missing")
             return None
-        header = ChunkHeader.decode(raw_header) if len(raw_header) == HEADER_BYTES else None
-        reason = (
-            "header" if header is None else header.fault(key, self.fingerprint, self.chunk_bytes)
-        )
-        if reason is not None:
-            self._counters.corrupt(reason)
+        header = verify_header(raw_header, key, self.fingerprint, self.chunk_bytes)
+        if isinstance(header, str):
+            self._counters.corrupt(header)
             return None
         return header
 

@@ -17,7 +17,6 @@ from kvplane.errors import (
     InvalidArgumentError,
     MalformedMessageError,
     OffloadError,
-    UnsupportedError,
 )
 from kvplane.ids import ChunkKey, SlotId
 from kvplane.metrics import MetricsRegistry
@@ -27,21 +26,27 @@ from kvplane.offload.tiers.base import (
     TierCounters,
     as_buffer,
     check_batch,
-    check_coder,
+    check_stored_tier,
     encode_payload,
+    stored_fault,
 )
 from kvplane.offload.tiers.fence import STAGE_TTL_S
 from kvplane.offload.tiers.header import (
     HEADER_BYTES,
     ChunkHeader,
-    check_fingerprint,
     payload_checksum,
+    verify_header,
 )
 from kvplane.offload.tiers.mget import stream_mgets
-from kvplane.offload.tiers.remote import PIPELINE_BYTES, check_redis_settings, redis_support
+from kvplane.offload.tiers.remote import (
+    check_redis_settings,
+    import_redis,
+    pipeline_groups,
+    redis_client,
+)
 from kvplane.offload.tiers.resp import ReplyReader
 from kvplane.offload.tiers.shared_server import PublishOutcome, PublishResult, SharedServer
-from kvplane.validators import require_finite_positive, require_int, require_size
+from kvplane.validators import require_finite_positive
 
 T = TypeVar("T")
 _RANK = {PublishOutcome.PUBLISHED: 0, PublishOutcome.DEDUPED: 1, PublishOutcome.EXPIRED: 2}
@@ -72,23 +77,16 @@ class SharedTier:
         :class:`UnsupportedError`; an unreachable server :class:`OffloadError` (servers
         opened before it are closed). ``coder`` codes every chunk and goes into the
         fingerprint, so engines of another codec or layout never share a chunk."""
-        require_int("SharedTier.num_slots", num_slots, min=1)
-        require_size("SharedTier.chunk_bytes", chunk_bytes, min=1)
-        check_fingerprint("SharedTier.fingerprint", fingerprint)
-        coder = check_coder("SharedTier", coder, chunk_bytes)
+        coder, fp = check_stored_tier("SharedTier", num_slots, chunk_bytes, fingerprint, coder)
         urls = list(urls) if not isinstance(urls, str) else [urls]
         timeout_s, lease_s = check_redis_settings("SharedTier", urls, namespace, timeout_s, lease_s)
         stage_ttl_s = require_finite_positive(
             "SharedTier.stage_ttl_s", stage_ttl_s, InvalidArgumentError
         )
-        reason = redis_support()
-        if reason is not None:
-            raise UnsupportedError(reason)
-        import redis
-
+        redis = import_redis()
         self.name, self.urls, self.namespace = name, tuple(urls), namespace
         self.num_slots, self.chunk_bytes = num_slots, chunk_bytes
-        self.fingerprint = fingerprint if coder is None else coder.fingerprint(fingerprint)
+        self.fingerprint = fp
         self._coder = coder
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._faults = (*self._errors, OffloadError)
@@ -102,9 +100,7 @@ class SharedTier:
             )  # fmt: skip
         self.servers: list[SharedServer] = []
         for url in urls:
-            client = redis.Redis.from_url(
-                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-            )
+            client = redis_client(url, timeout_s)
             try:
                 self.servers.append(
                     SharedServer(
@@ -121,12 +117,6 @@ class SharedTier:
                 client.close()
                 self.close()
                 raise
-
-    def _groups(self, n: int) -> list[range]:
-        """Index ranges of at most :data:`~.remote.PIPELINE_BYTES` of payload (at least one
-        chunk): one pipelined round trip each, bounded client and server memory."""
-        per = max(1, PIPELINE_BYTES // self.chunk_bytes)
-        return [range(a, min(a + per, n)) for a in range(0, n, per)]
 
     def _count(self, outcome: str, n: int = 1) -> None:
         if self._published is not None and n:
@@ -169,7 +159,7 @@ class SharedTier:
 
         def one(server: SharedServer) -> list[PublishOutcome]:
             out = [PublishOutcome.DEDUPED] * len(keys)
-            for group in self._groups(len(keys)):
+            for group in pipeline_groups(len(keys), self.chunk_bytes):
                 held = server.held([keys[i] for i in group])
                 todo = [i for i, h in zip(group, held, strict=True) if not h]
                 got = server.publish(
@@ -233,7 +223,9 @@ class SharedTier:
 
             names = [server.names(keys[i]) for i in asked]
             try:
-                stream_mgets(server.client, names, self._groups(len(asked)), on_group)
+                stream_mgets(
+                    server.client, names, pipeline_groups(len(asked), self.chunk_bytes), on_group
+                )
                 answered += 1
             except self._read_errors:
                 self._counters.error()  # what it did not read whole is asked of the next one
@@ -270,23 +262,16 @@ class SharedTier:
             if raw is not None or length is not None:
                 self._counters.corrupt("missing")
             return ReadOutcome.MISSING
-        header = ChunkHeader.decode(raw) if raw else None
-        reason = (
-            "header" if header is None else header.fault(key, self.fingerprint, self.chunk_bytes)
-        )
-        if reason is None and header is not None and length != header.stored:
-            reason = "length"
-        if reason is None and header is not None:
+        header = verify_header(raw, key, self.fingerprint, self.chunk_bytes)
+        if not isinstance(header, str) and length != header.stored:
+            header = "length"
+        if isinstance(header, str):
+            reader.skip(length)
+            reason: str | None = header
+        else:
             data = as_buffer(torch.empty(length, dtype=torch.uint8) if header.coded else out)
             reader.bulk_into(data)
-            if payload_checksum(data) != header.checksum:
-                reason = "checksum"
-            elif header.coded and (
-                self._coder is None or not self._coder.decode(header.codec, data, out)
-            ):
-                reason = "codec"
-        else:
-            reader.skip(length)
+            reason = stored_fault(header, payload_checksum(data), data, self._coder, out)
         if reason is None:
             return ReadOutcome.OK
         self._counters.corrupt(reason)
