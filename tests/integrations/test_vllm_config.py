@@ -123,3 +123,55 @@ def test_a_bad_metrics_port_is_worded_once(port: object) -> None:
 def test_a_metrics_port_string_is_read_as_an_int() -> None:
     assert parse_extra_config({"metrics_port": "0"}, {}).metrics_port == 0
     assert parse_extra_config({"metrics_port": " 65534 "}, {}).metrics_port == 65534
+
+
+TUNED = {  # what `kvplane tune chunks --write` puts under [tune.chunks]
+    "block_bytes": 16384,
+    "max_overhead": 0.1,
+    "min_chunks": 64,
+    "host_blocks_per_chunk": 16,
+    "disk_blocks_per_chunk": 64,
+    "remote_blocks_per_chunk": 128,
+    "disk_gbps": 0.49,
+    "remote_gbps": 1.39,
+}
+TIERS = {"disk_path": "/tmp/x.bin", "remote_url": "redis://127.0.0.1:1/0"}
+
+
+def test_per_tier_chunk_sizes_as_keys_or_as_the_tune_table() -> None:
+    flat = parse_extra_config({"blocks_per_chunk": 2, "disk_blocks_per_chunk": 8, **TIERS}, {})
+    assert flat.spans == {"disk": 4, "remote": 1}
+    tuned = parse_extra_config({"tune_chunks": TUNED, **TIERS}, {})
+    assert tuned.spans == {"disk": 1, "remote": 1}  # until the block's bytes are known
+    got = tuned.chunked(2 * 16384)  # vLLM blocks twice the tuned ones: half the blocks
+    assert (got.blocks_per_chunk, got.spans, got.tuned) == (8, {"disk": 4, "remote": 8}, None)
+    assert (got.offload.disk_gbps, got.offload.remote_gbps) == (0.49, 1.39)
+    mine = parse_extra_config({"blocks_per_chunk": 4, "tune_chunks": TUNED, **TIERS}, {})
+    assert mine.chunked(16384).spans == {"disk": 16, "remote": 32}  # the given host size wins
+    keys = parse_extra_config(
+        {"tune_chunks": TUNED, "disk_blocks_per_chunk": 32, "disk_gbps": 2.0, **TIERS}, {}
+    ).chunked(16384)
+    assert (keys.spans, keys.offload.disk_gbps) == ({"disk": 2, "remote": 8}, 2.0)
+    assert parse_extra_config({"disk_blocks_per_chunk": 8}, {}).spans == {}  # no disk tier
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"blocks_per_chunk": 2, "disk_blocks_per_chunk": 5}, "not a multiple of the host"),
+        ({"blocks_per_chunk": 2, "disk_blocks_per_chunk": 32}, "need host_slots >= that"),
+        ({"tune_chunks": 16}, "tune_chunks must be the"),
+        ({"tune_chunks": {"host": 16}}, r"unknown key\(s\) \['host'\]"),
+        ({"tune_chunks": {"disk_blocks_per_chunk": -1}}, "disk_blocks_per_chunk"),
+    ],
+)
+def test_bad_chunk_sizes_are_one_line_config_errors(extra: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_extra_config({"host_slots": 8, "disk_path": "/tmp/x.bin", **extra}, {})
+
+
+def test_byte_sized_lower_tiers_count_slots_of_their_own_chunk_size() -> None:
+    extra = {"blocks_per_chunk": 2, "disk_blocks_per_chunk": 8, "disk_gib": 1.0, **TIERS}
+    cfg = parse_extra_config({**extra, "remote_gib": 1.0}, {}).sized(1 << 20)
+    assert cfg.tier_slots("disk") == (1 << 30) // ((4 << 20) + 4096)  # 4 MiB + a header page
+    assert cfg.tier_slots("remote") == 1024  # span 1: chunks of 1 MiB

@@ -80,10 +80,10 @@ def holdings(book: TierBook) -> dict[str, frozenset[ChunkKey]]:
 
 @contextlib.contextmanager
 def engine(
-    tmp_path: Path, buffer_steps: int = 10_000
+    tmp_path: Path, buffer_steps: int = 10_000, **more: object
 ) -> Iterator[tuple[MiniEngine, KVEventPublisher]]:
     """An engine of host and disk tiers (8 slots each) publishing with incarnation 7."""
-    eng = MiniEngine({**disk_extra(tmp_path), "kv_events_port": free_pair()})
+    eng = MiniEngine({**disk_extra(tmp_path, **more), "kv_events_port": free_pair()})
     setup = events_setup(eng.config, ENV)
     assert setup is not None
     settings = dataclasses.replace(setup.settings, buffer_steps=buffer_steps)
@@ -195,6 +195,19 @@ def test_a_stored_prefix_is_published_per_tier_with_the_keys_a_router_computes(
             f"{port + 1}), topic kv/vllm-127.0.0.1-{port}/7; chunk keys: hash seed 0, key root "
             f"{FINGERPRINT.hex()}, block size 4, 2 blocks per chunk"
         )
+
+
+def test_a_disk_chunk_of_two_host_chunks_is_published_with_its_own_span(
+    tmp_path: Path,
+) -> None:
+    with engine(tmp_path, disk_blocks_per_chunk=4) as (eng, pub):
+        eng.run(prompt(0))
+        eng.settle()  # the write-down the gather's report decided
+        k0, k1 = SCHEME.keys(prompt(0))
+        frames, _end = replay(pub, 0)
+        assert changes(frames) == [
+            ("stored", "host", k0, 8), ("stored", "host", k1, 8), ("stored", "disk", k1, 16),
+        ]  # fmt: skip
 
 
 def test_eviction_is_published_removed_and_a_subscriber_tracks_the_tiers(

@@ -269,3 +269,44 @@ def test_sharded_ranks_each_find_their_own_shard(redis_url: str, redis_namespace
     if names:
         raw.delete(*names)  # the fixture empties only the rank 0 namespace
     raw.close()
+
+
+def test_mla_ranks_share_one_copy_of_a_chunk_of_two_host_chunks(
+    redis_url: str, redis_namespace: str, raw: redis.Redis
+) -> None:
+    """Redis chunks of 2 host chunks (``remote_blocks_per_chunk`` 4): the gather's report
+    decides the write-down, the next step carries it to both ranks; one copy is kept, and a
+    TP 2 and a TP 1 engine started earlier load rank 0's latent into every rank."""
+    extra = shared_extra(redis_url, redis_namespace, remote_blocks_per_chunk=4)
+    a, b, one = RankEngine(extra, 2), RankEngine(extra, 2), RankEngine(extra, 1)
+    tokens = PROMPT[:17]  # 2 whole host chunks: one Redis chunk
+    view = RequestView("a", tokens)
+    assert a.sched.matched_tokens(view, 0) == 0
+    blocks = [1, 2, 3, 4, 5]
+    meta = a.step(view, blocks, 0)
+    shape = tuple(a.view(0).shape[1:])
+    for r in range(2):
+        for i, blk in enumerate(blocks):
+            a.view(r)[blk] = latent(r, i, shape)
+    a.after(meta)  # the gathers: nothing in Redis yet
+    a.sched.finished("a")
+    down = a.sched.build_step([])
+    assert [(d.tier, len(d.tier_keys), len(d.host_slots[0])) for d in down.demotes] == [
+        ("remote", 1, 2)
+    ]
+    a.after(down)
+    assert len(list(raw.scan_iter(match=f"{redis_namespace}:*:h:*"))) == 1
+    pub = "offload_shared_publish"
+    assert a.wmetrics[1].value(pub, {"tier": "remote", "outcome": "deduped"}, "_total") == 1
+    for eng in (b, one):
+        got = RequestView("b", tokens)
+        assert eng.sched.matched_tokens(got, 0) == 16
+        assert eng.metrics.value("vllm_discovered_chunks", suffix="_total") == 1
+        meta = eng.step(got, [6, 7, 8, 9, 10], 16)
+        for r in range(len(eng.workers)):
+            for i, blk in enumerate([6, 7, 8, 9]):
+                assert torch.equal(eng.view(r)[blk], latent(0, i, shape)), (r, blk)
+        eng.after(meta)
+        eng.sched.finished("b")
+    for eng in (a, b, one):
+        eng.close()

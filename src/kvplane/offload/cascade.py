@@ -22,7 +22,7 @@ import torch
 
 from kvplane.blocks import BlockPool
 from kvplane.errors import ConfigError, IllegalTransitionError, InvalidArgumentError, OffloadError
-from kvplane.ids import ChunkKey, JobId, SlotId
+from kvplane.ids import ChunkKey, JobId
 from kvplane.layout import KVLayout
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.book import TierBook, tier_manager
@@ -40,7 +40,7 @@ from kvplane.offload.jobs import (
     check_block_ids,
 )
 from kvplane.offload.manager import CascadeLookup, OffloadManager
-from kvplane.offload.rechunk import Staging, TierRead, demoter, promoter
+from kvplane.offload.rechunk import Staging, demote_units, demoter, promoter, tier_reads
 from kvplane.offload.slots import check_chunk_keys
 from kvplane.offload.spans import tier_spans
 from kvplane.offload.tiers.base import Tier
@@ -203,14 +203,7 @@ class TierCascade:
         """Submit one ``host_to_<tier>`` job per write of ``down`` (host copies pinned)."""
         for write in down.writes:
             tier = self._by_name[write.tier]
-            units = [
-                (
-                    SlotId(slot),
-                    down.keys[write.members(j)[-1]],
-                    [self.book.host_slot(down.keys[i]) for i in write.members(j)],
-                )
-                for j, slot in enumerate(write.tier_slots)
-            ]
+            units = demote_units(write, down.keys, lambda i: self.book.host_slot(down.keys[i]))
             keys = tuple(k for _s, k, _h in units)
             job = self.jobs.new_job(keys, "host", tier.name)
             pending = _Pending(_Kind.CASCADE, tier.name, keys, down=WriteDown(down.keys, (write,)))
@@ -253,19 +246,8 @@ class TierCascade:
     ) -> None:
         """Read the promotions ``mine`` (all from ``tier``) into their reserved host slots: one
         read per tier chunk, its pieces into their host slots."""
-        by_slot: dict[int, list[Promotion]] = {}
-        for p in mine:
-            by_slot.setdefault(p.tier_slot, []).append(p)
-        reads = [
-            TierRead(
-                SlotId(slot),
-                ChunkKey(ps[0].tier_key) if ps[0].tier_key else res.keys[ps[0].index],
-                tuple(p.part for p in ps),
-                tuple(res.host_slots[p.index] for p in ps),
-            )
-            for slot, ps in by_slot.items()
-        ]
-        keys = tuple(res.keys[p.index] for ps in by_slot.values() for p in ps)
+        reads, order = tier_reads(mine, res.keys, res.host_slots)
+        keys = tuple(res.keys[i] for i in order)
         job = self.jobs.new_job(keys, tier.name, "host")
         work = promoter(tier, self.host, reads, self._staging[tier.name, "r"])
         self._submit(job.job_id, _Pending(_Kind.PROMOTE, tier.name, keys, ticket), job, work)

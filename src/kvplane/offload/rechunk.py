@@ -11,12 +11,13 @@ nothing: chunks and slots come from the tier book's reservations.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvplane.ids import ChunkKey, SlotId
+from kvplane.offload.book_types import Promotion, TierWrite
 from kvplane.offload.jobs import Work
 from kvplane.offload.tiers.base import ReadOutcome, Tier
 from kvplane.offload.tiers.host import ALIGN, HostTier
@@ -60,6 +61,42 @@ class TierRead:
     key: ChunkKey
     parts: tuple[int, ...]
     host_slots: tuple[SlotId, ...]
+
+
+Unit = tuple[SlotId, ChunkKey, list[SlotId]]
+"""One tier chunk to write: its tier slot, its tier key and its host slots in order."""
+
+
+def demote_units(
+    write: TierWrite, keys: Sequence[ChunkKey], slot_of: Callable[[int], SlotId]
+) -> list[Unit]:
+    """The :func:`demoter` units of ``write`` (of a store or write-down of ``keys``):
+    ``slot_of(i)`` is the host slot of ``keys[i]`` (each member is pinned there)."""
+    return [
+        (SlotId(slot), keys[write.members(j)[-1]], [slot_of(i) for i in write.members(j)])
+        for j, slot in enumerate(write.tier_slots)
+    ]
+
+
+def tier_reads(
+    promotions: Sequence[Promotion], keys: Sequence[ChunkKey], host_slots: Sequence[SlotId]
+) -> tuple[list[TierRead], list[int]]:
+    """The :func:`promoter` reads of ``promotions`` (all from one tier) of a load of ``keys``
+    into ``host_slots``: one read per tier chunk, its pieces into their host slots; and the
+    load positions in the order of the promoter's ok flags."""
+    by_slot: dict[int, list[Promotion]] = {}
+    for p in promotions:
+        by_slot.setdefault(p.tier_slot, []).append(p)
+    reads = [
+        TierRead(
+            SlotId(slot),
+            ChunkKey(ps[0].tier_key) if ps[0].tier_key else keys[ps[0].index],
+            tuple(p.part for p in ps),
+            tuple(host_slots[p.index] for p in ps),
+        )
+        for slot, ps in by_slot.items()
+    ]
+    return reads, [p.index for ps in by_slot.values() for p in ps]
 
 
 def _windows(n: int, chunk_bytes: int) -> int:

@@ -162,6 +162,8 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         transfer = vllm_config.kv_transfer_config
         self.config = parse_extra_config(transfer.kv_connector_extra_config, os.environ)
         self.tp_size = _tp_size(vllm_config, self.config)
+        if self.config.tuned is not None:  # tune_chunks: sizes for vLLM's block bytes
+            self.config = self.config.chunked(kv_block_bytes(kv_cache_config))
         if self.config.sizes.given:
             chunk_bytes = self.config.blocks_per_chunk * kv_block_bytes(kv_cache_config)
             self.config = self.config.sized(chunk_bytes, self.tp_size)

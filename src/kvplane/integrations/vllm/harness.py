@@ -233,6 +233,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # job, no held request left.
         worker.worker.drain()
         sched.scheduler.apply(worker.worker.take_report())
+        if sched.scheduler.jobs_in_flight:  # demotions those reports decided: steps carry them
+            _settle(llm, sched)
+            worker.worker.drain()
+            sched.scheduler.apply(worker.worker.take_report())
         sched.scheduler.check_integrity()
         result["integrity"] = "ok"
         llm.llm_engine.engine_core.shutdown()

@@ -1,7 +1,9 @@
 """The worker side's KV loads: lower-tier chunks read into host, then scattered into vLLM.
 
 Owns :class:`Loads`: each :class:`~.messages.LoadOp` from submission to its report -- one read job
-per lower tier its promotions come from (``<tier>_to_host``, verified), then one scatter job
+per lower tier its promotions come from (``<tier>_to_host``, verified; a tier of larger chunks
+read whole and cut into host chunks by :func:`~kvplane.offload.rechunk.promoter`), then one
+scatter job
 (``host_to_device``) of the valid leading chunks -- its failed blocks, the synchronous loads a
 forward waits for and the asynchronous ones ``get_finished`` names. Decides nothing; no vLLM
 import. The rules: ``docs/vllm.md`` ("The worker side").
@@ -21,7 +23,8 @@ from kvplane.integrations.vllm.pool import VllmPool
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.copier import ChunkCopier
 from kvplane.offload.jobs import JobResult, JobRunner, TransferJob, Work
-from kvplane.offload.tiers.base import ReadOutcome, Tier
+from kvplane.offload.rechunk import Staging, promoter, tier_reads
+from kvplane.offload.tiers.base import Tier
 from kvplane.offload.tiers.host import HostTier
 
 Submit = Callable[[TransferJob, Work], None]
@@ -65,7 +68,9 @@ class Loads:
         self.bpc = copier.blocks_per_chunk
         self.rank = rank
         self._loads: dict[int, _Load] = {}  # LoadOp.job_id -> load in flight
-        self._parts: dict[JobId, tuple[int, str]] = {}  # runner job -> (load, tier or device)
+        # runner job -> (load, tier or device, the load positions of its ok flags)
+        self._parts: dict[JobId, tuple[int, str, tuple[int, ...]]] = {}
+        self._staging = {name: Staging() for name in lower}  # one read path per tier
         self._seen: set[int] = set()
         self._reports: list[JobReport] = []
         self._errors: set[int] = set()
@@ -98,26 +103,14 @@ class Loads:
         if not tiers:
             self._scatter(load)
             return
+        slots = [SlotId(s) for s in op.host_slots]
         for tier in tiers:
-            keys = [op.keys[p.index] for p in op.promotions if p.tier == tier]
-            job = self.jobs.new_job(keys, tier, "host")
-            self._parts[job.job_id] = (op.job_id, tier)
+            mine = [p for p in op.promotions if p.tier == tier]
+            reads, order = tier_reads(mine, op.keys, slots)
+            job = self.jobs.new_job([op.keys[i] for i in order], tier, "host")
+            self._parts[job.job_id] = (op.job_id, tier, tuple(order))
             load.reads += 1
-            self._submit(job, self._reader(op, tier))
-
-    def _reader(self, op: LoadOp, tier: str) -> Work:
-        """Reads ``op``'s chunks promoted from ``tier`` into their host slots, verified."""
-        proms = [p for p in op.promotions if p.tier == tier]
-        host, source = self.host, self.lower[tier]
-
-        def work() -> list[bool]:
-            outs = [host.slot(SlotId(op.host_slots[p.index])) for p in proms]
-            got = source.read(
-                [SlotId(p.tier_slot) for p in proms], [op.keys[p.index] for p in proms], outs
-            )
-            return [outcome is ReadOutcome.OK for outcome in got]
-
-        return work
+            self._submit(job, promoter(self.lower[tier], self.host, reads, self._staging[tier]))
 
     def _scatter(self, load: _Load) -> None:
         op = load.op
@@ -126,12 +119,12 @@ class Loads:
             self._finish(load)
             return
         job = self.jobs.new_job(op.keys[:good], "host", _SCATTER)
-        self._parts[job.job_id] = (op.job_id, _SCATTER)
+        self._parts[job.job_id] = (op.job_id, _SCATTER, ())
         self._submit(job, self._scatterer(op, good))
 
     def _scatterer(self, op: LoadOp, good: int) -> Work:
         """Writes ``op``'s first ``good`` chunks from host into their vLLM blocks (a chunk the
-        load starts or ends inside only in part)."""
+        load starts or ends inside only in part, one vLLM already held not at all)."""
         bpc, copier, pool, host = self.bpc, self.copier, self.pool, self.host
         spans, starts = chunk_spans(len(op.keys), bpc, op.skip_blocks, len(op.block_ids))
 
@@ -144,7 +137,7 @@ class Loads:
                 copier.scatter(slots, blocks, [op.keys[i] for i in whole])
             for i in range(good):
                 lo, hi = spans[i]
-                if (lo, hi) != (0, bpc):
+                if lo < hi and (lo, hi) != (0, bpc):
                     slot = host.slot(SlotId(op.host_slots[i]))
                     pool.scatter_partial(slot, lo, op.block_ids[starts[i] : starts[i] + hi - lo])
             return [True] * good
@@ -159,16 +152,14 @@ class Loads:
     def harvested(self, result: JobResult) -> None:
         """Account one finished job of a load: a read marks the chunks it found bad (the load
         scatters once its last read is in); a scatter finishes the load."""
-        load_id, part = self._parts.pop(result.job.job_id)
+        load_id, part, order = self._parts.pop(result.job.job_id)
         load = self._loads[load_id]
-        op = load.op
         if part == _SCATTER:
             if not all(result.ok):  # the blocks may be half written: none of them counts
                 load.ok[: len(result.ok)] = [False] * len(result.ok)
             self._finish(load)
             return
-        promoted = [p.index for p in op.promotions if p.tier == part]
-        for i, ok in zip(promoted, result.ok, strict=True):
+        for i, ok in zip(order, result.ok, strict=True):
             load.ok[i] = load.ok[i] and ok
         load.reads -= 1
         if load.reads == 0:
@@ -224,16 +215,17 @@ class Loads:
 def chunk_spans(
     n: int, bpc: int, skip: int, num_blocks: int
 ) -> tuple[list[tuple[int, int]], list[int]]:
-    """Per chunk of a load: the ``[lo, hi)`` blocks of it that are written, and the position of
-    its first written block in the load's ``block_ids``."""
+    """Per chunk of a load: the ``[lo, hi)`` blocks of it that are written (empty for a chunk
+    wholly inside the ``skip`` blocks vLLM already holds), and the position of its first
+    written block in the load's ``block_ids``. The blocks written are
+    ``[skip, skip + num_blocks)`` of the chunks' blocks and end inside the last chunk."""
     cut = n * bpc - skip - num_blocks
-    if n and not (0 <= skip < bpc and 0 <= cut < bpc and num_blocks > 0):
+    if n and not (skip >= 0 and 0 <= cut < bpc and num_blocks > 0):
         raise InvalidArgumentError(
             f"a load of {n} chunks cannot write {num_blocks} blocks after skipping {skip}"
         )
-    spans = [(0, bpc)] * n
+    spans = [(min(max(skip - i * bpc, 0), bpc), bpc) for i in range(n)]
     if n:
-        spans[0] = (skip, bpc)
         spans[-1] = (spans[-1][0], bpc - cut)
     starts = np.concatenate(([0], np.cumsum([hi - lo for lo, hi in spans]))).tolist()
     return spans, [int(x) for x in starts]

@@ -1,8 +1,8 @@
 """What the connector's scheduler side and worker side tell each other, as plain data.
 
-Owns the per-step messages (:class:`StepMeta` of :class:`StoreOp` and :class:`LoadOp`;
-:class:`WorkerReport` of :class:`JobReport`); the tier book's parts (:class:`TierWrite`,
-:class:`Promotion`, the :class:`TierIndex` handshake) are re-exported from
+Owns the per-step messages (:class:`StepMeta` of :class:`StoreOp`, :class:`LoadOp` and
+:class:`DemoteOp`; :class:`WorkerReport` of :class:`JobReport`); the tier book's parts
+(:class:`TierWrite`, :class:`Promotion`, the :class:`TierIndex` handshake) are re-exported from
 :mod:`kvplane.offload.book_types`. Frozen values of ints, strs, bytes, bools and tuples: no
 logic, no vLLM types. Conventions (job ids, chunk-major block ids): ``docs/vllm.md``.
 """
@@ -15,6 +15,7 @@ from kvplane.ids import ChunkKey
 from kvplane.offload.book_types import Promotion, TierIndex, TierWrite
 
 __all__ = [
+    "DemoteOp",
     "EndOp",
     "JobReport",
     "LoadOp",
@@ -45,6 +46,20 @@ class StoreOp:
     host_slots: tuple[int, ...]
     block_ids: tuple[int, ...]
     writes: tuple[TierWrite, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DemoteOp:
+    """Write tier ``tier``'s chunks of larger size from the host: tier chunk ``j`` is the bytes
+    of host slots ``host_slots[j]`` end to end, written as ``tier_keys[j]`` into
+    ``tier_slots[j]`` (a write-down the tier book decided once a gather published the last
+    of its host chunks; they stay pinned until the worker reports it, per tier chunk)."""
+
+    job_id: int
+    tier: str
+    tier_slots: tuple[int, ...]
+    tier_keys: tuple[ChunkKey, ...]
+    host_slots: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,11 +165,12 @@ class StepMeta:
     pd_delayed: tuple[str, ...] = ()
     idle: bool = False
     """vLLM scheduled no token this step (it steps only to let transfers finish)."""
+    demotes: tuple[DemoteOp, ...] = ()
 
     @property
     def empty(self) -> bool:
         return not (
-            self.loads or self.stores or self.flush
+            self.loads or self.stores or self.demotes or self.flush
             or self.sends or self.recvs or self.ends or self.pd_delayed
         )  # fmt: skip
 
@@ -164,7 +180,8 @@ class JobReport:
     """A finished part of job ``job_id``: ``ok[i]`` for its ``i``-th chunk.
 
     ``tier`` says which part: ``"host"`` for a store's gather (all its keys), a lower tier's
-    name for one :class:`TierWrite` of a store (its ``indices``, in order), ``"device"`` for a
+    name for one :class:`TierWrite` of a store (its ``indices``, in order) or for a
+    :class:`DemoteOp` (its tier chunks, in order), ``"device"`` for a
     load (all its keys: the chunk's bytes read back valid; only the leading run of valid
     chunks was written into the vLLM blocks, the rest are reported to vLLM as load errors).
     ``rank``: the tensor-parallel rank that did it (every rank reports every part of every

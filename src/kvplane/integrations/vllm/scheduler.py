@@ -4,20 +4,23 @@ Owns :class:`SchedulerSide` (per-request key chains, side-effect-free matches, l
 plans, block fences, hit metrics) over the :class:`~kvplane.offload.book.TierBook`, and the
 :class:`RequestView` it reads. Plain data in, :class:`~.messages.StepMeta` out: no tensors, no
 tier I/O but one question to a shared store (:class:`~.store_probe.StoreProbe`), no vLLM import.
-The rules (keys, match, store, free, fence, discovery): ``docs/vllm.md`` ("The scheduler side",
-"The shared store").
+The rules (keys, match, store, free, fence, discovery, per-tier sizes): ``docs/vllm.md`` ("The
+scheduler side", "The shared store", "Per-tier chunk sizes").
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvplane.blocks.hashing import BlockHasher, ExtraKey
 from kvplane.chunks import ChunkSpec
 from kvplane.errors import InvalidArgumentError
+from kvplane.ids import ChunkKey
 from kvplane.integrations.vllm.config import ConnectorConfig
+from kvplane.integrations.vllm.demotions import Demotions
 from kvplane.integrations.vllm.keys import RequestKeys
 from kvplane.integrations.vllm.messages import (
     JobReport,
@@ -108,10 +111,14 @@ class SchedulerSide:
         self.tally = RankTally(tp_size)
         self.spec = ChunkSpec(block_size, config.blocks_per_chunk)
         lower = [(name, config.tier_slots(name)) for name in config.lower_tiers]
-        book = TierBook.build(config.offload, lower, metrics)
+        spans = config.spans
+        book = TierBook.build(config.offload, lower, metrics, spans)
         if "remote" in book.lower and config.offload.remote_mode == "shared":
-            book = TierBook(book.host, list(book.lower.values()), shared="remote")
+            book = TierBook(book.host, list(book.lower.values()), spans, shared="remote")
         self.book = book
+        # tiers of larger chunks: written down after the gather, loads from whole groups
+        self._write_through = all(span == 1 for span in spans.values())
+        self._align = math.lcm(1, *spans.values())
         self._probe: StoreProbe | None = None
         self.metrics = metrics
         self._hasher: BlockHasher | None = None
@@ -124,6 +131,8 @@ class SchedulerSide:
         self._fenced_jobs: set[int] = set()
         self._flush_next = False
         self._ids = itertools.count(1)
+        self.demotions = Demotions(book, self._ids)
+        self._asked: dict[int, tuple[ChunkKey, ...]] = {}  # store job -> keys from chunk 0
         m = metrics
         self._m_query = m.counter("vllm_query_tokens", "Tokens asked for beyond local hits")
         self._m_hit = m.counter("vllm_hit_tokens", "Tokens loaded into vLLM from kvplane")
@@ -178,10 +187,11 @@ class SchedulerSide:
     def _loadable(self, view: RequestView, num_computed: int) -> tuple[int, int | None]:
         """``(first chunk, loadable chunks from it)``, the count ``None`` for "ask again"
         (:meth:`~kvplane.offload.book.TierBook.loadable`: only as far as host can promote now,
-        so :meth:`allocated` keeps the promise). A request's first call first asks the shared
-        store about the chunks past the known hit run and adopts what it holds
-        (:meth:`~kvplane.offload.book.TierBook.to_discover`, ``discovered``)."""
-        tpc = self.spec.tokens_per_chunk
+        so :meth:`allocated` keeps the promise). The first chunk is the one holding token
+        ``num_computed``, rounded down to whole chunks of every lower tier (:meth:`_first`).
+        A request's first call first asks the shared store about the chunks past the known
+        hit run and adopts what it holds (:meth:`~kvplane.offload.book.TierBook.to_discover`,
+        ``discovered``)."""
         limit = view.num_tokens - 1
         req = self._req(view)
         req.keys.extend(view.token_ids, max(limit, 0))
@@ -191,8 +201,15 @@ class SchedulerSide:
             asked = self.book.to_discover(keys)
             if asked:
                 self._m_found.inc(len(self.book.discovered(asked, self._probe.held(asked))))
-        first = num_computed // tpc
+        first = self._first(num_computed)
         return first, self.book.loadable(keys[first:])
+
+    def _first(self, num_computed: int) -> int:
+        """The chunk a load after ``num_computed`` local tokens starts at: the one holding that
+        token, rounded down to a whole chunk of every lower tier, so the book sees whole groups
+        (the chunks before ``num_computed`` are reserved but never written into vLLM)."""
+        first = num_computed // self.spec.tokens_per_chunk
+        return first - first % self._align
 
     def matched_tokens(self, view: RequestView, num_computed: int) -> int | None:
         """Tokens beyond ``num_computed`` (block aligned) that kvplane can load now, or ``None``
@@ -217,16 +234,16 @@ class SchedulerSide:
             self._m_retry.inc()
             return None, False
         tokens = max((first + run) * self.spec.tokens_per_chunk - num_computed, 0)
-        load_async = tokens > 0 and self._load_async(view.req_id, first, run)
+        load_async = tokens > 0 and self._load_async(view, first, run)
         self._reqs[view.req_id].match = (num_computed, run, load_async)
         return tokens, load_async
 
-    def _load_async(self, req_id: str, first: int, run: int) -> bool:
+    def _load_async(self, view: RequestView, first: int, run: int) -> bool:
         mode = self.config.load_mode
         if mode != "auto":
             return mode == "async"
-        keys = self._reqs[req_id].keys.chunk_keys((first + run) * self.spec.tokens_per_chunk)
-        return any(self.book.source(k) != "host" for k in keys[first:])
+        keys = self._reqs[view.req_id].keys.chunk_keys(max(view.num_tokens - 1, 0))
+        return any(src != "host" for src in self.book.sources(keys[first:])[:run])
 
     def allocated(
         self, view: RequestView, block_ids: Sequence[int], num_external: int
@@ -247,16 +264,18 @@ class SchedulerSide:
         num_computed = req.match[0]
         bs, tpc = self.spec.block_size, self.spec.tokens_per_chunk
         end = num_computed + num_external
-        first, last = num_computed // tpc, -(-end // tpc)
+        first, last = self._first(num_computed), -(-end // tpc)
         first_block, end_block = num_computed // bs, -(-end // bs)
         if end_block > len(block_ids) or last * tpc > view.num_tokens:
             raise InvalidArgumentError(
                 f"request {view.req_id}: {num_external} external tokens after {num_computed} "
                 f"need blocks up to {end_block}, it holds {len(block_ids)}"
             )
-        req.keys.extend(view.token_ids, last * tpc)
-        keys = req.keys.chunk_keys(last * tpc)[first:last]
-        got = self.book.reserve_load(keys)
+        context = max(last * tpc, view.num_tokens - 1)  # later keys name covering tier chunks
+        req.keys.extend(view.token_ids, context)
+        ahead = req.keys.chunk_keys(context)[first:]
+        keys = ahead[: last - first]
+        got = self.book.reserve_load(ahead, last - first)
         planned = len(got.keys)
         op = LoadOp(
             job_id=next(self._ids),
@@ -290,7 +309,7 @@ class SchedulerSide:
             ]
             flush = any(b in self._fence for ids in written for b in ids)
         stores = [op for s in scheduled if (op := self._plan_store(s)) is not None]
-        meta = StepMeta(loads=tuple(self._loads), stores=tuple(stores), flush=flush)
+        meta = StepMeta(tuple(self._loads), tuple(stores), flush, demotes=self.demotions.take())
         self._loads.clear()
         self._flush_next = False
         return meta
@@ -314,7 +333,7 @@ class SchedulerSide:
             return None
         base = req.offered
         req.offered = len(keys)
-        got = self.book.reserve_store(fresh, write_through=True)
+        got = self.book.reserve_store(fresh, write_through=self._write_through)
         if got is None:
             self._m_no_room.inc(len(fresh))
             return None
@@ -328,6 +347,8 @@ class SchedulerSide:
         blocks = [int(b) for k in got.keys for b in s.block_ids[pos[k] * bpc : (pos[k] + 1) * bpc]]
         op = StoreOp(next(self._ids), view.req_id, got.keys, got.slots, tuple(blocks), got.writes)
         self._jobs[op.job_id] = op
+        if not self._write_through:  # the write-down after its gather takes whole groups
+            self._asked[op.job_id] = tuple(keys)
         self._writes_left[op.job_id] = len(op.writes)
         req.gathers.add(op.job_id)
         return op
@@ -372,8 +393,12 @@ class SchedulerSide:
             done = self.tally.add(job)
             if done is not None:
                 self._apply(done)
+        self.demotions.retry()
 
     def _apply(self, job: JobReport) -> None:
+        if self.demotions.owns(job.job_id):
+            self.demotions.apply(job)
+            return
         op = self._jobs.get(job.job_id)
         if op is None:
             raise InvalidArgumentError(f"worker reported unknown job {job.job_id}")
@@ -382,7 +407,10 @@ class SchedulerSide:
             return
         if job.tier == "host":
             self.book.gathered(op.keys, op.writes, job.ok)
-            self._m_stored.inc(sum(1 for f in job.ok if f))
+            good = [k for k, f in zip(op.keys, job.ok, strict=True) if f]
+            if op.job_id in self._asked:
+                self.demotions.gathered(self._asked.pop(op.job_id), good)
+            self._m_stored.inc(len(good))
             self._gather_ok[op.job_id] = job.ok
             self._unfence(op)
             req = self._reqs.get(op.req_id)
@@ -417,17 +445,20 @@ class SchedulerSide:
         """Hit metrics of a reported load whose first ``good`` chunks arrived intact: vLLM
         uses its KV up to the first failed chunk and recomputes the rest."""
         op = load.op
-        got = (op.first_chunk + good) * self.spec.tokens_per_chunk
+        tpc = self.spec.tokens_per_chunk
+        got = (op.first_chunk + good) * tpc
         tokens = min(load.end, got) - load.num_computed
         self._m_hit.inc(max(tokens, 0))
         promoted = {p.index: p.tier for p in op.promotions}
-        for i in range(good):
-            self._m_hit_chunks.labels(tier=promoted.get(i, "host")).inc()
+        for i in range(good):  # not the chunks vLLM held (a load from a whole lower-tier chunk)
+            if (op.first_chunk + i + 1) * tpc > load.num_computed:
+                self._m_hit_chunks.labels(tier=promoted.get(i, "host")).inc()
 
     # -- state ----------------------------------------------------------------------------------
     @property
     def jobs_in_flight(self) -> int:
-        return len(self._jobs)
+        """Store, load and demotion jobs planned and not yet reported by every rank."""
+        return len(self._jobs) + self.demotions.in_flight
 
     @property
     def fenced_blocks(self) -> list[int]:
@@ -455,7 +486,7 @@ class SchedulerSide:
 
     def check_integrity(self) -> None:
         """Tier invariants; with no job in flight, no busy slot and no request held back."""
-        idle = not self._jobs
+        idle = not self.jobs_in_flight
         self.book.check_integrity(idle)
         if idle and (
             self.tally.waiting or self._fence or any(r.gathers for r in self._reqs.values())

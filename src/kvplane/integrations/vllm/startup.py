@@ -92,14 +92,14 @@ def serve_metrics(
 
 
 def sizing_note(config: ConnectorConfig, chunk_bytes: int, ranks: int = 1) -> str | None:
-    """One log line with the slots each byte-sized tier got (per rank with ``ranks`` > 1),
-    or None when none is."""
-    parts = []
+    """One log line with the slots each byte-sized tier got (per rank with ``ranks`` > 1; a
+    host chunk of ``chunk_bytes``, a lower tier's its span of them), or None when none is."""
+    parts, spans = [], config.spans
     for tier in ("host", "disk", "remote"):
         if config.sizes.of(tier):
             budget = config.sizes.per_rank(tier, ranks)
             slots = config.tier_slots(tier)
-            used = slots * slot_cost(tier, chunk_bytes) / GIB
+            used = slots * slot_cost(tier, chunk_bytes * spans.get(tier, 1)) / GIB
             parts.append(f"{tier} {slots} slots ({used:.3f} of {budget / GIB:.3f} GiB)")
     if not parts:
         return None

@@ -1,8 +1,9 @@
 """The connector's worker side: moves chunk bytes exactly as the scheduler side planned.
 
 Owns the bytes: the host tier, a :class:`~kvplane.offload.copier.ChunkCopier` over
-:class:`~.pool.VllmPool`, the lower tiers (re-indexed at start-up into the handshake), a
-:class:`~kvplane.offload.jobs.JobRunner` and the stores; loads are :class:`~.loads.Loads`'s.
+:class:`~.pool.VllmPool`, the lower tiers (each at its own chunk size, re-indexed at start-up
+into the handshake), a :class:`~kvplane.offload.jobs.JobRunner` and the stores (tier writes by
+the cascade's :func:`~kvplane.offload.rechunk.demoter`); loads are :class:`~.loads.Loads`'s.
 Reports per-chunk outcomes, failed blocks and finished asynchronous loads. Decides nothing (no
 matching, no slot choice) and imports no vLLM. The per-step sequence: ``docs/vllm.md`` ("The
 worker side").
@@ -13,20 +14,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from kvplane.errors import InvalidArgumentError, OffloadError
-from kvplane.ids import ChunkKey, JobId, SlotId
+from kvplane.ids import JobId, SlotId
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.loads import Loads
 from kvplane.integrations.vllm.messages import (
+    DemoteOp,
     JobReport,
     StepMeta,
     StoreOp,
     TierIndex,
-    TierWrite,
     WorkerReport,
 )
 from kvplane.integrations.vllm.pool import VllmPool
@@ -36,11 +36,13 @@ from kvplane.integrations.vllm.wakeup import Wakeup
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.copier import ChunkCopier
 from kvplane.offload.jobs import JobResult, JobRunner, TransferJob, Work
+from kvplane.offload.rechunk import Staging, Unit, demote_units, demoter
 from kvplane.offload.tiers.base import Tier
 from kvplane.offload.tiers.host import HostTier
 from kvplane.offload.tiers.registry import open_lower_tiers
 
-_Part = tuple[str, StoreOp, TierWrite | None]
+_Part = tuple[StoreOp | DemoteOp, str]
+"""A runner job's op and part: ``""`` for a store's gather, else the tier it writes."""
 
 
 class WorkerSide:
@@ -74,9 +76,15 @@ class WorkerSide:
         self.copier = ChunkCopier(pool.layout, pool.tensor, self.host, self.bpc, off.staging_blocks)
         tier_fp = self.shard.tier_fingerprint(pool.layout.fingerprint())
         tiers = open_lower_tiers(
-            self.shard.offload(off), chunk_bytes, tier_fp, metrics, layout=pool.layout
+            self.shard.offload(off),
+            chunk_bytes,
+            tier_fp,
+            metrics,
+            layout=pool.layout,
+            spans=config.spans,
         )
         self.lower: dict[str, Tier] = {t.name: t for t in tiers}
+        self._staging = {t.name: Staging() for t in tiers}  # one write path per tier
         try:
             found = tuple(
                 (t.name, tuple((k, int(s)) for k, s in sorted(t.scan().items()))) for t in tiers
@@ -132,7 +140,8 @@ class WorkerSide:
         self._m_wait.inc(time.perf_counter() - start)
 
     def submit_stores(self, meta: StepMeta) -> None:
-        """After the forward: finish synchronous loads, submit the step's gathers.
+        """After the forward: finish synchronous loads, submit the step's gathers and
+        demotions.
 
         A request whose synchronous load failed this step computed its new tokens against bad
         context: its gathers are failed without reading (vLLM recomputes those blocks; the
@@ -147,6 +156,14 @@ class WorkerSide:
                 self._submit_writes(op, fail)
             else:
                 self._submit_gather(op)
+        for demote in meta.demotes:
+            units = [
+                (SlotId(slot), key, [SlotId(h) for h in hosts])
+                for slot, key, hosts in zip(
+                    demote.tier_slots, demote.tier_keys, demote.host_slots, strict=True
+                )
+            ]
+            self._submit_write(demote, demote.tier, units)
 
     def progress(self) -> None:
         """Harvest every job whose work has returned, even one whose result is still on its
@@ -177,8 +194,9 @@ class WorkerSide:
         return WorkerReport(reports + tuple(self.loads.take_reports()))
 
     # -- submission ------------------------------------------------------------------------------
-    def _submit(self, job: TransferJob, work: Work) -> None:
-        """Queue ``work``; its end is counted (:meth:`progress`) and wakes an idle step."""
+    def _submit(self, job: TransferJob, work: Work, chunk_bytes: int | None = None) -> None:
+        """Queue ``work`` (``chunk_bytes``: of each of its chunks, default the host's); its end
+        is counted (:meth:`progress`) and wakes an idle step."""
 
         def run() -> Sequence[bool]:
             try:
@@ -188,7 +206,7 @@ class WorkerSide:
                     self._ended += 1
                 self.wake.notify()
 
-        self.jobs.submit(job, run, self.host.chunk_bytes)
+        self.jobs.submit(job, run, self.host.chunk_bytes if chunk_bytes is None else chunk_bytes)
 
     def _ended_count(self) -> int:
         with self._ended_lock:
@@ -206,26 +224,31 @@ class WorkerSide:
             copier.gather(blocks, slots, op.keys)
             return [True] * len(slots)
 
-        self._parts[job.job_id] = ("gather", op, None)
+        self._parts[job.job_id] = (op, "")
         self._gathers.setdefault(op.req_id, set()).add(op.job_id)
         self._submit(job, work)
 
     def _submit_writes(self, op: StoreOp, ok: tuple[bool, ...]) -> None:
         for write in op.writes:
-            tier = self.lower.get(write.tier)
-            keys = [op.keys[i] for i in write.indices]
-            if tier is None or not all(ok[i] for i in write.indices):
+            if not all(ok[i] for i in write.indices):
                 # Never write a chunk whose gather failed; partial batches stay simple: the
                 # whole write fails and the scheduler frees its slots.
-                self._reports.append(
-                    JobReport(op.job_id, write.tier, (False,) * len(keys), self.rank)
-                )
+                fail = (False,) * len(write.indices)
+                self._reports.append(JobReport(op.job_id, write.tier, fail, self.rank))
                 continue
-            payloads = [self.host.slot(SlotId(op.host_slots[i])) for i in write.indices]
-            job = self.jobs.new_job(keys, "host", write.tier)
-            work = _writer(tier, [SlotId(s) for s in write.tier_slots], keys, payloads)
-            self._parts[job.job_id] = ("write", op, write)
-            self._submit(job, work)
+            units = demote_units(write, op.keys, lambda i: SlotId(op.host_slots[i]))
+            self._submit_write(op, write.tier, units)
+
+    def _submit_write(self, op: StoreOp | DemoteOp, name: str, units: list[Unit]) -> None:
+        """Write ``units`` (tier chunks from pinned host slots) to tier ``name``, by the
+        cascade's :func:`~kvplane.offload.rechunk.demoter`; reported as ``op``'s part."""
+        tier = self.lower.get(name)
+        if tier is None:
+            self._reports.append(JobReport(op.job_id, name, (False,) * len(units), self.rank))
+            return
+        job = self.jobs.new_job([key for _s, key, _h in units], "host", name)
+        self._parts[job.job_id] = (op, name)
+        self._submit(job, demoter(tier, self.host, units, self._staging[name]), tier.chunk_bytes)
 
     # -- results ---------------------------------------------------------------------------------
     def _harvest(self, results: Sequence[JobResult]) -> None:
@@ -234,8 +257,8 @@ class WorkerSide:
             if self.loads.owns(result.job.job_id):
                 self.loads.harvested(result)
                 continue
-            kind, op, write = self._parts.pop(result.job.job_id)
-            if kind == "gather":
+            op, part = self._parts.pop(result.job.job_id)
+            if not part and isinstance(op, StoreOp):
                 self._reports.append(JobReport(op.job_id, "host", result.ok, self.rank))
                 left = self._gathers.get(op.req_id)
                 if left is not None:
@@ -243,8 +266,8 @@ class WorkerSide:
                     if not left:
                         del self._gathers[op.req_id]
                 self._submit_writes(op, result.ok)
-            elif write is not None:
-                self._reports.append(JobReport(op.job_id, write.tier, result.ok, self.rank))
+            else:
+                self._reports.append(JobReport(op.job_id, part, result.ok, self.rank))
 
     # -- shutdown --------------------------------------------------------------------------------
     def wait(self, timeout: float) -> None:
@@ -275,11 +298,3 @@ class WorkerSide:
             self.copier.close()
             for tier in self.lower.values():
                 tier.close()
-
-
-def _writer(tier: Tier, slots: list[SlotId], keys: list[ChunkKey], payloads: list[Any]) -> Work:
-    def work() -> list[bool]:
-        tier.write(slots, keys, payloads)
-        return [True] * len(keys)
-
-    return work
