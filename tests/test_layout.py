@@ -108,9 +108,10 @@ def test_tp_head_range_shrinks_the_pool() -> None:
     assert half.fingerprint() != full.fingerprint()
 
 
-def test_window_start_keeps_the_last_window_of_a_sequence() -> None:
+def test_window_start_is_what_the_next_step_reads() -> None:
+    """The step after ``n`` positions computes ``n``, which sees the ``W - 1`` before it."""
     windowed = gqa(sliding_window=6)
-    assert [windowed.window_start(n) for n in (0, 4, 6, 7, 21)] == [0, 0, 0, 1, 15]
+    assert [windowed.window_start(n) for n in (0, 4, 5, 6, 7, 21)] == [0, 0, 0, 1, 2, 16]
     assert gqa().window_start(21) == 0
 
 

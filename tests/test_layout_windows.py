@@ -34,11 +34,15 @@ def test_each_layer_has_its_window_and_equal_windows_are_the_uniform_form() -> N
 
 
 def test_window_start_is_per_layer_set_and_a_full_layer_keeps_everything() -> None:
+    """After 20 positions the next step computes position 20, whose query sees ``(20 - W, 20]``:
+    a window of 8 reads from 13 on, a window of 4 from 17 on (not from ``20 - W``: that
+    position is read by no later step)."""
     mixed = gqa(layer_windows=MIXED)
-    assert [mixed.window_start(20, (i,)) for i in range(4)] == [12, 0, 12, 16]
-    assert mixed.window_start(20, (0, 2)) == 12 and mixed.window_start(20, (0, 3)) == 12
+    assert [mixed.window_start(20, (i,)) for i in range(4)] == [13, 0, 13, 17]
+    assert mixed.window_start(20, (0, 2)) == 13 and mixed.window_start(20, (0, 3)) == 13
     assert mixed.window_start(20) == 0  # the pool as a whole keeps every position
-    assert mixed.window_start(5, (3,)) == 1 and mixed.window_start(3, (0,)) == 0
+    assert mixed.window_start(5, (3,)) == 2 and mixed.window_start(3, (0,)) == 0
+    assert gqa(sliding_window=1).window_start(9) == 9  # a window of 1 reads only itself
 
 
 def test_a_pipeline_stage_carries_the_models_window_map() -> None:

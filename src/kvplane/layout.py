@@ -324,12 +324,13 @@ class KVLayout:
         return windows[layer_id] if windows else self.sliding_window
 
     def window_start(self, num_tokens: int, layers: tuple[int, ...] | None = None) -> int:
-        """First position ``layers`` (default: all held) keep of a ``num_tokens``-token sequence:
-        a layer with window ``W`` the last ``W`` (``num_tokens - W``), a full layer all (0),
-        several layers the smallest start. The one home of window clipping (the planner, the
-        slice planner and :func:`~kvplane.transfer.resharding.window_boxes` use it)."""
+        """First position ``layers`` (default: all held) still read once a ``num_tokens``-token
+        sequence is in the pool: the next step computes ``num_tokens`` on, whose first query sees
+        ``(num_tokens - W, num_tokens]`` under window ``W``, so ``num_tokens + 1 - W``; a full
+        layer 0, several layers the smallest. The one home of window clipping (PD sends, prefix
+        loads and freed out-of-window blocks all start here)."""
         windows = map(self.window_of, self.layer_ids if layers is None else layers)
-        return min(0 if w is None else max(0, num_tokens - w) for w in windows)
+        return min(0 if w is None else max(0, num_tokens + 1 - w) for w in windows)
 
     @property
     def latent_dim(self) -> int:

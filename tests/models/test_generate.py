@@ -3,6 +3,7 @@ token invariance under step and block sizes, and refused requests."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,6 +18,7 @@ from kvplane.models import (
     blocks_needed,
     greedy_generate,
     greedy_token,
+    load_model,
     prefill_ranges,
 )
 
@@ -129,3 +131,30 @@ def test_deepseek_generates_too() -> None:
     r = model.generate(PROMPT[:5], 40, step_size=2, block_size=4)
     assert len(r.tokens) == 40 and all(0 <= t < 89 for t in r.tokens)
     assert r.tokens == model.generate(PROMPT[:5], 40).tokens
+
+
+def test_a_window_model_holds_only_the_blocks_its_window_reads() -> None:
+    """tiny-swa (window 16 on every layer) over a 200-token sequence (150 prompt + 51 new tokens,
+    blocks of 16): dropping the blocks out of the window, the request ends holding 2 blocks
+    (the step after 200 reads ``(184, 200]``: blocks 11 and 12), at its peak the 10 of its
+    prompt; a pool without a null block drops nothing and ends holding all 13. Same tokens."""
+    swa = load_model("tiny-swa")
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, 1024, 150)]
+    layout = swa.kv_layout(1, 16)
+    assert blocks_needed(150, 51, 16, layout) == 10 and blocks_needed(150, 51, 16) == 13
+    assert blocks_needed(150, 51, 16, layout, received=True) == 2
+    ctx = PagedContext.for_model(swa, num_blocks=11, block_size=16)
+    assert ctx.pool.null_block == 10
+    after = greedy_generate(swa, prompt, 51, 16, context=ctx)
+    kv = swa.new_kv_cache(13, 16)
+    plain = PagedContext(BlockPool(13, 16), kv, BlockHasher(0, kv.layout.fingerprint()))
+    before = greedy_generate(swa, prompt, 51, 16, context=plain)
+    assert after.tokens == before.tokens
+    assert (after.num_held_blocks, ctx.pool.peak_used_blocks) == (2, 10)
+    assert (before.num_held_blocks, plain.pool.peak_used_blocks) == (13, 13)
+    for pool in (ctx.pool, plain.pool):
+        pool.check_integrity()
+        assert pool.num_used_blocks == 0
+    with pytest.raises(InvalidArgumentError, match="needs 10 blocks of 16 tokens; the pool has 9"):
+        greedy_generate(swa, prompt, 51, 16, num_blocks=10)  # one of them is the null block
+    assert greedy_generate(swa, prompt, 51, 16, block_size=16).tokens == after.tokens

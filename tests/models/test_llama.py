@@ -169,11 +169,12 @@ def test_the_kv_layout_carries_each_layers_window(
     changes: dict[str, object], windows: tuple[int | None, ...]
 ) -> None:
     """One window on every layer is the pool's ``sliding_window``; a mixed model's pool names
-    each layer's (its full layer keeps every position, its window layer the last window)."""
+    each layer's (its full layer keeps every position, its window layer what the next step
+    reads: after 12 positions, ``(12 - 5, 12]``)."""
     model = random_model(small_llama(**changes))
     layout = model.kv_layout(4, 4)
     assert tuple(layout.window_of(i) for i in range(2)) == windows
     assert layout.sliding_window == (windows[0] if len(set(windows)) == 1 else None)
     assert [layout.window_start(12, (i,)) for i in range(2)] == [
-        0 if w is None else 7 for w in windows
+        0 if w is None else 8 for w in windows
     ]

@@ -135,14 +135,14 @@ def test_plan_slice_kv_then_tail_only_in_the_final_slice() -> None:
 def test_plan_slice_applies_prefix_and_sliding_window() -> None:
     local, remote = _pools(window=6)
     first = plan_slice(
-        local, remote, _request(21), TokenRange(0, 16), slice_id=SliceId(0), is_last=False
+        local, remote, _request(20), TokenRange(0, 16), slice_id=SliceId(0), is_last=False
     )
-    assert first.plans[0].tokens == TokenRange(15, 16)  # the final window is [15, 21)
+    assert first.plans[0].tokens == TokenRange(15, 16)  # the step at 20 reads [15, 20]
     local, remote = _pools(window=6)
     part = plan_slice(
         local, remote, _request(24), TokenRange(0, 16), slice_id=SliceId(0), is_last=False
     )
-    assert part.empty  # the final window [18, 24) starts after this slice
+    assert part.empty  # the step at 24 reads [19, 24], after this slice
     local, remote = _pools()
     pre = plan_slice(
         local, remote, _request(21, prefix=8), TokenRange(0, 16), slice_id=SliceId(0), is_last=False

@@ -62,9 +62,9 @@ def test_window_clipping_agrees_at_the_planner_and_the_slice_planner(
 ) -> None:
     start, prefix = min(start, n), min(prefix, n)
     src, dst = _kv(4, window), _kv(8, window)
-    assert src.window_start(n) == (0 if window is None else max(0, n - window))
-    # the planner's former rule: clip to the window of the range's own end
-    old = max(start, prefix) if window is None else max(start, prefix, n - window)
+    assert src.window_start(n) == (0 if window is None else max(0, n + 1 - window))
+    # the planner's rule: clip to what the step after the range's end reads, (n - window, n]
+    old = max(start, prefix) if window is None else max(start, prefix, n + 1 - window)
     want = TokenRange(min(old, n), n)
     assert _resolve(src, dst, TokenRange(start, n), prefix).tokens == want
     # the slice planner's former rule: clip to the window of the request's last token

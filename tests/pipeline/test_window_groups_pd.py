@@ -2,7 +2,7 @@
 sockets): a tiny random Qwen2 from transformers (``layer_types`` sliding, full, sliding;
 window 8) prefills in slices (pipelined and not) and decodes from the received KV with exactly
 ``model.generate``'s and transformers' tokens, while each window layer moves only the last
-``window`` prompt positions and the full layer all of them: amplification 1.0 against the
+``window - 1`` prompt positions and the full layer all of them: amplification 1.0 against the
 bytes the decode side reads. The per-group plans of one slice, for one sender and for two
 pipeline stages, move exactly those cells (#33)."""
 
@@ -38,9 +38,10 @@ TAIL_BYTES = 32
 
 
 def needed_bytes(n: int) -> int:
-    """What the decode side reads: the window layers' last ``WINDOW`` positions, the full
-    layer's every position."""
-    return (2 * min(WINDOW, n) + n) * CELL
+    """What the decode side reads of an ``n``-token prompt: the window layers' last
+    ``WINDOW - 1`` positions (the step at ``n`` sees ``(n - WINDOW, n]``), the full layer's
+    every position."""
+    return (2 * min(WINDOW - 1, n) + n) * CELL
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def test_pd_is_token_exact_and_moves_only_what_each_layer_reads(
         )[0, length:].tolist()  # fmt: skip
     assert list(res.tokens) == want
     moved, logical = pair.moved()
-    # 70 tokens: (8 + 70 + 8) x 256 + 32 = 22048 bytes, not the 53792 of every position
+    # 70 tokens: (7 + 70 + 7) x 256 + 32 = 21536 bytes, not the 53792 of every position
     assert moved == logical == needed_bytes(length) + TAIL_BYTES
     # the decode side cached none of it (its window layers lack early positions): the same
     # prompt again is no prefix hit there, and moves the same bytes
@@ -124,7 +125,7 @@ def _slice(
 def test_one_sender_plans_one_slice_per_window_group() -> None:
     assert _slice(MODEL, TokenRange(0, 16), False) == [((1,), TokenRange(0, 16), 16 * CELL)]
     assert _slice(MODEL, TokenRange(16, N), True) == [
-        ((0, 2), TokenRange(32, N), 2 * WINDOW * CELL),
+        ((0, 2), TokenRange(33, N), 2 * (WINDOW - 1) * CELL),
         ((1,), TokenRange(16, N), 24 * CELL),
         ((0,), TokenRange(0, 1), TAIL_BYTES),
     ]
@@ -139,8 +140,8 @@ def test_pipeline_stages_each_plan_their_own_groups() -> None:
         stage = prefill.rank_layout(MODEL, sender.stage, sender.tp_rank, num_blocks=8)
         got.append(_slice(stage, TokenRange(0, N), True, share=share))
     assert got == [
-        [((0,), TokenRange(32, N), WINDOW * CELL), ((1,), TokenRange(0, N), N * CELL)],
-        [((2,), TokenRange(32, N), WINDOW * CELL), ((0,), TokenRange(0, 1), TAIL_BYTES)],
+        [((0,), TokenRange(33, N), (WINDOW - 1) * CELL), ((1,), TokenRange(0, N), N * CELL)],
+        [((2,), TokenRange(33, N), (WINDOW - 1) * CELL), ((0,), TokenRange(0, 1), TAIL_BYTES)],
     ]
     assert sum(b for plans in got for _, _, b in plans) == needed_bytes(N) + TAIL_BYTES
 

@@ -82,11 +82,12 @@ def _store_and_load(
 
 
 @pytest.mark.parametrize(
-    ("window", "skipped"), [(WINDOW, 3), (None, 0), (3 * TPC, 2), (5 * TPC, 0), (1, 4)]
+    ("window", "skipped"), [(WINDOW, 3), (None, 0), (3 * TPC, 2), (5 * TPC, 0), (2, 4)]
 )
 def test_a_hit_loads_only_the_chunks_inside_its_window(window: int | None, skipped: int) -> None:
     """40 stored tokens (5 chunks of 8) and a 49-token prompt: the hit is 40 tokens; with
-    window 12 it starts at 28, inside chunk 3, so chunks 3 and 4 load and 0-2 stay empty."""
+    window 12 the step at 40 reads from 29 on, inside chunk 3, so chunks 3 and 4 load and 0-2
+    stay empty."""
     pool = BlockPool(32, BS)
     off, kv = _offload(pool, window)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 500, 40)]

@@ -108,7 +108,7 @@ class KVRef:
             return TokenRange(0, num_blocks)
         start = max(tokens.start, prefix)
         if layout.sliding_window is not None:
-            start = max(start, tokens.end - layout.sliding_window)
+            start = max(start, tokens.end + 1 - layout.sliding_window)  # the next step's reads
         return TokenRange(min(start, tokens.end), tokens.end)
 
     @staticmethod

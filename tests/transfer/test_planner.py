@@ -176,7 +176,7 @@ def test_prefix_reuse_skips_what_the_receiver_holds(kvref) -> None:
 def test_sliding_window_moves_only_the_window(kvref) -> None:
     swa = gqa(sliding_window=5)
     plan = kvref.plan_and_check((swa, [0, 1, 2, 3]), (swa, [7, 6, 5, 4]), TokenRange(0, 16))
-    assert plan.tokens == TokenRange(11, 16)
+    assert plan.tokens == TokenRange(12, 16)  # the step at 16 reads (11, 16]
     with_prefix = kvref.plan_and_check(
         (swa, [0, 1, 2, 3]), (swa, [7, 6, 5, 4]), TokenRange(0, 16),
         options=PlanOptions(prefix_tokens=13),

@@ -1,7 +1,8 @@
 """The per-window-group planner: :func:`window_boxes` splits a request by the layers' windows
 and the one planner plans each group. Random per-layer windows, sequence lengths, prefixes,
 block sizes and memory orders → every cell the decode side reads (a window layer: the last
-``W`` positions of the sequence; a full layer: all) is moved exactly once, and no other byte
+``W - 1`` positions, its step at ``n`` seeing ``(n - W, n]``; a full layer: all) is moved
+exactly once, and no other byte
 of the destination changes. The oracle computes each layer's range from its window directly,
 not through ``KVLayout.window_start`` (#33)."""
 
@@ -38,7 +39,7 @@ def _needed(windows: tuple[int | None, ...], n: int, prefix: int) -> dict[int, T
     """The oracle: per layer, the positions the decode side reads and lacks."""
     out = {}
     for layer, w in enumerate(windows):
-        lo = max(prefix, 0 if w is None else n - w, 0)
+        lo = max(prefix, 0 if w is None else n + 1 - w, 0)  # the step at n reads (n - w, n]
         out[layer] = TokenRange(min(lo, n), n)
     return out
 
@@ -104,9 +105,9 @@ def test_groups_keep_layer_order_and_drop_empty_ones() -> None:
     layout = _layout((8, None, 8, 2), (0, 1, 2, 3), 4, 40, ORDERS[0])
     box = KVBox((0, HEADS), (0, 1, 2, 3), TokenRange(16, 40))
     assert window_boxes(layout, box, 40) == (
-        KVBox((0, HEADS), (0, 2), TokenRange(32, 40)),
+        KVBox((0, HEADS), (0, 2), TokenRange(33, 40)),
         KVBox((0, HEADS), (1,), TokenRange(16, 40)),
-        KVBox((0, HEADS), (3,), TokenRange(38, 40)),
+        KVBox((0, HEADS), (3,), TokenRange(39, 40)),
     )
     early = KVBox((0, HEADS), (0, 1, 2, 3), TokenRange(0, 16))  # a slice before every window
     assert window_boxes(layout, early, 40) == (KVBox((0, HEADS), (1,), TokenRange(0, 16)),)
@@ -119,8 +120,8 @@ def test_a_pipeline_stage_splits_its_own_layers() -> None:
     assert stage.layer_ids == (2, 3) and stage.layer_windows == model.layer_windows
     box = KVBox((0, HEADS), (2, 3), TokenRange(0, 40))
     assert [(b.layers, b.tokens) for b in window_boxes(stage, box, 40)] == [
-        ((2,), TokenRange(32, 40)),
-        ((3,), TokenRange(38, 40)),
+        ((2,), TokenRange(33, 40)),
+        ((3,), TokenRange(39, 40)),
     ]
     with pytest.raises(LayoutError, match="layer 4 is not in the window map"):
         window_boxes(stage, KVBox((0, HEADS), (4,), TokenRange(0, 40)), 40)
@@ -133,4 +134,4 @@ def test_one_plan_over_mixed_layers_keeps_every_position() -> None:
     side = PlanSide(layout, np.arange(layout.num_blocks), RegionId(0))
     other = PlanSide(layout, np.arange(layout.num_blocks), RegionId(1))
     assert plan_transfer(side, other, TokenRange(0, 20)).tokens == TokenRange(0, 20)
-    assert plan_transfer(side, other, TokenRange(0, 20), layers=(0,)).tokens == TokenRange(12, 20)
+    assert plan_transfer(side, other, TokenRange(0, 20), layers=(0,)).tokens == TokenRange(13, 20)

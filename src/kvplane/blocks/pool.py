@@ -1,14 +1,16 @@
 """The block pool: ref counts, the LRU free queue and the prefix-cache hash map of one KV pool.
 
 Every method validates before it changes anything; :meth:`BlockPool.check_integrity` checks
-the invariants. Eviction and shared holders: docs/offload.md.
+the invariants. A pool may reserve a null block: what a block table's entries that slid out of
+every layer's window point at (never handed out, freed, shared or cached). Eviction and shared
+holders: docs/offload.md.
 """
 
 from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import cast
 
 import numpy as np
@@ -44,6 +46,9 @@ class BlockPool:
     ``kvplane_block_pool_allocated_blocks``, ``..._allocation_failures``, ``..._cache_hits``
     (blocks shared by :meth:`touch`), ``..._cache_evictions``, and gauges ``..._usage`` (used /
     total) and ``..._cached_blocks``.
+
+    ``null_block=True`` reserves the last block as :attr:`null_block` (held by the pool, ref
+    count 1, never in the free queue; not counted in :attr:`num_used_blocks`).
     """
 
     def __init__(
@@ -53,8 +58,9 @@ class BlockPool:
         metrics: MetricsRegistry | None = None,
         *,
         name: str = "default",
+        null_block: bool = False,
     ) -> None:
-        require_int("BlockPool.num_blocks", num_blocks, min=1)
+        require_int("BlockPool.num_blocks", num_blocks, min=2 if null_block else 1)
         require_int("BlockPool.block_size", block_size, min=1)
         self._num_blocks = num_blocks
         self._block_size = block_size
@@ -64,6 +70,11 @@ class BlockPool:
         self._hash_map: dict[BlockHash, dict[BlockId, None]] = {}
         self._num_cached = 0
         self._free = FreeBlockQueue(num_blocks)
+        self._null = BlockId(num_blocks - 1) if null_block else None
+        self._peak = 0
+        if self._null is not None:
+            self._free.remove(self._null)
+            self._ref[self._null] = 1
         self._metrics = metrics
         self._name = name
         if metrics is not None:
@@ -94,6 +105,11 @@ class BlockPool:
     ) -> BlockPool:
         return cls(config.num_blocks, config.block_size, metrics, name=name)
 
+    @property
+    def null_block(self) -> BlockId | None:
+        """The reserved null block (None without one): its content is never read as KV."""
+        return self._null
+
     # -- sizes -----------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
@@ -109,8 +125,19 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def capacity(self) -> int:
+        """Blocks requests can hold: all but the null block."""
+        return self._num_blocks - (self._null is not None)
+
+    @property
     def num_used_blocks(self) -> int:
-        return self._num_blocks - len(self._free)
+        """Blocks requests hold (the null block is the pool's, not counted)."""
+        return self.capacity - len(self._free)
+
+    @property
+    def peak_used_blocks(self) -> int:
+        """The most blocks requests held at once since the pool was made."""
+        return self._peak
 
     @property
     def num_cached_blocks(self) -> int:
@@ -215,6 +242,7 @@ class BlockPool:
                 evicted += 1
             self._ref[block] = 1
             out.append(block)
+        self._peak = max(self._peak, self.num_used_blocks)
         if self._metrics is not None:
             self._m_alloc.inc(n)
             if evicted:
@@ -232,7 +260,9 @@ class BlockPool:
         (duplicates inside one call included), before changing anything.
         """
         ids = self._block_ids(block_ids)
-        for block, times in Counter(ids).items():
+        counts = Counter(ids)
+        self._refuse_null(counts, "free")
+        for block, times in counts.items():
             if times > self._ref[block]:
                 raise DoubleFreeError(
                     f"block {block} of pool {self._name!r} freed {times} time(s) "
@@ -257,6 +287,7 @@ class BlockPool:
             if self._ref[block] == 0:
                 self._free.remove(block)
             self._ref[block] += 1
+        self._peak = max(self._peak, self.num_used_blocks)
         if self._metrics is not None:
             self._m_hits.inc(len(ids))
             self._update_gauges()
@@ -268,6 +299,7 @@ class BlockPool:
         blocks before other work that must not happen when the touch would fail.
         """
         ids = self._block_ids(block_ids)
+        self._refuse_null(ids, "touch")
         ref, hashes = self._ref, self._hash
         if 0 not in map(ref.__getitem__, ids):  # all in use (the common case): scanned in C
             return ids
@@ -291,6 +323,7 @@ class BlockPool:
         """
         block = self._block_id(block_id)
         block_hash = check_block_hash(block_hash)
+        self._refuse_null((block,), "cache")
         if self._ref[block] == 0:
             raise BlockStateError(f"cannot cache block {block} of pool {self._name!r}: it is free")
         current = self._hash[block]
@@ -306,6 +339,11 @@ class BlockPool:
         self._num_cached += 1
         if self._metrics is not None:
             self._update_gauges()
+
+    def _refuse_null(self, ids: Collection[BlockId], action: str) -> None:
+        """``BlockStateError`` when ``ids`` holds the null block (one C-level membership test)."""
+        if self._null is not None and self._null in ids:
+            raise BlockStateError(f"cannot {action} the null block {self._null} of {self._name!r}")
 
     def _uncache(self, block: BlockId) -> None:
         """Drop ``block``'s hash; the next standby block (if any) becomes the one looked up."""
@@ -330,6 +368,8 @@ class BlockPool:
         used = sum(1 for ref in self._ref if ref > 0)
         if len(free) + used != self._num_blocks:
             raise BlockStateError(f"free {len(free)} + used {used} != total {self._num_blocks}")
+        if self._null is not None and (self._ref[self._null], self._hash[self._null]) != (1, None):
+            raise BlockStateError(f"the null block {self._null} is not held once, uncached")
         for block, ref in enumerate(self._ref):
             if (ref == 0) != (block in free):
                 raise BlockStateError(

@@ -4,9 +4,10 @@ A table splits the request's tokens into the cached prefix (shared through the p
 cache at admission), the range computed by this run and the range still to compute; block ``i``
 holds tokens ``[i*block_size, (i+1)*block_size)``. It holds the chained hashes of every full
 block, each computed once (at admission, then for newly full blocks as tokens are appended),
-and is the one place other parts read them from. Lifecycle ``NEW -> ADMITTED -> RELEASED``; a
-call that returns ``None``/``False`` or raises changes neither the table nor the pool. See
-docs/offload.md.
+and is the one place other parts read them from. Leading blocks no layer reads any more (out of
+every sliding window) can be dropped: freed, their entries pointing at the pool's null block.
+Lifecycle ``NEW -> ADMITTED -> RELEASED``; a call that returns ``None``/``False`` or raises
+changes neither the table nor the pool. See docs/offload.md and docs/attention.md.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class BlockTable:
         self._num_cached_tokens = 0
         self._num_computed_tokens = 0
         self._num_registered = 0  # blocks [0, n) are in the pool's cache map (hit or cached here)
+        self._num_dropped = 0  # entries [0, n) point at the pool's null block
+        self._partial = False  # admitted with dropped blocks: its KV is partial, never cached
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -128,6 +131,16 @@ class BlockTable:
     @property
     def block_ids(self) -> tuple[BlockId, ...]:
         return tuple(self._block_ids)
+
+    @property
+    def num_dropped_blocks(self) -> int:
+        """Leading entries that point at the pool's null block (their blocks were freed)."""
+        return self._num_dropped
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks the table holds in its pool: every entry but the dropped ones."""
+        return len(self._block_ids) - self._num_dropped
 
     @property
     def block_hashes(self) -> tuple[BlockHash, ...]:
@@ -180,7 +193,9 @@ class BlockTable:
             )
 
     # -- lifecycle -------------------------------------------------------------------------
-    def admit(self, pool: BlockPool, token_ids: TokenIds) -> AdmitResult | None:
+    def admit(
+        self, pool: BlockPool, token_ids: TokenIds, *, drop_before: int = 0
+    ) -> AdmitResult | None:
         """Match the longest cached prefix, share it and allocate blocks for the rest.
 
         ``token_ids`` (non-empty; see :func:`canonical_token_ids`) become the table's tokens.
@@ -192,6 +207,12 @@ class BlockTable:
         a free copy is counted only when no in-use copy of that block exists). Raises
         :class:`BlockStateError` unless the table is NEW, :class:`InvalidArgumentError` for bad
         tokens or a mismatched pool.
+
+        ``drop_before > 0`` (a receiver that gets only a window's KV, from that position on): no
+        prefix is matched, the table never caches a block (its KV is partial), and the entries
+        of the blocks wholly before it point at ``pool.null_block`` from the start (not
+        allocated). ``InvalidArgumentError`` for a position past the tokens, or for one
+        that drops a block in a pool without a null block.
         """
         self._require(TableState.NEW, "admit")
         self._check_pool(pool)
@@ -200,14 +221,17 @@ class BlockTable:
         if n == 0:
             raise InvalidArgumentError(f"request {self._request_id!r} admitted with no tokens")
         bs = self._block_size
+        first = require_int("drop_before", drop_before, min=0, max=n)
+        dropped = first // bs
+        nulls = [self._null_of(pool)] * dropped if dropped else []
         hashes = self._hasher.hash_blocks(tokens, bs, self._extra_keys)
         hits: list[BlockId] = []
-        for h in hashes[: (n - 1) // bs]:
+        for h in hashes[: (n - 1) // bs if first == 0 else 0]:
             block = pool.lookup(h)
             if block is None:
                 break
             hits.append(block)
-        num_new = _ceil_div(n, bs) - len(hits)
+        num_new = _ceil_div(n, bs) - len(hits) - dropped
         taken_from_free = sum(1 for b in hits if pool.ref_count(b) == 0)
         if pool.num_free_blocks - taken_from_free < num_new:
             return None
@@ -219,10 +243,11 @@ class BlockTable:
         self._pool = pool
         self._tokens = tokens
         self._num_tokens = n
-        self._block_ids = hits + fresh
+        self._block_ids = hits + nulls + fresh
         self._hashes = hashes
         self._num_cached_tokens = self._num_computed_tokens = len(hits) * bs
         self._num_registered = len(hits)
+        self._num_dropped, self._partial = dropped, first > 0
         self._state = TableState.ADMITTED
         return AdmitResult(
             block_ids=tuple(self._block_ids),
@@ -289,10 +314,45 @@ class BlockTable:
                 f"{remaining} remain in {self.new_range}"
             )
         self._num_computed_tokens += num_tokens
+        if self._partial:
+            return
         full = self._num_computed_tokens // self._block_size
         for i in range(self._num_registered, full):
             pool.cache_block(self._block_ids[i], self._hashes[i])
         self._num_registered = max(self._num_registered, full)
+
+    def drop_before(self, pool: BlockPool, position: int) -> int:
+        """Free every held block wholly before ``position`` and point its entry at the pool's
+        null block; return how many were freed (0: nothing to drop, no null block needed).
+
+        The caller vouches that no step reads or writes positions below ``position`` again
+        (:meth:`~kvplane.layout.KVLayout.window_start` of the positions computed). Freed
+        blocks keep their cache hash (another request may still match them); the table never
+        caches a dropped entry. Raises :class:`BlockStateError` unless ADMITTED,
+        :class:`InvalidArgumentError` for another pool, a position beyond the table's tokens or
+        a pool without a null block, before changing anything.
+        """
+        self._require(TableState.ADMITTED, "drop blocks of")
+        self._check_pool(pool)
+        require_int("position", position, min=0, max=self._num_tokens)
+        upto = min(position // self._block_size, len(self._block_ids))
+        if upto <= self._num_dropped:
+            return 0
+        null = self._null_of(pool)
+        gone = self._block_ids[self._num_dropped : upto]
+        pool.free(gone)
+        self._block_ids[self._num_dropped : upto] = [null] * len(gone)
+        self._num_dropped = upto
+        self._num_registered = max(self._num_registered, upto)
+        return len(gone)
+
+    def _null_of(self, pool: BlockPool) -> BlockId:
+        null = pool.null_block
+        if null is None:
+            raise InvalidArgumentError(
+                f"request {self._request_id!r}: dropping blocks needs a pool with a null block"
+            )
+        return null
 
     def release(self, pool: BlockPool) -> None:
         """Free every block in REVERSE order (the tail is evicted before the shared prefix).
@@ -303,7 +363,7 @@ class BlockTable:
         """
         if self._state is TableState.ADMITTED:
             self._check_pool(pool)
-            pool.free(self._block_ids[::-1])
+            pool.free(self._block_ids[self._num_dropped :][::-1])
         self._reset()
         self._state = TableState.RELEASED
 
@@ -313,15 +373,19 @@ class BlockTable:
 
         Returns an int64 CPU tensor of shape ``[len(token_range)]``; token ``t`` maps to
         ``block_ids[t // block_size] * block_size + t % block_size``. The range must lie in
-        ``[0, num_tokens)`` (:class:`InvalidArgumentError`); the table must be ADMITTED.
+        ``[0, num_tokens)`` past the dropped blocks (:class:`InvalidArgumentError`); the table
+        must be ADMITTED.
         """
         self._require(TableState.ADMITTED, "map slots of")
         if not isinstance(token_range, TokenRange):
             raise InvalidArgumentError(f"expected a TokenRange, got {token_range!r}")
-        if not TokenRange(0, self._num_tokens).contains(token_range):
+        held = TokenRange(
+            min(self._num_dropped * self._block_size, self._num_tokens), self._num_tokens
+        )
+        if not held.contains(token_range):
             raise InvalidArgumentError(
                 f"token range {token_range} is outside request {self._request_id!r}'s "
-                f"tokens [0, {self._num_tokens})"
+                f"held tokens {held}"
             )
         if token_range.empty:
             return torch.zeros(0, dtype=torch.int64)

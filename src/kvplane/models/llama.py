@@ -71,7 +71,8 @@ class LlamaModel(PagedDecoder):
         """The GQA pool of every layer with each layer's window (``layer_windows``; one window
         on every layer, as Mistral's or Qwen2's all sliding, is the pool's ``sliding_window``),
         so PD moves, per window group, only the positions its attention reads
-        (:meth:`KVLayout.window_start`); the pool still has a slot for every position."""
+        (:meth:`KVLayout.window_start`), and where every layer slides the blocks out of the
+        window are freed (:meth:`~kvplane.blocks.BlockTable.drop_before`)."""
         c = self.llama
         return KVLayout.gqa(
             num_blocks=num_blocks, block_size=block_size, num_layers=c.num_layers,

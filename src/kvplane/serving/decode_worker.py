@@ -1,7 +1,8 @@
 """The decode worker: pre-allocates, receives a request's KV, then decodes from it.
 
 The receiver session decides the outcome and the ledger decides the memory; the received prompt
-is marked computed in one place. See docs/serving.md.
+is marked computed in one place. A sliding-window pool allocates only the blocks of the window
+the sender sends (the earlier entries point at the pool's null block). See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvplane.blocks import BlockTable
 from kvplane.errors import KVPlaneError, ProtocolError
 from kvplane.ids import PeerId, RequestId, SessionId, TokenRange
 from kvplane.metrics import MetricsRegistry
+from kvplane.models import blocks_needed
 from kvplane.pd.actions import Finished, Release
 from kvplane.pd.events import Cancel, StartTransfer
 from kvplane.pd.states import Role, SessionState
@@ -140,14 +142,15 @@ class DecodeWorker(Worker):
     def _accept(self, order: DecodeOrder, reply: Reply) -> None:
         rid = RequestId(order.request_id)
         book.check_new(self._requests, self._by_session, rid, SessionId(order.session_id))
-        n, bs = len(order.token_ids), self.config.block_size
-        need = -(-n // bs)
+        n, bs, blocks = len(order.token_ids), self.config.block_size, self.pools.blocks
+        layout = self.pools.kv.layout if blocks.null_block is not None else None
+        need = blocks_needed(n, 1, bs, layout, received=True)
         if isinstance(self.decoder, PromptChecker):
             self.decoder.check_prompt(
                 np.asarray(order.token_ids, dtype=np.int64), order.max_new_tokens
             )
-            need = -(-(n + max(order.max_new_tokens - 1, 0)) // bs)
-        book.check_fits(rid, need, self.config.num_blocks)
+            need = blocks_needed(n, order.max_new_tokens, bs, layout, received=True)
+        book.check_fits(rid, need, blocks.capacity)
         names = [order.prefill_peer, *(s.peer for s in order.senders)]
         live = self.endpoint.call(
             lambda: [self.participant.peers.is_live(PeerId(n)) for n in names]
@@ -195,7 +198,8 @@ class DecodeWorker(Worker):
             if req.outcome is not None:
                 self._waiting.popleft()
                 continue
-            got = book.admit_memory(self.pools, self.config.block_size, req)
+            first = self.pools.kv.layout.window_start(len(req.tokens))  # what the sender sends
+            got = book.admit_memory(self.pools, self.config.block_size, req, drop_before=first)
             if got is None:
                 return
             self._waiting.popleft()

@@ -101,7 +101,11 @@ class WorkerPools:
         self.kv = PoolTensor(kv_layout, self.tensors[0])
         self.state = PoolTensor(layouts[1], self.tensors[1]) if state_layout is not None else None
         self.tail = PoolTensor(tail_layout, self.tensors[-1])
-        self.blocks = BlockPool(num_blocks, block_size, metrics, name=f"{name}_kv")
+        self.blocks = BlockPool(
+            num_blocks, block_size, metrics, name=f"{name}_kv", null_block=kv_layout.windowed
+        )
+        """The KV pool's blocks; a windowed pool reserves a null block for the entries of
+        blocks dropped out of every window (:meth:`~kvplane.blocks.BlockTable.drop_before`)."""
         self.slots = BlockPool(num_slots, 1, metrics, name=f"{name}_slots")
         self.hasher = BlockHasher(
             seed=hash_seed, fingerprint=kv_fingerprint(self.model_id, kv_layout)

@@ -176,7 +176,7 @@ class PrefillWorker(Worker):
         sid, peer = SessionId(order.session_id), PeerId(order.decode_peer)
         book.check_new(self._requests, self._by_session, rid, sid)
         n = len(order.token_ids)
-        book.check_fits(rid, -(-n // self.config.block_size), self.config.num_blocks)
+        book.check_fits(rid, -(-n // self.config.block_size), self.pools.blocks.capacity)
         if isinstance(self.producer, PromptChecker):
             self.producer.check_prompt(np.asarray(order.token_ids, dtype=np.int64))
         step = order.step_size or self.config.step_size

@@ -72,12 +72,16 @@ def find_to_stop(requests: dict[RequestId, R], rid: RequestId, sid: str | None) 
 
 
 def admit_memory(
-    pools: WorkerPools, block_size: int, req: HeldRequest
+    pools: WorkerPools, block_size: int, req: HeldRequest, *, drop_before: int = 0
 ) -> tuple[BlockTable, int] | None:
-    """Give ``req`` blocks for its tokens (cached prefix blocks shared) and a tail slot, and
-    return them; None, holding nothing, while either is short."""
+    """Give ``req`` blocks for its tokens (cached prefix blocks shared; the blocks wholly
+    before ``drop_before``, a receiver's unsent out-of-window positions, none: see
+    :meth:`~kvplane.blocks.BlockTable.admit`) and a tail slot, and return them; None, holding
+    nothing, while either is short."""
     table = BlockTable(RequestId(req.order.request_id), block_size, pools.hasher)
-    if pools.slots.num_free_blocks == 0 or table.admit(pools.blocks, req.tokens) is None:
+    if pools.slots.num_free_blocks == 0:
+        return None
+    if table.admit(pools.blocks, req.tokens, drop_before=drop_before) is None:
         return None
     slot = pools.take_slot()
     if slot is None:  # pragma: no cover - checked above; only the worker's thread allocates

@@ -29,6 +29,7 @@ from kvplane.models import (
     PagedKVCache,
     StepBatch,
     StepRequest,
+    blocks_needed,
     greedy_token,
     load_model,
 )
@@ -220,14 +221,18 @@ class ModelDecoder(ModelKV):
     def decode(self, job: DecodeJob, kv: PoolTensor, state: PoolTensor | None) -> DecodeOutput:
         """``job.max_new_tokens`` tokens (first token included) by one-token steps; grows
         ``job.table`` through ``job.pool`` (the worker marked the received prompt computed and
-        releases the table). ``InvalidArgumentError`` when the pool runs out of blocks (checked
-        before any step)."""
+        releases the table) and, in a pool with a null block, drops the blocks that slid out of
+        every window after each step. ``InvalidArgumentError`` when the pool runs out of blocks
+        (checked before any step)."""
         tokens = [int(job.first_token)]
         if job.max_new_tokens <= 1:
             return DecodeOutput(tokens=tuple(tokens[: job.max_new_tokens]))
-        table = job.table
-        bs = table.block_size
-        more = -(-(table.num_tokens + job.max_new_tokens - 1) // bs) - len(table.block_ids)
+        table, pool = job.table, job.pool
+        bs, drops = table.block_size, pool.null_block is not None
+        peak = blocks_needed(
+            table.num_tokens, job.max_new_tokens, bs, kv.layout if drops else None, received=True
+        )
+        more = peak - table.num_held_blocks
         if more > job.pool.num_free_blocks:
             raise InvalidArgumentError(
                 f"request {job.request_id!r}: decoding {job.max_new_tokens} tokens needs {more} "
@@ -244,5 +249,7 @@ class ModelDecoder(ModelKV):
                 batch = StepBatch.build([req], bs, self.model.device)
                 logits = self.model.forward_step(batch, cache)
                 table.mark_computed(job.pool, 1)
+                if drops:  # the next step computes num_tokens on
+                    table.drop_before(pool, kv.layout.window_start(table.num_tokens))
                 tokens.append(greedy_token(logits)[0])
         return DecodeOutput(tokens=tuple(tokens))
