@@ -51,7 +51,8 @@ def test_tags_are_stable_digests_of_the_ident() -> None:
     assert RAW_TAG == codec_tag("raw") == bytes.fromhex("bc0ee643bd916c95")
     idents = [make_codec(n).ident for n in CODECS]
     assert idents == [
-        "raw", "lz4:block:shuffle=1", "zstd:level=1:shuffle=1", "fp8:e4m3fn:scale=channel",
+        "raw", "lz4:block:shuffle=1", "zstd:level=1:shuffle=1",
+        "fp8:e4m3fn:scale=channel:rotate=hadamard",
         "fp8:e4m3fn:scale=chunk", "int8:k=channel:v=token",
     ]  # fmt: skip
     assert len({codec_tag(i) for i in idents}) == len(idents)

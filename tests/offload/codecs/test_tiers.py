@@ -184,7 +184,7 @@ def test_open_lower_tiers_codes_each_tier_as_configured(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="disk_codec = 'fp8' needs the pool's layout"):
         open_lower_tiers(cfg, 2048, layout.fingerprint())
     (tier,) = open_lower_tiers(cfg, 2048, layout.fingerprint(), layout=layout)
-    assert isinstance(tier, DiskTier) and tier.codec == "fp8:e4m3fn:scale=channel"
+    assert isinstance(tier, DiskTier) and tier.codec == "fp8:e4m3fn:scale=channel:rotate=hadamard"
     assert tier.fingerprint != layout.fingerprint()
     tier.close()
     (plain,) = open_lower_tiers(OffloadConfig(disk_path=tmp_path / "b"), 2048, FP)

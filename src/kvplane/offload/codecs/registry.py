@@ -20,11 +20,12 @@ CODECS: dict[str, Callable[[], ChunkCodec]] = {
     "lz4": LZ4Codec,
     "zstd": ZstdCodec,
     "fp8": FP8Codec,
-    "fp8-chunk": lambda: FP8Codec("chunk"),
+    "fp8-chunk": lambda: FP8Codec("chunk", rotate=False),
     "int8": Int8Codec,
 }
 """Every codec name: ``raw`` (the default), lossless ``lz4`` and ``zstd`` (level 1, byte
-planes), lossy ``fp8`` (per-channel scales), ``fp8-chunk`` (one scale) and ``int8``."""
+planes), lossy ``fp8`` (Hadamard-rotated head vectors, per-channel scales), ``fp8-chunk`` (one
+scale, no rotation) and ``int8``."""
 
 
 AUTO = "auto"
