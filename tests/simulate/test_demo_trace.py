@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kvplane.errors import ConfigError
-from kvplane.simulate.demo_trace import measured, read_demo_trace
+from kvplane.simulate.demo_trace import measured, read_demo_trace, replayed_costs
 
 EXACT = 1e-9
 
@@ -57,6 +57,21 @@ def test_measured_ttft_and_overlap() -> None:
     ttft, overlap = measured(read_demo_trace(TRACE))
     assert ttft == pytest.approx(0.026, rel=EXACT)  # order at 0 ms, decode started at 26 ms
     assert overlap == pytest.approx(3 / 5, rel=EXACT)  # the first slice ran beside step 1
+
+
+def test_replayed_costs_of_each_request() -> None:
+    # "a": steps 2-12 and 12-22 ms back to back (no time of the worker's own between them),
+    # slices of 3 and 2 ms
+    (got,) = replayed_costs(read_demo_trace(TRACE)).items()
+    assert got[0] == "a"
+    assert got[1].step_s == pytest.approx((0.01, 0.01), rel=EXACT)
+    assert got[1].after_s == (0.0, 0.0)
+    assert got[1].op_s == pytest.approx((0.003, 0.002), rel=EXACT)
+    assert got[1].submit_s == (0.0, 0.0)  # each submitted as its step ended
+    # a 5 ms gap before the second step, "a" ordered long before: the worker's own time
+    late = [*TRACE["traceEvents"][:5], _x(2, "prefill step", 17.0, 10.0, 1)]
+    (gap,) = replayed_costs(read_demo_trace({"traceEvents": late})).values()
+    assert gap.after_s == pytest.approx((0.005, 0.0), rel=EXACT)
 
 
 def test_what_is_not_a_demo_run_is_one_line() -> None:

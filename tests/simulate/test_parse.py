@@ -53,6 +53,7 @@ def test_minimal_defaults() -> None:
         ({k: v for k, v in MINIMAL.items() if k != "decode"}, r"no \[decode\] section"),
         (with_("transport", bandwidth_bytes_s=0), r"\[transport\] bandwidth_bytes_s must be"),
         (with_("prefill", token_s=-1), r"\[prefill\] token_s must be a finite number >= 0"),
+        (with_("decode", accept_s=-1e-3), r"\[decode\] accept_s must be a finite number >= 0"),
         (with_("prefill", pipelined="yes"), r"\[prefill\] pipelined must be a bool"),
         (with_("cluster", router="random"), r"\[cluster\] router must be one of"),
         (with_("cluster", prefill_workers=0), r"\[cluster\] prefill_workers must be a positive"),

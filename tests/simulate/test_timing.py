@@ -14,9 +14,12 @@ from kvplane.simulate.timing import (
     compute_s,
     contention_of,
     prefill_slices,
+    replayed_op,
+    step_hold_s,
     tpot_s,
     transfer_pieces,
 )
+from kvplane.simulate.workload import Replayed
 
 
 def test_lane_is_fifo() -> None:
@@ -64,6 +67,19 @@ def test_book_op_waits_for_both_lanes() -> None:
     recv.reserve(0.0, 5.0)
     assert book_op(t, 1.0, 200, send, recv) == (5.0, 8.5)  # 1 + 200/100 held, lands 0.5 later
     assert send.free_at == recv.free_at == 8.0
+
+
+def test_replayed_steps_and_ops_else_the_model() -> None:
+    spec = PrefillSpec(token_s=1e-3, slice_tokens=512)
+    measured = Replayed(step_s=(0.2, 0.3), after_s=(0.05,), op_s=(0.4, 0.6), submit_s=(0.01,))
+    assert step_hold_s(spec, 0, 512, 0, None) == (0.512, 0.0)
+    assert step_hold_s(spec, 0, 512, 0, measured) == (0.2, 0.05)
+    assert step_hold_s(spec, 512, 1024, 1, measured) == (0.3, 0.0)  # no time after it
+    assert step_hold_s(spec, 1024, 1100, 2, measured) == pytest.approx((0.076, 0.0))  # model
+    # three ops (a loaded prefix, two slices), two spans and one delay measured: each aligned
+    # to the last ones
+    assert [replayed_op(measured, i, 3) for i in range(3)] == [(0, 0), (0, 0.4), (0.01, 0.6)]
+    assert replayed_op(Replayed(), 0, 1) == (0.0, 0.0)
 
 
 def test_event_loop_runs_in_time_then_schedule_order() -> None:

@@ -3,17 +3,21 @@
 :func:`read_demo_trace` turns the Chrome trace into spans (prefill steps, slice transfers,
 offload loads, decodes) and each request's order times at the prefill and decode workers;
 :func:`measured` gives the run's TTFT median and overlap ratio, the figures the simulator is
-compared with (:mod:`kvplane.simulate.validate_demo`). Imports no serving module.
+compared with (:mod:`kvplane.simulate.validate_demo`), and :func:`replayed_costs` each
+request's measured steps and slice ops, which the comparison replays. Imports no serving
+module.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvplane.errors import ConfigError
+from kvplane.simulate.workload import Replayed
 
 PREFILL = "prefill"
 """The demo's prefill worker's name (its trace process)."""
@@ -103,3 +107,34 @@ def measured(run: DemoRun) -> tuple[float, float]:
     if not ttft:
         raise ConfigError("the demo trace has no decode")
     return statistics.median(ttft), (hidden / total if total > 0 else 0.0)
+
+
+def replayed_costs(run: DemoRun) -> dict[str, Replayed]:
+    """Each request's measured prefill steps and slice ops, by slice id: a step's seconds;
+    the prefill worker's time from its end to its next step (any request's) when that step's
+    request had been ordered by then (the worker had work: the gap is its own -- orders,
+    stores, submissions, being descheduled; else it waited for work: 0); each slice
+    transfer's span, submission to done, and its submission's delay behind both its step's
+    end and the decode worker's taking the order (when the run allowed it to go)."""
+    steps = run.of("prefill step")
+    after = {
+        a: max(0.0, b.start - a.end)
+        for a, b in itertools.pairwise(steps)
+        if run.prefill_orders.get(b.request, float("inf")) <= a.end
+    }
+
+    def by_slice(cat: str, request: str) -> list[TraceSpan]:
+        return sorted(run.of(cat, request), key=lambda s: (s.slice_id or 0, s.start))
+
+    out = {}
+    for r in run.arrivals:
+        mine, ops = by_slice("prefill step", r), by_slice("slice transfer", r)
+        ends = {s.slice_id: s.end for s in mine}
+        taken = run.decode_orders.get(r, float("-inf"))
+        out[r] = Replayed(
+            tuple(s.end - s.start for s in mine),
+            tuple(after.get(s, 0.0) for s in mine),
+            tuple(s.end - s.start for s in ops),
+            tuple(max(0.0, s.start - max(ends.get(s.slice_id, s.start), taken)) for s in ops),
+        )
+    return out

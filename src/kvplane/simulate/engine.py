@@ -13,16 +13,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvplane.errors import ConfigError
 from kvplane.simulate.events import EventLoop
 from kvplane.simulate.result import FailureResult, Outcome
 from kvplane.simulate.router import Router
 from kvplane.simulate.spec import ROLES, TIER_ORDER, ClusterSpec
 from kvplane.simulate.tiers import TierCache, hit_tokens, prefix_walk
-from kvplane.simulate.timing import book_op, compute_s, kv_pieces, slice_s, tpot_s
+from kvplane.simulate.timing import (
+    book_op,
+    compute_s,
+    kv_pieces,
+    replayed_op,
+    step_hold_s,
+    tpot_s,
+)
 from kvplane.simulate.workers import DecodeWorker, Flight, PrefillWorker
 from kvplane.simulate.workload import Request, reusable_blocks, stored_blocks
 
 ARRIVE, PREFILL_DONE, SEND, READY, DECODE_DONE, KILL, DETECT, STEP = range(8)
+IDLE, AWAY = -1, -2
+"""A prefill worker's ``current`` when it computes nothing: idle, or busy with its own work
+after a replayed step (``Replayed.after_s``)."""
 
 
 class Simulation:
@@ -30,6 +41,8 @@ class Simulation:
     :meth:`outcomes`, the workers, tiers and totals (``result.summarize`` does)."""
 
     def __init__(self, spec: ClusterSpec, requests: Sequence[Request]) -> None:
+        if not spec.prefill.interleave and any(r.replayed and r.replayed.step_s for r in requests):
+            raise ConfigError("replayed prefill steps need an interleaving prefill worker")
         self.spec = spec
         self.requests = requests
         self.loop = EventLoop()
@@ -114,7 +127,7 @@ class Simulation:
                 self._take(p, f)
             return
         p.queue.append(req.rid)
-        if p.current < 0 and p.alive:
+        if p.current == IDLE and p.alive:
             self._start_prefill(p)
 
     # -- prefill -------------------------------------------------------------------------------
@@ -155,7 +168,14 @@ class Simulation:
             self.loop.at(at, SEND, req.rid, f.attempt)
 
     def _take(self, p: PrefillWorker, f: Flight) -> None:
-        """Interleaving: ``f`` joins ``p``'s running requests (computing once loaded)."""
+        """Interleaving: ``f``'s order waits for ``p`` to be between steps (its setup holds
+        the worker, one order at a time), then ``f`` joins the running requests."""
+        p.queue.append(f.req.rid)
+        if p.current == IDLE:
+            self._next_step(p)
+
+    def _join(self, p: PrefillWorker, f: Flight) -> None:
+        """``f`` joins ``p``'s running requests (computing once set up and loaded)."""
         spec, n = self.spec.prefill, f.req.input_tokens
         self._lookup(p, f)
         hit = f.next_token = f.hit_tokens
@@ -167,20 +187,32 @@ class Simulation:
                 f.pieces.append((f.compute_start, hit * self.held))
                 self.loop.at(f.compute_start, SEND, f.req.rid, f.attempt)
         p.running.append(f.req.rid)
-        if p.current < 0:
-            self._next_step(p)
+
+    def _away(self, p: PrefillWorker, seconds: float) -> None:
+        """``p`` is busy with its own work (an order's setup, a replayed step's aftermath)."""
+        p.current = AWAY
+        p.busy_s += seconds
+        p.busy_until = self.loop.now + seconds
+        self.loop.at(self.loop.now + seconds, STEP, p.index, AWAY)
 
     def _next_step(self, p: PrefillWorker) -> None:
-        """Start one step of the next running request (in turn) whose loads have ended; if
-        all are loading, wake when the first is loaded."""
+        """Take the next waiting order (its setup holds the worker); else start one step of
+        the next running request (in turn) whose loads have ended; if all are loading, wake
+        when the first is loaded."""
         now, spec = self.loop.now, self.spec.prefill
+        while p.queue:
+            self._join(p, self.flights[p.queue.popleft()])
+            if spec.setup_s > 0:
+                self._away(p, spec.setup_s)
+                return
         for _ in range(len(p.running)):
             rid = p.running[0]
             p.running.rotate(-1)
             f = self.flights[rid]
             if f.compute_start <= now:
                 s = f.next_token
-                hold = slice_s(spec, s, min(s + spec.slice_tokens, f.req.input_tokens))
+                e, k = min(s + spec.slice_tokens, f.req.input_tokens), self._step_index(f)
+                hold = step_hold_s(spec, s, e, k, f.req.replayed)[0]
                 p.current = rid
                 p.busy_s += hold
                 p.busy_until = now + hold
@@ -189,17 +221,24 @@ class Simulation:
         if p.running:
             self.loop.at(min(self.flights[r].compute_start for r in p.running), STEP, p.index, -1)
 
+    def _step_index(self, f: Flight) -> int:
+        """Which computed step of ``f`` starts at its next token (0: the first after a hit)."""
+        return (f.next_token - f.hit_tokens) // self.spec.prefill.slice_tokens
+
     def _step(self, pw: int, rid: int) -> None:
-        """A step of ``rid`` ended on an interleaving worker (``rid`` -1: a wake-up): send its
-        slice (pipelined), end its prefill after its last step, start the next step."""
+        """A step of ``rid`` ended on an interleaving worker (``rid`` IDLE: a wake-up, AWAY:
+        the worker's own time after a replayed step ended): send its slice (pipelined), end
+        its prefill after its last step, spend any replayed time after it, start the next."""
         p, now, spec = self.prefill[pw], self.loop.now, self.spec.prefill
         if not p.alive or p.current != rid:
             return  # a wake-up while a step runs: that step's end starts the next one
-        p.current = -1
+        p.current = IDLE
+        after = 0.0
         if rid >= 0 and rid in p.running:
             f = self.flights[rid]
-            s, n = f.next_token, f.req.input_tokens
+            s, n, k = f.next_token, f.req.input_tokens, self._step_index(f)
             e = f.next_token = min(s + spec.slice_tokens, n)
+            after = step_hold_s(spec, s, e, k, f.req.replayed)[1]
             if spec.pipelined:
                 f.pieces.append((now, (e - s) * self.held))
                 self.loop.at(now, SEND, rid, f.attempt)
@@ -211,6 +250,9 @@ class Simulation:
                     f.pieces.append((now, n * self.held))
                     self.loop.at(now, SEND, rid, f.attempt)
                 self._store(p, f)
+        if after > 0:
+            self._away(p, after)
+            return
         self._next_step(p)
 
     def _send(self, rid: int, attempt: int) -> None:
@@ -224,11 +266,18 @@ class Simulation:
             f.deferred += 1  # sent again when the serial decode worker takes the order
             return
         at, nbytes = f.pieces[f.next_piece]
+        ready, rtt = max(at, self.loop.now), self.spec.transport.rtt_s
+        replayed = f.req.replayed
+        if replayed is None or replayed.op_s is None:
+            start, landed = book_op(self.spec.transport, ready, nbytes, p.link, d.link)
+        else:  # measured: its wait for the link is in its span, so it books no lane
+            delay, held = replayed_op(replayed, f.next_piece, f.pieces_total)
+            start = ready + delay
+            landed = start + held + rtt
         f.next_piece += 1
-        start, landed = book_op(self.spec.transport, max(at, self.loop.now), nbytes, p.link, d.link)
         self.transport_bytes += nbytes
-        f.transfer_s += landed - start
-        f.ops.append((start, landed))
+        f.transfer_s += landed - rtt - start  # the op's span; the latency after it is not
+        f.ops.append((start, landed - rtt))
         f.ready = max(f.ready, landed)
         if f.next_piece == f.pieces_total:  # the prefill has ended: its end is known
             f.hidden_s = sum(max(0.0, min(b, f.prefill_end) - a) for a, b in f.ops)
@@ -240,7 +289,7 @@ class Simulation:
         if not p.alive or p.current != rid:
             return
         self._store(p, self.flights[rid])
-        p.current = -1
+        p.current = IDLE
         if p.queue:
             self._start_prefill(p)
 
@@ -293,13 +342,13 @@ class Simulation:
     def _accept(self, d: DecodeWorker, before: float) -> None:
         """A serial decode worker between sequences takes the orders that waited and were
         routed no later than ``before`` (its inbox is FIFO: an order behind a landed KV waits
-        for that sequence); their deferred sends go now."""
+        for that sequence); their deferred sends go ``accept_s`` later."""
         taken = [rid for rid in d.orders if self.flights[rid].ordered <= before]
         for rid in taken:
             f = self.flights[rid]
             f.accepted = True
             for _ in range(f.deferred):
-                self.loop.at(self.loop.now, SEND, rid, f.attempt)
+                self.loop.at(self.loop.now + d.spec.accept_s, SEND, rid, f.attempt)
             f.deferred = 0
         d.orders = [rid for rid in d.orders if rid not in taken]
 

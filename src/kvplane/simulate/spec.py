@@ -77,7 +77,9 @@ class DecodeSpec:
     no limit); a sequence admitted beside ``C`` context tokens decodes each token in
     ``token_s + ctx_token_s * C`` seconds (its own context included). ``serial``: one
     sequence at a time, and no new request accepted -- so no KV sent to it -- while one
-    decodes (``kvplane serve``'s decode worker); ``max_batch`` is then 1."""
+    decodes (``kvplane serve``'s decode worker); ``max_batch`` is then 1. ``accept_s``: how
+    long after a serial worker takes a waiting order the KV held for it starts to go (the
+    acceptance's trip to the prefill worker)."""
 
     SECTION: ClassVar[str] = "decode"
     token_s: float
@@ -85,9 +87,10 @@ class DecodeSpec:
     max_batch: int = 256
     kv_capacity_bytes: int = 0
     serial: bool = False
+    accept_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _floats(self, self.SECTION, "token_s", "ctx_token_s")
+        _floats(self, self.SECTION, "token_s", "ctx_token_s", "accept_s")
         require_int("[decode] max_batch", self.max_batch, min=1, error=ConfigError)
         require_size("[decode] kv_capacity_bytes", self.kv_capacity_bytes, error=ConfigError)
         if require_bool("[decode] serial", self.serial, error=ConfigError):

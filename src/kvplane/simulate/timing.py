@@ -6,6 +6,8 @@ work is ready and the lane is free. :func:`transfer_pieces` is the one home of p
 each slice sent as it is computed (only the last one exposed) or the whole KV after prefill.
 :func:`choose_pipelining` asks the same model which mode and slice size a request should use:
 the simulator's engine and the runtime's ``--pipelining auto`` prefill worker both call it.
+A request replayed from a measured run takes its own step and op seconds instead
+(:func:`step_hold_s`, :func:`replayed_op`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvplane.simulate.spec import DecodeSpec, PrefillSpec, TransportSpec
+from kvplane.simulate.workload import Replayed
 
 
 class Lane:
@@ -101,6 +104,31 @@ def book_op(
     send.reserve(start, hold)
     recv.reserve(start, hold)
     return start, start + hold + transport.rtt_s
+
+
+def replayed_op(replayed: Replayed, piece: int, pieces: int) -> tuple[float, float]:
+    """``(submission delay, span)`` of op ``piece`` of a request's ``pieces`` ops from its
+    measured ``replayed.submit_s`` and ``op_s``, each aligned to its last ops: an op before
+    them (a loaded prefix the run did not send: its decode worker held it) takes 0 s."""
+
+    def aligned(values: Sequence[float]) -> float:
+        i = piece - (pieces - len(values))
+        return values[i] if 0 <= i < len(values) else 0.0
+
+    return aligned(replayed.submit_s), aligned(replayed.op_s or ())
+
+
+def step_hold_s(
+    spec: PrefillSpec, start: int, end: int, step: int, replayed: Replayed | None
+) -> tuple[float, float]:
+    """``(step seconds, the worker's seconds after it)`` of a request's ``step``-th computed
+    step, tokens ``[start, end)``: its measured ones where ``replayed`` has them, else
+    :func:`slice_s` and 0."""
+    if replayed is None:
+        return slice_s(spec, start, end), 0.0
+    rs, ra = replayed.step_s, replayed.after_s
+    held = rs[step] if step < len(rs) else slice_s(spec, start, end)
+    return held, ra[step] if step < len(ra) else 0.0
 
 
 def kv_pieces(

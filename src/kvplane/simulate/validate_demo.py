@@ -2,11 +2,12 @@
 
 :func:`check_demo` reads the run's saved trace (:mod:`~kvplane.simulate.demo_trace`),
 calibrates a one-prefill, one-decode cluster from that run's own spans (:func:`demo_costs`),
-replays its requests at their measured arrivals (:func:`replay`) and sets the predicted TTFT
-median (to the serial decode worker's start of the request) and overlap beside the measured
-ones. A demo chunk is :data:`CHUNK_TOKENS` tokens, the simulator's block 512: one demo token is
-:data:`SCALE` simulated tokens (costs and bytes divided to match). Runs no demo, imports no
-serving module. See docs/simulate.md.
+replays its requests at their measured arrivals with their measured steps, slice ops and
+decodes (:func:`replay`) and sets the predicted TTFT median (to the serial decode worker's
+start of the request) and overlap beside the measured ones. A demo chunk is
+:data:`CHUNK_TOKENS` tokens, the simulator's block 512: one demo token is :data:`SCALE`
+simulated tokens (costs and bytes divided to match). Runs no demo, imports no serving module.
+See docs/simulate.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplane.errors import ConfigError
-from kvplane.simulate.demo_trace import DemoRun, TraceSpan, measured, read_demo_trace
+from kvplane.simulate.demo_trace import (
+    DemoRun,
+    TraceSpan,
+    measured,
+    read_demo_trace,
+    replayed_costs,
+)
 from kvplane.simulate.engine import Simulation
 from kvplane.simulate.geometry import KVGeometry
 from kvplane.simulate.result import SimResult
@@ -32,7 +39,7 @@ from kvplane.simulate.spec import (
 )
 from kvplane.simulate.summary import simulate
 from kvplane.simulate.validate import Comparison
-from kvplane.simulate.workload import Request
+from kvplane.simulate.workload import Replayed, Request
 
 CHUNK_TOKENS = 32
 """The demo's offload chunk (2 blocks of 16 tokens) and prefill step."""
@@ -47,20 +54,24 @@ SimRun = tuple[SimResult, Simulation]
 class DemoCosts:
     """The run's own costs (s): a prefill step's fixed part and its cost per demo token
     (:func:`fit_steps`); each request's decode (its span plus ``switch_s``, by request id) and
-    their mean per token after the first; one slice transfer op; one offload chunk op; a
-    request's setup before its prefill; ``lag_s``, the latency around a free request's last
-    op (its last step's end to the slice's submission, plus the KV landed to decode start);
-    ``switch_s``, the serial decode worker's gap between back-to-back sequences."""
+    their mean per token after the first; each request's measured steps and slice ops
+    (:func:`~kvplane.simulate.demo_trace.replayed_costs`) and one slice op on average (for a
+    request without them); one offload chunk op; a request's setup before its prefill;
+    ``lag_s``, a free request's KV landed to its decode's start; ``switch_s``, the serial
+    decode worker's gap between back-to-back sequences; ``accept_s``, its taking a held
+    order behind that gap."""
 
     step_s: float
     prefill_token_s: float
     decode_s: Mapping[str, float]
     decode_token_s: float
+    replayed: Mapping[str, Replayed]
     slice_op_s: float
     chunk_op_s: float
     setup_s: float
     lag_s: float
     switch_s: float
+    accept_s: float
 
 
 def _step_tokens(prompt_tokens: int, slice_id: int) -> int:
@@ -108,11 +119,25 @@ def switch_s(run: DemoRun) -> float:
     return max(0.0, statistics.median(gaps)) if gaps else 0.0
 
 
+def accept_s(run: DemoRun, switch: float) -> float:
+    """The median delay of a held request's order at the serial decode worker behind the end
+    of the decode it waited for plus ``switch`` (when the replay frees the worker; its slices'
+    submissions after that are replayed). Held: a decode ran when it arrived, and its decode
+    order came after its last prefill step (every slice waited). 0 if none."""
+    ends = [d.end for d in run.of("decode")]
+    delays = []
+    for r, ordered in run.decode_orders.items():
+        steps, ops = run.of("prefill step", r), run.of("slice transfer", r)
+        waited = max((e for e in ends if e <= ordered), default=float("-inf"))
+        if steps and ops and waited > run.arrivals[r] and ordered > steps[-1].end:
+            delays.append(ordered - waited - switch)
+    return max(0.0, statistics.median(delays)) if delays else 0.0
+
+
 def lag_s(run: DemoRun) -> float:
-    """The median latency of a free request's last op beyond its span: its last step's end to
-    the last slice's submission, plus that slice's end to the decode's start. Free: the decode
-    worker took its order before its prefill ended and decoded nothing else when its KV
-    landed. 0 if no request was free."""
+    """The median latency of a free request's KV landed (its last slice's end) to its
+    decode's start. Free: the decode worker took its order before its prefill ended and
+    decoded nothing else when its KV landed. 0 if no request was free."""
     lags = []
     for r in run.arrivals:
         steps, decodes = run.of("prefill step", r), run.of("decode", r)
@@ -122,8 +147,7 @@ def lag_s(run: DemoRun) -> float:
         busy = any(d.request != r and d.start < start and d.end > landed for d in run.of("decode"))
         if run.decode_orders.get(r, end) > end or busy:
             continue
-        last = max(run.of("slice transfer", r), key=lambda s: s.end)
-        lags.append(last.start - end + start - landed)
+        lags.append(start - landed)
     return max(0.0, statistics.median(lags)) if lags else 0.0
 
 
@@ -148,6 +172,7 @@ def demo_costs(run: DemoRun, prompt_tokens: Mapping[str, int], output_tokens: in
         prefill_token_s=per_token,
         decode_s={s.request: s.end - s.start + switch for s in decodes},
         decode_token_s=sum(s.end - s.start for s in decodes) / len(decodes) / (output_tokens - 1),
+        replayed=replayed_costs(run),
         slice_op_s=_busy_s(slices) / len(slices),
         chunk_op_s=sum(s.end - s.start for s in loads) / chunks if chunks else 0.0,
         setup_s=statistics.mean(
@@ -157,6 +182,7 @@ def demo_costs(run: DemoRun, prompt_tokens: Mapping[str, int], output_tokens: in
         else 0.0,
         lag_s=lag_s(run),
         switch_s=switch,
+        accept_s=accept_s(run, switch),
     )
 
 
@@ -182,7 +208,7 @@ def demo_cluster(costs: DemoCosts, bytes_per_token: int, host_slots: int) -> Clu
             setup_s=costs.setup_s,
             interleave=True,
         ),
-        decode=DecodeSpec(token_s=costs.decode_token_s, serial=True),
+        decode=DecodeSpec(token_s=costs.decode_token_s, serial=True, accept_s=costs.accept_s),
         transport=TransportSpec(
             bandwidth_bytes_s=1e15, rtt_s=costs.lag_s, op_overhead_s=costs.slice_op_s
         ),
@@ -222,10 +248,13 @@ def replay(
     arrivals: Mapping[str, float],
     decode_s: Mapping[str, float],
     output_tokens: int,
+    *,
+    replayed: Mapping[str, Replayed] | None = None,
 ) -> SimRun:
     """``prompts`` on ``spec``, each arriving at its ``arrivals`` time (s, counted from the
-    earliest) and holding the decode worker ``decode_s`` seconds; request ids in arrival
-    order. A ``ConfigError`` names a prompt without an arrival or a decode."""
+    earliest), holding the decode worker ``decode_s`` seconds and, when in ``replayed``, its
+    measured steps and transfer ops (``Request.replayed``); request ids in arrival order. A
+    ``ConfigError`` names a prompt without an arrival or a decode."""
     missing = sorted(p.request_id for p in prompts if p.request_id not in arrivals)
     missing += sorted(p.request_id for p in prompts if p.request_id not in decode_s)
     if missing or not prompts:
@@ -233,12 +262,14 @@ def replay(
     blocks = _block_ids(prompts)
     t0 = min(arrivals[p.request_id] for p in prompts)
     order = sorted(range(len(prompts)), key=lambda i: (arrivals[prompts[i].request_id], i))
+    measured_costs = replayed or {}
     requests = []
     for rid, i in enumerate(order):
         p = prompts[i]
-        n = len(p.tokens) * SCALE
-        t = arrivals[p.request_id] - t0
-        requests.append(Request(rid, t, n, output_tokens, blocks[i], decode_s[p.request_id]))
+        n, t = len(p.tokens) * SCALE, arrivals[p.request_id] - t0
+        held = decode_s[p.request_id]
+        costs = measured_costs.get(p.request_id)
+        requests.append(Request(rid, t, n, output_tokens, blocks[i], held, costs))
     return simulate(spec, requests)
 
 
@@ -256,7 +287,9 @@ def check_demo(
     run = read_demo_trace(trace)
     costs = demo_costs(run, {p.request_id: len(p.tokens) for p in prompts}, output_tokens)
     spec = demo_cluster(costs, bytes_per_token, host_slots)
-    result, sim = replay(spec, prompts, run.arrivals, costs.decode_s, output_tokens)
+    result, sim = replay(
+        spec, prompts, run.arrivals, costs.decode_s, output_tokens, replayed=costs.replayed
+    )
     ttft = statistics.median(o.decode_start_s - o.arrival_s for o in sim.outcomes())
     got_ttft, got_overlap = measured(run)
     return Comparison(

@@ -55,7 +55,7 @@ class Flight:
         self.pieces: list[tuple[float, int]] = []
         """The KV's ops as (ready time, bytes), ``pieces_total`` of them once all are known."""
         self.ops: list[tuple[float, float]] = []
-        """The ops booked so far, (start, landed)."""
+        """The ops booked so far, (start, end): each op's span, the ``rtt_s`` after it not."""
         self.accepted = True
         """False while a serial decode worker has not taken the order (it is decoding)."""
         self.ordered = 0.0
@@ -68,9 +68,10 @@ class Flight:
 
 class PrefillWorker:
     """A prefill worker: a FIFO queue served one request at a time (or, interleaving, the
-    ``running`` requests a step each in turn), its own tiers (``chain`` holds them with the
-    shared ones, fastest first), its outgoing link, and the flights it holds until their KV
-    has landed (``flights``). ``current``: the request computing now, -1 when idle."""
+    ``running`` requests a step each in turn, ``queue`` holding the orders it has not taken
+    yet), its own tiers (``chain`` holds them with the shared ones, fastest first), its
+    outgoing link, and the flights it holds until their KV has landed (``flights``).
+    ``current``: the request computing now, -1 when idle (-2: busy with its own work)."""
 
     __slots__ = (
         "alive",

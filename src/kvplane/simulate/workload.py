@@ -20,10 +20,27 @@ from kvplane.validators import finite_number, is_int
 
 
 @dataclass(frozen=True, slots=True)
+class Replayed:
+    """A request's prefill and transfer seconds measured in a run, replayed in place of the
+    cluster's costs (:mod:`kvplane.simulate.timing` applies them): ``step_s``, each computed
+    step's; ``after_s``, its worker's own time after each step, before its next one (orders,
+    stores, being descheduled); ``op_s``, each PD transfer op's span in send order, its wait
+    for the link included (``None``: the link's cost); ``submit_s``, each op's delay from when
+    the model lets it go (its step's end, or its held order's acceptance) to its submission.
+    A step or op beyond them: the model's."""
+
+    step_s: tuple[float, ...] = ()
+    after_s: tuple[float, ...] = ()
+    op_s: tuple[float, ...] | None = None
+    submit_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Request:
     """One request: arrival time (s), prompt and output token counts, the prompt's block ids.
     ``decode_s``: seconds it holds its decode worker, replayed from a measured run, in place
-    of the cluster's per-token decode cost (``None``: that cost)."""
+    of the cluster's per-token decode cost (``None``: that cost); ``replayed``: its measured
+    prefill steps and transfer ops (``None``: the cluster's costs)."""
 
     rid: int
     arrival_s: float
@@ -31,6 +48,7 @@ class Request:
     output_tokens: int
     hash_ids: tuple[int, ...]
     decode_s: float | None = None
+    replayed: Replayed | None = None
 
 
 def stored_blocks(input_tokens: int) -> int:
