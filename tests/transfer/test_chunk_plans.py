@@ -251,3 +251,42 @@ def test_the_batch_moves_exactly_the_bytes_of_its_chunk_plan(
     whole = move.plan.whole
     assert np.array_equal(_byte_map(move.src, move.dst), _byte_map(whole.src, whole.dst))
     assert [op.chunk_keys for p in move.plan.plans for op in p.ops] == [(k,) for k in keys]
+
+
+def test_maximal_runs_ignore_how_runs_are_cut_but_not_where_bytes_go() -> None:
+    from kvplane.transfer.chunk_plans import _maximal_runs
+
+    def dl(*rows: tuple[int, int, int]) -> DescriptorList:
+        regions, offsets, lengths = (np.array(c, dtype=np.int64) for c in zip(*rows, strict=True))
+        return DescriptorList(regions, offsets, lengths)
+
+    one = _maximal_runs(dl((1, 0, 8), (1, 64, 4)), dl((2, 100, 8), (2, 0, 4)))
+    cut = _maximal_runs(
+        dl((1, 64, 4), (1, 4, 4), (1, 0, 4)), dl((2, 0, 4), (2, 104, 4), (2, 100, 4))
+    )
+    moved = _maximal_runs(dl((1, 0, 8), (1, 64, 4)), dl((2, 100, 8), (2, 1, 4)))
+    assert one.tolist() == cut.tolist() == [[1, 0, 2, 100, 8], [1, 64, 2, 0, 4]]
+    assert moved.tolist() != one.tolist()
+
+
+def test_a_tiled_batch_that_strays_from_its_chunk_plan_is_refused_at_construction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The construction-time proof runs the planner's CHUNK plan next to the tiled batch: a
+    batch one byte off (as a wrong lattice would give) is a PlanError before any move."""
+    from kvplane.errors import PlanError
+
+    layout = LAYOUTS["layer-major"]
+    chunk = BPC * layout.bytes_per_block
+    ChunkPlans(
+        layout, POOL, SLOTS, SlotBuffer(NUM_SLOTS, chunk, chunk), BPC
+    )  # the true batch passes
+    true_batch = ChunkPlans._batch
+
+    def off_by_one(self: ChunkPlans, *args: Any) -> tuple[DescriptorList, DescriptorList]:
+        src, dst = true_batch(self, *args)
+        return src, DescriptorList(dst.regions, dst.offsets + 1, dst.lengths)
+
+    monkeypatch.setattr(ChunkPlans, "_batch", off_by_one)
+    with pytest.raises(PlanError, match="differs from its CHUNK plan on this layout"):
+        ChunkPlans(layout, POOL, SLOTS, SlotBuffer(NUM_SLOTS, chunk, chunk), BPC)

@@ -7,8 +7,9 @@ validated :class:`~kvplane.transfer.plan.TransferPlan` s of gathers (pool -> slo
 (slots -> pool) with :func:`~kvplane.transfer.planner.plan_transfer`'s CHUNK grouping, the one
 place a chunk becomes byte runs. A move's one transport batch is the planner's validated
 one-block template copied to whole blocks and slots, which ``check_tiles`` proved safe once for
-any distinct ones; its CHUNK plan is built when asked for. It plans only: it holds no tensor
-and moves no byte.
+any distinct ones; at construction the CHUNK plan of one move each way is checked to map every
+byte as the tiled batch does, on this very layout. It plans only: it holds no tensor and moves
+no byte.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvplane.chunks import ChunkSpec
-from kvplane.errors import InvalidArgumentError
+from kvplane.errors import InvalidArgumentError, PlanError
 from kvplane.ids import ChunkKey, RegionId, TokenRange
 from kvplane.layout import BLOCK_MAJOR, Axis, KVLayout
 from kvplane.transfer.plan import ValidatedPlan
@@ -126,6 +127,7 @@ class ChunkPlans:
         """The slot buffer seen as a pool: one slot (padded slots) or all of them."""
         self._lengths = {pool_region: self.pool.pool_bytes, slots_region: slots.nbytes}
         self._tiles = self._one_block()
+        self._prove()
         self._cache_descriptors = cache_descriptors
         self._cache: OrderedDict[tuple[bool, bytes, bytes], tuple[DescriptorList, DescriptorList]]
         self._cache = OrderedDict()
@@ -205,6 +207,27 @@ class ChunkPlans:
             False: check_tiles(back, slot, pool, lengths, lengths),
         }
 
+    def _prove(self) -> None:
+        """``PlanError`` unless the tiled batch of a move of (up to) two chunks, of the pool's
+        last blocks and the buffer's last slots in reverse order, maps every byte as the
+        planner's CHUNK plan of that move does, both ways: the fast path is checked against its
+        specification on the layout it will run on, once."""
+        bpc = self.spec.blocks_per_chunk
+        n = min(2, self.slots.num_slots, self.pool.num_blocks // bpc)
+        ids = np.arange(self.pool.num_blocks - n * bpc, self.pool.num_blocks, dtype=np.int64)
+        slots = np.arange(self.slots.num_slots - n, self.slots.num_slots, dtype=np.int64)
+        ids, slots = _frozen_copy(ids[::-1]), _frozen_copy(slots[::-1])
+        for to_slots in (True, False):
+            whole = ValidatedPlan.join(self._plans(to_slots, ids, slots, ())).whole
+            if not np.array_equal(
+                _maximal_runs(*self._batch(to_slots, ids, slots)),
+                _maximal_runs(whole.src, whole.dst),
+            ):
+                raise PlanError(
+                    f"the tiled {'gather' if to_slots else 'scatter'} of {n} chunks of "
+                    f"{bpc} blocks differs from its CHUNK plan on this layout"
+                )
+
     def _batch(
         self, to_slots: bool, ids: Int64Array, slots: Int64Array
     ) -> tuple[DescriptorList, DescriptorList]:
@@ -254,6 +277,22 @@ class ChunkPlans:
         return plan.validate(
             {src.region: self._lengths[src.region]}, {dst.region: self._lengths[dst.region]}
         )
+
+
+def _maximal_runs(src: DescriptorList, dst: DescriptorList) -> Int64Array:
+    """A batch's byte mapping as its maximal runs in source order, rows ``(src region, src
+    offset, dst region, dst offset, length)``: equal for two batches with disjoint sources
+    exactly when they move the same bytes to the same places, however their runs are cut."""
+    order = np.lexsort((src.offsets, src.regions))
+    sr, so, ln = src.regions[order], src.offsets[order], src.lengths[order]
+    dr, do = dst.regions[order], dst.offsets[order]
+    ends = so[:-1] + ln[:-1]
+    cont = (
+        (sr[1:] == sr[:-1]) & (so[1:] == ends) & (dr[1:] == dr[:-1]) & (do[1:] == do[:-1] + ln[:-1])
+    )
+    starts = np.flatnonzero(np.concatenate(([True], ~cont))) if len(sr) else np.zeros(0, np.int64)
+    lengths = np.add.reduceat(ln, starts) if len(sr) else ln
+    return np.stack([sr[starts], so[starts], dr[starts], do[starts], lengths], axis=1)
 
 
 def _frozen_copy(values: Int64Array) -> Int64Array:
