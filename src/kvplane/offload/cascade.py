@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -372,14 +372,8 @@ class TierCascade:
         return events
 
     def close(self) -> None:
-        """Drain, stop the workers and close the lower tiers."""
-        try:
-            self.drain()
-        finally:
-            self.jobs.close()
-            self.copier.close()
-            for tier, _mgr in self.lower:
-                tier.close()
+        """Drain, stop the workers and close the lower tiers (:func:`close_after_drain`)."""
+        close_after_drain(self.drain, self.jobs, self.copier, (t for t, _m in self.lower))
 
     def check_integrity(self) -> None:
         """The book's invariants; when idle, no pins, stores, fences or tickets remain."""
@@ -387,6 +381,21 @@ class TierCascade:
         self.book.check_integrity(idle)
         if idle and (len(self.fence) or self._tickets or self._pending):
             raise IllegalTransitionError("idle cascade still holds fences, tickets or jobs")
+
+
+def close_after_drain(
+    drain: Callable[[], object], jobs: JobRunner, copier: ChunkCopier, lower: Iterable[Tier]
+) -> None:
+    """The close sequence of an owner of tier jobs (the cascade, the vLLM worker side): call
+    ``drain``, then, even when it raises, stop ``jobs``'s threads, close ``copier`` and each
+    tier of ``lower`` in order; ``drain``'s error propagates."""
+    try:
+        drain()
+    finally:
+        jobs.close()
+        copier.close()
+        for tier in lower:
+            tier.close()
 
 
 def build_cascade(

@@ -3,12 +3,13 @@ new prompt's cached prefix comes back from the tiers instead of being computed.
 
 Chunk keys are the request's own block hashes at chunk ends (:meth:`ChunkSpec.chunk_keys`): nothing
 here hashes tokens. :meth:`PrefixOffload.begin_load` loads the leading run of hits (never the
-chunk holding the last token; of a window-only pool only the hit's window) into the request's
-blocks, untouched by the caller until :class:`LoadFinished`; :meth:`PrefixOffload.store` stores
-every full chunk after the last step (the leading ones that fit the host tier; the rest are
-counted and logged once). A hybrid model's prefix also needs its recurrent state
-(:mod:`kvplane.serving.prefix_state`: kept at chunk boundaries, restored with the KV; a hit
-without it is a miss). Not thread-safe: the worker loop owns it. See docs/serving.md.
+chunk holding the last token; of a window-only pool only the hit's window, possibly nothing)
+into the request's blocks, untouched by the caller until :class:`LoadFinished`;
+:meth:`PrefixOffload.store` stores every full chunk after the last step (the leading ones that
+fit the host tier; the rest are counted and logged once). A hybrid model's prefix also needs
+its recurrent state (:mod:`kvplane.serving.prefix_state`: kept at chunk boundaries, restored
+with the KV; a hit without it is a miss). Not thread-safe: the worker loop owns it. See
+docs/serving.md.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class PrefixSettings:
 
 @dataclass(frozen=True, slots=True)
 class LoadStarted:
-    """A submitted prefix load: how many chunks and from which tier each comes."""
+    """A submitted prefix load: how many chunks and from which tier each comes (``ticket_id``
+    0 and no chunks: a hit wholly before its window, nothing to load)."""
 
     ticket_id: int
     chunks: int
@@ -155,6 +157,8 @@ class PrefixOffload:
         """Chunks loaded into the device pool, by the tier they came from."""
         self.counts: Counter[str] = Counter()
         self._loads: dict[int, _Load] = {}
+        self._ready: list[LoadFinished] = []
+        """Hits with nothing to load, reported by the next :meth:`poll` or :meth:`wait`."""
         self._stores: dict[JobId, RequestId] = {}
         registry = metrics if metrics is not None else MetricsRegistry()
         self._m_hits = registry.counter(
@@ -180,12 +184,14 @@ class PrefixOffload:
 
     @property
     def loading(self) -> int:
-        """Loads in flight."""
-        return len(self._loads)
+        """Loads in flight (a hit with nothing to load is one until its :class:`LoadFinished`
+        is polled)."""
+        return len(self._loads) + len(self._ready)
 
     @property
     def busy(self) -> bool:
-        return bool(self.cascade.jobs.in_flight)
+        """Jobs in flight or finished loads not yet polled."""
+        return bool(self.cascade.jobs.in_flight or self._ready)
 
     # -- load and store --------------------------------------------------------------------------
     def begin_load(
@@ -194,7 +200,9 @@ class PrefixOffload:
         """Look the chunks of ``table`` (the request's admitted table: its prompt, blocks and
         block hashes) up and load the leading hits into its blocks (with a state pool: only
         chunks whose state is held, restored into ``state_slot`` when the load ends). ``None``:
-        nothing to load (compute everything)."""
+        a miss (compute everything). Every other answer is followed by one
+        :class:`LoadFinished`, also a hit no layer reads any more (window-only pool: no chunk
+        is loaded, the prefill starts at the hit's end)."""
         keys = self.chunk_keys(table)
         if not keys:
             return None
@@ -210,6 +218,8 @@ class PrefixOffload:
         if loadable == 0:
             return None
         skip = self._window_skip(loadable) if self.state is None else 0
+        if skip == loadable:
+            return self._nothing_to_load(request_id, table, skip)
         blocks = self._chunk_blocks(table.block_ids, loadable)[skip * self.spec.blocks_per_chunk :]
         # keys past the limit: tier context; a skip is whole lower-tier chunks, so they align
         ticket = self.cascade.load(keys[skip:], blocks, limit=loadable - skip)
@@ -221,6 +231,18 @@ class PrefixOffload:
             self._unfilled[table] = skip
             self.counts["chunks_skipped_window"] += skip
         return LoadStarted(ticket.ticket_id, len(ticket.keys), ticket.sources)
+
+    def _nothing_to_load(
+        self, request_id: RequestId, table: BlockTable, chunks: int
+    ) -> LoadStarted:
+        """A ``chunks``-chunk hit wholly before its window: none loaded, all ``chunks`` left
+        unfilled (never stored from ``table``), its tokens reported by the next poll."""
+        tokens = chunks * self.spec.tokens_per_chunk
+        self._unfilled[table] = chunks
+        self.counts["chunks_skipped_window"] += chunks
+        self._m_tokens.inc(tokens)
+        self._ready.append(LoadFinished(request_id, tokens, 0, 0))
+        return LoadStarted(0, 0, ())
 
     def _window_skip(self, loadable: int) -> int:
         """The leading chunks of a ``loadable``-chunk hit no layer reads again: wholly before
@@ -274,11 +296,13 @@ class PrefixOffload:
         return self._events(self.cascade.poll())
 
     def wait(self, timeout_s: float) -> list[Finished]:
-        """Block up to ``timeout_s`` for a finished job, then apply all finished."""
-        return self._events(self.cascade.wait(timeout_s))
+        """Block up to ``timeout_s`` for a finished job (not at all with a hit that had nothing
+        to load), then apply all finished."""
+        return self._events(self.cascade.poll() if self._ready else self.cascade.wait(timeout_s))
 
     def _events(self, events: Sequence[object]) -> list[Finished]:
-        out: list[Finished] = []
+        out: list[Finished] = [*self._ready]
+        self._ready.clear()
         for ev in events:
             if isinstance(ev, LoadDone):
                 load = self._loads.pop(ev.ticket_id)

@@ -34,6 +34,7 @@ from kvplane.integrations.vllm.store_probe import store_id
 from kvplane.integrations.vllm.tp import TPShard
 from kvplane.integrations.vllm.wakeup import Wakeup
 from kvplane.metrics import MetricsRegistry
+from kvplane.offload.cascade import close_after_drain
 from kvplane.offload.copier import ChunkCopier
 from kvplane.offload.jobs import JobResult, JobRunner, TransferJob, Work
 from kvplane.offload.rechunk import Staging, Unit, demote_units, demoter
@@ -289,12 +290,5 @@ class WorkerSide:
 
     def close(self) -> None:
         """Drain, stop the job threads and close the lower tiers; idempotent."""
-        if self.jobs.closed:
-            return
-        try:
-            self.drain()
-        finally:
-            self.jobs.close()
-            self.copier.close()
-            for tier in self.lower.values():
-                tier.close()
+        if not self.jobs.closed:
+            close_after_drain(self.drain, self.jobs, self.copier, self.lower.values())
