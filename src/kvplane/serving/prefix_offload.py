@@ -6,10 +6,9 @@ here hashes tokens. :meth:`PrefixOffload.begin_load` loads the leading run of hi
 chunk holding the last token; of a window-only pool only the hit's window, possibly nothing)
 into the request's blocks, untouched by the caller until :class:`LoadFinished`;
 :meth:`PrefixOffload.store` stores every full chunk after the last step (the leading ones that
-fit the host tier; the rest are counted and logged once). A hybrid model's prefix also needs
-its recurrent state (:mod:`kvplane.serving.prefix_state`: kept at chunk boundaries, restored
-with the KV; a hit without it is a miss). Not thread-safe: the worker loop owns it. See
-docs/serving.md.
+fit the host tier; the rest are counted and logged once). A hybrid's prefix also needs its
+state (:mod:`kvplane.serving.prefix_state`; a hit without it is a miss). Not thread-safe: the
+worker loop owns it. See docs/serving.md.
 """
 
 from __future__ import annotations

@@ -2,15 +2,12 @@
 
 :class:`SlotBuffer` is the one home of slot addressing (a host tier's slots, each chunk stored
 block-major in the layout's canonical order, so one contiguous run per slot).
-:class:`ChunkPlans` describes such a buffer as a layout and builds the
-validated :class:`~kvplane.transfer.plan.TransferPlan` s of gathers (pool -> slots) and scatters
-(slots -> pool) with :func:`~kvplane.transfer.planner.plan_transfer`'s CHUNK grouping, the one
-place a chunk becomes byte runs. A move's one transport batch is the planner's validated
-one-block template copied to whole blocks and slots, which ``check_tiles`` proved safe once for
-any distinct ones; at construction the CHUNK plan of one move each way is checked to map every
-byte as the tiled batch does, on this very layout. It plans only: it holds no tensor and moves
-no byte.
-"""
+:class:`ChunkPlans` describes such a buffer as a layout; the planner's CHUNK grouping is the
+one place a chunk becomes byte runs. A move's one
+transport batch is the planner's validated one-block template copied to whole blocks and slots
+(``check_tiles`` proved it safe once), and at construction the CHUNK plan of one move each way
+must map every byte as the tiled batch does, on this very layout. It plans only: it holds no
+tensor and moves no byte."""
 
 from __future__ import annotations
 
