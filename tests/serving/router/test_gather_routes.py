@@ -131,6 +131,9 @@ def test_a_flight_is_orphaned_by_its_decode_worker_or_any_member_going() -> None
     assert f.orphaned() == "decode worker at tcp://d is unreachable"
     got = f.failed("x" * 5000)
     assert (got.request_id, got.state, got.reason, got.num_tokens) == ("r", "failed", "x" * 4000, 7)
+    assert f.queued_tokens == 7  # all its prompt tokens weigh on its queues...
+    f.uncached_tokens = 3
+    assert f.queued_tokens == 3  # ...but those a cache-aware pick predicted it loads
 
 
 def test_why_no_route_names_the_ranges_and_says_whether_pairings_are_missing() -> None:

@@ -1,6 +1,7 @@
 """Cache-aware routing as a pure function: exact predicted TTFTs, and properties over random
 candidates (never a dead or unpaired worker; equal load: the longest cached prefix; equal
-cache: the least loaded); the policy names and the chunk key scheme match the worker's."""
+cache: the least loaded; a longer prefix within affinity; exact ties by rendezvous hashing of
+the first chunk key); the policy names and the chunk key scheme match the worker's."""
 
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ from kvplane.serving.router.route_policy import (
     ChunkKeyScheme,
     RouteCosts,
     RoutePolicy,
+    loadable_chunks,
     pick_cache_aware,
     predicted_ttft,
+    rendezvous,
 )
 
 COSTS = RouteCosts(
     prefill_s_per_token=1.0, bytes_per_token=1.0, tier_bytes_per_s={"host": 4.0, "disk": 2.0},
-    unknown_tier_bytes_per_s=1.0,
+    unknown_tier_bytes_per_s=1.0, affinity=0.5,
 )  # fmt: skip
 TPC = 4  # tokens per chunk
 
@@ -66,6 +69,55 @@ def test_cache_routing_rotates_exact_ties_and_counts_queues() -> None:
     held = {"a": match(1, host=1)}
     keyed = CacheRouting(ChunkKeyScheme(BlockHasher(0, b"f"), ChunkSpec(2, 2)), COSTS)
     assert keyed.pick(["a", "b"], 1, queued={}, matches=held, prompt_tokens=8) == 0
+    # what a request adds to its worker's queue: the tokens it computes (4 per chunk here)
+    assert keyed.uncached_tokens(None, 9) == 9
+    assert keyed.uncached_tokens(match(3, host=3), 9) == 1  # 2 chunks loaded, 1 token computed
+    assert keyed.uncached_tokens(match(3, host=3), 8) == 4  # the last token's chunk: computed
+    assert routing.uncached_tokens(match(3, host=3), 8) == 5  # no scheme: 1-token "chunks"
+
+
+def test_a_longer_prefix_wins_within_affinity_and_load_wins_beyond() -> None:
+    # 20 tokens: a holds 3 chunks (host, 3 s) and has 6 queued: 8 + 3 + 6 = 17 s; b idle: 20 s
+    # (with affinity 0.5, anything up to 30 s is "not clearly busier" than the best)
+    a = Candidate("a", queued_tokens=6, match=match(3, host=3))
+    assert pick_cache_aware([Candidate("b"), a], 20, TPC, COSTS) == 1
+    # a 14 queued: 25 s, slower than b's 20 s but within 1.5x: a's prefix still wins
+    a = Candidate("a", queued_tokens=14, match=match(3, host=3))
+    assert pick_cache_aware([Candidate("b"), a], 20, TPC, COSTS) == 1
+    # a 20 queued: 31 s > 1.5 x 20 s, clearly busier: load wins
+    a = Candidate("a", queued_tokens=20, match=match(3, host=3))
+    assert pick_cache_aware([Candidate("b"), a], 20, TPC, COSTS) == 0
+    strict = RouteCosts(prefill_s_per_token=1.0, bytes_per_token=1.0,
+                        tier_bytes_per_s={"host": 4.0}, affinity=0.0)  # fmt: skip
+    a = Candidate("a", queued_tokens=14, match=match(3, host=3))
+    assert pick_cache_aware([Candidate("b"), a], 20, TPC, strict) == 0  # the least TTFT only
+
+
+def test_ties_go_to_the_first_keys_rendezvous_winner_in_any_order() -> None:
+    key = [ChunkKey(bytes([i]) * 8) for i in range(3)]
+    assert rendezvous(key[0], "a") == 8915331413840308778  # the same in every process
+    # no holder, no load: key 0 picks c among a-c, a among a-b; key 2 picks b
+    names = ["a", "b", "c"]
+    for k, want in ((key[0], "c"), (key[1], "a"), (key[2], "b")):
+        for start in range(3):
+            cands = [Candidate(names[(start + i) % 3]) for i in range(3)]
+            got = pick_cache_aware(cands, 10, TPC, COSTS, k)
+            assert got is not None and cands[got].worker == want
+    assert pick_cache_aware([Candidate("a"), Candidate("b")], 10, TPC, COSTS, key[0]) == 0
+    # held equally (1 chunk: 6 tokens computed + 1 s load = 7 s): c, its key's winner, even a
+    # little busier (3 queued: 10 s <= 1.5 x 7 s); clearly busier (4 queued: 11 s), a of a-b
+    eq = [Candidate(w, match=PrefixMatch(w, 1, {"host": 1})) for w in names]
+    assert pick_cache_aware(eq, 10, TPC, COSTS, key[0]) == 2
+    eq[2] = Candidate("c", queued_tokens=3, match=PrefixMatch("c", 1, {"host": 1}))
+    assert pick_cache_aware(eq, 10, TPC, COSTS, key[0]) == 2
+    eq[2] = Candidate("c", queued_tokens=4, match=PrefixMatch("c", 1, {"host": 1}))
+    assert pick_cache_aware(eq, 10, TPC, COSTS, key[0]) == 0
+    routing = CacheRouting(None, COSTS)
+    picks = [
+        routing.pick(["a", "b"], t, queued={}, matches={}, prompt_tokens=8, first_key=key[2])
+        for t in range(4)
+    ]
+    assert picks == [1, 1, 1, 1]  # a first key: no rotation
 
 
 def test_policy_names_and_bad_costs_are_refused() -> None:
@@ -75,6 +127,8 @@ def test_policy_names_and_bad_costs_are_refused() -> None:
         RoutePolicy.parse("least-loaded")
     with pytest.raises(InvalidArgumentError, match=r"tier_bytes_per_s\['disk'\]"):
         RouteCosts(tier_bytes_per_s={"disk": 0.0})
+    with pytest.raises(InvalidArgumentError, match=r"RouteCosts\.affinity"):
+        RouteCosts(affinity=-0.1)
     with pytest.raises(InvalidArgumentError, match="queued_tokens"):
         Candidate("a", queued_tokens=-1)
 
@@ -153,4 +207,24 @@ def test_adopt_takes_the_first_prefill_workers_advertised_scheme() -> None:
     assert got.scheme is not None
     assert got.scheme.keys(tokens) == ChunkSpec(4, 2).chunk_keys(
         BlockHasher(seed=3, fingerprint=b"fp").hash_blocks(tokens, 4)
+    )
+
+
+@given(candidates(), st.integers(1, 40), st.binary(min_size=8, max_size=8))
+def test_a_keyed_pick_is_the_longest_prefix_among_the_not_clearly_busier(
+    cands: list[Candidate], tokens: int, key: bytes
+) -> None:
+    costs = RouteCosts()
+    bound = 1 + costs.affinity
+    got = pick_cache_aware(cands, tokens, TPC, costs, ChunkKey(key))
+    live = [c for c in cands if c.up and c.paired]
+    if not live:
+        assert got is None
+        return
+    assert got is not None and cands[got] in live
+    ttft = [predicted_ttft(c, tokens, TPC, costs) for c in live]
+    near = [c for c, t in zip(live, ttft, strict=True) if t <= min(ttft) * bound]
+    assert predicted_ttft(cands[got], tokens, TPC, costs) <= min(ttft) * bound
+    assert loadable_chunks(cands[got].match, tokens, TPC) == max(
+        loadable_chunks(c.match, tokens, TPC) for c in near
     )

@@ -32,6 +32,14 @@ class Flight:
     deadline: float
     orders: list[tuple[RpcClient, Future[AnyMessage]]] = field(default_factory=list)
     """Each order's future with the client it went out on (a recycled worker has another)."""
+    uncached_tokens: int | None = None
+    """Prompt tokens its prefill worker was predicted to compute, not load, when picked (the
+    load cache-aware routing counts); None: all of ``num_tokens``."""
+
+    @property
+    def queued_tokens(self) -> int:
+        """What the request weighs in its prefill workers' queues (tokens to compute)."""
+        return self.num_tokens if self.uncached_tokens is None else self.uncached_tokens
 
     @property
     def decode(self) -> WorkerHandle:

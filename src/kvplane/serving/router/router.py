@@ -19,6 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import msgspec
 
 from kvplane.errors import InvalidArgumentError, KVPlaneError, ProtocolError, TransferTimeoutError
+from kvplane.ids import ChunkKey
 from kvplane.metrics import MetricsRegistry
 from kvplane.serving.messages import (
     NOT_CONNECTED,
@@ -41,6 +42,7 @@ from kvplane.validators import require_finite_positive
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05  # how often the deadline thread looks for expired requests
+PENDING_GRACE_S = 2.0  # how long a request's chunks stay expected after it succeeded
 
 
 class Router:
@@ -54,7 +56,9 @@ class Router:
     (:class:`RouterMetrics`; a fresh one by default). Workers that advertise KV event
     addresses are subscribed to at each refresh (:class:`KVEventWatch`, :attr:`prefix_index`).
     ``policy``: how a prefill worker is picked (:class:`RoutePolicy`; cache-aware with
-    ``cache``'s key scheme and costs, :mod:`~kvplane.serving.router.route_policy`).
+    ``cache``'s key scheme and costs, :mod:`~kvplane.serving.router.route_policy`; each routed
+    prompt's chunks are then expected on its prefill worker, :meth:`PrefixIndex.expect`, until
+    its events confirm them or the request ends).
     """
 
     def __init__(
@@ -232,11 +236,15 @@ class Router:
             self._abandon(f, reason)
 
     # -- settling --------------------------------------------------------------------------------
-    def _settle(self, out: Future[RequestResult], result: RequestResult) -> None:
-        """Resolve ``out`` once (a restart, a deadline and a late answer may race)."""
+    def _settle(self, f: Flight, result: RequestResult) -> None:
+        """Resolve ``f.out`` once (a restart, a deadline and a late answer may race), and
+        end the chunks its prefill worker is expected to store: dropped unless it succeeded,
+        else expected :data:`PENDING_GRACE_S` more at most (for the worker's KV events)."""
+        ok, now = result.state == "success", time.monotonic()
+        self.prefix_index.settle(f.session_id, ok=ok, until=now + PENDING_GRACE_S)
         with self._settle_lock:
-            if not out.done():
-                out.set_result(result)
+            if not f.out.done():
+                f.out.set_result(result)
                 self.observe.ended(result.state)
 
     def _abandon(self, f: Flight, reason: str) -> None:
@@ -244,7 +252,7 @@ class Router:
         and cancel it on its workers that are up (every sender of a gather). Limit: a worker
         down is never sent the cancel; if it was only unreachable a while, it runs the request
         until the PD deadline ends it."""
-        self._settle(f.out, f.failed(reason))
+        self._settle(f, f.failed(reason))
         for client, fut in f.orders:
             client.forget(fut)
         f.cancel_prefills(reason, up_only=True)
@@ -284,13 +292,18 @@ class Router:
 
     # -- requests --------------------------------------------------------------------------------
     def _pick(
-        self, n: int, tokens: int = 1, matches: dict[str, PrefixMatch] | None = None
+        self,
+        n: int,
+        tokens: int = 1,
+        matches: dict[str, PrefixMatch] | None = None,
+        first_key: ChunkKey | None = None,
     ) -> Route:
         """The route of request number ``n``, under the lock: decode ``eligible[n %
         len(eligible)]`` of the decode workers up that a route serves (:meth:`Membership.
         serving`: one prefill worker covering its KV, or its gather set; pairings vetted), then
         of its routes the next by that decode worker's cursor, which advances (with
-        ``matches``: the cache-aware pick of a ``tokens``-token prompt from that cursor on).
+        ``matches``: the cache-aware pick of a ``tokens``-token prompt with ``first_key``
+        from that cursor on).
         ``ProtocolError``, nothing changed, before :meth:`connect`, while no worker of a role
         is up, or while no route serves a decode worker up (naming the ranges; the same error
         whether none covers its KV or every pairing of one that does was refused)."""
@@ -307,12 +320,15 @@ class Router:
         turn = self._turns.get(d, 0)
         k = turn % len(rs)
         if matches is not None:
-            queued = Counter[str]()  # prompt tokens in flight per prefill worker
+            queued = Counter[str]()  # prompt tokens to compute in flight per prefill worker
             for f in self._flights.values():
                 for s in f.route.senders:
-                    queued[s.info.peer_id] += f.num_tokens
+                    queued[s.info.peer_id] += f.queued_tokens
             names = [r.name for r in rs]
-            k = self.cache.pick(names, turn, queued=queued, matches=matches, prompt_tokens=tokens)
+            k = self.cache.pick(
+                names, turn, queued=queued, matches=matches, prompt_tokens=tokens,
+                first_key=first_key,
+            )  # fmt: skip
         self._turns[d] = turn + 1
         return rs[k]
 
@@ -339,12 +355,13 @@ class Router:
             )  # fmt: skip
         except (TypeError, msgspec.ValidationError) as exc:
             raise InvalidArgumentError(f"request {request_id!r}: {exc}") from None
-        cache_aware = self.policy is RoutePolicy.CACHE_AWARE
-        matches = self.cache.matches(self.prefix_index, tokens) if cache_aware else None
+        cache_aware, now = self.policy is RoutePolicy.CACHE_AWARE, time.monotonic()
+        keys = self.cache.keys(tokens) if cache_aware else []
+        matches = self.prefix_index.longest_prefix(keys, now=now) if cache_aware else None
         with self._lock:
             if request_id in self._flights:
                 raise InvalidArgumentError(f"request {request_id!r} is already in flight")
-            route = self._pick(self._serial, len(tokens), matches)
+            route = self._pick(self._serial, len(tokens), matches, keys[0] if keys else None)
             sid = f"{request_id}/{self._tag}.{self._serial}"
             base = DecodeOrder(
                 request_id=request_id, session_id=sid, prefill_peer=route.name,
@@ -355,9 +372,13 @@ class Router:
             self.gathered += route.gathered
             flight = Flight(
                 request_id, sid, route, tuple(o.session_id for _, o in pre_orders), Future(),
-                len(tokens), time.monotonic() + self.deadline_s,
+                len(tokens), now + self.deadline_s,
             )  # fmt: skip
             self._flights[request_id] = flight
+            if matches is not None and not route.gathered:  # its chunks: expected there
+                flight.uncached_tokens = self.cache.uncached_tokens(matches.get(route.name),
+                                                                    len(tokens))  # fmt: skip
+                self.prefix_index.expect(sid, route.name, keys, until=flight.deadline)
         self.observe.requests.inc()
         if route.gathered:
             self.observe.gathered.inc()
@@ -392,12 +413,12 @@ class Router:
         if isinstance(got, RequestResult):
             if got.state != "success":
                 self._check_pair(flight, got.reason)
-            self._settle(flight.out, got)
+            self._settle(flight, got)
             return
         reason = got.reason if isinstance(got, ErrorReply) else f"unexpected reply {got!r}"
         reason = self._check_pair(flight, reason)
         flight.cancel_prefills(reason)
-        self._settle(flight.out, flight.failed(reason))
+        self._settle(flight, flight.failed(reason))
 
     def _check_pair(self, flight: Flight, reason: str) -> str:
         """When a worker's ``reason`` says its PD peer is not connected (``NOT_CONNECTED``):
