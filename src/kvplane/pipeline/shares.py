@@ -1,10 +1,11 @@
 """A prefill rank's share of a decode rank's request when several prefill ranks feed it.
 
 :class:`Share` is what one sender of a gather session moves in every slice: the heads ×
-layers of its :class:`~kvplane.transfer.resharding.Piece`, and the whole-only pools (the tail,
-a state pool) only if it is the request's *lead*. :func:`shares` derives every sender's share
-for one decode rank from :func:`~kvplane.transfer.resharding.reshard` (the one rule of who
-sends what), so both sides compute the same answer from the two layouts. Pure data.
+layers of its :class:`~kvplane.transfer.resharding.Piece`; the request's *lead* moves the
+whole-only pools (the tail, a state pool), and every stage its own layers of a state pool.
+:func:`shares` derives every sender's share for one decode rank from
+:func:`~kvplane.transfer.resharding.reshard` (the one rule of who sends what), so both sides
+compute the same answer from the two layouts. Pure data.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ ANY_TOKENS = TokenRange(0, 1)
 
 @dataclass(frozen=True, slots=True)
 class Share:
-    """Sender ``piece.sender`` moves ``piece``'s heads × layers of each slice's tokens; only
-    the ``lead`` also moves the whole-only pools in the final slice (exactly one per request:
-    the destination's tail is written once)."""
+    """Sender ``piece.sender`` moves ``piece``'s heads × layers of each slice's tokens; in the
+    final slice the ``lead`` moves the whole-only pools (exactly one per request: the
+    destination's tail is written once) and any other sender the layers it holds of a state
+    pool (:func:`~kvplane.transfer.resharding.moves_whole_only`)."""
 
     piece: Piece
     lead: bool

@@ -23,7 +23,13 @@ from kvplane.pd.events import TransferRequest
 from kvplane.pipeline.advert import RemotePool, split_destination
 from kvplane.pipeline.shares import Share
 from kvplane.transfer import OpGrouping, PlanOptions, PlanSide, TransferPlan, plan_transfer
-from kvplane.transfer.resharding import KVBox, Piece, plan_piece, window_boxes
+from kvplane.transfer.resharding import (
+    KVBox,
+    Piece,
+    moves_whole_only,
+    plan_piece,
+    window_boxes,
+)
 from kvplane.transports.base import Int64Array
 from kvplane.validators import require_int
 
@@ -148,8 +154,9 @@ def plan_slice(
     ``share`` we are the session's one sender, so a destination whose TP heads our KV pool
     does not all hold is refused (the heads we lack would never arrive). With one, we are one
     sender of several: the KV plan moves exactly the share's heads × layers (``PlanError``
-    unless our pools share exactly those heads) and the whole-only pools move only from the
-    share's lead. The KV moves as one plan per window group of the layers
+    unless our pools share exactly those heads) and the whole-only pools move as
+    :func:`~kvplane.transfer.resharding.moves_whole_only` says (the lead's all; a stage's
+    share of a state pool from every stage). The KV moves as one plan per window group of the layers
     (:func:`~kvplane.transfer.resharding.window_boxes`): window layers only the positions
     inside the window of the request's whole sequence, full layers all."""
     if len(src) != len(dst):
@@ -182,8 +189,12 @@ def plan_slice(
             else:
                 plan = plan_piece(Piece(share.sender, box), src_side, dst_side, options).plan
             plans.append((plan, kv_dst.layout.block_size))
-    if is_last and (share is None or share.lead):
+    if is_last:
         for local, remote, ids in zip(src[1:], dst[1:], dst_ids[1:], strict=True):
+            if share is not None and not moves_whole_only(
+                local.layout, remote.layout, lead=share.lead
+            ):
+                continue
             plan = plan_transfer(
                 PlanSide(local.layout, _ids(local.block_ids), local.region),
                 PlanSide(remote.layout, _ids(ids), remote.region),

@@ -3,11 +3,11 @@ parallelised differently (prefill TP × PP stages, decode TP, different block si
 
 :func:`reshard` maps a producer :class:`Parallelism` to a consumer one for one model: per decode
 rank, the :class:`Piece` s (sender, global heads, layers, tokens) that tile its destination
-:class:`KVBox` exactly once. :func:`tp_head_range` is the one rule of which heads a TP rank holds;
-:func:`window_boxes` splits a box by the layers' sliding windows;
-where several ranks hold the same heads (GQA with TP > KV heads, MLA's latent) exactly one sender
-is chosen, the others skip. :func:`plan_pieces` turns pieces into plans through the one planner.
-Pure: no regions, no transport.
+:class:`KVBox` exactly once. :func:`tp_head_range` is the one rule of which heads a TP rank holds,
+:func:`stage_layers` of which stage holds a layer (KV or state), :func:`moves_whole_only` of who
+moves a whole-only pool; :func:`window_boxes` splits a box by the layers' windows; where several
+ranks hold the same heads (GQA with TP > KV heads, MLA's latent) exactly one sender is chosen,
+the others skip. :func:`plan_pieces` turns pieces into plans through the one planner. Pure.
 """
 
 from __future__ import annotations
@@ -175,6 +175,28 @@ class Parallelism:
             rope_dim=model.rope_dim, order=model.order, sliding_window=model.sliding_window,
             layer_windows=model.layer_windows,
         )  # fmt: skip
+
+
+def stage_layers(
+    layer_ids: Sequence[int], num_layers: int, pp_size: int
+) -> tuple[tuple[int, ...], ...]:
+    """Per pipeline stage, those of ``layer_ids`` (one pool's global layer ids: a hybrid's
+    attention layers for its KV pool, its Mamba layers for its state pool) in the stage's
+    consecutive range of the model's ``num_layers`` layers (:meth:`Parallelism.pipeline`): the
+    one rule of which stage holds a layer, for every pool. A stage may hold none of a pool's
+    layers (an empty tuple). ``PlanError`` as :meth:`Parallelism.pipeline`."""
+    ranges = Parallelism.pipeline(tp_size=1, num_layers=num_layers, pp_size=pp_size,
+                                  block_size=1).stages  # fmt: skip
+    return tuple(tuple(i for i in layer_ids if r[0] <= i <= r[-1]) for r in ranges)
+
+
+def moves_whole_only(local: KVLayout, remote: KVLayout, *, lead: bool) -> bool:
+    """Whether one sender of several moves its whole-only pool ``local`` into the destination's
+    ``remote`` in the final slice (planned with ``local``'s layers): the lead moves every
+    whole-only pool (the tail, a state pool); any other sender moves a pool it holds a stage's
+    share of (fewer layers than ``remote``: a hybrid's state pool of its stage's Mamba layers,
+    :func:`stage_layers`), so the stages' pools tile the destination's layers once."""
+    return lead or set(local.layer_ids) < set(remote.layer_ids)
 
 
 def window_boxes(layout: KVLayout, box: KVBox, num_tokens: int) -> tuple[KVBox, ...]:

@@ -150,8 +150,8 @@ def test_model_spec_and_adapter_refuse_bad_input(tmp_path: Path) -> None:
 
 def test_a_hybrid_serves_its_state_from_the_state_pool_and_refuses_ranks() -> None:
     """tiny-hybrid: the paged pool holds its one attention layer, the state pool its three
-    Mamba2 layers (float32 conv + SSM rows); a step without the state pool, or a TP/PP rank,
-    is refused."""
+    Mamba2 layers (float32 conv + SSM rows); a step without the state pool, or a TP rank,
+    is refused (pipeline stages: test_rank_hybrid.py)."""
     spec = ModelSpec("tiny-hybrid")
     producer = ModelProducer.from_spec(spec)
     assert producer.kv_layout(4, 16).layer_ids == (1,)
@@ -163,7 +163,7 @@ def test_a_hybrid_serves_its_state_from_the_state_pool_and_refuses_ranks() -> No
     step = ProduceStep(RequestId("r"), np.arange(5), (0,), TokenRange(0, 5), True, None)
     with pytest.raises(UnsupportedError, match="needs the worker's state pool"):
         producer.produce(step, kv, None)
-    with pytest.raises(UnsupportedError, match="TP/PP prefill ranks of a hybrid"):
+    with pytest.raises(UnsupportedError, match="TP ranks of a hybrid model are not supported"):
         RankProducer.for_rank(spec, Placement(tp_size=2, tp_rank=1))
 
 

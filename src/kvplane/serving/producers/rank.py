@@ -3,10 +3,11 @@
 :class:`RankProducer` does NOT shard the model's compute. It runs the whole model (every
 head, every layer) into a full-layout *shadow* pool that mirrors the rank pool's block ids, then
 keeps this rank's share in the rank pool: its TP heads (``tp_head_range``) and its pipeline
-stage's layers (``Parallelism.pipeline``, both in :mod:`kvplane.transfer.resharding`). The models
-run all layers in one call, with no hidden-state hand-off between stages, so a stage computes
-every layer and keeps its own. The KV bytes are exactly a real rank's share of the one-process
-model's KV; the compute and the shadow's memory are those of one whole process.
+stage's layers (``stage_layers``, both in :mod:`kvplane.transfer.resharding`). The models run
+all layers in one call, with no hidden-state hand-off between stages, so a stage computes every
+layer and keeps its own: exactly a real rank's share of the one-process model's KV; the compute
+and the shadow's memory are those of one whole process. A hybrid (Bamba) splits by stage only:
+its state pool holds the stage's Mamba layers, kept from a full shadow state; TP is refused.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from kvplane.layout import KVLayout
 from kvplane.metrics import MetricsRegistry
 from kvplane.models import PagedDecoder, PagedKVCache
 from kvplane.models.bamba import BambaModel
+from kvplane.models.recurrent import state_layout
 from kvplane.pd.handshake import Placement
 from kvplane.serving.producers.base import PoolTensor, ProduceStep, StepOutput
 from kvplane.serving.producers.model import ModelProducer, ModelSpec
-from kvplane.transfer.resharding import Parallelism
+from kvplane.transfer.resharding import Parallelism, stage_layers
 
 
 class RankProducer(ModelProducer):
@@ -32,17 +34,19 @@ class RankProducer(ModelProducer):
     refused (``UnsupportedError``) before anything is written."""
 
     def __init__(self, model: PagedDecoder, model_id: str, placement: Placement) -> None:
-        if isinstance(model, BambaModel):  # the state is per request, not per head or layer
+        if isinstance(model, BambaModel) and placement.tp_size > 1:
             raise UnsupportedError(
-                f"model {model_id} has recurrent (Mamba2) state: TP/PP prefill ranks of a "
-                "hybrid model are not supported (serve it with one prefill process)"
+                f"model {model_id} has recurrent (Mamba2) state: TP ranks of a hybrid model are "
+                "not supported (its state pool has no head range; use pipeline stages)"
             )
         super().__init__(model, model_id)
         self.placement = placement
         self._shadow: PagedKVCache | None = None
+        self._shadow_state: PoolTensor | None = None
         self._open: set[RequestId] = set()
         try:
             self.kv_layout(1, 1)
+            self.state_layout(1)
         except (LayoutError, PlanError) as exc:
             at = placement
             raise ConfigError(
@@ -63,11 +67,7 @@ class RankProducer(ModelProducer):
         ``head_range`` is given and is not this rank's."""
         full = self.model.kv_layout(num_blocks, block_size)
         at = self.placement
-        even = Parallelism.pipeline(
-            tp_size=at.tp_size, num_layers=full.num_layers, pp_size=at.pp_size,
-            block_size=block_size,
-        )  # fmt: skip
-        stages = tuple(tuple(full.layer_ids[i] for i in stage) for stage in even.stages)
+        stages = self._stages(full, "attention (KV)")
         side = Parallelism(at.tp_size, stages, block_size)  # the model's own layer ids
         layout = side.rank_layout(full, at.pp_stage, at.tp_rank, num_blocks)
         if head_range is not None and tuple(head_range) != layout.head_range:
@@ -76,6 +76,26 @@ class RankProducer(ModelProducer):
                 f"model {self.model_id}, not {tuple(head_range)}"
             )
         return layout
+
+    def state_layout(self, num_slots: int) -> KVLayout | None:
+        """A hybrid's state pool of this stage's Mamba layers (``stage_layers``), else None."""
+        full = super().state_layout(num_slots)
+        if full is None or not isinstance(self.model, BambaModel):
+            return full
+        mine = self._stages(full, "Mamba (state)")[self.placement.pp_stage]
+        return state_layout(self.model.bamba.mamba, mine, num_slots)
+
+    def _stages(self, full: KVLayout, kind: str) -> tuple[tuple[int, ...], ...]:
+        """``full``'s layers per pipeline stage; ``LayoutError`` for a stage holding none."""
+        at = self.placement
+        stages = stage_layers(full.layer_ids, self.model.config.num_layers, at.pp_size)
+        for stage, held in enumerate(stages):
+            if not held:
+                raise LayoutError(
+                    f"pipeline stage {stage} of {at.pp_size} holds no {kind} layer of "
+                    f"{full.layer_ids}"
+                )
+        return stages
 
     def shadow_bytes(self, num_blocks: int, block_size: int) -> int:
         """Bytes of the full-layout shadow a rank pool of ``num_blocks`` keeps beside it (what
@@ -92,8 +112,9 @@ class RankProducer(ModelProducer):
 
     def produce(self, step: ProduceStep, kv: PoolTensor, state: PoolTensor | None) -> StepOutput:
         """Compute ``step.tokens`` with the whole model into the shadow, then copy this rank's
-        share of exactly those positions into ``kv`` (mutates only those slots of ``kv``); the
-        last step returns the greedy first token."""
+        share of exactly those positions into ``kv`` (mutates only those slots of ``kv``) and, for
+        a hybrid, its stage's rows of the full shadow state into ``state`` at
+        ``step.state_slot``; the last step returns the greedy first token."""
         shadow = self._shadow_for(kv.layout)
         rng = step.tokens
         if rng.start > 0 and step.request_id not in self._open:
@@ -104,14 +125,37 @@ class RankProducer(ModelProducer):
                     "was not computed by this rank producer (a loaded prefix?): its shadow lacks "
                     "the other ranks' heads and layers"
                 )
-        out = super().produce(step, PoolTensor(shadow.layout, shadow.pool), None)
+        full_state = None if state is None else self._state_for(state, step, rng.start)
+        out = super().produce(step, PoolTensor(shadow.layout, shadow.pool), full_state)
         slots = _slots(step, kv.layout.block_size, rng.start, rng.end)
         _rank(kv)[slots] = self._share(shadow, kv.layout, slots)
+        if state is not None and full_state is not None and step.state_slot is not None:
+            for layer in state.layout.layer_ids:  # this stage's rows of the request's slot
+                row = full_state.layout.state_view(full_state.tensor, layer)[step.state_slot]
+                state.layout.state_view(state.tensor, layer)[step.state_slot] = row
         if step.is_last:
             self._open.discard(step.request_id)
         else:
             self._open.add(step.request_id)
         return out
+
+    def _state_for(self, state: PoolTensor, step: ProduceStep, start: int) -> PoolTensor:
+        """The full shadow of the state pool ``state`` (every Mamba layer, same slots);
+        ``UnsupportedError`` for a request resuming at ``start > 0`` that this producer did not
+        start (a restored prefix state: the shadow lacks the other stages' rows)."""
+        if start > 0 and step.request_id not in self._open:
+            raise UnsupportedError(
+                f"request {step.request_id!r}: a hybrid's rank producer cannot resume at "
+                f"{start} from a restored state (its shadow lacks the other stages' rows)"
+            )
+        shadow = self._shadow_state
+        if shadow is None or shadow.layout.num_blocks != state.layout.num_blocks:
+            layout = super().state_layout(state.layout.num_blocks)
+            if layout is None:
+                raise UnsupportedError(f"model {self.model_id} keeps no recurrent state")
+            shadow = PoolTensor(layout, layout.allocate(state.tensor.device))
+            self._shadow_state = shadow
+        return shadow
 
     @staticmethod
     def _share(
