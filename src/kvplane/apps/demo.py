@@ -205,12 +205,10 @@ def run_demo(args: argparse.Namespace, console: Console, work: Path) -> DemoResu
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("starting workers", total=len(prompts) + 3)
             disk = work / "disk"  # the disk tier's directory
-            pre = group.start("prefill", _serve_args(args, "prefill", disk, ports["prefill"]),
-                              deadline)  # fmt: skip
-            bar.advance(task)
-            dec = group.start("decode", _serve_args(args, "decode", disk, ports["decode"]),
-                              deadline)  # fmt: skip
-            bar.advance(task)
+            flags = {r: _serve_args(args, r, disk, ports[r]) for r in ("prefill", "decode")}
+            workers = group.start_together(flags, deadline)  # each loads its model meanwhile
+            pre, dec = workers["prefill"], workers["decode"]
+            bar.advance(task, 2)
             rtr = group.start(
                 "router",
                 ["--prefill", pre["control"], "--decode", dec["control"], "--timeout", "30",

@@ -28,7 +28,10 @@ from kvplane.errors import TransferTimeoutError, WorkerDiedError
 from kvplane.metrics import SEED_METRICS
 
 ROLES = ("prefill", "decode", "router")
-"""The demo's processes, in start order."""
+"""The demo's processes: the two workers start together, then the router (it needs their
+addresses)."""
+ANNOUNCE_POLL_S = 0.05
+"""How often :meth:`ProcessGroup.start_together` looks at children still starting."""
 SCRAPE_TIMEOUT_S = 30.0
 """How long a ``/metrics`` scrape may take (the router asks its workers for their stats)."""
 
@@ -118,9 +121,17 @@ class Child:
 
     def announce(self, deadline: float) -> dict[str, Any]:
         """The worker's announce line, waiting until ``deadline`` (monotonic)."""
-        while True:
+        while not self.announced(deadline, wait_s=0.1):
+            pass
+        return self.info
+
+    def announced(self, deadline: float, wait_s: float = 0.0) -> bool:
+        """Whether the announce line has come (then in :attr:`info`), reading what the child
+        printed for up to ``wait_s``; :class:`WorkerDiedError` once the child has exited first,
+        ``TransferTimeoutError`` past ``deadline`` (monotonic)."""
+        while not self.info:
             try:
-                line = self._lines.get(timeout=0.1)
+                line = self._lines.get(timeout=wait_s)
             except queue.Empty:
                 if not self.alive():
                     raise self.died("while starting") from None
@@ -128,19 +139,24 @@ class Child:
                     raise TransferTimeoutError(
                         f"the {self.role} worker did not start in time"
                     ) from None
-                continue
+                return False
             try:
                 info = json.loads(line)
             except ValueError:
                 continue  # not the announce line
             if isinstance(info, dict) and "control" in info:
                 self.info = info
-                return info
+        return True
+
+    def terminate(self) -> None:
+        """Send SIGTERM (when still running), without waiting."""
+        if self.alive():
+            self.proc.terminate()
 
     def stop(self, timeout_s: float = 5.0) -> int | None:
         """Terminate (then kill after ``timeout_s``); the exit code."""
         if self.alive():
-            self.proc.terminate()
+            self.terminate()
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -171,9 +187,26 @@ class ProcessGroup:
         self.children: dict[str, Child] = {}
 
     def start(self, role: str, args: list[str], deadline: float) -> dict[str, Any]:
-        child = Child(role, args, self.log_dir, self.secret)
-        self.children[role] = child
-        return child.announce(deadline)
+        """Start the ``role`` child with ``args`` and wait for its announce (see
+        :meth:`Child.announced`)."""
+        return self.start_together({role: args}, deadline)[role]
+
+    def start_together(
+        self, args: dict[str, list[str]], deadline: float
+    ) -> dict[str, dict[str, Any]]:
+        """Start one child per role of ``args`` at once, then wait until every one has
+        announced: their announces by role. The first child to exit (or ``deadline``) raises
+        :meth:`Child.announced`'s error; the others keep running until :meth:`stop`."""
+        started: list[Child] = []
+        for role, flags in args.items():
+            started.append(Child(role, flags, self.log_dir, self.secret))
+            self.children[role] = started[-1]  # stopped by stop() whatever happens next
+        waiting = list(started)
+        while waiting:
+            waiting = [c for c in waiting if not c.announced(deadline)]
+            if waiting:
+                time.sleep(ANNOUNCE_POLL_S)
+        return {child.role: child.info for child in started}
 
     def check(self, doing: str = "") -> None:
         """Raise :class:`WorkerDiedError` if any child has exited."""
@@ -182,5 +215,9 @@ class ProcessGroup:
                 raise child.died(doing)
 
     def stop(self) -> None:
+        """Terminate every child at once, then wait for each (killing any that outlive its
+        wait): their shutdowns overlap."""
+        for child in self.children.values():
+            child.terminate()
         for child in reversed(list(self.children.values())):
             child.stop()

@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -25,6 +24,7 @@ from kvplane.apps.generate import add_attention_flag
 from kvplane.apps.proxy_command import HELP as PROXY_HELP
 from kvplane.apps.proxy_command import proxy_flags, run_proxy
 from kvplane.apps.serve_config import sectioned, settle
+from kvplane.apps.serve_stop import end_process, wait_for_stop
 from kvplane.apps.startup import check_connect_address, check_pool_memory, scrub_secret_env
 from kvplane.config import SECRET_ENV, read_secret
 from kvplane.errors import ConfigError, InvalidArgumentError
@@ -391,16 +391,6 @@ def build_worker(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> 
     return DecodeWorker(config, receiver, metrics=metrics, hooks=hooks)
 
 
-def _wait(stop: threading.Event) -> None:
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    while not stop.wait(0.2):
-        pass
-
-
 def _announce(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -446,17 +436,20 @@ def _run_router(args: argparse.Namespace) -> int:
             raise ConfigError(f"kvplane serve router cannot start: {exc}") from None
         _announce(role="router", name="router", control=service.address, pd="",
                   incarnation=0)  # fmt: skip
-        _wait(threading.Event())
+        signalled = wait_for_stop(threading.Event())
     finally:
         if service is not None:
             service.close()
         router.close()
+    if signalled:
+        end_process(0)
     return 0
 
 
 def run(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> int:
     """Serve ``args.role`` until told to stop; 2 without a role. Bad values and addresses
-    raise ``ConfigError`` before anything starts (``kvplane: error: ...``, exit 1)."""
+    raise ``ConfigError`` before anything starts (``kvplane: error: ...``, exit 1). Stopped by
+    SIGTERM/SIGINT, the process ends with 0 once closed (:func:`end_process`): no return."""
     role = getattr(args, "role", None)
     if role is None:
         print("usage: kvplane serve {prefill,decode,router,proxy} [flags]", file=sys.stderr)
@@ -479,7 +472,9 @@ def run(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> int:
         _announce(role=role, name=info.peer_id, control=worker.address, pd=info.pd_address,
                   incarnation=info.incarnation, kv_events=info.kv_events_address,
                   kv_replay=info.kv_replay_address)  # fmt: skip
-        _wait(worker.exit_requested)
+        signalled = wait_for_stop(worker.exit_requested)
     finally:
         worker.close()
+    if signalled:  # closed in order: the process ends now (see serve_stop)
+        end_process(0)
     return 0

@@ -137,6 +137,10 @@ class _Loop:
 
     def _send_later(self, parts: list[bytes], call_id: int | None = None) -> None:
         self._out.put(_Outgoing(parts, call_id, time.monotonic() + self.send_wait_s))
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the loop from its poll now (any thread; a no-op once the waker is closed)."""
         with self._push_lock, contextlib.suppress(zmq.ZMQError):
             self._push.send(b"", zmq.NOBLOCK)
 
@@ -239,6 +243,7 @@ class _Loop:
             return
         self._closed = True
         self._stop.set()
+        self._wake()  # the loop sees the stop now, not at the end of its poll
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
         with self._push_lock:
