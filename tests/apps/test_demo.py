@@ -34,7 +34,10 @@ def test_demo_json_parity_offload_trace_and_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "out"
-    done = kvplane("demo", "--json", "--out", str(out), "--max-new-tokens", "8")
+    # the disk tier stores zstd-coded chunks: its 3 hits decode to the exact KV (parity)
+    done = kvplane(
+        "demo", "--json", "--out", str(out), "--max-new-tokens", "8", "--disk-codec", "zstd"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1  # exactly one JSON object on stdout; progress went to stderr

@@ -292,3 +292,22 @@ def test_offload_disk_is_a_directory_holding_the_slot_file(tmp_path: Path) -> No
     settings = offload_of(args)  # type: ignore[arg-type]
     assert settings is not None and settings.offload.disk_path == where / DISK_SLOT_FILE
     assert where.is_dir()
+
+
+def test_offload_codec_flags_reach_the_tiers_and_a_bad_one_is_one_line(tmp_path: Path) -> None:
+    where = tmp_path / "disk"
+    args = _args(
+        "prefill", "--offload-host-slots", "2", "--offload-disk", str(where),
+        "--offload-disk-codec", "zstd", "--offload-remote-codec", "int8",
+    )  # fmt: skip
+    settings = offload_of(args)  # type: ignore[arg-type]
+    assert settings is not None
+    assert (settings.offload.disk_codec, settings.offload.remote_codec) == ("zstd", "int8")
+    plain = offload_of(_args("prefill", "--offload-host-slots", "2"))  # type: ignore[arg-type]
+    assert plain is not None and (plain.offload.disk_codec, plain.offload.remote_codec) == (
+        "raw",
+        "raw",
+    )
+    bad = _args("prefill", "--offload-host-slots", "2", "--offload-disk-codec", "gzip")
+    with pytest.raises(ConfigError, match=r"OffloadConfig.disk_codec 'gzip' is not one of"):
+        offload_of(bad)  # type: ignore[arg-type]

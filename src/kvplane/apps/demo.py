@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-size", type=int, default=32, help="prefill step (tokens)")
     parser.add_argument("--host-slots", type=int, default=6, help="host tier chunks")
     parser.add_argument(
+        "--disk-codec", choices=("raw", "lz4", "zstd", "auto"), default="raw",
+        help="the disk tier's codec; lossless only, since the demo checks token parity",
+    )  # fmt: skip
+    parser.add_argument(
         "--pipelining", choices=("on", "off", "auto"), default="auto",
         help="the prefill worker's KV sending: per slice, after prefill, or (default, as "
         "`kvplane serve`) per request from the calibrated cost model",
@@ -169,7 +173,8 @@ def _serve_args(args: argparse.Namespace, role: str, disk: Path, metrics_port: i
     if role == "prefill":
         common += [
             "--offload-host-slots", str(args.host_slots), "--offload-disk", str(disk),
-            "--offload-disk-slots", "64", "--blocks-per-chunk", str(BLOCKS_PER_CHUNK),
+            "--offload-disk-slots", "64", "--offload-disk-codec", args.disk_codec,
+            "--blocks-per-chunk", str(BLOCKS_PER_CHUNK),
             "--pipelining", args.pipelining,
         ]  # fmt: skip
     return common

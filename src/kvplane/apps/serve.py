@@ -148,6 +148,11 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     o.add_argument("--offload-remote-namespace", default="kvplane", help="Redis key namespace")
     o.add_argument("--offload-remote-slots", type=int, default=256)
     o.add_argument("--offload-remote-replicas", default="", help="shared: more URLs, comma-sep.")
+    for tier in ("disk", "remote"):
+        o.add_argument(
+            f"--offload-{tier}-codec", default="raw", metavar="CODEC",
+            help=f"{tier} tier codec: raw, lossless lz4/zstd, lossy fp8/fp8-chunk/int8, or auto",
+        )  # fmt: skip
     if role == "prefill":
         _kv_event_flags(p)
     c = p.add_argument_group("chunk", "offload chunks ([chunk], KVPLANE_CHUNK_*)")
@@ -327,6 +332,7 @@ def offload_of(args: argparse.Namespace) -> PrefixSettings | None:
         disk_direct_io=False, pin_memory=False, remote_url=args.offload_remote_url,
         remote_mode=args.offload_remote_mode, remote_namespace=args.offload_remote_namespace,
         remote_slots=args.offload_remote_slots, remote_replicas=args.offload_remote_replicas,
+        disk_codec=args.offload_disk_codec, remote_codec=args.offload_remote_codec,
     )  # fmt: skip
     return PrefixSettings(config, args.blocks_per_chunk, getattr(args, "tune_chunks", None))
 
