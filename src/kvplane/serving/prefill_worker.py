@@ -221,12 +221,12 @@ class PrefillWorker(Worker):
             self._waiting.popleft()
             if self.offload is not None:
                 load = self.offload.begin_load(RequestId(req.order.request_id), *got)
-                if load is not None:
+                if load is not None:  # a load, or a wait for this worker's stores of the prefix
                     req.loading = True
                     self.timeline.record(
                         Mark.LOAD_START,
                         req.order.request_id,
-                        detail=",".join(load.sources),
+                        detail=",".join(load.sources) or f"waiting {load.waiting}",
                     )
                     continue
             self._start(req)
@@ -257,6 +257,8 @@ class PrefillWorker(Worker):
             )
         self.driver.source_ready(req.sid)  # a DestinationKnown that came first can plan now
         self._running.append(req)
+        if self.offload is not None:  # a later request of this prefix waits for its store
+            self.offload.expect(RequestId(req.order.request_id), table)
 
     def _mode(self, req: _Prefill) -> Choice:
         """Pipelined or not, and how many steps a slice: the config's, or with
@@ -418,6 +420,8 @@ class PrefillWorker(Worker):
         """Free the request's memory once nothing more will be submitted (session ended or
         stopped locally) and the ledger released every slice the session admitted; forget the
         request once its session has ended too."""
+        if self.offload is not None and (req.stopped or req.outcome is not None):
+            self.offload.forget(RequestId(req.order.request_id))  # its store will not come
         if (req.outcome is None and not req.stopped) or req.released < req.admitted:
             return
         if req in self._waiting or req.loading:

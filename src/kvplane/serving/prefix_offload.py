@@ -1,14 +1,14 @@
 """Prefix offload for a prefill worker: finished prompts' chunks go device -> host -> disk, and a
 new prompt's cached prefix comes back from the tiers instead of being computed.
 
-Chunk keys are the request's own block hashes at chunk ends (:meth:`ChunkSpec.chunk_keys`): nothing
-here hashes tokens. :meth:`PrefixOffload.begin_load` loads the leading run of hits (never the
-chunk holding the last token; of a window-only pool only the hit's window, possibly nothing)
-into the request's blocks, untouched by the caller until :class:`LoadFinished`;
-:meth:`PrefixOffload.store` stores every full chunk after the last step (the leading ones that
-fit the host tier; the rest are counted and logged once). A hybrid's prefix also needs its
-state (:mod:`kvplane.serving.prefix_state`; a hit without it is a miss). Not thread-safe: the
-worker loop owns it. See docs/serving.md.
+Chunk keys are the request's own block hashes at chunk ends (:meth:`ChunkSpec.chunk_keys`).
+:meth:`PrefixOffload.begin_load` loads the leading run of hits (never the chunk holding the last
+token; of a window-only pool only the hit's window, possibly nothing) into the request's blocks,
+untouched by the caller until :class:`LoadFinished`; a prefix still being stored here is waited
+for (:mod:`~kvplane.serving.prefix_waits`). :meth:`PrefixOffload.store` stores every full chunk
+after the last step (those that fit the host tier; the rest are counted and logged once). A
+hybrid's prefix also needs its state (:mod:`~kvplane.serving.prefix_state`; a hit without it is
+a miss). Not thread-safe: the worker loop owns it. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 import weakref
 from collections import Counter
 from collections.abc import Sequence
@@ -32,8 +33,9 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.offload import LoadDone, OffloadConfig, StoreDone, TierCascade, build_cascade
 from kvplane.offload.chunk_cost import TunedChunks
 from kvplane.serving.prefix_state import PrefixState
+from kvplane.serving.prefix_waits import Parked, PrefixWaits
 from kvplane.serving.producers.base import PoolTensor
-from kvplane.validators import require_int
+from kvplane.validators import require_int, require_number
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +45,13 @@ class PrefixSettings:
     """How a prefill worker offloads: the tiers (``offload``) and the host chunk size in
     blocks; ``tuned`` (a config's ``[tune.chunks]``) sets each tier's size from measurements
     (:meth:`~kvplane.offload.chunk_cost.TunedChunks.sizes`; a cold size set in ``offload``
-    wins)."""
+    wins). ``pending_wait_s``: the longest an admitted request waits for this worker's own
+    stores (in flight, or promised by a computing request) of its prefix (0: never waits)."""
 
     offload: OffloadConfig
     blocks_per_chunk: int = 2
     tuned: TunedChunks | None = None
+    pending_wait_s: float = 2.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, OffloadConfig):
@@ -55,6 +59,7 @@ class PrefixSettings:
         require_int("PrefixSettings.blocks_per_chunk", self.blocks_per_chunk, min=1)
         if self.tuned is not None and not isinstance(self.tuned, TunedChunks):
             raise InvalidArgumentError(f"tuned must be a TunedChunks, got {self.tuned!r}")
+        require_number("PrefixSettings.pending_wait_s", self.pending_wait_s, min=0)
 
     def resolved(self, block_bytes: int) -> tuple[int, OffloadConfig]:
         """The host ``blocks_per_chunk`` and the tier config for blocks of ``block_bytes``."""
@@ -74,11 +79,13 @@ class PrefixSettings:
 @dataclass(frozen=True, slots=True)
 class LoadStarted:
     """A submitted prefix load: how many chunks and from which tier each comes (``ticket_id``
-    0 and no chunks: a hit wholly before its window, nothing to load)."""
+    0 and no chunks: a hit wholly before its window, nothing to load, or, with ``waiting``
+    chunks, a request parked until this worker's stores of them land)."""
 
     ticket_id: int
     chunks: int
     sources: tuple[str, ...]
+    waiting: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +166,7 @@ class PrefixOffload:
         self._ready: list[LoadFinished] = []
         """Hits with nothing to load, reported by the next :meth:`poll` or :meth:`wait`."""
         self._stores: dict[JobId, RequestId] = {}
+        self.waits = PrefixWaits(settings.pending_wait_s)
         registry = metrics if metrics is not None else MetricsRegistry()
         self._m_hits = registry.counter(
             "prefill_prefix_chunks", "Prefix chunks loaded instead of computed, by tier", ["tier"]
@@ -185,12 +193,12 @@ class PrefixOffload:
     def loading(self) -> int:
         """Loads in flight (a hit with nothing to load is one until its :class:`LoadFinished`
         is polled)."""
-        return len(self._loads) + len(self._ready)
+        return len(self._loads) + len(self._ready) + len(self.waits)
 
     @property
     def busy(self) -> bool:
-        """Jobs in flight or finished loads not yet polled."""
-        return bool(self.cascade.jobs.in_flight or self._ready)
+        """Jobs in flight, finished loads not yet polled or parked requests."""
+        return bool(self.cascade.jobs.in_flight or self._ready or len(self.waits))
 
     # -- load and store --------------------------------------------------------------------------
     def begin_load(
@@ -201,16 +209,41 @@ class PrefixOffload:
         chunks whose state is held, restored into ``state_slot`` when the load ends). ``None``:
         a miss (compute everything). Every other answer is followed by one
         :class:`LoadFinished`, also a hit no layer reads any more (window-only pool: no chunk
-        is loaded, the prefill starts at the hit's end)."""
+        is loaded, the prefill starts at the hit's end) and a request parked because its
+        leading run goes on with chunks this worker is storing or a computing request promised
+        (:meth:`expect`): it is looked up again once those stores ended (a failed one is a
+        miss) or ``pending_wait_s`` passed, and loads what is loadable then."""
         keys = self.chunk_keys(table)
         if not keys:
             return None
+        if self.state is not None and state_slot is None:
+            raise InvalidArgumentError("a prefix load with a state pool needs the state slot")
         self.counts["lookups"] += 1
+        return self._begin(request_id, table, state_slot, keys, park=self.waits.wait_s > 0)
+
+    def _begin(
+        self,
+        request_id: RequestId,
+        table: BlockTable,
+        state_slot: int | None,
+        keys: list[ChunkKey],
+        *,
+        park: bool,
+    ) -> LoadStarted | None:
+        """:meth:`begin_load` after its checks; ``park``: a wait is allowed."""
         found = self.cascade.lookup(keys)
-        loadable = min(found.hit_run, (table.num_tokens - 1) // self.spec.tokens_per_chunk)
+        limit = (table.num_tokens - 1) // self.spec.tokens_per_chunk
+        loadable = min(found.hit_run, limit)
+        if park:
+            covered = self.waits.cover(keys[:limit], found.where[:limit], found.pending[:limit])
+            if covered.run > loadable:
+                deadline = time.monotonic() + self.waits.wait_s
+                parked = Parked(request_id, table, state_slot, deadline,
+                                set(covered.jobs), set(covered.requests))  # fmt: skip
+                self.waits.park(parked)
+                self.counts["pending_waits"] += 1
+                return LoadStarted(0, 0, (), waiting=covered.run - loadable)
         if self.state is not None:
-            if state_slot is None:
-                raise InvalidArgumentError("a prefix load with a state pool needs the state slot")
             with_state = self.state.loadable(keys[:loadable])
             self.counts["chunks_without_state"] += loadable - with_state
             loadable = with_state
@@ -257,6 +290,16 @@ class PrefixOffload:
             return False
         return self.state.snapshot(self.chunk_keys(table), state_slot, end)
 
+    def expect(self, request_id: RequestId, table: BlockTable) -> None:
+        """``request_id`` starts computing ``table``: until its :meth:`store` (or
+        :meth:`forget`), a request admitted with the same prefix waits for it."""
+        first = self._unfilled.get(table, 0)
+        self.waits.promise(request_id, self.chunk_keys(table)[first:][: self.host_slots])
+
+    def forget(self, request_id: RequestId) -> None:
+        """``request_id`` stopped: it will not store what :meth:`expect` promised."""
+        self.waits.forget(request_id)
+
     def store(self, request_id: RequestId, table: BlockTable) -> int:
         """Offload the full chunks of ``table`` (its tokens computed) from its blocks; returns
         how many chunks the store job carries (0: all already held, not admitted or no room)."""
@@ -266,9 +309,11 @@ class PrefixOffload:
             self._unstored(len(keys))
             keys = keys[: self.host_slots]
         if not keys:
+            self.waits.storing(request_id, None, ())
             return 0
         blocks = self._chunk_blocks(table.block_ids, first + len(keys))
         job = self.cascade.store(keys, blocks[first * self.spec.blocks_per_chunk :], first=first)
+        self.waits.storing(request_id, job, keys)
         if job is None:
             return 0
         self._stores[job] = request_id
@@ -318,7 +363,25 @@ class PrefixOffload:
                 rid = self._stores.pop(ev.job_id, RequestId(""))
                 stored = sum(ev.ok)
                 self.counts["chunks_stored"] += stored
+                self.waits.stored(ev.job_id)
                 out.append(StoreFinished(rid, stored))
+        if len(self.waits):
+            out += self._unpark()
+        out += self._ready
+        self._ready.clear()
+        return out
+
+    def _unpark(self) -> list[Finished]:
+        """Look the prefix of each parked request that is due up again: a miss finishes at
+        once (nothing loaded), a hit loads as :meth:`begin_load` does."""
+        out: list[Finished] = []
+        for parked in self.waits.due(time.monotonic()):
+            if parked.jobs or parked.requests:
+                self.counts["pending_waits_timed_out"] += 1
+            rid, table = parked.request_id, parked.table
+            keys = self.chunk_keys(table)
+            if self._begin(rid, table, parked.state_slot, keys, park=False) is None:
+                out.append(LoadFinished(rid, 0, 0, 0))
         return out
 
     def _hit_tokens(self, load: _Load, usable: int) -> int:
