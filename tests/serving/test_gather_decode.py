@@ -12,7 +12,7 @@ from kvplane.apps.serve import build_worker
 from kvplane.apps.serve_config import settle
 from kvplane.cli import build_parser
 from kvplane.serving.decode_worker import DecodeWorker
-from kvplane.serving.gather_orders import gather_orders, sender_pieces
+from kvplane.serving.gather_orders import gather_orders
 from kvplane.serving.messages import (
     Ack,
     CancelOrder,
@@ -22,11 +22,10 @@ from kvplane.serving.messages import (
     SenderPiece,
 )
 from kvplane.serving.prefill_worker import PrefillWorker
-from kvplane.serving.router.gather_sets import gather_set
-from kvplane.serving.router.workers import WorkerHandle
 from kvplane.serving.rpc import RpcClient
 from kvplane.serving.worker import Worker
 from kvplane.testing.cluster import wait_for
+from kvplane.testing.gather_run import gather_pieces
 from kvplane.testing.reference import generate_tokens
 
 PROMPT = tuple(range(3, 43))  # 40 tokens: three prefill steps of 16
@@ -63,19 +62,6 @@ def _reference() -> list[int]:
     return generate_tokens(PROMPT, NEW, step_size=16)
 
 
-def _pieces(ranks: list[PrefillWorker], d: DecodeWorker) -> tuple[SenderPiece, ...]:
-    """The senders as the router's gather picks them (by the workers' own reports)."""
-    with ExitStack() as stack:
-        handles = []
-        for w in [*ranks, d]:
-            client = stack.enter_context(contextlib.closing(RpcClient(w.address)))
-            handles.append(WorkerHandle(w.address, client, info=w.info(), up=True))
-    chosen = gather_set(handles[:2], handles[2])
-    assert chosen is not None
-    by_addr = {w.address: w.config.name for w in ranks}
-    return sender_pieces([(by_addr[h.address], piece) for h, piece in chosen])
-
-
 def _orders(senders: tuple[SenderPiece, ...], sid: str) -> tuple[DecodeOrder, list[PrefillOrder]]:
     base = DecodeOrder(request_id="r", session_id=sid, prefill_peer="p0", token_ids=PROMPT,
                        max_new_tokens=NEW)  # fmt: skip
@@ -95,7 +81,7 @@ def _balanced(workers: list[Worker]) -> None:
 
 def test_two_tp_ranks_feed_one_decode_rank_with_the_one_process_tokens() -> None:
     with _ranks() as (ranks, d):
-        senders = _pieces(ranks, d)
+        senders = gather_pieces(ranks, d)
         assert [(s.peer, s.heads, s.layers, s.lead) for s in senders] == [
             ("p0", (0, 1), (0, 1), True), ("p1", (1, 2), (0, 1), False)
         ]  # fmt: skip
@@ -115,7 +101,7 @@ def test_two_tp_ranks_feed_one_decode_rank_with_the_one_process_tokens() -> None
 
 def test_a_cancel_while_one_sender_has_no_order_ends_every_member_undecoded() -> None:
     with _ranks() as (ranks, d):
-        dec, pre = _orders(_pieces(ranks, d), "g2")
+        dec, pre = _orders(gather_pieces(ranks, d), "g2")
         with ExitStack() as stack:
             clients = [_client(stack, w) for w in [d, *ranks]]
             fut = clients[0].call_async(dec)

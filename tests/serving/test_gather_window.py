@@ -5,7 +5,6 @@ group of its own layers, only what the decode side reads (#33)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -19,15 +18,12 @@ from kvplane.apps.serve import build_worker
 from kvplane.apps.serve_config import settle
 from kvplane.cli import build_parser
 from kvplane.serving.decode_worker import DecodeWorker
-from kvplane.serving.gather_orders import gather_orders, sender_pieces
-from kvplane.serving.messages import Ack, DecodeOrder, RequestResult
+from kvplane.serving.messages import RequestResult
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.producers.model import ModelSpec
-from kvplane.serving.router.gather_sets import gather_set
-from kvplane.serving.router.workers import WorkerHandle
-from kvplane.serving.rpc import RpcClient
 from kvplane.serving.worker import Worker
 from kvplane.testing.cluster import wait_for
+from kvplane.testing.gather_run import run_gather
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -90,25 +86,7 @@ def test_two_stages_move_only_their_groups_windows(
     assert ranks[0].pools.kv.layout.layer_ids == (0, 1)
     assert ranks[1].pools.kv.layout.layer_windows == (WINDOW, None, WINDOW)
     prompt = tuple(int(t) for t in np.random.default_rng(N).integers(0, 128, N))
-    with ExitStack() as stack:
-        handles = []
-        for w in [*ranks, d]:
-            client = stack.enter_context(contextlib.closing(RpcClient(w.address)))
-            handles.append(WorkerHandle(w.address, client, info=w.info(), up=True))
-        chosen = gather_set(handles[:2], handles[2])
-        assert chosen is not None
-        names = {w.address: w.config.name for w in ranks}
-        senders = sender_pieces([(names[h.address], piece) for h, piece in chosen])
-        base = DecodeOrder(request_id="r", session_id="g", prefill_peer="p0", token_ids=prompt,
-                           max_new_tokens=NEW)  # fmt: skip
-        dec, pre = gather_orders(base, senders, decode_peer="d")
-        clients = [stack.enter_context(contextlib.closing(RpcClient(w.address))) for w in
-                   [d, *ranks]]  # fmt: skip
-        fut = clients[0].call_async(dec)
-        wait_for(lambda: "r" in d._requests, what="the decode order")
-        for c, order in zip(clients[1:], pre, strict=True):
-            assert c.call(order) == Ack(detail="accepted")
-        res = fut.result(timeout=60)
+    res = run_gather(ranks, d, prompt, NEW)
     assert isinstance(res, RequestResult)
     assert (res.state, res.reason) == ("success", "")
     model = ModelSpec(str(checkpoint)).load()

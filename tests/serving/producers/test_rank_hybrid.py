@@ -6,7 +6,6 @@ restored state are refused (#33)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -24,17 +23,14 @@ from kvplane.errors import ConfigError, UnsupportedError
 from kvplane.ids import RequestId, TokenRange
 from kvplane.pd.handshake import Placement
 from kvplane.serving.decode_worker import DecodeWorker
-from kvplane.serving.gather_orders import gather_orders, sender_pieces
-from kvplane.serving.messages import Ack, DecodeOrder, RequestResult
+from kvplane.serving.messages import RequestResult
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.producers.base import PoolTensor, ProduceStep
 from kvplane.serving.producers.model import ModelProducer, ModelSpec
 from kvplane.serving.producers.rank import RankProducer
-from kvplane.serving.router.gather_sets import gather_set
-from kvplane.serving.router.workers import WorkerHandle
-from kvplane.serving.rpc import RpcClient
 from kvplane.serving.worker import Worker
 from kvplane.testing.cluster import idle, wait_for
+from kvplane.testing.gather_run import run_gather
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -179,25 +175,7 @@ def test_two_stages_feed_one_decoder_transformers_tokens(
     assert [w.pools.state.layout.layer_ids for w in ranks if w.pools.state] == [(0,), (2,)]
     assert d.pools.state is not None and d.pools.state.layout.layer_ids == (0, 2)
     prompt = tuple(int(t) for t in np.random.default_rng(N).integers(0, 128, N))
-    with ExitStack() as stack:
-        handles = []
-        for w in [*ranks, d]:
-            client = stack.enter_context(contextlib.closing(RpcClient(w.address)))
-            handles.append(WorkerHandle(w.address, client, info=w.info(), up=True))
-        chosen = gather_set(handles[:2], handles[2])
-        assert chosen is not None
-        names = {w.address: w.config.name for w in ranks}
-        senders = sender_pieces([(names[h.address], piece) for h, piece in chosen])
-        base = DecodeOrder(request_id="r", session_id="g", prefill_peer="p0", token_ids=prompt,
-                           max_new_tokens=NEW)  # fmt: skip
-        dec, pre = gather_orders(base, senders, decode_peer="d")
-        clients = [stack.enter_context(contextlib.closing(RpcClient(w.address))) for w in
-                   [d, *ranks]]  # fmt: skip
-        fut = clients[0].call_async(dec)
-        wait_for(lambda: "r" in d._requests, what="the decode order")
-        for c, order in zip(clients[1:], pre, strict=True):
-            assert c.call(order) == Ack(detail="accepted")
-        res = fut.result(timeout=60)
+    res = run_gather(ranks, d, prompt, NEW)
     assert isinstance(res, RequestResult)
     assert (res.state, res.reason) == ("success", "")
     ids = torch.tensor([prompt])
