@@ -8,9 +8,6 @@ import contextlib
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
-from kvplane.apps.serve import build_worker
-from kvplane.apps.serve_config import settle
-from kvplane.cli import build_parser
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.gather_orders import gather_orders
 from kvplane.serving.messages import (
@@ -25,7 +22,7 @@ from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.rpc import RpcClient
 from kvplane.serving.worker import Worker
 from kvplane.testing.cluster import wait_for
-from kvplane.testing.gather_run import gather_pieces
+from kvplane.testing.gather_run import gather_pieces, start_gather
 from kvplane.testing.reference import generate_tokens
 
 PROMPT = tuple(range(3, 43))  # 40 tokens: three prefill steps of 16
@@ -34,27 +31,12 @@ COMMON = ["--model", "tiny-llama", "--num-blocks", "16", "--num-slots", "4", "--
           "--step-size", "16"]  # fmt: skip
 
 
-def _start(*argv: str) -> Worker:
-    worker = build_worker(settle(build_parser().parse_args(["serve", *argv, *COMMON]), {}))
-    worker.start()
-    return worker
-
-
 @contextmanager
 def _ranks() -> Iterator[tuple[list[PrefillWorker], DecodeWorker]]:
     with ExitStack() as stack:
-        ranks = []
-        for r in (0, 1):
-            w = _start("prefill", "--name", f"p{r}", "--tp-rank", str(r), "--tp-size", "2")
-            stack.callback(w.close)
-            assert isinstance(w, PrefillWorker)
-            ranks.append(w)
-        d = _start("decode", "--name", "d")
-        stack.callback(d.close)
-        assert isinstance(d, DecodeWorker)
-        for p in ranks:
-            d.pair(p.info().pd_address)
-        yield ranks, d
+        ranks = [("prefill", "--name", f"p{r}", "--tp-rank", str(r), "--tp-size", "2", *COMMON)
+                 for r in (0, 1)]  # fmt: skip
+        yield start_gather(stack, ranks, ("decode", "--name", "d", *COMMON))
 
 
 def _reference() -> list[int]:

@@ -14,16 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvplane.apps.serve import build_worker
-from kvplane.apps.serve_config import settle
-from kvplane.cli import build_parser
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.messages import RequestResult
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.producers.model import ModelSpec
 from kvplane.serving.worker import Worker
 from kvplane.testing.cluster import wait_for
-from kvplane.testing.gather_run import run_gather
+from kvplane.testing.gather_run import run_gather, start_gather
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -48,12 +45,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _start(model: Path, *argv: str) -> Worker:
-    common = ["--model", str(model), "--num-blocks", "16", "--num-slots", "4", "--insecure",
-              "--step-size", "16"]  # fmt: skip
-    worker = build_worker(settle(build_parser().parse_args(["serve", *argv, *common]), {}))
-    worker.start()
-    return worker
+def _argv(model: str | Path, *argv: str) -> tuple[str, ...]:
+    return (*argv, "--model", str(model), "--num-blocks", "16", "--num-slots", "4", "--insecure",
+            "--step-size", "16")  # fmt: skip
 
 
 def _idle(w: Worker) -> bool:
@@ -64,19 +58,9 @@ def _idle(w: Worker) -> bool:
 @pytest.fixture
 def stages(checkpoint: Path) -> Iterator[tuple[list[PrefillWorker], DecodeWorker]]:
     with ExitStack() as stack:
-        ranks = []
-        for s in (0, 1):
-            argv = ("prefill", "--name", f"p{s}", "--pp-stage", str(s), "--pp-size", "2")
-            w = _start(checkpoint, *argv)
-            stack.callback(w.close)
-            assert isinstance(w, PrefillWorker)
-            ranks.append(w)
-        d = _start(checkpoint, "decode", "--name", "d")
-        stack.callback(d.close)
-        assert isinstance(d, DecodeWorker)
-        for p in ranks:
-            d.pair(p.info().pd_address)
-        yield ranks, d
+        ranks = [_argv(checkpoint, "prefill", "--name", f"p{s}", "--pp-stage", str(s),
+                       "--pp-size", "2") for s in (0, 1)]  # fmt: skip
+        yield start_gather(stack, ranks, _argv(checkpoint, "decode", "--name", "d"))
 
 
 def test_two_stages_move_only_their_groups_windows(

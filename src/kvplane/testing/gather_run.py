@@ -1,6 +1,7 @@
 """One gather request run in-process: TP/PP prefill ranks feeding one decode worker.
 
-For tests: :func:`gather_pieces` picks the senders as the router's gather does (from the
+For tests: :func:`start_gather` starts the workers from ``kvplane serve`` arguments in this
+process, :func:`gather_pieces` picks the senders as the router's gather does (from the
 workers' own reports), :func:`run_gather` sends one request through them over the workers'
 order sockets and returns its result. Never imported by production modules.
 """
@@ -11,6 +12,9 @@ import contextlib
 from collections.abc import Sequence
 from contextlib import ExitStack
 
+from kvplane.apps.serve import build_worker
+from kvplane.apps.serve_config import settle
+from kvplane.cli import build_parser
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.gather_orders import gather_orders, sender_pieces
 from kvplane.serving.messages import Ack, AnyMessage, DecodeOrder, SenderPiece
@@ -18,7 +22,35 @@ from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.router.gather_sets import gather_set
 from kvplane.serving.router.workers import WorkerHandle
 from kvplane.serving.rpc import RpcClient
+from kvplane.serving.worker import Worker
 from kvplane.testing.cluster import wait_for
+
+
+def serve_in_process(*argv: str) -> Worker:
+    """The worker ``kvplane serve ARGV`` builds (no environment, no config file), started."""
+    worker = build_worker(settle(build_parser().parse_args(["serve", *argv]), {}))
+    worker.start()
+    return worker
+
+
+def start_gather(
+    stack: ExitStack, ranks: Sequence[Sequence[str]], decode: Sequence[str]
+) -> tuple[list[PrefillWorker], DecodeWorker]:
+    """Prefill rank workers from each of ``ranks``' serve argv and a decode worker from
+    ``decode``'s, started in this process, closed by ``stack``; the decode worker is paired
+    with every rank."""
+    started = []
+    for argv in ranks:
+        w = serve_in_process(*argv)
+        stack.callback(w.close)
+        assert isinstance(w, PrefillWorker)
+        started.append(w)
+    d = serve_in_process(*decode)
+    stack.callback(d.close)
+    assert isinstance(d, DecodeWorker)
+    for p in started:
+        d.pair(p.info().pd_address)
+    return started, d
 
 
 def gather_pieces(ranks: Sequence[PrefillWorker], d: DecodeWorker) -> tuple[SenderPiece, ...]:

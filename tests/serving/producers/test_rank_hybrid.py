@@ -16,9 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvplane.apps.serve import build_worker
-from kvplane.apps.serve_config import settle
-from kvplane.cli import build_parser
 from kvplane.errors import ConfigError, UnsupportedError
 from kvplane.ids import RequestId, TokenRange
 from kvplane.pd.handshake import Placement
@@ -30,7 +27,7 @@ from kvplane.serving.producers.model import ModelProducer, ModelSpec
 from kvplane.serving.producers.rank import RankProducer
 from kvplane.serving.worker import Worker
 from kvplane.testing.cluster import idle, wait_for
-from kvplane.testing.gather_run import run_gather
+from kvplane.testing.gather_run import run_gather, start_gather
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -142,30 +139,17 @@ def test_a_restored_state_is_refused_before_any_write(checkpoint: str) -> None:
 NEW, N = 6, 40
 
 
-def _start(model: str, *argv: str) -> Worker:
-    common = ["--model", model, "--num-blocks", "16", "--num-slots", "4", "--insecure",
-              "--step-size", "16"]  # fmt: skip
-    worker = build_worker(settle(build_parser().parse_args(["serve", *argv, *common]), {}))
-    worker.start()
-    return worker
+def _argv(model: str | Path, *argv: str) -> tuple[str, ...]:
+    return (*argv, "--model", str(model), "--num-blocks", "16", "--num-slots", "4", "--insecure",
+            "--step-size", "16")  # fmt: skip
 
 
 @pytest.fixture
 def stages(checkpoint: str) -> Iterator[tuple[list[PrefillWorker], DecodeWorker]]:
     with ExitStack() as stack:
-        ranks = []
-        for s in (0, 1):
-            argv = ("prefill", "--name", f"p{s}", "--pp-stage", str(s), "--pp-size", "2")
-            w = _start(checkpoint, *argv)
-            stack.callback(w.close)
-            assert isinstance(w, PrefillWorker)
-            ranks.append(w)
-        d = _start(checkpoint, "decode", "--name", "d")
-        stack.callback(d.close)
-        assert isinstance(d, DecodeWorker)
-        for p in ranks:
-            d.pair(p.info().pd_address)
-        yield ranks, d
+        ranks = [_argv(checkpoint, "prefill", "--name", f"p{s}", "--pp-stage", str(s),
+                       "--pp-size", "2") for s in (0, 1)]  # fmt: skip
+        yield start_gather(stack, ranks, _argv(checkpoint, "decode", "--name", "d"))
 
 
 def test_two_stages_feed_one_decoder_transformers_tokens(
