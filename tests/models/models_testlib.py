@@ -32,6 +32,13 @@ def small_llama(**changes: Any) -> LlamaConfig:
     return dataclasses.replace(base, **changes)
 
 
+def mixed_qwen2(**changes: Any) -> LlamaConfig:
+    """A 4-layer Qwen2 mixing window and full layers: [sliding, full, sliding, full], window 8."""
+    s, f = "sliding_attention", "full_attention"
+    qwen2 = dict(architecture="Qwen2ForCausalLM", num_layers=4, sliding_window=8)
+    return small_llama(**{**qwen2, "layer_types": (s, f, s, f), **changes})
+
+
 def small_moe(**changes: Any) -> MoEConfig:
     base = MoEConfig(
         num_experts=4, experts_per_token=2, intermediate_size=16, num_shared_experts=1,

@@ -194,7 +194,12 @@ class BlockTable:
 
     # -- lifecycle -------------------------------------------------------------------------
     def admit(
-        self, pool: BlockPool, token_ids: TokenIds, *, drop_before: int = 0
+        self,
+        pool: BlockPool,
+        token_ids: TokenIds,
+        *,
+        drop_before: int = 0,
+        max_cached_blocks: int | None = None,
     ) -> AdmitResult | None:
         """Match the longest cached prefix, share it and allocate blocks for the rest.
 
@@ -213,6 +218,9 @@ class BlockTable:
         of the blocks wholly before it point at ``pool.null_block`` from the start (not
         allocated). ``InvalidArgumentError`` for a position past the tokens, or for one
         that drops a block in a pool without a null block.
+
+        ``max_cached_blocks`` caps the prefix hits (a model's KV cache groups, one table each,
+        use the prefix every group holds).
         """
         self._require(TableState.NEW, "admit")
         self._check_pool(pool)
@@ -222,11 +230,14 @@ class BlockTable:
             raise InvalidArgumentError(f"request {self._request_id!r} admitted with no tokens")
         bs = self._block_size
         first = require_int("drop_before", drop_before, min=0, max=n)
+        limit = (n - 1) // bs if first == 0 else 0
+        if max_cached_blocks is not None:
+            limit = min(limit, require_int("max_cached_blocks", max_cached_blocks, min=0))
         dropped = first // bs
         nulls = [self._null_of(pool)] * dropped if dropped else []
         hashes = self._hasher.hash_blocks(tokens, bs, self._extra_keys)
         hits: list[BlockId] = []
-        for h in hashes[: (n - 1) // bs if first == 0 else 0]:
+        for h in hashes[:limit]:
             block = pool.lookup(h)
             if block is None:
                 break

@@ -26,7 +26,8 @@ from kvplane.layout import BLOCK_MAJOR, Axis, KVLayout
 from kvplane.metrics import MetricsRegistry
 from kvplane.models.config import ModelConfig
 from kvplane.models.generate import greedy_generate
-from kvplane.models.kv import PagedKVCache
+from kvplane.models.kv import GroupedKVCache, PagedKVCache
+from kvplane.models.kv_groups import KVGroups
 from kvplane.models.layers import Trunk
 from kvplane.models.step import StepBatch
 
@@ -140,16 +141,31 @@ class PagedDecoder(abc.ABC):
         """Every decoder layer over ``x [T, hidden]``; writes the step's KV; returns ``x``."""
 
     def check_step(self, batch: StepBatch, kv: PagedKVCache) -> None:
-        """Raise ``InvalidArgumentError`` naming what is wrong; touches nothing."""
+        """Raise ``InvalidArgumentError`` naming what is wrong; touches nothing. ``kv`` is one
+        pool of every layer, or a :class:`GroupedKVCache` of this model's KV cache groups with
+        ``batch`` carrying each group's pages (:meth:`StepBatch.pages`)."""
         if not isinstance(batch, StepBatch):
             raise InvalidArgumentError(f"expected a StepBatch, got {type(batch).__name__}")
         if not isinstance(kv, PagedKVCache):
             raise InvalidArgumentError(f"expected a PagedKVCache, got {type(kv).__name__}")
         want = self.kv_layout(kv.num_blocks, kv.block_size, kv.layout.order)
-        if kv.layout.compat_fingerprint() != want.compat_fingerprint():
+        grouped = isinstance(kv, GroupedKVCache)
+        wants = KVGroups.of_layout(want).layouts(want) if grouped else (want,)
+        caches = kv.caches
+        if len(caches) != len(wants) or any(
+            c.layout.compat_fingerprint() != w.compat_fingerprint()
+            for c, w in zip(caches, wants, strict=True)
+        ):
+            got = [c.layout.describe() for c in caches]
+            need = [w.describe() for w in wants]
             raise InvalidArgumentError(
-                f"KV layout {kv.layout.describe()} does not fit this model, which needs "
-                f"{want.describe()}"
+                f"KV layout {got if grouped else got[0]} does not fit this model, which needs "
+                f"{need if grouped else need[0]}"
+            )
+        if batch.num_groups != len(caches):
+            raise InvalidArgumentError(
+                f"step carries the pages of {batch.num_groups} KV cache groups; the KV cache "
+                f"has {len(caches)}"
             )
         if batch.block_size != kv.block_size:
             raise InvalidArgumentError(
@@ -161,12 +177,14 @@ class PagedDecoder(abc.ABC):
                 f"{self.device}"
             )
         self.check_token_ids(batch.token_ids)
-        kv.check_slots(batch.slot_mapping)
-        max_page = batch.metadata.structure().max_page
-        if max_page >= kv.num_blocks:
-            raise InvalidArgumentError(
-                f"step reads block {max_page}; the KV pool has {kv.num_blocks} blocks"
-            )
+        for g, cache in enumerate(caches):
+            pages = batch.pages(g)
+            cache.check_slots(pages.slot_mapping)
+            max_page = pages.metadata.structure().max_page
+            if max_page >= cache.num_blocks:
+                raise InvalidArgumentError(
+                    f"step reads block {max_page}; the KV pool has {cache.num_blocks} blocks"
+                )
 
     def check_token_ids(self, token_ids: torch.Tensor) -> None:
         """``InvalidArgumentError`` naming the first id outside ``[0, vocab_size)``."""

@@ -1,15 +1,18 @@
 """Greedy generation of one request in one process, over a private paged pool.
 
 Ties go to the lowest token id, so the tokens do not depend on step sizes: the parity reference
-for PD runs. Where every layer slides, the blocks out of every window are dropped after each step
-(the pool keeps a null block for them). The table is released on every exit path. See
-docs/attention.md.
+for PD runs. A model whose layers have different windows runs one KV pool, block pool and block
+table per KV cache group; in a pool whose every layer slides, the blocks out of the window are
+dropped after each step (the pool keeps a null block for them). The tables are released on
+every exit path. See docs/attention.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvplane.blocks import BlockHasher, BlockPool, BlockTable, canonical_token_ids
@@ -18,7 +21,8 @@ from kvplane.errors import BlockStateError, InvalidArgumentError
 from kvplane.ids import RequestId, TokenRange
 from kvplane.layout import KVLayout
 from kvplane.models.base import CausalLM
-from kvplane.models.kv import PagedKVCache
+from kvplane.models.kv import GroupedKVCache, PagedKVCache
+from kvplane.models.kv_groups import KVGroups
 from kvplane.models.step import StepBatch
 from kvplane.validators import require_int
 
@@ -27,13 +31,14 @@ from kvplane.validators import require_int
 class GenerationResult:
     """The new tokens (``len == max_new_tokens``), the token range each step computed, how
     many prompt tokens came from the prefix cache instead and how many blocks the request held
-    after its last step (before its release)."""
+    after its last step (before its release): in all, and per KV cache group."""
 
     tokens: tuple[int, ...]
     prompt_len: int
     steps: tuple[TokenRange, ...]
     num_cached_tokens: int = 0
     num_held_blocks: int = 0
+    group_held_blocks: tuple[int, ...] = ()
 
     @property
     def num_prefill_steps(self) -> int:
@@ -66,9 +71,10 @@ def blocks_needed(
 ) -> int:
     """Blocks a request holds at its peak: those of the prompt plus every new token but the
     last. Where every layer of ``layout`` slides (the blocks before the window are dropped
-    after each step), at most the ``(W - 1) // block_size + 2`` blocks the largest window
-    ``W`` spans, or the whole prompt's blocks while it is computed (not when the prompt's
-    window is ``received``: a PD decode side holds only that)."""
+    after each step), at most the ``(W - 1) // block_size + 2`` (``ceil(W / block_size) + 1``)
+    blocks the largest window ``W`` spans, or the whole prompt's blocks while it is computed
+    (not when the prompt's window is ``received``: a PD decode side holds only that). Per KV
+    cache group: pass the group's layout."""
     plain = -(-(prompt_len + max(max_new_tokens - 1, 0)) // block_size)
     windows = [layout.window_of(i) for i in layout.layer_ids] if layout is not None else [None]
     if None in windows:
@@ -79,32 +85,69 @@ def blocks_needed(
 
 @dataclass(frozen=True, slots=True)
 class PagedContext:
-    """A block pool, the KV pool it indexes and the hasher of its prefix cache.
+    """Block pools, the KV pools they index and the hashers of their prefix caches: one of each
+    per KV cache group (``pool``/``hasher`` are group 0's, ``group_pools``/``group_hashers``
+    the rest; ``kv`` is a :class:`GroupedKVCache` when there are several).
 
     Owned by the caller when passed to :func:`greedy_generate` (requests release their blocks on
     return, so ``pool.check_integrity()`` and ``pool.num_free_blocks`` can be checked after);
     full blocks stay cached, so a later request with the same prefix skips that prefill. A
-    windowed model's pool (:meth:`for_model`) reserves a null block for dropped blocks.
+    windowed group's pool (:meth:`for_model`) reserves a null block for dropped blocks.
     """
 
     pool: BlockPool
     kv: PagedKVCache
     hasher: BlockHasher
+    group_pools: tuple[BlockPool, ...] = ()
+    group_hashers: tuple[BlockHasher, ...] = ()
 
     @classmethod
     def for_model(
-        cls, model: CausalLM, num_blocks: int, block_size: int, seed: int = 0
+        cls, model: CausalLM, num_blocks: int | Sequence[int], block_size: int, seed: int = 0
     ) -> PagedContext:
-        kv = model.new_kv_cache(num_blocks, block_size)
-        pool = BlockPool(num_blocks, block_size, name="generate", null_block=kv.layout.windowed)
-        return cls(pool, kv, BlockHasher(seed=seed, fingerprint=kv.layout.fingerprint()))
+        """Zeroed pools for ``model``: one per KV cache group of its layers, of ``num_blocks``
+        blocks each (or ``num_blocks[g]`` for group ``g``)."""
+        layout = model.kv_layout(1, block_size)
+        groups = KVGroups.of_layout(layout)
+        sizes = (num_blocks,) * len(groups) if isinstance(num_blocks, int) else tuple(num_blocks)
+        if len(sizes) != len(groups):
+            raise InvalidArgumentError(f"{len(groups)} KV cache groups but {len(sizes)} sizes")
+        if groups.single:
+            kv = model.new_kv_cache(sizes[0], block_size)
+        else:
+            kv = GroupedKVCache.allocate(model.kv_layout(sizes[0], block_size), sizes, model.device)
+        pools = tuple(
+            BlockPool(n, block_size, name="generate" if groups.single else f"generate.{g}",
+                      null_block=group.window is not None)
+            for g, (n, group) in enumerate(zip(sizes, groups, strict=True))
+        )  # fmt: skip
+        hashers = tuple(
+            BlockHasher(seed=seed, fingerprint=c.layout.fingerprint()) for c in kv.caches
+        )
+        return cls(pools[0], kv, hashers[0], pools[1:], hashers[1:])
 
     def __post_init__(self) -> None:
-        if (self.pool.num_blocks, self.pool.block_size) != (self.kv.num_blocks, self.kv.block_size):
+        caches = self.kv.caches
+        if len(self.pools) != len(caches) or len(self.hashers) != len(caches):
             raise InvalidArgumentError(
-                f"block pool ({self.pool.num_blocks} x {self.pool.block_size}) and KV pool "
-                f"({self.kv.num_blocks} x {self.kv.block_size}) disagree"
+                f"{len(self.pools)} block pools and {len(self.hashers)} hashers for "
+                f"{len(caches)} KV pools"
             )
+        for pool, kv in zip(self.pools, caches, strict=True):
+            if (pool.num_blocks, pool.block_size) != (kv.num_blocks, kv.block_size):
+                raise InvalidArgumentError(
+                    f"block pool ({pool.num_blocks} x {pool.block_size}) and KV pool "
+                    f"({kv.num_blocks} x {kv.block_size}) disagree"
+                )
+
+    @property
+    def pools(self) -> tuple[BlockPool, ...]:
+        """One block pool per KV cache group."""
+        return (self.pool, *self.group_pools)
+
+    @property
+    def hashers(self) -> tuple[BlockHasher, ...]:
+        return (self.hasher, *self.group_hashers)
 
 
 def greedy_generate(
@@ -120,12 +163,12 @@ def greedy_generate(
 ) -> GenerationResult:
     """Generate ``max_new_tokens`` greedy tokens after ``prompt_ids``; see the module docstring.
 
-    Without ``context`` a private pool of ``num_blocks`` (default: exactly enough, with the null
-    block of a windowed model) blocks of ``block_size`` is used; with one, its pool (and its
-    block size) is used and a cached prefix is not recomputed. Raises
-    :class:`InvalidArgumentError` before any work for an empty prompt, a prompt id outside the
-    vocabulary, a bad count or step size, or a request longer than the pool; and, with nothing
-    left allocated, when a shared pool lacks free blocks.
+    Without ``context`` private pools of ``num_blocks`` (default: exactly enough per KV cache
+    group, with the null block of a windowed group) blocks of ``block_size`` are used; with
+    one, its pools (and block size) are used and a prefix cached in every group is not
+    recomputed. Raises :class:`InvalidArgumentError` before any work for an empty prompt, a
+    prompt id outside the vocabulary, a bad count or step size, or a request longer than a
+    pool; and, with nothing left allocated, when a shared pool lacks free blocks.
     """
     prompt = canonical_token_ids(prompt_ids)
     if prompt.size == 0:
@@ -146,60 +189,112 @@ def greedy_generate(
         block_size = context.pool.block_size
     require_int("block_size", block_size, min=1)
     if context is not None:
-        drops = context.pool.null_block is not None
-        layout = context.kv.layout
+        layouts = tuple(c.layout for c in context.kv.caches)
+        drops = tuple(p.null_block is not None for p in context.pools)
     else:
         layout = model.kv_layout(1, block_size)
-        drops = layout.windowed
-    need = blocks_needed(n, max_new_tokens, block_size, layout if drops else None)
-    total = context.pool.num_blocks if context is not None else num_blocks or need + drops
-    require_int("num_blocks", total, min=1 + drops)
-    if need > total - drops:
-        raise InvalidArgumentError(
-            f"a prompt of {n} tokens plus {max_new_tokens} new tokens needs {need} blocks of "
-            f"{block_size} tokens; the pool has {total - drops}"
-        )
+        layouts = KVGroups.of_layout(layout).layouts(layout)
+        drops = tuple(None not in map(lay.window_of, lay.layer_ids) for lay in layouts)
+    needs = [
+        blocks_needed(n, max_new_tokens, block_size, lay if d else None)
+        for lay, d in zip(layouts, drops, strict=True)
+    ]
+    totals = (
+        [p.num_blocks for p in context.pools]
+        if context is not None
+        else [num_blocks or need + d for need, d in zip(needs, drops, strict=True)]
+    )
+    for g, (need, total, d) in enumerate(zip(needs, totals, drops, strict=True)):
+        require_int("num_blocks", total, min=1 + d)
+        if need > total - d:
+            raise InvalidArgumentError(
+                f"{_where(layouts, g)}a prompt of {n} tokens plus {max_new_tokens} new tokens "
+                f"needs {need} blocks of {block_size} tokens; the pool has {total - d}"
+            )
     if max_new_tokens == 0:
         return GenerationResult((), n, ())
-    ctx = context if context is not None else PagedContext.for_model(model, total, block_size)
-    table = BlockTable(RequestId(request_id), block_size, ctx.hasher)
-    if table.admit(ctx.pool, prompt) is None:
-        raise InvalidArgumentError(
-            f"the pool has {ctx.pool.num_free_blocks} free blocks; admitting {n} tokens needs more"
-        )
+    ctx = context if context is not None else PagedContext.for_model(model, totals, block_size)
+    tables = _admit(ctx, prompt, request_id)
     steps: list[TokenRange] = []
     tokens: list[int] = []
-    cached = table.num_cached_tokens
+    cached = tables[0].num_cached_tokens
     try:
-        more = need - len(table.block_ids)
-        if more > ctx.pool.num_free_blocks:
-            raise InvalidArgumentError(
-                f"decoding {max_new_tokens} tokens needs {more} more blocks; the pool has "
-                f"{ctx.pool.num_free_blocks} free"
-            )
-        for rng in prefill_ranges(n, step_size, table.num_computed_tokens):
-            logits = _step(model, table, ctx, rng)
+        for g, (table, pool, need) in enumerate(zip(tables, ctx.pools, needs, strict=True)):
+            more = need - len(table.block_ids)
+            if more > pool.num_free_blocks:
+                raise InvalidArgumentError(
+                    f"{_where(layouts, g)}decoding {max_new_tokens} tokens needs {more} more "
+                    f"blocks; the pool has {pool.num_free_blocks} free"
+                )
+        for rng in prefill_ranges(n, step_size, cached):
+            logits = _step(model, tables, ctx, rng)
             steps.append(rng)
         tokens.append(greedy_token(logits)[0])
         while len(tokens) < max_new_tokens:
-            if not table.append_tokens(ctx.pool, [tokens[-1]]):  # pragma: no cover - checked
-                raise BlockStateError("the pool ran out of blocks while decoding")
-            rng = TokenRange(table.num_tokens - 1, table.num_tokens)
-            logits = _step(model, table, ctx, rng)
+            for table, pool in zip(tables, ctx.pools, strict=True):
+                if not table.append_tokens(pool, [tokens[-1]]):  # pragma: no cover - checked
+                    raise BlockStateError("the pool ran out of blocks while decoding")
+            rng = TokenRange(n + len(tokens) - 1, n + len(tokens))
+            logits = _step(model, tables, ctx, rng)
             steps.append(rng)
             tokens.append(greedy_token(logits)[0])
-        held = table.num_held_blocks
+        held = tuple(table.num_held_blocks for table in tables)
     finally:
-        table.release(ctx.pool)
-    return GenerationResult(tuple(tokens), n, tuple(steps), cached, held)
+        for table, pool in zip(tables, ctx.pools, strict=True):
+            table.release(pool)
+    return GenerationResult(tuple(tokens), n, tuple(steps), cached, sum(held), held)
 
 
-def _step(model: CausalLM, table: BlockTable, ctx: PagedContext, rng: TokenRange) -> torch.Tensor:
-    """Compute ``rng``, mark it computed, then drop the blocks no later step reads (the next
-    one computes ``rng.end`` on), where the pool has a null block for them."""
-    batch = StepBatch.from_tables([(table, rng)], model.device)
+def _where(layouts: Sequence[KVLayout], group: int) -> str:
+    """An error's prefix naming KV cache group ``group`` (none for a one-group model)."""
+    if len(layouts) == 1:
+        return ""
+    lay = layouts[group]
+    return f"KV cache group {group} (window {lay.window_of(lay.layer_ids[0])}): "
+
+
+def _admit(ctx: PagedContext, prompt: np.ndarray, request_id: str) -> list[BlockTable]:
+    """One admitted table per KV cache group, each with the prefix every group holds cached
+    (a group that matched more is admitted again, capped); ``InvalidArgumentError`` with
+    nothing allocated when a pool lacks free blocks."""
+    layouts = [c.layout for c in ctx.kv.caches]
+    tables: list[BlockTable] = []
+
+    def admit(g: int, cap: int | None) -> BlockTable:
+        pool, hasher = ctx.pools[g], ctx.hashers[g]
+        table = BlockTable(RequestId(request_id), pool.block_size, hasher)
+        if table.admit(pool, prompt, max_cached_blocks=cap) is None:
+            raise InvalidArgumentError(
+                f"{_where(layouts, g)}the pool has {pool.num_free_blocks} free blocks; "
+                f"admitting {len(prompt)} tokens needs more"
+            )
+        return table
+
+    try:
+        cap: int | None = None
+        for g in range(len(layouts)):
+            tables.append(admit(g, cap))
+            cap = tables[-1].num_cached_tokens // ctx.pool.block_size
+        for g, table in enumerate(tables):
+            if table.num_cached_tokens // ctx.pool.block_size != cap:
+                table.release(ctx.pools[g])
+                tables[g] = admit(g, cap)
+    except BaseException:
+        for table, pool in zip(tables, ctx.pools, strict=False):
+            table.release(pool)
+        raise
+    return tables
+
+
+def _step(
+    model: CausalLM, tables: list[BlockTable], ctx: PagedContext, rng: TokenRange
+) -> torch.Tensor:
+    """Compute ``rng``, mark it computed, then, in each pool with a null block, drop the
+    blocks no later step reads (the next one computes ``rng.end`` on)."""
+    batch = StepBatch.from_group_tables([(tables, rng)], model.device)
     logits = model.forward_step(batch, ctx.kv)
-    table.mark_computed(ctx.pool, len(rng))
-    if ctx.pool.null_block is not None:
-        table.drop_before(ctx.pool, ctx.kv.layout.window_start(rng.end))
+    for table, pool, kv in zip(tables, ctx.pools, ctx.kv.caches, strict=True):
+        table.mark_computed(pool, len(rng))
+        if pool.null_block is not None:
+            table.drop_before(pool, kv.layout.window_start(rng.end))
     return logits

@@ -71,8 +71,9 @@ class LlamaModel(PagedDecoder):
         """The GQA pool of every layer with each layer's window (``layer_windows``; one window
         on every layer, as Mistral's or Qwen2's all sliding, is the pool's ``sliding_window``),
         so PD moves, per window group, only the positions its attention reads
-        (:meth:`KVLayout.window_start`), and where every layer slides the blocks out of the
-        window are freed (:meth:`~kvplane.blocks.BlockTable.drop_before`)."""
+        (:meth:`KVLayout.window_start`), and the blocks out of a window are freed
+        (:meth:`~kvplane.blocks.BlockTable.drop_before`) where every layer of a pool slides:
+        one pool, or one per KV cache group (:class:`~kvplane.models.kv.GroupedKVCache`)."""
         c = self.llama
         return KVLayout.gqa(
             num_blocks=num_blocks, block_size=block_size, num_layers=c.num_layers,
@@ -87,13 +88,14 @@ class LlamaModel(PagedDecoder):
         t, d = x.shape[0], c.head_dim
         cos, sin = rope_tables(c.rope, d, batch.positions)
         for i, layer in enumerate(self.layers):
+            pages = batch.pages(kv.group_of(i))  # its KV cache group's pool and page table
             h = layer.input_norm(x)
             q = apply_rope(layer.q(h).view(t, c.num_heads, d), cos, sin, RopeStyle.NEOX)
             k = apply_rope(layer.k(h).view(t, c.num_kv_heads, d), cos, sin, RopeStyle.NEOX)
-            kv.write_kv(i, batch.slot_mapping, k, layer.v(h).view(t, c.num_kv_heads, d))
+            kv.write_kv(i, pages.slot_mapping, k, layer.v(h).view(t, c.num_kv_heads, d))
             query, cache = GQAQuery(q), kv.gqa(i)
             problem = gqa_problem(
-                query, cache, batch.metadata, sm_scale=d**-0.5, causal=True,
+                query, cache, pages.metadata, sm_scale=d**-0.5, causal=True,
                 window=c.layer_window(i),
             )  # fmt: skip
             out = attention.run(problem, query, cache).out
