@@ -236,6 +236,7 @@ def test_a_failed_prefill_cancels_the_waiting_decode_call_in_pipelined_mode(make
     assert status == 502
     assert body["error"]["message"] == f"prefill server {p.url}: HTTP 503: no"
     assert time.monotonic() - t0 < 5.0
+    assert d.arrived.wait(5.0)  # the fake notes the request on its own thread
     deadline = time.monotonic() + 5.0
     while d.seen[0].closed_after is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -310,7 +311,7 @@ def test_requests_over_the_concurrency_cap_get_503(make: Any) -> None:
         (b"{", 400, "the request body is not JSON"),
         (b"[1]", 400, "the request body must be a JSON object"),
         (json.dumps({**BODY, "prompt": [[1], [2]]}).encode(), 400,
-         "one prompt per request: PD pairs one prefill with one decode"),
+         "one prompt per request: the proxy picks the engines per prompt"),
         (json.dumps({**BODY, "kv_transfer_params": {}}).encode(), 400,
          "'kv_transfer_params' is set by the proxy, not by clients"),
         (b" " * 101, 413, "the body is over 100 bytes"),
@@ -335,7 +336,7 @@ def test_unknown_routes_are_404_and_chat_is_served(make: Any) -> None:
 def test_health_names_the_server_that_is_down(make: Any) -> None:
     proxy, _p, d = make(answer({}), answer({}))
     with urllib.request.urlopen(proxy.address + "/health", timeout=10) as resp:
-        assert json.loads(resp.read()) == {"status": "ok", "mode": "pull"}
+        assert json.loads(resp.read()) == {"status": "ok", "mode": "pull", "policy": "round-robin"}
     assert d.server is not None
     d.server.shutdown()
     d.server.server_close()
@@ -356,7 +357,7 @@ def test_health_names_the_server_that_is_down(make: Any) -> None:
         ({"mode": "pipelined", "prefill_pd": "tcp://x:1,"},
          "--prefill-pd must be tcp://HOST:PORT, one per prefill TP rank in rank order separated "
          "by commas, got 'tcp://x:1,'"),
-        ({"mode": "push"}, "--mode must be one of ['pull', 'pipelined'], got 'push'"),
+        ({"mode": "push"}, "--mode must be one of ['pull', 'pipelined', 'direct'], got 'push'"),
         ({"decode": "https://x:1"}, "--decode must be http://HOST:PORT, got 'https://x:1'"),
         ({"max_concurrent": 0}, "--max-concurrent must be a positive int, got 0"),
     ],
@@ -408,7 +409,9 @@ def test_connections_past_the_cap_are_closed_at_once(make: Any) -> None:
 
 
 def test_a_config_names_each_prefill_rank_in_order() -> None:
-    base = {"prefill": "http://127.0.0.1:1", "decode": "http://127.0.0.1:2", "mode": "pipelined"}
+    base: dict[str, Any] = {
+        "prefill": "http://127.0.0.1:1", "decode": "http://127.0.0.1:2", "mode": "pipelined",
+    }  # fmt: skip
     two = ProxyConfig(**base, prefill_pd="tcp://127.0.0.1:7000,tcp://127.0.0.1:7001")
     assert two.prefill_pd_ranks == ("tcp://127.0.0.1:7000", "tcp://127.0.0.1:7001")
     assert ProxyConfig(**base, prefill_pd=PD).prefill_pd_ranks == (PD,)

@@ -81,7 +81,7 @@ def test_session_ids_are_fresh_32_hex_digits() -> None:
         ({"prompt": []}, False, "'prompt' must be a string or a list of token ids"),
         ({"prompt": [1, True]}, False, "'prompt' must be a string or a list of token ids"),
         ({"prompt": ["a", "b"]}, False,
-         "one prompt per request: PD pairs one prefill with one decode"),
+         "one prompt per request: the proxy picks the engines per prompt"),
         ({"prompt": "a", "stream": "yes"}, False, "'stream' must be true or false, got 'yes'"),
         ({"messages": "hi"}, True, "'messages' must be a list"),
     ],

@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -33,14 +34,28 @@ from typing import Any
 import pytest
 
 from kvplane.apps.proxy import PDProxy, ProxyConfig
+from kvplane.apps.proxy_routing import RoutingConfig
 from kvplane.integrations.vllm.env import vllm_python, vllm_support
 from kvplane.integrations.vllm.harness import cpu_binds
+from kvplane.serving.router.route_policy import rendezvous
+from kvplane.testing.cluster import wait_for
 
 SHAPE = {"vocab": 512, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256}
 SECRET = "kvplane-proxy-test-secret-0123456789"
 MAX_TOKENS = 8
 LENGTHS = (300, 97, 64, 33)  # several slices; 3 blocks + the recomputed token; 2 blocks; 1 + 1
 START_S = 600.0
+LOGGING = {
+    "version": 1, "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "plain",
+                         "stream": "ext://sys.stdout"}},
+    "loggers": {"vllm": {"handlers": ["out"], "level": "WARNING", "propagate": False},
+                "kvplane": {"handlers": ["out"], "level": "WARNING", "propagate": False},
+                "kvplane.integrations.vllm.connector": {"level": "INFO"}},
+}  # fmt: skip
+"""vLLM's loggers as ``VLLM_LOGGING_LEVEL=WARNING`` has them, and the connector's INFO lines
+(its key scheme: under vLLM's own logging config kvplane's INFO lines go nowhere)."""
 pytestmark = pytest.mark.timeout(1500)
 
 
@@ -67,6 +82,7 @@ class Server:
     url: str
     log: Path
     metrics: int  # the connector's scheduler-side /metrics port (0: no connector)
+    events: int = 0  # the connector's kv_events_port (0: none; replays on the next port)
 
 
 @dataclass
@@ -81,8 +97,9 @@ def _start(
 ) -> Server:
     """Start one OpenAI server of the vLLM environment (``tp`` ranks; at TP > 1 float32, each
     rank on its own core, rank r's PD endpoint on ``pd_port + r`` and no private metrics port:
-    every rank's worker would bind the same one)."""
-    port, metrics = free_port(), 0
+    every rank's worker would bind the same one). At TP 1 its connector publishes KV events
+    (with the secret) and logs its chunk key scheme (:data:`LOGGING`)."""
+    port, metrics, events = free_port(), 0, 0
     cmd = [
         str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--served-model-name", "tiny", "--skip-tokenizer-init", "--block-size", "32",
@@ -97,8 +114,12 @@ def _start(
     if role is not None:
         extra: dict[str, Any] = {"pd_transport": "tcp", "pd_bind": f"tcp://127.0.0.1:{pd_port}"}
         if tp == 1:
-            metrics = free_port()
+            metrics, events = free_port(), free_ports(2)
             extra["metrics_port"] = metrics - 1
+            extra["kv_events_port"] = events
+            logging_config = root / "logging.json"
+            logging_config.write_text(json.dumps(LOGGING))
+            env["VLLM_LOGGING_CONFIG_PATH"] = str(logging_config)
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KVPlaneConnector",
             "kv_connector_module_path": "kvplane.integrations.vllm.connector",
@@ -110,7 +131,7 @@ def _start(
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    return Server(proc, f"http://127.0.0.1:{port}", log, metrics)
+    return Server(proc, f"http://127.0.0.1:{port}", log, metrics, events)
 
 
 def _wait_healthy(server: Server, deadline: float) -> None:
@@ -286,6 +307,79 @@ def test_tokens_through_the_proxy_equal_one_engines_and_each_decode_receives(
     ok, failed = (metric(private, n, **la) - b for (n, la), b in zip(counters, before, strict=True))
     assert (ok, failed) == (len(prompts), 0), "every decode request received its KV"
     record_property("kv_received", ok)
+
+
+SCHEME_RE = re.compile(
+    r"chunk keys: hash seed (\d+), key root ([0-9a-f]+), block size (\d+), (\d+) blocks per chunk"
+)
+
+
+def key_scheme(server: Server) -> tuple[int, str, int, int]:
+    """The chunk key scheme ``server``'s connector logged at its handshake: hash seed, key
+    root, vLLM block size, blocks per chunk."""
+    wait_for(lambda: SCHEME_RE.search(server.log.read_text()) is not None, 60.0, "key scheme")
+    m = SCHEME_RE.search(server.log.read_text())
+    assert m is not None
+    return int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
+
+
+def test_cache_aware_proxy_sends_a_prefix_to_the_engine_holding_it(
+    servers: Servers, tmp_path: Path
+) -> None:
+    """Both servers as ``direct`` engines behind ``--policy cache-aware`` (their connectors
+    offload to host and publish KV events, read with the secret). A 300-token prompt is served
+    once straight on the engine a tie would *not* pick (its first chunk key's rendezvous loser);
+    once its 2 chunks (128 tokens each) are in that engine's events, two prompts with its first
+    256 tokens and a new suffix go through the proxy to that engine: each of its 256 cached
+    tokens counted cached there (vLLM's ``prompt_tokens_cached``), no request on the other one,
+    and tokens equal to the other engine's computed from scratch. A text prompt is refused in
+    one line with the engines' own 400 (no tokenizer here: ``--skip-tokenizer-init``)."""
+    engines = (servers.prefill, servers.decode)
+    schemes = {key_scheme(s) for s in engines}
+    assert len(schemes) == 1, "one model and config: one key scheme"
+    seed, root, block_size, blocks_per_chunk = schemes.pop()
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET)
+    routing = RoutingConfig(
+        policy="cache-aware", kv_events=",".join(f"tcp://127.0.0.1:{s.events}" for s in engines),
+        kv_events_secret_file=str(secret), key_root=root, hash_seed=seed,
+        block_size=block_size, blocks_per_chunk=blocks_per_chunk,
+    )  # fmt: skip
+    config = ProxyConfig(mode="direct", engines=",".join(s.url for s in engines), routing=routing)
+    rng = random.Random("cache-aware routing")
+    prompt = [rng.randrange(1, 512) for _ in range(300)]
+    keys = routing.scheme().keys(prompt)
+    assert len(keys) == 2
+    holder, other = sorted(engines, key=lambda s: rendezvous(keys[0], s.url))
+    follow = [prompt[:256] + [rng.randrange(1, 512) for _ in range(n)] for n in (20, 45)]
+    proxy = PDProxy(config, env={})
+    proxy.start()
+    try:
+        tokens(holder.url, prompt)  # served once, on the engine a tie would not pick
+        wait_for(
+            lambda: proxy.picker.matches(prompt).get(holder.url) is not None
+            and proxy.picker.matches(prompt)[holder.url].by_tier.get("host") == 2,
+            60.0, "the holder's KV events",
+        )  # fmt: skip
+        assert list(proxy.picker.matches(prompt)) == [holder.url]
+        counters = [("vllm:prompt_tokens_cached_total", holder), ("vllm:request_success_total",
+                    holder), ("vllm:request_success_total", other)]  # fmt: skip
+        before = [metric(s.url, name) for name, s in counters]
+        got = [tokens(proxy.address, p) for p in follow]
+        after = [metric(s.url, name) for name, s in counters]
+        with pytest.raises(urllib.error.HTTPError) as refused:  # no tokenizer: text refused
+            post(proxy.address, {"model": "tiny", "prompt": "some text", "max_tokens": 1})
+    finally:
+        proxy.close()
+    assert proxy.picker.picked == {holder.url: 2}
+    assert refused.value.code == 400
+    assert json.loads(refused.value.read())["error"]["message"] == (
+        f"cache-aware routing: /tokenize: engine server {engines[0].url}: HTTP 400: Tokenizer "
+        "not available when `skip_tokenizer_init=True`"
+    )
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2 * 256, 2, 0]
+    assert got == [tokens(other.url, p) for p in follow]
+    assert all(len(t) == MAX_TOKENS for t in got)
 
 
 TP = 2

@@ -1,21 +1,25 @@
-"""``PDProxy``: an OpenAI-compatible front that runs each request on a prefill and a decode
-vLLM server (both with ``KVPlaneConnector``), in the order the PD mode needs.
+"""``PDProxy``: an OpenAI-compatible front that runs each request on vLLM servers (with
+``KVPlaneConnector``): a prefill and a decode server as the PD mode needs, or one engine.
 
-Owns the config, the two flows and ``/health``: *pull*, prefill then decode with the params the
+Owns the config, the flows and ``/health``: *pull*, prefill then decode with the params the
 prefill returned; *pipelined*, decode first, prefill concurrently in a thread, one session id,
 and whichever call fails first (before the decode answer is relayed) cancels the other, so the
-client gets a one-line 502. Routes, request bounds and relaying are the HTTP front's
-(:mod:`~kvplane.apps.proxy_http`). It moves no KV and holds no secret: HTTP to two servers only.
+client gets a one-line 502; *direct*, the client's request as is on one engine. The prefill
+server (or engine) is the :class:`~kvplane.apps.proxy_routing.EnginePicker`'s pick, decode
+servers take turns. Routes, bounds and relaying are :mod:`~kvplane.apps.proxy_http`'s. It
+moves no KV: HTTP to the servers and, cache-aware, their connectors' KV events.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvplane.apps.proxy_http import Front, Handler, Limits, error_body
+from kvplane.apps.proxy_http import ROUTES, Front, Handler, Limits, error_body
 from kvplane.apps.proxy_requests import (
     MODES,
     ClientRequest,
@@ -24,6 +28,7 @@ from kvplane.apps.proxy_requests import (
     prefill_body,
     pull_decode_body,
 )
+from kvplane.apps.proxy_routing import EnginePicker, RoutingConfig, prompt_token_ids, split_list
 from kvplane.apps.proxy_upstream import Call, Upstream, UpstreamError
 from kvplane.errors import ConfigError, InvalidArgumentError
 from kvplane.integrations.vllm.pd_params import SESSION_KEY, address_params, parse_params
@@ -34,12 +39,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
-    """The proxy: the two servers (``http://HOST:PORT``), the prefill engine's PD endpoints
-    (``tcp://HOST:PORT``, one per TP rank in rank order, comma-separated; pipelined mode
-    only), where to listen, and its bounds."""
+    """The proxy: its servers (``http://HOST:PORT``, several comma-separated): ``prefill`` and
+    ``decode`` in the PD modes, ``engines`` in ``direct``; in pipelined mode each prefill
+    server's PD endpoints (``tcp://HOST:PORT``, one per TP rank in rank order, comma-separated;
+    the servers' groups in ``--prefill`` order separated by ``;``); where to listen, its bounds,
+    and how it picks a prefill server or engine (``routing``)."""
 
-    prefill: str
-    decode: str
+    prefill: str = ""
+    decode: str = ""
     prefill_pd: str | None = None
     mode: str = "pull"
     host: str = "127.0.0.1"
@@ -48,19 +55,69 @@ class ProxyConfig:
     max_body_bytes: int = 8 << 20
     timeout_s: float = 300.0
     client_timeout_s: float = 60.0
+    engines: str = ""
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+    @property
+    def prefill_pd_groups(self) -> tuple[tuple[str, ...], ...]:
+        """Each prefill server's PD endpoints, per rank (empty without ``prefill_pd``)."""
+        groups = self.prefill_pd.split(";") if self.prefill_pd else []
+        return tuple(tuple(g.split(",")) for g in groups)
 
     @property
     def prefill_pd_ranks(self) -> tuple[str, ...]:
-        """``prefill_pd`` split into its per-rank addresses (empty without one)."""
-        return tuple(self.prefill_pd.split(",")) if self.prefill_pd else ()
+        """The first prefill server's PD endpoints, per rank (empty without ``prefill_pd``)."""
+        groups = self.prefill_pd_groups
+        return groups[0] if groups else ()
+
+    @property
+    def routed(self) -> tuple[str, ...]:
+        """The servers the routing policy picks among: the engines, or the prefill servers."""
+        return split_list(self.engines if self.mode == "direct" else self.prefill)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {list(MODES)}, got {self.mode!r}")
+        if self.mode == "direct":
+            if self.prefill or self.decode or self.prefill_pd:
+                raise ConfigError("--mode direct takes --engines, not --prefill/--decode/"
+                                  "--prefill-pd")  # fmt: skip
+            self._check_urls("engines", "engine")
+        else:
+            if self.engines:
+                raise ConfigError(f"--engines is for --mode direct, not {self.mode}")
+            self._check_urls("prefill", "prefill")
+            self._check_urls("decode", "decode")
         if self.mode == "pipelined":
-            if self.prefill_pd is None:
-                raise ConfigError("--mode pipelined needs --prefill-pd tcp://HOST:PORT")
-            addresses = self.prefill_pd_ranks
+            self._check_pd()
+        require_int("--port", self.port, min=0, max=65535, error=ConfigError)
+        require_int("--max-concurrent", self.max_concurrent, min=1, error=ConfigError)
+        require_size("--max-body-bytes", self.max_body_bytes, min=1, error=ConfigError)
+        require_finite_positive("--timeout", self.timeout_s)
+        require_finite_positive("--client-timeout", self.client_timeout_s)
+        what = "engine" if self.mode == "direct" else "prefill server"
+        self.routing.check_engines(len(self.routed), what)
+
+    def _check_urls(self, field_name: str, role: str) -> None:
+        flag = f"--{field_name}"
+        urls = split_list(getattr(self, field_name))
+        if not urls:
+            raise ConfigError(f"--mode {self.mode} needs {flag} http://HOST:PORT[,...]")
+        for url in urls:
+            Upstream.from_url(field_name, url, self.timeout_s)
+        if len(set(urls)) != len(urls):
+            raise ConfigError(f"{flag} names a {role} server twice: {list(urls)}")
+
+    def _check_pd(self) -> None:
+        if self.prefill_pd is None:
+            raise ConfigError("--mode pipelined needs --prefill-pd tcp://HOST:PORT")
+        groups, servers = self.prefill_pd_groups, len(split_list(self.prefill))
+        if len(groups) != servers:
+            raise ConfigError(
+                f"--prefill-pd names {len(groups)} prefill server(s)' endpoints for {servers} "
+                "--prefill server(s): one group each, in order, separated by ';'"
+            )
+        for addresses in groups:
             probe = {"do_remote_prefill": True, SESSION_KEY: "x", **address_params(addresses)}
             try:
                 parse_params(probe)  # the decode engine's own check of the addresses
@@ -69,13 +126,6 @@ class ProxyConfig:
                     "--prefill-pd must be tcp://HOST:PORT, one per prefill TP rank in rank "
                     f"order separated by commas, got {self.prefill_pd!r:.80}"
                 ) from None
-        require_int("--port", self.port, min=0, max=65535, error=ConfigError)
-        require_int("--max-concurrent", self.max_concurrent, min=1, error=ConfigError)
-        require_size("--max-body-bytes", self.max_body_bytes, min=1, error=ConfigError)
-        require_finite_positive("--timeout", self.timeout_s)
-        require_finite_positive("--client-timeout", self.client_timeout_s)
-        Upstream.from_url("prefill", self.prefill, self.timeout_s)
-        Upstream.from_url("decode", self.decode, self.timeout_s)
 
 
 class _Pair:
@@ -112,14 +162,28 @@ class _Pair:
 
 
 class PDProxy:
-    """See the module docstring. :meth:`start` serves in a thread; :meth:`close` stops."""
+    """See the module docstring. :meth:`start` serves in a thread; :meth:`close` stops.
+    ``env``: where the KV events' secret is read (``KVPLANE_SECRET``; default
+    ``os.environ``); ``ConfigError`` before anything binds for no secret and no
+    ``kv_events_insecure`` under cache-aware routing."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, env: Mapping[str, str] | None = None) -> None:
         self.config = config
-        self.prefill = Upstream.from_url("prefill", config.prefill, config.timeout_s)
-        self.decode = Upstream.from_url("decode", config.decode, config.timeout_s)
+        routing = config.routing
+        secret = routing.secret(os.environ if env is None else env) if routing.cache_aware else None
+        t = config.timeout_s
+        self.prefill = [Upstream.from_url("prefill", u, t) for u in split_list(config.prefill)]
+        self.decode = [Upstream.from_url("decode", u, t) for u in split_list(config.decode)]
+        self.engines = [Upstream.from_url("engine", u, t) for u in split_list(config.engines)]
+        self.routed = self.engines if config.mode == "direct" else self.prefill
+        self.picker = EnginePicker(self.routed, routing, secret)
+        self._decoders = EnginePicker(self.decode, RoutingConfig(), None) if self.decode else None
         limits = Limits(config.max_concurrent, config.max_body_bytes, config.client_timeout_s)
-        self._front = Front((config.host, config.port), self, limits)
+        try:
+            self._front = Front((config.host, config.port), self, limits)
+        except BaseException:
+            self.picker.close()
+            raise
         self._thread: threading.Thread | None = None
 
     @property
@@ -138,11 +202,12 @@ class PDProxy:
             self._front.shutdown()
             self._thread.join()
         self._front.server_close()
+        self.picker.close()
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        """200 when both servers answer ``/health`` with 200, else 503 naming each one down."""
+        """200 when every server answers ``/health`` with 200, else 503 naming each one down."""
         down = []
-        for up in (self.prefill, self.decode):
+        for up in (*self.routed, *self.decode):
             try:
                 status, _ = up.get("/health", min(5.0, self.config.timeout_s))
             except UpstreamError as exc:
@@ -152,34 +217,61 @@ class PDProxy:
                 down.append(f"{up.name} server {up.url}: /health answered {status}")
         if down:
             return 503, error_body(503, "; ".join(down))
-        return 200, {"status": "ok", "mode": self.config.mode}
+        return 200, {"status": "ok", "mode": self.config.mode, "policy": self.config.routing.policy}
 
     def models(self) -> tuple[int, bytes]:
-        """The decode server's ``/v1/models`` answer."""
-        return self.decode.get("/v1/models", self.config.timeout_s)
+        """The first decode server's (or engine's) ``/v1/models`` answer."""
+        return (self.decode or self.engines)[0].get("/v1/models", self.config.timeout_s)
 
     # -- the flows -----------------------------------------------------------------------------
     def serve(self, h: Handler, path: str, req: ClientRequest) -> None:
-        """Run ``req`` on both servers and relay the decode answer to ``h``'s client."""
-        auth = {k: v for k, v in h.headers.items() if k.lower() == "authorization"}
-        if self.config.mode == "pull":
-            with Call(self.prefill, path, prefill_body(req), auth) as first:
-                first.send()
-                params = first.answer().get("kv_transfer_params")
-            if params is not None and not isinstance(params, dict):
-                raise self.prefill.fail(f"kv_transfer_params is not an object: {params!r:.80}")
-            with Call(self.decode, path, pull_decode_body(req, params), auth) as call:
-                call.send()
-                h.relay(call, req.stream, call.response(), lambda: None)
-            return
+        """Run ``req`` on the servers the routing picks and relay the answer to ``h``'s
+        client (the decode server's, or the engine's)."""
+        ids = None
+        if self.picker.cache is not None:
+            ids = prompt_token_ids(req, ROUTES[path], self.routed)
+        with self.picker.pick(ids) as lease:
+            server = self.routed[lease.index]
+            if self._decoders is None:  # direct
+                with Call(server, path, dict(req.body), _auth(h)) as call:
+                    call.send()
+                    h.relay(call, req.stream, call.response(), lambda: None)
+                return
+            with self._decoders.pick(None) as turn:
+                decode = self.decode[turn.index]
+                if self.config.mode == "pull":
+                    self._pull(h, path, req, (server, decode))
+                else:
+                    ranks = self.config.prefill_pd_groups[lease.index]
+                    self._pipelined(h, path, req, (server, decode), ranks)
+
+    def _pull(
+        self, h: Handler, path: str, req: ClientRequest, servers: tuple[Upstream, Upstream]
+    ) -> None:
+        prefill, decode = servers
+        auth = _auth(h)
+        with Call(prefill, path, prefill_body(req), auth) as first:
+            first.send()
+            params = first.answer().get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):
+            raise prefill.fail(f"kv_transfer_params is not an object: {params!r:.80}")
+        with Call(decode, path, pull_decode_body(req, params), auth) as call:
+            call.send()
+            h.relay(call, req.stream, call.response(), lambda: None)
+
+    def _pipelined(
+        self, h: Handler, path: str, req: ClientRequest, servers: tuple[Upstream, Upstream],
+        ranks: tuple[str, ...],
+    ) -> None:  # fmt: skip
+        prefill_server, decode_server = servers
+        auth = _auth(h)
         sid, pair = new_session_id(), _Pair()
-        body = pipelined_decode_body(req, sid, self.config.prefill_pd_ranks)
-        decode = Call(self.decode, path, body, auth)
+        decode = Call(decode_server, path, pipelined_decode_body(req, sid, ranks), auth)
         pair.add(decode)
         worker: threading.Thread | None = None
         try:
             decode.send()  # first: its receive opens the session before the prefill starts
-            prefill = Call(self.prefill, path, prefill_body(req, sid), auth)
+            prefill = Call(prefill_server, path, prefill_body(req, sid), auth)
             pair.add(prefill)
             worker = threading.Thread(target=_prefill, args=(prefill, pair), daemon=True)
             worker.start()
@@ -191,6 +283,11 @@ class PDProxy:
             decode.close()
             if worker is not None:
                 worker.join(self.config.timeout_s)
+
+
+def _auth(h: Handler) -> dict[str, str]:
+    """The client's ``Authorization`` header, passed on to every upstream call."""
+    return {k: v for k, v in h.headers.items() if k.lower() == "authorization"}
 
 
 def _prefill(call: Call, pair: _Pair) -> None:

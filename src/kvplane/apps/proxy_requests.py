@@ -20,9 +20,15 @@ from kvplane.errors import InvalidArgumentError
 from kvplane.integrations.vllm.pd_params import SESSION_KEY, address_params, prompt_key
 from kvplane.validators import is_int
 
-MODES = ("pull", "pipelined")
+MODES = ("pull", "pipelined", "direct")
 """Pull: prefill, then decode with the params it returned. Pipelined: decode first, prefill
-concurrently, both naming the proxy's session, so each prefill step's KV moves as computed."""
+concurrently, both naming the proxy's session, so each prefill step's KV moves as computed.
+Direct: no PD, the client's request as is on one engine (the routing picks which)."""
+_CHAT_TOKENIZE = (
+    "model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+    "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs",
+)  # fmt: skip
+"""The chat request's keys vLLM's ``/tokenize`` reads the same way as the chat endpoint."""
 PARAMS = "kv_transfer_params"
 
 
@@ -59,7 +65,7 @@ def _check_prompt(body: Mapping[str, Any], chat: bool) -> None:
         and len(prompt) > 1
         and all(isinstance(p, list | str) for p in prompt)
     ):
-        raise InvalidArgumentError("one prompt per request: PD pairs one prefill with one decode")
+        raise InvalidArgumentError("one prompt per request: the proxy picks the engines per prompt")
     raise InvalidArgumentError("'prompt' must be a string or a list of token ids")
 
 
@@ -82,6 +88,21 @@ def parse_request(raw: bytes, *, chat: bool) -> ClientRequest:
     _check_prompt(body, chat)
     ids = None if chat else _token_ids(body.get("prompt"))
     return ClientRequest(body, stream, ids)
+
+
+def tokenize_body(req: ClientRequest, chat: bool) -> dict[str, Any]:
+    """The ``/tokenize`` request of ``req``'s prompt (a completion's text, or a chat's messages
+    with the keys that shape its template), the request's ``model`` named as the client did."""
+    if chat:
+        return {k: v for k, v in req.body.items() if k in _CHAT_TOKENIZE}
+    prompt = req.body.get("prompt")
+    if isinstance(prompt, list):  # a batch of one
+        prompt = prompt[0]
+    body: dict[str, Any] = {"prompt": prompt}
+    for key in ("model", "add_special_tokens"):
+        if key in req.body:
+            body[key] = req.body[key]
+    return body
 
 
 def new_session_id() -> str:

@@ -1,0 +1,280 @@
+"""Which vLLM engine the proxy sends a request to: ``round-robin`` or ``cache-aware``.
+
+Owns :class:`RoutingConfig` (the policy, the engines' KV event addresses, their key scheme and
+the events' secret rule) and :class:`EnginePicker`. Cache-aware reuses the router's parts, never
+re-implements them: one :class:`~kvplane.serving.router.kv_subscriber.KVEventSubscriber` and
+:class:`~kvplane.serving.router.prefix_index.PrefixIndex` per engine (fed by its connector's
+publisher), the connector's key scheme (:class:`~kvplane.serving.router.route_policy.
+ChunkKeyScheme` over the logged hash seed, key root, block size and blocks per chunk) and
+:meth:`CacheRouting.pick` with the proxy's own in-flight uncached prompt tokens per engine as
+the queue. A prompt given as text is tokenized by an engine's ``/tokenize``. Moves no KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvplane.apps.proxy_requests import ClientRequest, tokenize_body
+from kvplane.apps.proxy_upstream import Call, Upstream, UpstreamError
+from kvplane.blocks.hashing import BlockHasher
+from kvplane.chunks import ChunkSpec
+from kvplane.config import secret_or_insecure
+from kvplane.errors import ConfigError, InvalidArgumentError
+from kvplane.ids import ChunkKey
+from kvplane.serving.router.kv_subscriber import EventSource, KVEventSubscriber
+from kvplane.serving.router.prefix_index import PrefixIndex, PrefixMatch
+from kvplane.serving.router.route_policy import CacheRouting, ChunkKeyScheme, RoutePolicy
+from kvplane.serving.router.router import PENDING_GRACE_S
+from kvplane.serving.worker_config import split_address
+from kvplane.validators import is_int, require_bool, require_int
+
+_HEX_RE = re.compile(r"^(?:[0-9a-f]{2}){1,64}$")
+PENDING_MAX_S = 3600.0
+"""How long a picked request's chunks may stay expected while it runs (its end settles them)."""
+
+
+def split_list(text: str | None) -> tuple[str, ...]:
+    """``text``'s comma-separated items, stripped (empty for None or "")."""
+    return tuple(item.strip() for item in (text or "").split(",")) if text else ()
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """How the proxy picks among the engines a request may run on (the prefill servers in the
+    PD modes, the engines in ``direct``). Cache-aware needs each engine's connector KV events
+    (``kv_events``: ``tcp://HOST:PORT`` of its ``kv_events_port``, comma-separated in the
+    engines' order; replays on PORT+1) and their key scheme, the four values the connector
+    logs (``key_root`` hex, ``hash_seed``, vLLM's ``block_size``, ``blocks_per_chunk``); the
+    events are read with the cluster secret (``kv_events_secret_file`` or ``KVPLANE_SECRET``)
+    unless ``kv_events_insecure``."""
+
+    policy: str = RoutePolicy.ROUND_ROBIN.value
+    kv_events: str | None = None
+    kv_events_secret_file: str | None = None
+    kv_events_insecure: bool = False
+    key_root: str | None = None
+    hash_seed: int = 0
+    block_size: int = 0
+    blocks_per_chunk: int = 4
+
+    def __post_init__(self) -> None:
+        try:
+            policy = RoutePolicy.parse(self.policy)
+        except InvalidArgumentError as exc:
+            raise ConfigError(f"--policy: {exc}") from None
+        require_bool("--kv-events-insecure", self.kv_events_insecure, error=ConfigError)
+        if policy is RoutePolicy.ROUND_ROBIN:
+            given = [f for f in ("kv_events", "key_root") if getattr(self, f) is not None]
+            if given:
+                flags = " and ".join("--" + f.replace("_", "-") for f in given)
+                raise ConfigError(f"{flags}: read only with --policy cache-aware")
+            return
+        if not self.kv_events:
+            raise ConfigError("--policy cache-aware needs --kv-events tcp://HOST:PORT[,...]")
+        for address in split_list(self.kv_events):
+            host_port = split_address("--kv-events", address)
+            if host_port is None or host_port[1] in (0, 65535):
+                raise ConfigError(f"--kv-events must be tcp://HOST:PORT (PORT < 65535), got "
+                                  f"{address!r:.80}")  # fmt: skip
+        if not isinstance(self.key_root, str) or not _HEX_RE.match(self.key_root):
+            raise ConfigError(
+                "--policy cache-aware needs --key-root HEX, the key root the engines' connector "
+                f"logs, got {self.key_root!r:.80}"
+            )
+        require_int("--hash-seed", self.hash_seed, min=0, error=ConfigError)
+        require_int("--block-size", self.block_size, min=1, error=ConfigError)
+        require_int("--blocks-per-chunk", self.blocks_per_chunk, min=1, error=ConfigError)
+
+    @property
+    def cache_aware(self) -> bool:
+        return RoutePolicy.parse(self.policy) is RoutePolicy.CACHE_AWARE
+
+    def sources(self) -> tuple[EventSource, ...]:
+        """Each engine's event publisher: PUB on its address, replays on the next port."""
+        out = []
+        for address in split_list(self.kv_events):
+            host, _, port = address.rpartition(":")
+            out.append(EventSource(address, f"{host}:{int(port) + 1}"))
+        return tuple(out)
+
+    def check_engines(self, n: int, what: str) -> None:
+        """``ConfigError`` unless ``kv_events`` (when given) names one publisher for each of
+        the ``n`` routed servers (``what``: their kind, for the message)."""
+        events = split_list(self.kv_events)
+        if events and len(events) != n:
+            raise ConfigError(
+                f"--kv-events names {len(events)} publisher(s) for {n} {what}(s): one each, "
+                "in order"
+            )
+
+    def scheme(self) -> ChunkKeyScheme:
+        """The connector's chunk keys of a prompt (cache-aware only)."""
+        hasher = BlockHasher(self.hash_seed, bytes.fromhex(self.key_root or ""))
+        return ChunkKeyScheme(hasher, ChunkSpec(self.block_size, self.blocks_per_chunk))
+
+    def secret(self, env: Mapping[str, str]) -> bytes | None:
+        """The events' secret (None: ``kv_events_insecure``); ``ConfigError`` for neither or
+        both, as the connector's publisher is configured (:func:`secret_or_insecure`)."""
+        return secret_or_insecure(
+            self.kv_events_secret_file, env, prefix="kv_events", insecure=self.kv_events_insecure,
+            needs="--policy cache-aware reads the engines' KV events and needs",
+            so_that="only the cluster's engines are believed", otherwise="to read them plainly",
+        )  # fmt: skip
+
+
+def prompt_token_ids(req: ClientRequest, chat: bool, engines: Sequence[Upstream]) -> list[int]:
+    """The prompt's token ids: the client's own, else (text, chat messages) the first engine's
+    ``/tokenize`` answer, trying the next on a failure to reach one. ``UpstreamError``, one line
+    naming ``/tokenize``: the engine's own 4xx status for a refusal (vLLM started with
+    ``--skip-tokenizer-init`` answers 400: it could not run a text prompt either), 502 when
+    none answered with token ids."""
+    if req.token_ids is not None:
+        return list(req.token_ids)
+    body, failure = tokenize_body(req, chat), None
+    for engine in engines:
+        try:
+            with Call(engine, "/tokenize", body, {}) as call:
+                call.send()
+                tokens = call.answer().get("tokens")
+        except UpstreamError as exc:
+            if 400 <= exc.status < 500:
+                raise UpstreamError(exc.status, f"cache-aware routing: /tokenize: {exc}") from None
+            failure = exc
+            continue
+        if isinstance(tokens, list) and all(is_int(t) for t in tokens):
+            return [int(t) for t in tokens]
+        failure = engine.fail("/tokenize answered no 'tokens' list")
+    raise UpstreamError(502, f"cache-aware routing cannot tokenize the prompt: {failure}")
+
+
+class Lease:
+    """One request's engine (:attr:`index` into the picker's engines), holding its uncached
+    prompt tokens in that engine's queue until closed (``with``: a failure drops the chunks
+    it was expected to store)."""
+
+    def __init__(self, picker: EnginePicker, index: int, token: str, queued: int) -> None:
+        self.picker, self.index, self.token, self.queued = picker, index, token, queued
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        self.picker.release(self, ok=exc_type is None)
+
+
+class EnginePicker:
+    """Picks one of ``engines`` per request by ``config``'s policy (see the module docstring).
+    ``secret``: the events' (None: plain). Thread-safe; :meth:`close` stops the subscribers."""
+
+    def __init__(
+        self, engines: Sequence[Upstream], config: RoutingConfig, secret: bytes | None
+    ) -> None:
+        if not engines:
+            raise InvalidArgumentError("an engine picker needs at least one engine")
+        self.engines = tuple(engines)
+        self.names = tuple(e.url for e in self.engines)
+        self.cache = CacheRouting(config.scheme()) if config.cache_aware else None
+        self._lock = threading.Lock()
+        self._turn = 0
+        self._serial = itertools.count()
+        self._queued: Counter[str] = Counter()
+        self.picked: Counter[str] = Counter()
+        """Requests picked per engine URL, ever (see :meth:`snapshot`)."""
+        self.indexes: tuple[PrefixIndex, ...] = ()
+        self.subscribers: list[KVEventSubscriber] = []
+        if self.cache is None:
+            return
+        sources = config.sources()
+        config.check_engines(len(self.engines), "engine")
+        self.indexes = tuple(PrefixIndex() for _ in sources)
+        try:
+            for src, index in zip(sources, self.indexes, strict=True):
+                self.subscribers.append(KVEventSubscriber([src], secret=secret, index=index))
+        except BaseException:
+            self.close()
+            raise
+        for sub in self.subscribers:
+            sub.start()
+
+    def matches(
+        self, token_ids: Sequence[int], *, now: float | None = None
+    ) -> dict[str, PrefixMatch]:
+        """Each engine's cached prefix of ``token_ids`` as its events tell (by engine URL;
+        none: no chunk of it held), pending holdings live at ``now`` included."""
+        return self._matches(self.cache.keys(token_ids) if self.cache else [], now)
+
+    def _matches(self, keys: Sequence[ChunkKey], now: float | None) -> dict[str, PrefixMatch]:
+        out = {}
+        for name, index in zip(self.names, self.indexes, strict=True):
+            got = index.longest_prefix(keys, now=now) if keys else {}
+            if got:  # one publisher per index; a renamed one's stale rows: the longest
+                out[name] = max(got.values(), key=lambda m: (m.any_tier, m.worker))
+        return out
+
+    def pick(self, token_ids: Sequence[int] | None) -> Lease:
+        """The engine for a request of ``token_ids`` (needed by cache-aware; None otherwise):
+        round-robin's next, or :meth:`CacheRouting.pick` over the engines with their queues
+        and cached prefixes (ties: the prompt's first chunk key's rendezvous winner); the
+        chunks it will store are then expected there (:meth:`PrefixIndex.expect`) until its
+        events confirm them or the lease ends."""
+        if self.cache is None:
+            with self._lock:
+                k, self._turn = self._turn % len(self.engines), self._turn + 1
+                self.picked[self.names[k]] += 1
+            return Lease(self, k, "", 0)
+        if token_ids is None:
+            raise InvalidArgumentError("a cache-aware pick needs the prompt's token ids")
+        keys: list[ChunkKey] = self.cache.keys(token_ids)
+        now, tokens = time.monotonic(), max(1, len(token_ids))
+        matches = self._matches(keys, now)
+        with self._lock:
+            k = self.cache.pick(
+                self.names, self._turn, queued=self._queued, matches=matches,
+                prompt_tokens=tokens, first_key=keys[0] if keys else None,
+            )  # fmt: skip
+            name = self.names[k]
+            queued = self.cache.uncached_tokens(matches.get(name), tokens)
+            self._turn += 1
+            self._queued[name] += queued
+            self.picked[name] += 1
+            token = f"proxy.{next(self._serial)}"
+        workers = self.indexes[k].workers()
+        if keys and len(workers) == 1:  # known once the engine published a chunk
+            self.indexes[k].expect(token, workers[0], keys, until=now + PENDING_MAX_S)
+        return Lease(self, k, token, queued)
+
+    def release(self, lease: Lease, *, ok: bool) -> None:
+        """End ``lease``: its tokens leave the queue; its expected chunks stay at most
+        :data:`PENDING_GRACE_S` more when ``ok`` (for the engine's events), else go now."""
+        if self.cache is None:
+            return
+        with self._lock:
+            name = self.names[lease.index]
+            self._queued[name] -= lease.queued
+            if self._queued[name] <= 0:
+                del self._queued[name]
+        index = self.indexes[lease.index]
+        index.settle(lease.token, ok=ok, until=time.monotonic() + PENDING_GRACE_S)
+
+    def queued(self) -> dict[str, int]:
+        """Uncached prompt tokens in flight per engine URL (engines with none left out)."""
+        with self._lock:
+            return dict(self._queued)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Requests picked per engine and, cache-aware, each subscriber's counters."""
+        subs = {n: s.snapshot() for n, s in zip(self.names, self.subscribers, strict=False)}
+        with self._lock:
+            picked = dict(self.picked)
+        return {"picked": picked, "kv_events": subs}
+
+    def close(self) -> None:
+        for sub in self.subscribers:
+            sub.close()

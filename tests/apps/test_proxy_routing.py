@@ -1,0 +1,423 @@
+"""The proxy's engine pick: round-robin, and cache-aware from real KV events.
+
+Each engine's events come from kvplane's own ``KVEventPublisher`` (the one the vLLM connector
+starts) over real zmq with CURVE (the cluster secret), read by the proxy's real subscribers;
+the chunk keys are the connector's scheme (seed 0, a fixed key root, blocks of 4 tokens, 2
+blocks per chunk: 8 tokens per chunk). The HTTP side runs against small fake vLLM servers
+(``Engine``: ``/tokenize`` and completions) recording what they were sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from kvplane.apps.proxy import PDProxy, ProxyConfig
+from kvplane.apps.proxy_routing import EnginePicker, RoutingConfig
+from kvplane.apps.proxy_upstream import Upstream
+from kvplane.config import SECRET_ENV
+from kvplane.errors import ConfigError
+from kvplane.ids import ChunkKey
+from kvplane.offload.events import TierChange
+from kvplane.serving.kv_publisher import KVEventPublisher, KVEventSettings
+from kvplane.serving.router.route_policy import rendezvous
+from kvplane.testing.cluster import TEST_SECRET, wait_for
+
+ROOT = "00112233445566778899aabbccddeeff"
+ENV = {SECRET_ENV: TEST_SECRET.decode()}
+P = [100 + t for t in range(30)]  # 3 full chunks (24 tokens) + 6
+ANSWER = {"id": "cmpl-1", "choices": [{"index": 0, "token_ids": [7, 8, 9]}]}
+
+
+def free_pair() -> int:
+    """The first of two consecutive free ports on 127.0.0.1 (a publisher's PUB and replay)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = int(s.getsockname()[1])
+        with contextlib.ExitStack() as held, contextlib.suppress(OSError):
+            for port in (first, first + 1):
+                held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return first
+    raise OSError("no two consecutive free ports")
+
+
+def routing(events: list[KVEventPublisher]) -> RoutingConfig:
+    return RoutingConfig(
+        policy="cache-aware", kv_events=",".join(p.address for p in events), key_root=ROOT,
+        block_size=4, blocks_per_chunk=2,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def publishers() -> Iterator[list[KVEventPublisher]]:
+    """Two engines' publishers (``vllm-a``, ``vllm-b``), started, with the cluster secret."""
+    made = []
+    for name in ("vllm-a", "vllm-b"):
+        port = free_pair()
+        settings = KVEventSettings(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
+        pub = KVEventPublisher(name, 1, settings, secret=TEST_SECRET, block_size=8)
+        pub.start()
+        made.append(pub)
+    yield made
+    for pub in made:
+        pub.close()
+
+
+def store(pub: KVEventPublisher, keys: list[ChunkKey], tier: str = "host") -> None:
+    for key in keys:
+        pub.record(TierChange(tier, key, True))
+
+
+def engines(n: int) -> list[Upstream]:
+    return [Upstream.from_url("engine", f"http://127.0.0.1:{9001 + i}", 5.0) for i in range(n)]
+
+
+def test_round_robin_takes_the_engines_in_turn_and_keeps_no_queue() -> None:
+    picker = EnginePicker(engines(3), RoutingConfig(), None)
+    got = []
+    for _ in range(4):
+        with picker.pick(None) as lease:
+            got.append(lease.index)
+    assert got == [0, 1, 2, 0]
+    assert picker.queued() == {} and picker.subscribers == []
+
+
+def test_cache_aware_follows_the_events_then_load_and_frees_the_queue(
+    publishers: list[KVEventPublisher],
+) -> None:
+    config = routing(publishers)
+    ups = engines(2)
+    names = [u.url for u in ups]
+    keys = config.scheme().keys(P)
+    assert len(keys) == 3
+    # the engine the prefix would go to without events (ties: the first key's rendezvous)
+    fresh = max(range(2), key=lambda i: rendezvous(keys[0], names[i]))
+    holder = 1 - fresh
+    picker = EnginePicker(ups, config, TEST_SECRET)
+    try:
+        with picker.pick(P) as lease:
+            assert lease.index == fresh  # nobody holds it yet
+        store(publishers[holder], keys)
+        wait_for(lambda: names[holder] in picker.matches(P), what="the holder's events")
+        match = picker.matches(P)[names[holder]]
+        assert (match.any_tier, dict(match.by_tier), match.pending) == (3, {"host": 3}, 0)
+        assert list(picker.matches(P)) == [names[holder]]
+        long = P[:24] + list(range(1000, 1100))  # 124 tokens: 3 chunks held, 100 to compute
+        with picker.pick(long) as busy:
+            assert busy.index == holder
+            assert picker.queued() == {names[holder]: 100}
+            # 40 tokens, 24 of them held by a worker 100 tokens busy: the idle one wins
+            with picker.pick(P + [7] * 10) as other:
+                assert other.index == fresh
+                assert picker.queued() == {names[holder]: 100, names[fresh]: 40}
+        assert picker.queued() == {}
+        with picker.pick(P + [7] * 10) as lease:  # idle again: the prefix decides
+            assert lease.index == holder
+            assert picker.queued() == {names[holder]: 16}
+        assert picker.picked == {names[fresh]: 2, names[holder]: 2}
+        sub = picker.snapshot()["kv_events"][names[holder]]
+        assert sub["feed_applied"] >= 1 and sub.get("dropped_frames", 0) == 0
+    finally:
+        picker.close()
+
+
+def test_a_picked_prompt_is_pending_on_its_engine_until_its_request_fails(
+    publishers: list[KVEventPublisher],
+) -> None:
+    config = routing(publishers)
+    picker = EnginePicker(engines(2), config, TEST_SECRET)
+    other = [900 + t for t in range(8)]  # one chunk each engine holds: their ids are known
+    try:
+        for pub in publishers:
+            store(pub, config.scheme().keys(other))
+        wait_for(lambda: len(picker.matches(other)) == 2, what="both engines' events")
+        keys = config.scheme().keys(P)
+        winner = picker.names[max(range(2), key=lambda i: rendezvous(keys[0], picker.names[i]))]
+        with pytest.raises(RuntimeError), picker.pick(P):  # the request fails
+            pending = picker.matches(P, now=time.monotonic())
+            assert {w: (m.any_tier, m.pending) for w, m in pending.items()} == {winner: (3, 3)}
+            assert picker.matches(P) == {}  # confirmed holdings only: none
+            raise RuntimeError("the engine failed the request")
+        assert picker.matches(P, now=time.monotonic()) == {}  # dropped at once
+    finally:
+        picker.close()
+
+
+def test_a_removed_chunk_shortens_the_match(publishers: list[KVEventPublisher]) -> None:
+    config = routing(publishers)
+    keys = config.scheme().keys(P)
+    picker = EnginePicker(engines(2), config, TEST_SECRET)
+    try:
+        store(publishers[0], keys)
+        url = picker.names[0]
+        wait_for(lambda: url in picker.matches(P), what="stored events")
+        publishers[0].record(TierChange("host", keys[1], False))
+        wait_for(lambda: picker.matches(P)[url].any_tier == 1, what="the removed event")
+    finally:
+        picker.close()
+
+
+def test_events_with_another_secret_are_never_believed(
+    publishers: list[KVEventPublisher],
+) -> None:
+    config = routing(publishers)
+    picker = EnginePicker(engines(2), config, b"another-secret-0123456789abcdef!")
+    try:
+        store(publishers[0], config.scheme().keys(P))
+        store(publishers[1], config.scheme().keys(P))
+        # the good subscriber of test_cache_aware hears within ms; give these 1 s of replays
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: bool(picker.matches(P)), timeout_s=1.0)
+        assert picker.matches(P) == {}
+    finally:
+        picker.close()
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"policy": "nearest"}, "--policy: route policy must be one of round-robin, "
+         "cache-aware, got 'nearest'"),
+        ({"kv_events": "tcp://127.0.0.1:5000"},
+         "--kv-events: read only with --policy cache-aware"),
+        ({"policy": "cache-aware", "key_root": ROOT, "block_size": 4},
+         "--policy cache-aware needs --kv-events tcp://HOST:PORT[,...]"),
+        ({"policy": "cache-aware", "kv_events": "tcp://127.0.0.1:65535", "key_root": ROOT,
+          "block_size": 4}, "--kv-events must be tcp://HOST:PORT (PORT < 65535), got "
+         "'tcp://127.0.0.1:65535'"),
+        ({"policy": "cache-aware", "kv_events": "tcp://127.0.0.1:5000", "key_root": "xyz",
+          "block_size": 4}, "--policy cache-aware needs --key-root HEX, the key root the "
+         "engines' connector logs, got 'xyz'"),
+        ({"policy": "cache-aware", "kv_events": "tcp://127.0.0.1:5000", "key_root": ROOT},
+         "--block-size must be a positive int, got 0"),
+    ],
+)  # fmt: skip
+def test_bad_routing_configs_are_refused_naming_the_flag(
+    config: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        RoutingConfig(**config)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"prefill": "http://h:1,http://h:1"},
+         "--prefill names a prefill server twice: ['http://h:1', 'http://h:1']"),
+        ({"mode": "direct"}, "--mode direct takes --engines, not --prefill/--decode/--prefill-pd"),
+        ({"engines": "http://h:3"}, "--engines is for --mode direct, not pull"),
+        ({"mode": "pipelined", "prefill": "http://h:1,http://h:2", "prefill_pd": "tcp://h:7"},
+         "--prefill-pd names 1 prefill server(s)' endpoints for 2 --prefill server(s): one "
+         "group each, in order, separated by ';'"),
+        ({"routing": RoutingConfig(policy="cache-aware", kv_events="tcp://h:5000,tcp://h:5002",
+                                   key_root=ROOT, block_size=4)},
+         "--kv-events names 2 publisher(s) for 1 prefill server(s): one each, in order"),
+    ],
+)  # fmt: skip
+def test_bad_upstream_lists_are_refused_naming_the_flag(
+    config: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        ProxyConfig(**{"prefill": "http://h:1", "decode": "http://h:2", **config})
+    assert str(err.value) == message
+
+
+def test_cache_aware_without_a_secret_or_with_both_is_refused_before_binding(
+    publishers: list[KVEventPublisher],
+) -> None:
+    config = ProxyConfig(engines="http://127.0.0.1:9001,http://127.0.0.1:9002", mode="direct",
+                         routing=routing(publishers))  # fmt: skip
+    needs = r"^--policy cache-aware reads the engines' KV events and needs a secret \(kv_events_"
+    with pytest.raises(ConfigError, match=needs):
+        PDProxy(config, env={})
+    both = ProxyConfig(
+        engines=config.engines, mode="direct",
+        routing=RoutingConfig(**{**_fields(config.routing), "kv_events_insecure": True}),
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^kv_events_insecure with a secret: choose one$"):
+        PDProxy(both, env=ENV)
+
+
+def _fields(c: RoutingConfig) -> dict[str, Any]:
+    return {f: getattr(c, f) for f in c.__dataclass_fields__}
+
+
+# -- through HTTP ----------------------------------------------------------------------------
+Reply = Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]
+
+
+@dataclass
+class Fake:
+    """A fake vLLM server: records each POST ``(path, body)`` and answers it by ``reply``."""
+
+    reply: Reply
+    seen: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def start(self) -> Fake:
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.seen.append((self.path, body))
+                status, obj = fake.reply(self.path, body)
+                data = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+        return self
+
+
+def engine(tokens: list[int] | None, status: int = 200, extra: Any = None) -> Reply:
+    """A fake engine: ``/tokenize`` answers ``tokens`` (None: ``status`` and an error, as an
+    engine without a tokenizer), a completion :data:`ANSWER` (with ``kv_transfer_params``
+    ``extra`` when given)."""
+
+    def reply(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if path != "/tokenize":
+            return 200, ANSWER if extra is None else {**ANSWER, "kv_transfer_params": extra}
+        if tokens is None:
+            return status, {"error": {"message": "no tokenizer"}}
+        return 200, {"count": len(tokens), "tokens": tokens}
+
+    return reply
+
+
+def post(url: str, body: object) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=20) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture
+def fakes() -> Iterator[Callable[..., list[Fake]]]:
+    made: list[Fake] = []
+
+    def build(*replies: Reply) -> list[Fake]:
+        got = [Fake(r).start() for r in replies]
+        made.extend(got)
+        return got
+
+    yield build
+    for f in made:
+        assert f.server is not None
+        f.server.shutdown()
+        f.server.server_close()
+
+
+def paths(f: Fake) -> list[str]:
+    return [path for path, _ in f.seen]
+
+
+def test_direct_mode_routes_text_by_the_engines_tokenizer_to_the_holder(
+    publishers: list[KVEventPublisher], fakes: Any
+) -> None:
+    a, b = fakes(engine(P), engine(P))
+    config = ProxyConfig(mode="direct", engines=f"{a.url},{b.url}", routing=routing(publishers))
+    keys = config.routing.scheme().keys(P)
+    holder = min(range(2), key=lambda i: rendezvous(keys[0], [a.url, b.url][i]))  # not the tie's
+    store(publishers[holder], keys)
+    proxy = PDProxy(config, env=ENV)
+    proxy.start()
+    try:
+        wait_for(lambda: bool(proxy.picker.matches(P)), what="the holder's events")
+        body = {"model": "m", "prompt": "thirty tokens of text", "max_tokens": 4}
+        assert post(proxy.address, body) == (200, ANSWER)
+        tokenizer, routed = (a, b)[0], (a, b)[holder]
+        assert paths(tokenizer)[0] == "/tokenize"
+        assert tokenizer.seen[0][1] == {"prompt": "thirty tokens of text", "model": "m"}
+        assert paths(routed)[-1] == "/v1/completions"
+        assert routed.seen[-1][1] == body
+        assert proxy.picker.picked == {routed.url: 1}
+        # token ids: taken as they are, no /tokenize call
+        n = len(a.seen) + len(b.seen)
+        assert post(proxy.address, {"model": "m", "prompt": [*P, 1, 2]})[0] == 200
+        assert len(a.seen) + len(b.seen) == n + 1 and paths(routed)[-1] == "/v1/completions"
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize(
+    ("status", "want", "tried"),
+    [  # 5xx: the next engine is tried, then a 502; a 4xx refusal is the client's, as it is
+        (500, "502 cache-aware routing cannot tokenize the prompt: engine server {b}: HTTP 500: "
+         "no tokenizer", ["/tokenize"]),
+        (400, "400 cache-aware routing: /tokenize: engine server {a}: HTTP 400: no tokenizer", []),
+    ],
+)  # fmt: skip
+def test_a_prompt_that_cannot_be_tokenized_fails_in_one_line_naming_tokenize(
+    publishers: list[KVEventPublisher], fakes: Any, status: int, want: str, tried: list[str]
+) -> None:
+    a, b = fakes(engine(None, status), engine(None, status))
+    config = ProxyConfig(mode="direct", engines=f"{a.url},{b.url}", routing=routing(publishers))
+    proxy = PDProxy(config, env=ENV)
+    proxy.start()
+    try:
+        got, body = post(proxy.address, {"model": "m", "prompt": "text"})
+        assert f"{got} {body['error']['message']}" == want.format(a=a.url, b=b.url)
+        assert (paths(a), paths(b)) == (["/tokenize"], tried)  # no completion sent
+    finally:
+        proxy.close()
+
+
+def test_pd_modes_route_the_prefill_to_the_holder_and_take_decode_turns(
+    publishers: list[KVEventPublisher], fakes: Any
+) -> None:
+    params = {"do_remote_prefill": True, "remote": "x"}
+    p0, p1, d0, d1 = fakes(engine([], extra=params), engine([], extra=params), engine([]),
+                           engine([]))  # fmt: skip
+    pd = "tcp://127.0.0.1:7000;tcp://127.0.0.1:7100,tcp://127.0.0.1:7101"
+    for mode in ("pull", "pipelined"):
+        config = ProxyConfig(
+            prefill=f"{p0.url},{p1.url}", decode=f"{d0.url},{d1.url}", prefill_pd=pd, mode=mode,
+            routing=routing(publishers),
+        )  # fmt: skip
+        store(publishers[1], config.routing.scheme().keys(P))
+        proxy = PDProxy(config, env=ENV)
+        proxy.start()
+        try:
+            wait_for(lambda: p1.url in proxy.picker.matches(P), what="events")  # noqa: B023
+            for _ in range(2):
+                assert post(proxy.address, {"model": "m", "prompt": [*P, 5]}) == (200, ANSWER)
+        finally:
+            proxy.close()
+        assert proxy.picker.picked == {p1.url: 2}
+        assert [len(d0.seen), len(d1.seen)] == ([1, 1] if mode == "pull" else [2, 2])
+    assert p0.seen == []
+    pipelined = d0.seen[-1][1]["kv_transfer_params"]
+    assert pipelined["kvplane_pd"] == "tcp://127.0.0.1:7100"  # the chosen server's ranks
+    assert pipelined["kvplane_pd_ranks"] == ["tcp://127.0.0.1:7100", "tcp://127.0.0.1:7101"]
+    assert d0.seen[0][1]["kv_transfer_params"] == params  # pull: the prefill's, unchanged
