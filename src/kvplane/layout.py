@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvplane.errors import LayoutError
+from kvplane.state_split import StateSplit
 from kvplane.validators import Error, require_int
 
 
@@ -138,6 +139,7 @@ class KVLayout:
     order: tuple[Axis, ...] = BLOCK_MAJOR
     sliding_window: int | None = None
     layer_windows: tuple[int | None, ...] = ()
+    state_split: StateSplit | None = None
     _strides: tuple[int, ...] = field(init=False, repr=False, compare=False, default=())
     _fingerprint: bytes = field(init=False, repr=False, compare=False, default=b"")
 
@@ -192,6 +194,10 @@ class KVLayout:
             raise LayoutError(f"rope_dim is an MLA field; {self.kind.value} got {self.rope_dim}")
         if self.kind is LayoutKind.STATE and (self.block_size != 1 or self.total_heads != 1):
             raise LayoutError("a STATE layout has block_size 1 and one head (whole-only)")
+        split = self.state_split
+        if split is not None and (not isinstance(split, StateSplit) or (self.kind, self.head_dim)
+                                  != (LayoutKind.STATE, split.geometry.row_dim)):  # fmt: skip
+            raise LayoutError(f"a state_split {split!r} needs a STATE layout of its whole row")
         if self.kind is LayoutKind.MHA and self.head_range != (0, self.total_heads):
             raise LayoutError("an MHA layout holds all heads; use GQA for a TP head range")
 
@@ -279,24 +285,16 @@ class KVLayout:
 
     @classmethod
     def state(
-        cls,
-        *,
-        num_slots: int,
-        num_layers: int | None = None,
-        layer_ids: tuple[int, ...] | None = None,
-        state_dim: int,
-        dtype: torch.dtype = torch.float32,
-    ) -> KVLayout:
-        """Per-request recurrent state: ``state_dim`` elements per layer, one block per request."""
+        cls, *, num_slots: int, num_layers: int | None = None,
+        layer_ids: tuple[int, ...] | None = None, state_dim: int,
+        dtype: torch.dtype = torch.float32, split: StateSplit | None = None,
+    ) -> KVLayout:  # fmt: skip
+        """Recurrent state, a block per request: ``state_dim`` elements (a row) per layer."""
         return cls(
-            kind=LayoutKind.STATE,
-            num_blocks=num_slots,
-            block_size=1,
-            layer_ids=_layers(num_layers, layer_ids),
-            total_heads=1,
-            head_dim=state_dim,
-            dtype=dtype,
-        )
+            kind=LayoutKind.STATE, num_blocks=num_slots, block_size=1,
+            layer_ids=_layers(num_layers, layer_ids), total_heads=1, head_dim=state_dim,
+            dtype=dtype, state_split=split,
+        )  # fmt: skip
 
     # -- derived sizes ---------------------------------------------------------------------
     @property
@@ -354,8 +352,13 @@ class KVLayout:
             self.num_components,
             self.block_size,
             self.head_range[1] - self.head_range[0],
-            self.head_dim,
+            self.row_dim,
         )
+
+    @property
+    def row_dim(self) -> int:
+        """Elements of one head's row here: ``head_dim``, or a TP rank's part of a state row."""
+        return self.head_dim if self.state_split is None else self.state_split.local_dim
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -370,7 +373,7 @@ class KVLayout:
     @property
     def bytes_per_token_per_layer(self) -> int:
         """K+V (or latent+rope, or state) bytes of one token of one layer on this rank."""
-        return self.num_components * self.local_heads * self.head_dim * self.element_size
+        return self.num_components * self.local_heads * self.row_dim * self.element_size
 
     @property
     def bytes_per_block_per_layer(self) -> int:
@@ -442,30 +445,27 @@ class KVLayout:
 
     # -- identity ----------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        """Plain-data description (wire/JSON friendly); ``layer_windows`` only when set (so a
-        uniform pool's fingerprints do not change)."""
-        return {
-            "kind": self.kind.value,
-            "num_blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "layer_ids": list(self.layer_ids),
-            "total_heads": self.total_heads,
-            "head_range": list(self.head_range),
-            "head_dim": self.head_dim,
-            "rope_dim": self.rope_dim,
-            "dtype": dtype_name(self.dtype),
-            "order": [a.name for a in self.order],
-            "sliding_window": self.sliding_window,
-        } | ({"layer_windows": list(self.layer_windows)} if self.layer_windows else {})
+        """Plain-data description (wire/JSON friendly); ``layer_windows`` and a TP rank's
+        ``state_split`` only when set (so other pools' fingerprints do not change)."""
+        split, windows = self.state_split, self.layer_windows
+        d: dict[str, Any] = {
+            "kind": self.kind.value, "num_blocks": self.num_blocks, "block_size": self.block_size,
+            "layer_ids": list(self.layer_ids), "total_heads": self.total_heads,
+            "head_range": list(self.head_range), "head_dim": self.head_dim,
+            "rope_dim": self.rope_dim, "dtype": dtype_name(self.dtype),
+            "order": [a.name for a in self.order], "sliding_window": self.sliding_window,
+        }  # fmt: skip
+        d |= {"layer_windows": list(windows)} if windows else {}
+        return d | ({"state_split": split.describe()} if split and split.sharded else {})
 
     def geometry_fingerprint(self) -> bytes:
         """What PD peers must agree on whatever layers each holds (a pipeline stage holds a part
         of the receiver's): kind, heads, dims, dtype, windows (``layer_windows`` is the model's
-        map, by global layer id, so every stage carries all of it). Block size, head range, order,
-        pool size and layer ids may differ."""
+        map, by global layer id, so every stage carries all of it). Block size, head range (and
+        a TP rank's part of a state row), order, pool size and layer ids may differ."""
         d = self.describe()
-        for key in ("num_blocks", "block_size", "head_range", "order", "layer_ids"):
-            d.pop(key)
+        for key in ("num_blocks", "block_size", "head_range", "order", "layer_ids", "state_split"):
+            d.pop(key, None)
         return _digest(b"kvplane-layout-geometry", d)
 
     def compat_fingerprint(self) -> bytes:

@@ -12,6 +12,7 @@ from typing import Any
 from kvplane.errors import CheckpointError
 from kvplane.models.hf_fields import DecoderConfig, Family, bool_field, int_field, require_silu
 from kvplane.models.rope import RopeSpec
+from kvplane.state_split import MambaGeometry
 
 BAMBA = "BambaForCausalLM"
 ROTARY_FRACTION = 0.5
@@ -20,14 +21,9 @@ head (NEOX halves within it) and passes the rest through."""
 
 
 @dataclass(frozen=True, slots=True)
-class MambaShape:
-    """One Mamba2 mixer's geometry: ``heads * head_dim == expand * hidden`` (the inner width)."""
-
-    num_heads: int
-    head_dim: int
-    num_groups: int
-    state_size: int
-    conv_kernel: int
+class MambaShape(MambaGeometry):
+    """One Mamba2 mixer's geometry (its state rows' :class:`MambaGeometry`, ``conv_dim``
+    included): ``heads * head_dim == expand * hidden`` (the inner width)."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_groups:
@@ -37,15 +33,11 @@ class MambaShape:
             )
         if self.conv_kernel < 2:
             raise CheckpointError(f"mamba_d_conv {self.conv_kernel} must be >= 2")
+        MambaGeometry.__post_init__(self)  # zero-argument super() fails in a slots dataclass
 
     @property
     def inner(self) -> int:
         return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the causal conv: ``x ‖ B ‖ C``."""
-        return self.inner + 2 * self.num_groups * self.state_size
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,6 +17,7 @@ from kvplane.errors import InvalidArgumentError
 from kvplane.layout import KVLayout
 from kvplane.models.bamba_config import MambaShape
 from kvplane.models.kv import PagedKVCache
+from kvplane.state_split import MambaGeometry, StateSplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,15 +28,21 @@ class StateSnapshot:
     num_tokens: int
 
 
-def state_layout(shape: MambaShape, layer_ids: tuple[int, ...], num_slots: int) -> KVLayout:
+def state_layout(
+    shape: MambaShape, layer_ids: tuple[int, ...], num_slots: int, tp: tuple[int, int] = (1, 0)
+) -> KVLayout:
     """The STATE layout of ``num_slots`` requests of the Mamba layers ``layer_ids`` (float32
-    rows of ``conv_dim * (K - 1) + H * P * N`` elements; see the module docstring)."""
-    conv = shape.conv_dim * (shape.conv_kernel - 1)
+    rows of ``conv_dim * (K - 1) + H * P * N`` elements; see the module docstring), of which
+    TP rank ``tp[1]`` of ``tp[0]`` holds its :class:`~kvplane.state_split.StateSplit`
+    (``LayoutError`` for a split vLLM refuses)."""
+    s = shape  # as a plain geometry: a StateSplit compares geometries by class and value
+    geometry = MambaGeometry(s.num_heads, s.head_dim, s.num_groups, s.state_size, s.conv_kernel)
     return KVLayout.state(
         num_slots=num_slots,
         layer_ids=layer_ids,
-        state_dim=conv + shape.inner * shape.state_size,
+        state_dim=geometry.row_dim,
         dtype=torch.float32,
+        split=StateSplit(geometry, *tp),
     )
 
 

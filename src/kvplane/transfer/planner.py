@@ -41,6 +41,7 @@ from kvplane.layout import Axis
 from kvplane.transfer.coverage import Coverage, coverage_of_product
 from kvplane.transfer.plan import TransferOp, TransferPlan
 from kvplane.transfer.request import OpGrouping, PlanOptions, PlanRequest, PlanSide, resolve
+from kvplane.transfer.state_rows import row_coverage, row_elements, row_pieces, row_splits
 from kvplane.transports.base import DescriptorList, Int64Array
 
 _Elements = tuple[Int64Array, Int64Array, Int64Array, Int64Array]
@@ -92,18 +93,22 @@ def plan_transfer(
     ``layers`` keeps of a sequence ending at ``tokens.end`` (so plan such pools with the range
     ending at the sequence end, one window group at a time: a group mixing a full layer keeps
     every position; :func:`~kvplane.transfer.resharding.window_boxes` splits a request).
+    A state pool holding a TP rank's part of each row (``KVLayout.state_split``) moves the
+    elements :func:`~kvplane.transfer.state_rows.row_pieces` assigns this pair of ranks.
     The result is ``TransferPlan.tokens``; an empty one gives a plan with no ops. Pure: reads
     its arguments, returns frozen data. Raises ``LayoutError`` for incompatible layouts and
     ``PlanError`` for a bad request (see :mod:`kvplane.transfer.request`).
     """
     req = resolve(src, dst, tokens, layers, options or PlanOptions())
+    splits = row_splits(src.layout, dst.layout)
+    pieces = () if splits is None else row_pieces(*splits)
     specs = _op_specs(req)
     fixed = _fixed_axes(req)
-    coverage = _coverage(req, fixed)
+    coverage = _coverage(req, fixed) if splits is None else row_coverage(req, pieces)
     ops: tuple[TransferOp, ...] = ()
-    if not req.tokens.empty:
-        elements = _coalesce(_elements(req, fixed), single_op=len(specs) == 1)
-        ops = _split(req, specs, elements)
+    if not req.tokens.empty and (splits is None or pieces):
+        found = _elements(req, fixed) if splits is None else row_elements(req, pieces)
+        ops = _split(req, specs, _coalesce(found, single_op=len(specs) == 1))
     return TransferPlan(
         ops=ops,
         tokens=req.tokens,

@@ -5,9 +5,10 @@ parallelised differently (prefill TP × PP stages, decode TP, different block si
 rank, the :class:`Piece` s (sender, global heads, layers, tokens) that tile its destination
 :class:`KVBox` exactly once. :func:`tp_head_range` is the one rule of which heads a TP rank holds,
 :func:`stage_layers` of which stage holds a layer (KV or state), :func:`moves_whole_only` of who
-moves a whole-only pool; :func:`window_boxes` splits a box by the layers' windows; where several
-ranks hold the same heads (GQA with TP > KV heads, MLA's latent) exactly one sender is chosen,
-the others skip. :func:`plan_pieces` turns pieces into plans through the one planner. Pure.
+moves a whole-only pool (a TP rank's part of each state row: :mod:`~kvplane.transfer.state_rows`);
+:func:`window_boxes` splits a box by the layers' windows; where several ranks hold the same heads
+(GQA with TP > KV heads, MLA's latent) exactly one sender is chosen, the others skip.
+:func:`plan_pieces` turns pieces into plans through the one planner. Pure.
 """
 
 from __future__ import annotations
@@ -195,8 +196,11 @@ def moves_whole_only(local: KVLayout, remote: KVLayout, *, lead: bool) -> bool:
     ``remote`` in the final slice (planned with ``local``'s layers): the lead moves every
     whole-only pool (the tail, a state pool); any other sender moves a pool it holds a stage's
     share of (fewer layers than ``remote``: a hybrid's state pool of its stage's Mamba layers,
-    :func:`stage_layers`), so the stages' pools tile the destination's layers once."""
-    return lead or set(local.layer_ids) < set(remote.layer_ids)
+    :func:`stage_layers`), so the stages' pools tile the destination's layers once, or a TP
+    rank's part of each row (``state_split``: the planner moves the elements
+    :func:`~kvplane.transfer.state_rows.row_pieces` assigns it), so the ranks tile each row once."""
+    split = local.state_split
+    return lead or set(local.layer_ids) < set(remote.layer_ids) or bool(split and split.sharded)
 
 
 def window_boxes(layout: KVLayout, box: KVBox, num_tokens: int) -> tuple[KVBox, ...]:

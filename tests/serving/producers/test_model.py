@@ -148,10 +148,10 @@ def test_model_spec_and_adapter_refuse_bad_input(tmp_path: Path) -> None:
     assert ModelSpec("tiny-llama", seed=1).identity() != producer.model_id
 
 
-def test_a_hybrid_serves_its_state_from_the_state_pool_and_refuses_ranks() -> None:
+def test_a_hybrid_serves_its_state_from_the_state_pool_and_splits_it_at_tp_ranks() -> None:
     """tiny-hybrid: the paged pool holds its one attention layer, the state pool its three
-    Mamba2 layers (float32 conv + SSM rows); a step without the state pool, or a TP rank,
-    is refused (pipeline stages: test_rank_hybrid.py)."""
+    Mamba2 layers (float32 conv + SSM rows); a step without the state pool is refused; a TP
+    rank's rows are its part of each row (stages and ranks: test_rank_hybrid*.py)."""
     spec = ModelSpec("tiny-hybrid")
     producer = ModelProducer.from_spec(spec)
     assert producer.kv_layout(4, 16).layer_ids == (1,)
@@ -163,8 +163,9 @@ def test_a_hybrid_serves_its_state_from_the_state_pool_and_refuses_ranks() -> No
     step = ProduceStep(RequestId("r"), np.arange(5), (0,), TokenRange(0, 5), True, None)
     with pytest.raises(UnsupportedError, match="needs the worker's state pool"):
         producer.produce(step, kv, None)
-    with pytest.raises(UnsupportedError, match="TP ranks of a hybrid model are not supported"):
-        RankProducer.for_rank(spec, Placement(tp_size=2, tp_rank=1))
+    rank = RankProducer.for_rank(spec, Placement(tp_size=2, tp_rank=1)).state_layout(3)
+    assert rank is not None  # x 4 heads x 32 x 3, B and C 16 x 3 each, SSM 4 heads x 32 x 16
+    assert (rank.head_dim, rank.row_dim) == (288 * 3 + 4096, 384 + 96 + 2048)
 
 
 def test_pd_of_a_transformers_bamba_checkpoint_gives_transformers_tokens(tmp_path: Path) -> None:

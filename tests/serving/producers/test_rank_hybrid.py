@@ -1,8 +1,8 @@
 """Pipeline stages of a hybrid (Bamba): each stage's KV pool and state pool are byte for byte
 its layers of the one-process producer's pools (chunked prefill, two requests); two stage
 workers feed one decode worker (threads, real sockets) transformers' greedy tokens, each stage
-moving its own layers' KV and Mamba2 state; TP ranks, a stage without attention layers and a
-restored state are refused (#33)."""
+moving its own layers' KV and Mamba2 state; TP ranks that would replicate KV heads, a stage
+without attention layers and a restored state are refused (#33)."""
 
 from __future__ import annotations
 
@@ -36,14 +36,15 @@ BLOCKS, BS, STEP, SLOTS = 12, 16, 24, 2
 PROMPTS = {"a": 40, "b": 57}  # tokens; "a" in blocks 0.. slot 0, "b" in blocks 6.. slot 1
 
 
-def save_bamba_of_two_stages(path: Path, seed: int) -> Any:
+def save_bamba_of_two_stages(path: Path, seed: int, groups: int = 2) -> Any:
     """A random-init transformers Bamba of 4 layers, attention at 1 and 3: two pipeline stages
-    of one Mamba + one attention layer each. Returns the model (eval mode)."""
+    of one Mamba + one attention layer each; 2 KV heads; Mamba2 mixers of 8 heads of 16 in
+    ``groups`` groups. Returns the model (eval mode)."""
     torch.manual_seed(seed)
     cfg = transformers.BambaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2,
+        attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=groups,
         mamba_d_conv=4, mamba_chunk_size=16,
     )  # fmt: skip
     hf = transformers.BambaForCausalLM(cfg).eval()
@@ -105,11 +106,13 @@ def test_each_stage_holds_its_layers_of_the_kv_and_the_state(checkpoint: str) ->
         assert torch.equal(state.layout.state_view(state.tensor, layer), want)
 
 
-def test_tp_ranks_of_a_hybrid_are_refused_in_one_line() -> None:
+def test_tp_ranks_that_would_replicate_a_hybrids_kv_heads_are_refused_in_one_line() -> None:
+    # tiny-hybrid: 2 KV heads; at TP 4 two ranks share each head, and a gather takes one of them
     with pytest.raises(
-        UnsupportedError, match=r"TP ranks of a hybrid model are not supported \(its state pool"
+        ConfigError,
+        match=r"^TP 4 of model tiny-hybrid-seed0-float32: its 2 KV heads would be replicated",
     ):
-        RankProducer.for_rank(ModelSpec("tiny-hybrid"), Placement(tp_rank=1, tp_size=2))
+        RankProducer.for_rank(ModelSpec("tiny-hybrid"), Placement(tp_rank=1, tp_size=4))
 
 
 def test_a_stage_without_an_attention_layer_is_a_config_error() -> None:
@@ -152,29 +155,39 @@ def stages(checkpoint: str) -> Iterator[tuple[list[PrefillWorker], DecodeWorker]
         yield start_gather(stack, ranks, _argv(checkpoint, "decode", "--name", "d"))
 
 
-def test_two_stages_feed_one_decoder_transformers_tokens(
-    saved: tuple[str, Any], stages: tuple[list[PrefillWorker], DecodeWorker]
-) -> None:
-    ranks, d = stages
-    assert [w.pools.state.layout.layer_ids for w in ranks if w.pools.state] == [(0,), (2,)]
-    assert d.pools.state is not None and d.pools.state.layout.layer_ids == (0, 2)
+def gather_transformers_tokens(
+    hf: Any, ranks: list[PrefillWorker], d: DecodeWorker
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A random ``N``-token prompt through ``ranks`` into ``d``: asserts it succeeds with
+    ``hf.generate``'s ``NEW`` greedy tokens and leaves every worker idle and whole; returns the
+    prompt and the tokens."""
     prompt = tuple(int(t) for t in np.random.default_rng(N).integers(0, 128, N))
     res = run_gather(ranks, d, prompt, NEW)
     assert isinstance(res, RequestResult)
     assert (res.state, res.reason) == ("success", "")
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        want = saved[1].generate(
+        want = hf.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
             eos_token_id=None, pad_token_id=0,
         )[0, N:].tolist()  # fmt: skip
     assert list(res.tokens) == want
-    one = ModelSpec(saved[0]).load().generate(list(prompt), NEW, 16, block_size=16).tokens
-    assert list(res.tokens) == list(one)
     workers: list[Worker] = [*ranks, d]
     for w in workers:
         wait_for(functools.partial(lambda w: idle(w.stats()), w), what=f"{w.config.name} idle")
         assert w.stats().integrity == ""
+    return prompt, tuple(res.tokens)
+
+
+def test_two_stages_feed_one_decoder_transformers_tokens(
+    saved: tuple[str, Any], stages: tuple[list[PrefillWorker], DecodeWorker]
+) -> None:
+    ranks, d = stages
+    assert [w.pools.state.layout.layer_ids for w in ranks if w.pools.state] == [(0,), (2,)]
+    assert d.pools.state is not None and d.pools.state.layout.layer_ids == (0, 2)
+    prompt, tokens = gather_transformers_tokens(saved[1], ranks, d)
+    one = ModelSpec(saved[0]).load().generate(list(prompt), NEW, 16, block_size=16).tokens
+    assert tokens == tuple(one)
     # each stage: its attention layer's N positions (K, V x 2 heads x 16 x float32) and its
     # Mamba layer's state row; the lead (stage 1) also the 32-byte tail
     row = [w.pools.state.layout.pool_bytes // 4 for w in ranks if w.pools.state]  # 4 slots

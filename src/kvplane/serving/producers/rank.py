@@ -6,8 +6,9 @@ keeps this rank's share in the rank pool: its TP heads (``tp_head_range``) and i
 stage's layers (``stage_layers``, both in :mod:`kvplane.transfer.resharding`). The models run
 all layers in one call, with no hidden-state hand-off between stages, so a stage computes every
 layer and keeps its own: exactly a real rank's share of the one-process model's KV; the compute
-and the shadow's memory are those of one whole process. A hybrid (Bamba) splits by stage only:
-its state pool holds the stage's Mamba layers, kept from a full shadow state; TP is refused.
+and the shadow's memory are those of one whole process. A hybrid (Bamba)'s state pool holds
+the stage's Mamba layers, each row the TP rank's part (``StateSplit``), kept from a full shadow
+state; TP must not replicate its KV heads (each rank must be in the gathers it has state for).
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ class RankProducer(ModelProducer):
     refused (``UnsupportedError``) before anything is written."""
 
     def __init__(self, model: PagedDecoder, model_id: str, placement: Placement) -> None:
-        if isinstance(model, BambaModel) and placement.tp_size > 1:
-            raise UnsupportedError(
-                f"model {model_id} has recurrent (Mamba2) state: TP ranks of a hybrid model are "
-                "not supported (its state pool has no head range; use pipeline stages)"
+        tp = placement.tp_size
+        if isinstance(model, BambaModel) and model.bamba.num_kv_heads % tp:
+            raise ConfigError(
+                f"TP {tp} of model {model_id}: its {model.bamba.num_kv_heads} KV heads would be "
+                "replicated, so some TP rank would be in no gather to send its part of the "
+                "recurrent state"
             )
         super().__init__(model, model_id)
         self.placement = placement
@@ -78,12 +81,14 @@ class RankProducer(ModelProducer):
         return layout
 
     def state_layout(self, num_slots: int) -> KVLayout | None:
-        """A hybrid's state pool of this stage's Mamba layers (``stage_layers``), else None."""
+        """A hybrid's state pool of this stage's Mamba layers (``stage_layers``), each row this
+        TP rank's part (``StateSplit``), else None."""
         full = super().state_layout(num_slots)
         if full is None or not isinstance(self.model, BambaModel):
             return full
-        mine = self._stages(full, "Mamba (state)")[self.placement.pp_stage]
-        return state_layout(self.model.bamba.mamba, mine, num_slots)
+        at = self.placement
+        mine = self._stages(full, "Mamba (state)")[at.pp_stage]
+        return state_layout(self.model.bamba.mamba, mine, num_slots, (at.tp_size, at.tp_rank))
 
     def _stages(self, full: KVLayout, kind: str) -> tuple[tuple[int, ...], ...]:
         """``full``'s layers per pipeline stage; ``LayoutError`` for a stage holding none."""
@@ -97,10 +102,13 @@ class RankProducer(ModelProducer):
                 )
         return stages
 
-    def shadow_bytes(self, num_blocks: int, block_size: int) -> int:
-        """Bytes of the full-layout shadow a rank pool of ``num_blocks`` keeps beside it (what
-        a start-up memory check must count on top of the rank pool)."""
-        return self.model.kv_layout(num_blocks, block_size).pool_bytes
+    def shadow_bytes(self, num_blocks: int, block_size: int, num_slots: int = 0) -> int:
+        """Bytes of the full-layout shadows a rank pool of ``num_blocks`` and, for a hybrid, a
+        state pool of ``num_slots`` keep beside them (what a start-up memory check must count on
+        top of the rank pools; ``num_slots`` 0 counts no state shadow)."""
+        full = super().state_layout(num_slots) if num_slots else None
+        state = full.pool_bytes if full is not None else 0
+        return self.model.kv_layout(num_blocks, block_size).pool_bytes + state
 
     def _shadow_for(self, rank: KVLayout) -> PagedKVCache:
         """The full-layout shadow of a pool of ``rank``'s size (allocated on first use)."""
@@ -130,9 +138,10 @@ class RankProducer(ModelProducer):
         slots = _slots(step, kv.layout.block_size, rng.start, rng.end)
         _rank(kv)[slots] = self._share(shadow, kv.layout, slots)
         if state is not None and full_state is not None and step.state_slot is not None:
+            part = _row_part(state.layout)
             for layer in state.layout.layer_ids:  # this stage's rows of the request's slot
                 row = full_state.layout.state_view(full_state.tensor, layer)[step.state_slot]
-                state.layout.state_view(state.tensor, layer)[step.state_slot] = row
+                state.layout.state_view(state.tensor, layer)[step.state_slot] = row[part]
         if step.is_last:
             self._open.discard(step.request_id)
         else:
@@ -166,6 +175,14 @@ class RankProducer(ModelProducer):
         layers = torch.tensor([shadow.layout.layer_index(i) for i in rank.layer_ids])
         lo, hi = rank.head_range
         return _token_major(shadow.layout, shadow.pool)[slots][:, layers][:, :, :, lo:hi]
+
+
+def _row_part(layout: KVLayout) -> torch.Tensor | slice:
+    """The elements of a whole state row that ``layout``'s rows hold, in their order."""
+    split = layout.state_split
+    if split is None:
+        return slice(None)
+    return torch.cat([torch.arange(s.start, s.end) for s in split.spans])
 
 
 def _token_major(layout: KVLayout, pool: torch.Tensor) -> torch.Tensor:
