@@ -88,6 +88,10 @@ def test_messages_of_the_other_checks() -> None:
     assert message(require_finite_positive, "t", 0, InvalidArgumentError) == (
         "t must be a finite number > 0 and at most 1e+06 s, got 0"
     )  # fmt: skip
+    assert require_finite_positive("t", 0, zero=True) == 0.0  # 0: "never", where allowed
+    assert message(require_finite_positive, "t", -1e-9, InvalidArgumentError, zero=True) == (
+        "t must be a finite number >= 0 and at most 1e+06 s, got -1e-09"
+    )
 
 
 def test_the_callers_error_class_is_raised_exactly() -> None:

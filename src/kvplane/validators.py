@@ -177,16 +177,20 @@ def require_probability(what: str, value: object, *, error: Error = InvalidArgum
     raise error(f"{what} must be a probability in [0, 1], got {shown(value)}")
 
 
-def require_finite_positive(what: str, value: object, error: Error = ConfigError) -> float:
+def require_finite_positive(
+    what: str, value: object, error: Error = ConfigError, *, zero: bool = False
+) -> float:
     """``float(value)`` when it is an int or float in ``(0, MAX_DURATION_S]`` (a duration in
-    seconds), else ``error`` naming ``what`` and the value. Bools, strings, NaN, the infinities
-    and ints too large for a float are refused.
+    seconds; ``[0, MAX_DURATION_S]`` with ``zero``, where 0 means "never"), else ``error``
+    naming ``what`` and the value. Bools, strings, NaN, the infinities and ints too large for a
+    float are refused.
 
     The one duration check below the components, so a config and the object it configures
     (which must not import that config) refuse the same values with the same message.
     """
-    if is_number(value) and 0 < value <= MAX_DURATION_S:  # exact for any int; NaN is False
-        return float(value)
+    if is_number(value) and (value >= 0 if zero else value > 0) and value <= MAX_DURATION_S:
+        return float(value)  # exact for any int; NaN is False
+    low = ">= 0" if zero else "> 0"
     raise error(
-        f"{what} must be a finite number > 0 and at most {MAX_DURATION_S:g} s, got {shown(value)}"
+        f"{what} must be a finite number {low} and at most {MAX_DURATION_S:g} s, got {shown(value)}"
     )

@@ -5,6 +5,8 @@ full pool, and parks only when it may (#30). Exact counts and bytes; no timed as
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from kvplane.blocks import BlockHasher, BlockPool, BlockTable
-from kvplane.errors import TransportError
+from kvplane.errors import InvalidArgumentError, TransportError
 from kvplane.ids import ChunkKey, JobId, RequestId
 from kvplane.layout import KVLayout
 from kvplane.offload import OffloadConfig
@@ -25,7 +27,7 @@ from kvplane.serving.prefix_offload import (
     PrefixSettings,
     StoreFinished,
 )
-from kvplane.serving.prefix_waits import Parked, PrefixWaits
+from kvplane.serving.prefix_waits import Parked, PrefixWaits, check_wait_s
 from kvplane.serving.producers.base import PoolTensor
 from kvplane.serving.producers.synthetic import SyntheticDecoder, SyntheticProducer
 from kvplane.serving.router.router import Router
@@ -197,10 +199,11 @@ def test_the_book_covers_tracked_chunks_only_and_unparks_on_the_deadline() -> No
     assert late.jobs == {JobId(1)} and not late.requests and len(waits) == 0
 
 
-def test_pd_of_a_prefix_whose_first_request_is_computing_waits_and_loads_it() -> None:
-    """Prefill worker (synthetic MLA, 0.2 s a step, host offload, chunks of 2 blocks of 16):
-    b, sharing a's 192-token prefix, arrives while a computes, waits, loads all 6 chunks."""
-    settings = PrefixSettings(OffloadConfig(host_slots=16, pin_memory=False), 2,
+@contextlib.contextmanager
+def _slow_cluster(host_slots: int) -> Iterator[tuple[PrefillWorker, Router]]:
+    """A prefill worker (synthetic MLA, 0.2 s a step, host offload of ``host_slots`` chunks of
+    2 blocks, waits bounded at 60 s), a decode worker and a router, connected; closed after."""
+    settings = PrefixSettings(OffloadConfig(host_slots=host_slots, pin_memory=False), 2,
                               pending_wait_s=60.0)  # fmt: skip
     spec = replace(MLA, compute_s_per_step=0.2)
     p = PrefillWorker(base_config(), SyntheticProducer(spec), offload=settings)
@@ -208,8 +211,15 @@ def test_pd_of_a_prefix_whose_first_request_is_computing_waits_and_loads_it() ->
     p.start()
     d.start()
     r = Router([p.address], [d.address], timeout_s=30.0, secret=TEST_SECRET)
-    r.connect()
     with Cluster(p, d, r):
+        r.connect()
+        yield p, r
+
+
+def test_pd_of_a_prefix_whose_first_request_is_computing_waits_and_loads_it() -> None:
+    """Prefill worker (synthetic MLA, 0.2 s a step, host offload, chunks of 2 blocks of 16):
+    b, sharing a's 192-token prefix, arrives while a computes, waits, loads all 6 chunks."""
+    with _slow_cluster(host_slots=16) as (p, r):
         a = prompt(np.random.default_rng(0), 200)
         fut = r.submit("a", a, step_size=32)
         wait_for(lambda: "a" in p._requests, what="a on prefill")
@@ -220,4 +230,51 @@ def test_pd_of_a_prefix_whose_first_request_is_computing_waits_and_loads_it() ->
         counters = check_balanced(r)["prefill"].counters
     assert counters["offload_pending_waits"] == 1
     assert counters["offload_hit_chunks_host"] == 6
+    assert counters.get("offload_pending_waits_timed_out", 0) == 0
+
+
+def test_a_dropped_request_is_never_due_and_the_wait_bound_is_a_duration() -> None:
+    waits = PrefixWaits(0)
+    table = BlockTable(B, BS, BlockHasher(seed=7, fingerprint=b"m"))
+    parked = Parked(B, table, None, 10.0, {JobId(1)}, set())
+    waits.park(parked)
+    assert waits.drop(B) is parked and len(waits) == 0
+    assert waits.drop(B) is None  # idempotent
+    waits.stored(JobId(1))
+    assert waits.due(11.0) == []
+    assert (check_wait_s("w", 0), check_wait_s("w", 2), check_wait_s("w", 1e6)) == (0, 2, 1e6)
+    for bad in (-1, 1e6 + 1, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(
+            InvalidArgumentError,
+            match=r"^w must be a finite number >= 0 and at most 1e\+06 s, got ",
+        ):
+            check_wait_s("w", bad)
+    with pytest.raises(InvalidArgumentError, match=r"PrefixWaits\.wait_s"):
+        PrefixWaits(-0.5)
+
+
+def test_a_parked_request_that_is_cancelled_frees_its_blocks_at_once() -> None:
+    """b parks on a's prefix (a computes 20 steps of 0.2 s); cancelling b frees its blocks and
+    slot while a still computes, and a's store later wakes nobody: nothing loads into b's
+    freed blocks. Then a is cancelled too; every pool and ledger ends balanced."""
+    with _slow_cluster(host_slots=64) as (p, r):
+        a = prompt(np.random.default_rng(0), 640)  # 40 blocks of 16
+        fut_a = r.submit("a", a, step_size=32)
+        wait_for(lambda: "a" in p._requests, what="a on prefill")
+        fut_b = r.submit("b", [*a[:192], *range(1, 9)], step_size=32)
+        assert p.offload is not None
+        waits = p.offload.waits
+        wait_for(lambda: len(waits) == 1, what="b parked")
+        assert r.cancel("b", side="prefill", reason="client gone")
+        assert fut_b.result(timeout=30).state != "success"
+        wait_for(lambda: r.stats()["prefill"].used_slots == 1, what="b's slot freed")
+        held = r.stats()["prefill"]
+        assert not fut_a.done()  # b was freed while a computes, not when a's store landed
+        assert (held.used_blocks, held.used_slots, len(waits)) == (40, 1, 0)
+        assert held.counters["worker_pending_waits_cancelled"] == 1
+        assert r.cancel("a", side="prefill", reason="done")
+        assert fut_a.result(timeout=30).state != "success"
+        counters = check_balanced(r)["prefill"].counters
+    assert counters["offload_pending_waits"] == 1
+    assert counters.get("offload_hit_chunks_host", 0) == 0
     assert counters.get("offload_pending_waits_timed_out", 0) == 0

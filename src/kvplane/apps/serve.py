@@ -38,6 +38,7 @@ from kvplane.serving.kv_publisher import KVEventSettings
 from kvplane.serving.ports import probe_bind, probe_port
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.prefix_offload import PrefixSettings
+from kvplane.serving.prefix_waits import PENDING_WAIT_S, check_wait_s
 from kvplane.serving.producers.base import KVModel
 from kvplane.serving.producers.model import (
     DTYPES,
@@ -153,6 +154,11 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
             f"--offload-{tier}-codec", default="raw", metavar="CODEC",
             help=f"{tier} tier codec: raw, lossless lz4/zstd, lossy fp8/fp8-chunk/int8, or auto",
         )  # fmt: skip
+    o.add_argument(
+        "--offload-pending-wait", type=float, default=PENDING_WAIT_S, metavar="S",
+        help="longest a request waits for this worker's own in-flight store of its prefix "
+        "before computing it (0: never waits)",
+    )  # fmt: skip
     if role == "prefill":
         _kv_event_flags(p)
     c = p.add_argument_group("chunk", "offload chunks ([chunk], KVPLANE_CHUNK_*)")
@@ -324,6 +330,7 @@ def disk_slot_file(directory: str) -> Path:
 def offload_of(args: argparse.Namespace) -> PrefixSettings | None:
     """The prefill worker's prefix offload, or None (``--offload-host-slots 0``)."""
     settle(args)
+    wait_s = check_wait_s("--offload-pending-wait", args.offload_pending_wait, error=ConfigError)
     if not args.offload_host_slots:
         return None
     disk = disk_slot_file(args.offload_disk) if args.offload_disk else None
@@ -334,7 +341,8 @@ def offload_of(args: argparse.Namespace) -> PrefixSettings | None:
         remote_slots=args.offload_remote_slots, remote_replicas=args.offload_remote_replicas,
         disk_codec=args.offload_disk_codec, remote_codec=args.offload_remote_codec,
     )  # fmt: skip
-    return PrefixSettings(config, args.blocks_per_chunk, getattr(args, "tune_chunks", None))
+    tuned = getattr(args, "tune_chunks", None)
+    return PrefixSettings(config, args.blocks_per_chunk, tuned, pending_wait_s=wait_s)
 
 
 def kv_events_of(args: argparse.Namespace) -> KVEventSettings | None:
@@ -357,7 +365,7 @@ def _check_memory(config: WorkerConfig, model: KVModel) -> None:
     state = model.state_layout(config.num_slots)
     total = kv.pool_bytes + (state.pool_bytes if state is not None else 0)
     if isinstance(model, RankProducer):  # simulated TP/PP compute keeps a full shadow pool
-        total += model.shadow_bytes(config.num_blocks, config.block_size)
+        total += model.shadow_bytes(config.num_blocks, config.block_size, config.num_slots)
     check_pool_memory(f"--num-blocks {config.num_blocks} --num-slots {config.num_slots}", total)
 
 
@@ -444,9 +452,9 @@ def _run_router(args: argparse.Namespace) -> int:
                   incarnation=0)  # fmt: skip
         signalled = wait_for_stop(threading.Event())
     finally:
+        router.close()  # first: fails what a service helper waits for, so both close at once
         if service is not None:
             service.close()
-        router.close()
     if signalled:
         end_process(0)
     return 0

@@ -421,7 +421,7 @@ class PrefillWorker(Worker):
         stopped locally) and the ledger released every slice the session admitted; forget the
         request once its session has ended too."""
         if self.offload is not None and (req.stopped or req.outcome is not None):
-            self.offload.forget(RequestId(req.order.request_id))  # its store will not come
+            self._stop_offload(self.offload, req)
         if (req.outcome is None and not req.stopped) or req.released < req.admitted:
             return
         if req in self._waiting or req.loading:
@@ -445,6 +445,18 @@ class PrefillWorker(Worker):
                 self.auto.observe_link(times.slice_busy_s, [n for _, n in done])
             if req.prefill_end is not None and req.finished_at is not None:
                 self.rmetrics.tail.observe(max(0.0, req.finished_at - req.prefill_end))
+
+    def _stop_offload(self, offload: PrefixOffload, req: _Prefill) -> None:
+        """A stopped request: its promised store will not come, and if it is parked waiting for
+        this worker's stores of its prefix it is unparked now, without a lookup (nothing is
+        loading into its blocks, so :meth:`_maybe_free` may free them at once; a load in flight
+        is waited for instead)."""
+        rid = RequestId(req.order.request_id)
+        offload.forget(rid)
+        if req.loading and offload.waits.drop(rid) is not None:
+            req.loading = False
+            self.counters["pending_waits_cancelled"] += 1
+            self.timeline.record(Mark.LOAD_DONE, rid, detail="cancelled while waiting")
 
     # -- observation -------------------------------------------------------------------------------
     def stats(self, *, timeline: bool = False) -> WorkerStats:

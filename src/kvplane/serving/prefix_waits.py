@@ -3,9 +3,10 @@
 Owns the book of which chunk keys a store job in flight carries, which keys a computing request
 will store when its prefill ends (its promise), and which admitted requests are parked on
 either; answers which parked requests may look their prefix up again (all they waited for has
-landed, failed or was dropped, or their bound passed). Plain bookkeeping: no tiers, no bytes,
-no clock of its own; the worker loop's :class:`~kvplane.serving.prefix_offload.PrefixOffload`
-owns it. See docs/serving.md.
+landed, failed or was dropped, or their bound passed) and drops a parked request that was
+cancelled, so it is never looked up again. Plain bookkeeping: no tiers, no bytes, no clock of
+its own; the worker loop's :class:`~kvplane.serving.prefix_offload.PrefixOffload` owns it. See
+docs/serving.md.
 """
 
 from __future__ import annotations
@@ -14,8 +15,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvplane.blocks import BlockTable
+from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey, JobId, RequestId
-from kvplane.validators import require_number
+from kvplane.validators import Error, require_finite_positive
+
+PENDING_WAIT_S = 2.0
+"""The default bound of a prefix wait (``PrefixSettings.pending_wait_s``, serve's
+``--offload-pending-wait``): a lost wake-up costs at most this long."""
+
+
+def check_wait_s(what: str, value: object, *, error: Error = InvalidArgumentError) -> float:
+    """The rule of :attr:`PrefixWaits.wait_s` and of its serve flag: a duration in seconds, 0
+    allowed (a request never waits); ``error`` naming ``what`` otherwise."""
+    return require_finite_positive(what, value, error, zero=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +57,7 @@ class PrefixWaits:
     """See the module docstring. ``wait_s``: the longest a request stays parked (0: never)."""
 
     def __init__(self, wait_s: float) -> None:
-        self.wait_s = require_number("PrefixWaits.wait_s", wait_s, min=0)
+        self.wait_s = check_wait_s("PrefixWaits.wait_s", wait_s)
         self._storing: dict[JobId, frozenset[ChunkKey]] = {}
         self._promised: dict[RequestId, frozenset[ChunkKey]] = {}
         self._parked: dict[RequestId, Parked] = {}
@@ -118,3 +130,9 @@ class PrefixWaits:
         for parked in out:
             del self._parked[parked.request_id]
         return out
+
+    def drop(self, request_id: RequestId) -> Parked | None:
+        """Unpark ``request_id`` without a lookup (it was cancelled): :meth:`due` never returns
+        it, so nothing loads into its blocks once they are freed. Its record, or ``None`` when
+        it is not parked (idempotent)."""
+        return self._parked.pop(request_id, None)

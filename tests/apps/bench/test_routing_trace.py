@@ -14,6 +14,7 @@ from kvplane.apps.bench.routing_trace import (
     prompt_tokens,
     reused_groups,
     scaled_length,
+    split_rounds,
 )
 from kvplane.errors import ConfigError, InvalidArgumentError
 
@@ -51,6 +52,17 @@ def test_reused_groups_take_whole_groups_in_trace_order() -> None:
     assert [r.hash_ids for r in got] == [(1, 2), (1, 6)]
     got = reused_groups(reqs, 5)
     assert [r.timestamp_ms for r in got] == [0, 2, 3, 4, 5, 6]
+
+
+def test_rounds_deal_whole_groups_by_first_arrival_in_trace_order() -> None:
+    reqs = [
+        _req(i, ids) for i, ids in enumerate([(1, 2), (3,), (4, 5), (1, 6), (4,), (7,), (7, 8)])
+    ]
+    parts = split_rounds(reqs, 2)  # groups by first arrival: 1, 3, 4, 7 -> parts 0, 1, 0, 1
+    assert [[r.timestamp_ms for r in p] for p in parts] == [[0, 2, 3, 4], [1, 5, 6]]
+    assert split_rounds(reqs, 1) == [reqs]
+    with pytest.raises(InvalidArgumentError, match="5 rounds need as many prefix groups, got 4"):
+        split_rounds(reqs, 5)
 
 
 def test_load_trace_reads_rows_and_refuses_bad_ones(tmp_path: Path) -> None:

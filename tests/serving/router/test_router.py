@@ -37,6 +37,7 @@ from kvplane.serving.messages import (
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.producers.synthetic import SyntheticDecoder, SyntheticProducer
 from kvplane.serving.router.router import Router
+from kvplane.serving.router.service import RouterService
 from kvplane.serving.rpc import Reply, RpcServer
 from kvplane.serving.worker_config import WorkerConfig
 from kvplane.testing.cluster import (
@@ -386,19 +387,39 @@ def test_a_probe_a_worker_took_and_never_answered_is_sent_again_after_timeout_s(
         d.close()
 
 
-def test_close_waits_for_a_refresh_on_another_thread_and_leaks_no_client() -> None:
+def test_close_ends_a_refresh_stuck_on_a_dead_worker_at_once_and_leaks_nothing() -> None:
+    # probe_s is a minute: a close that waited for the stuck refresh would take that long
     p, d = FakeWorker("prefill"), FakeWorker("decode")
-    r = Router([p.address], [d.address], timeout_s=2.0, probe_s=1.0)
+    r = Router([p.address], [d.address], timeout_s=120.0, probe_s=60.0)
+    service = RouterService(r, "tcp://127.0.0.1:0")
+    replies: list[AnyMessage] = []
     try:
         r.connect()
-        p.mute = 10**9  # the prefill worker stops answering: the refresh marks it down
-        t = threading.Thread(target=r.refresh)  # as a RouterService helper runs it
+        p.mute = 10**9  # the prefill worker stops answering: a refresh waits on it
+        t = threading.Thread(target=r.refresh)  # as the refresh thread runs it
         t.start()
-        time.sleep(0.2)
-        r.close()
+
+        def refresh() -> None:
+            r.refresh()
+
+        service._off_thread(refresh, replies.append)  # and as a service helper
+        wait_for(lambda: p.seen.count("InfoQuery") == 2, what="the refresh waits on prefill")
+
+        def close_both() -> None:  # as serve router does
+            r.close()
+            service.close()
+
+        closing = threading.Thread(target=close_both)
+        closing.start()
+        closing.join(timeout=30.0)  # a liveness bound: half the probe a stuck close waits out
+        assert not closing.is_alive()
         t.join()
+        assert replies == []
         client = r.prefill[0].client
         assert client._closed and not client._thread.is_alive()
+        left = [x.name for x in threading.enumerate() if x.name.startswith("kvplane-router")]
+        assert left == []
+        r.close()  # idempotent
     finally:
         p.close()
         d.close()

@@ -79,7 +79,7 @@ class PolicyRouter:
                 "--refresh", "1"]  # fmt: skip
         for name, address in addresses.items():
             args += [f"--{'prefill' if name.startswith('p') else 'decode'}", address]
-        self.group, self.key = group, f"router-{policy}"
+        self.group, self.key, self.policy = group, f"router-{policy}", policy
         self.child = Child("router", args, work, group.secret)
         group.children[self.key] = self.child
         info = self.child.announce(time.monotonic() + START_TIMEOUT_S)

@@ -91,6 +91,23 @@ def reused_groups(
     return [r for r in reqs if r.hash_ids[0] in chosen]
 
 
+def split_rounds(reqs: Sequence[TraceRequest], rounds: int) -> list[list[TraceRequest]]:
+    """``reqs`` dealt into ``rounds`` disjoint parts by prefix group (first hash id): the
+    ``k``-th group by first arrival goes to part ``k mod rounds``, whole, so no prefix is
+    shared across parts and each part mixes early and late groups alike; requests stay in trace
+    order. ``InvalidArgumentError`` when a part would be empty (fewer groups than rounds)."""
+    require_int("rounds", rounds, min=1)
+    rank: dict[int, int] = {}
+    for r in reqs:
+        rank.setdefault(r.hash_ids[0], len(rank))
+    if len(rank) < rounds:
+        raise InvalidArgumentError(f"{rounds} rounds need as many prefix groups, got {len(rank)}")
+    parts: list[list[TraceRequest]] = [[] for _ in range(rounds)]
+    for r in reqs:
+        parts[rank[r.hash_ids[0]] % rounds].append(r)
+    return parts
+
+
 def block_of(hash_id: int, block_tokens: int, vocab: int, salt: int = 0) -> list[int]:
     """The ``block_tokens`` token ids (in ``[0, vocab)``) standing for trace block ``hash_id``:
     a SHA-256 stream of ``(salt, hash_id)``, so equal inputs give equal blocks on any host."""

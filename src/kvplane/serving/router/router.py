@@ -122,13 +122,17 @@ class Router:
             t.start()
 
     def close(self) -> None:
+        """Stop promptly: close every worker's client first, which fails each call still
+        waiting for an answer (a refresh waiting on a dead worker, on any thread, ends then
+        instead of after ``probe_s``) and makes no client after; then join the router's threads
+        and, once no refresh runs, close the KV event subscriber. Idempotent."""
         self._stop.set()
         self._refresh_wanted.set()
+        self._members.close()
         for t in self._threads:
             if t.is_alive() and threading.current_thread() is not t:
                 t.join(timeout=10.0)
-        with self._refresh_lock:  # a refresh on another thread ends first (bounded by probe_s)
-            self._members.close()
+        with self._refresh_lock:  # a refresh on another thread ends first (its calls failed)
             self.kv_events.close()
 
     @property
@@ -286,7 +290,8 @@ class Router:
             try:
                 self.refresh()
             except KVPlaneError as exc:
-                log.warning("router refresh: %s", exc)
+                if not self._stop.is_set():  # closing fails the refresh's calls: not news
+                    log.warning("router refresh: %s", exc)
             except Exception:  # a bug must not stop the refresh thread
                 log.exception("router refresh failed")
 

@@ -71,11 +71,14 @@ class RouterService:
         self.server.start()
 
     def close(self) -> None:
+        """Stop ``/metrics``, the order socket and the helpers, joining them. A helper still
+        waiting on a worker (a refresh before a ``Generate``) is waited for: close the router
+        first (:meth:`Router.close` fails every such wait at once) for a prompt close."""
         if self._metrics_server is not None:
             self._metrics_server.stop()
             self._metrics_server = None
         self.server.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)  # a running refresh is bounded
+        self._pool.shutdown(wait=True, cancel_futures=True)  # a running refresh: by probe_s
 
     def handle(self, msg: AnyMessage, reply: Reply) -> None:
         """Answer one client message (see the module docstring). A ``KVPlaneError`` raised here
