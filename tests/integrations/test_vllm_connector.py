@@ -4,12 +4,12 @@ Each engine runs as a subprocess of the vLLM environment's interpreter (``.venv-
 ``scripts/vllm-venv.sh``) through :mod:`kvplane.integrations.vllm.harness`, on a tiny
 random-init Llama saved with transformers, greedy decoding, ``prompt_token_ids`` input. Five
 engine starts in all: a baseline without the connector, engine A (connector, disk tier: stores
-the prompts), engine B (a new process on A's disk file: loads the shared prefix
-asynchronously), engine C (a copy of A's disk file with one chunk corrupted after start-up: an
-asynchronous load error, recomputed) and one engine (a script of its own) for
-``reset_prefix_cache()`` and vLLM's metrics. Two engines run at a time (the baseline, A and
-the reset engine share nothing; B and C start once A has exited): the same five processes, in
-about half the time on two cores.
+the prompts), engine B (``slow`` only, as test_vllm_rechunk_engine loads a disk prefix by
+default: a new process on A's disk file loads the shared prefix asynchronously), engine C (a
+copy of A's disk file with one chunk corrupted after start-up: an asynchronous load error,
+recomputed) and one engine (a script of its own) for ``reset_prefix_cache()`` and vLLM's
+metrics. Two engines run at a time (the baseline, A and the reset engine share nothing; B and C
+start once A has exited): the same processes, in about half the time on two cores.
 
 Without ``.venv-vllm`` these tests skip, saying why; with ``KVPLANE_REQUIRE_VLLM=1`` they fail.
 """
@@ -17,6 +17,7 @@ Without ``.venv-vllm`` these tests skip, saying why; with ``KVPLANE_REQUIRE_VLLM
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -37,6 +38,8 @@ LONG = [_rng.randrange(1, 512) for _ in range(300)]  # 4 full chunks of 2 x 32-t
 SHARED = LONG[:256] + [_rng.randrange(1, 512) for _ in range(40)]  # same 4 chunks, new tail
 OTHER = [_rng.randrange(1, 512) for _ in range(90)]  # 1 chunk, nothing shared
 MAX_TOKENS = 8
+SLOW = os.environ.get("KVPLANE_SLOW") == "1"
+"""Engine B runs only in the slow suite (the conftest's rule for ``slow`` tests)."""
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +114,8 @@ def runs(workdir: Path) -> Iterator[dict[str, Future[Any]]]:
             "a": pool.submit(_engine_a, workdir),
             "reset": pool.submit(_reset_and_stats, workdir),
         }
-        got["b"] = pool.submit(_engine_b, workdir, got["a"])
+        if SLOW:  # the disk load at engine level is test_vllm_rechunk_engine's default test
+            got["b"] = pool.submit(_engine_b, workdir, got["a"])
         got["c"] = pool.submit(_engine_c, workdir, got["a"])
         yield got
 
@@ -145,6 +149,7 @@ def test_tokens_with_the_connector_equal_tokens_without_it(
     assert engine_a["jobs_in_flight"] == 0 and engine_a["tracked_requests"] == []
 
 
+@pytest.mark.slow  # one engine more; the rechunk engine test loads a disk prefix by default
 def test_a_second_engine_process_loads_the_prefix_from_disk(
     runs: dict[str, Future[Any]], baseline: list[list[int]]
 ) -> None:

@@ -59,6 +59,7 @@ from kvplane.integrations.vllm.tp import TPShard, combine_indices
 from kvplane.integrations.vllm.versions import check_vllm
 from kvplane.integrations.vllm.views import pd_request, request_view
 from kvplane.integrations.vllm.wakeup import StepSource, Wakeup, end_step
+from kvplane.integrations.vllm.windows import group_window
 from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.metrics import MetricsRegistry
 from kvplane.serving.kv_publisher import KVEventPublisher
@@ -177,6 +178,8 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._vllm_config = vllm_config
         self.metrics = MetricsRegistry()
         self.block_size = int(vllm_config.cache_config.block_size)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        window = None if groups is None else group_window(groups)  # refuses hybrid allocation
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.pd_settings: PDSettings | None = pd_settings(self.config.pd, os.environ)
@@ -192,7 +195,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
             events = events_setup(self.config, os.environ, dp_rank)  # refuses before any state
             self.scheduler = SchedulerSide(
-                self.config, self.block_size, self.metrics, tp_size=self.tp_size
+                self.config, self.block_size, self.metrics, tp_size=self.tp_size, window=window
             )
             self._stats = StatsTaker(self.metrics, "scheduler")
             if self.pd_settings is not None:
@@ -201,6 +204,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     self.metrics,
                     check_prompt=self.pd_settings.check_prompt,
                     tp_size=self.tp_size,
+                    window=window,
                 )
         scheduler = role == KVConnectorRole.SCHEDULER
         rank = 0 if scheduler or not self.config.metrics_port else _tp_rank(self.tp_size)

@@ -274,25 +274,45 @@ def save_tiny_llama(path: str | Path, shape: dict[str, int]) -> None:
     """Save a random-init ``LlamaForCausalLM`` (bf16, seed 0) of ``shape`` with transformers.
 
     ``shape`` keys: ``vocab``, ``hidden``, ``layers``, ``heads``, ``kv_heads``,
-    ``intermediate``, optional ``seed``.
+    ``intermediate``, optional ``seed``. With ``sliding_window`` the model is a
+    ``MistralForCausalLM`` with that window on every layer, or, with ``full_every`` = k too, a
+    ``Gemma2ForCausalLM`` whose every k-th layer is full attention and the others windowed.
     """
     import importlib
 
     import torch
 
     transformers: Any = importlib.import_module("transformers")  # vLLM's pinned copy
-    cfg = transformers.LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=8192,
-        torch_dtype="bfloat16",
-    )
+    common = {
+        "vocab_size": shape["vocab"],
+        "hidden_size": shape["hidden"],
+        "intermediate_size": shape["intermediate"],
+        "num_hidden_layers": shape["layers"],
+        "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["kv_heads"],
+        "max_position_embeddings": 8192,
+        "torch_dtype": "bfloat16",
+    }
+    window, every = shape.get("sliding_window"), shape.get("full_every")
+    if window is None:
+        make, cfg = transformers.LlamaForCausalLM, transformers.LlamaConfig(**common)
+    elif every is None:
+        make = transformers.MistralForCausalLM
+        cfg = transformers.MistralConfig(sliding_window=window, **common)
+    else:
+        kinds = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+            for i in range(shape["layers"])
+        ]
+        make = transformers.Gemma2ForCausalLM
+        cfg = transformers.Gemma2Config(
+            sliding_window=window,
+            layer_types=kinds,
+            head_dim=shape["hidden"] // shape["heads"],
+            **common,
+        )
     torch.manual_seed(shape.get("seed", 0))
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = make(cfg).to(torch.bfloat16)
     model.save_pretrained(str(path))
 
 

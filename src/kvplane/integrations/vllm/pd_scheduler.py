@@ -26,6 +26,7 @@ from kvplane.integrations.vllm.pd_params import (
     transferred_tokens,
 )
 from kvplane.integrations.vllm.pd_ranks import RankResults, tp_refusal
+from kvplane.integrations.vllm.windows import KVWindow, first_kept_block
 from kvplane.metrics import MetricsRegistry
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,9 @@ class PDStep:
 
 class PDScheduler:
     """See the module docstring. ``block_size`` is vLLM's; metrics go to ``metrics``;
-    ``tp_size``: the engine's tensor-parallel size (one worker, and PD session, per rank)."""
+    ``tp_size``: the engine's tensor-parallel size (one worker, and PD session, per rank);
+    ``window``: vLLM's sliding window (:class:`~.windows.KVWindow`): a receive covers only the
+    blocks vLLM holds after it, the ones in the window of the first token it computes."""
 
     def __init__(
         self,
@@ -91,8 +94,10 @@ class PDScheduler:
         *,
         check_prompt: bool = True,
         tp_size: int = 1,
+        window: KVWindow | None = None,
     ) -> None:
         self.block_size = block_size
+        self.window = window
         self.check_prompt = check_prompt
         self.tp_size = tp_size
         self.addresses: tuple[str, ...] = ()
@@ -158,6 +163,7 @@ class PDScheduler:
         if len(block_ids) < need:  # pragma: no cover - vLLM allocates num_computed + external
             raise UnsupportedError(f"request {req.req_id!r}: {len(block_ids)} blocks for {num}")
         rec.opened = True
+        kept = first_kept_block(self.window, rec.num_computed + rec.tokens) * self.block_size
         self._pending.recvs.append(
             RecvOp(
                 req.req_id,
@@ -165,7 +171,7 @@ class PDScheduler:
                 rec.params.address,
                 prompt_key(req.prompt),
                 num,
-                rec.num_computed,
+                min(max(rec.num_computed, kept), num),  # the prefill sends from here on
                 tuple(int(b) for b in block_ids[:need]),
                 rank_addresses=rec.params.rank_addresses,
             )

@@ -21,6 +21,7 @@ from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.demotions import Demotions
+from kvplane.integrations.vllm.fences import Fences
 from kvplane.integrations.vllm.keys import RequestKeys
 from kvplane.integrations.vllm.messages import (
     JobReport,
@@ -32,6 +33,7 @@ from kvplane.integrations.vllm.messages import (
 )
 from kvplane.integrations.vllm.store_probe import StoreId, StoreProbe
 from kvplane.integrations.vllm.tp import RankTally
+from kvplane.integrations.vllm.windows import KVWindow, first_kept_block, freed_any, holds_null
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload.book import TierBook
 
@@ -88,7 +90,7 @@ class _Req:
     looked_up: bool = False
     discovered: bool = False  # the shared store was asked about its chunks
     offered: int = 0  # chunks offered for storing so far
-    gathers: set[int] = field(default_factory=set)  # store jobs whose gather is in flight
+    gathers: dict[int, tuple[int, ...]] = field(default_factory=dict)  # in flight: table slots
     finished: bool = False
     match: tuple[int, int, bool] = (0, 0, False)  # (num_computed, chunks, async) of the last
 
@@ -98,7 +100,8 @@ class SchedulerSide:
 
     With ``tp_size`` > 1 one decision serves every rank's worker: a job part is applied only
     once every rank reported it, its chunks good only where every rank's were
-    (:class:`~.tp.RankTally`)."""
+    (:class:`~.tp.RankTally`). ``window``: vLLM's sliding window (:class:`~.windows.KVWindow`),
+    whose freed blocks loads skip, stores never read and in-flight gathers fence."""
 
     def __init__(
         self,
@@ -106,8 +109,10 @@ class SchedulerSide:
         block_size: int,
         metrics: MetricsRegistry,
         tp_size: int = 1,
+        window: KVWindow | None = None,
     ) -> None:
         self.config = config
+        self.window = window
         self.tally = RankTally(tp_size)
         self.spec = ChunkSpec(block_size, config.blocks_per_chunk)
         lower = [(name, config.tier_slots(name)) for name in config.lower_tiers]
@@ -127,8 +132,7 @@ class SchedulerSide:
         self._gather_ok: dict[int, tuple[bool, ...]] = {}
         self._writes_left: dict[int, int] = {}
         self._loads: list[LoadOp] = []
-        self._fence: dict[int, int] = {}  # freed block -> in-flight gathers still reading it
-        self._fenced_jobs: set[int] = set()
+        self._fences = Fences()  # freed blocks in-flight gathers still read
         self._flush_next = False
         self._ids = itertools.count(1)
         self.demotions = Demotions(book, self._ids)
@@ -250,7 +254,8 @@ class SchedulerSide:
     ) -> LoadOp | None:
         """vLLM allocated ``block_ids`` for the request and will take ``num_external`` tokens
         from kvplane after its local hit: plan that load (emitted by the next step),
-        asynchronous when the request's last :meth:`match` said so."""
+        asynchronous when the request's last :meth:`match` said so; never into the blocks
+        before a sliding window, which vLLM does not hold."""
         if not self.ready or not view.eligible:
             return None
         req = self._req(view)
@@ -264,8 +269,9 @@ class SchedulerSide:
         num_computed = req.match[0]
         bs, tpc = self.spec.block_size, self.spec.tokens_per_chunk
         end = num_computed + num_external
-        first, last = self._first(num_computed), -(-end // tpc)
-        first_block, end_block = num_computed // bs, -(-end // bs)
+        first_block = max(num_computed // bs, first_kept_block(self.window, end))
+        first, last = self._first(first_block * bs), -(-end // tpc)
+        end_block = -(-end // bs)
         if end_block > len(block_ids) or last * tpc > view.num_tokens:
             raise InvalidArgumentError(
                 f"request {view.req_id}: {num_external} external tokens after {num_computed} "
@@ -301,13 +307,15 @@ class SchedulerSide:
         """The worker's instructions for this step (resets the pending loads). ``flush`` when
         a preempted request has gathers in flight or the step writes a fenced block (by its
         forward, by a load, or by :meth:`will_write`)."""
+        for s in scheduled if self.window is not None else ():  # else vLLM frees no block early
+            self._fence_freed(s)
         flush = self._flush_next or any(self._reqs[r].gathers for r in preempted if r in self._reqs)
-        if self._fence and not flush:
+        if self._fences and not flush:
             bs = self.spec.block_size
             written = [op.block_ids for op in self._loads] + [
                 s.block_ids[s.computed_start // bs : -(-s.computed_end // bs)] for s in scheduled
             ]
-            flush = any(b in self._fence for ids in written for b in ids)
+            flush = any(self._fences.hit(ids) for ids in written)
         stores = [op for s in scheduled if (op := self._plan_store(s)) is not None]
         meta = StepMeta(tuple(self._loads), tuple(stores), flush, demotes=self.demotions.take())
         self._loads.clear()
@@ -317,7 +325,7 @@ class SchedulerSide:
     def will_write(self, block_ids: Sequence[int]) -> None:
         """Something other than this side's steps (a PD receive) will write ``block_ids``
         after the next step begins: that step flushes if any of them is fenced."""
-        if any(int(b) in self._fence for b in block_ids):
+        if self._fences.hit(block_ids):
             self._flush_next = True
 
     def _plan_store(self, s: ScheduledRequest) -> StoreOp | None:
@@ -331,26 +339,28 @@ class SchedulerSide:
         fresh = keys[req.offered :]
         if not fresh:
             return None
-        base = req.offered
+        base, bpc = req.offered, self.spec.blocks_per_chunk
         req.offered = len(keys)
-        got = self.book.reserve_store(fresh, write_through=self._write_through)
+        pos = {k: base + i for i, k in enumerate(fresh)}
+        # a chunk holding a block vLLM freed (the null block: outside a window) is never stored
+        held = [k for k in fresh if not holds_null(s.block_ids[pos[k] * bpc : (pos[k] + 1) * bpc])]
+        got = self.book.reserve_store(held, write_through=self._write_through) if held else None
         if got is None:
-            self._m_no_room.inc(len(fresh))
+            self._m_no_room.inc(len(held))
             return None
         if got.deferred:  # a doomed host copy is still read: offer these again next step
             waiting = set(got.deferred)
             req.offered = base + next(i for i, k in enumerate(fresh) if k in waiting)
         if not got.keys:
             return None
-        bpc = self.spec.blocks_per_chunk
-        pos = {k: base + i for i, k in enumerate(fresh)}
-        blocks = [int(b) for k in got.keys for b in s.block_ids[pos[k] * bpc : (pos[k] + 1) * bpc]]
-        op = StoreOp(next(self._ids), view.req_id, got.keys, got.slots, tuple(blocks), got.writes)
+        at = tuple(i for k in got.keys for i in range(pos[k] * bpc, (pos[k] + 1) * bpc))
+        blocks = tuple(int(s.block_ids[i]) for i in at)
+        op = StoreOp(next(self._ids), view.req_id, got.keys, got.slots, blocks, got.writes)
         self._jobs[op.job_id] = op
         if not self._write_through:  # the write-down after its gather takes whole groups
             self._asked[op.job_id] = tuple(keys)
         self._writes_left[op.job_id] = len(op.writes)
-        req.gathers.add(op.job_id)
+        req.gathers[op.job_id] = at
         return op
 
     def finished(self, req_id: str) -> None:
@@ -368,22 +378,18 @@ class SchedulerSide:
         req.finished = True
         self._m_fenced.inc()
         for job_id in req.gathers:
-            op = self._jobs[job_id]
-            if isinstance(op, StoreOp) and job_id not in self._fenced_jobs:
-                self._fenced_jobs.add(job_id)
-                for b in op.block_ids:
-                    self._fence[b] = self._fence.get(b, 0) + 1
+            if isinstance(op := self._jobs[job_id], StoreOp):
+                self._fences.fence(job_id, op.block_ids)
 
-    def _unfence(self, op: StoreOp) -> None:
-        if op.job_id not in self._fenced_jobs:
-            return
-        self._fenced_jobs.discard(op.job_id)
-        for b in op.block_ids:
-            left = self._fence[b] - 1
-            if left:
-                self._fence[b] = left
-            else:
-                del self._fence[b]
+    def _fence_freed(self, s: ScheduledRequest) -> None:
+        """Fence the running request's gathers reading a block vLLM freed (it left the window;
+        its table slot is the null block now, and the block may be reused anywhere)."""
+        req = self._reqs.get(s.view.req_id)
+        table = s.block_ids
+        for job_id, at in req.gathers.items() if req is not None else ():
+            op = self._jobs[job_id]
+            if isinstance(op, StoreOp) and freed_any(table, at, op.block_ids):
+                self._fences.fence(job_id, op.block_ids)
 
     # -- worker results -----------------------------------------------------------------------
     def apply(self, report: WorkerReport) -> None:
@@ -412,10 +418,10 @@ class SchedulerSide:
                 self.demotions.gathered(self._asked.pop(op.job_id), good)
             self._m_stored.inc(len(good))
             self._gather_ok[op.job_id] = job.ok
-            self._unfence(op)
+            self._fences.release(op.job_id, op.block_ids)
             req = self._reqs.get(op.req_id)
             if req is not None:
-                req.gathers.discard(op.job_id)
+                req.gathers.pop(op.job_id, None)
                 if req.finished and not req.gathers:
                     del self._reqs[op.req_id]
         else:
@@ -463,7 +469,7 @@ class SchedulerSide:
     @property
     def fenced_blocks(self) -> list[int]:
         """Freed blocks that in-flight gathers still read, sorted."""
-        return sorted(self._fence)
+        return self._fences.blocks
 
     def tracked_requests(self) -> list[str]:
         return sorted(self._reqs)
@@ -489,6 +495,6 @@ class SchedulerSide:
         idle = not self.jobs_in_flight
         self.book.check_integrity(idle)
         if idle and (
-            self.tally.waiting or self._fence or any(r.gathers for r in self._reqs.values())
+            self.tally.waiting or self._fences or any(r.gathers for r in self._reqs.values())
         ):
             raise InvalidArgumentError("a request or a fence waits for a gather not in flight")
