@@ -68,6 +68,11 @@ def test_demo_json_parity_offload_trace_and_report(
     trace = json.loads((out / "trace.json").read_text())
     names = {r["cat"] for r in trace["traceEvents"] if r["ph"] == "X"}
     assert names >= {"prefill step", "slice transfer", "offload load", "offload store", "decode"}
+    # the decode worker's order handling: each order's receipt and accept (loop took it ..
+    # its session opened), once per request
+    accepts = [r for r in trace["traceEvents"] if r["ph"] == "X" and r["cat"] == "order accept"]
+    received = [r for r in trace["traceEvents"] if r["name"] == "order_received"]
+    assert len(accepts) == len(received) == got["requests"]
     assert trace["otherData"]["metrics"] == m
     png = out / "timeline.png"
     png.unlink()

@@ -7,7 +7,17 @@ from typing import Any
 import pytest
 
 from kvplane.errors import ConfigError
-from kvplane.simulate.demo_trace import measured, read_demo_trace, replayed_costs
+from kvplane.pipeline.timeline import Mark, TimelineEvent
+from kvplane.pipeline.trace import chrome_trace
+from kvplane.simulate.demo_trace import (
+    DemoRun,
+    TraceSpan,
+    measured,
+    order_setups,
+    prefill_receipts,
+    read_demo_trace,
+    replayed_costs,
+)
 
 EXACT = 1e-9
 
@@ -84,3 +94,88 @@ def test_what_is_not_a_demo_run_is_one_line() -> None:
         measured(no_decode)
     with pytest.raises(ConfigError, match="no slice transfer of b"):
         no_decode.landed("b")
+
+
+def _ev(
+    ms: float, worker: str, mark: Mark, request: str, slice_id: int | None = None
+) -> TimelineEvent:
+    detail = "16" if mark is Mark.DECODE_DONE else ""
+    return TimelineEvent(100.0 + ms / 1e3, worker, mark.value, request, slice_id, 0, detail)
+
+
+# "a" and "b" as the workers record them: the decode worker's receipts, accepts (loop took the
+# order .. its session opened) and releases; the prefill worker's orders, steps and slices
+EVENTS = [
+    _ev(0.0, "decode", Mark.ORDER_RECEIVED, "a"), _ev(0.5, "decode", Mark.ACCEPT_START, "a"),
+    _ev(1.0, "decode", Mark.ORDER, "a"), _ev(1.0, "prefill", Mark.ORDER, "a"),
+    _ev(1.5, "decode", Mark.ACCEPT_DONE, "a"), _ev(2.0, "decode", Mark.ORDER_RECEIVED, "b"),
+    _ev(2.5, "decode", Mark.ACCEPT_START, "b"), _ev(3.0, "decode", Mark.ORDER, "b"),
+    _ev(3.0, "prefill", Mark.ORDER, "b"), _ev(4.0, "decode", Mark.ACCEPT_DONE, "b"),
+    _ev(5.0, "prefill", Mark.STEP_START, "a", 0), _ev(15.0, "prefill", Mark.STEP_END, "a", 0),
+    _ev(15.0, "prefill", Mark.SLICE_SUBMIT, "a", 0), _ev(17.0, "prefill", Mark.SLICE_DONE, "a", 0),
+    _ev(15.0, "prefill", Mark.STEP_START, "b", 0), _ev(20.0, "prefill", Mark.STEP_END, "b", 0),
+    _ev(20.0, "prefill", Mark.SLICE_SUBMIT, "b", 0), _ev(21.0, "prefill", Mark.SLICE_DONE, "b", 0),
+    _ev(22.0, "prefill", Mark.STEP_START, "a", 1), _ev(30.0, "prefill", Mark.STEP_END, "a", 1),
+    _ev(30.0, "prefill", Mark.SLICE_SUBMIT, "a", 1), _ev(32.0, "prefill", Mark.SLICE_DONE, "a", 1),
+    _ev(22.0, "decode", Mark.DECODE_READY, "b"), _ev(40.0, "decode", Mark.DECODE_DONE, "b"),
+    _ev(41.0, "decode", Mark.RELEASED, "b"), _ev(41.0, "decode", Mark.DECODE_READY, "a"),
+    _ev(60.0, "decode", Mark.DECODE_DONE, "a"), _ev(61.0, "decode", Mark.RELEASED, "a"),
+]  # fmt: skip
+
+
+def test_order_receipts_accepts_and_releases_from_the_workers_events() -> None:
+    run = read_demo_trace(chrome_trace(EVENTS))
+    ms = pytest.approx
+    assert run.arrivals == ms({"a": 0.0, "b": 0.002})  # b's receipt came before its orders
+    assert run.received == ms({"a": 0.0, "b": 0.002})
+    assert run.prefill_orders == run.decode_orders == ms({"a": 0.001, "b": 0.003})
+    assert run.released == ms({"a": 0.061, "b": 0.041})  # the decode worker's only
+    assert [(s.start, s.end) for s in run.of("order accept", "b")] == [ms((0.0025, 0.004))]
+    assert (run.accepted("a"), run.accepted("b")) == ms((0.0015, 0.004))
+    # a's order was followed by b's (which arrived 1 ms after it: the worker stepped nothing
+    # meanwhile); b's by a's first step, 2 ms later
+    assert order_setups(run) == ms({"a": 0.001, "b": 0.002})
+
+
+def test_replayed_order_handling() -> None:
+    a, b = replayed_costs(read_demo_trace(chrome_trace(EVENTS))).values()
+    assert (a.prefill_s, a.order_s, a.accept_s, a.setup_s) == pytest.approx((1e-3, 0, 1e-3, 1e-3))
+    assert (b.prefill_s, b.order_s, b.accept_s, b.setup_s) == pytest.approx((1e-3, 0, 1.5e-3, 2e-3))
+    assert (*a.step_s, *b.step_s) == pytest.approx((0.01, 0.008, 0.005))
+    assert (*a.after_s, *b.after_s) == pytest.approx((0.0, 0.0, 0.002))
+    assert (a.submit_s, b.submit_s) == ((0.0, 0.0), (0.0,))  # each as its step ended
+    # without receipts nothing of the orders is replayed
+    (old,) = replayed_costs(read_demo_trace(TRACE)).values()
+    assert (old.prefill_s, old.order_s, old.accept_s, old.setup_s) == (None, 0.0, None, None)
+
+
+def test_the_time_taking_an_order_is_not_the_workers_own_after_a_step() -> None:
+    # x steps 1-10 and 20-30 ms; y's order arrives at 12 ms and is taken at 14 ms, then the
+    # worker's next act is x's step at 20 ms: y's setup, 6 ms. Of the 10 ms gap after x's
+    # first step, y's order and setup are 12-20 ms: x owes the 2 ms before y came -- the
+    # whole gap in a trace without receipts (orders are then not replayed)
+    spans = (
+        TraceSpan("prefill step", "x", 0, 0.001, 0.01),
+        TraceSpan("prefill step", "x", 1, 0.02, 0.03),
+    )
+    arrivals = {"x": 0.0, "y": 0.012}
+    orders = {"x": 0.0, "y": 0.014}
+    run = DemoRun(spans, arrivals, orders, orders, arrivals)
+    assert prefill_receipts(run) == pytest.approx(arrivals)
+    assert order_setups(run) == pytest.approx({"x": 0.001, "y": 0.006})
+    assert replayed_costs(run)["x"].after_s == pytest.approx((0.002, 0.0))
+    assert replayed_costs(run)["y"].inbox_s == 0.0
+    old = DemoRun(spans, arrivals, orders, orders)
+    assert replayed_costs(old)["x"].after_s == pytest.approx((0.01, 0.0))
+
+
+def test_an_order_taken_after_a_step_came_during_it() -> None:
+    # the worker steps x 1-11 ms, then takes y's order (13 ms) although y arrived at 0.5 ms:
+    # it took every waiting order before that step, so y's reached it during the step (its
+    # middle, 6 ms, stands for it)
+    spans = (TraceSpan("prefill step", "x", 0, 0.001, 0.011),)
+    arrivals = {"x": 0.0, "y": 0.0005}
+    orders = {"x": 0.0, "y": 0.013}
+    run = DemoRun(spans, arrivals, orders, orders, arrivals)
+    assert prefill_receipts(run) == pytest.approx({"x": 0.0, "y": 0.006})
+    assert replayed_costs(run)["y"].inbox_s == pytest.approx(0.0055)

@@ -18,9 +18,14 @@ from kvplane.validators import require_int
 
 
 class Mark(enum.Enum):
-    """Kinds of timeline events."""
+    """Kinds of timeline events. ``ORDER_RECEIVED``: an order reached the worker's order
+    thread (its loop takes it later); ``ACCEPT_START`` / ``ACCEPT_DONE``: a decode worker's loop
+    took the order / opened its receiver session (from then the prefill may send its KV)."""
 
     ORDER = "order"
+    ORDER_RECEIVED = "order_received"
+    ACCEPT_START = "accept_start"
+    ACCEPT_DONE = "accept_done"
     STEP_START = "step_start"
     STEP_END = "step_end"
     SLICE_SUBMIT = "slice_submit"

@@ -1,7 +1,7 @@
 """Chrome/Perfetto trace export of the workers' timelines, and its reader.
 
-Spans per step, slice, load, store and decode; a pid per worker, a tid per request. See
-docs/pipeline.md.
+Spans per step, slice, load, store, decode and a decode worker's order accept; a pid per
+worker, a tid per request. See docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ SPANS: dict[str, tuple[str, tuple[str, ...]]] = {
     Mark.LOAD_START.value: ("offload load", (Mark.LOAD_DONE.value,)),
     Mark.STORE_START.value: ("offload store", (Mark.STORE_DONE.value,)),
     Mark.DECODE_READY.value: ("decode", (Mark.DECODE_DONE.value,)),
+    Mark.ACCEPT_START.value: ("order accept", (Mark.ACCEPT_DONE.value,)),
 }
 """Start mark → (span name, the marks that end it)."""
 

@@ -126,6 +126,8 @@ class DecodeWorker(Worker):
                 daemon=True,
             ).start()
         else:
+            if isinstance(msg, DecodeOrder):  # its wait for the worker loop is measured
+                self.timeline.record(Mark.ORDER_RECEIVED, msg.request_id)
             super()._on_message(msg, reply)
 
     def _pair_and_reply(self, address: str, reply: Reply) -> None:
@@ -140,6 +142,7 @@ class DecodeWorker(Worker):
             reply(ErrorReply(reason=f"pairing with {address!r} failed: {exc!r}"[:4000]))
 
     def _accept(self, order: DecodeOrder, reply: Reply) -> None:
+        began = time.monotonic()
         rid = RequestId(order.request_id)
         book.check_new(self._requests, self._by_session, rid, SessionId(order.session_id))
         n, bs, blocks = len(order.token_ids), self.config.block_size, self.pools.blocks
@@ -170,6 +173,7 @@ class DecodeWorker(Worker):
         self._by_session[req.sid] = req
         for mid in (member_id(order.session_id, s) for s in order.senders):
             self._by_session[SessionId(mid)] = req  # the actions name members
+        self.timeline.record(Mark.ACCEPT_START, rid, t=began)  # ends when its session opens
         self.timeline.record(Mark.ORDER, rid)
         self._waiting.append(req)
         self._admit_waiting()
@@ -218,6 +222,7 @@ class DecodeWorker(Worker):
                 self._end(req, SessionState.FAILED, str(exc))
                 continue
             req.opened = True
+            self.timeline.record(Mark.ACCEPT_DONE, rid)
 
     def _senders(self, req: _Decode) -> list[tuple[SessionId, PeerId]]:
         """Each sender's wire session id and peer (the members of a gathered request)."""

@@ -4,9 +4,10 @@
 prefill looks its prompt up across tiers, loads the hit chunks, computes the rest slice by slice
 and sends the KV (:func:`~kvplane.simulate.timing.kv_pieces`; interleaving workers step their
 requests in turn, one event a step); its chunks are stored when it ends. A serial decode worker
-takes no order while it decodes (nor one behind a KV that landed first): sends to it wait
-until it does. Failures kill a worker; its lease later re-routes its requests. See
-docs/simulate.md.
+is one loop serving its inbox in arrival order -- orders (each holding it for its accept) and
+landed KVs (each for its decode) -- and the KV of an order it has not taken waits. Failures
+kill a worker; its lease later re-routes its requests. The decode side's handlers are
+:class:`~kvplane.simulate.decode_loop.DecodeSide`'s. See docs/simulate.md.
 """
 
 from __future__ import annotations
@@ -14,7 +15,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvplane.errors import ConfigError
-from kvplane.simulate.events import EventLoop
+from kvplane.simulate.decode_loop import DecodeSide
+from kvplane.simulate.events import (
+    ARRIVE,
+    DETECT,
+    INBOX,
+    JOIN,
+    KILL,
+    LANDED,
+    ORDER,
+    PREFILL_DONE,
+    READY,
+    SEND,
+    STEP,
+    EventLoop,
+)
 from kvplane.simulate.result import FailureResult, Outcome
 from kvplane.simulate.router import Router
 from kvplane.simulate.spec import ROLES, TIER_ORDER, ClusterSpec
@@ -25,18 +40,16 @@ from kvplane.simulate.timing import (
     kv_pieces,
     replayed_op,
     step_hold_s,
-    tpot_s,
 )
 from kvplane.simulate.workers import DecodeWorker, Flight, PrefillWorker
 from kvplane.simulate.workload import Request, reusable_blocks, stored_blocks
 
-ARRIVE, PREFILL_DONE, SEND, READY, DECODE_DONE, KILL, DETECT, STEP = range(8)
 IDLE, AWAY = -1, -2
 """A prefill worker's ``current`` when it computes nothing: idle, or busy with its own work
 after a replayed step (``Replayed.after_s``)."""
 
 
-class Simulation:
+class Simulation(DecodeSide):
     """One run of ``requests`` (sorted by arrival) on ``spec``; :meth:`run` once, then read
     :meth:`outcomes`, the workers, tiers and totals (``result.summarize`` does)."""
 
@@ -70,7 +83,9 @@ class Simulation:
         if self.requests:
             self.loop.at(self.requests[0].arrival_s, ARRIVE, 0)
         early = (self._arrive, self._prefill_done, self._send, self._ready)
-        self.loop.run((*early, self._decode_done, self._kill, self._detect, self._step))
+        late = (self._decode_done, self._kill, self._detect, self._step)
+        orders = (self._order, self._accepted, self._join_order, self._inbox, self._landed)
+        self.loop.run((*early, *late, *orders))
 
     def outcomes(self) -> list[Outcome]:
         """Every request's final attempt, by request id."""
@@ -115,18 +130,46 @@ class Simulation:
         d = self.decode[self.router.pick_decode([len(w.flights) for w in self.decode])]
         f.pw, f.dw = p.index, d.index
         f.est_s = compute_left(p.index)
-        f.accepted = d.takes_orders()
-        f.ordered = now
-        if not f.accepted:
-            d.orders.append(req.rid)
+        f.accepted = not d.spec.serial  # a serial worker's loop takes the order
+        if d.spec.serial:
+            delay = req.replayed.order_s if req.replayed is not None else 0.0
+            if delay > 0:
+                self.loop.at(now + delay, ORDER, req.rid, f.attempt)
+            else:
+                self._order(req.rid, f.attempt)
         p.backlog_s += f.est_s
         p.flights.add(req.rid)
         d.flights.add(req.rid)
+        taking = req.replayed.prefill_s if req.replayed is not None else None
+        if taking and req.replayed is not None:  # its order waits in the worker's inbox
+            if req.replayed.inbox_s > 0:
+                self.loop.at(now + min(req.replayed.inbox_s, taking), INBOX, req.rid, f.attempt)
+            else:  # now: before a setup that ends as it arrives
+                p.inbox.add(req.rid)
+            self.loop.at(now + taking, JOIN, req.rid, f.attempt)
+        else:
+            self._join_order(req.rid, f.attempt)
+
+    def _inbox(self, rid: int, attempt: int) -> None:
+        """``rid``'s prefill order reaches its worker's inbox: the worker steps no request
+        until it has taken it (:meth:`_join_order`)."""
+        f = self.flights[rid]
+        if f.attempt == attempt:
+            self.prefill[f.pw].inbox.add(rid)
+
+    def _join_order(self, rid: int, attempt: int) -> None:
+        """``rid``'s order reaches its prefill worker (routed, or ``Replayed.prefill_s``
+        later): it joins the worker's queue."""
+        f = self.flights[rid]
+        if f.attempt != attempt:
+            return
+        p = self.prefill[f.pw]
+        p.inbox.discard(rid)
         if self.spec.prefill.interleave:
             if p.alive:
                 self._take(p, f)
             return
-        p.queue.append(req.rid)
+        p.queue.append(rid)
         if p.current == IDLE and p.alive:
             self._start_prefill(p)
 
@@ -137,7 +180,7 @@ class Simulation:
         now, req = self.loop.now, f.req
         walk = prefix_walk(p.chain, req.hash_ids, reusable_blocks(req.input_tokens))
         hit = hit_tokens(walk)
-        start = loaded = now + self.spec.prefill.setup_s
+        start = loaded = now + self._setup_s(f)
         for ti, tier in enumerate(p.chain):
             keys = [req.hash_ids[b] for t, b in walk if t == ti]
             if keys:
@@ -188,6 +231,11 @@ class Simulation:
                 self.loop.at(f.compute_start, SEND, f.req.rid, f.attempt)
         p.running.append(f.req.rid)
 
+    def _setup_s(self, f: Flight) -> float:
+        """``f``'s setup: its measured one (``Replayed.setup_s``), else ``[prefill] setup_s``."""
+        own = f.req.replayed.setup_s if f.req.replayed is not None else None
+        return self.spec.prefill.setup_s if own is None else own
+
     def _away(self, p: PrefillWorker, seconds: float) -> None:
         """``p`` is busy with its own work (an order's setup, a replayed step's aftermath)."""
         p.current = AWAY
@@ -196,15 +244,23 @@ class Simulation:
         self.loop.at(self.loop.now + seconds, STEP, p.index, AWAY)
 
     def _next_step(self, p: PrefillWorker) -> None:
-        """Take the next waiting order (its setup holds the worker); else start one step of
-        the next running request (in turn) whose loads have ended; if all are loading, wake
-        when the first is loaded."""
+        """Take the next waiting order (its setup holds the worker); wait while an order in
+        its inbox is being taken (it joins at its measured time); spend the time owed after
+        the last step; else start one step of the next running request (in turn) whose loads
+        have ended; if all are loading, wake when the first is loaded."""
         now, spec = self.loop.now, self.spec.prefill
         while p.queue:
-            self._join(p, self.flights[p.queue.popleft()])
-            if spec.setup_s > 0:
-                self._away(p, spec.setup_s)
+            f = self.flights[p.queue.popleft()]
+            self._join(p, f)
+            if self._setup_s(f) > 0:
+                self._away(p, self._setup_s(f))
                 return
+        if p.inbox:
+            return  # its join calls this again
+        if p.owed_s > 0:
+            owed, p.owed_s = p.owed_s, 0.0
+            self._away(p, owed)
+            return
         for _ in range(len(p.running)):
             rid = p.running[0]
             p.running.rotate(-1)
@@ -250,9 +306,7 @@ class Simulation:
                     f.pieces.append((now, n * self.held))
                     self.loop.at(now, SEND, rid, f.attempt)
                 self._store(p, f)
-        if after > 0:
-            self._away(p, after)
-            return
+        p.owed_s += after  # spent once the orders that came meanwhile are taken
         self._next_step(p)
 
     def _send(self, rid: int, attempt: int) -> None:
@@ -273,6 +327,7 @@ class Simulation:
         else:  # measured: its wait for the link is in its span, so it books no lane
             delay, held = replayed_op(replayed, f.next_piece, f.pieces_total)
             start = ready + delay
+            rtt = rtt if replayed.lag_s is None else replayed.lag_s
             landed = start + held + rtt
         f.next_piece += 1
         self.transport_bytes += nbytes
@@ -281,7 +336,10 @@ class Simulation:
         f.ready = max(f.ready, landed)
         if f.next_piece == f.pieces_total:  # the prefill has ended: its end is known
             f.hidden_s = sum(max(0.0, min(b, f.prefill_end) - a) for a, b in f.ops)
+            end = max(b for _, b in f.ops)
             f.ops.clear()
+            if d.spec.serial and end < f.ready:  # its place in the loop's inbox: when it landed
+                self.loop.at(end, LANDED, rid, attempt)
             self.loop.at(f.ready, READY, rid, attempt)
 
     def _prefill_done(self, pw: int, rid: int) -> None:
@@ -298,59 +356,6 @@ class Simulation:
         blocks = stored_blocks(f.req.input_tokens)
         for tier in p.chain:
             tier.store(f.req.hash_ids, blocks, self.loop.now)
-
-    # -- decode --------------------------------------------------------------------------------
-    def _ready(self, rid: int, attempt: int) -> None:
-        f = self.flights[rid]
-        if f.attempt != attempt or not self.prefill[f.pw].alive:
-            return  # re-routed since, or its sender died (its lease will re-route it)
-        self.prefill[f.pw].flights.discard(rid)
-        d = self.decode[f.dw]
-        if d.alive:
-            d.queue.append(rid)
-            self._admit(d)
-
-    def _admit(self, d: DecodeWorker) -> None:
-        now = self.loop.now
-        while d.queue:
-            f = self.flights[d.queue[0]]
-            context = f.req.input_tokens + f.req.output_tokens
-            if not d.can_admit(context * self.held):
-                return
-            d.queue.popleft()
-            d.admit(context, context * self.held)
-            f.decode_start = now
-            hold = f.req.decode_s
-            if hold is None:
-                hold = (f.req.output_tokens - 1) * tpot_s(self.spec.decode, d.context)
-            self.loop.at(now + hold, DECODE_DONE, f.req.rid, f.attempt)
-
-    def _decode_done(self, rid: int, attempt: int) -> None:
-        f = self.flights[rid]
-        d = self.decode[f.dw]
-        if f.attempt != attempt or not d.alive:
-            return
-        context = f.req.input_tokens + f.req.output_tokens
-        d.release(context, context * self.held, self.loop.now - f.decode_start)
-        d.flights.discard(rid)
-        f.done = self.loop.now
-        f.finished += 1
-        if d.spec.serial:  # one inbox: the orders routed before the next KV landed go first
-            self._accept(d, self.flights[d.queue[0]].ready if d.queue else float("inf"))
-        self._admit(d)
-
-    def _accept(self, d: DecodeWorker, before: float) -> None:
-        """A serial decode worker between sequences takes the orders that waited and were
-        routed no later than ``before`` (its inbox is FIFO: an order behind a landed KV waits
-        for that sequence); their deferred sends go ``accept_s`` later."""
-        taken = [rid for rid in d.orders if self.flights[rid].ordered <= before]
-        for rid in taken:
-            f = self.flights[rid]
-            f.accepted = True
-            for _ in range(f.deferred):
-                self.loop.at(self.loop.now + d.spec.accept_s, SEND, rid, f.attempt)
-            f.deferred = 0
-        d.orders = [rid for rid in d.orders if rid not in taken]
 
     # -- failures ------------------------------------------------------------------------------
     def _kill(self, role: int, index: int) -> None:
@@ -381,6 +386,7 @@ class Simulation:
             if rid in p.queue or rid in p.running:
                 (p.queue if rid in p.queue else p.running).remove(rid)
                 p.backlog_s = max(0.0, p.backlog_s - f.est_s)
+            p.inbox.discard(rid)
             if rid in d.orders:
                 d.orders.remove(rid)
             p.flights.discard(rid)

@@ -14,6 +14,10 @@ from kvplane.errors import InvalidArgumentError
 
 Handler = Callable[[int, int], None]
 
+ARRIVE, PREFILL_DONE, SEND, READY, DECODE_DONE, KILL, DETECT, STEP = range(8)
+ORDER, ACCEPTED, JOIN, INBOX, LANDED = range(8, 13)
+"""The engine's event kinds: each indexes its handler (``Simulation.run``)."""
+
 
 class EventLoop:
     """Simulated time ``now`` and the pending events; :meth:`run` drains them in time order."""

@@ -77,9 +77,9 @@ class DecodeSpec:
     no limit); a sequence admitted beside ``C`` context tokens decodes each token in
     ``token_s + ctx_token_s * C`` seconds (its own context included). ``serial``: one
     sequence at a time, and no new request accepted -- so no KV sent to it -- while one
-    decodes (``kvplane serve``'s decode worker); ``max_batch`` is then 1. ``accept_s``: how
-    long after a serial worker takes a waiting order the KV held for it starts to go (the
-    acceptance's trip to the prefill worker)."""
+    decodes (``kvplane serve``'s decode worker: one loop serving its orders and landed KVs in
+    arrival order); ``max_batch`` is then 1. ``accept_s``: how long a serial worker's loop
+    is held taking an order that waited, before the KV held for it starts to go."""
 
     SECTION: ClassVar[str] = "decode"
     token_s: float

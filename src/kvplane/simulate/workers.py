@@ -57,9 +57,9 @@ class Flight:
         self.ops: list[tuple[float, float]] = []
         """The ops booked so far, (start, end): each op's span, the ``rtt_s`` after it not."""
         self.accepted = True
-        """False while a serial decode worker has not taken the order (it is decoding)."""
+        """False while a serial decode worker's loop has not taken the order."""
         self.ordered = 0.0
-        """When the latest attempt was routed (its order reached the decode worker)."""
+        """When the latest attempt's order reached a serial decode worker."""
         self.deferred = 0
         """Sends that found the order not accepted yet: made again when it is."""
         self.prefill_start = self.compute_start = self.prefill_end = -1.0
@@ -71,7 +71,9 @@ class PrefillWorker:
     ``running`` requests a step each in turn, ``queue`` holding the orders it has not taken
     yet), its own tiers (``chain`` holds them with the shared ones, fastest first), its
     outgoing link, and the flights it holds until their KV has landed (``flights``).
-    ``current``: the request computing now, -1 when idle (-2: busy with its own work)."""
+    ``current``: the request computing now, -1 when idle (-2: busy with its own work);
+    ``inbox``: the orders it is taking (they join at measured times, ``Replayed.prefill_s``);
+    ``owed_s``: its own time after a replayed step, spent once those orders are taken."""
 
     __slots__ = (
         "alive",
@@ -81,9 +83,11 @@ class PrefillWorker:
         "chain",
         "current",
         "flights",
+        "inbox",
         "index",
         "link",
         "local",
+        "owed_s",
         "queue",
         "running",
     )
@@ -94,7 +98,8 @@ class PrefillWorker:
         self.queue: deque[int] = deque()
         self.running: deque[int] = deque()
         self.current = -1
-        self.busy_until = self.busy_s = self.backlog_s = 0.0
+        self.busy_until = self.busy_s = self.backlog_s = self.owed_s = 0.0
+        self.inbox: set[int] = set()
         self.local = local
         self.chain = chain
         self.link = Lane()
@@ -104,9 +109,11 @@ class PrefillWorker:
 class DecodeWorker:
     """A decode worker: up to ``max_batch`` sequences and ``kv_capacity_bytes`` of their KV;
     the rest wait in FIFO order. ``flights`` are the requests routed to it and not done;
-    ``orders`` those a serial worker has not accepted yet (it was decoding)."""
+    ``orders`` those a serial worker has not accepted yet, in arrival order; ``accepting``:
+    the (request, attempt) whose order a serial worker's loop is taking, else None."""
 
     __slots__ = (
+        "accepting",
         "active",
         "alive",
         "context",
@@ -130,10 +137,11 @@ class DecodeWorker:
         self.link = Lane()
         self.flights: set[int] = set()
         self.orders: list[int] = []
+        self.accepting: tuple[int, int] | None = None
 
-    def takes_orders(self) -> bool:
-        """Whether a request routed here now is accepted at once (not serial, or idle)."""
-        return not self.spec.serial or self.active == 0
+    def loop_busy(self) -> bool:
+        """Whether a serial worker's loop is decoding or taking an order."""
+        return self.active > 0 or self.accepting is not None
 
     def can_admit(self, kv_bytes: int) -> bool:
         """Whether a sequence of ``kv_bytes`` fits now (an empty worker admits any one, so a

@@ -23,16 +23,32 @@ from kvplane.validators import finite_number, is_int
 class Replayed:
     """A request's prefill and transfer seconds measured in a run, replayed in place of the
     cluster's costs (:mod:`kvplane.simulate.timing` applies them): ``step_s``, each computed
-    step's; ``after_s``, its worker's own time after each step, before its next one (orders,
-    stores, being descheduled); ``op_s``, each PD transfer op's span in send order, its wait
-    for the link included (``None``: the link's cost); ``submit_s``, each op's delay from when
-    the model lets it go (its step's end, or its held order's acceptance) to its submission.
-    A step or op beyond them: the model's."""
+    step's; ``after_s``, its worker's own time after each step, before its next one (stores,
+    submissions, being descheduled); ``op_s``, each PD transfer op's span in send order, its
+    wait for the link included (``None``: the link's cost); ``submit_s``, each op's delay
+    from when the model lets it go (its step's end, or its order's acceptance) to its
+    submission. A step or op beyond them: the model's.
+
+    Its orders: ``prefill_s``, its prefill order's delay behind its arrival to the prefill
+    worker's taking it (``None``: taken at once), ``inbox_s`` to its reaching the worker's
+    inbox (from then the worker steps no request until it has taken it), and ``setup_s`` its
+    setup after (``None``: the cluster's);
+    ``order_s``, its decode order's delay behind its arrival to the decode worker;
+    ``accept_s``, a serial decode worker's loop held taking that order until its KV is free
+    to go (``None``: the cluster's ``[decode] accept_s`` for an order that waited, 0 for one
+    taken at once); ``lag_s``, its replayed ops' latency after their spans, to the decode
+    worker's having its KV (``None``: the link's ``rtt_s``)."""
 
     step_s: tuple[float, ...] = ()
     after_s: tuple[float, ...] = ()
     op_s: tuple[float, ...] | None = None
     submit_s: tuple[float, ...] = ()
+    prefill_s: float | None = None
+    inbox_s: float = 0.0
+    order_s: float = 0.0
+    accept_s: float | None = None
+    setup_s: float | None = None
+    lag_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
