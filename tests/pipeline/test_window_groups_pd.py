@@ -30,7 +30,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 STEP, NEW, WINDOW = 16, 6, 8
-TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 CELL = 2 * 2 * 16 * 4
 """One position of one layer: K,V x 2 KV heads x head_dim 16 x float32."""
 TAIL_BYTES = 32
@@ -44,18 +43,9 @@ def needed_bytes(n: int) -> int:
     return (2 * min(WINDOW - 1, n) + n) * CELL
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
-    torch.manual_seed(33)
-    cfg = transformers.Qwen2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        use_sliding_window=True, sliding_window=WINDOW, layer_types=TYPES,
-    )  # fmt: skip
-    hf = transformers.Qwen2ForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("qwen2-mixed")
-    hf.save_pretrained(path)
-    return path, hf
+@pytest.fixture
+def checkpoint(mixed_qwen2: Any) -> tuple[Path, object]:
+    return mixed_qwen2.path, mixed_qwen2.hf
 
 
 @pytest.fixture(params=[True, False], ids=["pipelined", "after-prefill"])
@@ -73,20 +63,13 @@ def test_the_workers_pool_carries_each_layers_window(pair: Any) -> None:
 
 @pytest.mark.parametrize("length", [70, 33, 5])
 def test_pd_is_token_exact_and_moves_only_what_each_layer_reads(
-    pair: Any, checkpoint: tuple[Path, object], length: int
+    pair: Any, mixed_qwen2: Any, length: int
 ) -> None:
-    hf = checkpoint[1]
     tokens = [int(t) for t in np.random.default_rng(length).integers(0, 128, length)]
     res = pair.router.generate("r", tokens, max_new_tokens=NEW)
     assert res.state == "success", res.reason
     assert res.tokens == pair.model.generate(tokens, NEW, STEP, block_size=16).tokens
-    ids = torch.tensor([tokens])
-    with torch.no_grad():
-        want = hf.generate(  # type: ignore[attr-defined]
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
-        )[0, length:].tolist()  # fmt: skip
-    assert list(res.tokens) == want
+    assert list(res.tokens) == mixed_qwen2.greedy(tokens, NEW)
     moved, logical = pair.moved()
     # 70 tokens: (7 + 70 + 7) x 256 + 32 = 21536 bytes, not the 53792 of every position
     assert moved == logical == needed_bytes(length) + TAIL_BYTES

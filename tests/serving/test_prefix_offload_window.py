@@ -8,8 +8,9 @@ miss), and the PD runs of ``tiny-swa`` and its window-1 checkpoint token-exact (
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,8 +21,6 @@ from kvplane.ids import RequestId
 from kvplane.layout import KVLayout
 from kvplane.models.loader import save_checkpoint, tiny_config
 from kvplane.offload import OffloadConfig
-from kvplane.serving.decode_worker import DecodeWorker
-from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.prefix_offload import (
     LoadFinished,
     LoadStarted,
@@ -29,10 +28,7 @@ from kvplane.serving.prefix_offload import (
     PrefixSettings,
 )
 from kvplane.serving.producers.base import PoolTensor
-from kvplane.serving.producers.model import ModelDecoder, ModelProducer, ModelSpec
-from kvplane.serving.router.router import Router
-from kvplane.serving.worker_config import WorkerConfig
-from kvplane.testing.cluster import FAST, TEST_SECRET, check_balanced, wait_for
+from kvplane.serving.producers.model import ModelSpec
 
 BS, BPC, WINDOW = 4, 2, 12
 TPC = BS * BPC
@@ -175,52 +171,26 @@ def test_a_window_1_hybrid_loads_its_kv_with_its_state_or_misses(with_state: boo
 
 @pytest.fixture(params=[16, 1], ids=["window16", "window1"])
 def swa_cluster(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> Iterator[tuple[Router, PrefillWorker, ModelSpec]]:
+    request: pytest.FixtureRequest, tmp_path: Path, offload_cluster: Callable[..., Any]
+) -> Any:
     """``tiny-swa`` (window 16, or its window-1 checkpoint) prefill (host prefix offload,
     chunks of 2 blocks of 16) and decode workers behind a router."""
     spec = ModelSpec("tiny-swa", seed=3)
     if request.param != 16:
         config = dataclasses.replace(tiny_config("tiny-swa"), sliding_window=request.param)
         spec = ModelSpec(str(save_checkpoint(config, tmp_path / "swa", seed=3)))
-    common = dict(num_blocks=48, num_slots=8, timings=FAST, slice_timeout_s=5.0,
-                  secret=TEST_SECRET)  # fmt: skip
-    offload = OffloadConfig(host_slots=8, pin_memory=False)
-    prefill = PrefillWorker(
-        WorkerConfig(name="prefill", block_size=16, step_size=16, **common),  # type: ignore[arg-type]
-        ModelProducer.from_spec(spec), offload=PrefixSettings(offload, 2),
-    )  # fmt: skip
-    decode = DecodeWorker(
-        WorkerConfig(name="decode", block_size=8, **common),  # type: ignore[arg-type]
-        ModelDecoder.from_spec(spec),
-    )
-    prefill.start()
-    decode.start()
-    router = Router([prefill.address], [decode.address], timeout_s=30.0, secret=TEST_SECRET)
-    router.connect()
-    yield router, prefill, spec
-    router.close()
-    prefill.close()
-    decode.close()
+    return offload_cluster(spec)
 
 
 def test_pd_of_a_window_model_loads_only_the_window_and_is_token_exact(
-    swa_cluster: tuple[Router, PrefillWorker, ModelSpec],
+    swa_cluster: Any,
 ) -> None:
     """``tiny-swa`` (window 16, chunks of 32 tokens): a 101-token prompt after a 98-token one
     hits 3 chunks and loads only the last (the hit's window is positions 81-95), token-exact.
     With window 1 the step at 96 reads nothing before it: the 96-token hit loads no chunk."""
-    router, prefill, spec = swa_cluster
-    model = spec.load()
-    shared = [int(t) for t in np.random.default_rng(5).integers(0, 1024, 96)]
-    for i, tokens in enumerate([[*shared, 1, 2], [*shared, 5, 6, 7, 8, 9]]):
-        res = router.generate(f"r{i}", tokens, max_new_tokens=6)
-        assert res.state == "success", res.reason
-        assert res.tokens == model.generate(tokens, 6, 16, block_size=16).tokens
-        wait_for(lambda: prefill.offload is not None and not prefill.offload.busy, what="idle")
-    counters = check_balanced(router)["prefill"].counters
-    loaded = 0 if spec.source != "tiny-swa" else 1
+    counters = swa_cluster.shared_prefix(vocab=1024)
+    loaded = 0 if swa_cluster.spec.source != "tiny-swa" else 1
     assert counters["offload_hit_chunks_host"] == loaded
     assert counters["offload_chunks_skipped_window"] == 3 - loaded
     assert counters["offload_chunks_stored"] == 3
-    assert prefill.metrics.value("prefill_prefix_tokens", suffix="_total") == 96
+    assert swa_cluster.prefill.metrics.value("prefill_prefix_tokens", suffix="_total") == 96

@@ -1,8 +1,9 @@
 """What a worker tells its PD peers about its memory: pools, their layouts and regions.
 
 :class:`PoolAdvert` rides in ``Hello.transport_metadata``; decoding rebuilds every layout and
-checks it against the profile. :func:`split_destination` is the ``dst_block_ids`` convention.
-See docs/pipeline.md.
+checks it against the profile. The paged pools come first (one per KV cache group of a model
+serving several), then the whole-only pools (state, tail). :func:`split_destination` is the
+``dst_block_ids`` convention. See docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -138,15 +139,30 @@ def decode_advert(blob: bytes, profile: PeerProfile) -> tuple[PoolAdvert, list[R
 def split_destination(
     dst_block_ids: tuple[int, ...], pools: list[RemotePool], num_tokens: int
 ) -> list[tuple[int, ...]]:
-    """Per pool, its share of a request's ``dst_block_ids`` (see the module docstring)."""
-    if not pools or pools[0].layout.whole_only:
-        raise InvalidArgumentError("the first advertised pool must be the paged KV pool")
-    n_kv = -(-num_tokens // pools[0].layout.block_size)
-    need = n_kv + len(pools) - 1
+    """Per pool, its share of a request's ``dst_block_ids``: each paged pool's (leading, one per
+    KV cache group) ``ceil(num_tokens / block_size)`` block ids one pool after the other (a
+    window group's dropped entries are its null block), then one slot per whole-only pool.
+    ``ProtocolError`` for another count."""
+    paged = num_paged([p.layout for p in pools])
+    sizes = [-(-num_tokens // p.layout.block_size) for p in pools[:paged]]
+    need = sum(sizes) + len(pools) - paged
     if len(dst_block_ids) != need:
         raise ProtocolError(
             f"{len(dst_block_ids)} destination ids for {num_tokens} tokens; the pools need {need}"
         )
-    out = [tuple(dst_block_ids[:n_kv])]
-    out += [(dst_block_ids[n_kv + i],) for i in range(len(pools) - 1)]
+    out, at = [], 0
+    for size in sizes:
+        out.append(tuple(dst_block_ids[at : at + size]))
+        at += size
+    out += [(dst_block_ids[at + i],) for i in range(len(pools) - paged)]
     return out
+
+
+def num_paged(layouts: list[KVLayout]) -> int:
+    """How many paged pools lead the pools of ``layouts`` (one per KV cache group);
+    ``InvalidArgumentError`` for none, or for a paged pool after a whole-only one."""
+    kinds = [lay.whole_only for lay in layouts]
+    paged = kinds.index(True) if True in kinds else len(kinds)
+    if paged == 0 or any(not w for w in kinds[paged:]):
+        raise InvalidArgumentError("the pools must be paged KV pools, then whole-only ones")
+    return paged

@@ -20,7 +20,7 @@ from kvplane.errors import InvalidArgumentError, PlanError
 from kvplane.ids import RegionId, SliceId, TokenRange
 from kvplane.layout import KVLayout, heads_cover
 from kvplane.pd.events import TransferRequest
-from kvplane.pipeline.advert import RemotePool, split_destination
+from kvplane.pipeline.advert import RemotePool, num_paged, split_destination
 from kvplane.pipeline.shares import Share
 from kvplane.transfer import OpGrouping, PlanOptions, PlanSide, TransferPlan, plan_transfer
 from kvplane.transfer.resharding import (
@@ -158,8 +158,11 @@ def plan_slice(
     :func:`~kvplane.transfer.resharding.moves_whole_only` says (the lead's all; a stage's
     share of a state pool from every stage). The KV moves as one plan per window group of the layers
     (:func:`~kvplane.transfer.resharding.window_boxes`): window layers only the positions
-    inside the window of the request's whole sequence, full layers all."""
-    if len(src) != len(dst):
+    inside the window of the request's whole sequence, full layers all. Either side may hold
+    one paged pool per KV cache group (the leading pools): each of our paged pools' window
+    boxes goes to the destination pool that holds its layers (``PlanError`` for none)."""
+    ns, nd = num_paged([p.layout for p in src]), num_paged([p.layout for p in dst])
+    if len(src) - ns != len(dst) - nd:
         raise InvalidArgumentError(f"{len(src)} local pools but the peer advertises {len(dst)}")
     held, needed = src[0].layout.head_range, dst[0].layout.head_range
     if share is None and not heads_cover(held, needed):  # refused at the handshake already
@@ -169,28 +172,34 @@ def plan_slice(
         )
     dst_ids = split_destination(request.dst_block_ids, dst, request.num_tokens)
     n = request.num_tokens
-    kv_src, kv_dst = src[0], dst[0]
     lo = max(tokens.start, request.prefix_tokens)
     plans: list[tuple[TransferPlan, int]] = []
     if lo < tokens.end:
         options = PlanOptions(
             prefix_tokens=request.prefix_tokens, grouping=grouping, slice_id=slice_id
         )
-        src_side = PlanSide(kv_src.layout, _ids(kv_src.block_ids), kv_src.region)
-        dst_side = PlanSide(kv_dst.layout, _ids(dst_ids[0]), kv_dst.region)
+        targets = [
+            PlanSide(p.layout, _ids(ids), p.region)
+            for p, ids in zip(dst[:nd], dst_ids[:nd], strict=True)
+        ]
         part = TokenRange(lo, tokens.end)
-        whole = (
-            share.piece.box if share is not None else KVBox(needed, kv_src.layout.layer_ids, part)
-        )
-        for box in window_boxes(kv_src.layout, KVBox(whole.heads, whole.layers, part), n):
-            if share is None:
-                plan = plan_transfer(src_side, dst_side, box.tokens, layers=box.layers,
-                                     options=options)  # fmt: skip
-            else:
-                plan = plan_piece(Piece(share.sender, box), src_side, dst_side, options).plan
-            plans.append((plan, kv_dst.layout.block_size))
+        for kv_src in src[:ns]:
+            src_side = PlanSide(kv_src.layout, _ids(kv_src.block_ids), kv_src.region)
+            mine = kv_src.layout.layer_ids
+            whole = share.piece.box if share is not None else KVBox(needed, mine, part)
+            layers = tuple(i for i in whole.layers if i in mine)  # a share's, in this pool
+            if not layers:
+                continue
+            for box in window_boxes(kv_src.layout, KVBox(whole.heads, layers, part), n):
+                dst_side = _target(targets, box.layers)
+                if share is None:
+                    plan = plan_transfer(src_side, dst_side, box.tokens, layers=box.layers,
+                                         options=options)  # fmt: skip
+                else:
+                    plan = plan_piece(Piece(share.sender, box), src_side, dst_side, options).plan
+                plans.append((plan, dst_side.layout.block_size))
     if is_last:
-        for local, remote, ids in zip(src[1:], dst[1:], dst_ids[1:], strict=True):
+        for local, remote, ids in zip(src[ns:], dst[nd:], dst_ids[nd:], strict=True):
             if share is not None and not moves_whole_only(
                 local.layout, remote.layout, lead=share.lead
             ):
@@ -204,3 +213,12 @@ def plan_slice(
             plans.append((plan, remote.layout.block_size))
     kept = [(p, bs) for p, bs in plans if not p.empty]
     return PlannedSlice(tuple(p for p, _ in kept), tuple(bs for _, bs in kept))
+
+
+def _target(targets: list[PlanSide], layers: tuple[int, ...]) -> PlanSide:
+    """The destination paged pool holding every one of ``layers`` (``PlanError`` for none)."""
+    for side in targets:
+        if set(layers) <= set(side.layout.layer_ids):
+            return side
+    held = [side.layout.layer_ids for side in targets]
+    raise PlanError(f"no destination pool holds layers {layers}: the peer's pools hold {held}")

@@ -22,7 +22,6 @@ from kvplane.blocks import BlockTable
 from kvplane.errors import KVPlaneError, ProtocolError
 from kvplane.ids import PeerId, RequestId, SessionId, TokenRange
 from kvplane.metrics import MetricsRegistry
-from kvplane.models import blocks_needed
 from kvplane.pd.actions import Finished, Release
 from kvplane.pd.events import Cancel, StartTransfer
 from kvplane.pd.states import Role, SessionState
@@ -62,6 +61,7 @@ class _Decode:
     peer: PeerId
     tokens: np.ndarray
     table: BlockTable | None = None
+    group_tables: tuple[BlockTable, ...] = ()
     slot: int | None = None
     prefix_tokens: int = 0
     opened: bool = False
@@ -145,15 +145,14 @@ class DecodeWorker(Worker):
         began = time.monotonic()
         rid = RequestId(order.request_id)
         book.check_new(self._requests, self._by_session, rid, SessionId(order.session_id))
-        n, bs, blocks = len(order.token_ids), self.config.block_size, self.pools.blocks
-        layout = self.pools.kv.layout if blocks.null_block is not None else None
-        need = blocks_needed(n, 1, bs, layout, received=True)
+        n, capacity = len(order.token_ids), min(p.capacity for p in self.pools.block_pools)
+        need = book.received_need(self.pools, n, 1)
         if isinstance(self.decoder, PromptChecker):
             self.decoder.check_prompt(
                 np.asarray(order.token_ids, dtype=np.int64), order.max_new_tokens
             )
-            need = blocks_needed(n, order.max_new_tokens, bs, layout, received=True)
-        book.check_fits(rid, need, blocks.capacity)
+            need = book.received_need(self.pools, n, order.max_new_tokens)
+        book.check_fits(rid, need, capacity)
         names = [order.prefill_peer, *(s.peer for s in order.senders)]
         live = self.endpoint.call(
             lambda: [self.participant.peers.is_live(PeerId(n)) for n in names]
@@ -202,17 +201,16 @@ class DecodeWorker(Worker):
             if req.outcome is not None:
                 self._waiting.popleft()
                 continue
-            first = self.pools.kv.layout.window_start(len(req.tokens))  # what the sender sends
-            got = book.admit_memory(self.pools, self.config.block_size, req, drop_before=first)
+            # each KV cache group gets blocks only for the window the sender sends
+            got = book.admit_memory(self.pools, self.config.block_size, req, received=True)
             if got is None:
                 return
             self._waiting.popleft()
-            (table, slot), rid = got, RequestId(req.order.request_id)
+            (table, _), rid = got, RequestId(req.order.request_id)
             req.prefix_tokens = table.num_cached_tokens
-            whole = len(self.pools.layouts) - 1
             start = StartTransfer(
                 request_id=rid,
-                dst_block_ids=tuple(int(b) for b in table.block_ids) + (slot,) * whole,
+                dst_block_ids=book.destination_ids(self.pools, req),
                 prefix_tokens=req.prefix_tokens,
                 num_tokens=len(req.tokens),
             )
@@ -238,8 +236,9 @@ class DecodeWorker(Worker):
             self.endpoint.open_receiver(req.sid, req.peer, start)
             return
         kv = self.pools.kv.layout
+        heads, layers = kv.head_range, self.pools.layer_ids  # every KV cache group's layers
         gather = self.endpoint.open_gather(
-            req.sid, members(req.order.senders), start, heads=kv.head_range, layers=kv.layer_ids
+            req.sid, members(req.order.senders), start, heads=heads, layers=layers
         )
         req.gather = GatherWait(gather)
 
@@ -334,6 +333,8 @@ class DecodeWorker(Worker):
             req.order.max_new_tokens,
             TokenRange(req.prefix_tokens, n),
             req.slot,
+            req.group_tables,
+            self.pools.group_blocks,
         )
         left = n - req.table.num_computed_tokens
         cacheable = left > 0 and not self.pools.kv.layout.windowed

@@ -1,9 +1,10 @@
 """One worker's KV memory: the paged KV pool, the whole-only pools, their regions and allocators.
 
-Up to three pool tensors, each one registered transport region: the paged KV pool (blocks
-handed out through per-request block tables), the model's whole-only state pool if it has one,
-and the tail pool (a 32-byte record per request: first token, prompt length, prompt digest).
-Whole-only pools share one slot allocator. Holds the worker's one block hasher. Not
+Pool tensors, each one registered transport region: the paged KV pool (blocks handed out
+through per-request block tables) or, for a model serving KV cache groups, one per group (each
+with its own block allocator, a window group's with a null block, and hasher), then the model's
+whole-only state pool if it has one, and the tail pool (a 32-byte record per request: first
+token, prompt length, prompt digest). Whole-only pools share one slot allocator. Not
 thread-safe: the worker loop owns it. See docs/serving.md.
 """
 
@@ -24,7 +25,7 @@ from kvplane.layout import KVLayout
 from kvplane.metrics import MetricsRegistry
 from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile, Placement
 from kvplane.pipeline.advert import encode_advert
-from kvplane.serving.producers.base import KVModel, PoolTensor, kv_fingerprint
+from kvplane.serving.producers.base import GroupedKVModel, KVModel, PoolTensor, kv_fingerprint
 from kvplane.transports.base import Transport
 
 TAIL_BYTES = 32
@@ -66,6 +67,16 @@ def placement_of(model: KVModel) -> Placement:
     return placement if isinstance(placement, Placement) else Placement()
 
 
+def _group_layouts(model: KVModel, layout: KVLayout) -> tuple[KVLayout, ...]:
+    """The paged pools' layouts: ``layout`` alone, or one per KV cache group where ``model``
+    serves several (:class:`GroupedKVModel`) and holds the whole model (a rank of a TP × PP
+    placement keeps one pool of its layers)."""
+    if not isinstance(model, GroupedKVModel) or placement_of(model) != Placement():
+        return (layout,)
+    groups = model.kv_groups(layout)
+    return (layout,) if groups is None or groups.single else groups.layouts(layout)
+
+
 class WorkerPools:
     """The pools of one worker (see the module docstring). ``num_slots`` bounds the number of
     requests in flight; ``head_range`` is the rank's TP range of KV heads (default all)."""
@@ -89,31 +100,64 @@ class WorkerPools:
         kv_layout = model.kv_layout(num_blocks, block_size, head_range)
         if kv_layout.whole_only:
             raise LayoutError("the KV pool of a worker must be paged, not whole-only")
+        kv_layouts = _group_layouts(model, kv_layout)
         state_layout = model.state_layout(num_slots)
         tail_layout = KVLayout.state(
             num_slots=num_slots, num_layers=1, state_dim=TAIL_BYTES, dtype=torch.uint8
         )
-        layouts = [kv_layout] + ([state_layout] if state_layout is not None else [])
+        layouts = [*kv_layouts] + ([state_layout] if state_layout is not None else [])
         layouts.append(tail_layout)
         self.tensors = [_allocate(transport, lay) for lay in layouts]
         self.regions = [transport.register(t).region_id for t in self.tensors]
         self.layouts = layouts
-        self.kv = PoolTensor(kv_layout, self.tensors[0])
-        self.state = PoolTensor(layouts[1], self.tensors[1]) if state_layout is not None else None
+        self.num_kv_pools = len(kv_layouts)
+        """Paged pools: one per KV cache group (``layouts[:num_kv_pools]``), then whole-only."""
+        k = self.num_kv_pools
+        groups = zip(layouts[1:k], self.tensors[1:k], strict=True)
+        self.kv = PoolTensor(layouts[0], self.tensors[0], tuple(PoolTensor(*g) for g in groups))
+        """The paged KV pool (group 0's, holding groups 1..'s as ``kv.groups``)."""
+        self.state = PoolTensor(layouts[k], self.tensors[k]) if state_layout is not None else None
         self.tail = PoolTensor(tail_layout, self.tensors[-1])
-        self.blocks = BlockPool(
-            num_blocks, block_size, metrics, name=f"{name}_kv", null_block=kv_layout.windowed
+        nulls = [kv_layout.windowed] if k == 1 else [lay.window_of(lay.layer_ids[0]) is not None
+                                                     for lay in kv_layouts]  # fmt: skip
+        pools = tuple(
+            BlockPool(num_blocks, block_size, metrics, name=f"{name}_kv{g or ''}", null_block=null)
+            for g, null in enumerate(nulls)
         )
-        """The KV pool's blocks; a windowed pool reserves a null block for the entries of
-        blocks dropped out of every window (:meth:`~kvplane.blocks.BlockTable.drop_before`)."""
+        self.blocks, self.group_blocks = pools[0], pools[1:]
+        """The KV pool's blocks (group 0's; ``group_blocks``: groups 1..'s); a windowed pool
+        reserves a null block for the entries of blocks dropped out of every window
+        (:meth:`~kvplane.blocks.BlockTable.drop_before`)."""
         self.slots = BlockPool(num_slots, 1, metrics, name=f"{name}_slots")
-        self.hasher = BlockHasher(
-            seed=hash_seed, fingerprint=kv_fingerprint(self.model_id, kv_layout)
+        hashers = tuple(
+            BlockHasher(seed=hash_seed, fingerprint=kv_fingerprint(self.model_id, lay))
+            for lay in kv_layouts
         )
-        """The worker's one block hasher: every request's :class:`~kvplane.blocks.BlockTable`
-        hashes its blocks once with it, and prefix offload's chunk keys are those hashes."""
+        self.hasher, self.group_hashers = hashers[0], hashers[1:]
+        """The worker's block hasher (group 0's; ``group_hashers``: groups 1..'s): every
+        request's :class:`~kvplane.blocks.BlockTable` of a group hashes its blocks once with it,
+        and prefix offload's chunk keys are those hashes."""
         self.transport_name = transport.name
         self._transport = transport
+
+    @property
+    def block_pools(self) -> tuple[BlockPool, ...]:
+        """One block allocator per paged pool (KV cache group), in group order."""
+        return (self.blocks, *self.group_blocks)
+
+    @property
+    def hashers(self) -> tuple[BlockHasher, ...]:
+        return (self.hasher, *self.group_hashers)
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """Every layer the paged pools hold, ascending."""
+        return tuple(sorted(i for kv in self.kv.pools for i in kv.layout.layer_ids))
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by requests, in every paged pool together."""
+        return sum(p.num_used_blocks for p in self.block_pools)
 
     # -- what peers learn ------------------------------------------------------------------------
     def profile(self) -> PeerProfile:
@@ -152,7 +196,8 @@ class WorkerPools:
         if got is None:
             return None
         slot = int(got[0])
-        for lay, t in zip(self.layouts[1:], self.tensors[1:], strict=True):
+        k = self.num_kv_pools
+        for lay, t in zip(self.layouts[k:], self.tensors[k:], strict=True):
             lay.canonical_view(t)[slot].zero_()
         return slot
 
@@ -175,12 +220,13 @@ class WorkerPools:
 
     # -- integrity -------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        self.blocks.check_integrity()
+        for pool in self.block_pools:
+            pool.check_integrity()
         self.slots.check_integrity()
 
     def check_idle(self) -> None:
         """Integrity plus: no block and no slot is held by any request."""
         self.check_integrity()
-        used = (self.blocks.num_used_blocks, self.slots.num_used_blocks)
+        used = (self.num_used_blocks, self.slots.num_used_blocks)
         if used != (0, 0):
             raise BlockStateError(f"pools still hold {used[0]} KV blocks and {used[1]} slots")

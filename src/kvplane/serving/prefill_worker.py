@@ -16,7 +16,7 @@ import numpy as np
 
 from kvplane.blocks import BlockTable
 from kvplane.errors import InvalidArgumentError, KVPlaneError, ProtocolError
-from kvplane.ids import PeerId, RegionId, RequestId, SessionId, TokenRange
+from kvplane.ids import PeerId, RequestId, SessionId, TokenRange
 from kvplane.metrics import SEED_HISTOGRAMS, MetricsRegistry, histogram_counters
 from kvplane.pd.actions import Action, DestinationKnown, Finished, Release, StartSubmit
 from kvplane.pd.events import Cancel, SubmitSlice
@@ -24,7 +24,7 @@ from kvplane.pd.states import Role, SessionState
 from kvplane.pipeline.driver import SliceDriver
 from kvplane.pipeline.driver_records import SliceSource
 from kvplane.pipeline.shares import Share
-from kvplane.pipeline.slicing import LocalPool, SliceCutter, slice_schedule, step_ranges
+from kvplane.pipeline.slicing import SliceCutter, slice_schedule, step_ranges
 from kvplane.pipeline.timeline import Mark, request_times
 from kvplane.serving import worker_requests as book
 from kvplane.serving.gather_orders import share_for
@@ -59,6 +59,7 @@ class _Prefill:
     tokens: np.ndarray
     steps: list[TokenRange]
     table: BlockTable | None = None
+    group_tables: tuple[BlockTable, ...] = ()
     slot: int | None = None
     cutter: SliceCutter | None = None
     next_step: int = 0
@@ -110,8 +111,9 @@ class PrefillWorker(Worker):
         if offload is not None:
             kv = self.pools.kv
             self.offload = PrefixOffload(
-                offload, kv, self.pools.blocks, state=self.pools.state, metrics=self.metrics
-            )
+                offload, kv, self.pools.blocks, state=self.pools.state, metrics=self.metrics,
+                group_pools=self.pools.group_blocks,
+            )  # fmt: skip
         self.auto: AutoPipelining | None = None
         if config.auto_pipelining:
             layout = self.pools.kv.layout
@@ -176,7 +178,8 @@ class PrefillWorker(Worker):
         sid, peer = SessionId(order.session_id), PeerId(order.decode_peer)
         book.check_new(self._requests, self._by_session, rid, sid)
         n = len(order.token_ids)
-        book.check_fits(rid, -(-n // self.config.block_size), self.pools.blocks.capacity)
+        capacity = min(p.capacity for p in self.pools.block_pools)  # of every KV cache group
+        book.check_fits(rid, -(-n // self.config.block_size), capacity)
         if isinstance(self.producer, PromptChecker):
             self.producer.check_prompt(np.asarray(order.token_ids, dtype=np.int64))
         step = order.step_size or self.config.step_size
@@ -220,7 +223,8 @@ class PrefillWorker(Worker):
                 return
             self._waiting.popleft()
             if self.offload is not None:
-                load = self.offload.begin_load(RequestId(req.order.request_id), *got)
+                rid, groups = RequestId(req.order.request_id), req.group_tables
+                load = self.offload.begin_load(rid, *got, groups=groups)
                 if load is not None:  # a load, or a wait for this worker's stores of the prefix
                     req.loading = True
                     self.timeline.record(
@@ -246,14 +250,10 @@ class PrefillWorker(Worker):
         mode = self._mode(req)
         req.cutter = SliceCutter(n, align, pipelined=mode.pipelined, every=mode.every)
         schedule = slice_schedule(n, req.steps, align, pipelined=mode.pipelined, every=mode.every)
-        pools = [LocalPool(self.pools.kv.layout, self.pools.regions[0], table.block_ids)]
-        pools += [
-            LocalPool(lay, RegionId(r), (slot,))
-            for lay, r in zip(self.pools.layouts[1:], self.pools.regions[1:], strict=True)
-        ]
+        pools = book.local_pools(self.pools, req)  # one paged pool per KV cache group
         with self._sources_lock:
             self._sources[req.sid] = SliceSource(
-                req.order.request_id, tuple(pools), schedule, share=req.share
+                req.order.request_id, pools, schedule, share=req.share
             )
         self.driver.source_ready(req.sid)  # a DestinationKnown that came first can plan now
         self._running.append(req)
@@ -358,12 +358,12 @@ class PrefillWorker(Worker):
         rid = req.order.request_id
         self.timeline.record(Mark.STEP_START, rid, slice_id=req.next_step)
         began = time.perf_counter()
+        groups = book.group_block_ids(req)  # KV cache groups 1..'s blocks
+        step = ProduceStep(
+            RequestId(rid), req.tokens, table.block_ids, rng, is_last, req.slot, groups
+        )
         try:
-            out = self.producer.produce(
-                ProduceStep(RequestId(rid), req.tokens, table.block_ids, rng, is_last, req.slot),
-                self.pools.kv,
-                self.pools.state,
-            )
+            out = self.producer.produce(step, self.pools.kv, self.pools.state)
         except KVPlaneError as exc:  # a step that cannot run fails its request, not the worker
             self.counters["step_errors"] += 1
             self.timeline.record(Mark.STEP_END, rid, slice_id=req.next_step, detail="failed")
@@ -384,7 +384,7 @@ class PrefillWorker(Worker):
             if self.auto is not None and req.cutter is not None and req.computed > len(rng):
                 self.auto.observe(req.cutter.pipelined, req.computed, req.compute_s)
             if self.offload is not None:
-                chunks = self.offload.store(RequestId(rid), table)
+                chunks = self.offload.store(RequestId(rid), table, groups=req.group_tables)
                 if chunks:
                     self.timeline.record(Mark.STORE_START, rid, detail=str(chunks))
         return True

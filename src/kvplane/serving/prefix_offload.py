@@ -27,11 +27,12 @@ import numpy.typing as npt
 
 from kvplane.blocks import BlockPool, BlockTable
 from kvplane.chunks import ChunkSpec
-from kvplane.errors import InvalidArgumentError
+from kvplane.errors import ConfigError, InvalidArgumentError
 from kvplane.ids import ChunkKey, JobId, RequestId
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload import LoadDone, OffloadConfig, StoreDone, TierCascade, build_cascade
 from kvplane.offload.chunk_cost import TunedChunks
+from kvplane.serving.prefix_groups import LoadJoin, common_run, group_tiers
 from kvplane.serving.prefix_state import PrefixState
 from kvplane.serving.prefix_waits import Parked, PrefixWaits
 from kvplane.serving.producers.base import PoolTensor
@@ -123,7 +124,9 @@ class _Load:
 
 
 class PrefixOffload:
-    """One prefill pool's prefix offload (see the module docstring)."""
+    """One prefill pool's prefix offload (see the module docstring). With KV cache groups
+    (``kv.groups``) it is group 0's and holds one ``members`` offload per other group: a hit
+    is the prefix every group holds (:mod:`~kvplane.serving.prefix_groups`), never parked."""
 
     def __init__(
         self,
@@ -133,9 +136,16 @@ class PrefixOffload:
         *,
         state: PoolTensor | None = None,
         metrics: MetricsRegistry | None = None,
+        group_pools: Sequence[BlockPool] = (),
     ) -> None:
-        """``state``: the worker's whole-only state pool, if its model has recurrent state."""
+        """``state``: the worker's whole-only state pool, if its model has recurrent state;
+        ``group_pools``: the block pools of ``kv.groups``. ``ConfigError`` for groups with a
+        state pool."""
         bpc, offload = settings.resolved(kv.layout.bytes_per_block)
+        if len(group_pools) != len(kv.groups):
+            raise InvalidArgumentError(f"{len(kv.groups)} groups 1.. but {len(group_pools)} pools")
+        if kv.groups and state is not None:
+            raise ConfigError("prefix offload of KV cache groups with a recurrent state")
         self.spec = ChunkSpec(kv.layout.block_size, bpc)
         self.host_slots = offload.host_slots
         """The most chunks one store can hold: the host tier's slots (stores pass through it)."""
@@ -153,12 +163,18 @@ class PrefixOffload:
         self._unfilled: weakref.WeakKeyDictionary[BlockTable, int] = weakref.WeakKeyDictionary()
         """Per request table, its leading chunks a window load left without KV (never stored)."""
         self.state: PrefixState | None = None
-        if state is not None:
-            try:
+        self.members: tuple[PrefixOffload, ...] = ()
+        """One offload per KV cache group 1.. (their own tiers, private metrics)."""
+        self._join = LoadJoin()
+        try:
+            if state is not None:
                 self.state = PrefixState(state, self.spec.tokens_per_chunk, offload)
-            except BaseException:
-                self.cascade.close()
-                raise
+            for g, (pt, pool) in enumerate(zip(kv.groups, group_pools, strict=True), 1):
+                each = PrefixSettings(group_tiers(offload, g), bpc, pending_wait_s=0.0)
+                self.members += (PrefixOffload(each, pt, pool),)
+        except BaseException:
+            self.close()
+            raise
         self.hits: Counter[str] = Counter()
         """Chunks loaded into the device pool, by the tier they came from."""
         self.counts: Counter[str] = Counter()
@@ -192,18 +208,18 @@ class PrefixOffload:
     @property
     def loading(self) -> int:
         """Loads in flight (a hit with nothing to load is one until its :class:`LoadFinished`
-        is polled)."""
-        return len(self._loads) + len(self._ready) + len(self.waits)
+        is polled; with groups, one until every group's load ended)."""
+        return len(self._loads) + len(self._ready) + len(self.waits) + len(self._join)
 
     @property
     def busy(self) -> bool:
-        """Jobs in flight, finished loads not yet polled or parked requests."""
-        return bool(self.cascade.jobs.in_flight or self._ready or len(self.waits))
+        """Jobs in flight, finished loads not yet polled or parked requests (any group's)."""
+        mine = self.cascade.jobs.in_flight or self._ready or len(self.waits)
+        return bool(mine) or any(m.busy for m in self.members)
 
     # -- load and store --------------------------------------------------------------------------
-    def begin_load(
-        self, request_id: RequestId, table: BlockTable, state_slot: int | None = None
-    ) -> LoadStarted | None:
+    def begin_load(self, request_id: RequestId, table: BlockTable, state_slot: int | None = None,
+                   *, groups: Sequence[BlockTable] = ()) -> LoadStarted | None:  # fmt: skip
         """Look the chunks of ``table`` (the request's admitted table: its prompt, blocks and
         block hashes) up and load the leading hits into its blocks (with a state pool: only
         chunks whose state is held, restored into ``state_slot`` when the load ends). ``None``:
@@ -212,7 +228,12 @@ class PrefixOffload:
         is loaded, the prefill starts at the hit's end) and a request parked because its
         leading run goes on with chunks this worker is storing or a computing request promised
         (:meth:`expect`): it is looked up again once those stores ended (a failed one is a
-        miss) or ``pending_wait_s`` passed, and loads what is loadable then."""
+        miss) or ``pending_wait_s`` passed, and loads what is loadable then. ``groups``: the
+        request's tables of KV cache groups 1.. (:meth:`_begin_groups`)."""
+        if len(groups) != len(self.members):
+            raise InvalidArgumentError(f"{len(groups)} group tables for {len(self.members)}")
+        if self.members:
+            return self._begin_groups(request_id, [table, *groups])
         keys = self.chunk_keys(table)
         if not keys:
             return None
@@ -249,6 +270,12 @@ class PrefixOffload:
             loadable = with_state
         if loadable == 0:
             return None
+        return self._load_run(request_id, table, state_slot, keys, loadable)
+
+    def _load_run(self, request_id: RequestId, table: BlockTable, state_slot: int | None,
+                  keys: list[ChunkKey], loadable: int) -> LoadStarted | None:  # fmt: skip
+        """Load the first ``loadable`` chunks of ``keys`` (those its window reads) into
+        ``table``'s blocks; None: the cascade loads none of them."""
         skip = self._window_skip(loadable) if self.state is None else 0
         if skip == loadable:
             return self._nothing_to_load(request_id, table, skip)
@@ -263,6 +290,30 @@ class PrefixOffload:
             self._unfilled[table] = skip
             self.counts["chunks_skipped_window"] += skip
         return LoadStarted(ticket.ticket_id, len(ticket.keys), ticket.sources)
+
+    def _begin_groups(self, request_id: RequestId, tables: list[BlockTable]) -> LoadStarted | None:
+        """:meth:`begin_load` of every KV cache group's table: each group loads the prefix
+        every group holds (:func:`~kvplane.serving.prefix_groups.common_run`) into its blocks,
+        and one :class:`LoadFinished` reports what all of them loaded."""
+        offloads = (self, *self.members)
+        keys = [o.chunk_keys(t) for o, t in zip(offloads, tables, strict=True)]
+        if not keys[0]:
+            return None
+        self.counts["lookups"] += 1
+        found = [o.cascade.lookup(k).where for o, k in zip(offloads, keys, strict=True)]
+        hits = [[w is not None for w in where] for where in found]
+        limit = (tables[0].num_tokens - 1) // self.spec.tokens_per_chunk
+        run = common_run(hits, [o._window_skip for o in offloads], limit)
+        if run == 0:
+            return None
+        each = zip(offloads, tables, keys, strict=True)
+        started = [o._load_run(request_id, t, None, k, run) for o, t, k in each]
+        loads = [s for s in started if s is not None]
+        if not loads:
+            return None
+        tokens = run * self.spec.tokens_per_chunk if len(loads) == len(started) else 0
+        self._join.expect(request_id, len(loads), tokens)
+        return LoadStarted(0, sum(s.chunks for s in loads), loads[0].sources)
 
     def _nothing_to_load(
         self, request_id: RequestId, table: BlockTable, chunks: int
@@ -300,9 +351,16 @@ class PrefixOffload:
         """``request_id`` stopped: it will not store what :meth:`expect` promised."""
         self.waits.forget(request_id)
 
-    def store(self, request_id: RequestId, table: BlockTable) -> int:
-        """Offload the full chunks of ``table`` (its tokens computed) from its blocks; returns
-        how many chunks the store job carries (0: all already held, not admitted or no room)."""
+    def store(
+        self, request_id: RequestId, table: BlockTable, *, groups: Sequence[BlockTable] = ()
+    ) -> int:
+        """Offload the full chunks of ``table`` (its tokens computed) from its blocks, and each
+        of KV cache groups 1..'s ``groups`` tables through its member; returns how many chunks
+        the store job carries (0: all already held, not admitted or no room)."""
+        if len(groups) != len(self.members):
+            raise InvalidArgumentError(f"{len(groups)} group tables for {len(self.members)}")
+        for member, group_table in zip(self.members, groups, strict=True):
+            member.store(request_id, group_table)
         first = self._unfilled.pop(table, 0)  # chunks a window load left empty: not stored
         keys = self.chunk_keys(table)[first:]
         if len(keys) > self.host_slots:
@@ -337,12 +395,27 @@ class PrefixOffload:
     # -- completion ------------------------------------------------------------------------------
     def poll(self) -> list[Finished]:
         """Apply finished jobs without blocking."""
-        return self._events(self.cascade.poll())
+        return self._joined(self._events(self.cascade.poll()))
 
     def wait(self, timeout_s: float) -> list[Finished]:
         """Block up to ``timeout_s`` for a finished job (not at all with a hit that had nothing
         to load), then apply all finished."""
-        return self._events(self.cascade.poll() if self._ready else self.cascade.wait(timeout_s))
+        own = self.cascade.poll() if self._ready else self.cascade.wait(timeout_s)
+        return self._joined(self._events(own))
+
+    def _joined(self, own: list[Finished]) -> list[Finished]:
+        """With KV cache groups: every group's loads of a request as one :class:`LoadFinished`
+        once all ended (members' stores are reported by group 0's)."""
+        if not self.members:
+            return own
+        out: list[Finished] = [ev for ev in own if isinstance(ev, StoreFinished)]
+        ended = [ev for ev in own if isinstance(ev, LoadFinished)]
+        for member in self.members:
+            ended += [ev for ev in member.poll() if isinstance(ev, LoadFinished)]
+        for ev in ended:
+            joined = self._join.finished(ev.request_id, ev.tokens, ev.chunks, ev.failed)
+            out += [LoadFinished(*dataclasses.astuple(joined))] if joined is not None else []
+        return out
 
     def _events(self, events: Sequence[object]) -> list[Finished]:
         out: list[Finished] = [*self._ready]
@@ -400,13 +473,17 @@ class PrefixOffload:
         self.cascade.close()
         if self.state is not None:
             self.state.close()
+        for member in self.members:
+            member.close()
 
     def check_integrity(self) -> None:
         """The cascade's invariants (no pins, fences or tickets left once idle) and the state
-        store's."""
+        store's (and every group member's)."""
         self.cascade.check_integrity()
         if self.state is not None:
             self.state.check_integrity()
+        for member in self.members:
+            member.check_integrity()
 
     def snapshot(self) -> dict[str, int]:
         """Counters for :class:`~kvplane.serving.messages.WorkerStats`."""
@@ -414,4 +491,6 @@ class PrefixOffload:
         out.update({f"offload_{k}": int(v) for k, v in self.counts.items()})
         if self.state is not None:
             out.update({f"offload_state_{k}": int(v) for k, v in self.state.store.counts.items()})
+        for g, member in enumerate(self.members, 1):  # KV cache group g's, ``offload_group<g>_``
+            out.update({f"offload_group{g}_{k[8:]}": v for k, v in member.snapshot().items()})
         return out

@@ -1,7 +1,8 @@
 """A PD worker's requests: the rules the prefill and decode workers share for their book.
 
-Each worker keeps its requests by id and by session, admits one when blocks and a tail slot are
-free, and frees and forgets it by the same rules; only what a request does differs.
+Each worker keeps its requests by id and by session, admits one when blocks (in every KV cache
+group's pool) and a tail slot are free, and frees and forgets it by the same rules; only what a
+request does differs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import numpy as np
 
 from kvplane.blocks import BlockTable
 from kvplane.errors import ConfigError, InvalidArgumentError
-from kvplane.ids import RequestId, SessionId
+from kvplane.ids import RegionId, RequestId, SessionId
+from kvplane.models import blocks_needed
+from kvplane.pipeline.slicing import LocalPool
 from kvplane.pipeline.timeline import Mark
 from kvplane.serving.pools import WorkerPools
 from kvplane.serving.worker import Worker
@@ -33,6 +36,7 @@ class HeldRequest(Protocol):
     sid: SessionId
     tokens: np.ndarray
     table: BlockTable | None
+    group_tables: tuple[BlockTable, ...]
     slot: int | None
     failed_at: float | None
 
@@ -71,34 +75,109 @@ def find_to_stop(requests: dict[RequestId, R], rid: RequestId, sid: str | None) 
     return req
 
 
+def received_need(pools: WorkerPools, num_tokens: int, max_new_tokens: int) -> int:
+    """The most blocks one KV cache group's pool must give a decoded request whose prompt's
+    window arrives (:func:`~kvplane.models.blocks_needed` per group, ``received``)."""
+    return max(
+        blocks_needed(num_tokens, max_new_tokens, pool.block_size,
+                      kv.layout if pool.null_block is not None else None, received=True)
+        for kv, pool in zip(pools.kv.pools, pools.block_pools, strict=True)
+    )  # fmt: skip
+
+
 def admit_memory(
-    pools: WorkerPools, block_size: int, req: HeldRequest, *, drop_before: int = 0
+    pools: WorkerPools, block_size: int, req: HeldRequest, *, received: bool = False
 ) -> tuple[BlockTable, int] | None:
-    """Give ``req`` blocks for its tokens (cached prefix blocks shared; the blocks wholly
-    before ``drop_before``, a receiver's unsent out-of-window positions, none: see
-    :meth:`~kvplane.blocks.BlockTable.admit`) and a tail slot, and return them; None, holding
-    nothing, while either is short."""
-    table = BlockTable(RequestId(req.order.request_id), block_size, pools.hasher)
+    """Give ``req`` a table per KV cache group for its tokens and a tail slot, and return group
+    0's table and the slot (groups 1..'s in ``req.group_tables``); None, holding nothing, while
+    blocks or slots are short. Cached prefix blocks are shared, as many as every group holds
+    (:meth:`~kvplane.blocks.BlockTable.admit`'s ``max_cached_blocks``). ``received``: a
+    receiver's tables, whose blocks wholly before each group's window of the prompt (positions
+    the sender does not send) are none (``drop_before``)."""
     if pools.slots.num_free_blocks == 0:
         return None
-    if table.admit(pools.blocks, req.tokens, drop_before=drop_before) is None:
-        return None
+    n, rid = len(req.tokens), RequestId(req.order.request_id)
+    tables: dict[int, BlockTable] = {}  # by group
+
+    def admit(g: int, cap: int | None) -> bool:
+        kv, pool = pools.kv.pools[g], pools.block_pools[g]
+        table = BlockTable(rid, block_size, pools.hashers[g])
+        first = kv.layout.window_start(n) if received else 0
+        if table.admit(pool, req.tokens, drop_before=first, max_cached_blocks=cap) is None:
+            return False
+        tables[g] = table
+        return True
+
+    def release() -> None:
+        for g, table in tables.items():
+            table.release(pools.block_pools[g])
+
+    cap: int | None = None
+    for g in range(pools.num_kv_pools):
+        if not admit(g, cap):
+            release()
+            return None
+        cap = tables[g].num_cached_tokens // block_size
+    for g in range(pools.num_kv_pools):  # a group that matched more than all: the common prefix
+        if tables[g].num_cached_tokens // block_size != cap:
+            tables.pop(g).release(pools.block_pools[g])
+            if not admit(g, cap):  # fewer shared blocks: more to allocate
+                release()
+                return None
     slot = pools.take_slot()
     if slot is None:  # pragma: no cover - checked above; only the worker's thread allocates
-        table.release(pools.blocks)
+        release()
         return None
-    req.table, req.slot = table, slot
-    return table, slot
+    ordered = [tables[g] for g in range(pools.num_kv_pools)]
+    req.table, req.group_tables, req.slot = ordered[0], tuple(ordered[1:]), slot
+    return ordered[0], slot
+
+
+def destination_ids(pools: WorkerPools, req: HeldRequest) -> tuple[int, ...]:
+    """A receiver's ``dst_block_ids``: each KV cache group's block ids, one group after the
+    other, then the request's slot once per whole-only pool (``advert.split_destination``)."""
+    if req.table is None or req.slot is None:
+        raise InvalidArgumentError(f"request {req.order.request_id!r} holds no memory")
+    ids = [int(b) for t in (req.table, *req.group_tables) for b in t.block_ids]
+    return (*ids, *(req.slot,) * (len(pools.layouts) - pools.num_kv_pools))
+
+
+def local_pools(pools: WorkerPools, req: HeldRequest) -> tuple[LocalPool, ...]:
+    """A sender's pools as plan sources: each KV cache group's with the request's blocks in
+    it, then each whole-only pool with its slot."""
+    if req.table is None or req.slot is None:
+        raise InvalidArgumentError(f"request {req.order.request_id!r} holds no memory")
+    tables = (req.table, *req.group_tables)
+    regions = [RegionId(r) for r in pools.regions]
+    k = pools.num_kv_pools
+    paged = [
+        LocalPool(lay, r, t.block_ids)
+        for lay, r, t in zip(pools.layouts[:k], regions[:k], tables, strict=True)
+    ]
+    whole = [
+        LocalPool(lay, r, (req.slot,))
+        for lay, r in zip(pools.layouts[k:], regions[k:], strict=True)
+    ]
+    return (*paged, *whole)
+
+
+def group_block_ids(req: HeldRequest) -> tuple[tuple[int, ...], ...]:
+    """The block ids of KV cache groups 1.. of ``req`` (a step's ``group_block_ids``)."""
+    return tuple(tuple(t.block_ids) for t in req.group_tables)
 
 
 def free_memory(worker: Worker, req: HeldRequest) -> bool:
-    """Free ``req``'s blocks and tail slot. If it held any, record ``RELEASED`` and, for a
-    request that failed, the release latency; True then, else False (nothing done)."""
+    """Free ``req``'s blocks (in every KV cache group) and tail slot. If it held any, record
+    ``RELEASED`` and, for a request that failed, the release latency; True then, else False
+    (nothing done)."""
     if req.table is None and req.slot is None:
         return False
     if req.table is not None:
         req.table.release(worker.pools.blocks)
         req.table = None
+    for table, pool in zip(req.group_tables, worker.pools.group_blocks, strict=True):
+        table.release(pool)
+    req.group_tables = ()
     if req.slot is not None:
         worker.pools.free_slot(req.slot)
         req.slot = None

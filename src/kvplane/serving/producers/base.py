@@ -15,17 +15,26 @@ import torch
 from kvplane.blocks import BlockPool, BlockTable
 from kvplane.ids import RequestId, TokenRange
 from kvplane.layout import KVLayout
+from kvplane.models.kv_groups import KVGroups
 
 
 @dataclass(frozen=True, slots=True)
 class PoolTensor:
-    """A pool tensor with its layout (``layout.check_pool(tensor)`` holds); views, not copies."""
+    """A pool tensor with its layout (``layout.check_pool(tensor)`` holds); views, not copies.
+    ``groups``: a paged pool of a model with several KV cache groups is group 0's, and holds
+    groups 1..'s pools here (each over its group's layers; see docs/attention.md)."""
 
     layout: KVLayout
     tensor: torch.Tensor
+    groups: tuple[PoolTensor, ...] = ()
 
     def __post_init__(self) -> None:
         self.layout.check_pool(self.tensor)
+
+    @property
+    def pools(self) -> tuple[PoolTensor, ...]:
+        """One pool per KV cache group, in group order (this one alone without groups)."""
+        return (self, *self.groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +44,8 @@ class ProduceStep:
     ``token_ids``: int64 ``[N]`` read-only, the whole prompt. ``block_ids``: the request's blocks
     in the prefill pool, holding positions ``[0, N)``. ``tokens``: the positions this step
     computes. ``state_slot``: the request's slot in the state pool (None without one).
+    ``group_block_ids``: with KV cache groups, the blocks of groups 1.. (``block_ids`` are
+    group 0's), each holding ``[0, N)`` in its group's pool.
     """
 
     request_id: RequestId
@@ -43,6 +54,7 @@ class ProduceStep:
     tokens: TokenRange
     is_last: bool
     state_slot: int | None = None
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +72,8 @@ class DecodeJob:
     blocks; not in sliding-window pools): before ``decode`` for a decoder that does not verify,
     so such a decoder finds the whole prompt computed and may grow ``table`` through ``pool``;
     after a verifying decoder's ``decode`` that counted no mismatches. The worker releases the
-    table afterwards."""
+    table afterwards. With KV cache groups, ``table``/``pool`` are group 0's and
+    ``group_tables``/``group_pools`` groups 1..'s (a window group's holding only its window)."""
 
     request_id: RequestId
     token_ids: np.ndarray
@@ -70,6 +83,15 @@ class DecodeJob:
     max_new_tokens: int
     received: TokenRange
     state_slot: int | None = None
+    group_tables: tuple[BlockTable, ...] = ()
+    group_pools: tuple[BlockPool, ...] = ()
+
+    @property
+    def tables(self) -> tuple[tuple[BlockTable, BlockPool], ...]:
+        """Each KV cache group's table and the block pool it holds blocks of, in group order."""
+        return tuple(
+            zip((self.table, *self.group_tables), (self.pool, *self.group_pools), strict=True)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +118,16 @@ class KVModel(Protocol):
 
     def state_layout(self, num_slots: int) -> KVLayout | None:
         """The whole-only per-request state pool (recurrent state), or None."""
+        ...
+
+
+@runtime_checkable
+class GroupedKVModel(KVModel, Protocol):
+    """Optional: a model that computes and reads one paged pool per KV cache group."""
+
+    def kv_groups(self, layout: KVLayout) -> KVGroups | None:
+        """The KV cache groups of a pool of ``layout`` this model serves one pool each, or None
+        (one pool of every layer: a one-window model, or one serving a single pool)."""
         ...
 
 

@@ -5,7 +5,9 @@ Both sides build the model from one :class:`ModelSpec`, so their weights are bit
 hybrid model (Bamba: attention + Mamba2) keeps only its attention layers' KV in the paged pool
 and each request's Mamba2 conv + SSM state in the worker's whole-only state pool (one slot per
 request): the prefill leaves the state after the prompt there, the final slice carries it, the
-decoder continues from it. See docs/serving.md.
+decoder continues from it. A model mixing windows served with ``kv_groups`` reads and writes one
+paged pool per KV cache group and drops each window group's out-of-window blocks while decoding.
+See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from kvplane.models import (
     load_model,
 )
 from kvplane.models.bamba import BambaModel
+from kvplane.models.kv import GroupedKVCache
+from kvplane.models.kv_groups import KVGroups
 from kvplane.models.recurrent import HybridKVCache, RecurrentState
 from kvplane.serving.producers.base import (
     DecodeJob,
@@ -62,12 +66,16 @@ class ModelSpec:
     weights ``seed``, or a checkpoint directory; ``dtype`` of weights, activations and KV;
     ``attention``: how its attention backends are chosen (``auto``, ``measured`` or backend
     names, one per attention kind; it never changes the weights, so it is not part of
-    :meth:`identity`)."""
+    :meth:`identity`); ``kv_groups``: a model whose layers have different windows is served
+    with one paged pool per KV cache group (window blocks freed as they slide out), else with
+    one pool of every layer (what the members of a pipeline-parallel gather share today; the
+    handshake refuses a mix)."""
 
     source: str
     seed: int = 0
     dtype: str = "float32"
     attention: str = AUTO
+    kv_groups: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
@@ -115,14 +123,25 @@ class ModelSpec:
 class ModelKV:
     """The :class:`~kvplane.serving.producers.base.KVModel` face of a model (module docstring)."""
 
-    def __init__(self, model: PagedDecoder, model_id: str) -> None:
+    def __init__(self, model: PagedDecoder, model_id: str, *, kv_groups: bool = False) -> None:
         self.model = model
         self._model_id = model_id
+        self._groups = kv_groups  # serve one paged pool per KV cache group
         self._state: RecurrentState | None = None  # a hybrid's views of the worker's state pool
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, metrics: MetricsRegistry | None = None) -> Self:
-        return cls(spec.load(metrics), spec.identity())
+        return cls(spec.load(metrics), spec.identity(), kv_groups=spec.kv_groups)
+
+    def kv_groups(self, layout: KVLayout) -> KVGroups | None:
+        """``layout``'s KV cache groups when this model serves them (``kv_groups``), else None.
+        ``UnsupportedError`` for a hybrid with several (its state pool is not grouped)."""
+        if not self._groups:
+            return None
+        groups = KVGroups.of_layout(layout)
+        if not groups.single and isinstance(self.model, BambaModel):
+            raise UnsupportedError(f"model {self._model_id}: KV cache groups of a hybrid model")
+        return groups
 
     @property
     def model_id(self) -> str:
@@ -171,6 +190,10 @@ class ModelKV:
         ``num_tokens`` tokens (the caller vouches: the request's previous step, a restored
         prefix or a received final slice left it there); ``UnsupportedError`` without them."""
         model = self.model
+        if kv.groups:
+            caches = tuple(PagedKVCache(p.layout, p.tensor) for p in kv.pools)
+            groups = KVGroups(tuple(KVGroups.of_layout(c.layout).groups[0] for c in caches))
+            return GroupedKVCache(groups, caches)
         if not isinstance(model, BambaModel):
             return PagedKVCache(kv.layout, kv.tensor)
         if state is None or slot is None:
@@ -202,8 +225,9 @@ class ModelProducer(ModelKV):
         rng = step.tokens
         ids = np.asarray(step.token_ids[rng.start : rng.end], dtype=np.int64)
         slot = step.state_slot
+        req = StepRequest(ids, rng.start, step.block_ids, slot or 0, step.group_block_ids)
         batch = StepBatch.build(
-            [StepRequest(ids, rng.start, step.block_ids, state_slot=slot or 0)],
+            [req],
             kv.layout.block_size,
             self.model.device,
         )
@@ -219,37 +243,46 @@ class ModelDecoder(ModelKV):
     verifies = False
 
     def decode(self, job: DecodeJob, kv: PoolTensor, state: PoolTensor | None) -> DecodeOutput:
-        """``job.max_new_tokens`` tokens (first token included) by one-token steps; grows
-        ``job.table`` through ``job.pool`` (the worker marked the received prompt computed and
-        releases the table) and, in a pool with a null block, drops the blocks that slid out of
-        every window after each step. ``InvalidArgumentError`` when the pool runs out of blocks
-        (checked before any step)."""
+        """``job.max_new_tokens`` tokens (first token included) by one-token steps; grows each
+        KV cache group's table through its pool (the worker marked the received prompt computed
+        and releases the tables) and, in a pool with a null block, drops the blocks that slid
+        out of every window after each step. ``InvalidArgumentError`` when a pool runs out of
+        blocks (checked before any step)."""
         tokens = [int(job.first_token)]
         if job.max_new_tokens <= 1:
             return DecodeOutput(tokens=tuple(tokens[: job.max_new_tokens]))
-        table, pool = job.table, job.pool
-        bs, drops = table.block_size, pool.null_block is not None
-        peak = blocks_needed(
-            table.num_tokens, job.max_new_tokens, bs, kv.layout if drops else None, received=True
-        )
-        more = peak - table.num_held_blocks
-        if more > job.pool.num_free_blocks:
+        tables = job.tables
+        if len(tables) != len(kv.pools):
             raise InvalidArgumentError(
-                f"request {job.request_id!r}: decoding {job.max_new_tokens} tokens needs {more} "
-                f"more blocks; the decode pool has {job.pool.num_free_blocks} free"
+                f"request {job.request_id!r}: {len(tables)} block tables for {len(kv.pools)} "
+                "KV cache groups"
             )
+        for (table, pool), pt in zip(tables, kv.pools, strict=True):
+            drops = pool.null_block is not None
+            peak = blocks_needed(table.num_tokens, job.max_new_tokens, table.block_size,
+                                 pt.layout if drops else None, received=True)  # fmt: skip
+            more = peak - table.num_held_blocks
+            if more > pool.num_free_blocks:
+                raise InvalidArgumentError(
+                    f"request {job.request_id!r}: decoding {job.max_new_tokens} tokens needs "
+                    f"{more} more blocks; the decode pool has {pool.num_free_blocks} free"
+                )
         slot = job.state_slot
         cache = self.cache(kv, state, slot, len(job.token_ids))  # a hybrid: the received state
         with torch.no_grad():
             while len(tokens) < job.max_new_tokens:
-                if not table.append_tokens(job.pool, [tokens[-1]]):  # pragma: no cover - checked
-                    raise InvalidArgumentError("the decode pool ran out of blocks while decoding")
+                for table, pool in tables:
+                    if not table.append_tokens(pool, [tokens[-1]]):  # pragma: no cover - checked
+                        raise InvalidArgumentError("the decode pool ran out of blocks")
                 last = np.array([tokens[-1]], dtype=np.int64)
-                req = StepRequest(last, table.num_tokens - 1, table.block_ids, state_slot=slot or 0)
-                batch = StepBatch.build([req], bs, self.model.device)
+                table = job.table
+                more_ids = tuple(t.block_ids for t in job.group_tables)
+                req = StepRequest(last, table.num_tokens - 1, table.block_ids, slot or 0, more_ids)
+                batch = StepBatch.build([req], table.block_size, self.model.device)
                 logits = self.model.forward_step(batch, cache)
-                table.mark_computed(job.pool, 1)
-                if drops:  # the next step computes num_tokens on
-                    table.drop_before(pool, kv.layout.window_start(table.num_tokens))
+                for (table, pool), pt in zip(tables, kv.pools, strict=True):
+                    table.mark_computed(pool, 1)
+                    if pool.null_block is not None:  # the next step computes num_tokens on
+                        table.drop_before(pool, pt.layout.window_start(table.num_tokens))
                 tokens.append(greedy_token(logits)[0])
         return DecodeOutput(tokens=tuple(tokens))
