@@ -55,7 +55,7 @@ def test_routing_flags_build_the_routing_config(tmp_path: Path) -> None:
         mode="direct", engines="http://a:1,http://b:2", port=8000,
         routing=RoutingConfig(
             policy="cache-aware", kv_events="tcp://a:5000,tcp://b:5000", kv_events_insecure=True,
-            key_root="00ff", hash_seed=7, block_size=32, blocks_per_chunk=4,
+            key_root="00ff", hash_seed=7, block_size=32,
         ),
     )  # fmt: skip
     assert config.routed == ("http://a:1", "http://b:2")

@@ -3,8 +3,9 @@
 Each engine's events come from kvplane's own ``KVEventPublisher`` (the one the vLLM connector
 starts) over real zmq with CURVE (the cluster secret), read by the proxy's real subscribers;
 the chunk keys are the connector's scheme (seed 0, a fixed key root, blocks of 4 tokens, 2
-blocks per chunk: 8 tokens per chunk). The HTTP side runs against small fake vLLM servers
-(``Engine``: ``/tokenize`` and completions) recording what they were sent.
+blocks per chunk: 8 tokens per chunk), which the publishers describe to the proxy. The HTTP
+side runs against small fake vLLM servers (``Engine``: ``/tokenize`` and completions)
+recording what they were sent.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import pytest
 
 from kvplane.apps.proxy import PDProxy, ProxyConfig
 from kvplane.apps.proxy_routing import EnginePicker, RoutingConfig
+from kvplane.apps.proxy_schemes import chunk_keys
 from kvplane.apps.proxy_upstream import Upstream
 from kvplane.config import SECRET_ENV
 from kvplane.errors import ConfigError
 from kvplane.ids import ChunkKey
 from kvplane.offload.events import TierChange
+from kvplane.serving.kv_describe import KeyScheme
 from kvplane.serving.kv_publisher import KVEventPublisher, KVEventSettings
 from kvplane.serving.router.route_policy import rendezvous
 from kvplane.testing.cluster import TEST_SECRET, wait_for
@@ -37,6 +40,8 @@ from kvplane.testing.cluster import TEST_SECRET, wait_for
 ROOT = "00112233445566778899aabbccddeeff"
 ENV = {SECRET_ENV: TEST_SECRET.decode()}
 P = [100 + t for t in range(30)]  # 3 full chunks (24 tokens) + 6
+SCHEME = KeyScheme(0, bytes.fromhex(ROOT), 4, 2)
+KEYS = chunk_keys(SCHEME)
 ANSWER = {"id": "cmpl-1", "choices": [{"index": 0, "token_ids": [7, 8, 9]}]}
 
 
@@ -53,23 +58,25 @@ def free_pair() -> int:
     raise OSError("no two consecutive free ports")
 
 
-def routing(events: list[KVEventPublisher]) -> RoutingConfig:
-    return RoutingConfig(
-        policy="cache-aware", kv_events=",".join(p.address for p in events), key_root=ROOT,
-        block_size=4, blocks_per_chunk=2,
-    )  # fmt: skip
+def routing(events: list[KVEventPublisher], **overrides: Any) -> RoutingConfig:
+    """Cache-aware over ``events``' engines: only their addresses (and ``overrides``)."""
+    kv_events = ",".join(p.address for p in events)
+    return RoutingConfig(policy="cache-aware", kv_events=kv_events, **overrides)
+
+
+def publisher(name: str, scheme: KeyScheme | None = SCHEME) -> KVEventPublisher:
+    """A started engine publisher with the cluster secret, describing ``scheme``."""
+    port = free_pair()
+    settings = KVEventSettings(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
+    pub = KVEventPublisher(name, 1, settings, secret=TEST_SECRET, block_size=8, scheme=scheme)
+    pub.start()
+    return pub
 
 
 @pytest.fixture
 def publishers() -> Iterator[list[KVEventPublisher]]:
-    """Two engines' publishers (``vllm-a``, ``vllm-b``), started, with the cluster secret."""
-    made = []
-    for name in ("vllm-a", "vllm-b"):
-        port = free_pair()
-        settings = KVEventSettings(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
-        pub = KVEventPublisher(name, 1, settings, secret=TEST_SECRET, block_size=8)
-        pub.start()
-        made.append(pub)
+    """Two engines' publishers (``vllm-a``, ``vllm-b``) of :data:`SCHEME`."""
+    made = [publisher("vllm-a"), publisher("vllm-b")]
     yield made
     for pub in made:
         pub.close()
@@ -100,15 +107,16 @@ def test_cache_aware_follows_the_events_then_load_and_frees_the_queue(
     config = routing(publishers)
     ups = engines(2)
     names = [u.url for u in ups]
-    keys = config.scheme().keys(P)
+    keys = KEYS.keys(P)
     assert len(keys) == 3
     # the engine the prefix would go to without events (ties: the first key's rendezvous)
     fresh = max(range(2), key=lambda i: rendezvous(keys[0], names[i]))
     holder = 1 - fresh
     picker = EnginePicker(ups, config, TEST_SECRET)
     try:
-        with picker.pick(P) as lease:
+        with pytest.raises(RuntimeError), picker.pick(P) as lease:  # failed: nothing expected
             assert lease.index == fresh  # nobody holds it yet
+            raise RuntimeError("the engine failed the request")
         store(publishers[holder], keys)
         wait_for(lambda: names[holder] in picker.matches(P), what="the holder's events")
         match = picker.matches(P)[names[holder]]
@@ -119,9 +127,10 @@ def test_cache_aware_follows_the_events_then_load_and_frees_the_queue(
             assert busy.index == holder
             assert picker.queued() == {names[holder]: 100}
             # 40 tokens, 24 of them held by a worker 100 tokens busy: the idle one wins
-            with picker.pick(P + [7] * 10) as other:
+            with pytest.raises(RuntimeError), picker.pick(P + [7] * 10) as other:
                 assert other.index == fresh
                 assert picker.queued() == {names[holder]: 100, names[fresh]: 40}
+                raise RuntimeError("failed: its chunks are not expected there after")
         assert picker.queued() == {}
         with picker.pick(P + [7] * 10) as lease:  # idle again: the prefix decides
             assert lease.index == holder
@@ -138,12 +147,9 @@ def test_a_picked_prompt_is_pending_on_its_engine_until_its_request_fails(
 ) -> None:
     config = routing(publishers)
     picker = EnginePicker(engines(2), config, TEST_SECRET)
-    other = [900 + t for t in range(8)]  # one chunk each engine holds: their ids are known
-    try:
-        for pub in publishers:
-            store(pub, config.scheme().keys(other))
-        wait_for(lambda: len(picker.matches(other)) == 2, what="both engines' events")
-        keys = config.scheme().keys(P)
+    try:  # no event yet: the engines' ids are known from their describe answers
+        assert [picker.schemes and picker.schemes.worker(i) for i in (0, 1)] == ["vllm-a", "vllm-b"]
+        keys = KEYS.keys(P)
         winner = picker.names[max(range(2), key=lambda i: rendezvous(keys[0], picker.names[i]))]
         with pytest.raises(RuntimeError), picker.pick(P):  # the request fails
             pending = picker.matches(P, now=time.monotonic())
@@ -157,7 +163,7 @@ def test_a_picked_prompt_is_pending_on_its_engine_until_its_request_fails(
 
 def test_a_removed_chunk_shortens_the_match(publishers: list[KVEventPublisher]) -> None:
     config = routing(publishers)
-    keys = config.scheme().keys(P)
+    keys = KEYS.keys(P)
     picker = EnginePicker(engines(2), config, TEST_SECRET)
     try:
         store(publishers[0], keys)
@@ -173,16 +179,88 @@ def test_events_with_another_secret_are_never_believed(
     publishers: list[KVEventPublisher],
 ) -> None:
     config = routing(publishers)
-    picker = EnginePicker(engines(2), config, b"another-secret-0123456789abcdef!")
+    picker = EnginePicker(engines(2), config, b"another-secret-0123456789abcdef!", describe_s=0.2)
     try:
-        store(publishers[0], config.scheme().keys(P))
-        store(publishers[1], config.scheme().keys(P))
+        store(publishers[0], KEYS.keys(P))
+        store(publishers[1], KEYS.keys(P))
         # the good subscriber of test_cache_aware hears within ms; give these 1 s of replays
         with contextlib.suppress(AssertionError):
             wait_for(lambda: bool(picker.matches(P)), timeout_s=1.0)
         assert picker.matches(P) == {}
     finally:
         picker.close()
+
+
+def test_scheme_flags_that_agree_are_taken_and_one_that_disagrees_is_refused(
+    publishers: list[KVEventPublisher],
+) -> None:
+    agree = routing(publishers, key_root=ROOT, hash_seed=0, block_size=4, blocks_per_chunk=2)
+    picker = EnginePicker(engines(2), agree, TEST_SECRET)
+    try:
+        assert picker.schemes is not None and picker.schemes.scheme == SCHEME
+    finally:
+        picker.close()
+    with pytest.raises(ConfigError) as err:
+        EnginePicker(engines(2), routing(publishers, block_size=8), TEST_SECRET)
+    assert str(err.value) == (
+        "--block-size 8 disagrees with engine http://127.0.0.1:9001, whose KV events say "
+        "block_size 4"
+    )
+
+
+def test_engines_announcing_different_schemes_are_refused_at_start() -> None:
+    made = [publisher("vllm-a"), publisher("vllm-b", KeyScheme(5, bytes.fromhex(ROOT), 4, 2))]
+    try:
+        with pytest.raises(ConfigError) as err:
+            EnginePicker(engines(2), routing(made), TEST_SECRET)
+        assert str(err.value) == (
+            "engines http://127.0.0.1:9001 and http://127.0.0.1:9002 announce different chunk "
+            "key schemes (hash_seed 0 vs 5)"
+        )
+    finally:
+        for pub in made:
+            pub.close()
+
+
+def test_an_engine_that_tells_its_scheme_late_is_asked_again() -> None:
+    made = [publisher("vllm-a", None)]  # a connector before its workers' handshake
+    picker = EnginePicker(engines(1), routing(made), TEST_SECRET)
+    try:
+        assert picker.schemes is not None
+        assert (picker.schemes.scheme, picker.schemes.worker(0)) == (None, "vllm-a")
+        with picker.pick(P) as lease:  # no scheme yet: by load only, nothing expected
+            assert (lease.index, lease.queued) == (0, 30)
+        made[0].describe_as(SCHEME)
+        wait_for(lambda: picker.schemes is not None and picker.schemes.scheme == SCHEME,
+                 what="the late scheme")  # fmt: skip
+        store(made[0], KEYS.keys(P))
+        wait_for(lambda: picker.names[0] in picker.matches(P), what="the engine's events")
+        assert picker.matches(P)[picker.names[0]].any_tier == 3
+    finally:
+        picker.close()
+        made[0].close()
+
+
+def test_an_engine_restarted_with_another_scheme_is_asked_again_and_left_out() -> None:
+    first = publisher("vllm-a")
+    live = [first]
+    picker = EnginePicker(engines(1), routing([first]), TEST_SECRET)
+    try:
+        assert picker.schemes is not None and picker.schemes.refused == [False]
+        live.pop().close()
+        other = KeyScheme(5, bytes.fromhex(ROOT), 4, 2)
+        again = KVEventPublisher("vllm-a", 2, first.settings, secret=TEST_SECRET, scheme=other)
+        live.append(again)
+        again.start()
+        store(again, KEYS.keys(P))  # even chunks keyed alike would not be believed now
+        wait_for(lambda: picker.schemes is not None and picker.schemes.refused == [True],
+                 what="the restarted engine's answer")  # fmt: skip
+        assert picker.schemes.scheme == SCHEME and picker.schemes.counters["refused"] == 1
+        assert picker.matches(P) == {}
+    finally:
+        picker.close()
+        for pub in live:
+            pub.close()
 
 
 @pytest.mark.parametrize(
@@ -197,11 +275,11 @@ def test_events_with_another_secret_are_never_believed(
         ({"policy": "cache-aware", "kv_events": "tcp://127.0.0.1:65535", "key_root": ROOT,
           "block_size": 4}, "--kv-events must be tcp://HOST:PORT (PORT < 65535), got "
          "'tcp://127.0.0.1:65535'"),
-        ({"policy": "cache-aware", "kv_events": "tcp://127.0.0.1:5000", "key_root": "xyz",
-          "block_size": 4}, "--policy cache-aware needs --key-root HEX, the key root the "
-         "engines' connector logs, got 'xyz'"),
-        ({"policy": "cache-aware", "kv_events": "tcp://127.0.0.1:5000", "key_root": ROOT},
+        ({"policy": "cache-aware", "kv_events": "tcp://127.0.0.1:5000", "key_root": "xyz"},
+         "--key-root must be lowercase hex, got 'xyz'"),
+        ({"policy": "cache-aware", "kv_events": "tcp://127.0.0.1:5000", "block_size": 0},
          "--block-size must be a positive int, got 0"),
+        ({"hash_seed": 3}, "--hash-seed: read only with --policy cache-aware"),
     ],
 )  # fmt: skip
 def test_bad_routing_configs_are_refused_naming_the_flag(
@@ -347,7 +425,7 @@ def test_direct_mode_routes_text_by_the_engines_tokenizer_to_the_holder(
 ) -> None:
     a, b = fakes(engine(P), engine(P))
     config = ProxyConfig(mode="direct", engines=f"{a.url},{b.url}", routing=routing(publishers))
-    keys = config.routing.scheme().keys(P)
+    keys = KEYS.keys(P)
     holder = min(range(2), key=lambda i: rendezvous(keys[0], [a.url, b.url][i]))  # not the tie's
     store(publishers[holder], keys)
     proxy = PDProxy(config, env=ENV)
@@ -405,7 +483,7 @@ def test_pd_modes_route_the_prefill_to_the_holder_and_take_decode_turns(
             prefill=f"{p0.url},{p1.url}", decode=f"{d0.url},{d1.url}", prefill_pd=pd, mode=mode,
             routing=routing(publishers),
         )  # fmt: skip
-        store(publishers[1], config.routing.scheme().keys(P))
+        store(publishers[1], KEYS.keys(P))
         proxy = PDProxy(config, env=ENV)
         proxy.start()
         try:

@@ -45,17 +45,6 @@ SECRET = "kvplane-proxy-test-secret-0123456789"
 MAX_TOKENS = 8
 LENGTHS = (300, 97, 64, 33)  # several slices; 3 blocks + the recomputed token; 2 blocks; 1 + 1
 START_S = 600.0
-LOGGING = {
-    "version": 1, "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "plain",
-                         "stream": "ext://sys.stdout"}},
-    "loggers": {"vllm": {"handlers": ["out"], "level": "WARNING", "propagate": False},
-                "kvplane": {"handlers": ["out"], "level": "WARNING", "propagate": False},
-                "kvplane.integrations.vllm.connector": {"level": "INFO"}},
-}  # fmt: skip
-"""vLLM's loggers as ``VLLM_LOGGING_LEVEL=WARNING`` has them, and the connector's INFO lines
-(its key scheme: under vLLM's own logging config kvplane's INFO lines go nowhere)."""
 pytestmark = pytest.mark.timeout(1500)
 
 
@@ -98,7 +87,7 @@ def _start(
     """Start one OpenAI server of the vLLM environment (``tp`` ranks; at TP > 1 float32, each
     rank on its own core, rank r's PD endpoint on ``pd_port + r`` and no private metrics port:
     every rank's worker would bind the same one). At TP 1 its connector publishes KV events
-    (with the secret) and logs its chunk key scheme (:data:`LOGGING`)."""
+    (with the secret), whose publisher describes its chunk key scheme."""
     port, metrics, events = free_port(), 0, 0
     cmd = [
         str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -117,9 +106,6 @@ def _start(
             metrics, events = free_port(), free_ports(2)
             extra["metrics_port"] = metrics - 1
             extra["kv_events_port"] = events
-            logging_config = root / "logging.json"
-            logging_config.write_text(json.dumps(LOGGING))
-            env["VLLM_LOGGING_CONFIG_PATH"] = str(logging_config)
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KVPlaneConnector",
             "kv_connector_module_path": "kvplane.integrations.vllm.connector",
@@ -309,20 +295,6 @@ def test_tokens_through_the_proxy_equal_one_engines_and_each_decode_receives(
     record_property("kv_received", ok)
 
 
-SCHEME_RE = re.compile(
-    r"chunk keys: hash seed (\d+), key root ([0-9a-f]+), block size (\d+), (\d+) blocks per chunk"
-)
-
-
-def key_scheme(server: Server) -> tuple[int, str, int, int]:
-    """The chunk key scheme ``server``'s connector logged at its handshake: hash seed, key
-    root, vLLM block size, blocks per chunk."""
-    wait_for(lambda: SCHEME_RE.search(server.log.read_text()) is not None, 60.0, "key scheme")
-    m = SCHEME_RE.search(server.log.read_text())
-    assert m is not None
-    return int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
-
-
 def test_cache_aware_proxy_sends_a_prefix_to_the_engine_holding_it(
     servers: Servers, tmp_path: Path
 ) -> None:
@@ -335,26 +307,30 @@ def test_cache_aware_proxy_sends_a_prefix_to_the_engine_holding_it(
     and tokens equal to the other engine's computed from scratch. A text prompt is refused in
     one line with the engines' own 400 (no tokenizer here: ``--skip-tokenizer-init``)."""
     engines = (servers.prefill, servers.decode)
-    schemes = {key_scheme(s) for s in engines}
-    assert len(schemes) == 1, "one model and config: one key scheme"
-    seed, root, block_size, blocks_per_chunk = schemes.pop()
     secret = tmp_path / "secret"
     secret.write_text(SECRET)
-    routing = RoutingConfig(
+    routing = RoutingConfig(  # no key scheme flags: the engines' publishers describe it
         policy="cache-aware", kv_events=",".join(f"tcp://127.0.0.1:{s.events}" for s in engines),
-        kv_events_secret_file=str(secret), key_root=root, hash_seed=seed,
-        block_size=block_size, blocks_per_chunk=blocks_per_chunk,
+        kv_events_secret_file=str(secret),
     )  # fmt: skip
     config = ProxyConfig(mode="direct", engines=",".join(s.url for s in engines), routing=routing)
     rng = random.Random("cache-aware routing")
     prompt = [rng.randrange(1, 512) for _ in range(300)]
-    keys = routing.scheme().keys(prompt)
-    assert len(keys) == 2
-    holder, other = sorted(engines, key=lambda s: rendezvous(keys[0], s.url))
     follow = [prompt[:256] + [rng.randrange(1, 512) for _ in range(n)] for n in (20, 45)]
     proxy = PDProxy(config, env={})
     proxy.start()
     try:
+        schemes = proxy.picker.schemes
+        assert schemes is not None
+        wait_for(lambda: schemes.keys is not None, 60.0, "the engines' key scheme")
+        assert schemes.keys is not None and schemes.scheme is not None
+        assert (schemes.scheme.block_size, schemes.refused) == (32, [False, False])
+        assert [schemes.worker(i) for i in (0, 1)] == [
+            f"vllm-127.0.0.1-{s.events}" for s in engines
+        ]  # fmt: skip
+        keys = schemes.keys.keys(prompt)
+        assert len(keys) == 2
+        holder, other = sorted(engines, key=lambda s: rendezvous(keys[0], s.url))
         tokens(holder.url, prompt)  # served once, on the engine a tie would not pick
         wait_for(
             lambda: proxy.picker.matches(prompt).get(holder.url) is not None

@@ -12,6 +12,7 @@ import pytest
 from kvplane.apps.serve import kv_events_of
 from kvplane.cli import build_parser
 from kvplane.errors import ConfigError
+from kvplane.serving.kv_describe import KeyScheme
 from kvplane.serving.kv_publisher import KVEventSettings
 from kvplane.serving.messages import InfoQuery, WorkerInfo
 from kvplane.serving.router.kv_subscriber import EventSource
@@ -73,6 +74,9 @@ def test_the_router_indexes_a_prefill_workers_stored_chunks(
         assert router.cache.matches(index, list(range(70)))["prefill"].any_tier == 4
         subscriber = router.kv_events.subscriber
         assert subscriber is not None
+        # its publisher describes the same scheme to a reader without WorkerInfo (a proxy)
+        said = subscriber.describe(0, timeout_s=10)
+        assert said.scheme == KeyScheme(info.hash_seed, info.hash_fingerprint, 16, 1)
         assert router.kv_events.update(w.info for w in router.workers) is False  # unchanged
     finally:
         router.close()

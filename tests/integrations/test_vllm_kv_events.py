@@ -17,6 +17,7 @@ import pytest
 import zmq
 from vllm_testlib import FINGERPRINT, MiniEngine, disk_extra
 
+from kvplane.apps.proxy_schemes import chunk_keys
 from kvplane.blocks.hashing import BlockHasher
 from kvplane.chunks import ChunkSpec
 from kvplane.config import SECRET_ENV
@@ -32,12 +33,14 @@ from kvplane.integrations.vllm.kv_events import (
 )
 from kvplane.integrations.vllm.startup import kv_events_addresses
 from kvplane.offload.book import TierBook
+from kvplane.serving.kv_describe import Description, KeyScheme
 from kvplane.serving.kv_events import (
     END_SEQ,
     AllCleared,
     ChunksRemoved,
     ChunksStored,
     Frame,
+    Origin,
     decode_end,
     decode_frame,
     replay_request,
@@ -190,7 +193,18 @@ def test_a_stored_prefix_is_published_per_tier_with_the_keys_a_router_computes(
         tail, end2 = replay(pub, 1)  # a gap from seq 1: exactly the frames after it
         assert (tail, end2) == (frames[1:], end)
         port = eng.config.kv_events.port
-        assert scheme_note(pub, 0, FINGERPRINT, (4, 2)) == (
+        sub = KVEventSubscriber([EventSource(pub.address, pub.replay_address)], secret=TEST_SECRET)
+        try:  # before the workers' handshake the engine knows its id, not its key root
+            origin = Origin(f"vllm-127.0.0.1-{port}", 7)
+            assert sub.describe(timeout_s=10.0) == Description(origin, None)
+            note = scheme_note(pub, 0, FINGERPRINT, (4, 2))
+            described = sub.describe(timeout_s=10.0)
+        finally:
+            sub.close()
+        assert described == Description(origin, KeyScheme(0, FINGERPRINT, 4, 2))
+        assert described.scheme is not None
+        assert chunk_keys(described.scheme).keys(prompt(0)) == [k0, k1]
+        assert note == (
             f"kvplane: KV events on tcp://127.0.0.1:{port} (replays on tcp://127.0.0.1:"
             f"{port + 1}), topic kv/vllm-127.0.0.1-{port}/7; chunk keys: hash seed 0, key root "
             f"{FINGERPRINT.hex()}, block size 4, 2 blocks per chunk"

@@ -75,13 +75,14 @@ def proxy_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--key-root", default=None, metavar="HEX",
-        help="cache-aware: the engines' chunk key root, as their connector logs it",
+        help="cache-aware: optional; must agree with the key root the engines' KV events describe",
     )  # fmt: skip
-    g.add_argument("--hash-seed", type=int, default=0, help="cache-aware: the engines' hash_seed")
-    g.add_argument("--block-size", type=int, default=0, help="cache-aware: vLLM's block size")
-    g.add_argument(
-        "--blocks-per-chunk", type=int, default=4, help="cache-aware: the connector's chunk"
-    )  # fmt: skip
+    for flag, what in (("--hash-seed", "hash_seed"), ("--block-size", "vLLM block size"),
+                       ("--blocks-per-chunk", "blocks per chunk")):  # fmt: skip
+        g.add_argument(
+            flag, type=int, default=None,
+            help=f"cache-aware: optional; must agree with the engines' {what}",
+        )  # fmt: skip
     g.add_argument("--host", default="127.0.0.1", help="listen host (no authentication!)")
     g.add_argument("--port", type=int, default=8000, help="listen port (0: any free one)")
     g.add_argument(

@@ -1,17 +1,18 @@
 """Which vLLM engine the proxy sends a request to: ``round-robin`` or ``cache-aware``.
 
-Owns :class:`RoutingConfig` (the policy, the engines' KV event addresses, their key scheme and
-the events' secret rule) and :class:`EnginePicker`. Cache-aware reuses the router's parts, never
-re-implements them: one :class:`~kvplane.serving.router.kv_subscriber.KVEventSubscriber` and
-:class:`~kvplane.serving.router.prefix_index.PrefixIndex` per engine (fed by its connector's
-publisher), the connector's key scheme (:class:`~kvplane.serving.router.route_policy.
-ChunkKeyScheme` over the logged hash seed, key root, block size and blocks per chunk) and
-:meth:`CacheRouting.pick` with the proxy's own in-flight uncached prompt tokens per engine as
-the queue. A prompt given as text is tokenized by an engine's ``/tokenize``. Moves no KV.
+Owns :class:`RoutingConfig` (the policy, the engines' KV event addresses, the optional key
+scheme overrides and the events' secret rule) and :class:`EnginePicker`. Cache-aware reuses the
+router's parts, never re-implements them: one :class:`~kvplane.serving.router.kv_subscriber.
+KVEventSubscriber` and :class:`~kvplane.serving.router.prefix_index.PrefixIndex` per engine
+(fed by its connector's publisher), the key scheme the engines describe
+(:class:`~kvplane.apps.proxy_schemes.EngineSchemes`) and :meth:`CacheRouting.pick` with the
+proxy's own in-flight uncached prompt tokens per engine as the queue. A prompt given as text
+is tokenized by an engine's ``/tokenize``. Moves no KV.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import threading
@@ -22,20 +23,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplane.apps.proxy_requests import ClientRequest, tokenize_body
+from kvplane.apps.proxy_schemes import FIELDS, EngineSchemes
 from kvplane.apps.proxy_upstream import Call, Upstream, UpstreamError
-from kvplane.blocks.hashing import BlockHasher
-from kvplane.chunks import ChunkSpec
 from kvplane.config import secret_or_insecure
 from kvplane.errors import ConfigError, InvalidArgumentError
 from kvplane.ids import ChunkKey
+from kvplane.serving.kv_describe import MAX_KEY_ROOT
 from kvplane.serving.router.kv_subscriber import EventSource, KVEventSubscriber
 from kvplane.serving.router.prefix_index import PrefixIndex, PrefixMatch
-from kvplane.serving.router.route_policy import CacheRouting, ChunkKeyScheme, RoutePolicy
+from kvplane.serving.router.route_policy import CacheRouting, RoutePolicy
 from kvplane.serving.router.router import PENDING_GRACE_S
 from kvplane.serving.worker_config import split_address
 from kvplane.validators import is_int, require_bool, require_int
 
-_HEX_RE = re.compile(r"^(?:[0-9a-f]{2}){1,64}$")
+_HEX_RE = re.compile(r"^(?:[0-9a-f]{2})+$")
 PENDING_MAX_S = 3600.0
 """How long a picked request's chunks may stay expected while it runs (its end settles them)."""
 
@@ -50,19 +51,20 @@ class RoutingConfig:
     """How the proxy picks among the engines a request may run on (the prefill servers in the
     PD modes, the engines in ``direct``). Cache-aware needs each engine's connector KV events
     (``kv_events``: ``tcp://HOST:PORT`` of its ``kv_events_port``, comma-separated in the
-    engines' order; replays on PORT+1) and their key scheme, the four values the connector
-    logs (``key_root`` hex, ``hash_seed``, vLLM's ``block_size``, ``blocks_per_chunk``); the
-    events are read with the cluster secret (``kv_events_secret_file`` or ``KVPLANE_SECRET``)
-    unless ``kv_events_insecure``."""
+    engines' order; replays on PORT+1), whose publishers describe their key scheme; the four
+    scheme fields (``key_root`` hex, ``hash_seed``, vLLM's ``block_size``,
+    ``blocks_per_chunk``) are optional overrides that must agree with them. The events are
+    read with the cluster secret (``kv_events_secret_file`` or ``KVPLANE_SECRET``) unless
+    ``kv_events_insecure``."""
 
     policy: str = RoutePolicy.ROUND_ROBIN.value
     kv_events: str | None = None
     kv_events_secret_file: str | None = None
     kv_events_insecure: bool = False
     key_root: str | None = None
-    hash_seed: int = 0
-    block_size: int = 0
-    blocks_per_chunk: int = 4
+    hash_seed: int | None = None
+    block_size: int | None = None
+    blocks_per_chunk: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -71,7 +73,7 @@ class RoutingConfig:
             raise ConfigError(f"--policy: {exc}") from None
         require_bool("--kv-events-insecure", self.kv_events_insecure, error=ConfigError)
         if policy is RoutePolicy.ROUND_ROBIN:
-            given = [f for f in ("kv_events", "key_root") if getattr(self, f) is not None]
+            given = [f for f in ("kv_events", *FIELDS) if getattr(self, f) is not None]
             if given:
                 flags = " and ".join("--" + f.replace("_", "-") for f in given)
                 raise ConfigError(f"{flags}: read only with --policy cache-aware")
@@ -83,14 +85,20 @@ class RoutingConfig:
             if host_port is None or host_port[1] in (0, 65535):
                 raise ConfigError(f"--kv-events must be tcp://HOST:PORT (PORT < 65535), got "
                                   f"{address!r:.80}")  # fmt: skip
-        if not isinstance(self.key_root, str) or not _HEX_RE.match(self.key_root):
-            raise ConfigError(
-                "--policy cache-aware needs --key-root HEX, the key root the engines' connector "
-                f"logs, got {self.key_root!r:.80}"
-            )
-        require_int("--hash-seed", self.hash_seed, min=0, error=ConfigError)
-        require_int("--block-size", self.block_size, min=1, error=ConfigError)
-        require_int("--blocks-per-chunk", self.blocks_per_chunk, min=1, error=ConfigError)
+        if self.key_root is not None and (
+            not isinstance(self.key_root, str) or not _HEX_RE.match(self.key_root)
+        ):
+            raise ConfigError(f"--key-root must be lowercase hex, got {self.key_root!r:.80}")
+        if self.key_root is not None and len(self.key_root) > 2 * MAX_KEY_ROOT:
+            raise ConfigError(f"--key-root is over {MAX_KEY_ROOT} bytes")
+        for name, least in (("hash_seed", 0), ("block_size", 1), ("blocks_per_chunk", 1)):
+            if getattr(self, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                require_int(flag, getattr(self, name), min=least, error=ConfigError)
+
+    def overrides(self) -> dict[str, int | str]:
+        """The key scheme fields given (by :data:`~kvplane.apps.proxy_schemes.FIELDS` name)."""
+        return {f: getattr(self, f) for f in FIELDS if getattr(self, f) is not None}
 
     @property
     def cache_aware(self) -> bool:
@@ -113,11 +121,6 @@ class RoutingConfig:
                 f"--kv-events names {len(events)} publisher(s) for {n} {what}(s): one each, "
                 "in order"
             )
-
-    def scheme(self) -> ChunkKeyScheme:
-        """The connector's chunk keys of a prompt (cache-aware only)."""
-        hasher = BlockHasher(self.hash_seed, bytes.fromhex(self.key_root or ""))
-        return ChunkKeyScheme(hasher, ChunkSpec(self.block_size, self.blocks_per_chunk))
 
     def secret(self, env: Mapping[str, str]) -> bytes | None:
         """The events' secret (None: ``kv_events_insecure``); ``ConfigError`` for neither or
@@ -171,16 +174,24 @@ class Lease:
 
 class EnginePicker:
     """Picks one of ``engines`` per request by ``config``'s policy (see the module docstring).
-    ``secret``: the events' (None: plain). Thread-safe; :meth:`close` stops the subscribers."""
+    ``secret``: the events' (None: plain). Cache-aware, it asks the engines' key scheme before
+    it returns (``ConfigError`` as :meth:`EngineSchemes.start` says; ``describe_s``: how long
+    each engine is waited for). Thread-safe; :meth:`close` stops the subscribers."""
 
     def __init__(
-        self, engines: Sequence[Upstream], config: RoutingConfig, secret: bytes | None
+        self,
+        engines: Sequence[Upstream],
+        config: RoutingConfig,
+        secret: bytes | None,
+        *,
+        describe_s: float = 2.0,
     ) -> None:
         if not engines:
             raise InvalidArgumentError("an engine picker needs at least one engine")
         self.engines = tuple(engines)
         self.names = tuple(e.url for e in self.engines)
-        self.cache = CacheRouting(config.scheme()) if config.cache_aware else None
+        self.cache = CacheRouting() if config.cache_aware else None
+        self.schemes: EngineSchemes | None = None
         self._lock = threading.Lock()
         self._turn = 0
         self._serial = itertools.count()
@@ -197,23 +208,36 @@ class EnginePicker:
         try:
             for src, index in zip(sources, self.indexes, strict=True):
                 self.subscribers.append(KVEventSubscriber([src], secret=secret, index=index))
+            schemes = EngineSchemes(self.names, self.subscribers, config.overrides(),
+                                    timeout_s=describe_s)  # fmt: skip
+            self.schemes = schemes
+            schemes.start()
         except BaseException:
             self.close()
             raise
         for sub in self.subscribers:
             sub.start()
 
+    def _routing(self) -> CacheRouting | None:
+        """Cache-aware routing with the engines' agreed key scheme as it stands now."""
+        cache, schemes = self.cache, self.schemes
+        if cache is not None and schemes is not None and cache.scheme is not schemes.keys:
+            cache = self.cache = dataclasses.replace(cache, scheme=schemes.keys)
+        return cache
+
     def matches(
         self, token_ids: Sequence[int], *, now: float | None = None
     ) -> dict[str, PrefixMatch]:
         """Each engine's cached prefix of ``token_ids`` as its events tell (by engine URL;
         none: no chunk of it held), pending holdings live at ``now`` included."""
-        return self._matches(self.cache.keys(token_ids) if self.cache else [], now)
+        cache = self._routing()
+        return self._matches(cache.keys(token_ids) if cache else [], now)
 
     def _matches(self, keys: Sequence[ChunkKey], now: float | None) -> dict[str, PrefixMatch]:
         out = {}
-        for name, index in zip(self.names, self.indexes, strict=True):
-            got = index.longest_prefix(keys, now=now) if keys else {}
+        refused = self.schemes.refused if self.schemes is not None else []
+        for i, (name, index) in enumerate(zip(self.names, self.indexes, strict=True)):
+            got = index.longest_prefix(keys, now=now) if keys and not refused[i] else {}
             if got:  # one publisher per index; a renamed one's stale rows: the longest
                 out[name] = max(got.values(), key=lambda m: (m.any_tier, m.worker))
         return out
@@ -224,30 +248,32 @@ class EnginePicker:
         and cached prefixes (ties: the prompt's first chunk key's rendezvous winner); the
         chunks it will store are then expected there (:meth:`PrefixIndex.expect`) until its
         events confirm them or the lease ends."""
-        if self.cache is None:
+        cache = self._routing()
+        if cache is None or self.schemes is None:
             with self._lock:
                 k, self._turn = self._turn % len(self.engines), self._turn + 1
                 self.picked[self.names[k]] += 1
             return Lease(self, k, "", 0)
         if token_ids is None:
             raise InvalidArgumentError("a cache-aware pick needs the prompt's token ids")
-        keys: list[ChunkKey] = self.cache.keys(token_ids)
+        keys: list[ChunkKey] = cache.keys(token_ids)
         now, tokens = time.monotonic(), max(1, len(token_ids))
         matches = self._matches(keys, now)
         with self._lock:
-            k = self.cache.pick(
+            k = cache.pick(
                 self.names, self._turn, queued=self._queued, matches=matches,
                 prompt_tokens=tokens, first_key=keys[0] if keys else None,
             )  # fmt: skip
             name = self.names[k]
-            queued = self.cache.uncached_tokens(matches.get(name), tokens)
+            queued = cache.uncached_tokens(matches.get(name), tokens)
             self._turn += 1
             self._queued[name] += queued
             self.picked[name] += 1
             token = f"proxy.{next(self._serial)}"
-        workers = self.indexes[k].workers()
-        if keys and len(workers) == 1:  # known once the engine published a chunk
-            self.indexes[k].expect(token, workers[0], keys, until=now + PENDING_MAX_S)
+        workers = self.indexes[k].workers()  # before its describe answer: its first chunk's
+        worker = self.schemes.worker(k) or (workers[0] if len(workers) == 1 else None)
+        if keys and worker is not None:
+            self.indexes[k].expect(token, worker, keys, until=now + PENDING_MAX_S)
         return Lease(self, k, token, queued)
 
     def release(self, lease: Lease, *, ok: bool) -> None:
@@ -260,6 +286,8 @@ class EnginePicker:
             self._queued[name] -= lease.queued
             if self._queued[name] <= 0:
                 del self._queued[name]
+        if not ok and self.schemes is not None:
+            self.schemes.forget(lease.index)  # it may have restarted as something else
         index = self.indexes[lease.index]
         index.settle(lease.token, ok=ok, until=time.monotonic() + PENDING_GRACE_S)
 
@@ -276,5 +304,7 @@ class EnginePicker:
         return {"picked": picked, "kv_events": subs}
 
     def close(self) -> None:
+        if self.schemes is not None:
+            self.schemes.close()
         for sub in self.subscribers:
             sub.close()

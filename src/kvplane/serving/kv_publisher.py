@@ -6,8 +6,9 @@ tiers it watches (:meth:`KVEventPublisher.watch`) into batches of its
 waiting when it wakes (every 10 ms, or at once for a replay) become one batch, consecutive
 changes of one kind in one tier one event. Both sockets are CURVE servers with keys derived
 from the cluster secret for this purpose (``secret`` None: plain, the ``--insecure`` rule of
-``WorkerConfig``) behind a :class:`~kvplane.pd.door.ListenerDoor` each. It decides nothing
-about the tiers and never blocks the thread that reports. See docs/serving.md ("KV events").
+``WorkerConfig``) behind a :class:`~kvplane.pd.door.ListenerDoor` each; the replay socket also
+answers describe requests (:mod:`~kvplane.serving.kv_describe`). It decides nothing about the
+tiers and never blocks the thread that reports. See docs/serving.md ("KV events").
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import msgspec
 import zmq
 
 from kvplane.curve_auth import CurveKeys, derive_keys
+from kvplane.errors import InvalidArgumentError
 from kvplane.ids import ChunkKey
 from kvplane.offload.events import TierChange, WatchedPolicy
 from kvplane.offload.manager import OffloadManager
 from kvplane.pd.door import MAX_CONNECTIONS, ListenerDoor
+from kvplane.serving.kv_describe import DESCRIBE, KeyScheme, answer_frames
 from kvplane.serving.kv_event_log import EventLog, coalesce
 from kvplane.serving.kv_events import ChunksStored, parse_seq
 from kvplane.serving.worker_config import LOOPBACK, split_address
@@ -104,7 +107,8 @@ class _TierLog(EventLog):
 class KVEventPublisher:
     """One worker incarnation's publisher (see the module docstring); binds at construction.
     ``block_size``: tokens per chunk, said in each stored event of a tier watched without its
-    own (0: unsaid; see :meth:`watch`)."""
+    own (0: unsaid; see :meth:`watch`). ``scheme``: how its chunks are keyed, told to describe
+    requests (None: not known yet; :meth:`describe_as` tells it later)."""
 
     def __init__(
         self,
@@ -114,8 +118,12 @@ class KVEventPublisher:
         *,
         secret: bytes | None,
         block_size: int = 0,
+        scheme: KeyScheme | None = None,
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
+        self.scheme: KeyScheme | None = None
+        if scheme is not None:
+            self.describe_as(scheme)
         self.settings = settings = settings if settings is not None else KVEventSettings()
         self.log = _TierLog(
             worker, incarnation, buffer_steps=settings.buffer_steps, block_size=block_size
@@ -165,6 +173,19 @@ class KVEventPublisher:
             return dict(self.counters)
 
     # -- reporting (any thread) ------------------------------------------------------------
+    def describe_as(self, scheme: KeyScheme) -> None:
+        """Answer describe requests with ``scheme`` from now on (any thread). Once told, the
+        scheme is fixed: ``InvalidArgumentError`` for another one (a new scheme is a new
+        publisher incarnation)."""
+        if not isinstance(scheme, KeyScheme):
+            raise InvalidArgumentError(f"a publisher's scheme must be a KeyScheme, got {scheme!r}")
+        if self.scheme is not None and self.scheme != scheme:
+            raise InvalidArgumentError(
+                f"this publisher already describes scheme {self.scheme.fields()}, not "
+                f"{scheme.fields()}"
+            )
+        self.scheme = scheme
+
     def record(self, change: TierChange) -> None:
         """Queue ``change`` for the next batch; never blocks."""
         self._queue.put(change)
@@ -225,12 +246,18 @@ class KVEventPublisher:
             self._count("events_published", len(changes))
 
     def _serve_replays(self) -> None:
-        """Answer every replay request waiting: ``[id, b"", start]`` (vLLM's REQ framing)."""
+        """Answer every replay request waiting: ``[id, b"", start]`` (vLLM's REQ framing), and
+        every describe request ``[id, b"", DESCRIBE]``."""
         while True:
             try:
                 parts = self._replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if len(parts) == 3 and not parts[1] and parts[2] == DESCRIBE:
+                answer = answer_frames(self.log.topic, self.scheme)
+                self._replay.send_multipart([parts[0], b"", *answer], zmq.NOBLOCK)
+                self._count("describes_served")
+                continue
             start = parse_seq(parts[2]) if len(parts) == 3 and not parts[1] else None
             if start is None or start >= 1 << 63:
                 self._count("dropped_requests")

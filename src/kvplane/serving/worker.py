@@ -27,6 +27,7 @@ from kvplane.pd.participant import Participant
 from kvplane.pd.states import Role, SessionState
 from kvplane.pipeline.observe import RuntimeMetrics
 from kvplane.pipeline.timeline import Timeline
+from kvplane.serving.kv_describe import KeyScheme
 from kvplane.serving.kv_publisher import KVEventPublisher, KVEventSettings
 from kvplane.serving.live_peers import LivePeers
 from kvplane.serving.messages import (
@@ -210,13 +211,14 @@ class Worker:
             return
         offload = getattr(self, "offload", None)  # a prefill worker's prefix offload, if any
         tiers: list[OffloadManager] = []
-        tokens, spans = 0, {}
+        tokens, spans, scheme = 0, {}, None
         if isinstance(offload, PrefixOffload):
             tiers, tokens = offload.cascade.managers(), offload.spec.tokens_per_chunk
             spans = offload.cascade.book.spans  # host chunks per chunk of each lower tier
+            scheme = KeyScheme.of(self.pools.hasher, offload.spec)  # answers a describe
         self.kv_events = KVEventPublisher(
             self.config.name, self.incarnation, self.kv_event_settings,
-            secret=self.config.secret, block_size=tokens,
+            secret=self.config.secret, block_size=tokens, scheme=scheme,
         )  # fmt: skip
         self.kv_events.watch_tiers(tiers, tokens, spans)
         self.kv_events.start()
@@ -244,7 +246,7 @@ class Worker:
             hash_fingerprint=self.pools.hasher.fingerprint,
             block_size=self.pools.kv.layout.block_size,
             blocks_per_chunk=chunks,
-            layer_ids=self.pools.kv.layout.layer_ids,
+            layer_ids=self.pools.layer_ids,  # every KV cache group's
             pp_stage=self.pools.placement.pp_stage,
             tp_rank=self.pools.placement.tp_rank,
         )
@@ -371,7 +373,7 @@ class Worker:
         return WorkerStats(
             peer_id=self.config.name,
             counters=dict(snap),
-            used_blocks=self.pools.blocks.num_used_blocks,
+            used_blocks=self.pools.num_used_blocks,  # every KV cache group's
             used_slots=self.pools.slots.num_used_blocks,
             sessions_live=sum(by_state.values()),
             requests_live=self._requests_live(),

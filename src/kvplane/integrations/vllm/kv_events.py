@@ -4,9 +4,10 @@ Owns :func:`events_setup` (the ``kv_events_*`` keys checked: secret or ``insecur
 free) and :func:`publish_book`, which starts kvplane's own
 :class:`~kvplane.serving.kv_publisher.KVEventPublisher` over the scheduler side's
 :class:`~kvplane.offload.book.TierBook`: the tier bookkeeping lives there (the worker side
-moves bytes and never learns of an eviction), one book per engine whatever its TP size. Same
-wire, topics and replay as a kvplane worker's; no vLLM import. See ``docs/vllm.md`` ("KV
-events").
+moves bytes and never learns of an eviction), one book per engine whatever its TP size, and
+:func:`scheme_note`, which tells the publisher its chunk key scheme once the workers' handshake
+gives the key root (its describe answer). Same wire, topics, replay and describe as a kvplane
+worker's; no vLLM import. See ``docs/vllm.md`` ("KV events").
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvplane.errors import ConfigError
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.startup import kv_events_addresses
 from kvplane.offload.book import TierBook
+from kvplane.serving.kv_describe import KeyScheme
 from kvplane.serving.kv_publisher import KVEventPublisher, KVEventSettings
 from kvplane.serving.ports import probe_bind
 from kvplane.validators import require_id
@@ -80,9 +82,13 @@ def publish_book(
 
 
 def scheme_note(publisher: KVEventPublisher, seed: int, root: bytes, spec: tuple[int, int]) -> str:
-    """One log line: where the engine publishes and how its chunk keys are made (hash seed,
-    key root, vLLM block size, blocks per chunk), what a router needs to key a prompt alike."""
+    """Tell ``publisher`` how the engine's chunk keys are made (hash seed, key root, vLLM
+    block size, blocks per chunk: what a router needs to key a prompt alike), so it answers
+    describe requests with them, and return one log line saying so and where it publishes.
+    Call once the key root is known (the workers' handshake); ``InvalidArgumentError`` for a
+    scheme other than one told before."""
     block_size, blocks_per_chunk = spec
+    publisher.describe_as(KeyScheme(seed, root, block_size, blocks_per_chunk))
     return (
         f"kvplane: KV events on {publisher.address} (replays on {publisher.replay_address}), "
         f"topic {publisher.log.topic.decode()}; chunk keys: hash seed {seed}, key root "

@@ -7,7 +7,8 @@ an :class:`~kvplane.serving.router.kv_feed.EventFeed` and asks each publisher fo
 one at a time (resent after ``replay_timeout_s``): from seq 0 while never heard from (a router
 that starts or restarts rebuilds so: the publisher answers with its buffer or a snapshot), from
 the feed's gap when one waits, and from its next seq after ``resync_s`` without a frame (a
-lost tail, a publisher restarted). See docs/serving.md ("KV events").
+lost tail, a publisher restarted). :meth:`KVEventSubscriber.describe` asks a publisher who it is
+and how it keys chunks. See docs/serving.md ("KV events").
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import zmq
 
 from kvplane.curve_auth import secure_client
 from kvplane.ids import ChunkKey
+from kvplane.serving.kv_describe import Description, ask_describe
 from kvplane.serving.kv_events import (
     END_SEQ,
     TOPIC_PREFIX,
@@ -83,7 +85,8 @@ class KVEventSubscriber:
         self.replay_timeout_s = require_finite_positive("replay_timeout_s", replay_timeout_s)
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
-        keys = None if secret is None else event_keys(secret)
+        self._keys = keys = None if secret is None else event_keys(secret)
+        self.sources = tuple(sources)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._links: list[_Link] = []
         for src in sources:
@@ -107,6 +110,18 @@ class KVEventSubscriber:
     def longest_prefix(self, keys: Sequence[ChunkKey]) -> dict[str, PrefixMatch]:
         """:meth:`PrefixIndex.longest_prefix` of the index as the feed has it now."""
         return self.index.longest_prefix(keys)
+
+    def describe(self, source: int = 0, timeout_s: float = 2.0) -> Description:
+        """Ask publisher ``sources[source]`` who it is and how it keys chunks (any thread; a
+        socket of its own, with this subscriber's secret): see
+        :func:`~kvplane.serving.kv_describe.ask_describe` for the errors
+        (``TransferTimeoutError`` after ``timeout_s`` without an answer)."""
+        return ask_describe(self._ctx, self.sources[source].replay_address, self._keys, timeout_s)
+
+    def position(self, worker: str) -> tuple[int, int] | None:
+        """:meth:`EventFeed.position` of ``worker`` as the feed has it now (any thread)."""
+        with self._lock:
+            return self.feed.position(worker)
 
     def snapshot(self) -> dict[str, int]:
         """The subscriber's and the feed's counters."""
