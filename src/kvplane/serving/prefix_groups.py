@@ -19,6 +19,7 @@ from pathlib import Path
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import RequestId
 from kvplane.offload import OffloadConfig
+from kvplane.serving.prefix_values import LoadFinished
 from kvplane.validators import require_int
 
 Skip = Callable[[int], int]
@@ -61,16 +62,6 @@ class _Joining:
     failed: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class JoinedLoad:
-    """A request's prefix loaded into every group: the ``tokens`` all of them hold."""
-
-    request_id: RequestId
-    tokens: int
-    chunks: int
-    failed: int
-
-
 class LoadJoin:
     """The loads of each request's groups (see the module docstring)."""
 
@@ -88,7 +79,7 @@ class LoadJoin:
 
     def finished(
         self, request_id: RequestId, tokens: int, chunks: int, failed: int
-    ) -> JoinedLoad | None:
+    ) -> LoadFinished | None:
         """One group's load ended with ``tokens`` loaded: the joined result once every group's
         ended (the fewest tokens: a group short of the prefix makes it shorter), else None."""
         joining = self._open.get(request_id)
@@ -101,4 +92,4 @@ class LoadJoin:
         if joining.waiting:
             return None
         del self._open[request_id]
-        return JoinedLoad(request_id, joining.tokens, joining.chunks, joining.failed)
+        return LoadFinished(request_id, joining.tokens, joining.chunks, joining.failed)
