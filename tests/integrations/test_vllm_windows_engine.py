@@ -6,7 +6,8 @@ turns it off): vLLM frees the blocks that leave the window and their table entri
 null block. Through the connector it must be token-exact against one engine without it while
 loading, storing and moving only the blocks vLLM still holds. Prefill runs in 128-token steps,
 so blocks leave the window while their gathers may still run (fenced). By default two engines
-at once: the baseline and host offload. ``slow``: a new engine loading from a disk file
+at once: the baseline and host offload (a host tier of 4 chunks: a late prompt's window-only
+hit after an early chunk was evicted). ``slow``: a new engine loading from a disk file
 asynchronously, PD over tcp (pull and pipelined), and a tiny Gemma-2 (window and full layers
 alternating) that vLLM promotes to full attention (every block kept). Skips without
 ``.venv-vllm``.
@@ -34,6 +35,7 @@ LONG = [_rng.randrange(1, 512) for _ in range(300)]
 SHARED = LONG[:256] + [_rng.randrange(1, 512) for _ in range(40)]  # 4 chunks shared
 SHORT = LONG[:100] + [_rng.randrange(1, 512) for _ in range(30)]  # 1 chunk shared
 ROUNDS = [[LONG], [SHARED], [SHORT]]
+EVICTING = [[LONG], [SHORT], [SHARED]]  # SHORT's 2nd chunk evicts LONG's 2nd from 4 host slots
 MAX_TOKENS = 8
 SECRET = {"KVPLANE_SECRET": "kvplane-pd-test-secret-0123456789"}
 
@@ -49,14 +51,16 @@ def _spec(model: Path, connector: dict[str, Any] | None, **more: Any) -> dict[st
     }
 
 
-def _offload(model: Path) -> dict[str, Any]:
+def _offload(
+    model: Path, order: list[list[list[int]]] = ROUNDS, host_slots: int = 32
+) -> dict[str, Any]:
     """Round 1 stores LONG; vLLM's own prefix cache is reset after it and after round 2, so
     SHARED and SHORT load their prefixes from kvplane's host tier."""
     rounds: list[dict[str, Any]] = [
         {"prompts": p, "max_tokens": MAX_TOKENS, "reset_prefix_cache": i < 2}
-        for i, p in enumerate(ROUNDS)
+        for i, p in enumerate(order)
     ]
-    connector = {"blocks_per_chunk": 2, "host_slots": 32}
+    connector = {"blocks_per_chunk": 2, "host_slots": host_slots}
     return run_harness(_spec(model, connector, rounds=rounds), timeout=300)
 
 
@@ -82,7 +86,8 @@ def model(tiny_llama: Callable[[Mapping[str, int]], Path]) -> Path:
 def runs(model: Path) -> Iterator[dict[str, Future[Any]]]:
     """The baseline and the offload engine, at once."""
     with ThreadPoolExecutor(2) as pool:
-        yield {"baseline": pool.submit(_baseline, model), "offload": pool.submit(_offload, model)}
+        offload = pool.submit(_offload, model, EVICTING, 4)
+        yield {"baseline": pool.submit(_baseline, model), "offload": offload}
 
 
 def _metric(result: dict[str, Any], side: str, name: str) -> float:
@@ -93,19 +98,21 @@ def test_offload_is_token_exact_and_loads_only_the_blocks_vllm_holds(
     runs: dict[str, Future[Any]],
 ) -> None:
     baseline, got = runs["baseline"].result(), runs["offload"].result()
-    assert [t[0] for t in got["tokens"]] == baseline
+    assert [t[0] for t in got["tokens"]] == [baseline[0], baseline[2], baseline[1]]
     assert got["integrity"] == "ok" and got["tracked_requests"] == []
     sched, worker = "scheduler_metrics", "worker_metrics"
-    # SHARED: 256 tokens claimed, vLLM holds only blocks 6-7 (the window of token 256): one
-    # chunk loaded. SHORT: 64 tokens claimed, both blocks in the window: one chunk.
-    assert _metric(got, sched, "kvplane_vllm_hit_tokens_total") == 256 + 64
+    # SHORT: 64 tokens claimed, both blocks in the window: one chunk. Its 2nd chunk evicts
+    # LONG's 2nd (the 1st is pinned by SHORT's load). SHARED: 256 tokens claimed with chunk 1
+    # gone, as vLLM holds only blocks 6-7 (the window of token 256): chunk 3 loaded.
+    assert _metric(got, sched, "kvplane_offload_evictions_total{tier=host}") == 1
+    assert _metric(got, sched, "kvplane_vllm_hit_tokens_total") == 64 + 256
     assert _metric(got, sched, "kvplane_vllm_hit_chunks_total{tier=host}") == 2
     assert _metric(got, sched, "kvplane_vllm_load_failed_chunks_total") == 0
     loaded = "kvplane_offload_bytes_total{path=host_to_device}"
     assert _metric(got, worker, loaded) == 2 * 2 * BLOCK_BYTES
-    # LONG's 4 chunks, SHARED's 5th (its tokens 256-287 are new), SHORT's 2nd: every chunk
-    # stored whole before a block of it left the window
-    assert _metric(got, sched, "kvplane_vllm_stored_chunks_total") == 4 + 0 + 1
+    # LONG's 4 chunks, SHORT's 2nd, none of SHARED's (only its 4th is held by vLLM, and
+    # host has it): every chunk stored whole before a block of it left the window
+    assert _metric(got, sched, "kvplane_vllm_stored_chunks_total") == 4 + 1 + 0
     assert _metric(got, worker, "kvplane_vllm_load_error_blocks_total") == 0
 
 

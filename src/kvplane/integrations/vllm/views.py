@@ -1,7 +1,7 @@
 """What the connector reads of a vLLM request, as plain functions testable without vLLM.
 
 Owns :func:`request_view` (a vLLM ``Request``, read by duck typing, as the scheduler side's
-:class:`~.scheduler.RequestView`: eligible, readable, extra keys), :func:`pd_request` (its PD
+:class:`~.request_state.RequestView`: eligible, readable, extra keys), :func:`pd_request` (its PD
 params) and :func:`lora_identity` (stamps an adapter once per process). Reads requests, never
 changes them; no vLLM import. The rules: ``docs/vllm.md`` ("Request views").
 """
@@ -17,7 +17,7 @@ from kvplane.integrations.vllm.fingerprint import adapter_stamp
 from kvplane.integrations.vllm.keys import LoraIdentity, request_extra_keys
 from kvplane.integrations.vllm.pd_params import parse_params
 from kvplane.integrations.vllm.pd_scheduler import PDRequest
-from kvplane.integrations.vllm.scheduler import RequestView
+from kvplane.integrations.vllm.request_state import RequestView
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@
 Owns :class:`KVWindow`, vLLM's rule for a ``SlidingWindowSpec`` group (all layers windowed,
 or any window model once vLLM's hybrid allocator is off and the group was not promoted to full
 attention): blocks wholly before the window of the next token are freed and their table
-entries become the null block (id 0). The connector reads this rule to load, receive and store
-only blocks vLLM really holds. Plain data, no vLLM import. See ``docs/vllm.md`` ("Sliding
-windows and hybrids").
+entries become the null block (id 0). The connector reads this rule to match, load, receive
+and store only blocks vLLM really holds. Plain data, no vLLM import. See ``docs/vllm.md``
+("Sliding windows and hybrids").
 """
 
 from __future__ import annotations
