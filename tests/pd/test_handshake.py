@@ -81,7 +81,7 @@ def test_model_version_pool_count_and_l2_compat_fingerprint() -> None:
     assert verdict.reasons == (
         f"protocol_version: ours {PROTOCOL_VERSION}, theirs {PROTOCOL_VERSION + 1}",
         "model_id: ours 'm', theirs 'other'",
-        "pools: ours 1, theirs 2",
+        "whole-only pools: ours 0, theirs 1",
         f"pool 0 layout compat fingerprint: ours {(b'a' * 16).hex()}, theirs {(b'b' * 16).hex()}",
     )
 

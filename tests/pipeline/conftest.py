@@ -22,8 +22,9 @@ from kvplane.testing.cluster import FAST, TEST_SECRET, check_balanced
 
 class ModelPair:
     """Prefill (block size 16, ``step`` tokens per step) and decode (block size 8) workers of
-    ``spec``; ``model`` is the same model in this process, for one-process references;
-    ``decoder``: the decode side's class (a :class:`ModelDecoder`)."""
+    ``spec`` (the decode side's: ``decode_spec`` when given); ``model`` is the same model in
+    this process, for one-process references; ``decoder``: the decode side's class (a
+    :class:`ModelDecoder`)."""
 
     def __init__(
         self,
@@ -32,6 +33,7 @@ class ModelPair:
         step: int,
         pipelined: bool = True,
         decoder: type[ModelDecoder] = ModelDecoder,
+        decode_spec: ModelSpec | None = None,
     ) -> None:
         common = {"num_blocks": 48, "num_slots": 8, "timings": FAST, "slice_timeout_s": 5.0}
         self.prefill = PrefillWorker(
@@ -41,7 +43,7 @@ class ModelPair:
         )  # fmt: skip
         self.decode = DecodeWorker(
             WorkerConfig(name="decode", block_size=8, secret=TEST_SECRET, **common),  # type: ignore[arg-type]
-            decoder.from_spec(spec),
+            decoder.from_spec(spec if decode_spec is None else decode_spec),
         )  # fmt: skip
         self.prefill.start()
         self.decode.start()

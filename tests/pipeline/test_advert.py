@@ -10,6 +10,7 @@ import torch
 from kvplane.errors import BlockStateError, LayoutError, ProtocolError
 from kvplane.ids import RegionId
 from kvplane.layout import LAYER_MAJOR, KVLayout
+from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile
 from kvplane.pipeline.advert import (
     LayoutDesc,
     PoolAdvert,
@@ -22,6 +23,7 @@ from kvplane.pipeline.advert import (
 )
 from kvplane.serving.pools import TAIL_BYTES, TailRecord, WorkerPools, prompt_digest
 from kvplane.serving.producers.synthetic import SyntheticModel, SyntheticSpec
+from kvplane.state_split import MambaGeometry, StateSplit
 from kvplane.transports.local import LocalTransport
 
 SPEC = SyntheticSpec(kind="gqa", num_layers=2, kv_heads=4, head_dim=8, state_dim=12)
@@ -119,3 +121,33 @@ def test_profile_carries_every_pool(pools: WorkerPools) -> None:
     assert prof.model_id == SPEC.model_id
     assert isinstance(describe(pools.layouts[0]), LayoutDesc)
     assert pools.kv.tensor.dtype == torch.bfloat16
+
+
+def test_a_tp_ranks_state_split_is_advertised_and_rebuilt_exactly() -> None:
+    """A TP rank's state pool holds its part of each row: the advert carries the split, so the
+    peer rebuilds the same layout (and physical fingerprint) instead of refusing it (#33)."""
+    geometry = MambaGeometry(num_heads=8, head_dim=16, num_groups=1, state_size=16, conv_kernel=4)
+    split = StateSplit(geometry, tp_size=2, tp_rank=1)
+    state = KVLayout.state(num_slots=3, layer_ids=(0, 2), state_dim=geometry.row_dim, split=split)
+    kv = KVLayout.gqa(num_blocks=4, block_size=4, num_layers=2, kv_heads=2, head_dim=8)
+    assert describe(state).state_split == (8, 16, 1, 16, 4, 2, 1)
+    back = rebuild(describe(state))
+    assert back == state and back.state_split == split
+    assert back.fingerprint() == state.fingerprint() != KVLayout.state(
+        num_slots=3, layer_ids=(0, 2), state_dim=geometry.row_dim
+    ).fingerprint()  # fmt: skip
+    profile = PeerProfile(
+        protocol_version=PROTOCOL_VERSION, model_id="m",
+        layouts=tuple(LayoutInfo.from_description(lay.describe(), fingerprint=lay.fingerprint())
+                      for lay in (kv, state)),
+    )  # fmt: skip
+    blob = encode_advert("local", b"", [(kv, RegionId(1)), (state, RegionId(2))])
+    _, remote = decode_advert(blob, profile)
+    assert [p.layout for p in remote] == [kv, state]
+    assert describe(kv).state_split == () and rebuild(describe(kv)).state_split is None
+    bad = msgspec.structs.replace(describe(state), state_split=(8, 16, 1, 16, 4, 3, 0))
+    with pytest.raises(LayoutError, match="TP 3 does not divide the state's 8 heads"):
+        rebuild(bad)
+    short = msgspec.structs.replace(describe(state), state_split=(8, 16))
+    with pytest.raises(LayoutError, match=r"advertised state_split \(8, 16\) is not"):
+        rebuild(short)

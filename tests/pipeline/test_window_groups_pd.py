@@ -52,7 +52,8 @@ def checkpoint(mixed_qwen2: Any) -> tuple[Path, object]:
 def pair(
     request: pytest.FixtureRequest, model_pair: Callable[..., Any], checkpoint: tuple[Path, object]
 ) -> Any:
-    return model_pair(ModelSpec(str(checkpoint[0])), step=STEP, pipelined=request.param)
+    spec = ModelSpec(str(checkpoint[0]), kv_groups=False)  # one pool of every layer
+    return model_pair(spec, step=STEP, pipelined=request.param)
 
 
 def test_the_workers_pool_carries_each_layers_window(pair: Any) -> None:

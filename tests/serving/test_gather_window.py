@@ -1,7 +1,9 @@
 """A model mixing window and full layers through a pipeline-parallel gather (threads, real
 sockets): two prefill stages of a tiny transformers Qwen2 (layers sliding, full | sliding;
 window 8) feed one decode worker with the one-process tokens, each stage moving, per window
-group of its own layers, only what the decode side reads (#33)."""
+group of its own layers, only what the decode side reads; the same into a decode worker serving
+one paged pool per KV cache group (``--kv-groups on``): the handshake pairs each stage's one
+pool with the groups by layers, and the bytes moved are the same (#33)."""
 
 from __future__ import annotations
 
@@ -14,13 +16,17 @@ import numpy as np
 import pytest
 import torch
 
+from kvplane.ids import TokenRange
 from kvplane.serving.decode_worker import DecodeWorker
-from kvplane.serving.messages import RequestResult
+from kvplane.serving.gather_orders import sender_pieces
+from kvplane.serving.messages import RequestResult, SenderPiece
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.producers.model import ModelSpec
 from kvplane.serving.worker import Worker
+from kvplane.testing import gather_run
 from kvplane.testing.cluster import wait_for
 from kvplane.testing.gather_run import run_gather, start_gather
+from kvplane.transfer.resharding import KVBox, Piece, SenderId
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -55,20 +61,41 @@ def _idle(w: Worker) -> bool:
     return stats.used_blocks == 0 and stats.sessions_live == 0
 
 
-@pytest.fixture
-def stages(checkpoint: Path) -> Iterator[tuple[list[PrefillWorker], DecodeWorker]]:
+@pytest.fixture(params=["off", "on"], ids=["one-pool", "kv-groups"])
+def stages(
+    request: pytest.FixtureRequest, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[list[PrefillWorker], DecodeWorker]]:
+    if request.param == "on":  # the router's gather pairs pools by index: pick the senders here
+        monkeypatch.setattr(gather_run, "gather_pieces", _stage_pieces)
     with ExitStack() as stack:
         ranks = [_argv(checkpoint, "prefill", "--name", f"p{s}", "--pp-stage", str(s),
-                       "--pp-size", "2") for s in (0, 1)]  # fmt: skip
-        yield start_gather(stack, ranks, _argv(checkpoint, "decode", "--name", "d"))
+                       "--pp-size", "2", "--kv-groups", request.param)
+                 for s in (0, 1)]  # fmt: skip
+        decode = _argv(checkpoint, "decode", "--name", "d", "--kv-groups", request.param)
+        ranks_, d = start_gather(stack, ranks, decode)
+        assert d.pools.num_kv_pools == (2 if request.param == "on" else 1)
+        yield ranks_, d
+
+
+def _stage_pieces(ranks: list[PrefillWorker], d: DecodeWorker) -> tuple[SenderPiece, ...]:
+    """Each stage sends every head of its own layers (what the router's gather would pick)."""
+    heads = d.pools.kv.layout.head_range
+    return sender_pieces([
+        (w.config.name, Piece(SenderId(s, 0), KVBox(heads, w.pools.layer_ids, TokenRange(0, 1))))
+        for s, w in enumerate(ranks)
+    ])  # fmt: skip
 
 
 def test_two_stages_move_only_their_groups_windows(
     checkpoint: Path, stages: tuple[list[PrefillWorker], DecodeWorker]
 ) -> None:
     ranks, d = stages
+    assert [w.pools.num_kv_pools for w in ranks] == [1, 1]  # a rank keeps one pool of its layers
     assert ranks[0].pools.kv.layout.layer_ids == (0, 1)
     assert ranks[1].pools.kv.layout.layer_windows == (WINDOW, None, WINDOW)
+    grouped = d.pools.num_kv_pools == 2
+    assert [p.layout.layer_ids for p in d.pools.kv.pools] == ([(0, 2), (1,)] if grouped
+                                                               else [(0, 1, 2)])  # fmt: skip
     prompt = tuple(int(t) for t in np.random.default_rng(N).integers(0, 128, N))
     res = run_gather(ranks, d, prompt, NEW)
     assert isinstance(res, RequestResult)

@@ -119,6 +119,10 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     m.add_argument("--model", default=None, help="tiny-llama, tiny-deepseek or an HF directory")
     m.add_argument("--model-dtype", default="float32", choices=sorted(DTYPES))
     add_attention_flag(m)
+    m.add_argument(
+        "--kv-groups", choices=("on", "off"), default="off",  # ModelSpec's default
+        help="a model mixing windows: one paged pool per KV cache group, or one of all layers",
+    )  # fmt: skip
     m.add_argument("--seed", type=int, default=0, help="synthetic KV seed / model weights seed")
     y = p.add_argument_group("synthetic", "the synthetic producer ([synthetic], ...)")
     y.add_argument("--layout", default="mla", choices=("mla", "gqa"))
@@ -380,7 +384,8 @@ def build_worker(args: argparse.Namespace, hooks: WorkerHooks | None = None) -> 
     events = kv_events_of(args) if args.role == "prefill" else None
     metrics = MetricsRegistry()  # the worker's and its model's: one /metrics
     if args.model is not None:
-        model = ModelSpec(args.model, args.seed, args.model_dtype, args.attention)
+        groups = args.kv_groups == "on"
+        model = ModelSpec(args.model, args.seed, args.model_dtype, args.attention, groups)
         if args.role == "prefill":
             producer = _producer(args, model, metrics)
             _check_memory(config, producer)

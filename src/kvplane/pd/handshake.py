@@ -2,7 +2,8 @@
 
 :class:`PeerProfile` (protocol version, model id, one :class:`LayoutInfo` per pool, the
 :class:`Placement` of the peer in a TP × PP layout) is what two PD peers exchange;
-:func:`check_compatible` lists every reason two profiles cannot exchange KV and
+:func:`check_compatible` lists every reason two profiles cannot exchange KV (pools paired by
+what they hold, :func:`pool_pairs`, so KV cache groups on one side only still pair) and
 :func:`compat_fingerprint` digests the must-match fields. No I/O; imports only L0, the head and
 layer-id rules of ``kvplane.layout`` and the TP head rule of ``kvplane.transfer.resharding``.
 See docs/pd.md ("Handshake and compatibility").
@@ -23,7 +24,7 @@ from kvplane.validators import require_int
 
 __all__ = [  # heads_cover: the one head-coverage rule lives with the layout (L2)
     "LAYOUT_KINDS", "PROTOCOL_VERSION", "LayoutInfo", "PeerProfile", "Placement", "Verdict",
-    "check_compatible", "compat_fingerprint", "heads_cover", "uncovered_heads",
+    "check_compatible", "compat_fingerprint", "heads_cover", "pool_pairs", "uncovered_heads",
 ]  # fmt: skip
 
 PROTOCOL_VERSION = 3
@@ -193,31 +194,69 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     member: bool = False
 
 
-def _not_covered(i: int, held: tuple[int, int], needed: tuple[int, int]) -> str:
+def _not_covered(label: str, held: tuple[int, int], needed: tuple[int, int]) -> str:
     return (
-        f"pool {i} KV heads: the receiver's {needed} are not all in the sender's {held}: "
+        f"{label} KV heads: the receiver's {needed} are not all in the sender's {held}: "
         "one sender cannot fill them"
     )
 
 
+def _label(i: int, j: int) -> str:
+    """How a reason names our pool ``i`` paired with their pool ``j``."""
+    return f"pool {i}" if i == j else f"pool {i} (theirs {j})"
+
+
+def pool_pairs(sender: PeerProfile, receiver: PeerProfile) -> tuple[tuple[int, int], ...]:
+    """``(sender pool, receiver pool)`` index pairs that exchange KV, paired by what they hold
+    (pure): every paged pool with every paged pool sharing a layer (one each: those two,
+    whatever their layers), then the whole-only (``state``) pools in their order. A sender's
+    pool may so feed several receiver pools (one per KV cache group) or a part of one."""
+    return (*_paged_pairs(sender, receiver), *_whole_pairs(sender, receiver))
+
+
+def _paged_pairs(sender: PeerProfile, receiver: PeerProfile) -> list[tuple[int, int]]:
+    sp, rp = _kinds(sender)[0], _kinds(receiver)[0]
+    if len(sp) == 1 and len(rp) == 1:
+        return [(sp[0], rp[0])]
+    return [
+        (i, j) for i in sp for j in rp
+        if set(sender.layouts[i].layer_ids) & set(receiver.layouts[j].layer_ids)
+    ]  # fmt: skip
+
+
+def _whole_pairs(sender: PeerProfile, receiver: PeerProfile) -> list[tuple[int, int]]:
+    return list(zip(_kinds(sender)[1], _kinds(receiver)[1], strict=False))
+
+
+def _kinds(profile: PeerProfile) -> tuple[list[int], list[int]]:
+    """Indexes of ``profile``'s paged pools and of its whole-only (``state``) pools."""
+    kinds = [lay.kind == "state" for lay in profile.layouts]
+    return [i for i, w in enumerate(kinds) if not w], [i for i, w in enumerate(kinds) if w]
+
+
 def uncovered_heads(sender: PeerProfile, receiver: PeerProfile) -> list[str]:
-    """One reason per pool whose receiver heads the sender's pool does not all hold (pure):
-    the head rule of a 1:1 pairing."""
+    """One reason per pool pair (:func:`pool_pairs`) whose receiver heads the sender's pool does
+    not all hold (pure): the head rule of a 1:1 pairing."""
     reasons = []
-    for i, (s, r) in enumerate(zip(sender.layouts, receiver.layouts, strict=False)):
+    for i, j in pool_pairs(sender, receiver):
+        s, r = sender.layouts[i], receiver.layouts[j]
         held, needed = (s.head_start, s.head_end), (r.head_start, r.head_end)
         if not heads_cover(held, needed):
-            reasons.append(_not_covered(i, held, needed))
+            reasons.append(_not_covered(_label(i, j), held, needed))
     return reasons
 
 
-def _head_judgment(sender: PeerProfile, receiver: PeerProfile) -> tuple[list[str], bool]:
+def _head_judgment(
+    sender: PeerProfile, receiver: PeerProfile, ours_sends: bool
+) -> tuple[list[str], bool]:
     """``(reasons, member)`` of the TP heads: each receiver pool covered by the sender's (1:1,
     or one sender feeding several receivers), or, from a sender of finer TP than the receiver,
     the sender's heads all inside the receiver's (a gather member); else a reason."""
     finer = sender.placement.tp_size > receiver.placement.tp_size
     reasons, member = [], False
-    for i, (s, r) in enumerate(zip(sender.layouts, receiver.layouts, strict=False)):
+    for i, j in pool_pairs(sender, receiver):
+        s, r = sender.layouts[i], receiver.layouts[j]
+        label = _label(i, j) if ours_sends else _label(j, i)
         held, needed = (s.head_start, s.head_end), (r.head_start, r.head_end)
         if heads_cover(held, needed):
             continue
@@ -226,20 +265,20 @@ def _head_judgment(sender: PeerProfile, receiver: PeerProfile) -> tuple[list[str
         elif sender.placement.tp_size > 1:
             at = sender.placement
             reasons.append(
-                f"pool {i} KV heads: the sender's {held} (TP rank {at.tp_rank} of {at.tp_size}) "
+                f"{label} KV heads: the sender's {held} (TP rank {at.tp_rank} of {at.tp_size}) "
                 f"neither cover the receiver's {needed} nor lie inside them with a finer TP"
             )
         else:
-            reasons.append(_not_covered(i, held, needed))
+            reasons.append(_not_covered(label, held, needed))
     return reasons, member
 
 
-def _fingerprints_differ(i: int, which: str, ours: bytes, theirs: bytes) -> list[str]:
-    """A reason when both sides carry pool ``i``'s L2 ``which`` layout fingerprint and they
-    differ; none when they agree or one side carries none."""
+def _fingerprints_differ(label: str, which: str, ours: bytes, theirs: bytes) -> list[str]:
+    """A reason when both sides carry the ``label`` pair's L2 ``which`` layout fingerprint and
+    they differ; none when they agree or one side carries none."""
     if not ours or not theirs or ours == theirs:
         return []
-    return [f"pool {i} layout {which} fingerprint: ours {ours.hex()}, theirs {theirs.hex()}"]
+    return [f"{label} layout {which} fingerprint: ours {ours.hex()}, theirs {theirs.hex()}"]
 
 
 def _roles(
@@ -259,15 +298,17 @@ def check_compatible(
     ``sends``: True when we send KV to this peer, False when we receive it, None to leave the TP
     head ranges unchecked (the layer rule then takes a lone pipeline stage as the sender).
 
-    The rule. Always: protocol, model, pool count and every must-match field but
-    ``layer_ids`` equal, and the L2 layout compat fingerprints equal wherever the layer ids are
-    (a pipeline stage's layers differ: its geometry fingerprints, the layer-free part, instead).
-    Layers: equal, or (the sender a pipeline stage, ``placement.pp_size > 1``) the sender's a
-    proper subset of the receiver's. Heads: the sender's cover the receiver's, or (the sender's
-    TP finer than the receiver's) lie inside them. A sender that holds only part of the receiver's
-    heads or layers is compatible as a gather member (``Verdict.member``); a 1:1 pairing (a
-    sender of placement TP 1 × PP 1) must cover and match. Pure: no I/O, no state. Every
-    mismatch is one line naming the field, the pool index and both values.
+    The rule. Always: protocol, model and whole-only pool count equal. Pools pair by what they
+    hold (:func:`pool_pairs`), and every pair agrees on every must-match field but
+    ``layer_ids``, and on the L2 layout compat fingerprints where its layer ids are equal (else
+    on the geometry fingerprints, the layer-free part). Layers: the paged pools of each side
+    together hold the same layers, or (the sender a pipeline stage, ``placement.pp_size > 1``)
+    the sender's a proper subset of the receiver's; a whole-only pair the same, pool by pool.
+    Heads: the sender's cover the receiver's, or (the sender's TP finer than the receiver's) lie
+    inside them. A sender that holds only part of the receiver's heads or layers is compatible
+    as a gather member (``Verdict.member``); a 1:1 pairing (a sender of placement TP 1 × PP 1)
+    must cover and match. Pure: no I/O, no state. Every mismatch is one line naming the field,
+    the pool indexes and both values.
     """
     reasons: list[str] = []
     if claimed != compat_fingerprint(theirs):
@@ -278,32 +319,58 @@ def check_compatible(
         )
     if theirs.model_id != ours.model_id:
         reasons.append(f"model_id: ours {ours.model_id!r}, theirs {theirs.model_id!r}")
-    if len(theirs.layouts) != len(ours.layouts):
-        reasons.append(f"pools: ours {len(ours.layouts)}, theirs {len(theirs.layouts)}")
+    whole = len(_kinds(ours)[1]), len(_kinds(theirs)[1])
+    if whole[0] != whole[1]:
+        reasons.append(f"whole-only pools: ours {whole[0]}, theirs {whole[1]}")
     sender, receiver = _roles(ours, theirs, sends)
-    stage = sender.placement.pp_size > 1
-    member = False
-    for i, (a, b) in enumerate(zip(ours.layouts, theirs.layouts, strict=False)):
+    ours_sends = sender is ours
+    for si, ri in pool_pairs(sender, receiver):
+        i, j = (si, ri) if ours_sends else (ri, si)
+        a, b, label = ours.layouts[i], theirs.layouts[j], _label(i, j)
         for name in _GEOMETRY:
             va, vb = getattr(a, name), getattr(b, name)
             if va != vb:
-                reasons.append(f"pool {i} {name}: ours {va!r}, theirs {vb!r}")
-        s, r = (a, b) if sender is ours else (b, a)
-        if a.layer_ids != b.layer_ids:
-            if stage and set(s.layer_ids) < set(r.layer_ids):
-                member = True
-                reasons += _fingerprints_differ(i, "geometry", a.geometry_fingerprint,
-                                                b.geometry_fingerprint)  # fmt: skip
-            else:
-                tail = ": a pipeline stage's layers must be a part of the receiver's"
-                tail = tail if stage else ""
-                reasons.append(
-                    f"pool {i} layer_ids: ours {a.layer_ids!r}, theirs {b.layer_ids!r}{tail}"
-                )
+                reasons.append(f"{label} {name}: ours {va!r}, theirs {vb!r}")
+        if a.layer_ids == b.layer_ids:
+            reasons += _fingerprints_differ(label, "compat", a.compat_fingerprint,
+                                            b.compat_fingerprint)  # fmt: skip
         else:
-            reasons += _fingerprints_differ(i, "compat", a.compat_fingerprint, b.compat_fingerprint)
+            reasons += _fingerprints_differ(label, "geometry", a.geometry_fingerprint,
+                                            b.geometry_fingerprint)  # fmt: skip
+    layer_reasons, member = _layer_judgment(sender, receiver, ours_sends)
+    reasons += layer_reasons
     if sends is not None:
-        head_reasons, by_heads = _head_judgment(sender, receiver)
+        head_reasons, by_heads = _head_judgment(sender, receiver, ours_sends)
         reasons += head_reasons
         member = member or by_heads
     return Verdict(compatible=not reasons, reasons=tuple(reasons), member=member and not reasons)
+
+
+def _layer_judgment(
+    sender: PeerProfile, receiver: PeerProfile, ours_sends: bool
+) -> tuple[list[str], bool]:
+    """``(reasons, member)`` of the layers: the sender's paged pools together hold the
+    receiver's paged pools' layers, or (a pipeline stage) a proper part of them (a member); each
+    whole-only pair the same. A reason names both sides' layers (ours first)."""
+    stage = sender.placement.pp_size > 1
+    tail = ": a pipeline stage's layers must be a part of the receiver's" if stage else ""
+    sp, rp = _kinds(sender)[0], _kinds(receiver)[0]
+    sets = [(sp, rp)] + [([i], [j]) for i, j in _whole_pairs(sender, receiver)]
+    reasons, member = [], False
+    for s_idx, r_idx in sets:
+        held = sorted(x for i in s_idx for x in sender.layouts[i].layer_ids)
+        needed = sorted(x for j in r_idx for x in receiver.layouts[j].layer_ids)
+        if held == needed:
+            continue
+        if stage and set(held) < set(needed):
+            member = True
+            continue
+        if len(s_idx) == 1 and len(r_idx) == 1:
+            i, j = s_idx[0], r_idx[0]
+            s, r = sender.layouts[i].layer_ids, receiver.layouts[j].layer_ids
+            label = _label(i, j) if ours_sends else _label(j, i)
+        else:
+            s, r, label = tuple(held), tuple(needed), "paged pools"
+        a, b = (s, r) if ours_sends else (r, s)
+        reasons.append(f"{label} layer_ids: ours {a!r}, theirs {b!r}{tail}")
+    return reasons, member

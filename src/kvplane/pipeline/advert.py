@@ -2,8 +2,9 @@
 
 :class:`PoolAdvert` rides in ``Hello.transport_metadata``; decoding rebuilds every layout and
 checks it against the profile. The paged pools come first (one per KV cache group of a model
-serving several), then the whole-only pools (state, tail). :func:`split_destination` is the
-``dst_block_ids`` convention. See docs/pipeline.md.
+serving several), then the whole-only pools (state, tail; a TP rank's state pool with its
+``state_split``). :func:`split_destination` is the ``dst_block_ids`` convention. See
+docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kvplane.errors import InvalidArgumentError, LayoutError, ProtocolError
 from kvplane.ids import RegionId
 from kvplane.layout import Axis, KVLayout, LayoutKind, dtype_from_name, dtype_name
 from kvplane.pd.handshake import PeerProfile
+from kvplane.state_split import MambaGeometry, StateSplit
 
 ADVERT_VERSION = 1
 _Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
@@ -38,6 +40,9 @@ class LayoutDesc(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     order: Annotated[tuple[str, ...], msgspec.Meta(min_length=6, max_length=6)]
     sliding_window: int | None = None
     layer_windows: Annotated[tuple[int | None, ...], msgspec.Meta(max_length=4096)] = ()
+    state_split: Annotated[tuple[_Small, ...], msgspec.Meta(max_length=7)] = ()
+    """A state pool's ``KVLayout.state_split`` as ``(H, P, G, N, K, tp_size, tp_rank)`` (the
+    Mamba geometry, then the TP rank); empty for none."""
 
 
 class PoolDesc(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -78,7 +83,25 @@ def describe(layout: KVLayout) -> LayoutDesc:
         order=tuple(a.name for a in layout.order),
         sliding_window=layout.sliding_window,
         layer_windows=layout.layer_windows,
+        state_split=_split_desc(layout.state_split),
     )
+
+
+def _split_desc(split: StateSplit | None) -> tuple[int, ...]:
+    if split is None:
+        return ()
+    g = split.geometry
+    return (g.num_heads, g.head_dim, g.num_groups, g.state_size, g.conv_kernel,
+            split.tp_size, split.tp_rank)  # fmt: skip
+
+
+def _split_of(desc: tuple[int, ...]) -> StateSplit | None:
+    """The :class:`StateSplit` of :func:`_split_desc`'s tuple (``LayoutError`` for a bad one)."""
+    if not desc:
+        return None
+    if len(desc) != 7:
+        raise LayoutError(f"advertised state_split {desc!r} is not (H, P, G, N, K, tp, rank)")
+    return StateSplit(MambaGeometry(*desc[:5]), tp_size=desc[5], tp_rank=desc[6])
 
 
 def rebuild(desc: LayoutDesc) -> KVLayout:
@@ -98,6 +121,7 @@ def rebuild(desc: LayoutDesc) -> KVLayout:
             order=order,
             sliding_window=desc.sliding_window,
             layer_windows=tuple(desc.layer_windows),
+            state_split=_split_of(tuple(desc.state_split)),
         )
     except (KeyError, ValueError) as exc:
         if isinstance(exc, LayoutError):

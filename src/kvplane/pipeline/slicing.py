@@ -160,7 +160,8 @@ def plan_slice(
     (:func:`~kvplane.transfer.resharding.window_boxes`): window layers only the positions
     inside the window of the request's whole sequence, full layers all. Either side may hold
     one paged pool per KV cache group (the leading pools): each of our paged pools' window
-    boxes goes to the destination pool that holds its layers (``PlanError`` for none)."""
+    boxes goes, layer by layer, to the destination pool that holds each layer (a box may feed
+    several; ``PlanError`` for a layer none holds)."""
     ns, nd = num_paged([p.layout for p in src]), num_paged([p.layout for p in dst])
     if len(src) - ns != len(dst) - nd:
         raise InvalidArgumentError(f"{len(src)} local pools but the peer advertises {len(dst)}")
@@ -190,14 +191,15 @@ def plan_slice(
             layers = tuple(i for i in whole.layers if i in mine)  # a share's, in this pool
             if not layers:
                 continue
-            for box in window_boxes(kv_src.layout, KVBox(whole.heads, layers, part), n):
-                dst_side = _target(targets, box.layers)
-                if share is None:
-                    plan = plan_transfer(src_side, dst_side, box.tokens, layers=box.layers,
-                                         options=options)  # fmt: skip
-                else:
-                    plan = plan_piece(Piece(share.sender, box), src_side, dst_side, options).plan
-                plans.append((plan, dst_side.layout.block_size))
+            for window_box in window_boxes(kv_src.layout, KVBox(whole.heads, layers, part), n):
+                for dst_side, box in _targets(targets, window_box):
+                    if share is None:
+                        plan = plan_transfer(src_side, dst_side, box.tokens, layers=box.layers,
+                                             options=options)  # fmt: skip
+                    else:
+                        piece = Piece(share.sender, box)
+                        plan = plan_piece(piece, src_side, dst_side, options).plan
+                    plans.append((plan, dst_side.layout.block_size))
     if is_last:
         for local, remote, ids in zip(src[ns:], dst[nd:], dst_ids[nd:], strict=True):
             if share is not None and not moves_whole_only(
@@ -215,10 +217,20 @@ def plan_slice(
     return PlannedSlice(tuple(p for p, _ in kept), tuple(bs for _, bs in kept))
 
 
-def _target(targets: list[PlanSide], layers: tuple[int, ...]) -> PlanSide:
-    """The destination paged pool holding every one of ``layers`` (``PlanError`` for none)."""
+def _targets(targets: list[PlanSide], box: KVBox) -> list[tuple[PlanSide, KVBox]]:
+    """``box`` cut by destination paged pool: each pool holding some of its layers with the
+    box over those layers, in pool order (``PlanError`` for a layer no pool holds)."""
+    out: list[tuple[PlanSide, KVBox]] = []
+    placed: set[int] = set()
     for side in targets:
-        if set(layers) <= set(side.layout.layer_ids):
-            return side
-    held = [side.layout.layer_ids for side in targets]
-    raise PlanError(f"no destination pool holds layers {layers}: the peer's pools hold {held}")
+        held = set(side.layout.layer_ids)
+        layers = tuple(i for i in box.layers if i in held)
+        if layers:
+            out.append((side, KVBox(box.heads, layers, box.tokens)))
+            placed.update(layers)
+    missing = tuple(i for i in box.layers if i not in placed)
+    if missing:
+        held_by = [side.layout.layer_ids for side in targets]
+        raise PlanError(f"no destination pool holds layers {missing}: the peer's pools hold "
+                        f"{held_by}")  # fmt: skip
+    return out

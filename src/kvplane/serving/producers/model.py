@@ -68,8 +68,9 @@ class ModelSpec:
     names, one per attention kind; it never changes the weights, so it is not part of
     :meth:`identity`); ``kv_groups``: a model whose layers have different windows is served
     with one paged pool per KV cache group (window blocks freed as they slide out), else with
-    one pool of every layer (what the members of a pipeline-parallel gather share today; the
-    handshake refuses a mix)."""
+    one pool of every layer (``kvplane serve --kv-groups on|off``). The PD handshake pairs
+    pools by the layers they hold, so either side may run either; off by default until the
+    router's gather and cover checks stop pairing pools by index (docs/attention.md)."""
 
     source: str
     seed: int = 0
