@@ -12,7 +12,7 @@ from simulate_testlib import tiny_spec
 
 from kvplane.cli import main
 from kvplane.errors import ConfigError
-from kvplane.simulate.calibrate import calibrate, fit_op_cost
+from kvplane.simulate.calibrate import calibrate, fit_op_cost, pd_lag_s
 from kvplane.simulate.spec import TierSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,8 +61,8 @@ DOC: dict[str, Any] = {
                     "mode": "non_pipelined",
                     "slice_transfer_ms": 10.0,
                     "step_compute_ms": 12.8,
-                    "ttft_ms": 130.0,  # 8 steps, a 25 ms tail: 2.6 ms of setup
-                    "exposed_tail_ms": 25.0,
+                    "ttft_ms": 130.0,  # 8 steps, a 25 ms tail: 2.6 ms of setup; the tail
+                    "exposed_tail_ms": 25.0,  # beyond the 10 ms op: a 15 ms lag
                 },
                 {"transport": "shm", "skipped": "not here"},
             ],
@@ -90,7 +90,8 @@ def test_pd_bench_fills_transport_prefill_and_tiers() -> None:
     spec = dataclasses.replace(tiny_spec(), tiers=_tiers())
     got = calibrate(spec, DOC)
     t = got.spec.transport
-    assert (t.op_overhead_s, t.bandwidth_bytes_s, t.rtt_s) == pytest.approx((2e-3, 1e9, 2e-4))
+    assert (t.op_overhead_s, t.bandwidth_bytes_s, t.rtt_s) == pytest.approx((2e-3, 1e9, 15e-3))
+    assert "[transport] rtt_s = 0.015 (bench pd tcp non-pipelined lag)" in got.filled
     assert got.spec.prefill.token_s == pytest.approx(5e-5)
     # 1 + 7 / 8 * c = 14.4 / 12.8: 7 stretched steps of 8
     assert got.spec.prefill.contention == pytest.approx(1 / 7)
@@ -117,9 +118,19 @@ def test_transport_bench_when_pd_lacks_it() -> None:
     got = calibrate(tiny_spec(), DOC, "shm")
     t = got.spec.transport
     assert (t.op_overhead_s, t.bandwidth_bytes_s) == pytest.approx((1e-4, 2e9))
+    assert t.rtt_s == pytest.approx(2e-4)  # no shm tail: bench protocol's round trip
     assert "[transport] bandwidth_bytes_s = 2e+09 (bench transport shm)" in got.filled
     assert got.spec.prefill == tiny_spec().prefill  # no shm step compute
     assert "[prefill] token_s, contention, setup_s: no bench pd step compute" in got.missing
+
+
+def test_pd_lag_needs_a_tail_beyond_the_op() -> None:
+    bulk = {"transport": "tcp", "mode": "non_pipelined", "slice_transfer_ms": 10.0}
+    lag = {"pd": {"modes": [{**bulk, "exposed_tail_ms": 13.5}]}}
+    assert pd_lag_s(lag, "tcp") == pytest.approx(3.5e-3)
+    assert pd_lag_s(lag, "shm") is None
+    assert pd_lag_s({"pd": {"modes": [bulk]}}, "tcp") is None
+    assert pd_lag_s({"pd": {"modes": [{**bulk, "exposed_tail_ms": 9.0}]}}, "tcp") is None
 
 
 def test_nothing_measured_keeps_the_spec() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,12 +55,27 @@ def test_fixed_document() -> None:
     assert check_pd_bench(DOC, "shm") == []
 
 
+def test_the_non_pipelined_tail_sets_the_lag() -> None:
+    """With the bulk row's tail (13.5 ms, its op 10 ms): a 3.5 ms lag after each op, and a
+    120 ms TTFT leaves 4.1 ms of setup, so the bulk TTFT is predicted as measured."""
+    pd = DOC["benches"]["pd"]
+    bulk = {**pd["modes"][1], "ttft_ms": 120.0, "exposed_tail_ms": 13.5}
+    doc = {"benches": {"pd": {**pd, "modes": [pd["modes"][0], bulk]}}}
+    pipe, got = check_pd_bench(doc, "tcp")
+    assert got.predicted_ttft_ms == pytest.approx(120.0)
+    assert pipe.predicted_ttft_ms == pytest.approx(4.1 + 115.2 + 3.0 + 3.5)
+    assert pipe.predicted_overlap == pytest.approx(7 / 8)
+
+
 @pytest.mark.slow
-def test_predicts_a_measured_bench_pd_within_15_percent() -> None:
-    """``kvplane bench pd --quick --transports tcp,shm`` (about 3 min), then the simulator
-    calibrated from that document predicts its TTFT medians and overlap within 15%, on both
-    data planes (shm's pipelined steps slowed by the copy beside them: ``contention``)."""
-    argv = [sys.executable, "-m", "kvplane", "bench", "pd", "--quick", "--json"]
+def test_predicts_a_measured_bench_pd_within_15_percent(tmp_path: Path) -> None:
+    """``kvplane bench pd --quick --requests 8 --transports tcp,shm`` (about 3 min), then the
+    simulator calibrated from that document predicts its TTFT medians and overlap within 15%,
+    on both data planes (shm's pipelined steps slowed by the copy beside them:
+    ``contention``). At least 8 requests a mode: one shm pipelined request's overlap ranges
+    0.56-0.93 within a run on this loaded host, so a median of 4 is not the run's
+    (docs/simulate.md). The bench's document is kept in ``tmp_path`` (named on failure)."""
+    argv = [sys.executable, "-m", "kvplane", "bench", "pd", "--quick", "--requests", "8", "--json"]
     run = subprocess.run(
         [*argv, "--transports", "tcp,shm"],
         check=False,
@@ -68,10 +84,12 @@ def test_predicts_a_measured_bench_pd_within_15_percent() -> None:
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-2000:]
+    kept = tmp_path / "bench-pd.json"
+    kept.write_text(run.stdout)
     doc = {"benches": {"pd": json.loads(run.stdout)}}
     for transport in ("tcp", "shm"):
         got = check_pd_bench(doc, transport)
         assert [c.mode for c in got] == ["pipelined", "non_pipelined"]
         for c in got:
-            assert abs(c.ttft_error) <= 0.15, c
-            assert abs(c.overlap_error) <= 0.15, c
+            assert abs(c.ttft_error) <= 0.15, (c, str(kept))
+            assert abs(c.overlap_error) <= 0.15, (c, str(kept))

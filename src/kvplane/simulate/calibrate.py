@@ -2,12 +2,13 @@
 
 Reads the document's plain data only (no bench module is imported): the PD transfer from
 ``bench pd`` (a pipelined slice and the non-pipelined bulk transfer: two sizes, so a per-op
-cost and a bandwidth), else from ``bench transport`` (blocks of two sizes); the round trip from
-``bench protocol``; each host, disk or remote tier from ``bench offload`` (stores and loads of
-256 KiB and 4 MiB chunks); the prefill cost per token from ``bench pd``'s non-pipelined step
-compute, its ``contention`` from how much slower the pipelined steps were, its ``setup_s`` from
-what the non-pipelined TTFT spent outside steps and transfer. A figure
-the document lacks leaves the spec's value and is listed in :attr:`Calibrated.missing`.
+cost and a bandwidth), else from ``bench transport`` (blocks of two sizes); the latency after
+an op from ``bench pd``'s non-pipelined tail beyond its op, else ``bench protocol``'s round
+trip; each host, disk or remote tier from ``bench offload`` (stores and loads of 256 KiB and
+4 MiB chunks); the prefill cost per token from ``bench pd``'s non-pipelined step compute, its
+``contention`` from how much slower the pipelined steps were, its ``setup_s`` from what the
+non-pipelined TTFT spent outside steps and transfer. A figure the document lacks leaves the
+spec's value and is listed in :attr:`Calibrated.missing`.
 """
 
 from __future__ import annotations
@@ -103,6 +104,19 @@ def pd_transport_points(benches: Mapping[str, Any], transport: str) -> list[tupl
         if ms is not None:
             points.append((nbytes, ms / 1e3))
     return points if len(points) == 2 else []
+
+
+def pd_lag_s(benches: Mapping[str, Any], transport: str) -> float | None:
+    """The PD transfer's latency beyond its op, seconds: ``bench pd``'s non-pipelined
+    ``exposed_tail_ms`` (prefill end to decode ready) less its one op's ``slice_transfer_ms``
+    -- the hand-off before the op is submitted and the landing after it is done (about 1.4 and
+    1.6 ms here, together some 15-20x ``bench protocol``'s round trip); None without both or if
+    not positive."""
+    bulk = pd_modes(benches, transport).get("non_pipelined", {})
+    tail, busy = _num(bulk.get("exposed_tail_ms")), _num(bulk.get("slice_transfer_ms"))
+    if tail is None or busy is None or tail <= busy:
+        return None
+    return (tail - busy) / 1e3
 
 
 def transport_bench_points(benches: Mapping[str, Any], transport: str) -> list[tuple[float, float]]:
@@ -222,12 +236,15 @@ def _transport(
         out["bandwidth_bytes_s"] = log.fill("[transport] bandwidth_bytes_s", bandwidth, source)
     else:
         log.missing.append(f"[transport] bandwidth_bytes_s, op_overhead_s: no {name} figures")
+    lag = pd_lag_s(benches, name)
     protocol = benches.get("protocol")
     rtt = _num(protocol.get("rtt_us")) if isinstance(protocol, dict) else None
-    if rtt is not None:
+    if lag is not None:
+        out["rtt_s"] = log.fill("[transport] rtt_s", lag, f"bench pd {name} non-pipelined lag")
+    elif rtt is not None:
         out["rtt_s"] = log.fill("[transport] rtt_s", rtt / 1e6, "bench protocol rtt_us")
     else:
-        log.missing.append("[transport] rtt_s: no bench protocol rtt_us")
+        log.missing.append("[transport] rtt_s: no bench pd tail nor bench protocol rtt_us")
     return dataclasses.replace(spec, **out)
 
 
