@@ -16,15 +16,13 @@ import torch
 
 from kvplane.errors import PlanError, ProtocolError
 from kvplane.ids import RegionId, SliceId, TokenRange
-from kvplane.layout import KVLayout, heads_cover
+from kvplane.layout import KVLayout
 from kvplane.models.kv_groups import KVGroups
 from kvplane.pd.events import TransferRequest
 from kvplane.pipeline.advert import RemotePool, split_destination
 from kvplane.pipeline.slicing import LocalPool, plan_slice
-from kvplane.serving.messages import WorkerInfo
 from kvplane.serving.producers.base import DecodeJob, DecodeOutput, PoolTensor
 from kvplane.serving.producers.model import ModelDecoder, ModelSpec
-from kvplane.serving.router import workers as router_workers
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -86,21 +84,11 @@ def test_groups_pd_is_token_exact_and_frees_window_blocks(
         assert [p.num_free_blocks for p in worker.pools.block_pools] == [47, 48]
 
 
-def _serves_by_kv_heads(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
-    """The router's cover check with pools paired by layers, not index (its pool-count rule
-    is the one part of a mixed pairing left to change): the layers and the KV heads."""
-    if prefill.layer_ids and not set(decode.layer_ids) <= set(prefill.layer_ids):
-        return False
-    return heads_cover(prefill.head_ranges[0], decode.head_ranges[0])
-
-
 @pytest.mark.parametrize(("prefill", "decode"), [(False, True), (True, False)],
                          ids=["one-pool-to-groups", "groups-to-one-pool"])  # fmt: skip
 def test_one_side_grouped_the_other_not_is_token_exact_at_the_same_bytes(
-    model_pair: Callable[..., Any], mixed_qwen2: Any, monkeypatch: pytest.MonkeyPatch,
-    prefill: bool, decode: bool,
-) -> None:  # fmt: skip
-    monkeypatch.setattr(router_workers, "serves", _serves_by_kv_heads)
+    model_pair: Callable[..., Any], mixed_qwen2: Any, prefill: bool, decode: bool
+) -> None:
     path = str(mixed_qwen2.path)
     pair = model_pair(ModelSpec(path, kv_groups=prefill), step=STEP,
                       decode_spec=ModelSpec(path, kv_groups=decode))  # fmt: skip

@@ -183,7 +183,7 @@ def test_a_destination_with_heads_we_lack_is_refused_at_pairing(
     d = DecodeWorker(base_config(name="decode", head_range=theirs), SyntheticDecoder(GQA))
     if not says_heads:
         info = d.info
-        d.info = lambda: msgspec.structs.replace(info(), head_ranges=())  # type: ignore[method-assign]
+        d.info = lambda: msgspec.structs.replace(info(), head_ranges=(), paged_pools=0)  # type: ignore[method-assign]
     p.start()
     d.start()
     r = Router([p.address], [d.address], timeout_s=20.0, secret=TEST_SECRET)

@@ -16,17 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvplane.ids import TokenRange
 from kvplane.serving.decode_worker import DecodeWorker
-from kvplane.serving.gather_orders import sender_pieces
-from kvplane.serving.messages import RequestResult, SenderPiece
+from kvplane.serving.messages import RequestResult
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.producers.model import ModelSpec
 from kvplane.serving.worker import Worker
-from kvplane.testing import gather_run
 from kvplane.testing.cluster import wait_for
 from kvplane.testing.gather_run import run_gather, start_gather
-from kvplane.transfer.resharding import KVBox, Piece, SenderId
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -63,10 +59,8 @@ def _idle(w: Worker) -> bool:
 
 @pytest.fixture(params=["off", "on"], ids=["one-pool", "kv-groups"])
 def stages(
-    request: pytest.FixtureRequest, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest, checkpoint: Path
 ) -> Iterator[tuple[list[PrefillWorker], DecodeWorker]]:
-    if request.param == "on":  # the router's gather pairs pools by index: pick the senders here
-        monkeypatch.setattr(gather_run, "gather_pieces", _stage_pieces)
     with ExitStack() as stack:
         ranks = [_argv(checkpoint, "prefill", "--name", f"p{s}", "--pp-stage", str(s),
                        "--pp-size", "2", "--kv-groups", request.param)
@@ -75,15 +69,6 @@ def stages(
         ranks_, d = start_gather(stack, ranks, decode)
         assert d.pools.num_kv_pools == (2 if request.param == "on" else 1)
         yield ranks_, d
-
-
-def _stage_pieces(ranks: list[PrefillWorker], d: DecodeWorker) -> tuple[SenderPiece, ...]:
-    """Each stage sends every head of its own layers (what the router's gather would pick)."""
-    heads = d.pools.kv.layout.head_range
-    return sender_pieces([
-        (w.config.name, Piece(SenderId(s, 0), KVBox(heads, w.pools.layer_ids, TokenRange(0, 1))))
-        for s, w in enumerate(ranks)
-    ])  # fmt: skip
 
 
 def test_two_stages_move_only_their_groups_windows(

@@ -120,7 +120,7 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     m.add_argument("--model-dtype", default="float32", choices=sorted(DTYPES))
     add_attention_flag(m)
     m.add_argument(
-        "--kv-groups", choices=("on", "off"), default="off",  # ModelSpec's default
+        "--kv-groups", choices=("on", "off"), default="on",  # ModelSpec's default
         help="a model mixing windows: one paged pool per KV cache group, or one of all layers",
     )  # fmt: skip
     m.add_argument("--seed", type=int, default=0, help="synthetic KV seed / model weights seed")

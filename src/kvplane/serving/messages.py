@@ -67,7 +67,10 @@ class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
     ``layer_ids``: the global layer ids its KV pool holds (its pipeline stage's; empty: it does
     not say), distinct; ``pp_stage`` and ``tp_rank``: which prefill rank it is (0 and 0 for an
     unparallelised worker). The router gathers a decode worker's KV from several prefill ranks
-    only when all of them say their layers (:mod:`~kvplane.serving.router.gather_sets`)."""
+    only when all of them say their layers (:mod:`~kvplane.serving.router.gather_sets`).
+
+    ``paged_pools``: how many of ``head_ranges``' leading pools are paged KV pools (one per KV
+    cache group; the rest are whole-only), 0 when it does not say (then pools pair by index)."""
 
     role: str
     peer_id: _Id
@@ -86,8 +89,13 @@ class WorkerInfo(Message, frozen=True, kw_only=True, tag="worker_info"):
     layer_ids: _Layers = ()
     pp_stage: _Count = 0
     tp_rank: _Count = 0
+    paged_pools: _Count = 0
 
     def __post_init__(self) -> None:
+        if self.paged_pools > len(self.head_ranges):
+            raise InvalidArgumentError(
+                f"paged_pools {self.paged_pools} exceeds the {len(self.head_ranges)} head ranges"
+            )
         for i, (start, end) in enumerate(self.head_ranges):
             if not start < end:
                 why = f"head_ranges[{i}] must be a non-empty range (start < end)"

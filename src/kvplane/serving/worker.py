@@ -247,6 +247,7 @@ class Worker:
             block_size=self.pools.kv.layout.block_size,
             blocks_per_chunk=chunks,
             layer_ids=self.pools.layer_ids,  # every KV cache group's
+            paged_pools=self.pools.num_kv_pools,
             pp_stage=self.pools.placement.pp_stage,
             tp_rank=self.pools.placement.tp_rank,
         )

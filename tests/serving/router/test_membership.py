@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvplane.errors import ProtocolError, RemoteDisconnectError
+from kvplane.errors import InvalidArgumentError, ProtocolError, RemoteDisconnectError
 from kvplane.serving.messages import (
     Ack,
     AnyMessage,
@@ -132,10 +132,11 @@ def test_an_up_worker_is_resent_to_on_its_own_client() -> None:
         w0.close()
 
 
-def _info(heads: tuple[tuple[int, int], ...]) -> WorkerInfo:
+def _info(heads: tuple[tuple[int, int], ...], paged: int = 0) -> WorkerInfo:
     return WorkerInfo(
-        role="w", peer_id="w", pd_address="a", incarnation=1, transport="tcp", head_ranges=heads
-    )
+        role="w", peer_id="w", pd_address="a", incarnation=1, transport="tcp", head_ranges=heads,
+        paged_pools=paged,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -156,3 +157,29 @@ def test_serves_is_heads_cover_in_every_pool(
     held: tuple[tuple[int, int], ...], needed: tuple[tuple[int, int], ...], ok: bool
 ) -> None:
     assert serves(_info(held), _info(needed)) is ok
+
+
+@pytest.mark.parametrize(
+    ("held", "held_paged", "needed", "needed_paged", "ok"),
+    [
+        (((0, 2), (0, 1)), 1, ((0, 2), (0, 2), (0, 1)), 2, True),  # one pool -> KV cache groups
+        (((0, 2), (0, 2), (0, 1)), 2, ((0, 2), (0, 1)), 1, True),  # groups -> one pool
+        (((0, 4), (0, 4)), 2, ((1, 3), (1, 3)), 2, True),  # groups, GQA across TP degrees
+        (((0, 2), (0, 2)), 2, ((2, 4),), 1, False),  # the paged pools' heads not covered
+        (((0, 2),), 1, ((0, 2), (0, 2), (0, 1)), 2, False),  # whole-only pools differ: 0 vs 1
+        (((0, 2),), 0, ((0, 2), (0, 2)), 2, False),  # one does not say: pools pair by index
+    ],
+)
+def test_paged_pools_pair_by_layers_and_whole_only_pools_by_index(
+    held: tuple[tuple[int, int], ...],
+    held_paged: int,
+    needed: tuple[tuple[int, int], ...],
+    needed_paged: int,
+    ok: bool,
+) -> None:
+    assert serves(_info(held, held_paged), _info(needed, needed_paged)) is ok
+
+
+def test_paged_pools_cannot_exceed_the_pools() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"^paged_pools 2 exceeds the 1 head ranges$"):
+        _info(((0, 2),), paged=2)

@@ -68,15 +68,15 @@ class ModelSpec:
     names, one per attention kind; it never changes the weights, so it is not part of
     :meth:`identity`); ``kv_groups``: a model whose layers have different windows is served
     with one paged pool per KV cache group (window blocks freed as they slide out), else with
-    one pool of every layer (``kvplane serve --kv-groups on|off``). The PD handshake pairs
-    pools by the layers they hold, so either side may run either; off by default until the
-    router's gather and cover checks stop pairing pools by index (docs/attention.md)."""
+    one pool of every layer (``kvplane serve --kv-groups on|off``; on by default). The PD
+    handshake and the router pair paged pools by the layers they hold, so either side may run
+    either (docs/attention.md)."""
 
     source: str
     seed: int = 0
     dtype: str = "float32"
     attention: str = AUTO
-    kv_groups: bool = False
+    kv_groups: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
@@ -124,7 +124,7 @@ class ModelSpec:
 class ModelKV:
     """The :class:`~kvplane.serving.producers.base.KVModel` face of a model (module docstring)."""
 
-    def __init__(self, model: PagedDecoder, model_id: str, *, kv_groups: bool = False) -> None:
+    def __init__(self, model: PagedDecoder, model_id: str, *, kv_groups: bool = True) -> None:
         self.model = model
         self._model_id = model_id
         self._groups = kv_groups  # serve one paged pool per KV cache group

@@ -16,7 +16,7 @@ from kvplane.ids import TokenRange
 from kvplane.layout import shared_heads
 from kvplane.pd.tiling import Tiling
 from kvplane.serving.messages import WorkerInfo
-from kvplane.serving.router.workers import WorkerHandle
+from kvplane.serving.router.workers import WorkerHandle, same_pools
 from kvplane.transfer.resharding import KVBox, Piece, SenderId
 
 ANY_TOKENS = TokenRange(0, 1)
@@ -51,7 +51,8 @@ def gather_set(
     their heads and layers (a single covering prefill worker is :func:`~kvplane.serving.
     router.workers.covering`'s business). Largest pieces first, then by (PP stage, TP rank)
     and address, so a rank holding everything is a set of one and a replica is skipped once
-    its cells are taken; a candidate whose pool count differs from ``d``'s, or whose
+    its cells are taken; a candidate whose pools cannot pair with ``d``'s (:func:`~kvplane.
+    serving.router.workers.same_pools`), or whose
     (stage, rank) another member already has, is never chosen (the member wire ids are
     per sender)."""
     if d.info is None:
@@ -61,7 +62,7 @@ def gather_set(
         return None
     candidates = []
     for p in prefill:
-        if not p.up or p.info is None or len(p.info.head_ranges) != len(d.info.head_ranges):
+        if not p.up or p.info is None or not same_pools(p.info, d.info):
             continue
         piece = _piece(p.info, dest)
         if piece is not None:

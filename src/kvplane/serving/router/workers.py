@@ -42,15 +42,29 @@ def serves(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
     their ``layer_ids``, it holds every layer the decode worker does (a pipeline stage alone
     serves no decode worker holding other layers). Also True when either does not say its
     heads (empty ``head_ranges``): the PD handshake then decides. False when both say and
-    count different pools: the handshake refuses such a pair. Pure."""
+    count different pools (:func:`same_pools`): the handshake refuses such a pair. Pure."""
     if prefill.layer_ids and not set(decode.layer_ids) <= set(prefill.layer_ids):
         return False
     held, needed = prefill.head_ranges, decode.head_ranges
     if not held or not needed:
         return True
-    if len(held) != len(needed):
+    if not same_pools(prefill, decode):
         return False
+    if prefill.paged_pools and decode.paged_pools:  # paged pools pair by layers, whole in order
+        whole = zip(held[prefill.paged_pools :], needed[decode.paged_pools :], strict=True)
+        return heads_cover(held[0], needed[0]) and all(heads_cover(h, n) for h, n in whole)
     return all(heads_cover(h, n) for h, n in zip(held, needed, strict=True))
+
+
+def same_pools(a: WorkerInfo, b: WorkerInfo) -> bool:
+    """Whether two workers' pools can pair as the PD handshake pairs them
+    (:func:`~kvplane.pd.handshake.pool_pairs`): when both say their ``paged_pools``, the same
+    number of whole-only pools (paged pools pair by layers: one pool of every layer feeds KV
+    cache groups and back; every paged pool of a rank holds the same KV heads), else the same
+    number of pools. Pure."""
+    if a.paged_pools and b.paged_pools:
+        return len(a.head_ranges) - a.paged_pools == len(b.head_ranges) - b.paged_pools
+    return len(a.head_ranges) == len(b.head_ranges)
 
 
 def covering(prefill: Sequence[WorkerHandle], d: WorkerHandle) -> list[WorkerHandle]:
