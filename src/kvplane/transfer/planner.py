@@ -1,32 +1,10 @@
 """The planner: a pure function from a transfer request to a :class:`TransferPlan`.
 
-Theory of operation
--------------------
-Both pools are described on the same logical axes (``kvplane.layout``), so a byte's offset on
-either side is a sum of per-axis contributions: ``offset + block_id·S_BLOCK + token·S_TOKEN +
-layer·S_LAYER + comp·S_COMP + head·S_HEAD + byte``. The *row* — one head's ``head_dim`` elements —
-is always contiguous on both sides (DIM is innermost), so rows are the atoms of a plan.
-
-1. **Token segments.** The effective token range is cut at every block boundary of *either* side
-   (and, for per-chunk ops, every chunk boundary), so inside a segment both sides stay in one
-   block: different block sizes, unaligned starts and a range ending mid-block are just shorter
-   segments. Each segment contributes one base offset per side (vectorised over segments).
-2. **Folding.** Segments of equal length share the same regular inner axes — TOKEN (the segment's
-   length), LAYER, COMP and HEAD (the global head intersection, mapped to each side's local
-   index). Starting from the row length ``L``, any axis whose consecutive indices are exactly
-   ``L`` bytes apart on *both* sides is folded into the run (``L *= count``), repeatedly; a
-   size-1 axis always folds. What cannot fold is enumerated by numpy broadcasting into one
-   ``(src, dst, length)`` element per (segment, remaining index). A Python loop runs only over
-   the distinct segment lengths (one or a few), never per block or per layer.
-3. **Coalescing.** Elements are sorted by (op, source offset) and neighbours that continue each
-   other on both sides are merged (``np.add.reduceat``). This catches what the layouts allow only
-   irregularly — consecutive block ids, consecutive layer indices — so every descriptor is a
-   maximal run: for a single-op plan, descriptors == ``stats().contiguous_runs``.
-
-The plan carries the request's analytic :class:`Coverage` — computed per token from the block
-tables, separately from steps 1–3 (it shares only the per-axis stride contributions, which
-``kvplane.layout`` checks against torch) — so ``validate()`` checks the segmenting, folding and
-coalescing against the request.
+Owns :func:`plan_transfer`: token segments cut at both sides' block boundaries, stride folding,
+broadcast enumeration and coalescing into maximal runs (descriptors == ``stats().
+contiguous_runs`` for a single-op plan), with the request's analytic :class:`Coverage` computed
+apart so ``validate()`` checks the plan. Vectorised: a Python loop only over distinct segment
+lengths. Theory of operation: docs/transports.md ("The planner").
 """
 
 from __future__ import annotations
