@@ -45,8 +45,8 @@ def _run(model: BambaModel, tokens: list[int], sizes: list[int], slot: int = 0) 
 
 
 def test_snapshot_equals_a_fresh_prefill_of_the_prefix() -> None:
-    """Bit-exact for the same steps; across step sizes only float32-close (GEMMs of other
-    shapes round differently), except the first layer, which sees only the embeddings."""
+    """Bit-exact for the same steps; across step sizes only float32-close: GEMMs of other
+    shapes may round differently, even the first layer's (which BLAS decides, e.g. on AMD)."""
     model = load_model(TINY_HYBRID)
     assert isinstance(model, BambaModel)
     tokens = list(range(3, 27))
@@ -55,8 +55,6 @@ def test_snapshot_equals_a_fresh_prefill_of_the_prefix() -> None:
     again = _run(model, tokens, [8, 5, 11], slot=5).state.snapshot(5)
     assert one.num_tokens == chunked.num_tokens == again.num_tokens == 24
     assert torch.equal(chunked.rows, again.rows)
-    assert model.bamba.mamba_layers[0] == 0
-    assert torch.equal(one.rows[0], chunked.rows[0])
     torch.testing.assert_close(one.rows, chunked.rows, rtol=1e-4, atol=1e-5)
     n_mamba = len(model.bamba.mamba_layers)
     s = model.bamba.mamba

@@ -1,6 +1,6 @@
-"""L5 models: tiny Llama/Mistral (sliding window), DeepSeek-V2/V3 and Bamba (attention + Mamba2)
-decoders over paged KV and kvplane's attention
-backends, HF checkpoint loading, chunked-prefill forward steps and greedy generation.
+"""L5 models: tiny Llama/Mistral (sliding window), DeepSeek-V2/V3, Bamba and Granite-4.0-H
+(attention + Mamba2) decoders over paged KV and kvplane's attention backends, HF checkpoint
+loading, chunked-prefill forward steps and greedy generation.
 
 Start with :func:`load_model`; a serving loop drives :meth:`CausalLM.forward_step`. See
 docs/attention.md.
@@ -27,6 +27,8 @@ from kvplane.models.generate import (
     greedy_token,
     prefill_ranges,
 )
+from kvplane.models.granite_hybrid import GraniteHybridModel
+from kvplane.models.granite_hybrid_config import GraniteHybridConfig
 from kvplane.models.hf_fields import Family
 from kvplane.models.kv import PagedKVCache
 from kvplane.models.llama import LlamaModel
@@ -59,6 +61,8 @@ __all__ = [
     "DeepSeekModel",
     "Family",
     "GenerationResult",
+    "GraniteHybridConfig",
+    "GraniteHybridModel",
     "HybridKVCache",
     "LlamaConfig",
     "LlamaModel",

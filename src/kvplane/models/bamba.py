@@ -2,15 +2,18 @@
 Mamba2 layers over a per-request :class:`~kvplane.models.recurrent.RecurrentState`.
 
 Attention turns the first half of each head with NEOX RoPE; every layer is
-``x + mixer(norm(x))`` then ``x + SwiGLU(norm(x))``. ``forward_step`` takes a
+``x + mixer(norm(x))`` then ``x + SwiGLU(norm(x))``. A hybrid variant (Granite-4.0-H,
+:mod:`kvplane.models.granite_hybrid`) subclasses :class:`BambaModel`: it loads its own layers
+(``_load_layer``) and its config's properties scale and rotate. ``forward_step`` takes a
 :class:`~kvplane.models.recurrent.HybridKVCache` (``new_kv_cache``); each request names its
 state row (``StepRequest.state_slot``); a request starting at 0 restarts its row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Unpack
+from typing import ClassVar, Unpack
 
 import torch
 
@@ -29,6 +32,9 @@ from kvplane.models.weights import TensorSource
 
 DEFAULT_STATE_SLOTS = 8
 """State rows of a pool made by :meth:`BambaModel.new_kv_cache` (concurrent requests)."""
+
+FeedForward = Callable[[torch.Tensor], torch.Tensor]
+"""A layer's MLP: ``[T, hidden]`` -> ``[T, hidden]`` in the input's dtype."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +68,7 @@ class BambaLayer:
     attn: BambaAttention | None
     mamba: MambaMixer | None
     pre_ff_norm: RMSNorm
-    mlp: SwiGLU
+    mlp: FeedForward
 
     @classmethod
     def load(cls, src: TensorSource, cfg: BambaConfig, i: int) -> BambaLayer:
@@ -80,15 +86,19 @@ class BambaLayer:
 class BambaModel(PagedDecoder):
     """A Bamba decoder whose weights come from ``src``; see the module docstring."""
 
+    FINAL_NORM: ClassVar[str] = "model.final_layernorm"
+
     def __init__(
         self, config: BambaConfig, src: TensorSource, **options: Unpack[DecoderOptions]
     ) -> None:
-        trunk = load_trunk(
-            src, config, lambda i: BambaLayer.load(src, config, i), "model.final_layernorm"
-        )
+        self.bamba = config
+        trunk = load_trunk(src, config, lambda i: self._load_layer(src, i), self.FINAL_NORM)
         super().__init__(config, trunk, **options)
         self.layers = trunk.layers
-        self.bamba = config
+
+    def _load_layer(self, src: TensorSource, i: int) -> BambaLayer:
+        """Layer ``i``'s weights (``self.bamba`` is set)."""
+        return BambaLayer.load(src, self.bamba, i)
 
     def kv_layout(
         self, num_blocks: int, block_size: int, order: tuple[Axis, ...] = BLOCK_MAJOR
@@ -138,8 +148,9 @@ class BambaModel(PagedDecoder):
     ) -> torch.Tensor:
         assert isinstance(kv, HybridKVCache)  # check_step
         c, state = self.bamba, kv.state
-        t, d = x.shape[0], c.head_dim
-        cos, sin = rope_tables(c.rope, c.rotary_dim, batch.positions)
+        t, d, res = x.shape[0], c.head_dim, c.residual_scale
+        x = x * c.embedding_scale
+        tables = rope_tables(c.rope, c.rotary_dim, batch.positions) if c.uses_rope else None
         rows, first = [], 0
         for slot, rng in zip(batch.state_slots, batch.ranges, strict=True):
             if rng.start == 0:
@@ -150,21 +161,24 @@ class BambaModel(PagedDecoder):
             h = layer.input_norm(x)
             if layer.attn is not None:
                 a = layer.attn
-                q = self._rope(a.q(h).view(t, c.num_heads, d), cos, sin)
-                k = self._rope(a.k(h).view(t, c.num_kv_heads, d), cos, sin)
+                q, k = a.q(h).view(t, c.num_heads, d), a.k(h).view(t, c.num_kv_heads, d)
+                if tables is not None:
+                    q, k = self._rope(q, *tables), self._rope(k, *tables)
                 kv.write_kv(i, batch.slot_mapping, k, a.v(h).view(t, c.num_kv_heads, d))
                 query, cache = GQAQuery(q), kv.gqa(i)
-                problem = gqa_problem(query, cache, batch.metadata, sm_scale=d**-0.5, causal=True)
+                problem = gqa_problem(
+                    query, cache, batch.metadata, sm_scale=c.sm_scale, causal=True
+                )
                 out = attention.run(problem, query, cache).out.reshape(t, c.num_heads * d)
-                x = x + a.o(out)
+                x = x + a.o(out) * res
             else:
                 assert layer.mamba is not None
                 mixed = [
                     layer.mamba(h[r], state.conv(i, slot), state.ssm(i, slot))
                     for slot, r in zip(batch.state_slots, rows, strict=True)
                 ]
-                x = x + torch.cat(mixed)
-            x = x + layer.mlp(layer.pre_ff_norm(x))
+                x = x + torch.cat(mixed) * res
+            x = x + layer.mlp(layer.pre_ff_norm(x)) * res
         for slot, rng in zip(batch.state_slots, batch.ranges, strict=True):
             state.num_tokens[slot] = rng.end
         return x

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from kvplane.errors import CheckpointError
 from kvplane.models.hf_fields import DecoderConfig, Family, bool_field, int_field, require_silu
@@ -42,7 +42,15 @@ class MambaShape(MambaGeometry):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BambaConfig(DecoderConfig):
-    """A Bamba decoder; see the module docstring. ``time_step_limit`` clamps ``dt``."""
+    """A Bamba decoder; see the module docstring. ``time_step_limit`` clamps ``dt``.
+
+    The hybrid variants (:class:`~kvplane.models.granite_hybrid_config.GraniteHybridConfig`)
+    extend it and override the properties that say how a layer scales and rotates:
+    ``rotary_dim``, ``uses_rope``, ``sm_scale``, ``embedding_scale``, ``residual_scale``."""
+
+    ARCHITECTURE: ClassVar[str] = BAMBA
+    LAYERS_KEY: ClassVar[str] = "attn_layer_indices"
+    """The HF key that places the attention layers."""
 
     num_kv_heads: int
     attn_layer_indices: tuple[int, ...]
@@ -54,15 +62,20 @@ class BambaConfig(DecoderConfig):
     architecture: str = BAMBA
 
     def __post_init__(self) -> None:
-        if self.architecture != BAMBA:
-            raise CheckpointError(f"{self.architecture!r} is not {BAMBA}")
+        if self.architecture != self.ARCHITECTURE:
+            raise CheckpointError(f"{self.architecture!r} is not {self.ARCHITECTURE}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"hidden_size {self.hidden_size}, num_attention_heads {self.num_heads} and "
                 f"num_key_value_heads {self.num_kv_heads} must divide evenly"
             )
-        if self.rotary_dim % 2 or self.rotary_dim == 0:
-            raise CheckpointError(f"head_dim {self.head_dim} leaves an odd rotary half")
+        if self.uses_rope and (self.rotary_dim % 2 or self.rotary_dim == 0):
+            raise CheckpointError(f"head_dim {self.head_dim} leaves an odd rotary part")
+        if not self.attn_layer_indices:
+            raise CheckpointError(
+                f"config.json {self.LAYERS_KEY!r} names no attention layer; kvplane serves a "
+                "hybrid's attention layers from a paged KV pool, so it needs at least one"
+            )
         bad = [i for i in self.attn_layer_indices if not 0 <= i < self.num_layers]
         if bad or len(set(self.attn_layer_indices)) != len(self.attn_layer_indices):
             raise CheckpointError(
@@ -83,7 +96,28 @@ class BambaConfig(DecoderConfig):
 
     @property
     def rotary_dim(self) -> int:
+        """The leading channels of each head that RoPE turns (NEOX halves within them)."""
         return int(self.head_dim * ROTARY_FRACTION)
+
+    @property
+    def uses_rope(self) -> bool:
+        """Whether attention turns ``rotary_dim`` channels with RoPE at all."""
+        return True
+
+    @property
+    def sm_scale(self) -> float:
+        """The attention softmax scale."""
+        return float(self.head_dim**-0.5)
+
+    @property
+    def embedding_scale(self) -> float:
+        """Factor on the token embeddings."""
+        return 1.0
+
+    @property
+    def residual_scale(self) -> float:
+        """Factor on each mixer's and MLP's output before it is added to the residual."""
+        return 1.0
 
     @property
     def mamba_layers(self) -> tuple[int, ...]:
@@ -92,24 +126,7 @@ class BambaConfig(DecoderConfig):
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> BambaConfig:
         require_silu(d)
-        hidden = int_field(d, "hidden_size")
         heads = int_field(d, "num_attention_heads")
-        expand = int_field(d, "mamba_expand", 2)
-        m_heads = int_field(d, "mamba_n_heads", 128)
-        raw_d_head = d.get("mamba_d_head", "auto")
-        d_head = expand * hidden // m_heads if raw_d_head == "auto" else raw_d_head
-        m_head_dim = int_field({"mamba_d_head": d_head}, "mamba_d_head")
-        if m_head_dim * m_heads != expand * hidden:
-            raise CheckpointError(
-                f"mamba_n_heads {m_heads} x mamba_d_head {m_head_dim} != mamba_expand {expand} "
-                f"x hidden_size {hidden}"
-            )
-        mamba = MambaShape(
-            num_heads=m_heads, head_dim=m_head_dim,
-            num_groups=int_field(d, "mamba_n_groups", 1),
-            state_size=int_field(d, "mamba_d_state", 256),
-            conv_kernel=int_field(d, "mamba_d_conv", 4),
-        )  # fmt: skip
         max_pos = int_field(d, "max_position_embeddings", 262144)
         rope_raw = dict(d.get("rope_parameters") or {})
         factor = rope_raw.pop("partial_rotary_factor", ROTARY_FRACTION)
@@ -120,24 +137,53 @@ class BambaConfig(DecoderConfig):
             eps=1e-5,
             num_kv_heads=int_field(d, "num_key_value_heads", heads),
             attn_layer_indices=_indices(d.get("attn_layer_indices")),
-            mamba=mamba,
             rope=RopeSpec.from_hf({**d, "rope_parameters": rope_raw or None}, max_pos),
             max_position_embeddings=max_pos,
-            conv_bias=bool_field(d, "mamba_conv_bias", True),
-            proj_bias=bool_field(d, "mamba_proj_bias", False),
-            time_step_limit=_limits(d.get("time_step_limit", (0.0, math.inf))),
+            **mamba_fields(d),
         )
 
     def to_hf(self) -> dict[str, Any]:
+        indices = {"attn_layer_indices": list(self.attn_layer_indices)}
+        return self.decoder_hf("bamba") | self.mamba_hf() | indices
+
+    def mamba_hf(self) -> dict[str, Any]:
+        """The HF keys of the KV heads and the Mamba2 mixers (what :func:`mamba_fields` reads)."""
         m = self.mamba
-        return self.decoder_hf("bamba") | {
-            "num_key_value_heads": self.num_kv_heads,
-            "attn_layer_indices": list(self.attn_layer_indices), "mamba_n_heads": m.num_heads,
+        return {
+            "num_key_value_heads": self.num_kv_heads, "mamba_n_heads": m.num_heads,
             "mamba_d_head": m.head_dim, "mamba_n_groups": m.num_groups,
             "mamba_d_state": m.state_size, "mamba_d_conv": m.conv_kernel,
             "mamba_expand": m.inner // self.hidden_size, "mamba_conv_bias": self.conv_bias,
             "mamba_proj_bias": self.proj_bias, "time_step_limit": list(self.time_step_limit),
         }  # fmt: skip
+
+
+def mamba_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The Mamba2 fields of a hybrid's HF config ``d`` (transformers' Bamba and GraniteMoeHybrid
+    keys and defaults): ``mamba``, ``conv_bias``, ``proj_bias``, ``time_step_limit``."""
+    hidden = int_field(d, "hidden_size")
+    expand = int_field(d, "mamba_expand", 2)
+    m_heads = int_field(d, "mamba_n_heads", 128)
+    raw_d_head = d.get("mamba_d_head", "auto")
+    d_head = expand * hidden // m_heads if raw_d_head == "auto" else raw_d_head
+    m_head_dim = int_field({"mamba_d_head": d_head}, "mamba_d_head")
+    if m_head_dim * m_heads != expand * hidden:
+        raise CheckpointError(
+            f"mamba_n_heads {m_heads} x mamba_d_head {m_head_dim} != mamba_expand {expand} "
+            f"x hidden_size {hidden}"
+        )
+    mamba = MambaShape(
+        num_heads=m_heads, head_dim=m_head_dim,
+        num_groups=int_field(d, "mamba_n_groups", 1),
+        state_size=int_field(d, "mamba_d_state", 256),
+        conv_kernel=int_field(d, "mamba_d_conv", 4),
+    )  # fmt: skip
+    return {
+        "mamba": mamba,
+        "conv_bias": bool_field(d, "mamba_conv_bias", True),
+        "proj_bias": bool_field(d, "mamba_proj_bias", False),
+        "time_step_limit": _limits(d.get("time_step_limit", (0.0, math.inf))),
+    }
 
 
 def _indices(raw: Any) -> tuple[int, ...]:

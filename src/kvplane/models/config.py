@@ -1,6 +1,6 @@
-"""Model configs: the Llama (with Mistral and Qwen2) and DeepSeek-V2/V3 families (Bamba's lives in
-``bamba_config``), parsed from (and written to) HF ``config.json`` dicts with every field
-validated.
+"""Model configs: the Llama (with Mistral and Qwen2) and DeepSeek-V2/V3 families (the hybrids'
+live in ``bamba_config`` and ``granite_hybrid_config``), parsed from (and written to) HF
+``config.json`` dicts with every field validated.
 
 A config is a frozen value; :func:`config_from_hf` picks the family from ``architectures`` and
 raises :class:`~kvplane.errors.CheckpointError` naming the key for anything missing, mistyped or
@@ -16,6 +16,7 @@ from typing import Any
 
 from kvplane.errors import CheckpointError
 from kvplane.models.bamba_config import BAMBA, BambaConfig
+from kvplane.models.granite_hybrid_config import GRANITE_HYBRID, GraniteHybridConfig
 from kvplane.models.hf_fields import DecoderConfig, Family
 from kvplane.models.hf_fields import bool_field as _bool
 from kvplane.models.hf_fields import float_field as _float
@@ -33,7 +34,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 """transformers' ``layer_types`` entries."""
 DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
-SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, DEEPSEEK_V2, DEEPSEEK_V3, BAMBA)
+SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, DEEPSEEK_V2, DEEPSEEK_V3, BAMBA, GRANITE_HYBRID)
 
 
 def _qwen2_windows(d: Mapping[str, Any]) -> dict[str, Any]:
@@ -148,9 +149,10 @@ class LlamaConfig(DecoderConfig):
 class MoEConfig:
     """DeepSeek mixture of experts: routed experts (top-k of ``num_experts``) plus shared ones.
 
-    ``scoring`` is ``softmax`` (V2) or ``sigmoid`` (V3, with a score-correction bias and group
-    selection by the sum of each group's top-2 scores); ``topk_method`` for V2 is ``greedy`` or
-    ``group_limited_greedy`` (groups ranked by their best score).
+    ``scoring`` is ``softmax`` (V2), ``sigmoid`` (V3, with a score-correction bias and group
+    selection by the sum of each group's top-2 scores) or ``topk_softmax`` (Granite: the top-k
+    logits, then a softmax over them; greedy, one group, no scaling); ``topk_method`` for V2 is
+    ``greedy`` or ``group_limited_greedy`` (groups ranked by their best score).
     """
 
     num_experts: int
@@ -179,8 +181,17 @@ class MoEConfig:
             )
         if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise CheckpointError(f"topk_method {self.topk_method!r} is not supported")
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise CheckpointError(f"MoE scoring {self.scoring!r} is not softmax or sigmoid")
+        if self.scoring not in ("softmax", "sigmoid", "topk_softmax"):
+            raise CheckpointError(
+                f"MoE scoring {self.scoring!r} is not softmax, sigmoid or topk_softmax"
+            )
+        if self.scoring == "topk_softmax" and (
+            self.topk_method != "greedy" or self.num_groups != 1 or self.num_shared_experts
+            or self.routed_scaling_factor != 1.0
+        ):  # fmt: skip
+            raise CheckpointError(
+                "topk_softmax routing is greedy over one group of experts, none shared, unscaled"
+            )
         if self.scoring == "sigmoid" and self.num_experts // self.num_groups < 2:
             raise CheckpointError(
                 f"sigmoid routing ranks groups by their top-2 experts: {self.num_experts} "
@@ -295,6 +306,7 @@ class DeepSeekConfig(DecoderConfig):
 
 
 ModelConfig = LlamaConfig | DeepSeekConfig | BambaConfig
+"""A :class:`GraniteHybridConfig` is a :class:`BambaConfig`."""
 
 
 def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
@@ -310,5 +322,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
         return DeepSeekConfig.from_hf(d)
     if archs[0] == BAMBA:
         return BambaConfig.from_hf(d)
+    if archs[0] == GRANITE_HYBRID:
+        return GraniteHybridConfig.from_hf(d)
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     raise CheckpointError(f"architecture {archs[0]!r} is not supported; supported: {supported}")

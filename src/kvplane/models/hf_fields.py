@@ -23,6 +23,7 @@ class Family(enum.Enum):
     LLAMA = "llama"
     DEEPSEEK = "deepseek"
     BAMBA = "bamba"
+    GRANITE_HYBRID = "granite_hybrid"
 
 
 def int_field(d: Mapping[str, Any], key: str, default: Any = _MISSING, minimum: int = 1) -> int:

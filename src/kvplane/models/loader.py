@@ -28,6 +28,7 @@ from kvplane.models.config import (
 )
 from kvplane.models.decoder import DecoderOptions, PagedDecoder
 from kvplane.models.deepseek import DeepSeekModel, MLAPath
+from kvplane.models.granite_hybrid import GraniteHybridModel
 from kvplane.models.hf_fields import Family
 from kvplane.models.llama import LlamaModel
 from kvplane.models.safetensors_io import write_safetensors
@@ -85,7 +86,10 @@ def tiny_config(name: str) -> ModelConfig:
 
 def family_builders() -> dict[Family, Builder]:
     """The registry: which model class serves each config family."""
-    return {Family.LLAMA: LlamaModel, Family.DEEPSEEK: DeepSeekModel, Family.BAMBA: BambaModel}
+    return {
+        Family.LLAMA: LlamaModel, Family.DEEPSEEK: DeepSeekModel, Family.BAMBA: BambaModel,
+        Family.GRANITE_HYBRID: GraniteHybridModel,
+    }  # fmt: skip
 
 
 def build_model(

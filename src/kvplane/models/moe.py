@@ -1,4 +1,5 @@
-"""DeepSeek's mixture of experts: a top-k router, routed SwiGLU experts and shared experts.
+"""DeepSeek's (and Granite's) mixture of experts: a top-k router, routed SwiGLU experts and
+shared experts.
 
 Experts run grouped by expert, one batched SwiGLU each; no loop per token. Routing rules and
 weight names: docs/attention.md.
@@ -20,6 +21,9 @@ def route(
     logits: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, k] float32, experts [T, k] int64)`` from router ``logits [T, E]`` (fp32)."""
+    if cfg.scoring == "topk_softmax":  # transformers' GraniteMoeHybridTopKRouter, same calls
+        top, experts = logits.topk(cfg.experts_per_token, dim=-1)
+        return torch.softmax(top, dim=-1), experts
     t, e = logits.shape
     g = cfg.num_groups
     if cfg.scoring == "sigmoid":
