@@ -1,14 +1,14 @@
 """KV layouts: the physical description of one paged pool, as data.
 
 :class:`KVLayout` owns a pool's six logical axes, memory order, byte strides, zero-copy views and
-three fingerprints; the window and TP head rules live here once (:meth:`KVLayout.window_start`,
-:func:`heads_cover`, :func:`shared_heads`). Pure data: no I/O, no regions, no plans. See
-docs/transports.md ("Layouts").
+three fingerprints; the window clipping rule lives here once (:meth:`KVLayout.window_start`).
+The domains of its fields (kinds, axes and orders, dtypes, layer ids, TP head ranges with
+:func:`heads_cover` and :func:`shared_heads`, windows) are :mod:`kvplane.layout_fields`',
+re-exported here. Pure data: no I/O, no regions, no plans. See docs/transports.md ("Layouts").
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,110 +16,36 @@ from typing import Any
 import torch
 
 from kvplane.errors import LayoutError
+from kvplane.layout_fields import (
+    BLOCK_MAJOR,
+    CANONICAL_ORDER,
+    HEAD_MAJOR,
+    LAYER_MAJOR,
+    Axis,
+    LayoutKind,
+    check_head_range,
+    check_layer_ids,
+    check_order,
+    check_windows,
+    dtype_from_name,
+    dtype_name,
+    heads_cover,
+    layer_ids_of,
+    shared_heads,
+)
 from kvplane.state_split import StateSplit
-from kvplane.validators import Error, require_int
+from kvplane.validators import require_int
 
-
-class LayoutKind(enum.Enum):
-    """What a pool holds: K and V per head (MHA/GQA), a packed MLA latent, or whole-only state."""
-
-    MHA = "mha"
-    GQA = "gqa"
-    MLA = "mla"
-    STATE = "state"
-
-
-class Axis(enum.IntEnum):
-    """The six logical axes; the int value is the axis position in the canonical order."""
-
-    BLOCK = 0
-    LAYER = 1
-    COMP = 2
-    TOKEN = 3
-    HEAD = 4
-    DIM = 5
-
-
-CANONICAL_ORDER: tuple[Axis, ...] = tuple(Axis)
-BLOCK_MAJOR = CANONICAL_ORDER
-"""``[blocks, layers, comps, tokens, heads, dim]``: a block of every layer is one contiguous run."""
-LAYER_MAJOR = (Axis.LAYER, Axis.COMP, Axis.BLOCK, Axis.TOKEN, Axis.HEAD, Axis.DIM)
-"""``[layers, comps, blocks, tokens, heads, dim]``: vLLM's per-layer ``[2, N, B, H, D]`` stacked."""
-HEAD_MAJOR = (Axis.BLOCK, Axis.LAYER, Axis.COMP, Axis.HEAD, Axis.TOKEN, Axis.DIM)
-"""``[blocks, layers, comps, heads, tokens, dim]``: a TP head range is contiguous per block."""
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.float8_e5m2: "float8_e5m2",
-    torch.uint8: "uint8",
-    torch.int8: "int8",
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Stable name of a supported KV dtype (goes into fingerprints and the wire)."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        known = list(_DTYPE_NAMES.values())
-        raise LayoutError(f"unsupported KV dtype {dtype}; use one of {known}") from None
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_name`."""
-    for dtype, known in _DTYPE_NAMES.items():
-        if known == name:
-            return dtype
-    raise LayoutError(f"unknown KV dtype name {name!r}; use one of {list(_DTYPE_NAMES.values())}")
+__all__ = [  # the field domains live in kvplane.layout_fields; callers import them from here
+    "BLOCK_MAJOR", "CANONICAL_ORDER", "HEAD_MAJOR", "LAYER_MAJOR", "MAX_POOL_BYTES", "Axis",
+    "KVLayout", "LayoutKind", "check_layer_ids", "dtype_from_name", "dtype_name",
+    "heads_cover", "shared_heads",
+]  # fmt: skip
 
 
 MAX_POOL_BYTES = 1 << 62
 """No pool is larger than this (far beyond any memory): every byte offset into a pool, and
 every ``offset + length`` of a descriptor, stays well inside int64."""
-
-
-def heads_cover(held: tuple[int, int], needed: tuple[int, int]) -> bool:
-    """True when the half-open TP head range ``held`` (a sender's) contains every head of the
-    non-empty range ``needed`` (a receiver's). The one coverage predicate of the data plane
-    (the PD handshake, the router and the slice planner use it). Pools without a head split
-    (MLA's latent head, state pools: ``(0, 1)`` on both sides) are always covered."""
-    return held[0] <= needed[0] < needed[1] <= held[1]
-
-
-def shared_heads(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
-    """The global heads both half-open TP head ranges hold, or None when they are disjoint: what
-    a transfer between two ranks can move (the planner's head range)."""
-    lo, hi = max(a[0], b[0]), min(a[1], b[1])
-    return (lo, hi) if lo < hi else None
-
-
-def _int_tuple(
-    what: str, value: object, *, size: int | None = None, min: int | None = None, error: Error
-) -> tuple[int, ...]:
-    """``value`` as a tuple of ints (not bools), each ``>= min`` where given, of ``size`` items
-    where given; ``error`` naming ``what`` (and the bad item) otherwise."""
-    if not isinstance(value, tuple | list):
-        raise error(f"{what} must be a sequence of ints, got {value!r}")
-    if size is not None and len(value) != size:
-        raise error(f"{what} must hold {size} ints, got {value!r}")
-    return tuple(
-        require_int(f"{what}[{i}]", item, min=min, error=error) for i, item in enumerate(value)
-    )
-
-
-def check_layer_ids(what: str, value: object, *, error: Error = LayoutError) -> tuple[int, ...]:
-    """``value`` as a pool's layer ids: a non-empty sequence of distinct ints >= 0; else
-    ``error`` naming ``what``. The one rule for :class:`KVLayout` and its wire form."""
-    ids = _int_tuple(what, value, min=0, error=error)
-    if not ids:
-        raise error(f"{what} must name at least one layer")
-    if len(set(ids)) != len(ids):
-        raise error(f"{what} has duplicates: {ids}")
-    return ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,27 +76,14 @@ class KVLayout:
             require_int(f"KVLayout.{name}", getattr(self, name), min=1, error=LayoutError)
         dtype_name(self.dtype)
         object.__setattr__(self, "layer_ids", check_layer_ids("KVLayout.layer_ids", self.layer_ids))
-        head_range = _int_tuple("KVLayout.head_range", self.head_range, size=2, error=LayoutError)
+        head_range = check_head_range(self.head_range, self.total_heads)
         object.__setattr__(self, "head_range", head_range)
-        if not isinstance(self.order, tuple | list) or any(
-            not isinstance(a, Axis) for a in self.order
-        ):
-            raise LayoutError(f"KVLayout.order must be a sequence of Axis, got {self.order!r}")
-        object.__setattr__(self, "order", tuple(self.order))
-        if self.head_range == (0, 0):
-            object.__setattr__(self, "head_range", (0, self.total_heads))
-        lo, hi = self.head_range
-        if not 0 <= lo < hi <= self.total_heads:
-            raise LayoutError(
-                f"KVLayout.head_range {self.head_range} must satisfy 0 <= start < end <= "
-                f"total_heads={self.total_heads}"
-            )
+        object.__setattr__(self, "order", check_order(self.order))
         self._check_kind()
-        if sorted(self.order) != list(CANONICAL_ORDER) or self.order[-1] != Axis.DIM:
-            raise LayoutError(
-                f"KVLayout.order must permute all six axes with DIM last: {self.order}"
-            )
-        self._check_windows()
+        window, windows = check_windows(self.layer_ids, self.sliding_window, self.layer_windows,
+                                        whole_only=self.whole_only)  # fmt: skip
+        object.__setattr__(self, "sliding_window", window)
+        object.__setattr__(self, "layer_windows", windows)
         sizes = self.axis_sizes()
         strides: list[int] = [0] * len(Axis)
         step = torch.empty((), dtype=self.dtype).element_size()
@@ -201,27 +114,6 @@ class KVLayout:
         if self.kind is LayoutKind.MHA and self.head_range != (0, self.total_heads):
             raise LayoutError("an MHA layout holds all heads; use GQA for a TP head range")
 
-    def _check_windows(self) -> None:
-        """Validate the windows; ``layer_windows`` all equal become ``sliding_window``."""
-        name, raw, top = "KVLayout.layer_windows", self.layer_windows, max(self.layer_ids)
-        if not isinstance(raw, tuple | list):
-            raise LayoutError(f"{name} must be a sequence, got {raw!r}")
-        if self.sliding_window is not None:
-            require_int("KVLayout.sliding_window", self.sliding_window, min=1, error=LayoutError)
-        windows = tuple(
-            w if w is None else require_int(f"{name}[{i}]", w, min=1, error=LayoutError)
-            for i, w in enumerate(raw)
-        )
-        if self.whole_only and (windows or self.sliding_window is not None):
-            raise LayoutError("a STATE layout has no sliding window")
-        if windows and (self.sliding_window is not None or top >= len(windows)):
-            why = f"the window or None of every layer id up to {top}, and no sliding_window"
-            raise LayoutError(f"{name} {windows} must give {why}")
-        if len(set(windows)) == 1:
-            object.__setattr__(self, "sliding_window", windows[0])
-            windows = ()
-        object.__setattr__(self, "layer_windows", windows)
-
     # -- constructors ----------------------------------------------------------------------
     @classmethod
     def gqa(
@@ -245,7 +137,7 @@ class KVLayout:
             kind=LayoutKind.GQA,
             num_blocks=num_blocks,
             block_size=block_size,
-            layer_ids=_layers(num_layers, layer_ids),
+            layer_ids=layer_ids_of(num_layers, layer_ids),
             total_heads=kv_heads,
             head_dim=head_dim,
             dtype=dtype,
@@ -275,7 +167,7 @@ class KVLayout:
             kind=LayoutKind.MLA,
             num_blocks=num_blocks,
             block_size=block_size,
-            layer_ids=_layers(num_layers, layer_ids),
+            layer_ids=layer_ids_of(num_layers, layer_ids),
             total_heads=1,
             head_dim=latent_dim + rope_dim,
             dtype=dtype,
@@ -292,7 +184,7 @@ class KVLayout:
         """Recurrent state, a block per request: ``state_dim`` elements (a row) per layer."""
         return cls(
             kind=LayoutKind.STATE, num_blocks=num_slots, block_size=1,
-            layer_ids=_layers(num_layers, layer_ids), total_heads=1, head_dim=state_dim,
+            layer_ids=layer_ids_of(num_layers, layer_ids), total_heads=1, head_dim=state_dim,
             dtype=dtype, state_split=split,
         )  # fmt: skip
 
@@ -487,14 +379,3 @@ class KVLayout:
 def _digest(tag: bytes, d: dict[str, Any]) -> bytes:
     text = ";".join(f"{k}={d[k]}" for k in sorted(d))
     return hashlib.blake2b(tag + b"\0" + text.encode(), digest_size=16).digest()
-
-
-def _layers(num_layers: int | None, layer_ids: tuple[int, ...] | None) -> tuple[int, ...]:
-    if layer_ids is not None:
-        if num_layers is not None and num_layers != len(layer_ids):
-            raise LayoutError(f"num_layers={num_layers} disagrees with layer_ids={layer_ids}")
-        return tuple(layer_ids)
-    if num_layers is None:
-        raise LayoutError("give num_layers or layer_ids")
-    require_int("KVLayout.num_layers", num_layers, min=1, error=LayoutError)
-    return tuple(range(num_layers))

@@ -25,7 +25,12 @@ from typing import Any
 import pytest
 
 from kvplane.apps.proxy import PDProxy, ProxyConfig
-from kvplane.apps.proxy_routing import EnginePicker, RoutingConfig
+from kvplane.apps.proxy_routing import (
+    DEFAULT_MAX_TOKENS,
+    EnginePicker,
+    RoutingConfig,
+    decode_tokens,
+)
 from kvplane.apps.proxy_schemes import chunk_keys
 from kvplane.apps.proxy_upstream import Upstream
 from kvplane.config import SECRET_ENV
@@ -138,6 +143,43 @@ def test_cache_aware_follows_the_events_then_load_and_frees_the_queue(
         assert picker.picked == {names[fresh]: 2, names[holder]: 2}
         sub = picker.snapshot()["kv_events"][names[holder]]
         assert sub["feed_applied"] >= 1 and sub.get("dropped_frames", 0) == 0
+    finally:
+        picker.close()
+
+
+def test_a_requests_decode_budget() -> None:
+    assert DEFAULT_MAX_TOKENS == 16
+    assert decode_tokens({"max_tokens": 7}) == 7
+    assert decode_tokens({"model": "m"}) == 16  # vLLM's completions default
+    assert decode_tokens({"max_completion_tokens": 5, "max_tokens": 9}) == 5  # a chat's first
+    assert decode_tokens({"max_completion_tokens": None, "max_tokens": 9}) == 9
+    for bad in (None, True, -1, "8", 2.5):  # the engine refuses these: the default counts
+        assert decode_tokens({"max_tokens": bad}) == 16, bad
+
+
+def test_cache_aware_counts_a_whole_requests_decode_until_it_ends(
+    publishers: list[KVEventPublisher],
+) -> None:
+    """An engine's load: each request's uncached prompt tokens, plus its decode budget when the
+    engine runs it whole. The decode ahead outweighs the holder's cached prefix (counting the
+    prompt alone, the holder would win: (16 + 7) tokens ahead of 40 on the idle engine)."""
+    ups = engines(2)
+    names = [u.url for u in ups]
+    picker = EnginePicker(ups, routing(publishers), TEST_SECRET)
+    try:
+        store(publishers[0], KEYS.keys(P))
+        wait_for(lambda: names[0] in picker.matches(P), what="the holder's events")
+        short = P[:24] + [5] * 7  # 31 tokens, 24 cached on engine 0: 7 to compute there
+        with picker.pick(short) as prefill:  # no body (PD modes): the prompt alone
+            assert prefill.index == 0 and picker.queued() == {names[0]: 7}
+        assert picker.queued() == {}
+        with picker.pick(short, {"model": "m", "max_tokens": 60}) as first:
+            assert first.index == 0 and first.queued == 7 + 60
+            with picker.pick(P + [7] * 10, {"model": "m"}) as second:  # 16 cached on engine 0
+                assert second.index == 1 and second.queued == 40 + DEFAULT_MAX_TOKENS
+                assert picker.queued() == {names[0]: 67, names[1]: 56}
+            assert picker.queued() == {names[0]: 67}
+        assert picker.queued() == {} and picker.picked == {names[0]: 2, names[1]: 1}
     finally:
         picker.close()
 
@@ -444,6 +486,35 @@ def test_direct_mode_routes_text_by_the_engines_tokenizer_to_the_holder(
         n = len(a.seen) + len(b.seen)
         assert post(proxy.address, {"model": "m", "prompt": [*P, 1, 2]})[0] == 200
         assert len(a.seen) + len(b.seen) == n + 1 and paths(routed)[-1] == "/v1/completions"
+    finally:
+        proxy.close()
+
+
+def test_direct_mode_holds_each_requests_prompt_and_decode_on_its_engine(
+    publishers: list[KVEventPublisher], fakes: Any
+) -> None:
+    seen: list[dict[str, int]] = []
+    proxy: PDProxy | None = None
+
+    def reply(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        assert proxy is not None
+        seen.append(proxy.picker.queued())  # while the engine runs the request
+        return 200, ANSWER
+
+    a, b = fakes(reply, reply)
+    urls = [a.url, b.url]
+    config = ProxyConfig(mode="direct", engines=",".join(urls), routing=routing(publishers))
+    proxy = PDProxy(config, env=ENV)
+    proxy.start()
+    try:
+        short = [200 + t for t in range(12)]  # one chunk: no engine holds it
+        for prompt, extra, load in ((P, {"max_tokens": 20}, 30 + 20), (short, {}, 12 + 16)):
+            first = KEYS.keys(prompt)[0]
+            winner = urls[max(range(2), key=lambda i: rendezvous(first, urls[i]))]
+            assert post(proxy.address, {"model": "m", "prompt": prompt, **extra}) == (200, ANSWER)
+            assert seen[-1] == {winner: load}
+            # released once the answer is relayed (the client may read it a moment before)
+            wait_for(lambda: proxy is not None and proxy.picker.queued() == {}, what="release")
     finally:
         proxy.close()
 

@@ -230,7 +230,8 @@ class PDProxy:
         ids = None
         if self.picker.cache is not None:
             ids = prompt_token_ids(req, ROUTES[path], self.routed)
-        with self.picker.pick(ids) as lease:
+        whole = req.body if self._decoders is None else None  # direct: its decode counts too
+        with self.picker.pick(ids, whole) as lease:
             server = self.routed[lease.index]
             if self._decoders is None:  # direct
                 with Call(server, path, dict(req.body), _auth(h)) as call:

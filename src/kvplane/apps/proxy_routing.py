@@ -6,8 +6,9 @@ router's parts, never re-implements them: one :class:`~kvplane.serving.router.kv
 KVEventSubscriber` and :class:`~kvplane.serving.router.prefix_index.PrefixIndex` per engine
 (fed by its connector's publisher), the key scheme the engines describe
 (:class:`~kvplane.apps.proxy_schemes.EngineSchemes`) and :meth:`CacheRouting.pick` with the
-proxy's own in-flight uncached prompt tokens per engine as the queue. A prompt given as text
-is tokenized by an engine's ``/tokenize``. Moves no KV.
+proxy's own in-flight load per engine as the queue: each request's uncached prompt tokens and,
+where the engine runs it whole (``direct``), its decode budget (:func:`decode_tokens`). A
+prompt given as text is tokenized by an engine's ``/tokenize``. Moves no KV.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from kvplane.validators import is_int, require_bool, require_int
 _HEX_RE = re.compile(r"^(?:[0-9a-f]{2})+$")
 PENDING_MAX_S = 3600.0
 """How long a picked request's chunks may stay expected while it runs (its end settles them)."""
+DEFAULT_MAX_TOKENS = 16
+"""The decode budget of a request that names none: vLLM's (and OpenAI's) completions default.
+A chat request without one may decode up to the model's context; it counts the same."""
 
 
 def split_list(text: str | None) -> tuple[str, ...]:
@@ -157,10 +161,21 @@ def prompt_token_ids(req: ClientRequest, chat: bool, engines: Sequence[Upstream]
     raise UpstreamError(502, f"cache-aware routing cannot tokenize the prompt: {failure}")
 
 
+def decode_tokens(body: Mapping[str, Any]) -> int:
+    """The tokens a request body may decode: ``max_completion_tokens`` (a chat's), else
+    ``max_tokens``, else :data:`DEFAULT_MAX_TOKENS` (also for a value that is not an int >= 0,
+    which the engine refuses anyway)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if is_int(value) and value >= 0:
+            return int(value)
+    return DEFAULT_MAX_TOKENS
+
+
 class Lease:
-    """One request's engine (:attr:`index` into the picker's engines), holding its uncached
-    prompt tokens in that engine's queue until closed (``with``: a failure drops the chunks
-    it was expected to store)."""
+    """One request's engine (:attr:`index` into the picker's engines), holding its load
+    (:attr:`queued` tokens) in that engine's queue until closed (``with``: a failure drops the
+    chunks it was expected to store)."""
 
     def __init__(self, picker: EnginePicker, index: int, token: str, queued: int) -> None:
         self.picker, self.index, self.token, self.queued = picker, index, token, queued
@@ -242,12 +257,14 @@ class EnginePicker:
                 out[name] = max(got.values(), key=lambda m: (m.any_tier, m.worker))
         return out
 
-    def pick(self, token_ids: Sequence[int] | None) -> Lease:
+    def pick(self, token_ids: Sequence[int] | None, body: Mapping[str, Any] | None = None) -> Lease:
         """The engine for a request of ``token_ids`` (needed by cache-aware; None otherwise):
         round-robin's next, or :meth:`CacheRouting.pick` over the engines with their queues
         and cached prefixes (ties: the prompt's first chunk key's rendezvous winner); the
         chunks it will store are then expected there (:meth:`PrefixIndex.expect`) until its
-        events confirm them or the lease ends."""
+        events confirm them or the lease ends. The request's load, queued on the engine until
+        the lease ends, is the one rule: its uncached prompt tokens plus, when ``body`` is
+        given (the engine runs the request whole, decode included), :func:`decode_tokens`."""
         cache = self._routing()
         if cache is None or self.schemes is None:
             with self._lock:
@@ -266,6 +283,7 @@ class EnginePicker:
             )  # fmt: skip
             name = self.names[k]
             queued = cache.uncached_tokens(matches.get(name), tokens)
+            queued += decode_tokens(body) if body is not None else 0
             self._turn += 1
             self._queued[name] += queued
             self.picked[name] += 1
@@ -292,7 +310,7 @@ class EnginePicker:
         index.settle(lease.token, ok=ok, until=time.monotonic() + PENDING_GRACE_S)
 
     def queued(self) -> dict[str, int]:
-        """Uncached prompt tokens in flight per engine URL (engines with none left out)."""
+        """The load in flight per engine URL (:meth:`pick`; engines with none left out)."""
         with self._lock:
             return dict(self._queued)
 

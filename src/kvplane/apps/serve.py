@@ -1,11 +1,12 @@
 """``kvplane serve prefill|decode|router|proxy``: the PD workers, the router and the vLLM PD
 proxy (:mod:`~kvplane.apps.proxy_command`) as processes.
 
-Wiring only: flags (or ``--config``/``KVPLANE_*``, :mod:`~kvplane.apps.serve_config`) to a
-:class:`~kvplane.serving.worker_config.WorkerConfig` and a producer, checked before anything
-starts (:mod:`~kvplane.apps.startup`); one JSON announce line on stdout, serve until
-SIGTERM/SIGINT or ``Shutdown``. Binds 127.0.0.1 unless told otherwise; refuses to start without
-a secret (``KVPLANE_SECRET`` or ``--secret-file``) unless ``--insecure``. See docs/serving.md.
+Wiring only: flags (:mod:`~kvplane.apps.serve_flags`; or ``--config``/``KVPLANE_*``,
+:mod:`~kvplane.apps.serve_config`) to a :class:`~kvplane.serving.worker_config.WorkerConfig`
+and a producer, checked before anything starts (:mod:`~kvplane.apps.startup`); one JSON
+announce line on stdout, serve until SIGTERM/SIGINT or ``Shutdown``. Binds 127.0.0.1 unless
+told otherwise; refuses to start without a secret (``KVPLANE_SECRET`` or ``--secret-file``)
+unless ``--insecure``. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -20,209 +21,45 @@ from pathlib import Path
 
 import zmq
 
-from kvplane.apps.generate import add_attention_flag
-from kvplane.apps.proxy_command import HELP as PROXY_HELP
-from kvplane.apps.proxy_command import proxy_flags, run_proxy
-from kvplane.apps.serve_config import sectioned, settle
+from kvplane.apps.proxy_command import run_proxy
+from kvplane.apps.serve_config import settle
+from kvplane.apps.serve_flags import DISK_SLOT_FILE, add_arguments
 from kvplane.apps.serve_stop import end_process, wait_for_stop
 from kvplane.apps.startup import check_connect_address, check_pool_memory, scrub_secret_env
 from kvplane.config import SECRET_ENV, read_secret
 from kvplane.errors import ConfigError, InvalidArgumentError
 from kvplane.metrics import MetricsRegistry
 from kvplane.offload import OffloadConfig
-from kvplane.offload.tiers.shared_server import REMOTE_MODES
 from kvplane.pd.handshake import Placement
-from kvplane.pd.timers import DEFAULT_TIMINGS, Timings
+from kvplane.pd.timers import Timings
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.kv_publisher import KVEventSettings
 from kvplane.serving.ports import probe_bind, probe_port
 from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.prefix_offload import PrefixSettings
-from kvplane.serving.prefix_waits import PENDING_WAIT_S, check_wait_s
+from kvplane.serving.prefix_waits import check_wait_s
 from kvplane.serving.producers.base import KVModel
-from kvplane.serving.producers.model import (
-    DTYPES,
-    ModelDecoder,
-    ModelProducer,
-    ModelSpec,
-)
+from kvplane.serving.producers.model import ModelDecoder, ModelProducer, ModelSpec
 from kvplane.serving.producers.rank import RankProducer
 from kvplane.serving.producers.synthetic import SyntheticDecoder, SyntheticProducer, SyntheticSpec
 from kvplane.serving.router.route_policy import RoutePolicy
 from kvplane.serving.router.router import Router
 from kvplane.serving.router.service import RouterService
 from kvplane.serving.worker import INSECURE_HELP, Worker, WorkerHooks
-from kvplane.serving.worker_config import LOOPBACK, WorkerConfig
+from kvplane.serving.worker_config import WorkerConfig
 from kvplane.transfer import OpGrouping
-from kvplane.transports.bounds import FIRST_BYTE_TIMEOUT_S
+
+__all__ = [  # add_arguments and DISK_SLOT_FILE are serve_flags', re-exported
+    "DISK_SLOT_FILE", "HELP", "NAME", "add_arguments", "build_worker", "config_of",
+    "disk_slot_file", "kv_events_of", "offload_of", "placement_of", "run", "secret_of", "spec_of",
+]  # fmt: skip
 
 NAME = "serve"
 HELP = "Run a PD prefill worker, decode worker or router as a process."
-DISK_SLOT_FILE = "kvplane-chunks.disk"
-"""The disk tier's slot file, inside the ``--offload-disk`` directory."""
 log = logging.getLogger(__name__)
 _SECRET = "_serve_secret"
 """The attribute of a parsed namespace holding (the secret, whether from ``KVPLANE_SECRET``)
 once read: the variable leaves the environment when read, so a second read would find none."""
-
-
-def _config_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--config", default=None, metavar="FILE",
-        help="TOML file of [section] keys; precedence: flag > KVPLANE_<SECTION>_<FIELD> > file",
-    )  # fmt: skip
-    s = p.add_argument_group("security (flags only)")
-    s.add_argument(
-        "--secret-file", default=None, metavar="FILE",
-        help=f"file holding the shared secret (else ${SECRET_ENV}; never on the command line)",
-    )  # fmt: skip
-    s.add_argument(
-        "--insecure", action="store_true",
-        help="run without a secret: any local process can send orders and read or write KV",
-    )  # fmt: skip
-
-
-def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
-    _config_flags(p)
-    w = p.add_argument_group("worker", "the process ([worker], KVPLANE_WORKER_*)")
-    w.add_argument("--name", default=role, help="PD peer id (unique per deployment)")
-    w.add_argument("--control", default=LOOPBACK, help="order socket address (zmq)")
-    w.add_argument("--pd", default=LOOPBACK, help="PD control endpoint address (zmq)")
-    w.add_argument("--transport", default="tcp", help="tcp, shm, ... (see transports)")
-    w.add_argument("--transport-host", default="127.0.0.1", help="tcp transport listen host")
-    w.add_argument(
-        "--copy-threads", type=int, default=None,
-        help="threads the tcp/shm transport copies bytes with (default: torch's thread count)",
-    )  # fmt: skip
-    w.add_argument(
-        "--first-byte-timeout", type=float, default=FIRST_BYTE_TIMEOUT_S,
-        help="drop a tcp/shm data-plane connection that sends nothing this long once accepted (s)",
-    )  # fmt: skip
-    w.add_argument("--num-slots", type=int, default=64)
-    w.add_argument("--head-range", default=None, help="TP KV-head range START:END")
-    w.add_argument("--step-size", type=int, default=256, help="prefill step (tokens)")
-    w.add_argument("--slice-timeout", type=float, default=10.0, help="seconds per slice")
-    w.add_argument("--layer-ops", action="store_true", help="one transfer op per layer")
-    w.add_argument("--no-pipeline", action="store_true", help="send KV after prefill ends")
-    w.add_argument(
-        "--pipelining", choices=("on", "off", "auto"), default="auto",
-        help="slices sent as computed, KV after prefill, or (default) per request from the "
-        "simulator's calibrated cost model",
-    )  # fmt: skip
-    w.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
-    if role == "prefill":
-        w.add_argument("--tp-rank", type=int, default=0, help="this rank's TP rank (--model)")
-        w.add_argument("--tp-size", type=int, default=1, help="TP ranks of the prefill layout")
-        w.add_argument("--pp-stage", type=int, default=0, help="this rank's pipeline stage")
-        w.add_argument("--pp-size", type=int, default=1, help="pipeline stages of the prefill")
-    m = p.add_argument_group("model", "a real model ([model], KVPLANE_MODEL_*)")
-    m.add_argument("--model", default=None, help="tiny-llama, tiny-deepseek or an HF directory")
-    m.add_argument("--model-dtype", default="float32", choices=sorted(DTYPES))
-    add_attention_flag(m)
-    m.add_argument(
-        "--kv-groups", choices=("on", "off"), default="on",  # ModelSpec's default
-        help="a model mixing windows: one paged pool per KV cache group, or one of all layers",
-    )  # fmt: skip
-    m.add_argument("--seed", type=int, default=0, help="synthetic KV seed / model weights seed")
-    y = p.add_argument_group("synthetic", "the synthetic producer ([synthetic], ...)")
-    y.add_argument("--layout", default="mla", choices=("mla", "gqa"))
-    y.add_argument("--layers", type=int, default=2)
-    y.add_argument("--kv-heads", type=int, default=4)
-    y.add_argument("--head-dim", type=int, default=32)
-    y.add_argument("--latent-dim", type=int, default=64)
-    y.add_argument("--rope-dim", type=int, default=16)
-    y.add_argument("--dtype", default="bfloat16")
-    y.add_argument("--sliding-window", type=int, default=None)
-    y.add_argument("--state-dim", type=int, default=0)
-    y.add_argument("--compute-us-per-token", type=float, default=0.0)
-    y.add_argument("--compute-ms-per-step", type=float, default=0.0)
-    h = p.add_argument_group("hash", "block hashing ([hash], KVPLANE_HASH_*)")
-    h.add_argument("--hash-seed", type=int, default=0, help="block hash seed")
-    o = p.add_argument_group("offload", "prefix offload of prefill workers ([offload], ...)")
-    o.add_argument("--offload-host-slots", type=int, default=0, help="host tier chunks (0: off)")
-    o.add_argument(
-        "--offload-disk", default=None, metavar="DIR",
-        help=f"disk tier directory (created; its slot file is DIR/{DISK_SLOT_FILE})",
-    )  # fmt: skip
-    o.add_argument("--offload-disk-slots", type=int, default=256)
-    o.add_argument("--offload-remote-url", default="", help="Redis tier redis:// URL ('': off)")
-    o.add_argument(
-        "--offload-remote-mode", default="private", choices=REMOTE_MODES,
-        help="private: one worker's leased namespace; shared: one store for many workers",
-    )  # fmt: skip
-    o.add_argument("--offload-remote-namespace", default="kvplane", help="Redis key namespace")
-    o.add_argument("--offload-remote-slots", type=int, default=256)
-    o.add_argument("--offload-remote-replicas", default="", help="shared: more URLs, comma-sep.")
-    for tier in ("disk", "remote"):
-        o.add_argument(
-            f"--offload-{tier}-codec", default="raw", metavar="CODEC",
-            help=f"{tier} tier codec: raw, lossless lz4/zstd, lossy fp8/fp8-chunk/int8, or auto",
-        )  # fmt: skip
-    o.add_argument(
-        "--offload-pending-wait", type=float, default=PENDING_WAIT_S, metavar="S",
-        help="longest a request waits for this worker's own in-flight store of its prefix "
-        "before computing it (0: never waits)",
-    )  # fmt: skip
-    if role == "prefill":
-        _kv_event_flags(p)
-    c = p.add_argument_group("chunk", "offload chunks ([chunk], KVPLANE_CHUNK_*)")
-    c.add_argument("--blocks-per-chunk", type=int, default=2)
-    b = p.add_argument_group("pool", "the KV pool ([pool], KVPLANE_POOL_*)")
-    b.add_argument("--num-blocks", type=int, default=512)
-    b.add_argument("--block-size", type=int, default=16)
-    t = p.add_argument_group("pd", "PD protocol timings, seconds ([pd], KVPLANE_PD_*)")
-    d = DEFAULT_TIMINGS
-    for flag, default, what in (
-        ("--deadline", d.deadline_s, "PD session deadline"),
-        ("--heartbeat", d.heartbeat_s, "PD heartbeat"),
-        ("--lease", d.lease_s, "PD lease"),
-        ("--drain", d.drain_s, "PD drain bound"),
-        ("--in-doubt", d.in_doubt_s, "IN_DOUBT release deadline"),
-        ("--retransmit", d.retransmit_s, "PD retransmit period"),
-    ):
-        t.add_argument(flag, type=float, default=default, help=f"{what} (s)")
-    sectioned(p)
-
-
-def _kv_event_flags(p: argparse.ArgumentParser) -> None:
-    e = p.add_argument_group("kv_events", "KV events of the offload tiers ([kv_events], ...)")
-    e.add_argument(
-        "--kv-events", action="store_true",
-        help="publish the offload tiers' chunk changes (needs --offload-host-slots; CURVE with "
-        "the secret, plain only under --insecure); the router subscribes by itself",
-    )  # fmt: skip
-    e.add_argument("--kv-events-pub", default=LOOPBACK, help="events PUB socket address (zmq)")
-    e.add_argument(
-        "--kv-events-replay", default=LOOPBACK, help="replay ROUTER socket address (zmq)"
-    )  # fmt: skip
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="role", metavar="ROLE")
-    for role in ("prefill", "decode"):
-        _worker_flags(sub.add_parser(role, help=f"a {role} worker"), role)
-    rp = sub.add_parser("router", help="pair workers and serve Generate requests")
-    _config_flags(rp)
-    r = rp.add_argument_group("router", "the router ([router], KVPLANE_ROUTER_*)")
-    r.add_argument("--control", default=LOOPBACK, help="client order socket address (zmq)")
-    r.add_argument("--prefill", action="append", default=[], help="prefill order address")
-    r.add_argument("--decode", action="append", default=[], help="decode order address")
-    r.add_argument("--timeout", type=float, default=30.0, help="per-call timeout (s)")
-    r.add_argument(
-        "--request-deadline", type=float, default=120.0,
-        help="a request still unanswered after this long fails (s)",
-    )  # fmt: skip
-    r.add_argument(
-        "--refresh", type=float, default=1.0,
-        help="re-learn workers this often: mark silent ones down, re-pair restarted ones (s)",
-    )  # fmt: skip
-    r.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0: off)")
-    r.add_argument(
-        "--policy", default=RoutePolicy.ROUND_ROBIN.value, choices=[p.value for p in RoutePolicy],
-        help="prefill pick: round-robin, or cache-aware (least predicted TTFT from KV events)",
-    )  # fmt: skip
-    sectioned(rp)
-    proxy_flags(sub.add_parser("proxy", help=PROXY_HELP))
 
 
 def _head_range(text: str | None) -> tuple[int, int] | None:

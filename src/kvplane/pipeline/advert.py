@@ -3,8 +3,8 @@
 :class:`PoolAdvert` rides in ``Hello.transport_metadata``; decoding rebuilds every layout and
 checks it against the profile. The paged pools come first (one per KV cache group of a model
 serving several), then the whole-only pools (state, tail; a TP rank's state pool with its
-``state_split``). :func:`split_destination` is the ``dst_block_ids`` convention. See
-docs/pipeline.md.
+``state_split``). :func:`split_destination` is the ``dst_block_ids`` convention. The first
+field is the format's :data:`ADVERT_VERSION`, read alone before any other. See docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -20,8 +20,19 @@ from kvplane.layout import Axis, KVLayout, LayoutKind, dtype_from_name, dtype_na
 from kvplane.pd.handshake import PeerProfile
 from kvplane.state_split import MambaGeometry, StateSplit
 
-ADVERT_VERSION = 1
+ADVERT_VERSION = 2
+"""Version of the pool advert's format, its first field, read before any other
+(:func:`advert_version`): an advert of another version is refused in one line naming both. 1:
+one paged pool, then the whole-only ones. 2: a state pool's ``state_split``; several paged pools
+(one per KV cache group) leading the whole-only ones, and ``dst_block_ids`` split per group
+(:func:`split_destination`)."""
 _Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+
+
+class _Head(msgspec.Struct, frozen=True, array_like=True):
+    """The first field of an advert of any version (the fields after it are not read)."""
+
+    version: int
 
 
 class LayoutDesc(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -139,14 +150,29 @@ def encode_advert(transport: str, metadata: bytes, pools: list[tuple[KVLayout, R
     return msgspec.msgpack.encode(advert)
 
 
+def advert_version(blob: bytes) -> int:
+    """The version of a peer's advert, its first field, read alone: whatever follows it (any
+    version's fields) is not decoded. ``ProtocolError`` when ``blob`` does not start so."""
+    try:
+        return msgspec.msgpack.decode(blob, type=_Head).version
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"peer's pool advert is malformed: {exc}") from None
+
+
 def decode_advert(blob: bytes, profile: PeerProfile) -> tuple[PoolAdvert, list[RemotePool]]:
-    """Read a peer's advert and check it against the profile it shook hands with."""
+    """Read a peer's advert and check it against the profile it shook hands with.
+    ``ProtocolError`` in one line: another :data:`ADVERT_VERSION` (both named, before any other
+    field is read), a malformed advert, or one that disagrees with ``profile``."""
+    version = advert_version(blob)
+    if version != ADVERT_VERSION:
+        raise ProtocolError(
+            f"peer's pool advert is version {version}, this worker reads version "
+            f"{ADVERT_VERSION}: run one kvplane release on both sides"
+        )
     try:
         advert = msgspec.msgpack.decode(blob, type=PoolAdvert)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"peer's pool advert is malformed: {exc}") from None
-    if advert.version != ADVERT_VERSION:
-        raise ProtocolError(f"pool advert version {advert.version}, expected {ADVERT_VERSION}")
     if len(advert.pools) != len(profile.layouts):
         raise ProtocolError(
             f"advert lists {len(advert.pools)} pools, the handshake profile {len(profile.layouts)}"
