@@ -150,7 +150,17 @@ def test_each_group_loads_its_part_of_the_common_prefix(pools: WorkerPools) -> N
     _random(pools, 0)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 97, 40)]
     want = _store(off, pools, "a", prompt)
-    _check_loaded(pools, _load(off, pools, prompt), want)
+    again = _load(off, pools, prompt)
+    # its store will read the window group's chunks from 4 on (0-3 unfilled), the full group's
+    # all: until it is issued those blocks are the request's (``PrefillSteps.drop_window``)
+    assert off.store_reads(again[0], groups=again[1:]) == (4 * TPC, 0)
+    short = _tables(pools, "c", list(range(TPC - 1)))  # no full chunk: it stores nothing
+    assert off.store_reads(short[0], groups=short[1:]) == (None, None)
+    with pytest.raises(InvalidArgumentError, match="0 group tables for 1"):
+        off.store_reads(short[0])
+    for table, pool in zip(short, pools.block_pools, strict=True):
+        table.release(pool)
+    _check_loaded(pools, again, want)
     assert off.counts["chunks_skipped_window"] == 4  # group 0, the window group's
     assert off.members[0].counts.get("chunks_skipped_window", 0) == 0
     assert (dict(off.hits), dict(off.members[0].hits)) == ({"host": 1}, {"host": 5})

@@ -179,3 +179,28 @@ def test_an_order_taken_after_a_step_came_during_it() -> None:
     run = DemoRun(spans, arrivals, orders, orders, arrivals)
     assert prefill_receipts(run) == pytest.approx({"x": 0.0, "y": 0.006})
     assert replayed_costs(run)["y"].inbox_s == pytest.approx(0.0055)
+
+
+def test_a_prefill_receipt_mark_replaces_the_estimate() -> None:
+    # as above, but the prefill worker marked y's order reaching its inbox at 9 ms (during
+    # x's step): that is its receipt, not the step's middle; x's mark, at its order, too
+    events = [
+        _ev(0.0, "prefill", Mark.ORDER_RECEIVED, "x"), _ev(0.0, "prefill", Mark.ORDER, "x"),
+        _ev(1.0, "prefill", Mark.STEP_START, "x", 0), _ev(11.0, "prefill", Mark.STEP_END, "x", 0),
+        _ev(0.5, "decode", Mark.ORDER_RECEIVED, "y"), _ev(9.0, "prefill", Mark.ORDER_RECEIVED, "y"),
+        _ev(13.0, "prefill", Mark.ORDER, "y"), _ev(13.0, "decode", Mark.ORDER, "y"),
+        _ev(14.0, "prefill", Mark.STEP_START, "y", 0), _ev(20.0, "prefill", Mark.STEP_END, "y", 0),
+        _ev(20.0, "decode", Mark.DECODE_READY, "y"), _ev(21.0, "decode", Mark.DECODE_DONE, "y"),
+    ]  # fmt: skip
+    run = read_demo_trace(chrome_trace(events))
+    ms = pytest.approx
+    assert run.prefill_received == ms({"x": 0.0, "y": 0.009})
+    assert run.received == ms({"y": 0.0005})  # the decode worker's receipts stay apart
+    assert run.arrivals == ms({"x": 0.0, "y": 0.0005})
+    assert prefill_receipts(run) == ms({"x": 0.0, "y": 0.009})
+    assert replayed_costs(run)["y"].inbox_s == ms(0.0085)
+    # the same trace without the prefill worker's marks: the estimate (x's step's middle)
+    old = read_demo_trace(chrome_trace([e for e in events if e.worker == "decode"
+                                        or e.mark != Mark.ORDER_RECEIVED.value]))  # fmt: skip
+    assert old.prefill_received == {}
+    assert prefill_receipts(old) == ms({"x": 0.0, "y": 0.006})

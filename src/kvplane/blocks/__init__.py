@@ -1,7 +1,17 @@
 """L1 blocks: chained block hashing, the block pool (ref counts, LRU free queue, prefix-cache
-map) and per-request block tables with prefix match and token-range accounting."""
+map), per-request block tables with prefix match and token-range accounting, and the rules
+joining one request's tables across a model's KV cache groups."""
 
 from kvplane.blocks.free_queue import FreeBlockQueue
+from kvplane.blocks.groups import (
+    GroupShort,
+    Windowed,
+    admit_groups,
+    after_step,
+    drop_windows,
+    grow_groups,
+    short_group,
+)
 from kvplane.blocks.hashing import (
     DIGEST_SIZE,
     BlockHasher,
@@ -22,10 +32,17 @@ __all__ = [
     "BlockTable",
     "ExtraKey",
     "FreeBlockQueue",
+    "GroupShort",
     "TableState",
     "TokenIds",
+    "Windowed",
+    "admit_groups",
+    "after_step",
     "canonical_token_ids",
     "check_block_hash",
     "consecutive_runs",
+    "drop_windows",
     "encode_extra_keys",
+    "grow_groups",
+    "short_group",
 ]

@@ -9,13 +9,22 @@ every exit path. See docs/attention.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from kvplane.blocks import BlockHasher, BlockPool, BlockTable, canonical_token_ids
+from kvplane.blocks import (
+    BlockHasher,
+    BlockPool,
+    BlockTable,
+    GroupShort,
+    admit_groups,
+    after_step,
+    canonical_token_ids,
+    grow_groups,
+    short_group,
+)
 from kvplane.blocks.hashing import TokenIds
 from kvplane.errors import BlockStateError, InvalidArgumentError
 from kvplane.ids import RequestId, TokenRange
@@ -81,6 +90,32 @@ def blocks_needed(
         return plain
     span = (max(w or 0 for w in windows) - 1) // block_size + 2
     return min(plain, span if received else max(-(-prompt_len // block_size), span))
+
+
+def group_peaks(
+    prompt_len: int,
+    max_new_tokens: int,
+    layouts: Sequence[KVLayout],
+    pools: Sequence[BlockPool] | None = None,
+    *,
+    received: bool = False,
+) -> tuple[int, ...]:
+    """:func:`blocks_needed` per KV cache group (``layouts[g]``, its block size): a group
+    drops its out-of-window blocks when its pool has a null block (``pools`` given) or, for
+    pools not made yet, when every layer of its layout slides (the pool it gets has one)."""
+    drops: Iterable[bool] = (
+        [p.null_block is not None for p in pools] if pools is not None else map(_slides, layouts)
+    )
+    return tuple(
+        blocks_needed(prompt_len, max_new_tokens, lay.block_size, lay if d else None,
+                      received=received)
+        for lay, d in zip(layouts, drops, strict=True)
+    )  # fmt: skip
+
+
+def _slides(layout: KVLayout) -> bool:
+    """Every layer of ``layout`` has a window: its pool keeps a null block for dropped ones."""
+    return None not in map(layout.window_of, layout.layer_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,11 +229,8 @@ def greedy_generate(
     else:
         layout = model.kv_layout(1, block_size)
         layouts = KVGroups.of_layout(layout).layouts(layout)
-        drops = tuple(None not in map(lay.window_of, lay.layer_ids) for lay in layouts)
-    needs = [
-        blocks_needed(n, max_new_tokens, block_size, lay if d else None)
-        for lay, d in zip(layouts, drops, strict=True)
-    ]
+        drops = tuple(map(_slides, layouts))
+    needs = group_peaks(n, max_new_tokens, layouts, context.pools if context else None)
     totals = (
         [p.num_blocks for p in context.pools]
         if context is not None
@@ -214,26 +246,33 @@ def greedy_generate(
     if max_new_tokens == 0:
         return GenerationResult((), n, ())
     ctx = context if context is not None else PagedContext.for_model(model, totals, block_size)
-    tables = _admit(ctx, prompt, request_id)
+    got = admit_groups(ctx.pools, ctx.hashers, RequestId(request_id), prompt)
+    if isinstance(got, GroupShort):
+        g = got.group
+        raise InvalidArgumentError(
+            f"{_where(layouts, g)}the pool has {ctx.pools[g].num_free_blocks} free blocks; "
+            f"admitting {n} tokens needs more"
+        )
+    tables = got
     steps: list[TokenRange] = []
     tokens: list[int] = []
     cached = tables[0].num_cached_tokens
     try:
-        for g, (table, pool, need) in enumerate(zip(tables, ctx.pools, needs, strict=True)):
-            more = need - len(table.block_ids)
-            if more > pool.num_free_blocks:
-                raise InvalidArgumentError(
-                    f"{_where(layouts, g)}decoding {max_new_tokens} tokens needs {more} more "
-                    f"blocks; the pool has {pool.num_free_blocks} free"
-                )
+        short = short_group(tables, ctx.pools, needs)
+        if short is not None:
+            g = short.group
+            more = needs[g] - tables[g].num_held_blocks
+            raise InvalidArgumentError(
+                f"{_where(layouts, g)}decoding {max_new_tokens} tokens needs {more} more "
+                f"blocks; the pool has {ctx.pools[g].num_free_blocks} free"
+            )
         for rng in prefill_ranges(n, step_size, cached):
             logits = _step(model, tables, ctx, rng)
             steps.append(rng)
         tokens.append(greedy_token(logits)[0])
         while len(tokens) < max_new_tokens:
-            for table, pool in zip(tables, ctx.pools, strict=True):
-                if not table.append_tokens(pool, [tokens[-1]]):  # pragma: no cover - checked
-                    raise BlockStateError("the pool ran out of blocks while decoding")
+            if grow_groups(tables, ctx.pools, [tokens[-1]]) is not None:  # pragma: no cover
+                raise BlockStateError("the pool ran out of blocks while decoding")  # checked
             rng = TokenRange(n + len(tokens) - 1, n + len(tokens))
             logits = _step(model, tables, ctx, rng)
             steps.append(rng)
@@ -253,48 +292,12 @@ def _where(layouts: Sequence[KVLayout], group: int) -> str:
     return f"KV cache group {group} (window {lay.window_of(lay.layer_ids[0])}): "
 
 
-def _admit(ctx: PagedContext, prompt: np.ndarray, request_id: str) -> list[BlockTable]:
-    """One admitted table per KV cache group, each with the prefix every group holds cached
-    (a group that matched more is admitted again, capped); ``InvalidArgumentError`` with
-    nothing allocated when a pool lacks free blocks."""
-    layouts = [c.layout for c in ctx.kv.caches]
-    tables: list[BlockTable] = []
-
-    def admit(g: int, cap: int | None) -> BlockTable:
-        pool, hasher = ctx.pools[g], ctx.hashers[g]
-        table = BlockTable(RequestId(request_id), pool.block_size, hasher)
-        if table.admit(pool, prompt, max_cached_blocks=cap) is None:
-            raise InvalidArgumentError(
-                f"{_where(layouts, g)}the pool has {pool.num_free_blocks} free blocks; "
-                f"admitting {len(prompt)} tokens needs more"
-            )
-        return table
-
-    try:
-        cap: int | None = None
-        for g in range(len(layouts)):
-            tables.append(admit(g, cap))
-            cap = tables[-1].num_cached_tokens // ctx.pool.block_size
-        for g, table in enumerate(tables):
-            if table.num_cached_tokens // ctx.pool.block_size != cap:
-                table.release(ctx.pools[g])
-                tables[g] = admit(g, cap)
-    except BaseException:
-        for table, pool in zip(tables, ctx.pools, strict=False):
-            table.release(pool)
-        raise
-    return tables
-
-
 def _step(
     model: CausalLM, tables: list[BlockTable], ctx: PagedContext, rng: TokenRange
 ) -> torch.Tensor:
-    """Compute ``rng``, mark it computed, then, in each pool with a null block, drop the
-    blocks no later step reads (the next one computes ``rng.end`` on)."""
+    """Compute ``rng``, then the groups' upkeep (:func:`~kvplane.blocks.after_step`: marked
+    computed, the blocks no later step reads dropped where a pool has a null block)."""
     batch = StepBatch.from_group_tables([(tables, rng)], model.device)
     logits = model.forward_step(batch, ctx.kv)
-    for table, pool, kv in zip(tables, ctx.pools, ctx.kv.caches, strict=True):
-        table.mark_computed(pool, len(rng))
-        if pool.null_block is not None:
-            table.drop_before(pool, kv.layout.window_start(rng.end))
+    after_step(tables, ctx.pools, [kv.layout for kv in ctx.kv.caches], rng)
     return logits

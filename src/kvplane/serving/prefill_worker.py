@@ -1,7 +1,9 @@
 """The prefill worker: chunked prefill with a pipelined, ledger-owned transfer of every slice.
 
 A request's blocks are freed only when its session finished and the ledger released every
-slice, never on the phase alone. See docs/serving.md.
+slice, never on the phase alone; only the blocks of a window group that nothing reads any
+more go earlier, after each step (:class:`~kvplane.serving.prefill_steps.PrefillSteps`, which
+runs the steps). See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -14,31 +16,30 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from kvplane.blocks import BlockTable
-from kvplane.errors import InvalidArgumentError, KVPlaneError, ProtocolError
-from kvplane.ids import PeerId, RequestId, SessionId, TokenRange
+from kvplane.errors import KVPlaneError, ProtocolError
+from kvplane.ids import PeerId, RequestId, SessionId
 from kvplane.metrics import SEED_HISTOGRAMS, MetricsRegistry, histogram_counters
 from kvplane.pd.actions import Action, DestinationKnown, Finished, Release, StartSubmit
 from kvplane.pd.events import Cancel, SubmitSlice
 from kvplane.pd.states import Role, SessionState
 from kvplane.pipeline.driver import SliceDriver
 from kvplane.pipeline.driver_records import SliceSource
-from kvplane.pipeline.shares import Share
-from kvplane.pipeline.slicing import SliceCutter, slice_schedule, step_ranges
-from kvplane.pipeline.timeline import Mark, request_times
+from kvplane.pipeline.slicing import SliceCutter, step_ranges
+from kvplane.pipeline.timeline import Mark
 from kvplane.serving import worker_requests as book
 from kvplane.serving.gather_orders import share_for
 from kvplane.serving.kv_publisher import KVEventSettings
 from kvplane.serving.messages import Ack, AnyMessage, CancelOrder, PrefillOrder, WorkerStats
+from kvplane.serving.prefill_steps import PrefillRequest, PrefillSteps
 from kvplane.serving.prefix_offload import Finished as OffloadFinished
 from kvplane.serving.prefix_offload import PrefixOffload, PrefixSettings, StoreFinished
-from kvplane.serving.producers.base import KVProducer, ProduceStep
+from kvplane.serving.producers.base import KVProducer
 from kvplane.serving.producers.model import ModelKV, PromptChecker
 from kvplane.serving.rpc import Reply
 from kvplane.serving.worker import Worker, WorkerHooks
 from kvplane.serving.worker_config import WorkerConfig
 from kvplane.simulate.calibrate import PD_LINKS
-from kvplane.simulate.pipelining import AutoPipelining, Choice
+from kvplane.simulate.pipelining import AutoPipelining
 from kvplane.transports.base import Transport
 
 
@@ -49,41 +50,6 @@ class _Admission:
 
     session_id: SessionId
     accepted: bool
-
-
-@dataclass(slots=True, eq=False)
-class _Prefill:
-    order: PrefillOrder
-    sid: SessionId
-    peer: PeerId
-    tokens: np.ndarray
-    steps: list[TokenRange]
-    table: BlockTable | None = None
-    group_tables: tuple[BlockTable, ...] = ()
-    slot: int | None = None
-    cutter: SliceCutter | None = None
-    next_step: int = 0
-    admitted: int = 0
-    released: int = 0
-    outcome: SessionState | None = None
-    stopped: bool = False
-    failed_at: float | None = None
-    finished_at: float | None = None
-    prefill_end: float | None = None
-    loading: bool = False
-    loaded: int = 0
-    compute_s: float = 0.0
-    computed: int = 0
-    share: Share | None = None
-
-    @property
-    def computing(self) -> bool:
-        return (
-            self.table is not None
-            and self.cutter is not None
-            and not self.stopped
-            and self.next_step < len(self.steps)
-        )
 
 
 class PrefillWorker(Worker):
@@ -119,10 +85,14 @@ class PrefillWorker(Worker):
             layout = self.pools.kv.layout
             per_token = layout.bytes_per_block // layout.block_size
             self.auto = AutoPipelining(PD_LINKS.get(config.transport), per_token)
-        self._requests: dict[RequestId, _Prefill] = {}
-        self._by_session: dict[SessionId, _Prefill] = {}
-        self._waiting: deque[_Prefill] = deque()
-        self._running: deque[_Prefill] = deque()
+        self.steps = PrefillSteps(
+            producer, self.pools, self.timeline, counters=self.counters, offload=self.offload,
+            auto=self.auto, cancel=self._cancel,
+        )  # fmt: skip
+        self._requests: dict[RequestId, PrefillRequest] = {}
+        self._by_session: dict[SessionId, PrefillRequest] = {}
+        self._waiting: deque[PrefillRequest] = deque()
+        self._running: deque[PrefillRequest] = deque()
         self._sources: dict[SessionId, SliceSource] = {}
         self._sources_lock = threading.Lock()
         self.driver = SliceDriver(
@@ -164,6 +134,11 @@ class PrefillWorker(Worker):
         return len(self._requests)
 
     # -- orders ----------------------------------------------------------------------------------
+    def _on_message(self, msg: AnyMessage, reply: Reply) -> None:
+        if isinstance(msg, PrefillOrder):  # its wait for the worker loop is measured
+            self.timeline.record(Mark.ORDER_RECEIVED, msg.request_id)
+        super()._on_message(msg, reply)
+
     def _on_order(self, msg: AnyMessage, reply: Reply) -> None:
         if isinstance(msg, PrefillOrder):
             reply(Ack(detail=self._accept(msg)))
@@ -189,7 +164,7 @@ class PrefillWorker(Worker):
             self.counters["orders_for_ended_sessions"] += 1
             return "session already ended"
         tokens = np.asarray(order.token_ids, dtype=np.int64)
-        req = _Prefill(order, sid, peer, tokens, step_ranges(n, step), share=share)
+        req = PrefillRequest(order, sid, peer, tokens, step_ranges(n, step), share=share)
         self._requests[rid] = req
         self._by_session[sid] = req
         self.timeline.record(Mark.ORDER, rid)
@@ -235,40 +210,21 @@ class PrefillWorker(Worker):
                     continue
             self._start(req)
 
-    def _start(self, req: _Prefill) -> None:
+    def _start(self, req: PrefillRequest) -> None:
         """Cut, schedule and run an admitted request (its prefix, if any, is loaded)."""
         table, slot = req.table, req.slot
         if table is None or slot is None:  # pragma: no cover - admitted requests hold both
             return
-        n = len(req.tokens)
-        if req.loaded:  # the loaded prefix is "step" 0: no compute, just its slice
-            step = req.order.step_size or self.config.step_size
-            rest = range(req.loaded, n, step)
-            req.steps = [TokenRange(0, req.loaded)]
-            req.steps += [TokenRange(s, min(s + step, n)) for s in rest]
-        align = self._alignment(req.peer)
-        mode = self._mode(req)
-        req.cutter = SliceCutter(n, align, pipelined=mode.pipelined, every=mode.every)
-        schedule = slice_schedule(n, req.steps, align, pipelined=mode.pipelined, every=mode.every)
+        rid = req.order.request_id
+        step, align = req.order.step_size or self.config.step_size, self._alignment(req.peer)
+        schedule = self.steps.schedule(req, step, align, self.config.pipelined)
         pools = book.local_pools(self.pools, req)  # one paged pool per KV cache group
         with self._sources_lock:
-            self._sources[req.sid] = SliceSource(
-                req.order.request_id, pools, schedule, share=req.share
-            )
+            self._sources[req.sid] = SliceSource(rid, pools, schedule, share=req.share)
         self.driver.source_ready(req.sid)  # a DestinationKnown that came first can plan now
         self._running.append(req)
         if self.offload is not None:  # a later request of this prefix waits for its store
-            self.offload.expect(RequestId(req.order.request_id), table)
-
-    def _mode(self, req: _Prefill) -> Choice:
-        """Pipelined or not, and how many steps a slice: the config's, or with
-        ``auto_pipelining`` the cost model's answer for this request."""
-        if self.auto is None:
-            return Choice(self.config.pipelined)
-        step = req.order.step_size or self.config.step_size
-        choice = self.auto.choose(len(req.tokens), req.loaded, step)
-        self.counters[f"auto_pipelined_{str(choice.pipelined).lower()}"] += 1
-        return choice
+            self.offload.expect(RequestId(rid), table)
 
     def _on_offload(self, events: list[OffloadFinished]) -> None:
         """Loads that ended start their requests (or free them, if stopped meanwhile)."""
@@ -315,15 +271,16 @@ class PrefillWorker(Worker):
         if self.offload is not None and self.offload.loading:  # nothing else to do: wait a bit
             self._on_offload(self.offload.wait(0.005))
 
-    def _step(self, req: _Prefill) -> None:
+    def _step(self, req: PrefillRequest) -> None:
         if req.table is None or req.cutter is None:  # pragma: no cover - computing checks it
             return
         rng = req.steps[req.next_step]
         is_last = req.next_step == len(req.steps) - 1
         if rng.end <= req.loaded:  # the loaded prefix: already in the blocks
             req.next_step += 1
-        elif not self._compute(req, rng, is_last):  # failed: its KV must never be sent
+        elif not self.steps.compute(req, rng, is_last):  # failed: its KV must never be sent
             return
+        self.steps.drop_window(req, rng.end)  # what no later step, slice or store reads
         cut = req.cutter.after_step(rng.end, is_last)
         if cut is None:
             return
@@ -347,47 +304,6 @@ class PrefillWorker(Worker):
             req.failed_at = time.monotonic()
         self.counters["slices_after_session_end"] += 1
         self._maybe_free(req)
-
-    def _compute(self, req: _Prefill, rng: TokenRange, is_last: bool) -> bool:
-        """One prefill step through the producer; the last one writes the tail record and
-        stores the prompt's chunks in the offload tiers. False: the step failed and its
-        request is cancelled (nothing of it may be cut into a slice)."""
-        table = req.table
-        if table is None:  # pragma: no cover - computing checks it
-            return False
-        rid = req.order.request_id
-        self.timeline.record(Mark.STEP_START, rid, slice_id=req.next_step)
-        began = time.perf_counter()
-        groups = book.group_block_ids(req)  # KV cache groups 1..'s blocks
-        step = ProduceStep(
-            RequestId(rid), req.tokens, table.block_ids, rng, is_last, req.slot, groups
-        )
-        try:
-            out = self.producer.produce(step, self.pools.kv, self.pools.state)
-        except KVPlaneError as exc:  # a step that cannot run fails its request, not the worker
-            self.counters["step_errors"] += 1
-            self.timeline.record(Mark.STEP_END, rid, slice_id=req.next_step, detail="failed")
-            self._cancel(RequestId(rid), f"prefill step failed: {exc}"[:4000])
-            return False
-        req.next_step += 1
-        if self.offload is not None:  # a hybrid's state at a chunk boundary, kept for reuse
-            self.offload.keep_state(table, req.slot, rng.end)
-        if is_last:
-            if out.first_token is None or req.slot is None:
-                raise InvalidArgumentError(f"producer gave no first token for request {rid!r}")
-            self.pools.write_tail(req.slot, out.first_token, req.tokens)
-        req.compute_s += time.perf_counter() - began
-        req.computed += len(rng)
-        ev = self.timeline.record(Mark.STEP_END, rid, slice_id=req.next_step - 1)
-        if is_last:
-            req.prefill_end = ev.t
-            if self.auto is not None and req.cutter is not None and req.computed > len(rng):
-                self.auto.observe(req.cutter.pipelined, req.computed, req.compute_s)
-            if self.offload is not None:
-                chunks = self.offload.store(RequestId(rid), table, groups=req.group_tables)
-                if chunks:
-                    self.timeline.record(Mark.STORE_START, rid, detail=str(chunks))
-        return True
 
     # -- protocol actions --------------------------------------------------------------------------
     def _on_pd(self, act: object) -> None:
@@ -416,7 +332,7 @@ class PrefillWorker(Worker):
             req.failed_at = now
         self._maybe_free(req)
 
-    def _maybe_free(self, req: _Prefill) -> None:
+    def _maybe_free(self, req: PrefillRequest) -> None:
         """Free the request's memory once nothing more will be submitted (session ended or
         stopped locally) and the ledger released every slice the session admitted; forget the
         request once its session has ended too."""
@@ -426,7 +342,6 @@ class PrefillWorker(Worker):
             return
         if req in self._waiting or req.loading:
             return  # dropped by _admit_waiting / freed when its load ends
-        rid = RequestId(req.order.request_id)
         if req.table is not None or req.slot is not None:
             with self._sources_lock:
                 self._sources.pop(req.sid, None)
@@ -437,16 +352,9 @@ class PrefillWorker(Worker):
             return
         book.forget(self._requests, self._by_session, req)
         if req.outcome is SessionState.SUCCESS and req.failed_at is None:
-            evs = self.timeline.events(rid)
-            times = request_times(evs)
-            self.rmetrics.overlap.observe(times.overlap_ratio)
-            if self.auto is not None:  # the link's own cost, for --pipelining auto
-                done = sorted((e.t, e.nbytes) for e in evs if e.mark == Mark.SLICE_DONE.value)
-                self.auto.observe_link(times.slice_busy_s, [n for _, n in done])
-            if req.prefill_end is not None and req.finished_at is not None:
-                self.rmetrics.tail.observe(max(0.0, req.finished_at - req.prefill_end))
+            self.steps.observe_success(req, self.rmetrics)
 
-    def _stop_offload(self, offload: PrefixOffload, req: _Prefill) -> None:
+    def _stop_offload(self, offload: PrefixOffload, req: PrefillRequest) -> None:
         """A stopped request: its promised store will not come, and if it is parked waiting for
         this worker's stores of its prefix it is unparked now, without a lookup (nothing is
         loading into its blocks, so :meth:`_maybe_free` may free them at once; a load in flight

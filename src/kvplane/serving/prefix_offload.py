@@ -187,6 +187,21 @@ class PrefixOffload:
         """``request_id`` stopped: it will not store what :meth:`expect` promised."""
         self.stores.forget(request_id)
 
+    def store_reads(
+        self, table: BlockTable, *, groups: Sequence[BlockTable] = ()
+    ) -> tuple[int | None, ...]:
+        """Per KV cache group (``table``, then ``groups`` 1..), the first position whose block
+        the request's coming :meth:`store` reads (its first chunk a window load did not leave
+        unfilled), None where it stores no chunk: blocks from there on stay the request's until
+        the store is issued (then the cascade fences what it reads until it ends)."""
+        if len(groups) != len(self.members):
+            raise InvalidArgumentError(f"{len(groups)} group tables for {len(self.members)}")
+        offloads = (self, *self.members)
+        return tuple(
+            o.stores.reads_from(t, o.loads.unfilled.get(t, 0))
+            for o, t in zip(offloads, (table, *groups), strict=True)
+        )
+
     def store(
         self, request_id: RequestId, table: BlockTable, *, groups: Sequence[BlockTable] = ()
     ) -> int:

@@ -45,6 +45,13 @@ class PrefixStores:
         """``request_id`` stopped: it will not store what :meth:`expect` promised."""
         self.parts.waits.forget(request_id)
 
+    def reads_from(self, table: BlockTable, first: int) -> int | None:
+        """The first position :meth:`store` of ``table`` from chunk ``first`` on would read
+        (``first``'s), None when it would store no chunk (the prompt has no full chunk past
+        it). Pure: what the request must keep until it stores."""
+        tokens = self.parts.spec.tokens_per_chunk
+        return first * tokens if table.num_tokens // tokens > first else None
+
     def store(self, request_id: RequestId, table: BlockTable, first: int) -> int:
         """Offload the full chunks of ``table`` (its tokens computed) from chunk ``first`` on
         (those before it were left unfilled by a window load); returns how many chunks the

@@ -12,10 +12,10 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from kvplane.blocks import BlockTable
+from kvplane.blocks import BlockTable, GroupShort, admit_groups
 from kvplane.errors import ConfigError, InvalidArgumentError
 from kvplane.ids import RegionId, RequestId, SessionId
-from kvplane.models import blocks_needed
+from kvplane.models.generate import group_peaks
 from kvplane.pipeline.slicing import LocalPool
 from kvplane.pipeline.timeline import Mark
 from kvplane.serving.pools import WorkerPools
@@ -77,12 +77,9 @@ def find_to_stop(requests: dict[RequestId, R], rid: RequestId, sid: str | None) 
 
 def received_need(pools: WorkerPools, num_tokens: int, max_new_tokens: int) -> int:
     """The most blocks one KV cache group's pool must give a decoded request whose prompt's
-    window arrives (:func:`~kvplane.models.blocks_needed` per group, ``received``)."""
-    return max(
-        blocks_needed(num_tokens, max_new_tokens, pool.block_size,
-                      kv.layout if pool.null_block is not None else None, received=True)
-        for kv, pool in zip(pools.kv.pools, pools.block_pools, strict=True)
-    )  # fmt: skip
+    window arrives (:func:`~kvplane.models.generate.group_peaks`, ``received``)."""
+    layouts = [kv.layout for kv in pools.kv.pools]
+    return max(group_peaks(num_tokens, max_new_tokens, layouts, pools.block_pools, received=True))
 
 
 def admit_memory(
@@ -91,46 +88,27 @@ def admit_memory(
     """Give ``req`` a table per KV cache group for its tokens and a tail slot, and return group
     0's table and the slot (groups 1..'s in ``req.group_tables``); None, holding nothing, while
     blocks or slots are short. Cached prefix blocks are shared, as many as every group holds
-    (:meth:`~kvplane.blocks.BlockTable.admit`'s ``max_cached_blocks``). ``received``: a
-    receiver's tables, whose blocks wholly before each group's window of the prompt (positions
-    the sender does not send) are none (``drop_before``)."""
+    (:func:`~kvplane.blocks.admit_groups`). ``received``: a receiver's tables, whose blocks
+    wholly before each group's window of the prompt (positions the sender does not send) are
+    none (``drop_before``). ``InvalidArgumentError`` unless ``block_size`` is the pools'."""
+    if block_size != pools.blocks.block_size:
+        raise InvalidArgumentError(
+            f"block size {block_size}; the pools' is {pools.blocks.block_size}"
+        )
     if pools.slots.num_free_blocks == 0:
         return None
     n, rid = len(req.tokens), RequestId(req.order.request_id)
-    tables: dict[int, BlockTable] = {}  # by group
-
-    def admit(g: int, cap: int | None) -> bool:
-        kv, pool = pools.kv.pools[g], pools.block_pools[g]
-        table = BlockTable(rid, block_size, pools.hashers[g])
-        first = kv.layout.window_start(n) if received else 0
-        if table.admit(pool, req.tokens, drop_before=first, max_cached_blocks=cap) is None:
-            return False
-        tables[g] = table
-        return True
-
-    def release() -> None:
-        for g, table in tables.items():
-            table.release(pools.block_pools[g])
-
-    cap: int | None = None
-    for g in range(pools.num_kv_pools):
-        if not admit(g, cap):
-            release()
-            return None
-        cap = tables[g].num_cached_tokens // block_size
-    for g in range(pools.num_kv_pools):  # a group that matched more than all: the common prefix
-        if tables[g].num_cached_tokens // block_size != cap:
-            tables.pop(g).release(pools.block_pools[g])
-            if not admit(g, cap):  # fewer shared blocks: more to allocate
-                release()
-                return None
+    firsts = [kv.layout.window_start(n) for kv in pools.kv.pools] if received else None
+    got = admit_groups(pools.block_pools, pools.hashers, rid, req.tokens, drop_before=firsts)
+    if isinstance(got, GroupShort):
+        return None
     slot = pools.take_slot()
     if slot is None:  # pragma: no cover - checked above; only the worker's thread allocates
-        release()
+        for table, pool in zip(got, pools.block_pools, strict=True):
+            table.release(pool)
         return None
-    ordered = [tables[g] for g in range(pools.num_kv_pools)]
-    req.table, req.group_tables, req.slot = ordered[0], tuple(ordered[1:]), slot
-    return ordered[0], slot
+    req.table, req.group_tables, req.slot = got[0], tuple(got[1:]), slot
+    return got[0], slot
 
 
 def destination_ids(pools: WorkerPools, req: HeldRequest) -> tuple[int, ...]:

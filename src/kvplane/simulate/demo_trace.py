@@ -25,7 +25,8 @@ PREFILL = "prefill"
 ACCEPT = "order accept"
 """The decode worker's span from its loop taking a request's order to its session open."""
 RECEIVED = "order_received"
-"""The decode worker's instant: a request's order reached its order thread."""
+"""A worker's instant: a request's order reached its order thread (the decode worker's; the
+prefill worker's too in a trace of a later run)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +48,9 @@ class DemoRun:
     """A saved demo run: its spans, each request's first order (its arrival, s), the
     prefill worker's and the decode worker's orders (when each worker took the request),
     when each decode order reached the decode worker (``received``; empty in a trace without
-    :data:`RECEIVED` events), and when the decode worker released each request's memory
-    after its decode (``released``: its loop free again)."""
+    :data:`RECEIVED` events), when the decode worker released each request's memory after
+    its decode (``released``: its loop free again), and when each prefill order reached the
+    prefill worker (``prefill_received``; empty in a trace from before it was recorded)."""
 
     spans: tuple[TraceSpan, ...]
     arrivals: Mapping[str, float]
@@ -56,6 +58,7 @@ class DemoRun:
     decode_orders: Mapping[str, float]
     received: Mapping[str, float] = field(default_factory=dict)
     released: Mapping[str, float] = field(default_factory=dict)
+    prefill_received: Mapping[str, float] = field(default_factory=dict)
 
     def of(self, cat: str, request: str | None = None) -> list[TraceSpan]:
         """The spans of ``cat`` (of ``request`` when given), by start."""
@@ -89,6 +92,7 @@ def read_demo_trace(trace: Mapping[str, Any]) -> DemoRun:
     decode: dict[str, float] = {}
     received: dict[str, float] = {}
     released: dict[str, float] = {}
+    prefill_received: dict[str, float] = {}
     names = {
         ev.get("pid"): ev["args"].get("name")
         for ev in rows
@@ -108,13 +112,14 @@ def read_demo_trace(trace: Mapping[str, Any]) -> DemoRun:
                 released[request] = t
         elif ev.get("ph") == "i" and ev.get("name") in ("order", RECEIVED):
             arrivals[request] = min(t, arrivals.get(request, t))
+            at_prefill = names.get(ev.get("pid")) == PREFILL
             if ev.get("name") == RECEIVED:
-                received[request] = t
+                (prefill_received if at_prefill else received)[request] = t
             else:
-                (prefill if names.get(ev.get("pid")) == PREFILL else decode)[request] = t
+                (prefill if at_prefill else decode)[request] = t
     if not arrivals or not spans:
         raise ConfigError("the trace holds no request (no order event or no span)")
-    return DemoRun(tuple(spans), arrivals, prefill, decode, received, released)
+    return DemoRun(tuple(spans), arrivals, prefill, decode, received, released, prefill_received)
 
 
 def measured(run: DemoRun) -> tuple[float, float]:
@@ -136,15 +141,18 @@ def measured(run: DemoRun) -> tuple[float, float]:
 
 
 def prefill_receipts(run: DemoRun) -> dict[str, float]:
-    """Per request with a prefill order, when it reached the prefill worker's inbox, as far
-    as the trace shows: its arrival, or the middle of the worker's last step begun before
-    the order was taken if later (the worker takes every order waiting in its inbox before a
-    step, so that order came during or after that step: the middle keeps it in the same
-    step of a replay whose times drift by less than half a step); never after the order's
-    time."""
+    """Per request with a prefill order, when it reached the prefill worker's inbox: the
+    prefill worker's :data:`RECEIVED` mark where the trace has it; else, as far as the trace
+    shows, its arrival, or the middle of the worker's last step begun before the order was
+    taken if later (the worker takes every order waiting in its inbox before a step, so that
+    order came during or after that step: the middle keeps it in the same step of a replay
+    whose times drift by less than half a step); never after the order's time."""
     steps = run.of("prefill step")
     out = {}
     for r, t in run.prefill_orders.items():
+        if r in run.prefill_received:
+            out[r] = min(t, run.prefill_received[r])
+            continue
         before = [(s.start + s.end) / 2 for s in steps if s.start < t]
         out[r] = min(t, max(run.arrivals[r], before[-1] if before else float("-inf")))
     return out

@@ -22,7 +22,9 @@ import torch
 
 from kvplane.attention import default_registry
 from kvplane.attention.selection import AUTO, check_backend
+from kvplane.blocks import after_step, grow_groups, short_group
 from kvplane.errors import CheckpointError, ConfigError, InvalidArgumentError, UnsupportedError
+from kvplane.ids import TokenRange
 from kvplane.layout import KVLayout
 from kvplane.metrics import MetricsRegistry
 from kvplane.models import (
@@ -31,11 +33,11 @@ from kvplane.models import (
     PagedKVCache,
     StepBatch,
     StepRequest,
-    blocks_needed,
     greedy_token,
     load_model,
 )
 from kvplane.models.bamba import BambaModel
+from kvplane.models.generate import group_peaks
 from kvplane.models.kv import GroupedKVCache
 from kvplane.models.kv_groups import KVGroups
 from kvplane.models.recurrent import HybridKVCache, RecurrentState
@@ -49,6 +51,9 @@ from kvplane.serving.producers.base import (
 from kvplane.validators import require_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_GROUPS = True
+"""Whether a model mixing windows is served with one paged pool per KV cache group unless told
+otherwise: the one default of :attr:`ModelSpec.kv_groups` and :class:`ModelKV`."""
 
 
 @runtime_checkable
@@ -76,7 +81,7 @@ class ModelSpec:
     seed: int = 0
     dtype: str = "float32"
     attention: str = AUTO
-    kv_groups: bool = True
+    kv_groups: bool = KV_GROUPS
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
@@ -124,7 +129,8 @@ class ModelSpec:
 class ModelKV:
     """The :class:`~kvplane.serving.producers.base.KVModel` face of a model (module docstring)."""
 
-    def __init__(self, model: PagedDecoder, model_id: str, *, kv_groups: bool = True) -> None:
+    def __init__(self, model: PagedDecoder, model_id: str, *, kv_groups: bool = KV_GROUPS) -> None:
+        """``kv_groups``: as :attr:`ModelSpec.kv_groups` (same default, :data:`KV_GROUPS`)."""
         self.model = model
         self._model_id = model_id
         self._groups = kv_groups  # serve one paged pool per KV cache group
@@ -258,32 +264,31 @@ class ModelDecoder(ModelKV):
                 f"request {job.request_id!r}: {len(tables)} block tables for {len(kv.pools)} "
                 "KV cache groups"
             )
-        for (table, pool), pt in zip(tables, kv.pools, strict=True):
-            drops = pool.null_block is not None
-            peak = blocks_needed(table.num_tokens, job.max_new_tokens, table.block_size,
-                                 pt.layout if drops else None, received=True)  # fmt: skip
-            more = peak - table.num_held_blocks
-            if more > pool.num_free_blocks:
-                raise InvalidArgumentError(
-                    f"request {job.request_id!r}: decoding {job.max_new_tokens} tokens needs "
-                    f"{more} more blocks; the decode pool has {pool.num_free_blocks} free"
-                )
+        layouts = [pt.layout for pt in kv.pools]
+        group_tables = [t for t, _ in tables]
+        pools = [p for _, p in tables]
+        peaks = group_peaks(len(job.token_ids), job.max_new_tokens, layouts, pools, received=True)
+        short = short_group(group_tables, pools, peaks)
+        if short is not None:
+            g = short.group
+            raise InvalidArgumentError(
+                f"request {job.request_id!r}: decoding {job.max_new_tokens} tokens needs "
+                f"{peaks[g] - group_tables[g].num_held_blocks} more blocks; the decode pool has "
+                f"{pools[g].num_free_blocks} free"
+            )
         slot = job.state_slot
         cache = self.cache(kv, state, slot, len(job.token_ids))  # a hybrid: the received state
         with torch.no_grad():
             while len(tokens) < job.max_new_tokens:
-                for table, pool in tables:
-                    if not table.append_tokens(pool, [tokens[-1]]):  # pragma: no cover - checked
-                        raise InvalidArgumentError("the decode pool ran out of blocks")
+                if grow_groups(group_tables, pools, [tokens[-1]]) is not None:  # pragma: no cover
+                    raise InvalidArgumentError("the decode pool ran out of blocks")  # checked
                 last = np.array([tokens[-1]], dtype=np.int64)
                 table = job.table
                 more_ids = tuple(t.block_ids for t in job.group_tables)
                 req = StepRequest(last, table.num_tokens - 1, table.block_ids, slot or 0, more_ids)
                 batch = StepBatch.build([req], table.block_size, self.model.device)
                 logits = self.model.forward_step(batch, cache)
-                for (table, pool), pt in zip(tables, kv.pools, strict=True):
-                    table.mark_computed(pool, 1)
-                    if pool.null_block is not None:  # the next step computes num_tokens on
-                        table.drop_before(pool, pt.layout.window_start(table.num_tokens))
+                end = table.num_tokens  # the next step computes from here
+                after_step(group_tables, pools, layouts, TokenRange(end - 1, end))
                 tokens.append(greedy_token(logits)[0])
         return DecodeOutput(tokens=tuple(tokens))
