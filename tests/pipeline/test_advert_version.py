@@ -1,6 +1,6 @@
 """The pool advert's version: read first, alone, so a peer of another release is refused in one
-line naming both versions (never "malformed"), and the path that reports it to the prefill
-side when it links the peer (the handshake does not read the advert)."""
+line naming both versions (never "malformed"): at the handshake (a worker's participant judges
+the advert with ``advert_refusal``), and again when the prefill side links the peer."""
 
 from __future__ import annotations
 
@@ -12,10 +12,15 @@ import pytest
 from kvplane.errors import ProtocolError
 from kvplane.ids import PeerId, SessionId, SliceId
 from kvplane.pd.actions import StartSubmit
-from kvplane.pd.events import HelloConfirm, TransferRequest
+from kvplane.pd.events import HelloConfirm, HelloReply, TransferRequest
 from kvplane.pd.participant import Participant
 from kvplane.pd.states import Role
-from kvplane.pipeline.advert import ADVERT_VERSION, advert_version, decode_advert
+from kvplane.pipeline.advert import (
+    ADVERT_VERSION,
+    advert_refusal,
+    advert_version,
+    decode_advert,
+)
 from kvplane.pipeline.driver_records import SliceSource
 from kvplane.pipeline.slice_planner import SlicePlanner
 from kvplane.serving.pools import WorkerPools
@@ -66,6 +71,33 @@ def test_the_version_is_two_and_read_before_any_field(pools: WorkerPools) -> Non
             advert_version(bad)
     _, remote = decode_advert(pools.advert(), pools.profile())  # the current one still reads
     assert [p.layout for p in remote] == pools.layouts
+    assert advert_refusal(pools.advert()) is None
+    assert advert_refusal(b"") is not None and advert_refusal(b"").startswith(
+        "peer's pool advert is malformed: "
+    )
+
+
+def test_the_handshake_refuses_a_peer_of_another_advert_version(pools: WorkerPools) -> None:
+    """Both sides judge the other's advert before its profile: the older peer is refused with
+    the one line (the peer table unchanged), and refuses our newer advert the same way."""
+    line = ("peer's pool advert is version {}, this worker reads version 2: "
+            "run one kvplane release on both sides")  # fmt: skip
+    prefill = Participant(PeerId("prefill"), pools.profile(), incarnation=1,
+                          transport="local", transport_metadata=pools.advert(),
+                          kv_role=Role.SENDER, check_metadata=advert_refusal)  # fmt: skip
+    for blob, version in ((older(), 1), (newer(), 3)):
+        decode = Participant(PeerId("decode"), pools.profile(), incarnation=1,
+                             transport="local", transport_metadata=blob,
+                             kv_role=Role.RECEIVER)  # fmt: skip
+        reply, actions = prefill.on_hello(decode.hello(), 0.0)
+        assert isinstance(reply, HelloReply) and not reply.accepted and actions == []
+        assert reply.reasons == (line.format(version),)
+        assert prefill.peers.get(PeerId("decode")) is None
+    same = Participant(PeerId("decode"), pools.profile(), incarnation=2, transport="local",
+                       transport_metadata=pools.advert(), kv_role=Role.RECEIVER)  # fmt: skip
+    reply, _ = prefill.on_hello(same.hello(), 0.0)
+    assert isinstance(reply, HelloConfirm)  # this release's advert is admitted
+    assert prefill.counters["incompatible_peer"] == 2
 
 
 class InlineEndpoint:
@@ -81,9 +113,9 @@ class InlineEndpoint:
 def test_a_peer_of_another_advert_version_fails_its_first_slice_in_one_line(
     pools: WorkerPools, transport: LocalTransport
 ) -> None:
-    """The handshake judges the profile only, so it admits the older peer; the prefill side
-    refuses it when it links the peer for a slice: the line the driver sends the peer as its
-    session's failure reason (``slice N cannot be planned: ...``)."""
+    """Without ``check_metadata`` the handshake judges the profile only and admits the older
+    peer; the prefill side still refuses it when it links the peer for a slice: the line the
+    driver sends the peer as its session's failure reason (``slice N cannot be planned: ...``)."""
     prefill = Participant(PeerId("prefill"), pools.profile(), incarnation=1,
                           transport="local", transport_metadata=pools.advert(),
                           kv_role=Role.SENDER)  # fmt: skip

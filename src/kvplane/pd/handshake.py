@@ -6,9 +6,9 @@
 what they hold, :func:`pool_pairs`, so KV cache groups on one side only still pair) and
 :func:`compat_fingerprint` digests the must-match fields. No I/O; imports only L0, the head and
 layer-id rules of ``kvplane.layout`` and the TP head rule of ``kvplane.transfer.resharding``.
-The pool advert in ``Hello.transport_metadata`` is not judged here: its version is checked
-when the sender links the peer (``pipeline.advert``). See docs/pd.md ("Handshake and
-compatibility").
+The pool advert in ``Hello.transport_metadata`` is not judged here: the peer table takes a
+judge for it (``Participant(check_metadata=...)``, ``pipeline.advert.advert_refusal``). See
+docs/pd.md ("Handshake and compatibility").
 """
 
 from __future__ import annotations

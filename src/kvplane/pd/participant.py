@@ -61,8 +61,9 @@ _REFUSAL_COUNTER = {
 
 class Participant:
     """All PD sessions of one worker (either role), driven with explicit ``now`` values.
-    ``kv_role``: which way this worker's KV flows, so that the handshake also judges the TP
-    head ranges (see the module docstring); None: sessions of either role, no such check."""
+    ``kv_role``: which way its KV flows, so the handshake also judges TP head ranges (module
+    docstring; None: either role, no such check); ``check_metadata``: judges a peer's
+    ``transport_metadata`` (PeerTable)."""
 
     def __init__(
         self,
@@ -77,6 +78,7 @@ class Participant:
         transport_metadata: bytes = b"",
         kv_role: Role | None = None,
         peer_capacity: int = DEFAULT_CAPACITY,
+        check_metadata: Callable[[bytes], str | None] | None = None,
     ) -> None:
         require_int("incarnation", incarnation, min=0, max=(1 << 62) - 1)
         require_id("Participant.peer_id", peer_id)
@@ -84,9 +86,8 @@ class Participant:
         self.incarnation = incarnation
         self.timings = timings or Timings()
         sends = None if kv_role is None else kv_role is Role.SENDER
-        self.peers = PeerTable(
-            profile, self.timings.heartbeat_s, sends=sends, capacity=peer_capacity
-        )
+        self.peers = PeerTable(profile, self.timings.heartbeat_s, sends=sends,
+                               capacity=peer_capacity, check_metadata=check_metadata)  # fmt: skip
         self._hello = Hello(
             peer_id=peer_id,
             incarnation=incarnation,
@@ -140,12 +141,9 @@ class Participant:
         """A refusal answering the ``Hello`` (or acknowledgement) of nonce ``echo``; its
         ``reasons`` and our peer id only when ``disclose``, else :data:`WITHHELD`."""
         shown = reasons if disclose else (WITHHELD,)
-        return HelloReply(
-            accepted=False,
-            echo=echo,
-            reasons=tuple(wire_text(r) for r in shown[:64]),
-            peer_id=self.peer_id if disclose else "",
-        )
+        reasons = tuple(wire_text(r) for r in shown[:64])
+        peer_id = self.peer_id if disclose else ""
+        return HelloReply(accepted=False, echo=echo, reasons=reasons, peer_id=peer_id)
 
     def welcome(self, hello: Hello, nonce: bytes = b"") -> HelloConfirm:
         """The acknowledgement of a confirmed handshake with ``hello``'s peer: its nonce echoed

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvplane.ids import PeerId
@@ -74,7 +75,9 @@ def _refused(standing: Standing, reason: str) -> Judgment:
 
 class PeerTable:
     """Judgments and leases of the peers of one participant. ``sends``: True when it sends KV
-    to its peers, False when it receives KV, None when either (no head range check)."""
+    to its peers, False when it receives KV, None when either (no head range check).
+    ``check_metadata``: the reason a peer's ``transport_metadata`` (opaque here; e.g. the
+    pool advert's version) makes it incompatible, else None; judged before the profiles."""
 
     def __init__(
         self,
@@ -84,10 +87,12 @@ class PeerTable:
         sends: bool | None = None,
         capacity: int = DEFAULT_CAPACITY,
         retain_s: float = DEFAULT_RETAIN_S,
+        check_metadata: Callable[[bytes], str | None] | None = None,
     ) -> None:
         require_size("PeerTable.capacity", capacity, min=1)
         self.profile = profile
         self.sends = sends
+        self.check_metadata = check_metadata
         self.fingerprint = compat_fingerprint(profile)
         self.heartbeat_s = heartbeat_s
         self.capacity = capacity
@@ -132,6 +137,10 @@ class PeerTable:
         ):
             self.cached_verdicts += 1
             return Judgment(rec.verdict, Standing.KNOWN)
+        if self.check_metadata is not None:
+            why = self.check_metadata(hello.transport_metadata)
+            if why is not None:
+                return _refused(Standing.INCOMPATIBLE, why)
         verdict = check_compatible(self.profile, hello.profile, hello.fingerprint, sends=self.sends)
         if not verdict.compatible:
             return Judgment(verdict, Standing.INCOMPATIBLE)

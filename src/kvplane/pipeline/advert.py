@@ -159,16 +159,30 @@ def advert_version(blob: bytes) -> int:
         raise ProtocolError(f"peer's pool advert is malformed: {exc}") from None
 
 
+def advert_refusal(blob: bytes) -> str | None:
+    """Why a peer's advert cannot be read, from its version alone (another
+    :data:`ADVERT_VERSION`, both named; or a malformed first field), else None. The handshake
+    judges a ``Hello``'s ``transport_metadata`` with it (``Participant(check_metadata=...)``), so
+    an older or newer peer is refused before any session."""
+    try:
+        version = advert_version(blob)
+    except ProtocolError as exc:
+        return str(exc)
+    if version != ADVERT_VERSION:
+        return (
+            f"peer's pool advert is version {version}, this worker reads version "
+            f"{ADVERT_VERSION}: run one kvplane release on both sides"
+        )
+    return None
+
+
 def decode_advert(blob: bytes, profile: PeerProfile) -> tuple[PoolAdvert, list[RemotePool]]:
     """Read a peer's advert and check it against the profile it shook hands with.
     ``ProtocolError`` in one line: another :data:`ADVERT_VERSION` (both named, before any other
     field is read), a malformed advert, or one that disagrees with ``profile``."""
-    version = advert_version(blob)
-    if version != ADVERT_VERSION:
-        raise ProtocolError(
-            f"peer's pool advert is version {version}, this worker reads version "
-            f"{ADVERT_VERSION}: run one kvplane release on both sides"
-        )
+    why = advert_refusal(blob)
+    if why is not None:
+        raise ProtocolError(why)
     try:
         advert = msgspec.msgpack.decode(blob, type=PoolAdvert)
     except msgspec.DecodeError as exc:

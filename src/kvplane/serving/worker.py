@@ -25,6 +25,7 @@ from kvplane.pd.actions import Action
 from kvplane.pd.endpoint import Endpoint
 from kvplane.pd.participant import Participant
 from kvplane.pd.states import Role, SessionState
+from kvplane.pipeline.advert import advert_refusal
 from kvplane.pipeline.observe import RuntimeMetrics
 from kvplane.pipeline.timeline import Timeline
 from kvplane.serving.kv_describe import KeyScheme
@@ -149,6 +150,7 @@ class Worker:
             transport=self.transport.name,
             transport_metadata=self.pools.advert(),
             kv_role=self.kv_role,
+            check_metadata=advert_refusal,
         )
         pd_options: dict[str, Any] = {
             "bind": config.pd_bind, "secret": config.secret, "metrics": self.metrics,
