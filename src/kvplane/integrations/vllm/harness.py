@@ -87,6 +87,8 @@ def build_engine(spec: dict[str, Any]) -> Any:
     kwargs: dict[str, Any] = {}
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = transfer_config(spec["connector"])
+    if spec.get("hybrid_kv_cache_manager") is not None:  # None: vLLM decides
+        kwargs["disable_hybrid_kv_cache_manager"] = not spec["hybrid_kv_cache_manager"]
     return LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
@@ -221,29 +223,29 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         result["vllm_metrics"] = vllm_kvplane_metrics(llm)
     if sched is not None and worker is None:  # TP > 1: the workers are other processes
         _settle(llm, sched)
-        sched.scheduler.check_integrity()
+        sched.hybrid.check_integrity()
         result["integrity"] = "ok"
         llm.llm_engine.engine_core.shutdown()
         result["scheduler_metrics"] = metric_samples(sched.metrics)
-        result["jobs_in_flight"] = sched.scheduler.jobs_in_flight
-        result["tracked_requests"] = sched.scheduler.tracked_requests()
+        result["jobs_in_flight"] = sched.hybrid.jobs_in_flight
+        result["tracked_requests"] = sched.hybrid.tracked_requests()
     elif sched is not None:
         # Finish every job (write-through to the lower tiers included), hand the worker's
         # last report to the scheduler side, and check both ends balance: no busy slot, no
         # job, no held request left.
-        worker.worker.drain()
-        sched.scheduler.apply(worker.worker.take_report())
-        if sched.scheduler.jobs_in_flight:  # demotions those reports decided: steps carry them
+        worker.workers.drain()
+        sched.hybrid.apply(worker.workers.take_reports())
+        if sched.hybrid.jobs_in_flight:  # demotions those reports decided: steps carry them
             _settle(llm, sched)
-            worker.worker.drain()
-            sched.scheduler.apply(worker.worker.take_report())
-        sched.scheduler.check_integrity()
+            worker.workers.drain()
+            sched.hybrid.apply(worker.workers.take_reports())
+        sched.hybrid.check_integrity()
         result["integrity"] = "ok"
         llm.llm_engine.engine_core.shutdown()
         result["scheduler_metrics"] = metric_samples(sched.metrics)
         result["worker_metrics"] = metric_samples(worker.metrics)
-        result["jobs_in_flight"] = sched.scheduler.jobs_in_flight
-        result["tracked_requests"] = sched.scheduler.tracked_requests()
+        result["jobs_in_flight"] = sched.hybrid.jobs_in_flight
+        result["tracked_requests"] = sched.hybrid.tracked_requests()
     else:
         llm.llm_engine.engine_core.shutdown()
     return result
@@ -264,9 +266,9 @@ def _settle(llm: Any, sched: Any, timeout: float = 120.0) -> None:
     from kvplane.errors import OffloadError
 
     deadline = time.monotonic() + timeout
-    while sched.scheduler.jobs_in_flight:
+    while sched.hybrid.jobs_in_flight:
         if time.monotonic() > deadline:
-            raise OffloadError(f"{sched.scheduler.jobs_in_flight} kvplane job(s) never reported")
+            raise OffloadError(f"{sched.hybrid.jobs_in_flight} kvplane job(s) never reported")
         llm.llm_engine.step()
 
 

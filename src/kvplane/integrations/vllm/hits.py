@@ -3,7 +3,9 @@
 Owns :class:`Hits` (vLLM's ``get_num_new_matched_tokens``: the hit, "ask again", sync or async,
 discovery in a shared store) and :func:`load_start` (where a load for a hit starts: the first
 block vLLM holds, on whole chunks of every lower tier). With a sliding window a hit needs only
-the chunks of its end's window. No tier state changes, no tensors, no vLLM import. See
+the chunks of its end's window; under vLLM's hybrid manager each group claims under a cap and
+settles the end the groups agreed on (:meth:`Hits.claim`, :meth:`Hits.settle`). No tier state
+changes, no tensors, no vLLM import. See
 ``docs/vllm.md`` ("The scheduler side", "Sliding windows and hybrids").
 """
 
@@ -70,14 +72,35 @@ class Hits:
         state (only memoises the request's hashes) but for the shared store's chunks a
         request's first call discovers. The caller checks ``eligible``, ``readable`` and the
         block alignment of ``num_computed``."""
-        keys = self._keys(view)
-        claim = self._claim(keys, num_computed)
+        claim = self.claim(view, num_computed)
         if claim is None:
-            self._m_retry.inc()
+            self.ask_again()
             return None, False
-        first, end = claim
+        return self.settle(view, num_computed, *claim)
+
+    def claim(
+        self, view: RequestView, num_computed: int, cap: int | None = None
+    ) -> tuple[int, int] | None:
+        """``(first chunk, end chunk)`` of the longest hit ending at chunk ``cap`` or before
+        (:meth:`_claim`; ``None``: no cap), ``None`` for "ask again". Remembers nothing: a
+        hybrid model's groups first agree on one end
+        (:class:`~.hybrid_scheduler.HybridScheduler`), then each group settles it
+        (:meth:`settle`)."""
+        return self._claim(self._keys(view), num_computed, cap)
+
+    def ask_again(self) -> None:
+        """Count an "ask again" answer."""
+        self._m_retry.inc()
+
+    def settle(
+        self, view: RequestView, num_computed: int, first: int, end: int, force_async: bool = False
+    ) -> tuple[int, bool]:
+        """Answer the hit of chunks ``[first, end)`` (a :meth:`claim`): its tokens past
+        ``num_computed`` and whether its load runs asynchronously (``force_async``: always,
+        with tokens); remembered as the request's :class:`~.request_state.Match`."""
+        keys = self._keys(view)
         tokens = max(end * self.grid.spec.tokens_per_chunk - num_computed, 0)
-        load_async = tokens > 0 and self._load_async(keys[first:], end - first)
+        load_async = tokens > 0 and (force_async or self._load_async(keys[first:], end - first))
         self.requests.state(view).match = Match(num_computed, end - first, load_async)
         return tokens, load_async
 
@@ -97,8 +120,11 @@ class Hits:
                 self._m_found.inc(len(self.book.discovered(asked, self.probe.held(asked))))
         return keys
 
-    def _claim(self, keys: list[ChunkKey], num_computed: int) -> tuple[int, int] | None:
-        """``(first chunk, end chunk)`` of the longest hit, ``None`` for "ask again".
+    def _claim(
+        self, keys: list[ChunkKey], num_computed: int, cap: int | None = None
+    ) -> tuple[int, int] | None:
+        """``(first chunk, end chunk)`` of the longest hit ending at chunk ``cap`` or before,
+        ``None`` for "ask again".
 
         A hit ending at chunk ``end`` needs the chunks ``[first, end)`` a load of it reads
         (:meth:`LoadGrid.load_start`: with a window, only the window of token ``end``; a held
@@ -108,7 +134,7 @@ class Hits:
         From the longest ``end``, each miss moves ``end`` to the first chunk missing, whose
         window starts no later; it ends on a hit or when nothing past ``first`` is left."""
         tpc = self.grid.spec.tokens_per_chunk
-        end = len(keys)
+        end = len(keys) if cap is None else min(cap, len(keys))
         _b, first = self.grid.load_start(num_computed, end * tpc)
         while end > first:
             run = self.book.loadable(keys[first:])  # keys past end: whole lower-tier chunks

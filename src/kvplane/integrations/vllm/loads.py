@@ -76,6 +76,7 @@ class Loads:
         self._errors: set[int] = set()
         self._failed_reqs: set[str] = set()  # synchronous loads that failed this forward
         self._arrived: set[str] = set()  # asynchronous loads done, not yet named to vLLM
+        self._failed_async: set[str] = set()  # of those, the ones with a failed chunk
         self._m_err = metrics.counter("vllm_load_error_blocks", "Blocks reported failed to vLLM")
 
     # -- submission ------------------------------------------------------------------------------
@@ -179,6 +180,8 @@ class Loads:
             self._m_err.inc(len(failed))
             if not op.load_async:
                 self._failed_reqs.add(op.req_id)
+            else:
+                self._failed_async.add(op.req_id)
         self._reports.append(JobReport(op.job_id, "device", flags, self.rank))
         if op.load_async:
             self._arrived.add(op.req_id)
@@ -210,6 +213,13 @@ class Loads:
         among the errors), each once."""
         arrived, self._arrived = self._arrived, set()
         return arrived
+
+    def take_failed_async(self) -> set[str]:
+        """Requests whose asynchronous load ended with a failed chunk (also among the arrived
+        and their blocks among the errors), each once: a hybrid model reports them to vLLM
+        as failed receives (:class:`~.hybrid_worker.HybridWorker`)."""
+        failed, self._failed_async = self._failed_async, set()
+        return failed
 
 
 def chunk_spans(

@@ -61,7 +61,7 @@ def drain(llm: Any) -> None:
     job)."""
     _sched, worker = engine_connectors(llm)
     if worker is not None:
-        worker.worker.drain()
+        worker.workers.drain()
 
 
 def quiesce(llm: Any, filler: list[int]) -> None:
@@ -205,9 +205,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             got["scheduler_metrics"] = metric_samples(sched.metrics)
         result["phases"].append(got)
     if sched is not None and worker is not None:
-        worker.worker.drain()
-        sched.scheduler.apply(worker.worker.take_report())
-        sched.scheduler.check_integrity()
+        worker.workers.drain()
+        sched.hybrid.apply(worker.workers.take_reports())
+        sched.hybrid.check_integrity()
         result["integrity"] = "ok"
         result["worker_metrics"] = metric_samples(worker.metrics)
     llm.llm_engine.engine_core.shutdown()

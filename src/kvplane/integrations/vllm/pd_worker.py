@@ -39,7 +39,7 @@ from kvplane.pd.events import Cancel, Fail, StartTransfer, SubmitSlice
 from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile
 from kvplane.pd.participant import Participant
 from kvplane.pd.states import Role, SessionState
-from kvplane.pipeline.advert import encode_advert
+from kvplane.pipeline.advert import advert_refusal, encode_advert
 from kvplane.pipeline.driver import SliceDriver
 from kvplane.pipeline.driver_records import SliceSource
 from kvplane.pipeline.observe import RuntimeMetrics
@@ -124,6 +124,7 @@ class PDWorkerSide:
             metrics=metrics,
             transport=self.transport.name,
             transport_metadata=advert,
+            check_metadata=advert_refusal,
         )
         self.endpoint = Endpoint(
             self.participant,

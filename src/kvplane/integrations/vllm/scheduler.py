@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvplane.blocks.hashing import BlockHasher
 from kvplane.chunks import ChunkSpec
 from kvplane.errors import InvalidArgumentError
 from kvplane.integrations.vllm.config import ConnectorConfig
 from kvplane.integrations.vllm.demotions import Demotions
+from kvplane.integrations.vllm.fences import Fences
 from kvplane.integrations.vllm.hits import Hits, LoadGrid
 from kvplane.integrations.vllm.load_plans import LoadPlans
 from kvplane.integrations.vllm.messages import (
@@ -47,7 +48,8 @@ class SchedulerSide:
     once every rank reported it, its chunks good only where every rank's were
     (:class:`~.tp.RankTally`). ``window``: vLLM's sliding window (:class:`~.windows.KVWindow`):
     hits need only their window's chunks, loads skip freed blocks, stores never read them and
-    in-flight gathers fence them."""
+    in-flight gathers fence them. A hybrid model's groups (one side each,
+    :class:`~.hybrid_scheduler.HybridScheduler`) share ``ids`` (job ids) and ``fences``."""
 
     def __init__(
         self,
@@ -56,6 +58,9 @@ class SchedulerSide:
         metrics: MetricsRegistry,
         tp_size: int = 1,
         window: KVWindow | None = None,
+        *,
+        ids: Iterator[int] | None = None,
+        fences: Fences | None = None,
     ) -> None:
         self.config = config
         self.window = window
@@ -70,14 +75,20 @@ class SchedulerSide:
         self.metrics = metrics
         # tiers of larger chunks: written down after the gather, loads from whole groups
         grid = LoadGrid(self.spec, math.lcm(1, *spans.values()), window)
-        ids = itertools.count(1)
+        ids = itertools.count(1) if ids is None else ids
         self.requests = RequestTable(self.spec)
         self.demotions = Demotions(book, ids)
         self.hits = Hits(book, self.requests, grid, config.load_mode, metrics)
         self.loads = LoadPlans(book, self.requests, grid, ids, metrics)
         write_through = all(span == 1 for span in spans.values())
         self.stores = StorePlans(
-            book, self.requests, self.demotions, ids, metrics, write_through=write_through
+            book,
+            self.requests,
+            self.demotions,
+            ids,
+            metrics,
+            write_through=write_through,
+            fences=fences,
         )
         self._flush_next = False
 

@@ -36,12 +36,14 @@ class StorePlans:
         metrics: MetricsRegistry,
         *,
         write_through: bool,
+        fences: Fences | None = None,
     ) -> None:
         self.book = book
         self.requests = requests
         self.demotions = demotions
         self.write_through = write_through
-        self.fences = Fences()  # freed blocks in-flight gathers still read
+        # freed blocks in-flight gathers still read; shared by a hybrid model's groups
+        self.fences = Fences() if fences is None else fences
         self._ids = ids
         self._jobs: dict[int, StoreOp] = {}
         self._gather_ok: dict[int, tuple[bool, ...]] = {}

@@ -1,11 +1,11 @@
-"""Which of a request's blocks vLLM keeps when its one KV cache group has a sliding window.
+"""Which of a request's blocks vLLM keeps in a KV cache group with a sliding window.
 
-Owns :class:`KVWindow`, vLLM's rule for a ``SlidingWindowSpec`` group (all layers windowed,
-or any window model once vLLM's hybrid allocator is off and the group was not promoted to full
-attention): blocks wholly before the window of the next token are freed and their table
-entries become the null block (id 0). The connector reads this rule to match, load, receive
-and store only blocks vLLM really holds. Plain data, no vLLM import. See ``docs/vllm.md``
-("Sliding windows and hybrids").
+Owns :class:`KVWindow`, vLLM's rule for a ``SlidingWindowSpec`` group (every layer windowed,
+or the window layers of a hybrid model, a group of their own): blocks wholly before the window
+of the next token are freed and their table entries become the null block (id 0); and
+:func:`spec_window`, reading it from a group's spec. The connector reads this rule to match,
+load, receive and store only blocks vLLM really holds. Plain data, no vLLM import. See
+``docs/vllm.md`` ("Sliding windows and hybrids").
 """
 
 from __future__ import annotations
@@ -60,25 +60,25 @@ def holds_null(block_ids: Sequence[int]) -> bool:
     return any(int(b) == NULL_BLOCK for b in block_ids)
 
 
-def group_window(groups: Sequence[Any]) -> KVWindow | None:
-    """The window of vLLM's ``kv_cache_config.kv_cache_groups`` (read by class name, no vLLM
-    import), or ``None`` when vLLM keeps every block (full attention, and window layers vLLM
-    promoted to full attention with its hybrid allocator off). :class:`UnsupportedError` for
-    several groups (the hybrid allocator on) or a spec in :data:`UNSUPPORTED_SPECS`."""
-    if len(groups) != 1:
-        raise UnsupportedError(
-            f"kvplane's vLLM connector needs one KV cache group, got {len(groups)} (it does not "
-            "support vLLM's hybrid KV cache manager)"
-        )
-    spec = groups[0].kv_cache_spec
+def spec_window(spec: Any) -> KVWindow | None:
+    """The window of one vLLM KV cache group's ``kv_cache_spec`` (read by class name, no vLLM
+    import), or ``None`` when vLLM keeps every block of it (full attention, and window layers
+    vLLM promoted to full attention with its hybrid allocator off). :class:`UnsupportedError`
+    naming a spec in :data:`UNSUPPORTED_SPECS`."""
     spec = getattr(spec, "first_spec", spec)  # UniformTypeKVCacheSpecs: layers of one kind
-    kinds = {c.__name__ for c in type(spec).__mro__}
-    if bad := sorted(kinds.intersection(UNSUPPORTED_SPECS)):
-        raise UnsupportedError(f"kvplane's vLLM connector does not support {bad[0]} layers")
-    if "SlidingWindowSpec" not in kinds:
+    if bad := spec_refusal(spec):
+        raise UnsupportedError(f"kvplane's vLLM connector does not support {bad} layers")
+    if "SlidingWindowSpec" not in {c.__name__ for c in type(spec).__mro__}:
         return None
     retained = int(getattr(spec, "extra_retained_tokens", 0) or 0)
     return KVWindow(int(spec.sliding_window), int(spec.block_size), retained)
+
+
+def spec_refusal(spec: Any) -> str:
+    """The kind in :data:`UNSUPPORTED_SPECS` that ``spec`` (one layer kind) is, else ``""``."""
+    spec = getattr(spec, "first_spec", spec)
+    bad = sorted({c.__name__ for c in type(spec).__mro__}.intersection(UNSUPPORTED_SPECS))
+    return bad[0] if bad else ""
 
 
 def freed_any(table: Sequence[int], at: Sequence[int], block_ids: Sequence[int]) -> bool:

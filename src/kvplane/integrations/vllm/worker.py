@@ -190,6 +190,10 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         return self.loads.take_errors()
 
+    def take_failed_loads(self) -> set[str]:
+        """:meth:`~.loads.Loads.take_failed_async`."""
+        return self.loads.take_failed_async()
+
     def take_report(self) -> WorkerReport:
         reports, self._reports = tuple(self._reports), []
         return WorkerReport(reports + tuple(self.loads.take_reports()))
