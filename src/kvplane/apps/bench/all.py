@@ -28,12 +28,12 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
-ORDER = ("protocol", "attention", "transport", "offload", "pd", "vllm", "vllm_pd")
+ORDER = ("protocol", "attention", "transport", "offload", "pd", "windows", "vllm", "vllm_pd")
 """Run order: the slow vLLM benches last, so a budget running out costs them, not the rest."""
 QUICK_BUDGET_S = {"protocol": 20, "attention": 50, "transport": 60, "offload": 50, "pd": 80,
-                  "vllm": 100, "vllm_pd": 110}  # fmt: skip
+                  "windows": 30, "vllm": 100, "vllm_pd": 110}  # fmt: skip
 """Seconds each bench may take with ``--quick`` (its process is stopped after): about 1.5x
-what each took at load 2-9 on a 2-core host (4, 32-42, 45-53, 34, 56, 55-80, 77 s)."""
+what each took at load 2-9 on a 2-core host (4, 32-42, 45-53, 34, 56, 12-20, 55-80, 77 s)."""
 FULL_BUDGET_S = 1800
 """Seconds each bench may take without ``--quick``."""
 QUICK_TOTAL_S = 288.0

@@ -24,7 +24,7 @@ NAME = "bench"
 HELP = "Run a benchmark (ratios against the physical limit measured in the same run)."
 
 BENCHES: tuple[str, ...] = (
-    "attention", "offload", "protocol", "transport", "pd", "vllm", "vllm_pd",
+    "attention", "offload", "protocol", "transport", "pd", "windows", "vllm", "vllm_pd",
 )  # fmt: skip
 """Module names under ``kvplane.apps.bench.common``; each engineer appends their bench here."""
 ON_REQUEST: tuple[str, ...] = ("vllm_offload", "routing")
