@@ -13,6 +13,9 @@
   not one after the other: each start imports torch, each stop waits for the process's exit.
 - ``tiny_llama``: a random-init Llama checkpoint per shape, saved once for the session (seed 0:
   the same bytes each module would save itself; engines only read it).
+- Suite-wide helpers live beside this file, importable by name: ``ports_testlib`` (free ports),
+  ``qwen2_testlib`` (the tiny Qwen2 mixing window and full layers). ``mixed_qwen2``: that
+  model's transformers checkpoint, saved once for the session.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +40,11 @@ from kvplane.testing.redis_server import LocalRedisServer, redis_server_support
 
 if TYPE_CHECKING:  # imported where used: a broken module fails its tests, not the collection
     from kvplane.testing.cluster import Proc
+    from qwen2_testlib import MixedQwen2
+
+# importlib mode puts no test directory on sys.path: this one goes last, so that the suite-wide
+# helpers beside this file import by name and nothing installed is shadowed.
+sys.path.append(str(Path(__file__).resolve().parent))
 
 _MADE_CACHE = pytest.StashKey[str]()
 
@@ -135,6 +144,15 @@ def tiny_llama(
     yield get
     for key, (path, saved) in made.items():
         assert _digest(path) == saved, f"a test changed the shared checkpoint {key}"
+
+
+@pytest.fixture(scope="session")
+def mixed_qwen2(tmp_path_factory: pytest.TempPathFactory) -> MixedQwen2:
+    """The 3-layer :class:`qwen2_testlib.MixedQwen2` checkpoint (sliding, full, sliding; seed
+    33), saved once per session; tests only read it."""
+    from qwen2_testlib import MixedQwen2
+
+    return MixedQwen2(tmp_path_factory.mktemp("qwen2-mixed"))
 
 
 def _start_procs(into: list[Proc], *makers: Callable[[], Proc]) -> list[Proc]:

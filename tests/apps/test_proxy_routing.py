@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -41,6 +40,7 @@ from kvplane.serving.kv_describe import KeyScheme
 from kvplane.serving.kv_publisher import KVEventPublisher, KVEventSettings
 from kvplane.serving.router.route_policy import rendezvous
 from kvplane.testing.cluster import TEST_SECRET, wait_for
+from ports_testlib import free_ports
 
 ROOT = "00112233445566778899aabbccddeeff"
 ENV = {SECRET_ENV: TEST_SECRET.decode()}
@@ -48,19 +48,6 @@ P = [100 + t for t in range(30)]  # 3 full chunks (24 tokens) + 6
 SCHEME = KeyScheme(0, bytes.fromhex(ROOT), 4, 2)
 KEYS = chunk_keys(SCHEME)
 ANSWER = {"id": "cmpl-1", "choices": [{"index": 0, "token_ids": [7, 8, 9]}]}
-
-
-def free_pair() -> int:
-    """The first of two consecutive free ports on 127.0.0.1 (a publisher's PUB and replay)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = int(s.getsockname()[1])
-        with contextlib.ExitStack() as held, contextlib.suppress(OSError):
-            for port in (first, first + 1):
-                held.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            return first
-    raise OSError("no two consecutive free ports")
 
 
 def routing(events: list[KVEventPublisher], **overrides: Any) -> RoutingConfig:
@@ -71,7 +58,7 @@ def routing(events: list[KVEventPublisher], **overrides: Any) -> RoutingConfig:
 
 def publisher(name: str, scheme: KeyScheme | None = SCHEME) -> KVEventPublisher:
     """A started engine publisher with the cluster secret, describing ``scheme``."""
-    port = free_pair()
+    port = free_ports(2)  # its PUB and replay ports
     settings = KVEventSettings(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
     pub = KVEventPublisher(name, 1, settings, secret=TEST_SECRET, block_size=8, scheme=scheme)
     pub.start()

@@ -15,13 +15,11 @@ TP 2 prefill server alone and vLLM's own ``/metrics``. Skips without ``.venv-vll
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -39,6 +37,7 @@ from kvplane.integrations.vllm.env import vllm_python, vllm_support
 from kvplane.integrations.vllm.harness import cpu_binds
 from kvplane.serving.router.route_policy import rendezvous
 from kvplane.testing.cluster import wait_for
+from ports_testlib import free_port, free_ports
 
 SHAPE = {"vocab": 512, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256}
 SECRET = "kvplane-proxy-test-secret-0123456789"
@@ -56,13 +55,6 @@ def require_vllm() -> None:
     if os.environ.get("KVPLANE_REQUIRE_VLLM") == "1":
         pytest.fail(f"KVPLANE_REQUIRE_VLLM=1 but {reason}")
     pytest.skip(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -147,23 +139,6 @@ def _stop(server: Server) -> None:
     except subprocess.TimeoutExpired:
         _signal(server, signal.SIGKILL)
         server.proc.wait()
-
-
-def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free ports (a TP ``n`` engine's fixed ``pd_bind``)."""
-    for _ in range(100):
-        first = free_port()
-        if first + n > 65536:
-            continue
-        try:
-            with contextlib.ExitStack() as held:
-                for port in range(first, first + n):
-                    s = held.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
-    raise OSError(f"no {n} consecutive free ports")
 
 
 def _serve_pair(root: Path, model: Path, tp: int) -> Iterator[Servers]:

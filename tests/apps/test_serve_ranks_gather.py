@@ -51,12 +51,16 @@ def _args(name: str, *extra: str) -> list[str]:
             "--num-slots", "4", "--step-size", "16", *TIMING, *extra]  # fmt: skip
 
 
+Orders = Callable[[str, str], tuple[DecodeOrder, list[PrefillOrder]]]
+"""``orders(request_id, session_id)``: a gather's decode order and its prefill orders."""
+
+
 @contextlib.contextmanager
 def _deployment(
     procs: list[Proc], start_procs: StartProcs, flag: str = "tp"
-) -> Iterator[tuple[list[Proc], dict[str, RpcClient], DecodeOrder, list[PrefillOrder]]]:
+) -> Iterator[tuple[list[Proc], dict[str, RpcClient], Orders]]:
     """Two prefill ranks (``flag`` "tp": TP ranks; "pp": pipeline stages) and a decode
-    process, paired, with the orders of request ``r``."""
+    process, paired, with the orders of a request of :data:`PROMPT` over them."""
     rank = {"tp": ("--tp-rank", "--tp-size"), "pp": ("--pp-stage", "--pp-size")}[flag]
     ranks = [
         (lambda r=r: Proc("prefill", _args(f"p{r}", rank[0], str(r), rank[1], "2"))) for r in (0, 1)
@@ -76,10 +80,13 @@ def _deployment(
         chosen = gather_set(handles[:2], handles[2])
         assert chosen is not None
         senders = sender_pieces([(h.address, piece) for h, piece in chosen])
-        base = DecodeOrder(request_id="r", session_id="g", prefill_peer="p0", token_ids=PROMPT,
-                           max_new_tokens=NEW)  # fmt: skip
-        dec, pre = gather_orders(base, senders, decode_peer="d")
-        yield started, clients, dec, pre
+
+        def orders(request_id: str, session_id: str) -> tuple[DecodeOrder, list[PrefillOrder]]:
+            base = DecodeOrder(request_id=request_id, session_id=session_id, prefill_peer="p0",
+                               token_ids=PROMPT, max_new_tokens=NEW)  # fmt: skip
+            return gather_orders(base, senders, decode_peer="d")
+
+        yield started, clients, orders
     finally:
         for c in clients.values():
             c.close()
@@ -106,10 +113,13 @@ def _balanced(client: RpcClient) -> None:
         ("pp", {"p0": ("g/0.0", (0, 2), (0,), False), "p1": ("g/1.0", (0, 2), (1,), True)}),
     ],
 )
-def test_two_prefill_rank_processes_feed_one_decode_process(
+def test_two_prefill_rank_processes_feed_one_decode_process_then_a_sigkilled_rank_fails_one(
     procs: list[Proc], start_procs: StartProcs, flag: str, shares: dict[str, tuple[object, ...]]
 ) -> None:
-    with _deployment(procs, start_procs, flag) as (_, clients, dec, pre):
+    """Request ``r`` gathered token-exact; then, on the same processes, rank 1 SIGKILLed before
+    it is sent request ``k``'s order: its loss fails the whole gather, the survivors balance."""
+    with _deployment(procs, start_procs, flag) as (started, clients, orders):
+        dec, pre = orders("r", "g")
         got = {}
         for o in pre:
             assert o.share is not None
@@ -124,18 +134,15 @@ def test_two_prefill_rank_processes_feed_one_decode_process(
         assert (res.state, res.reason, list(res.tokens)) == ("success", "", _reference())
         for c in clients.values():
             _balanced(c)
-
-
-def test_a_sigkilled_rank_fails_the_request_and_the_survivors_balance(
-    procs: list[Proc], start_procs: StartProcs
-) -> None:
-    with _deployment(procs, start_procs) as (started, clients, dec, pre):
+        dec, pre = orders("k", "g2")
         fut = clients["d"].call_async(dec)
-        assert clients["p0"].call(pre[0]) == Ack(detail="accepted")
+        [p0] = [o for o in pre if o.share is not None and o.share.peer == "p0"]
+        assert clients["p0"].call(p0) == Ack(detail="accepted")
         started[1].kill()  # rank 1 never sends: its loss must fail the whole gather
         res = fut.result(timeout=60)
         assert isinstance(res, RequestResult)
-        assert (res.state, res.reason, res.tokens) == ("failed", "g/0.1: peer lost", ())
+        lost = str(shares["p1"][0]).replace("g/", "g2/", 1)  # p1's session of request k
+        assert (res.state, res.reason, res.tokens) == ("failed", f"{lost}: peer lost", ())
         for name in ("p0", "d"):
             _balanced(clients[name])
 

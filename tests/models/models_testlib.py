@@ -1,4 +1,5 @@
-"""Helpers shared by the models tests: small configs, seeded models, paged prefill runs."""
+"""Helpers shared by the models tests: small configs, seeded models, paged prefill runs (the mixed
+Qwen2's layer pattern lives in ``tests/qwen2_testlib.py``, shared with the other tests)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kvplane.models import (
 from kvplane.models.config import DEEPSEEK_V2, DEEPSEEK_V3
 from kvplane.models.rope import RopeStyle, apply_rope, rope_tables
 from kvplane.models.weights import RandomTensors
+from qwen2_testlib import WINDOW, mixed_layer_types
 
 
 def small_llama(**changes: Any) -> LlamaConfig:
@@ -33,10 +35,10 @@ def small_llama(**changes: Any) -> LlamaConfig:
 
 
 def mixed_qwen2(**changes: Any) -> LlamaConfig:
-    """A 4-layer Qwen2 mixing window and full layers: [sliding, full, sliding, full], window 8."""
-    s, f = "sliding_attention", "full_attention"
-    qwen2 = dict(architecture="Qwen2ForCausalLM", num_layers=4, sliding_window=8)
-    return small_llama(**{**qwen2, "layer_types": (s, f, s, f), **changes})
+    """A 4-layer Qwen2 mixing window and full layers: [sliding, full, sliding, full], window 8
+    (``qwen2_testlib``'s pattern), on :func:`small_llama`'s dims."""
+    qwen2 = dict(architecture="Qwen2ForCausalLM", num_layers=4, sliding_window=WINDOW)
+    return small_llama(**{**qwen2, "layer_types": mixed_layer_types(4), **changes})
 
 
 def small_moe(**changes: Any) -> MoEConfig:

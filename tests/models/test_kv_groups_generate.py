@@ -17,8 +17,8 @@ from kvplane.ids import RequestId, TokenRange
 from kvplane.models import PagedContext, PagedKVCache, blocks_needed, greedy_generate, load_model
 from kvplane.models.kv import GroupedKVCache
 from kvplane.models.kv_groups import KVGroups
+from qwen2_testlib import MixedQwen2
 
-S, F = "sliding_attention", "full_attention"
 MIXED = random_model(mixed_qwen2(), seed=5)
 PROMPT = [4, 8, 15, 16, 23, 42, 7, 1, 9, 30]
 
@@ -37,23 +37,10 @@ def test_qwen2_window_and_full_layers_match_transformers_holding_only_the_window
     the request holds 2 blocks of its window group (a next step would read ``(211, 219]``:
     blocks 53 and 54; at most ``ceil(8 / 4) + 1 = 3``) and ``ceil(219 / 4) = 55`` of its full
     group (one pool of every layer holds 55 blocks of 4 layers); pools balance after release."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("safetensors")
-    torch.manual_seed(40)
-    cfg = transformers.Qwen2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        use_sliding_window=True, sliding_window=8, layer_types=[S, F, S, F],
-    )  # fmt: skip
-    hf = transformers.Qwen2ForCausalLM(cfg).eval()
-    hf.save_pretrained(tmp_path)
+    hf = MixedQwen2(tmp_path, num_layers=4, seed=40)
     model = load_model(tmp_path)
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(20))
-    with torch.no_grad():
-        want = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=200, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
-        )[0, 20:].tolist()  # fmt: skip
+    want = hf.greedy(ids[0].tolist(), 200)
     layout = model.kv_layout(1, 4)
     win, full = (blocks_needed(20, 200, 4, g) for g in KVGroups.of_layout(layout).layouts(layout))
     assert (win, full) == (5, 55)  # the window group's peak: the prompt's blocks

@@ -1,15 +1,13 @@
 """Shared by the pipeline tests: a prefill and a decode worker of one real model behind a
-router (threads, real tcp sockets), for the PD tests of windowed models, and the tiny random
-transformers Qwen2 mixing window and full layers those tests serve."""
+router (threads, real tcp sockets), for the PD tests of windowed models (the tiny random
+transformers Qwen2 mixing window and full layers they serve: the session fixture ``mixed_qwen2``
+of ``tests/conftest.py``, from ``qwen2_testlib``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from kvplane.models import PagedDecoder
 from kvplane.serving.decode_worker import DecodeWorker
@@ -76,39 +74,3 @@ def model_pair() -> Iterator[Callable[..., ModelPair]]:
     yield make
     for pair in made:
         pair.close()
-
-
-class MixedQwen2:
-    """A tiny random transformers Qwen2 (``layer_types`` sliding, full, sliding; window
-    ``WINDOW``) saved at ``path``; :meth:`greedy` is transformers' own greedy continuation."""
-
-    WINDOW = 8
-    TYPES = ("sliding_attention", "full_attention", "sliding_attention")
-
-    def __init__(self, root: Path) -> None:
-        transformers = pytest.importorskip("transformers")
-        pytest.importorskip("safetensors")
-        torch.manual_seed(33)
-        cfg = transformers.Qwen2Config(
-            vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            use_sliding_window=True, sliding_window=self.WINDOW, layer_types=list(self.TYPES),
-        )  # fmt: skip
-        self.hf: Any = transformers.Qwen2ForCausalLM(cfg).eval()
-        self.path = root
-        self.hf.save_pretrained(root)
-
-    def greedy(self, tokens: list[int], new: int) -> list[int]:
-        ids = torch.tensor([tokens])
-        with torch.no_grad():
-            out = self.hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-        return [int(t) for t in out[0, len(tokens) :]]
-
-
-@pytest.fixture(scope="session")
-def mixed_qwen2(tmp_path_factory: pytest.TempPathFactory) -> MixedQwen2:
-    """The :class:`MixedQwen2` checkpoint, made once per session."""
-    return MixedQwen2(tmp_path_factory.mktemp("qwen2-mixed"))

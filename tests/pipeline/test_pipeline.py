@@ -24,6 +24,7 @@ from kvplane.serving.prefill_worker import PrefillWorker
 from kvplane.serving.producers.synthetic import SyntheticDecoder, SyntheticProducer, SyntheticSpec
 from kvplane.serving.router.router import Router
 from kvplane.testing.cluster import (
+    FAST,
     GQA,
     MLA,
     TEST_SECRET,
@@ -106,7 +107,11 @@ def test_a_destination_known_before_the_requests_memory_waits_for_it() -> None:
 def test_a_waiting_hint_goes_with_its_session_when_it_ends_without_memory() -> None:
     """A hint waiting for memory the request never gets (cancelled while queued; an order
     the prefill refuses) is dropped when its session ends, not kept for the worker's life."""
-    with cluster(replace(MLA, compute_s_per_step=0.05), prefill={"num_blocks": 5}) as c:
+    # the refused order often ends at the decode side's deadline, not at once (the router's
+    # cancel can miss it): a 3 s deadline, not FAST's 8, bounds that wait
+    timings = replace(FAST, deadline_s=3.0)
+    spec = replace(MLA, compute_s_per_step=0.05)
+    with cluster(spec, prefill={"num_blocks": 5}, timings=timings) as c:
         rng = np.random.default_rng(5)
         driver = c.prefill.driver
         a = c.router.submit("a", prompt(rng, 50), step_size=32)

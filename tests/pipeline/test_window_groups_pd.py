@@ -25,11 +25,12 @@ from kvplane.pipeline.shares import Share, shares
 from kvplane.pipeline.slicing import LocalPool, plan_slice
 from kvplane.serving.producers.model import ModelSpec
 from kvplane.transfer.resharding import Parallelism
+from qwen2_testlib import WINDOW
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-STEP, NEW, WINDOW = 16, 6, 8
+STEP, NEW = 16, 6
 CELL = 2 * 2 * 16 * 4
 """One position of one layer: K,V x 2 KV heads x head_dim 16 x float32."""
 TAIL_BYTES = 32

@@ -11,10 +11,10 @@ import functools
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from kvplane.serving.decode_worker import DecodeWorker
 from kvplane.serving.messages import RequestResult
@@ -23,27 +23,21 @@ from kvplane.serving.producers.model import ModelSpec
 from kvplane.serving.worker import Worker
 from kvplane.testing.cluster import wait_for
 from kvplane.testing.gather_run import run_gather, start_gather
+from qwen2_testlib import WINDOW
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-WINDOW, NEW, N = 8, 5, 40
+NEW, N = 5, 40
 CELL = 2 * 2 * 16 * 4
 """One position of one layer: K,V x 2 KV heads x head_dim 16 x float32."""
 TAIL_BYTES = 32
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(34)
-    cfg = transformers.Qwen2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        use_sliding_window=True, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("qwen2-mixed-pp")
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
+@pytest.fixture
+def checkpoint(mixed_qwen2: Any) -> Path:
+    """The session's mixed Qwen2 (``qwen2_testlib``: sliding, full, sliding; window 8)."""
+    path: Path = mixed_qwen2.path
     return path
 
 

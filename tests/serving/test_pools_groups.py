@@ -22,12 +22,12 @@ from kvplane.serving import worker_requests as book
 from kvplane.serving.pools import WorkerPools
 from kvplane.serving.producers.model import ModelDecoder
 from kvplane.transports.local import LocalTransport
+from qwen2_testlib import WINDOW, mixed_layer_types
 
-S, F = "sliding_attention", "full_attention"
 CONFIG = LlamaConfig(
     vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4,
-    num_kv_heads=2, head_dim=8, architecture="Qwen2ForCausalLM", sliding_window=8,
-    layer_types=(S, F, S, F),
+    num_kv_heads=2, head_dim=8, architecture="Qwen2ForCausalLM", sliding_window=WINDOW,
+    layer_types=mixed_layer_types(4),
 )  # fmt: skip
 MODEL = build_model(CONFIG, RandomTensors(5))
 BS, BLOCKS = 4, 8

@@ -10,7 +10,13 @@ import json
 import pytest
 
 from kvplane.apps.bench import offload as bench
-from kvplane.apps.bench import offload_codecs, offload_rows, offload_shared, offload_tuned
+from kvplane.apps.bench import (
+    offload_codecs,
+    offload_rows,
+    offload_shared,
+    offload_sweep,
+    offload_tuned,
+)
 from kvplane.apps.bench.redis_limit import redis_benchmark_support
 from kvplane.cli import build_parser
 from kvplane.transports.native_copy import kernel
@@ -22,6 +28,11 @@ def test_quick_run_reports_every_tier_op_and_size(
     monkeypatch.setattr(bench, "CHUNK_SIZES", (64 << 10, 128 << 10))  # small: a shape check
     monkeypatch.setattr(bench, "CHUNKS_PER_REPEAT", {True: (4, 2)})
     monkeypatch.setattr(offload_rows, "REPEATS", {True: (2, 2)})
+    # no settling pause between a run and its limit's, one warm-up repeat dropped (not two):
+    # both only steady the timings, which a shape check does not read
+    monkeypatch.setattr(offload_rows, "SETTLE_S", 0.0)
+    monkeypatch.setattr(offload_rows, "WARMUP", 1)
+    monkeypatch.setattr(offload_sweep, "SETTLE_S", 0.0)
     monkeypatch.setattr(bench, "SWEEP_BLOCKS", {True: 64})
     monkeypatch.setattr(offload_codecs, "CODEC_CHUNK", 256 << 10)
     monkeypatch.setattr(offload_codecs, "CODEC_CHUNKS", {True: 2})
