@@ -192,8 +192,8 @@ class PDProxy:
         return self._front.url
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._front.serve_forever, name="kvplane-proxy", daemon=True
+        self._thread = threading.Thread(  # polls its shutdown flag every 50 ms: close is prompt
+            target=self._front.serve_forever, args=(0.05,), name="kvplane-proxy", daemon=True
         )
         self._thread.start()
 

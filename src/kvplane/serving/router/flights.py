@@ -8,6 +8,7 @@ nothing: the router settles, fails and cancels flights through it. See docs/serv
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -35,6 +36,11 @@ class Flight:
     uncached_tokens: int | None = None
     """Prompt tokens its prefill worker was predicted to compute, not load, when picked (the
     load cache-aware routing counts); None: all of ``num_tokens``."""
+    decode_sent: bool = False
+    """Its decode order is queued on the decode worker's client: a cancel may follow it."""
+    held_cancel: str | None = None
+    """The reason of a decode cancel asked for before its order was queued (sent after it)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def queued_tokens(self) -> int:
@@ -84,8 +90,23 @@ class Flight:
 
     def cancel_decode(self, reason: str) -> None:
         """Send the decode worker a cancel, keyed by the request's session (never answered to
-        anyone); a gather's decode side ends every member, so every sender hears of it."""
+        anyone); a gather's decode side ends every member, so every sender hears of it. Asked
+        before the decode order is queued (a prefill refused at once), it is held and goes out
+        right after the order (:meth:`decode_queued`), which it would otherwise overtake: the
+        decode worker would answer "unknown request", then wait for the KV until its deadline."""
+        with self._lock:
+            if not self.decode_sent:
+                self.held_cancel = self.held_cancel or reason
+                return
         _cancel(self.decode, self.request_id, self.session_id, reason)
+
+    def decode_queued(self) -> None:
+        """The decode order is queued on the decode client: send the cancel held until now."""
+        with self._lock:
+            self.decode_sent = True
+            reason, self.held_cancel = self.held_cancel, None
+        if reason is not None:
+            _cancel(self.decode, self.request_id, self.session_id, reason)
 
     def cancel_prefills(self, reason: str, *, up_only: bool = False) -> None:
         """Send each prefill worker of the request (``up_only``: each one up) a cancel, keyed

@@ -394,6 +394,7 @@ class Router:
             pre.add_done_callback(lambda f: self._on_prefill(flight, f))
         dc = route.decode.client
         dec = dc.call_async(dec_order)
+        flight.decode_queued()  # a cancel asked meanwhile (prefill refused) follows its order
         flight.orders.append((dc, dec))
         dec.add_done_callback(lambda f: self._on_decode(flight, f))
         return flight.out
