@@ -11,6 +11,7 @@ from kvplane.blocks.groups import (
     drop_windows,
     grow_groups,
     short_group,
+    window_peak,
 )
 from kvplane.blocks.hashing import (
     DIGEST_SIZE,
@@ -22,7 +23,7 @@ from kvplane.blocks.hashing import (
     encode_extra_keys,
 )
 from kvplane.blocks.pool import BlockPool
-from kvplane.blocks.table import AdmitResult, BlockTable, TableState, consecutive_runs
+from kvplane.blocks.table import AdmitResult, BlockTable, Growth, TableState, consecutive_runs
 
 __all__ = [
     "DIGEST_SIZE",
@@ -33,6 +34,7 @@ __all__ = [
     "ExtraKey",
     "FreeBlockQueue",
     "GroupShort",
+    "Growth",
     "TableState",
     "TokenIds",
     "Windowed",
@@ -45,4 +47,5 @@ __all__ = [
     "encode_extra_keys",
     "grow_groups",
     "short_group",
+    "window_peak",
 ]

@@ -1,12 +1,13 @@
 """The block tables of one request across a model's KV cache groups: one table per group's pool.
 
 Owns the rules every user of KV cache groups shares: admission with the prefix every group holds
-(:func:`admit_groups`), growth by decoded tokens in every group at once (:func:`grow_groups`,
-:func:`short_group`), and the upkeep after a step: computed tokens marked, and in each pool
-with a null block the blocks no later step reads dropped (:func:`after_step`,
-:func:`drop_windows`). Knows windows only through each group's ``window_start`` (a
-:class:`~kvplane.layout.KVLayout`); holds no state and owns no tensors. See docs/attention.md,
-"KV cache groups".
+(:func:`admit_groups`; a window group's chunked prefill step by step within
+:func:`window_peak` blocks), growth by decoded tokens in every group at once
+(:func:`grow_groups`, :func:`short_group`), and the upkeep after a step: computed tokens
+marked, and in each pool with a null block the blocks no later step reads dropped
+(:func:`after_step`, :func:`drop_windows`). Knows windows only through each group's
+``window_start`` (a :class:`~kvplane.layout.KVLayout`); holds no state and owns no tensors.
+See docs/attention.md, "KV cache groups".
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Protocol
 
 from kvplane.blocks.hashing import BlockHasher, TokenIds, canonical_token_ids
 from kvplane.blocks.pool import BlockPool
-from kvplane.blocks.table import BlockTable
+from kvplane.blocks.table import BlockTable, Growth
 from kvplane.errors import InvalidArgumentError
 from kvplane.ids import RequestId, TokenRange
 from kvplane.validators import require_int
@@ -52,12 +53,15 @@ def admit_groups(
     tokens: TokenIds,
     *,
     drop_before: Sequence[int] | None = None,
+    grow: Sequence[Growth | None] | None = None,
 ) -> list[BlockTable] | GroupShort:
     """One admitted :class:`BlockTable` per KV cache group (``pools[g]``, ``hashers[g]``) for
     ``tokens``, each with the prefix every group holds cached: the tables are admitted in
     order, each capped at the hits so far (``max_cached_blocks``), then a group that matched
     more is admitted again with the final cap. ``drop_before[g]``: a receiver's first position
-    of group ``g`` (:meth:`BlockTable.admit`; its blocks before it are the null block).
+    of group ``g`` (:meth:`BlockTable.admit`; its blocks before it are the null block);
+    ``grow[g]``: group ``g``'s table grows step by step on a reservation (a :class:`Growth`;
+    None: all its blocks now).
 
     Returns :class:`GroupShort` naming the first group whose pool lacked free blocks, with
     every table released (each pool's free count as before). ``InvalidArgumentError`` before
@@ -67,18 +71,20 @@ def admit_groups(
     n = len(pools)
     if n == 0:
         raise InvalidArgumentError("admit_groups needs at least one KV cache group")
-    _check_groups("admit_groups", n, hashers=hashers, drop_before=drop_before)
+    _check_groups("admit_groups", n, hashers=hashers, drop_before=drop_before, grow=grow)
     ids = canonical_token_ids(tokens)
     if ids.size == 0:
         raise InvalidArgumentError(f"request {request_id!r} admitted with no tokens")
     firsts = [0] * n if drop_before is None else list(drop_before)
+    grows: list[Growth | None] = [None] * n if grow is None else list(grow)
     tables: list[BlockTable | None] = [None] * n
 
     def admit(g: int, cap_tokens: int | None) -> bool:
         pool = pools[g]
         table = BlockTable(request_id, pool.block_size, hashers[g])
         cap = None if cap_tokens is None else cap_tokens // pool.block_size
-        if table.admit(pool, ids, drop_before=firsts[g], max_cached_blocks=cap) is None:
+        got = table.admit(pool, ids, drop_before=firsts[g], max_cached_blocks=cap, grow=grows[g])
+        if got is None:
             return False
         tables[g] = table
         return True
@@ -113,6 +119,31 @@ def _held(table: BlockTable | None) -> BlockTable:
     if table is None:  # pragma: no cover - admitted tables are set before they are read
         raise InvalidArgumentError("a KV cache group has no admitted table")
     return table
+
+
+def window_peak(
+    layout: Windowed, num_tokens: int, block_size: int, step: int, store: int = 0
+) -> int:
+    """The most blocks a window group's table holds while ``num_tokens`` tokens are prefilled
+    in steps of at most ``step`` tokens, each step's blocks grown just before it and, after
+    it, the blocks wholly before the next step's window (``layout.window_start``, largest
+    window ``W``) dropped. It holds the blocks of at most ``D`` consecutive positions, so
+    ``(D - 2) // block_size + 2`` blocks whatever their alignment: ``D = step + W - 1``, or
+    with a prefix store of ``store``-token units (its chunks issued after each step, held until
+    the job ends, the step before's still in flight) ``D = step + max(W, step) - 1 + store``.
+    A window the prompt does not outgrow: all its blocks. ``InvalidArgumentError`` for a bad
+    count."""
+    require_int("num_tokens", num_tokens, min=1)
+    require_int("block_size", block_size, min=1)
+    require_int("step", step, min=1)
+    require_int("store", store, min=0)
+    whole = -(-num_tokens // block_size)
+    start = layout.window_start(num_tokens)  # num_tokens + 1 - W once the prompt outgrows W
+    if start == 0:
+        return whole
+    window = num_tokens + 1 - start
+    span = step + window - 1 if store == 0 else step + max(window, step) - 1 + store
+    return min(whole, (span - 2) // block_size + 2)
 
 
 def short_group(

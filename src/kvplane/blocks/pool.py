@@ -49,6 +49,11 @@ class BlockPool:
 
     ``null_block=True`` reserves the last block as :attr:`null_block` (held by the pool, ref
     count 1, never in the free queue; not counted in :attr:`num_used_blocks`).
+
+    Reservations (:meth:`reserve`): free blocks promised to holders that will take them later
+    (a request's table that grows step by step). The pool counts only their total: what is
+    not reserved (:attr:`num_available_blocks`) is all :meth:`allocate` and :meth:`touch` may
+    take from the free queue, unless an allocation names the reserved blocks it draws on.
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class BlockPool:
         self._free = FreeBlockQueue(num_blocks)
         self._null = BlockId(num_blocks - 1) if null_block else None
         self._peak = 0
+        self._reserved = 0
         if self._null is not None:
             self._free.remove(self._null)
             self._ref[self._null] = 1
@@ -123,6 +129,16 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Blocks with ref count 0 (cached or not): what :meth:`allocate` can hand out."""
         return len(self._free)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Free blocks promised by :meth:`reserve` (never more than the free blocks)."""
+        return self._reserved
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Free blocks not reserved: what an allocation drawing on no reservation can take."""
+        return len(self._free) - self._reserved
 
     @property
     def capacity(self) -> int:
@@ -219,18 +235,39 @@ class BlockPool:
         return self._free.order()
 
     # -- mutations -------------------------------------------------------------------------
-    def allocate(self, n: int) -> list[BlockId] | None:
-        """Take ``n`` blocks from the head of the free queue, each with ref count 1.
+    def reserve(self, n: int) -> bool:
+        """Promise ``n`` more free blocks to a holder that takes them later (``allocate``'s
+        ``reserved``); False, changing nothing, when fewer than ``n`` are available.
+        ``InvalidArgumentError`` for a negative or non-int ``n``."""
+        require_int("reserve's n", n, min=0)
+        if n > self.num_available_blocks:
+            return False
+        self._reserved += n
+        return True
 
-        Returns them in pop order, or ``None`` (and changes nothing) when fewer than ``n`` are
-        free. A handed-out block that was cached is evicted: its hash leaves the map. ``n == 0``
-        returns ``[]``. Raises :class:`InvalidArgumentError` for a negative or non-int ``n``.
+    def unreserve(self, n: int) -> None:
+        """Return ``n`` reserved blocks (a holder that will not take them).
+        ``InvalidArgumentError`` for a bad ``n`` or more than are reserved, before any change."""
+        require_int("unreserve's n", n, min=0, max=self._reserved)
+        self._reserved -= n
+
+    def allocate(self, n: int, *, reserved: int = 0) -> list[BlockId] | None:
+        """Take ``n`` blocks from the head of the free queue, each with ref count 1, drawing
+        ``reserved`` of them on the pool's reservations (those are reserved no more).
+
+        Returns them in pop order, or ``None`` (and changes nothing) when fewer than
+        ``n - reserved`` are available (:attr:`num_available_blocks`). A handed-out block that
+        was cached is evicted: its hash leaves the map. ``n == 0`` returns ``[]``. Raises
+        :class:`InvalidArgumentError` for a negative or non-int ``n``, or ``reserved`` beyond
+        ``n`` or the reservations, before any change.
         """
         require_int("allocate's n", n, min=0)
-        if n > len(self._free):
+        require_int("allocate's reserved", reserved, min=0, max=min(n, self._reserved))
+        if n - reserved > self.num_available_blocks:
             if self._metrics is not None:
                 self._m_fail.inc()
             return None
+        self._reserved -= reserved
         out: list[BlockId] = []
         evicted = 0
         for _ in range(n):
@@ -280,9 +317,17 @@ class BlockPool:
 
         A free block leaves the free queue (it can no longer be evicted). Raises
         :class:`UnknownBlockError` for an id outside the pool and :class:`BlockStateError` for a
-        free block that is not cached (its content is garbage), before changing anything.
+        free block that is not cached (its content is garbage) or for more free blocks than
+        are available (the rest are reserved), before changing anything.
         """
         ids = self.check_touch(block_ids)
+        if self._reserved:  # a free block it takes must not be a reserved one
+            taking = len({b for b in ids if self._ref[b] == 0})
+            if taking > self.num_available_blocks:
+                raise BlockStateError(
+                    f"cannot touch {taking} free block(s) of pool {self._name!r}: "
+                    f"{self._reserved} of its {len(self._free)} free blocks are reserved"
+                )
         for block in ids:
             if self._ref[block] == 0:
                 self._free.remove(block)
@@ -368,6 +413,8 @@ class BlockPool:
         used = sum(1 for ref in self._ref if ref > 0)
         if len(free) + used != self._num_blocks:
             raise BlockStateError(f"free {len(free)} + used {used} != total {self._num_blocks}")
+        if not 0 <= self._reserved <= len(free):
+            raise BlockStateError(f"{self._reserved} blocks reserved but {len(free)} free")
         if self._null is not None and (self._ref[self._null], self._hash[self._null]) != (1, None):
             raise BlockStateError(f"the null block {self._null} is not held once, uncached")
         for block, ref in enumerate(self._ref):

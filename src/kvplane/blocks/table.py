@@ -3,11 +3,12 @@
 A table splits the request's tokens into the cached prefix (shared through the pool's prefix
 cache at admission), the range computed by this run and the range still to compute; block ``i``
 holds tokens ``[i*block_size, (i+1)*block_size)``. It holds the chained hashes of every full
-block, each computed once (at admission, then for newly full blocks as tokens are appended),
-and is the one place other parts read them from. Leading blocks no layer reads any more (out of
-every sliding window) can be dropped: freed, their entries pointing at the pool's null block.
-Lifecycle ``NEW -> ADMITTED -> RELEASED``; a call that returns ``None``/``False`` or raises
-changes neither the table nor the pool. See docs/offload.md and docs/attention.md.
+block, each computed once, and is the one place other parts read them from. Leading blocks
+no layer reads any more (out of every window) can be dropped to the pool's null block; a table
+admitted with a :class:`Growth` grows step by step (:meth:`BlockTable.grow_to`) on blocks the
+pool reserves for it. Lifecycle ``NEW -> ADMITTED -> RELEASED``; a call that returns
+``None``/``False`` or raises changes neither the table nor the pool. See docs/offload.md and
+docs/attention.md.
 """
 
 from __future__ import annotations
@@ -65,6 +66,20 @@ class AdmitResult:
         return len(self.block_ids) - self.num_cached_blocks
 
 
+@dataclass(frozen=True, slots=True)
+class Growth:
+    """Admit a table step by step: blocks for tokens ``[0, upto)`` now, the rest by
+    :meth:`BlockTable.grow_to`, with the pool reserving what it needs to hold ``peak`` blocks
+    at once (a window group's chunked prefill: its window span plus a step's blocks)."""
+
+    upto: int
+    peak: int
+
+    def __post_init__(self) -> None:
+        require_int("Growth.upto", self.upto, min=1)
+        require_int("Growth.peak", self.peak, min=1)
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -103,6 +118,8 @@ class BlockTable:
         self._num_registered = 0  # blocks [0, n) are in the pool's cache map (hit or cached here)
         self._num_dropped = 0  # entries [0, n) point at the pool's null block
         self._partial = False  # admitted with dropped blocks: its KV is partial, never cached
+        self._peak: int | None = None  # admitted with a Growth: the most blocks it holds
+        self._reserved = 0  # blocks the pool reserves for its growth
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -141,6 +158,16 @@ class BlockTable:
     def num_held_blocks(self) -> int:
         """Blocks the table holds in its pool: every entry but the dropped ones."""
         return len(self._block_ids) - self._num_dropped
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Blocks the pool reserves for this table's growth (:class:`Growth`; else 0)."""
+        return self._reserved
+
+    @property
+    def num_covered_tokens(self) -> int:
+        """Leading tokens its entries cover (all but a :class:`Growth` table's not grown yet)."""
+        return min(self._num_tokens, len(self._block_ids) * self._block_size)
 
     @property
     def block_hashes(self) -> tuple[BlockHash, ...]:
@@ -200,6 +227,7 @@ class BlockTable:
         *,
         drop_before: int = 0,
         max_cached_blocks: int | None = None,
+        grow: Growth | None = None,
     ) -> AdmitResult | None:
         """Match the longest cached prefix, share it and allocate blocks for the rest.
 
@@ -220,7 +248,10 @@ class BlockTable:
         that drops a block in a pool without a null block.
 
         ``max_cached_blocks`` caps the prefix hits (a model's KV cache groups, one table each,
-        use the prefix every group holds).
+        use the prefix every group holds). ``grow``: allocate blocks only for tokens
+        ``[0, grow.upto)`` (and the prefix hits) and reserve in the pool what the table needs
+        to reach ``grow.peak`` held blocks (at most the blocks it lacks), all counted against the
+        pool's available blocks (:attr:`BlockPool.num_available_blocks`).
         """
         self._require(TableState.NEW, "admit")
         self._check_pool(pool)
@@ -242,11 +273,18 @@ class BlockTable:
             if block is None:
                 break
             hits.append(block)
-        num_new = _ceil_div(n, bs) - len(hits) - dropped
+        if grow is not None and not isinstance(grow, Growth):
+            raise InvalidArgumentError(f"grow must be a Growth, got {grow!r}")
+        total = _ceil_div(n, bs)
+        cover = total if grow is None else min(total, _ceil_div(grow.upto, bs))
+        num_new = max(cover - len(hits) - dropped, 0)
+        held = len(hits) + num_new
+        reserve = 0 if grow is None else max(0, min(grow.peak - held, total - held - dropped))
         taken_from_free = sum(1 for b in hits if pool.ref_count(b) == 0)
-        if pool.num_free_blocks - taken_from_free < num_new:
+        if pool.num_available_blocks - taken_from_free < num_new + reserve:
             return None
         pool.touch(hits)
+        pool.reserve(reserve)
         fresh = pool.allocate(num_new)
         if fresh is None:  # pragma: no cover - availability was checked just above
             pool.free(hits)
@@ -259,6 +297,7 @@ class BlockTable:
         self._num_cached_tokens = self._num_computed_tokens = len(hits) * bs
         self._num_registered = len(hits)
         self._num_dropped, self._partial = dropped, first > 0
+        self._peak, self._reserved = (None if grow is None else grow.peak), reserve
         self._state = TableState.ADMITTED
         return AdmitResult(
             block_ids=tuple(self._block_ids),
@@ -292,7 +331,7 @@ class BlockTable:
             candidate = self._tokens
         candidate[n:total] = tokens  # past the valid prefix: invisible until committed below
         need = _ceil_div(total, bs) - len(self._block_ids)
-        if pool.num_free_blocks < need:  # before hashing: a refused append hashes nothing
+        if pool.num_available_blocks < need:  # before hashing: a refused append hashes nothing
             return False
         done = len(self._hashes)
         parent = self._hashes[-1] if self._hashes else None
@@ -312,12 +351,13 @@ class BlockTable:
         """Record that the next ``num_tokens`` tokens of ``new_range`` now have KV in the pool.
 
         Every block that becomes full and computed is registered with ``pool.cache_block``
-        under its hash. Raises :class:`InvalidArgumentError` unless
-        ``0 <= num_tokens <= len(new_range)``, :class:`BlockStateError` unless ADMITTED.
+        under its hash. Raises :class:`InvalidArgumentError` unless ``0 <= num_tokens`` and
+        the tokens lie in ``new_range`` and the covered ones, :class:`BlockStateError` unless
+        ADMITTED.
         """
         self._require(TableState.ADMITTED, "mark computed tokens of")
         self._check_pool(pool)
-        remaining = self._num_tokens - self._num_computed_tokens
+        remaining = self.num_covered_tokens - self._num_computed_tokens
         require_int("num_tokens", num_tokens)
         if not 0 <= num_tokens <= remaining:
             raise InvalidArgumentError(
@@ -355,7 +395,42 @@ class BlockTable:
         self._block_ids[self._num_dropped : upto] = [null] * len(gone)
         self._num_dropped = upto
         self._num_registered = max(self._num_registered, upto)
+        self._sync_reserve(pool)
         return len(gone)
+
+    def grow_to(self, pool: BlockPool, end: int) -> bool:
+        """Cover tokens ``[0, end)`` with blocks (a :class:`Growth` table's next step), drawn
+        on its reservation first, then on the pool's available blocks; its reservation is then
+        what it still lacks to hold its peak. Returns False, changing nothing, when the pool is
+        short. :class:`BlockStateError` unless ADMITTED, :class:`InvalidArgumentError` for
+        another pool or ``end`` beyond the tokens, before any change.
+        """
+        self._require(TableState.ADMITTED, "grow")
+        self._check_pool(pool)
+        require_int("end", end, min=0, max=self._num_tokens)
+        fresh = max(0, _ceil_div(end, self._block_size) - len(self._block_ids))
+        draw = min(fresh, self._reserved)
+        got = pool.allocate(fresh, reserved=draw)
+        if got is None:
+            return False
+        self._reserved -= draw
+        self._block_ids += got
+        self._sync_reserve(pool)
+        return True
+
+    def _sync_reserve(self, pool: BlockPool) -> None:
+        """A :class:`Growth` table's reservation: what it still lacks to hold its peak, at most
+        the blocks it has no entry for yet (as much of a rise as the pool has available)."""
+        if self._peak is None:
+            return
+        lacking = _ceil_div(self._num_tokens, self._block_size) - len(self._block_ids)
+        want = max(0, min(self._peak - self.num_held_blocks, lacking))
+        if want < self._reserved:
+            pool.unreserve(self._reserved - want)
+        else:
+            want = self._reserved + min(want - self._reserved, pool.num_available_blocks)
+            pool.reserve(want - self._reserved)
+        self._reserved = want
 
     def _null_of(self, pool: BlockPool) -> BlockId:
         null = pool.null_block
@@ -366,7 +441,8 @@ class BlockTable:
         return null
 
     def release(self, pool: BlockPool) -> None:
-        """Free every block in REVERSE order (the tail is evicted before the shared prefix).
+        """Free every block in REVERSE order (the tail is evicted before the shared prefix)
+        and return its reservation.
 
         Idempotent: releasing a NEW or RELEASED table only marks it RELEASED. Afterwards the
         table holds no tokens and no blocks. Raises :class:`InvalidArgumentError` for another
@@ -375,6 +451,7 @@ class BlockTable:
         if self._state is TableState.ADMITTED:
             self._check_pool(pool)
             pool.free(self._block_ids[self._num_dropped :][::-1])
+            pool.unreserve(self._reserved)
         self._reset()
         self._state = TableState.RELEASED
 
@@ -390,9 +467,8 @@ class BlockTable:
         self._require(TableState.ADMITTED, "map slots of")
         if not isinstance(token_range, TokenRange):
             raise InvalidArgumentError(f"expected a TokenRange, got {token_range!r}")
-        held = TokenRange(
-            min(self._num_dropped * self._block_size, self._num_tokens), self._num_tokens
-        )
+        covered = self.num_covered_tokens
+        held = TokenRange(min(self._num_dropped * self._block_size, covered), covered)
         if not held.contains(token_range):
             raise InvalidArgumentError(
                 f"token range {token_range} is outside request {self._request_id!r}'s "

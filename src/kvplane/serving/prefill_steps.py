@@ -1,9 +1,11 @@
 """A prefill worker's requests and their steps: the record of one request
 (:class:`PrefillRequest`) and :class:`PrefillSteps`, which runs one step of one.
 
-A step is the producer's compute, then the tail record (last step), the prefix offload's state
-snapshot and store, and the window upkeep: in each KV cache group's pool with a null block, the
-blocks no later step, slice or store reads are freed (:func:`~kvplane.blocks.drop_windows`).
+A step grows the tables of a window group (a pool with a null block) to cover it, on the
+blocks reserved at admission (:meth:`PrefillSteps.growth`), runs the producer's compute, then
+the tail record (last step) and the prefix offload's state snapshot; after it its newly full
+chunks are stored and, in each window group's pool, the blocks no later step, slice or store
+reads are freed (:func:`~kvplane.blocks.drop_windows`).
 Owns no request book and no protocol: the worker loop (:mod:`~kvplane.serving.prefill_worker`)
 decides which request steps, cuts its slices and frees its memory. Not thread-safe: the worker
 loop owns it. See docs/serving.md.
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvplane.blocks import BlockTable, drop_windows
+from kvplane.blocks import BlockTable, Growth, drop_windows, window_peak
 from kvplane.errors import InvalidArgumentError, KVPlaneError
 from kvplane.ids import PeerId, RequestId, SessionId, TokenRange
 from kvplane.pd.states import SessionState
@@ -38,8 +40,7 @@ from kvplane.simulate.pipelining import AutoPipelining, Choice
 class PrefillRequest:
     """One request on a prefill worker: its order, session, prompt and step ranges, the
     memory it holds (a table per KV cache group and a tail slot), its slice cutter and its
-    progress. ``stored``: its prefix offload store was issued (from then the cascade, not its
-    tables, keeps the blocks the store reads)."""
+    progress."""
 
     order: PrefillOrder
     sid: SessionId
@@ -63,7 +64,6 @@ class PrefillRequest:
     compute_s: float = 0.0
     computed: int = 0
     share: Share | None = None
-    stored: bool = False
 
     @property
     def computing(self) -> bool:
@@ -73,6 +73,11 @@ class PrefillRequest:
             and not self.stopped
             and self.next_step < len(self.steps)
         )
+
+    @property
+    def position(self) -> int:
+        """The first position the next step computes (the prompt's length after the last)."""
+        return self.steps[self.next_step - 1].end if self.next_step else 0
 
     @property
     def tables(self) -> tuple[BlockTable, ...]:
@@ -136,12 +141,43 @@ class PrefillSteps:
             req.prefill_end = ev.t
             if self.auto is not None and req.cutter is not None and req.computed > len(rng):
                 self.auto.observe(req.cutter.pipelined, req.computed, req.compute_s)
-            if self.offload is not None:
-                chunks = self.offload.store(RequestId(rid), table, groups=req.group_tables)
-                req.stored = True
-                if chunks:
-                    self.timeline.record(Mark.STORE_START, rid, detail=str(chunks))
         return True
+
+    def growth(self, req: PrefillRequest) -> tuple[Growth | None, ...]:
+        """How ``req``'s table of each KV cache group is admitted: a window group's (a pool
+        with a null block) step by step, its first step's blocks now and a reservation of its
+        :func:`~kvplane.blocks.window_peak` (with prefix offload, counting a step's store in
+        flight); another group's (None) all at once."""
+        n, first = len(req.tokens), req.steps[0].end
+        step = max(len(r) for r in req.steps)
+        unit = 0 if self.offload is None else self.offload.store_unit
+        pools = self.pools.block_pools
+        return tuple(
+            None
+            if pool.null_block is None
+            else Growth(first, window_peak(lay, n, pool.block_size, step, unit))
+            for lay, pool in zip(self.layouts, pools, strict=True)
+        )
+
+    def grow(self, req: PrefillRequest, rng: TokenRange) -> bool:
+        """Before the step computing ``rng``: every table covers it (a window group's grows,
+        its reservation first). False: a pool is short, which only a prefix store still in
+        flight from more than a step ago causes (the tables that grew keep their blocks)."""
+        pools = self.pools.block_pools
+        return all([t.grow_to(p, rng.end) for t, p in zip(req.tables, pools, strict=True)])
+
+    def after(self, req: PrefillRequest, rng: TokenRange, is_last: bool) -> int:
+        """After the step of ``rng`` (computed or loaded): store its newly full chunks (with
+        prefix offload; the last step all the rest), then :meth:`drop_window`. Returns the
+        blocks freed."""
+        table = req.table
+        if self.offload is not None and table is not None:
+            rid = req.order.request_id
+            upto = None if is_last else rng.end
+            chunks = self.offload.store(RequestId(rid), table, groups=req.group_tables, upto=upto)
+            if chunks:
+                self.timeline.record(Mark.STORE_START, rid, detail=str(chunks))
+        return self.drop_window(req, rng.end)
 
     def drop_window(self, req: PrefillRequest, position: int) -> int:
         """After a step whose next one computes ``position`` on: free the request's blocks no
@@ -151,13 +187,13 @@ class PrefillSteps:
         Compute reads ``window_start(position)`` on. A slice sends only the final window,
         ``window_start(num_tokens)`` on (:func:`~kvplane.transfer.resharding.window_boxes`,
         and the decode side admits no block before it), which is never lower. A prefix store
-        not issued yet will read its chunks (:meth:`PrefixOffload.store_reads`), so they stay;
-        once it is issued the cascade fences the blocks it reads until it ends."""
+        not issued yet or in flight reads its chunks (:meth:`PrefixOffload.store_reads`), so
+        they stay until it ended (the worker drops again then)."""
         tables = req.tables
-        if not tables:  # pragma: no cover - a step's request holds its tables
+        if not tables:
             return 0
         hold = None
-        if self.offload is not None and not req.stored:
+        if self.offload is not None:
             hold = self.offload.store_reads(tables[0], groups=tables[1:])
         return drop_windows(tables, self.pools.block_pools, self.layouts, position, hold=hold)
 

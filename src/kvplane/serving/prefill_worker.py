@@ -2,12 +2,15 @@
 
 A request's blocks are freed only when its session finished and the ledger released every
 slice, never on the phase alone; only the blocks of a window group that nothing reads any
-more go earlier, after each step (:class:`~kvplane.serving.prefill_steps.PrefillSteps`, which
-runs the steps). See docs/serving.md.
+more go earlier, after each step or when a prefix store reading them ended, and a window
+group's blocks are taken step by step on a reservation made at admission
+(:class:`~kvplane.serving.prefill_steps.PrefillSteps`, which runs the steps). See
+docs/serving.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -17,7 +20,7 @@ import msgspec
 import numpy as np
 
 from kvplane.errors import KVPlaneError, ProtocolError
-from kvplane.ids import PeerId, RequestId, SessionId
+from kvplane.ids import PeerId, RequestId, SessionId, TokenRange
 from kvplane.metrics import SEED_HISTOGRAMS, MetricsRegistry, histogram_counters
 from kvplane.pd.actions import Action, DestinationKnown, Finished, Release, StartSubmit
 from kvplane.pd.events import Cancel, SubmitSlice
@@ -193,7 +196,8 @@ class PrefillWorker(Worker):
                 self._waiting.popleft()
                 self._maybe_free(req)
                 continue
-            got = book.admit_memory(self.pools, self.config.block_size, req)
+            grow = self.steps.growth(req)  # a window group's blocks step by step
+            got = book.admit_memory(self.pools, self.config.block_size, req, grow=grow)
             if got is None:
                 return
             self._waiting.popleft()
@@ -230,8 +234,11 @@ class PrefillWorker(Worker):
         """Loads that ended start their requests (or free them, if stopped meanwhile)."""
         for ev in events:
             if isinstance(ev, StoreFinished):
-                if ev.request_id:
+                if ev.request_id and ev.group == 0:
                     self.timeline.record(Mark.STORE_DONE, ev.request_id, detail=str(ev.stored))
+                done = self._requests.get(ev.request_id)
+                if done is not None and done.table is not None and not done.loading:
+                    self.steps.drop_window(done, done.position)  # what the store held
                 continue
             req = self._requests.get(ev.request_id)
             self.timeline.record(
@@ -276,11 +283,13 @@ class PrefillWorker(Worker):
             return
         rng = req.steps[req.next_step]
         is_last = req.next_step == len(req.steps) - 1
+        if not self._grow(req, rng):
+            return
         if rng.end <= req.loaded:  # the loaded prefix: already in the blocks
             req.next_step += 1
         elif not self.steps.compute(req, rng, is_last):  # failed: its KV must never be sent
             return
-        self.steps.drop_window(req, rng.end)  # what no later step, slice or store reads
+        self.steps.after(req, rng, is_last)  # stores; frees what nothing reads any more
         cut = req.cutter.after_step(rng.end, is_last)
         if cut is None:
             return
@@ -292,6 +301,24 @@ class PrefillWorker(Worker):
         )
         inbox, sid = self._inbox, req.sid
         self.driver.admit(sid, command, lambda ok: inbox.put(_Admission(sid, ok)))
+
+    def _grow(self, req: PrefillRequest, rng: TokenRange) -> bool:
+        """Grow ``req``'s tables to cover ``rng`` (its reservation covers it, unless prefix
+        stores of more than a step ago still hold blocks: their ends are awaited, up to the
+        slice timeout) and give the slice source the blocks. False: cancelled, short."""
+        deadline = time.monotonic() + self.config.slice_timeout_s
+        while not self.steps.grow(req, rng):
+            if self.offload is None or not self.offload.busy or time.monotonic() > deadline:
+                self.counters["step_short_of_blocks"] += 1
+                self._cancel(RequestId(req.order.request_id), "prefill step short of blocks")
+                return False
+            self._on_offload(self.offload.wait(0.005))
+        with self._sources_lock:
+            source = self._sources.get(req.sid)
+            if source is not None:
+                pools = book.local_pools(self.pools, req)
+                self._sources[req.sid] = dataclasses.replace(source, pools=pools)
+        return True
 
     def _on_admission(self, ev: _Admission) -> None:
         """A slice the session refused (it is gone, retired): nothing more to send."""

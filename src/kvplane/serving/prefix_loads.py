@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvplane.blocks import BlockTable
+from kvplane.blocks import BlockPool, BlockTable
 from kvplane.ids import ChunkKey, RequestId
 from kvplane.layout import KVLayout
 from kvplane.offload import LoadDone
@@ -48,9 +48,11 @@ class PrefixLoads:
         parts: PoolParts,
         layout: KVLayout,
         state: PrefixState | None = None,
+        pool: BlockPool | None = None,
     ) -> None:
-        """``layout``: the pool's (its windows); ``state``: the pool's state store, if any."""
-        self.parts, self.layout, self.state = parts, layout, state
+        """``layout``: the pool's (its windows); ``state``: the pool's state store, if any;
+        ``pool``: its block pool (a table grown step by step grows to cover a hit)."""
+        self.parts, self.layout, self.state, self.pool = parts, layout, state, pool
         self._span = math.lcm(1, *parts.cascade.book.spans.values())
         self.unfilled: weakref.WeakKeyDictionary[BlockTable, int] = weakref.WeakKeyDictionary()
         """Per request table, its leading chunks a window load left without KV (never stored)."""
@@ -116,10 +118,17 @@ class PrefixLoads:
     def load_run(self, request_id: RequestId, table: BlockTable, state_slot: int | None,
                  keys: list[ChunkKey], loadable: int) -> LoadStarted | None:  # fmt: skip
         """Load the first ``loadable`` chunks of ``keys`` (those its window reads) into
-        ``table``'s blocks; None: the cascade loads none of them."""
+        ``table``'s blocks (a table grown step by step first grows to cover them, from its
+        reservation then the pool's available blocks); None: the cascade loads none of them,
+        or the pool lacks the blocks."""
         skip = self.window_skip(loadable) if self.state is None else 0
         if skip == loadable:
             return self._nothing_to_load(request_id, table, skip)
+        end = loadable * self.parts.spec.tokens_per_chunk
+        if table.num_covered_tokens < end and (
+            self.pool is None or not table.grow_to(self.pool, end)
+        ):
+            return None
         bpc = self.parts.spec.blocks_per_chunk
         blocks = np.asarray(table.block_ids[skip * bpc : loadable * bpc], dtype=np.int64)
         # keys past the limit: tier context; a skip is whole lower-tier chunks, so they align

@@ -12,6 +12,7 @@ worker loop owns it. See docs/serving.md.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 
@@ -35,6 +36,7 @@ from kvplane.serving.prefix_values import (
 )
 from kvplane.serving.prefix_waits import PrefixWaits
 from kvplane.serving.producers.base import PoolTensor
+from kvplane.validators import require_int
 
 __all__ = [
     "Finished",
@@ -99,7 +101,7 @@ class PrefixOffload:
         self.waits = PrefixWaits(settings.pending_wait_s)
         registry = metrics if metrics is not None else MetricsRegistry()
         parts = PoolParts(self.cascade, self.spec, self.waits, self.counts, registry)
-        self.loads = PrefixLoads(parts, self.layout, self.state)
+        self.loads = PrefixLoads(parts, self.layout, self.state, block_pool)
         self.stores = PrefixStores(parts, self.host_slots)
         self.hits: Counter[str] = self.loads.hits
         """Chunks loaded into the device pool, by the tier they came from."""
@@ -187,13 +189,19 @@ class PrefixOffload:
         """``request_id`` stopped: it will not store what :meth:`expect` promised."""
         self.stores.forget(request_id)
 
+    @property
+    def store_unit(self) -> int:
+        """Positions a step's store ends on a multiple of (every group's): a chunk of every
+        lower tier (:attr:`~kvplane.serving.prefix_stores.PrefixStores.unit`)."""
+        return max(o.stores.unit for o in (self, *self.members))
+
     def store_reads(
         self, table: BlockTable, *, groups: Sequence[BlockTable] = ()
     ) -> tuple[int | None, ...]:
         """Per KV cache group (``table``, then ``groups`` 1..), the first position whose block
-        the request's coming :meth:`store` reads (its first chunk a window load did not leave
-        unfilled), None where it stores no chunk: blocks from there on stay the request's until
-        the store is issued (then the cascade fences what it reads until it ends)."""
+        a store of the request reads, in flight or to be issued by a coming :meth:`store` (its
+        chunks a window load did not leave unfilled), None where none will: blocks from there
+        on stay the request's until those stores ended."""
         if len(groups) != len(self.members):
             raise InvalidArgumentError(f"{len(groups)} group tables for {len(self.members)}")
         offloads = (self, *self.members)
@@ -203,17 +211,28 @@ class PrefixOffload:
         )
 
     def store(
-        self, request_id: RequestId, table: BlockTable, *, groups: Sequence[BlockTable] = ()
+        self,
+        request_id: RequestId,
+        table: BlockTable,
+        *,
+        groups: Sequence[BlockTable] = (),
+        upto: int | None = None,
     ) -> int:
-        """Offload the full chunks of ``table`` (its tokens computed) from its blocks, and each
-        of KV cache groups 1..'s ``groups`` tables through its member; returns how many chunks
-        the store job carries (0: all already held, not admitted or no room)."""
+        """Offload the full chunks of ``table`` from its blocks not offloaded yet, and each of
+        KV cache groups 1..'s ``groups`` tables through its member: with ``upto``, after a
+        step, the chunks whole by position ``upto`` (computed); without, after the last, all
+        the rest (:meth:`~kvplane.serving.prefix_stores.PrefixStores.store`). Returns how many
+        chunks group 0's job carries (0: none due, all already held, not admitted or no
+        room). ``InvalidArgumentError`` before any store for a bad ``upto`` or groups."""
         if len(groups) != len(self.members):
             raise InvalidArgumentError(f"{len(groups)} group tables for {len(self.members)}")
+        if upto is not None:
+            require_int("upto", upto, min=0, max=table.num_tokens)
         for member, group_table in zip(self.members, groups, strict=True):
-            member.store(request_id, group_table)
-        first = self.loads.unfilled.pop(table, 0)  # chunks a window load left empty: not stored
-        return self.stores.store(request_id, table, first)
+            member.store(request_id, group_table, upto=upto)
+        unfilled = self.loads.unfilled  # chunks a window load left empty: never stored
+        first = unfilled.pop(table, 0) if upto is None else unfilled.get(table, 0)
+        return self.stores.store(request_id, table, first, upto)
 
     # -- completion ------------------------------------------------------------------------------
     def poll(self) -> list[Finished]:
@@ -228,13 +247,17 @@ class PrefixOffload:
 
     def _joined(self, own: list[Finished]) -> list[Finished]:
         """With KV cache groups: every group's loads of a request as one :class:`LoadFinished`
-        once all ended (members' stores are reported by group 0's)."""
+        once all ended; members' stores as they end (``StoreFinished.group``)."""
         if not self.members:
             return own
         out: list[Finished] = [ev for ev in own if isinstance(ev, StoreFinished)]
         ended = [ev for ev in own if isinstance(ev, LoadFinished)]
-        for member in self.members:
-            ended += [ev for ev in member.poll() if isinstance(ev, LoadFinished)]
+        for g, member in enumerate(self.members, 1):
+            for ev in member.poll():
+                if isinstance(ev, LoadFinished):
+                    ended.append(ev)
+                else:  # what it held may be dropped now
+                    out.append(dataclasses.replace(ev, group=g))
         for ev in ended:
             joined = self._join.finished(ev.request_id, ev.tokens, ev.chunks, ev.failed)
             out += [joined] if joined is not None else []

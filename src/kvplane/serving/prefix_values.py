@@ -83,10 +83,12 @@ class LoadFinished:
 
 @dataclass(frozen=True, slots=True)
 class StoreFinished:
-    """A request's chunks left the device (``stored`` of them reached the host tier)."""
+    """A request's chunks left the device (``stored`` of them reached the host tier); of KV
+    cache group ``group``'s pool (0: the first group's, or the one pool's)."""
 
     request_id: RequestId
     stored: int
+    group: int = 0
 
 
 Finished = LoadFinished | StoreFinished

@@ -8,11 +8,12 @@ request does differs.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
 import numpy as np
 
-from kvplane.blocks import BlockTable, GroupShort, admit_groups
+from kvplane.blocks import BlockTable, GroupShort, Growth, admit_groups
 from kvplane.errors import ConfigError, InvalidArgumentError
 from kvplane.ids import RegionId, RequestId, SessionId
 from kvplane.models.generate import group_peaks
@@ -83,14 +84,21 @@ def received_need(pools: WorkerPools, num_tokens: int, max_new_tokens: int) -> i
 
 
 def admit_memory(
-    pools: WorkerPools, block_size: int, req: HeldRequest, *, received: bool = False
+    pools: WorkerPools,
+    block_size: int,
+    req: HeldRequest,
+    *,
+    received: bool = False,
+    grow: Sequence[Growth | None] | None = None,
 ) -> tuple[BlockTable, int] | None:
     """Give ``req`` a table per KV cache group for its tokens and a tail slot, and return group
     0's table and the slot (groups 1..'s in ``req.group_tables``); None, holding nothing, while
     blocks or slots are short. Cached prefix blocks are shared, as many as every group holds
     (:func:`~kvplane.blocks.admit_groups`). ``received``: a receiver's tables, whose blocks
     wholly before each group's window of the prompt (positions the sender does not send) are
-    none (``drop_before``). ``InvalidArgumentError`` unless ``block_size`` is the pools'."""
+    none (``drop_before``). ``grow[g]``: group ``g``'s table grows step by step on a
+    reservation (:class:`~kvplane.blocks.Growth`, the pool's available blocks must cover its
+    peak). ``InvalidArgumentError`` unless ``block_size`` is the pools'."""
     if block_size != pools.blocks.block_size:
         raise InvalidArgumentError(
             f"block size {block_size}; the pools' is {pools.blocks.block_size}"
@@ -99,7 +107,9 @@ def admit_memory(
         return None
     n, rid = len(req.tokens), RequestId(req.order.request_id)
     firsts = [kv.layout.window_start(n) for kv in pools.kv.pools] if received else None
-    got = admit_groups(pools.block_pools, pools.hashers, rid, req.tokens, drop_before=firsts)
+    got = admit_groups(
+        pools.block_pools, pools.hashers, rid, req.tokens, drop_before=firsts, grow=grow
+    )
     if isinstance(got, GroupShort):
         return None
     slot = pools.take_slot()
