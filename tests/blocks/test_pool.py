@@ -249,6 +249,7 @@ def test_metrics_exact_values() -> None:
     pool.cache_block(blocks[1], H(2))
     assert val("usage", "") == 0.75
     pool.free(blocks)
+    assert (val("usage", ""), val("peak_used_blocks", "")) == (0.0, 3)  # the peak stays
     pool.touch([blocks[0]])
     assert pool.allocate(3) == [3, 1, 2]  # 1 was cached under H(2): evicted
     assert val("allocated_blocks") == 6
@@ -257,6 +258,7 @@ def test_metrics_exact_values() -> None:
     assert val("cache_evictions") == 1
     assert val("usage", "") == 1.0
     assert val("cached_blocks", "") == 1
+    assert val("peak_used_blocks", "") == 4
     # a second pool on the same registry keeps its own series
     other = BlockPool(2, 4, reg, name="decode")
     other.allocate(1)

@@ -103,6 +103,9 @@ class BlockPool:
             self._m_cached = metrics.gauge(
                 "block_pool_cached_blocks", "Blocks registered in the prefix-cache map", lbl
             ).labels(pool=name)
+            self._m_peak = metrics.gauge(
+                "block_pool_peak_used_blocks", "Most blocks in use at once since start", lbl
+            ).labels(pool=name)
             self._update_gauges()
 
     @classmethod
@@ -439,3 +442,4 @@ class BlockPool:
     def _update_gauges(self) -> None:
         self._m_usage.set(self.num_used_blocks / self._num_blocks)
         self._m_cached.set(self._num_cached)
+        self._m_peak.set(self._peak)

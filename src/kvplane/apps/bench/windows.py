@@ -41,12 +41,9 @@ HOST_SLOTS = 256
 MODES = {"on": True, "off": False}
 """The pairs by ``--kv-groups``; the rows' ratios are on / off."""
 MEASURED = ("first_token", "pd_logical_bytes", "decode_blocks", "decode_block_layers",
-            "store_chunks", "store_bytes")  # fmt: skip
+            "store_chunks", "store_bytes", "prefill_peak_blocks",
+            "prefill_peak_block_layers")  # fmt: skip
 """What :func:`_measure` reads per mode."""
-PREFILL_PEAK = (
-    "no worker counter: BlockPool.peak_used_blocks (per pool) is not in WorkerStats or /metrics"
-)
-"""Why the prefill side's peak block-layers are not reported (docs/benchmarks.md)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +63,7 @@ def _lengths(text: str | None, quick: bool) -> tuple[int, ...]:
         raise InvalidArgumentError(f"--lengths must be integers, got {text!r}") from None
     if not got or any(not 1 <= n <= 2048 for n in got):
         raise InvalidArgumentError(f"--lengths must be 1..2048 tokens, got {text!r}")
-    return got
+    return tuple(sorted(set(got)))  # ascending: a pool's peak so far is the latest length's
 
 
 class _Prompts:
@@ -85,7 +82,9 @@ def _measure(
 ) -> dict[str, Any]:
     """One request of one new token (the decode side runs no step: what it took is what it
     holds at the end) through each pair, each pair idle before and after: kvplane's logical
-    bytes, the decode side's blocks per pool and the prefix-store chunks per pool, as deltas."""
+    bytes, the decode side's blocks per pool and the prefix-store chunks per pool, as deltas;
+    and the prefill side's peak blocks per pool since start (lengths ascend, and the full
+    group's peak grows with the prompt, so it is this length's; a window group's is flat)."""
     rid = f"m{length}"
     got: dict[str, Any] = {key: {} for key in MEASURED}
     for mode, pair in pairs.items():
@@ -101,6 +100,9 @@ def _measure(
         got["decode_block_layers"][mode] = model.block_layers(groups, blocks)
         got["store_chunks"][mode] = [chunks[g] for g in pools]
         got["store_bytes"][mode] = model.chunk_bytes(groups, chunks)
+        peaks = pair.peak_used("prefill")
+        got["prefill_peak_blocks"][mode] = [peaks.get(g, 0) for g in pools]
+        got["prefill_peak_block_layers"][mode] = model.block_layers(groups, peaks)
     return got
 
 
@@ -148,7 +150,6 @@ def _length(
         "pd_bytes": {mode: moved[mode][f"m{length}"] for mode in pairs},
         "amplification": {mode: round(statistics.median(r), 4) for mode, r in ratios.items()},
         **got,
-        "prefill_peak_block_layers": None,
         "ttft_ms": {mode: round(statistics.median(t), 3) for mode, t in ttft.items()},
         "ttft_on_vs_off": ttft_spread.fields(),
         "tokens_equal": same and first["on"] == first["off"],
@@ -229,6 +230,5 @@ def run(quick: bool, args: argparse.Namespace) -> dict[str, object]:
         "workload": workload,
         "lengths": entries,
         "tokens_equal": all(e["tokens_equal"] for e in entries),
-        "missing": {"prefill_peak_block_layers": PREFILL_PEAK},
         "host_load": {"before": load_before, "after": _load()},
     }

@@ -28,6 +28,7 @@ from kvplane.serving.worker_config import SECRET_TRANSPORTS
 
 ROLES = ("prefill", "decode")
 ALLOCATED = "kvplane_block_pool_allocated_blocks"
+PEAK_USED = "kvplane_block_pool_peak_used_blocks"
 """The pools' allocation counter family (``BlockPool``: blocks handed out, by ``pool``)."""
 STORE_COUNTERS = ("offload_chunks_stored", "offload_group1_chunks_stored")
 """The prefill's stats counters of chunks stored: group 0's (or the one pool's), group 1's."""
@@ -153,18 +154,27 @@ class WindowPair:
     def allocated(self, role: str) -> dict[int, int]:
         """Blocks each paged pool of ``role`` has handed out since it started (pool ``g`` is
         ``<role>_kv`` for 0, ``<role>_kv<g>`` after), from its ``/metrics``."""
+        return self._per_pool(role, ALLOCATED, "_total")
+
+    def peak_used(self, role: str) -> dict[int, int]:
+        """The most blocks each paged pool of ``role`` held at once since it started."""
+        return self._per_pool(role, PEAK_USED, "")
+
+    def _per_pool(self, role: str, family_name: str, suffix: str) -> dict[int, int]:
+        """Metric ``family_name`` (sample ``family_name + suffix``) of each paged pool of
+        ``role``, by pool index, from the worker's ``/metrics``."""
         url = f"http://127.0.0.1:{self.ports[role]}/metrics"
         with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as reply:
             text = reply.read().decode()
         out: dict[int, int] = {}
         for family in text_string_to_metric_families(text):
-            if family.name != ALLOCATED:
+            if family.name != family_name:
                 continue
             for sample in family.samples:
                 pool = sample.labels.get("pool", "")
-                if sample.name.endswith("_total") and pool.startswith(f"{role}_kv"):
-                    suffix = pool.removeprefix(f"{role}_kv")
-                    out[int(suffix or 0)] = int(sample.value)
+                if sample.name == family_name + suffix and pool.startswith(f"{role}_kv"):
+                    index = pool.removeprefix(f"{role}_kv")
+                    out[int(index or 0)] = int(sample.value)
         return out
 
     def close(self) -> None:
