@@ -56,6 +56,22 @@ Start = Callable[[Path, str], Group]
 """Starts a :class:`Group` of one mode in a work directory, without waiting for it."""
 
 
+def connect_router(group: ProcessGroup, timeout_s: float = START_TIMEOUT_S) -> Router:
+    """A router over ``group``'s ``prefill`` and ``decode`` workers, once both announced (at
+    most ``timeout_s``) and connected; ``group`` is stopped when that fails."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        pre, dec = (group.children[r].announce(deadline) for r in ("prefill", "decode"))
+        router = Router(
+            [str(pre["control"])], [str(dec["control"])], timeout_s=120.0, secret=group.secret
+        )
+        router.connect()
+    except BaseException:
+        group.stop()
+        raise
+    return router
+
+
 @dataclass(frozen=True, slots=True)
 class PairSpec:
     """One pair's workload: transport, tokens per prompt, prefill step, and the producer's
@@ -102,17 +118,7 @@ class Pair:
     def connect(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Wait for both processes' announce lines (at most ``timeout_s``), then connect the
         router; the group is stopped when that fails."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            pre, dec = (self.group.children[r].announce(deadline) for r in ("prefill", "decode"))
-            self.router = Router(
-                [str(pre["control"])], [str(dec["control"])], timeout_s=120.0,
-                secret=self.group.secret,
-            )  # fmt: skip
-            self.router.connect()
-        except BaseException:
-            self.group.stop()
-            raise
+        self.router = connect_router(self.group, timeout_s)
 
     def _routed(self) -> Router:
         if self.router is None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvplane.apps.bench.pd_pair import START_TIMEOUT_S
+from kvplane.apps.bench.pd_pair import START_TIMEOUT_S, connect_router
 from kvplane.apps.bench.windows_model import BLOCK_SIZE, BLOCKS_PER_CHUNK, DTYPE
 from kvplane.apps.demo_procs import SCRAPE_TIMEOUT_S, Child, ProcessGroup, free_port, new_secret
 from kvplane.errors import KVPlaneError, TransferTimeoutError
@@ -90,17 +90,7 @@ class WindowPair:
     def connect(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Wait for both announce lines (at most ``timeout_s``), then connect the router; the
         group is stopped when that fails."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            pre, dec = (self.group.children[r].announce(deadline) for r in ROLES)
-            self.router = Router(
-                [str(pre["control"])], [str(dec["control"])], timeout_s=120.0,
-                secret=self.group.secret,
-            )  # fmt: skip
-            self.router.connect()
-        except BaseException:
-            self.group.stop()
-            raise
+        self.router = connect_router(self.group, timeout_s)
 
     def _routed(self) -> Router:
         if self.router is None:
