@@ -92,11 +92,10 @@ def test_groups_the_connector_cannot_move_are_refused_in_one_line() -> None:
         read_groups([full, Group(["c"], ChunkedLocalAttentionSpec())])
     with pytest.raises(UnsupportedError, match="no KV cache group"):
         read_groups([])
-    with pytest.raises(UnsupportedError, match="PD transfer with 2 KV cache groups"):
-        hybrid_refusal(GROUPS, pd=True, events=False)
     with pytest.raises(UnsupportedError, match="KV events with 2 KV cache groups"):
-        hybrid_refusal(GROUPS, pd=False, events=True)
-    hybrid_refusal(GROUPS[:1], pd=True, events=True)  # one group: PD and events as today
+        hybrid_refusal(GROUPS, events=True)
+    hybrid_refusal(GROUPS, events=False)  # PD moves every group (test_vllm_pd_groups.py)
+    hybrid_refusal(GROUPS[:1], events=True)  # one group: events as today
 
 
 def test_one_group_keeps_todays_keys_places_and_counters(tmp_path: Path) -> None:

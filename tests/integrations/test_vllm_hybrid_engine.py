@@ -6,8 +6,8 @@ then the full one), block ids per group from one pool. Each group is its own poo
 token-exact against an engine without the connector while the window group loads only the
 chunk its window needs. Prefill runs in 128-token steps. By default two engines at once (the
 baseline and host offload); ``slow``: new engines loading both hits from one disk file per
-group (one with a corrupt chunk: a failed receive, recomputed), and a PD engine refused at
-start. Skips without ``.venv-vllm``.
+group (one with a corrupt chunk: a failed receive, recomputed), and an engine publishing KV
+events refused at start. Skips without ``.venv-vllm``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_vllm_kv_events import free_pair
 from vllm_testlib import require_vllm
 
 from kvplane.errors import IntegrationError
@@ -154,8 +155,9 @@ def test_a_new_engine_loads_each_group_from_its_disk_file(
 
 
 @pytest.mark.slow  # one more engine, refused at start
-def test_pd_with_several_groups_is_refused_at_start(model: Path) -> None:
-    connector = {"host_slots": 16, "pd_transport": "tcp", "pd_insecure": True}
+def test_kv_events_with_several_groups_are_refused_at_start(model: Path) -> None:
+    """(PD moves every group: ``test_vllm_pd_hybrid_engine.py``.)"""
+    connector = {"host_slots": 16, "kv_events_port": free_pair(), "kv_events_insecure": True}
     spec = _spec(model, connector, rounds=_rounds([[SHORT]]))
-    with pytest.raises(IntegrationError, match="PD transfer with 2 KV cache groups"):
+    with pytest.raises(IntegrationError, match="KV events with 2 KV cache groups"):
         run_harness(spec, timeout=300)

@@ -22,7 +22,8 @@ from vllm_testlib import vllm_kv_caches
 from kvplane.integrations.vllm.messages import RecvOp, StepMeta
 from kvplane.integrations.vllm.pd_config import pd_config, pd_settings
 from kvplane.integrations.vllm.pd_ranks import rank_settings
-from kvplane.integrations.vllm.pd_worker import PDWorkerSide, make_pd_transport
+from kvplane.integrations.vllm.pd_transport import make_pd_transport
+from kvplane.integrations.vllm.pd_worker import PDWorkerSide
 from kvplane.integrations.vllm.pool import VllmPool
 from kvplane.integrations.vllm.tp import TPShard
 from kvplane.integrations.vllm.wakeup import Wakeup, end_step

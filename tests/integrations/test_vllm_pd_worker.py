@@ -25,7 +25,8 @@ from kvplane.integrations.vllm.messages import PDResult, StepMeta
 from kvplane.integrations.vllm.pd_config import pd_config, pd_settings
 from kvplane.integrations.vllm.pd_params import RecvParams, SendParams, parse_params, prompt_key
 from kvplane.integrations.vllm.pd_scheduler import PDRequest, PDScheduler
-from kvplane.integrations.vllm.pd_worker import PDWorkerSide, make_pd_transport
+from kvplane.integrations.vllm.pd_transport import make_pd_transport
+from kvplane.integrations.vllm.pd_worker import PDWorkerSide
 from kvplane.integrations.vllm.pool import VllmPool
 from kvplane.integrations.vllm.wakeup import IDLE_WAIT_S, Wakeup, end_step
 from kvplane.metrics import MetricsRegistry

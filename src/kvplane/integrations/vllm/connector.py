@@ -59,7 +59,8 @@ from kvplane.integrations.vllm.pd_config import PDSettings, pd_settings
 from kvplane.integrations.vllm.pd_params import RecvParams
 from kvplane.integrations.vllm.pd_ranks import rank_settings
 from kvplane.integrations.vllm.pd_scheduler import PDScheduler
-from kvplane.integrations.vllm.pd_worker import PDWorkerSide, make_pd_transport
+from kvplane.integrations.vllm.pd_transport import make_pd_transport
+from kvplane.integrations.vllm.pd_worker import PDWorkerSide
 from kvplane.integrations.vllm.pool import relocate
 from kvplane.integrations.vllm.scheduler import ScheduledRequest, SchedulerSide
 from kvplane.integrations.vllm.sizing import kv_block_bytes
@@ -122,8 +123,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """kvplane's chunk-granular offload (host, disk, Redis) and PD transfer as a vLLM KV
     connector, at any TP size (PD: both engines at the same TP, rank r to rank r, over any PD
     transport), with vLLM's hybrid KV cache manager: each KV cache group is its own pool
-    (:class:`~.hybrid_scheduler.HybridScheduler`, :class:`~.hybrid_worker.HybridWorker`;
-    offload only)."""
+    (:class:`~.hybrid_scheduler.HybridScheduler`, :class:`~.hybrid_worker.HybridWorker`; PD
+    moves every group in one session per request: :mod:`.pd_groups`)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         outside_range = check_vllm(vllm.__version__, cpu=current_platform.is_cpu())
@@ -156,7 +157,6 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.worker: WorkerSide | None = None  # group 0's
         self.workers: HybridWorker | None = None
         self.pd_settings: PDSettings | None = pd_settings(self.config.pd, os.environ)
-        hybrid_refusal(self.groups, self.pd_settings is not None, events=False)
         self.pd_scheduler: PDScheduler | None = None
         self.pd_worker: PDWorkerSide | None = None
         self._saved: StepMeta | None = None  # the step wait_for_save last ran for
@@ -168,7 +168,7 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
             events = events_setup(self.config, os.environ, dp_rank)  # refuses before any state
-            hybrid_refusal(self.groups, self.pd_settings is not None, events is not None)
+            hybrid_refusal(self.groups, events is not None)
             registries = group_registries(self.metrics, len(self.groups))
             self.hybrid = HybridScheduler(
                 self.config, self.block_size, self.groups, registries, self.tp_size
@@ -181,7 +181,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                     self.metrics,
                     check_prompt=self.pd_settings.check_prompt,
                     tp_size=self.tp_size,
-                    window=window,
+                    window=window if len(self.groups) == 1 else None,
+                    groups=len(self.groups),
                 )
         scheduler = role == KVConnectorRole.SCHEDULER
         rank = 0 if scheduler or not self.config.metrics_port else tp_rank(self.tp_size)
@@ -250,9 +251,10 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids()  # one list per KV cache group
         pd = self._pd_recv(request)
-        if pd is not None and self.pd_scheduler is not None:  # one group (_hybrid_refusal)
-            self.pd_scheduler.allocated(pd, block_ids[0], num_external_tokens)
-            self._sched().will_write(block_ids[0])
+        if pd is not None and self.pd_scheduler is not None:  # every group in one session
+            self.pd_scheduler.allocated(pd, block_ids[0], num_external_tokens, block_ids[1:])
+            for side, ids in zip(self._hybrid().sides, block_ids, strict=True):
+                side.will_write(ids)
             return
         self._requests[request.request_id] = request
         self._hybrid().allocated(request_view(request), block_ids, num_external_tokens)
@@ -281,12 +283,12 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 group.append(ScheduledRequest(view, end, group_ids, start))
             pd = pd_request(request) if self.pd_scheduler is not None else None
             if pd is not None and self.pd_scheduler is not None:
-                self.pd_scheduler.scheduled(pd, end, ids[0])
+                self.pd_scheduler.scheduled(pd, end, ids[0], ids[1:])
         preempted = sorted(scheduler_output.preempted_req_ids or ())
         steps = self._hybrid().build_steps(scheduled, preempted)
-        if self.pd_scheduler is not None:  # one group (_hybrid_refusal)
+        if self.pd_scheduler is not None:  # group 0's step carries PD (every group's)
             self.pd_scheduler.preempted(preempted)
-            steps = (self.pd_scheduler.build().into(steps[0]),)
+            steps = (self.pd_scheduler.build().into(steps[0]), *steps[1:])
         if not scheduler_output.total_num_scheduled_tokens:
             steps = tuple(dataclasses.replace(step, idle=True) for step in steps)
         return KVPlaneStepMetadata(steps)
@@ -295,7 +297,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hook under ``SupportsHMA`` (every group's block ids): :meth:`request_finished`
-        (each group fences the blocks its own gathers read; PD runs with one group only)."""
+        (each group fences the blocks its own gathers read; a PD send holds every group's
+        blocks alike)."""
         return self.request_finished(request, block_ids[0])
 
     def request_finished(
@@ -375,11 +378,13 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         wake = Wakeup()  # one idle-step wait for offload jobs and PD sessions alike
         registries = group_registries(self.metrics, len(self.groups))
         sides: list[WorkerSide] = []
+        prints = []
         try:
             for group, metrics in zip(self.groups, registries, strict=True):
                 pool, fingerprint = group_pool(
                     cfg, kv_caches, group, shard, vllm_version=vllm.__version__, cpu=cpu
                 )
+                prints.append(fingerprint)
                 root = group_root(shard.key_root(fingerprint), group)
                 config = dataclasses.replace(
                     self.config, offload=group_offload(self.config.offload, group)
@@ -392,15 +397,17 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.workers = HybridWorker(sides)
         self.worker = sides[0]
         self._stats = StatsTaker(self.metrics, "worker")
-        if self.pd_settings is not None and transport is not None:  # one group
+        if self.pd_settings is not None and transport is not None:  # every group
             self.pd_worker = PDWorkerSide(
                 rank_settings(self.pd_settings, shard),
                 sides[0].pool,
-                shard.pd_model_id(fingerprint),  # the rank's heads are in its layout
+                shard.pd_model_id(prints[0]),  # the rank's heads are in its layout
                 self.metrics,
                 transport,
                 wake=wake,
                 shard=shard,
+                groups=self.groups,
+                group_pools=[side.pool for side in sides[1:]],
             )
 
     def get_handshake_metadata(self) -> KVPlaneHandshake:
@@ -455,6 +462,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
         sent, recving = self.get_finished(finished_req_ids)
         failed = self._work().take_failed()
+        if self.pd_worker is not None:
+            failed |= self.pd_worker.take_failed()
         return KVConnectorTransferResults(
             finished_sending=set(sent or ()),
             finished_recving=set(recving or ()) | failed,
@@ -471,9 +480,9 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self.workers is None:
             return None
         reports = self.workers.take_reports()
-        if self.pd_worker is not None:  # one group
+        if self.pd_worker is not None:  # group 0's report carries PD (every group's)
             pd = tuple(self.pd_worker.take_results())
-            reports = (dataclasses.replace(reports[0], pd=pd),)
+            reports = (dataclasses.replace(reports[0], pd=pd), *reports[1:])
         return None if all(r.empty for r in reports) else KVPlaneWorkerMetadata(reports)
 
     def shutdown(self) -> None:

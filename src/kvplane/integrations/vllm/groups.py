@@ -79,13 +79,12 @@ def read_groups(groups: Sequence[Any]) -> tuple[KVGroup, ...]:
     )
 
 
-def hybrid_refusal(groups: Sequence[KVGroup], pd: bool, events: bool) -> None:
+def hybrid_refusal(groups: Sequence[KVGroup], events: bool) -> None:
     """:class:`UnsupportedError` in one line for what the connector does not do with several
-    groups yet: PD transfer (``pd``) and KV events (``events``)."""
-    if len(groups) > 1 and (pd or events):
-        what = "PD transfer" if pd else "KV events"
+    groups yet: KV events (``events``)."""
+    if len(groups) > 1 and events:
         raise UnsupportedError(
-            f"kvplane's vLLM connector does not support {what} with {len(groups)} KV cache "
+            f"kvplane's vLLM connector does not support KV events with {len(groups)} KV cache "
             f"groups (vLLM's hybrid KV cache manager); start vLLM with {HMA_OFF}"
         )
 

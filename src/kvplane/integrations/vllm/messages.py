@@ -98,8 +98,10 @@ class SendOp:
     """PD, prefill side: request ``req_id``'s KV of tokens ``[0, computed_end)`` exists after
     this step in ``block_ids`` (its whole table so far); ``last`` once its prefill is complete.
 
-    ``num_tokens`` is what the session moves (the prompt less its last token) and ``prompt`` the
-    prompt's key (:func:`~.pd_params.prompt_key`), checked against the decode side's request.
+    ``num_tokens`` is what the session moves (:func:`~.pd_params.transferred_tokens`) and
+    ``prompt`` the prompt's key (:func:`~.pd_params.prompt_key`), checked against the decode
+    side's request. ``group_block_ids``: KV cache groups 1.. tables (vLLM's hybrid manager;
+    ``block_ids`` is group 0's).
     """
 
     req_id: str
@@ -109,17 +111,20 @@ class SendOp:
     computed_end: int
     block_ids: tuple[int, ...]
     last: bool
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class RecvOp:
     """PD, decode side: receive tokens ``[prefix_tokens, num_tokens)`` of request ``req_id``
     from the prefill engine at ``address`` (session ``session_id``) into ``block_ids``, the
-    request's first ``ceil(num_tokens / block_size)`` blocks. With ``abandon`` set nothing is
-    received: the prefill engine is told (the reason) that this decode will never ask, so its
-    session's blocks are freed now instead of at its timeout. ``rank_addresses``: every prefill
-    rank's address in rank order when the prefill engine runs TP > 1 (``address`` is rank 0's);
-    empty at TP 1. Each decode rank receives from its own rank (:meth:`peer`)."""
+    request's first ``ceil(num_tokens / block_size)`` blocks (with several KV cache groups
+    each group's, one group after the other: :func:`~.pd_groups.destination_ids`). With
+    ``abandon`` set nothing is received: the prefill engine is told (the reason) that this
+    decode will never ask, so its session's blocks are freed now instead of at its timeout.
+    ``rank_addresses``: every prefill rank's address in rank order when the prefill engine runs
+    TP > 1 (``address`` is rank 0's); empty at TP 1. Each decode rank receives from its own
+    rank (:meth:`peer`)."""
 
     req_id: str
     session_id: str

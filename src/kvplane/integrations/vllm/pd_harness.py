@@ -115,6 +115,9 @@ def _build(spec: dict[str, Any], role: str) -> Any:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binds)
     from vllm import LLM
 
+    more: dict[str, Any] = {}
+    if spec.get("hybrid_kv_cache_manager") is not None:  # None: vLLM decides
+        more["disable_hybrid_kv_cache_manager"] = not spec["hybrid_kv_cache_manager"]
     return LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
@@ -127,6 +130,7 @@ def _build(spec: dict[str, Any], role: str) -> Any:
         tensor_parallel_size=tp,
         seed=0,
         kv_transfer_config=_transfer_config(spec, role),
+        **more,
     )
 
 

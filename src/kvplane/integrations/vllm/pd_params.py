@@ -42,13 +42,18 @@ def prompt_key(token_ids: Sequence[int]) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def transferred_tokens(num_prompt_tokens: int, block_size: int) -> int:
+def transferred_tokens(num_prompt_tokens: int, block_size: int, groups: int = 1) -> int:
     """Token slots whose KV moves: every block holding one of the prompt's tokens but its last,
     which the decode engine recomputes (vLLM needs one scheduled token to sample from, as with
     vLLM's NixlConnector), rounded up to whole blocks. The CPU kernel orders the bytes inside a
     block its own way (K transposed, then V), so only whole blocks can be moved; the slots of
-    the last block past the prompt are copied too and never read."""
+    the last block past the prompt are copied too and never read. With several KV cache
+    ``groups`` (vLLM's hybrid manager) rounded down instead: the decode engine computes the
+    rest, so a window group's window is read from a block-aligned end (the block holding the
+    first token it reads on: :func:`~.pd_groups.plan_window`)."""
     n = max(0, num_prompt_tokens - 1)
+    if groups > 1:
+        return n // block_size * block_size
     return -(-n // block_size) * block_size
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from kvplane.errors import UnsupportedError
 from kvplane.integrations.vllm.messages import EndOp, PDResult, RecvOp, SendOp, StepMeta
+from kvplane.integrations.vllm.pd_groups import destination_ids
 from kvplane.integrations.vllm.pd_params import (
     RecvParams,
     SendParams,
@@ -85,7 +86,9 @@ class PDScheduler:
     """See the module docstring. ``block_size`` is vLLM's; metrics go to ``metrics``;
     ``tp_size``: the engine's tensor-parallel size (one worker, and PD session, per rank);
     ``window``: vLLM's sliding window (:class:`~.windows.KVWindow`): a receive covers only the
-    blocks vLLM holds after it, the ones in the window of the first token it computes."""
+    blocks vLLM holds after it, the ones in the window of the first token it computes;
+    ``groups``: vLLM's KV cache groups (hybrid manager): one session moves every group's blocks
+    (:mod:`.pd_groups`; a window group's window comes from its pool's layout, not ``window``)."""
 
     def __init__(
         self,
@@ -95,9 +98,11 @@ class PDScheduler:
         check_prompt: bool = True,
         tp_size: int = 1,
         window: KVWindow | None = None,
+        groups: int = 1,
     ) -> None:
         self.block_size = block_size
         self.window = window
+        self.groups = groups
         self.check_prompt = check_prompt
         self.tp_size = tp_size
         self.addresses: tuple[str, ...] = ()
@@ -137,7 +142,8 @@ class PDScheduler:
         ):
             why = "the decode request's prompt differs from the prefill's"
             return self._refuse(req, p, "prompt_mismatch", why)
-        left = n - 1 - num_computed  # vLLM is told of prompt tokens; the last is recomputed
+        end = n - 1 if self.groups == 1 else self._moved(n)  # the last is recomputed
+        left = end - num_computed  # vLLM is told of prompt tokens
         if left <= 0:
             return 0, False
         self._recvs[req.req_id] = _Recv(p, num_computed, left)
@@ -153,15 +159,28 @@ class PDScheduler:
         )
         return 0, False
 
-    def allocated(self, req: PDRequest, block_ids: Sequence[int], num_external: int) -> None:
-        """vLLM allocated the request's blocks: receive into them (next step)."""
+    def _moved(self, num_prompt_tokens: int) -> int:
+        return transferred_tokens(num_prompt_tokens, self.block_size, self.groups)
+
+    def allocated(
+        self,
+        req: PDRequest,
+        block_ids: Sequence[int],
+        num_external: int,
+        group_block_ids: Sequence[Sequence[int]] = (),
+    ) -> None:
+        """vLLM allocated the request's blocks (``group_block_ids``: groups 1..'s): receive
+        into them (next step)."""
         rec = self._recvs.get(req.req_id)
         if rec is None or rec.opened or num_external == 0:
             return
-        num = transferred_tokens(len(req.prompt), self.block_size)
+        num = self._moved(len(req.prompt))
         need = num // self.block_size
         if len(block_ids) < need:  # pragma: no cover - vLLM allocates num_computed + external
             raise UnsupportedError(f"request {req.req_id!r}: {len(block_ids)} blocks for {num}")
+        dst = tuple(int(b) for b in block_ids[:need])
+        if self.groups > 1:
+            dst = destination_ids((block_ids, *group_block_ids), need)
         rec.opened = True
         kept = first_kept_block(self.window, rec.num_computed + rec.tokens) * self.block_size
         self._pending.recvs.append(
@@ -172,19 +191,26 @@ class PDScheduler:
                 prompt_key(req.prompt),
                 num,
                 min(max(rec.num_computed, kept), num),  # the prefill sends from here on
-                tuple(int(b) for b in block_ids[:need]),
+                dst,
                 rank_addresses=rec.params.rank_addresses,
             )
         )
 
     # -- prefill side ----------------------------------------------------------------------------
-    def scheduled(self, req: PDRequest, computed_end: int, block_ids: Sequence[int]) -> None:
-        """A step computes the request's KV up to ``computed_end``: send what exists after it."""
+    def scheduled(
+        self,
+        req: PDRequest,
+        computed_end: int,
+        block_ids: Sequence[int],
+        group_block_ids: Sequence[Sequence[int]] = (),
+    ) -> None:
+        """A step computes the request's KV up to ``computed_end`` (in ``block_ids``, and
+        ``group_block_ids``: groups 1..): send what exists after it."""
         if not isinstance(req.params, SendParams):
             return
         send = self._sends.get(req.req_id)
         if send is None:
-            num = transferred_tokens(len(req.prompt), self.block_size)
+            num = self._moved(len(req.prompt))
             if num == 0:
                 return
             sid = req.params.session_id or req.req_id
@@ -203,6 +229,7 @@ class PDScheduler:
                 send.num_tokens if last else min(computed_end, send.num_tokens),
                 tuple(int(b) for b in block_ids),
                 last,
+                tuple(tuple(int(b) for b in ids) for ids in group_block_ids),
             )
         )
 

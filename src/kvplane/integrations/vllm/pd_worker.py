@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import queue
 import threading
 import time
@@ -24,11 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvplane.errors import KVPlaneError, ProtocolError, UnsupportedError
-from kvplane.ids import PeerId, RegionId, RequestId, SessionId
+from kvplane.ids import PeerId, RequestId, SessionId
+from kvplane.integrations.vllm import pd_groups
+from kvplane.integrations.vllm.groups import KVGroup
 from kvplane.integrations.vllm.messages import EndOp, PDResult, RecvOp, SendOp, StepMeta
 from kvplane.integrations.vllm.pd_config import PDSettings
 from kvplane.integrations.vllm.pd_peers import PrefillPeers
-from kvplane.integrations.vllm.pd_ranks import heads_refusal, rank_layout, rank_session
+from kvplane.integrations.vllm.pd_ranks import heads_refusal, rank_session
+from kvplane.integrations.vllm.pd_transport import register_pools
 from kvplane.integrations.vllm.pool import VllmPool
 from kvplane.integrations.vllm.tp import TPShard
 from kvplane.integrations.vllm.wakeup import Wakeup
@@ -36,17 +38,16 @@ from kvplane.metrics import MetricsRegistry
 from kvplane.pd.actions import Action, DestinationKnown, Finished, Release, StartSubmit
 from kvplane.pd.endpoint import Endpoint
 from kvplane.pd.events import Cancel, Fail, StartTransfer, SubmitSlice
-from kvplane.pd.handshake import PROTOCOL_VERSION, LayoutInfo, PeerProfile
+from kvplane.pd.handshake import PROTOCOL_VERSION, PeerProfile
 from kvplane.pd.participant import Participant
 from kvplane.pd.states import Role, SessionState
-from kvplane.pipeline.advert import advert_refusal, encode_advert
+from kvplane.pipeline.advert import encode_advert
 from kvplane.pipeline.driver import SliceDriver
 from kvplane.pipeline.driver_records import SliceSource
 from kvplane.pipeline.observe import RuntimeMetrics
-from kvplane.pipeline.slicing import LocalPool, SliceCutter
+from kvplane.pipeline.slicing import SliceCutter
 from kvplane.pipeline.timeline import Timeline
 from kvplane.transports.base import Transport
-from kvplane.transports.registry import create_transport
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ class PDWorkerSide:
     with another one are refused at the handshake (it names the TP rank and size). Every
     session's progress notifies ``wake`` (shared with the offload side:
     :func:`~.wakeup.end_step`). ``shard``: this worker's TP rank (settings already per rank:
-    :func:`~.pd_ranks.rank_settings`)."""
+    :func:`~.pd_ranks.rank_settings`). ``groups``: vLLM's KV cache groups (:mod:`.pd_groups`),
+    ``pool`` group 0's and ``group_pools`` the others'."""
 
     def __init__(
         self,
@@ -96,26 +98,27 @@ class PDWorkerSide:
         *,
         wake: Wakeup | None = None,
         shard: TPShard | None = None,
+        groups: Sequence[KVGroup] = (),
+        group_pools: Sequence[VllmPool] = (),
     ) -> None:
+        pools = (pool, *group_pools)
         self.settings = settings
         self.shard = TPShard() if shard is None else shard
         self.rank = self.shard.rank
         self.wake = Wakeup() if wake is None else wake
         self.pool = pool
-        self.layout = layout = rank_layout(pool.layout, self.shard)
+        self.layouts = pd_groups.pd_layouts(pools, groups, self.shard)
+        self.layout = layout = self.layouts[0]
         self.block_size = layout.block_size
         name = settings.name
         incarnation = time.time_ns() // 1000
         self.transport = transport
-        self.region = self.transport.register(pool.tensor).region_id
-        info = LayoutInfo.from_description(
-            layout.describe(),
-            compat_fingerprint=layout.compat_fingerprint(),
-            fingerprint=layout.fingerprint(),
-        )
-        profile = PeerProfile(protocol_version=PROTOCOL_VERSION, model_id=model_id, layouts=(info,))
-        pools = [(layout, self.region)]
-        advert = encode_advert(self.transport.name, self.transport.metadata(), pools)
+        self.regions, local = register_pools(transport, pools)
+        self.region = self.regions[0]
+        infos = tuple(pd_groups.layout_info(lay) for lay in self.layouts)
+        profile = PeerProfile(protocol_version=PROTOCOL_VERSION, model_id=model_id, layouts=infos)
+        pairs = list(zip(self.layouts, self.regions, strict=True))
+        advert = encode_advert(self.transport.name, self.transport.metadata(), pairs)
         self.participant = Participant(
             PeerId(name),
             profile,
@@ -124,7 +127,7 @@ class PDWorkerSide:
             metrics=metrics,
             transport=self.transport.name,
             transport_metadata=advert,
-            check_metadata=advert_refusal,
+            check_metadata=functools.partial(pd_groups.group_refusal, self.layouts),
         )
         self.endpoint = Endpoint(
             self.participant,
@@ -138,7 +141,7 @@ class PDWorkerSide:
             self.endpoint,
             self.transport,
             self._source,
-            local_regions={self.region: pool.tensor.numel() * pool.tensor.element_size()},
+            local_regions=local,
             slice_timeout_s=settings.slice_timeout_s,
             metrics=RuntimeMetrics(metrics, "vllm"),
             timeline=self.timeline,
@@ -158,6 +161,7 @@ class PDWorkerSide:
         self._delayed: set[str] = set()
         self._finished: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_recvs: set[str] = set()  # several groups: a failed receive is the request's
         self._failing: list[tuple[SessionId, str]] = []
         self.driver.start()
         self.endpoint.start()
@@ -214,6 +218,12 @@ class PDWorkerSide:
             out, self._load_errors = self._load_errors, set()
         return out
 
+    def take_failed(self) -> set[str]:
+        """Requests whose receive failed with several KV cache groups (see ``_recv_ended``)."""
+        with self._lock:
+            out, self._failed_recvs = self._failed_recvs, set()
+        return out
+
     @property
     def has_news(self) -> bool:
         """Session results not yet handed to the scheduler side."""
@@ -231,8 +241,9 @@ class PDWorkerSide:
             send = self._sends.get(sid)
             if send is None:
                 return None
-            pool = LocalPool(self.layout, RegionId(self.region), send.op.block_ids)
-            return SliceSource(send.op.req_id, (pool,))
+            tables = (send.op.block_ids, *send.op.group_block_ids)
+            pools = pd_groups.sources(self.layouts, self.regions, tables)
+            return SliceSource(send.op.req_id, pools)
 
     def _cut(self, op: SendOp) -> None:
         sid = rank_session(op.session_id, self.rank)
@@ -252,6 +263,10 @@ class PDWorkerSide:
         self.driver.source_ready(sid)
         if hint is not None:
             self._bind(send, hint)
+        tables = (op.block_ids, *op.group_block_ids)
+        if (hole := pd_groups.window_hole(self.layouts, tables, op.num_tokens)) is not None:
+            self._end(EndOp(op.req_id, hole))  # the decode engine computes the request
+            return
         if cut is None:
             return
         slice_id, rng = cut
@@ -373,7 +388,9 @@ class PDWorkerSide:
 
     def _recv_ended(self, op: RecvOp, ok: bool, reason: str) -> None:
         with self._lock:
-            if not ok:
+            if not ok and len(self.layouts) > 1:  # vLLM cannot map one group's block ids
+                self._failed_recvs.add(op.req_id)
+            elif not ok:
                 first = op.prefix_tokens // self.block_size
                 self._load_errors.update(op.block_ids[first:])
             self._recv_done.add(op.req_id)
@@ -480,13 +497,3 @@ class PDWorkerSide:
         self.driver.close()
         self.endpoint.close()
         self.transport.close()
-
-
-def make_pd_transport(settings: PDSettings) -> Transport:
-    """The configured PD transport (``tcp`` listens on ``settings.host``), secret applied."""
-    options: dict[str, object] = {"agent": f"{settings.name}.{os.getpid()}"}
-    if settings.transport == "tcp":
-        options["host"] = settings.host
-    if settings.secret is not None:
-        options["secret"] = settings.secret
-    return create_transport(settings.transport, **options)
