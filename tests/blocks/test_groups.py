@@ -169,6 +169,25 @@ def test_grow_groups_is_all_or_none_and_short_group_finds_the_first_short_pool()
         assert p.num_used_blocks == 0
 
 
+def test_grow_groups_counts_only_blocks_no_one_reserved() -> None:
+    """A free block another request reserved is not this table's: the growth is refused in
+    every group, none changed (append_tokens' own rule)."""
+    hashers = _hashers(2)
+    pools = [BlockPool(4, BS), BlockPool(4, BS)]
+    got = admit_groups(pools, hashers, RID, [1, 2, 3, 4])  # 2 blocks of 2 tokens each
+    assert isinstance(got, list)
+    assert pools[1].reserve(2)  # its 2 free blocks are promised elsewhere
+    assert short_group(got, pools, [3, 3]) == GroupShort(1)
+    assert grow_groups(got, pools, [5]) == GroupShort(1)
+    assert [t.num_tokens for t in got] == [4, 4] and [p.num_free_blocks for p in pools] == [2, 2]
+    pools[1].unreserve(2)
+    assert grow_groups(got, pools, [5]) is None
+    for t, p in zip(got, pools, strict=True):
+        t.release(p)
+        p.check_integrity()
+        assert (p.num_used_blocks, p.num_reserved_blocks) == (0, 0)
+
+
 def test_after_step_marks_computed_and_drops_only_window_blocks() -> None:
     hashers = _hashers(2)
     pools = [BlockPool(8, BS), BlockPool(8, BS, null_block=True)]

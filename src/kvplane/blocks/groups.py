@@ -150,10 +150,11 @@ def short_group(
     tables: Sequence[BlockTable], pools: Sequence[BlockPool], peaks: Sequence[int]
 ) -> GroupShort | None:
     """The first group whose pool cannot give its table the blocks to reach ``peaks[g]`` held
-    blocks (``peaks[g] - num_held_blocks`` more than its free blocks), else None. Pure."""
+    blocks (``peaks[g] - num_held_blocks`` more than its available blocks: free, not
+    reserved), else None. Pure."""
     _check_groups("short_group", len(tables), pools=pools, peaks=peaks)
     for g, (table, pool, peak) in enumerate(zip(tables, pools, peaks, strict=True)):
-        if peak - table.num_held_blocks > pool.num_free_blocks:
+        if peak - table.num_held_blocks > pool.num_available_blocks:
             return GroupShort(g)
     return None
 
@@ -168,7 +169,7 @@ def grow_groups(
     k = int(canonical_token_ids(token_ids).size)
     for g, (table, pool) in enumerate(zip(tables, pools, strict=True)):
         more = -(-(table.num_tokens + k) // table.block_size) - len(table.block_ids)
-        if more > pool.num_free_blocks:
+        if more > pool.num_available_blocks:  # append_tokens' own rule: free, not reserved
             return GroupShort(g)
     for g, (table, pool) in enumerate(zip(tables, pools, strict=True)):
         if not table.append_tokens(pool, token_ids):  # pragma: no cover - checked just above
