@@ -12,7 +12,8 @@
 - ``start_procs`` / ``stop_procs``: ``kvplane serve`` processes started (or stopped) at once,
   not one after the other: each start imports torch, each stop waits for the process's exit.
 - ``tiny_llama``: a random-init Llama checkpoint per shape, saved once for the session (seed 0:
-  the same bytes each module would save itself; engines only read it).
+  the same bytes each module would save itself, saved in this process where it can; engines
+  only read it).
 - Suite-wide helpers live beside this file, importable by name: ``ports_testlib`` (free ports),
   ``qwen2_testlib`` (the tiny Qwen2 mixing window and full layers). ``mixed_qwen2``: that
   model's transformers checkpoint, saved once for the session.
@@ -113,6 +114,48 @@ def redis_namespace(request: pytest.FixtureRequest, redis_url: str) -> Iterator[
     client.close()
 
 
+def _vllm_transformers_version() -> str | None:
+    """The vLLM environment's transformers version (read from its install, no process), or
+    None when it cannot be read."""
+    from importlib.metadata import distributions
+
+    from kvplane.integrations.vllm.env import vllm_python
+
+    python = vllm_python()
+    if python is None:
+        return None
+    for site in sorted((python.parent.parent / "lib").glob("python*/site-packages")):
+        for dist in distributions(name="transformers", path=[str(site)]):
+            return str(dist.version)
+    return None
+
+
+def _save_tiny_llama(path: Path, shape: Mapping[str, int]) -> None:
+    """Save :func:`~kvplane.integrations.vllm.harness.save_tiny_llama`'s checkpoint in this
+    process (this environment's transformers: the same weights, no vLLM-environment process,
+    ~5-9 s each), its config files' ``transformers_version`` set to the vLLM environment's:
+    the bytes that environment would write. Without transformers here, or that version,
+    the vLLM environment saves it (:func:`kvplane.integrations.vllm.env.save_tiny_llama`)."""
+    from kvplane.integrations.vllm.env import save_tiny_llama
+
+    there = _vllm_transformers_version()
+    try:
+        import transformers
+    except ImportError:
+        there = None
+    if there is None:
+        save_tiny_llama(path, shape)
+        return
+    from kvplane.integrations.vllm.harness import save_tiny_llama as save_here
+
+    save_here(path, dict(shape))
+    here = f'"transformers_version": "{transformers.__version__}"'
+    for name in ("config.json", "generation_config.json"):
+        text = (path / name).read_text()
+        assert here in text, f"{name} of {path} names no transformers version"
+        (path / name).write_text(text.replace(here, f'"transformers_version": "{there}"'))
+
+
 def _digest(directory: Path) -> dict[str, str]:
     return {
         f.name: hashlib.blake2b(f.read_bytes(), digest_size=16).hexdigest()
@@ -125,19 +168,17 @@ def tiny_llama(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Callable[[Mapping[str, int]], Path]]:
     """``tiny_llama(shape)``: the directory of a random-init Llama checkpoint of ``shape``
-    (:func:`~kvplane.integrations.vllm.env.save_tiny_llama`, seed 0), saved at the first ask
-    and shared by every later one (each save is a vLLM-environment process: ~9 s). Needs the
-    vLLM environment (call ``require_vllm`` first). Read-only: at the session's end every
-    checkpoint must hold the files it was saved with."""
+    (:func:`~kvplane.integrations.vllm.harness.save_tiny_llama`, seed 0), saved at the first ask
+    and shared by every later one (:func:`_save_tiny_llama`: in this process where it can).
+    Needs the vLLM environment (call ``require_vllm`` first). Read-only: at the session's end
+    every checkpoint must hold the files it was saved with."""
     made: dict[str, tuple[Path, dict[str, str]]] = {}
 
     def get(shape: Mapping[str, int]) -> Path:
-        from kvplane.integrations.vllm.env import save_tiny_llama
-
         key = json.dumps(dict(shape), sort_keys=True)
         if key not in made:
             path = tmp_path_factory.mktemp("tiny-llama") / "model"
-            save_tiny_llama(path, shape)
+            _save_tiny_llama(path, shape)
             made[key] = (path, _digest(path))
         return made[key][0]
 

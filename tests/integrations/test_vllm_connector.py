@@ -8,8 +8,9 @@ the prompts), engine B (``slow`` only, as test_vllm_rechunk_engine loads a disk 
 default: a new process on A's disk file loads the shared prefix asynchronously), engine C (a
 copy of A's disk file with one chunk corrupted after start-up: an asynchronous load error,
 recomputed) and one engine (a script of its own) for ``reset_prefix_cache()`` and vLLM's
-metrics. Two engines run at a time (the baseline, A and the reset engine share nothing; B and C
-start once A has exited): the same processes, in about half the time on two cores.
+metrics. The baseline, A and C run one after the other in one vLLM process (one import of
+vLLM for three engines; C on a copy of A's disk file made once A has shut down), beside the
+reset engine's process (they share nothing); B starts once that process has ended.
 
 Without ``.venv-vllm`` these tests skip, saying why; with ``KVPLANE_REQUIRE_VLLM=1`` they fail.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import subprocess
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 from vllm_testlib import require_vllm
 
-from kvplane.integrations.vllm.env import run_harness, vllm_python
+from kvplane.integrations.vllm.env import run_harness, run_harness_engines, vllm_python
 from kvplane.integrations.vllm.versions import VLLM_MAX_TESTED, VLLM_MIN, release
 
 SHAPE = {"vocab": 512, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256}
@@ -68,24 +68,24 @@ def _connector(disk: Path) -> dict[str, Any]:
     return {"blocks_per_chunk": 2, "host_slots": 32, "disk_path": str(disk), "disk_slots": 32}
 
 
-def _baseline(workdir: Path) -> list[list[int]]:
-    got = run_harness(_spec(workdir, None, [LONG, SHARED, OTHER]), timeout=300)
-    tokens: list[list[int]] = got["tokens"][0]
-    assert [len(t) for t in tokens] == [MAX_TOKENS] * 3
-    return tokens
-
-
-def _engine_a(workdir: Path) -> dict[str, Any]:
-    disk = workdir / "a" / "chunks.bin"
+def _baseline_a_c(workdir: Path) -> dict[str, Any]:
+    """The baseline, engine A, then engine C (on a copy of A's disk file, made once A has shut
+    down, its second chunk corrupted after start-up), one after the other in one process."""
+    disk, c_disk = workdir / "a" / "chunks.bin", workdir / "c" / "chunks.bin"
     disk.parent.mkdir()
-    got = run_harness(_spec(workdir, _connector(disk), [LONG, OTHER]), timeout=300)
-    shutil.copy(disk, workdir / "chunks-for-c.bin")  # engine C corrupts its own copy
-    return got
+    c_spec = _spec(workdir, _connector(c_disk), [LONG])
+    c_spec["copy_files"] = [[str(disk), str(c_disk)]]  # C corrupts its own copy
+    c_spec["corrupt_disk_slots"] = [1]  # LONG's second chunk (stored first, slots in order)
+    specs = [_spec(workdir, None, [LONG, SHARED, OTHER]),
+             _spec(workdir, _connector(disk), [LONG, OTHER]), c_spec]  # fmt: skip
+    baseline, a, c = run_harness_engines(specs, timeout=500)
+    assert [len(t) for t in baseline["tokens"][0]] == [MAX_TOKENS] * 3
+    return {"baseline": baseline["tokens"][0], "a": a, "c": c}
 
 
 def _engine_b(workdir: Path, a: Future[dict[str, Any]]) -> dict[str, Any]:
     """A new process on A's disk file once A has exited; its host tier sized in bytes."""
-    a.result()
+    a.result()  # A's process (the baseline, A and C) has ended
     connector = _connector(workdir / "a" / "chunks.bin")
     del connector["host_slots"]  # the host tier sized in bytes instead: the same 32 slots
     connector["cpu_bytes_to_use"] = 32 * 2 * 2 * (2 * 32 * 64 * 2)
@@ -93,42 +93,30 @@ def _engine_b(workdir: Path, a: Future[dict[str, Any]]) -> dict[str, Any]:
     return run_harness(_spec(workdir, connector, [SHARED]))
 
 
-def _engine_c(workdir: Path, a: Future[dict[str, Any]]) -> dict[str, Any]:
-    """A new process on a copy of A's disk file, its second chunk corrupted after start-up."""
-    a.result()
-    disk = workdir / "c" / "chunks.bin"
-    disk.parent.mkdir()
-    shutil.copy(workdir / "chunks-for-c.bin", disk)
-    spec = _spec(workdir, _connector(disk), [LONG])
-    spec["corrupt_disk_slots"] = [1]  # LONG's second chunk (stored first, slots in order)
-    return run_harness(spec)
-
-
 @pytest.fixture(scope="module")
 def runs(workdir: Path) -> Iterator[dict[str, Future[Any]]]:
-    """The five engine runs, two at a time; each test waits for the ones it reads (a run's
+    """The engine runs, two processes at a time; each test waits for the ones it reads (a run's
     failure fails the tests reading it, with the engine's output)."""
-    with ThreadPoolExecutor(2) as pool:  # in submission order: B and C after A has ended
+    with ThreadPoolExecutor(2) as pool:  # in submission order: B after A's process has ended
+        three = pool.submit(_baseline_a_c, workdir)
         got: dict[str, Future[Any]] = {
-            "baseline": pool.submit(_baseline, workdir),
-            "a": pool.submit(_engine_a, workdir),
+            "three": three,
             "reset": pool.submit(_reset_and_stats, workdir),
         }
         if SLOW:  # the disk load at engine level is test_vllm_rechunk_engine's default test
-            got["b"] = pool.submit(_engine_b, workdir, got["a"])
-        got["c"] = pool.submit(_engine_c, workdir, got["a"])
+            got["b"] = pool.submit(_engine_b, workdir, three)
         yield got
 
 
 @pytest.fixture(scope="module")
 def baseline(runs: dict[str, Future[Any]]) -> list[list[int]]:
-    tokens: list[list[int]] = runs["baseline"].result()
+    tokens: list[list[int]] = runs["three"].result()["baseline"]
     return tokens
 
 
 @pytest.fixture(scope="module")
 def engine_a(runs: dict[str, Future[Any]]) -> dict[str, Any]:
-    got: dict[str, Any] = runs["a"].result()
+    got: dict[str, Any] = runs["three"].result()["a"]
     return got
 
 
@@ -167,7 +155,7 @@ def test_a_second_engine_process_loads_the_prefix_from_disk(
 def test_a_corrupt_disk_chunk_is_a_load_error_and_vllm_recomputes(
     runs: dict[str, Future[Any]], baseline: list[list[int]]
 ) -> None:
-    got = runs["c"].result()
+    got = runs["three"].result()["c"]
     assert got["tokens"][0] == [baseline[0]]
     sched, worker = got["scheduler_metrics"], got["worker_metrics"]
     assert sched["kvplane_vllm_loads_total{mode=async}"] == 1  # load_mode "auto": from disk

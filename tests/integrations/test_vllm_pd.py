@@ -3,17 +3,18 @@
 Each pair is two processes of the vLLM environment (``pd_harness``): a prefill engine
 (``kv_producer``) and a decode engine (``kv_consumer``), the tiny random-init Llama (block size
 32, head_dim 32), greedy decoding, a secret from ``KVPLANE_SECRET``. Chunked prefill runs in
-128-token steps, so a 300-token prompt is sent as several slices. Reference tokens come from one
-engine without a connector, started once for the module (both prompt sets in two rounds); the
-checkpoint is the session's (``tiny_llama``). By default two pairs run: the control over shm
-and the killed decode engine over tcp; the same-prompt pairs are ``slow``. Skips without
-``.venv-vllm`` (fails with ``KVPLANE_REQUIRE_VLLM=1``).
+128-token steps, so a 300-token prompt is sent as several slices. Reference tokens come from
+one engine without a connector, started once for the module (both prompt sets in two rounds)
+and run beside the first pair; the checkpoint is the session's (``tiny_llama``). By default two
+pairs run: the control over shm and the killed decode engine over tcp; the same-prompt pairs
+are ``slow``. Skips without ``.venv-vllm`` (fails with ``KVPLANE_REQUIRE_VLLM=1``).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +53,7 @@ def _base(model: Path, transport: str, mode: str, **extra: Any) -> dict[str, Any
     }
 
 
-@pytest.fixture(scope="module")
-def one_engine(model: Path) -> tuple[Tokens, Tokens]:
-    """One engine's tokens (no connector) for :data:`PROMPTS`, then for :data:`OTHER`: two
-    rounds of one process (no block of one set is a prefix of the other's: no cache hit)."""
+def _one_engine(model: Path) -> tuple[Tokens, Tokens]:
     spec = {
         "model": str(model),
         "block_size": 32,
@@ -69,8 +67,17 @@ def one_engine(model: Path) -> tuple[Tokens, Tokens]:
 
 
 @pytest.fixture(scope="module")
-def reference(one_engine: tuple[Tokens, Tokens]) -> Tokens:
-    return one_engine[0]
+def one_engine(model: Path) -> Iterator[Future[tuple[Tokens, Tokens]]]:
+    """One engine's tokens (no connector) for :data:`PROMPTS`, then for :data:`OTHER`: two
+    rounds of one process (no block of one set is a prefix of the other's: no cache hit),
+    started here and run beside the module's first PD pair."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_one_engine, model)
+
+
+@pytest.fixture(scope="module")
+def reference(one_engine: Future[tuple[Tokens, Tokens]]) -> Tokens:
+    return one_engine.result()[0]
 
 
 def _decoded(result: dict[str, Any]) -> list[list[int]]:
@@ -113,24 +120,29 @@ def test_decode_tokens_equal_one_engine_and_every_prompt_token_arrived(
     _every_prompt_token_arrived(prefill, decode)
 
 
-@pytest.fixture(scope="module")
-def own(one_engine: tuple[Tokens, Tokens]) -> Tokens:
-    """One engine's tokens for :data:`OTHER`: what a decode engine computes from its own KV."""
-    reference, tokens = one_engine
+def _own(one_engine: Future[tuple[Tokens, Tokens]]) -> Tokens:
+    reference, tokens = one_engine.result()
     assert tokens != reference  # the control can tell the two apart
     return tokens
 
 
+@pytest.fixture(scope="module")
+def own(one_engine: Future[tuple[Tokens, Tokens]]) -> Tokens:
+    """One engine's tokens for :data:`OTHER`: what a decode engine computes from its own KV."""
+    return _own(one_engine)
+
+
 def test_decode_reads_the_transferred_kv_not_its_own_prompt(
-    model: Path, reference: Tokens, own: Tokens
+    model: Path, one_engine: Future[tuple[Tokens, Tokens]]
 ) -> None:
     """The control, shm pipelined: the decode engine is given other prompts of the same
     lengths and last tokens. Without the prompt check its output follows the prefill's KV (the
     prefill prompts' reference tokens), not its own prompts' tokens; every prompt token of
-    each request arrived."""
+    each request arrived. The pair runs beside the one-engine run it is compared with."""
     spec = _base(model, "shm", "pipelined", pd_check_prompt=False)
     prefill, decode = run_pd_pair(spec, {**spec, "decode_prompts": OTHER}, timeout=400, env=SECRET)
-    assert decode is not None and _decoded(decode) == reference
+    _own(one_engine)  # the control can tell the prefill's tokens from the decode's own
+    assert decode is not None and _decoded(decode) == one_engine.result()[0]
     _every_prompt_token_arrived(prefill, decode)
 
 

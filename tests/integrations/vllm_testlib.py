@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,7 +118,7 @@ class MiniEngine:
     def layout_view(self) -> torch.Tensor:
         return self.pool.layout.canonical_view(self.pool.tensor)
 
-    def step(self, scheduled: list[ScheduledRequest], preempted: list[str] = ()) -> StepMeta:
+    def step(self, scheduled: list[ScheduledRequest], preempted: Sequence[str] = ()) -> StepMeta:
         meta = self.sched.build_step(scheduled, list(preempted))
         w = self.worker
         w.begin_step(meta)

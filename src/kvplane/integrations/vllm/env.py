@@ -107,13 +107,27 @@ def run_harness(spec: Mapping[str, Any], timeout: float = 600.0) -> dict[str, An
     Raises :class:`UnsupportedError` without a vLLM environment and :class:`IntegrationError`
     (with the output's tail) when the run fails or times out.
     """
+    result: dict[str, Any] = _harness(dict(spec), timeout)
+    return result
+
+
+def run_harness_engines(
+    specs: Sequence[Mapping[str, Any]], timeout: float = 600.0
+) -> list[dict[str, Any]]:
+    """Run harness specs one engine after the other in one fresh vLLM-environment process (one
+    import of vLLM for all; each engine shut down before the next starts); their results in
+    order. Errors as :func:`run_harness`."""
+    results: list[dict[str, Any]] = _harness([dict(s) for s in specs], timeout)
+    return results
+
+
+def _harness(spec: dict[str, Any] | list[dict[str, Any]], timeout: float) -> Any:
     python = _python()
     with tempfile.TemporaryDirectory(prefix="kvplane-vllm-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(dict(spec)))
+        spec_path.write_text(json.dumps(spec))
         _run(python, [str(spec_path), str(out_path)], timeout, "vLLM harness")
-        result: dict[str, Any] = json.loads(out_path.read_text())
-    return result
+        return json.loads(out_path.read_text())
 
 
 PD_HARNESS = "kvplane.integrations.vllm.pd_harness"

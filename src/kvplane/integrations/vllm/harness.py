@@ -1,10 +1,12 @@
 """Run a real vLLM engine with (or without) the kvplane connector: the integration proof.
 
 ``python -m kvplane.integrations.vllm.harness SPEC.json OUT.json`` inside the vLLM environment
-runs one JSON spec in this process and writes tokens, metric samples, timings and the
-integrity verdict; ``--tiny-llama`` saves a random-init checkpoint. Owns the spec's reading and
-fault injection (disk corruption); never imported by the connector. vLLM is imported inside
-functions only. Spec keys: ``docs/vllm.md`` ("Running a real engine").
+runs one JSON spec in this process and writes tokens, metric samples, timings and the integrity
+verdict (a JSON list of specs: each engine in turn, one import of vLLM, a list of results; a
+spec's ``copy_files`` ``[[src, dst]...]`` are copied just before its engine starts);
+``--tiny-llama`` saves a random-init checkpoint. Owns the spec's reading and fault injection
+(disk corruption); never imported by the connector. vLLM is imported inside functions only.
+Spec keys: ``docs/vllm.md`` ("Running a real engine").
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -200,6 +203,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("harness spec needs 'model'")
     import vllm
 
+    for src, dst in spec.get("copy_files", ()):  # e.g. a disk file an earlier engine wrote
+        Path(dst).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
     start = time.perf_counter()
     llm = build_engine(spec)
     started = time.perf_counter() - start
@@ -249,6 +255,22 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         llm.llm_engine.engine_core.shutdown()
     return result
+
+
+def run_all(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`run` each spec in order in this process, a fresh engine each (the one before shut
+    down and its distributed state torn down first); their results in spec order."""
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+
+    results = []
+    for spec in specs:
+        results.append(run(spec))
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    return results
 
 
 def vllm_kvplane_metrics(llm: Any) -> dict[str, float]:
@@ -330,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     spec = json.loads(Path(args[0]).read_text())
-    result = run(spec)
+    result: Any = run_all(spec) if isinstance(spec, list) else run(spec)
     Path(args[1]).write_text(json.dumps(result))
     return 0
 
