@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from test_vllm_kv_events import free_pair
-from vllm_testlib import require_vllm
+from vllm_testlib import require_vllm, window_spec
 
 from kvplane.errors import IntegrationError
 from kvplane.integrations.vllm.env import run_harness
@@ -41,14 +41,7 @@ G1 = "kvplane_g1_"  # the full group's counters; the window group's keep their n
 
 
 def _spec(model: Path, connector: dict[str, Any] | None, **more: Any) -> dict[str, Any]:
-    return {
-        "model": str(model),
-        "block_size": BLOCK,
-        "max_model_len": 512,
-        "max_num_batched_tokens": 128,
-        "connector": connector,
-        **more,
-    }
+    return window_spec(model, BLOCK, connector, **more)
 
 
 def _rounds(order: list[list[list[int]]], reset: bool = True) -> list[dict[str, Any]]:

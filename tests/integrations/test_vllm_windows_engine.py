@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_testlib import require_vllm
+from vllm_testlib import require_vllm, window_spec
 
 from kvplane.integrations.vllm.env import run_harness, run_pd_pair
 
@@ -41,14 +41,7 @@ SECRET = {"KVPLANE_SECRET": "kvplane-pd-test-secret-0123456789"}
 
 
 def _spec(model: Path, connector: dict[str, Any] | None, **more: Any) -> dict[str, Any]:
-    return {
-        "model": str(model),
-        "block_size": BLOCK,
-        "max_model_len": 512,
-        "max_num_batched_tokens": 128,
-        "connector": connector,
-        **more,
-    }
+    return window_spec(model, BLOCK, connector, **more)
 
 
 def _offload(

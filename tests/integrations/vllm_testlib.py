@@ -79,6 +79,17 @@ def disk_extra(tmp_path: Path, **more: object) -> dict[str, object]:
     }
 
 
+def window_spec(
+    model: Path, block: int, connector: dict[str, object] | None, **more: object
+) -> dict[str, object]:
+    """A harness spec of a windowed tiny model (max_model_len 512, 128 tokens a step) with
+    ``connector`` (its extra config; None: without it) and ``more`` keys."""
+    return {
+        "model": str(model), "block_size": block, "max_model_len": 512,
+        "max_num_batched_tokens": 128, "connector": connector, **more,
+    }  # fmt: skip
+
+
 @dataclass
 class Running:
     view: RequestView
